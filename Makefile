@@ -44,8 +44,8 @@ STAMP := $(VENV)/.expbuf-installed
 # rebuilt whenever one of them or the build changes. Without a compiler, or if the build fails,
 # it says so in one line and expbuf runs as pure Python. A compiled module is used only while it
 # matches its source (expbuf.client.native checks at import), so a stale one never shadows an edit.
-NATIVE_SOURCES := client/native_build.py client/trxp/checks.py client/trxp/common.py client/trxp/parse.py \
-	client/trxp/pickles.py
+NATIVE_SOURCES := client/native_build.py client/trxp/codec/checks.py client/trxp/codec/common.py \
+	client/trxp/codec/parse.py client/trxp/codec/pickles.py
 NATIVE_STAMP := $(VENV)/.expbuf-native
 # What `make test` runs a second time as pure Python (EXPBUF_PURE_PYTHON=1) where the compiled
 # modules are in use: what the compiled modules decide (the parse, check and fuzz tests, hostile
@@ -68,7 +68,7 @@ MERMAID_SHA256 ?= 581ed7d74bd9048d0e3a91363927d72ef22942d7722546b27f7cc29e35390e
 MERMAID_JS := build/docs-js/mermaid.min.js
 PYTEST_RUN := $(PY) -m pytest $(if $(filter-out 0,$(PYTEST_WORKERS)),-n $(PYTEST_WORKERS) --dist loadfile)
 COMPILED_IN_USE := import sys; import expbuf.client.trxp; from expbuf.client.native import compiled; \
-	sys.exit(not compiled('expbuf.client.trxp.parse'))
+	sys.exit(not compiled('expbuf.client.trxp.codec.parse'))
 
 .PHONY: setup setup-serve serve test check-extras clean docs-js docs-look
 
@@ -115,7 +115,7 @@ $(MERMAID_JS): Makefile
 # The built site drawn by a real headless browser (Debian's chromium), for whoever has one: PNGs of
 # the home page and the pages with diagrams in build/docs-look (docs/look.py). Not part of `make test`.
 docs-look: setup $(MERMAID_JS)
-	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
 	$(PY) docs/look.py $(PAGES)
 
 serve: setup-serve
@@ -126,7 +126,7 @@ test: setup
 	$(PY) -m ruff format --check .
 	$(VENV)/bin/lint-imports
 	$(PY) tests/typecheck.py
-	$(if $(findstring docs,$(EXTRAS)),NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet)
+	$(if $(findstring docs,$(EXTRAS)),NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict)
 	$(PYTEST_RUN) $(PYTEST_ARGS)
 	$(if $(PURE_TESTS),if $(PY) -c "$(COMPILED_IN_USE)"; then EXPBUF_PURE_PYTHON=1 $(PYTEST_RUN) $(PYTEST_ARGS) $(PURE_TESTS); fi)
 
@@ -146,4 +146,4 @@ check-extras:
 	done
 
 clean:
-	rm -rf $(VENV) build *.egg-info client/trxp/_native
+	rm -rf $(VENV) build *.egg-info client/trxp/codec/_native

@@ -39,7 +39,7 @@ from bench_service import Proc  # noqa: E402
 from results import write_section  # noqa: E402
 
 from expbuf.client import EID, BufferClient, Experience, trxp  # noqa: E402
-from expbuf.server.rpc.replies import PART_BYTES  # noqa: E402
+from expbuf.server.rpc.sample.replies import PART_BYTES  # noqa: E402
 
 MB = 1 << 20
 BATCH = 16 * MB  # a consume batch's bytes, or one experience where that is more

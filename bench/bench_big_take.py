@@ -30,7 +30,7 @@ from results import write_section  # noqa: E402
 from expbuf.client import trxp  # noqa: E402
 from expbuf.server.store import Store  # noqa: E402
 from expbuf.server.store.disk import residency  # noqa: E402
-from expbuf.server.store.schema.sample_spec import SampleSpec  # noqa: E402
+from expbuf.server.store.schema.sample_spec import TakeSpec  # noqa: E402
 from expbuf.server.store.schema.table_config import TableConfig  # noqa: E402
 
 HEADING = "## A take of large experiences and the writer (issue 41)"
@@ -38,7 +38,7 @@ HEADING = "## A take of large experiences and the writer (issue 41)"
 
 def take(store: Store, experiences: int, hold: bool) -> float:
     """Seconds of one take of `experiences` groups (the writer's); the batch is built, then given back."""
-    spec = SampleSpec("big", num_groups=experiences, delivery="lease", lease_seconds=60)
+    spec = TakeSpec("big", num_groups=experiences, delivery="lease", lease_seconds=60)
     residency.release(store.path / "data.mdb")
     start = time.perf_counter()
     batch = store.sample(spec, hold=hold)

@@ -51,7 +51,7 @@ from bench_writes import _written, counting  # noqa: E402
 from results import write_section  # noqa: E402
 
 from expbuf.client import EID, trxp  # noqa: E402
-from expbuf.server.rpc.replies import keep_reply_memory  # noqa: E402
+from expbuf.server.rpc.sample.replies import keep_reply_memory  # noqa: E402
 from expbuf.server.store import Entry, Store  # noqa: E402
 from expbuf.server.store.core.read_check import payload_problem  # noqa: E402
 from expbuf.server.store.disk.layout import put_rows, u64  # noqa: E402

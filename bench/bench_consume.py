@@ -3,14 +3,15 @@ through a real `expbuf serve`, optionally side by side with an earlier tree of e
 that CPU goes (py-spy).
 
     .venv/bin/python bench/bench_consume.py [--before DIR] [--rounds 4] [--experiences 16384]
-        [--profile OUT] [--out bench/RESULTS.md]
+        [--shape 8k,40k] [--groups 1,8] [--profile OUT] [--out bench/RESULTS.md]
 
 Each round starts a server of each tree in turn (which goes first alternating), fills a table
-with 8 KB experiences (bench_reverb's shape, 256 a push), then drains it with one consume
-stream of batches of 256 (no decode at the client: the payload's bytes are read), and reads the
-server process's CPU time (user and system, /proc) and bytes written to storage over the drain
-alone. Twice per round: each experience its own group (group_by none) and groups of 8. DIR holds
-an earlier commit's files (`git archive COMMIT | tar -x -C DIR`; copy client/trxp/_native there
+with experiences of each shape (bench_reverb's: 8 KB, 256 a push; 40 KB, 64 a push; a 40 KB
+drain holds the bytes of an 8 KB one), then drains it with one consume stream of batches of 256
+(no decode at the client: the payload's bytes are read), and reads the server process's CPU time
+(user and system, /proc) and bytes written to storage over the drain alone. Once per shape and
+group size in a round: each experience its own group (group_by none) or groups of N. DIR holds
+an earlier commit's files (`git archive COMMIT | tar -x -C DIR`; copy client/trxp/codec/_native there
 for its compiled codec). With --profile, py-spy samples the last round's server of this tree over
 its drains, and the busy samples go to stages of the consume path (written to OUT).
 """
@@ -29,7 +30,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -45,7 +46,29 @@ HEADING = "## A consume stream's cost to the server (issue 32)"
 BATCH = 256
 USAGE = ("cpu", "written", "minor", "major")  # what Server.usage reads, in its order
 PY_SPY = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
-CASES = {"1": {"group_by": "none"}, "8": {"group_by": "task", "group_size": 8}}
+PER_PUSH = {"8k": 256, "40k": 64}  # bench_reverb.make_pushes' experiences a push
+KB = {"8k": 8, "40k": 40}
+
+
+class Case(NamedTuple):
+    """One table a round fills and drains: its experiences' shape and its group size."""
+
+    shape: str
+    group: int
+
+    @property
+    def name(self) -> str:
+        return f"{self.shape}-g{self.group}"
+
+    def options(self) -> dict[str, Any]:
+        """The table's grouping."""
+        return {"group_by": "none"} if self.group == 1 else {"group_by": "task", "group_size": self.group}
+
+    def count(self, experiences: int) -> int:
+        """Experiences a drain of this shape: as many bytes as `experiences` of 8 KB, in whole batches."""
+        return experiences * KB["8k"] // KB[self.shape] // BATCH * BATCH
+
+
 # (stage, a function name that puts a sample in it), most specific first.
 STAGES = (
     ("durable commit (LMDB commit, fsync)", "_mdb_txn_commit"),
@@ -115,10 +138,12 @@ class Server:
         self.proc.wait(30)
 
 
-def payloads(count: int, group: int, serial: collections.abc.Iterator[int]) -> list[bytes]:
-    """`count` experiences of 8 KB as pushes of 256, fresh uids; with groups of `group`."""
-    pushes = make_pushes("8k", count // 256)
+def payloads(count: int, case: Case, serial: collections.abc.Iterator[int]) -> list[bytes]:
+    """`count` experiences of the case's shape as pushes of bench_reverb's size, fresh uids; with
+    groups of the case's size."""
+    pushes = make_pushes(case.shape, count // PER_PUSH[case.shape])
     restamp(pushes, serial)
+    group = case.group
     if group > 1:
         for exps in pushes:
             for i, exp in enumerate(exps):
@@ -136,38 +161,41 @@ def drain(target: str, table: str, count: int) -> int:
     return total
 
 
-def one_server(tree: Path | None, experiences: int, cycles: int, spy: Path | None) -> dict[str, dict[str, float]]:
+def one_server(
+    tree: Path | None, cases: list[Case], experiences: int, cycles: int, spy: Path | None
+) -> dict[Case, dict[str, float]]:
     """A server of `tree`: each case filled then drained, `cycles` times in turn; CPU µs and bytes
     written per consumed experience over its drains (and the CPU per pushed one over its fills).
     With `spy`, py-spy records the last cycle's drains there."""
-    totals: dict[str, collections.Counter[str]] = {case: collections.Counter() for case in CASES}
+    totals: dict[Case, collections.Counter[str]] = {case: collections.Counter() for case in cases}
     serial = iter(range(10**9))
     with tempfile.TemporaryDirectory() as data:
         server = Server(tree, Path(data) / "d")
         try:
             with BufferClient(server.target, timeout=120) as client:
-                for case, options in CASES.items():
-                    client.create_table(f"g{case}", estimator="none", **options)
+                for case in cases:
+                    client.create_table(case.name, estimator="none", **case.options())
             server.wait_started()
             for cycle in range(cycles):
-                for case in CASES:
-                    table, total = f"g{case}", totals[case]
-                    pushes = payloads(experiences, int(case), serial)
+                for case in cases:
+                    table, total, count = case.name, totals[case], case.count(experiences)
+                    pushes = payloads(count, case, serial)
                     filled = server.usage()
                     with BufferClient(server.target, timeout=120) as client:
                         for payload in pushes:
                             client.push(payload, table=table)
                     total["push_cpu"] += server.usage()[0] - filled[0]
+                    total["n"] += count
                     del pushes
                     recorder = None
                     if spy is not None and cycle == cycles - 1:
                         command = [PY_SPY, "record", "-p", str(server.proc.pid), "-r", "250", "--native"]
-                        command += ["--threads", "-f", "raw", "-o", f"{spy}.{case}"]
+                        command += ["--threads", "-f", "raw", "-o", f"{spy}.{case.name}"]
                         recorder = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
                         time.sleep(1.0)  # attached
                     before = server.usage()
                     wall = time.perf_counter()
-                    drain(server.target, table, experiences)
+                    drain(server.target, table, count)
                     total["wall"] += time.perf_counter() - wall
                     for key, now, then in zip(USAGE, server.usage(), before, strict=True):
                         total[key] += now - then
@@ -176,21 +204,22 @@ def one_server(tree: Path | None, experiences: int, cycles: int, spy: Path | Non
                         recorder.wait(60)
         finally:
             server.stop()
-    n = experiences * cycles
     return {
         case: {
-            "cpu_us": t["cpu"] / n * 1e6,
-            "push_cpu_us": t["push_cpu"] / n * 1e6,
-            "written": t["written"] / n,
-            "exp_s": n / t["wall"],
-            "minor": t["minor"] / n,
-            "major": t["major"] / n,
+            "cpu_us": t["cpu"] / t["n"] * 1e6,
+            "push_cpu_us": t["push_cpu"] / t["n"] * 1e6,
+            "written": t["written"] / t["n"],
+            "exp_s": t["n"] / t["wall"],
+            "minor": t["minor"] / t["n"],
+            "major": t["major"] / t["n"],
         }
         for case, t in totals.items()
     }
 
 
-def report(command: str, runs: dict[str, list[dict[str, Any]]], load: tuple[str, str], cycles: int) -> str:
+def report(
+    command: str, cases: list[Case], runs: dict[str, list[dict[Case, Any]]], load: tuple[str, str], cycles: int
+) -> str:
     trees = list(runs)
     pair = len(trees) > 1
     lines = [
@@ -198,21 +227,21 @@ def report(command: str, runs: dict[str, list[dict[str, Any]]], load: tuple[str,
         "",
         f"Command: `{command}`  ",
         f"{os.cpu_count()} CPUs, shared; load average {load[0]} at the start, {load[1]} at the end (`uptime`). "
-        f"A real `expbuf serve` (ingest processes 0, each tree's in turn), one table per group size filled with "
-        f"8 KB experiences then drained by one consume stream of batches of {BATCH} (`prefetch=0`, the "
+        f"A real `expbuf serve` (ingest processes 0, each tree's in turn), one table per shape and group size "
+        f"filled then drained by one consume stream of batches of {BATCH} (`prefetch=0`, the "
         f"payload's bytes read, not decoded), {cycles} times in turn, fsync on every commit. The server process's "
         "CPU (user and system, /proc) and bytes written to storage over the drains, per consumed experience, "
         "medians of the rounds; the CPU of its fills per pushed experience beside them.",
         "",
-        "| group size | "
+        "| shape | group size | "
         + " | ".join(f"{t} CPU µs | {t} bytes written | {t} exp/s | {t} push CPU µs" for t in trees)
         + (" | consume CPU before / after | bytes before / after | push CPU before / after |" if pair else " |"),
-        "| --- | "
+        "| --- | ---: | "
         + " | ".join("---: | ---: | ---: | ---:" for _ in trees)
         + (" | ---: | ---: | ---: |" if pair else " |"),
     ]
     keys = ("cpu_us", "written", "exp_s", "push_cpu_us")
-    for case in CASES:
+    for case in cases:
         med = {t: {k: statistics.median(r[case][k] for r in runs[t]) for k in keys} for t in trees}
         cells = " | ".join(
             f"{m['cpu_us']:.1f} | {m['written']:,.0f} | {m['exp_s']:,.0f} | {m['push_cpu_us']:.1f}"
@@ -222,41 +251,41 @@ def report(command: str, runs: dict[str, list[dict[str, Any]]], load: tuple[str,
         if pair:
             b, a = med["before"], med["after"]
             ratio = " | " + " | ".join(f"**{b[k] / a[k]:.2f}**" for k in ("cpu_us", "written", "push_cpu_us"))
-        lines.append(f"| {case} | {cells}{ratio} |")
+        lines.append(f"| {case.shape} | {case.group} | {cells}{ratio} |")
     return "\n".join(lines) + "\n"
 
 
-def writes_per_experience() -> str:
+def writes_per_experience(groups: list[int]) -> str:
     """The LMDB writes per consumed experience of a consume stream (bench_writes.py's count, the
     Store alone: each batch held when taken, delivered in the next take's commit)."""
     cells = []
-    for case in CASES:
-        stream = counts(512, int(case))["stream"]
+    for group in groups:
+        stream = counts(512, group)["stream"]
         puts = sum(v for k, v in stream.items() if k.startswith("put "))
         deletes = sum(v for k, v in stream.items() if k.startswith("del "))
-        cells.append(f"groups of {case}: {puts:.2f} puts and {deletes:.2f} deletes")
+        cells.append(f"groups of {group}: {puts:.2f} puts and {deletes:.2f} deletes")
     return (
         "\nLMDB writes per consumed experience of the stream (`bench_writes.py`'s stream stage, batches "
         "of 64): " + "; ".join(cells) + ".\n"
     )
 
 
-def profile_shares(profile: Path) -> str:
+def profile_shares(profile: Path, cases: list[Case]) -> str:
     """The stages of the profiled drains (py-spy, native frames), as shares of the busy samples."""
     heading = (
         "Where the server's busy samples went over the last round's drains (`--profile`, py-spy at 250 Hz, "
         "native frames; a thread waiting in fsync counts as busy; shares move by tens of points from run to run):"
     )
     lines = ["", heading, ""]
-    lines += ["| stage | " + " | ".join(f"groups of {case}" for case in CASES) + " |"]
-    lines += ["| --- | " + " | ".join("---:" for _ in CASES) + " |"]
+    lines += ["| stage | " + " | ".join(f"{case.shape}, groups of {case.group}" for case in cases) + " |"]
+    lines += ["| --- | " + " | ".join("---:" for _ in cases) + " |"]
     shares = {}
-    for case in CASES:
-        found = busy_samples(Path(f"{profile}.{case}"), STAGES)
+    for case in cases:
+        found = busy_samples(Path(f"{profile}.{case.name}"), STAGES)
         busy = sum(found.values())
         shares[case] = {stage: count / busy for stage, count in found.items()}
     for stage in [name for name, _ in STAGES] + ["other"]:
-        lines.append(f"| {stage} | " + " | ".join(f"{shares[case].get(stage, 0.0):.0%}" for case in CASES) + " |")
+        lines.append(f"| {stage} | " + " | ".join(f"{shares[case].get(stage, 0.0):.0%}" for case in cases) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -268,11 +297,20 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--before", type=Path, help="an earlier tree of expbuf to measure side by side")
     parser.add_argument("--rounds", type=int, default=4)
-    parser.add_argument("--experiences", type=int, default=16384, help="per drain (a multiple of 256)")
+    parser.add_argument(
+        "--experiences", type=int, default=16384, help="8 KB experiences per drain; a 40 KB drain holds their bytes"
+    )
+    parser.add_argument("--shape", default="8k", help="experience sizes, comma-separated: 8k, 40k")
+    parser.add_argument("--groups", default="1,8", help="group sizes, comma-separated (each divides 64)")
     parser.add_argument("--cycles", type=int, default=3, help="fills and drains of each case per server")
     parser.add_argument("--profile", type=Path, help="py-spy the last round's server of this tree; its stages here")
     parser.add_argument("--out", help="write the section into this RESULTS.md")
     args = parser.parse_args()
+    groups = [int(group) for group in args.groups.split(",")]
+    cases = [Case(shape, group) for shape in args.shape.split(",") for group in groups]
+    for case in cases:
+        if case.shape not in PER_PUSH or PER_PUSH[case.shape] % case.group or not case.count(args.experiences):
+            parser.error(f"no drain of {case.shape} in groups of {case.group} from {args.experiences} experiences")
     start = _uptime()
     label = "after" if args.before else "now"
     runs: dict[str, list[dict[str, Any]]] = {"before": [], label: []} if args.before else {label: []}
@@ -282,14 +320,16 @@ def main() -> None:
             order = [None, args.before.resolve()]
         for tree in order:
             spy = args.profile if tree is None and args.profile and round_ == args.rounds - 1 else None
-            runs["before" if tree is not None else label].append(one_server(tree, args.experiences, args.cycles, spy))
-        print(round_, {t: r[-1] for t, r in runs.items()}, file=sys.stderr)
+            found = one_server(tree, cases, args.experiences, args.cycles, spy)
+            runs["before" if tree is not None else label].append(found)
+        print(round_, {t: {c.name: v for c, v in r[-1].items()} for t, r in runs.items()}, file=sys.stderr)
     command = "python bench/bench_consume.py" + (" --before DIR" if args.before else "")
     command += f" --rounds {args.rounds} --experiences {args.experiences} --cycles {args.cycles}"
-    section = report(command, runs, (start, _uptime()), args.cycles)
-    section += writes_per_experience()
+    command += f" --shape {args.shape} --groups {args.groups}"
+    section = report(command, cases, runs, (start, _uptime()), args.cycles)
+    section += writes_per_experience(groups)
     if args.profile:
-        section += profile_shares(args.profile)
+        section += profile_shares(args.profile, cases)
     print(section)
     if args.out:
         write_section(Path(args.out), HEADING, section)

@@ -42,9 +42,9 @@ from bench_reverb import PER_PUSH, make_pushes  # noqa: E402
 from results import write_section  # noqa: E402
 
 from expbuf.client import trxp  # noqa: E402
-from expbuf.client.trxp.build import fragment  # noqa: E402
-from expbuf.client.trxp.common import HEADER  # noqa: E402
-from expbuf.client.trxp.pickles import scan_pickle  # noqa: E402
+from expbuf.client.trxp.codec.build import fragment  # noqa: E402
+from expbuf.client.trxp.codec.common import HEADER  # noqa: E402
+from expbuf.client.trxp.codec.pickles import scan_pickle  # noqa: E402
 from expbuf.server.store import Entry  # noqa: E402
 
 SHAPES = ("8k", "40k")
@@ -113,7 +113,7 @@ def ingest_cost(tree: Path | None, shape: str) -> dict[str, float]:
 
 def child(shape: str) -> None:
     """ingest_cost's child: PUSHES pushes of `shape` into a fresh store, timed in CPU seconds."""
-    from expbuf.server.rpc.ingest import entries_of
+    from expbuf.server.rpc.push.ingest import entries_of
     from expbuf.server.store import Store
     from expbuf.server.store.schema.table_config import TableConfig
 

@@ -29,7 +29,7 @@ from results import write_section  # noqa: E402
 from expbuf.client import EID, Experience, trxp  # noqa: E402
 from expbuf.server.store import Store  # noqa: E402
 from expbuf.server.store.disk import residency  # noqa: E402
-from expbuf.server.store.schema.sample_spec import SampleSpec  # noqa: E402
+from expbuf.server.store.schema.sample_spec import TakeSpec  # noqa: E402
 from expbuf.server.store.schema.table_config import TableConfig  # noqa: E402
 
 HEADING = "## Reading some fields of MoE rollouts (issue 41)"
@@ -55,7 +55,7 @@ def read(store: Store, experiences: int, fields: tuple[str, ...]) -> tuple[float
     """Seconds of a held take and its columns of `fields`, and the bytes of those columns."""
     residency.release(store.path / "data.mdb")
     start = time.perf_counter()
-    batch = store.sample(SampleSpec("moe", num_groups=experiences, delivery="lease"), hold=True)
+    batch = store.sample(TakeSpec("moe", num_groups=experiences, delivery="lease"), hold=True)
     assert batch is not None
     size = batch.columns(fields, lambda columns: sum(column.size for column in columns))
     seconds = time.perf_counter() - start

@@ -32,7 +32,7 @@ from bench_reverb import make_pushes, uptime  # noqa: E402
 from results import write_section  # noqa: E402
 
 from expbuf.client import trxp  # noqa: E402
-from expbuf.client.trxp.convert import decode_reply  # noqa: E402
+from expbuf.client.trxp.codec.convert import decode_reply  # noqa: E402
 
 HEADING = "## A trainer's garbage collector and the decode (issue 32)"
 

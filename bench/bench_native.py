@@ -80,9 +80,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--groups", type=int, default=250, help="groups of 8 in the checked directory; 0 skips it")
     args = parser.parse_args()
-    if not native.compiled("expbuf.client.trxp.parse"):
+    if not native.compiled("expbuf.client.trxp.codec.parse"):
         raise SystemExit("the compiled modules are not in use: run `make setup` (and unset EXPBUF_PURE_PYTHON)")
-    parsers = {"compiled": trxp.parse, "pure": native.source_module("expbuf.client.trxp.parse").parse}
+    parsers = {"compiled": trxp.parse, "pure": native.source_module("expbuf.client.trxp.codec.parse").parse}
     shapes = {shape: [trxp.encode(push) for push in make_pushes(shape, 8)] for shape in ("8k", "40k")}
     shapes["trinity fixtures"] = [path.read_bytes() for path in sorted(FIXTURES.glob("*.trxp"))]
     print(f"load average {os.getloadavg()[0]:.2f} {os.getloadavg()[1]:.2f}")

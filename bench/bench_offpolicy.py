@@ -31,7 +31,7 @@ from results import write_section  # noqa: E402
 
 from expbuf.client import EID, Experience, trxp  # noqa: E402
 from expbuf.server.store import Entry, Store  # noqa: E402
-from expbuf.server.store.schema.sample_spec import SampleSpec  # noqa: E402
+from expbuf.server.store.schema.sample_spec import TakeSpec  # noqa: E402
 from expbuf.server.store.schema.table_config import TableConfig  # noqa: E402
 
 FRESH = 2000  # fresh groups behind the stale ones
@@ -59,7 +59,7 @@ def fill(store: Store, table: str, prefix: str, count: int, version: int) -> Non
         store.put_entries(table, entries)
 
 
-def sample_ms(store: Store, spec: SampleSpec) -> float:
+def sample_ms(store: Store, spec: TakeSpec) -> float:
     times = []
     for _ in range(SAMPLES):
         start = time.perf_counter()
@@ -76,17 +76,17 @@ def bench_index(tmp: Path, stale: int) -> dict[str, float]:
         for name in ("stale", "fresh"):
             store.create_table(TableConfig.of(name=name, estimator="none", group_by="none"))
         fill(store, "stale", "a", FRESH, 9)
-        front = store.sample(SampleSpec("stale", num_groups=FRESH, delivery="lease", lease_seconds=3600))
+        front = store.sample(TakeSpec("stale", num_groups=FRESH, delivery="lease", lease_seconds=3600))
         fill(store, "stale", "s", stale, 1)
         fill(store, "stale", "b", FRESH, 9)
         fill(store, "fresh", "f", FRESH, 9)
         print(f"filled {stale:,} stale between 2 x {FRESH} fresh", file=sys.stderr)
         for order in ("fifo", "lifo"):
             if order == "lifo":
-                store.sample(SampleSpec("stale", num_groups=FRESH, min_model_version=5))  # the fresh at the back
+                store.sample(TakeSpec("stale", num_groups=FRESH, min_model_version=5))  # the fresh at the back
                 store.nack(front.lease_id)
-            behind = SampleSpec("stale", num_groups=4, order=order, delivery="replay", min_model_version=5)
-            alone = SampleSpec("fresh", num_groups=4, order=order, delivery="replay")
+            behind = TakeSpec("stale", num_groups=4, order=order, delivery="replay", min_model_version=5)
+            alone = TakeSpec("fresh", num_groups=4, order=order, delivery="replay")
             assert store.sample(behind).group_ids[0][0] == ("b" if order == "fifo" else "a")
             row[f"{order}_behind_ms"] = sample_ms(store, behind)
             row[f"{order}_alone_ms"] = sample_ms(store, alone)
@@ -111,7 +111,7 @@ def bench_limiter(tmp: Path, rounds: int) -> dict[str, float]:
                 entries = [dataclasses.replace(one, uid=f"{r}-{i}") for i in range(64)]
                 start = time.perf_counter()
                 store.put_entries(name, entries)
-                assert store.sample(SampleSpec(name, num_groups=64)) is not None
+                assert store.sample(TakeSpec(name, num_groups=64)) is not None
                 spent[name] += time.perf_counter() - start
     row = {f"{name}_per_s": rounds * 64 / seconds for name, seconds in spent.items()}
     print(row, file=sys.stderr)

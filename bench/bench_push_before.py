@@ -45,13 +45,21 @@ ARMS = ("experiences", "columns")
 LINKS = {"server": "server", "client": "client", "proto": "proto/expbuf", "ray": "server/ray"}
 
 
+def codec_folder(tree: Path) -> Path:
+    """Where `tree` keeps the compiled codec's sources: client/trxp/codec/, or client/trxp/ in a
+    tree from before the codec's room."""
+    room = tree / "client/trxp/codec"
+    return room if room.is_dir() else tree / "client/trxp"
+
+
 def package(tree: Path, into: Path) -> Path:
     """A directory holding `expbuf` as links to `tree`'s folders, to put first on PYTHONPATH; the
     compiled codec of this tree copied in where `tree` has none and compiled the same sources."""
-    native, ours = tree / "client/trxp/_native", ROOT / "client/trxp/_native"
+    theirs, here = codec_folder(tree), codec_folder(ROOT)
+    native, ours = theirs / "_native", here / "_native"
     if not native.exists() and (ours / "manifest.json").exists():
         sources = json.loads((ours / "manifest.json").read_text())["sources"]
-        if all((tree / f"client/trxp/{name}.py").read_bytes() == (ROOT / f"client/trxp/{name}.py").read_bytes()
+        if all((theirs / f"{name}.py").read_bytes() == (here / f"{name}.py").read_bytes()
                for name in sources):  # fmt: skip
             shutil.copytree(ours, native)
     root = into / "expbuf"

@@ -86,6 +86,28 @@ def status(pid: int, name: str) -> int:
     raise KeyError(name)
 
 
+class AnonPeak:
+    """The most anonymous memory (RssAnon) process `pid` held while the block ran, sampled every 5 ms."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.before = self.most = status(pid, "RssAnon")
+        self._done = threading.Event()
+        self._sampler = threading.Thread(target=self._sample)
+
+    def __enter__(self) -> AnonPeak:
+        self._sampler.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._done.set()
+        self._sampler.join()
+
+    def _sample(self) -> None:
+        while not self._done.wait(0.005):
+            self.most = max(self.most, status(self.pid, "RssAnon"))
+
+
 @dataclass
 class Figures:
     in_flight: int
@@ -112,15 +134,8 @@ def measure(load: Load, client_options: dict[str, int], tree: Path | None = None
                 client.push(payload(99, Load(1, 1, 0, 1 << 16)))  # warm, in one message either way
                 time.sleep(2)
                 Path(f"/proc/{pid}/clear_refs").write_text("5")
-                before, anon_before = status(pid, "VmRSS"), status(pid, "RssAnon")
+                before = status(pid, "VmRSS")
                 refusals: list[str] = []
-                anon_peak = anon_before
-                done = threading.Event()
-
-                def sample_anon() -> None:
-                    nonlocal anon_peak
-                    while not done.wait(0.005):
-                        anon_peak = max(anon_peak, status(pid, "RssAnon"))
 
                 def push(body: bytes) -> None:
                     try:
@@ -128,23 +143,20 @@ def measure(load: Load, client_options: dict[str, int], tree: Path | None = None
                     except ExpbufError as exc:
                         refusals.append(exc.code.name)
 
-                sampler = threading.Thread(target=sample_anon)
-                sampler.start()
-                threads = [threading.Thread(target=push, args=(p,)) for p in payloads]
-                for thread in threads:
-                    thread.start()
-                for thread in threads:
-                    thread.join()
-                time.sleep(3)
-                done.set()
-                sampler.join()
+                with AnonPeak(pid) as anon:
+                    threads = [threading.Thread(target=push, args=(p,)) for p in payloads]
+                    for thread in threads:
+                        thread.start()
+                    for thread in threads:
+                        thread.join()
+                    time.sleep(3)
                 return Figures(
                     sum(map(len, payloads)),
                     before,
                     status(pid, "VmHWM"),
                     status(pid, "VmRSS"),
-                    anon_before,
-                    anon_peak,
+                    anon.before,
+                    anon.most,
                     status(pid, "RssAnon"),
                     ", ".join(sorted(set(refusals))),
                 )

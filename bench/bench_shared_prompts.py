@@ -39,7 +39,7 @@ from results import write_section  # noqa: E402
 from expbuf.client import EID, BufferClient, Experience, trxp  # noqa: E402
 from expbuf.server.store import Store  # noqa: E402
 from expbuf.server.store.disk import shared_prompts  # noqa: E402
-from expbuf.server.store.schema.sample_spec import SampleSpec  # noqa: E402
+from expbuf.server.store.schema.sample_spec import TakeSpec  # noqa: E402
 from expbuf.server.store.schema.table_config import TableConfig  # noqa: E402
 
 HEADING = "## A group's shared prompt stored once"
@@ -93,14 +93,14 @@ def one(made: list[list[trxp.RawItem]], shared: bool) -> dict[str, float]:
         half = len(made) // 2
         start = time.perf_counter()
         for _ in range(half // 8):
-            batch = store.sample(SampleSpec("t", num_groups=8))
+            batch = store.sample(TakeSpec("t", num_groups=8))
             assert batch is not None
             _ = batch.payload
             batch.release()
         sample = time.perf_counter() - start
         start = time.perf_counter()
         for _ in range(half // 8):
-            batch = store.sample(SampleSpec("t", num_groups=8))
+            batch = store.sample(TakeSpec("t", num_groups=8))
             assert batch is not None
             batch.columns(["tokens", "logprobs", "action_mask"], lambda columns: sum(c.size for c in columns))
             batch.release()

@@ -34,7 +34,7 @@ from results import write_section  # noqa: E402
 from expbuf.client import EID, Experience, trxp  # noqa: E402
 from expbuf.server.store import Entry, Store  # noqa: E402
 from expbuf.server.store.core.ready import ReadyIndex  # noqa: E402
-from expbuf.server.store.schema.sample_spec import SampleSpec  # noqa: E402
+from expbuf.server.store.schema.sample_spec import TakeSpec  # noqa: E402
 from expbuf.server.store.schema.table_config import TableConfig  # noqa: E402
 
 GROUP, PER_WRITE, TOKENS = 8, 64, 5000
@@ -123,7 +123,7 @@ def bench_reads(tmp: Path, batches: list[list[Entry]]) -> dict[str, float]:
         raw_t.append(time.perf_counter() - start)
         assert sum(map(len, got)) > 0
         start = time.perf_counter()
-        batch = store.sample(SampleSpec(TABLE.name, num_groups=PER_WRITE // GROUP))
+        batch = store.sample(TakeSpec(TABLE.name, num_groups=PER_WRITE // GROUP))
         select_t.append(time.perf_counter() - start)
         start = time.perf_counter()
         _ = batch.payload
@@ -158,7 +158,7 @@ def bench_selection(tmp: Path, sizes: list[int]) -> list[dict[str, float]]:
         prefix = table_id.to_bytes(4, "big")
         for order in ("fifo", "lifo", "uniform", "priority"):
             # the first request in an order builds its index (a read transaction cannot)
-            store.sample(SampleSpec("sel", num_groups=1, order=order, delivery="replay"))
+            store.sample(TakeSpec("sel", num_groups=1, order=order, delivery="replay"))
             times = []
             for _ in range(300):
                 start = time.perf_counter()
@@ -174,7 +174,7 @@ def bench_selection(tmp: Path, sizes: list[int]) -> list[dict[str, float]]:
         times = []
         for _ in range(100):
             start = time.perf_counter()
-            store.sample(SampleSpec("sel", num_groups=4, order="uniform", delivery="replay"))
+            store.sample(TakeSpec("sel", num_groups=4, order="uniform", delivery="replay"))
             times.append(time.perf_counter() - start)
         row["sample_replay_us"] = statistics.median(times) * 1e6
         rows.append(row)

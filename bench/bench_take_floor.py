@@ -45,7 +45,7 @@ from results import write_section  # noqa: E402
 
 from expbuf.client import EID, trxp  # noqa: E402
 from expbuf.server.store import Entry, Store  # noqa: E402
-from expbuf.server.store.schema.sample_spec import SampleSpec  # noqa: E402
+from expbuf.server.store.schema.sample_spec import TakeSpec  # noqa: E402
 from expbuf.server.store.schema.table_config import TableConfig  # noqa: E402
 
 HEADING = "## The store's take and confirm beside the least they must do (issue 41)"
@@ -79,7 +79,7 @@ def store_drain(path: Path, pushes: list[list[Entry]], group: int, *, hold: bool
         store.create_table(config)
         for push in pushes:
             store.put_entries("t", push)
-        spec = SampleSpec("t", batch_size=BATCH, delivery="consume")
+        spec = TakeSpec("t", batch_size=BATCH, delivery="consume")
         count, taken, held = sum(map(len, pushes)), 0, ""
         start = time.process_time()
         while taken < count:

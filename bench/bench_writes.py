@@ -36,7 +36,7 @@ from results import write_section  # noqa: E402
 from expbuf.client import EID, Experience, trxp  # noqa: E402
 from expbuf.server.store import Entry, Store  # noqa: E402
 from expbuf.server.store.disk.environment import Environment  # noqa: E402
-from expbuf.server.store.schema.sample_spec import SampleSpec  # noqa: E402
+from expbuf.server.store.schema.sample_spec import TakeSpec  # noqa: E402
 from expbuf.server.store.schema.table_config import TableConfig  # noqa: E402
 
 Counts = collections.Counter[str]
@@ -154,7 +154,7 @@ def _table(group: int) -> TableConfig:
 def stream(store: Store, batches: int) -> None:
     """A consume stream's takes, 64 experiences each: every batch held when taken and delivered
     in the commit of the next take, as a Sample stream confirms it (the last one alone)."""
-    spec = SampleSpec(table="t", batch_size=64, wait_seconds=0)
+    spec = TakeSpec(table="t", batch_size=64, wait_seconds=0)
     held = ""
     for _ in range(batches):
         batch = store.sample(spec, hold=True, confirm=held)
@@ -177,7 +177,7 @@ def counts(n: int, group: int) -> dict[str, dict[str, float]]:
         stages["push"] = +counted
         counted.clear()
         for _ in range(n // 64):
-            assert store.sample(SampleSpec(table="t", batch_size=64, wait_seconds=0)) is not None
+            assert store.sample(TakeSpec(table="t", batch_size=64, wait_seconds=0)) is not None
         stages["consume"] = +counted
         counted.clear()
         stream(store, n // 64)
@@ -185,7 +185,7 @@ def counts(n: int, group: int) -> dict[str, dict[str, float]]:
         counted.clear()
         leases = []
         for _ in range(n // 64):
-            batch = store.sample(SampleSpec(table="t", batch_size=64, delivery="lease", wait_seconds=0))
+            batch = store.sample(TakeSpec(table="t", batch_size=64, delivery="lease", wait_seconds=0))
             assert batch is not None
             leases.append(batch.lease_id)
         stages["lease"] = +counted
@@ -226,11 +226,11 @@ def speed(n: int, group: int, size: int) -> dict[str, float]:
 
     def consume() -> None:
         for _ in range(n // 64):
-            assert store.sample(SampleSpec(table="t", batch_size=64, wait_seconds=0)) is not None
+            assert store.sample(TakeSpec(table="t", batch_size=64, wait_seconds=0)) is not None
 
     def lease_ack() -> None:
         for _ in range(n // 64):
-            leased = store.sample(SampleSpec(table="t", batch_size=64, delivery="lease", wait_seconds=0))
+            leased = store.sample(TakeSpec(table="t", batch_size=64, delivery="lease", wait_seconds=0))
             assert leased is not None
             store.ack(leased.lease_id)
 
@@ -254,7 +254,7 @@ def tombstone_bytes(n: int, group: int) -> float:
         for at in range(0, n, 64):
             store.put_entries("t", entries(64, group, at))
         for _ in range(n // 64):
-            assert store.sample(SampleSpec(table="t", batch_size=64, wait_seconds=0)) is not None
+            assert store.sample(TakeSpec(table="t", batch_size=64, wait_seconds=0)) is not None
         pages = 0
         with store.environment.read() as txn:
             for name in ("items", "tombs", "retired", "groups"):

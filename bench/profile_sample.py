@@ -45,7 +45,10 @@ CLIENT_STAGES = (
     (LEFT_OUT, ("Proc.__init__.<locals>.<lambda>", "time_sleep", "cpu_seconds ")),
     ("the garbage collector (a pass walks the process's tracked objects, torch's among them)", "gc_collect_main"),
     ("decode: gather the tensors' bytes, one buffer per dtype (`gather`)", "gather "),
-    ("decode: parse and check the reply (`trxp.parse`)", ("parse ", "CPyPy_expbuf___client___trxp___parse___parse ")),
+    (
+        "decode: parse and check the reply (`trxp.parse`)",
+        ("parse ", "CPyPy_expbuf___client___trxp___codec___parse___parse "),
+    ),
     ("decode: Experience objects (`to_experience`)", "to_experience "),
     ("decode: the rest (`decode_reply`)", "decode_reply "),
     ("receive: the reply's parts (`read_sample_reply`)", "read_sample_reply "),

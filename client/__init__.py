@@ -12,6 +12,8 @@ import sys
 import warnings
 from typing import TYPE_CHECKING, Any
 
+from .moved import serve
+
 if TYPE_CHECKING:
     from .aio import AsyncBufferClient
     from .client import BufferClient
@@ -44,9 +46,9 @@ if TYPE_CHECKING:
     )
     from .rpc.connection import Tls
     from .schema.experience import EID, Experience
-    from .schema.prompts import Claim, DatasetInfo, EpochCounts, Prompt, PromptPage, PromptStats
+    from .schema.prompts import Claim, DatasetInfo, EpochCounts, Prompt, PromptPage, PromptState, PromptStats
     from .trxp import TrxpError, decode, encode
-    from .trxp.column_build import ColumnBatch
+    from .trxp.column_batch.build import ColumnBatch
 
 
 def _installed_client() -> str | None:
@@ -89,6 +91,24 @@ def _warn_if_shadowed() -> None:
 
 _warn_if_shadowed()
 
+# The old paths of the client's modules that moved into folders by role (and of the codec's that
+# the docs named, into its rooms by format), each served with no file until the next release:
+# every name read from one is the new module's, with a DeprecationWarning (moved.py; CHANGELOG.md).
+OLD_PATHS = {
+    "expbuf.client.experience": "expbuf.client.schema.experience",
+    "expbuf.client.prompts": "expbuf.client.schema.prompts",
+    "expbuf.client.routing": "expbuf.client.schema.routing",
+    "expbuf.client.table_presets": "expbuf.client.schema.table_presets",
+    "expbuf.client.table_settings": "expbuf.client.schema.table_settings",
+    "expbuf.client.sample_spec": "expbuf.client.rpc.sample_spec",
+    "expbuf.client.wire": "expbuf.client.rpc.wire",
+    "expbuf.client.sharded": "expbuf.client.shards.blocking",
+    "expbuf.client.lease_keeper": "expbuf.client.kit.lease_keeper",
+    "expbuf.client.location": "expbuf.client.kit.location",
+    "expbuf.client.trxp.columns": "expbuf.client.trxp.stored.columns",
+}
+serve(OLD_PATHS)
+
 # each public name -> the module of this package that defines it
 _HOMES = {
     "AsyncBufferClient": "aio",
@@ -112,6 +132,7 @@ _HOMES = {
     "DatasetInfo": "schema.prompts",
     "EpochCounts": "schema.prompts",
     "Prompt": "schema.prompts",
+    "PromptState": "schema.prompts",
     "PromptStats": "schema.prompts",
     "PromptPage": "schema.prompts",
     "Batch": "results",
@@ -125,7 +146,7 @@ _HOMES = {
     "ShapingInfo": "results",
     "TableInfo": "results",
     "TableStats": "results",
-    "ColumnBatch": "trxp.column_build",
+    "ColumnBatch": "trxp.column_batch.build",
     "TrxpError": "trxp",
     "decode": "trxp",
     "encode": "trxp",
@@ -170,6 +191,7 @@ __all__ = [
     "PermissionDeniedError",
     "Prompt",
     "PromptPage",
+    "PromptState",
     "PromptStats",
     "PushResult",
     "ResourceExhaustedError",

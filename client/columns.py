@@ -22,8 +22,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from .trxp.common import ITEMSIZE
-from .trxp.convert import torch_dtypes
+from .trxp.codec.common import ITEMSIZE
+from .trxp.codec.convert import torch_dtypes
 
 if TYPE_CHECKING:
     import torch

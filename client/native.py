@@ -79,7 +79,7 @@ def compiled(module: str) -> bool:
 
 
 def source_module(name: str) -> types.ModuleType:
-    """The expbuf module `name` (e.g. "expbuf.client.trxp.parse") run from its source, under
+    """The expbuf module `name` (e.g. "expbuf.client.trxp.codec.parse") run from its source, under
     SOURCE_PREFIX + the rest of its name, whether or not its compiled form is in use: the same
     code side by side with the compiled module, for the tests that hold the two to the same
     verdicts and the benchmarks that compare them. The package `__init__`s are not run; what the

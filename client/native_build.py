@@ -33,7 +33,7 @@ ROOT = Path(__file__).resolve().parent.parent  # the source tree
 # checks and pickle scan, about twice as fast. The store's records did not (their cost is in
 # struct and the dataclass's construction, already C), so they stay as written.
 COMPILED = {
-    "client/trxp": ("expbuf.client.trxp", ("checks", "common", "parse", "pickles")),
+    "client/trxp/codec": ("expbuf.client.trxp.codec", ("checks", "common", "parse", "pickles")),
 }
 # The folders the compiled modules import from, under their installed names (pyproject.toml's package-dir).
 LINKS = {"client": "client"}

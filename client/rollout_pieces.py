@@ -1,6 +1,6 @@
 """Partial rollouts from a rollout worker's side: a rollout as the pieces it pushes while it
 generates (`split`), and the piece that continues a rollout the buffer holds in pieces
-(`continuation`). client/trxp/partial.py says what a piece is and what the buffer makes of them.
+(`continuation`). client/trxp/codec/partial.py says what a piece is and what the buffer makes of them.
 
 ```python
 first, second, last = split(rollout, cuts=[512, 1024])  # response offsets
@@ -21,8 +21,8 @@ from typing import Any
 import torch
 
 from .schema.experience import RESPONSE_TENSOR_FIELDS, Experience
-from .trxp.partial import OFFSET, PARTIAL, TOKEN_LAID
-from .trxp.segments import KEY as SEGMENTS
+from .trxp.codec.partial import OFFSET, PARTIAL, TOKEN_LAID
+from .trxp.codec.segments import KEY as SEGMENTS
 
 
 def split(exp: Experience, cuts: Sequence[int]) -> list[Experience]:

@@ -334,7 +334,7 @@ def on_page_markdown(markdown: str, page: Any, config: Any, files: Any) -> str:
         return markdown
     from expbuf.server.store.schema import estimator_registry, table_parts
 
-    default = table_parts.Advantages().estimator
+    default = table_parts.Estimation().estimator
     return markdown.replace(ESTIMATORS_HERE, estimators_table(estimator_registry.ESTIMATORS, default))
 
 

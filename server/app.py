@@ -3,7 +3,7 @@
 gRPC runs synchronously on a thread pool: the store serialises writes in its own
 writer thread anyway, and a grpc.aio server over the same store measured the same on
 sample and latency and 8-20 % more on push (bench/RESULTS.md). Each open Sample stream
-holds one worker thread; server/rpc/limits.py keeps waiting calls, and each scope's calls,
+holds one worker thread; server/rpc/interceptors/limits.py keeps waiting calls, and each scope's calls,
 from taking them all.
 
 The port is bound exclusively (no SO_REUSEPORT): a second server on a taken port would
@@ -34,17 +34,17 @@ from .advantages.batch_stage import finish_batch
 from .advantages.devices import check_device
 from .advantages.start import AdvantageStart
 from .config import ServerConfig
-from .rpc.auth import TokenAuth
-from .rpc.inflight import InFlight, few_arenas
-from .rpc.ingest import Ingest, Stager
-from .rpc.limits import RESERVED_THREADS, TableStreams, call_limits
-from .rpc.metrics import Metrics, RpcMetrics
-from .rpc.push_memory import PushMemory
-from .rpc.replies import PassBytes, keep_reply_memory
-from .rpc.sample_stream import Confirmations
+from .rpc.interceptors.auth import TokenAuth
+from .rpc.interceptors.limits import RESERVED_THREADS, TableStreams, call_limits
+from .rpc.interceptors.metrics import Metrics, RpcMetrics
+from .rpc.interceptors.unreadable import UnreadableRequests
+from .rpc.push.inflight import InFlight, few_arenas, receive_window
+from .rpc.push.ingest import Ingest, Stager
+from .rpc.push.push_memory import PushMemory
+from .rpc.sample.replies import PassBytes, keep_reply_memory
+from .rpc.sample.sample_stream import Confirmations
+from .rpc.sample.stalled_sends import StalledSends
 from .rpc.service import ExperienceBufferService
-from .rpc.stalled_sends import StalledSends
-from .rpc.unreadable import UnreadableRequests
 from .store import Store, TableExtension
 from .store.schema.errors import ConfigError, Conflict, StoreError
 
@@ -176,6 +176,7 @@ class ExpbufServer:
                 grace=config.push_stream_idle_seconds,
                 stager=Stager(self.store, config.max_metadata_bytes),
                 max_push_bytes=config.max_push_bytes,
+                max_message_bytes=config.max_message_bytes,
             )
         )
         keep_reply_memory()
@@ -183,7 +184,8 @@ class ExpbufServer:
         self.grpc = grpc.server(
             futures.ThreadPoolExecutor(max_workers=config.workers + RESERVED_THREADS, thread_name_prefix="expbuf-rpc"),
             interceptors=interceptors,
-            options=channel_options(config.max_message_bytes),
+            options=channel_options(config.max_message_bytes)
+            + receive_window(config.max_inflight_bytes, config.workers),
         )
         self.service = ExperienceBufferService(
             self.store,

@@ -14,7 +14,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from expbuf.client import trxp
 from expbuf.client.schema.balance import ModelShape
-from expbuf.client.trxp.columns import Shares
+from expbuf.client.trxp.stored.columns import Shares
 
 from .store import (
     Claimed,
@@ -22,19 +22,19 @@ from .store import (
     DatasetRecord,
     Entry,
     FailResult,
-    Grant,
     IndexBuild,
     MayWait,
     Page,
-    PromptPage,
     Push,
     PutResult,
+    RecordPage,
+    RolloutGrant,
     Sampled,
     ScrubStatus,
     ShapingUpdate,
     StagedShare,
 )
-from .store.schema.sample_spec import SampleSpec
+from .store.schema.sample_spec import TakeSpec
 from .store.schema.table_config import TableConfig
 
 
@@ -72,7 +72,7 @@ class Backend(Protocol):
     def open_staged(self, table: str, nbytes: int, timeout: float) -> StagedShare: ...
     def sample(
         self,
-        spec: SampleSpec,
+        spec: TakeSpec,
         *,
         timeout: float | None = None,
         hold: bool = False,
@@ -83,7 +83,7 @@ class Backend(Protocol):
     def ack(self, lease_id: str, table: str | None = None, owner: str = "") -> int: ...
     def nack(self, lease_id: str, table: str | None = None, owner: str = "") -> int: ...
     def give_back(self, lease_id: str, table: str, owner: str = "") -> int: ...
-    def confirm(self, lease_id: str, spec: SampleSpec, owner: str = "") -> int: ...
+    def confirm(self, lease_id: str, spec: TakeSpec, owner: str = "") -> int: ...
     def renew(self, lease_id: str, seconds: float, table: str, owner: str = "") -> tuple[float, int]: ...
     def release_holds(self) -> int: ...
     def get_payload(self, table: str, uids: Sequence[str], limit: int | None = None) -> tuple[bytes, list[str]]: ...
@@ -133,7 +133,7 @@ class Backend(Protocol):
     def fail_runs(self, table: str, uids: Sequence[str], reasons: Sequence[str], holder: str = "") -> FailResult: ...
     def set_trainer_version(self, table: str, version: int) -> int: ...
     def reset_offpolicy(self, table: str, version: int | None = None) -> tuple[int | None, int]: ...
-    def admit(self, table: str, count: int, *, wait: float = 0.0, grant_seconds: float = 300.0) -> Grant: ...
+    def admit(self, table: str, count: int, *, wait: float = 0.0, grant_seconds: float = 300.0) -> RolloutGrant: ...
     def finish_grant(self, table: str, grant_id: str, accepted: int | None = None) -> int: ...
 
     # the prompt ledger
@@ -170,7 +170,7 @@ class Backend(Protocol):
         states: Sequence[str] = (),
         after: tuple[int, int] | None = None,
         limit: int = 1000,
-    ) -> PromptPage: ...
+    ) -> RecordPage: ...
 
     # state and upkeep
     def stats(self, table: str) -> dict[str, Any]: ...

@@ -64,7 +64,7 @@ def _serve(args: argparse.Namespace) -> int:
         log.error("configuration: %s", exc)
         return 2
     logs.configure(config.log_format)
-    from .rpc.inflight import few_arenas
+    from .rpc.push.inflight import few_arenas
 
     few_arenas()  # before torch and gRPC start their threads, each of which could take an arena
     from .app import ExpbufServer, StartupError

@@ -107,31 +107,33 @@ class ServerConfig:
     max_table_streams: int | None = None  # None: max_sample_streams
     max_push_streams: int | None = None  # None: half the workers
     max_waiting_admits: int | None = None  # None: a quarter of the workers
-    # Claims waiting for prompts at once; more wait in their clients, which ask again (rpc/limits.py).
+    # Claims waiting for prompts at once; more wait in their clients, which ask again (rpc/interceptors/limits.py).
     max_waiting_claims: int | None = None  # None: a quarter of the workers
-    # Workers kept for the calls that do not wait idle: no class of call can take every one (rpc/limits.py).
+    # Workers kept for the calls that do not wait idle: no class of call can take every one
+    # (rpc/interceptors/limits.py).
     reserved_workers: int | None = None  # None: an eighth of the workers, at least 1
-    # Workers kept for each scope's calls, which the other scope's calls cannot take (rpc/limits.py).
+    # Workers kept for each scope's calls, which the other scope's calls cannot take (rpc/interceptors/limits.py).
     push_scope_workers: int | None = None  # None: a quarter of the workers (see scope_shares)
     sample_scope_workers: int | None = None  # None: a quarter of the workers (see scope_shares)
     push_stream_idle_seconds: float = 120.0  # a PushStream that sends nothing for this long is ended
     # Pushes a PushStream has read and not yet answered: while the writer stores some, the stream
-    # reads and parses the next, and the next step stores all it parsed in one commit (rpc/push_stream.py).
+    # reads and parses the next, and the next step stores all it parsed in one commit (rpc/push/push_stream.py).
     push_stream_window: int = 8
     # A push in chunks must bring this many MB (10^6 bytes) a second over every push_stream_idle_seconds
-    # after its first, or it is ended: it holds a worker, the room it announced and what it staged (rpc/push_memory.py).
+    # after its first, or it is ended: it holds a worker, the room it announced and what it staged
+    # (rpc/push/push_memory.py).
     push_min_mb_per_second: float = 0.1
     # The longest a Sample batch, a waiting Admit or Claim, or a push waiting for room waits.
     max_wait_seconds: float = 600.0
     # The longest a Sample batch sent waits for its client's confirmation, counted from the later of
     # its send and the client's confirmation of the batch before: a trainer's step. Past it the
-    # stream's unconfirmed batches return to the buffer and it ends DEADLINE_EXCEEDED (rpc/sample_stream.py).
-    # Also the longest a streamed reply's message waits for its client to take it (rpc/stalled_sends.py).
+    # stream's unconfirmed batches return to the buffer and it ends DEADLINE_EXCEEDED (rpc/sample/sample_stream.py).
+    # Also the longest a streamed reply's message waits for its client to take it (rpc/sample/stalled_sends.py).
     max_confirm_seconds: float | None = None  # None: max_wait_seconds
-    # Payload bytes held by pushes in progress; new pushes wait for their deadline past it (rpc/inflight.py).
+    # Payload bytes held by pushes in progress; new pushes wait for their deadline past it (rpc/push/inflight.py).
     max_inflight_bytes: int = 1 << 30
     # The largest push in chunks: one whose large experiences are stored as they arrive holds little
-    # of max_inflight_bytes but writes all of itself to disk before its commit (rpc/inflight.py).
+    # of max_inflight_bytes but writes all of itself to disk before its commit (rpc/push/inflight.py).
     max_push_bytes: int = 16 << 30
     # An experience's metadata written out (its pickle, shared references expanded): a push with a
     # larger one is refused. The server holds an experience's metadata twice while it repacks it.

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import importlib.util
 import os
 import queue
 import signal
@@ -15,6 +16,7 @@ from concurrent import futures
 from typing import TYPE_CHECKING
 
 import grpc
+import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -24,7 +26,13 @@ from expbuf.proto.v1 import buffer_pb2 as pb
 from expbuf.proto.v1 import buffer_pb2_grpc as pb_grpc
 from expbuf.server.store import Entry, Sampled, Store
 from expbuf.server.store.schema.estimator_registry import Estimator, register, unregister
-from expbuf.server.store.schema.sample_spec import SampleSpec
+from expbuf.server.store.schema.sample_spec import TakeSpec
+
+# batch.tensordict() needs the tensordict package, which expbuf does not require: a machine
+# without it (a user's bare GPU host) skips what reads batches as TensorDicts, and runs the rest.
+needs_tensordict = pytest.mark.skipif(
+    importlib.util.find_spec("tensordict") is None, reason="tensordict is not installed (pip install tensordict)"
+)
 
 if TYPE_CHECKING:
     from expbuf.client import BufferClient, TableStats
@@ -196,7 +204,7 @@ class Decodes:
 
 def take(store: Store, table: str, **spec: object) -> Sampled | None:
     """One batch straight from the store (consumed unless the spec says otherwise)."""
-    return store.sample(SampleSpec(table, **spec))
+    return store.sample(TakeSpec(table, **spec))
 
 
 @contextlib.contextmanager

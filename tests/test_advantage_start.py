@@ -21,7 +21,12 @@ from expbuf.server.store import Store
 from conftest import Servers
 from helpers import ServerProcess, group_items, make_experience, pythonpath, wait_for
 
-SERVER_MODULES = "expbuf.server.app", "expbuf.server.cli", "expbuf.server.rpc.service", "expbuf.server.rpc.metrics"
+SERVER_MODULES = (
+    "expbuf.server.app",
+    "expbuf.server.cli",
+    "expbuf.server.rpc.service",
+    "expbuf.server.rpc.interceptors.metrics",
+)
 
 
 def test_the_servers_modules_import_no_torch() -> None:

@@ -21,7 +21,7 @@ from expbuf.client.shards.blocking import AsyncShardedBufferClient, ShardedBuffe
 from expbuf.proto.v1 import buffer_pb2 as pb
 from expbuf.proto.v1 import buffer_pb2_grpc as pb_grpc
 from expbuf.server.app import ExpbufServer
-from expbuf.server.rpc.replies import PART_BYTES
+from expbuf.server.rpc.sample.replies import PART_BYTES
 from expbuf.server.store.disk.chunk_heads import CHUNK_BYTES
 
 from conftest import Servers
@@ -186,7 +186,7 @@ PART_WINDOW = 4 * PART_BYTES  # the part cut, gRPC's copies of it and of the one
 # A push's staging, whatever its size: the piece being filled and those waiting for the writer,
 # gRPC's copies of the chunks received (more of them while a loaded server reads slower than the
 # client sends), the write transaction's pages, and the free memory the heap keeps between them
-# (the server lets it keep up to 128 MiB: rpc/replies.keep_reply_memory). Seen: 70-100 MiB on a
+# (the server lets it keep up to 128 MiB: rpc/sample/replies.keep_reply_memory). Seen: 70-100 MiB on a
 # quiet machine, 173 MiB in a CI run beside the rest of the suite; a push read whole grew 2.2 GiB.
 PUSH_WINDOW = 64 * CHUNK_BYTES
 

@@ -1,4 +1,4 @@
-"""The bounds on concurrent calls (server/rpc/limits.py) as they are counted, whatever the order in
+"""The bounds on concurrent calls (server/rpc/interceptors/limits.py) as they are counted, whatever the order in
 which calls arrive: the number of calls let wait idle depends on the workers, the reserve and the
 shares only, never on how many calls that answer at once happened to be in progress."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from expbuf.proto.v1 import buffer_pb2 as pb
-from expbuf.server.rpc.limits import CallLimits
+from expbuf.server.rpc.interceptors.limits import CallLimits
 
 WORKERS, RESERVED = 16, 2
 

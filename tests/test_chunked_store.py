@@ -20,7 +20,7 @@ import pytest
 import zstandard
 
 from expbuf.client import trxp
-from expbuf.client.trxp.pieces import Run, SplitPayload, realized, realized_span, section_at
+from expbuf.client.trxp.stored.pieces import Run, SplitPayload, realized, realized_span, section_at
 from expbuf.server.advantages.worker import AdvantageWorker
 from expbuf.server.store import Store
 from expbuf.server.store.core import migrate
@@ -28,7 +28,7 @@ from expbuf.server.store.disk import chunk_heads, chunk_reads, chunked, digests,
 from expbuf.server.store.disk.environment import Environment
 from expbuf.server.store.disk.kinds import Entry
 from expbuf.server.store.schema.errors import DamagedPayload, NotFound, StoreError
-from expbuf.server.store.schema.sample_spec import SampleSpec
+from expbuf.server.store.schema.sample_spec import TakeSpec
 from expbuf.server.store.schema.table_config import TableConfig
 
 from helpers import group_items, take
@@ -191,7 +191,7 @@ def test_a_damaged_chunk_is_found_by_a_held_take_and_by_the_scrub(store: Store, 
         txn.put(victim, bytes(value), db=db)
 
     store.environment.submit(damage)
-    held = store.sample(SampleSpec("big", num_groups=1, delivery="lease"), hold=True)
+    held = store.sample(TakeSpec("big", num_groups=1, delivery="lease"), hold=True)
     assert held is not None and all(isinstance(blob, chunk_reads.Deferred) for blob in held.blobs)
     with pytest.raises(DamagedPayload, match=f"experience {held.uids[0]}: (its payload|chunk {chunk} of its data)"):
         held.render(joined)
@@ -477,12 +477,12 @@ def test_a_reply_of_zstd_frames_decompresses_the_next_chunk_on_the_reply_threads
     store.create_table(plain)
     store.put("plain", group_items("plain", 0, 2, response=RESPONSE))  # no advantages: no mask read first
     made = decompressed
-    held = store.sample(SampleSpec("plain", num_groups=1, delivery="lease"), hold=True)
+    held = store.sample(TakeSpec("plain", num_groups=1, delivery="lease"), hold=True)
     assert held is not None and len(held.uids) == 2
     got = held.render(joined)
     store.nack(held.lease_id, "plain")
     held.release()
-    whole = store.sample(SampleSpec("plain", num_groups=1, delivery="lease"))  # read whole in the writer
+    whole = store.sample(TakeSpec("plain", num_groups=1, delivery="lease"))  # read whole in the writer
     assert whole is not None and got == whole.payload
     store.nack(whole.lease_id, "plain")
     whole.release()
@@ -495,7 +495,7 @@ def test_a_reply_of_zstd_frames_decompresses_the_next_chunk_on_the_reply_threads
     assert all((thread == here) == (index == 0) for _, index, thread in made), made  # chunk 1 ahead
     assert all(thread.startswith("expbuf-zstd-reply") for _, index, thread in made if index == 1)
     made.clear()
-    held = store.sample(SampleSpec("plain", num_groups=1, delivery="lease"), hold=True)
+    held = store.sample(TakeSpec("plain", num_groups=1, delivery="lease"), hold=True)
     assert held is not None
     held.columns(["tokens", "logprobs"], lambda parts: {part.name: joined(part.values) for part in parts})
     store.nack(held.lease_id, "plain")
@@ -511,7 +511,7 @@ def test_columns_read_in_any_order_decompress_each_chunk_once(
     chunk's end is not its last, and the chunk stays among those decompressed last for the next
     field (it was let go there, and decompressed again: twice a chunk for a batch of one)."""
     push(store, big_group(0))
-    held = store.sample(SampleSpec("big", num_groups=1, delivery="lease"), hold=True)
+    held = store.sample(TakeSpec("big", num_groups=1, delivery="lease"), hold=True)
     assert held is not None
     held.columns(list(FIELDS[::order]), lambda parts: {part.name: joined(part.values) for part in parts})
     store.nack(held.lease_id, "big")
@@ -536,7 +536,7 @@ def test_replies_read_side_by_side_decompress_each_chunk_once(
         store.create_table(zstd)
         for task in range(3):
             push(store, big_group(task))
-        held = [store.sample(SampleSpec("big", num_groups=1, delivery="lease"), hold=True) for _ in range(3)]
+        held = [store.sample(TakeSpec("big", num_groups=1, delivery="lease"), hold=True) for _ in range(3)]
         assert all(batch is not None for batch in held)
         replies = [[run for blob in chunk_reads.checked(batch.blobs) for run in blob.pieces] for batch in held if batch]
         cuts = [[(run, at, min(at + (1 << 20), len(run))) for run in runs for at in range(0, len(run), 1 << 20)]
@@ -557,7 +557,7 @@ def test_a_held_take_reads_only_the_chunks_of_its_fields_and_they_equal_a_full_r
     fields lie in (advantages read the action mask they are spread under) and checks each against
     its digest; the columns equal those of a take that read everything."""
     push(store, big_group(0))
-    spec = SampleSpec("big", num_groups=1, delivery="lease")
+    spec = TakeSpec("big", num_groups=1, delivery="lease")
     held = store.sample(spec, hold=True)
     assert held is not None and all(isinstance(blob, chunk_reads.Deferred) for blob in held.blobs)
     fields = ("tokens", "advantages")
@@ -580,7 +580,7 @@ def test_a_damaged_head_is_found_by_every_read(store: Store) -> None:
     damaged[-20] ^= 0x01  # in the safetensors header of its prefix
     store.environment.submit(lambda txn: txn.put(key, bytes(damaged), db=store.db["blobs"]))
     assert not chunk_heads.read_head(bytes(damaged)).intact
-    held = store.sample(SampleSpec("big", num_groups=1, delivery="lease"), hold=True)
+    held = store.sample(TakeSpec("big", num_groups=1, delivery="lease"), hold=True)
     assert held is not None
     with pytest.raises(DamagedPayload, match="head does not match its digest"):
         held.columns(("tokens",), lambda parts: None)

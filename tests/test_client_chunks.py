@@ -19,7 +19,7 @@ from expbuf.client.rpc.connection import DEFAULT_PUSH_CHUNK_BYTES
 from expbuf.client.shards.blocking import AsyncShardedBufferClient, ShardedBufferClient
 from expbuf.proto.v1 import buffer_pb2_grpc as pb_grpc
 from expbuf.server.app import ExpbufServer
-from expbuf.server.rpc.metrics import Metrics
+from expbuf.server.rpc.interceptors.metrics import Metrics
 from expbuf.server.rpc.service import ExperienceBufferService
 from expbuf.server.store import Store
 

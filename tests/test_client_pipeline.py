@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent import futures
 from typing import Any
 
+import grpc
 import pytest
 
 from expbuf.client import (
@@ -22,6 +23,8 @@ from expbuf.client import (
     PushResult,
     trxp,
 )
+from expbuf.client.rpc.wire import reason_of
+from expbuf.client.schema.reasons import Reason
 
 from conftest import Servers
 from helpers import make_experience, scrape
@@ -194,3 +197,98 @@ def test_a_pusher_sends_large_payloads_in_chunks_among_whole_ones(start_server: 
     assert [o.stored if isinstance(o, PushResult) else o for o in outcomes] == [uids(p) for p in pushes[:3]] + [
         uids(group("small", 2))
     ]
+
+
+class HeldEnd:
+    """A hook on a client's PushStreams: the first that the server ends reaches its pusher's
+    reader only once `release` is set. Until then the pusher has not seen the end (`ended`, with
+    the status it came with) and still sends its pushes on that stream, as one does whose push
+    and the server's end of its stream cross."""
+
+    def __init__(self) -> None:
+        self.ended = threading.Event()
+        self.release = threading.Event()
+        self.status: tuple[Any, str | None] | None = None
+
+    def hold(self, error: grpc.RpcError) -> None:
+        if self.status is None:
+            self.status = (error.code(), reason_of(error.trailing_metadata()))
+            self.ended.set()
+        assert self.release.wait(30), "the test never let the pusher see its stream end"
+
+    def blocking(self, client: BufferClient) -> None:
+        opened = client.push_stream
+
+        def push_stream(*args: Any, **kwargs: Any) -> Any:
+            def replies() -> Iterator[Any]:
+                try:
+                    yield from opened(*args, **kwargs)
+                except grpc.RpcError as error:
+                    self.hold(error)
+                    raise
+
+            return replies()
+
+        client.push_stream = push_stream  # type: ignore[method-assign]
+
+    def asyncio(self, client: AsyncBufferClient) -> None:
+        opened, hook = client.push_stream, self
+
+        class Call:
+            def __init__(self, call: Any) -> None:
+                self._call = call
+
+            def __getattr__(self, name: str) -> Any:
+                return getattr(self._call, name)
+
+            async def read(self) -> Any:
+                try:
+                    return await self._call.read()
+                except grpc.RpcError as error:
+                    await asyncio.to_thread(hook.hold, error)
+                    raise
+
+        client.push_stream = lambda *args, **kwargs: Call(opened(*args, **kwargs))  # type: ignore[method-assign]
+
+
+@pytest.mark.parametrize("kind", sorted(PUSHERS))
+def test_a_push_sent_as_the_server_ends_an_idle_stream_goes_again_on_a_new_one(
+    start_server: Servers, kind: str
+) -> None:
+    """A pusher idle past push_stream_idle_seconds pushes as the server ends its stream, before
+    it has seen the end: the server read nothing after the pusher's last answered push, so the
+    push goes on a new stream and is stored once (it failed DEADLINE_EXCEEDED "PushStream idle"
+    before, the idle end taken for the push's refusal)."""
+    server = start_server(push_stream_idle_seconds=1)
+    target = f"127.0.0.1:{server.port}"
+    first, second = group(kind, 0), group(kind, 1)
+    hook = HeldEnd()
+
+    def outcome_sync() -> Outcome:
+        with BufferClient(target) as client:
+            hook.blocking(client)
+            with client.pusher("g4") as pusher:
+                assert pusher.push(first).result(timeout=30).stored == uids(first)
+                assert hook.ended.wait(30), "the server did not end the idle stream"
+                later = pusher.push(second)  # on the stream the server ended: the pusher has not seen its end
+                hook.release.set()
+                return later.exception(timeout=30) or later.result()
+
+    async def outcome_async() -> Outcome:
+        async with AsyncBufferClient(target) as client:
+            hook.asyncio(client)
+            async with client.pusher("g4") as pusher:
+                assert (await (await pusher.push(first))).stored == uids(first)
+                assert await asyncio.to_thread(hook.ended.wait, 30), "the server did not end the idle stream"
+                later = await pusher.push(second)
+                hook.release.set()
+                return (await asyncio.gather(later, return_exceptions=True))[0]
+
+    with BufferClient(target) as client:
+        client.create_table("g4", group_size=4)
+    outcome = outcome_sync() if kind == "blocking" else asyncio.run(outcome_async())
+    assert hook.status == (grpc.StatusCode.DEADLINE_EXCEEDED, Reason.IDLE)
+    assert isinstance(outcome, PushResult), repr(outcome)
+    assert outcome.stored == uids(second) and outcome.duplicates == []
+    with BufferClient(target) as client:
+        assert client.get(uids(first) + uids(second), table="g4").missing_uids == []

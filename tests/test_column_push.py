@@ -16,9 +16,10 @@ import torch
 from expbuf.client import BufferClient, BufferError, ColumnBatch, trxp
 from expbuf.client.schema.experience import EID, Experience
 from expbuf.client.shards.blocking import ShardedBufferClient
-from expbuf.client.trxp import column_push, column_wire
+from expbuf.client.trxp.column_batch import items as column_push
+from expbuf.client.trxp.column_batch import wire as column_wire
 from expbuf.proto.v1 import buffer_pb2 as pb
-from expbuf.server.rpc.ingest import Ingest, entries_of, metadata_limit
+from expbuf.server.rpc.push.ingest import Ingest, entries_of, metadata_limit
 from expbuf.server.store.schema.errors import InvalidPayload
 
 from conftest import Servers

@@ -18,7 +18,7 @@ from expbuf.client.schema.experience import EID, Experience
 from expbuf.proto.v1 import buffer_pb2 as pb
 from expbuf.proto.v1 import buffer_pb2_grpc as pb_grpc
 
-from helpers import serving, wait_ready
+from helpers import needs_tensordict, serving, wait_ready
 
 FIELDS = ["tokens", "logprobs", "action_mask", "advantages", "returns", "routed_experts"]
 
@@ -75,6 +75,7 @@ def test_a_columnar_sample_equals_the_trxp_sample_field_by_field(client: BufferC
     assert torch.equal(columns["advantages"].values, advantages) and advantages.abs().sum() > 0
 
 
+@needs_tensordict
 def test_the_docs_trainer_takes_a_jagged_tensordict_of_its_fields(client: BufferClient) -> None:
     """docs/concepts/pushing-and-sampling.md, "Columnar batches": its loop, as written there."""
     made = pushed(client, "d")
@@ -95,6 +96,7 @@ def test_the_docs_trainer_takes_a_jagged_tensordict_of_its_fields(client: Buffer
     assert client.stats("d")["d"].consumed == 9
 
 
+@needs_tensordict
 def test_a_tensordict_refuses_a_field_some_experience_lacks_and_a_trxp_batch(client: BufferClient) -> None:
     made = [rollout(task, run, 4) for task in range(2) for run in range(3)]
     for exp in made:

@@ -16,7 +16,7 @@ from expbuf.server.config import ServerConfig
 from expbuf.server.store import STATES, Store
 from expbuf.server.store.core.counters import NAMES, Counters
 from expbuf.server.store.disk import layout
-from expbuf.server.store.schema.sample_spec import SampleSpec
+from expbuf.server.store.schema.sample_spec import TakeSpec
 from expbuf.server.store.schema.table_config import TableConfig
 from expbuf.server.store.tables import integrity
 
@@ -55,7 +55,7 @@ ADDED = {
 def _run(store: Store) -> None:
     store.create_table(TableConfig.of(name="t", estimator="none", group_size=2))
     store.put("t", group_items(0, 0, 2) + group_items(0, 1, 2) + group_items(0, 2, 1))
-    store.sample(SampleSpec("t", num_groups=1))
+    store.sample(TakeSpec("t", num_groups=1))
     store.set_trainer_version("t", 3)
 
 
@@ -138,7 +138,7 @@ def test_the_stats_rpc_reports_each_counter_under_its_name(tmp_path: Path) -> No
     try:
         server.store.create_table(TableConfig.of(name="t", estimator="none", group_size=2))
         server.store.put("t", group_items(0, 0, 2) + group_items(0, 1, 1))
-        server.store.sample(SampleSpec("t", num_groups=1))
+        server.store.sample(TakeSpec("t", num_groups=1))
         with BufferClient(f"127.0.0.1:{server.port}", timeout=10) as client:
             before = client.stats("t")["t"]
             assert (before.min_model_version, before.trainer_version) == (1, -1)

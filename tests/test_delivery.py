@@ -15,7 +15,7 @@ import pytest
 from expbuf.client import BufferClient
 from expbuf.proto.v1 import buffer_pb2 as pb
 from expbuf.proto.v1 import buffer_pb2_grpc as pb_grpc
-from expbuf.server.rpc import sample_stream
+from expbuf.server.rpc.sample import sample_stream
 
 from conftest import Servers
 from helpers import Conversation, fill, group_items, settle
@@ -196,13 +196,13 @@ def test_confirming_more_than_was_sent_is_refused_and_confirms_nothing(client: B
 def test_held_batches_of_a_killed_server_come_back(tmp_path: Path, start_server: Servers) -> None:
     """A batch held for a consume stream when the server stops returns at the next start."""
     from expbuf.server.store import Store
-    from expbuf.server.store.schema.sample_spec import SampleSpec
+    from expbuf.server.store.schema.sample_spec import TakeSpec
     from expbuf.server.store.schema.table_config import TableConfig
 
     with Store(tmp_path) as store:
         store.create_table(TableConfig.of("t", estimator="none"))
         store.put("t", group_items(1, 0, 2))
-        held = store.sample(SampleSpec("t", num_groups=1), hold=True)
+        held = store.sample(TakeSpec("t", num_groups=1), hold=True)
         assert held.lease_id and store.stats("t")["leased"] == 2
     server = start_server(tmp_path)
     assert server.store.stats("t")["leased"] == 0

@@ -15,7 +15,7 @@ from expbuf import client
 from expbuf.client.schema.table_settings import SETTING_NAMES
 from expbuf.proto.v1 import buffer_pb2
 from expbuf.server import cli, config
-from expbuf.server.rpc import auth
+from expbuf.server.rpc.interceptors import auth
 from expbuf.server.store.schema import table_config
 from expbuf.server.store.schema.table_parts import Shaping, flat_names
 
@@ -228,3 +228,93 @@ def test_no_hand_written_paragraph_runs_on_past_what_a_reader_scans() -> None:
                 if words > LONGEST_PARAGRAPH and not part.lstrip().startswith("|"):
                     long.append(f"{path.relative_to(DOCS).as_posix()}: {words} words from {part.split()[:6]}")
     assert long == []
+
+
+# A sequence diagram's participants are modules or rooms of the tree ("server/rpc/interceptors/auth.py",
+# "server/store/core/"), or lmdb; a call (a solid arrow) is labelled with the names the receiver
+# holds ("groups.put" in server/store/rules/ is put in rules/groups.py), or "rpc Push" for an RPC.
+MERMAID = re.compile(r"^```mermaid\n(.*?)^```", re.M | re.S)
+PARTICIPANT = re.compile(r"^\s*(?:participant|actor)\s+(\w+)(?:\s+as\s+(.+?))?\s*$", re.M)
+ARROW = re.compile(r"^\s*(\w+)\s*(--?)(?:>>|>|x|\))[+-]?\s*(\w+)\s*:\s*(.*)$", re.M)
+CALLED = re.compile(r"^(rpc\s+)?([A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*)")
+DOTTED = re.compile(r"(?<![\w./])[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)+")
+
+
+def participant_module(where: str) -> tuple[str, bool] | None:
+    """The module a participant names and whether it is a room (a folder of modules);
+    None for one that is no module (a trainer, a rollout worker)."""
+    if where == "lmdb":
+        return "lmdb", False
+    found = re.fullmatch(r"((?:client|server)(?:/\w+)*)(\.py|/)", where)
+    return None if found is None else ("expbuf." + found[1].replace("/", "."), found[2] == "/")
+
+
+def resolves(module: str, room: bool, name: str) -> bool:
+    """Whether `name` is there in `module`: its attributes, or in a room its modules' (the
+    first parts of `name` naming the module)."""
+    parts = name.split(".")
+    for split in range(len(parts) - 1, 0, -1) if room else (0,):
+        try:
+            found: object = importlib.import_module(".".join([module, *parts[:split]]))
+        except ModuleNotFoundError:
+            continue
+        for part in parts[split:]:
+            if not hasattr(found, part):
+                return False
+            found = getattr(found, part)
+        return True
+    return False
+
+
+def diagram_calls(text: str) -> tuple[list[str], int]:
+    """Each call of each sequence diagram of a page that names nothing there is, and how many
+    names were checked."""
+    rpcs = buffer_pb2.DESCRIPTOR.services_by_name["ExperienceBuffer"].methods_by_name
+    wrong, checked = [], 0
+    for diagram in MERMAID.findall(text):
+        if not diagram.lstrip().startswith("sequenceDiagram"):
+            continue
+        modules = {alias: participant_module(where or alias) for alias, where in PARTICIPANT.findall(diagram)}
+        for sender, dashes, receiver, label in ARROW.findall(diagram):
+            assert sender in modules and receiver in modules, f"{sender}->{receiver}: undeclared participant"
+            module = modules[receiver]
+            if dashes == "--" or module is None:  # a reply, or a call into a trainer or a worker
+                continue
+            called = CALLED.match(label)
+            assert called, f"{label!r}: a call's label starts with what it calls"
+            if called[1]:
+                checked += 1
+                if called[2] not in rpcs:
+                    wrong.append(f"{label!r}: no RPC {called[2]}")
+                continue
+            for name in dict.fromkeys([called[2], *DOTTED.findall(label)]):
+                checked += 1
+                if not resolves(*module, name):
+                    wrong.append(f"{label!r}: {name} is not in {module[0]}")
+    return wrong, checked
+
+
+def test_every_name_a_sequence_diagram_gives_is_in_the_code() -> None:
+    """The diagrams of a push and of a sample (docs/internals/push-and-sample.md) name the
+    modules, functions and RPCs they pass through: each one exists, so a change that renames or
+    moves one fails here until its diagram follows."""
+    text = page("internals/push-and-sample.md")
+    assert len(re.findall(r"^```mermaid\nsequenceDiagram", text, re.M)) == 4
+    for path in DOCS.rglob("*.md"):
+        wrong, checked = diagram_calls(path.read_text())
+        assert wrong == [], f"{path.relative_to(DOCS)}: {wrong}"
+        if path.name == "push-and-sample.md":
+            assert checked > 100
+    made_up = "```mermaid\nsequenceDiagram\n  participant A as server/store/rules/\n  A->>A: groups.put_all\n```"
+    assert diagram_calls(made_up) == (["'groups.put_all': groups.put_all is not in expbuf.server.store.rules"], 1)
+
+
+def test_the_docs_build_fails_on_what_it_warns_of() -> None:
+    """`make test` builds the site with --strict, which fails on a warning (a broken link, an
+    anchor no page has). MkDocs counts the warnings it logs, and --quiet keeps it from logging
+    them: with both, a broken link built without a word."""
+    builds = [line for line in (ROOT / "Makefile").read_text().splitlines() if "mkdocs build" in line]
+    assert len(builds) >= 2
+    assert [line.strip() for line in builds if "--strict" not in line or "--quiet" in line] == []
+    site = (ROOT / "tests" / "test_site.py").read_text()  # the site the tests build, as make test does
+    assert '"build", "--strict",' in site and '"--quiet"' not in site

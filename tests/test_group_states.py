@@ -6,15 +6,14 @@ nothing."""
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
 
-from expbuf.server.store import Store, TableExtension
+from expbuf.server.store import Pushed, Store, TableExtension
 from expbuf.server.store.core.state import TableState
 from expbuf.server.store.disk.records import GroupRecord
-from expbuf.server.store.schema.sample_spec import SampleSpec
+from expbuf.server.store.schema.sample_spec import TakeSpec
 from expbuf.server.store.schema.states import LIVE, MOVES, RETIRED, STATES, IllegalMove, State, check_move
 from expbuf.server.store.schema.table_config import TableConfig
 
@@ -30,10 +29,10 @@ class Mover(TableExtension):
     def __init__(self) -> None:
         self.move: tuple[State, State] | None = None
 
-    def on_push(self, tt: TableState, gkeys: Sequence[str]) -> None:
+    def on_pushed(self, tt: TableState, event: Pushed) -> None:
         if self.move is not None:
             was, to = self.move
-            for gkey in gkeys:
+            for gkey in event.gkeys:
                 tt.move_group(gkey, GroupRecord(state=was, created=tt.now), to)
 
 
@@ -62,7 +61,7 @@ def test_every_forbidden_move_fails_its_transaction_and_stores_nothing(tmp_path:
             assert (stats["pushed"], stats["ready"], stats["groups_pending"]) == (0, 0, 0), (was, to)
         mover.move = None  # the store is healthy: the next push and sample go through
         store.put("t", group_items(0, 0, 2))
-        batch = store.sample(SampleSpec("t", num_groups=1))
+        batch = store.sample(TakeSpec("t", num_groups=1))
         assert batch is not None and len(batch.uids) == 2
         batch.release()
     assert len(FORBIDDEN) == len(State) ** 2 - len(ALLOWED) > 40

@@ -20,7 +20,7 @@ import pytest
 from expbuf.client import BufferClient, trxp
 from expbuf.proto.v1 import buffer_pb2 as pb
 from expbuf.proto.v1 import buffer_pb2_grpc as pb_grpc
-from expbuf.server.rpc import ingest
+from expbuf.server.rpc.push import ingest
 
 from helpers import ServerProcess, group_items
 

@@ -13,13 +13,13 @@ import grpc
 import pytest
 
 from expbuf.client import BufferClient, InvalidArgumentError, trxp
-from expbuf.client.trxp.checks import FLOAT32_MAX
+from expbuf.client.trxp.codec.checks import FLOAT32_MAX
 from expbuf.proto.v1 import buffer_pb2 as pb
 from expbuf.proto.v1 import buffer_pb2_grpc as pb_grpc
 from expbuf.server.app import ExpbufServer
 from expbuf.server.store import Store
 from expbuf.server.store.schema.estimator_registry import ESTIMATORS
-from expbuf.server.store.schema.sample_spec import SampleSpec
+from expbuf.server.store.schema.sample_spec import TakeSpec
 from expbuf.server.store.schema.table_config import TableConfig
 
 from helpers import group_items, make_experience
@@ -109,7 +109,7 @@ def test_a_stored_advantage_beyond_float32_fails_its_group_when_sampled(tmp_path
             tt.save()
 
         store.environment.submit(overflow)
-        batch = store.sample(SampleSpec("t", num_groups=1))
+        batch = store.sample(TakeSpec("t", num_groups=1))
         assert set(batch.group_ids) == {"1/1"}
         stats = store.stats("t")
         assert (stats["groups_failed"], stats["damaged"], stats["ready"]) == (1, 0, 0)

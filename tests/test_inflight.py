@@ -3,22 +3,27 @@ what pushes hold and makes new ones wait past its cap."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import itertools
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import grpc
 import pytest
 from google.protobuf.message import DecodeError
 
-from expbuf.client import trxp
+from expbuf.client import AsyncBufferClient, BufferClient, trxp
+from expbuf.client.shards.blocking import ShardedBufferClient
 from expbuf.proto.v1 import buffer_pb2 as pb
 from expbuf.proto.v1 import buffer_pb2_grpc as pb_grpc
+from expbuf.server import app
 from expbuf.server.app import ExpbufServer
-from expbuf.server.rpc.inflight import InFlight
-from expbuf.server.rpc.push_request import read_push_request
+from expbuf.server.rpc.push.inflight import InFlight
+from expbuf.server.rpc.push.push_memory import PushMemory
+from expbuf.server.rpc.push.push_request import read_push_request
 
 from conftest import BAD_DIR, Servers
 from helpers import group_items, make_experience
@@ -180,8 +185,15 @@ def test_chunks_that_do_not_make_their_push_are_refused_naming_why_and_store_not
         assert (
             "a chunk after the first carries a payload and nothing else" in refusal(stub, [parted[0], stray]).details()
         )
-        past = pb.PushRequest(payload=body[200:] + b"x")
-        assert "past total_bytes" in refusal(stub, [parted[0], past]).details()
+        tail = parted[-1].payload
+        assert len(tail) < 200
+        assert "past total_bytes" in refusal(stub, [*parted[:-1], pb.PushRequest(payload=tail + b"x")]).details()
+        larger = refusal(stub, [parted[0], pb.PushRequest(payload=body[200:601])])
+        assert larger.details() == (
+            f"PushRequest 200 bytes into the push of seq 5 in chunks (total_bytes = {len(body)}): a chunk of 401 "
+            "bytes, larger than the push's first (200 bytes), which no later chunk may pass (max_inflight_bytes "
+            "holds room for one of its size on its way)"
+        ), larger.details()
         short = refusal(stub, [pb.PushRequest(payload=body, total_bytes=10)])
         assert short.details() == f"PushRequest: total_bytes = 10 is less than the {len(body)} bytes of its payload"
         # max_message_bytes bounds a chunk, not the push: one of 2 MiB is read on, to its end
@@ -216,9 +228,10 @@ def test_a_stream_broken_between_chunks_stores_nothing_of_that_push(start_server
         call = stub.PushStream(messages(), timeout=30)
         assert sent.wait(10)
         deadline = time.monotonic() + 10
-        while server.inflight.held != len(body) and time.monotonic() < deadline:  # what its first chunk announced
+        announced = len(body) + 100  # what its first chunk announced, and a chunk on its way
+        while server.inflight.held != announced and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert server.inflight.held == len(body)
+        assert server.inflight.held == announced
         call.cancel()
         end.set()
         assert held_drops_to_zero(server)
@@ -254,6 +267,9 @@ def held_back(stub: pb_grpc.ExperienceBufferStub, parted: list[pb.PushRequest], 
     return stub.PushStream(messages(), timeout=60)
 
 
+PART = 64 << 10  # the chunks of the pushes held back below
+
+
 def reserved(server: ExpbufServer, size: int) -> None:
     """Wait until the pushes in progress hold `size` bytes: a push in chunks reserved what it announced."""
     deadline = time.monotonic() + 30
@@ -264,12 +280,12 @@ def reserved(server: ExpbufServer, size: int) -> None:
 
 @contextlib.contextmanager
 def cap_held(stub: pb_grpc.ExperienceBufferStub, server: ExpbufServer, body: bytes) -> Iterator[None]:
-    """While the block runs, a push in chunks of `body` holds what it announced (`held_back`);
-    then its other chunks go, and it is stored."""
+    """While the block runs, a push in chunks of `body` holds what it announced and a chunk on its
+    way (`held_back`); then its other chunks go, and it is stored."""
     go = threading.Event()
-    holding = held_back(stub, chunks(body, 64 << 10), go)
+    holding = held_back(stub, chunks(body, PART), go)
     try:
-        reserved(server, len(body))
+        reserved(server, len(body) + PART)
         yield
     finally:
         go.set()
@@ -278,18 +294,19 @@ def cap_held(stub: pb_grpc.ExperienceBufferStub, server: ExpbufServer, body: byt
 
 def test_pushes_in_chunks_are_admitted_by_the_total_they_announce(start_server: Servers) -> None:
     """Four pushes in chunks, each announcing more than half of max_inflight_bytes: the first to
-    come reserves what it announces, and the others wait, holding nothing, until it is stored."""
+    come reserves what it announces (and a chunk on its way), and the others wait, holding
+    nothing, until it is stored."""
     cap = 1 << 20
     server = start_server(max_inflight_bytes=cap)
     bodies = [trxp.build(group_items(f"b{n}", 0, 1, response=70_000)) for n in range(4)]
-    assert all(cap // 2 < len(body) < cap for body in bodies)
+    assert all(cap // 2 < len(body) + PART < cap for body in bodies)
     go = threading.Event()
     with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
         stub = pb_grpc.ExperienceBufferStub(channel)
-        calls = [held_back(stub, chunks(body, 64 << 10, seq=n), go) for n, body in enumerate(bodies)]
+        calls = [held_back(stub, chunks(body, PART, seq=n), go) for n, body in enumerate(bodies)]
         try:
             deadline = time.monotonic() + 30
-            while not (server.inflight.held in {len(body) for body in bodies} and server.inflight.waiting == 3):
+            while not (server.inflight.held in {len(body) + PART for body in bodies} and server.inflight.waiting == 3):
                 assert time.monotonic() < deadline, (
                     f"pushes in chunks hold {server.inflight.held} bytes, not the total one of them announced"
                 )
@@ -309,7 +326,7 @@ def test_a_push_in_chunks_waits_for_room_then_is_refused_naming_what_it_announce
     with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
         stub = pb_grpc.ExperienceBufferStub(channel)
         with cap_held(stub, server, first):
-            ended = refusal(stub, chunks(second, 64 << 10, seq=7))
+            ended = refusal(stub, chunks(second, PART, seq=7))
     assert ended.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert f"total_bytes = {len(second)}" in ended.details(), ended.details()
     assert f"max_inflight_bytes = {cap}" in ended.details(), ended.details()
@@ -323,7 +340,7 @@ def test_a_push_in_chunks_larger_than_max_inflight_bytes_is_refused_naming_both(
     assert cap < len(body) < server.config.max_message_bytes
     with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
         stub = pb_grpc.ExperienceBufferStub(channel)
-        ended = refusal(stub, chunks(body, 64 << 10))
+        ended = refusal(stub, chunks(body, PART))
         assert ended.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert f"total_bytes = {len(body)}" in ended.details(), ended.details()
         assert f"max_inflight_bytes = {cap}" in ended.details(), ended.details()
@@ -360,7 +377,8 @@ def test_a_put_of_keyed_values_waits_for_room_as_a_push_does(start_server: Serve
     deadline and is refused naming the setting, nothing stored; once the push holding the room is
     stored, it is, and what it held is given back."""
     body = trxp.build(group_items("w", 0, 1, response=150_000))
-    server = start_server(max_inflight_bytes=len(body))  # the push in chunks below holds all of it
+    cap = len(body) + PART
+    server = start_server(max_inflight_bytes=cap)  # the push in chunks below holds all of it
     value = bytes(range(256)) * 4096
     put = pb.PutValuesRequest(keys=["k"], values=[value])
     with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
@@ -370,7 +388,7 @@ def test_a_put_of_keyed_values_waits_for_room_as_a_push_does(start_server: Serve
                 stub.PutValues(put, timeout=1.5)
             assert stub.GetValues(pb.GetValuesRequest(keys=["k"]), timeout=10).missing_keys == ["k"]
         assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-        assert f"max_inflight_bytes = {len(body)}" in refused.value.details(), refused.value.details()
+        assert f"max_inflight_bytes = {cap}" in refused.value.details(), refused.value.details()
         assert stub.PutValues(put, timeout=30).stored == 1
         assert list(stub.GetValues(pb.GetValuesRequest(keys=["k"]), timeout=10).values) == [value]
     assert held_drops_to_zero(server)
@@ -385,7 +403,7 @@ def test_calls_waiting_for_room_leave_the_reserve_to_calls_that_answer_at_once(
     are refused busy at once, having done nothing, and a ClearValues is still answered (it was
     refused busy, every worker held by a waiting call). Once room is made, those that waited go in."""
     body = trxp.build(group_items("w", 0, 1, response=150_000))
-    server = start_server(max_inflight_bytes=len(body), workers=8, reserved_workers=2)
+    server = start_server(max_inflight_bytes=len(body) + PART, workers=8, reserved_workers=2)
     with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
         stub = pb_grpc.ExperienceBufferStub(channel)
         with cap_held(stub, server, body):
@@ -444,3 +462,302 @@ def test_a_staged_push_whose_table_is_dropped_meanwhile_gives_back_its_reservati
         assert ended.value.code() == grpc.StatusCode.NOT_FOUND, ended.value.details()
         assert "'t'" in ended.value.details()
     assert held_drops_to_zero(server), f"{server.inflight.held} bytes of max_inflight_bytes still held"
+
+
+MESSAGE_BYTES = "expbuf-message-bytes"  # the call metadata in which a client declares its messages' largest size
+
+
+def declaring(size: int) -> tuple[tuple[str, str], ...]:
+    return ((MESSAGE_BYTES, str(size)),)
+
+
+ARRIVING = 8  # Pushes or PutValues let in together
+
+
+class Counted(InFlight):
+    """The server's InFlight, keeping the most it held at once (payload and reservations for reads)."""
+
+    most = 0
+
+    def hold(self, size: int, owner: object = None) -> Callable[[], None]:
+        with self._changed:  # the lock hold() takes (reentrant), so that no change is missed
+            release = super().hold(size, owner)
+            self.most = max(self.most, self.held)
+        return release
+
+
+def gated(server: ExpbufServer, monkeypatch: pytest.MonkeyPatch) -> threading.Semaphore:
+    """Passes for the server's pushes and PutValues to store: each call, its message read and held,
+    takes one before the store writes it, and waits for it."""
+    passes = threading.Semaphore(0)
+    for name in ("put_entries", "put_values"):
+        stores = getattr(server.store, name)
+
+        def gate(*args: Any, _stores: Callable[..., Any] = stores, **kwargs: Any) -> Any:
+            assert passes.acquire(timeout=60), "the test gave no pass"
+            return _stores(*args, **kwargs)
+
+        monkeypatch.setattr(server.store, name, gate)
+    return passes
+
+
+@pytest.mark.parametrize("method", ["Push", "PutValues"])
+def test_declared_calls_let_in_together_hold_no_more_than_max_inflight_bytes(
+    start_server: Servers, monkeypatch: pytest.MonkeyPatch, method: str
+) -> None:
+    """Eight Pushes or PutValues of 450 KB, each declaring its message's size (expbuf-message-bytes),
+    wait for room behind a PutValues that holds all of max_inflight_bytes (room for two of them),
+    and are let in together once it is stored; each, its message read, waits for the test to let
+    the store write it. Each began its read while what was held was below the cap, so they read
+    whole messages until what they held passed it: at least three, six to eight of the eight in
+    runs, 2.7-3.6 MB under a cap of 1.1 MB, by the server's own count (InFlight.held). A read now
+    reserves what its call declared once it fits: two are read, the other six wait for room, and
+    the most held at any time is the cap and the message being read. Then all are stored."""
+    monkeypatch.setattr(app, "InFlight", Counted)
+    bodies = [trxp.build(group_items(f"p{n}", 0, 1, response=50_000)) for n in range(ARRIVING)]
+    size = len(bodies[0])  # what each holds once read: a push's payload, a put's value
+    assert {len(body) for body in bodies} == {size}
+    requests: list[Any] = [
+        pb.PushRequest(payload=body) if method == "Push" else pb.PutValuesRequest(keys=[f"k{n}"], values=[body])
+        for n, body in enumerate(bodies)
+    ]
+    message = max(request.ByteSize() for request in requests)
+    cap = 2 * message + message // 2  # room for two of them, not three
+    server = start_server(max_inflight_bytes=cap)
+    inflight = server.inflight
+    assert isinstance(inflight, Counted)
+    passes = gated(server, monkeypatch)
+    with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        stub = pb_grpc.ExperienceBufferStub(channel)
+        holder = stub.PutValues.future(pb.PutValuesRequest(keys=["holder"], values=[bytes(cap)]), timeout=60)
+        deadline = time.monotonic() + 30
+        while inflight.held != cap:
+            assert time.monotonic() < deadline, f"the holder holds {inflight.held} bytes, not {cap}"
+            time.sleep(0.02)
+        calls = [
+            getattr(stub, method).future(request, timeout=60, metadata=declaring(request.ByteSize()))
+            for request in requests
+        ]
+        while inflight.waiting != ARRIVING:
+            assert time.monotonic() < deadline, f"{inflight.waiting} calls wait for room, not {ARRIVING}"
+            time.sleep(0.02)
+        passes.release()  # the holder is stored: the eight find room together
+
+        def settled() -> bool:
+            """Every call holds its message (read, waiting to be stored) or waits for room."""
+            held = inflight.held
+            return held > 0 and held % size == 0 and held // size + inflight.waiting == ARRIVING
+
+        while not settled():
+            assert time.monotonic() < deadline, f"held {inflight.held}, waiting {inflight.waiting}"
+            time.sleep(0.02)
+        held, waiting = inflight.held, inflight.waiting
+        passes.release(ARRIVING)
+        assert holder.result().stored == 1
+        answered = [call.result(timeout=60) for call in calls]
+    assert held <= cap, (
+        f"{ARRIVING} {method} calls let in together hold {held} bytes ({held // size} messages read), "
+        f"past max_inflight_bytes = {cap}"
+    )
+    assert (held // size, waiting) == (2, ARRIVING - 2)
+    assert inflight.most <= cap + message, f"held {inflight.most} bytes at most, under max_inflight_bytes = {cap}"
+    if method == "Push":
+        assert [len(reply.stored_uids) for reply in answered] == [1] * ARRIVING
+    else:
+        assert [reply.stored for reply in answered] == [1] * ARRIVING
+    assert held_drops_to_zero(server)
+
+
+def test_a_message_larger_than_its_call_declared_is_refused_naming_both(start_server: Servers) -> None:
+    """A call's declaration (expbuf-message-bytes) is what max_inflight_bytes held room for before
+    its message was read: a message larger is refused INVALID_ARGUMENT naming both sizes, nothing
+    of it stored (a PushStream's in its turn, after the pushes before it), and a declaration that
+    is not a size is refused naming the key."""
+    server = start_server()
+    body = trxp.build(group_items("declared", 0, 2))
+    push = pb.PushRequest(payload=body)
+    later = pb.PushRequest(payload=trxp.build(group_items("later", 0, 2)) + bytes(64), seq=2)
+    put = pb.PutValuesRequest(keys=["k"], values=[body])
+    with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        stub = pb_grpc.ExperienceBufferStub(channel)
+        for method, request in (("Push", push), ("PutValues", put)):
+            with pytest.raises(grpc.RpcError) as refused:
+                getattr(stub, method)(request, timeout=10, metadata=declaring(request.ByteSize() - 1))
+            assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT, refused.value.details()
+            assert refused.value.details() == (
+                f"{type(request).__name__}: a message of {request.ByteSize()} bytes, larger than its call declared "
+                f"({MESSAGE_BYTES} = {request.ByteSize() - 1}, the most a message of the call may be, which "
+                "max_inflight_bytes held room for before it was read): nothing of it is stored"
+            ), refused.value.details()
+        first = pb.PushRequest(payload=body, seq=1)
+        stream = stub.PushStream(iter([first, later]), timeout=10, metadata=declaring(first.ByteSize()))
+        assert [reply.seq for reply in itertools.islice(stream, 1)] == [1]
+        with pytest.raises(grpc.RpcError) as ended:
+            next(stream)
+        assert ended.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert f"a message of {later.ByteSize()} bytes, larger than its call declared" in ended.value.details()
+        assert f"{MESSAGE_BYTES} = {first.ByteSize()}" in ended.value.details()
+        for bad in ("many", "0", "-5", "1e6"):
+            with pytest.raises(grpc.RpcError) as refused:
+                stub.Push(push, timeout=10, metadata=((MESSAGE_BYTES, bad),))
+            assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert f"{MESSAGE_BYTES} = {bad!r}" in refused.value.details(), refused.value.details()
+        assert stub.Stats(pb.StatsRequest(table="default"), timeout=10).tables[0].pushed == 2
+        assert list(stub.GetValues(pb.GetValuesRequest(keys=["k"]), timeout=10).missing_keys) == ["k"]
+        assert stub.Push(push, timeout=10, metadata=declaring(push.ByteSize())).duplicate_uids
+    assert held_drops_to_zero(server)
+
+
+def test_a_call_reads_its_message_once_what_it_declared_fits(start_server: Servers) -> None:
+    """A PushStream that declared its messages' size and sent nothing yet holds that much of
+    max_inflight_bytes for the read it has begun; one that declared nothing holds nothing, as
+    before. A Push that declares more than is left waits for room (an undeclared one is read
+    while anything is left, and so is an undeclared PutValues), and is stored once the silent
+    stream ends; a declared PutValues that waits past its deadline is refused naming the read
+    that holds the room."""
+    cap = 1 << 20
+    server = start_server(max_inflight_bytes=cap)
+    body = trxp.build(group_items("waits", 0, 1, response=70_000))
+    push = pb.PushRequest(payload=body)
+    put = pb.PutValuesRequest(keys=["k"], values=[body])
+    silent = cap - push.ByteSize() // 2  # the room the silent stream leaves is half the push's
+    holds: list[threading.Event] = []
+
+    def nothing(hold: threading.Event) -> Iterator[pb.PushRequest]:
+        hold.wait(60)
+        return
+        yield
+
+    with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        stub = pb_grpc.ExperienceBufferStub(channel)
+        streams = []
+        for declared in (declaring(silent), ()):
+            holds.append(threading.Event())
+            streams.append(stub.PushStream(nothing(holds[-1]), timeout=60, metadata=declared))
+        try:
+            deadline = time.monotonic() + 30
+            while server.call_limits.in_progress("push_stream") < 2 or server.inflight.held != silent:
+                assert time.monotonic() < deadline, f"the silent streams hold {server.inflight.held}, not {silent}"
+                time.sleep(0.02)
+            undeclared = stub.Push(push, timeout=30)  # read while the held bytes are below the cap
+            assert len(undeclared.stored_uids) == 1
+            assert stub.PutValues(put, timeout=30).stored == 1
+            with pytest.raises(grpc.RpcError) as refused:
+                stub.PutValues(put, timeout=1.5, metadata=declaring(put.ByteSize()))
+            assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, refused.value.details()
+            assert (
+                f"reads begun hold {silent} bytes for the next message of 1 call (what the call declared a "
+                f"message may be, {MESSAGE_BYTES}; a PushStream open but silent holds it until its message comes"
+            ) in refused.value.details(), refused.value.details()
+            waiting = stub.Push.future(push, timeout=60, metadata=declaring(push.ByteSize()))
+            while server.inflight.waiting != 1:
+                assert time.monotonic() < deadline, "the declared Push did not wait for room"
+                assert not waiting.done(), waiting.exception()
+                time.sleep(0.02)
+        finally:
+            for hold in holds:
+                hold.set()
+        assert list(waiting.result(timeout=30).duplicate_uids) == list(undeclared.stored_uids)
+        for stream in streams:
+            assert list(stream) == []
+    assert held_drops_to_zero(server)
+
+
+PUSHING = ("Push", "PushStream", "PutValues")
+
+
+def recorded_declarations(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, int | None]]:
+    """What each Push, PushStream and PutValues of the servers started after this declared
+    (expbuf-message-bytes as the server received it, None where it has none), in the order they
+    came: the servers' PushMemory records each call's metadata before it goes on as ever."""
+    seen: list[tuple[str, int | None]] = []
+
+    class Recording(PushMemory):
+        def wrap(
+            self, method: str, handler: grpc.RpcMethodHandler, details: grpc.HandlerCallDetails
+        ) -> grpc.RpcMethodHandler:
+            if method in PUSHING:
+                found = [value for key, value in details.invocation_metadata or () if key == MESSAGE_BYTES]
+                seen.append((method, int(found[0]) if found else None))
+            return super().wrap(method, handler, details)
+
+    monkeypatch.setattr(app, "PushMemory", Recording)
+    return seen
+
+
+CHUNK = 1 << 16  # the clients' push_chunk_bytes below
+
+
+def most_in_a_chunk(table: str) -> int:
+    """The largest message a pusher of push_chunk_bytes = CHUNK sends to `table`: a first chunk
+    (or a push sent whole) of CHUNK bytes, its seq and total_bytes as large as they go."""
+    return pb.PushRequest(table=table, payload=bytes(CHUNK), seq=2**64 - 1, total_bytes=2**64 - 1).ByteSize()
+
+
+def test_expbuf_clients_declare_the_most_a_message_of_their_call_will_be(
+    start_server: Servers, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The blocking and the asyncio client, their pushers and the sharded clients declare in each
+    Push, PushStream and PutValues the most a message of the call will be: a push or a put sent
+    whole its own size, a push in chunks or a pusher's stream the most a chunk's message takes."""
+    seen = recorded_declarations(monkeypatch)
+    servers = [start_server(data) for data in (start_server.data / "a", start_server.data / "b")]
+    targets = [f"127.0.0.1:{server.port}" for server in servers]
+    small = trxp.build(group_items("small", 0, 2))
+    large = trxp.build(group_items("large", 0, 1, response=70_000))
+    assert len(small) < CHUNK < len(large)
+    whole = pb.PushRequest(table="t", payload=small).ByteSize()
+    put = pb.PutValuesRequest(table="t", keys=["k"], values=[small]).ByteSize()
+    chunks = most_in_a_chunk("t")
+    expected = [("Push", whole), ("PushStream", chunks), ("PutValues", put), ("PushStream", chunks)]
+
+    with BufferClient(targets[0], push_chunk_bytes=CHUNK) as client:
+        client.create_table("t")
+        client.push(small, table="t")
+        client.push(large, table="t")
+        client.put_values(["k"], [small], table="t")
+        with client.pusher("t") as pusher:
+            pusher.push(small).result()
+    assert seen == expected, seen
+    seen.clear()
+
+    async def pushes() -> None:
+        async with AsyncBufferClient(targets[0], push_chunk_bytes=CHUNK) as client:
+            await client.push(small, table="t")
+            await client.push(large, table="t")
+            await client.put_values(["k"], [small], table="t")
+            async with client.pusher("t") as pusher:
+                await (await pusher.push(small))
+
+    asyncio.run(pushes())
+    assert seen == expected, seen
+    seen.clear()
+
+    with ShardedBufferClient(dict(zip("ab", targets, strict=True)), push_chunk_bytes=CHUNK) as sharded:
+        sharded.create_table("t", exist_ok=True)
+        sharded.push(small, table="t")
+        sharded.put_values(["k"], [small], table="t")
+        with sharded.pusher("t") as pusher:
+            pusher.push(small).result()
+    assert sorted(method for method, _ in seen) == ["Push", "PushStream", "PutValues"], seen
+    assert ("PushStream", chunks) in seen and ("PutValues", put) in seen, seen
+    assert all(declared for _, declared in seen), seen
+
+
+def test_an_idle_pusher_holds_its_next_message_until_the_idle_timeout_ends_its_stream(start_server: Servers) -> None:
+    """A pusher keeps its PushStream open between pushes, and the server's read of its next message
+    holds what the stream declared (a chunk's message, about push_chunk_bytes) while it waits: idle
+    pushers hold that much each of max_inflight_bytes, so that a push they send after an idle spell
+    finds its room. The stream that stays silent for push_stream_idle_seconds is ended, and what it
+    held given back; the pusher's next push goes on a new stream."""
+    server = start_server(push_stream_idle_seconds=2)
+    first, second = (trxp.build(group_items(batch, 0, 1)) for batch in ("first", "second"))
+    with BufferClient(f"127.0.0.1:{server.port}", push_chunk_bytes=CHUNK) as client, client.pusher("t") as pusher:
+        client.create_table("t")
+        assert len(pusher.push(first).result(timeout=30).stored) == 1
+        deadline = time.monotonic() + 30
+        while server.inflight.held != most_in_a_chunk("t"):
+            assert time.monotonic() < deadline, f"the idle pusher holds {server.inflight.held} bytes"
+            time.sleep(0.02)
+        assert held_drops_to_zero(server), f"{server.inflight.held} bytes held past push_stream_idle_seconds"
+        assert len(pusher.push(second).result(timeout=30).stored) == 1

@@ -20,8 +20,8 @@ import torch
 from expbuf.client import EID, BufferClient, BufferError, Experience, trxp
 from expbuf.server.app import ExpbufServer
 from expbuf.server.config import ConfigError, ServerConfig, load
-from expbuf.server.rpc import ingest as ingest_module
-from expbuf.server.rpc.ingest import Ingest, entries_of
+from expbuf.server.rpc.push import ingest as ingest_module
+from expbuf.server.rpc.push.ingest import Ingest, entries_of
 
 from conftest import BAD_DIR, MANIFEST, Servers, payload
 
@@ -185,7 +185,7 @@ def test_a_pool_left_open_at_exit_starts_no_new_process() -> None:
     """A pool no one closed is closed as the interpreter exits (its workers ignore the SIGTERM
     multiprocessing ends them with then), and its watch must not take that for a death and start
     a process in an interpreter that is exiting."""
-    code = "import logging; logging.basicConfig(); from expbuf.server.rpc.ingest import Ingest; pool = Ingest(1)"
+    code = "import logging; logging.basicConfig(); from expbuf.server.rpc.push.ingest import Ingest; pool = Ingest(1)"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and "starting a new one" not in done.stderr, done.stderr
 
@@ -198,7 +198,7 @@ if __name__ == "__mp_main__":  # in a worker: the first to get here lives, the o
     except FileExistsError:
         os._exit(3)
 if __name__ == "__main__":
-    from expbuf.server.rpc.ingest import Ingest
+    from expbuf.server.rpc.push.ingest import Ingest
     Ingest(2)
 """
 

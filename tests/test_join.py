@@ -9,7 +9,7 @@ import struct
 import pytest
 
 from expbuf.client import trxp
-from expbuf.client.trxp.common import HEADER_SIZE
+from expbuf.client.trxp.codec.common import HEADER_SIZE
 
 from conftest import payload
 

@@ -18,6 +18,7 @@ import pytest
 from expbuf.client import BufferClient, UnavailableError, trxp
 from expbuf.client.kit.batches import take_one
 from expbuf.client.kit.lease_keeper import LeaseKeeper
+from expbuf.client.kit.retry import Retry
 from expbuf.client.results import Batch
 
 from helpers import fill, group_items, wait_for
@@ -126,3 +127,35 @@ def test_every_adapter_takes_and_settles_its_batches_through_the_kit() -> None:
     assert found == []
     uses = {adapter: " ".join(p.read_text() for p in (CLIENT / adapter).rglob("*.py")) for adapter in ADAPTERS}
     assert [a for a, text in uses.items() if "take_one(" not in text or "LeaseKeeper(" not in text] == []
+
+
+def test_a_retry_pauses_as_the_clients_own_retries_do_and_gives_up_at_its_bound() -> None:
+    retry = Retry(within=3.0)
+    pauses = [retry.pause() for _ in range(4)]
+    assert None not in pauses
+    assert all(0.8 * 0.05 * 2**n <= p <= 1.2 * 0.05 * 2**n for n, p in enumerate(pauses) if p is not None)
+    grown = [retry.pause() for _ in range(8)]
+    assert all(p is not None and p <= 2.4 for p in grown)  # at most 2 s, jittered
+    assert all(p is not None and p >= 1.6 for p in grown[2:])
+    late = Retry(within=0.0)
+    assert late.pause() is None  # no time to try again: the caller raises what failed
+    retry.reset()
+    again = retry.pause()
+    assert again is not None and again <= 0.06  # a success starts again from the shortest pause
+    unbounded = Retry()
+    assert all(unbounded.pause() is not None for _ in range(100))
+
+
+def test_every_adapter_waits_for_an_unavailable_server_with_the_kits_retry() -> None:
+    """One policy for a server out of reach: no adapter (nor the kit's other modules) keeps its own
+    pause between tries."""
+    own = re.compile(r"\b(PAUSE|pause)\s*=\s*[0-9]")
+    found = [
+        f"{path.relative_to(CLIENT)}:{number}: {line.strip()}"
+        for folder in (*ADAPTERS, "kit")
+        for path in sorted((CLIENT / folder).rglob("*.py"))
+        if path.name != "retry.py"
+        for number, line in enumerate(path.read_text().splitlines(), 1)
+        if own.search(line)
+    ]
+    assert found == []

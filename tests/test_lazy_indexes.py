@@ -33,7 +33,7 @@ from expbuf.server.store.disk import layout
 from expbuf.server.store.disk.environment import Environment
 from expbuf.server.store.schema import errors
 from expbuf.server.store.schema.errors import InvalidRequest
-from expbuf.server.store.schema.sample_spec import SampleSpec
+from expbuf.server.store.schema.sample_spec import TakeSpec
 from expbuf.server.store.schema.table_config import TableConfig
 from expbuf.server.store.services import index_builds
 
@@ -97,7 +97,7 @@ def push_puts(store: Store, at: int, n: int = 64) -> dict[str, float]:
 
 def replay(store: Store, table: str = "t", wait: float = 120.0, **spec: object) -> list[str]:
     """A replayed batch's groups, waiting up to `wait` (for data, or for an index being built)."""
-    batch = store.sample(SampleSpec(table, delivery="replay", wait_seconds=wait, **spec))  # type: ignore[arg-type]
+    batch = store.sample(TakeSpec(table, delivery="replay", wait_seconds=wait, **spec))  # type: ignore[arg-type]
     assert batch is not None
     return batch.group_ids
 
@@ -155,8 +155,8 @@ def history(store: Store, batch: int = 1) -> None:
     for task in range(24):
         version = None if task == 5 else task % 4
         store.put("t", group_items(batch, task, 1, version=version, priority=float(task % 3)))
-    assert store.sample(SampleSpec("t", num_groups=3, wait_seconds=0)) is not None
-    leased = store.sample(SampleSpec("t", num_groups=2, order="lifo", delivery="lease", lease_seconds=60))
+    assert store.sample(TakeSpec("t", num_groups=3, wait_seconds=0)) is not None
+    leased = store.sample(TakeSpec("t", num_groups=2, order="lifo", delivery="lease", lease_seconds=60))
     assert leased is not None and leased.lease_id
     store.nack(leased.lease_id, "t")
     replay(store, num_groups=1, order="fifo")
@@ -405,7 +405,7 @@ def test_a_request_waits_for_the_build_of_its_index_within_its_own_wait(
         store.put_entries("t", entries(300, 1))
     go = held_builds(monkeypatch)
     with Store(tmp_path) as store:
-        spec = SampleSpec("t", num_groups=300, order="uniform", delivery="consume", wait_seconds=0.2)
+        spec = TakeSpec("t", num_groups=300, order="uniform", delivery="consume", wait_seconds=0.2)
         with pytest.raises(errors.IndexNotReady) as refused:
             store.sample(spec)
         assert str(refused.value).startswith("table 't': the uniform slots (slots, slotof) is being built in the ")
@@ -516,8 +516,8 @@ def test_a_build_cut_short_is_kept_consistent_and_goes_on_after_a_restart(tmp_pa
     with Store(tmp_path / "always") as always, Store(tmp_path / "lazy") as lazy:
         for store in (always, lazy):
             store.put_entries("t", entries(8, 1, 40))
-            assert store.sample(SampleSpec("t", num_groups=5, wait_seconds=0)) is not None  # 0/0..0/4 consumed
-            leased = store.sample(SampleSpec("t", num_groups=30, order="lifo", delivery="lease", lease_seconds=60))
+            assert store.sample(TakeSpec("t", num_groups=5, wait_seconds=0)) is not None  # 0/0..0/4 consumed
+            leased = store.sample(TakeSpec("t", num_groups=30, order="lifo", delivery="lease", lease_seconds=60))
             assert leased is not None and leased.lease_id
             store.nack(leased.lease_id, "t")  # back with their places in the ready order
             replay(store, num_groups=2, order="fifo")  # requeued: new places past the cursor

@@ -15,7 +15,7 @@ import pytest
 from expbuf.server.store import ItemRecord, Store
 from expbuf.server.store.disk import layout
 from expbuf.server.store.disk.records import Lease
-from expbuf.server.store.schema.sample_spec import SampleSpec
+from expbuf.server.store.schema.sample_spec import TakeSpec
 from expbuf.server.store.schema.table_config import TableConfig
 
 from conftest import FIXTURES
@@ -66,7 +66,7 @@ def test_a_batch_held_for_a_stream_that_never_confirmed_it_comes_back_uncounted(
         store.create_table(TableConfig.of("t", estimator="none", group_size=2))
         store.put("t", group_items(1, 0, 2, reward=0.0))
         before = _records(store, "t")
-        batch = store.sample(SampleSpec("t", num_groups=1), hold=True)
+        batch = store.sample(TakeSpec("t", num_groups=1), hold=True)
         assert batch is not None and store.stats("t")["sampled"] == 2
         assert store.release_holds() == 2
         assert _records(store, "t") == before and set(_listed(store, "t").values()) == {("ready", 0)}
@@ -99,7 +99,7 @@ def test_a_held_batch_whose_groups_are_deleted_before_it_comes_back_unsent_is_un
     with Store(tmp_path) as store:
         store.create_table(TableConfig.of("t", estimator="none", group_size=2))
         store.put("t", group_items(1, 0, 2, reward=0.0) + group_items(1, 1, 2, reward=1.0))
-        batch = store.sample(SampleSpec("t", num_groups=2), hold=True)
+        batch = store.sample(TakeSpec("t", num_groups=2), hold=True)
         assert batch is not None and store.stats("t")["sampled"] == 4
         assert store.delete("t", uids=[batch.uids[3]], group_ids=[batch.group_ids[0]]) == 3
         assert store.release_holds() == 1
@@ -115,7 +115,7 @@ def test_a_held_batch_an_earlier_release_leased_comes_back_uncounted_by_the_memb
     with Store(tmp_path) as store:
         store.create_table(TableConfig.of("t", estimator="none", group_size=2))
         store.put("t", group_items(1, 0, 2, reward=0.0))
-        batch = store.sample(SampleSpec("t", num_groups=1), hold=True)
+        batch = store.sample(TakeSpec("t", num_groups=1), hold=True)
         assert batch is not None and store.stats("t")["sampled"] == 2
     env = lmdb.open(str(tmp_path), max_dbs=layout.MAX_DBS)
     with env.begin(write=True) as txn:
@@ -142,7 +142,7 @@ def test_a_leased_batch_whose_group_is_deleted_leaves_the_rate_limiter_counts_ev
         store.create_table(TableConfig.of("t", estimator="none", group_size=2))
         store.put("t", group_items(1, 0, 2, reward=0.0) + group_items(1, 1, 2, reward=1.0))
         hold = end == "confirm_consume"
-        spec = SampleSpec("t", num_groups=2, delivery="consume" if hold else "lease")
+        spec = TakeSpec("t", num_groups=2, delivery="consume" if hold else "lease")
         batch = store.sample(spec, hold=hold)
         assert batch is not None
         assert store.delete("t", group_ids=[batch.group_ids[0]]) == 2

@@ -27,7 +27,7 @@ from expbuf.server.store.ledger.records import (
     queue_key,
 )
 from expbuf.server.store.schema.errors import ConfigError, Conflict, Forbidden, NotFound, StaleAttempt
-from expbuf.server.store.schema.sample_spec import SampleSpec
+from expbuf.server.store.schema.sample_spec import TakeSpec
 from expbuf.server.store.schema.table_config import TableConfig
 
 from helpers import make_experience
@@ -133,7 +133,7 @@ def test_a_prompt_is_generated_when_its_group_completes_and_trained_when_consume
     assert counts(ledger(store)) == {"claimed": 1, "generated": 0, "trained": 0, "dropped": 0}
     store.put("t", items("math", prompt, range(1, 2)))
     assert counts(ledger(store)) == {"claimed": 0, "generated": 1, "trained": 0, "dropped": 0}
-    batch = store.sample(SampleSpec("t", num_groups=1))
+    batch = store.sample(TakeSpec("t", num_groups=1))
     assert batch.group_ids == [group_key("math", 0, 0, 0)] * 2
     assert counts(ledger(store)) == {"claimed": 0, "generated": 0, "trained": 1, "dropped": 0}
     page = store.claims.prompts("t", "math")
@@ -145,8 +145,8 @@ def test_a_lease_acked_trains_its_prompt_and_one_given_back_does_not(store: Stor
     prompts, _ = store.claims.claim("t", "math", 2, seconds=60)
     for prompt in prompts:
         store.put("t", items("math", prompt, range(2)))
-    first = store.sample(SampleSpec("t", num_groups=1, delivery="lease"))
-    second = store.sample(SampleSpec("t", num_groups=1, delivery="lease"))
+    first = store.sample(TakeSpec("t", num_groups=1, delivery="lease"))
+    second = store.sample(TakeSpec("t", num_groups=1, delivery="lease"))
     store.nack(second.lease_id)
     assert counts(ledger(store))["generated"] == 2
     store.ack(first.lease_id)
@@ -172,7 +172,7 @@ def test_a_claim_that_ends_sends_its_prompt_back_first_and_its_old_attempt_is_re
     assert (fresh.index, fresh.attempt) == (1, 0)
     store.put("t", items("math", again, range(2)))
     assert counts(ledger(store))["generated"] == 1
-    assert store.sample(SampleSpec("t", num_groups=1)).group_ids == [group_key("math", 0, 0, 1)] * 2
+    assert store.sample(TakeSpec("t", num_groups=1)).group_ids == [group_key("math", 0, 0, 1)] * 2
 
 
 def test_release_renew_and_another_tokens_claims(store: Store, clock: Clock) -> None:
@@ -202,7 +202,7 @@ def test_max_in_flight_bounds_claimed_and_generated_prompts(store: Store) -> Non
     assert store.claims.claim("t", "math", 1, seconds=60) == ([], False)
     store.put("t", items("math", prompts[0], range(2)))  # generated: still in flight
     assert store.claims.claim("t", "math", 1, seconds=60) == ([], False)
-    store.sample(SampleSpec("t", num_groups=1))  # trained: room for one
+    store.sample(TakeSpec("t", num_groups=1))  # trained: room for one
     assert len(store.claims.claim("t", "math", 5, seconds=60)[0]) == 1
 
 
@@ -213,7 +213,7 @@ def test_a_dataset_is_done_once_every_prompt_of_every_epoch_is_trained_or_droppe
     for prompt in prompts:
         store.put("t", items("math", prompt, range(2)))
     assert store.claims.claim("t", "math", 1, seconds=60) == ([], False)  # generated, not trained
-    store.sample(SampleSpec("t", num_groups=4))
+    store.sample(TakeSpec("t", num_groups=4))
     assert store.claims.claim("t", "math", 1, seconds=60) == ([], True)
     assert ledger(store).done
 
@@ -300,7 +300,7 @@ def test_an_event_writes_only_its_epochs_counts_whatever_the_epochs(store: Store
     store.claims.create("t", DatasetRecord("long", size=2, epochs=2**20))
     (prompt,), _ = store.claims.claim("t", "long", 1, seconds=60)
     store.put("t", items("long", prompt, range(2)))
-    assert store.sample(SampleSpec("t", num_groups=1)) is not None
+    assert store.sample(TakeSpec("t", num_groups=1)) is not None
     table_id, _ = store.catalog.lookup("t")
     with store.environment.read() as txn:
         assert len(txn.get(dataset_key(table_id, "long"), db=store.catalog.db["ledger"])) < 1024
@@ -413,6 +413,6 @@ def test_a_claim_that_waits_at_the_epoch_bound_gets_the_next_epoch_once_one_trai
     for prompt in first:
         if prompt.epoch == 0:
             store.put("t", items("two", prompt, range(2)))
-    store.sample(SampleSpec("t", num_groups=2))  # epoch 0 trained
+    store.sample(TakeSpec("t", num_groups=2))  # epoch 0 trained
     waiter.join(60)
     assert not waiter.is_alive() and waited and waited[0] and {p.epoch for p in waited[0]} == {2}

@@ -34,7 +34,7 @@ from expbuf.server.store.ledger.records import (
     queue_key,
 )
 from expbuf.server.store.schema.errors import Damaged
-from expbuf.server.store.schema.sample_spec import SampleSpec
+from expbuf.server.store.schema.sample_spec import TakeSpec
 from expbuf.server.store.schema.table_config import TableConfig
 from expbuf.server.store.tables import integrity
 
@@ -61,7 +61,7 @@ def ledger_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
         store.claims.create("t", DatasetRecord("math", size=4, epochs=2))
         trained, generated, claimed, released = store.claims.claim("t", "math", 4, seconds=3600)[0]
         store.put("t", items(trained, range(2)))
-        assert store.sample(SampleSpec("t", num_groups=1)) is not None
+        assert store.sample(TakeSpec("t", num_groups=1)) is not None
         store.put("t", items(generated, range(2)))
         store.put("t", items(claimed, range(1)))
         assert store.claims.release("t", "math", [(released.epoch, released.index, released.attempt)]) == 1

@@ -28,7 +28,7 @@ from expbuf.server.store.ledger.records import (
 )
 from expbuf.server.store.ledger.shards import count_part
 from expbuf.server.store.schema.errors import Cancelled, ConfigError
-from expbuf.server.store.schema.sample_spec import SampleSpec
+from expbuf.server.store.schema.sample_spec import TakeSpec
 from expbuf.server.store.schema.table_config import TableConfig
 
 from helpers import make_experience
@@ -90,7 +90,7 @@ def test_a_shard_is_done_once_its_own_prompts_are_trained(stores: dict[str, Stor
     for c in claimed:
         runs = [make_experience(f"math/{c.epoch}", f"{c.index}@0", run, reward=float(run)) for run in (0, 1)]
         store.put("t", [trxp.from_experience(run) for run in runs])
-    while store.sample(SampleSpec("t", num_groups=1, wait_seconds=0, delivery="consume")) is not None:
+    while store.sample(TakeSpec("t", num_groups=1, wait_seconds=0, delivery="consume")) is not None:
         pass
     (info,) = store.claims.datasets("t", "math")
     assert info.done and info.total("trained") == len(claimed)
@@ -108,7 +108,7 @@ def test_a_shards_part_of_each_epoch_is_kept_beside_its_counts_not_in_the_datase
     (c,), _ = store.claims.claim("t", "long", 1, seconds=60)
     runs = [make_experience(f"long/{c.epoch}", f"{c.index}@0", run, reward=float(run)) for run in (0, 1)]
     store.put("t", [trxp.from_experience(run) for run in runs])
-    assert store.sample(SampleSpec("t", num_groups=1, wait_seconds=0, delivery="consume")) is not None
+    assert store.sample(TakeSpec("t", num_groups=1, wait_seconds=0, delivery="consume")) is not None
     table_id, _ = store.catalog.lookup("t")
     with store.environment.read() as txn:
         assert len(txn.get(dataset_key(table_id, "long"), db=store.catalog.db["ledger"])) < 1024
@@ -252,7 +252,7 @@ def test_a_shards_part_counted_at_create_by_an_earlier_release_reads_checks_and_
         for c in more:
             runs = [make_experience(f"old/{c.epoch}", f"{c.index}@0", run, reward=float(run)) for run in (0, 1)]
             store.put("t", [trxp.from_experience(run) for run in runs])
-        while store.sample(SampleSpec("t", num_groups=1, wait_seconds=0, delivery="consume")) is not None:
+        while store.sample(TakeSpec("t", num_groups=1, wait_seconds=0, delivery="consume")) is not None:
             pass
     assert len(claimed) == sum(parts) and len({(c.epoch, c.index) for c in claimed}) == sum(parts)
     (old,) = store.claims.datasets("t", "old")

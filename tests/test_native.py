@@ -25,18 +25,18 @@ from test_trxp_fuzz import FUZZ, OPCODES, payloads, shared_levels, tensor_blob, 
 from test_trxp_scan import batch
 
 from expbuf.client import native
-from expbuf.client.trxp import common as compiled_common
-from expbuf.client.trxp import pickles as compiled_pickles
+from expbuf.client.trxp.codec import common as compiled_common
+from expbuf.client.trxp.codec import pickles as compiled_pickles
 
 ROOT = Path(__file__).resolve().parent.parent
 # package folder -> the modules client/native_build.py compiles there
-COMPILED = {"client/trxp": ("checks", "common", "parse", "pickles")}
-PACKAGES = {"client/trxp": "expbuf.client.trxp"}
+COMPILED = {"client/trxp/codec": ("checks", "common", "parse", "pickles")}
+PACKAGES = {"client/trxp/codec": "expbuf.client.trxp.codec"}
 
-compiled_parse = sys.modules["expbuf.client.trxp.parse"]
-source_parse = native.source_module("expbuf.client.trxp.parse")
-source_pickles = native.source_module("expbuf.client.trxp.pickles")
-in_use = native.compiled("expbuf.client.trxp.parse")
+compiled_parse = sys.modules["expbuf.client.trxp.codec.parse"]
+source_parse = native.source_module("expbuf.client.trxp.codec.parse")
+source_pickles = native.source_module("expbuf.client.trxp.codec.pickles")
+in_use = native.compiled("expbuf.client.trxp.codec.parse")
 side_by_side = pytest.mark.skipif(not in_use, reason="the compiled modules are not in use (not built, or pure Python)")
 
 
@@ -45,7 +45,7 @@ def test_the_compiled_modules_are_used_exactly_where_built_and_current(folder: s
     built = native.stale(ROOT / folder) == []
     for module in COMPILED[folder]:
         assert native.compiled(f"{PACKAGES[folder]}.{module}") == (built and not native.pure_python()), module
-    assert not native.compiled("expbuf.client.trxp.convert")  # the rest of the package stays as written
+    assert not native.compiled("expbuf.client.trxp.codec.convert")  # the rest of the package stays as written
 
 
 def test_the_build_compiles_what_the_tests_expect() -> None:

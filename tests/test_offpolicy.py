@@ -25,7 +25,7 @@ from expbuf.server.store import Entry, Store
 from expbuf.server.store.disk import layout
 from expbuf.server.store.rules.limiter import InsertLimited, SampleLimited
 from expbuf.server.store.schema.errors import InvalidRequest, NotFound
-from expbuf.server.store.schema.sample_spec import SampleSpec
+from expbuf.server.store.schema.sample_spec import TakeSpec
 from expbuf.server.store.schema.table_config import ConfigError, TableConfig
 
 from conftest import FIXTURES, Servers
@@ -90,12 +90,12 @@ def test_off_policy_settings_are_checked() -> None:
 
 def test_trainer_version_on_a_sample_spec_is_checked(tmp_path: Path) -> None:
     with pytest.raises(InvalidRequest, match="trainer_version"):
-        SampleSpec("default", num_groups=1, trainer_version=-1)
+        TakeSpec("default", num_groups=1, trainer_version=-1)
     with Store(tmp_path) as store:
         store.create_table(TableConfig.of(name="t", estimator="none"))
         with pytest.raises(InvalidRequest, match="version"):
             store.set_trainer_version("t", True)  # type: ignore[arg-type]
-        assert store.sample(SampleSpec("t", num_groups=1, trainer_version=2)) is None
+        assert store.sample(TakeSpec("t", num_groups=1, trainer_version=2)) is None
         assert store.stats("t")["trainer_version"] is None  # stored only with a batch (test_trainer_version.py)
 
 
@@ -111,21 +111,19 @@ def test_min_model_version_finds_fresh_groups_behind_100k_stale_ones(tmp_path: P
             store.put_entries("t", [replace(one, uid=f"{prefix}{i}", version=version) for i in range(count)])
 
         push("first", 1, 9)
-        first = store.sample(SampleSpec("t", num_groups=1, delivery="lease", lease_seconds=60))
+        first = store.sample(TakeSpec("t", num_groups=1, delivery="lease", lease_seconds=60))
         for chunk in range(10):
             push(f"stale{chunk}-", 10_000, 1)
         push("last", 1, 9)
         store.put_entries("t", [replace(one, uid="unknown0", version=None)])  # at the back, no version
         # fifo: the first ready group is stale, the fresh one is 100k groups behind it
-        assert store.sample(SampleSpec("t", num_groups=1, min_model_version=5)).group_ids == ["last0"]
+        assert store.sample(TakeSpec("t", num_groups=1, min_model_version=5)).group_ids == ["last0"]
         store.nack(first.lease_id)  # back to ready, at the front of the order
         # lifo: from the back, an unknown version and 100k stale groups lie before the fresh one
-        assert store.sample(SampleSpec("t", num_groups=1, min_model_version=5, order="lifo")).group_ids == ["first0"]
-        assert store.sample(SampleSpec("t", num_groups=1, min_model_version=5, order="uniform")) is None
-        assert store.sample(SampleSpec("t", num_groups=1, order="lifo")).group_ids == ["unknown0"]
-        assert store.sample(SampleSpec("t", num_groups=1, min_model_version=1, order="lifo")).group_ids == [
-            "stale9-9999"
-        ]
+        assert store.sample(TakeSpec("t", num_groups=1, min_model_version=5, order="lifo")).group_ids == ["first0"]
+        assert store.sample(TakeSpec("t", num_groups=1, min_model_version=5, order="uniform")) is None
+        assert store.sample(TakeSpec("t", num_groups=1, order="lifo")).group_ids == ["unknown0"]
+        assert store.sample(TakeSpec("t", num_groups=1, min_model_version=1, order="lifo")).group_ids == ["stale9-9999"]
 
 
 def test_fifo_and_lifo_merge_the_runs_of_every_fresh_version(tmp_path: Path) -> None:
@@ -138,11 +136,11 @@ def test_fifo_and_lifo_merge_the_runs_of_every_fresh_version(tmp_path: Path) -> 
         want = [f"g{i}" for i, v in enumerate(versions) if v >= 5]
         for order, expected in (("fifo", want), ("lifo", want[::-1])):
             batch = store.sample(
-                SampleSpec("t", num_groups=len(want), min_model_version=5, order=order, delivery="replay")
+                TakeSpec("t", num_groups=len(want), min_model_version=5, order=order, delivery="replay")
             )
             assert batch.group_ids == expected
         by_priority = sorted(want, key=lambda g: (-(int(g[1:]) % 3), int(g[1:])))
-        batch = store.sample(SampleSpec("t", num_groups=len(want), min_model_version=5, order="priority"))
+        batch = store.sample(TakeSpec("t", num_groups=len(want), min_model_version=5, order="priority"))
         assert batch.group_ids == by_priority
         assert store.verify("t") == []
 
@@ -151,7 +149,7 @@ def test_a_directory_without_the_version_index_gets_it_at_open(tmp_path: Path) -
     with Store(tmp_path) as store:
         store.create_table(TableConfig.of(name="t", estimator="none", group_by="none"))
         store.put("t", group_items(1, 0, 3, version=4))
-        store.sample(SampleSpec("t", num_groups=1, min_model_version=4, delivery="replay"))  # the table keeps byver
+        store.sample(TakeSpec("t", num_groups=1, min_model_version=4, delivery="replay"))  # the table keeps byver
         env = store.environment
         with env.env.begin(write=True) as txn:  # as format 2 left it: no version index
             txn.drop(env.db["byver"], delete=False)
@@ -161,7 +159,7 @@ def test_a_directory_without_the_version_index_gets_it_at_open(tmp_path: Path) -
         assert sum("missing from the version index" in p for p in problems) == 3
     with Store(tmp_path) as store:
         assert store.verify("t") == []
-        assert len(store.sample(SampleSpec("t", num_groups=3, min_model_version=4)).uids) == 3
+        assert len(store.sample(TakeSpec("t", num_groups=3, min_model_version=4)).uids) == 3
 
 
 def test_the_first_format_gets_the_version_index(tmp_path: Path) -> None:
@@ -319,7 +317,7 @@ def test_workers_under_admission_never_feed_the_trainer_stale_experience(tmp_pat
             thread.start()
         try:
             for version in range(steps):
-                spec = SampleSpec("t", batch_size=batch, min_model_version=max(0, version - staleness), wait_seconds=20)
+                spec = TakeSpec("t", batch_size=batch, min_model_version=max(0, version - staleness), wait_seconds=20)
                 sampled = store.sample(spec)
                 assert sampled is not None, f"no batch at trainer version {version}"
                 worst.append(max(version - v for v in sampled.versions))
@@ -365,7 +363,7 @@ def test_the_rate_limit_keeps_samples_per_insert_in_its_band(tmp_path: Path) -> 
             inserter = threading.Thread(target=insert)
             inserter.start()
             for _ in range(28):  # 2 per insert, but never below the band
-                assert store.sample(SampleSpec("t", num_groups=1, delivery="replay", wait_seconds=20)) is not None
+                assert store.sample(TakeSpec("t", num_groups=1, delivery="replay", wait_seconds=20)) is not None
                 observe()
                 time.sleep(sample_pause)
             inserter.join()
@@ -411,7 +409,7 @@ def test_both_sides_block_and_time_out_with_the_limit_named(start_server: Server
 
 def test_the_rate_limits_state_survives_a_restart(tmp_path: Path) -> None:
     one = Entry.of(group_items(0, 0, 1, response=1, prompt=1)[0])
-    replay = SampleSpec("t", num_groups=1, delivery="replay")
+    replay = TakeSpec("t", num_groups=1, delivery="replay")
     with Store(tmp_path) as store:
         store.create_table(_limited("t", samples_per_insert=1.0, samples_per_insert_error=1.0))
         store.put_entries("t", [replace(one, uid="a")])  # diff 1: the top of the band
@@ -474,7 +472,7 @@ def test_many_stale_groups_are_evicted_in_bounded_steps_and_fresh_ones_stay(tmp_
         stats = store.stats("t")
         assert (stats["dropped_stale"], stats["groups_dropped"], stats["groups_ready"]) == (stale, stale, 9)
         assert store.verify("t") == []
-        taken = store.sample(SampleSpec("t", num_groups=20, allow_partial=True))
+        taken = store.sample(TakeSpec("t", num_groups=20, allow_partial=True))
         assert sorted(taken.group_ids) == sorted(
             ["fresh-early0", "fresh-early1", "fresh-early2", "edge0", "edge1", "fresh0", "fresh1", "fresh2", "unknown0"]
         )
@@ -497,7 +495,7 @@ def test_stale_groups_stay_without_evict_stale_and_go_when_the_trainer_advances(
         assert (evicted["groups_ready"], evicted["dropped_stale"], evicted["ready"]) == (1, 4, 1)
         assert store.verify("evict") == []
         store.put_entries("evict", [replace(Entry.of(group_items(0, 2, 1, version=5)[0]), uid="mid")])
-        batch = store.sample(SampleSpec("evict", num_groups=2, trainer_version=7, allow_partial=True))
+        batch = store.sample(TakeSpec("evict", num_groups=2, trainer_version=7, allow_partial=True))
         assert batch.group_ids == ["new"]  # bound 6: "mid" (version 5) was evicted, not taken
         assert store.stats("evict")["dropped_stale"] == 5
     with pytest.raises(ConfigError, match="evict_stale must be true or false"):

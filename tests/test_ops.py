@@ -44,7 +44,7 @@ from expbuf.server.app import _summary
 from expbuf.server.cli import build_parser
 from expbuf.server.commands.stats import COLUMNS, render
 from expbuf.server.config import ServerConfig, load
-from expbuf.server.rpc.limits import CallLimits, call_limits
+from expbuf.server.rpc.interceptors.limits import CallLimits, call_limits
 from expbuf.server.store.schema.table_config import ConfigError
 
 from conftest import BAD_DIR, Servers, payload
@@ -395,10 +395,10 @@ def test_dockerignore_keeps_local_state_out_of_the_image() -> None:
         ".hypothesis/x",
         "build/lib",
         "expbuf.egg-info/PKG-INFO",
-        "client/trxp/_native/parse.cpython-311-x86_64-linux-gnu.so",  # compiled for this machine, by make setup
+        "client/trxp/codec/_native/parse.cpython-311-x86_64-linux-gnu.so",  # compiled for this machine, by make setup
     )
     sources = ("Makefile", "pyproject.toml", "README.md", "server/app.py", "proto/expbuf/v1/buffer.proto")
-    sources += ("setup.py", "client/native_build.py", "client/native.py", "client/trxp/parse.py")
+    sources += ("setup.py", "client/native_build.py", "client/native.py", "client/trxp/codec/parse.py")
     assert [p for p in local_state if not ignored(p)] == []
     assert [p for p in sources if ignored(p)] == []
 
@@ -431,7 +431,7 @@ def test_image_builds_the_compiled_wheel_and_runs_it_without_a_compiler() -> Non
     assert "COPY --from=wheel /wheels /wheels" in final
     install = next(line for line in final if "/wheels/expbuf-" in line)
     assert re.search(r"pip install .*/wheels/expbuf-\*\.whl", install)
-    assert "compiled('expbuf.client.trxp.parse')" in install  # the image build fails on a pure-Python install
+    assert "compiled('expbuf.client.trxp.codec.parse')" in install  # the image build fails on a pure-Python install
     assert any(re.match(r"USER (?!root)", line) for line in final)
     assert any(re.match(r'HEALTHCHECK .*CMD \["expbuf", "health"\]', line) for line in final)
     assert any(line.startswith("VOLUME") for line in final)

@@ -7,13 +7,12 @@ from __future__ import annotations
 
 import itertools
 import re
-from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
 
 from expbuf.client import trxp
-from expbuf.server.store import Store, TableExtension
+from expbuf.server.store import Pushed, Store, TableExtension
 from expbuf.server.store.core.state import TableState
 from expbuf.server.store.ledger.records import DatasetRecord, PromptRecord, prompt_key
 from expbuf.server.store.ledger.states import (
@@ -70,7 +69,7 @@ class Mover(TableExtension):
         self.move: tuple[PromptState, PromptState] | None = None
         self.where = ("math", 0, 0)
 
-    def on_push(self, tt: TableState, gkeys: Sequence[str]) -> None:
+    def on_pushed(self, tt: TableState, event: Pushed) -> None:
         if self.move is None:
             return
         was, to = self.move

@@ -1,4 +1,4 @@
-"""A PushStream's pushes overlap on the server (server/rpc/push_stream.py): while the writer stores
+"""A PushStream's pushes overlap on the server (server/rpc/push/push_stream.py): while the writer stores
 some, the stream reads and parses the next, up to push_stream_window of them, and stores all it
 has parsed in one commit. Each reply still comes only after its push's commit, in order, with its
 seq; a refused push ends the stream after the replies of those before it, whatever refused it,

@@ -17,7 +17,7 @@ from expbuf.client import BufferClient, decode
 from expbuf.server.advantages.worker import AdvantageWorker
 from expbuf.server.store import Store
 from expbuf.server.store.disk import layout
-from expbuf.server.store.schema.sample_spec import SampleSpec
+from expbuf.server.store.schema.sample_spec import TakeSpec
 from expbuf.server.store.schema.table_config import TableConfig
 
 from conftest import Servers
@@ -66,7 +66,7 @@ def test_a_get_quarantines_a_damaged_experience_and_its_group_keeps_the_others_f
         # Never served, logged once: a second Get, the raw read and samples find it gone.
         assert store.get_payload("t", [bad])[1] == [bad] and store.get("t", uids(1)).keys() == set(good)
         served = []
-        while (batch := store.sample(SampleSpec("t", num_groups=1, wait_seconds=0))) is not None:
+        while (batch := store.sample(TakeSpec("t", num_groups=1, wait_seconds=0))) is not None:
             served += batch.uids
         assert sorted(served) == sorted(uids(0) + uids(2))
         assert quarantine_logs(caplog, bad) == 1
@@ -80,7 +80,7 @@ def test_a_sample_quarantines_and_serves_the_other_groups(tmp_path: Path) -> Non
             store.put("t", group_items(0, task, 4, reward=float(task)))
         damage(store, "t", uids(0)[0])
         damage(store, "t", uids(2)[3])
-        batch = store.sample(SampleSpec("t", num_groups=2, wait_seconds=0))
+        batch = store.sample(TakeSpec("t", num_groups=2, wait_seconds=0))
         assert batch is not None and batch.group_ids == ["0/1"] * 4 + ["0/3"] * 4
         stats = store.stats("t")
         assert (stats["quarantined"], stats["failed"], stats["groups_failed"], stats["ready"]) == (2, 6, 2, 0)
@@ -154,7 +154,7 @@ def test_a_sample_quarantines_a_group_whose_member_is_lost_and_serves_the_others
             store.put("t", group_items(0, task, 4, reward=float(task)))
         lost = uids(1)[2]
         lose(store, "t", lost, db)
-        batch = store.sample(SampleSpec("t", num_groups=3, wait_seconds=0), hold=hold)
+        batch = store.sample(TakeSpec("t", num_groups=3, wait_seconds=0), hold=hold)
         assert batch is not None and batch.group_ids == ["0/0"] * 4 + ["0/2"] * 4 + ["0/3"] * 4
         stats = store.stats("t")
         assert (stats["quarantined"], stats["damaged"], stats["failed"], stats["groups_failed"]) == (1, 1, 3, 1)
@@ -222,10 +222,10 @@ def test_a_sample_left_short_by_a_quarantine_keeps_it_and_the_table_checks_clean
             damage(store, "t", uids(1)[2])
         else:
             lose(store, "t", uids(1)[2], db)
-        assert store.sample(SampleSpec("t", num_groups=4, wait_seconds=0), hold=False) is None
+        assert store.sample(TakeSpec("t", num_groups=4, wait_seconds=0), hold=False) is None
         stats = store.stats("t")
         assert (stats["quarantined"], stats["damaged"], stats["groups_failed"]) == (1, 1, 1), stats
         assert (stats["groups_ready"], stats["ready"]) == (3, 12), stats
         assert store.verify("t") == []
-        batch = store.sample(SampleSpec("t", num_groups=3, wait_seconds=0), hold=False)
+        batch = store.sample(TakeSpec("t", num_groups=3, wait_seconds=0), hold=False)
         assert batch is not None and sorted(set(batch.group_ids)) == ["0/0", "0/2", "0/3"]

@@ -15,7 +15,7 @@ from expbuf.server.store import Entry, Store
 from expbuf.server.store.core.rate_counts import INSERTED, SAMPLED
 from expbuf.server.store.disk import layout
 from expbuf.server.store.schema.errors import InsertLimited
-from expbuf.server.store.schema.sample_spec import SampleSpec
+from expbuf.server.store.schema.sample_spec import TakeSpec
 from expbuf.server.store.schema.table_config import TableConfig
 
 from helpers import group_items, make_experience
@@ -43,7 +43,7 @@ def diff(store: Store) -> float:
 
 
 def take_all(store: Store, groups: int = 1) -> int:
-    batch = store.sample(SampleSpec("t", num_groups=groups, wait_seconds=0))
+    batch = store.sample(TakeSpec("t", num_groups=groups, wait_seconds=0))
     assert batch is not None
     return len(batch.uids)
 
@@ -145,7 +145,7 @@ def test_a_replayed_group_evicted_takes_its_samples_out_with_it(tmp_path: Path) 
             limited(samples_per_insert=2.0, samples_per_insert_error=12.0, capacity_experiences=4, when_full="evict")
         )
         store.put_entries("t", varied("b", 0))
-        assert store.sample(SampleSpec("t", num_groups=1, delivery="replay", wait_seconds=0)) is not None
+        assert store.sample(TakeSpec("t", num_groups=1, delivery="replay", wait_seconds=0)) is not None
         assert diff(store) == 4  # 4 inserted, owed 2 samples each, 4 taken
         store.put_entries("t", varied("b", 1))  # evicts the replayed group: its owed samples go with it
         assert diff(store) == 8

@@ -20,7 +20,7 @@ from expbuf.client.schema.reasons import Reason
 from expbuf.proto.v1 import buffer_pb2 as pb
 from expbuf.proto.v1 import buffer_pb2_grpc as pb_grpc
 
-from helpers import servers, wait_ready
+from helpers import needs_tensordict, servers, wait_ready
 
 FIELDS = ["tokens", "logprobs", "action_mask", "advantages", "returns", "routed_experts", "multi_modal_inputs:pixels"]
 SEQUENCE = ["tokens", "routed_experts"]  # laid along all the tokens
@@ -88,11 +88,17 @@ def test_read_fields_equals_the_columnar_sample_of_the_same_experiences(client: 
         for one, other in zip(got.tensors, want.tensors, strict=True):
             assert one.dtype == other.dtype and torch.equal(one, other), name
     assert read.columns["advantages"].values.abs().sum() > 0  # computed by the server, and read while leased
-    td = read.tensordict()
-    assert td.batch_size == torch.Size([9]) and td["tokens"].is_nested
     assert sampled.ack() == 9
     gone = client.read_fields([*sampled.uids[:2], "never-pushed"], ["tokens"], table="r")
     assert gone.uids == [] and gone.missing_uids == [*sampled.uids[:2], "never-pushed"]  # consumed
+
+
+@needs_tensordict
+def test_read_fields_read_as_a_jagged_tensordict(client: BufferClient) -> None:
+    pushed(client, "t")
+    (sampled,) = client.sample("t", num_groups=3, delivery="lease", max_batches=1, timeout=10, fields=FIELDS)
+    td = client.read_fields(sampled.uids, FIELDS, table="t").tensordict()
+    assert td.batch_size == torch.Size([9]) and td["tokens"].is_nested and list(td.keys()) == FIELDS
 
 
 @pytest.mark.parametrize("of", [1, 2, 3, 5])

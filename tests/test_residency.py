@@ -12,7 +12,7 @@ import pytest
 from expbuf.server.store import Store
 from expbuf.server.store.core import ready as core_ready
 from expbuf.server.store.disk import layout, residency
-from expbuf.server.store.schema.sample_spec import SampleSpec
+from expbuf.server.store.schema.sample_spec import TakeSpec
 from expbuf.server.store.schema.table_config import TableConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
@@ -78,7 +78,7 @@ def test_a_build_of_an_index_from_the_open_leaves_the_file_out_of_rss(tmp_path: 
     size = (tmp_path / "data.mdb").stat().st_size
     with Store(tmp_path) as store:
         wait_for(lambda: store.index_builds() == [], "the builds from the open", 600)
-        batch = store.sample(SampleSpec("t", num_groups=1, order="priority", delivery="replay", wait_seconds=0))
+        batch = store.sample(TakeSpec("t", num_groups=1, order="priority", delivery="replay", wait_seconds=0))
         assert batch is not None and batch.group_ids == ["0/0"]
         after_build = resident(tmp_path / "data.mdb")
         with store.environment.read() as txn:  # the same records read again, given back by nobody

@@ -16,7 +16,7 @@ from expbuf.server.store import Store
 from expbuf.server.store.core.rate_counts import INSERTED, SAMPLED
 from expbuf.server.store.ledger.records import DatasetRecord, group_key
 from expbuf.server.store.schema.errors import Forbidden, GroupIncomplete
-from expbuf.server.store.schema.sample_spec import SampleSpec
+from expbuf.server.store.schema.sample_spec import TakeSpec
 from expbuf.server.store.schema.table_config import TableConfig
 
 from conftest import Servers
@@ -46,7 +46,7 @@ def test_a_retired_groups_payloads_go_and_a_push_of_it_again_is_a_duplicate(stor
     again = store.put("t", first)
     assert again.duplicates == [i.uid for i in first] and again.stored == []  # the tombstones stayed
     assert store.retire("t", ["b/0"]) == 0  # retired already: a retry changes nothing
-    batch = store.sample(SampleSpec("t", num_groups=2, allow_partial=True, wait_seconds=0))
+    batch = store.sample(TakeSpec("t", num_groups=2, allow_partial=True, wait_seconds=0))
     assert batch is not None and set(batch.group_ids) == {"b/1"}
 
 
@@ -54,7 +54,7 @@ def test_retiring_an_unsampled_group_leaves_the_rate_limiter_owed_nothing(store:
     store.put("t", group_items("b", 0, 2))
     store.put("t", group_items("b", 1, 2))
     store.retire("t", ["b/0"])  # never sampled: out of the inserted count, as a delete is
-    leased = store.sample(SampleSpec("t", num_groups=1, delivery="lease", lease_seconds=60, wait_seconds=0))
+    leased = store.sample(TakeSpec("t", num_groups=1, delivery="lease", lease_seconds=60, wait_seconds=0))
     assert leased is not None
     store.retire("t", ["b/1"])  # taken, so counted as sampled: it stays, as an ack leaves it
     stats = store.stats("t")
@@ -73,7 +73,7 @@ def test_an_incomplete_group_is_refused_by_name_and_nothing_is_retired(store: St
 
 def test_a_group_leased_with_another_token_is_refused(store: Store) -> None:
     store.put("t", group_items("b", 0, 2))
-    store.sample(SampleSpec("t", num_groups=1, delivery="lease", lease_seconds=60, wait_seconds=0), owner="a")
+    store.sample(TakeSpec("t", num_groups=1, delivery="lease", lease_seconds=60, wait_seconds=0), owner="a")
     with pytest.raises(Forbidden, match="b/0 is leased with another token"):
         store.retire("t", ["b/0"], owner="b")
     assert store.retire("t", ["b/0"], owner="a") == 1

@@ -12,7 +12,7 @@ import pytest
 
 from expbuf.server.store import Store
 from expbuf.server.store.schema.errors import Forbidden, NotFound, SpecError
-from expbuf.server.store.schema.sample_spec import SampleSpec
+from expbuf.server.store.schema.sample_spec import TakeSpec
 from expbuf.server.store.schema.table_config import TableConfig
 
 from helpers import group_items
@@ -31,7 +31,7 @@ def store(tmp_path: Path) -> Store:
 
 
 def test_the_last_batch_is_consumed_in_the_commit_of_the_next(store: Store) -> None:
-    spec = SampleSpec("plain", num_groups=1)
+    spec = TakeSpec("plain", num_groups=1)
     first = store.sample(spec, hold=True, owner="me")
     assert store.stats("plain")["leased"] == 2
     commits = store.environment.batches
@@ -47,7 +47,7 @@ def test_the_last_batch_is_consumed_in_the_commit_of_the_next(store: Store) -> N
 def test_a_windows_confirmed_batches_are_consumed_in_one_commit(store: Store) -> None:
     """A stream with a window of 2 has two held batches confirmed: both are consumed in the
     commit that takes the next; one lease that cannot be consumed keeps both, takes nothing."""
-    spec = SampleSpec("plain", num_groups=1, window=2)
+    spec = TakeSpec("plain", num_groups=1, window=2)
     first, second = store.sample(spec, hold=True, owner="me"), store.sample(spec, hold=True, owner="me")
     with pytest.raises(NotFound):
         store.sample(spec, hold=True, owner="me", confirm=[first.lease_id, "nope"])
@@ -61,7 +61,7 @@ def test_a_windows_confirmed_batches_are_consumed_in_one_commit(store: Store) ->
 
 
 def test_the_last_batch_is_consumed_when_nothing_is_left_to_take(store: Store) -> None:
-    spec = SampleSpec("plain", num_groups=3)
+    spec = TakeSpec("plain", num_groups=3)
     batch = store.sample(spec, hold=True, owner="me")
     assert store.sample(spec, hold=True, owner="me", confirm=batch.lease_id, timeout=0) is None
     assert store.stats("plain")["consumed"] == 6
@@ -71,7 +71,7 @@ def test_the_last_batch_is_consumed_when_nothing_is_left_to_take(store: Store) -
 def test_nothing_is_taken_when_the_lease_cannot_be_consumed(
     store: Store, lease: str | None, owner: str, error: type[Exception]
 ) -> None:
-    spec = SampleSpec("plain", num_groups=1)
+    spec = TakeSpec("plain", num_groups=1)
     held = store.sample(spec, hold=True, owner="me")
     before = store.stats("plain")
     with pytest.raises(error):
@@ -89,7 +89,7 @@ def test_a_waiting_sample_finds_its_table_dropped(tmp_path: Path) -> None:
 
         def wait() -> None:
             try:
-                result["batch"] = store.sample(SampleSpec("plain", num_groups=1, wait_seconds=10))
+                result["batch"] = store.sample(TakeSpec("plain", num_groups=1, wait_seconds=10))
             except NotFound as exc:
                 result["error"] = exc
 
@@ -111,8 +111,8 @@ def test_dropping_a_table_ends_the_batches_held_from_it(tmp_path: Path) -> None:
         for name in ("plain", "other"):
             store.create_table(TableConfig.of(name=name, estimator="none", group_size=2))
             store.put(name, group_items(1, 0, 2))
-        store.sample(SampleSpec("plain", num_groups=1), hold=True, owner="me")
-        kept = store.sample(SampleSpec("other", num_groups=1), hold=True, owner="me")
+        store.sample(TakeSpec("plain", num_groups=1), hold=True, owner="me")
+        kept = store.sample(TakeSpec("other", num_groups=1), hold=True, owner="me")
         store.drop_table("plain")
         with store.environment.read() as txn:
             leases = [bytes(key).decode() for key, _ in txn.cursor(db=store.db["leases"])]
@@ -139,7 +139,7 @@ def test_a_held_lease_runs_no_clock_until_its_batch_is_confirmed(tmp_path: Path)
     with Store(tmp_path / "data", map_size=16 << 20, clock=clock) as store:
         store.create_table(PLAIN)
         store.put("plain", group_items(1, 0, 2))
-        spec = SampleSpec("plain", num_groups=1, delivery="lease", lease_seconds=10)
+        spec = TakeSpec("plain", num_groups=1, delivery="lease", lease_seconds=10)
         held = store.sample(spec, hold=True, owner="me")
         clock.now += 3600
         store.tick()
@@ -161,7 +161,7 @@ def test_a_confirmed_lease_the_client_already_acked_or_renewed_is_left_as_it_is(
         store.create_table(PLAIN)
         for task in range(2):
             store.put("plain", group_items(1, task, 2))
-        spec = SampleSpec("plain", num_groups=1, delivery="lease", lease_seconds=10)
+        spec = TakeSpec("plain", num_groups=1, delivery="lease", lease_seconds=10)
         acked, renewed = store.sample(spec, hold=True, owner="me"), store.sample(spec, hold=True, owner="me")
         assert store.ack(acked.lease_id, "plain", "me") == 2
         assert store.renew(renewed.lease_id, 100, "plain", "me") == (clock.now + 100, 2)
@@ -177,7 +177,7 @@ def test_renew_moves_a_leases_end_and_names_what_it_refuses(tmp_path: Path) -> N
     with Store(tmp_path / "data", map_size=16 << 20, clock=clock) as store:
         store.create_table(PLAIN)
         store.put("plain", group_items(1, 0, 2))
-        batch = store.sample(SampleSpec("plain", num_groups=1, delivery="lease", lease_seconds=10), owner="me")
+        batch = store.sample(TakeSpec("plain", num_groups=1, delivery="lease", lease_seconds=10), owner="me")
         clock.now += 8
         assert store.renew(batch.lease_id, 10, "plain", "me") == (clock.now + 10, 2)
         clock.now += 9
@@ -204,7 +204,7 @@ def test_a_replayed_batch_counts_only_once_confirmed(tmp_path: Path) -> None:
     with Store(tmp_path / "data", map_size=16 << 20, seed=3) as store:
         store.create_table(TableConfig.of(name="once", estimator="none", group_size=2, max_times_sampled=1))
         store.put("once", group_items(1, 0, 2))
-        spec = SampleSpec("once", num_groups=1, delivery="replay")
+        spec = TakeSpec("once", num_groups=1, delivery="replay")
         first = store.sample(spec, hold=True, owner="me")
         assert first.times_sampled == [1, 1]
         assert store.stats("once")["leased"] == 2  # held: no other stream gets it meanwhile
@@ -225,7 +225,7 @@ def test_a_confirmed_replay_under_reuse_is_lowered_and_stays_until_spent(tmp_pat
         config = TableConfig.of(name="reuse", estimator="none", group_size=2, max_times_sampled=2, priority_decay=1.0)
         store.create_table(config)
         store.put("reuse", group_items(1, 0, 2))
-        spec = SampleSpec("reuse", num_groups=1, delivery="replay", order="priority")
+        spec = TakeSpec("reuse", num_groups=1, delivery="replay", order="priority")
         first = store.sample(spec, hold=True, owner="me")
         second = store.sample(spec, hold=True, owner="me", confirm=first.lease_id)
         assert second.uids == first.uids and second.times_sampled == [2, 2]

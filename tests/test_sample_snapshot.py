@@ -12,11 +12,11 @@ import pytest
 
 from expbuf.client import trxp
 from expbuf.client.rpc.sample_reply import Parts, read_sample_reply
-from expbuf.server.rpc.replies import sample_reply
+from expbuf.server.rpc.sample.replies import sample_reply
 from expbuf.server.store import Store
 from expbuf.server.store.disk.environment import MAX_SNAPSHOTS
 from expbuf.server.store.schema.errors import StoreError
-from expbuf.server.store.schema.sample_spec import SampleSpec
+from expbuf.server.store.schema.sample_spec import TakeSpec
 from expbuf.server.store.schema.table_config import TableConfig
 
 from helpers import group_items, take
@@ -153,7 +153,7 @@ def test_concurrent_held_batches_through_map_growth_are_each_delivered_once(tmp_
         last = ""
         try:
             while True:
-                batch = s.sample(SampleSpec("plain", num_groups=1), hold=True, owner=owner, confirm=last, timeout=0.3)
+                batch = s.sample(TakeSpec("plain", num_groups=1), hold=True, owner=owner, confirm=last, timeout=0.3)
                 last = ""
                 if batch is None:
                     if pushed.is_set():
@@ -215,7 +215,7 @@ def test_a_reply_in_parts_is_the_same_bytes_when_its_snapshot_ends_between_parts
     that ends it between two parts copies them first, and the reply is still the stored bytes."""
     items = group_items(1, 0, 2, response=4_000)
     store.put("plain", items)
-    spec = SampleSpec(table="plain", num_groups=1, fields=fields, delivery="replay")
+    spec = TakeSpec(table="plain", num_groups=1, fields=fields, delivery="replay")
 
     def reply(detach: bool) -> bytes:
         batch = take(store, "plain", num_groups=1, delivery="replay")

@@ -9,9 +9,9 @@ import random
 import pytest
 import torch
 
-from expbuf.client.trxp.advantages import scaled
-from expbuf.client.trxp.common import RawTensor
-from expbuf.client.trxp.convert import raw_of
+from expbuf.client.trxp.codec.advantages import scaled
+from expbuf.client.trxp.codec.common import RawTensor
+from expbuf.client.trxp.codec.convert import raw_of
 
 DTYPES = {
     "U8": torch.uint8, "I8": torch.int8, "I16": torch.int16, "U16": torch.uint16,

@@ -17,7 +17,7 @@ from test_quarantine import damage, uids
 
 from expbuf.client import BufferClient
 from expbuf.server.store import Store
-from expbuf.server.store.schema.sample_spec import SampleSpec
+from expbuf.server.store.schema.sample_spec import TakeSpec
 from expbuf.server.store.schema.table_config import TableConfig
 from expbuf.server.store.services import scrub
 
@@ -47,7 +47,7 @@ def test_a_pass_quarantines_what_no_read_met_and_keeps_the_pass_on_record(tmp_pa
         assert (stats["quarantined"], stats["damaged"], stats["groups_failed"], stats["failed"]) == (3, 3, 2, 5)
         assert store.verify("t") == []
         served = []
-        while (batch := store.sample(SampleSpec("t", num_groups=8, wait_seconds=0, allow_partial=True))) is not None:
+        while (batch := store.sample(TakeSpec("t", num_groups=8, wait_seconds=0, allow_partial=True))) is not None:
             served += batch.uids
         assert len(served) == 38 * 4 and not {*uids(3), *uids(17)} & set(served)
         assert store.scrub.run_pass() == 0  # found once: quarantined, never found again

@@ -24,7 +24,7 @@ def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("site")
     mkdocs = Path(sys.executable).parent / "mkdocs"
     done = subprocess.run(
-        [str(mkdocs), "build", "--strict", "--quiet", "--site-dir", str(out)],
+        [str(mkdocs), "build", "--strict", "--site-dir", str(out)],
         cwd=ROOT, capture_output=True, text=True, timeout=600, check=False,
         env={**os.environ, "NO_MKDOCS_2_WARNING": "1"},
     )  # fmt: skip

@@ -1,4 +1,4 @@
-"""A push in chunks whose large items are staged as it arrives (server/rpc/ingest.Stager): stored
+"""A push in chunks whose large items are staged as it arrives (server/rpc/push/ingest.Stager): stored
 as the same experiences as a push read whole, mixed with small items; a refused one (another
 content under a stored uid, a table that does not exist) and a duplicate leave nothing staged;
 the server holds a push's staging, not the push, against max_inflight_bytes; what pushes stage

@@ -1,7 +1,7 @@
 """A client that stops reading a reply sent in parts, its call open (a hung trainer process, a
 receive thread stuck behind something else): what the call holds (a Sample stream's batch, the
 LMDB read snapshot its reply is cut from, a worker) is given back once a message has waited
-max_confirm_seconds for the client to take it (rpc/stalled_sends.py). A client that cancels gives
+max_confirm_seconds for the client to take it (rpc/sample/stalled_sends.py). A client that cancels gives
 everything back already (a review probed Sample streams cancelled after the first part and after
 the whole batch before confirming, and reads cancelled after the first part, of whole, chunked and
 zstd tables, as TRXP and as columns, 30 to 200 times in a row: readers, threads, memory and held
@@ -96,7 +96,7 @@ def snapshots(server: ExpbufServer) -> int:
 def test_a_sample_stream_stalled_mid_reply_gives_its_batch_back_after_max_confirm_seconds(
     server: ExpbufServer, stub: pb_grpc.ExperienceBufferStub, kind: str, columns: bool
 ) -> None:
-    """rpc/sample_stream.py: 'A client that hangs with its stream open (a stuck step) would
+    """rpc/sample/sample_stream.py: 'A client that hangs with its stream open (a stuck step) would
     otherwise hold its window for ever. Past [max_confirm_seconds] the stream ends ... and its
     unconfirmed batches return to the buffer.' A client that hangs a few parts into a batch sent
     in parts (the stream open, nothing read, nothing cancelled) holds the batch (invisible, its

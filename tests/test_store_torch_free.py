@@ -15,7 +15,7 @@ from expbuf.client import trxp
 from expbuf.server.advantages.worker import AdvantageWorker
 from expbuf.server.store import Store
 from expbuf.server.store.schema.errors import StoreError
-from expbuf.server.store.schema.sample_spec import SampleSpec
+from expbuf.server.store.schema.sample_spec import TakeSpec
 from expbuf.server.store.schema.table_config import TableConfig
 
 from helpers import group_items, make_experience
@@ -27,14 +27,14 @@ CHILD = textwrap.dedent(
 
     from expbuf.client import trxp
     from expbuf.server.advantages.batch_stage import finish_batch
-    from expbuf.server.store.schema.sample_spec import SampleSpec
+    from expbuf.server.store.schema.sample_spec import TakeSpec
     from expbuf.server.store import Store
 
     data = Path(sys.argv[1])
     with Store(data, batch_stage=finish_batch) as store:
         result = store.put("w", trxp.parse((data / "more.trxp").read_bytes()))
         assert len(result.stored) == 4, result
-        batch = store.sample(SampleSpec("w", num_groups=2, wait_seconds=0))
+        batch = store.sample(TakeSpec("w", num_groups=2, wait_seconds=0))
         assert batch is not None and len(batch.uids) == 8 and batch.stage is not None
         loaded = [name for name in sys.modules if name == "torch" or name.startswith("torch.")]
         assert not loaded, loaded
@@ -72,7 +72,7 @@ def test_a_store_given_no_batch_stage_takes_no_batch_of_a_table_that_needs_one(t
         store.put("w", group_items(1, 0, 2, reward=1.0) + group_items(1, 1, 2, reward=2.0))
         assert AdvantageWorker(store).run_once() == 2
         with pytest.raises(StoreError, match=refused):
-            store.sample(SampleSpec("w", num_groups=1))
+            store.sample(TakeSpec("w", num_groups=1))
         assert store.stats("w")["ready"] == 4
         with pytest.raises(StoreError, match=refused):
             store.get_payload("w", ["1/0/0/0/r0s0"])

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from expbuf.server.store import Store
-from expbuf.server.store.schema.sample_spec import SampleSpec
+from expbuf.server.store.schema.sample_spec import TakeSpec
 from expbuf.server.store.schema.table_config import TableConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
@@ -48,7 +48,7 @@ def test_a_consume_stream_writes_per_batch_what_the_layout_needs_and_no_more(tmp
             store.put_entries("t", entries(BATCH, group, at))
         counted: collections.Counter[str] = collections.Counter()
         counting(store, counted)
-        spec = SampleSpec("t", batch_size=BATCH, wait_seconds=0)
+        spec = TakeSpec("t", batch_size=BATCH, wait_seconds=0)
         first = store.sample(spec, hold=True)
         assert first is not None
         assert +counted == {"put groups": groups, **leaves_ready(groups), "put leases": 1, "put counters": 1}

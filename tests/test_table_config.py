@@ -20,8 +20,8 @@ from expbuf.proto.v1 import buffer_pb2 as pb
 from expbuf.server.store.schema.errors import ConfigError
 from expbuf.server.store.schema.table_config import OWN, PARTS, WHERE, TableConfig, differences
 from expbuf.server.store.schema.table_parts import (
-    Advantages,
     Capacity,
+    Estimation,
     Grouping,
     RateLimiter,
     Reuse,
@@ -101,7 +101,7 @@ def test_flat_settings_become_parts_and_come_back() -> None:
     built = TableConfig(
         "t",
         grouping=config.grouping,
-        advantages=Advantages(
+        advantages=Estimation(
             "opmd", {"tau": 0.5, "opmd_baseline": "logavgexp"}, "cpu", Shaping(5.0, advantage_clip=2)
         ),
         capacity=config.capacity,
@@ -128,7 +128,7 @@ def test_flat_settings_become_parts_and_come_back() -> None:
         (lambda: Staleness(evict_stale=1), "evict_stale must be true or false, got 1"),  # type: ignore[arg-type]
         (lambda: Storage(compression="lz4"), "compression is 'lz4'; expected one of none, zstd"),  # type: ignore[arg-type]
         (lambda: Storage(compression_level=True), "compression_level must be an integer from 1 to 19, got True"),
-        (lambda: Advantages("none", shaping=Shaping(reward_clip=1.0)), "shaping reward_clip needs an estimator"),
+        (lambda: Estimation("none", shaping=Shaping(reward_clip=1.0)), "shaping reward_clip needs an estimator"),
     ],
 )
 def test_each_part_refuses_its_own_settings_by_their_flat_names(make, message: str) -> None:

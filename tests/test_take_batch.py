@@ -16,7 +16,7 @@ from expbuf.server.store.core.ready import ReadyIndex
 from expbuf.server.store.disk.layout import u64
 from expbuf.server.store.disk.records import ItemRecord
 from expbuf.server.store.schema.errors import SpecError
-from expbuf.server.store.schema.sample_spec import MAX_BATCH, SampleSpec
+from expbuf.server.store.schema.sample_spec import MAX_BATCH, TakeSpec
 from expbuf.server.store.schema.states import CONSUMED, LEASED
 from expbuf.server.store.schema.table_config import TableConfig
 
@@ -117,16 +117,16 @@ def test_a_batch_holds_at_most_max_batch_experiences(tmp_path: Path, monkeypatch
     a whole table of 300,000 held every push 10 s). A request for more is refused by name, and one
     whose groups hold more than that before it has as many as it asked for, as it is taken."""
     with pytest.raises(SpecError, match=f"num_groups is {MAX_BATCH + 1}: a batch holds at most {MAX_BATCH}"):
-        SampleSpec("t", num_groups=MAX_BATCH + 1)
+        TakeSpec("t", num_groups=MAX_BATCH + 1)
     with pytest.raises(SpecError, match=f"batch_size is {MAX_BATCH + 1}"):
-        SampleSpec("t", batch_size=MAX_BATCH + 1)
+        TakeSpec("t", batch_size=MAX_BATCH + 1)
     monkeypatch.setattr(core_take, "MAX_BATCH", 10)
     with Store(tmp_path) as store:
         store.create_table(TableConfig.of("t", group_size=4, estimator="none"))
         for task in range(5):
             store.put("t", group_items(1, task, 4))
         with pytest.raises(SpecError, match="the first 3 of the 5 groups asked for hold 12 experiences"):
-            store.sample(SampleSpec("t", num_groups=5))
+            store.sample(TakeSpec("t", num_groups=5))
         assert store.stats("t")["ready"] == 20  # nothing taken
-        batch = store.sample(SampleSpec("t", batch_size=10))  # whole groups: 12, the batch it asked for
+        batch = store.sample(TakeSpec("t", batch_size=10))  # whole groups: 12, the batch it asked for
         assert batch is not None and len(batch.uids) == 12

@@ -18,7 +18,7 @@ import torch
 
 from expbuf.client import EID, BufferClient, Experience, trxp
 from expbuf.client.errors import FailedPreconditionError
-from expbuf.client.trxp.common import TrxpError
+from expbuf.client.trxp.codec.common import TrxpError
 from expbuf.proto.v1 import buffer_pb2 as pb
 from expbuf.proto.v1 import buffer_pb2_grpc as pb_grpc
 from expbuf.server.advantages.worker import AdvantageWorker

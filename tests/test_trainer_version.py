@@ -15,7 +15,7 @@ from expbuf.client import AsyncBufferClient, BufferClient, BufferError, trxp
 from expbuf.client.shards.blocking import AsyncShardedBufferClient, ShardedBufferClient
 from expbuf.server.store import Store
 from expbuf.server.store.rules.staleness import VersionJump
-from expbuf.server.store.schema.sample_spec import SampleSpec
+from expbuf.server.store.schema.sample_spec import TakeSpec
 from expbuf.server.store.schema.table_config import TableConfig
 
 from conftest import Servers
@@ -36,7 +36,7 @@ def test_a_lower_version_keeps_the_stored_one(tmp_path: Path) -> None:
         assert store.set_trainer_version("t", 5) == 5
         assert store.set_trainer_version("t", 3) == 5  # kept, and the reply says so
         push(store, 0, 5)
-        batch = store.sample(SampleSpec("t", num_groups=1, trainer_version=0))
+        batch = store.sample(TakeSpec("t", num_groups=1, trainer_version=0))
         assert batch is not None and batch.trainer_version == 5
         assert store.stats("t")["trainer_version"] == 5
         assert store.set_trainer_version("t", 6) == 6
@@ -48,11 +48,11 @@ def test_a_samples_version_is_stored_only_with_a_batch(tmp_path: Path) -> None:
         store.set_trainer_version("t", 0)
         push(store, 0, 0)
         # not enough for two groups: nothing taken, so nothing stored and nothing evicted
-        assert store.sample(SampleSpec("t", num_groups=2, trainer_version=1), timeout=0.3) is None
+        assert store.sample(TakeSpec("t", num_groups=2, trainer_version=1), timeout=0.3) is None
         stats = store.stats("t")
         assert (stats["trainer_version"], stats["dropped_stale"], stats["ready"]) == (0, 0, 2)
         push(store, 1, 1)
-        batch = store.sample(SampleSpec("t", num_groups=1, trainer_version=1))
+        batch = store.sample(TakeSpec("t", num_groups=1, trainer_version=1))
         assert batch is not None and batch.versions == [1, 1]  # the stale group left before selection
         stats = store.stats("t")
         assert (stats["trainer_version"], stats["dropped_stale"], stats["ready"]) == (1, 1, 0)
@@ -69,7 +69,7 @@ def test_with_evict_stale_a_jump_past_the_data_is_refused(tmp_path: Path) -> Non
             with pytest.raises(VersionJump, match=r"jumps past 3.*reset-offpolicy t --version"):
                 store.set_trainer_version("t", jump)
             with pytest.raises(VersionJump):
-                store.sample(SampleSpec("t", num_groups=1, trainer_version=jump))
+                store.sample(TakeSpec("t", num_groups=1, trainer_version=jump))
         stats = store.stats("t")
         assert (stats["trainer_version"], stats["ready"], stats["dropped_stale"]) == (0, 10, 0)
         assert store.set_trainer_version("t", 3) == 3  # newest pushed 0 + max_staleness 2 + 1

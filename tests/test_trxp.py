@@ -298,7 +298,7 @@ def test_stored_items_splice_into_the_same_batch() -> None:
 )
 def test_an_action_mask_counts_its_generated_tokens_as_torch_does_without_torch(dtype: torch.dtype) -> None:
     """The storage engine counts a mask's ones from its bytes; torch's comparison is the reference."""
-    from expbuf.client.trxp.common import count_nonzero
+    from expbuf.client.trxp.codec.common import count_nonzero
 
     values = [0, 1, 0, 1, 1, 0, 2, 0] if dtype != torch.bool else [0, 1, 0, 1, 1, 0, 1, 0]
     mask = torch.tensor(values).to(dtype)

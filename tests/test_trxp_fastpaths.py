@@ -8,7 +8,8 @@ from typing import Any
 import pytest
 
 from expbuf.client import EID, trxp
-from expbuf.client.trxp import TrxpError, checks
+from expbuf.client.trxp import TrxpError
+from expbuf.client.trxp.codec import checks
 
 _VALUES: list[Any] = [0, 7, -1, 2**63 - 1, -(2**63), 2**63, 2**31, True, 1.5, "", "a", "3/eval", "é", "x\0", "a" * 400]
 

@@ -19,9 +19,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from expbuf.client import TrxpError, trxp
-from expbuf.client.trxp.build import fragment
-from expbuf.client.trxp.pickles import scan_pickle
-from expbuf.client.trxp.unpickler import PlainUnpickler
+from expbuf.client.trxp.codec.build import fragment
+from expbuf.client.trxp.codec.pickles import scan_pickle
+from expbuf.client.trxp.codec.unpickler import PlainUnpickler
 
 EXAMPLES = int(os.environ.get("EXPBUF_FUZZ_EXAMPLES", "0")) or max(
     10, int(40 * float(os.environ.get("EXPBUF_SOAK_SCALE", "1")))

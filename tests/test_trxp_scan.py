@@ -1,4 +1,4 @@
-"""The pickle scan replays segments it met before (trxp.pickles._Segment) instead of walking
+"""The pickle scan replays segments it met before (trxp.codec.pickles._Segment) instead of walking
 their opcodes again: with or without replaying, every pickle gets the same verdict, with the
 same message, and counts the same work. These tests change the scan's limits and watch its
 recording, which only its source form allows: they run on pickles.py as written, the compiled
@@ -18,7 +18,7 @@ from test_trxp_fuzz import FUZZ
 
 from expbuf.client.native import source_module
 
-pickles = source_module("expbuf.client.trxp.pickles")
+pickles = source_module("expbuf.client.trxp.codec.pickles")
 
 # Plain opcodes (with arguments) that an edit inserts or writes over: memo reads and writes,
 # marks, closes, values, and some that are not plain data.

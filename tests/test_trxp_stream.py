@@ -1,4 +1,4 @@
-"""A payload read as it arrives (client/trxp/stream.py): its items are checked from its head
+"""A payload read as it arrives (client/trxp/codec/stream.py): its items are checked from its head
 alone, its large items' data comes out in pieces that are, end to end, the data pack_item lays
 out after its head, whatever sizes the payload arrives in, and the rest as parse() reads it."""
 
@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from expbuf.client import Experience, trxp
-from expbuf.client.trxp.build import frame, pack_head, pack_item
-from expbuf.client.trxp.common import TrxpError
-from expbuf.client.trxp.stream import NotStreamable, StreamedPayload
+from expbuf.client.trxp.codec.build import frame, pack_head, pack_item
+from expbuf.client.trxp.codec.common import TrxpError
+from expbuf.client.trxp.codec.stream import NotStreamable, StreamedPayload
 
 from helpers import make_experience
 

@@ -1,6 +1,6 @@
 """A request that does not parse (a string field that is not UTF-8, a truncated message) is the
 caller's fault: refused INVALID_ARGUMENT with reason invalid_request, naming the message and the
-field (server/rpc/unreadable.py), never INTERNAL; nothing is stored and the server goes on."""
+field (server/rpc/interceptors/unreadable.py), never INTERNAL; nothing is stored and the server goes on."""
 
 from __future__ import annotations
 

@@ -35,7 +35,7 @@ ENTRY_POINTS = ("expbuf.server.cli", "expbuf.server.app", "expbuf.server.store",
 CHILD = """
 import hashlib, json, pickle, sys
 import importlib
-import expbuf.client.trxp as trxp
+import expbuf.client.trxp.codec as codec
 from expbuf.client import native
 
 def verdict(parse_module, data):
@@ -48,15 +48,15 @@ def verdict(parse_module, data):
     return ["parsed", hashlib.sha256(pickle.dumps(shown, protocol=5)).hexdigest(), work.used]
 
 ENTRY_POINTS = {entry_points!r}
-source = native.source_module("expbuf.client.trxp.parse")
+source = native.source_module("expbuf.client.trxp.codec.parse")
 payloads = [open(path, "rb").read() for path in sys.argv[1:]]
 modules = ("checks", "common", "parse", "pickles", "convert")
 print(json.dumps({
-    "path": trxp.__path__,
-    "compiled": {module: native.compiled("expbuf.client.trxp." + module) for module in modules},
+    "path": codec.__path__,
+    "compiled": {module: native.compiled("expbuf.client.trxp.codec." + module) for module in modules},
     "entry_points": [importlib.import_module(name).__name__ for name in ENTRY_POINTS],
     "build_tools": sorted({name.split(".")[0] for name in sys.modules} & {"mypy", "mypyc", "librt", "setuptools"}),
-    "compiled_verdicts": [verdict(sys.modules["expbuf.client.trxp.parse"], data) for data in payloads],
+    "compiled_verdicts": [verdict(sys.modules["expbuf.client.trxp.codec.parse"], data) for data in payloads],
     "source_verdicts": [verdict(source, data) for data in payloads],
 }))
 """.replace("{entry_points!r}", repr(ENTRY_POINTS))
@@ -122,7 +122,7 @@ def wheel(tree: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("dist")
     done = build_wheel(tree, out, **{REQUIRE: "1"})
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    names = ", ".join(f"expbuf.client.trxp.{module}" for module in COMPILED)
+    names = ", ".join(f"expbuf.client.trxp.codec.{module}" for module in COMPILED)
     assert build_lines(done) == [f"expbuf: compiled with mypyc: {names}"]
     (built,) = out.glob("expbuf-*.whl")
     return built
@@ -133,12 +133,12 @@ def test_the_wheel_holds_the_compiled_modules_and_their_manifest(wheel: Path) ->
     suffix = sysconfig.get_config_var("EXT_SUFFIX")
     with zipfile.ZipFile(wheel) as archive:
         names = set(archive.namelist())
-        manifest = json.loads(archive.read("expbuf/client/trxp/_native/manifest.json"))
+        manifest = json.loads(archive.read("expbuf/client/trxp/codec/_native/manifest.json"))
         tag = archive.read(next(name for name in names if name.endswith(".dist-info/WHEEL"))).decode()
     for module in (*COMPILED, "native__mypyc"):
-        assert f"expbuf/client/trxp/_native/{module}{suffix}" in names, module
+        assert f"expbuf/client/trxp/codec/_native/{module}{suffix}" in names, module
     for module in COMPILED:
-        assert f"expbuf/client/trxp/{module}.py" in names, module  # the pure-Python fallback ships too
+        assert f"expbuf/client/trxp/codec/{module}.py" in names, module  # the pure-Python fallback ships too
     assert manifest["abi"] == suffix and sorted(manifest["sources"]) == sorted(COMPILED)
     assert "Root-Is-Purelib: false" in tag  # a wheel for this Python and platform only
     assert not any(name.startswith("expbuf/client/trxp/") and name.endswith(".c") for name in names)
@@ -174,7 +174,7 @@ def test_an_installed_wheel_runs_the_compiled_modules_and_parses_as_pure_python(
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     seen = json.loads(done.stdout)
-    assert seen["path"][0] == str(site / "expbuf/client/trxp/_native")
+    assert seen["path"][0] == str(site / "expbuf/client/trxp/codec/_native")
     assert seen["compiled"] == {**dict.fromkeys(COMPILED, True), "convert": False}
     assert seen["build_tools"] == []
     assert seen["entry_points"] == list(ENTRY_POINTS)

@@ -6,7 +6,7 @@ experience keeps the tokens whole and the response part of the others: the promp
 `loss_mask` first turns 1, and the holes after it (tool output, a user's turn) stay as 0s of
 `action_mask`. The per-token versions go to `info`: their least generated one as
 `model_version` (the staleness screen's), every one run-length encoded, so a row comes back
-exactly as it was, and the response's as version segments (client/trxp/segments.py), which a
+exactly as it was, and the response's as version segments (client/trxp/codec/segments.py), which a
 table's `max_token_staleness` reads.
 """
 

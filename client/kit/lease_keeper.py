@@ -29,9 +29,10 @@ from typing import Generic, TypeVar
 from expbuf.client.client import BufferClient
 from expbuf.client.errors import ExpbufError, NotFoundError, UnavailableError
 
+from .retry import Retry
+
 log = logging.getLogger(__name__)
 RENEWALS_PER_LEASE = 3
-PAUSE = 0.5  # seconds between the tries of an ack while the server is unavailable
 K = TypeVar("K")
 V = TypeVar("V")
 
@@ -123,7 +124,7 @@ class LeaseKeeper(Renewer[str, float]):
         """Acknowledge a lease: its groups were trained. Tried again while the server is
         unavailable, for `retry_for` seconds; `tried`: an attempt was made before and may have
         been committed. The experiences acknowledged; 0 for a lease found gone."""
-        deadline = time.monotonic() + retry_for
+        retry = Retry(retry_for)
         with self._lock:
             expires = self._held.pop(lease_id, None)  # no renewal races the ack
         try:
@@ -132,9 +133,10 @@ class LeaseKeeper(Renewer[str, float]):
                     return self._settles.ack(lease_id, self._table)
                 except UnavailableError:
                     tried = True
-                    if time.monotonic() + PAUSE >= deadline:
+                    pause = retry.pause()
+                    if pause is None:
                         raise
-                    time.sleep(PAUSE)
+                    time.sleep(pause)
         except NotFoundError:
             if not tried:
                 self._ended(lease_id, "acknowledged")

@@ -15,15 +15,15 @@ import grpc.aio
 from ..results import PushResult
 from ..rpc import calls
 from ..rpc.aio_status import StreamStatus
-from .pipeline import Ordered, Pending, PushTarget, Stream, Window
+from .pipeline import Ordered, Pending, PushTarget, PushWindow, Stream
 
 
 class _Open:
     """A PushStream in progress: its bookkeeping and its call."""
 
-    def __init__(self, window: Window, client: PushTarget) -> None:
+    def __init__(self, window: PushWindow, client: PushTarget) -> None:
         self.state = Stream()
-        self.call = client.push_stream(window.stream_seconds)
+        self.call = client.push_stream(window.stream_seconds, message_bytes=window.message_bytes)
         self.status = StreamStatus(self.call)
         self.closed = False
 
@@ -71,7 +71,7 @@ class AsyncOrderedFutures(Generic[W]):
             self._changed.set()
 
 
-class AsyncPusher(AsyncOrderedFutures[Window]):
+class AsyncPusher(AsyncOrderedFutures[PushWindow]):
     """Up to `window` pushes in flight to one table over one PushStream, as Pusher: `await push()`
     returns an asyncio Future at once (waiting only while the window is full); futures complete
     in push order, each with its PushResult or its ExpbufError naming its uids:
@@ -84,7 +84,7 @@ class AsyncPusher(AsyncOrderedFutures[Window]):
     """
 
     def __init__(self, client: PushTarget, table: str, window: int, timeout: float | None) -> None:
-        super().__init__(Window(table, window, client, timeout))
+        super().__init__(PushWindow(table, window, client, timeout))
         self._client = client
         self._writing = asyncio.Lock()
         self._stream: _Open | None = None

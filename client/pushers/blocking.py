@@ -17,7 +17,7 @@ import grpc
 
 from ..results import PushResult
 from ..rpc import calls
-from .pipeline import Ordered, Pending, PushTarget, Stream, Window
+from .pipeline import Ordered, Pending, PushTarget, PushWindow, Stream
 
 
 class _Requests:
@@ -41,10 +41,10 @@ class _Requests:
 class _Open:
     """A PushStream in progress: its bookkeeping, its messages and its replies."""
 
-    def __init__(self, window: Window, client: PushTarget) -> None:
+    def __init__(self, window: PushWindow, client: PushTarget) -> None:
         self.state = Stream()
         self.requests = _Requests(window.chunk_bytes)
-        self.replies = client.push_stream(window.stream_seconds, iter(self.requests))
+        self.replies = client.push_stream(window.stream_seconds, iter(self.requests), window.message_bytes)
 
 
 W = TypeVar("W", bound=Ordered[Any])
@@ -90,7 +90,7 @@ class OrderedFutures(Generic[W]):
                 self._completing.release()
 
 
-class Pusher(OrderedFutures[Window]):
+class Pusher(OrderedFutures[PushWindow]):
     """Up to `window` pushes in flight to one table over one PushStream: `push()` returns a
     Future at once (waiting only while the window is full), so the next payload is encoded
     while the server stores the last. Each future holds its push's PushResult once durable,
@@ -105,7 +105,7 @@ class Pusher(OrderedFutures[Window]):
     """
 
     def __init__(self, client: PushTarget, table: str, window: int, timeout: float | None) -> None:
-        super().__init__(Window(table, window, client, timeout))
+        super().__init__(PushWindow(table, window, client, timeout))
         self._client = client
         self._stream: _Open | None = None
         self._readers: list[threading.Thread] = []

@@ -6,10 +6,12 @@ A pusher's pushes go over PushStream, each with its number as its seq, up to `wi
 not yet handed back. The server stores a stream's pushes in order, several in one commit, and
 answers each once it is durable. So when a stream ends with a refusal, the refusal is its oldest
 unanswered push's, and the server stored none after it: that push fails alone, and the others
-go again on a new stream. A refusal that says the push did nothing (wire.BUSY: the server lets
-only so many calls wait at once, and refused the stream as it opened) is not its answer: every
-push unanswered on the stream goes again after a pause, until its deadline, as a push alone does
-(calls.Attempts). When a stream breaks (UNAVAILABLE: the server went away), the push it was on
+go again on a new stream. A stream the server ended as idle (push_stream_idle_seconds, Reason.IDLE)
+read nothing after its last answered push: a push sent on it as it ended, before the pusher saw
+the end, goes again on a new stream at once. A refusal that says the push did nothing (wire.BUSY:
+the server lets only so many calls wait at once, and refused the stream as it opened) is not its
+answer: every push unanswered on the stream goes again after a pause, until its deadline, as a
+push alone does (calls.Attempts). When a stream breaks (UNAVAILABLE: the server went away), the push it was on
 may or may not be stored: every push unanswered on it goes again (a push is idempotent; what was
 stored comes back as duplicates) while the client's retries and the push's deadline last, then
 fails UNAVAILABLE naming its uids. Futures complete in push order.
@@ -36,17 +38,18 @@ from expbuf.proto.v1 import buffer_pb2 as pb
 from .. import trxp
 from ..errors import ExpbufError
 from ..results import PushResult
-from ..rpc import calls
+from ..rpc import calls, frames
 from ..rpc.connection import BACKOFF, busy
 from ..rpc.wire import reason_of
+from ..schema.reasons import Reason
 
-MAX_WINDOW = 64
+MAX_PUSHES_AHEAD = 64  # the most pushes a pipeline keeps in flight (its window)
 NAMED_UIDS = 32  # the uids an error names; past them, how many more
 
 
 def check_window(window: Any) -> int:
-    if not isinstance(window, int) or isinstance(window, bool) or not 1 <= window <= MAX_WINDOW:
-        raise ValueError(f"window must be an integer from 1 to {MAX_WINDOW}, got {window!r}")
+    if not isinstance(window, int) or isinstance(window, bool) or not 1 <= window <= MAX_PUSHES_AHEAD:
+        raise ValueError(f"window must be an integer from 1 to {MAX_PUSHES_AHEAD}, got {window!r}")
     return window
 
 
@@ -132,10 +135,12 @@ class PushTarget(Protocol):
     push_chunk_bytes: int
     max_message_bytes: int
 
-    def push_stream(self, seconds: float, requests: Iterator[Any] | None = None) -> Any: ...
+    def push_stream(
+        self, seconds: float, requests: Iterator[Any] | None = None, message_bytes: int | None = None
+    ) -> Any: ...
 
 
-class Window(Ordered[Pending]):
+class PushWindow(Ordered[Pending]):
     """A pusher's pushes in the order pushed, up to `size` of them not yet handed back."""
 
     def __init__(self, table: str, size: int, client: PushTarget, timeout: float | None) -> None:
@@ -145,6 +150,13 @@ class Window(Ordered[Pending]):
         self.max_message_bytes: int = client.max_message_bytes
         self.timeout: float = timeout or client.timeout
         self.retries: int = client.retries
+
+    @property
+    def message_bytes(self) -> int | None:
+        """What a stream declares of its messages (wire.MESSAGE_BYTES): the most a chunk's, or a
+        push sent whole no larger, takes; None where every push goes whole (push_chunk_bytes = 0),
+        which max_message_bytes alone bounds."""
+        return frames.most_push_request(self.chunk_bytes, self.table) if self.chunk_bytes else None
 
     @property
     def stream_seconds(self) -> float:
@@ -197,6 +209,8 @@ class Window(Ordered[Pending]):
                 pending.fail(code, details, ": the pusher's call was cancelled, whether it was stored is unknown")
             return [], 0.0
         reason = reason_of(exc.trailing_metadata())
+        if code == grpc.StatusCode.DEADLINE_EXCEEDED and reason == Reason.IDLE:
+            return self._in_time(sent, code, details), 0.0  # pushes sent as the server ended the idle stream
         if code != grpc.StatusCode.UNAVAILABLE and busy(exc):
             return self._kept_out(sent, code, details, reason)
         if code != grpc.StatusCode.UNAVAILABLE:

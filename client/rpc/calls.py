@@ -38,8 +38,8 @@ from ..schema.call_limits import MAX_NAMES_PER_CALL, in_parts
 from ..schema.experience import EID
 from ..schema.table_presets import with_preset
 from ..schema.table_settings import TableSettings
-from ..trxp import column_wire
-from ..trxp.column_build import ColumnBatch
+from ..trxp.column_batch import wire as column_wire
+from ..trxp.column_batch.build import ColumnBatch
 from . import frames, wire
 from .connection import BACKOFF
 from .declare import Chunked, Plan, Settings, Several, Unary, declare, warn_caller
@@ -164,7 +164,8 @@ def push(items: Items, table: str, timeout: float | None, chunk_bytes: int) -> U
 
     body = payload(items)
     if 0 < chunk_bytes < len(body):
-        return Chunked(lambda: push_requests(body, table, chunk_bytes), push_result, retry=True, timeout=timeout)
+        most = frames.most_push_request(chunk_bytes, table)
+        return Chunked(lambda: push_requests(body, table, chunk_bytes), push_result, True, timeout, message_bytes=most)
     return Unary("Push", frames.push_request(body, table), push_result, retry=True, timeout=timeout)
 
 

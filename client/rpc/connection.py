@@ -26,7 +26,7 @@ from expbuf.proto.v1 import buffer_pb2_grpc as pb_grpc
 
 from ..errors import ExpbufError
 from .sample_reply import PARTS_METHODS, parts_method, sample_method
-from .wire import BUSY, reason_of
+from .wire import BUSY, MESSAGE_BYTES, reason_of
 
 
 class CallShape(Protocol):
@@ -40,6 +40,9 @@ class CallShape(Protocol):
 
     @property
     def timeout(self) -> float | None: ...
+
+    @property
+    def message_bytes(self) -> int | None: ...
 
 
 DEFAULT_PORT = 50051
@@ -366,14 +369,25 @@ class ClientBase:
             return type(self)._insecure_channel(target, options=options)
         return type(self)._secure_channel(target, credentials, options=options)
 
-    def push_stream(self, seconds: float, requests: Iterator[Any] | None = None) -> Any:
+    def push_stream(
+        self, seconds: float, requests: Iterator[Any] | None = None, message_bytes: int | None = None
+    ) -> Any:
         """A PushStream of this client's for its pushers (`pusher()`), over the channel without
         the retry policy: a pusher sends again what a broken stream left (pushers/pipeline.py).
         The blocking client's takes the iterator of its `requests`; the asyncio client's call is
-        written to."""
+        written to. It declares `message_bytes`, the most one of its messages takes (`_declaring`)."""
         method = self._framed["PushStream", False]
-        keywords = {"timeout": seconds, "metadata": self._metadata, "wait_for_ready": self.wait_for_ready}
+        keywords = {
+            "timeout": seconds,
+            "metadata": self._declaring(message_bytes),
+            "wait_for_ready": self.wait_for_ready,
+        }
         return method(**keywords) if requests is None else method(requests, **keywords)
+
+    def _declaring(self, message_bytes: int | None) -> tuple[tuple[str, str], ...]:
+        """A call's metadata: the token's, and where the call knows it, the most a message of it
+        takes (wire.MESSAGE_BYTES), which the server reserves of max_inflight_bytes before each read."""
+        return self._metadata if message_bytes is None else (*self._metadata, (MESSAGE_BYTES, str(message_bytes)))
 
     def _error(self, exc: grpc.RpcError, waited: bool = False) -> ExpbufError:
         """The ExpbufError of a failed call of this client's (call_error); `waited`: with wait_for_ready."""
@@ -387,7 +401,7 @@ class ClientBase:
         retried = call.retry or call.method not in RETRIED_METHODS
         keywords = {
             "timeout": call.timeout or self.timeout,
-            "metadata": self._metadata,
+            "metadata": self._declaring(call.message_bytes),
             "wait_for_ready": call.retry and self.wait_for_ready,
         }
         if call.method in PARTS_METHODS:  # its replies read as Sample's are (sample_reply.py)

@@ -62,18 +62,27 @@ class Unary(Generic[R]):
         if self.retry and self.method not in RETRIED_METHODS:
             raise ValueError(f"{self.method} is not under the channel's retry policy (connection.RETRIED_METHODS)")
 
+    @property
+    def message_bytes(self) -> int | None:
+        """What the call declares of its message (wire.MESSAGE_BYTES): a request written by hand
+        (frames.py: a Push's, a PutValues') its own size; None for the others."""
+        return len(self.request) if isinstance(self.request, bytes) else None
+
 
 @dataclass(frozen=True)
 class Chunked(Generic[R]):
     """A push sent in chunks over PushStream (PushRequest.total_bytes): `requests()` makes its
     messages (serialised, frames.py) as gRPC sends them, which it keeps for a retry; the stream's one
-    reply is read as a Unary's, and a retry sends the whole push again, as a push sent whole."""
+    reply is read as a Unary's, and a retry sends the whole push again, as a push sent whole.
+    `message_bytes`: the most one of its messages takes (a chunk's, frames.most_push_request),
+    which it declares (wire.MESSAGE_BYTES)."""
 
     requests: Callable[[], Iterator[bytes]]
     read: Callable[[Any], R]
     retry: bool
     timeout: float | None = None
     method: str = "PushStream"
+    message_bytes: int | None = None
 
 
 @dataclass(frozen=True)

@@ -16,11 +16,17 @@ from ..trxp.varints import write as varint
 
 Bytes = bytes | bytearray | memoryview
 _LENGTH_DELIMITED = 2
+_MOST = 2**64 - 1  # the largest uint64: a varint field's longest
+
+
+def _head(number: int, length: int) -> bytes:
+    """A length-delimited field's key and length."""
+    return varint(number << 3 | _LENGTH_DELIMITED) + varint(length)
 
 
 def _field(number: int, data: Bytes) -> list[Bytes]:
     """A length-delimited field (bytes, string), as the runs of bytes that make it."""
-    return [varint(number << 3 | _LENGTH_DELIMITED) + varint(len(data)), data]
+    return [_head(number, len(data)), data]
 
 
 def _number(number: int, value: int) -> bytes:
@@ -35,6 +41,12 @@ def push_request(payload: Bytes, table: str = "", *, seq: int = 0, total_bytes: 
         runs += _field(2, payload)
     runs += [_number(3, seq), _number(4, total_bytes)]
     return b"".join(runs)
+
+
+def most_push_request(payload_bytes: int, table: str) -> int:
+    """The most bytes a PushRequest for `table` with a payload of `payload_bytes` takes, whatever its
+    seq and total_bytes: what a PushStream of such messages declares (wire.MESSAGE_BYTES)."""
+    return len(push_request(b"", table, seq=_MOST, total_bytes=_MOST)) + len(_head(2, payload_bytes)) + payload_bytes
 
 
 def put_values_request(table: str, keys: Sequence[str], values: Sequence[Bytes]) -> bytes:

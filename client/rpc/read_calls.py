@@ -20,7 +20,7 @@ from ..results import FieldBatch, GetResult
 from ..schema.balance import MAX_RANKS, ModelShape
 from ..schema.call_limits import MAX_READ_UIDS, in_parts
 from ..schema.experience import Experience
-from ..trxp.columns import Shares, unknown_field
+from ..trxp.stored.columns import Shares, unknown_field
 from .declare import Plan, Settings, Several, Steps, Unary, declare
 from .sample_reply import SampleReplyParts
 

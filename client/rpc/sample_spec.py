@@ -14,12 +14,10 @@ from typing import Any, TypedDict
 
 from expbuf.proto.v1 import buffer_pb2 as pb
 
+from ..schema.call_limits import MAX_WINDOW
 from ..schema.orders import order_problem
-from ..trxp.columns import unknown_field
+from ..trxp.stored.columns import unknown_field
 from . import wire
-
-# The most batches a stream may have sent ahead of the client's confirmations (the server's bound).
-MAX_WINDOW = 8
 
 
 class SampleOptions(TypedDict, total=False):

@@ -28,8 +28,12 @@ COMPRESSION = {"none": pb.COMPRESSION_NONE, "zstd": pb.COMPRESSION_ZSTD}
 ORDER = {"fifo": pb.ORDER_FIFO, "lifo": pb.ORDER_LIFO, "uniform": pb.ORDER_UNIFORM, "priority": pb.ORDER_PRIORITY}
 DELIVERY = {"consume": pb.DELIVERY_CONSUME, "lease": pb.DELIVERY_LEASE, "replay": pb.DELIVERY_REPLAY}
 # The trailing metadata of a refusal of a call the server did not begin, because as many calls as
-# it lets in were in progress (server/rpc/limits.py): the same call later may get in.
+# it lets in were in progress (server/rpc/interceptors/limits.py): the same call later may get in.
 BUSY = "expbuf-busy"
+# The call metadata in which a Push, PushStream or PutValues declares the most a message of it will
+# be, in bytes (its serialised size): the server reserves that much of max_inflight_bytes before it
+# reads one, and refuses a larger one (server/rpc/push/push_memory.py). A call without it is read as before.
+MESSAGE_BYTES = "expbuf-message-bytes"
 # Where gRPC's rich error model carries a status's details (a google.rpc.Status, serialised).
 STATUS_DETAILS = "grpc-status-details-bin"
 

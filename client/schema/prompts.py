@@ -12,11 +12,24 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from enum import StrEnum
 from typing import Any
 
 from .experience import EID
 
-STATES = ("pending", "claimed", "generated", "trained", "dropped")
+
+class PromptState(StrEnum):
+    """A prompt's state in the ledger (the server's prompt ledger moves it, store/ledger/states.py);
+    its value is what ListPrompts, the metrics and the CLI show, and a string compares equal to it."""
+
+    PENDING = "pending"
+    CLAIMED = "claimed"
+    GENERATED = "generated"
+    TRAINED = "trained"
+    DROPPED = "dropped"
+
+
+STATES = tuple(PromptState)  # in the ledger's order: pending first, then the states a dataset counts
 # The most prompts one call hands out or names: a Claim's count, the prompts of a RenewClaims or
 # a ReleaseClaims. The server's one writer works through them in one transaction, every other
 # tenant's writes waiting (a claim of 65,536 held it for seconds); 4,096 hold it a fraction of
@@ -72,7 +85,7 @@ class Prompt:
     task: str
     expires: float
     table: str = "default"
-    state: str = "claimed"  # as ListPrompts reports it
+    state: PromptState = PromptState.CLAIMED  # as ListPrompts reports it
     owner: str = ""
     stats: PromptStats | None = None  # ListPrompts only
 
@@ -90,7 +103,8 @@ class Prompt:
     def from_proto(cls, msg: Any, table: str) -> Prompt:
         return cls(
             dataset=msg.dataset, epoch=msg.epoch, index=msg.index, attempt=msg.attempt, batch=msg.batch,
-            task=msg.task, expires=msg.expires_unix, table=table, state=msg.state or "claimed", owner=msg.owner,
+            task=msg.task, expires=msg.expires_unix, table=table, state=PromptState(msg.state or "claimed"),
+            owner=msg.owner,
             stats=PromptStats.from_proto(msg.stats) if msg.HasField("stats") else None,
         )  # fmt: skip
 

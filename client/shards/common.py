@@ -23,7 +23,7 @@ from ..rpc.sample_spec import SampleSpec
 from ..schema.experience import EID
 from ..schema.reasons import Reason
 from ..schema.routing import ShardMap, group_key, rendezvous, shard_names
-from ..trxp import column_wire
+from ..trxp.column_batch import wire as column_wire
 
 # A probe of one shard (its ready count, or any small call while it is believed down): no retries,
 # no wait for a shard that is down, a short deadline; a shard that fails it is left out.

@@ -61,13 +61,13 @@ from torchrl.data.replay_buffers.storages import Storage
 from expbuf.client.errors import DeadlineExceededError, UnavailableError
 from expbuf.client.kit.batches import take_one
 from expbuf.client.kit.lease_keeper import LeaseKeeper
+from expbuf.client.kit.retry import Retry
 from expbuf.client.results import Batch
 from expbuf.client.rpc.sample_spec import SampleOptions, SampleSpec
 
 from .storage import ExpbufStorage, read_state, write_state
 
 log = logging.getLogger(__name__)
-PAUSE = 0.5  # seconds between tries while the server is unavailable
 UNDER_PREFETCH = {  # what goes wrong when TorchRL's prefetch threads draw (see the module's docstring)
     "lease": "each draw would acknowledge a batch still queued or in its step, lost if the trainer then dies",
     "consume": "the batches drawn ahead would leave the table untrained, lost when the run stops or crashes",
@@ -274,7 +274,7 @@ class ExpbufSampler(Sampler):
     def _draw(self, storage: ExpbufStorage, batch_size: int, **more: Any) -> Batch:
         """One batch whose delivery the server has committed (see the module's docstring); `more`
         sample options over the sampler's."""
-        deadline: float | None = None  # the server has been unavailable since `client.timeout` before it
+        retry = Retry(storage.client.timeout)  # given up once the server is unavailable that long
         while True:
             try:
                 batch = take_one(
@@ -282,11 +282,11 @@ class ExpbufSampler(Sampler):
                     batch_size=batch_size, **{**self.options, **more},
                 )  # fmt: skip
             except UnavailableError as exc:
-                deadline = deadline or time.monotonic() + storage.client.timeout
-                if time.monotonic() + PAUSE >= deadline:
+                pause = retry.pause()
+                if pause is None:
                     raise
                 log.warning("expbuf table %s: a draw was interrupted (%s); drawing again", storage.table, exc.details)
-                time.sleep(PAUSE)
+                time.sleep(pause)
                 continue
             while self._given_back:  # one not found was never committed: it went back when the server started
                 lease = self._given_back.pop(0)

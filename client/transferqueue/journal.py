@@ -39,7 +39,7 @@ def part_key(generation: int, part: int) -> str:
 
 
 @dataclass(frozen=True)
-class Head:
+class JournalHead:
     """The standing snapshot: its generation and parts, the last entry it covers (`seq`), and the
     previous snapshot's generation, parts and first uncovered entry, cleared after it."""
 
@@ -61,14 +61,14 @@ class Journal:
         self.table = table
         self.snapshot_every = snapshot_every
         self.limit = client.max_message_bytes // 2
-        self.head = Head()
+        self.head = JournalHead()
         self.seq = 0
 
     def load(self) -> tuple[bytes | None, list[bytes]]:
         """The standing snapshot (None before the first) and the entries after it, in order; also
         ends a clean-up that a crash cut short."""
         (raw,) = self.client.get_values([HEAD], self.table, only_own=True)  # another token's is refused
-        self.head = Head(**json.loads(raw)) if raw is not None else Head()
+        self.head = JournalHead(**json.loads(raw)) if raw is not None else JournalHead()
         self._clear_before(self.head)
         snapshot = None
         if self.head.parts:
@@ -111,13 +111,13 @@ class Journal:
         parts = [state[at : at + self.limit] for at in range(0, len(state), self.limit)] or [b""]
         for part, blob in enumerate(parts):
             self.client.put_values([part_key(generation, part)], [blob], self.table)
-        head = Head(generation, len(parts), self.seq, self.head.generation, self.head.parts, self.head.seq)
+        head = JournalHead(generation, len(parts), self.seq, self.head.generation, self.head.parts, self.head.seq)
         self.client.put_values([HEAD], [json.dumps(asdict(head)).encode()], self.table)
         self.head = head
         with contextlib.suppress(BufferError):  # what is left, the next load clears
             self._clear_before(head)
 
-    def _clear_before(self, head: Head) -> None:
+    def _clear_before(self, head: JournalHead) -> None:
         """Clear the previous snapshot's parts and the entries the standing one covers (clearing
         what is gone clears nothing, so this is safe to do again)."""
         keys = [part_key(head.previous_generation, part) for part in range(head.previous_parts)]

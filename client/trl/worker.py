@@ -40,6 +40,7 @@ from ..client import BufferClient
 from ..errors import ExpbufError
 from ..kit.batches import take_one
 from ..kit.lease_keeper import RENEWALS_PER_LEASE, LeaseKeeper
+from ..kit.retry import Retry
 from ..kit.tables import connect, table_info
 from ..results import Batch
 from .convert import rollout_samples
@@ -234,7 +235,7 @@ class ExpbufRolloutWorker:
     # ---- the sampler thread ---------------------------------------------------------------
 
     def _sample_loop(self) -> None:
-        pause = 0.05
+        retry = Retry()
         while not self._stop.is_set():
             if not self.book.wait_for_room(self.batches_ahead, 0.5):
                 continue
@@ -244,11 +245,11 @@ class ExpbufRolloutWorker:
                 if exc.code not in TRANSIENT:
                     self._fail(exc)
                     return
+                pause = retry.pause() or 0.0  # no bound: it samples again until it is stopped
                 log.info("expbuf table %s: %s; sampling again in %.2fs", self.table, exc, pause)
                 self._stop.wait(pause)
-                pause = min(2.0, pause * 2)
                 continue
-            pause = 0.05
+            retry.reset()
             self._answered()
             for batch in batches:
                 try:

@@ -13,20 +13,27 @@ payload's size. Every failure is a TrxpError naming the item and field.
 
 Two levels: `parse`/`build` work on RawItem (metadata plus raw tensor bytes, no
 torch), which is what the server stores and batches; `decode`/`encode` convert to
-and from Experience objects for users. The parts: common.py (layout, types),
-parse.py, pickles.py (the metadata pickle's scan), unpickler.py, checks.py (validation), build.py
-(building and splicing), convert.py (Experience objects and torch tensors), advantages/worker.py
-(advantages of one value per experience as tensors, on either side of a sample).
+and from Experience objects for users.
+
+The package's rooms, one format each (docs/internals/layout.md):
+- codec/: the TRXP payload itself: its layout and types (common.py), the parse (parse.py, the
+  metadata pickle's scan in pickles.py, its unpickler, the checks), the build, a payload read as
+  it arrives (stream.py), Experience objects and torch tensors (convert.py, the only module that
+  imports torch, and only when tensors are made), advantages on the bytes, version segments and
+  partial rollouts; parse, checks, pickles and common compiled with mypyc where built;
+- stored/: the payloads the server stored, read without a parse: a tensor section in pieces,
+  batches spliced from them (join), the columns of a reply cut from them;
+- column_batch/: a push as columns (the ColumnBatch payload): made from a worker's tensors,
+  written and read with protobuf, read into the items a TRXP push makes;
+- varints.py: protobuf's varints, for messages written or read by hand.
+
+The store imports codec/, stored/ and varints.py, which import no protobuf (a checked contract),
+never column_batch/.
 """
 
-from ..native import use_compiled
-
-# parse, checks, pickles and common compiled with mypyc where `make setup` or the wheel built them (see native.py).
-use_compiled(__name__, __path__)
-
-from .advantages import attach as attach_advantages
-from .build import build, join, join_parts, pack_item
-from .common import (
+from .codec.advantages import attach as attach_advantages
+from .codec.build import build, pack_item
+from .codec.common import (
     EXPANSION_BASE,
     EXPANSION_PER_BYTE,
     HEADER_SIZE,
@@ -43,8 +50,9 @@ from .common import (
     TrxpError,
     Work,
 )
-from .convert import decode, decode_reply, encode, from_experience, gather, raw_of, tensor_of, to_experience
-from .parse import parse
+from .codec.convert import decode, decode_reply, encode, from_experience, gather, raw_of, tensor_of, to_experience
+from .codec.parse import parse
+from .stored.splice import join, join_parts
 
 __all__ = [
     "EXPANSION_BASE",

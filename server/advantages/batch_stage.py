@@ -20,13 +20,13 @@ from ..store import Advantage, SentApart, StageCounts, token_parts, token_record
 from ..store.schema.table_config import TableConfig, batch_stage, estimator_args, estimator_of
 
 if TYPE_CHECKING:
-    from ..store import ItemRecord
+    from ..store import MemberView
     from .shaping import ShapingReport
 
 
 def finish_batch(
     config: TableConfig,
-    records: Sequence[ItemRecord],
+    records: Sequence[MemberView],
     stored: Sequence[Advantage],
     counts: StageCounts | None = None,
 ) -> list[Advantage]:
@@ -48,7 +48,7 @@ def finish_batch(
 
 
 def _finish(
-    config: TableConfig, records: Sequence[ItemRecord], stored: Sequence[Advantage], report: ShapingReport
+    config: TableConfig, records: Sequence[MemberView], stored: Sequence[Advantage], report: ShapingReport
 ) -> list[Advantage]:
     import torch
 
@@ -100,7 +100,7 @@ def _finish(
     ]
 
 
-def _batch_reward(rec: ItemRecord) -> float:
+def _batch_reward(rec: MemberView) -> float:
     """The reward the batch stage's statistics see: shaped where shaping ran on ingest."""
     reward = rec.shaped_reward if rec.shaped_reward is not None else rec.reward
     return reward or 0.0

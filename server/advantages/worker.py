@@ -28,10 +28,10 @@ from collections.abc import Callable, Sequence
 import torch
 
 from expbuf.client import trxp
-from expbuf.client.trxp.convert import flat_tensor
+from expbuf.client.trxp.codec.convert import flat_tensor
 
 from ..backend import Backend
-from ..store import SHAPING_COUNTERS, Compute, Computed, ComputeJob, ItemRecord, ShapingUpdate, token_record
+from ..store import SHAPING_COUNTERS, Compute, Computed, ComputeJob, MemberView, ShapingUpdate, token_record
 from ..store.schema.errors import clip
 from ..store.schema.table_config import TableConfig, batch_stage, estimator_args, estimator_of, group_step_first
 from . import estimators, shaping
@@ -55,7 +55,7 @@ def encode_results(result: estimators.Advantages, batch: estimators.FlatBatch) -
 
 
 def build_batch(
-    records: Sequence[ItemRecord],
+    records: Sequence[MemberView],
     items: Sequence[trxp.RawItem] | None = None,
     shape: Callable[[estimators.FlatBatch], torch.Tensor] | None = None,
 ) -> tuple[estimators.FlatBatch, list[str]]:

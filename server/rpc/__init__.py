@@ -1,8 +1,12 @@
-"""The gRPC service: the servicer (service.py), its streams (push_stream.py, sample_stream.py),
-the prompt ledger's calls (ledger_service.py), replies serialised once, what pushes hold in
-memory and their decoding (push_memory.py, inflight.py, push_request.py, ingest.py), the
-interceptors (auth, limits, metrics), what every call shares (call_context.py), the end of open
-streams at a stop and the writers' end of data.
+"""The gRPC service, in rooms by role: the servicer (service.py), which mixes in the servicers of
+its services (servicers/: reads, the prompt ledger, keyed values); a push's path (push/: its request read by
+hand, the memory pushes hold, their decoding, the PushStream's pipeline); a Sample stream's
+(sample/: its conversation, replies serialised once, sends a client stopped taking); the
+interceptors (interceptors/: their base, tokens, call limits, metrics, unreadable requests); and
+what every call shares (call_context.py), the end of open streams at a stop (draining.py) and the
+writers' end of data (writers.py). app.py assembles them into a server.
 
-May import advantages, backend, config and the store; nothing above (app, cli, commands).
+Rooms import only downward: service over servicers/, over push/ and sample/, over the shared
+modules, over interceptors/ (pyproject.toml). May import advantages, backend, config and the
+store; nothing above (app, cli, commands).
 """

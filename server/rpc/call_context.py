@@ -20,7 +20,7 @@ from expbuf.client.schema.reasons import Reason
 from expbuf.proto.v1 import buffer_pb2 as pb
 
 from ..store.schema.errors import InvalidRequest, StoreError, clip
-from .interceptor import refuse
+from .interceptors.base import refuse
 
 log = logging.getLogger("expbuf.service")
 

@@ -22,7 +22,7 @@ import grpc
 
 from expbuf.client.schema.reasons import Reason
 
-from .interceptor import refuse
+from .interceptors.base import refuse
 
 SHUTTING_DOWN = (
     "the server is shutting down; send again on a new stream (the expbuf clients do so for UNAVAILABLE), "

@@ -18,7 +18,7 @@ from google.protobuf.unknown_fields import UnknownFieldSet
 
 from expbuf.client import trxp
 from expbuf.client.rpc import wire
-from expbuf.client.schema.call_limits import MAX_KEYS_PER_CALL, MAX_NAMES_PER_CALL
+from expbuf.client.schema.call_limits import MAX_NAMES_PER_CALL
 from expbuf.client.schema.reasons import Reason
 from expbuf.proto.v1 import buffer_pb2 as pb
 from expbuf.proto.v1 import buffer_pb2_grpc as pb_grpc
@@ -36,17 +36,15 @@ from ..store.schema.errors import (
     InvalidRequest,
     SpecError,
     TableFull,
-    check_count,
+    check_names,
     clip,
 )
-from ..store.schema.sample_spec import SampleSpec
+from ..store.schema.sample_spec import TakeSpec
 from ..store.schema.table_config import TableConfig
-from . import push_stream
 from .call_context import (
     CALL_TABLE,
     MIN_REPLY_BYTES,
     RefusalLog,
-    distinct,
     ids_of,
     max_wait_note,
     noted,
@@ -55,15 +53,17 @@ from .call_context import (
     room_wait,
 )
 from .draining import Draining
-from .ingest import Ingest
-from .interceptor import refuse
-from .ledger_service import LedgerCalls
-from .limits import MAY_WAIT, Interrupted, TableStreams
-from .metrics import Metrics
-from .push_request import PushMessage
-from .read_service import ReadCalls
-from .replies import ReplyTooLarge, sample_reply
-from .sample_stream import stream_batches
+from .interceptors.base import refuse
+from .interceptors.limits import MAY_WAIT, Interrupted, TableStreams
+from .interceptors.metrics import Metrics
+from .push import push_stream
+from .push.ingest import Ingest
+from .push.push_request import PushMessage
+from .sample.replies import ReplyTooLarge, sample_reply
+from .sample.sample_stream import stream_batches
+from .servicers.ledger import LedgerServicer
+from .servicers.reads import ReadServicer
+from .servicers.values import ValuesServicer
 from .writers import Writers
 
 log = logging.getLogger("expbuf.service")
@@ -76,14 +76,14 @@ _VERSION_STATS = {
 }
 
 
-def sample_spec(request: pb.SampleRequest) -> SampleSpec:
-    """The first message of a Sample stream as a checked SampleSpec."""
+def sample_spec(request: pb.SampleRequest) -> TakeSpec:
+    """The first message of a Sample stream as a checked TakeSpec."""
     try:
         order = request_order(request)
         delivery = wire.enum_name(wire.DELIVERY, "delivery", request.delivery, "consume")
     except wire.WireError as exc:
         raise SpecError(str(exc)) from None
-    return SampleSpec(
+    return TakeSpec(
         table=request.table or "default",
         num_groups=request.num_groups,
         batch_size=request.batch_size,
@@ -116,7 +116,7 @@ def _unknown_fields(message: Any) -> list[int]:
     return [fields[i].field_number for i in range(len(fields))]
 
 
-class ExperienceBufferService(LedgerCalls, ReadCalls, pb_grpc.ExperienceBufferServicer):
+class ExperienceBufferService(LedgerServicer, ReadServicer, ValuesServicer, pb_grpc.ExperienceBufferServicer):
     def __init__(
         self,
         store: Backend,
@@ -157,7 +157,7 @@ class ExperienceBufferService(LedgerCalls, ReadCalls, pb_grpc.ExperienceBufferSe
         if isinstance(request, PushMessage):
             request.drop_payload()
         timeout, note = room_wait(context, self.max_wait_seconds)
-        try:  # a push that finds it must wait for room is a call that waits idle (rpc/limits.py)
+        try:  # a push that finds it must wait for room is a call that waits idle (rpc/interceptors/limits.py)
             result = self.store.put_entries(
                 table, entries, timeout=timeout, holder=self._owner(context), may_wait=MAY_WAIT.get()
             )
@@ -185,7 +185,7 @@ class ExperienceBufferService(LedgerCalls, ReadCalls, pb_grpc.ExperienceBufferSe
     @refusals
     def PushStream(self, request_iterator: Iterator[pb.PushRequest], context: grpc.ServicerContext) -> Iterator:
         """Pushes as they come, up to push_stream_window of them at once, each answered in order once
-        durable (rpc/push_stream.py); a stream that sends nothing for push_stream_idle_seconds ends
+        durable (rpc/push/push_stream.py); a stream that sends nothing for push_stream_idle_seconds ends
         with DEADLINE_EXCEEDED naming the setting (it holds a worker thread while it waits). When
         the server stops, it ends with UNAVAILABLE once it has answered every push it read (rpc/draining.py)."""
         messages = push_stream.open_messages(
@@ -203,7 +203,7 @@ class ExperienceBufferService(LedgerCalls, ReadCalls, pb_grpc.ExperienceBufferSe
 
     @refusals
     def Sample(self, requests: Iterator[pb.SampleRequest], context: grpc.ServicerContext) -> Iterator[bytes]:
-        """Batches sent as the client asks for them (see rpc/sample_stream.py)."""
+        """Batches sent as the client asks for them (see rpc/sample/sample_stream.py)."""
         try:
             first = next(requests, None)
         except grpc.RpcError:  # cancelled before it asked for anything
@@ -302,7 +302,7 @@ class ExperienceBufferService(LedgerCalls, ReadCalls, pb_grpc.ExperienceBufferSe
 
     @refusals
     def Retire(self, request: pb.RetireRequest, context: grpc.ServicerContext) -> pb.RetireReply:
-        check_count(request.group_ids, "group_ids", "Retire", MAX_NAMES_PER_CALL)  # before they are read
+        check_names(request.group_ids, "group_ids", "Retire", MAX_NAMES_PER_CALL)  # before they are read
         groups = ids_of(request.group_ids, "group_ids")
         return pb.RetireReply(retired=self.store.retire(request.table or "default", groups, self._owner(context)))
 
@@ -311,38 +311,14 @@ class ExperienceBufferService(LedgerCalls, ReadCalls, pb_grpc.ExperienceBufferSe
     @refusals
     def Delete(self, request: pb.DeleteRequest, context: grpc.ServicerContext) -> pb.DeleteReply:
         table = request.table or "default"
-        check_count(request.uids, "uids", "Delete", MAX_NAMES_PER_CALL)  # before they are read
-        check_count(request.group_ids, "group_ids", "Delete", MAX_NAMES_PER_CALL)
+        check_names(request.uids, "uids", "Delete", MAX_NAMES_PER_CALL)  # before they are read
+        check_names(request.group_ids, "group_ids", "Delete", MAX_NAMES_PER_CALL)
         deleted = self.store.delete(table, ids_of(request.uids, "uids"), ids_of(request.group_ids, "group_ids"))
         return pb.DeleteReply(deleted=deleted)
 
     @refusals
-    def PutValues(self, request: pb.PutValuesRequest, context: grpc.ServicerContext) -> pb.PutValuesReply:
-        check_count(request.keys, "keys", "PutValues", MAX_KEYS_PER_CALL)  # before they are read
-        keys, values = list(request.keys), list(request.values)
-        stored = self.store.put_values(request.table or "default", keys, values, self._owner(context))
-        return pb.PutValuesReply(stored=stored)
-
-    @refusals
-    def GetValues(self, request: pb.GetValuesRequest, context: grpc.ServicerContext) -> pb.GetValuesReply:
-        check_count(request.keys, "keys", "GetValues", MAX_KEYS_PER_CALL)  # before they are read
-        keys = distinct(list(request.keys), "keys")
-        owner = self._owner(context) if request.only_own else None
-        found = self.store.get_values(request.table or "default", keys, self.max_message_bytes - MIN_REPLY_BYTES, owner)
-        return pb.GetValuesReply(
-            values=[value for value in found if value is not None],
-            missing_keys=[key for key, value in zip(keys, found, strict=True) if value is None],
-        )
-
-    @refusals
-    def ClearValues(self, request: pb.ClearValuesRequest, context: grpc.ServicerContext) -> pb.ClearValuesReply:
-        check_count(request.keys, "keys", "ClearValues", MAX_KEYS_PER_CALL)  # before they are read
-        cleared = self.store.clear_values(request.table or "default", list(request.keys), self._owner(context))
-        return pb.ClearValuesReply(cleared=cleared)
-
-    @refusals
     def FailRuns(self, request: pb.FailRunsRequest, context: grpc.ServicerContext) -> pb.FailRunsReply:
-        check_count(request.uids, "uids", "FailRuns", MAX_NAMES_PER_CALL)  # before they are read
+        check_names(request.uids, "uids", "FailRuns", MAX_NAMES_PER_CALL)  # before they are read
         uids = ids_of(request.uids, "uids")
         done = self.store.fail_runs(request.table or "default", uids, list(request.reasons), self._owner(context))
         return pb.FailRunsReply(

@@ -3,8 +3,8 @@
 
 - engine.py: `Store`, the façade the server uses (through backend.Backend), with its mixins
   reading.py, ledger_calls.py and sampling_calls.py; this package exports the names code above the
-  store reads (the Store, what goes in and comes out, the states, the extension class, the order
-  and index API);
+  store reads (the Store, what goes in and comes out, the states, the extension class and the
+  events it hears, the order and index API);
 - services/: sampling, pushing, reads, keyed values, claims, upkeep, scrub, index builds, each a
   request's work in the writer's transaction or off it;
 - tables/: the catalog (the tables and each one's extensions), a lease's life, taking a batch,
@@ -22,18 +22,15 @@
 
 The store is the bottom layer of the server, fenced: no chain of imports from it reaches grpc or
 torch (the import contracts in pyproject.toml; tests/test_fence.py). It reads payloads with the
-codec's torch-free submodules (expbuf.client.trxp.parse, .build, .common, .checks, .advantages),
-never the expbuf.client.trxp package. What computes with torch is given to it by the server: the
+codec's rooms that import no protobuf (expbuf.client.trxp.codec, .stored, .varints), never with its
+convert.py or the expbuf.client.trxp package, which exports convert's names, nor with column_batch/
+(a push as columns, read by the server's ingest). What computes with torch is given to it by the server: the
 batch stage (`Store(batch_stage=...)`, bound to each batch taken and run where the reply is
 built) and the advantages a push computes (`Store.in_push`).
 """
 
-import sys
-
-from expbuf.client.moved import alias
-
 from .core.counters import SHAPING_COUNTERS
-from .core.events import TableExtension
+from .core.events import Inserted, Moved, Pushed, Resent, Retired, TableExtension, Taken
 from .core.indexes import Index, KeyedIndex, ReadyGroup
 from .core.orders import Order, register, unregister
 from .core.reading import Page
@@ -58,7 +55,7 @@ from .disk.records import ItemRecord
 from .disk.stored_advantages import Advantage, SentApart, StageCounts, send_apart, token_parts, token_record
 from .engine import Store
 from .ledger.claimed import Claimed
-from .ledger.prompt_stats import PASS_BANDS, PromptStats
+from .ledger.prompt_stats import PASS_BANDS, KeptStats
 from .ledger.records import MAX_SIZE, DatasetRecord, PromptRecord, prompt_eid
 from .ledger.settings import MAX_ATTEMPTS, MAX_EPOCHS
 from .ledger.states import PROMPT_STATES
@@ -78,11 +75,12 @@ from .schema.states import (
     IllegalMove,
     State,
 )
-from .services.claims import MAX_OWNER_BYTES, MAX_PAGE, PromptPage, check_claim, check_refs, shown_owner
+from .schema.views import GroupView, MemberView
+from .services.claims import MAX_OWNER_BYTES, MAX_PAGE, RecordPage, check_claim, check_refs, shown_owner
 from .services.index_builds import IndexBuild
 from .services.scrub import ScrubStatus
 from .services.staged import StagedShare
-from .tables.admission import Grant
+from .tables.admission import RolloutGrant
 from .tables.integrity import older_format
 from .tables.integrity import quarantined as quarantined_by_table
 from .tables.integrity import repair as repair_directory
@@ -120,22 +118,29 @@ __all__ = [
     "Entry",
     "Environment",
     "FailResult",
-    "Grant",
+    "GroupView",
     "IllegalMove",
     "Index",
     "IndexBuild",
+    "Inserted",
     "ItemRecord",
+    "KeptStats",
     "KeyedIndex",
     "MayWait",
+    "MemberView",
+    "Moved",
     "Order",
     "Page",
-    "PromptPage",
     "PromptRecord",
-    "PromptStats",
     "Push",
+    "Pushed",
     "PutResult",
     "ReadyGroup",
     "ReadyIndex",
+    "RecordPage",
+    "Resent",
+    "Retired",
+    "RolloutGrant",
     "Sampled",
     "ScrubStatus",
     "SentApart",
@@ -146,6 +151,7 @@ __all__ = [
     "State",
     "Store",
     "TableExtension",
+    "Taken",
     "check_claim",
     "check_refs",
     "index_databases",
@@ -163,9 +169,3 @@ __all__ = [
     "unregister",
     "version_key",
 ]
-
-# The old paths of the order registry's names (an order and its index, docs/internals/storage.md),
-# modules no more: each name read from them is this package's, with a DeprecationWarning, for
-# one release (client/moved.py; CHANGELOG.md).
-for _old in ("schema.ready_indexes", "schema.selection", "ready_indexes", "selection"):
-    alias(f"{__name__}.{_old}", sys.modules[__name__])

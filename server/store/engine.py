@@ -27,7 +27,7 @@ from typing import Any, TypeVar
 import lmdb
 
 from expbuf.client.schema.call_limits import MAX_NAMES_PER_CALL
-from expbuf.client.trxp.common import RawItem
+from expbuf.client.trxp.codec.common import RawItem
 
 from .core import rate_counts, reading, retire
 from .core.compute import backlog
@@ -47,7 +47,7 @@ from .rules.extensions import ExtensionKinds
 from .rules.quarantine import quarantine_found
 from .rules.trained import retire_trained
 from .sampling_calls import SamplingCalls
-from .schema.errors import InvalidRequest, NotFound, check_count
+from .schema.errors import InvalidRequest, NotFound, check_names
 from .schema.sample_spec import check_version
 from .schema.table_config import TableConfig, default_table
 from .services.claims import Claims
@@ -301,7 +301,9 @@ class Store(SamplingCalls, ReadCalls, LedgerCalls):
 
     # ---- admission -----------------------------------------------------------------------
 
-    def admit(self, table: str, count: int, *, wait: float = 0.0, grant_seconds: float = 300.0) -> admission.Grant:
+    def admit(
+        self, table: str, count: int, *, wait: float = 0.0, grant_seconds: float = 300.0
+    ) -> admission.RolloutGrant:
         """How many of `count` rollouts may start now (admission.py), under a grant that
         expires after grant_seconds unless finished; waits up to `wait` for room."""
         deadline = time.monotonic() + wait
@@ -374,8 +376,8 @@ class Store(SamplingCalls, ReadCalls, LedgerCalls):
     def delete(self, table: str, uids: Sequence[str] = (), group_ids: Sequence[str] = ()) -> int:
         """Remove experiences (and their records, so they may be pushed again), at most
         MAX_NAMES_PER_CALL uids and as many group ids a call."""
-        check_count(uids, "uids", "Delete", MAX_NAMES_PER_CALL)
-        check_count(group_ids, "group_ids", "Delete", MAX_NAMES_PER_CALL)
+        check_names(uids, "uids", "Delete", MAX_NAMES_PER_CALL)
+        check_names(group_ids, "group_ids", "Delete", MAX_NAMES_PER_CALL)
 
         def op(tt: TableState) -> int:
             count = retire.delete(tt, uids, group_ids)
@@ -387,7 +389,7 @@ class Store(SamplingCalls, ReadCalls, LedgerCalls):
     def retire(self, table: str, group_ids: Sequence[str], owner: str = "") -> int:
         """Consume groups a trainer trained by their ids, as an ack would (rules/trained.py),
         at most MAX_NAMES_PER_CALL a call; returns the groups retired."""
-        check_count(group_ids, "group_ids", "Retire", MAX_NAMES_PER_CALL)
+        check_names(group_ids, "group_ids", "Retire", MAX_NAMES_PER_CALL)
 
         def op(tt: TableState) -> int:
             count = retire_trained(tt, group_ids, owner)
@@ -400,14 +402,13 @@ class Store(SamplingCalls, ReadCalls, LedgerCalls):
         """Record runs their workers report failed; groups whose runs are all known complete
         short or are dropped (groups.fail_runs), at most MAX_NAMES_PER_CALL a call. `holder` is who
         reports (as a push's)."""
-        check_count(uids, "uids", "FailRuns", MAX_NAMES_PER_CALL)
+        check_names(uids, "uids", "FailRuns", MAX_NAMES_PER_CALL)
         if len(reasons) not in (0, len(uids)):
             raise InvalidRequest(f"{len(uids)} uids for {len(reasons)} reasons: one reason a uid, or none")
         failures = list(zip(uids, reasons or [""] * len(uids), strict=True))
 
         def op(tt: TableState) -> FailResult:
-            tt.holder, tt.call = holder, "FailRuns"
-            return groups.fail_runs(tt, failures)
+            return groups.fail_runs(tt, failures, holder)
 
         return self._in_table(table, op)
 
@@ -416,8 +417,7 @@ class Store(SamplingCalls, ReadCalls, LedgerCalls):
         a prompt's claimant completes its group)."""
 
         def op(tt: TableState) -> int:
-            tt.holder, tt.call = holder, "Seal"
-            return groups.seal(tt, group_id)
+            return groups.seal(tt, group_id, holder)
 
         return self._in_table(table, op)
 

@@ -7,7 +7,7 @@ from collections.abc import Callable, Sequence
 
 from .ledger.claimed import Claimed
 from .ledger.records import DatasetRecord
-from .services.claims import Claims, PromptPage
+from .services.claims import Claims, RecordPage
 
 
 class LedgerCalls:
@@ -67,6 +67,6 @@ class LedgerCalls:
         states: Sequence[str] = (),
         after: tuple[int, int] | None = None,
         limit: int = 1000,
-    ) -> PromptPage:
+    ) -> RecordPage:
         """A page of the dataset's prompts handed out at least once."""
         return self.claims.prompts(table, name, states=states, after=after, limit=limit)

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from expbuf.client.schema.balance import ModelShape
-from expbuf.client.trxp.columns import Shares
+from expbuf.client.trxp.stored.columns import Shares
 
 from .core import reading
 from .disk.kinds import Sampled

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from .disk.kinds import Sampled
-from .schema.sample_spec import SampleSpec
+from .schema.sample_spec import TakeSpec
 from .services.sampling import Sampling
 
 
@@ -17,7 +17,7 @@ class SamplingCalls:
 
     def sample(
         self,
-        spec: SampleSpec,
+        spec: TakeSpec,
         *,
         timeout: float | None = None,
         hold: bool = False,
@@ -40,7 +40,7 @@ class SamplingCalls:
         """A stream's held batch its client did not confirm goes back, uncounted (Sampling.give_back)."""
         return self.sampling.give_back(lease_id, table, owner)
 
-    def confirm(self, lease_id: str, spec: SampleSpec, owner: str = "") -> int:
+    def confirm(self, lease_id: str, spec: TakeSpec, owner: str = "") -> int:
         """A stream's held batch that its client has, delivered as the stream asked (tables/leases.py)."""
         return self.sampling.confirm(lease_id, spec, owner)
 

@@ -19,7 +19,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from expbuf.client import trxp
 from expbuf.proto.v1 import buffer_pb2 as pb
 from expbuf.proto.v1 import buffer_pb2_grpc as pb_grpc
-from expbuf.server.rpc.metrics import Metrics
+from expbuf.server.rpc.interceptors.metrics import Metrics
 from expbuf.server.rpc.service import ExperienceBufferService
 from expbuf.server.store import Store
 

@@ -22,7 +22,7 @@ from expbuf.server.store import Store
 from expbuf.server.store.disk import layout
 from expbuf.server.store.disk.environment import Environment
 from expbuf.server.store.schema.errors import Damaged
-from expbuf.server.store.schema.sample_spec import SampleSpec
+from expbuf.server.store.schema.sample_spec import TakeSpec
 from expbuf.server.store.schema.table_config import TableConfig
 from expbuf.server.store.tables import integrity
 
@@ -145,7 +145,7 @@ def test_random_damage_is_refused_at_open_or_does_no_harm(
             continue
         with store:
             served: dict[str, trxp.RawItem] = {}
-            while (batch := store.sample(SampleSpec("t", num_groups=8))) is not None:
+            while (batch := store.sample(TakeSpec("t", num_groups=8))) is not None:
                 for item in trxp.parse(batch.payload):
                     assert item.uid not in served
                     served[item.uid] = item
@@ -269,7 +269,7 @@ def test_a_quick_open_never_serves_a_damaged_payload(
     assert all(f"item {uid}: its payload does not match its digest" in before.stdout for uid in damaged)
     with Store(copy, check_at_open="quick") as store:
         served: dict[str, trxp.RawItem] = {}
-        while (batch := store.sample(SampleSpec("t", num_groups=8, allow_partial=True))) is not None:
+        while (batch := store.sample(TakeSpec("t", num_groups=8, allow_partial=True))) is not None:
             served |= {item.uid: item for item in trxp.parse(batch.payload)}
         stats = store.stats("t")
         payload, missing = store.get_payload("t", damaged + kept)

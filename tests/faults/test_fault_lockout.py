@@ -16,6 +16,7 @@ gets every prompt while pushes and samples get through.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import queue
 import threading
@@ -28,6 +29,8 @@ import grpc
 import pytest
 
 from expbuf.client import BufferClient, trxp
+from expbuf.client.rpc.connection import DEFAULT_PUSH_CHUNK_BYTES
+from expbuf.client.rpc.frames import most_push_request
 from expbuf.client.rpc.wire import BUSY
 from expbuf.proto.v1 import buffer_pb2 as pb
 from expbuf.proto.v1 import buffer_pb2_grpc as pb_grpc
@@ -53,11 +56,19 @@ SHARE = 6  # workers kept for each scope in the share cases
 SHARES = {**RAISED_CAPS, "EXPBUF_PUSH_SCOPE_WORKERS": str(SHARE), "EXPBUF_SAMPLE_SCOPE_WORKERS": str(SHARE)}
 
 
-def idle_push_stream(buffer: pb_grpc.ExperienceBufferStub, holds: list[queue.SimpleQueue]) -> grpc.Call:
-    """A PushStream that sends nothing until its queue is given None."""
+MESSAGE_BYTES = "expbuf-message-bytes"  # the call metadata in which a client declares its messages' largest size
+PUSHER_MESSAGE = most_push_request(DEFAULT_PUSH_CHUNK_BYTES, "default")  # what a pusher's stream declares
+
+
+def idle_push_stream(
+    buffer: pb_grpc.ExperienceBufferStub, holds: list[queue.SimpleQueue], declared: int = 0
+) -> grpc.Call:
+    """A PushStream that sends nothing until its queue is given None; with `declared`, one that
+    declared its messages' largest size, as expbuf's clients do (a chunk's)."""
     hold: queue.SimpleQueue = queue.SimpleQueue()
     holds.append(hold)
-    return buffer.PushStream(iter(hold.get, None), timeout=60)
+    metadata = ((MESSAGE_BYTES, str(declared)),) if declared else ()
+    return buffer.PushStream(iter(hold.get, None), timeout=60, metadata=metadata)
 
 
 def waiting_sample(buffer: pb_grpc.ExperienceBufferStub, holds: list[queue.SimpleQueue]) -> grpc.Call:
@@ -129,6 +140,11 @@ def held_lease(target: str) -> str:
 
 CASES = {
     "80 idle PushStreams": [(idle_push_stream, WORKERS + 4)],
+    # Each holds what a pusher declares by default (a 4 MiB chunk's message) of max_inflight_bytes for
+    # its read, from its start until its message comes: those let in hold 56 MiB of the 1 GiB.
+    "80 idle PushStreams that declared a pusher's messages": [
+        (functools.partial(idle_push_stream, declared=PUSHER_MESSAGE), WORKERS + 4)
+    ],
     "60 waiting Samples and 20 idle PushStreams": [(waiting_sample, 12), (idle_push_stream, 5)],
     "70 Admit(wait=30) on a full table": [(waiting_admit, WORKERS + 2)],
 }
@@ -150,7 +166,9 @@ def test_idle_calls_leave_push_ack_and_stats_answered(
                 assert f"reserved_workers = {RESERVED}" in call.details(), call.details()
             try:
                 data, uids = payload("during", 0)
-                pushed = buffer.Push(pb.PushRequest(table="default", payload=data), timeout=10)
+                request = pb.PushRequest(table="default", payload=data)
+                declared = ((MESSAGE_BYTES, str(request.ByteSize())),)
+                pushed = buffer.Push(request, timeout=10, metadata=declared)
                 acked = buffer.Ack(pb.AckRequest(table="leased", lease_id=lease_id), timeout=10)
                 tables = buffer.Stats(pb.StatsRequest(), timeout=10).tables
                 buffer.CreateTable(pb.CreateTableRequest(config=pb.TableConfig(name="made")), timeout=10)

@@ -14,7 +14,9 @@ order, a table's counters, its rollouts held in pieces), in layers, top to botto
 - ready.py (a table's ready indexes and their builds), orders.py (the orders and their registry),
   indexes.py (the ready-group indexes);
 - events.py (the events a table raises, and `TableExtension`), counters.py (the counters and their
-  stored form), read_check.py (what is checked of a payload before it leaves the store).
+  stored form), read_check.py (what is checked of a payload before it leaves the store);
+- views.py (the records behind the views it hands out: code outside the core reads a group and
+  an experience as schema/views.py's `GroupView` and `MemberView`, never as records).
 
 What to do and when (sizes, timeouts, zero variance, capacity, the limiter's limits, staleness,
 reuse's priorities, quarantine's choice of groups, partial rollouts' checks) is the rules'

@@ -1,7 +1,8 @@
 """The compute queue: complete groups waiting for their advantages, in the order they
-completed, as a table extension (rules/extensions.py runs it). A group joins when it becomes
-computing and leaves when its advantages are stored (`store_advantages`) or it leaves the table;
-the server's advantage workers read it (`backlog`), table by table in turns."""
+completed (the `compute` index, T + rseq -> group key). A group joins when it becomes computing
+and leaves when its advantages are stored (`store_advantages`) or it leaves the table, rows the
+table state writes as its groups move (core/state.py, retire.leave_indexes); the server's
+advantage workers read it (`backlog`), table by table in turns."""
 
 from __future__ import annotations
 
@@ -9,34 +10,20 @@ from collections.abc import Callable, Sequence
 
 import lmdb
 
-from expbuf.client.trxp.pieces import Stored, whole
+from expbuf.client.trxp.stored.pieces import Stored, whole
 
 from ..disk import chunk_reads, layout
 from ..disk.kinds import ComputeJob, ShapingUpdate
 from ..disk.records import GroupRecord, ItemRecord
 from ..schema.states import COMPUTING, READY
 from ..schema.table_config import TableConfig, estimator_of
+from ..schema.views import Members, MemberView
 from . import rate_counts
 from .counters import read_counters
-from .events import Groups, TableExtension
 from .read_check import payload_problem
 from .ready import Row
-from .state import Members, TableState, missing, stored
-
-
-class ComputeQueue(TableExtension):
-    """Keeps the `compute` index (T + rseq -> group key) of the computing groups."""
-
-    def on_update(self, tt: TableState, gkey: str, grp: GroupRecord, was: str) -> None:
-        if was == COMPUTING:
-            tt.txn.delete(tt.rseq_key(grp), db=tt.db["compute"])
-        if grp.state == COMPUTING:
-            tt.txn.put(tt.rseq_key(grp), gkey.encode(), db=tt.db["compute"])
-
-    def on_retire(self, tt: TableState, groups: Groups, state: str) -> None:
-        for _, grp in groups:
-            if grp.state == COMPUTING:
-                tt.txn.delete(tt.rseq_key(grp), db=tt.db["compute"])
+from .state import TableState, missing, stored
+from .views import group_record, member_record
 
 
 def backlog(
@@ -77,7 +64,7 @@ def backlog(
                 while found and cur.key().startswith(prefix) and count < limit:
                     gkey = cur.value()
                     grp = GroupRecord.decode(stored(txn, prefix + gkey, dbs["groups"], "group"))
-                    records: dict[str, ItemRecord] = {}
+                    records: dict[str, MemberView] = {}
                     blobs: dict[str, Stored] = {}
                     for uid in grp.members:
                         item_key = prefix + uid.encode()
@@ -117,21 +104,22 @@ def queued(tt: TableState) -> bool:
 
 def store_advantages(
     tt: TableState,
-    gkey: str,
-    grp: GroupRecord,
-    recs: dict[str, ItemRecord],
+    groups: Sequence[Members],
     advantages: dict[str, float | bytes],
     shaping: ShapingUpdate | None,
-) -> Row:
-    """A group's values stored and the group made ready; returns its ready index entry."""
-    for uid, rec in recs.items():
-        value = advantages[uid]
-        if shaping is not None and uid in shaping.rewards:
-            rec.shaped_reward = shaping.rewards[uid]
-        if isinstance(value, float):
-            rec.advantage = value
-        else:
-            tt.txn.put(tt.key(uid), value, db=tt.db["adv"])
-    tt.set_state(gkey, grp, recs, READY)
-    rate_counts.became_ready(tt, len(recs))
-    return (gkey.encode(), grp.ready_seq, grp.priority, grp.version)
+) -> list[Row]:
+    """Groups' values stored and the groups made ready together; returns their ready index
+    entries."""
+    for _, _, views in groups:
+        for uid, view in views.items():
+            rec, value = member_record(view), advantages[uid]
+            if shaping is not None and uid in shaping.rewards:
+                rec.shaped_reward = shaping.rewards[uid]
+            if isinstance(value, float):
+                rec.advantage = value
+            else:
+                tt.txn.put(tt.key(uid), value, db=tt.db["adv"])
+    tt.set_states(groups, READY)
+    rate_counts.became_ready(tt, sum(len(recs) for _, _, recs in groups))
+    placed = [(gkey, group_record(grp)) for gkey, grp, _ in groups]
+    return [(gkey.encode(), grp.ready_seq, grp.priority, grp.version) for gkey, grp in placed]

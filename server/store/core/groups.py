@@ -13,50 +13,54 @@ import lmdb
 from ..disk import chunked, layout, shared_prompts
 from ..disk.kinds import Entry
 from ..disk.layout import put_rows, u64
-from ..disk.records import GroupRecord, ItemRecord
+from ..disk.records import GroupRecord
 from ..schema.errors import clip
 from ..schema.states import COMPUTING, PENDING, READY
+from ..schema.views import GroupView, Members, MemberView
 from . import pieces, rate_counts
 from .ready import Row
 from .state import TableState
+from .views import group_record
 
-# A group completed, with its member records, whose advantages the push computes (compute_in_push).
-Completed = tuple[str, GroupRecord, dict[str, ItemRecord]]
+# A pending group about to complete: its key, view, members' views (closing), and whether it is in
+# the pending index.
+Closed = tuple[str, GroupView, dict[str, MemberView], bool]
 
 
-def new(tt: TableState) -> GroupRecord:
-    """A new pending group's record, counted (neither indexed as pending nor written yet)."""
+def new(tt: TableState) -> GroupView:
+    """A new pending group, counted (neither indexed as pending nor written yet)."""
     tt.counters.groups_pending += 1
     return GroupRecord(state=PENDING, created=tt.now)
 
 
-def pend(tt: TableState, gkey: str, grp: GroupRecord) -> None:
+def pend(tt: TableState, gkey: str, grp: GroupView) -> None:
     """A new group's row in the pending index (its timeout's)."""
-    tt.txn.put(tt.pending_key(gkey, grp), b"", db=tt.db["pending"])
+    tt.txn.put(tt.pending_key(gkey, group_record(grp)), b"", db=tt.db["pending"])
 
 
-def open_pending(tt: TableState, gkey: str) -> GroupRecord:
+def open_pending(tt: TableState, gkey: str) -> GroupView:
     """A new pending group, indexed and written."""
     grp = new(tt)
     pend(tt, gkey, grp)
-    tt.put_group(gkey, grp)
+    keep(tt, gkey, grp)
     return grp
 
 
-def keep(tt: TableState, gkey: str, grp: GroupRecord) -> None:
+def keep(tt: TableState, gkey: str, grp: GroupView) -> None:
     """A pending group changed (members added, runs recorded failed), written by save."""
-    tt.put_group(gkey, grp)
+    tt.put_group(gkey, group_record(grp))
 
 
-def record_failed(grp: GroupRecord, uid: str, reason: str) -> None:
+def record_failed(grp: GroupView, uid: str, reason: str) -> None:
     """A run reported failed: one of the group's runs, not a member."""
-    grp.failed[uid] = clip(reason or "failed", 200)
+    group_record(grp).failed[uid] = clip(reason or "failed", 200)
 
 
-def forget_failed(grp: GroupRecord, uids: Sequence[str]) -> None:
+def forget_failed(grp: GroupView, uids: Sequence[str]) -> None:
     """Runs reported failed, then pushed after all (a retry that worked): members, no more failed."""
+    failed = group_record(grp).failed
     for uid in uids:
-        grp.failed.pop(uid, None)
+        failed.pop(uid, None)
 
 
 def expired(tt: TableState, created_before: float) -> list[str]:
@@ -76,7 +80,7 @@ def oldest_pending(txn: lmdb.Transaction[bytes], dbs: dict[str, lmdb._Database],
     return layout.first_time(txn, dbs["pending"], prefix)
 
 
-def add_members(tt: TableState, by_group: dict[str, list[Entry]], groups: dict[str, GroupRecord]) -> None:
+def add_members(tt: TableState, by_group: dict[str, list[Entry]], groups: dict[str, GroupView]) -> None:
     """New experiences as pending members of their groups, in push order: their records
     (written by save), payloads and places in the insertion order."""
     counters = tt.counters
@@ -86,7 +90,7 @@ def add_members(tt: TableState, by_group: dict[str, list[Entry]], groups: dict[s
     versions: list[int] = []
     sharing = shared_prompts.Sharing(tt.txn, tt.db)
     for gkey, members in by_group.items():
-        grp = groups[gkey]
+        grp = group_record(groups[gkey])
         for entry in members:
             size = entry.size
             tt.put_item(entry.uid, entry.record(gkey, seq=seq, created=now))
@@ -114,12 +118,12 @@ def add_members(tt: TableState, by_group: dict[str, list[Entry]], groups: dict[s
         counters.max_version = max(versions) if high is None else max(high, *versions)
 
 
-def closing(tt: TableState, gkey: str, grp: GroupRecord, *, partial: bool) -> dict[str, ItemRecord]:
+def closing(tt: TableState, gkey: str, grp: GroupView, *, partial: bool) -> dict[str, MemberView]:
     """A pending group about to complete (or to be dropped as it does): flagged partial (sealed,
     timed out, runs reported failed), its runs still in pieces dropped then, as they will not
-    join it; its members' records."""
+    join it; its members' views."""
     recs = tt.members(grp)
-    grp.partial = partial
+    group_record(grp).partial = partial
     if partial:
         pieces.drop_group(tt, gkey)
     return recs
@@ -127,37 +131,45 @@ def closing(tt: TableState, gkey: str, grp: GroupRecord, *, partial: bool) -> di
 
 def complete(
     tt: TableState,
-    gkey: str,
-    grp: GroupRecord,
-    recs: dict[str, ItemRecord],
+    groups: Sequence[Closed],
     *,
-    indexed: bool,
-    ready: list[Row] | None,
-    computing: list[Completed] | None,
+    ready: list[Row] | None = None,
+    computing: list[Members] | None = None,
 ) -> None:
-    """A pending group (with its members' records) becomes ready, or computing, in the ready
-    order's next place, with its members' lowest version (None unless every member has one) and
-    highest priority. `indexed`: the group is in the pending index (a group opened and filled by
-    one push never is). With `ready`, a ready group's index entry is appended there for the
-    caller to add with the others (ReadyIndex.add_many) instead of added now. With `computing`
-    (a push whose table has an advantage computation), a group that needs advantages is appended
-    there, still pending, for the caller's compute_in_push."""
-    if indexed:
-        tt.txn.delete(tt.pending_key(gkey, grp), db=tt.db["pending"])
-    versions = [rec.version for rec in recs.values() if rec.version is not None]
-    grp.version = min(versions) if versions and len(versions) == len(recs) else None
-    grp.priority = max((rec.priority for rec in recs.values()), default=0.0)
-    grp.rseq = tt.counters.next_rseq
-    tt.counters.next_rseq += 1
-    if tt.config.advantages.estimator == "none":
-        tt.set_state(gkey, grp, recs, READY)
-        rate_counts.became_ready(tt, len(recs))
-        row = (gkey.encode(), grp.ready_seq, grp.priority, grp.version)
+    """Pending groups (each with its members' views, and whether it is in the pending index:
+    a group opened and filled by one push never is) become ready, or computing, together, in
+    the ready order's next places, each with its members' lowest version (None unless every
+    member has one) and highest priority. With `ready`, the ready groups' index entries are
+    appended there for the caller to add with others (ReadyIndex.add_many) instead of added now.
+    With `computing` (a push whose table has an advantage computation), the groups that need
+    advantages are appended there, still pending, for the caller's compute_in_push."""
+    now_ready: list[Members] = []
+    placed: list[tuple[str, GroupRecord]] = []  # the ready ones' records
+    queued: list[Members] = []
+    estimated = tt.config.advantages.estimator != "none"
+    for gkey, view, recs, indexed in groups:
+        grp = group_record(view)
+        if indexed:
+            tt.txn.delete(tt.pending_key(gkey, grp), db=tt.db["pending"])
+        versions = [rec.version for rec in recs.values() if rec.version is not None]
+        grp.version = min(versions) if versions and len(versions) == len(recs) else None
+        grp.priority = max((rec.priority for rec in recs.values()), default=0.0)
+        grp.rseq = tt.counters.next_rseq
+        tt.counters.next_rseq += 1
+        if not estimated:
+            now_ready.append((gkey, grp, recs))
+            placed.append((gkey, grp))
+        elif computing is not None:
+            computing.append((gkey, grp, recs))
+        else:  # queued for its advantages (compute.py); sampled once they are stored (finish_compute)
+            queued.append((gkey, grp, recs))
+    if now_ready:
+        tt.set_states(now_ready, READY)
+        rate_counts.became_ready(tt, sum(len(recs) for _, _, recs in now_ready))
+        rows = [(gkey.encode(), grp.ready_seq, grp.priority, grp.version) for gkey, grp in placed]
         if ready is None:
-            tt.ready.add(*row)
+            tt.ready.add_many(rows)
         else:
-            ready.append(row)
-    elif computing is not None:
-        computing.append((gkey, grp, recs))
-    else:  # queued for its advantages (compute.py); sampled once they are stored (finish_compute)
-        tt.set_state(gkey, grp, recs, COMPUTING)
+            ready.extend(rows)
+    if queued:
+        tt.set_states(queued, COMPUTING)

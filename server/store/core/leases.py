@@ -12,15 +12,16 @@ import lmdb
 
 from ..disk import layout
 from ..disk.kinds import Sampled
-from ..disk.records import Counted, GroupRecord, ItemRecord, Lease
+from ..disk.records import Counted, GroupRecord, Lease
 from ..schema.states import CONSUMED, LEASED, READY
+from ..schema.views import Members
 from . import rate_counts
 from .retire import retire
 from .state import TableState
+from .views import group_record, member_record
 
 Dbs = Mapping[str, lmdb._Database]
 # A group a lease held, with its member records, as it goes back to ready.
-Back = tuple[str, GroupRecord, dict[str, ItemRecord]]
 
 
 def read_lease(txn: lmdb.Transaction[bytes], db: lmdb._Database, lease_id: str) -> Lease | None:
@@ -133,7 +134,7 @@ def groups_back(tt: TableState, lease_id: str, lease: Lease, *, requeue: bool, u
     if not requeue:
         retire(tt, ended, CONSUMED)
         return sum(len(grp.members) for _, grp in ended)
-    back = [(gkey, grp, tt.members(grp)) for gkey, grp in ended]
+    back: list[Members] = [(gkey, grp, tt.members(grp)) for gkey, grp in ended]
     if unsent:
         recs = [rec for _, _, members in back for rec in members.values()]
         counted = lease.counted or Counted(len(recs), sum(rec.size for rec in recs), 0)
@@ -145,24 +146,26 @@ def groups_back(tt: TableState, lease_id: str, lease: Lease, *, requeue: bool, u
     return sum(len(grp.members) for _, grp in ended)
 
 
-def replayed_back(tt: TableState, lease_id: str, gkeys: list[str]) -> list[Back]:
+def replayed_back(tt: TableState, lease_id: str, gkeys: list[str]) -> list[Members]:
     """A held replay batch the client confirmed: its groups are ready again, their members'
-    deliveries counted; returns them (with their member records), for reuse to count as
+    deliveries counted; returns them (with their members' views), for reuse to count as
     replayed (rules/reuse.replayed)."""
     groups = leased_groups(tt, lease_id, gkeys)
     for _, grp in groups:
         grp.lease = ""
-    taken = [(gkey, grp, tt.members(grp)) for gkey, grp in groups]
+    taken: list[Members] = [(gkey, grp, tt.members(grp)) for gkey, grp in groups]
     _ready_again(tt, taken, sampled=True)
     return taken
 
 
-def _ready_again(tt: TableState, back: list[Back], *, sampled: bool) -> None:
+def _ready_again(tt: TableState, back: list[Members], *, sampled: bool) -> None:
     """Groups a lease held are ready again, their members' deliveries counted where `sampled`."""
     if sampled:
         for _, _, members in back:
-            for uid, rec in members.items():
+            for uid, view in members.items():
+                rec = member_record(view)
                 rec.times_sampled += 1
                 tt.put_item(uid, rec)
     tt.set_states(back, READY)
-    tt.ready.add_many([(gkey.encode(), grp.ready_seq, grp.priority, grp.version) for gkey, grp, _ in back])
+    placed = [(gkey, group_record(grp)) for gkey, grp, _ in back]
+    tt.ready.add_many([(gkey.encode(), grp.ready_seq, grp.priority, grp.version) for gkey, grp in placed])

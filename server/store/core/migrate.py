@@ -38,9 +38,9 @@ from pathlib import Path
 
 import lmdb
 
-from expbuf.client.trxp.build import pack_item
-from expbuf.client.trxp.common import TrxpError
-from expbuf.client.trxp.parse import parse
+from expbuf.client.trxp.codec.build import pack_item
+from expbuf.client.trxp.codec.common import TrxpError
+from expbuf.client.trxp.codec.parse import parse
 
 from ..disk import chunked, digests, layout
 from ..disk.kinds import Entry
@@ -235,14 +235,15 @@ def _recompute_batch_stage_tables(txn: lmdb.Transaction[bytes], dbs: dict[str, l
         config = TableConfig.from_stored(record["config"], record.get("v", 1))
         if not batch_stage(config):
             continue
-        tt = TableState(txn, dbs, record["id"], config, 0.0, TableExtension())  # no extension: queues its groups itself
+        tt = TableState(txn, dbs, record["id"], config, 0.0, TableExtension())  # no extension hears an upgrade
+        computing = []
         for gkey_raw in list(tt.ready.of(ReadyOrder).scan(reverse=False)):
             gkey = bytes(gkey_raw).decode()
             grp = tt.existing_group(gkey)
             tt.ready.remove(gkey_raw, grp.ready_seq, grp.priority, grp.version)
-            recs = tt.members(grp)
+            recs = {uid: tt.existing_item(uid) for uid in grp.members}
             for rec in recs.values():
                 rec.advantage = None
-            tt.set_state(gkey, grp, recs, COMPUTING)
-            txn.put(tt.rseq_key(grp), gkey_raw, db=dbs["compute"])
+            computing.append((gkey, grp, recs))
+        tt.set_states(computing, COMPUTING)  # and in the compute queue, in the ready order
         tt.save()

@@ -10,16 +10,16 @@ from collections.abc import Iterator
 from expbuf.client.schema.routing import uid_group_key
 
 from ..disk import piece_rows
-from ..disk.piece_rows import Head, Value
+from ..disk.piece_rows import PieceHead, Value
 from .state import TableState, missing
 
 
-def head(tt: TableState, uid: str) -> Head | None:
+def head(tt: TableState, uid: str) -> PieceHead | None:
     """The head of the uid's rollout held in pieces; None: it holds none."""
     return piece_rows.head(tt.txn, tt.db, piece_rows.head_key(tt.prefix, uid))
 
 
-def blobs(tt: TableState, uid: str, head: Head) -> Iterator[Value]:
+def blobs(tt: TableState, uid: str, head: PieceHead) -> Iterator[Value]:
     """The pieces of a rollout, in order, each as stored, read one at a time (a rollout's pieces
     may take the largest push); one its head names and not stored is damage."""
     key = piece_rows.head_key(tt.prefix, uid)
@@ -30,7 +30,7 @@ def blobs(tt: TableState, uid: str, head: Head) -> Iterator[Value]:
         yield raw
 
 
-def write(tt: TableState, uid: str, head: Head, number: int, blob: bytes) -> None:
+def write(tt: TableState, uid: str, head: PieceHead, number: int, blob: bytes) -> None:
     """Piece `number` of a rollout, with its head as it is with it."""
     key = piece_rows.head_key(tt.prefix, uid)
     piece_rows.put_piece(tt.txn, tt.db, key, number, blob)
@@ -48,10 +48,10 @@ def drop(tt: TableState, uid: str) -> bool:
     return True
 
 
-def of_task(tt: TableState, tid: str) -> list[tuple[str, Head]]:
+def of_task(tt: TableState, tid: str) -> list[tuple[str, PieceHead]]:
     """The rollouts held in pieces under task `tid`, with their heads."""
     rows = piece_rows.heads_under(tt.txn, tt.db, tt.key(tid + "/"), tt.prefix)
-    return [(uid, Head.decode(raw)) for uid, raw in rows if uid_group_key(uid, "task") == tid]
+    return [(uid, PieceHead.decode(raw)) for uid, raw in rows if uid_group_key(uid, "task") == tid]
 
 
 def drop_group(tt: TableState, gkey: str) -> int:
@@ -68,7 +68,7 @@ def drop_group(tt: TableState, gkey: str) -> int:
     return sum(drop(tt, uid) for uid, _ in rows if uid_group_key(uid, by) == gkey)
 
 
-def carry(tt: TableState, uid: str, head: Head, target: str) -> None:
+def carry(tt: TableState, uid: str, head: PieceHead, target: str) -> None:
     """The pieces of the uid's rollout moved as they are under the uid `target` (which holds none),
     counted there; those under `uid` dropped."""
     drop(tt, target)  # none there, but never two heads counted for one rollout

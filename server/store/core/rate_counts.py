@@ -19,8 +19,9 @@ from collections.abc import Iterable, Mapping
 
 import lmdb
 
-from ..disk.records import GroupRecord, ItemRecord
+from ..disk.records import ItemRecord
 from ..schema.states import LEASED, READY
+from ..schema.views import GroupView, MemberView
 from .counters import stored_names
 from .state import TableState
 
@@ -43,7 +44,7 @@ def given_back(tt: TableState, count: int) -> None:
     tt.counters.rate_sampled -= count
 
 
-def forget(tt: TableState, group: GroupRecord, records: Iterable[ItemRecord]) -> None:
+def forget(tt: TableState, group: GroupView, records: Iterable[MemberView]) -> None:
     """Experiences of `group` leaving other than by consumption, with their state before they
     leave: the counted ones (ready, leased) are out of the count, their samples with them, and
     the sample of a lease the group is under, which `taken` counted but their records do not yet

@@ -11,17 +11,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from expbuf.client.trxp.checks import FLOAT32_MAX
-from expbuf.client.trxp.common import TrxpError
-from expbuf.client.trxp.parse import parse
-from expbuf.client.trxp.pieces import SplitPayload, Stored
+from expbuf.client.trxp.codec.checks import FLOAT32_MAX
+from expbuf.client.trxp.codec.common import TrxpError
+from expbuf.client.trxp.codec.parse import parse
+from expbuf.client.trxp.stored.pieces import SplitPayload, Stored
 
 from ..disk import digests
 from ..disk.kinds import Entry
-from ..disk.records import ItemRecord
+from ..schema.views import MemberView
 
 
-def payload_problem(uid: str, rec: ItemRecord, blob: Stored) -> str | None:
+def payload_problem(uid: str, rec: MemberView, blob: Stored) -> str | None:
     """Why the stored payload is not the one pushed (damage on disk), or None when it is."""
     problem = digests.mismatch(blob, rec.size, rec.digest)
     if problem is None or len(blob) != rec.size or isinstance(blob, SplitPayload):
@@ -47,7 +47,7 @@ class Unservable:
         return f"experience {self.uid}: {self.why}"
 
 
-def serve_problem(uid: str, rec: ItemRecord, blob: Stored | None) -> Unservable | None:
+def serve_problem(uid: str, rec: MemberView, blob: Stored | None) -> Unservable | None:
     """Why the experience cannot be served (its payload is damaged, or its stored advantage
     is beyond float32), or None when it can; without `blob`, its payload is checked elsewhere."""
     if rec.advantage is not None and not -FLOAT32_MAX <= rec.advantage <= FLOAT32_MAX:

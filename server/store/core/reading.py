@@ -16,12 +16,17 @@ from dataclasses import dataclass
 
 import lmdb
 
+from expbuf.client.trxp.stored.pieces import Stored
+
+from ..disk import digests
 from ..disk.batch_rows import BatchRows, Reader
 from ..disk.layout import u64
 from ..disk.records import GroupRecord, ItemRecord
 from ..disk.stored_advantages import FinishBatch
 from ..schema.states import READY
 from ..schema.table_config import TableConfig
+from ..schema.views import GroupView, MemberView
+from .read_check import payload_problem
 from .state import TableState, member_state, stored
 
 Dbs = Mapping[str, lmdb._Database]
@@ -36,15 +41,30 @@ def record_raw(reader: Reader, dbs: Dbs, key: bytes) -> Value | None:
     return reader.get(key, db=dbs["items"])
 
 
-def record(reader: Reader, dbs: Dbs, key: bytes) -> ItemRecord | None:
+def record(reader: Reader, dbs: Dbs, key: bytes) -> MemberView | None:
+    """A live experience's view by its key (T + uid); None: the table holds no live one."""
     raw = record_raw(reader, dbs, key)
     return None if raw is None else ItemRecord.decode(raw)
 
 
-def group(reader: Reader, dbs: Dbs, key: bytes) -> GroupRecord | None:
-    """A group's record by its key (T + group key); None: no such group."""
+def group(reader: Reader, dbs: Dbs, key: bytes) -> GroupView | None:
+    """A group's view by its key (T + group key); None: no such group."""
     raw = reader.get(key, db=dbs["groups"])
     return None if raw is None else GroupRecord.decode(raw)
+
+
+def payload_mismatch(uid: str, raw: Value, blob: Stored | tuple[bytes, int]) -> bool:
+    """Whether an experience's stored payload (or its digest and length: chunk_reads.streamed) is not
+    the one its record (`raw`, as stored) names; a tombstone keeps none (`expbuf check` reports one
+    that has). Raises where the record does not decode (a damaged page)."""
+    if ItemRecord.compact(raw):
+        return False
+    digest, size = ItemRecord.digest_of(raw)
+    if isinstance(blob, tuple):
+        return blob != (digest, size)
+    if len(blob) == size and digests.of(blob) == digest:
+        return False
+    return payload_problem(uid, ItemRecord.decode(raw), blob) is not None
 
 
 def payload_value(reader: Reader, dbs: Dbs, key: bytes) -> Value | None:

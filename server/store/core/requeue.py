@@ -11,18 +11,18 @@ from collections.abc import Sequence
 
 from ..disk import layout
 from ..disk.layout import put_rows
-from ..disk.records import GroupRecord, ItemRecord
 from ..schema.states import LEASED, READY
+from ..schema.views import Members
 from .state import TableState
+from .views import group_record
 
-Taken = tuple[str, GroupRecord, dict[str, ItemRecord]]
 
-
-def place(tt: TableState, groups: Sequence[Taken], priorities: Sequence[float], until: float | None) -> None:
+def place(tt: TableState, groups: Sequence[Members], priorities: Sequence[float], until: float | None) -> None:
     """Ready groups replayed just now get their new priorities, then go back in the ready order
     at once (`until` None), or cool until `until`."""
-    before = [(gkey.encode(), grp.ready_seq, grp.priority, grp.version) for gkey, grp, _ in groups]
-    for (_, grp, _), priority in zip(groups, priorities, strict=True):
+    records = [(gkey, group_record(grp)) for gkey, grp, _ in groups]
+    before = [(gkey.encode(), grp.ready_seq, grp.priority, grp.version) for gkey, grp in records]
+    for (_, grp), priority in zip(records, priorities, strict=True):
         grp.priority = priority
     if until is None:  # a priority change of ready groups, for every order's index
         tt.ready.move_many(before, _ready_again(tt, groups))
@@ -45,7 +45,7 @@ def warm(tt: TableState) -> int:
         while found and cur.key().startswith(tt.prefix) and cur.key()[4:12] <= cutoff:
             due.append(bytes(cur.key()))
             found = cur.delete()
-    back = []
+    back: list[Members] = []
     for key in due:
         gkey = key[12:].decode()
         grp = tt.group(gkey)
@@ -58,11 +58,12 @@ def warm(tt: TableState) -> int:
     return len(back)
 
 
-def _ready_again(tt: TableState, groups: Sequence[Taken]) -> list[tuple[bytes, int, float, int | None]]:
+def _ready_again(tt: TableState, groups: Sequence[Members]) -> list[tuple[bytes, int, float, int | None]]:
     """A new place in the ready order, behind every group there; returns the groups' rows for
     the ready indexes."""
     rows = []
-    for gkey, grp, _ in groups:
+    for gkey, view, _ in groups:
+        grp = group_record(view)
         grp.rseq = tt.counters.next_rseq
         tt.counters.next_rseq += 1
         tt.put_group(gkey, grp)

@@ -15,9 +15,12 @@ import lmdb
 from ..disk import chunk_reads, chunked, digests, layout
 from ..disk.layout import put_rows, u64
 from ..disk.records import DELETED, GroupRecord, ItemRecord
-from ..schema.states import CONSUMED, FAILED, LIVE, PENDING, QUARANTINED, READY, RETIRED, State
+from ..schema.states import COMPUTING, CONSUMED, FAILED, LIVE, PENDING, QUARANTINED, READY, RETIRED, State
+from ..schema.views import Groups, MemberView
 from . import pieces, rate_counts
+from .events import Retired
 from .state import TableState
+from .views import group_record, member_record
 
 
 def _delete_rows(txn: lmdb.Transaction[bytes], db: lmdb._Database, keys: Iterable[bytes]) -> None:
@@ -26,9 +29,7 @@ def _delete_rows(txn: lmdb.Transaction[bytes], db: lmdb._Database, keys: Iterabl
         txn.delete(key, db=db)
 
 
-def retire(
-    tt: TableState, groups: Sequence[tuple[str, GroupRecord]], state: State, quarantined: Set[str] = frozenset()
-) -> None:
+def retire(tt: TableState, groups: Groups, state: State, quarantined: Set[str] = frozenset()) -> None:
     """Members leave the buffer (consumed, evicted, dropped, failed): payloads go (a
     failed group's stay with keep_failed, and those of a group failed for a quarantined
     member), records stay as tombstones so that a retried push of the same uid is still
@@ -37,17 +38,18 @@ def retire(
     among `quarantined` (their payloads damaged, quarantine.py) become quarantined tombstones,
     their payloads gone. Done in passes, one per database, over all the groups; a record not
     read yet in this transaction becomes a tombstone without being decoded. The table's
-    extensions hear of it first (`on_retire`)."""
-    tt.extensions.on_retire(tt, groups, state)
-    for gkey, _ in groups:
+    extensions hear of it first (`Retired`)."""
+    tt.extensions.on_retired(tt, Retired(groups, state))
+    records = [(gkey, group_record(grp)) for gkey, grp in groups]
+    for gkey, _ in records:
         pieces.drop_group(tt, gkey)
     if state != CONSUMED:
-        for _, grp in groups:
+        for _, grp in records:
             if grp.state in rate_counts.COUNTED:
                 rate_counts.forget(tt, grp, [rec for uid in grp.members if (rec := tt.item(uid)) is not None])
-    ready = [(gkey.encode(), grp.ready_seq, grp.priority, grp.version) for gkey, grp in groups if grp.state == READY]
+    ready = [(gkey.encode(), grp.ready_seq, grp.priority, grp.version) for gkey, grp in records if grp.state == READY]
     tt.ready.remove_many(ready)
-    for gkey, grp in groups:
+    for gkey, grp in records:
         if grp.state != READY:
             leave_indexes(tt, gkey, grp)
     counters, now, prefix = tt.counters, tt.now, tt.prefix
@@ -55,7 +57,7 @@ def retire(
     # A kept payload keeps its full record, for Get.
     keep = state == FAILED and (tt.config.retention.keep_failed or bool(quarantined))
     keys, sizes, places, marks, full, tombstones, nbytes, damaged = [], [], [], [], [], [], 0, []
-    for gkey, grp in groups:
+    for gkey, grp in records:
         for uid in grp.members:
             key = tt.key(uid)
             kept = keep and uid not in quarantined
@@ -102,21 +104,23 @@ def retire(
         put_rows(tt.txn, db, rows)
 
 
-def consume(tt: TableState, groups: Sequence[tuple[str, GroupRecord]]) -> None:
+def consume(tt: TableState, groups: Groups) -> None:
     """Groups a trainer trained without a lease of this table (ready, or leased with its token)
     consumed, as an ack consumes a lease's: a ready one, never taken, leaves the rate limiter's
     count as a delete does; a leased one's lease is over."""
     for _, grp in groups:
         if grp.state == READY:  # never taken: out of the rate limiter's count, as a delete is
             rate_counts.forget(tt, grp, tt.members(grp).values())
-        grp.lease = ""
+        group_record(grp).lease = ""
     retire(tt, groups, CONSUMED)
 
 
 def leave_indexes(tt: TableState, gkey: str, grp: GroupRecord) -> None:
-    """A group leaves the ready or pending index (the others are the extensions')."""
+    """A group leaves the ready, compute or pending index."""
     if grp.state == READY:
         tt.ready.remove(gkey.encode(), grp.ready_seq, grp.priority, grp.version)
+    elif grp.state == COMPUTING:
+        tt.unqueue([(gkey, grp)])
     elif grp.state == PENDING:
         tt.txn.delete(tt.pending_key(gkey, grp), db=tt.db["pending"])
 
@@ -202,6 +206,7 @@ def delete(tt: TableState, uids: Sequence[str], group_ids: Sequence[str]) -> int
         if grp is not None:
             targets.extend(grp.members)
     deleted = 0
+    emptied: list[tuple[str, GroupRecord]] = []  # groups whose last member went: they go after the loop
     for uid in dict.fromkeys(targets):
         rec = tt.item(uid)
         if rec is None:
@@ -218,13 +223,16 @@ def delete(tt: TableState, uids: Sequence[str], group_ids: Sequence[str]) -> int
         grp.members.remove(uid)
         if grp.members:
             tt.put_group(rec.group, grp)
-            continue
-        if grp.state in LIVE:
-            tt.extensions.on_retire(tt, [(rec.group, grp)], DELETED)
-        leave_indexes(tt, rec.group, grp)
+        else:
+            emptied.append((rec.group, grp))
+    live = [(gkey, grp) for gkey, grp in emptied if grp.state in LIVE]
+    if live:
+        tt.extensions.on_retired(tt, Retired(live, DELETED))
+    for gkey, grp in emptied:
+        leave_indexes(tt, gkey, grp)
         if grp.state in LIVE:
             tt.counters.add_groups(grp.state, -1)
-        tt.forget_group(rec.group)
+        tt.forget_group(gkey)
     return deleted
 
 
@@ -260,9 +268,9 @@ def _place_of(tt: TableState, uid: str) -> bytes | None:
     return None
 
 
-def quarantine_kept(tt: TableState, uid: str, rec: ItemRecord) -> None:
+def quarantine_kept(tt: TableState, uid: str, view: MemberView) -> None:
     """A failed experience whose kept payload is damaged: quarantined alone, its payload gone."""
-    key = tt.key(uid)
+    key, rec = tt.key(uid), member_record(view)
     chunked.delete(tt.txn, tt.db, [key], [rec.size])
     tt.txn.delete(key, db=tt.db["items"])
     rec.state = QUARANTINED

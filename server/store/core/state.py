@@ -3,7 +3,9 @@ cache, written by `save`), its counters, its ready index, and the keys of its in
 
 The rules that change a table (rules/groups.py, capacity.py, tables/leases.py, ...) are
 functions over this state; it imports none of them. A table's extensions (rules/extensions.py,
-rooms above) are reached through `extensions`, as the `Events` they answer (events.py).
+rooms above) are reached through `extensions`, as the `Events` they answer (events.py): the
+state raises one `Moved` per step and state moved from. It holds no request's parameters (who
+pushes, what computes): those are the arguments of the verbs that need them.
 """
 
 from __future__ import annotations
@@ -17,15 +19,15 @@ from ..disk import layout
 from ..disk.layout import put_rows, u64
 from ..disk.records import GroupRecord, ItemRecord
 from ..schema.errors import StoreError, clip
-from ..schema.states import LEASED, LIVE, READY, State, check_move
+from ..schema.states import COMPUTING, LEASED, LIVE, READY, State, check_move
 from ..schema.table_config import TableConfig
+from ..schema.views import GroupView, Members, MemberView
 from .counters import read_counters, write_counters
-from .events import Events
+from .events import Events, Moved
 from .indexes import ReadyGroup, ReadyOrder
 from .ready import ReadyIndex
+from .views import group_record, member_record
 
-# A group with its members' records, as the verbs that move groups take them.
-Members = tuple[str, GroupRecord, dict[str, ItemRecord]]
 # A member's record as the cache holds it: absent (None) when the table has no such uid.
 Cached = ItemRecord | None
 V = TypeVar("V", bytes, memoryview)
@@ -50,7 +52,7 @@ def stored_state(state: State) -> State:
     return READY if state == LEASED else state
 
 
-def member_state(rec: ItemRecord, grp: GroupRecord | None) -> State:
+def member_state(rec: MemberView, grp: GroupView | None) -> State:
     """An experience's state: its record's, or leased while its group is."""
     return LEASED if grp is not None and grp.state == LEASED and rec.state == READY else rec.state
 
@@ -78,10 +80,6 @@ class TableState:
         self._groups: dict[str, GroupRecord | None] = {}
         self._dirty_items: dict[str, ItemRecord] = {}
         self._dirty_groups: dict[str, GroupRecord] = {}
-        # Who pushes (kinds.Push.holder): the prompt ledger lets only a prompt's claimant push its group.
-        self.holder = ""
-        # The call that acts for `holder` (a push, or FailRuns, Seal), which the ledger's refusals name.
-        self.call = "push"
 
     def save(self) -> None:
         """Write changed records and the counters; every changing request ends with it."""
@@ -98,7 +96,7 @@ class TableState:
 
     def item(self, uid: str) -> ItemRecord | None:
         """The uid's record: a live experience's (or a failed one's whose payload is kept), or
-        else its compact tombstone."""
+        else its compact tombstone. A view of it to code outside the core (`member`)."""
         if uid not in self._items:
             key = self.key(uid)
             raw = self.txn.get(key, db=self.db["items"])
@@ -113,6 +111,10 @@ class TableState:
         if rec is None:
             raise missing("experience", uid)
         return rec
+
+    def member(self, uid: str) -> MemberView | None:
+        """The uid's experience as code outside the core reads it (views.py), or its tombstone."""
+        return self.item(uid)
 
     def cached_item(self, uid: str) -> tuple[bool, Cached]:
         """Whether the uid's record was read in this transaction, and the record if it was:
@@ -138,6 +140,7 @@ class TableState:
             self.txn.delete(key, db=self.db["tombs"])
 
     def group(self, gkey: str) -> GroupRecord | None:
+        """The group's record; a view of it to code outside the core (`view`)."""
         if gkey not in self._groups:
             raw = self.txn.get(self.key(gkey), db=self.db["groups"])
             self._groups[gkey] = None if raw is None else GroupRecord.decode(raw)
@@ -149,6 +152,14 @@ class TableState:
         if grp is None:
             raise missing("group", gkey)
         return grp
+
+    def view(self, gkey: str) -> GroupView | None:
+        """The group as code outside the core reads it (views.py)."""
+        return self.group(gkey)
+
+    def existing_view(self, gkey: str) -> GroupView:
+        """The view of a group an index or a member names, which exists while they do."""
+        return self.existing_group(gkey)
 
     def put_group(self, gkey: str, grp: GroupRecord) -> None:
         self._groups[gkey] = self._dirty_groups[gkey] = grp
@@ -170,10 +181,11 @@ class TableState:
         placed = (GroupRecord.placed(stored(self.txn, self.prefix + gkey, db, "group")) for _, gkey in rows)
         return [ReadyGroup(gkey, *place) for (_, gkey), place in zip(rows, placed, strict=True)], after
 
-    def members(self, grp: GroupRecord) -> dict[str, ItemRecord]:
+    def members(self, grp: GroupView) -> dict[str, MemberView]:
+        """The group's members' views (uid -> view), in push order."""
         return {uid: self.existing_item(uid) for uid in grp.members}
 
-    def stored_members(self, grp: GroupRecord) -> dict[str, ItemRecord]:
+    def stored_members(self, grp: GroupView) -> dict[str, MemberView]:
         """The group's members whose records are stored: a sample's, which quarantines the group
         of one that is not (quarantine.py) where `members` refuses it."""
         return {uid: rec for uid in grp.members if (rec := self.item(uid)) is not None}
@@ -192,28 +204,43 @@ class TableState:
 
     # ---- states and their counts ---------------------------------------------------------
 
-    def set_state(self, gkey: str, grp: GroupRecord, recs: dict[str, ItemRecord], state: State) -> None:
-        self.set_states([(gkey, grp, recs)], state)
-
     def set_states(self, groups: Sequence[Members], state: State) -> None:
         """Live groups and their members (key, record, member records) move to a live
         `state` (retire.py makes tombstones). Members share their group's state, and the
         records of a leased group's members say ready (its record says leased): a lease
-        taken or ended rewrites no member record for the state alone."""
+        taken or ended rewrites no member record for the state alone. The compute queue (T +
+        rseq -> group key: the computing groups, in the order they completed) follows, and the
+        extensions hear one `Moved` per state the groups moved from."""
         counters, stored = self.counters, stored_state(state)
-        for gkey, grp, recs in groups:
+        moved: dict[State, list[tuple[str, GroupRecord]]] = {}
+        for gkey, view, recs in groups:
+            grp = group_record(view)
             counters.add(grp.state, -len(recs))
             counters.add(state, len(recs))
-            for uid, rec in recs.items():
-                if rec.state != stored:
+            for uid, member in recs.items():
+                if member.state != stored:
+                    rec = member_record(member)
                     rec.state = stored
                     self.put_item(uid, rec)
+            was = grp.state
             self.move_group(gkey, grp, state)
+            if was in LIVE and state in LIVE and was != state:
+                moved.setdefault(was, []).append((gkey, grp))
+        for was, batch in moved.items():
+            if was == COMPUTING:
+                self.unqueue(batch)
+            if state == COMPUTING:
+                put_rows(self.txn, self.db["compute"], [(self.rseq_key(grp), gkey.encode()) for gkey, grp in batch])
+            self.extensions.on_moved(self, Moved(was, state, batch))
+
+    def unqueue(self, groups: Sequence[tuple[str, GroupRecord]]) -> None:
+        """Computing groups leave the compute queue (their advantages stored, or they leave)."""
+        for _, grp in groups:
+            self.txn.delete(self.rseq_key(grp), db=self.db["compute"])
 
     def move_group(self, gkey: str, grp: GroupRecord, state: State) -> None:
-        """A group's own state and the counts of groups by live state; a move between live
-        states is the extensions' `on_update`. Every move of a group comes here, and is
-        checked against the state machine (states.py)."""
+        """A group's own state and the counts of groups by live state. Every move of a group
+        comes here, and is checked against the state machine (states.py)."""
         was = grp.state
         check_move(gkey, was, state)
         if was in LIVE:
@@ -222,5 +249,3 @@ class TableState:
             self.counters.add_groups(state, 1)
         grp.state = state
         self.put_group(gkey, grp)
-        if was in LIVE and state in LIVE and was != state:
-            self.extensions.on_update(self, gkey, grp, was)

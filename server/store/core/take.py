@@ -9,22 +9,21 @@ from __future__ import annotations
 
 import contextlib
 import random
-from collections.abc import Callable, Generator, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
 
-from expbuf.client.trxp.pieces import Stored
+from expbuf.client.trxp.stored.pieces import Stored
 
 from ..disk import chunk_reads
 from ..disk.batch_rows import BatchRows
 from ..disk.kinds import Sampled
-from ..disk.records import GroupRecord, ItemRecord
 from ..disk.snapshot import Snapshot
 from ..schema.errors import SpecError
-from ..schema.sample_spec import MAX_BATCH, SampleSpec
+from ..schema.sample_spec import MAX_BATCH, TakeSpec
 from ..schema.states import LEASED
+from ..schema.views import Groups, GroupView, Members, MemberView
 from .read_check import Unservable, serve_problem
 from .state import TableState
-
-Taken = tuple[str, GroupRecord, dict[str, ItemRecord]]
+from .views import group_record, member_record
 
 
 def _closable(keys: Iterator[bytes]) -> Generator[bytes]:
@@ -32,9 +31,9 @@ def _closable(keys: Iterator[bytes]) -> Generator[bytes]:
     yield from keys
 
 
-def select(tt: TableState, spec: SampleSpec, rng: random.Random) -> tuple[list[tuple[str, GroupRecord]], int]:
+def select(tt: TableState, spec: TakeSpec, rng: random.Random) -> tuple[list[tuple[str, GroupView]], int]:
     """Ready groups in the request's order, until there are enough; and their experiences."""
-    chosen = []
+    chosen: list[tuple[str, GroupView]] = []
     total = 0
     with contextlib.closing(_closable(tt.ready.candidates(spec.order, rng, spec.min_model_version))) as candidates:
         for gkey_raw in candidates:
@@ -54,13 +53,13 @@ def select(tt: TableState, spec: SampleSpec, rng: random.Random) -> tuple[list[t
 
 def read_batch(
     tt: TableState,
-    taken: Sequence[Taken],
+    taken: Sequence[Members],
     payloads: Payloads,
     rows: BatchRows,
     batch: Sampled,
     *,
     counted: bool,
-    masked: Callable[[ItemRecord], int] | None,
+    masked: Callable[[MemberView], int] | None,
 ) -> None:
     """The batch's rows and lists, member by member, from their records and the payloads read;
     `masked` says how many of a member's tokens its delivery masks (None: none is). `counted`:
@@ -78,14 +77,16 @@ def read_batch(
             if masked is not None:
                 batch.masked.append(masked(rec))
             if counted:
-                rec.times_sampled += 1
-                tt.put_item(uid, rec)
+                record = member_record(rec)
+                record.times_sampled += 1
+                tt.put_item(uid, record)
 
 
-def lease(tt: TableState, chosen: Sequence[tuple[str, GroupRecord]], taken: Sequence[Taken], lease_id: str) -> None:
+def lease(tt: TableState, chosen: Groups, taken: Sequence[Members], lease_id: str) -> None:
     """A batch's groups leased under `lease_id`: out of the ready indexes, under the lease."""
-    tt.ready.remove_many([(gkey.encode(), grp.ready_seq, grp.priority, grp.version) for gkey, grp in chosen])
-    for _, grp in chosen:
+    records = [(gkey, group_record(grp)) for gkey, grp in chosen]
+    tt.ready.remove_many([(gkey.encode(), grp.ready_seq, grp.priority, grp.version) for gkey, grp in records])
+    for _, grp in records:
         grp.lease = lease_id
     tt.set_states(taken, LEASED)
 
@@ -105,7 +106,7 @@ class Payloads:
         self.newest = -1
         self._read: dict[str, Stored | chunk_reads.Deferred] = {}
 
-    def check(self, grp: GroupRecord, recs: dict[str, ItemRecord]) -> list[Unservable]:
+    def check(self, grp: GroupView, recs: Mapping[str, MemberView]) -> list[Unservable]:
         """Read the payloads of a group's members (`recs`, those whose records are stored); the
         members that cannot be served (a deferred one: its advantage alone), a member whose record
         or payload is not stored as damaged (the directory lost it)."""
@@ -124,7 +125,7 @@ class Payloads:
         """A payload `check` read."""
         return self._read[uid]
 
-    def _get(self, uid: str, rec: ItemRecord) -> Stored | chunk_reads.Deferred | None:
+    def _get(self, uid: str, rec: MemberView) -> Stored | chunk_reads.Deferred | None:
         if self.snapshot is None and self._open is not None:
             self.snapshot = self._open()
             newest = self.snapshot.last_key(self.tt.prefix, self.tt.db["order"])

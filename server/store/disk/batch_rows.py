@@ -7,12 +7,12 @@ from typing import Protocol
 
 import lmdb
 
-from expbuf.client.trxp.pieces import Stored
+from expbuf.client.trxp.stored.pieces import Stored
 
 from ..schema.errors import StoreError
 from ..schema.table_config import TableConfig, batch_stage
+from ..schema.views import MemberView
 from .chunk_reads import Deferred
-from .records import ItemRecord
 from .stored_advantages import Advantage, FinishBatch, Stage, StageCounts, stored_advantage
 
 
@@ -37,10 +37,10 @@ class BatchRows:
         self.txn, self.adv, self.config, self.finish = txn, adv, config, finish
         self.computed = config.advantages.estimator != "none"  # a table without an estimator has no advantages
         self.blobs: list[Stored | Deferred] = []
-        self.records: list[ItemRecord] = []
+        self.records: list[MemberView] = []
         self.advantages: list[Advantage] = []
 
-    def add(self, key: bytes, rec: ItemRecord, blob: Stored | Deferred) -> None:
+    def add(self, key: bytes, rec: MemberView, blob: Stored | Deferred) -> None:
         """One experience: its payload (as read), its record and its stored advantage (the
         value in the record, or the token-level record of the `adv` database)."""
         token_level = self.txn.get(key, db=self.adv) if self.computed and rec.advantage is None else None

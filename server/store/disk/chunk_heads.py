@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import zstandard
 
-from expbuf.client.trxp.pieces import Bytes
+from expbuf.client.trxp.stored.pieces import Bytes
 
 from . import digests
 from .zstd_workers import Workers
@@ -42,7 +42,7 @@ DIGEST_BYTES = 16
 
 
 @dataclass(frozen=True, slots=True)
-class Head:
+class ChunkHead:
     """A head as stored: its chunk set, section length, chunk size, the chunks' digests and
     the payload's bytes before its section; `intact` whether they are those its own digest names;
     `compressed` whether its chunks are zstd frames."""
@@ -97,7 +97,7 @@ def is_head(value: Bytes) -> bool:
     return value[:4] in _MAGICS
 
 
-def read_head(value: Bytes) -> Head:
+def read_head(value: Bytes) -> ChunkHead:
     """A head's fields; ValueError when its frame is not whole (damage)."""
     view = memoryview(value)
     magic, set_id, own, section_len, chunk_bytes, count = FRAME.unpack_from(view)
@@ -106,7 +106,7 @@ def read_head(value: Bytes) -> Head:
         raise ValueError("a head of a section stored in chunks whose frame is damaged")
     found = tuple(bytes(view[at : at + DIGEST_BYTES]) for at in range(FRAME.size, table_end, DIGEST_BYTES))
     intact = own_digest(view) == own
-    return Head(set_id, section_len, chunk_bytes, found, view[table_end:], intact, magic == ZSTD_MAGIC)
+    return ChunkHead(set_id, section_len, chunk_bytes, found, view[table_end:], intact, magic == ZSTD_MAGIC)
 
 
 def own_digest(head: memoryview) -> bytes:
@@ -153,7 +153,7 @@ def chunk_key(table_prefix: bytes, set_id: int, index: int) -> bytes:
     return table_prefix + SET_NUMBER.pack(set_id) + _U32.pack(index)
 
 
-def intact_head(value: Bytes) -> Head | None:
+def intact_head(value: Bytes) -> ChunkHead | None:
     """The head a value is, where its frame reads and its own digest matches; None for any other."""
     if len(value) < FRAME.size or not is_head(value):
         return None

@@ -20,13 +20,14 @@ from typing import TYPE_CHECKING
 
 import lmdb
 
-from expbuf.client.trxp.build import json_text, stored_entries
-from expbuf.client.trxp.columns import Shares, token_count
-from expbuf.client.trxp.pieces import Bytes, Run, SplitPayload, Stored, Window, parts_of
+from expbuf.client.trxp.codec.build import json_text
+from expbuf.client.trxp.stored.columns import Shares, token_count
+from expbuf.client.trxp.stored.pieces import Bytes, Run, SplitPayload, Stored, Window, parts_of
+from expbuf.client.trxp.stored.splice import stored_entries
 
 from ..schema.errors import DamagedPayload
 from . import digests, shared_prompts
-from .chunk_heads import CHUNK_BYTES, FRAME, Head, chunk_key, intact_head, is_head, read_head
+from .chunk_heads import CHUNK_BYTES, FRAME, ChunkHead, chunk_key, intact_head, is_head, read_head
 from .shared_prompts import Read
 from .zstd_workers import DECOMPRESSING
 
@@ -49,7 +50,7 @@ def resolve(value: Bytes, key: bytes | memoryview, read: Read) -> Stored:
     return SplitPayload(head.prefix, [b"" if chunk is None else chunk for chunk in plain])
 
 
-def stored_chunks(head: Head, key: bytes | memoryview, read: Read) -> list[Bytes | None]:
+def stored_chunks(head: ChunkHead, key: bytes | memoryview, read: Read) -> list[Bytes | None]:
     """A head's chunks as stored (None where one is missing)."""
     prefix = bytes(key[:4])
     return [read("chunks", chunk_key(prefix, head.set_id, index)) for index in range(head.chunks)]
@@ -89,13 +90,13 @@ class Deferred:
 
     __slots__ = ("_chunk", "_copied", "_head", "_key", "digest", "size", "uid")
 
-    def __init__(self, uid: str, head: Head, key: bytes, digest: bytes, size: int, read: Read) -> None:
+    def __init__(self, uid: str, head: ChunkHead, key: bytes, digest: bytes, size: int, read: Read) -> None:
         self.uid, self._head, self._key, self.digest, self.size = uid, head, key, digest, size
         self._chunk = partial(read, "chunks")
         self._copied: list[Bytes | None] | None = None  # the chunks, once detached
 
     @property
-    def head(self) -> Head:
+    def head(self) -> ChunkHead:
         """Its head as stored: what it holds, before its chunks are read."""
         return self._head
 
@@ -105,7 +106,7 @@ class Deferred:
         return self._chunk(chunk_key(bytes(self._key[:4]), self._head.set_id, index))
 
     def _plain(self, indices: Sequence[int]) -> dict[int, Bytes | None]:
-        """Chunks' bytes as pushed (Head.plain_each), by their numbers."""
+        """Chunks' bytes as pushed (ChunkHead.plain_each), by their numbers."""
         stored = [self._stored(index) for index in indices]
         return dict(zip(indices, self._head.plain_each(indices, stored, DECOMPRESSING), strict=True))
 
@@ -334,7 +335,7 @@ def token_length(blob: Stored | Deferred | None) -> int | None:
         if blob is None:
             return None
         if isinstance(blob, Deferred):
-            head: Head | None = blob.head
+            head: ChunkHead | None = blob.head
         elif not isinstance(blob, SplitPayload) and len(blob) >= FRAME.size and is_head(blob):
             head = read_head(blob)
         else:

@@ -9,7 +9,7 @@ that compresses (its setting `compression`) keeps so every section larger than M
 each chunk a zstd frame of its bytes, compressed before the writer takes it, its head's magic
 b"TRXZ"; the digests stay those of the bytes as pushed, checked once decompressed.
 
-A push in chunks stages its experiences' sections as they arrive (rpc/ingest.py): each chunk
+A push in chunks stages its experiences' sections as they arrive (rpc/push/ingest.py): each chunk
 is written under a set marked in `staged` (`stage`), in the writer's commits; the push's commit
 writes the heads and unmarks their sets (`stored_value`), a push that fails drops them
 (`drop_set`), and an open drops the sets that a stopped server left staged (`sweep_staged`). A
@@ -24,7 +24,7 @@ from functools import partial
 
 import lmdb
 
-from expbuf.client.trxp.pieces import Bytes, section_at
+from expbuf.client.trxp.stored.pieces import Bytes, section_at
 
 from ..schema.errors import NotFound, clip
 from . import chunk_heads, digests, shared_prompts
@@ -32,7 +32,7 @@ from .chunk_heads import (
     DIGESTED,
     OWNER,
     SET_NUMBER,
-    Head,
+    ChunkHead,
     chunk_key,
     format_8,
     intact_head,
@@ -195,7 +195,7 @@ def own(txn: lmdb.Transaction[bytes], dbs: dict[str, lmdb._Database], key: bytes
     txn.put(chunk_key(bytes(key[:4]), set_id, OWNER), bytes(key), db=dbs["chunks"])
 
 
-def _marked(txn: lmdb.Transaction[bytes], dbs: dict[str, lmdb._Database], key: bytes, head: Head) -> bool:
+def _marked(txn: lmdb.Transaction[bytes], dbs: dict[str, lmdb._Database], key: bytes, head: ChunkHead) -> bool:
     """Whether the set a head names is marked as the data of the experience under `key`."""
     mark = txn.get(chunk_key(bytes(key[:4]), head.set_id, OWNER), db=dbs["chunks"])
     return mark is not None and bytes(mark) == bytes(key)

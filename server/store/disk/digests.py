@@ -16,7 +16,7 @@ import hashlib
 
 import xxhash
 
-from expbuf.client.trxp.pieces import SplitPayload, Stored, realized
+from expbuf.client.trxp.stored.pieces import SplitPayload, Stored, realized
 
 
 def of(blob: Stored) -> bytes:

@@ -7,9 +7,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
 
-from expbuf.client.trxp import partial
-from expbuf.client.trxp.build import pack_item
-from expbuf.client.trxp.columns import (
+from expbuf.client.schema.routing import GROUP_KEY_OF
+from expbuf.client.trxp.codec import partial
+from expbuf.client.trxp.codec.build import pack_item
+from expbuf.client.trxp.codec.common import ITEMSIZE, RawItem
+from expbuf.client.trxp.stored.columns import (
     PREFIX_FIELDS,
     SCALARS,
     SEGMENTS,
@@ -19,11 +21,11 @@ from expbuf.client.trxp.columns import (
     scalar_column,
     segment_column,
 )
-from expbuf.client.trxp.common import ITEMSIZE, RawItem
-from expbuf.client.trxp.pieces import Run, Stored, realized
+from expbuf.client.trxp.stored.pieces import Run, Stored, realized
 
 from ..schema.states import PENDING
 from ..schema.table_config import TableConfig
+from ..schema.views import MemberView
 from . import digests
 from .chunk_reads import Deferred, checked, token_length
 from .records import Counted, ItemRecord
@@ -32,7 +34,6 @@ from .stored_advantages import Advantage, Masks, Stage, batch_columns, batch_par
 
 T = TypeVar("T")
 
-GROUP_KEY_OF = {"task": "tid", "run": "rid", "step": "sid", "none": "uid"}
 # Whether pushes may wait for room now (asked before they first would): None if they may, else why not.
 MayWait = Callable[[], str | None]
 
@@ -59,7 +60,7 @@ class Entry:
     response_length: int
     generated: int  # response tokens under the action mask
     prompt_bytes: int  # the bytes of its prompt tokens: a store keeps only a long one once (shared_prompts.py)
-    segments: tuple[int, ...] = ()  # per-token policy versions, flattened (client/trxp/segments.py)
+    segments: tuple[int, ...] = ()  # per-token policy versions, flattened (client/trxp/codec/segments.py)
     piece: tuple[int, bool] | None = None  # a piece of a partial rollout: its offset, more to come (partial.py)
     chunks: tuple[bytes, ...] = ()  # with a head for blob: its chunks, compressed off the writer (chunked.compressed)
     together: PutTogether | None = None  # a last piece's rollout, put together off the writer (rules/partials.py)
@@ -207,7 +208,7 @@ class Sampled:
             self.advantages = stage(self.advantages)
 
     def render(self, build: Callable[[list[Run]], T]) -> T:
-        """`build` of the payload as the runs of bytes it is made of (join_parts, client/trxp/build.py),
+        """`build` of the payload as the runs of bytes it is made of (join_parts, client/trxp/stored/splice.py),
         which are valid only during the call: each byte is copied once, by `build`. The
         batch stage runs first, if it has not."""
         self.finish()
@@ -284,7 +285,7 @@ class ComputeJob:
     config: TableConfig
     groups: list[str]
     members: list[list[str]]
-    records: dict[str, ItemRecord]  # by uid: reward, ids, step, lengths
+    records: dict[str, MemberView]  # by uid: reward, ids, step, lengths
     blobs: dict[str, bytes]  # the stored experiences, only for estimators that read tokens
     moments: list[float] | None = None  # the table's running reward moments (counters' reward_moments)
 

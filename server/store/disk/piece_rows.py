@@ -1,5 +1,5 @@
 """The rows of a table's rollouts held in pieces (rules/partials.py says what they are), in the
-`partials` database: T + uid + NUL -> the rollout's head (`Head`, JSON: the tokens and response
+`partials` database: T + uid + NUL -> the rollout's head (`PieceHead`, JSON: the tokens and response
 tokens held, each piece's offset and digest, the tensors later pieces append to, what its version
 segments say so far), and T + uid + NUL + piece number (u32) -> the piece as the store packs an
 experience. Functions over a transaction and the store's databases: the writer's (core/pieces.py
@@ -16,14 +16,14 @@ from dataclasses import dataclass
 
 import lmdb
 
-from expbuf.client.trxp import partial
+from expbuf.client.trxp.codec import partial
 
 _PIECE = struct.Struct(">I")
 Value = bytes | memoryview
 
 
 @dataclass
-class Head:
+class PieceHead:
     """What the store keeps of a rollout held in pieces, beside them."""
 
     tokens: int  # the rollout's tokens held (the prompt's among them)
@@ -40,14 +40,14 @@ class Head:
         ).encode()
 
     @classmethod
-    def decode(cls, raw: bytes | memoryview) -> Head:
+    def decode(cls, raw: bytes | memoryview) -> PieceHead:
         data = json.loads(bytes(raw))
         layout = {name: (dtype, tuple(inner)) for name, (dtype, inner) in data["l"].items()}
         pieces = [(offset, digest, size) for offset, digest, size in data["p"]]
         return cls(data["t"], data["r"], pieces, layout, partial.Versions(*data["v"]))
 
 
-def size(head: Head) -> int:
+def size(head: PieceHead) -> int:
     """The bytes of a rollout's pieces."""
     return sum(size for _, _, size in head.pieces)
 
@@ -62,9 +62,9 @@ def head_raw(txn: lmdb.Transaction[Value], dbs: Mapping[str, lmdb._Database], ke
     return txn.get(key, db=dbs["partials"])
 
 
-def head(txn: lmdb.Transaction[Value], dbs: Mapping[str, lmdb._Database], key: bytes) -> Head | None:
+def head(txn: lmdb.Transaction[Value], dbs: Mapping[str, lmdb._Database], key: bytes) -> PieceHead | None:
     raw = head_raw(txn, dbs, key)
-    return None if raw is None else Head.decode(raw)
+    return None if raw is None else PieceHead.decode(raw)
 
 
 def piece(txn: lmdb.Transaction[Value], dbs: Mapping[str, lmdb._Database], key: bytes, number: int) -> Value | None:
@@ -79,11 +79,11 @@ def put_piece(
     txn.put(key + _PIECE.pack(number), blob, db=dbs["partials"])
 
 
-def put_head(txn: lmdb.Transaction[bytes], dbs: Mapping[str, lmdb._Database], key: bytes, head: Head) -> None:
+def put_head(txn: lmdb.Transaction[bytes], dbs: Mapping[str, lmdb._Database], key: bytes, head: PieceHead) -> None:
     txn.put(key, head.encode(), db=dbs["partials"])
 
 
-def delete(txn: lmdb.Transaction[bytes], dbs: Mapping[str, lmdb._Database], key: bytes, head: Head) -> None:
+def delete(txn: lmdb.Transaction[bytes], dbs: Mapping[str, lmdb._Database], key: bytes, head: PieceHead) -> None:
     """A rollout's pieces and head."""
     for number in range(len(head.pieces)):
         txn.delete(key + _PIECE.pack(number), db=dbs["partials"])

@@ -18,7 +18,8 @@ from typing import Any, NamedTuple
 
 from ..schema.states import LEASED, STATES, State
 
-# Not a stored state: how a group deleted by request leaves the table, to the extensions' on_retire.
+# Not a stored state: how a group deleted by request leaves the table, the state of the Retired event
+# the extensions hear (on_retired).
 DELETED = "deleted"
 _STATE_CODE = {state: code for code, state in enumerate(STATES)}
 

@@ -24,8 +24,9 @@ from typing import Any
 
 import lmdb
 
-from expbuf.client.trxp.build import json_text, stored_entries
-from expbuf.client.trxp.pieces import Bytes, SplitPayload, parts_of, section_at
+from expbuf.client.trxp.codec.build import json_text
+from expbuf.client.trxp.stored.pieces import Bytes, SplitPayload, parts_of, section_at
+from expbuf.client.trxp.stored.splice import stored_entries
 
 from . import digests
 

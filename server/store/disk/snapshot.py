@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 
 import lmdb
 
-from expbuf.client.trxp.pieces import SplitPayload
+from expbuf.client.trxp.stored.pieces import SplitPayload
 
 from ..schema.errors import StoreError
 from .layout import next_prefix

@@ -4,7 +4,7 @@ Stored form, per experience: one value in its item record when every generated t
 carries the same value (every estimator but the token-level ones), or a token-level record
 (`token_record`: response length u32 + float32 advantages + float32 returns) in the `adv`
 database. `expand` turns either into the `advantages` and `returns` tensors of a sampled
-batch (value * action_mask, client/trxp/advantages.py), and `batch_payload` splices them
+batch (value * action_mask, client/trxp/codec/advantages.py), and `batch_payload` splices them
 into the batch. For a client that asks for compact advantages, `send_apart` keeps one value
 per experience out of the payload: the reply carries the values and the client expands them
 with the same code.
@@ -25,15 +25,15 @@ import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-from expbuf.client.trxp import segments
-from expbuf.client.trxp.advantages import ADDED, scaled
-from expbuf.client.trxp.build import join_parts
-from expbuf.client.trxp.columns import ColumnParts, Shares, column_parts
-from expbuf.client.trxp.common import RawTensor
-from expbuf.client.trxp.pieces import Run, Stored, realized
+from expbuf.client.trxp.codec import segments
+from expbuf.client.trxp.codec.advantages import ADDED, scaled
+from expbuf.client.trxp.codec.common import RawTensor
+from expbuf.client.trxp.stored.columns import ColumnParts, Shares, column_parts
+from expbuf.client.trxp.stored.pieces import Run, Stored, realized
+from expbuf.client.trxp.stored.splice import join_parts
 
 from ..schema.table_config import TableConfig
-from .records import ItemRecord
+from ..schema.views import MemberView
 
 
 class SentApart:
@@ -69,7 +69,7 @@ class StageCounts:
 # The batch stage the server gives the Store (server/batch_stage.finish_batch): a batch's
 # advantages from the table's configuration, the batch's item records and stored values in
 # batch order, and the counts its clip adds to (None for a Get, which is not a sample).
-FinishBatch = Callable[[TableConfig, Sequence[ItemRecord], Sequence[Advantage], StageCounts | None], list[Advantage]]
+FinishBatch = Callable[[TableConfig, Sequence[MemberView], Sequence[Advantage], StageCounts | None], list[Advantage]]
 # A taken batch's batch stage, bound to its rows: its advantages from its stored ones.
 Stage = Callable[[Sequence[Advantage]], list[Advantage]]
 
@@ -86,7 +86,7 @@ def token_parts(record: bytes) -> tuple[int, bytes, bytes]:
     return length, record[_LENGTH.size : middle], record[middle:]
 
 
-def stored_advantage(record: ItemRecord, token_level: bytes | None) -> Advantage:
+def stored_advantage(record: MemberView, token_level: bytes | None) -> Advantage:
     """An experience's stored advantage: the value in its record, or its token-level record."""
     if record.advantage is not None:
         return (record.advantage, record.response_length)

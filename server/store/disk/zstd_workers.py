@@ -12,7 +12,7 @@ from typing import Any, TypeVar
 
 import zstandard
 
-from expbuf.client.trxp.pieces import Bytes
+from expbuf.client.trxp.stored.pieces import Bytes
 
 T = TypeVar("T")
 

@@ -271,7 +271,7 @@ def _prompts(
 def _group_of(tt: TableState, where: str, gkey: str, rec: PromptRecord) -> list[str]:
     """A claimed prompt's attempt has an incomplete group, or none yet; a generated one's is
     complete and live (its retirement would have moved the prompt on)."""
-    grp = tt.group(gkey)
+    grp = tt.view(gkey)
     if rec.state == CLAIMED and grp is not None and grp.state != GROUP_PENDING:
         return [f"{where} is claimed, but the group of attempt {rec.attempt} is {grp.state}"]
     if rec.state == GENERATED and (grp is None or grp.state not in LIVE or grp.state == GROUP_PENDING):

@@ -76,7 +76,7 @@ def _untaken(tt: TableState, ds: DatasetRecord, epoch: int, index: int, attempt:
     an attempt whose group is taken could never complete it. None, the prompt dropped, when
     every attempt left is taken."""
     while attempt < ds.max_attempts:
-        if tt.group(group_key(ds.name, epoch, index, attempt)) is None:
+        if tt.view(group_key(ds.name, epoch, index, attempt)) is None:
             return attempt
         attempt += 1
     rec = prompt_of(tt, ds.name, epoch, index) or PromptRecord(PENDING, attempt)

@@ -28,7 +28,7 @@ PASS_BANDS = ("zero", "low", "high", "all")
 
 
 @dataclass
-class PromptStats(Stats):
+class KeptStats(Stats):
     """A prompt's statistics as the ledger keeps them: the client's type, with its encoding and
     the first epoch it is handed out again after its zero-variance group (`zero_variance = "skip"`)."""
 
@@ -41,7 +41,7 @@ class PromptStats(Stats):
         ) + _TAIL.pack(self.skip_until)  # fmt: skip
 
     @classmethod
-    def decode(cls, raw: bytes | memoryview) -> PromptStats:
+    def decode(cls, raw: bytes | memoryview) -> KeptStats:
         tail = _TAIL.unpack_from(raw, _STATS.size) if len(raw) >= _STATS.size + _TAIL.size else (0,)
         return cls(*_STATS.unpack_from(raw), *tail)
 
@@ -61,13 +61,13 @@ def stats_key(table_id: int, name: str, index: int) -> bytes:
     return layout.table_prefix(table_id) + b"s" + name.encode() + b"\0" + _U64.pack(index)
 
 
-def read_stats(txn: lmdb.Transaction[bytes], db: lmdb._Database, table_id: int, name: str, index: int) -> PromptStats:
+def read_stats(txn: lmdb.Transaction[bytes], db: lmdb._Database, table_id: int, name: str, index: int) -> KeptStats:
     """A prompt's statistics (zero for one never handed out)."""
     raw = txn.get(stats_key(table_id, name, index), db=db)
-    return PromptStats() if raw is None else PromptStats.decode(raw)
+    return KeptStats() if raw is None else KeptStats.decode(raw)
 
 
-def _write(tt: TableState, name: str, index: int, stats: PromptStats) -> None:
+def _write(tt: TableState, name: str, index: int, stats: KeptStats) -> None:
     tt.txn.put(stats_key(tt.table_id, name, index), stats.encode(), db=tt.db["ledger"])
 
 
@@ -80,7 +80,7 @@ def claimed(tt: TableState, name: str, index: int) -> None:
 
 def outcome(
     tt: TableState, ds: DatasetRecord, epoch: int, index: int, every: list[float | None]
-) -> tuple[PromptStats, PromptStats]:
+) -> tuple[KeptStats, KeptStats]:
     """A group of the prompt complete: its rewards, in `epoch` (its runs in the table, or reported), into
     the prompt's statistics; the prompt into the band of its pass rate now (`ds`, written by the
     caller), and, its rewards all equal with zero_variance = "skip", out of the next skip_epochs

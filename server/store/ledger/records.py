@@ -7,7 +7,7 @@ A table's datasets of prompts live in the `ledger` database, under the table's i
 - T + "q" + name + 0 + seq                -> epoch + index: prompts to hand out again, oldest first
 - T + "g" + group key                     -> name + 0 + epoch + index + attempt: whose group it is
 - T + "x" + expiry + name + 0 + epoch + index -> b"": claims by when they end
-- T + "s" + name + 0 + index              -> PromptStats: how a prompt fared, over its epochs (prompt_stats.py)
+- T + "s" + name + 0 + index              -> KeptStats: how a prompt fared, over its epochs (prompt_stats.py)
 - T + "o" + name + 0 + epoch + bin + rank + index -> b"": a difficulty order's prompts left in an epoch (binned.py)
 (epoch u32, index u64, seq u64, attempt u32, expiry in microseconds, all big-endian.) A
 prompt never handed out has no record: it is pending, at or beyond the dataset's cursor (one a
@@ -33,8 +33,10 @@ from typing import Any
 
 import lmdb
 
+from expbuf.client.schema.prompts import PromptState
+
 from ..disk import layout
-from .states import CLAIMED, COUNTED, DONE, GENERATED, PENDING, PROMPT_STATES, PromptState, check_prompt_move
+from .states import CLAIMED, COUNTED, DONE, GENERATED, PENDING, PROMPT_STATES, check_prompt_move
 
 ON_DROP = ("done", "retry")
 # A prompt whose group's rewards are all equal: as any other ("keep": trained, or dropped by the
@@ -109,7 +111,7 @@ class DatasetRecord:
     next_seq: int = 0
     reissued: int = 0  # claims handed out again (a claim ended, or a group dropped with on_drop = "retry")
     attempts_dropped: int = 0  # incomplete groups of attempts whose claim ended, dropped
-    pass_threshold: float = 0.0  # a run passes when its reward is above it (PromptStats.passes)
+    pass_threshold: float = 0.0  # a run passes when its reward is above it (KeptStats.passes)
     order: str = "permutation"  # the claim order of each epoch's prompts (orders.py)
     order_options: dict[str, float] = field(default_factory=dict)  # its options, its defaults filled in
     zero_variance: str = "keep"  # a prompt whose group's rewards are all equal (ZERO_VARIANCE)

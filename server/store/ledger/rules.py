@@ -24,16 +24,16 @@ from collections.abc import Mapping, Sequence
 
 from expbuf.client.schema.prompts import MAX_PROMPTS_PER_CALL
 
-from ..core.events import Groups, TableExtension
+from ..core.events import Moved, Pushed, Resent, Retired, TableExtension
 from ..core.retire import retire
 from ..core.state import TableState
 from ..disk import layout
-from ..disk.records import GroupRecord
 from ..rules import partials
 from ..schema.errors import ConfigError, Conflict, Forbidden, StaleAttempt, clip
 from ..schema.states import CONSUMED
 from ..schema.states import DROPPED as GROUP_DROPPED
 from ..schema.states import PENDING as GROUP_PENDING
+from ..schema.views import GroupView
 from . import binned, prompt_stats
 from .claimed import Claimed, ClaimStep, Walk
 from .hand_out import hand_out, prompt_of, put_prompt
@@ -198,11 +198,13 @@ class Ledger(TableExtension):
         Returns the claims released (one already ended is not)."""
         ds = self.dataset(tt, name)
         released = 0
+        dropping: list[tuple[str, GroupView]] = []
         for epoch, index, attempt in prompts:
             rec = self._held(tt, name, epoch, index, attempt, holder)
             if rec is not None:
-                self._end_claim(tt, ds, epoch, index, rec)
+                self._end_claim(tt, ds, epoch, index, rec, dropping)
                 released += 1
+        _drop(tt, dropping)
         self._save(tt, ds)
         return released
 
@@ -221,7 +223,7 @@ class Ledger(TableExtension):
             if rec is None:
                 continue
             gkey = group_key(name, epoch, index, attempt)
-            if tt.group(gkey) is not None:
+            if tt.view(gkey) is not None:
                 raise Conflict(
                     f"prompt {name}/{epoch}/{index} has its group {clip(gkey)} in table '{tt.config.name}': its"
                     " group's events make it generated and trained; nothing of this report is stored"
@@ -258,12 +260,14 @@ class Ledger(TableExtension):
                 due.append(read_expiry_key(bytes(cur.key())))
                 found = cur.next()
         loaded: dict[str, DatasetRecord] = {}
+        dropping: list[tuple[str, GroupView]] = []
         for name, epoch, index in due:
             rec = prompt_of(tt, name, epoch, index)
             if rec is None or rec.state != CLAIMED or rec.expires > tt.now:
                 continue
             ds = loaded.get(name) or loaded.setdefault(name, self.dataset(tt, name))
-            self._end_claim(tt, ds, epoch, index, rec)
+            self._end_claim(tt, ds, epoch, index, rec, dropping)
+        _drop(tt, dropping)
         for ds in loaded.values():
             self._save(tt, ds)
         return len(due)
@@ -279,9 +283,18 @@ class Ledger(TableExtension):
             raise Forbidden(f"prompt {name}/{epoch}/{index} was claimed with another token")
         return rec
 
-    def _end_claim(self, tt: TableState, ds: DatasetRecord, epoch: int, index: int, rec: PromptRecord) -> None:
+    def _end_claim(
+        self,
+        tt: TableState,
+        ds: DatasetRecord,
+        epoch: int,
+        index: int,
+        rec: PromptRecord,
+        dropping: list[tuple[str, GroupView]],
+    ) -> None:
         """A claim ended before its group was complete: the prompt goes back (or is dropped,
-        its attempts spent), and the attempt's incomplete group, if any, is dropped."""
+        its attempts spent), and the attempt's incomplete group, if any, joins `dropping`, the
+        groups the caller drops together (`_drop`: one event for the claims it ends)."""
         gkey = group_key(ds.name, epoch, index, rec.attempt)
         self._unexpire(tt, ds.name, epoch, index, rec)
         ds.count(epoch, CLAIMED, -1)
@@ -290,10 +303,9 @@ class Ledger(TableExtension):
             partials.carry(tt, gkey, prompt_eid(ds.name, epoch, index, rec.attempt))
         else:  # dropped, its attempts spent
             partials.drop_task(tt, gkey)
-        grp = tt.group(gkey)
+        grp = tt.view(gkey)
         if grp is not None and grp.state == GROUP_PENDING:  # after the prompt moved on: its event is no news
-            retire(tt, [(gkey, grp)], GROUP_DROPPED)
-            tt.counters.groups_dropped += 1
+            dropping.append((gkey, grp))
             ds.attempts_dropped += 1
 
     def _send_back(self, tt: TableState, ds: DatasetRecord, epoch: int, index: int, rec: PromptRecord) -> None:
@@ -314,14 +326,14 @@ class Ledger(TableExtension):
 
     # ---- the table's events ------------------------------------------------------------------
 
-    def on_push(self, tt: TableState, gkeys: Sequence[str]) -> None:
+    def on_pushed(self, tt: TableState, event: Pushed) -> None:
         """Only the claimant of a prompt's attempt pushes its group (with tokens on, the token
-        that claimed it: `tt.holder`). Refuse a push into the group of an attempt whose claim
+        that claimed it: `event.holder`). Refuse a push into the group of an attempt whose claim
         ended, of one not handed out (a prompt's group keys are predictable: a push into one
         would block the claimant to come), or of one claimed with another token."""
         if not self.holds(tt):
             return
-        for gkey in gkeys:
+        for gkey in event.gkeys:
             found = _entry(tt, gkey)
             if found is None:
                 named = read_group_key(gkey)
@@ -329,7 +341,7 @@ class Ledger(TableExtension):
                     name, epoch, index, attempt = named
                     raise StaleAttempt(
                         f"group {gkey} is attempt {attempt} of prompt {name}/{epoch}/{index}, which no claim holds"
-                        f" (not handed out): {_unchanged(tt)}; push the groups of the prompts you claim"
+                        f" (not handed out): {_unchanged(event.call)}; push the groups of the prompts you claim"
                     )
                 continue
             (name, epoch, index, attempt), rec = found
@@ -338,48 +350,53 @@ class Ledger(TableExtension):
                 held = f"attempt {rec.attempt} is {rec.state}" if rec.state in (PENDING, CLAIMED) else rec.state
                 raise StaleAttempt(
                     f"group {clip(gkey)} is attempt {attempt} of {prompt}, whose claim ended ({held} now): "
-                    f"{_unchanged(tt)}; claim a prompt again"
+                    f"{_unchanged(event.call)}; claim a prompt again"
                 )
-            _same_holder(tt, gkey, found)
+            _same_holder(gkey, found, event)
 
-    def on_resend(self, tt: TableState, gkeys: Sequence[str]) -> None:
+    def on_resent(self, tt: TableState, event: Resent) -> None:
         """A copy of what a prompt's group holds is its claimant's to send again (a retry, its
         group complete or trained since): another token's is refused, as its push would be,
         before it hears what the group holds. An attempt whose claim ended keeps no claimant."""
         if not self.holds(tt):
             return
-        for gkey in gkeys:
+        for gkey in event.gkeys:
             found = _entry(tt, gkey)
             if found is not None and found[1].attempt == found[0][3] and found[1].holder:
-                _same_holder(tt, gkey, found)
+                _same_holder(gkey, found, event)
 
-    def on_update(self, tt: TableState, gkey: str, grp: GroupRecord, was: str) -> None:
-        """A group completed: its prompt, claimed by this attempt, is generated."""
-        if was != GROUP_PENDING or not self.holds(tt):
+    def on_moved(self, tt: TableState, event: Moved) -> None:
+        """Groups completed: the prompt of each, claimed by this attempt, is generated. A batch's
+        groups read and write their dataset once."""
+        if event.was != GROUP_PENDING or not self.holds(tt):
             return
-        found = _entry(tt, gkey)
-        if found is None:
-            return
-        (name, epoch, index, attempt), rec = found
-        if rec.attempt != attempt or rec.state != CLAIMED:
-            return
-        ds = self.dataset(tt, name)
-        self._unexpire(tt, name, epoch, index, rec)
-        rec.move(GENERATED, f"{name}/{epoch}/{index}")
-        rec.expires = 0.0
-        put_prompt(tt, name, epoch, index, rec)
-        self._generated(tt, ds, epoch, index, grp)
-        ds.count(epoch, CLAIMED, -1)
-        ds.count(epoch, GENERATED, 1)
-        self._save(tt, ds)
+        loaded: dict[str, DatasetRecord] = {}
+        for gkey, grp in event.groups:
+            found = _entry(tt, gkey)
+            if found is None:
+                continue
+            (name, epoch, index, attempt), rec = found
+            if rec.attempt != attempt or rec.state != CLAIMED:
+                continue
+            ds = loaded.get(name) or loaded.setdefault(name, self.dataset(tt, name))
+            self._unexpire(tt, name, epoch, index, rec)
+            rec.move(GENERATED, f"{name}/{epoch}/{index}")
+            rec.expires = 0.0
+            put_prompt(tt, name, epoch, index, rec)
+            self._generated(tt, ds, epoch, index, grp)
+            ds.count(epoch, CLAIMED, -1)
+            ds.count(epoch, GENERATED, 1)
+        for ds in loaded.values():
+            self._save(tt, ds)
 
-    def on_retire(self, tt: TableState, groups: Groups, state: str) -> None:
+    def on_retired(self, tt: TableState, event: Retired) -> None:
         """Groups left the table: a consumed one's prompt is trained; a dropped, evicted,
         failed or deleted one's is done or goes back (on_drop)."""
         if not self.holds(tt):
             return
+        state = event.state
         loaded: dict[str, DatasetRecord] = {}  # a batch's groups read and write their dataset once
-        for gkey, grp in groups:
+        for gkey, grp in event.groups:
             found = _entry(tt, gkey)
             if found is None:
                 continue
@@ -427,7 +444,7 @@ class Ledger(TableExtension):
             tt.save()
         return tt.counters.groups_dropped - before
 
-    def _generated(self, tt: TableState, ds: DatasetRecord, epoch: int, index: int, grp: GroupRecord) -> None:
+    def _generated(self, tt: TableState, ds: DatasetRecord, epoch: int, index: int, grp: GroupView) -> None:
         """The prompt's statistics take its complete group (`_learned`)."""
         self._learned(tt, ds, epoch, index, [member.reward for member in tt.members(grp).values()])
 
@@ -457,14 +474,21 @@ def _entry(tt: TableState, gkey: str) -> tuple[tuple[str, int, int, int], Prompt
     return None if rec is None else (entry, rec)
 
 
-def _same_holder(tt: TableState, gkey: str, found: tuple[tuple[str, int, int, int], PromptRecord]) -> None:
-    """Refuse a call into the group of a prompt's attempt (`found`, its entry and record) made
-    with another token than the one that claimed it."""
+def _drop(tt: TableState, groups: list[tuple[str, GroupView]]) -> None:
+    """The incomplete groups of the claims a call ended are dropped, together."""
+    if groups:
+        retire(tt, groups, GROUP_DROPPED)
+        tt.counters.groups_dropped += len(groups)
+
+
+def _same_holder(gkey: str, found: tuple[tuple[str, int, int, int], PromptRecord], event: Pushed | Resent) -> None:
+    """Refuse a call (`event`, who makes it) into the group of a prompt's attempt (`found`, its
+    entry and record) made with another token than the one that claimed it."""
     (name, epoch, index, attempt), rec = found
-    if rec.holder != tt.holder:
+    if rec.holder != event.holder:
         raise Forbidden(
             f"group {clip(gkey)} is attempt {attempt} of prompt {name}/{epoch}/{index}, claimed with another token: "
-            f"{_unchanged(tt)}"
+            f"{_unchanged(event.call)}"
         )
 
 
@@ -493,6 +517,6 @@ def check_reader(tt: TableState, tids: Sequence[str], holder: str) -> None:
         )
 
 
-def _unchanged(tt: TableState) -> str:
+def _unchanged(call: str) -> str:
     """What a refusal of the ledger's says the refused call did: nothing, naming the call."""
-    return "nothing of this push is stored" if tt.call == "push" else f"this {tt.call} call changes nothing"
+    return "nothing of this push is stored" if call == "push" else f"this {call} call changes nothing"

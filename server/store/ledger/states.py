@@ -21,18 +21,7 @@ wire, ListPrompts, the metrics and the command line show.
 
 from __future__ import annotations
 
-from enum import StrEnum
-
-
-class PromptState(StrEnum):
-    """A prompt's state in the ledger; its value is what ListPrompts, the metrics and the CLI show."""
-
-    PENDING = "pending"
-    CLAIMED = "claimed"
-    GENERATED = "generated"
-    TRAINED = "trained"
-    DROPPED = "dropped"
-
+from expbuf.client.schema.prompts import PromptState
 
 PENDING, CLAIMED, GENERATED = PromptState.PENDING, PromptState.CLAIMED, PromptState.GENERATED
 TRAINED, DROPPED = PromptState.TRAINED, PromptState.DROPPED

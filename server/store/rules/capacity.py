@@ -64,7 +64,7 @@ def make_room(tt: TableState, count: int, nbytes: int, keep: set[str]) -> None:
         for gkey in oldest_groups(tt):
             if gkey in keep:
                 continue
-            grp = tt.existing_group(gkey)
+            grp = tt.existing_view(gkey)
             if grp.state != READY:  # a pending group still takes members; leased ones are out
                 continue
             retire(tt, [(gkey, grp)], EVICTED)

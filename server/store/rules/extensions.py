@@ -7,59 +7,149 @@ registers its kind under a name (`Store.register_extension("journal", Journal)`,
 `Store(extensions={...})` for the tables a data directory holds already), and a table runs
 the kinds its configuration names (`TableConfig.extensions`), each as an instance of its own,
 so an extension may keep per-table state. The store's own rules follow from a table's other
-settings and run only on the tables that need them (engine.py): the compute queue
-(core/compute.py) where the estimator computes, the eviction of stale groups (staleness.py)
-where `evict_stale`, the prompt ledger (ledger.py) where the table groups by task and so may
-hold datasets. The events come from inside the writer's transaction: what an extension writes
-commits, or is undone, with the request that raised the event.
+settings and run only on the tables that need them (tables/catalog.py): the eviction of stale
+groups (staleness.py) where `evict_stale`, the prompt ledger (ledger/rules.py) where the table
+groups by task and so may hold datasets. The events come from inside the writer's transaction,
+once per step of a request with all the groups it moved (core/events.py): what an extension
+writes commits, or is undone, with the request that raised the event.
+
+An extension written for the hooks of earlier releases, one call per group moved
+(`on_update(tt, gkey, grp, was)`) and positional arguments (`on_push(tt, gkeys)`, ...), is
+called through an adapter for one release (`EARLIER`), and its registration warns
+(DeprecationWarning), naming the hooks that replace them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
-from ..core.events import Groups, TableExtension
+from ..core.events import Inserted, Moved, Pushed, Resent, Retired, TableExtension, Taken
 from ..core.state import TableState
-from ..disk.records import GroupRecord
 from ..schema.errors import clip
 from ..schema.table_config import EXTENSION_NAME
 
+# What one extension does at one event: its hook, or an adapter calling a hook of earlier releases.
+Hook = Callable[[TableState, Any], None]
+
+
+def _gkeys(old: Callable[..., None]) -> Hook:
+    return lambda tt, event: old(tt, event.gkeys)
+
+
+def _uids(old: Callable[..., None]) -> Hook:
+    return lambda tt, event: old(tt, event.uids)
+
+
+def _per_group(old: Callable[..., None]) -> Hook:
+    def moved(tt: TableState, event: Moved) -> None:
+        for gkey, grp in event.groups:
+            old(tt, gkey, grp, event.was)
+
+    return moved
+
+
+def _groups(old: Callable[..., None]) -> Hook:
+    return lambda tt, event: old(tt, event.groups)
+
+
+def _retired(old: Callable[..., None]) -> Hook:
+    return lambda tt, event: old(tt, event.groups, event.state)
+
+
+# The hooks of earlier releases, by the hook that replaced each: its signature, the new one's,
+# and how the new event calls it. An extension that overrides one (and not its new one) is
+# called through it for one release, and its registration warns.
+EARLIER: dict[str, tuple[str, str, Callable[[Callable[..., None]], Hook]]] = {
+    "on_pushed": ("on_push(tt, gkeys)", "on_pushed(tt, event: Pushed)", _gkeys),
+    "on_resent": ("on_resend(tt, gkeys)", "on_resent(tt, event: Resent)", _gkeys),
+    "on_inserted": ("on_insert(tt, uids)", "on_inserted(tt, event: Inserted)", _uids),
+    "on_moved": ("on_update(tt, gkey, grp, was)", "on_moved(tt, event: Moved)", _per_group),
+    "on_taken": ("on_sample(tt, groups)", "on_taken(tt, event: Taken)", _groups),
+    "on_retired": ("on_retire(tt, groups, state)", "on_retired(tt, event: Retired)", _retired),
+}
+
+
+def _name(signature: str) -> str:
+    return signature.partition("(")[0]
+
+
+def earlier_hooks(kind: type) -> list[str]:
+    """The new hooks whose earlier form `kind` overrides, and not the new one."""
+    return [
+        new
+        for new, (old, _, _) in EARLIER.items()
+        if hasattr(kind, _name(old)) and getattr(kind, new) is getattr(TableExtension, new)
+    ]
+
+
+def warn_earlier(kind: type, stacklevel: int) -> None:
+    """Warn, at an extension's registration, that it overrides hooks of earlier releases, naming
+    the hooks that replace them."""
+    found = earlier_hooks(kind)
+    if found:
+        moves = "; ".join(f"{EARLIER[new][0]} -> {EARLIER[new][1]}" for new in found)
+        warnings.warn(
+            f"TableExtension hooks of earlier releases are deprecated and go in the next release: "
+            f"{kind.__name__} overrides {moves} (core/events.py); it is called through an adapter until then",
+            DeprecationWarning,
+            stacklevel=stacklevel + 1,
+        )
+
+
+def _hooks(ext: TableExtension) -> dict[str, Hook]:
+    """What `ext` does at each event it hears: the hook it overrides, or an adapter to its
+    earlier form; the events it overrides neither of are left out (nothing to call)."""
+    kind, hooks = type(ext), {}
+    for new, (old, _, adapt) in EARLIER.items():
+        if getattr(kind, new) is not getattr(TableExtension, new):
+            hooks[new] = getattr(ext, new)
+        elif hasattr(kind, _name(old)):
+            hooks[new] = adapt(getattr(ext, _name(old)))
+    return hooks
+
 
 class Extensions:
-    """One table's extensions, run at its events (core/events.py) in order."""
+    """One table's extensions, run at its events (core/events.py) in order: each event calls
+    only the extensions that override it."""
 
     def __init__(self, extensions: Sequence[TableExtension] = ()) -> None:
-        self._all: list[TableExtension] = list(extensions)
+        self._all: list[TableExtension] = []
+        self._hear: dict[str, list[Hook]] = {new: [] for new in EARLIER}
+        for extension in extensions:
+            self.add(extension)
 
     def add(self, extension: TableExtension) -> None:
         self._all.append(extension)
+        for new, hook in _hooks(extension).items():
+            self._hear[new].append(hook)
 
     def __iter__(self) -> Iterator[TableExtension]:
         return iter(self._all)
 
-    def on_push(self, tt: TableState, gkeys: Sequence[str]) -> None:
-        for ext in self._all:
-            ext.on_push(tt, gkeys)
+    def _each(self, name: str, tt: TableState, event: object) -> None:
+        """Each extension that hears event `name`, in order."""
+        for hook in self._hear[name]:
+            hook(tt, event)
 
-    def on_resend(self, tt: TableState, gkeys: Sequence[str]) -> None:
-        for ext in self._all:
-            ext.on_resend(tt, gkeys)
+    def on_pushed(self, tt: TableState, event: Pushed) -> None:
+        self._each("on_pushed", tt, event)
 
-    def on_insert(self, tt: TableState, uids: Sequence[str]) -> None:
-        for ext in self._all:
-            ext.on_insert(tt, uids)
+    def on_resent(self, tt: TableState, event: Resent) -> None:
+        self._each("on_resent", tt, event)
 
-    def on_update(self, tt: TableState, gkey: str, grp: GroupRecord, was: str) -> None:
-        for ext in self._all:
-            ext.on_update(tt, gkey, grp, was)
+    def on_inserted(self, tt: TableState, event: Inserted) -> None:
+        self._each("on_inserted", tt, event)
 
-    def on_sample(self, tt: TableState, groups: Groups) -> None:
-        for ext in self._all:
-            ext.on_sample(tt, groups)
+    def on_moved(self, tt: TableState, event: Moved) -> None:
+        self._each("on_moved", tt, event)
 
-    def on_retire(self, tt: TableState, groups: Groups, state: str) -> None:
-        for ext in self._all:
-            ext.on_retire(tt, groups, state)
+    def on_taken(self, tt: TableState, event: Taken) -> None:
+        self._each("on_taken", tt, event)
+
+    def on_retired(self, tt: TableState, event: Retired) -> None:
+        self._each("on_retired", tt, event)
 
     def on_version(self, tt: TableState) -> None:
         for ext in self._all:
@@ -89,6 +179,7 @@ class ExtensionKinds:
             raise ValueError(
                 f"extension {name!r} is registered already ({self._kinds[name].__name__}); pass replace=True"
             )
+        warn_earlier(kind, stacklevel=3)  # the caller of Store(extensions=...) or Store.register_extension
         self._kinds[name] = kind
         return kind
 

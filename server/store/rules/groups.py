@@ -19,28 +19,84 @@ from expbuf.client.schema.routing import uid_group_key
 from ..core import groups as core_groups
 from ..core import pieces
 from ..core.compute import store_advantages
-from ..core.groups import Completed
+from ..core.events import Inserted, Pushed, Resent
+from ..core.groups import Closed
 from ..core.ready import Row
 from ..core.retire import retire
 from ..core.state import TableState
 from ..disk import digests
 from ..disk.kinds import Ahead, Compute, Entry, FailResult, PutResult, ShapingUpdate
-from ..disk.records import GroupRecord
 from ..schema.errors import Conflict, GroupClosed, GroupOverfilled, InvalidPayload, InvalidRequest, NotFound, clip
-from ..schema.states import COMPUTING, DROPPED, FAILED, PENDING, RETIRED
+from ..schema.states import COMPUTING, DROPPED, FAILED, PENDING, RETIRED, State
 from ..schema.table_config import estimator_of
+from ..schema.views import GroupView, Members
 from .capacity import make_room
 from .pushed_advantages import add_shaping, compute_in_push, drop_below_threshold, zero_variance
 
 
+class Ending:
+    """The groups one step of a request completes and drops, completed and retired together by
+    `done`: the table's extensions hear one event for them all (one per state they leave as),
+    never one per group."""
+
+    def __init__(self, tt: TableState) -> None:
+        self.tt = tt
+        self.closed: list[Closed] = []
+        self.gone: dict[State, list[tuple[str, GroupView]]] = {}
+
+    def complete(self, gkey: str, grp: GroupView, *, partial: bool, indexed: bool = True) -> bool:
+        """A pending group is to become ready, or computing; False if the zero-variance filter
+        drops it instead. `indexed`: the group is in the pending index (a group opened and
+        filled by one push never is)."""
+        tt = self.tt
+        recs = core_groups.closing(tt, gkey, grp, partial=partial)
+        if tt.config.grouping.drop_zero_variance and zero_variance([rec.reward for rec in recs.values()]):
+            self.drop(gkey, grp)
+            tt.counters.dropped_zero_variance += 1
+            return False
+        self.closed.append((gkey, grp, recs, indexed))
+        return True
+
+    def drop(self, gkey: str, grp: GroupView) -> None:
+        """A group is to be dropped (the caller counts why)."""
+        self.tt.counters.groups_dropped += 1
+        self.gone.setdefault(DROPPED, []).append((gkey, grp))
+
+    def drop_short(self, gkey: str, grp: GroupView) -> None:
+        """A group too few of whose runs succeeded is to be dropped (reason short)."""
+        self.drop(gkey, grp)
+        self.tt.counters.dropped_short += 1
+
+    def fail(self, gkey: str, grp: GroupView, why: str) -> None:
+        """A group is to fail, `why` its table's last failure."""
+        self.tt.counters.groups_failed += 1
+        self.tt.counters.last_failure = f"group {gkey}: {why}"
+        self.gone.setdefault(FAILED, []).append((gkey, grp))
+
+    def done(self, *, ready: list[Row] | None = None, computing: list[Members] | None = None) -> None:
+        """The groups complete (`ready`, `computing`: as core/groups.complete's), then the others
+        leave."""
+        core_groups.complete(self.tt, self.closed, ready=ready, computing=computing)
+        for state, groups in self.gone.items():
+            retire(self.tt, groups, state)
+        self.closed, self.gone = [], {}
+
+
 def put(
-    tt: TableState, entries: Sequence[Entry], *, compute: Compute | None = None, ahead: Ahead | None = None
+    tt: TableState,
+    entries: Sequence[Entry],
+    *,
+    holder: str,
+    compute: Compute | None = None,
+    ahead: Ahead | None = None,
 ) -> PutResult:
     """Store a push: each new experience joins its group, and each group it fills becomes
     ready (or computing). Per-item work is done in passes over the whole push: payloads,
-    insertion order and ready indexes are written one database at a time. With `compute` (the
-    table's advantage computation, where the server gives one), the groups it completes get their
-    advantages in its transaction (`ahead`: computed before it; compute_in_push)."""
+    insertion order and ready indexes are written one database at a time. `holder` is who
+    pushes (kinds.Push.holder: the prompt ledger lets only a prompt's claimant push its group).
+    With `compute` (the table's advantage computation, where the server gives one), the groups
+    it completes get their advantages in its transaction (`ahead`: computed before it;
+    compute_in_push)."""
     if tt.txn.get(tt.config.name.encode(), db=tt.db["tables"]) is None:
         raise NotFound(f"table '{tt.config.name}' does not exist")
     result = PutResult()
@@ -51,7 +107,7 @@ def put(
         if known is not None:
             same = known.digest == entry.digest
         else:
-            rec = tt.item(entry.uid)
+            rec = tt.member(entry.uid)
             if rec is None:
                 fresh[entry.uid] = entry
                 continue
@@ -62,18 +118,18 @@ def put(
         result.duplicates.append(entry.uid)
         copies[entry.group_key(tt.config.grouping.by)] = None
     if copies:  # a copy is answered as stored only to whoever may push its group
-        tt.extensions.on_resend(tt, list(copies))
+        tt.extensions.on_resent(tt, Resent(list(copies), holder))
     _check_rewards(tt, fresh.values())
     _check_eids(tt, fresh.values())
     by_group: dict[str, list[Entry]] = defaultdict(list)
     for entry in fresh.values():
         by_group[entry.group_key(tt.config.grouping.by)].append(entry)
-    tt.extensions.on_push(tt, list(by_group))
-    groups: dict[str, GroupRecord] = {}
+    tt.extensions.on_pushed(tt, Pushed(list(by_group), holder))
+    groups: dict[str, GroupView] = {}
     opened: set[str] = set()  # groups this push starts: not in the pending index yet
     size = tt.config.grouping.size
     for gkey, members in by_group.items():
-        grp = tt.group(gkey)
+        grp = tt.view(gkey)
         if grp is None:
             grp = core_groups.new(tt)
             opened.add(gkey)
@@ -90,17 +146,15 @@ def put(
         groups[gkey] = grp
     make_room(tt, len(fresh), sum(e.size for e in fresh.values()), set(groups))
     core_groups.add_members(tt, by_group, groups)
-    ready: list[Row] = []
-    computing: list[Completed] | None = [] if compute is not None else None
+    ending = Ending(tt)
     for gkey, grp in groups.items():
         if size == 0 or len(grp.members) + len(grp.failed) >= size:
             if grp.failed and too_short(tt, grp):
-                drop_short(tt, gkey, grp)
+                ending.drop_short(gkey, grp)
                 result.dropped_groups.append(gkey)
                 continue
             result.completed_groups.append(gkey)
-            indexed = gkey not in opened
-            if not complete(tt, gkey, grp, partial=bool(grp.failed), indexed=indexed, ready=ready, computing=computing):
+            if not ending.complete(gkey, grp, partial=bool(grp.failed), indexed=gkey not in opened):
                 result.dropped_groups.append(gkey)
             else:
                 tt.counters.groups_short += bool(grp.failed)
@@ -108,13 +162,16 @@ def put(
             if gkey in opened:
                 core_groups.pend(tt, gkey, grp)
             core_groups.keep(tt, gkey, grp)
+    ready: list[Row] = []
+    computing: list[Members] | None = [] if compute is not None else None
+    ending.done(ready=ready, computing=computing)
     if computing:
         compute_in_push(tt, computing, ready, compute, ahead)
     tt.ready.add_many(ready)
     result.stored = list(fresh)
     tt.counters.pushed += len(fresh)
     tt.counters.duplicates += len(result.duplicates)
-    tt.extensions.on_insert(tt, result.stored)
+    tt.extensions.on_inserted(tt, Inserted(result.stored))
     tt.save()
     return result
 
@@ -151,32 +208,6 @@ def _check_eids(tt: TableState, entries: Iterable[Entry]) -> None:
             )
 
 
-def complete(
-    tt: TableState,
-    gkey: str,
-    grp: GroupRecord,
-    *,
-    partial: bool,
-    indexed: bool = True,
-    ready: list[Row] | None = None,
-    computing: list[Completed] | None = None,
-) -> bool:
-    """A pending group becomes ready, or computing; False if the zero-variance filter
-    dropped it. `indexed`: the group is in the pending index (a group opened and filled by
-    one push never is). With `ready`, a ready group's index entry is appended there for the
-    caller to add with the others (ReadyIndex.add_many) instead of added now. With
-    `computing` (a push whose table has an advantage computation), a group that needs
-    advantages is appended there, still pending, for the caller's compute_in_push."""
-    recs = core_groups.closing(tt, gkey, grp, partial=partial)
-    if tt.config.grouping.drop_zero_variance and zero_variance([rec.reward for rec in recs.values()]):
-        retire(tt, [(gkey, grp)], DROPPED)
-        tt.counters.groups_dropped += 1
-        tt.counters.dropped_zero_variance += 1
-        return False
-    core_groups.complete(tt, gkey, grp, recs, indexed=indexed, ready=ready, computing=computing)
-    return True
-
-
 def finish_compute(
     tt: TableState,
     advantages: dict[str, float | bytes],
@@ -191,44 +222,50 @@ def finish_compute(
     moments) is saved with them. Groups deleted or evicted meanwhile are left alone."""
     if shaping is not None:
         add_shaping(tt, shaping)
-    for gkey in [*ready, *dropped, *failed]:
-        grp = tt.group(gkey)
+    ending = Ending(tt)
+    below: list[tuple[str, GroupView]] = []
+    computed: list[Members] = []
+    for gkey in dict.fromkeys([*ready, *dropped, *failed]):
+        grp = tt.view(gkey)
         if grp is None or grp.state != COMPUTING:
             continue
         if gkey in failed:
-            retire(tt, [(gkey, grp)], FAILED)
-            tt.counters.groups_failed += 1
-            tt.counters.last_failure = f"group {gkey}: {failed[gkey]}"
+            ending.fail(gkey, grp, failed[gkey])
         elif gkey in dropped:
-            drop_below_threshold(tt, gkey, grp)
+            below.append((gkey, grp))
         else:
-            tt.ready.add(*store_advantages(tt, gkey, grp, tt.members(grp), advantages, shaping))
+            computed.append((gkey, grp, tt.members(grp)))
+    tt.ready.add_many(store_advantages(tt, computed, advantages, shaping))
+    drop_below_threshold(tt, below)
+    ending.done()
     tt.save()
 
 
 def expire_groups(tt: TableState, created_before: float) -> int:
     """Release (flagged partial) or drop incomplete groups created before the cutoff."""
     expired = core_groups.expired(tt, created_before)
+    ending = Ending(tt)
     for gkey in expired:
-        grp = tt.existing_group(gkey)
+        grp = tt.existing_view(gkey)
         if tt.config.grouping.on_timeout == "drop":
-            retire(tt, [(gkey, grp)], DROPPED)
-            tt.counters.groups_dropped += 1
+            ending.drop(gkey, grp)
             tt.counters.dropped_timeout += 1
         elif not grp.members or (tt.config.grouping.min_size and too_short(tt, grp)):
-            drop_short(tt, gkey, grp)
-        elif complete(tt, gkey, grp, partial=True):
+            ending.drop_short(gkey, grp)
+        elif ending.complete(gkey, grp, partial=True):
             tt.counters.groups_short += len(grp.members) < tt.config.grouping.size
+    ending.done()
     return len(expired)
 
 
-def fail_runs(tt: TableState, failures: Sequence[tuple[str, str]]) -> FailResult:
+def fail_runs(tt: TableState, failures: Sequence[tuple[str, str]], holder: str) -> FailResult:
     """Runs their workers report failed (uid, reason): each is recorded in its pending group
     (opened if none of its runs arrived), where it counts as one of the group's runs but not a
     member. A group whose runs are then all known completes with the members present, short
     (flagged partial), when they are at least `min_group_size`; it is dropped (reason short)
     when fewer succeeded, or when any failed and the table wants every run. A run reported
-    twice counts once; a run pushed later rejoins its group as a member."""
+    twice counts once; a run pushed later rejoins its group as a member. `holder` is who
+    reports (as a push's)."""
     grouping = tt.config.grouping
     if tt.txn.get(tt.config.name.encode(), db=tt.db["tables"]) is None:
         raise NotFound(f"table '{tt.config.name}' does not exist")
@@ -238,17 +275,18 @@ def fail_runs(tt: TableState, failures: Sequence[tuple[str, str]]) -> FailResult
             "it has no runs to wait for, so none to report failed"
         )
     result = FailResult()
-    touched: dict[str, GroupRecord] = {}
+    touched: dict[str, GroupView] = {}
     keys = [uid_group_key(uid, grouping.by) for uid, _ in failures]
     for (uid, _), gkey in zip(failures, keys, strict=True):
         if gkey is None:
             raise InvalidRequest(f"{clip(uid)!r} is not an experience uid (batch/task/run/step/suffix)")
-    tt.extensions.on_push(tt, list(dict.fromkeys(key for key in keys if key is not None)))  # a claim's checks
+    gkeys = list(dict.fromkeys(key for key in keys if key is not None))
+    tt.extensions.on_pushed(tt, Pushed(gkeys, holder, "FailRuns"))  # a claim's checks
     for (uid, reason), gkey in zip(failures, keys, strict=True):
         assert gkey is not None
-        if tt.item(uid) is not None:
+        if tt.member(uid) is not None:
             raise Conflict(f"uid {clip(uid)} was pushed: a run pushed cannot be reported failed")
-        grp = touched.get(gkey) or tt.group(gkey)
+        grp = touched.get(gkey) or tt.view(gkey)
         if grp is None:
             grp = core_groups.new(tt)
             core_groups.pend(tt, gkey, grp)
@@ -262,47 +300,45 @@ def fail_runs(tt: TableState, failures: Sequence[tuple[str, str]]) -> FailResult
             pieces.drop(tt, uid)
             result.recorded.append(uid)
         touched[gkey] = grp
+    ending = Ending(tt)
     for gkey, grp in touched.items():
         if len(grp.members) + len(grp.failed) < grouping.size:
             core_groups.keep(tt, gkey, grp)
         elif too_short(tt, grp):
-            drop_short(tt, gkey, grp)
+            ending.drop_short(gkey, grp)
             result.dropped_groups.append(gkey)
-        elif complete(tt, gkey, grp, partial=True):
+        elif ending.complete(gkey, grp, partial=True):
             tt.counters.groups_short += 1
             result.completed_groups.append(gkey)
         else:  # the zero-variance filter dropped it
             result.dropped_groups.append(gkey)
+    ending.done()
     tt.save()
     return result
 
 
-def too_short(tt: TableState, grp: GroupRecord) -> bool:
+def too_short(tt: TableState, grp: GroupView) -> bool:
     """Whether a group has fewer members than it may complete with (min_group_size; every run
     where that is 0)."""
     return len(grp.members) < (tt.config.grouping.min_size or tt.config.grouping.size)
 
 
-def drop_short(tt: TableState, gkey: str, grp: GroupRecord) -> None:
-    """Drop a group too few of whose runs succeeded (reason short)."""
-    retire(tt, [(gkey, grp)], DROPPED)
-    tt.counters.groups_dropped += 1
-    tt.counters.dropped_short += 1
-
-
-def seal(tt: TableState, gkey: str) -> int:
+def seal(tt: TableState, gkey: str, holder: str) -> int:
     """Complete a pending group now; returns its size. A group with no members (its runs so far
-    all reported failed) is dropped instead (reason short), its size 0."""
-    grp = tt.group(gkey)
+    all reported failed) is dropped instead (reason short), its size 0. `holder` is who seals
+    (as a push's: only a prompt's claimant completes its group)."""
+    grp = tt.view(gkey)
     if grp is None:
         raise NotFound(f"group {clip(gkey)} does not exist in table '{tt.config.name}'")
     if grp.state != PENDING:
         raise GroupClosed(f"group {clip(gkey)} is already complete ({grp.state})")
-    tt.extensions.on_push(tt, [gkey])  # a claim's checks: only the prompt's claimant completes its group
+    tt.extensions.on_pushed(tt, Pushed([gkey], holder, "Seal"))  # a claim's checks
     pieces.drop_group(tt, gkey)  # its runs still in pieces will not join it
+    ending = Ending(tt)
     if grp.members:
-        complete(tt, gkey, grp, partial=bool(grp.failed))
+        ending.complete(gkey, grp, partial=bool(grp.failed))
     else:
-        drop_short(tt, gkey, grp)
+        ending.drop_short(gkey, grp)
+    ending.done()
     tt.save()
     return len(grp.members)

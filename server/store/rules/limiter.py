@@ -40,7 +40,7 @@ def insert_limit(tt: TableState, entries: Sequence[Entry]) -> InsertLimited | No
     cfg = tt.config
     if not cfg.rate_limiter.samples_per_insert:
         return None
-    count = len({e.uid for e in entries if tt.item(e.uid) is None})
+    count = len({e.uid for e in entries if tt.member(e.uid) is None})
     if not count:
         return None
     diff, centre = _diff(tt)

@@ -42,19 +42,20 @@ from dataclasses import dataclass, field
 import lmdb
 
 from expbuf.client.schema.routing import uid_group_key
-from expbuf.client.trxp import partial
-from expbuf.client.trxp.build import pack_head, pack_item
-from expbuf.client.trxp.common import RawItem, RawTensor, TrxpError, count_nonzero
-from expbuf.client.trxp.parse import head_length, parse, parse_head
-from expbuf.client.trxp.pieces import Bytes
+from expbuf.client.trxp.codec import partial
+from expbuf.client.trxp.codec.build import pack_head, pack_item
+from expbuf.client.trxp.codec.common import RawItem, RawTensor, TrxpError, count_nonzero
+from expbuf.client.trxp.codec.parse import head_length, parse, parse_head
+from expbuf.client.trxp.stored.pieces import Bytes
 
 from ..core import pieces
+from ..core.events import Pushed, Resent
 from ..core.groups import open_pending
 from ..core.state import TableState, missing
 from ..disk import digests, piece_rows
 from ..disk.chunk_heads import CHUNK_BYTES
 from ..disk.kinds import Entry
-from ..disk.piece_rows import Head
+from ..disk.piece_rows import PieceHead
 from ..schema.errors import Conflict, GroupClosed, InvalidPayload, TooLarge, clip
 from ..schema.states import PENDING
 
@@ -65,7 +66,7 @@ LARGE = CHUNK_BYTES
 
 
 @dataclass
-class Taken:
+class PiecesTaken:
     """What the pieces among a push's entries did: the entries left for the group rules (those
     pushed whole, and the rollouts finished now, put together), and the uids of pieces stored
     and of pieces already held (sent again)."""
@@ -75,7 +76,7 @@ class Taken:
     duplicates: list[str] = field(default_factory=list)
 
 
-def _items(tt: TableState, uid: str, head: Head) -> list[RawItem]:
+def _items(tt: TableState, uid: str, head: PieceHead) -> list[RawItem]:
     """A rollout's pieces, parsed."""
     return [item for raw in pieces.blobs(tt, uid, head) for item in parse(bytes(raw), trusted=True)]
 
@@ -90,12 +91,13 @@ class OffWriter(Exception):
         self.uid = uid
 
 
-def take(tt: TableState, entries: Sequence[Entry], room: Callable[[int], None], most: int) -> Taken:
+def take(tt: TableState, entries: Sequence[Entry], room: Callable[[int], None], most: int, holder: str) -> PiecesTaken:
     """Store the pieces among a push's entries, in order, and put together the rollouts whose last
     piece came; an entry pushed whole replaces any pieces of its uid. `room(size)` makes room in
     the table for each piece stored (capacity.py), as the rollout it finishes makes for itself; a
-    rollout may take `most` bytes (the largest push), and the table's capacity_bytes (`bounded`)."""
-    taken = Taken()
+    rollout may take `most` bytes (the largest push), and the table's capacity_bytes (`bounded`).
+    `holder` is who pushes (groups.put)."""
+    taken = PiecesTaken()
     for entry in entries:
         if entry.piece is None:
             if tt.counters.partials:  # a rollout pushed whole replaces its pieces
@@ -105,11 +107,12 @@ def take(tt: TableState, entries: Sequence[Entry], room: Callable[[int], None], 
         offset, more = entry.piece
         piece = entry if entry.together is None else entry.together.piece  # the piece as pushed
         gkey = uid_group_key(entry.uid, tt.config.grouping.by) or entry.uid
-        if tt.item(entry.uid) is not None:  # finished already: a piece of it sent again, by whoever may
-            tt.extensions.on_resend(tt, [gkey])
+        if tt.member(entry.uid) is not None:  # finished already: a piece of it sent again, by whoever may
+            tt.extensions.on_resent(tt, Resent([gkey], holder))
             taken.duplicates.append(entry.uid)
             continue
-        tt.extensions.on_push(tt, [gkey])  # a claim's checks first: no one else hears what the buffer holds
+        # a claim's checks first: no one else hears what the buffer holds
+        tt.extensions.on_pushed(tt, Pushed([gkey], holder))
         head = pieces.head(tt, entry.uid)
         held = 0 if head is None else head.tokens
         if head is not None and offset < held and (offset, piece.digest.hex(), piece.size) in head.pieces:
@@ -155,14 +158,14 @@ def _open_group(tt: TableState, gkey: str) -> None:
     """The pending group a piece's rollout is to join, opened if none of its runs arrived (as a
     report of a failed run opens it), so that its timeout, a seal and the ledger's end of a claim
     reach the rollouts held in pieces; a complete group takes no more pieces."""
-    grp = tt.group(gkey)
+    grp = tt.view(gkey)
     if grp is None:
         open_pending(tt, gkey)
     elif grp.state != PENDING:
         raise GroupClosed(f"group {clip(gkey)} is already complete ({grp.state}); it takes no more pieces")
 
 
-def _follows(uid: str, head: Head | None, item: RawItem) -> partial.Versions:
+def _follows(uid: str, head: PieceHead | None, item: RawItem) -> partial.Versions:
     """A piece checked against its rollout's head (None: a first piece), InvalidPayload naming
     what does not follow; the rollout's versions once it is added."""
     where = f"rollout {clip(uid)}, piece at token {head.tokens if head else 0}"
@@ -178,17 +181,17 @@ def _follows(uid: str, head: Head | None, item: RawItem) -> partial.Versions:
         raise InvalidPayload(str(exc)) from None
 
 
-def _grown(head: Head | None, piece: Entry, item: RawItem, versions: partial.Versions) -> Head:
+def _grown(head: PieceHead | None, piece: Entry, item: RawItem, versions: partial.Versions) -> PieceHead:
     """The head of a rollout once a piece that more follow is added."""
     if head is None:  # a first piece (offset 0), so more follow: one without is pushed whole (partial.mark_of)
         tokens, response = item.tensors["tokens"].shape[0], partial.response_of(item)
-        return Head(tokens, response, [(0, piece.digest.hex(), piece.size)], partial.layout(item), versions)
+        return PieceHead(tokens, response, [(0, piece.digest.hex(), piece.size)], partial.layout(item), versions)
     grown = item.tensors["tokens"].shape[0]
     pieces = [*head.pieces, (head.tokens, piece.digest.hex(), piece.size)]
-    return Head(head.tokens + grown, head.response + grown, pieces, head.layout, versions)
+    return PieceHead(head.tokens + grown, head.response + grown, pieces, head.layout, versions)
 
 
-def _add(tt: TableState, entry: Entry, item: RawItem, head: Head | None, more: bool) -> Entry | None:
+def _add(tt: TableState, entry: Entry, item: RawItem, head: PieceHead | None, more: bool) -> Entry | None:
     """One piece into its rollout: stored, or, the last, put together with those before it into the
     entry of the rollout finished (its pieces dropped): here, or for a LARGE rollout off the writer
     (OffWriter; `entry.together` once it was, from the pieces the rollout holds)."""
@@ -267,7 +270,7 @@ def plan(
     says why); InvalidPayload where the rollout put together is refused."""
     raw = piece_rows.head_raw(txn, dbs, key)
     head_raw = b"" if raw is None else bytes(raw)  # none stored: its first piece is the push's
-    head = None if raw is None else Head.decode(head_raw)
+    head = None if raw is None else PieceHead.decode(head_raw)
     sources: list[tuple[int | Bytes, int, dict[str, tuple[int, int]]]] = []  # (piece, data start, spans)
     hollow: list[RawItem] = []
     masked = 0

@@ -13,14 +13,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from ..core.compute import queue, queued, store_advantages
-from ..core.groups import Completed
 from ..core.ready import Row
 from ..core.retire import retire
 from ..core.state import TableState
 from ..disk.kinds import Ahead, Compute, ComputeJob, Entry, ShapingUpdate
-from ..disk.records import GroupRecord
 from ..schema.states import DROPPED
 from ..schema.table_config import TableConfig
+from ..schema.views import Groups, Members
 
 # The most experiences whose advantages a push computes itself: about 1 to 4 ms for grpo
 # (bench/RESULTS.md); a push completing more leaves them to the worker.
@@ -34,7 +33,7 @@ def zero_variance(rewards: list[float | None]) -> bool:
 
 
 def compute_in_push(
-    tt: TableState, computing: list[Completed], ready: list[Row], compute: Compute | None, ahead: Ahead | None
+    tt: TableState, computing: list[Members], ready: list[Row], compute: Compute | None, ahead: Ahead | None
 ) -> None:
     """The advantages of the groups a push completed, computed in the push's own transaction:
     each member's record is written once, ready with its value (the ready groups' index entries
@@ -69,11 +68,8 @@ def compute_in_push(
         queue(tt, computing)
         return
     add_shaping(tt, shaping)
-    for gkey, grp, recs in computing:
-        if gkey in dropped:
-            drop_below_threshold(tt, gkey, grp)
-        else:
-            ready.append(store_advantages(tt, gkey, grp, recs, values, shaping))
+    ready.extend(store_advantages(tt, [group for group in computing if group[0] not in dropped], values, shaping))
+    drop_below_threshold(tt, [(gkey, grp) for gkey, grp, _ in computing if gkey in dropped])
 
 
 def compute_ahead(config: TableConfig, entries: Sequence[Entry], compute: Compute) -> Ahead | None:
@@ -127,7 +123,9 @@ def add_shaping(tt: TableState, shaping: ShapingUpdate) -> None:
     tt.counters.reward_moments = shaping.moments
 
 
-def drop_below_threshold(tt: TableState, gkey: str, grp: GroupRecord) -> None:
-    retire(tt, [(gkey, grp)], DROPPED)
-    tt.counters.groups_dropped += 1
-    tt.counters.dropped_std_threshold += 1
+def drop_below_threshold(tt: TableState, groups: Groups) -> None:
+    """Drop the groups whose rewards' spread is below the estimator's threshold, together."""
+    if groups:
+        retire(tt, groups, DROPPED)
+        tt.counters.groups_dropped += len(groups)
+        tt.counters.dropped_std_threshold += len(groups)

@@ -24,13 +24,13 @@ from ..core import retire
 from ..core.read_check import payload_problem
 from ..core.state import TableState
 from ..disk import chunk_reads
-from ..disk.records import GroupRecord, ItemRecord
 from ..schema.states import FAILED, LIVE, State
+from ..schema.views import GroupView, MemberView
 
 log = logging.getLogger("expbuf.store")
 
 
-def quarantine_groups(tt: TableState, groups: Sequence[tuple[str, GroupRecord, dict[str, str]]]) -> int:
+def quarantine_groups(tt: TableState, groups: Sequence[tuple[str, GroupView, dict[str, str]]]) -> int:
     """Live groups with damaged members (uid -> why) fail; those members are quarantined.
     Returns how many were."""
     quarantined: set[str] = set()
@@ -42,7 +42,7 @@ def quarantine_groups(tt: TableState, groups: Sequence[tuple[str, GroupRecord, d
                 tt.config.name, uid, why, gkey,
             )  # fmt: skip
         quarantined |= damaged.keys()
-        lost += [(gkey, grp.state, uid) for uid in damaged if tt.item(uid) is None]
+        lost += [(gkey, grp.state, uid) for uid in damaged if tt.member(uid) is None]
         tt.counters.groups_failed += 1
         uid, why = next(iter(damaged.items()))
         tt.counters.last_failure = f"group {gkey}: experience {uid} quarantined: {why}"
@@ -53,7 +53,7 @@ def quarantine_groups(tt: TableState, groups: Sequence[tuple[str, GroupRecord, d
     return len(quarantined)
 
 
-def quarantine_kept(tt: TableState, uid: str, rec: ItemRecord, why: str) -> None:
+def quarantine_kept(tt: TableState, uid: str, rec: MemberView, why: str) -> None:
     """A failed experience whose kept payload is damaged: quarantined alone, its payload gone."""
     log.error("table %s: experience %s quarantined (%s): never served", tt.config.name, uid, why)
     retire.quarantine_kept(tt, uid, rec)
@@ -63,10 +63,10 @@ def quarantine_found(tt: TableState, uids: Iterable[str]) -> int:
     """Quarantine those of `uids` whose stored payload, read again here in the write
     transaction, is damaged; those changed or gone since they were found are left alone.
     Returns how many were quarantined."""
-    groups: dict[str, tuple[GroupRecord, dict[str, str]]] = {}
+    groups: dict[str, tuple[GroupView, dict[str, str]]] = {}
     count = 0
     for uid in dict.fromkeys(uids):
-        rec = tt.item(uid)
+        rec = tt.member(uid)
         if rec is None or rec.state not in (*LIVE, FAILED):
             continue
         blob = chunk_reads.read_payload(tt.txn, tt.db, tt.key(uid))
@@ -77,7 +77,7 @@ def quarantine_found(tt: TableState, uids: Iterable[str]) -> int:
             quarantine_kept(tt, uid, rec, why)
             count += 1
             continue
-        grp = tt.existing_group(rec.group)
+        grp = tt.existing_view(rec.group)
         groups.setdefault(rec.group, (grp, {}))[1][uid] = why
     count += quarantine_groups(tt, [(gkey, grp, damaged) for gkey, (grp, damaged) in groups.items()])
     return count

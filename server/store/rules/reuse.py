@@ -20,11 +20,12 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 
-from ..core.requeue import Taken, place
+from ..core.requeue import place
 from ..core.retire import retire
 from ..core.state import TableState
 from ..schema.states import CONSUMED
 from ..schema.table_config import TableConfig
+from ..schema.views import Members
 
 
 def reuses(config: TableConfig) -> bool:
@@ -32,7 +33,7 @@ def reuses(config: TableConfig) -> bool:
     return config.reuse.priority_decay > 0 or config.reuse.cooldown_seconds > 0
 
 
-def requeue(tt: TableState, groups: Sequence[Taken], rng: random.Random) -> None:
+def requeue(tt: TableState, groups: Sequence[Members], rng: random.Random) -> None:
     """Groups replayed just now (and not spent): lowered by their deliveries, then back in
     the ready order at once, or after the cooldown (core/requeue.py)."""
     config = tt.config
@@ -49,7 +50,7 @@ def requeue(tt: TableState, groups: Sequence[Taken], rng: random.Random) -> None
     place(tt, groups, priorities, None if cooldown <= 0 else tt.now + cooldown)
 
 
-def replayed(tt: TableState, taken: list[Taken], rng: random.Random) -> None:
+def replayed(tt: TableState, taken: Sequence[Members], rng: random.Random) -> None:
     """Groups replayed just now, their members' deliveries counted: those that reached
     max_times_sampled retire, the others stay ready, lowered and cooled (`requeue`)."""
     limit = tt.config.reuse.max_times_sampled

@@ -25,15 +25,15 @@ from __future__ import annotations
 
 from typing import overload
 
-from expbuf.client.trxp import segments
+from expbuf.client.trxp.codec import segments
 
 from ..core.events import TableExtension
 from ..core.retire import retire
 from ..core.state import TableState
-from ..disk.records import ItemRecord
 from ..schema.errors import VersionJump
 from ..schema.states import DROPPED, READY
 from ..schema.table_config import TableConfig
+from ..schema.views import MemberView
 
 # Stale groups evicted per table in one pass (one write transaction).
 EVICT_LIMIT = 10_000
@@ -107,13 +107,11 @@ def evict_stale(tt: TableState, limit: int = EVICT_LIMIT) -> int:
     if bound is None:
         return 0
     stale = tt.ready.below_version(bound, limit)
-    for gkey in stale:
-        grp = tt.group(gkey)
-        if grp is None or grp.state != READY:
-            continue
-        retire(tt, [(gkey, grp)], DROPPED)
-        tt.counters.groups_dropped += 1
-        tt.counters.dropped_stale += 1
+    gone = [(gkey, grp) for gkey in dict.fromkeys(stale) if (grp := tt.view(gkey)) is not None and grp.state == READY]
+    if gone:
+        retire(tt, gone, DROPPED)
+        tt.counters.groups_dropped += len(gone)
+        tt.counters.dropped_stale += len(gone)
     if stale:
         tt.save()
     return len(stale)
@@ -137,7 +135,7 @@ def token_bound(config: TableConfig, trainer_version: int | None) -> int | None:
     return None if lag is None or trainer_version is None else trainer_version - lag
 
 
-def masked_tokens(rec: ItemRecord, bound: int) -> int:
+def masked_tokens(rec: MemberView, bound: int) -> int:
     """How many of an experience's response tokens (a prefix: versions never decrease) its delivery
     masks out of the action mask: those of a policy older than `bound` (token_bound). Its version
     segments say each token's policy; an experience without them has its one version for all."""

@@ -9,9 +9,9 @@ from collections.abc import Sequence
 from ..core import leases
 from ..core.retire import consume
 from ..core.state import TableState
-from ..disk.records import GroupRecord
 from ..schema.errors import Forbidden, GroupIncomplete, clip
 from ..schema.states import LEASED, READY, RETIRED
+from ..schema.views import GroupView
 
 
 def retire_trained(tt: TableState, group_ids: Sequence[str], owner: str = "") -> int:
@@ -21,9 +21,9 @@ def retire_trained(tt: TableState, group_ids: Sequence[str], owner: str = "") ->
     groups, and groups leased with the caller's token, retire; an absent or retired one is left
     alone (a retried call changes nothing); an incomplete one is refused, and then none retires.
     Returns the groups retired."""
-    found: dict[str, GroupRecord] = {}
+    found: dict[str, GroupView] = {}
     for gkey in group_ids:
-        grp = tt.group(gkey)
+        grp = tt.view(gkey)
         if grp is None or grp.state in RETIRED or gkey in found:
             continue
         if grp.state not in (READY, LEASED):

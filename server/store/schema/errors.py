@@ -27,7 +27,7 @@ def clip(value: object, limit: int = CLIP) -> str:
     return f"{text[:limit]}... ({len(text)} characters)"
 
 
-def check_count(names: Sized, what: str, call: str, most: int) -> None:
+def check_names(names: Sized, what: str, call: str, most: int) -> None:
     """Refuse a call naming more than `most` of `what` before it looks one up: the writer, or a
     reader's thread, is held while it does (client/schema/call_limits.py)."""
     if len(names) > most:

@@ -1,6 +1,6 @@
 """What a sample request asks for, checked once where it enters the server.
 
-The service builds a SampleSpec from the wire, tests and tools build one directly,
+The service builds a TakeSpec from the wire, tests and tools build one directly,
 and the store reads it: one definition of the parameters and their ranges instead of
 the same nine arguments in every layer.
 """
@@ -10,7 +10,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from expbuf.client.trxp.columns import unknown_field
+from expbuf.client.schema.call_limits import MAX_WINDOW
+from expbuf.client.trxp.stored.columns import unknown_field
 
 from . import order_names
 from .errors import SpecError, clip
@@ -22,9 +23,6 @@ MAX_WAIT_SECONDS = float(2**31)  # a request's wait; the server bounds it furthe
 # Counts travel as uint32; anything at or above 2**31 is a negative number sent unsigned.
 MAX_COUNT = 2**31 - 1
 INT64 = (-(2**63), 2**63 - 1)
-# The most batches a stream may have sent and not yet had confirmed: what the server
-# prepares ahead of its client, whatever gRPC's flow-control window would hold.
-MAX_WINDOW = 8
 # The most experiences a batch holds: its take holds the store's one writer, every other tenant's
 # pushes waiting, some 10-35 µs an experience (a take of 300,000 held it 10 s); take several.
 MAX_BATCH = 65_536
@@ -58,7 +56,7 @@ def check_seconds(name: str, value: float, *, low: float, high: float, low_open:
 
 def check_fields(fields: tuple[str, ...]) -> None:
     """The fields of a columnar request: at most MAX_FIELDS names, each a non-empty string of at
-    most MAX_FIELD_NAME bytes, none twice, each a field a column could be (trxp.columns.FIELDS)."""
+    most MAX_FIELD_NAME bytes, none twice, each a field a column could be (trxp.stored.columns.FIELDS)."""
     if len(fields) > MAX_FIELDS:
         raise SpecError(f"fields names {len(fields)} fields; at most {MAX_FIELDS}")
     for name in fields:
@@ -73,7 +71,7 @@ def check_fields(fields: tuple[str, ...]) -> None:
 
 
 @dataclass(frozen=True)
-class SampleSpec:
+class TakeSpec:
     """One stream's request: how many, in which order, delivered how, and how long to wait.
 
     Exactly one of `num_groups` (whole groups) or `batch_size` (experiences, filled with

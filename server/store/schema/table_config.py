@@ -24,8 +24,8 @@ from .errors import ConfigError, clip
 from .estimator_registry import ESTIMATORS, Estimator
 from .table_parts import (
     MAX_SECONDS,
-    Advantages,
     Capacity,
+    Estimation,
     Grouping,
     Part,
     RateLimiter,
@@ -44,7 +44,7 @@ _NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
 # The parts of a table, by the attribute that holds each.
 PARTS: dict[str, type[Part]] = {
     "grouping": Grouping,
-    "advantages": Advantages,
+    "advantages": Estimation,
     "capacity": Capacity,
     "retention": Retention,
     "staleness": Staleness,
@@ -106,7 +106,7 @@ class TableConfig:
     # How experiences make groups, and when a group is complete.
     grouping: Grouping = field(default_factory=Grouping)
     # The estimator, its parameters and device, and the shaping around it.
-    advantages: Advantages = field(default_factory=Advantages)
+    advantages: Estimation = field(default_factory=Estimation)
     # What the table holds, and what a push into a full table gets.
     capacity: Capacity = field(default_factory=Capacity)
     # How long experiences that left keep their records.
@@ -127,7 +127,7 @@ class TableConfig:
         self,
         name: str,
         grouping: Grouping | None = None,
-        advantages: Advantages | None = None,
+        advantages: Estimation | None = None,
         capacity: Capacity | None = None,
         retention: Retention | None = None,
         staleness: Staleness | None = None,

@@ -217,7 +217,7 @@ class Shaping:
 
 
 @dataclass(frozen=True)
-class Advantages(Part):
+class Estimation(Part):
     """How a table computes advantages when a group completes: the estimator (a registered one,
     estimator_registry.py, or `none`), its parameters, where it runs, and the shaping around it."""
 
@@ -325,7 +325,7 @@ class Staleness(Part):
     # Whether ready groups that fall below the bound as the trainer advances are evicted.
     evict_stale: bool = False
     # How many versions a generated token may lag the trainer (an experience's version segments,
-    # client/trxp/segments.py; its one version without them); None = no bound.
+    # client/trxp/codec/segments.py; its one version without them); None = no bound.
     max_token_staleness: int | None = None
     # What a token behind that bound gets: masked out of the action mask where a batch is
     # delivered ("mask"), or its experience is stale as max_staleness makes one ("drop").

@@ -23,7 +23,7 @@ from ..core.state import TableState
 from ..disk.environment import Environment
 from ..ledger.claimed import Claimed
 from ..ledger.hand_out import STEP_HASHES
-from ..ledger.prompt_stats import PromptStats, read_stats
+from ..ledger.prompt_stats import KeptStats, read_stats
 from ..ledger.records import (
     DatasetRecord,
     PromptRecord,
@@ -36,7 +36,7 @@ from ..ledger.rules import Ledger
 from ..ledger.settings import check, no_dataset
 from ..ledger.shards import count_part, count_parts
 from ..ledger.states import PROMPT_STATES
-from ..schema.errors import Cancelled, InvalidRequest, check_count, clip
+from ..schema.errors import Cancelled, InvalidRequest, check_names, clip
 from ..schema.sample_spec import MAX_LEASE_SECONDS, MAX_WAIT_SECONDS, check_seconds
 from ..tables.catalog import TableCatalog
 
@@ -62,7 +62,7 @@ def check_claim(count: int, owner: str, wait: float) -> None:
 def check_refs(prompts: Sized, call: str) -> None:
     """Refuse a renewal or a release naming more prompts than one call may (before it looks one
     up: the writer is held while it does)."""
-    check_count(prompts, "prompts", call, MAX_PROMPTS_PER_CALL)
+    check_names(prompts, "prompts", call, MAX_PROMPTS_PER_CALL)
 
 
 def shown_owner(owner: str) -> str:
@@ -71,13 +71,13 @@ def shown_owner(owner: str) -> str:
 
 
 @dataclass(frozen=True)
-class PromptPage:
+class RecordPage:
     """One page of a dataset's prompt records in (epoch, index) order; `after` names the last."""
 
     prompts: list[tuple[int, int, PromptRecord]]
     after: tuple[int, int] | None
     done: bool
-    stats: dict[int, PromptStats] = field(default_factory=dict)  # each listed prompt's, by index
+    stats: dict[int, KeptStats] = field(default_factory=dict)  # each listed prompt's, by index
 
 
 class Claims:
@@ -204,7 +204,7 @@ class Claims:
         refused by name before the writer is taken."""
         check_refs(outcomes, "ReportPrompts")
         for epoch, index, _, rewards in outcomes:
-            check_count(rewards, "a prompt's rewards", "ReportPrompts", MAX_REWARDS)
+            check_names(rewards, "a prompt's rewards", "ReportPrompts", MAX_REWARDS)
             if not rewards or not all(math.isfinite(reward) for reward in rewards):
                 raise InvalidRequest(
                     f"prompt {clip(name)}/{epoch}/{index}: rewards are {clip(list(rewards))}; a report gives each"
@@ -220,10 +220,10 @@ class Claims:
         states: Sequence[str] = (),
         after: tuple[int, int] | None = None,
         limit: int = 1000,
-    ) -> PromptPage:
+    ) -> RecordPage:
         """A page of the dataset's prompts handed out at least once, in (epoch, index) order,
         of the given states (all when empty), reading at most `limit` records."""
-        check_count(states, "states", "ListPrompts", len(PROMPT_STATES))
+        check_names(states, "states", "ListPrompts", len(PROMPT_STATES))
         unknown = [state for state in states if state not in PROMPT_STATES]
         if unknown:
             raise InvalidRequest(f"states {unknown!r}: expected some of {', '.join(PROMPT_STATES)}")
@@ -239,4 +239,4 @@ class Claims:
             kept = [row for row in read if not wanted or row[2].state in wanted]
             stats = {index: read_stats(txn, db, table_id, name, index) for _, index, _ in kept}
         last = (read[-1][0], read[-1][1]) if read else after
-        return PromptPage(kept, last, len(read) < limit, stats)
+        return RecordPage(kept, last, len(read) < limit, stats)

@@ -14,7 +14,7 @@ the reply of the one before.
 A full table in block mode, or a rate limit that holds a push, is waited out until the
 pushes' timeout, the push tried again (with those after it) at each change of the environment.
 The caller may say whether they may wait at all (`may_wait`, asked before they first would): the
-server lets a push wait only where a call that waits idle would be let in (server/rpc/limits.py), and
+server lets a push wait only where a call that waits idle would be let in (server/rpc/interceptors/limits.py), and
 refuses it at once otherwise.
 Where the server gives a table a computation (`in_push`: one-value estimators), the groups the
 push completes get their advantages in its transaction, computed before it where the push's
@@ -303,9 +303,11 @@ class Pushing:
                 table_id, config = self.catalog.lookup(ready.push.table)
                 ahead = ready.ahead if table_id == ready.table_id else None
                 tt = self._state_in(child, table_id, config)
-                tt.holder = ready.push.holder
                 blocked_for = blocked if not done else 0.0
-                result = self._put(tt, ready.push.entries, final, blocked_for, self.in_push, ahead, self.max_push_bytes)
+                push = ready.push
+                result = self._put(
+                    tt, push.entries, push.holder, final, blocked_for, self.in_push, ahead, self.max_push_bytes
+                )
             except Exception as exc:
                 if child is not txn:
                     child.abort()
@@ -323,6 +325,7 @@ class Pushing:
     def _put(
         tt: TableState,
         entries: Sequence[Entry],
+        holder: str,
         final: bool,
         blocked: float,
         in_push: Callable[[TableConfig], Compute | None] | None,
@@ -333,7 +336,7 @@ class Pushing:
         counted when it lets them go or at the deadline). With `in_push`, the groups the push
         completes get their advantages in its transaction where it gives the table a computation
         (`ahead`: computed before it, for the groups the push was expected to complete). A rollout
-        in pieces takes `most` bytes at most (partials.take)."""
+        in pieces takes `most` bytes at most (partials.take). `holder` is who pushes (kinds.Push)."""
         has_pieces = any(e.piece is not None for e in entries)
         # the pieces of partial rollouts are not inserts: the rollouts they finish are
         held = limiter.insert_limit(
@@ -345,13 +348,13 @@ class Pushing:
         if held is not None:
             return held
         pieces = (
-            partials.take(tt, entries, lambda size: capacity.make_room(tt, 0, size, set()), most)
+            partials.take(tt, entries, lambda size: capacity.make_room(tt, 0, size, set()), most, holder)
             if has_pieces
             else None
         )
         kept, stale = admission.screen(tt, entries if pieces is None else pieces.entries)
         compute = in_push(tt.config) if in_push is not None else None
-        result = groups.put(tt, kept, compute=compute, ahead=ahead)
+        result = groups.put(tt, kept, holder=holder, compute=compute, ahead=ahead)
         result.stale = stale
         if pieces is not None:
             result.partial, result.duplicates = pieces.stored, [*pieces.duplicates, *result.duplicates]

@@ -14,10 +14,10 @@ from collections.abc import Callable, Sequence
 
 from expbuf.client.schema.balance import ModelShape, split_groups
 from expbuf.client.schema.routing import uid_group_key
-from expbuf.client.trxp.build import build
-from expbuf.client.trxp.columns import Shares
-from expbuf.client.trxp.common import RawItem
-from expbuf.client.trxp.pieces import Stored, whole
+from expbuf.client.trxp.codec.build import build
+from expbuf.client.trxp.codec.common import RawItem
+from expbuf.client.trxp.stored.columns import Shares
+from expbuf.client.trxp.stored.pieces import Stored, whole
 from expbuf.client.trxp.varints import field_bytes
 
 from ..core import reading
@@ -305,7 +305,7 @@ class Reads:
                 )
             if lease.owner != owner:
                 raise Forbidden(f"lease {clip(lease_id)!r} was taken with another token; read its parts with that one")
-            held: dict[str, list[str]] = {}  # the lease's groups it still holds, and their runs
+            held: dict[str, Sequence[str]] = {}  # the lease's groups it still holds, and their runs
             for gkey in lease.groups:
                 grp = reading.group(txn, db, prefix + gkey.encode())
                 if grp is not None and grp.state == LEASED and grp.lease == lease_id:

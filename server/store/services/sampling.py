@@ -24,10 +24,10 @@ from ..disk.kinds import Sampled
 from ..disk.stored_advantages import FinishBatch, StageCounts
 from ..rules import staleness
 from ..schema.errors import SampleLimited
-from ..schema.sample_spec import SampleSpec
+from ..schema.sample_spec import TakeSpec
 from ..schema.table_config import TableConfig
 from ..tables.catalog import TableCatalog
-from ..tables.leases import Leases
+from ..tables.leases import TableLeases
 from ..tables.taking import could_fill, take
 from .index_builds import IndexBuilds
 
@@ -55,7 +55,7 @@ class Sampling:
     ) -> None:
         self.environment, self.catalog, self.rng, self.finish, self.builds = environment, catalog, rng, finish, builds
         self.db = environment.db
-        self.leases = Leases(catalog)  # a lease's life (tables/leases.py): this service asks it each step
+        self.leases = TableLeases(catalog)  # a lease's life (tables/leases.py): this service asks it each step
         self._batch_counts: dict[int, StageCounts] = {}  # by table id: the batch stage's clip counts
 
     def stage_counts(self, table_id: int) -> StageCounts:
@@ -68,7 +68,7 @@ class Sampling:
 
     def sample(
         self,
-        spec: SampleSpec,
+        spec: TakeSpec,
         *,
         timeout: float | None = None,
         hold: bool = False,
@@ -85,7 +85,7 @@ class Sampling:
         buffer at the next start (`release_holds`). `owner` binds a lease to whoever took
         it. `stop` is polled while waiting (a cancelled RPC ends the wait early, with
         None). `confirm` names held leases (one or several) of this table and owner whose
-        batches the client has, delivered first as the spec asks (Leases.confirm), in the same
+        batches the client has, delivered first as the spec asks (TableLeases.confirm), in the same
         commit as the first attempt: one durable write for all, kept even if the attempt
         fails; if one cannot be delivered, none is and nothing is taken. A request in an order
         whose index the table is still building in the background (index_builds.py) waits for
@@ -161,7 +161,7 @@ class Sampling:
         self,
         txn: lmdb.Transaction[bytes],
         tt: TableState,
-        spec: SampleSpec,
+        spec: TakeSpec,
         final: bool,
         blocked: float,
         hold: bool,
@@ -220,13 +220,13 @@ class Sampling:
 
     def give_back(self, lease_id: str, table: str, owner: str = "") -> int:
         """A stream's held batch that its client did not confirm goes back to the buffer,
-        uncounted as sampled (Leases.end); returns the experiences requeued."""
+        uncounted as sampled (TableLeases.end); returns the experiences requeued."""
         return self.environment.submit(
             lambda txn: self.leases.end(txn, lease_id, requeue=True, unsent=True, table=table, owner=owner)
         )
 
-    def confirm(self, lease_id: str, spec: SampleSpec, owner: str = "") -> int:
-        """A stream's held batch that its client has (Leases.confirm); returns its experiences."""
+    def confirm(self, lease_id: str, spec: TakeSpec, owner: str = "") -> int:
+        """A stream's held batch that its client has (TableLeases.confirm); returns its experiences."""
         return self.environment.submit(lambda txn: self.leases.confirm(txn, lease_id, spec, owner, self.rng))
 
     def renew(self, lease_id: str, seconds: float, table: str, owner: str = "") -> tuple[float, int]:

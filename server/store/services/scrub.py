@@ -25,14 +25,12 @@ from dataclasses import dataclass, replace
 
 import lmdb
 
-from expbuf.client.trxp.pieces import Stored
+from expbuf.client.trxp.stored.pieces import Stored
 
 from ..core import reading
 from ..core.counters import read_counters
-from ..core.read_check import payload_problem
-from ..disk import chunk_reads, digests, layout, residency
+from ..disk import chunk_reads, layout, residency
 from ..disk.environment import Environment
-from ..disk.records import ItemRecord
 from ..tables.catalog import TableCatalog
 
 log = logging.getLogger("expbuf.store")
@@ -217,15 +215,7 @@ class Scrub:
         """Whether the payload (or its digest and length, chunk_reads.streamed) is not the one its
         record's digest names."""
         try:
-            if ItemRecord.compact(raw):
-                return False  # a tombstone keeps no payload: `expbuf check` reports one that has
-            digest, size = ItemRecord.digest_of(raw)
-            if isinstance(blob, tuple):
-                return blob != (digest, size)
-            if len(blob) == size and digests.of(blob) == digest:
-                return False
-            uid = bytes(key[4:]).decode()
-            return payload_problem(uid, ItemRecord.decode(raw), blob) is not None
+            return reading.payload_mismatch(bytes(key[4:]).decode(), raw, blob)
         except Exception as exc:  # a record a damaged page made undecodable: structure, for `expbuf check`
             self._report(f"the record of {bytes(key[4:])[:80]!r} does not decode ({type(exc).__name__}: {exc})")
             return False

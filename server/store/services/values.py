@@ -31,7 +31,7 @@ from ..disk import layout
 from ..disk.environment import Environment
 from ..rules import capacity, value_records
 from ..rules.value_records import ValueRecord, record, record_key
-from ..schema.errors import Forbidden, InvalidRequest, NotFound, TooLarge, check_count, clip
+from ..schema.errors import Forbidden, InvalidRequest, NotFound, TooLarge, check_names, clip
 from ..tables.catalog import TableCatalog
 
 MAX_KEY_BYTES = 400  # as a uid: the table's 4-byte prefix and the name stay inside LMDB's 511
@@ -47,7 +47,7 @@ class Values:
         """Store each value under its key (replacing what a key held) as `owner`'s, in one commit;
         how many. Forbidden where a key holds another owner's value, TableFull (TooLarge on their
         own) where the values would take the table past its capacity_bytes."""
-        check_count(keys, "keys", "PutValues", MAX_KEYS_PER_CALL)
+        check_names(keys, "keys", "PutValues", MAX_KEYS_PER_CALL)
         if len(keys) != len(values):
             raise InvalidRequest(f"{len(keys)} keys for {len(values)} values: one value a key")
         names = _names(keys)
@@ -86,7 +86,7 @@ class Values:
         """The value of each key, None for one not stored, from the last commit. TooLarge as soon
         as the reply (each value, or missing key's name, with its framing) passes `limit` bytes,
         before the rest are read; with an `owner`, Forbidden for a key another owner's value holds."""
-        check_count(keys, "keys", "GetValues", MAX_KEYS_PER_CALL)
+        check_names(keys, "keys", "GetValues", MAX_KEYS_PER_CALL)
         names = _names(keys)
         prefix = self._prefix(table)
         db = self.environment.db["kv"]
@@ -110,7 +110,7 @@ class Values:
     def clear(self, table: str, keys: Sequence[str], owner: str = "") -> int:
         """Remove the values of these keys, in one commit; how many were stored. Forbidden, removing
         nothing, where a key holds another owner's value."""
-        check_count(keys, "keys", "ClearValues", MAX_KEYS_PER_CALL)
+        check_names(keys, "keys", "ClearValues", MAX_KEYS_PER_CALL)
         names = _names(keys)
         table_id, _ = self.catalog.lookup(table)
         prefix = layout.table_prefix(table_id)

@@ -41,7 +41,7 @@ class GrantRecord(TypedDict):
 
 
 @dataclass(frozen=True)
-class Grant:
+class RolloutGrant:
     """Rollouts a worker may start now: `count` (0: none; then no grant id) until `expires`."""
 
     count: int
@@ -58,8 +58,8 @@ def capacity(tt: TableState) -> int | None:
     return max(0, (cfg.staleness.max_staleness + version + 1) * cfg.staleness.batch_size - tt.counters.submitted)
 
 
-def grant(tt: TableState, count: int, seconds: float) -> Grant:
-    """Grant up to `count` rollouts under a lease of `seconds`."""
+def grant(tt: TableState, count: int, seconds: float) -> RolloutGrant:
+    """RolloutGrant up to `count` rollouts under a lease of `seconds`."""
     if not isinstance(count, int) or isinstance(count, bool) or not 1 <= count <= MAX_COUNT:
         raise InvalidRequest(f"count must be an integer from 1 to {MAX_COUNT}, got {clip(count)}")
     if not isinstance(seconds, (int, float)) or not 0 < seconds <= MAX_GRANT_SECONDS:
@@ -67,7 +67,7 @@ def grant(tt: TableState, count: int, seconds: float) -> Grant:
     room = capacity(tt)
     granted = count if room is None else min(count, room)
     if granted == 0:
-        return Grant(0)
+        return RolloutGrant(0)
     grant_id, expires = secrets.token_hex(8), tt.now + seconds
     record: GrantRecord = {"t": tt.table_id, "n": granted, "e": expires}
     tt.txn.put(grant_id.encode(), json.dumps(record).encode(), db=tt.db["grants"])
@@ -75,7 +75,7 @@ def grant(tt: TableState, count: int, seconds: float) -> Grant:
     tt.counters.submitted += granted
     tt.counters.admitted += granted
     tt.save()
-    return Grant(granted, grant_id, expires)
+    return RolloutGrant(granted, grant_id, expires)
 
 
 def read_grant(txn: lmdb.Transaction[bytes], dbs: dict[str, lmdb._Database], grant_id: str) -> GrantRecord | None:

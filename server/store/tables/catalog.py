@@ -12,14 +12,13 @@ from typing import TypeVar
 import lmdb
 
 from ..core import leases, ready
-from ..core.compute import ComputeQueue
 from ..core.counters import read_counters
 from ..core.events import TableExtension
 from ..core.state import TableState
 from ..disk import layout
 from ..disk.environment import Environment
 from ..ledger.rules import Ledger
-from ..rules.extensions import ExtensionKinds, Extensions
+from ..rules.extensions import ExtensionKinds, Extensions, warn_earlier
 from ..rules.staleness import StaleEviction
 from ..schema.errors import ConfigError, Conflict, NotFound, StoreError, clip
 from ..schema.table_config import CONFIG_VERSION, TableConfig, differences
@@ -41,8 +40,7 @@ class TableCatalog:
         self._tables: dict[str, tuple[int, TableConfig]] = {}
         self._names: dict[int, str] = {}  # table id -> name
         self._extensions: dict[int, Extensions] = {}  # table id -> its extensions
-        # Stateless, so one of each serves every table that runs it.
-        self._compute_queue, self._stale_eviction = ComputeQueue(), StaleEviction()
+        self._stale_eviction = StaleEviction()  # stateless: one serves every table that runs it
         self._everywhere: list[TableExtension] = []  # run on every table (Store.extensions, deprecated)
         with environment.read() as txn:
             for name, raw in txn.cursor(db=self.db["tables"]):
@@ -64,12 +62,10 @@ class TableCatalog:
             )
 
     def _own(self, config: TableConfig) -> list[TableExtension]:
-        """The store's own rules a table's settings call for, and no others: the compute queue
-        where its estimator computes, stale eviction where it evicts stale groups, the prompt
-        ledger where it groups by task (the tables that may hold datasets)."""
+        """The store's own rules a table's settings call for, and no others: stale eviction where
+        it evicts stale groups, the prompt ledger where it groups by task (the tables that may
+        hold datasets)."""
         own: list[TableExtension] = []
-        if config.advantages.estimator != "none":
-            own.append(self._compute_queue)
         if config.staleness.evict_stale:
             own.append(self._stale_eviction)
         if config.grouping.by == "task":
@@ -205,5 +201,6 @@ class EveryTable:
         )
         if not isinstance(extension, TableExtension):
             raise TypeError(f"{extension!r} is not a TableExtension")
+        warn_earlier(type(extension), stacklevel=2)
         self._catalog.run_everywhere(extension)
         return extension

@@ -30,11 +30,11 @@ from ..disk.kinds import Sampled
 from ..disk.records import Lease
 from ..rules import reuse
 from ..schema.errors import Forbidden, InvalidRequest, NotFound, clip
-from ..schema.sample_spec import MAX_LEASE_SECONDS, SampleSpec, check_seconds
+from ..schema.sample_spec import MAX_LEASE_SECONDS, TakeSpec, check_seconds
 from .catalog import TableCatalog
 
 
-class Leases:
+class TableLeases:
     """Every lease of a data directory's tables, over its catalog (the tables' states)."""
 
     def __init__(self, catalog: TableCatalog) -> None:
@@ -75,7 +75,7 @@ class Leases:
         return now + seconds, count
 
     def confirm(
-        self, txn: lmdb.Transaction[bytes], lease_id: str, spec: SampleSpec, owner: str, rng: random.Random
+        self, txn: lmdb.Transaction[bytes], lease_id: str, spec: TakeSpec, owner: str, rng: random.Random
     ) -> int:
         """A held batch its stream's client confirmed it has, delivered as the stream asked:
         consumed; leased, the lease's clock starting now (`spec.lease_seconds`); or

@@ -19,13 +19,14 @@ import secrets
 from collections.abc import Callable
 
 from ..core import rate_counts
+from ..core.events import Taken
 from ..core.read_check import Unservable
 from ..core.reading import batch_rows
 from ..core.retire import retire
 from ..core.state import TableState
 from ..core.take import Payloads, lease, read_batch, select
 from ..disk.kinds import Sampled
-from ..disk.records import Counted, GroupRecord
+from ..disk.records import Counted
 from ..disk.snapshot import Snapshot
 from ..disk.stored_advantages import FinishBatch, StageCounts
 from ..rules import reuse
@@ -33,13 +34,14 @@ from ..rules.limiter import sample_limit
 from ..rules.quarantine import quarantine_groups
 from ..rules.staleness import masked_tokens, report, token_bound
 from ..schema.errors import SampleLimited
-from ..schema.sample_spec import SampleSpec
+from ..schema.sample_spec import TakeSpec
 from ..schema.states import CONSUMED, FAILED
+from ..schema.views import GroupView
 
 log = logging.getLogger("expbuf.store")
 
 
-def could_fill(tt: TableState, spec: SampleSpec, allow_partial: bool) -> bool:
+def could_fill(tt: TableState, spec: TakeSpec, allow_partial: bool) -> bool:
     """Whether the table holds enough ready data for the request at all (whatever its
     versions): when not, no batch can be taken and nothing needs to be tried."""
     groups, experiences = tt.counters.groups_ready, tt.counters.ready
@@ -50,7 +52,7 @@ def could_fill(tt: TableState, spec: SampleSpec, allow_partial: bool) -> bool:
 
 def take(
     tt: TableState,
-    spec: SampleSpec,
+    spec: TakeSpec,
     allow_partial: bool,
     rng: random.Random,
     *,
@@ -84,7 +86,7 @@ def take(
         tt.save()  # the failure stands whether or not the groups left make a batch
     batch = Sampled(uids=[], group_ids=[], blobs=[], partial=not enough)
     delivery = "lease" if hold else spec.delivery
-    if delivery == "lease":  # its record is the lease's life's to write (leases.py: Leases.grant)
+    if delivery == "lease":  # its record is the lease's life's to write (leases.py: TableLeases.grant)
         batch.lease_id = secrets.token_hex(8)
         batch.lease_expires = tt.now + spec.lease_seconds  # a held one's, were it confirmed as it is sent
     rows = batch_rows(tt.txn, tt.db, tt.config, finish)
@@ -106,7 +108,7 @@ def take(
     rate_counts.taken(tt, batch.counted.experiences)
     batch.newest_version = tt.counters.max_version
     batch.trainer_version = tt.counters.trainer_version
-    tt.extensions.on_sample(tt, chosen)
+    tt.extensions.on_taken(tt, Taken(chosen, delivery))
     tt.save()
     if payloads.snapshot is not None:
         batch.snapshot = payloads.snapshot
@@ -115,7 +117,7 @@ def take(
     return batch
 
 
-def _fail_unservable(tt: TableState, groups: list[tuple[str, GroupRecord, list[Unservable]]]) -> None:
+def _fail_unservable(tt: TableState, groups: list[tuple[str, GroupView, list[Unservable]]]) -> None:
     """Groups a sample found a member of unservable fail whole, never served: one with a
     damaged payload by the quarantine rule (quarantine.py: the damaged members quarantined, the
     others' payloads kept for Get); one whose stored advantage is beyond float32 as any failed

@@ -1,0 +1,440 @@
+"""What later stages rely on, checked on every item: eids, numbers in range, metadata of
+bounded shape and size, tensors consistent with the metadata. Messages name the item and
+field and show at most MAX_SHOWN characters of any input.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from collections.abc import Collection, Iterable, Sequence
+from typing import Any
+
+from ...schema.experience import EID, RESPONSE_TENSOR_FIELDS, TOKEN_TENSOR_FIELDS
+from . import partial
+from . import segments as version_segments
+from .common import (
+    CONTAINERS,
+    EXACT_CONTAINERS,
+    EXPANSION_BASE,
+    EXPANSION_PER_BYTE,
+    FLOAT_CODES,
+    FLOAT_FIELDS,
+    INT64_MAX,
+    INTEGER_CODES,
+    MAX_NESTING,
+    MAX_SHOWN,
+    MAX_STEP,
+    MAX_UID_BYTES,
+    MM_PREFIX,
+    SCALARS,
+    MetadataLimit,
+    RawItem,
+    TrxpError,
+    Work,
+)
+
+
+def is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_utf8(text: str) -> bool:
+    """Whether text encodes to UTF-8 (a lone surrogate does not)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def clip(text: str) -> str:
+    """Untrusted text cut for an error message, with its full length."""
+    return text if len(text) <= MAX_SHOWN else f"{text[:MAX_SHOWN]}… ({len(text)} chars)"
+
+
+def show(value: Any) -> str:
+    """An untrusted value rendered for an error message in bounded length and time."""
+    if isinstance(value, str):
+        return repr(value) if len(value) <= MAX_SHOWN else f"{value[:MAX_SHOWN]!r}… ({len(value)} chars)"
+    if isinstance(value, bytes):
+        return repr(value) if len(value) <= MAX_SHOWN else f"{value[:MAX_SHOWN]!r}… ({len(value)} bytes)"
+    if is_int(value) and value.bit_length() > 128:
+        return f"an int of {value.bit_length()} bits"  # its decimal form would take quadratic time
+    if isinstance(value, (int, float, type(None))):
+        return repr(value)
+    if isinstance(value, CONTAINERS):
+        return f"a {type(value).__name__} of {len(value)} entries"
+    return f"a {type(value).__name__}"
+
+
+def show_list(values: Sequence[Any]) -> str:
+    shown = ", ".join(show(v) for v in values[:8])
+    return f"[{shown}{', …' if len(values) > 8 else ''}]"
+
+
+def _in_range(where: str, field: str, value: Any, low: int, high: int, bounds: str) -> None:
+    """Refuse a value that is not an int in [low, high] (bounds: the range as the message says it)."""
+    if not is_int(value):
+        raise TrxpError(f"{where}: field '{field}' must be an int, got {type(value).__name__}")
+    if not low <= value <= high:
+        raise TrxpError(f"{where}: field '{field}' is {show(value)}, outside [{bounds}]")
+
+
+def _number(where: str, field: str, value: Any) -> None:
+    """Refuse a value that is not a finite number that converts to a float64."""
+    if not isinstance(value, (int, float)):
+        raise TrxpError(f"{where}: field '{field}' must be a number, got {type(value).__name__}")
+    if isinstance(value, float) and not math.isfinite(value):
+        raise TrxpError(f"{where}: field '{field}' is {value}, not a finite number")
+    if not -sys.float_info.max <= value <= sys.float_info.max:
+        raise TrxpError(f"{where}: field '{field}' is {show(value)}, not representable as a float64")
+
+
+def _reward(where: str, value: Any) -> None:
+    """Refuse a reward that is not a number within float32's range: advantages are computed
+    from it and served as float32, so a larger one could only fail, or stop, its table."""
+    _number(where, "reward", value)
+    if not -FLOAT32_MAX <= value <= FLOAT32_MAX:
+        raise TrxpError(
+            f"{where}: field 'reward' is {show(value)}, beyond float32's range (±{FLOAT32_MAX!r}), "
+            "in which advantages are computed and served"
+        )
+
+
+class Shape:
+    """Measures item metadata, each container once (by id): nesting depth and the bytes it
+    takes written out in full, as the store packs each experience (shared references
+    expanded). Walking the data as a tree would cost exponential time for memo references
+    shared at every level; here the steps are the references present, which the pickle
+    spent at least a byte on each."""
+
+    def __init__(
+        self,
+        work: Work,
+        max_size: int,
+        *,
+        check_keys: bool,
+        containers_of: Collection[str] | None = None,
+        limit: MetadataLimit | None = None,
+    ) -> None:
+        self.work = work
+        self.max_size = max_size
+        self.limit = limit  # of each item's own size, beside max_size's of them all
+        self.check_keys = check_keys  # not needed after the pickle scan, which refused other keys
+        # Only the non-empty containers among these fields are measured: for the caller's own
+        # experiences, whose other fields check_meta checks part by part.
+        self.containers_of = containers_of
+        self.size = 0  # of every item measured so far
+        self.known: dict[int, tuple[int, int]] = {}  # id -> (height, size), or _OPEN while being measured
+
+    def item(self, index: int, uid: str, item: dict[Any, Any]) -> None:
+        """Measure every field of an item, counting it towards the payload's expansion bound."""
+        if self.containers_of is not None:
+            item = {
+                name: value for name in self.containers_of if isinstance(value := item.get(name), CONTAINERS) and value
+            }
+        total, max_size, work, known = self.size, self.max_size, self.work, self.known
+        for name, value in item.items():
+            kind = type(value)
+            try:  # the commonest fields inline: None, numbers, plain text, containers
+                if value is None or kind is float:
+                    size = 9
+                elif kind is int:
+                    size = 6 + value.bit_length() // 8
+                elif kind is str and value.isascii():
+                    size = 5 + len(value)
+                elif kind in EXACT_CONTAINERS and not value:  # counted at its first reference, as _container does
+                    size = _EMPTY[1]
+                    if id(value) not in known:
+                        known[id(value)] = _EMPTY
+                        work.used += 1
+                        if work.used > work.limit:
+                            work.charge(0)
+                elif isinstance(value, CONTAINERS):
+                    size = self._container(value, 0)[1]
+                else:
+                    size = _scalar_size(value)
+                total += size + (5 + len(name) if type(name) is str and name.isascii() else _scalar_size(name))
+            except TrxpError as exc:
+                raise TrxpError(f"{_item_where(index, uid)}: field {show(name)}: {exc}") from None
+            if total > max_size:
+                raise TrxpError(
+                    f"{_item_where(index, uid)}: field {show(name)}: metadata expands to more than {max_size} bytes "
+                    f"when shared references are written out ({EXPANSION_PER_BYTE} per payload byte + {EXPANSION_BASE})"
+                )
+        limit = self.limit
+        if limit is not None and total - self.size > limit.size:
+            raise TrxpError(
+                f"{_item_where(index, uid)}: its metadata takes {total - self.size} bytes written out, more than "
+                f"{limit.name}"
+            )
+        self.size = total
+
+    def _container(self, value: dict[Any, Any] | list[Any] | tuple[Any, ...], depth: int) -> tuple[int, int]:
+        key = id(value)
+        known = self.known.get(key)
+        if known is None:
+            if depth > MAX_NESTING:
+                raise TrxpError(f"nested deeper than {MAX_NESTING} levels (or cyclic)")
+            work = self.work
+            work.used += 1 + len(value)
+            if work.used > work.limit:
+                work.charge(0)
+            if not value:
+                self.known[key] = _EMPTY
+                return _EMPTY
+            self.known[key] = _OPEN
+            size = _EMPTY[1]
+            children: Iterable[Any] = value
+            if isinstance(value, dict):
+                if self.check_keys and not all(isinstance(k, (str, bytes)) for k in value):
+                    raise TrxpError("dict keys must be str or bytes")
+                for name in value:
+                    size += 5 + (len(name) if name.isascii() else 4 * len(name))
+                children = value.values()
+            height = 1
+            for child in children:
+                kind = type(child)
+                if kind is str:  # the common cases inline
+                    size += 5 + (len(child) if child.isascii() else 4 * len(child))
+                elif kind is int:
+                    size += 6 + child.bit_length() // 8
+                elif kind is float or kind is bool or child is None:
+                    size += 9
+                elif isinstance(child, CONTAINERS):
+                    child_height, child_size = self._container(child, depth + 1)
+                    height = max(height, child_height + 1)
+                    size += child_size
+                    if size > self.max_size:
+                        break  # refused by the caller; no need to add up the rest
+                else:
+                    size += _scalar_size(child)
+            self.known[key] = known = (height, size)
+        if depth + known[0] > MAX_NESTING:
+            raise TrxpError(f"nested deeper than {MAX_NESTING} levels (or cyclic)")
+        return known
+
+
+# What a container being measured counts as when met again: a cycle, refused as too deep.
+_OPEN = (MAX_NESTING + 1, 0)
+# An empty container: no height, and EMPTY_LIST (or dict), MARK, APPENDS (or SETITEMS).
+_EMPTY = (0, 3)
+
+
+def _scalar_size(value: Any) -> int:
+    """Bytes a scalar takes in a pickle without memo (str: at most 4 bytes a character)."""
+    if isinstance(value, str):
+        return 5 + (len(value) if value.isascii() else 4 * len(value))
+    if isinstance(value, bytes):
+        return 5 + len(value)
+    if isinstance(value, int):
+        return 6 + value.bit_length() // 8
+    if isinstance(value, SCALARS):
+        return 9
+    raise TrxpError(f"{type(value).__name__} is not plain data")
+
+
+_EID_PARTS = ("batch", "task", "run", "step", "suffix")
+_EID_KEYS = frozenset(_EID_PARTS)
+_INT64_BOUNDS = "-2**63, 2**63 - 1"
+_FLOAT_MAX = sys.float_info.max
+# float32's largest finite value: the bound of a reward (advantages are float32).
+FLOAT32_MAX = 3.4028234663852886e38
+
+
+_INT64_MIN = -(2**63)
+
+
+def _plain_uid(eid: Any) -> str | None:
+    """The uid of an eid that plainly passes _check_eid (parts of their exact types, ints well
+    inside its bounds, an ASCII uid without NUL whose only '/' are its four separators, short),
+    made as EID.uid makes it; None to leave the eid to _check_eid's detailed checks."""
+    if type(eid) is not dict or eid.keys() != _EID_KEYS:
+        return None
+    batch, task, run, step, suffix = eid["batch"], eid["task"], eid["run"], eid["step"], eid["suffix"]
+    if not (
+        type(run) is int
+        and 0 <= run <= INT64_MAX
+        and type(step) is int
+        and 0 <= step <= MAX_STEP
+        and type(suffix) is str
+        and (type(batch) is str or (type(batch) is int and _INT64_MIN <= batch <= INT64_MAX))
+        and (type(task) is str or (type(task) is int and _INT64_MIN <= task <= INT64_MAX))
+    ):
+        return None
+    uid = f"{batch}/{task}/{run}/{step}/{suffix}"
+    if len(uid) > MAX_UID_BYTES or not uid.isascii() or uid.count("/") != 4 or "\0" in uid:
+        return None
+    return uid
+
+
+def _check_eid(index: int, eid: Any) -> str:
+    """Validate an eid; return its uid, which reads unambiguously from the right: task and
+    suffix hold no '/', run and step are non-negative ints, so only batch may hold '/'."""
+    uid = _plain_uid(eid)
+    if uid is not None:
+        return uid
+    where = f"item {index}"
+    if not isinstance(eid, dict):
+        raise TrxpError(f"{where}: field 'eid' is missing or not a dict")
+    if eid.keys() != _EID_KEYS:
+        unknown = [key for key in eid if key not in _EID_PARTS]
+        if unknown:
+            raise TrxpError(
+                f"{where}: field 'eid' has unknown keys {show_list(unknown)} (it holds {', '.join(_EID_PARTS)})"
+            )
+        for part in _EID_PARTS:
+            if part not in eid:
+                raise TrxpError(f"{where}: field 'eid.{part}' is missing")
+    for part in ("batch", "task"):
+        value = eid[part]
+        if type(value) is str or (type(value) is int and -(2**63) <= value <= INT64_MAX):
+            continue  # the common cases without a call
+        if not isinstance(value, str):
+            if not is_int(value):
+                raise TrxpError(f"{where}: field 'eid.{part}' must be an int or str, got {type(value).__name__}")
+            _in_range(where, f"eid.{part}", value, -(2**63), INT64_MAX, _INT64_BOUNDS)
+    run, step, suffix = eid["run"], eid["step"], eid["suffix"]
+    if type(run) is not int or not 0 <= run <= INT64_MAX:  # the common case without a call
+        _in_range(where, "eid.run", run, 0, INT64_MAX, "0, 2**63 - 1")
+    if type(step) is not int or not 0 <= step <= MAX_STEP:
+        _in_range(where, "eid.step", step, 0, MAX_STEP, "0, 2**31 - 1")
+    if not isinstance(suffix, str):
+        raise TrxpError(f"{where}: field 'eid.suffix' must be a str, got {type(suffix).__name__}")
+    for part in ("task", "suffix"):
+        if isinstance(eid[part], str) and "/" in eid[part]:
+            raise TrxpError(f"{where}: field 'eid.{part}' contains '/' ({show(eid[part])}); only batch may")
+    uid = EID(**eid).uid
+    if "\0" in uid:
+        raise TrxpError(f"{where}: field 'eid' contains a NUL character")
+    try:
+        uid_bytes = uid.encode("utf-8")
+    except UnicodeEncodeError:
+        raise TrxpError(f"{where}: field 'eid' is not valid Unicode") from None
+    if len(uid_bytes) > MAX_UID_BYTES:
+        raise TrxpError(f"{where}: uid is {len(uid_bytes)} bytes, longer than {MAX_UID_BYTES}")
+    return uid
+
+
+def check_meta(index: int, item: Any, shape: Shape) -> None:
+    """Validate the metadata of one item: what the server, its estimators and trainers rely on.
+
+    Each check is guarded by a test of the common case (a float reward, an int in range, a
+    field left None), so the full check, and the item's name for its message, only run when
+    that test fails."""
+    if not isinstance(item, dict):
+        raise TrxpError(f"item {index}: expected a dict, got {type(item).__name__}")
+    uid = _check_eid(index, item.get("eid"))
+    shape.item(index, uid, item)
+    get = item.get
+    reward = get("reward")
+    if reward is not None and not (type(reward) is float and -FLOAT32_MAX <= reward <= FLOAT32_MAX):
+        _reward(_item_where(index, uid), reward)
+    prompt_length = get("prompt_length", 1)
+    if type(prompt_length) is not int or not 0 <= prompt_length <= INT64_MAX:
+        _in_range(_item_where(index, uid), "prompt_length", prompt_length, 0, INT64_MAX, "0, 2**63 - 1")
+    for name in ("info", "metrics"):
+        if not isinstance(get(name, {}), dict):
+            raise TrxpError(f"{_item_where(index, uid)}: field '{name}' must be a dict")
+    info = get("info")
+    if info:
+        version = info.get("model_version")
+        if version is not None and not (type(version) is int and 0 <= version <= INT64_MAX):
+            _in_range(_item_where(index, uid), "info.model_version", version, 0, INT64_MAX, "0, 2**63 - 1")
+        priority = info.get("priority")
+        if priority is not None and not (type(priority) is float and -_FLOAT_MAX <= priority <= _FLOAT_MAX):
+            _number(_item_where(index, uid), "info.priority", priority)
+        if "partial" in info or "partial_offset" in info:
+            partial.check(_item_where(index, uid), item)
+    for name in ("truncate_status", "response_text", "prompt_text"):
+        if get(name) is not None and not isinstance(item[name], str):
+            raise TrxpError(f"{_item_where(index, uid)}: field '{name}' must be a str or None")
+    for name in ("messages", "tools", "chosen_messages", "rejected_messages"):
+        if get(name) is not None and not isinstance(item[name], list):
+            raise TrxpError(f"{_item_where(index, uid)}: field '{name}' must be a list or None")
+    custom = get("custom_fields", [])
+    if not isinstance(custom, list) or (
+        custom
+        and not all(
+            isinstance(cf, dict)
+            and all(isinstance(cf.get(k), str) for k in ("source_field", "destination_field", "data_type"))
+            for cf in custom
+        )
+    ):
+        raise TrxpError(
+            f"{_item_where(index, uid)}: field 'custom_fields' must be a list of source/destination/data_type strings"
+        )
+    keys = get("multi_modal_input_keys", [])
+    if not isinstance(keys, list) or (keys and not all(isinstance(k, str) and _is_utf8(k) for k in keys)):
+        raise TrxpError(
+            f"{_item_where(index, uid)}: field 'multi_modal_input_keys' must be a list of str "
+            "(UTF-8, they name tensors)"
+        )
+    if keys and len(set(keys)) != len(keys):
+        raise TrxpError(f"{_item_where(index, uid)}: field 'multi_modal_input_keys' lists a key twice")
+    if custom or keys:
+        shape.work.charge(len(custom) + len(keys))
+
+
+def _item_where(index: int, uid: str) -> str:
+    """How a message names an item, made only when a check fails."""
+    return f"item {index} (uid {clip(uid)})"
+
+
+def check_tensors(index: int, item: RawItem, work: Work) -> None:
+    """Validate the tensors of one item against its metadata."""
+    meta, tensors = item.meta, item.tensors
+    keys = meta.get("multi_modal_input_keys", [])
+    work.charge(len(keys) + len(tensors))
+    for key in keys:
+        if MM_PREFIX + key not in tensors:
+            raise TrxpError(f"{_where(index, item)}: multi-modal input {show(key)} is listed but has no tensor")
+    listed = set(keys)
+    for name in tensors:
+        if name.startswith(MM_PREFIX) and name[len(MM_PREFIX) :] not in listed:
+            raise TrxpError(f"{_where(index, item)}: tensor {show(name)} is not listed in multi_modal_input_keys")
+    tokens = tensors.get("tokens")
+    if tokens is None:
+        raise TrxpError(f"{_where(index, item)}: field 'tokens' is missing")
+    for name in TOKEN_TENSOR_FIELDS:
+        tensor = tensors.get(name)
+        if tensor is None:
+            continue
+        if tensor.dtype not in INTEGER_CODES and tensor.dtype not in FLOAT_CODES:  # Trinity accepts float ids
+            raise TrxpError(
+                f"{_where(index, item)}: field '{name}' must hold token ids (integer or floating point), "
+                f"got {tensor.dtype}"
+            )
+        if len(tensor.shape) != 1:
+            raise TrxpError(f"{_where(index, item)}: field '{name}' must be 1-D, got shape {list(tensor.shape)}")
+    prompt_length = meta.get("prompt_length", 1)
+    numel = tokens.shape[0]
+    if prompt_length > numel:
+        raise TrxpError(
+            f"{_where(index, item)}: field 'prompt_length' is {prompt_length}, more than the {numel} tokens"
+        )
+    response_length = numel - prompt_length
+    segments = meta.get("info", {}).get(version_segments.KEY)
+    if segments is not None:
+        work.charge(len(segments) if isinstance(segments, (list, tuple)) else 1)
+        version_segments.check(_where(index, item), segments, response_length)
+    for name in RESPONSE_TENSOR_FIELDS:
+        tensor = tensors.get(name)
+        if tensor is None:
+            continue
+        if len(tensor.shape) != 1:
+            raise TrxpError(f"{_where(index, item)}: field '{name}' must be 1-D, got shape {list(tensor.shape)}")
+        if tensor.shape[0] != response_length:
+            raise TrxpError(
+                f"{_where(index, item)}: field '{name}' has length {tensor.shape[0]}, but the response has "
+                f"{response_length} tokens ({numel} tokens - prompt_length {prompt_length})"
+            )
+        if name in FLOAT_FIELDS and tensor.dtype not in FLOAT_CODES:
+            raise TrxpError(f"{_where(index, item)}: field '{name}' must be floating point, got {tensor.dtype}")
+        if name == "action_mask" and tensor.dtype != "BOOL" and tensor.dtype not in INTEGER_CODES:
+            raise TrxpError(f"{_where(index, item)}: field 'action_mask' must be bool or integer, got {tensor.dtype}")
+
+
+def _where(index: int, item: RawItem) -> str:
+    return _item_where(index, item.uid)

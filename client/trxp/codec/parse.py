@@ -1,0 +1,272 @@
+"""Parsing untrusted TRXP payloads into raw items: the header, the metadata pickle and the
+safetensors section, every length checked against the bytes present before anything is
+allocated, within a work budget proportional to the payload's size.
+"""
+
+from __future__ import annotations
+
+import json
+import pickle
+import struct
+from typing import Any
+
+from ...schema.experience import TENSOR_FIELDS
+from .checks import Shape, check_meta, check_tensors, clip, is_int, show, show_list
+from .common import (
+    EXPANSION_BASE,
+    EXPANSION_PER_BYTE,
+    HEADER,
+    HEADER_SIZE,
+    INT64_MAX,
+    ITEMSIZE,
+    MAGIC,
+    MM_PREFIX,
+    VERSION,
+    MetadataLimit,
+    RawItem,
+    RawTensor,
+    TrxpError,
+    Work,
+)
+from .pickles import scan_pickle
+from .unpickler import load_plain
+
+# ---- parsing (untrusted input) ---------------------------------------------------
+
+
+def parse(
+    payload: bytes | bytearray | memoryview,
+    *,
+    trusted: bool = False,
+    work: Work | None = None,
+    shape: Shape | None = None,
+    limit: MetadataLimit | None = None,
+) -> list[RawItem]:
+    """Split a TRXP payload into validated items without creating tensors.
+
+    `trusted=True` is for payloads the server itself wrote after validating them:
+    it skips the pickle opcode scan and the per-item checks, not the restricted
+    unpickler nor the bounds checks of the sections. `work` counts the decoding steps
+    (by default within the budget of a payload of this size). `shape` measures each
+    item's metadata for check_meta: by default the store's measure, its size written out
+    in full within the payload's expansion bound, and each item's within `limit` if given.
+    """
+    view = memoryview(payload).cast("B")
+    size = len(view)
+    if work is None:
+        work = Work.for_payload(size)
+    meta_len = _frame(view, size)
+    meta_bytes = view[HEADER_SIZE : HEADER_SIZE + meta_len]
+    if shape is None:
+        shape = Shape(work, EXPANSION_PER_BYTE * size + EXPANSION_BASE, check_keys=False, limit=limit)
+    items = _load_items(meta_bytes, trusted=trusted, work=work, shape=shape)
+    tensors = _parse_safetensors(view[HEADER_SIZE + meta_len :], work)
+    return _items(items, tensors, trusted, work)
+
+
+def head_length(start: bytes | bytearray | memoryview, size: int) -> int:
+    """How many bytes of a payload of `size` bytes come before its tensor data (its TRXP header,
+    metadata and safetensors header), read from its first bytes `start`; 0 while `start` is too
+    short to tell. A payload whose framing is not TRXP's is refused as parse() refuses it."""
+    view = memoryview(start).cast("B")
+    if len(view) < HEADER_SIZE and not (view and view[0] == pickle.PROTO[0]):
+        return 0
+    meta_len = _frame(view, size)
+    at = HEADER_SIZE + meta_len
+    if len(view) < at + 8:
+        return 0
+    (header_len,) = struct.unpack_from("<Q", view, at)
+    if header_len > size - at - 8:
+        raise TrxpError(f"tensors: safetensors header length {header_len} exceeds the {size - at - 8} bytes present")
+    length: int = at + 8 + header_len
+    return length
+
+
+def parse_head(
+    head: bytes | bytearray | memoryview, size: int, *, received: int, limit: MetadataLimit | None = None
+) -> tuple[list[RawItem], list[tuple[int, int, int, str]]]:
+    """The items of an untrusted payload of `size` bytes from its `head` (the head_length bytes
+    before its tensor data), checked as parse() checks them, each tensor's data an empty view: a
+    payload read as it arrives, its data routed as it comes. Its budgets (the work, the metadata
+    written out) are those of a payload of the `received` bytes present, not of the size it
+    claims, which a sender may not send; one that needs more is refused here and may be parsed
+    whole once all of it came. With the items, where each tensor's data lies in the tensor data:
+    (start, end, item, name), in the data's order, the data's bytes covered from start to end."""
+    view = memoryview(head).cast("B")
+    work = Work.for_payload(received)
+    meta_len = _frame(view, size)
+    shape = Shape(work, EXPANSION_PER_BYTE * received + EXPANSION_BASE, check_keys=False, limit=limit)
+    items = _load_items(view[HEADER_SIZE : HEADER_SIZE + meta_len], trusted=False, work=work, shape=shape)
+    blob = view[HEADER_SIZE + meta_len :]
+    spans = _spans(blob, size - HEADER_SIZE - meta_len - len(blob), work)
+    empty = memoryview(b"")
+    tensors = {key: RawTensor(dtype, dims, empty) for _, _, dtype, dims, key in spans}
+    raw = _items(items, tensors, False, work)
+    places = []
+    for start, end, _, _, key in spans:
+        index, name = _split_tensor_key(key, len(items))
+        places.append((start, end, index, name))
+    return raw, places
+
+
+def _frame(view: memoryview, size: int) -> int:
+    """Check the TRXP header of a payload of `size` bytes (at least its first HEADER_SIZE in
+    `view`) against that size; its metadata's length."""
+    if size and view[0] == pickle.PROTO[0]:
+        raise TrxpError("payload is a plain pickle without the TRXP header; legacy pickle payloads are refused")
+    if size < HEADER_SIZE:
+        raise TrxpError(f"payload is {size} bytes, shorter than the {HEADER_SIZE}-byte TRXP header")
+    magic, version, meta_len, tensor_len = HEADER.unpack_from(view)
+    if magic != MAGIC:
+        raise TrxpError(f"bad magic {bytes(magic)!r}: not a TRXP payload")
+    if version != VERSION:
+        raise TrxpError(f"unknown TRXP version {version} (this server reads version {VERSION})")
+    if HEADER_SIZE + meta_len > size:
+        raise TrxpError(f"metadata length {meta_len} points past the end of the {size}-byte payload")
+    if HEADER_SIZE + meta_len + tensor_len > size:
+        raise TrxpError(
+            f"tensor section is {size - HEADER_SIZE - meta_len} bytes, shorter than the declared {tensor_len}"
+        )
+    trailing = size - HEADER_SIZE - meta_len - tensor_len
+    if trailing:
+        raise TrxpError(f"{trailing} trailing bytes after the declared sections")
+    length: int = meta_len
+    return length
+
+
+def _items(items: list[dict[str, Any]], tensors: dict[str, RawTensor], trusted: bool, work: Work) -> list[RawItem]:
+    """The items of a payload: each one's metadata and its tensors, checked unless `trusted`."""
+    per_item: list[dict[str, RawTensor]] = [{} for _ in items]
+    for key, tensor in tensors.items():
+        index, name = _split_tensor_key(key, len(items))
+        per_item[index][name] = tensor
+    raw = [RawItem(meta, tensors) for meta, tensors in zip(items, per_item, strict=True)]
+    if not trusted:
+        for index, item in enumerate(raw):
+            check_tensors(index, item, work)
+    return raw
+
+
+def _load_items(meta_bytes: memoryview, *, trusted: bool, work: Work, shape: Shape) -> list[dict[str, Any]]:
+    if not trusted:
+        scan_pickle(meta_bytes, work)
+    work.charge(len(meta_bytes))  # the unpickler is linear in its input once the scan has passed it
+    try:
+        meta = load_plain(meta_bytes)
+    except TrxpError:
+        raise
+    except Exception as exc:  # the unpickler raises many types on malformed input
+        raise TrxpError(f"metadata: pickle is not readable ({type(exc).__name__}: {clip(str(exc))})") from None
+    if not isinstance(meta, dict):
+        raise TrxpError(f"metadata: expected a dict, got {type(meta).__name__}")
+    if meta.get("version") != VERSION:
+        raise TrxpError(f"metadata: version is {show(meta.get('version'))}, expected {VERSION}")
+    items, num_items = meta.get("items"), meta.get("num_items")
+    if not isinstance(items, list):
+        raise TrxpError(f"metadata: 'items' must be a list, got {type(items).__name__}")
+    if not is_int(num_items) or num_items != len(items):
+        raise TrxpError(f"metadata: num_items is {show(num_items)} but {len(items)} items are present")
+    if not trusted:
+        for index, item in enumerate(items):
+            check_meta(index, item, shape)
+    return items
+
+
+def _parse_safetensors(blob: memoryview, work: Work) -> dict[str, RawTensor]:
+    size = len(blob)
+    if size < 8:
+        raise TrxpError(f"tensors: safetensors blob is {size} bytes, too short for its header length")
+    (header_len,) = struct.unpack_from("<Q", blob)
+    if header_len > size - 8:
+        raise TrxpError(f"tensors: safetensors header length {header_len} exceeds the {size - 8} bytes present")
+    data = blob[8 + header_len :]
+    return {
+        key: RawTensor(dtype, shape, data[start:end]) for start, end, dtype, shape, key in _spans(blob, len(data), work)
+    }
+
+
+def _spans(blob: memoryview, data_len: int, work: Work) -> list[tuple[int, int, str, tuple[int, ...], str]]:
+    """The tensors of a safetensors blob whose header is at the start of `blob` and whose data is
+    `data_len` bytes: (start, end, dtype, shape, key) in the data's order, every byte of the data
+    in exactly one tensor."""
+    (header_len,) = struct.unpack_from("<Q", blob)
+    work.charge(header_len)  # the JSON parser is linear in its input
+    try:
+        header = json.loads(bytes(blob[8 : 8 + header_len]).decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:  # ValueError: also ints of 4300+ digits
+        raise TrxpError(f"tensors: safetensors header is not valid JSON ({clip(str(exc))})") from None
+    if not isinstance(header, dict):
+        raise TrxpError("tensors: safetensors header is not a JSON object")
+    spans = sorted(
+        (*_parse_entry(key, entry, data_len, work), key) for key, entry in header.items() if key != "__metadata__"
+    )
+    cursor = 0
+    for start, end, _, _, key in spans:
+        if start != cursor:
+            raise TrxpError(f"tensors: {show(key)} starts at byte {start}, expected {cursor} (gap or overlap)")
+        cursor = end
+    if cursor != data_len:
+        raise TrxpError(f"tensors: {data_len - cursor} bytes of tensor data belong to no tensor")
+    return spans
+
+
+def _parse_entry(key: str, entry: Any, data_len: int, work: Work) -> tuple[int, int, str, tuple[int, ...]]:
+    """Check one safetensors header entry; return (start, end, dtype, shape). JSON makes no
+    subclasses, so `type(x) is int` is an int that is not a bool."""
+    if type(entry) is not dict:
+        raise TrxpError(f"tensors: {show(key)} entry is not an object")
+    # JSON off the wire: each value's type is checked here before it is used.
+    dtype: Any = entry.get("dtype")
+    shape: Any = entry.get("shape")
+    offsets: Any = entry.get("data_offsets")
+    itemsize = ITEMSIZE.get(dtype) if type(dtype) is str else None
+    if itemsize is None:
+        raise TrxpError(f"tensors: {show(key)} has unsupported dtype {show(dtype)}")
+    one_dim = type(shape) is list and len(shape) == 1 and type(shape[0]) is int and shape[0] >= 0  # the common case
+    if not one_dim and (type(shape) is not list or not all(type(d) is int and d >= 0 for d in shape)):
+        shown = show_list(shape) if isinstance(shape, list) else show(shape)
+        raise TrxpError(f"tensors: {show(key)} shape {shown} is not a list of non-negative ints")
+    work.charge(1 + len(shape))
+    if type(offsets) is not list or len(offsets) != 2 or not (type(offsets[0]) is int and type(offsets[1]) is int):
+        offsets_ok = False
+    else:
+        start, end = offsets
+        offsets_ok = 0 <= start <= end <= data_len
+    if not offsets_ok:
+        shown = show_list(offsets) if isinstance(offsets, list) else show(offsets)
+        raise TrxpError(f"tensors: {show(key)} data_offsets {shown} fall outside the {data_len} data bytes")
+    # torch and safetensors multiply the dimensions in int64 even when one of them is 0.
+    product = itemsize
+    for dim in shape:
+        product *= dim or 1
+        if product > INT64_MAX:
+            raise TrxpError(
+                f"tensors: {show(key)} shape {show_list(shape)} has more elements than a tensor can hold "
+                f"(the product of its non-zero dimensions times {itemsize} bytes must stay below 2**63)"
+            )
+    nbytes = 0 if 0 in shape else product
+    if nbytes != end - start:
+        raise TrxpError(
+            f"tensors: {show(key)} shape {show_list(shape)} of {dtype} needs {nbytes} bytes, offsets span {end - start}"
+        )
+    return start, end, dtype, tuple(shape)
+
+
+# Item indices as Python writes them (ASCII digits, no sign or leading 0), the common ones
+# looked up rather than checked character by character.
+_INDICES = {str(index): index for index in range(1 << 12)}
+_TENSOR_FIELDS = frozenset(TENSOR_FIELDS)
+
+
+def _split_tensor_key(key: str, num_items: int) -> tuple[int, str]:
+    """Split "{i}:{field}"; i is written as Python writes an int (ASCII digits, no sign or leading 0)."""
+    head, _, name = key.partition(":")
+    index = _INDICES.get(head)
+    if index is None:
+        canonical = head.isascii() and head.isdigit() and len(head) <= 19 and (head == "0" or head[0] != "0")
+        index = int(head) if canonical else num_items
+    if not name or index >= num_items:
+        raise TrxpError(f"tensors: key {show(key)} does not name an item of the {num_items} in the payload")
+    if name not in _TENSOR_FIELDS and not (name.startswith(MM_PREFIX) and len(name) > len(MM_PREFIX)):
+        raise TrxpError(f"tensors: key {show(key)} names an unknown field {show(name)}")
+    return index, name

@@ -1,0 +1,179 @@
+"""Stored one-item payloads whose tensor section lies in pieces.
+
+The store keeps a large experience's tensor section out of line, in chunks of its own
+(server/store/disk/chunked.py), so that neither a push nor a read holds the experience whole,
+and hands the payload on as a `SplitPayload`: the bytes before the section and the section's
+pieces, views of the store's map. The splice (splice.join_parts) and the columns
+(columns.column_parts) read such a payload as they read one in one piece and copy no byte of
+it: a tensor is the runs of the pieces it spans, copied once, by whoever frames the reply.
+
+A piece may also be a `Window` of bytes made only when read (a chunk a table keeps as a zstd
+frame, decompressed as the part of a reply that holds it is cut): the splice and the columns cut
+windows as they cut views, and whatever reads bytes reads a run through `realized`.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from ..codec.common import HEADER, HEADER_SIZE, RawTensor
+
+Bytes = bytes | memoryview
+
+
+class Lazy(Protocol):
+    """Bytes made only when read (server/store/disk/chunk_reads.Frame)."""
+
+    def __len__(self) -> int: ...
+
+    def read(self, start: int, end: int) -> Bytes:
+        """Its bytes `start` to `end`."""
+        ...
+
+    def detach(self) -> Lazy:
+        """The same bytes, no longer reading from whatever they are read from now."""
+        ...
+
+
+@dataclass(slots=True)
+class Window:
+    """Bytes `start` to `end` of a Lazy, made when read."""
+
+    source: Lazy
+    start: int
+    end: int
+
+    def __len__(self) -> int:
+        return self.end - self.start
+
+    def read(self) -> Bytes:
+        return self.source.read(self.start, self.end)
+
+    def detach(self) -> Window:
+        self.source = self.source.detach()
+        return self
+
+
+Run = bytes | memoryview | Window
+
+
+def realized(run: Run) -> Bytes:
+    """A run's bytes: a Window read now."""
+    return run.read() if isinstance(run, Window) else run
+
+
+def realized_span(run: Run, start: int, end: int) -> Bytes:
+    """A run's bytes `start` to `end`, read now (of a Window, those alone)."""
+    if isinstance(run, Window):
+        return run.source.read(run.start + start, run.start + end)
+    return (run if type(run) is memoryview else memoryview(run))[start:end]
+
+
+@dataclass(slots=True)
+class SplitPayload:
+    """A one-item payload as its head (the TRXP header, the metadata pickle and the safetensors
+    header: everything before the tensor section) and its tensor section's pieces, in order."""
+
+    head: Bytes
+    pieces: list[Run]
+
+    def __len__(self) -> int:
+        return len(self.head) + sum(map(len, self.pieces))
+
+    def runs(self) -> list[Run]:
+        """The payload's bytes as runs, in order."""
+        return [self.head, *self.pieces]
+
+    def owned(self) -> SplitPayload:
+        """The same bytes, copied out of whatever the views are views of (a Window detached, not read)."""
+        return SplitPayload(bytes(self.head), [_owned(piece) for piece in self.pieces])
+
+
+def _owned(piece: Run) -> Run:
+    return piece.detach() if isinstance(piece, Window) else bytes(piece)
+
+
+Stored = bytes | memoryview | SplitPayload
+# A tensor section: one view, or the pieces of a SplitPayload's.
+Section = memoryview | list[Run]
+
+
+def parts_of(payload: Stored) -> tuple[memoryview, bytes, Section, int]:
+    """A stored one-item payload's metadata pickle, safetensors header (its JSON text), tensor
+    section and the section's length, read from its framing without a parse."""
+    if isinstance(payload, SplitPayload):
+        head = memoryview(payload.head)
+        section: Section = payload.pieces
+        section_len = sum(map(len, payload.pieces))
+    else:
+        head = memoryview(payload)
+    _, _, meta_len, _ = HEADER.unpack_from(head)
+    meta = head[HEADER_SIZE : HEADER_SIZE + meta_len]
+    blob = head[HEADER_SIZE + meta_len :]
+    (header_len,) = struct.unpack_from("<Q", blob)
+    header = bytes(blob[8 : 8 + header_len])
+    if not isinstance(payload, SplitPayload):
+        section = blob[8 + header_len :]
+        section_len = len(section)
+    return meta, header, section, section_len
+
+
+def section_at(payload: Bytes) -> int:
+    """Where a one-item payload's tensor section starts, read from its framing (struct.error
+    when it is too short to hold it)."""
+    _, _, meta_len, _ = HEADER.unpack_from(payload)
+    (header_len,) = struct.unpack_from("<Q", payload, HEADER_SIZE + meta_len)
+    start: int = HEADER_SIZE + meta_len + 8 + header_len
+    return start
+
+
+def cut(section: Section, start: int, end: int) -> list[Run]:
+    """The bytes `start` to `end` of a section, as views of the pieces they span."""
+    if isinstance(section, memoryview):
+        return [section[start:end]]
+    runs: list[Run] = []
+    at = 0
+    for piece in section:
+        after = at + len(piece)
+        if after > start:
+            low, high = start - at if start > at else 0, min(end - at, len(piece))
+            if isinstance(piece, Window):
+                runs.append(Window(piece.source, piece.start + low, piece.start + high))
+            else:
+                runs.append((piece if type(piece) is memoryview else memoryview(piece))[low:high])
+            if after >= end:
+                break
+        at = after
+    return runs or [b""]
+
+
+def joined(runs: Sequence[Run]) -> Bytes:
+    """Runs as one buffer: the run itself (read) when there is one, else a copy of them end to end."""
+    return realized(runs[0]) if len(runs) == 1 else b"".join([realized(run) for run in runs])
+
+
+def whole(payload: Stored) -> Bytes:
+    """A stored payload in one buffer (a SplitPayload copied end to end), for what parses it."""
+    return b"".join([realized(run) for run in payload.runs()]) if isinstance(payload, SplitPayload) else payload
+
+
+class SectionTensors(Mapping[str, RawTensor]):
+    """The tensors of a section in pieces, by name, each made when looked up: a tensor that
+    spans pieces is copied into one buffer then, and only then (the server's advantages read an
+    item's action mask, not the rest)."""
+
+    def __init__(self, entries: dict[str, tuple[str, tuple[int, ...], int, int]], section: list[Run]) -> None:
+        self._entries, self._section = entries, section
+
+    def __getitem__(self, name: str) -> RawTensor:
+        dtype, shape, start, end = self._entries[name]
+        return RawTensor(dtype, shape, joined(cut(self._section, start, end)))
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._entries)
+
+    def __len__(self) -> int:
+        return len(self._entries)
