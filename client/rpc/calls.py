@@ -42,7 +42,7 @@ from ..trxp.column_batch import wire as column_wire
 from ..trxp.column_batch.build import ColumnBatch
 from . import frames, wire
 from .connection import BACKOFF
-from .declare import Chunked, Plan, Settings, Several, Unary, declare, warn_caller
+from .declare import Chunked, ClientSettings, Plan, Several, Unary, declare, warn_caller
 from .sample_reply import SampleReplyParts
 
 R = TypeVar("R")
@@ -191,7 +191,7 @@ def push_requests(body: bytes, table: str, size: int, seq: int = 0) -> Iterator[
         yield frames.push_request(view[start : start + size])
 
 
-class BufferCalls(Settings):
+class BufferCalls(ClientSettings):
     """The calls of the buffer's experiences, leases, trainer versions, admission and tables, as
     the clients make them (rpc/declare.py); its reads, keyed values and prompt ledger are in
     read_calls.py, value_calls.py and ledger_calls.py."""

@@ -269,7 +269,7 @@ def busy(exc: grpc.RpcError) -> bool:
 
 
 class ClientBase:
-    """Settings and channels shared by the blocking and the asyncio client."""
+    """ClientSettings and channels shared by the blocking and the asyncio client."""
 
     _insecure_channel: Callable[..., Any]
     _secure_channel: Callable[..., Any]

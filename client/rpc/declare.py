@@ -149,7 +149,7 @@ class Turns(Generic[Y, T]):
         self._outcome = outcome
 
 
-class Settings:
+class ClientSettings:
     """What a declaration reads of the client of one server that makes its call (set by
     rpc/connection.ClientBase): its deadline, its largest message, its push chunks."""
 

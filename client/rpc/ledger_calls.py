@@ -14,12 +14,12 @@ from typing import Any
 from expbuf.proto.v1 import buffer_pb2 as pb
 
 from ..schema.prompts import MAX_PROMPTS_PER_CALL, Claim, DatasetInfo, Prompt, PromptPage
-from .declare import Plan, Settings, Steps, Unary, declare
+from .declare import ClientSettings, Plan, Steps, Unary, declare
 
 Outcomes = Mapping[Prompt, Sequence[float]] | Iterable[tuple[Prompt, Sequence[float]]]
 
 
-class PromptCalls(Settings):
+class PromptCalls(ClientSettings):
     """The prompt ledger's calls, as the clients make them (rpc/declare.py)."""
 
     @declare(shards=lambda s: s._create_dataset)
@@ -27,7 +27,7 @@ class PromptCalls(Settings):
         self, /, table: str, name: str, size: int, *, exist_ok: bool = False, **settings: Any
     ) -> Plan[DatasetInfo]:
         """A dataset of `size` prompts (indexes 0..size-1) on a table that groups by task.
-        Settings: `epochs` (1), `seed` (each epoch in a permutation fixed by it; None: index
+        ClientSettings: `epochs` (1), `seed` (each epoch in a permutation fixed by it; None: index
         order), `max_in_flight` (bound on prompts claimed, or generated and not yet trained; 0:
         none), `on_drop` ("done": a group the table drops counts its prompt as done; "retry":
         it goes out again), `max_attempts` (5: a prompt sent back this often is dropped),

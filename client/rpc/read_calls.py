@@ -21,7 +21,7 @@ from ..schema.balance import MAX_RANKS, ModelShape
 from ..schema.call_limits import MAX_READ_UIDS, in_parts
 from ..schema.experience import Experience
 from ..trxp.stored.columns import Shares, unknown_field
-from .declare import Plan, Settings, Several, Steps, Unary, declare
+from .declare import ClientSettings, Plan, Several, Steps, Unary, declare
 from .sample_reply import SampleReplyParts
 
 
@@ -126,7 +126,7 @@ def field_batch(reply: SampleReplyParts, table: str) -> FieldBatch:
     return FieldBatch(list(rest.uids), list(rest.group_ids), list(rest.missing_uids), columns, table)
 
 
-class ExperienceReads(Settings):
+class ExperienceReads(ClientSettings):
     """The reads of named experiences, as the clients make them (rpc/declare.py)."""
 
     @declare(shards=lambda s: s._get)

@@ -11,10 +11,10 @@ from expbuf.proto.v1 import buffer_pb2 as pb
 
 from ..schema.call_limits import MAX_KEYS_PER_CALL, in_parts
 from . import frames
-from .declare import Plan, Settings, Several, Unary, declare
+from .declare import ClientSettings, Plan, Several, Unary, declare
 
 
-class ValueCalls(Settings):
+class ValueCalls(ClientSettings):
     """The calls of keyed values, as the clients make them (rpc/declare.py). Sharded, each key is
     on one shard, the rendezvous of the key over the shards of the map's first epoch: a key's
     shard never changes as shards are added (values are not groups: they do not move)."""
