@@ -506,7 +506,7 @@ def test_a_waiting_call_kept_out_for_its_whole_wait_answers_without_waiting_with
 def test_the_attempts_of_a_waiting_call_end_by_its_first_deadline_the_last_one_not_waiting() -> None:
     """Each attempt after a busy refusal waits what is left of the wait and ends by the first
     attempt's deadline; once the wait is spent, one more without waiting, then the refusal."""
-    first = ledger_calls.claim("t", "d", 1, 300.0, "", wait=1.0, timeout=3.0)
+    first = ledger_calls.claim_call("t", "d", 1, 300.0, "", wait=1.0, timeout=3.0)
     attempts = calls_module.Attempts(first, timeout=30.0)
     deadline = time.monotonic() + (first.timeout or 0)  # the first attempt's deadline is at most this
     busy = ResourceExhaustedError(grpc.StatusCode.RESOURCE_EXHAUSTED, "busy")
@@ -525,7 +525,7 @@ def test_the_attempts_of_a_waiting_call_end_by_its_first_deadline_the_last_one_n
     assert waits[:-1] == sorted(waits[:-1], reverse=True)
     other = calls_module.Attempts(first, timeout=30.0)
     assert other.after(ResourceExhaustedError(grpc.StatusCode.RESOURCE_EXHAUSTED, "table full")) is None
-    unwaiting = calls_module.Attempts(ledger_calls.claim("t", "d", 1, 300.0, "", wait=0, timeout=2.0), 30.0)
+    unwaiting = calls_module.Attempts(ledger_calls.claim_call("t", "d", 1, 300.0, "", wait=0, timeout=2.0), 30.0)
     assert unwaiting.after(busy) is None
 
 

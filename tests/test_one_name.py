@@ -56,6 +56,6 @@ def test_the_names_the_house_review_found_twice_are_each_one_thing() -> None:
         "check_names": "server/store/schema/errors.py",
         "check_count": "server/store/schema/sample_spec.py",
         "LedgerServicer": "server/rpc/servicers/ledger.py",
-        "LedgerCalls": "server/store/ledger_calls.py",
+        "ServiceCalls": "server/store/service_calls.py",
     }
     assert {name: defined.get(name) for name in once} == {name: [where] for name, where in once.items()}

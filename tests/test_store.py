@@ -425,15 +425,6 @@ def test_tombstones_are_pruned_after_their_time(store: Store, clock: Clock) -> N
     assert store.verify("short") == []
 
 
-def test_the_store_is_a_backend(store: Store) -> None:
-    """The server uses the store through backend.Backend: the store provides all of it."""
-    from expbuf.server.backend import Backend
-
-    assert isinstance(store, Backend)
-    missing = [name for name in dir(Backend) if not name.startswith("_") and not hasattr(store, name)]
-    assert missing == []
-
-
 def test_waiting_for_data_or_room_sleeps_instead_of_spinning(store: Store) -> None:
     """A sample waiting for data retries only when something changed (or every 0.25 s):
     its own empty retries do not wake it, nor anyone else waiting."""

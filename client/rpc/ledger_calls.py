@@ -80,7 +80,7 @@ class PromptCalls(ClientSettings):
         for it); with none now, waits up to `wait` for one. `done` once every shard says its part
         is done. A shard that refuses raises ShardError, its `result` the Claim of what the others
         gave."""
-        return claim(table, dataset, count, lease_seconds, owner, wait, self.timeout, self.max_message_bytes)
+        return claim_call(table, dataset, count, lease_seconds, owner, wait, self.timeout, self.max_message_bytes)
 
     @declare(shards=lambda s: s._renew_claims)
     def renew_claims(self, prompts: Iterable[Prompt], seconds: float) -> Steps[list[Prompt]]:
@@ -226,7 +226,7 @@ def _datasets(table: str, name: str = "") -> Unary[list[DatasetInfo]]:
     return Unary("ListDatasets", request, lambda r: [DatasetInfo.from_proto(d, table) for d in r.datasets], retry=True)
 
 
-def claim(
+def claim_call(
     table: str,
     dataset: str,
     count: int,

@@ -3,5 +3,5 @@ torch code, the worker that computes them for completed groups (worker.py) and i
 torch has loaded (start.py), the batch stage over a sampled batch, where a table's advantages
 can be computed (devices.py), and the running reward moments (moments.py, without torch).
 
-May import backend, config and the store; nothing of rpc, app, cli or commands.
+May import config and the store; nothing of rpc, app, cli or commands.
 """

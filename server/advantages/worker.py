@@ -30,8 +30,7 @@ import torch
 from expbuf.client import trxp
 from expbuf.client.trxp.codec.convert import flat_tensor
 
-from ..backend import Backend
-from ..store import SHAPING_COUNTERS, Compute, Computed, ComputeJob, MemberView, ShapingUpdate, token_record
+from ..store import SHAPING_COUNTERS, Compute, Computed, ComputeJob, MemberView, ShapingUpdate, Store, token_record
 from ..store.schema.errors import clip
 from ..store.schema.table_config import TableConfig, batch_stage, estimator_args, estimator_of, group_step_first
 from . import estimators, shaping
@@ -206,7 +205,7 @@ class AdvantageWorker:
 
     def __init__(
         self,
-        store: Backend,
+        store: Store,
         *,
         batch_limit: int = 8192,
         on_computed: Callable[[str, str, float], None] | None = None,

@@ -7,6 +7,6 @@ what every call shares (call_context.py), the end of open streams at a stop (dra
 writers' end of data (writers.py). app.py assembles them into a server.
 
 Rooms import only downward: service over servicers/, over push/ and sample/, over the shared
-modules, over interceptors/ (pyproject.toml). May import advantages, backend, config and the
+modules, over interceptors/ (pyproject.toml). May import advantages, config and the
 store; nothing above (app, cli, commands).
 """

@@ -1,6 +1,6 @@
 """The ExperienceBuffer gRPC servicer: translates between the wire and the store.
 
-Nothing here decides anything about storage; it maps requests to backend calls,
+Nothing here decides anything about storage; it maps requests to the store's calls,
 TRXP payloads through the codec, and refusals to gRPC status codes.
 """
 
@@ -26,8 +26,7 @@ from expbuf.proto.v1 import buffer_pb2_grpc as pb_grpc
 from .. import __version__
 from ..advantages.devices import check_device
 from ..advantages.moments import RunningMoments
-from ..backend import Backend
-from ..store import PutResult, Sampled
+from ..store import PutResult, Sampled, Store
 from ..store.schema import order_names
 from ..store.schema.errors import (
     ConfigError,
@@ -119,7 +118,7 @@ def _unknown_fields(message: Any) -> list[int]:
 class ExperienceBufferService(LedgerServicer, ReadServicer, ValuesServicer, pb_grpc.ExperienceBufferServicer):
     def __init__(
         self,
-        store: Backend,
+        store: Store,
         *,
         metrics: Metrics,
         max_message_bytes: int,

@@ -1,9 +1,9 @@
 """Durable storage of experiences in LMDB, in rooms that import only downward (each room's
 `__init__.py` says what it holds; docs/internals/layout.md maps them):
 
-- engine.py: `Store`, the façade the server uses (through backend.Backend), with its mixins
-  reading.py, ledger_calls.py and sampling_calls.py; this package exports the names code above the
-  store reads (the Store, what goes in and comes out, the states, the extension class and the
+- engine.py: `Store`, the façade the server uses, with its mixin service_calls.py (the calls
+  its services answer as they are, forwarded: forward.py); this package exports the names code
+  above the store reads (the Store, what goes in and comes out, the states, the extension class and the
   events it hears, the order and index API);
 - services/: sampling, pushing, reads, keyed values, claims, upkeep, scrub, index builds, each a
   request's work in the writer's transaction or off it;

@@ -20,8 +20,7 @@ import logging
 import os
 import random
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from concurrent.futures import Future
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 import lmdb
@@ -37,26 +36,25 @@ from .core.migrate import migrate
 from .core.state import TableState
 from .disk import chunked, layout, residency
 from .disk.environment import Environment
-from .disk.kinds import Compute, ComputeJob, Entry, FailResult, MayWait, Push, PutResult, ShapingUpdate
+from .disk.kinds import Compute, ComputeJob, Entry, FailResult, PutResult, ShapingUpdate
 from .disk.stored_advantages import FinishBatch
+from .forward import Forwarded
 from .ledger.rules import Ledger
-from .ledger_calls import LedgerCalls
-from .reading import ReadCalls
 from .rules import groups, staleness
 from .rules.extensions import ExtensionKinds
 from .rules.quarantine import quarantine_found
 from .rules.trained import retire_trained
-from .sampling_calls import SamplingCalls
 from .schema.errors import InvalidRequest, NotFound, check_names
 from .schema.sample_spec import check_version
 from .schema.table_config import TableConfig, default_table
+from .service_calls import ServiceCalls
 from .services.claims import Claims
-from .services.index_builds import IndexBuild, IndexBuilds
+from .services.index_builds import IndexBuilds
 from .services.pushing import Pushing
 from .services.reads import Reads
 from .services.sampling import Sampling
-from .services.scrub import Scrub, ScrubStatus
-from .services.staged import StagedShare
+from .services.scrub import Scrub
+from .services.staged import StagedPushes
 from .services.upkeep import Upkeep
 from .services.values import Values
 from .tables import admission, integrity
@@ -67,11 +65,11 @@ log = logging.getLogger("expbuf.store")
 T = TypeVar("T")
 
 
-class Store(SamplingCalls, ReadCalls, LedgerCalls):
-    """The storage engine: tables, pushes, upkeep and advantages' I/O; its samples and leases
-    (SamplingCalls, sampling_calls.py), its reads of named experiences and keyed values
-    (ReadCalls, reading.py) and the prompt ledger's datasets and claims (LedgerCalls,
-    ledger_calls.py) are calls of their services."""
+class Store(ServiceCalls):
+    """The storage engine: tables, pushes, upkeep and advantages' I/O; its samples and leases,
+    its reads of named experiences and keyed values and the prompt ledger's datasets and claims
+    are its services' calls (ServiceCalls, service_calls.py), as are the façade's calls below
+    that a service answers as it is (forward.py)."""
 
     def __init__(
         self,
@@ -210,22 +208,14 @@ class Store(SamplingCalls, ReadCalls, LedgerCalls):
 
     # ---- tables ------------------------------------------------------------------------
 
-    def create_table(self, config: TableConfig, *, exist_ok: bool = False) -> bool:
-        """Create a table; True if created. An identical existing table is fine with exist_ok."""
-        return self.catalog.create(config, exist_ok=exist_ok)
-
-    def list_tables(self) -> list[TableConfig]:
-        return self.catalog.configs()
-
-    def has_table(self, name: str) -> bool:
-        return self.catalog.has(name)
+    create_table = Forwarded("catalog", TableCatalog.create)
+    list_tables = Forwarded("catalog", TableCatalog.configs)
+    has_table = Forwarded("catalog", TableCatalog.has)
 
     def table(self, name: str) -> TableConfig:
         return self.catalog.lookup(name)[1]
 
-    def drop_table(self, name: str) -> int:
-        """Delete a table and everything in it; returns the live experiences dropped."""
-        return self.catalog.drop(name)
+    drop_table = Forwarded("catalog", TableCatalog.drop)
 
     def register_extension(self, name: str, kind: type[TableExtension], *, replace: bool = False) -> None:
         """Let tables run the table extension `kind` by naming it (`TableConfig.extensions`),
@@ -234,10 +224,7 @@ class Store(SamplingCalls, ReadCalls, LedgerCalls):
         `Store(extensions={name: kind})`."""
         self.extension_kinds.register(name, kind, replace=replace)
 
-    def extensions_of(self, table: str) -> tuple[TableExtension, ...]:
-        """A table's extensions in the order they run: the store's own its settings call for,
-        then the instances of the kinds it names."""
-        return self.catalog.extensions_of(table)
+    extensions_of = Forwarded("catalog", TableCatalog.extensions_of)
 
     # ---- push --------------------------------------------------------------------------
 
@@ -245,48 +232,13 @@ class Store(SamplingCalls, ReadCalls, LedgerCalls):
         """Store validated items durably. A full table in block mode waits until timeout."""
         return self.put_entries(table, [Entry.of(item) for item in items], timeout=timeout)
 
-    def put_entries(
-        self,
-        table: str,
-        entries: Sequence[Entry],
-        *,
-        timeout: float | None = None,
-        holder: str = "",
-        may_wait: MayWait | None = None,
-    ) -> PutResult:
-        """Store validated entries durably (Pushing.put); `holder` is who pushes (kinds.Push)."""
-        return self.pushing.put(table, entries, timeout=timeout, holder=holder, may_wait=may_wait)
-
-    def new_chunk_set(self) -> int:
-        """A chunk set number for a section a push in chunks stages (Pushing.new_chunk_set)."""
-        return self.pushing.new_chunk_set()
-
-    def zstd_level(self, table: str) -> int | None:
-        """The zstd level the table compresses large sections' chunks at, or None (Pushing.zstd_level)."""
-        return self.pushing.zstd_level(table)
-
-    def stage(
-        self, table: str, set_id: int, index: int, chunk: bytes | memoryview, level: int | None = None
-    ) -> Future[None]:
-        """Stage one chunk of a large section of a push in chunks (Pushing.stage), compressed at
-        `level` where given: the future of its commit."""
-        return self.pushing.stage(table, set_id, index, chunk, level)
-
-    def drop_staged(self, table: str, set_ids: Sequence[int]) -> None:
-        """Drop the sets a refused push in chunks staged (Pushing.drop_staged)."""
-        self.pushing.drop_staged(table, set_ids)
-
-    def open_staged(self, table: str, nbytes: int, timeout: float) -> StagedShare:
-        """A push in chunks's share of the table's staging, once the `nbytes` it will stage fit in
-        its capacity_bytes (StagedPushes.open), waiting at most `timeout`."""
-        return self.pushing.staged.open(table, nbytes, timeout)
-
-    def put_in_order(
-        self, pushes: Sequence[Push], *, timeout: float | None = None, may_wait: MayWait | None = None
-    ) -> Iterator[PutResult]:
-        """Store pushes durably, in order, sharing the writer's commits; each one's result once
-        durable, a refusal after those before it (Pushing.put_in_order)."""
-        return self.pushing.put_in_order(pushes, timeout=timeout, may_wait=may_wait)
+    put_entries = Forwarded("pushing", Pushing.put)
+    new_chunk_set = Forwarded("pushing", Pushing.new_chunk_set)
+    zstd_level = Forwarded("pushing", Pushing.zstd_level)
+    stage = Forwarded("pushing", Pushing.stage)
+    drop_staged = Forwarded("pushing", Pushing.drop_staged)
+    open_staged = Forwarded("pushing.staged", StagedPushes.open)
+    put_in_order = Forwarded("pushing", Pushing.put_in_order)
 
     @property
     def in_push(self) -> Callable[[TableConfig], Compute | None] | None:
@@ -369,9 +321,7 @@ class Store(SamplingCalls, ReadCalls, LedgerCalls):
         except NotFound:
             return 0
 
-    def scrub_status(self) -> ScrubStatus:
-        """What the background scrub has done (scrub.py)."""
-        return self.scrub.status()
+    scrub_status = Forwarded("scrub", Scrub.status)
 
     def delete(self, table: str, uids: Sequence[str] = (), group_ids: Sequence[str] = ()) -> int:
         """Remove experiences (and their records, so they may be pushed again), at most
@@ -435,12 +385,8 @@ class Store(SamplingCalls, ReadCalls, LedgerCalls):
         staged = self.pushing.staged.staged_bytes(table_id)
         return counters.to_dict() | {"oldest_age_seconds": oldest, "staged_bytes": staged}
 
-    def storage_info(self) -> dict[str, float]:
-        return self.environment.storage_info()
-
-    def index_builds(self) -> list[IndexBuild]:
-        """The background builds of the indexes tables lack, to do or under way (index_builds.py)."""
-        return self.builds.status()
+    storage_info = Forwarded("environment", Environment.storage_info)
+    index_builds = Forwarded("builds", IndexBuilds.status)
 
     def verify(self, table: str) -> list[str]:
         """Check every index and counter of a table against its items; [] when consistent."""
@@ -474,9 +420,7 @@ class Store(SamplingCalls, ReadCalls, LedgerCalls):
     def wait_for_change(self, generation: int, timeout: float) -> bool:
         return self.environment.wait_for_change(generation, time.monotonic() + timeout)
 
-    def wake(self) -> None:
-        """End every wait_for_change() now (a stopping server's advantage worker need not wait out its timeout)."""
-        self.environment.wake()
+    wake = Forwarded("environment", Environment.wake)
 
     def compute_backlog(self, limit: int = 8192) -> list[ComputeJob]:
         """Completed groups waiting for advantages, oldest first within each table, up to

@@ -20,8 +20,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from ...advantages.moments import RunningMoments
-from ...backend import Backend
-from ...store import LIVE, PASS_BANDS, PROMPT_STATES, DatasetRecord, IndexBuild, ScrubStatus
+from ...store import LIVE, PASS_BANDS, PROMPT_STATES, DatasetRecord, IndexBuild, ScrubStatus, Store
 from .base import ServiceInterceptor
 
 GROUP_STATES = LIVE
@@ -60,7 +59,7 @@ _CLIP_STEPS = ("reward", "advantage")  # the shaping steps that clip: counters {
 class StoreCollector(Collector):
     """Reads the store's durable counters and states at scrape time."""
 
-    def __init__(self, store: Backend) -> None:
+    def __init__(self, store: Store) -> None:
         self.store = store
 
     def collect(self) -> Iterator[Metric]:
@@ -263,7 +262,7 @@ class Metrics:
     A shard of a sharded buffer (`shard` set) exports them all with a `shard` label.
     """
 
-    def __init__(self, store: Backend, shard: str = "") -> None:
+    def __init__(self, store: Store, shard: str = "") -> None:
         self.registry = CollectorRegistry()
         self.registry.register(StoreCollector(store))
         self.rpc_duration = Histogram(

@@ -50,9 +50,8 @@ from expbuf.client.trxp.codec import partial
 from expbuf.client.trxp.codec.stream import NotStreamable, Piece, StreamedPayload
 from expbuf.client.trxp.column_batch import wire as column_wire
 
-from ...backend import Backend
 from ...config import ServerConfig
-from ...store import CHUNK_BYTES, Entry, StagedShare, Staging
+from ...store import CHUNK_BYTES, Entry, StagedShare, Staging, Store
 from ...store.schema.errors import InvalidPayload
 
 log = logging.getLogger("expbuf.ingest")
@@ -392,11 +391,11 @@ class Ingest:
 
 class Stager:
     """Pushes in chunks whose large items are stored as they arrive: each large item's tensor
-    data is staged in the store piece by piece (Backend.stage, store/disk/chunked.py) while its
+    data is staged in the store piece by piece (Store.stage, store/disk/chunked.py) while its
     push is read, so that the server holds a piece of each (client/trxp/stream.py), not the push.
     The push's items are checked from its head before any of its data is read."""
 
-    def __init__(self, store: Backend, max_metadata_bytes: int) -> None:
+    def __init__(self, store: Store, max_metadata_bytes: int) -> None:
         self.store, self._limit = store, metadata_limit(max_metadata_bytes)
 
     def open(self, table: str, start: memoryview, size: int) -> StagedPush | None:
@@ -425,7 +424,7 @@ class StagedPush:
     however it ended. Up to STAGING chunks of it wait for the writer at once, so that the
     writer's commits take several and the push is read on meanwhile."""
 
-    def __init__(self, store: Backend, table: str, payload: StreamedPayload) -> None:
+    def __init__(self, store: Store, table: str, payload: StreamedPayload) -> None:
         self.store, self.table, self.payload = store, table, payload
         self._staging = {
             index: Staging(payload.heads[index], payload.section_lengths[index]) for index in payload.large

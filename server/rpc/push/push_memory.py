@@ -397,7 +397,7 @@ class PushMemory(ServiceInterceptor):
         stored: keyed values (TransferQueue's tensors) come as large as pushes, from as many writers
         at once."""
 
-        def put_values(requests: Iterator[Any], context: grpc.ServicerContext) -> Any:
+        def held(requests: Iterator[Any], context: grpc.ServicerContext) -> Any:
             try:
                 size = _given(declared)
                 reading = self._admit(context, size)
@@ -422,7 +422,7 @@ class PushMemory(ServiceInterceptor):
             finally:
                 release()
 
-        return put_values
+        return held
 
 
 PUSHES = ("Push", "PushStream", "PutValues")  # the methods whose calls may declare their messages' size

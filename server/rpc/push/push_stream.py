@@ -28,8 +28,7 @@ import grpc
 from expbuf.client.schema.reasons import Reason
 from expbuf.proto.v1 import buffer_pb2 as pb
 
-from ...backend import Backend
-from ...store import Push, PutResult
+from ...store import Push, PutResult, Store
 from ...store.schema.errors import InsertLimited, TableFull
 from ..call_context import CALL_TABLE, noted, room_wait
 from ..interceptors.base import refuse
@@ -97,7 +96,7 @@ def open_messages(
 
 
 def replies(
-    store: Backend, messages: IdleMessages, context: grpc.ServicerContext, reply: Reply, max_wait: float
+    store: Store, messages: IdleMessages, context: grpc.ServicerContext, reply: Reply, max_wait: float
 ) -> Iterator[pb.PushReply]:
     """Each push's reply, in order, once durable (each waiting for room at most `max_wait`, the
     server's max_wait_seconds); the stream's refusal in its turn (see the module)."""
@@ -125,7 +124,7 @@ def replies(
 
 def _store(
     pushes: list[Parsed],
-    store: Backend,
+    store: Store,
     messages: IdleMessages,
     context: grpc.ServicerContext,
     reply: Reply,

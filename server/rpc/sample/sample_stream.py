@@ -43,8 +43,7 @@ import grpc
 from expbuf.client.schema.reasons import Reason
 from expbuf.proto.v1 import buffer_pb2 as pb
 
-from ...backend import Backend
-from ...store import Sampled
+from ...store import Sampled, Store
 from ...store.schema.errors import InvalidRequest, StoreError
 from ...store.schema.sample_spec import TakeSpec
 from ..draining import Draining
@@ -157,7 +156,7 @@ class ClientSide:
 
 
 def stream_batches(
-    store: Backend,
+    store: Store,
     spec: TakeSpec,
     requests: Iterator[pb.SampleRequest],
     context: grpc.ServicerContext,
@@ -230,7 +229,7 @@ class _Window:
     """The batches of one stream sent and not yet delivered: the unconfirmed ones, in the
     order sent, and the confirmed ones that the next take's commit delivers."""
 
-    def __init__(self, store: Backend, spec: TakeSpec, client: ClientSide, owner: str, seconds: float) -> None:
+    def __init__(self, store: Store, spec: TakeSpec, client: ClientSide, owner: str, seconds: float) -> None:
         self.store, self.spec, self.client, self.owner = store, spec, client, owner
         self.seconds = seconds  # max_confirm_seconds
         self.sent = 0

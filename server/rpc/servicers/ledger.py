@@ -14,7 +14,6 @@ import grpc
 from expbuf.client.schema.call_limits import MAX_REWARDS
 from expbuf.proto.v1 import buffer_pb2 as pb
 
-from ...backend import Backend
 from ...store import (
     MAX_ATTEMPTS,
     MAX_EPOCHS,
@@ -26,6 +25,7 @@ from ...store import (
     DatasetRecord,
     KeptStats,
     PromptRecord,
+    Store,
     check_claim,
     check_refs,
     prompt_eid,
@@ -147,7 +147,7 @@ class LedgerServicer:
     """The ledger's calls, mixed into the servicer (rpc/service.py), which provides the store,
     the caller's token fingerprint, the bound on waits and the largest message."""
 
-    store: Backend
+    store: Store
     max_wait_seconds: float
     max_message_bytes: int
 

@@ -15,7 +15,7 @@ from expbuf.client.schema.reasons import Reason
 from expbuf.client.trxp.stored.columns import PREFIX_FIELDS, Shares
 from expbuf.proto.v1 import buffer_pb2 as pb
 
-from ...backend import Backend
+from ...store import Store
 from ...store.schema.errors import DamagedPayload, InvalidRequest, SpecError, check_names, clip
 from ...store.schema.sample_spec import check_fields
 from ...store.schema.states import LIVE
@@ -29,7 +29,7 @@ MAX_LIST_PAGE = 10_000  # experiences a ListExperiences page may ask for
 class ReadServicer:
     """Get, GetPartials, ReadPartials, ReadFields and ListExperiences."""
 
-    store: Backend
+    store: Store
     max_message_bytes: int
 
     def _owner(self, context: grpc.ServicerContext) -> str:

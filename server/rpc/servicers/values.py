@@ -9,7 +9,7 @@ import grpc
 from expbuf.client.schema.call_limits import MAX_KEYS_PER_CALL
 from expbuf.proto.v1 import buffer_pb2 as pb
 
-from ...backend import Backend
+from ...store import Store
 from ...store.schema.errors import check_names
 from ..call_context import MIN_REPLY_BYTES, distinct, refusals
 
@@ -17,7 +17,7 @@ from ..call_context import MIN_REPLY_BYTES, distinct, refusals
 class ValuesServicer:
     """PutValues, GetValues and ClearValues."""
 
-    store: Backend
+    store: Store
     max_message_bytes: int
 
     def _owner(self, context: grpc.ServicerContext) -> str:

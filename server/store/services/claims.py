@@ -184,20 +184,20 @@ class Claims:
             self.environment.wait_for_change(generation, min(deadline, time.monotonic() + 0.25))
 
     def renew(
-        self, table: str, name: str, prompts: Sequence[tuple[int, int, int]], seconds: float, holder: str = ""
+        self, table: str, name: str, prompts: Sequence[tuple[int, int, int]], seconds: float, *, holder: str = ""
     ) -> tuple[float, list[tuple[int, int, int]]]:
         """Claims now end `seconds` from now (ledger.renew); when, and those that had ended."""
         check_refs(prompts, "RenewClaims")
         check_seconds("lease_seconds", seconds, low=0.0, high=MAX_LEASE_SECONDS, low_open=True)
         return self._in_table(table, lambda tt: self.ledger.renew(tt, name, prompts, seconds, holder))
 
-    def release(self, table: str, name: str, prompts: Sequence[tuple[int, int, int]], holder: str = "") -> int:
+    def release(self, table: str, name: str, prompts: Sequence[tuple[int, int, int]], *, holder: str = "") -> int:
         """Claims given back now (ledger.release); returns how many were still held."""
         check_refs(prompts, "ReleaseClaims")
         return self._in_table(table, lambda tt: self.ledger.release(tt, name, prompts, holder))
 
     def report(
-        self, table: str, name: str, outcomes: Sequence[tuple[int, int, int, list[float]]], holder: str = ""
+        self, table: str, name: str, outcomes: Sequence[tuple[int, int, int, list[float]]], *, holder: str = ""
     ) -> int:
         """Prompts trained outside expbuf, with their runs' rewards (ledger.report); returns how
         many claims still held. A reward that is not a finite number, or a prompt without one, is

@@ -99,6 +99,7 @@ class TableCatalog:
         return None if raw is None else int(json.loads(raw)["id"])
 
     def has(self, name: str) -> bool:
+        """Whether a table of that name exists."""
         return name in self._tables
 
     def configs(self) -> list[TableConfig]:
