@@ -6,7 +6,6 @@ TRXP payloads through the codec, and refusals to gRPC status codes.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import time
 from collections.abc import Iterator
@@ -263,14 +262,6 @@ class ExperienceBufferService(LedgerServicer, ReadServicer, ValuesServicer, pb_g
             )
         finally:
             self.table_streams.leave(spec.table)
-
-    def _owner(self, context: grpc.ServicerContext) -> str:
-        """Who takes a lease: a fingerprint of the caller's token when tokens are on, so
-        that only that caller can ack or nack it."""
-        if not self.bind_leases:
-            return ""
-        token = dict(context.invocation_metadata()).get("authorization", "")
-        return hashlib.sha256(token.encode() if isinstance(token, str) else token).hexdigest()[:16]
 
     def _observe_staleness(self, table: str, batch: Sampled) -> None:
         """Trainer version (else the newest pushed) minus each experience's version; an

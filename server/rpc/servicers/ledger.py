@@ -25,7 +25,6 @@ from ...store import (
     DatasetRecord,
     KeptStats,
     PromptRecord,
-    Store,
     check_claim,
     check_refs,
     prompt_eid,
@@ -33,6 +32,7 @@ from ...store import (
 )
 from ...store.schema.errors import InvalidRequest, TooLarge, check_names, clip
 from ..call_context import MIN_REPLY_BYTES, refusals, remaining
+from .base import ServicerBase
 
 # A ClaimReply's or ListPromptsReply's fields beside its prompts: done, and where a page ended.
 _REPLY_FIELDS = 32
@@ -143,16 +143,11 @@ def _refs(prompts: Iterable[pb.PromptRef]) -> list[tuple[int, int, int]]:
     return [(p.epoch, p.index, p.attempt) for p in prompts]
 
 
-class LedgerServicer:
+class LedgerServicer(ServicerBase):
     """The ledger's calls, mixed into the servicer (rpc/service.py), which provides the store,
     the caller's token fingerprint, the bound on waits and the largest message."""
 
-    store: Store
     max_wait_seconds: float
-    max_message_bytes: int
-
-    def _owner(self, context: grpc.ServicerContext) -> str:
-        raise NotImplementedError
 
     @refusals
     def CreateDataset(self, request: pb.CreateDatasetRequest, context: grpc.ServicerContext) -> pb.CreateDatasetReply:

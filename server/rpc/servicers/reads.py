@@ -15,25 +15,19 @@ from expbuf.client.schema.reasons import Reason
 from expbuf.client.trxp.stored.columns import PREFIX_FIELDS, Shares
 from expbuf.proto.v1 import buffer_pb2 as pb
 
-from ...store import Store
 from ...store.schema.errors import DamagedPayload, InvalidRequest, SpecError, check_names, clip
 from ...store.schema.sample_spec import check_fields
 from ...store.schema.states import LIVE
 from ..call_context import MIN_REPLY_BYTES, distinct, ids_of, refusals
 from ..interceptors.base import refuse
 from ..sample.replies import ReplyTooLarge, fields_reply, payload_reply
+from .base import ServicerBase
 
 MAX_LIST_PAGE = 10_000  # experiences a ListExperiences page may ask for
 
 
-class ReadServicer:
+class ReadServicer(ServicerBase):
     """Get, GetPartials, ReadPartials, ReadFields and ListExperiences."""
-
-    store: Store
-    max_message_bytes: int
-
-    def _owner(self, context: grpc.ServicerContext) -> str:
-        raise NotImplementedError
 
     def _refuse_damaged(self, context: grpc.ServicerContext, table: str, exc: DamagedPayload, then: str) -> None:
         """Quarantine an experience found damaged as a reply was built, and end the call

@@ -9,19 +9,13 @@ import grpc
 from expbuf.client.schema.call_limits import MAX_KEYS_PER_CALL
 from expbuf.proto.v1 import buffer_pb2 as pb
 
-from ...store import Store
 from ...store.schema.errors import check_names
 from ..call_context import MIN_REPLY_BYTES, distinct, refusals
+from .base import ServicerBase
 
 
-class ValuesServicer:
+class ValuesServicer(ServicerBase):
     """PutValues, GetValues and ClearValues."""
-
-    store: Store
-    max_message_bytes: int
-
-    def _owner(self, context: grpc.ServicerContext) -> str:
-        raise NotImplementedError
 
     @refusals
     def PutValues(self, request: pb.PutValuesRequest, context: grpc.ServicerContext) -> pb.PutValuesReply:
