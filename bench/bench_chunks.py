@@ -53,7 +53,7 @@ from results import write_section  # noqa: E402
 from expbuf.client import EID, trxp  # noqa: E402
 from expbuf.server.rpc.sample.replies import keep_reply_memory  # noqa: E402
 from expbuf.server.store import Entry, Store  # noqa: E402
-from expbuf.server.store.core.read_check import payload_problem  # noqa: E402
+from expbuf.server.store.core.table_state.read_check import payload_problem  # noqa: E402
 from expbuf.server.store.disk.layout import put_rows, u64  # noqa: E402
 from expbuf.server.store.disk.records import ItemRecord  # noqa: E402
 from expbuf.server.store.rules import groups  # noqa: E402

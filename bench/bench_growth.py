@@ -71,7 +71,7 @@ from bench_consume import package  # noqa: E402
 from results import write_section  # noqa: E402
 
 from expbuf.client import BufferClient, ScrubInfo, trxp  # noqa: E402
-from expbuf.server.store.core import ready as core_ready  # noqa: E402
+from expbuf.server.store.core.ordering import ready as core_ready  # noqa: E402
 from expbuf.server.store.disk import layout  # noqa: E402
 
 from helpers import ServerProcess, make_experience, scrape  # noqa: E402

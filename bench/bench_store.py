@@ -33,7 +33,7 @@ from results import write_section  # noqa: E402
 
 from expbuf.client import EID, Experience, trxp  # noqa: E402
 from expbuf.server.store import Entry, Store  # noqa: E402
-from expbuf.server.store.core.ready import ReadyIndex  # noqa: E402
+from expbuf.server.store.core.ordering.ready import ReadyIndex  # noqa: E402
 from expbuf.server.store.schema.sample_spec import TakeSpec  # noqa: E402
 from expbuf.server.store.schema.table_config import TableConfig  # noqa: E402
 

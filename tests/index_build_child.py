@@ -12,7 +12,7 @@ import json
 import sys
 
 from expbuf.server.store import Store
-from expbuf.server.store.core import ready as core_ready
+from expbuf.server.store.core.ordering import ready as core_ready
 
 from helpers import small_groups
 

@@ -23,7 +23,7 @@ from expbuf.client import trxp
 from expbuf.client.trxp.stored.pieces import Run, SplitPayload, realized, realized_span, section_at
 from expbuf.server.advantages.worker import AdvantageWorker
 from expbuf.server.store import Store
-from expbuf.server.store.core import migrate
+from expbuf.server.store.core.whole_table import migrate
 from expbuf.server.store.disk import chunk_heads, chunk_reads, chunked, digests, layout
 from expbuf.server.store.disk.environment import Environment
 from expbuf.server.store.disk.kinds import Entry

@@ -1,4 +1,4 @@
-"""A table's typed counters (server/store/core/counters.py): they read and write the stored JSON of
+"""A table's typed counters (server/store/core/table_state/counters.py): they read and write the stored JSON of
 the releases before them byte for byte, keep what a newer release stored, and refuse a
 misspelt counter or a count that is not a number."""
 
@@ -14,7 +14,7 @@ from expbuf.proto.v1 import buffer_pb2 as pb
 from expbuf.server.app import ExpbufServer
 from expbuf.server.config import ServerConfig
 from expbuf.server.store import STATES, Store
-from expbuf.server.store.core.counters import NAMES, Counters
+from expbuf.server.store.core.table_state.counters import NAMES, Counters
 from expbuf.server.store.disk import layout
 from expbuf.server.store.schema.sample_spec import TakeSpec
 from expbuf.server.store.schema.table_config import TableConfig

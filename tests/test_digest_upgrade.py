@@ -21,8 +21,8 @@ from test_datadir_v3 import MANIFEST, V3, group
 
 from expbuf.client import trxp
 from expbuf.server.store import Store
-from expbuf.server.store.core import migrate
-from expbuf.server.store.core.counters import Counters
+from expbuf.server.store.core.table_state.counters import Counters
+from expbuf.server.store.core.whole_table import migrate
 from expbuf.server.store.disk import layout
 from expbuf.server.store.disk.environment import Environment
 from expbuf.server.store.disk.records import ItemRecord

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from expbuf.server.store import Pushed, Store, TableExtension
-from expbuf.server.store.core.state import TableState
+from expbuf.server.store.core.table_state.state import TableState
 from expbuf.server.store.disk.records import GroupRecord
 from expbuf.server.store.schema.sample_spec import TakeSpec
 from expbuf.server.store.schema.states import LIVE, MOVES, RETIRED, STATES, IllegalMove, State, check_move

@@ -26,9 +26,9 @@ import pytest
 from expbuf.client import BufferClient
 from expbuf.client.errors import ExpbufError
 from expbuf.server.store import Store
-from expbuf.server.store.core import ready as core_ready
-from expbuf.server.store.core.indexes import Index, PriorityIndex, Slots
-from expbuf.server.store.core.ready import IndexBuilding
+from expbuf.server.store.core.ordering import ready as core_ready
+from expbuf.server.store.core.ordering.indexes import Index, PriorityIndex, Slots
+from expbuf.server.store.core.ordering.ready import IndexBuilding
 from expbuf.server.store.disk import layout
 from expbuf.server.store.disk.environment import Environment
 from expbuf.server.store.schema import errors

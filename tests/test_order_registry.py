@@ -17,7 +17,7 @@ from expbuf.server import cli
 from expbuf.server.app import ExpbufServer
 from expbuf.server.config import ServerConfig
 from expbuf.server.store import KeyedIndex, Order, ReadyGroup, ReadyIndex, Store, register, u64, unregister, version_key
-from expbuf.server.store.core.orders import ORDERS
+from expbuf.server.store.core.ordering.orders import ORDERS
 from expbuf.server.store.schema.errors import InvalidRequest
 from expbuf.server.store.schema.sample_spec import SpecError
 from expbuf.server.store.schema.table_config import TableConfig

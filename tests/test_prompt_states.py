@@ -13,7 +13,7 @@ import pytest
 
 from expbuf.client import trxp
 from expbuf.server.store import Pushed, Store, TableExtension
-from expbuf.server.store.core.state import TableState
+from expbuf.server.store.core.table_state.state import TableState
 from expbuf.server.store.ledger.records import DatasetRecord, PromptRecord, prompt_key
 from expbuf.server.store.ledger.states import (
     DONE,

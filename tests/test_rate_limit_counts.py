@@ -1,4 +1,4 @@
-"""The rate limiter counts only what can still be sampled (core/rate_counts.py): an experience counts as
+"""The rate limiter counts only what can still be sampled (core/table_state/rate_counts.py): an experience counts as
 inserted when its group becomes ready, and one that leaves unsampled (dropped, evicted,
 deleted, failed, timed out) is taken out in the same transaction, so no such path can hold a
 table's pushes or samples for good; a table stuck by an older build recovers at open."""
@@ -12,7 +12,7 @@ import pytest
 
 from expbuf.client import trxp
 from expbuf.server.store import Entry, Store
-from expbuf.server.store.core.rate_counts import INSERTED, SAMPLED
+from expbuf.server.store.core.table_state.rate_counts import INSERTED, SAMPLED
 from expbuf.server.store.disk import layout
 from expbuf.server.store.schema.errors import InsertLimited
 from expbuf.server.store.schema.sample_spec import TakeSpec

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from expbuf.server.store import Store
-from expbuf.server.store.core import ready as core_ready
+from expbuf.server.store.core.ordering import ready as core_ready
 from expbuf.server.store.disk import layout, residency
 from expbuf.server.store.schema.sample_spec import TakeSpec
 from expbuf.server.store.schema.table_config import TableConfig

@@ -13,7 +13,7 @@ import pytest
 
 from expbuf.client import AsyncBufferClient, BufferClient, FailedPreconditionError, PermissionDeniedError, trxp
 from expbuf.server.store import Store
-from expbuf.server.store.core.rate_counts import INSERTED, SAMPLED
+from expbuf.server.store.core.table_state.rate_counts import INSERTED, SAMPLED
 from expbuf.server.store.ledger.records import DatasetRecord, group_key
 from expbuf.server.store.schema.errors import Forbidden, GroupIncomplete
 from expbuf.server.store.schema.sample_spec import TakeSpec

@@ -28,8 +28,8 @@ from expbuf.server.store import (
     TableExtension,
     Taken,
 )
-from expbuf.server.store.core.events import Groups
-from expbuf.server.store.core.state import TableState
+from expbuf.server.store.core.table_state.events import Groups
+from expbuf.server.store.core.table_state.state import TableState
 from expbuf.server.store.disk.records import GroupRecord
 from expbuf.server.store.ledger.rules import Ledger
 from expbuf.server.store.rules.extensions import ExtensionKinds

@@ -10,9 +10,9 @@ import lmdb
 import pytest
 
 from expbuf.server.store import Store
-from expbuf.server.store.core import take as core_take
-from expbuf.server.store.core.indexes import PriorityIndex, ReadyOrder, Slots
-from expbuf.server.store.core.ready import ReadyIndex
+from expbuf.server.store.core.ordering.indexes import PriorityIndex, ReadyOrder, Slots
+from expbuf.server.store.core.ordering.ready import ReadyIndex
+from expbuf.server.store.core.verbs import take as core_take
 from expbuf.server.store.disk.layout import u64
 from expbuf.server.store.disk.records import ItemRecord
 from expbuf.server.store.schema.errors import SpecError

@@ -9,14 +9,14 @@ from pathlib import Path
 
 import pytest
 
-from expbuf.server.store.core.views import group_record, member_record
+from expbuf.server.store.core.table_state.views import group_record, member_record
 from expbuf.server.store.disk.records import GroupRecord, ItemRecord
 
 ROOT = Path(__file__).resolve().parent.parent
 # The rooms that keep records, and the store's face, which still exports ItemRecord for a release.
 OWNERS = ("server/store/core/", "server/store/disk/", "server/store/__init__.py", "server/ray/")
 RECORDS = {"GroupRecord", "ItemRecord"}
-# TableState's accessors of records (core/state.py); code outside the core reads view, existing_view,
+# TableState's accessors of records (core/table_state/state.py); code outside the core reads view, existing_view,
 # member, members and stored_members.
 ACCESSORS = {
     "group", "existing_group", "item", "existing_item", "cached_item", "put_item", "put_group", "settle_item",

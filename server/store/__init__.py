@@ -12,9 +12,10 @@
 - ledger/: the prompt ledger's rules, records, checks and shards;
 - rules/: the policy over one table's state: groups, capacity, staleness, reuse, quarantine, the
   advantages a push computes, the rate limiter, partial rollouts, the table extensions run;
-- core/: the table core, the only code that reads and writes a table's records (the table state,
-  its counters, ready indexes and orders, and the group verbs of push, take, lease end, retire and
-  requeue, the reads, checks and upgrades of its records);
+- core/: the table core, the only code that reads and writes a table's records, in rooms: the
+  reads, checks and upgrades of its records (whole_table/), the verbs of push, take, lease end,
+  retire and requeue (verbs/), the table state with its counters and events (table_state/), the
+  ready indexes and orders (ordering/);
 - disk/: the LMDB environment (its single writer and group commit), the named databases and keys,
   the records and their binary form, payloads stored whole, in chunks or with a shared prompt;
 - schema/: what every room reads: the group state machine, settings, a sample request, the
@@ -29,12 +30,12 @@ batch stage (`Store(batch_stage=...)`, bound to each batch taken and run where t
 built) and the advantages a push computes (`Store.in_push`).
 """
 
-from .core.counters import SHAPING_COUNTERS
-from .core.events import Inserted, Moved, Pushed, Resent, Retired, TableExtension, Taken
-from .core.indexes import Index, KeyedIndex, ReadyGroup
-from .core.orders import Order, register, unregister
-from .core.reading import Page
-from .core.ready import ReadyIndex
+from .core.ordering.indexes import Index, KeyedIndex, ReadyGroup
+from .core.ordering.orders import Order, register, unregister
+from .core.ordering.ready import ReadyIndex
+from .core.table_state.counters import SHAPING_COUNTERS
+from .core.table_state.events import Inserted, Moved, Pushed, Resent, Retired, TableExtension, Taken
+from .core.whole_table.reading import Page
 from .disk.chunk_heads import CHUNK_BYTES
 from .disk.chunked import Staging
 from .disk.environment import Environment

@@ -6,7 +6,7 @@ the store's own its settings call for, and the kinds it names), and its services
 (pushing.py), reads (reads.py), sampling (sampling.py), the prompt ledger's claims (claims.py),
 upkeep (upkeep.py), the scrub (scrub.py) and the background builds of the indexes a table lacks
 (index_builds.py). It puts each request through the writer as
-one table's transaction: a table's state (core/state.py) changed by the rules (groups.py,
+one table's transaction: a table's state (core/table_state/state.py) changed by the rules (groups.py,
 capacity.py, leases.py, limiter.py, admission.py, staleness.py) through the table core's verbs
 (core/: the only code that writes a table's records). Reads are
 answered from read transactions. Nothing lives only in memory but the table list, so a
@@ -28,12 +28,14 @@ import lmdb
 from expbuf.client.schema.call_limits import MAX_NAMES_PER_CALL
 from expbuf.client.trxp.codec.common import RawItem
 
-from .core import rate_counts, reading, retire
-from .core.compute import backlog
-from .core.counters import read_counters
-from .core.events import TableExtension
-from .core.migrate import migrate
-from .core.state import TableState
+from .core.table_state import rate_counts
+from .core.table_state.counters import read_counters
+from .core.table_state.events import TableExtension
+from .core.table_state.state import TableState
+from .core.verbs import retire
+from .core.verbs.compute import backlog
+from .core.whole_table import reading
+from .core.whole_table.migrate import migrate
 from .disk import chunked, layout, residency
 from .disk.environment import Environment
 from .disk.kinds import Compute, ComputeJob, Entry, FailResult, PutResult, ShapingUpdate
@@ -144,7 +146,7 @@ class Store(ServiceCalls):
         self.scrub.start()
 
     def _recount(self) -> None:
-        """Tables whose rate-limit counts an older build kept are counted again (core/rate_counts.py);
+        """Tables whose rate-limit counts an older build kept are counted again (core/table_state/rate_counts.py);
         a directory without such tables is not written."""
         with self.environment.read() as txn:
             due = [

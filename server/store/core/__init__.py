@@ -1,22 +1,24 @@
 """The table core: the only code that reads and writes a table's records (item, group and lease
 records, tombstones, the ready, pending, compute, retired and cooling indexes, the insertion
-order, a table's counters, its rollouts held in pieces), in layers, top to bottom:
+order, a table's counters, its rollouts held in pieces), in rooms that import only downward
+(each room's `__init__.py` says what it holds), top to bottom:
 
-- migrate.py (the format's upgrades at the open), verify.py (the checks of a table's records),
-  reading.py (reads of its records off the writer, and a page of them);
-- leases.py (leases as records, and what ending one does to its groups), groups.py (group records:
-  opened, members added, failed runs, completed), take.py (a batch chosen, read and leased);
-- retire.py (how experiences leave: tombstones, pruning, Delete, quarantined tombstones),
-  compute.py (the compute queue and a group's advantages stored), requeue.py (a replayed group
-  placed anew or cooling);
-- rate_counts.py (the rate limiter's counts), pieces.py (rollouts in pieces with their counters);
-- state.py (`TableState`: a table in one transaction, its record cache, counters, ready indexes);
-- ready.py (a table's ready indexes and their builds), orders.py (the orders and their registry),
-  indexes.py (the ready-group indexes);
-- events.py (the events a table raises, and `TableExtension`), counters.py (the counters and their
-  stored form), read_check.py (what is checked of a payload before it leaves the store);
-- views.py (the records behind the views it hands out: code outside the core reads a group and
-  an experience as schema/views.py's `GroupView` and `MemberView`, never as records).
+- whole_table/: the work over a table's records as a whole: the format's upgrades at the open
+  (migrate.py), the checks of its records (verify.py), reads of them off the writer and a page
+  of them (reading.py);
+- verbs/: the verbs on a table's records: leases as records and what ending one does to its
+  groups (leases.py), group records opened, filled, failed and completed (groups.py), a batch
+  chosen, read and leased (take.py), how experiences leave (retire.py), the compute queue and a
+  group's advantages stored (compute.py), a replayed group placed anew or cooling (requeue.py),
+  rollouts in pieces with their counters (pieces.py);
+- table_state/: a table in one transaction and what it is made of: `TableState` (state.py), the
+  rate limiter's counts (rate_counts.py), the events a table raises and `TableExtension`
+  (events.py), the counters and their stored form (counters.py), what is checked of a payload
+  before it leaves the store (read_check.py), the records behind the views it hands out
+  (views.py: code outside the core reads a group and an experience as schema/views.py's
+  `GroupView` and `MemberView`, never as records);
+- ordering/: a table's ready indexes and their builds (ready.py), the orders and their registry
+  (orders.py), the ready-group indexes (indexes.py).
 
 What to do and when (sizes, timeouts, zero variance, capacity, the limiter's limits, staleness,
 reuse's priorities, quarantine's choice of groups, partial rollouts' checks) is the rules'

@@ -22,13 +22,13 @@ one contiguous range:
 - retired:   T + retired time + group key -> b"" (retired groups, whose members' tombstones are
   pruned together after tombstone_seconds)
 - counters:  T -> counts by state, bytes and totals (JSON), updated in the same transaction;
-  T + "indexes" -> the lazy indexes' databases the table keeps (absent: all; core/ready.IN_USE)
+  T + "indexes" -> the lazy indexes' databases the table keeps (absent: all; core/ordering/ready.IN_USE)
 - ready groups: the databases of the registered orders' indexes (ready, prio, slots, slotof)
-  and of the version index (byver), of the tables that keep them; see core/indexes.py and
-  core/ready.py
+  and of the version index (byver), of the tables that keep them; see core/ordering/indexes.py and
+  core/ordering/ready.py
 - leases:    lease id -> Lease                lease_exp: expiry + lease id -> b""
 - grants:    grant id -> {"t", "n", "e"} (JSON) grant_exp: expiry + grant id -> b"" (admission.py)
-- cooling:   T + ready-again time + group key -> b"" (replayed groups cooling down, core/requeue.py)
+- cooling:   T + ready-again time + group key -> b"" (replayed groups cooling down, core/verbs/requeue.py)
 - ledger:    T + a kind byte + ... -> the prompt ledger's datasets, prompts, queues, group entries
   and claim expiries (ledger_records.py)
 Every key is at most 4 + 8 + 400 bytes (a uid or group id is at most 400), inside LMDB's

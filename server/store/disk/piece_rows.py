@@ -2,7 +2,7 @@
 `partials` database: T + uid + NUL -> the rollout's head (`PieceHead`, JSON: the tokens and response
 tokens held, each piece's offset and digest, the tensors later pieces append to, what its version
 segments say so far), and T + uid + NUL + piece number (u32) -> the piece as the store packs an
-experience. Functions over a transaction and the store's databases: the writer's (core/pieces.py
+experience. Functions over a transaction and the store's databases: the writer's (core/verbs/pieces.py
 keeps a table's counters beside them) and the read transactions that put a large rollout
 together off the writer (services/assembly.py).
 """

@@ -19,7 +19,7 @@ import struct
 
 from expbuf.client.schema.prompts import PromptStats
 
-from ..core.state import TableState
+from ..core.table_state.state import TableState
 from ..disk import layout
 from .orders import ClaimOrder
 from .records import DatasetRecord

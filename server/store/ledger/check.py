@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Iterator
 
-from ..core.state import TableState
+from ..core.table_state.state import TableState
 from ..disk import layout
 from ..schema.states import LIVE
 from ..schema.states import PENDING as GROUP_PENDING

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from ..core.state import TableState
+from ..core.table_state.state import TableState
 from . import binned
 from .claimed import Walk
 from .orders import order_of

@@ -14,7 +14,7 @@ import lmdb
 
 from expbuf.client.schema.prompts import PromptStats as Stats
 
-from ..core.state import TableState
+from ..core.table_state.state import TableState
 from ..disk import layout
 from ..rules.pushed_advantages import zero_variance
 from .records import DatasetRecord

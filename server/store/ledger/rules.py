@@ -24,9 +24,9 @@ from collections.abc import Mapping, Sequence
 
 from expbuf.client.schema.prompts import MAX_PROMPTS_PER_CALL
 
-from ..core.events import Moved, Pushed, Resent, Retired, TableExtension
-from ..core.retire import retire
-from ..core.state import TableState
+from ..core.table_state.events import Moved, Pushed, Resent, Retired, TableExtension
+from ..core.table_state.state import TableState
+from ..core.verbs.retire import retire
 from ..disk import layout
 from ..rules import partials
 from ..schema.errors import ConfigError, Conflict, Forbidden, StaleAttempt, clip

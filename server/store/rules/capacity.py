@@ -7,10 +7,10 @@ refused where it would pass the capacity: no value is evicted, nor an experience
 
 from __future__ import annotations
 
-from ..core.counters import Counters
-from ..core.reading import oldest_groups
-from ..core.retire import retire
-from ..core.state import TableState
+from ..core.table_state.counters import Counters
+from ..core.table_state.state import TableState
+from ..core.verbs.retire import retire
+from ..core.whole_table.reading import oldest_groups
 from ..schema.errors import TableFull, TooLarge
 from ..schema.states import EVICTED, READY
 from ..schema.table_config import TableConfig

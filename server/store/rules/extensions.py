@@ -10,7 +10,7 @@ so an extension may keep per-table state. The store's own rules follow from a ta
 settings and run only on the tables that need them (tables/catalog.py): the eviction of stale
 groups (staleness.py) where `evict_stale`, the prompt ledger (ledger/rules.py) where the table
 groups by task and so may hold datasets. The events come from inside the writer's transaction,
-once per step of a request with all the groups it moved (core/events.py): what an extension
+once per step of a request with all the groups it moved (core/table_state/events.py): what an extension
 writes commits, or is undone, with the request that raised the event.
 
 An extension written for the hooks of earlier releases, one call per group moved
@@ -25,8 +25,8 @@ import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-from ..core.events import Inserted, Moved, Pushed, Resent, Retired, TableExtension, Taken
-from ..core.state import TableState
+from ..core.table_state.events import Inserted, Moved, Pushed, Resent, Retired, TableExtension, Taken
+from ..core.table_state.state import TableState
 from ..schema.errors import clip
 from ..schema.table_config import EXTENSION_NAME
 
@@ -92,7 +92,8 @@ def warn_earlier(kind: type, stacklevel: int) -> None:
         moves = "; ".join(f"{EARLIER[new][0]} -> {EARLIER[new][1]}" for new in found)
         warnings.warn(
             f"TableExtension hooks of earlier releases are deprecated and go in the next release: "
-            f"{kind.__name__} overrides {moves} (core/events.py); it is called through an adapter until then",
+            f"{kind.__name__} overrides {moves} (core/table_state/events.py); "
+            "it is called through an adapter until then",
             DeprecationWarning,
             stacklevel=stacklevel + 1,
         )
@@ -111,7 +112,7 @@ def _hooks(ext: TableExtension) -> dict[str, Hook]:
 
 
 class Extensions:
-    """One table's extensions, run at its events (core/events.py) in order: each event calls
+    """One table's extensions, run at its events (core/table_state/events.py) in order: each event calls
     only the extensions that override it."""
 
     def __init__(self, extensions: Sequence[TableExtension] = ()) -> None:

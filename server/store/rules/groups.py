@@ -1,10 +1,10 @@
 """The rules of a table's groups: experiences join groups, groups move through their states,
-and the table keeps within its capacity. Functions over a table's state (core/state.py), whose
-group records core/groups.py writes.
+and the table keeps within its capacity. Functions over a table's state (core/table_state/state.py), whose
+group records core/verbs/groups.py writes.
 
 States: pending (the group is incomplete) → computing (its advantages) → ready → leased →
 consumed; a group may also be evicted, dropped (zero variance, timeout, std threshold) or
-failed (core/retire.py: retired experiences keep their record as a tombstone with their
+failed (core/verbs/retire.py: retired experiences keep their record as a tombstone with their
 digest, so a retried push is still a duplicate, until `tombstone_seconds`). Counts by state,
 bytes and totals are counters written in the same transaction as the records.
 """
@@ -16,14 +16,14 @@ from collections.abc import Iterable, Sequence
 
 from expbuf.client.schema.routing import uid_group_key
 
-from ..core import groups as core_groups
-from ..core import pieces
-from ..core.compute import store_advantages
-from ..core.events import Inserted, Pushed, Resent
-from ..core.groups import Closed
-from ..core.ready import Row
-from ..core.retire import retire
-from ..core.state import TableState
+from ..core.ordering.ready import Row
+from ..core.table_state.events import Inserted, Pushed, Resent
+from ..core.table_state.state import TableState
+from ..core.verbs import groups as core_groups
+from ..core.verbs import pieces
+from ..core.verbs.compute import store_advantages
+from ..core.verbs.groups import Closed
+from ..core.verbs.retire import retire
 from ..disk import digests
 from ..disk.kinds import Ahead, Compute, Entry, FailResult, PutResult, ShapingUpdate
 from ..schema.errors import Conflict, GroupClosed, GroupOverfilled, InvalidPayload, InvalidRequest, NotFound, clip
@@ -74,7 +74,7 @@ class Ending:
         self.gone.setdefault(FAILED, []).append((gkey, grp))
 
     def done(self, *, ready: list[Row] | None = None, computing: list[Members] | None = None) -> None:
-        """The groups complete (`ready`, `computing`: as core/groups.complete's), then the others
+        """The groups complete (`ready`, `computing`: as core/verbs/groups.complete's), then the others
         leave."""
         core_groups.complete(self.tt, self.closed, ready=ready, computing=computing)
         for state, groups in self.gone.items():

@@ -8,7 +8,7 @@ error (error = `samples_per_insert_error`).
 
 The limiter counts only what can still be sampled, in two durable counters of its own
 (rate_inserted, rate_sampled), which the table core keeps as what they count changes
-(core/rate_counts.py).
+(core/table_state/rate_counts.py).
 
 Batches move diff by more than one: a batch that cannot fit inside the band passes when
 diff is on its side of the band's centre (the other side is then free to move), so the
@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from ..core.state import TableState
+from ..core.table_state.state import TableState
 from ..disk.kinds import Entry
 from ..schema.errors import InsertLimited, SampleLimited
 

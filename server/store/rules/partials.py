@@ -14,7 +14,7 @@ together from (`PutTogether`): no transaction holds the rollout whole, nor the w
 copy. A smaller one is put together in the writer.
 
 Stored per table in the `partials` database (disk/piece_rows.py, kept with the table's counters
-by core/pieces.py): the rollout's head and each piece as the store packs an experience. A piece
+by core/verbs/pieces.py): the rollout's head and each piece as the store packs an experience. A piece
 meets its group's claim first (the table's extensions: with the prompt ledger only the claimant's
 token pushes, or sends again, a prompt's pieces), so no one else hears what the buffer holds of
 it; then it is checked against the head alone in the writer (the pieces before it are read only
@@ -48,10 +48,10 @@ from expbuf.client.trxp.codec.common import RawItem, RawTensor, TrxpError, count
 from expbuf.client.trxp.codec.parse import head_length, parse, parse_head
 from expbuf.client.trxp.stored.pieces import Bytes
 
-from ..core import pieces
-from ..core.events import Pushed, Resent
-from ..core.groups import open_pending
-from ..core.state import TableState, missing
+from ..core.table_state.events import Pushed, Resent
+from ..core.table_state.state import TableState, missing
+from ..core.verbs import pieces
+from ..core.verbs.groups import open_pending
 from ..disk import digests, piece_rows
 from ..disk.chunk_heads import CHUNK_BYTES
 from ..disk.kinds import Entry

@@ -3,8 +3,8 @@ server gives the table a computation (the estimators with one value per experien
 item records, no batch stage, on the CPU; advantages/worker.py decides), the values are computed
 before the push's transaction on the pushing thread (`compute_ahead`) or in it, and stored in
 it (`compute_in_push`), each member's record written once, ready with its value. Groups it
-leaves are queued for the advantage worker (core/compute.py), whose values are stored with
-the same functions (groups.finish_compute). Rules over a table's state (core/state.py); the
+leaves are queued for the advantage worker (core/verbs/compute.py), whose values are stored with
+the same functions (groups.finish_compute). Rules over a table's state (core/table_state/state.py); the
 computation itself is a callable the server injects: nothing here imports torch.
 """
 
@@ -12,10 +12,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from ..core.compute import queue, queued, store_advantages
-from ..core.ready import Row
-from ..core.retire import retire
-from ..core.state import TableState
+from ..core.ordering.ready import Row
+from ..core.table_state.state import TableState
+from ..core.verbs.compute import queue, queued, store_advantages
+from ..core.verbs.retire import retire
 from ..disk.kinds import Ahead, Compute, ComputeJob, Entry, ShapingUpdate
 from ..schema.states import DROPPED
 from ..schema.table_config import TableConfig

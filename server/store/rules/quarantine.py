@@ -20,9 +20,9 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable, Sequence
 
-from ..core import retire
-from ..core.read_check import payload_problem
-from ..core.state import TableState
+from ..core.table_state.read_check import payload_problem
+from ..core.table_state.state import TableState
+from ..core.verbs import retire
 from ..disk import chunk_reads
 from ..schema.states import FAILED, LIVE, State
 from ..schema.views import GroupView, MemberView

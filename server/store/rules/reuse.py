@@ -10,7 +10,7 @@ retires it (Trinity's `use_count_limit`). With `priority_noise`, a Gaussian of t
 deviation is added to each lowered priority (Trinity's `sigma`).
 
 A cooling group is leased to no one (state leased, no lease) until its time comes
-(core/requeue.py keeps it): the table's next take makes the groups whose time has come ready
+(core/verbs/requeue.py keeps it): the table's next take makes the groups whose time has come ready
 again, in that order, so a reader waiting for them gets them at its next attempt; until then the
 table's counts show them as leased.
 """
@@ -20,9 +20,9 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 
-from ..core.requeue import place
-from ..core.retire import retire
-from ..core.state import TableState
+from ..core.table_state.state import TableState
+from ..core.verbs.requeue import place
+from ..core.verbs.retire import retire
 from ..schema.states import CONSUMED
 from ..schema.table_config import TableConfig
 from ..schema.views import Members
@@ -35,7 +35,7 @@ def reuses(config: TableConfig) -> bool:
 
 def requeue(tt: TableState, groups: Sequence[Members], rng: random.Random) -> None:
     """Groups replayed just now (and not spent): lowered by their deliveries, then back in
-    the ready order at once, or after the cooldown (core/requeue.py)."""
+    the ready order at once, or after the cooldown (core/verbs/requeue.py)."""
     config = tt.config
     if not groups or not reuses(config):
         return

@@ -13,7 +13,7 @@ would evict them all), is refused, naming the reset that sets any version.
 With `evict_stale`, a ready group whose lowest model version fell below trainer version -
 max_staleness leaves the buffer (max_token_staleness where it is lower and on_token_stale is
 "drop": an experience's version is its oldest token's) as dropped (reason `stale`): the trainer would never take
-it. The version index (`byver`, core/indexes.py) orders ready groups by their lowest version,
+it. The version index (`byver`, core/ordering/indexes.py) orders ready groups by their lowest version,
 so the stale ones are the front of the table's part of it, read up to the bound and never
 past it: the cost is that of the stale groups found, whatever fresh data the table holds.
 Each pass takes at most `limit` groups, so one write never grows without bound; the store's
@@ -27,9 +27,9 @@ from typing import overload
 
 from expbuf.client.trxp.codec import segments
 
-from ..core.events import TableExtension
-from ..core.retire import retire
-from ..core.state import TableState
+from ..core.table_state.events import TableExtension
+from ..core.table_state.state import TableState
+from ..core.verbs.retire import retire
 from ..schema.errors import VersionJump
 from ..schema.states import DROPPED, READY
 from ..schema.table_config import TableConfig

@@ -1,14 +1,14 @@
 """Groups a trainer trained without a lease of this table (a framework's own queue holds them),
-retired by their ids as an ack retires a lease's (the records' part is core/retire.consume).
+retired by their ids as an ack retires a lease's (the records' part is core/verbs/retire.consume).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from ..core import leases
-from ..core.retire import consume
-from ..core.state import TableState
+from ..core.table_state.state import TableState
+from ..core.verbs import leases
+from ..core.verbs.retire import consume
 from ..schema.errors import Forbidden, GroupIncomplete, clip
 from ..schema.states import LEASED, READY, RETIRED
 from ..schema.views import GroupView

@@ -20,8 +20,8 @@ from dataclasses import dataclass
 
 import lmdb
 
-from ..core.counters import read_counters, stored_names, write_counters
-from ..core.state import TableState
+from ..core.table_state.counters import read_counters, stored_names, write_counters
+from ..core.table_state.state import TableState
 
 RECORD = b"\xff"
 _SIZE = struct.Struct(">Q")

@@ -2,7 +2,7 @@
 may name (sample_spec.py checks a request's order against them) and the databases of the indexes
 the registered orders read (the store opens them, disk/layout.py).
 
-The registry (`register`, `unregister` in core/orders.py) keeps both; nothing else writes them.
+The registry (`register`, `unregister` in core/ordering/orders.py) keeps both; nothing else writes them.
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ import lmdb
 from expbuf.client.schema.call_limits import MAX_REWARDS
 from expbuf.client.schema.prompts import MAX_PROMPTS_PER_CALL
 
-from ..core.state import TableState
+from ..core.table_state.state import TableState
 from ..disk.environment import Environment
 from ..ledger.claimed import Claimed
 from ..ledger.hand_out import STEP_HASHES

@@ -22,7 +22,7 @@ request waits for goes first, at full pace. A request that reads an index still 
 waits for it (`wait`) up to its own deadline, then is refused with IndexNotReady
 (DEADLINE_EXCEEDED, saying how far the build got); once the index is built the request is tried
 again whole, so none is ever served from part of an index. A build's cursor is kept with the
-chunk that moves it (core/ready.BUILDING), so a stop or a crash loses at most the chunk under way,
+chunk that moves it (core/ordering/ready.BUILDING), so a stop or a crash loses at most the chunk under way,
 and the next open goes on from the cursor.
 
 Progress: a log line when a build starts, every PROGRESS_SECONDS and when it ends; `status()`
@@ -42,8 +42,8 @@ from typing import TypeVar
 
 import lmdb
 
-from ..core.indexes import Index, ReadyOrder
-from ..core.ready import BuildStep, IndexBuilding, ReadyIndex, builds
+from ..core.ordering.indexes import Index, ReadyOrder
+from ..core.ordering.ready import BuildStep, IndexBuilding, ReadyIndex, builds
 from ..disk import layout, residency
 from ..disk.environment import Environment
 from ..schema.errors import IndexNotReady, StoreClosed, clip

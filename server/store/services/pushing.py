@@ -38,8 +38,8 @@ from dataclasses import dataclass
 
 import lmdb
 
-from ..core.ready import IndexBuilding
-from ..core.state import TableState
+from ..core.ordering.ready import IndexBuilding
+from ..core.table_state.state import TableState
 from ..disk import chunk_heads, chunked, layout, zstd_workers
 from ..disk.environment import Environment
 from ..disk.kinds import Ahead, Compute, Entry, MayWait, Push, PutResult

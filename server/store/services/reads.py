@@ -20,10 +20,10 @@ from expbuf.client.trxp.stored.columns import Shares
 from expbuf.client.trxp.stored.pieces import Stored, whole
 from expbuf.client.trxp.varints import field_bytes
 
-from ..core import reading
-from ..core.counters import read_counters
-from ..core.leases import lease_of
-from ..core.read_check import Unservable, payload_problem, serve_problem
+from ..core.table_state.counters import read_counters
+from ..core.table_state.read_check import Unservable, payload_problem, serve_problem
+from ..core.verbs.leases import lease_of
+from ..core.whole_table import reading
 from ..disk import chunk_reads, digests, layout
 from ..disk.chunk_reads import checked, read_payload
 from ..disk.environment import Environment
@@ -132,7 +132,7 @@ class Reads:
         after: int = 0,
         limit: int = 1000,
     ) -> reading.Page:
-        """A page of the table's live experiences in insertion order (core/reading.py)."""
+        """A page of the table's live experiences in insertion order (core/whole_table/reading.py)."""
         prefix = layout.table_prefix(self.catalog.lookup(table)[0])
         with self.environment.read() as txn:
             return reading.page(

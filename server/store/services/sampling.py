@@ -16,9 +16,9 @@ from typing import TypeVar
 
 import lmdb
 
-from ..core import requeue
-from ..core.ready import IndexBuilding
-from ..core.state import TableState
+from ..core.ordering.ready import IndexBuilding
+from ..core.table_state.state import TableState
+from ..core.verbs import requeue
 from ..disk.environment import Environment
 from ..disk.kinds import Sampled
 from ..disk.stored_advantages import FinishBatch, StageCounts

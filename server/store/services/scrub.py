@@ -27,8 +27,8 @@ import lmdb
 
 from expbuf.client.trxp.stored.pieces import Stored
 
-from ..core import reading
-from ..core.counters import read_counters
+from ..core.table_state.counters import read_counters
+from ..core.whole_table import reading
 from ..disk import chunk_reads, layout, residency
 from ..disk.environment import Environment
 from ..tables.catalog import TableCatalog

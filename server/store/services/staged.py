@@ -25,7 +25,7 @@ import threading
 import time
 from collections import defaultdict
 
-from ..core.counters import read_counters
+from ..core.table_state.counters import read_counters
 from ..disk import layout
 from ..disk.environment import Environment
 from ..rules.capacity import held_bytes

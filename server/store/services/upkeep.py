@@ -24,9 +24,9 @@ from typing import TypeVar
 
 import lmdb
 
-from ..core import leases, retire
-from ..core.groups import oldest_pending
-from ..core.ready import IndexBuilding
+from ..core.ordering.ready import IndexBuilding
+from ..core.verbs import leases, retire
+from ..core.verbs.groups import oldest_pending
 from ..disk import layout
 from ..ledger.records import oldest_claim
 from ..rules.groups import expire_groups

@@ -26,7 +26,7 @@ import lmdb
 from expbuf.client.schema.call_limits import MAX_KEYS_PER_CALL
 from expbuf.client.trxp.varints import field_bytes
 
-from ..core.counters import read_counters, write_counters
+from ..core.table_state.counters import read_counters, write_counters
 from ..disk import layout
 from ..disk.environment import Environment
 from ..rules import capacity, value_records

@@ -22,7 +22,7 @@ from typing import TypedDict
 
 import lmdb
 
-from ..core.state import TableState
+from ..core.table_state.state import TableState
 from ..disk import layout
 from ..disk.kinds import Entry
 from ..schema.errors import InvalidRequest, NotFound, StaleExperience, clip

@@ -11,10 +11,11 @@ from typing import TypeVar
 
 import lmdb
 
-from ..core import leases, ready
-from ..core.counters import read_counters
-from ..core.events import TableExtension
-from ..core.state import TableState
+from ..core.ordering import ready
+from ..core.table_state.counters import read_counters
+from ..core.table_state.events import TableExtension
+from ..core.table_state.state import TableState
+from ..core.verbs import leases
 from ..disk import layout
 from ..disk.environment import Environment
 from ..ledger.rules import Ledger

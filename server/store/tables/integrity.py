@@ -19,10 +19,10 @@ from pathlib import Path
 
 import lmdb
 
-from ..core import leases
-from ..core.counters import read_counters
-from ..core.state import TableState
-from ..core.verify import records
+from ..core.table_state.counters import read_counters
+from ..core.table_state.state import TableState
+from ..core.verbs import leases
+from ..core.whole_table.verify import records
 from ..disk import chunked, layout, shared_prompts
 from ..ledger.check import verify_ledger
 from ..rules import value_records

@@ -25,7 +25,7 @@ import random
 
 import lmdb
 
-from ..core import leases
+from ..core.verbs import leases
 from ..disk.kinds import Sampled
 from ..disk.records import Lease
 from ..rules import reuse

@@ -2,7 +2,7 @@
 
 A batch is chosen in the request's order, whole groups only, optionally only groups
 whose every member is at least `min_model_version` (found through the version index of
-core/indexes.py, so stale groups in front cost nothing). It is delivered by consuming it
+core/ordering/indexes.py, so stale groups in front cost nothing). It is delivered by consuming it
 (payloads deleted in the same transaction), leasing it (invisible until acked; back on
 nack or expiry), or replaying it (counted against max_times_sampled, lowered and cooled by
 reuse.py). A Sample stream's batch is first held, whatever its delivery: leased without
@@ -18,13 +18,13 @@ import random
 import secrets
 from collections.abc import Callable
 
-from ..core import rate_counts
-from ..core.events import Taken
-from ..core.read_check import Unservable
-from ..core.reading import batch_rows
-from ..core.retire import retire
-from ..core.state import TableState
-from ..core.take import Payloads, lease, read_batch, select
+from ..core.table_state import rate_counts
+from ..core.table_state.events import Taken
+from ..core.table_state.read_check import Unservable
+from ..core.table_state.state import TableState
+from ..core.verbs.retire import retire
+from ..core.verbs.take import Payloads, lease, read_batch, select
+from ..core.whole_table.reading import batch_rows
 from ..disk.kinds import Sampled
 from ..disk.records import Counted
 from ..disk.snapshot import Snapshot
@@ -65,7 +65,7 @@ def take(
     the rate limit (limiter.py) if it holds the batch back. The request's trainer version
     is stored first (staleness.py); the caller undoes it when no batch is taken. With
     `snapshot` (a way to open one), the payloads are views read from it, not copies (see
-    core/take.Payloads). The batch carries its stored advantages; a table's batch stage is left to
+    core/verbs/take.Payloads). The batch carries its stored advantages; a table's batch stage is left to
     run where the reply is built (`Sampled.stage`: `finish`, the server's, its clip counted in
     `counts`)."""
     report(tt, spec.trainer_version)  # before selection: a stale group is not taken in the same step

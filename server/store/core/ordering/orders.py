@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, ClassVar, TypeVar
 
 from expbuf.client.schema.orders import NAME, NAME_FORM
 
-from ..schema import order_names
+from ...schema import order_names
 from .indexes import Index, PriorityIndex, ReadyOrder, Slots, VersionIndex
 
 if TYPE_CHECKING:

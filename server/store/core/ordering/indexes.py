@@ -24,7 +24,7 @@ from typing import ClassVar, NamedTuple
 
 import lmdb
 
-from ..disk.layout import next_prefix, prio_key, put_rows, u64, version_key
+from ...disk.layout import next_prefix, prio_key, put_rows, u64, version_key
 
 _U64 = struct.Struct(">Q")
 
@@ -49,7 +49,7 @@ class Index(ABC):
     # Every table keeps it from its creation. Lazy: a table an earlier release made may lack it
     # (that release kept it only from the first request that read it), and so may every table
     # when its order was registered since; the store then builds it in the background from
-    # the open (index_builds.py). Eager: built in the open's own transaction (migrate.py), as
+    # the open (index_builds.py). Eager: built in the open's own transaction (core/whole_table/migrate.py), as
     # any reader of the database may expect it kept.
     lazy: ClassVar[bool] = False
     # How problems and the log name it, e.g. "the priority index (prio)"; empty: by its databases.

@@ -10,15 +10,15 @@ from collections.abc import Mapping
 
 import lmdb
 
-from ..disk import layout
-from ..disk.kinds import Sampled
-from ..disk.records import Counted, GroupRecord, Lease
-from ..schema.states import CONSUMED, LEASED, READY
-from ..schema.views import Members
-from . import rate_counts
+from ...disk import layout
+from ...disk.kinds import Sampled
+from ...disk.records import Counted, GroupRecord, Lease
+from ...schema.states import CONSUMED, LEASED, READY
+from ...schema.views import Members
+from ..table_state import rate_counts
+from ..table_state.state import TableState
+from ..table_state.views import group_record, member_record
 from .retire import retire
-from .state import TableState
-from .views import group_record, member_record
 
 Dbs = Mapping[str, lmdb._Database]
 # A group a lease held, with its member records, as it goes back to ready.

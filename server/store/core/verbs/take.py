@@ -13,17 +13,17 @@ from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
 
 from expbuf.client.trxp.stored.pieces import Stored
 
-from ..disk import chunk_reads
-from ..disk.batch_rows import BatchRows
-from ..disk.kinds import Sampled
-from ..disk.snapshot import Snapshot
-from ..schema.errors import SpecError
-from ..schema.sample_spec import MAX_BATCH, TakeSpec
-from ..schema.states import LEASED
-from ..schema.views import Groups, GroupView, Members, MemberView
-from .read_check import Unservable, serve_problem
-from .state import TableState
-from .views import group_record, member_record
+from ...disk import chunk_reads
+from ...disk.batch_rows import BatchRows
+from ...disk.kinds import Sampled
+from ...disk.snapshot import Snapshot
+from ...schema.errors import SpecError
+from ...schema.sample_spec import MAX_BATCH, TakeSpec
+from ...schema.states import LEASED
+from ...schema.views import Groups, GroupView, Members, MemberView
+from ..table_state.read_check import Unservable, serve_problem
+from ..table_state.state import TableState
+from ..table_state.views import group_record, member_record
 
 
 def _closable(keys: Iterator[bytes]) -> Generator[bytes]:

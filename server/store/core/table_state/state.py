@@ -15,17 +15,17 @@ from typing import TypeVar
 
 import lmdb
 
-from ..disk import layout
-from ..disk.layout import put_rows, u64
-from ..disk.records import GroupRecord, ItemRecord
-from ..schema.errors import StoreError, clip
-from ..schema.states import COMPUTING, LEASED, LIVE, READY, State, check_move
-from ..schema.table_config import TableConfig
-from ..schema.views import GroupView, Members, MemberView
+from ...disk import layout
+from ...disk.layout import put_rows, u64
+from ...disk.records import GroupRecord, ItemRecord
+from ...schema.errors import StoreError, clip
+from ...schema.states import COMPUTING, LEASED, LIVE, READY, State, check_move
+from ...schema.table_config import TableConfig
+from ...schema.views import GroupView, Members, MemberView
+from ..ordering.indexes import ReadyGroup, ReadyOrder
+from ..ordering.ready import ReadyIndex
 from .counters import read_counters, write_counters
 from .events import Events, Moved
-from .indexes import ReadyGroup, ReadyOrder
-from .ready import ReadyIndex
 from .views import group_record, member_record
 
 # A member's record as the cache holds it: absent (None) when the table has no such uid.
@@ -118,7 +118,7 @@ class TableState:
 
     def cached_item(self, uid: str) -> tuple[bool, Cached]:
         """Whether the uid's record was read in this transaction, and the record if it was:
-        a caller that only rewrites a few bytes of the others (retire.py) leaves them
+        a caller that only rewrites a few bytes of the others (core/verbs/retire.py) leaves them
         undecoded."""
         return (True, self._items[uid]) if uid in self._items else (False, None)
 
@@ -127,7 +127,7 @@ class TableState:
 
     def settle_item(self, uid: str, rec: ItemRecord) -> None:
         """The record as the caller has just written it itself (a compact tombstone,
-        retire.py): cached, and no longer for save() to write."""
+        core/verbs/retire.py): cached, and no longer for save() to write."""
         self._items[uid] = rec
         self._dirty_items.pop(uid, None)
 
@@ -206,7 +206,7 @@ class TableState:
 
     def set_states(self, groups: Sequence[Members], state: State) -> None:
         """Live groups and their members (key, record, member records) move to a live
-        `state` (retire.py makes tombstones). Members share their group's state, and the
+        `state` (core/verbs/retire.py makes tombstones). Members share their group's state, and the
         records of a leased group's members say ready (its record says leased): a lease
         taken or ended rewrites no member record for the state alone. The compute queue (T +
         rseq -> group key: the computing groups, in the order they completed) follows, and the

@@ -4,7 +4,7 @@ Format 1 (expbuf 0.1.0) kept its records as JSON and indexed experiences by task
 and step. Opening such a directory rewrites every item, group and lease record in the
 binary form of records.py (live experiences get the digest of today's canonical packing,
 so a retried push of one is still a duplicate) and drops those indexes. Format 2 had no
-version index of ready groups (byver, core/indexes.py): it is built from the group records.
+version index of ready groups (byver, core/ordering/indexes.py): it is built from the group records.
 Format 3 digested payloads with SHA-256: every stored payload gets its XXH3-128 digest
 (digests.py), and tombstones keep theirs (`_digests_to_xxh3`). Format 3 also kept a retired
 experience's whole record as its tombstone; format 4 keeps a compact one (records.py) in a
@@ -23,7 +23,7 @@ directory that matches its old digest gets the new one and its mark, a damaged o
 read check to find.
 The indexes of the registered orders are not the format's: `keep_indexes` builds the index of
 an order registered since the last open and drops one no order reads any more. Which indexes a
-table keeps is marked per table (core/ready.IN_USE, in the counters database); a table without
+table keeps is marked per table (core/ordering/ready.IN_USE, in the counters database); a table without
 the mark, as every table written before it, keeps every index, so no format step is needed.
 Each step runs in the one transaction of the open: a crash during it leaves the format
 found, and the next open starts again. A directory of a newer format than this expbuf
@@ -42,17 +42,17 @@ from expbuf.client.trxp.codec.build import pack_item
 from expbuf.client.trxp.codec.common import TrxpError
 from expbuf.client.trxp.codec.parse import parse
 
-from ..disk import chunked, digests, layout
-from ..disk.kinds import Entry
-from ..disk.records import GroupRecord, ItemRecord, Lease
-from ..schema.errors import StoreError
-from ..schema.states import COMPUTING, LEASED, READY
-from ..schema.table_config import TableConfig, batch_stage
-from . import orders
-from .events import TableExtension
-from .indexes import Index, ReadyGroup, ReadyOrder, VersionIndex
-from .ready import forget_builds, in_use, keeps
-from .state import TableState
+from ...disk import chunked, digests, layout
+from ...disk.kinds import Entry
+from ...disk.records import GroupRecord, ItemRecord, Lease
+from ...schema.errors import StoreError
+from ...schema.states import COMPUTING, LEASED, READY
+from ...schema.table_config import TableConfig, batch_stage
+from ..ordering import orders
+from ..ordering.indexes import Index, ReadyGroup, ReadyOrder, VersionIndex
+from ..ordering.ready import forget_builds, in_use, keeps
+from ..table_state.events import TableExtension
+from ..table_state.state import TableState
 
 _KEY = b"format"
 _INDEXES = b"indexes"  # the index databases kept, as a JSON list (absent: the built-in orders')

@@ -15,8 +15,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
-from ..schema.states import State
-from ..schema.views import Groups
+from ...schema.states import State
+from ...schema.views import Groups
 
 if TYPE_CHECKING:
     from .state import TableState

@@ -5,8 +5,8 @@ made to change it.
 
 from __future__ import annotations
 
-from ..disk.records import GroupRecord, ItemRecord
-from ..schema.views import GroupView, MemberView
+from ...disk.records import GroupRecord, ItemRecord
+from ...schema.views import GroupView, MemberView
 
 
 def group_record(view: GroupView) -> GroupRecord:

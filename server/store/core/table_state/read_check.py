@@ -16,9 +16,9 @@ from expbuf.client.trxp.codec.common import TrxpError
 from expbuf.client.trxp.codec.parse import parse
 from expbuf.client.trxp.stored.pieces import SplitPayload, Stored
 
-from ..disk import digests
-from ..disk.kinds import Entry
-from ..schema.views import MemberView
+from ...disk import digests
+from ...disk.kinds import Entry
+from ...schema.views import MemberView
 
 
 def payload_problem(uid: str, rec: MemberView, blob: Stored) -> str | None:

@@ -18,8 +18,8 @@ from typing import Any
 
 import lmdb
 
-from ..disk.batch_rows import Reader
-from ..schema.states import COMPUTING, CONSUMED, DROPPED, EVICTED, FAILED, LEASED, PENDING, QUARANTINED, READY, State
+from ...disk.batch_rows import Reader
+from ...schema.states import COMPUTING, CONSUMED, DROPPED, EVICTED, FAILED, LEASED, PENDING, QUARANTINED, READY, State
 
 # The counters of what reward shaping and advantage clipping did (see advantages/shaping.py).
 SHAPING_COUNTERS = ("overlong_penalised", "rewards_seen", "rewards_clipped", "advantages_seen", "advantages_clipped")

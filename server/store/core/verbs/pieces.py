@@ -9,9 +9,9 @@ from collections.abc import Iterator
 
 from expbuf.client.schema.routing import uid_group_key
 
-from ..disk import piece_rows
-from ..disk.piece_rows import PieceHead, Value
-from .state import TableState, missing
+from ...disk import piece_rows
+from ...disk.piece_rows import PieceHead, Value
+from ..table_state.state import TableState, missing
 
 
 def head(tt: TableState, uid: str) -> PieceHead | None:

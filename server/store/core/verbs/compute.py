@@ -1,7 +1,7 @@
 """The compute queue: complete groups waiting for their advantages, in the order they
 completed (the `compute` index, T + rseq -> group key). A group joins when it becomes computing
 and leaves when its advantages are stored (`store_advantages`) or it leaves the table, rows the
-table state writes as its groups move (core/state.py, retire.leave_indexes); the server's
+table state writes as its groups move (core/table_state/state.py, retire.leave_indexes); the server's
 advantage workers read it (`backlog`), table by table in turns."""
 
 from __future__ import annotations
@@ -12,18 +12,18 @@ import lmdb
 
 from expbuf.client.trxp.stored.pieces import Stored, whole
 
-from ..disk import chunk_reads, layout
-from ..disk.kinds import ComputeJob, ShapingUpdate
-from ..disk.records import GroupRecord, ItemRecord
-from ..schema.states import COMPUTING, READY
-from ..schema.table_config import TableConfig, estimator_of
-from ..schema.views import Members, MemberView
-from . import rate_counts
-from .counters import read_counters
-from .read_check import payload_problem
-from .ready import Row
-from .state import TableState, missing, stored
-from .views import group_record, member_record
+from ...disk import chunk_reads, layout
+from ...disk.kinds import ComputeJob, ShapingUpdate
+from ...disk.records import GroupRecord, ItemRecord
+from ...schema.states import COMPUTING, READY
+from ...schema.table_config import TableConfig, estimator_of
+from ...schema.views import Members, MemberView
+from ..ordering.ready import Row
+from ..table_state import rate_counts
+from ..table_state.counters import read_counters
+from ..table_state.read_check import payload_problem
+from ..table_state.state import TableState, missing, stored
+from ..table_state.views import group_record, member_record
 
 
 def backlog(

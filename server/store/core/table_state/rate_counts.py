@@ -19,9 +19,9 @@ from collections.abc import Iterable, Mapping
 
 import lmdb
 
-from ..disk.records import ItemRecord
-from ..schema.states import LEASED, READY
-from ..schema.views import GroupView, MemberView
+from ...disk.records import ItemRecord
+from ...schema.states import LEASED, READY
+from ...schema.views import GroupView, MemberView
 from .counters import stored_names
 from .state import TableState
 
@@ -48,7 +48,7 @@ def forget(tt: TableState, group: GroupView, records: Iterable[MemberView]) -> N
     """Experiences of `group` leaving other than by consumption, with their state before they
     leave: the counted ones (ready, leased) are out of the count, their samples with them, and
     the sample of a lease the group is under, which `taken` counted but their records do not yet
-    (leases.py counts it when the lease ends, for the members it still finds)."""
+    (core/verbs/leases.py counts it when the lease ends, for the members it still finds)."""
     leased = group.under_lease
     for rec in records:
         if rec.state in COUNTED:

@@ -10,17 +10,18 @@ from collections.abc import Sequence
 
 import lmdb
 
-from ..disk import chunked, layout, shared_prompts
-from ..disk.kinds import Entry
-from ..disk.layout import put_rows, u64
-from ..disk.records import GroupRecord
-from ..schema.errors import clip
-from ..schema.states import COMPUTING, PENDING, READY
-from ..schema.views import GroupView, Members, MemberView
-from . import pieces, rate_counts
-from .ready import Row
-from .state import TableState
-from .views import group_record
+from ...disk import chunked, layout, shared_prompts
+from ...disk.kinds import Entry
+from ...disk.layout import put_rows, u64
+from ...disk.records import GroupRecord
+from ...schema.errors import clip
+from ...schema.states import COMPUTING, PENDING, READY
+from ...schema.views import GroupView, Members, MemberView
+from ..ordering.ready import Row
+from ..table_state import rate_counts
+from ..table_state.state import TableState
+from ..table_state.views import group_record
+from . import pieces
 
 # A pending group about to complete: its key, view, members' views (closing), and whether it is in
 # the pending index.

@@ -18,16 +18,16 @@ import lmdb
 
 from expbuf.client.trxp.stored.pieces import Stored
 
-from ..disk import digests
-from ..disk.batch_rows import BatchRows, Reader
-from ..disk.layout import u64
-from ..disk.records import GroupRecord, ItemRecord
-from ..disk.stored_advantages import FinishBatch
-from ..schema.states import READY
-from ..schema.table_config import TableConfig
-from ..schema.views import GroupView, MemberView
-from .read_check import payload_problem
-from .state import TableState, member_state, stored
+from ...disk import digests
+from ...disk.batch_rows import BatchRows, Reader
+from ...disk.layout import u64
+from ...disk.records import GroupRecord, ItemRecord
+from ...disk.stored_advantages import FinishBatch
+from ...schema.states import READY
+from ...schema.table_config import TableConfig
+from ...schema.views import GroupView, MemberView
+from ..table_state.read_check import payload_problem
+from ..table_state.state import TableState, member_state, stored
 
 Dbs = Mapping[str, lmdb._Database]
 Value = bytes | memoryview

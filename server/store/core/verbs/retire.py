@@ -12,15 +12,16 @@ from collections.abc import Iterable, Sequence, Set
 
 import lmdb
 
-from ..disk import chunk_reads, chunked, digests, layout
-from ..disk.layout import put_rows, u64
-from ..disk.records import DELETED, GroupRecord, ItemRecord
-from ..schema.states import COMPUTING, CONSUMED, FAILED, LIVE, PENDING, QUARANTINED, READY, RETIRED, State
-from ..schema.views import Groups, MemberView
-from . import pieces, rate_counts
-from .events import Retired
-from .state import TableState
-from .views import group_record, member_record
+from ...disk import chunk_reads, chunked, digests, layout
+from ...disk.layout import put_rows, u64
+from ...disk.records import DELETED, GroupRecord, ItemRecord
+from ...schema.states import COMPUTING, CONSUMED, FAILED, LIVE, PENDING, QUARANTINED, READY, RETIRED, State
+from ...schema.views import Groups, MemberView
+from ..table_state import rate_counts
+from ..table_state.events import Retired
+from ..table_state.state import TableState
+from ..table_state.views import group_record, member_record
+from . import pieces
 
 
 def _delete_rows(txn: lmdb.Transaction[bytes], db: lmdb._Database, keys: Iterable[bytes]) -> None:

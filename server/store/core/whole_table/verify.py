@@ -10,12 +10,12 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from ..disk import chunk_reads
-from ..disk.layout import u64
-from ..disk.records import GroupRecord, ItemRecord
-from ..schema.states import COMPUTING, FAILED, LIVE, PENDING, QUARANTINED, READY, RETIRED, STATES
-from .read_check import payload_problem
-from .state import TableState, member_state
+from ...disk import chunk_reads
+from ...disk.layout import u64
+from ...disk.records import GroupRecord, ItemRecord
+from ...schema.states import COMPUTING, FAILED, LIVE, PENDING, QUARANTINED, READY, RETIRED, STATES
+from ..table_state.read_check import payload_problem
+from ..table_state.state import TableState, member_state
 
 # A damaged page can make LMDB or a record's decoder raise almost anything: every exception is damage.
 _DAMAGE = Exception

@@ -30,7 +30,7 @@ from typing import NamedTuple, TypeVar, cast
 
 import lmdb
 
-from ..schema.errors import InvalidRequest
+from ...schema.errors import InvalidRequest
 from . import orders
 from .indexes import Index, ReadyGroup, VersionIndex
 from .orders import ORDERS

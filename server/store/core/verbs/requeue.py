@@ -9,12 +9,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from ..disk import layout
-from ..disk.layout import put_rows
-from ..schema.states import LEASED, READY
-from ..schema.views import Members
-from .state import TableState
-from .views import group_record
+from ...disk import layout
+from ...disk.layout import put_rows
+from ...schema.states import LEASED, READY
+from ...schema.views import Members
+from ..table_state.state import TableState
+from ..table_state.views import group_record
 
 
 def place(tt: TableState, groups: Sequence[Members], priorities: Sequence[float], until: float | None) -> None:
