@@ -33,6 +33,7 @@ ROOM_PROBES = [
     ("server/store/services/index_builds.py", ".sampling", "The store's services import only downward"),
     ("server/store/tables/taking.py", ".catalog", "The store's tables import only downward"),
     ("server/store/ledger/records.py", ".rules", "The prompt ledger imports only downward"),
+    ("server/store/ledger/claim_life.py", ".outcomes", "The prompt ledger imports only downward"),  # its rules
     ("server/store/rules/extensions.py", ".groups", "The store's rules import only downward"),
     ("server/store/core/ordering/indexes.py", "..table_state.counters", "The table core imports only downward"),
     ("server/store/core/whole_table/verify.py", ".reading", "The table core's whole-table work is independent"),

@@ -1,5 +1,5 @@
 """What a claim hands out (`Claimed`), what one transaction of a claim did (`ClaimStep`), and
-how far its cursor walked in it (`Walk`): the records the ledger's rules (rules.py) and the
+how far its cursor walked in it (`Walk`): the records a claim's rules (claim_life.py) and the
 claims service (services/claims.py) pass between them."""
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 dataset's cursor through each epoch in its claim order (orders.py: the permutation, skipping the
 prompts a shard does not own, or a difficulty order's draws, binned.py), past the prompts that
 sit the epoch out (zero_variance = "skip"), each at its first attempt whose group the table does
-not hold; and a prompt's record read and written there, as the ledger's rules (rules.py) read
-and write it.
+not hold; and a prompt's record read and written there, as the ledger's rules (claim_life.py,
+outcomes.py) read and write it.
 
 The cursor starts an epoch only once every prompt of the epoch two before it is trained or
 dropped (`_may_start`): claims run at most two epochs at once, so a claimant that never trains

@@ -1,4 +1,4 @@
-"""The prompt ledger's records and keys (ledger.py keeps its rules).
+"""The prompt ledger's records and keys (rules.py composes its rules).
 
 A table's datasets of prompts live in the `ledger` database, under the table's id T:
 - T + "d" + name                          -> DatasetRecord (JSON): settings, cursor, totals

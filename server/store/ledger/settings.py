@@ -1,5 +1,5 @@
 """What a dataset of the prompt ledger may be: the range of each of its settings, and of a
-sharded dataset's shards, checked when it is created (the ledger's rules, rules.py) and by
+sharded dataset's shards, checked when it is created (the ledger's datasets, datasets.py) and by
 `expbuf check` (check.py); and the refusal of a dataset a table does not hold."""
 
 from __future__ import annotations

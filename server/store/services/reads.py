@@ -30,7 +30,7 @@ from ..disk.environment import Environment
 from ..disk.kinds import Sampled
 from ..disk.snapshot import Snapshot
 from ..disk.stored_advantages import FinishBatch, batch_payload
-from ..ledger.rules import check_reader
+from ..ledger.claimants import check_reader
 from ..rules import partials
 from ..rules.staleness import masked_tokens, token_bound
 from ..schema.errors import Busy, Forbidden, NotFound, TooLarge, clip
