@@ -56,6 +56,7 @@ ROOM_PROBES = [
     ("client/rpc/calls.py", "..shards.plans", "The client imports only downward"),
     ("client/pushers/blocking.py", "..client.BufferClient", "The client imports only downward"),
     ("client/kit/tables.py", "..trinity.settings", "The client imports only downward"),
+    ("client/results/stats.py", ".tables", "What the clients return is independent, a module a kind of call"),
     ("client/trl/worker.py", "..areal.workflow", "The client imports only downward"),  # adapters: independent
     ("client/trxp/codec/common.py", "..stored.pieces", "The codec's rooms import only downward"),
     ("client/trxp/stored/pieces.py", "google.protobuf.message", "The codec's rooms the store reads import no protobuf"),
