@@ -8,6 +8,7 @@ probes: each exists only in the copy, and the report names the probed module."""
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 import sys
@@ -165,3 +166,20 @@ def test_no_room_holds_more_than_15_modules() -> None:
     assert counts["client"] > 0 and counts["client/trxp/codec"] > 0  # the walk reached the rooms
     crowded = {folder: count for folder, count in counts.items() if count > MAX_MODULES}
     assert crowded == {}
+
+
+def test_the_layout_page_has_a_row_for_each_room_and_names_only_what_exists() -> None:
+    """docs/internals/layout.md's table of rooms: each room of server/ and client/ (a folder that is
+    a package) is named in it, and each path a row names is in the tree, so the page moves with
+    the rooms."""
+    page = (ROOT / "docs" / "internals" / "layout.md").read_text()
+    table = page[page.index("## Rooms, top to bottom") :].split("\n\n")[2]
+    named = [path for line in table.splitlines()[2:] for path in re.findall(r"`([^`]+)`", line.split(" | ")[0])]
+    rooms = {
+        str(init.parent.relative_to(ROOT)) + "/"
+        for top in ("server", "client")
+        for init in (ROOT / top).rglob("__init__.py")
+        if "_native" not in init.parts and init.parent.name not in ("server", "client")
+    }
+    assert len(named) > 40 and rooms - set(named) == set()
+    assert [path for path in named if not (ROOT / path).exists()] == []
