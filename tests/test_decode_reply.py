@@ -17,6 +17,7 @@ import torch
 from google.protobuf.message import DecodeError
 
 from expbuf.client import EID, BufferClient, DataLossError, Experience, TrxpError, trxp
+from expbuf.client.rpc import wire
 from expbuf.client.rpc.sample_reply import read_sample_reply
 from expbuf.client.schema.experience import META_FIELDS, TENSOR_FIELDS
 from expbuf.proto.v1 import buffer_pb2 as pb
@@ -281,3 +282,18 @@ def test_a_reply_is_read_as_protobuf_reads_it() -> None:
             pb.SampleReply.FromString(bad)
         with pytest.raises(DecodeError):
             read_sample_reply(bad)
+
+
+def test_the_reply_tags_both_sides_use_are_the_ones_protobuf_writes() -> None:
+    """wire.py's tags, which the server writes a reply with by hand and the client reads it by,
+    are the first byte of each field as protobuf's own serialiser writes it."""
+    written = {
+        wire.PAYLOAD_TAG: pb.SampleReply(payload=b"p"),
+        wire.COLUMN_TAG: pb.SampleReply(columns=[pb.Column(name="c")]),
+        wire.PART_TAG: pb.SampleReply(part=b"p"),
+        wire.WHOLE_TAG: pb.SampleReply(whole_bytes=1),
+        wire.VALUES_TAG: pb.Column(values=b"v"),
+        wire.ALIGN_TAG: pb.Column(align=b"\0"),
+    }
+    for tag, message in written.items():
+        assert message.SerializeToString()[0] == tag, message

@@ -31,17 +31,12 @@ from expbuf.proto.v1 import buffer_pb2 as pb
 
 from ..errors import DataLossError
 from ..trxp.varints import read as _varint
+from .wire import ALIGN, COLUMN_TAG, PART_TAG, PAYLOAD_TAG, VALUES_TAG, WHOLE_TAG
 
 SAMPLE_METHOD = "/expbuf.v1.ExperienceBuffer/Sample"
 # The calls of one request answered by a stream of SampleReply, one reply in one message or in
 # parts: the method and its request's type.
 PARTS_METHODS: dict[str, type[Any]] = {"ReadFields": pb.ReadFieldsRequest, "ReadPartials": pb.GetPartialsRequest}
-_PAYLOAD_TAG = 0x0A  # field 1 (payload), length-delimited
-_PART_TAG = 0x6A  # field 13 (part), length-delimited
-_WHOLE_TAG = 0x70  # field 14 (whole_bytes), varint
-_COLUMN_TAG = 0x62  # field 12 (columns), length-delimited
-_VALUES_FIELD = 6  # Column.values
-ALIGN = 64  # where the server starts each column's values, from the reply's start
 
 
 class SampleReplyParts(NamedTuple):
@@ -59,18 +54,18 @@ class SampleReplyParts(NamedTuple):
 def read_sample_reply(raw: bytes | memoryview) -> SampleReplyParts:
     """The parts of a serialised SampleReply, its payload copied once (a part's, not at all)."""
     first = raw[0] if len(raw) else None
-    if first in (_WHOLE_TAG, _PART_TAG):  # a part: [whole_bytes,] part, as the server writes it
-        head = _varint(raw, 1) if first == _WHOLE_TAG else (0, 0)
-        if head is not None and head[1] < len(raw) and raw[head[1]] == _PART_TAG:
+    if first in (WHOLE_TAG, PART_TAG):  # a part: [whole_bytes,] part, as the server writes it
+        head = _varint(raw, 1) if first == WHOLE_TAG else (0, 0)
+        if head is not None and head[1] < len(raw) and raw[head[1]] == PART_TAG:
             length = _varint(raw, head[1] + 1)
             if length is not None and length[0] + length[1] == len(raw):
                 return SampleReplyParts(b"", pb.SampleReply(whole_bytes=head[0]), memoryview(raw)[length[1] :])
-    if first == _COLUMN_TAG:
+    if first == COLUMN_TAG:
         buffer = raw if isinstance(raw, memoryview) and not raw.readonly else aligned(raw)
         columnar = _columns_in_place(buffer)
         if columnar is not None:
             return columnar
-    if first == _PAYLOAD_TAG and (length := _varint(raw, 1)) is not None:
+    if first == PAYLOAD_TAG and (length := _varint(raw, 1)) is not None:
         size, at = length
         end = at + size
         if end <= len(raw):
@@ -146,7 +141,7 @@ def _columns_in_place(raw: memoryview) -> SampleReplyParts | None:
     heads: list[bytes] = []
     values: list[memoryview] = []
     at = 0
-    while at < len(raw) and raw[at] == _COLUMN_TAG:
+    while at < len(raw) and raw[at] == COLUMN_TAG:
         length = _varint(raw, at + 1)
         if length is None or length[0] + length[1] > len(raw):
             return None
@@ -191,7 +186,7 @@ def _values_apart(raw: memoryview, start: int, end: int) -> tuple[bytes, memoryv
             return None
         if after > end:
             return None
-        if tag == _VALUES_FIELD << 3 | 2:
+        if tag == VALUES_TAG:
             values = raw[data:after]  # a later one replaces it, as protobuf reads it
         else:
             head += raw[at:after]

@@ -1,4 +1,5 @@
-"""Names of the wire enums and table settings, shared by the client and the server.
+"""Names of the wire enums and table settings, shared by the client and the server, and the
+constants of the wire both write: metadata keys, a SampleReply's tags.
 
 Table settings travel as plain dicts with the names of the TOML file and of
 `BufferClient.create_table`; these functions turn them into the proto message and back.
@@ -36,6 +37,16 @@ BUSY = "expbuf-busy"
 MESSAGE_BYTES = "expbuf-message-bytes"
 # Where gRPC's rich error model carries a status's details (a google.rpc.Status, serialised).
 STATUS_DETAILS = "grpc-status-details-bin"
+# A SampleReply's bytes, which the server writes by hand (server/rpc/sample/replies.py) and the
+# client reads in place (sample_reply.py): the tag protobuf writes before each field written so (its
+# number and wire type, one byte), and where a column's values start.
+PAYLOAD_TAG = 0x0A  # SampleReply field 1 (payload), length-delimited
+COLUMN_TAG = 0x62  # SampleReply field 12 (columns), length-delimited
+PART_TAG = 0x6A  # SampleReply field 13 (part), length-delimited
+WHOLE_TAG = 0x70  # SampleReply field 14 (whole_bytes), varint
+VALUES_TAG = 0x32  # Column field 6 (values), length-delimited
+ALIGN_TAG = 0x3A  # Column field 7 (align: zeros before the values), length-delimited
+ALIGN = 64  # each column's values start at a multiple of this from the reply's start
 
 
 def refusal_trailer(code: int, message: str, reason: Reason, busy: bool = False) -> tuple[tuple[str, Any], ...]:

@@ -26,6 +26,7 @@ from typing import Any, TypeVar
 
 import grpc
 
+from expbuf.client.rpc.wire import ALIGN, ALIGN_TAG, COLUMN_TAG, PART_TAG, PAYLOAD_TAG, VALUES_TAG, WHOLE_TAG
 from expbuf.client.trxp.stored.columns import ColumnParts
 from expbuf.client.trxp.stored.pieces import Run, realized, realized_span
 from expbuf.client.trxp.varints import write as varint
@@ -36,13 +37,10 @@ from ...store.schema.sample_spec import TakeSpec
 from ..call_context import when_sent_slowly
 from ..interceptors.base import ServiceInterceptor
 
-_PAYLOAD_TAG = b"\x0a"  # field 1 (payload), length-delimited
-_COLUMN_TAG = b"\x62"  # SampleReply field 12 (columns), length-delimited
-_VALUES_TAG = b"\x32"  # Column field 6 (values), length-delimited
-_ALIGN_TAG = b"\x3a"  # Column field 7 (align), length-delimited
-ALIGN = 64  # where a column's values start in the reply: a multiple of this
-_PART_TAG = b"\x6a"  # SampleReply field 13 (part), length-delimited
-_WHOLE_TAG = b"\x70"  # SampleReply field 14 (whole_bytes), varint
+# The tags of the fields written here (client/rpc/wire.py), as the bytes written.
+_PAYLOAD, _COLUMN, _VALUES, _PAD, _PART, _WHOLE = (
+    bytes((tag,)) for tag in (PAYLOAD_TAG, COLUMN_TAG, VALUES_TAG, ALIGN_TAG, PART_TAG, WHOLE_TAG)
+)
 PART_FRAMING = 32  # a part's tags and lengths: with them, a part's message is at most the limit
 # The largest part: a reply over this goes in parts, for a client that takes them, so a stream
 # holds about two parts of its batch (the one cut, and gRPC's copy of the one before).
@@ -94,7 +92,7 @@ def sample_reply(batch: Sampled, spec: TakeSpec, confirm_seconds: float, limit: 
         """`cut` of the whole reply's runs of bytes, valid only during the call."""
         if spec.fields:
             return _columnar(batch, spec.fields, rest, cut)
-        return batch.render(lambda runs: cut([_PAYLOAD_TAG, varint(sum(len(run) for run in runs)), *runs, rest]))
+        return batch.render(lambda runs: cut([_PAYLOAD, varint(sum(len(run) for run in runs)), *runs, rest]))
 
     return _messages(batch, render, limit, parts)
 
@@ -109,7 +107,7 @@ def fields_reply(
     def render(cut: Callable[[list[Run]], T]) -> T:
         if fields:
             return _columnar(batch, fields, rest, cut)
-        return batch.render(lambda runs: cut([_PAYLOAD_TAG, varint(sum(map(len, runs))), *runs, rest]))
+        return batch.render(lambda runs: cut([_PAYLOAD, varint(sum(map(len, runs))), *runs, rest]))
 
     return _messages(batch, render, limit, parts)
 
@@ -151,7 +149,7 @@ def payload_reply(payload: bytes, missing: Sequence[str], limit: int, parts: boo
     """The messages of a SampleReply of a TRXP `payload` made beforehand and `missing` uids
     (ReadPartials), cut as sample_reply cuts a batch's."""
     rest = pb.SampleReply(missing_uids=missing).SerializeToString()
-    return _messages(_Built(), lambda cut: cut([_PAYLOAD_TAG, varint(len(payload)), payload, rest]), limit, parts)
+    return _messages(_Built(), lambda cut: cut([_PAYLOAD, varint(len(payload)), payload, rest]), limit, parts)
 
 
 def _messages(
@@ -238,8 +236,8 @@ class _Rest:
 def _part(runs: list[Run], *, start: int, end: int, whole: int = 0) -> bytes:
     """A SampleReply of the bytes `start` to `end` of the runs put end to end, as its `part`
     (and, for the first, the `whole_bytes` they add up to): copied once, into the message."""
-    pieces: list[bytes | memoryview] = [_WHOLE_TAG, varint(whole)] if whole else []
-    return b"".join([*pieces, _PART_TAG, varint(end - start), *_span(runs, start, end)])
+    pieces: list[bytes | memoryview] = [_WHOLE, varint(whole)] if whole else []
+    return b"".join([*pieces, _PART, varint(end - start), *_span(runs, start, end)])
 
 
 def _span(runs: list[Run], start: int, end: int) -> list[bytes | memoryview]:
@@ -269,17 +267,17 @@ def _framed(columns: list[ColumnParts]) -> list[Run]:
             name=column.name, dtype=column.dtype, items=column.items, ndim=column.ndim, shapes=column.shapes
         ).SerializeToString()
         size = column.size
-        values_head = _VALUES_TAG + varint(size)
+        values_head = _VALUES + varint(size)
         pad = b""
         for _ in range(3):  # a longer pad may lengthen the column's own length prefix: settle it
             body = len(head) + len(pad) + len(values_head) + size
-            start = at + len(_COLUMN_TAG) + len(varint(body)) + len(head) + len(pad) + len(values_head)
+            start = at + len(_COLUMN) + len(varint(body)) + len(head) + len(pad) + len(values_head)
             if start % ALIGN == 0:
                 break
             width = len(pad) + -start % ALIGN
             width += ALIGN if width < 2 else 0  # the field's tag and length take two bytes
-            pad = _ALIGN_TAG + varint(width - 2) + bytes(width - 2)
-        column_head = _COLUMN_TAG + varint(body)
+            pad = _PAD + varint(width - 2) + bytes(width - 2)
+        column_head = _COLUMN + varint(body)
         runs += [column_head, head, pad, values_head, *column.values]
         at += len(column_head) + body
     return runs
