@@ -44,12 +44,11 @@ from dataclasses import dataclass
 from urllib.parse import parse_qsl, urlsplit
 
 from expbuf.client.client import BufferClient, Tls
-from expbuf.client.rpc.connection import DEFAULT_TIMEOUT
+from expbuf.client.rpc.connection import DEFAULT_PORT, DEFAULT_TIMEOUT
 from expbuf.client.rpc.wire import DELIVERY, OFF_POLICY_SETTINGS, ORDER
 
 log = logging.getLogger(__name__)
 SCHEME = "expbuf"
-DEFAULT_PORT = 50051
 DEFAULT_TOKEN_ENV = "EXPBUF_TOKEN"
 DEFAULT_LEASE_SECONDS = 60.0
 # Trinity gives a task at most max_timeout x (max_retry_times + 1), 1800 s x 3 by default, and
