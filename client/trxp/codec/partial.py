@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ...schema.experience import RESPONSE_TENSOR_FIELDS
-from .common import RawItem, RawTensor, TrxpError
+from .common import INT64_MAX, RawItem, RawTensor, TrxpError
 from .segments import KEY as SEGMENTS
 
 PARTIAL = "partial"  # info: True on a piece that more pieces follow
@@ -34,7 +34,6 @@ OFFSET = "partial_offset"  # info: the rollout's tokens the buffer holds before 
 MARKS = (PARTIAL, OFFSET)
 FIRST_ONLY = ("prompt_length", "multi_modal_input_keys")  # metadata of the first piece's own tensors and prompt
 TOKEN_LAID = ("tokens", "routed_experts")  # appended along the tokens; RESPONSE_TENSOR_FIELDS along the response
-INT64_MAX = 2**63 - 1
 
 # What each later piece must carry: the appended tensors of a rollout's first piece, by name, with
 # their dtype and inner shape (all but the first dimension).

@@ -17,10 +17,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from .common import ITEMSIZE, RawTensor, TrxpError
+from .common import INT64_MAX, ITEMSIZE, RawTensor, TrxpError
 
 KEY = "version_segments"  # where an experience's info carries them
-INT64_MAX = 2**63 - 1
 
 # Segments flattened as the store keeps them: version, offset, version, offset, ...
 Flat = tuple[int, ...]
