@@ -23,9 +23,10 @@ import types
 import warnings
 from pathlib import Path
 
+# The folder of a package's compiled modules and their manifest, as the build writes them.
+from .native_build import MANIFEST, NATIVE
+
 PURE_PYTHON = "EXPBUF_PURE_PYTHON"
-NATIVE = "_native"
-MANIFEST = "manifest.json"
 SOURCE_PREFIX = "_expbuf_source"
 
 
