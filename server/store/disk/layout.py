@@ -12,7 +12,7 @@ one contiguous range:
 - kv:        T + a caller's key -> its value (keyed values, services/values.py); T + 0xFF + the key ->
   the value's record, its size and writer (rules/value_records.py; no UTF-8 key starts with 0xFF)
 - partials:  T + uid + NUL -> a rollout held in pieces' head, T + uid + NUL + piece number -> a
-  piece (rules/partials.py)
+  piece (piece_rows.py)
 - tombs:     T + uid -> a compact tombstone (records.py) of a retired experience whose payload went
 - adv:       T + uid -> token-level advantages (only estimators that have them)
 - groups:    T + group key -> GroupRecord

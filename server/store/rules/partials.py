@@ -35,7 +35,6 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import itertools
-import struct
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -59,7 +58,6 @@ from ..disk.piece_rows import PieceHead
 from ..schema.errors import Conflict, GroupClosed, InvalidPayload, TooLarge, clip
 from ..schema.states import PENDING
 
-_PIECE = struct.Struct(">I")
 # A rollout whose pieces take more is put together off the writer, as a staged chunk set: its
 # section is stored in chunks anyway (chunked.py), and a copy of it would hold the writer.
 LARGE = CHUNK_BYTES
