@@ -7,7 +7,7 @@ which the codec reads by attribute name (duck typing).
 from __future__ import annotations
 
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -114,6 +114,11 @@ class EID:
 
     def __str__(self) -> str:
         return self.uid
+
+
+# An eid's parts in its uid's order: the keys of an eid written as a dict (a payload's metadata,
+# a push's columns).
+EID_PARTS = tuple(part.name for part in fields(EID))
 
 
 @dataclass

@@ -10,7 +10,7 @@ import sys
 from collections.abc import Collection, Iterable, Sequence
 from typing import Any
 
-from ...schema.experience import EID, RESPONSE_TENSOR_FIELDS, TOKEN_TENSOR_FIELDS
+from ...schema.experience import EID, EID_PARTS, RESPONSE_TENSOR_FIELDS, TOKEN_TENSOR_FIELDS
 from . import partial
 from . import segments as version_segments
 from .common import (
@@ -235,8 +235,7 @@ def _scalar_size(value: Any) -> int:
     raise TrxpError(f"{type(value).__name__} is not plain data")
 
 
-_EID_PARTS = ("batch", "task", "run", "step", "suffix")
-_EID_KEYS = frozenset(_EID_PARTS)
+EID_KEYS = frozenset(EID_PARTS)  # an eid dict's keys, as a set
 _INT64_BOUNDS = "-2**63, 2**63 - 1"
 _FLOAT_MAX = sys.float_info.max
 # float32's largest finite value: the bound of a reward (advantages are float32).
@@ -250,7 +249,7 @@ def _plain_uid(eid: Any) -> str | None:
     """The uid of an eid that plainly passes _check_eid (parts of their exact types, ints well
     inside its bounds, an ASCII uid without NUL whose only '/' are its four separators, short),
     made as EID.uid makes it; None to leave the eid to _check_eid's detailed checks."""
-    if type(eid) is not dict or eid.keys() != _EID_KEYS:
+    if type(eid) is not dict or eid.keys() != EID_KEYS:
         return None
     batch, task, run, step, suffix = eid["batch"], eid["task"], eid["run"], eid["step"], eid["suffix"]
     if not (
@@ -278,13 +277,13 @@ def _check_eid(index: int, eid: Any) -> str:
     where = f"item {index}"
     if not isinstance(eid, dict):
         raise TrxpError(f"{where}: field 'eid' is missing or not a dict")
-    if eid.keys() != _EID_KEYS:
-        unknown = [key for key in eid if key not in _EID_PARTS]
+    if eid.keys() != EID_KEYS:
+        unknown = [key for key in eid if key not in EID_PARTS]
         if unknown:
             raise TrxpError(
-                f"{where}: field 'eid' has unknown keys {show_list(unknown)} (it holds {', '.join(_EID_PARTS)})"
+                f"{where}: field 'eid' has unknown keys {show_list(unknown)} (it holds {', '.join(EID_PARTS)})"
             )
-        for part in _EID_PARTS:
+        for part in EID_PARTS:
             if part not in eid:
                 raise TrxpError(f"{where}: field 'eid.{part}' is missing")
     for part in ("batch", "task"):

@@ -15,7 +15,7 @@ if TYPE_CHECKING:
 
 from ...schema.experience import EID, META_FIELDS, TENSOR_FIELDS, Experience
 from .build import build
-from .checks import Shape, check_meta, check_tensors, show
+from .checks import EID_KEYS, Shape, check_meta, check_tensors, show
 from .common import ITEMSIZE, MM_PREFIX, UNBOUNDED, RawItem, RawTensor, TrxpError, Work
 from .parse import parse
 
@@ -133,7 +133,7 @@ def to_experience(item: RawItem, tensors: dict[str, torch.Tensor] | None = None)
         if name not in meta:
             values[name] = factory()
     eid = meta["eid"]
-    if type(eid) is dict and eid.keys() == _EID_KEYS:  # its five parts, set at once
+    if type(eid) is dict and eid.keys() == EID_KEYS:  # its five parts, set at once
         values["eid"] = made_eid = object.__new__(EID)
         made_eid.__dict__ = eid.copy()
     else:
@@ -158,7 +158,6 @@ _FIELD_FACTORIES = [
     if f.name in ("info", "metrics", "custom_fields") and f.default_factory is not dataclasses.MISSING
 ]
 _ITEM_KEYS = frozenset({"eid", *META_FIELDS, "custom_fields", "multi_modal_input_keys"})
-_EID_KEYS = frozenset(field.name for field in dataclasses.fields(EID))
 
 
 def from_experience(exp: Any) -> RawItem:

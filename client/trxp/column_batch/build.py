@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from expbuf.proto.v1 import buffer_pb2 as pb
 
-from ...schema.experience import EID
+from ...schema.experience import EID, EID_PARTS
 from ..codec import segments
 from ..codec.common import DTYPE_RANK, MM_PREFIX, TrxpError
 from ..codec.convert import safetensors_codes
@@ -104,18 +104,15 @@ def _eid_parts(eid: Any) -> dict[str, Any]:
     """An eid's parts (an EID's, or a dict's, whose missing parts are EID's defaults), each batch and
     task an int or a str."""
     if isinstance(eid, Mapping):
-        unknown = set(eid) - _EID_PARTS
+        unknown = set(eid).difference(EID_PARTS)
         if unknown:
-            raise TrxpError(f"an eid has unknown keys {sorted(map(str, unknown))} (it holds {', '.join(_EID_PARTS)})")
+            raise TrxpError(f"an eid has unknown keys {sorted(map(str, unknown))} (it holds {', '.join(EID_PARTS)})")
         eid = EID(**eid)
     parts = {"batch": eid.batch, "task": eid.task, "run": eid.run, "step": eid.step, "suffix": eid.suffix}
     for name in ("batch", "task"):
         if type(parts[name]) not in (int, str):
             raise TrxpError(f"eid.{name} must be an int or a str, got {type(parts[name]).__name__} {parts[name]!r}")
     return parts
-
-
-_EID_PARTS = frozenset(("batch", "task", "run", "step", "suffix"))
 
 
 def _tensor_columns(name: str, given: Any, count: int) -> list[tuple[pb.Column, memoryview]]:
