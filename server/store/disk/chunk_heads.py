@@ -24,6 +24,7 @@ import zstandard
 from expbuf.client.trxp.stored.pieces import Bytes
 
 from . import digests
+from .layout import U32
 from .zstd_workers import Workers
 
 CHUNK_BYTES = 4 << 20
@@ -34,7 +35,6 @@ FRAME = struct.Struct("<4sQ16sQII")  # magic, chunk set, the head's digest, sect
 _SET = slice(4, 12)  # the head's chunk set, which its own digest covers ...
 DIGESTED = 4 + 8 + 16  # ... with the bytes from its section length on
 SET_NUMBER = struct.Struct(">Q")  # a chunk set's number, in its chunks' keys and as the next to take
-_U32 = struct.Struct(">I")
 # The number under which a stored set keeps the key of the experience it holds the data of (the
 # last of its set): a damaged head's own set is found by it, whatever its damage (chunked.delete).
 OWNER = 0xFFFFFFFF
@@ -150,7 +150,7 @@ def set_prefix(table_prefix: bytes, set_id: int) -> bytes:
 
 
 def chunk_key(table_prefix: bytes, set_id: int, index: int) -> bytes:
-    return table_prefix + SET_NUMBER.pack(set_id) + _U32.pack(index)
+    return table_prefix + SET_NUMBER.pack(set_id) + U32.pack(index)
 
 
 def intact_head(value: Bytes) -> ChunkHead | None:

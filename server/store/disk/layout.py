@@ -84,12 +84,13 @@ def per_table(dbs: Iterable[str]) -> list[str]:
     return [name for name in dbs if name not in DIRECTORY]
 
 
-_U32 = struct.Struct(">I")
-_U64 = struct.Struct(">Q")
+# Numbers in keys, big-endian: LMDB orders keys byte by byte, so they sort as the numbers do.
+U32 = struct.Struct(">I")
+U64 = struct.Struct(">Q")
 
 
 def u64(value: int) -> bytes:
-    return _U64.pack(value)
+    return U64.pack(value)
 
 
 def put_rows(txn: lmdb.Transaction, db: lmdb._Database, rows: list[tuple[bytes, bytes]]) -> None:
@@ -120,11 +121,11 @@ def version_key(version: int) -> bytes:
 
 
 def table_prefix(table_id: int) -> bytes:
-    return _U32.pack(table_id)
+    return U32.pack(table_id)
 
 
 def table_of(key: bytes) -> int:
-    table_id: int = _U32.unpack(key[:4])[0]
+    table_id: int = U32.unpack(key[:4])[0]
     return table_id
 
 
@@ -138,7 +139,7 @@ def expiry_key(expires: float, lease_id: str) -> bytes:
 
 
 def expiry_of(key: bytes) -> float:
-    stamp: int = _U64.unpack(key[:8])[0]
+    stamp: int = U64.unpack(key[:8])[0]
     return stamp / 1e6
 
 

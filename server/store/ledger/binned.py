@@ -15,22 +15,20 @@ from __future__ import annotations
 
 import hashlib
 import itertools
-import struct
 
 from expbuf.client.schema.prompts import PromptStats
 
 from ..core.table_state.state import TableState
 from ..disk import layout
+from ..disk.layout import U32, U64
 from .orders import ClaimOrder
 from .records import DatasetRecord
 
-_U32 = struct.Struct(">I")
-_U64 = struct.Struct(">Q")
 _TWO64 = float(2**64)
 
 
 def _prefix(tt: TableState, ds: DatasetRecord, epoch: int, bin_: int) -> bytes:
-    return bins_prefix(tt.table_id) + ds.name.encode() + b"\0" + _U32.pack(epoch) + bytes([bin_])
+    return bins_prefix(tt.table_id) + ds.name.encode() + b"\0" + U32.pack(epoch) + bytes([bin_])
 
 
 def bins_prefix(table_id: int) -> bytes:
@@ -40,17 +38,17 @@ def bins_prefix(table_id: int) -> bytes:
 def read_bin_key(key: bytes) -> tuple[str, int, int]:
     """(dataset, epoch, bin) of a bin's key."""
     name, _, rest = key[len(bins_prefix(0)) :].partition(b"\0")
-    return name.decode(errors="replace"), _U32.unpack_from(rest)[0], rest[4]
+    return name.decode(errors="replace"), U32.unpack_from(rest)[0], rest[4]
 
 
 def _hash(ds: DatasetRecord, epoch: int, value: int, salt: bytes) -> bytes:
-    key = _U64.pack((ds.seed or 0) & (2**64 - 1)) + _U32.pack(epoch) + salt
-    return hashlib.blake2b(_U64.pack(value), digest_size=8, key=key).digest()
+    key = U64.pack((ds.seed or 0) & (2**64 - 1)) + U32.pack(epoch) + salt
+    return hashlib.blake2b(U64.pack(value), digest_size=8, key=key).digest()
 
 
 def _key(tt: TableState, ds: DatasetRecord, epoch: int, bin_: int, index: int) -> bytes:
     rank = _hash(ds, epoch, index, b"rank") if ds.seed is not None else b""
-    return _prefix(tt, ds, epoch, bin_) + rank + _U64.pack(index)
+    return _prefix(tt, ds, epoch, bin_) + rank + U64.pack(index)
 
 
 def enter(tt: TableState, ds: DatasetRecord, order: ClaimOrder, epoch: int, index: int, stats: PromptStats) -> None:
@@ -81,7 +79,7 @@ def take(tt: TableState, ds: DatasetRecord, order: ClaimOrder, epoch: int) -> in
         key = bytes(cur.key())
         cur.delete()
     counts[bin_] -= 1
-    index: int = _U64.unpack_from(key, len(key) - 8)[0]
+    index: int = U64.unpack_from(key, len(key) - 8)[0]
     return index
 
 

@@ -16,12 +16,12 @@ from expbuf.client.schema.prompts import PromptStats as Stats
 
 from ..core.table_state.state import TableState
 from ..disk import layout
+from ..disk.layout import U64
 from ..rules.pushed_advantages import zero_variance
 from .records import DatasetRecord
 
 _STATS = struct.Struct("<IIQQIddIqq")
 _TAIL = struct.Struct("<I")  # skip_until: a record written before it has none
-_U64 = struct.Struct(">Q")
 # A prompt's pass rate in bands: never passed, passed less than half its runs, half or more but
 # not all, every one (zero and all: the prompts whose groups have no variance to learn from).
 PASS_BANDS = ("zero", "low", "high", "all")
@@ -58,7 +58,7 @@ class KeptStats(Stats):
 
 
 def stats_key(table_id: int, name: str, index: int) -> bytes:
-    return layout.table_prefix(table_id) + b"s" + name.encode() + b"\0" + _U64.pack(index)
+    return layout.table_prefix(table_id) + b"s" + name.encode() + b"\0" + U64.pack(index)
 
 
 def read_stats(txn: lmdb.Transaction[bytes], db: lmdb._Database, table_id: int, name: str, index: int) -> KeptStats:

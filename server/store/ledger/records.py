@@ -36,6 +36,7 @@ import lmdb
 from expbuf.client.schema.prompts import PromptState
 
 from ..disk import layout
+from ..disk.layout import U32, U64
 from .states import CLAIMED, COUNTED, DONE, GENERATED, PENDING, PROMPT_STATES, check_prompt_move
 
 ON_DROP = ("done", "retry")
@@ -48,8 +49,6 @@ ZERO_VARIANCE = ("keep", "retry", "skip")
 NAME = re.compile(r"^[A-Za-z][A-Za-z0-9_.\-]{0,63}$")
 MAX_SIZE = 2**40
 
-_U32 = struct.Struct(">I")
-_U64 = struct.Struct(">Q")
 _COUNTS = struct.Struct(">5Q")  # an epoch's prompts owned, claimed, generated, trained, dropped
 _PROMPT = struct.Struct("<BIdB")  # state, attempt, expires (0: none), holder length
 _STATE_CODE = {state: code for code, state in enumerate(PROMPT_STATES)}
@@ -200,7 +199,7 @@ class DatasetRecord:
 
 
 def counts_key(table_id: int, name: str, epoch: int) -> bytes:
-    return counts_prefix(table_id, name) + _U32.pack(epoch)
+    return counts_prefix(table_id, name) + U32.pack(epoch)
 
 
 def counts_prefix(table_id: int, name: str) -> bytes:
@@ -209,7 +208,7 @@ def counts_prefix(table_id: int, name: str) -> bytes:
 
 def counts_epoch(key: bytes) -> int:
     """The epoch of an epoch's counts key."""
-    epoch: int = _U32.unpack_from(key, len(key) - 4)[0]
+    epoch: int = U32.unpack_from(key, len(key) - 4)[0]
     return epoch
 
 
@@ -260,7 +259,7 @@ def datasets_prefix(table_id: int) -> bytes:
 
 
 def prompt_key(table_id: int, name: str, epoch: int, index: int) -> bytes:
-    return prompts_prefix(table_id, name) + _U32.pack(epoch) + _U64.pack(index)
+    return prompts_prefix(table_id, name) + U32.pack(epoch) + U64.pack(index)
 
 
 def prompts_prefix(table_id: int, name: str) -> bytes:
@@ -269,11 +268,11 @@ def prompts_prefix(table_id: int, name: str) -> bytes:
 
 def prompt_of(key: bytes) -> tuple[int, int]:
     """(epoch, index) of a prompt key."""
-    return _U32.unpack_from(key, len(key) - 12)[0], _U64.unpack_from(key, len(key) - 8)[0]
+    return U32.unpack_from(key, len(key) - 12)[0], U64.unpack_from(key, len(key) - 8)[0]
 
 
 def queue_key(table_id: int, name: str, seq: int) -> bytes:
-    return queue_prefix(table_id, name) + _U64.pack(seq)
+    return queue_prefix(table_id, name) + U64.pack(seq)
 
 
 def queue_prefix(table_id: int, name: str) -> bytes:
@@ -281,11 +280,11 @@ def queue_prefix(table_id: int, name: str) -> bytes:
 
 
 def place(epoch: int, index: int) -> bytes:
-    return _U32.pack(epoch) + _U64.pack(index)
+    return U32.pack(epoch) + U64.pack(index)
 
 
 def unplace(raw: bytes | memoryview) -> tuple[int, int]:
-    return _U32.unpack_from(raw)[0], _U64.unpack_from(raw, 4)[0]
+    return U32.unpack_from(raw)[0], U64.unpack_from(raw, 4)[0]
 
 
 def group_entry_key(table_id: int, gkey: str) -> bytes:
@@ -293,7 +292,7 @@ def group_entry_key(table_id: int, gkey: str) -> bytes:
 
 
 def group_entry(name: str, epoch: int, index: int, attempt: int) -> bytes:
-    return name.encode() + b"\0" + place(epoch, index) + _U32.pack(attempt)
+    return name.encode() + b"\0" + place(epoch, index) + U32.pack(attempt)
 
 
 def read_group_entry(raw: bytes | memoryview) -> tuple[str, int, int, int]:
@@ -301,7 +300,7 @@ def read_group_entry(raw: bytes | memoryview) -> tuple[str, int, int, int]:
     data = bytes(raw)
     name, rest = data[:-16], data[-16:]
     epoch, index = unplace(rest)
-    return name.rstrip(b"\0").decode(), epoch, index, _U32.unpack_from(rest, 12)[0]
+    return name.rstrip(b"\0").decode(), epoch, index, U32.unpack_from(rest, 12)[0]
 
 
 def expiry_key(table_id: int, expires: float, name: str, epoch: int, index: int) -> bytes:
@@ -396,7 +395,7 @@ class Permutation:
         if seed is not None and size > 1:
             self.half = max(1, ((size - 1).bit_length() + 1) // 2)
             self.mask = (1 << self.half) - 1
-            key = _U64.pack(seed & (2**64 - 1)) + _U32.pack(epoch)
+            key = U64.pack(seed & (2**64 - 1)) + U32.pack(epoch)
             self.keyed = hashlib.blake2b(digest_size=8, key=key)  # a copy is cheaper than keying anew
 
     def __call__(self, position: int) -> int:
@@ -407,7 +406,7 @@ class Permutation:
             left, right = value >> half, value & mask
             for round_ in _ROUNDS:
                 digest = self.keyed.copy()
-                digest.update(_U64.pack(right) + round_)
+                digest.update(U64.pack(right) + round_)
                 left, right = right, left ^ (int.from_bytes(digest.digest(), "big") & mask)
             value = (left << half) | right
             if value < self.size:

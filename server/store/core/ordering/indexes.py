@@ -17,16 +17,13 @@ Every key starts with the table's 4-byte prefix. The built-in indexes (all lazy 
 from __future__ import annotations
 
 import heapq
-import struct
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Mapping, Sequence
 from typing import ClassVar, NamedTuple
 
 import lmdb
 
-from ...disk.layout import next_prefix, prio_key, put_rows, u64, version_key
-
-_U64 = struct.Struct(">Q")
+from ...disk.layout import U64, next_prefix, prio_key, put_rows, u64, version_key
 
 
 class ReadyGroup(NamedTuple):
@@ -175,7 +172,7 @@ class ReadyOrder(KeyedIndex):
             while more and cur.key().startswith(p):
                 if len(found) == limit:
                     return found, found[-1][0] + 1
-                found.append((_U64.unpack(cur.key()[len(p) :])[0], bytes(cur.value())))
+                found.append((U64.unpack(cur.key()[len(p) :])[0], bytes(cur.value())))
                 more = cur.next()
         return found, None
 
@@ -272,7 +269,7 @@ class VersionIndex(KeyedIndex):
             found = cur.set_range(run + (u64(after + 1) if after is not None else b""))
         if not found or not cur.key().startswith(run):
             return None
-        return _U64.unpack(cur.key()[12:20])[0], cur.value()[8:]
+        return U64.unpack(cur.key()[12:20])[0], cur.value()[8:]
 
 
 class Slots(Index):
@@ -306,7 +303,7 @@ class Slots(Index):
         for group in groups:
             slot_raw = txn.pop(p + group.gkey, db=self.db["slotof"])
             if slot_raw is not None:
-                freed.append((group.gkey, _U64.unpack(slot_raw)[0]))
+                freed.append((group.gkey, U64.unpack(slot_raw)[0]))
         if not freed:
             return
         count = self.count()
@@ -346,13 +343,13 @@ class Slots(Index):
         with self.txn.cursor(db=self.db["slots"]) as cur:
             found = cur.set_range(p + u64(max(start, 0)))
             while found and cur.key().startswith(p):
-                tail[_U64.unpack(cur.key()[len(p) :])[0]] = cur.value()
+                tail[U64.unpack(cur.key()[len(p) :])[0]] = cur.value()
                 found = cur.next()
         return tail
 
     def count(self) -> int:
         raw = self.txn.get(self.prefix, db=self.db["slots"])
-        return _U64.unpack(raw)[0] if raw else 0
+        return U64.unpack(raw)[0] if raw else 0
 
     def slot(self, slot: int) -> bytes:
         """The group in one slot of the dense array (0 <= slot < count())."""
