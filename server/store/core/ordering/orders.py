@@ -106,32 +106,34 @@ def _indexes() -> list[type[Index]]:
     return found
 
 
+class Arrival(Order):
+    """Completed groups in the order they became ready, oldest first or (`newest`) newest first:
+    a scan of the ready order one way or the other."""
+
+    index = ReadyOrder
+    newest: ClassVar[bool]
+
+    def candidates(self, ready: ReadyIndex, rng: random.Random) -> Iterator[bytes]:
+        return ready.of(ReadyOrder).scan(reverse=self.newest)
+
+    def fresh(self, ready: ReadyIndex, min_version: int, rng: random.Random) -> Iterator[bytes]:
+        return ready.versions.in_ready_order(min_version, newest=self.newest)
+
+
 @register
-class Fifo(Order):
+class Fifo(Arrival):
     """Oldest completed group first."""
 
     name = "fifo"
-    index = ReadyOrder
-
-    def candidates(self, ready: ReadyIndex, rng: random.Random) -> Iterator[bytes]:
-        return ready.of(ReadyOrder).scan(reverse=False)
-
-    def fresh(self, ready: ReadyIndex, min_version: int, rng: random.Random) -> Iterator[bytes]:
-        return ready.versions.in_ready_order(min_version, newest=False)
+    newest = False
 
 
 @register
-class Lifo(Order):
+class Lifo(Arrival):
     """Newest completed group first."""
 
     name = "lifo"
-    index = ReadyOrder
-
-    def candidates(self, ready: ReadyIndex, rng: random.Random) -> Iterator[bytes]:
-        return ready.of(ReadyOrder).scan(reverse=True)
-
-    def fresh(self, ready: ReadyIndex, min_version: int, rng: random.Random) -> Iterator[bytes]:
-        return ready.versions.in_ready_order(min_version, newest=True)
+    newest = True
 
 
 @register
