@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 from expbuf.client.schema.experience import RESPONSE_TENSOR_FIELDS, TENSOR_FIELDS
 
+from ..codec import segments as version_segments
 from ..codec.build import json_text
 from ..codec.common import MM_PREFIX, RawTensor
 from .pieces import Run, Section, Stored, cut, joined, parts_of
@@ -37,10 +38,7 @@ SCALARS = {
     "cost": "I64",
 }  # fmt: skip
 _PACK = {"F64": "<%dd", "I64": "<%dq"}
-# The column of each experience's version segments (segments.py), from its record: [k, 2] int64,
-# a row (version, offset) per segment; an experience with a version and no segments has one row,
-# (version, 0), one without a version none.
-SEGMENTS = "version_segments"
+SEGMENTS = version_segments.KEY  # the version segments' column, named as an experience's info names them
 # The tensors laid along an experience's response (its tokens after the prompt), as a stored
 # header writes their names.
 _RESPONSE = frozenset(json_text(name) for name in RESPONSE_TENSOR_FIELDS)
@@ -332,9 +330,9 @@ def scalar_column(name: str, values: Sequence[float | int | None]) -> ColumnPart
 
 
 def segment_column(segments: Sequence[Sequence[int]], versions: Sequence[int | None]) -> ColumnParts | None:
-    """The column of each experience's version segments: those it was pushed with (flattened:
-    version, offset, ...), or one of its version at offset 0; an experience with neither is left
-    out, and the column is None when every one is."""
+    """The column of each experience's version segments, named as its info names them,
+    [k, 2] int64: a row (version, offset) per segment it was pushed with, or one of its version at
+    offset 0; an experience with neither is left out, and the column is None when every one is."""
     rows = [
         tuple(flat) or ((version, 0) if version is not None else ())
         for flat, version in zip(segments, versions, strict=True)
