@@ -227,6 +227,38 @@ def test_a_step_over_many_groups_calls_each_hook_once_not_once_a_group(tmp_path:
         assert store.verify("t") == [] and store.verify("g") == []
 
 
+def test_a_push_that_evicts_many_groups_retires_them_in_one_event(tmp_path: Path) -> None:
+    """A full table in evict mode makes room for a push of 16 groups by evicting the 16 oldest
+    ready ones in one step: one Retired event (a release before raised one a group evicted), the
+    oldest first, the counters and indexes as the evictions left them."""
+    many = 16
+    with Store(tmp_path / "data", extensions={"calls": Calls, "journal": Journal}) as store:
+        config = TableConfig.of(
+            "t", estimator="none", group_size=2, capacity_experiences=2 * many + 2, when_full="evict",
+            extensions=["calls", "journal"],
+        )  # fmt: skip
+        store.create_table(config)
+        (calls,) = (ext for ext in store.extensions_of("t") if isinstance(ext, Calls))
+        journal = journal_of(store, "t")
+        old = [item for task in range(many + 1) for item in group_items(0, task, 2)]
+        assert len(store.put("t", old).completed_groups) == many + 1
+        calls.take()
+        journal.events.clear()
+        new = [item for task in range(100, 100 + many) for item in group_items(0, task, 2)]
+        assert len(store.put("t", new).completed_groups) == many
+        assert calls.take() == [
+            ("pushed", "push", many),
+            ("retired", "evicted", many),
+            ("moved", "pending -> ready", many),
+            ("inserted", "", 2 * many),
+        ]
+        (retired,) = [event for event in journal.events if event[0] == "retired"]
+        assert [gkey for gkey, _ in retired[1]] == [f"0/{task}" for task in range(many)]
+        stats = store.stats("t")
+        assert (stats["evicted_total"], stats["ready"]) == (2 * many, 2 * many + 2)
+        assert store.verify("t") == []
+
+
 def test_the_claims_a_call_ends_drop_their_incomplete_groups_in_one_event(tmp_path: Path) -> None:
     """A release of 8 claims, and 8 claims' ends found by the upkeep, each drop their attempts'
     incomplete groups together: one Retired each (the ledger retired them one by one before)."""

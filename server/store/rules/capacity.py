@@ -7,6 +7,8 @@ refused where it would pass the capacity: no value is evicted, nor an experience
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+
 from ..core.table_state.counters import Counters
 from ..core.table_state.state import TableState
 from ..core.verbs.retire import retire
@@ -44,14 +46,16 @@ def make_room(tt: TableState, count: int, nbytes: int, keep: set[str]) -> None:
     (never pending ones, which still take members, nor leased ones) or refuse."""
     cfg = tt.config
 
-    def over() -> bool:
-        live = tt.counters.live()
+    def over(live: int, held: int) -> bool:
         return bool(
             (cfg.capacity.experiences and live + count > cfg.capacity.experiences)
-            or (cfg.capacity.bytes and held_bytes(tt.counters) + nbytes > cfg.capacity.bytes)
+            or (cfg.capacity.bytes and held + nbytes > cfg.capacity.bytes)
         )
 
-    if not over():
+    def over_now() -> bool:
+        return over(tt.counters.live(), held_bytes(tt.counters))
+
+    if not over_now():
         return
     if (cfg.capacity.experiences and count > cfg.capacity.experiences) or (
         cfg.capacity.bytes and nbytes > cfg.capacity.bytes
@@ -61,14 +65,30 @@ def make_room(tt: TableState, count: int, nbytes: int, keep: set[str]) -> None:
             f"({cfg.capacity.experiences} experiences, {cfg.capacity.bytes} bytes) on their own"
         )
     if cfg.capacity.when_full == "evict":
-        for gkey in oldest_groups(tt):
-            if gkey in keep:
-                continue
-            grp = tt.existing_view(gkey)
-            if grp.state != READY:  # a pending group still takes members; leased ones are out
-                continue
-            retire(tt, [(gkey, grp)], EVICTED)
-            tt.counters.evicted_total += len(grp.members)
-            if not over():
-                return
+        oldest = (gkey for gkey in oldest_groups(tt) if gkey not in keep)
+        while over_now() and _evict(tt, oldest, over):
+            pass
+        if not over_now():
+            return
     raise TableFull(f"table '{cfg.name}' is full ({cfg.capacity.experiences} experiences, {cfg.capacity.bytes} bytes)")
+
+
+def _evict(tt: TableState, oldest: Iterator[str], over: Callable[[int, int], bool]) -> bool:
+    """Evict, in one step (one Retired event), as many of the `oldest` ready groups as it takes
+    for `over` to pass on the counts they leave; whether any was."""
+    live, held = tt.counters.live(), held_bytes(tt.counters)
+    groups = []
+    for gkey in oldest:
+        grp = tt.existing_view(gkey)
+        if grp.state != READY:  # a pending group still takes members; leased ones are out
+            continue
+        groups.append((gkey, grp))
+        live -= len(grp.members)
+        if tt.config.capacity.bytes:  # the members' sizes read only where bytes are bounded
+            held -= sum(member.size for uid in grp.members if (member := tt.member(uid)) is not None)
+        if not over(live, held):
+            break
+    if groups:
+        retire(tt, groups, EVICTED)
+        tt.counters.evicted_total += sum(len(grp.members) for _, grp in groups)
+    return bool(groups)
