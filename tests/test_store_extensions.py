@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from expbuf.client import BufferClient, InvalidArgumentError
+from expbuf.client import BufferClient, InvalidArgumentError, trxp
 from expbuf.server.app import ExpbufServer, StartupError
 from expbuf.server.config import ServerConfig, load
 from expbuf.server.store import (
@@ -40,6 +40,7 @@ from expbuf.server.store.schema.table_config import TableConfig
 
 from conftest import payload
 from helpers import group_items
+from test_partial_rollouts import rollout, split
 
 
 class Journal(TableExtension):
@@ -158,6 +159,9 @@ class Calls(TableExtension):
     def on_pushed(self, tt: TableState, event: Pushed) -> None:
         self.calls.append(("pushed", event.call, len(event.gkeys)))
 
+    def on_resent(self, tt: TableState, event: Resent) -> None:
+        self.calls.append(("resent", event.call, len(event.gkeys)))
+
     def on_inserted(self, tt: TableState, event: Inserted) -> None:
         self.calls.append(("inserted", "", len(event.uids)))
 
@@ -259,6 +263,28 @@ def test_a_push_that_evicts_many_groups_retires_them_in_one_event(tmp_path: Path
         assert store.verify("t") == []
 
 
+def test_a_push_of_many_pieces_is_heard_once(tmp_path: Path) -> None:
+    """A push of the first pieces of 8 rollouts (8 groups), then the same push again: one Pushed
+    event for the 8 groups, then one Resent once they are finished (a release before raised one
+    a piece), the claim's check still heard before anything is stored."""
+    many = 8
+    with Store(tmp_path / "data", map_size=1 << 26, extensions={"calls": Calls}) as store:
+        store.create_table(TableConfig.of("t", estimator="none", group_size=1, extensions=["calls"]))
+        (calls,) = (ext for ext in store.extensions_of("t") if isinstance(ext, Calls))
+        cut = [split(rollout(task=task), [4, 8]) for task in range(many)]
+        firsts = [trxp.from_experience(pieces[0]) for pieces in cut]
+        assert len(store.put("t", firsts).partial) == many
+        assert calls.take() == [("pushed", "push", many)]
+        middles = [trxp.from_experience(pieces[1]) for pieces in cut]
+        assert len(store.put("t", middles).partial) == many
+        assert calls.take() == [("pushed", "push", many)]
+        lasts = [trxp.from_experience(pieces[-1]) for pieces in cut]
+        assert len(store.put("t", lasts).completed_groups) == many
+        assert calls.take()[0] == ("pushed", "push", many)
+        store.put("t", lasts)  # the rollouts finished: their last pieces sent again
+        assert calls.take() == [("resent", "push", many)]
+        assert store.verify("t") == []
+
 def test_the_claims_a_call_ends_drop_their_incomplete_groups_in_one_event(tmp_path: Path) -> None:
     """A release of 8 claims, and 8 claims' ends found by the upkeep, each drop their attempts'
     incomplete groups together: one Retired each (the ledger retired them one by one before)."""
@@ -293,8 +319,7 @@ def test_a_push_fail_runs_and_seal_name_who_makes_them_in_the_event(tmp_path: Pa
         store.seal("t", "0/0", holder="token-d")
         assert [e for e in journal.events if e[0] in ("push", "resend")] == [
             ("push", ["0/0"], "token-a", "push"),
-            ("resend", ["0/0"], "token-b", "push"),
-            ("push", [], "token-b", "push"),  # nothing new
+            ("resend", ["0/0"], "token-b", "push"),  # nothing new: no Pushed of no groups
             ("push", ["0/1"], "token-c", "FailRuns"),
             ("push", ["0/0"], "token-d", "Seal"),
         ]
@@ -323,9 +348,7 @@ def test_an_extension_with_the_hooks_of_earlier_releases_is_called_per_group_and
         ("push", gkeys),
         *[("update", gkey, "pending", "ready") for gkey in gkeys],
         ("insert", "t", 4),
-        ("resend", [gkeys[0]]),
-        ("push", []),
-        ("insert", "t", 0),
+        ("resend", [gkeys[0]]),  # a push of a copy alone: no push or insert of nothing
         ("retire", [(gkey, "ready") for gkey in order], "consumed"),
         ("sample", order),
     ]

@@ -124,7 +124,8 @@ def put(
     by_group: dict[str, list[Entry]] = defaultdict(list)
     for entry in fresh.values():
         by_group[entry.group_key(tt.config.grouping.by)].append(entry)
-    tt.extensions.on_pushed(tt, Pushed(list(by_group), holder))
+    if by_group:  # a push of pieces alone, or of copies alone, was heard of as such
+        tt.extensions.on_pushed(tt, Pushed(list(by_group), holder))
     groups: dict[str, GroupView] = {}
     opened: set[str] = set()  # groups this push starts: not in the pending index yet
     size = tt.config.grouping.size
@@ -171,7 +172,8 @@ def put(
     result.stored = list(fresh)
     tt.counters.pushed += len(fresh)
     tt.counters.duplicates += len(result.duplicates)
-    tt.extensions.on_inserted(tt, Inserted(result.stored))
+    if result.stored:
+        tt.extensions.on_inserted(tt, Inserted(result.stored))
     tt.save()
     return result
 

@@ -96,6 +96,7 @@ def take(tt: TableState, entries: Sequence[Entry], room: Callable[[int], None], 
     rollout may take `most` bytes (the largest push), and the table's capacity_bytes (`bounded`).
     `holder` is who pushes (groups.put)."""
     taken = PiecesTaken()
+    finished = _heard(tt, [entry.uid for entry in entries if entry.piece is not None], holder)
     for entry in entries:
         if entry.piece is None:
             if tt.counters.partials:  # a rollout pushed whole replaces its pieces
@@ -105,12 +106,9 @@ def take(tt: TableState, entries: Sequence[Entry], room: Callable[[int], None], 
         offset, more = entry.piece
         piece = entry if entry.together is None else entry.together.piece  # the piece as pushed
         gkey = uid_group_key(entry.uid, tt.config.grouping.by) or entry.uid
-        if tt.member(entry.uid) is not None:  # finished already: a piece of it sent again, by whoever may
-            tt.extensions.on_resent(tt, Resent([gkey], holder))
+        if entry.uid in finished:  # a piece of it sent again, by whoever may
             taken.duplicates.append(entry.uid)
             continue
-        # a claim's checks first: no one else hears what the buffer holds
-        tt.extensions.on_pushed(tt, Pushed([gkey], holder))
         head = pieces.head(tt, entry.uid)
         held = 0 if head is None else head.tokens
         if head is not None and offset < held and (offset, piece.digest.hex(), piece.size) in head.pieces:
@@ -127,12 +125,28 @@ def take(tt: TableState, entries: Sequence[Entry], room: Callable[[int], None], 
         (item,) = parse(piece.blob, trusted=True)
         if more:
             room(piece.size)
-        finished = _add(tt, entry, item, head, more)
-        if finished is None:
+        whole = _add(tt, entry, item, head, more)
+        if whole is None:
             taken.stored.append(entry.uid)
         else:
-            taken.entries.append(finished)
+            taken.entries.append(whole)
     return taken
+
+
+def _heard(tt: TableState, uids: Sequence[str], holder: str) -> set[str]:
+    """The extensions hear the pieces' groups before any piece is looked at, once for the
+    rollouts already finished (a piece sent again: Resent) and once for the others (Pushed: a
+    claim's checks first, so no one else hears what the buffer holds); the finished uids."""
+    by = tt.config.grouping.by
+    finished = {uid for uid in uids if tt.member(uid) is not None}
+    for event, among in (
+        (Resent, [uid for uid in uids if uid in finished]),
+        (Pushed, [uid for uid in uids if uid not in finished]),
+    ):
+        if among:
+            gkeys = list(dict.fromkeys(uid_group_key(uid, by) or uid for uid in among))
+            (tt.extensions.on_resent if event is Resent else tt.extensions.on_pushed)(tt, event(gkeys, holder))
+    return finished
 
 
 def bounded(tt: TableState, uid: str, size: int, most: int) -> None:
