@@ -189,7 +189,7 @@ class Reads:
         return payload, missing
 
     def fields(
-        self, table: str, uids: Sequence[str], shares: Shares | None, *, whole: bool = False
+        self, table: str, uids: Sequence[str], shares: Shares | None = None, *, whole: bool = False
     ) -> tuple[Sampled, list[str]]:
         """The servable experiences among uids (in their order) as a batch to read some fields of
         (ReadFields; `shares` of their tokens, if given), or `whole` (its payload), and the missing

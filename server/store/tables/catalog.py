@@ -79,9 +79,9 @@ class TableCatalog:
         for extensions in self._extensions.values():
             extensions.add(extension)
 
-    def extensions_of(self, name: str) -> tuple[TableExtension, ...]:
+    def extensions_of(self, table: str) -> tuple[TableExtension, ...]:
         """A table's extensions, in the order they run."""
-        return tuple(self._extensions[self.lookup(name)[0]])
+        return tuple(self._extensions[self.lookup(table)[0]])
 
     # ---- lookups -------------------------------------------------------------------------
 
