@@ -207,6 +207,10 @@ class ExpbufServer:
             on_computed=self._advantages_computed,
             on_failed=self._advantages_failed,
             on_device=self._advantage_device,
+            on_failure=self._advantage_failure,
+        )
+        self.metrics.advantage_worker_up.set_function(
+            lambda: float(bool(self.service.advantage_device) and not self.service.advantage_worker_failure)
         )
         buffer_pb2_grpc.add_ExperienceBufferServicer_to_server(self.service, self.grpc)
         self.health = health.HealthServicer()
@@ -233,6 +237,9 @@ class ExpbufServer:
 
     def _advantage_device(self, device: str) -> None:
         self.service.advantage_device = device
+
+    def _advantage_failure(self, failure: str) -> None:
+        self.service.advantage_worker_failure = failure
 
     def start(self) -> ExpbufServer:
         """Serve; on a StartupError nothing is left running and the store is closed."""

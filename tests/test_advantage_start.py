@@ -12,14 +12,18 @@ import sys
 import time
 from pathlib import Path
 
+import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from expbuf.client import BufferClient, InvalidArgumentError, trxp
 from expbuf.client.errors import ExpbufError
 from expbuf.server.store import Store
 
 from conftest import Servers
-from helpers import ServerProcess, group_items, make_experience, pythonpath, wait_for
+from helpers import ServerProcess, group_items, make_experience, pythonpath, scrape, wait_for
+
+UP = ("expbuf_advantage_worker_up", ())
 
 SERVER_MODULES = (
     "expbuf.server.app",
@@ -64,13 +68,17 @@ def test_a_push_while_torch_loads_is_answered_and_computed_once_it_has(tmp_path:
         with BufferClient(server.target, timeout=30) as client:
             client.create_table("g", group_size=4, estimator="grpo")
             client.push([make_experience(0, 0, run, reward=float(run)) for run in range(4)], table="g")
-            assert client.stats("g")["g"].computing == 4 and client.server_info().advantage_device == ""
+            assert client.stats("g")["g"].computing == 4
+            loading = client.server_info()
+            assert loading.advantage_device == "" and loading.advantage_worker_failure == ""
+            assert scrape(server.metrics_port)[UP] == 0  # not up yet, and not failed
             gate.touch()
             wait_for(lambda: client.stats("g")["g"].ready == 4, "the worker computed the group pushed before it")
             (batch,) = client.sample("g", num_groups=1, max_batches=1, delivery="consume")
             firsts = sorted(float(e.advantages.flatten()[0]) for e in batch.experiences)
             assert firsts[0] < 0 < firsts[-1]  # GRPO's: rewards 0..3 around their mean
             assert client.server_info().advantage_device in ("cpu", "cuda")
+            assert scrape(server.metrics_port)[UP] == 1
     finally:
         gate.touch()
         server.stop(signal.SIGTERM)
@@ -115,7 +123,37 @@ def test_a_server_whose_torch_cannot_load_serves_what_needs_none(tmp_path: Path)
             assert client.server_info().advantage_device == ""
     finally:
         server.stop(signal.SIGTERM)
-    assert sum("advantage worker did not start" in line for line in server.log) == 1, "".join(server.log)
+    said = [line for line in server.log if " ERROR " in line and "advantage worker did not start" in line]
+    assert len(said) == 1, "".join(server.log)  # once: a refusal names it at INFO
+
+
+def test_an_advantage_worker_that_cannot_start_is_plain_to_its_operator(tmp_path: Path) -> None:
+    """Where torch cannot load, the log says so once at ERROR, naming the cause and what it means
+    on its first line; ServerInfo names the cause (`advantage_worker_failure`) and the gauge
+    `expbuf_advantage_worker_up` is 0, for an alert. Health stays SERVING: what needs no
+    advantages is served, and a restart would not mend a broken torch. Before, ServerInfo's
+    empty `advantage_device` read as a server whose torch still loads, and the metrics said nothing."""
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "torch.py").write_text("raise ImportError('this torch is broken on purpose')\n")
+    cause = "ImportError: this torch is broken on purpose"
+    server = ServerProcess(str(tmp_path / "data"), env={"PYTHONPATH": pythonpath(broken)})
+    try:
+        with BufferClient(server.target, timeout=60) as client, grpc.insecure_channel(server.target) as channel:
+            client.create_table("g", group_size=2, estimator="grpo")
+            with pytest.raises(ExpbufError, match=cause):
+                client.push(trxp.build(group_items(0, 0, 2, reward=1.0)), table="g")
+            info = client.server_info()
+            assert info.advantage_device == ""
+            assert info.advantage_worker_failure == f"the advantage worker did not start: {cause}"
+            assert scrape(server.metrics_port)[UP] == 0
+            health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
+            assert health.status == health_pb2.HealthCheckResponse.SERVING
+    finally:
+        server.stop(signal.SIGTERM)
+    (error,) = [line for line in server.log if " ERROR " in line]  # the traceback's lines follow it
+    assert "advantage worker did not start" in error and cause in error, error
+    assert "refused" in error and "fail" in error, error  # what it means for pushes and groups computing
 
 
 BROKEN_LATER = """import os, time

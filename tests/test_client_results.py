@@ -179,6 +179,19 @@ def test_merged_stats_take_each_field_by_its_meaning() -> None:
     assert unset.trainer_version == -1
 
 
+def test_merged_server_info_names_each_shard_whose_advantages_cannot_be_computed() -> None:
+    """A shard's advantage worker failure, after the shard's name; none from shards without one."""
+    ok = ServerInfo("1", "1", "cpu", 1 << 20, uptime_seconds=1.0, storage_bytes=1, lmdb_map_used_ratio=0.1)
+    broken = dataclasses.replace(
+        ok, advantage_device="", advantage_worker_failure="the advantage worker did not start: X"
+    )
+    merged = ServerInfo.merged({"s0": ok, "s1": broken, "s2": broken}, {})
+    assert merged.advantage_worker_failure == (
+        "s1: the advantage worker did not start: X; s2: the advantage worker did not start: X"
+    )
+    assert ServerInfo.merged({"s0": ok, "s1": ok}, {}).advantage_worker_failure == ""
+
+
 def test_results_that_hold_payloads_print_a_summary(targets: list[str]) -> None:
     """`print(batch)` names the table, the counts, the payload's size, the lease and partial, in
     one short line, from every client; a read's result its counts (the bytes were 3 times the payload)."""

@@ -763,6 +763,15 @@ def test_stats_columns_fit_long_table_names() -> None:
         assert [m.start() for m in re.finditer(cell, line)] == starts, line
 
 
+def test_stats_says_why_advantages_cannot_be_computed() -> None:
+    """`expbuf stats` names the advantage worker's failure where it shows the device."""
+    info = ServerInfo("x", "1", "", 1 << 20, uptime_seconds=1.0, storage_bytes=1, lmdb_map_used_ratio=0.1)
+    assert "advantages on a device not known yet" in render(info, {}, {}).splitlines()[0]
+    failed = dataclasses.replace(info, advantage_worker_failure="the advantage worker did not start: ImportError: x")
+    head = render(failed, {}, {}).splitlines()[0]
+    assert head.endswith("advantages cannot be computed (the advantage worker did not start: ImportError: x)"), head
+
+
 def test_cli_version_and_help_on_every_option() -> None:
     done = subprocess.run(
         [sys.executable, "-m", "expbuf.server.cli", "--version"], capture_output=True, text=True, timeout=60, check=True

@@ -61,13 +61,16 @@ class ScrubInfo:
 class ServerInfo:
     """What `server_info()` returns: the server's version, its TRXP version, the device advantages
     run on, the largest message it takes, how long it has run, its storage and how full its map
-    is, what its background scrub has done, and the orders a sample may name (built in and
-    registered; empty from a server that predates the list).
+    is, what its background scrub has done, the orders a sample may name (built in and
+    registered; empty from a server that predates the list), and why advantages cannot be
+    computed there (`advantage_worker_failure`: empty unless its advantage worker did not
+    start; then a push that needs them is refused, and the groups computing fail).
 
     From a sharded client, the shards that answered combined (each in `shards`, the others in
     `missing`): the versions and devices each shard reports, comma-joined where they differ; the
     smallest message limit (what every shard takes); the shortest uptime; the storage summed;
-    the fullest map; the scrubs as `ScrubInfo.merged` says; the orders every shard has.
+    the fullest map; the scrubs as `ScrubInfo.merged` says; the orders every shard has; each
+    failing shard's advantage worker failure, after its name.
     """
 
     version: str
@@ -79,6 +82,7 @@ class ServerInfo:
     lmdb_map_used_ratio: float
     scrub: ScrubInfo = field(default_factory=ScrubInfo)
     orders: tuple[str, ...] = ()
+    advantage_worker_failure: str = ""
     shards: Mapping[str, ServerInfo] = field(default_factory=dict)
     missing: Mapping[str, str] = field(default_factory=dict)
 
@@ -107,6 +111,9 @@ class ServerInfo:
             lmdb_map_used_ratio=max(i.lmdb_map_used_ratio for i in infos),
             scrub=ScrubInfo.merged([i.scrub for i in infos]),
             orders=tuple(name for name in infos[0].orders if all(name in i.orders for i in infos)),
+            advantage_worker_failure="; ".join(
+                f"{name}: {i.advantage_worker_failure}" for name, i in shards.items() if i.advantage_worker_failure
+            ),
             shards=dict(shards),
             missing=dict(missing),
         )

@@ -10,11 +10,12 @@ push after that computes its groups' advantages itself where the table's estimat
 reply is built, and so waits for the same import. A stop does not wait for it either: a worker
 whose torch loads after the stop is not started, and the groups stay computing for the next start.
 
-Should torch fail to load, that is logged once with its cause, and each push that needs
-advantages computed is refused naming it from then on; the rest of the server keeps serving. The
-groups left computing (pushed while torch loaded, or before the start) fail, each table's Stats
-naming the cause, as groups whose computation fails on every try do (worker.py): no worker of
-this server will ever compute them.
+Should torch fail to load, that is logged once at ERROR with its cause, `on_failure` hears it
+(ServerInfo's `advantage_worker_failure`, the gauge `expbuf_advantage_worker_up`), and each push
+that needs advantages computed is refused naming it from then on; the rest of the server keeps
+serving. The groups left computing (pushed while torch loaded, or before the start) fail, each
+table's Stats naming the cause, as groups whose computation fails on every try do (worker.py):
+no worker of this server will ever compute them.
 """
 
 from __future__ import annotations
@@ -37,8 +38,9 @@ log = logging.getLogger("expbuf.server")
 
 class AdvantageStart:
     """Loads torch and starts the store's advantage worker on a thread of its own; answers the
-    store's `in_push` meanwhile. `on_device` hears the device advantages are computed on;
-    `on_computed` and `on_failed` each computation, as AdvantageWorker's."""
+    store's `in_push` meanwhile. `on_device` hears the device advantages are computed on,
+    `on_failure` why they cannot be (the worker did not start); `on_computed` and
+    `on_failed` each computation, as AdvantageWorker's."""
 
     def __init__(
         self,
@@ -48,9 +50,11 @@ class AdvantageStart:
         on_computed: Callable[[str, str, float], None],
         on_failed: Callable[[str, str, str, int], None],
         on_device: Callable[[str], None],
+        on_failure: Callable[[str], None],
     ) -> None:
         self._store, self._torch_threads = store, torch_threads
         self._on_computed, self._on_failed, self._on_device = on_computed, on_failed, on_device
+        self._on_failure = on_failure
         self._ready = threading.Event()
         self._lock = threading.Lock()  # the worker is started, or the server stopped, not both
         self._stopped = False
@@ -75,13 +79,7 @@ class AdvantageStart:
             device = str(resolve_device("auto"))
             worker = AdvantageWorker(self._store, on_computed=self._on_computed, on_failed=self._on_failed)
         except Exception as exc:
-            log.exception("advantages cannot be computed: the advantage worker did not start")
-            with self._lock:
-                self._failure = f"{type(exc).__name__}: {exc}"
-                failing = not self._stopped
-            self._ready.set()
-            if failing:
-                self._fail_computing()
+            self._fail("the advantage worker did not start", exc)
             return
         with self._lock:
             if self._stopped:
@@ -125,6 +123,23 @@ class AdvantageStart:
         if failing:  # its thread fails what is computing, until now
             self._store.wake()
             self._thread.join()
+
+    def _fail(self, what: str, exc: BaseException) -> None:
+        """Say once, and to `on_failure`, why advantages cannot be computed; then, on the calling
+        thread (whose work has ended), fail the groups computing until the server stops."""
+        cause = f"{type(exc).__name__}: {exc}"
+        log.error(
+            "%s: %s; advantages cannot be computed on this server: each push that needs them is refused,"
+            " and the groups computing fail, until a restart",
+            what, cause, exc_info=exc,
+        )  # fmt: skip
+        with self._lock:
+            self._failure = f"{what}: {cause}"
+            failing = not self._stopped
+        self._ready.set()
+        self._on_failure(self._failure)
+        if failing:
+            self._fail_computing()
 
     def _fail_computing(self) -> None:
         """Fail every group computing, as they come (a push whose in_push ran before the failure

@@ -99,13 +99,20 @@ def scrub_line(scrub: ScrubInfo, now: float) -> str:
     return line
 
 
+def _advantages(info: ServerInfo) -> str:
+    """Where advantages are computed, or why they cannot be."""
+    if info.advantage_worker_failure:
+        return f"advantages cannot be computed ({info.advantage_worker_failure})"
+    return f"advantages on {info.advantage_device or 'a device not known yet'}"
+
+
 def render(info: ServerInfo, tables: Mapping[str, TableStats], rates: dict[str, tuple[float, float]]) -> str:
     """The view as text; each column as wide as its widest cell, so long table names keep the columns aligned."""
     rows = [(name, _row(name, t, rates)) for name, t in tables.items()]
     widths = [max([len(header), *(len(cells[i]) for _, cells in rows)]) for i, header in enumerate(COLUMNS)]
     lines = [
         f"expbuf {info.version}  uptime {_age(info.uptime_seconds)}  storage {_size(info.storage_bytes)}"
-        f" (map {info.lmdb_map_used_ratio:.0%})  advantages on {info.advantage_device or 'a device not known yet'}",
+        f" (map {info.lmdb_map_used_ratio:.0%})  {_advantages(info)}",
         scrub_line(info.scrub, time.time()),
         "",
         "  ".join(header.ljust(w) for header, w in zip(COLUMNS, widths, strict=True)).rstrip(),

@@ -138,6 +138,7 @@ class ExperienceBufferService(LedgerServicer, ReadServicer, ValuesServicer, pb_g
         self.metrics = metrics
         self.max_message_bytes = max_message_bytes
         self.advantage_device = advantage_device
+        self.advantage_worker_failure = ""  # why advantages cannot be computed (advantages/start.py)
         self.push_stream_idle_seconds = push_stream_idle_seconds
         self.push_stream_window = push_stream_window
         self.max_wait_seconds = max_wait_seconds
@@ -386,6 +387,7 @@ class ExperienceBufferService(LedgerServicer, ReadServicer, ValuesServicer, pb_g
             lmdb_map_used_ratio=storage["map_used_ratio"],
             scrub=pb.ScrubInfo(**asdict(self.store.scrub_status())),
             orders=list(order_names.NAMES),
+            advantage_worker_failure=self.advantage_worker_failure,
         )
 
     @refusals

@@ -663,7 +663,7 @@ class ServerInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ServerInfoReply(_message.Message):
-    __slots__ = ("version", "trxp_version", "advantage_device", "max_message_bytes", "uptime_seconds", "storage_bytes", "lmdb_map_used_ratio", "scrub", "orders")
+    __slots__ = ("version", "trxp_version", "advantage_device", "max_message_bytes", "uptime_seconds", "storage_bytes", "lmdb_map_used_ratio", "scrub", "orders", "advantage_worker_failure")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     TRXP_VERSION_FIELD_NUMBER: _ClassVar[int]
     ADVANTAGE_DEVICE_FIELD_NUMBER: _ClassVar[int]
@@ -673,6 +673,7 @@ class ServerInfoReply(_message.Message):
     LMDB_MAP_USED_RATIO_FIELD_NUMBER: _ClassVar[int]
     SCRUB_FIELD_NUMBER: _ClassVar[int]
     ORDERS_FIELD_NUMBER: _ClassVar[int]
+    ADVANTAGE_WORKER_FAILURE_FIELD_NUMBER: _ClassVar[int]
     version: str
     trxp_version: str
     advantage_device: str
@@ -682,7 +683,8 @@ class ServerInfoReply(_message.Message):
     lmdb_map_used_ratio: float
     scrub: ScrubInfo
     orders: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, version: _Optional[str] = ..., trxp_version: _Optional[str] = ..., advantage_device: _Optional[str] = ..., max_message_bytes: _Optional[int] = ..., uptime_seconds: _Optional[float] = ..., storage_bytes: _Optional[int] = ..., lmdb_map_used_ratio: _Optional[float] = ..., scrub: _Optional[_Union[ScrubInfo, _Mapping]] = ..., orders: _Optional[_Iterable[str]] = ...) -> None: ...
+    advantage_worker_failure: str
+    def __init__(self, version: _Optional[str] = ..., trxp_version: _Optional[str] = ..., advantage_device: _Optional[str] = ..., max_message_bytes: _Optional[int] = ..., uptime_seconds: _Optional[float] = ..., storage_bytes: _Optional[int] = ..., lmdb_map_used_ratio: _Optional[float] = ..., scrub: _Optional[_Union[ScrubInfo, _Mapping]] = ..., orders: _Optional[_Iterable[str]] = ..., advantage_worker_failure: _Optional[str] = ...) -> None: ...
 
 class ScrubInfo(_message.Message):
     __slots__ = ("mb_per_second", "interval_seconds", "running", "pass_checked_bytes", "pass_total_bytes", "passes", "checked_bytes", "checked", "found", "last_pass_end_unix", "last_pass_seconds", "last_pass_bytes", "last_pass_found")

@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import grpc
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -287,6 +287,12 @@ class Metrics:
             "Groups whose advantage computation raised: retried later (every group of it failed, a cause that"
             " may pass), or failed.",
             ["table", "estimator", "outcome"],
+            registry=self.registry,
+        )
+        self.advantage_worker_up = Gauge(
+            "expbuf_advantage_worker_up",
+            "1 while the advantage worker runs; 0 while torch loads after a start, and where the worker did not"
+            " start (ServerInfo.advantage_worker_failure names why).",
             registry=self.registry,
         )
         self.admission = Counter(
