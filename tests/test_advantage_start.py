@@ -6,6 +6,7 @@ no advantages and refuses by name each push that does."""
 from __future__ import annotations
 
 import gc
+import logging
 import signal
 import subprocess
 import sys
@@ -18,10 +19,12 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from expbuf.client import BufferClient, InvalidArgumentError, trxp
 from expbuf.client.errors import ExpbufError
+from expbuf.server.advantages import estimators
 from expbuf.server.store import Store
+from expbuf.server.store.schema.estimator_registry import Estimator
 
 from conftest import Servers
-from helpers import ServerProcess, group_items, make_experience, pythonpath, scrape, wait_for
+from helpers import ServerProcess, group_items, make_experience, pythonpath, registered, scrape, wait_for
 
 UP = ("expbuf_advantage_worker_up", ())
 
@@ -190,6 +193,40 @@ def test_groups_pushed_while_a_torch_that_cannot_load_loads_fail_naming_why(tmp_
     finally:
         gate.touch()
         assert server.stop(signal.SIGTERM) == 0, "".join(server.log)
+
+
+def test_an_advantage_worker_that_ends_is_reported_as_one_that_did_not_start(
+    start_server: Servers, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The worker retries a pass that raises an Exception; one that raises what is not an
+    Exception (SystemExit, from an estimator that calls sys.exit) ended its thread without a word
+    (threading says nothing of SystemExit): pushes were taken and their groups stayed computing,
+    ServerInfo and the metrics saying the worker was up. It is now the state of a worker that did
+    not start: logged once at ERROR, named in ServerInfo, the gauge at 0, the groups left
+    computing failed naming it, a push that needs advantages refused."""
+
+    def exits(b: estimators.FlatBatch) -> estimators.Advantages:
+        raise SystemExit("this estimator exits on purpose")
+
+    caplog.set_level(logging.INFO, logger="expbuf")
+    server = start_server()
+    cause = "SystemExit: this estimator exits on purpose"
+    with (
+        registered(Estimator("exits", ingest=exits, token_level=True)) as name,
+        BufferClient(f"127.0.0.1:{server.port}", timeout=30) as client,
+    ):
+        client.create_table("x", group_size=2, estimator=name)
+        assert scrape(server.metrics_port)[UP] == 1
+        client.push(trxp.build(group_items(0, 0, 2, reward=1.0)), table="x")  # the worker computes it, and ends
+        wait_for(lambda: client.stats("x")["x"].groups_failed == 1, "the group left computing failed")
+        assert cause in client.stats("x")["x"].last_failure
+        info = client.server_info()
+        assert info.advantage_worker_failure == f"the advantage worker ended: {cause}"
+        assert scrape(server.metrics_port)[UP] == 0
+        with pytest.raises(ExpbufError, match="advantages cannot be computed on this server"):
+            client.push(trxp.build(group_items(1, 0, 2, reward=1.0)), table="x")
+    (error,) = [r for r in caplog.records if r.getMessage().startswith("the advantage worker")]
+    assert error.levelno == logging.ERROR and cause in error.getMessage(), error.getMessage()
 
 
 def test_what_the_server_loaded_at_its_start_is_out_of_the_collectors_sight(start_server: Servers) -> None:

@@ -63,8 +63,8 @@ class ServerInfo:
     run on, the largest message it takes, how long it has run, its storage and how full its map
     is, what its background scrub has done, the orders a sample may name (built in and
     registered; empty from a server that predates the list), and why advantages cannot be
-    computed there (`advantage_worker_failure`: empty unless its advantage worker did not
-    start; then a push that needs them is refused, and the groups computing fail).
+    computed there (`advantage_worker_failure`: empty unless its advantage worker did not start
+    or ended; then a push that needs them is refused, and the groups computing fail).
 
     From a sharded client, the shards that answered combined (each in `shards`, the others in
     `missing`): the versions and devices each shard reports, comma-joined where they differ; the

@@ -15,7 +15,8 @@ Should torch fail to load, that is logged once at ERROR with its cause, `on_fail
 that needs advantages computed is refused naming it from then on; the rest of the server keeps
 serving. The groups left computing (pushed while torch loaded, or before the start) fail, each
 table's Stats naming the cause, as groups whose computation fails on every try do (worker.py):
-no worker of this server will ever compute them.
+no worker of this server will ever compute them. A worker that ends later (what its loop does not
+retry, a SystemExit from an estimator, ends it) is the same state, said the same ways.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ log = logging.getLogger("expbuf.server")
 class AdvantageStart:
     """Loads torch and starts the store's advantage worker on a thread of its own; answers the
     store's `in_push` meanwhile. `on_device` hears the device advantages are computed on,
-    `on_failure` why they cannot be (the worker did not start); `on_computed` and
+    `on_failure` why they cannot be (the worker did not start, or ended); `on_computed` and
     `on_failed` each computation, as AdvantageWorker's."""
 
     def __init__(
@@ -77,7 +78,9 @@ class AdvantageStart:
 
             use_threads(self._torch_threads)
             device = str(resolve_device("auto"))
-            worker = AdvantageWorker(self._store, on_computed=self._on_computed, on_failed=self._on_failed)
+            worker = AdvantageWorker(
+                self._store, on_computed=self._on_computed, on_failed=self._on_failed, on_ended=self._ended
+            )
         except Exception as exc:
             self._fail("the advantage worker did not start", exc)
             return
@@ -97,19 +100,17 @@ class AdvantageStart:
         log.info("advantage worker started: advantages computed on %s", device)
 
     def in_push(self, config: TableConfig) -> Compute | None:
-        """The store's `in_push`: the worker's answer once it has started; None (the groups
-        computing, for the worker) for a table without an estimator, while torch loads, or once
-        the server stops; a refusal where torch failed to load."""
+        """The store's `in_push`: None (the groups computing, for the worker) for a table without
+        an estimator, while torch loads, or once the server stops; a refusal where the worker did
+        not start or has ended; else the worker's answer."""
         if config.advantages.estimator == "none":
             return None
-        worker = self._worker
-        if worker is not None:
-            return worker.in_push(config)
         if self._failure:
             raise AdvantagesUnavailable(
                 f"table '{config.name}': advantages cannot be computed on this server ({self._failure})"
             )
-        return None
+        worker = self._worker
+        return None if worker is None else worker.in_push(config)
 
     def stop(self) -> None:
         """Stop the worker if it has started; one still loading is never started (its thread,
@@ -120,9 +121,13 @@ class AdvantageStart:
         self._ready.set()
         if worker is not None:
             worker.stop()
-        if failing:  # its thread fails what is computing, until now
+        if failing:  # the thread failing what is computing ends now (an ended worker's: joined above)
             self._store.wake()
             self._thread.join()
+
+    def _ended(self, exc: BaseException) -> None:
+        """The worker's `on_ended`, on its thread: from now on, as if it had not started."""
+        self._fail("the advantage worker ended", exc)
 
     def _fail(self, what: str, exc: BaseException) -> None:
         """Say once, and to `on_failure`, why advantages cannot be computed; then, on the calling

@@ -200,7 +200,8 @@ class AdvantageWorker:
     others succeed is the cause: it fails at once. When every group fails (one group
     alone, or a GPU out of memory for all), the cause may be passing: the table's groups
     stay computing and are tried again after `retry_delays`, and fail only after the
-    last try.
+    last try. What a pass raises is retried; what is not an Exception ends the thread,
+    and `on_ended` hears it.
     """
 
     def __init__(
@@ -210,12 +211,14 @@ class AdvantageWorker:
         batch_limit: int = 8192,
         on_computed: Callable[[str, str, float], None] | None = None,
         on_failed: Callable[[str, str, str, int], None] | None = None,
+        on_ended: Callable[[BaseException], None] | None = None,
         retry_delays: Sequence[float] = (1.0, 4.0),
     ) -> None:
         self.store = store
         self.batch_limit = batch_limit
         self.on_computed = on_computed  # (table, estimator, seconds), for the metrics
         self.on_failed = on_failed  # (table, estimator, "retried" or "failed", groups), for the metrics
+        self.on_ended = on_ended  # what ended its thread before a stop, on that thread
         self.retry_delays = tuple(retry_delays)
         self._tries: dict[tuple[str, str], int] = {}  # (table, group) -> failed tries so far
         self._not_before: dict[str, float] = {}  # table -> monotonic time of its next try
@@ -326,11 +329,16 @@ class AdvantageWorker:
             self.on_failed(job.table, job.config.advantages.estimator, outcome, groups)
 
     def _run(self) -> None:
-        while not self._stop.is_set():
-            generation = self.store.generation
-            try:
-                if self.run_once():
-                    continue
-            except Exception:
-                log.exception("advantage worker error; retrying")
-            self.store.wait_for_change(generation, 0.5)
+        try:
+            while not self._stop.is_set():
+                generation = self.store.generation
+                try:
+                    if self.run_once():
+                        continue
+                except Exception:
+                    log.exception("advantage worker error; retrying")
+                self.store.wait_for_change(generation, 0.5)
+        except BaseException as exc:  # a pass's retry lets it through (a SystemExit, which a thread ends by unsaid)
+            if self.on_ended is None:
+                raise
+            self.on_ended(exc)

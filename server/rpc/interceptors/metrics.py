@@ -292,7 +292,7 @@ class Metrics:
         self.advantage_worker_up = Gauge(
             "expbuf_advantage_worker_up",
             "1 while the advantage worker runs; 0 while torch loads after a start, and where the worker did not"
-            " start (ServerInfo.advantage_worker_failure names why).",
+            " start or ended (ServerInfo.advantage_worker_failure names why).",
             registry=self.registry,
         )
         self.admission = Counter(
