@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
+from test_partial_rollouts import rollout, split
 
 from expbuf.client import BufferClient, InvalidArgumentError, trxp
 from expbuf.server.app import ExpbufServer, StartupError
@@ -40,7 +41,6 @@ from expbuf.server.store.schema.table_config import TableConfig
 
 from conftest import payload
 from helpers import group_items
-from test_partial_rollouts import rollout, split
 
 
 class Journal(TableExtension):
@@ -284,6 +284,7 @@ def test_a_push_of_many_pieces_is_heard_once(tmp_path: Path) -> None:
         store.put("t", lasts)  # the rollouts finished: their last pieces sent again
         assert calls.take() == [("resent", "push", many)]
         assert store.verify("t") == []
+
 
 def test_the_claims_a_call_ends_drop_their_incomplete_groups_in_one_event(tmp_path: Path) -> None:
     """A release of 8 claims, and 8 claims' ends found by the upkeep, each drop their attempts'

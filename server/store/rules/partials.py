@@ -35,7 +35,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import itertools
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import lmdb
@@ -139,13 +139,14 @@ def _heard(tt: TableState, uids: Sequence[str], holder: str) -> set[str]:
     claim's checks first, so no one else hears what the buffer holds); the finished uids."""
     by = tt.config.grouping.by
     finished = {uid for uid in uids if tt.member(uid) is not None}
-    for event, among in (
-        (Resent, [uid for uid in uids if uid in finished]),
-        (Pushed, [uid for uid in uids if uid not in finished]),
-    ):
-        if among:
-            gkeys = list(dict.fromkeys(uid_group_key(uid, by) or uid for uid in among))
-            (tt.extensions.on_resent if event is Resent else tt.extensions.on_pushed)(tt, event(gkeys, holder))
+
+    def gkeys(among: Iterable[str]) -> list[str]:
+        return list(dict.fromkeys(uid_group_key(uid, by) or uid for uid in among))
+
+    if finished:
+        tt.extensions.on_resent(tt, Resent(gkeys(uid for uid in uids if uid in finished), holder))
+    if len(finished) < len(set(uids)):
+        tt.extensions.on_pushed(tt, Pushed(gkeys(uid for uid in uids if uid not in finished), holder))
     return finished
 
 
