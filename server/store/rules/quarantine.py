@@ -11,8 +11,9 @@ state (`quarantined`, a tombstone forgotten in time like the others) and in the 
 
 A member its group names whose record the directory lost (found by a sample) is quarantined
 alike: its tombstone is made from what is left (its payload's digest where the payload is, so
-that a retried push of it is still a duplicate), and its payload and place in the insertion
-order, found by its uid, go.
+that a retried push of it is still a duplicate), its payload and place in the insertion order,
+found by its uid, go, and the table's bytes are recounted from its records (the lost record's
+size, counted in them, is known nowhere else).
 """
 
 from __future__ import annotations
@@ -48,8 +49,7 @@ def quarantine_groups(tt: TableState, groups: Sequence[tuple[str, GroupView, dic
         tt.counters.last_failure = f"group {gkey}: experience {uid} quarantined: {why}"
     tt.counters.damaged += len(quarantined)
     retire.retire(tt, [(gkey, grp) for gkey, grp, _ in groups], FAILED, quarantined)  # leaves the lost alone
-    for gkey, state, uid in lost:
-        retire.bury_lost(tt, gkey, state, uid)
+    retire.bury_lost(tt, lost)
     return len(quarantined)
 
 

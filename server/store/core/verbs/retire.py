@@ -237,36 +237,55 @@ def delete(tt: TableState, uids: Sequence[str], group_ids: Sequence[str]) -> int
     return deleted
 
 
-def bury_lost(tt: TableState, gkey: str, state: State, uid: str) -> None:
-    """A member of group `gkey` (which was in `state`) whose record is lost: what is left of it
-    goes, its payload's bytes uncounted (the record's size was the payload's), and it becomes a
-    quarantined tombstone, so that its failed group is whole and pruned in time as the others."""
-    key = tt.key(uid)
-    blob = chunk_reads.read_payload(tt.txn, tt.db, key)
-    size = 0 if blob is None else len(blob)
-    place = _place_of(tt, uid)
-    drop_payloads(tt, [key], [size], [] if place is None else [place], size)
-    rec = ItemRecord(
-        state=QUARANTINED, group=gkey, seq=0, digest=bytes(16) if blob is None else digests.of(blob), size=0,
-        created=tt.now, tid="", rid="", step=0, response_length=0, generated=0, retired=tt.now,
-    )  # fmt: skip
-    tt.txn.put(key, rec.tombstone(), db=tt.db["tombs"])
-    tt.settle_item(uid, rec)
-    tt.counters.add(state, -1)
-    tt.counters.add(QUARANTINED, 1)
+def bury_lost(tt: TableState, lost: Sequence[tuple[str, State, str]]) -> None:
+    """Members whose records are lost, each (its group, the state the group was in, its uid): what
+    is left of each goes (its payload, its place in the insertion order, found by its uid) and it
+    becomes a quarantined tombstone, so that its group is whole and pruned in time as the others.
+    The table's bytes are then recounted from the live records: a lost record's size, counted in
+    them, is known nowhere else (its payload may be lost with it)."""
+    if not lost:
+        return
+    keys = [tt.key(uid) for _, _, uid in lost]
+    for (gkey, state, uid), key in zip(lost, keys, strict=True):
+        blob = chunk_reads.read_payload(tt.txn, tt.db, key)
+        rec = ItemRecord(
+            state=QUARANTINED, group=gkey, seq=0, digest=bytes(16) if blob is None else digests.of(blob), size=0,
+            created=tt.now, tid="", rid="", step=0, response_length=0, generated=0, retired=tt.now,
+        )  # fmt: skip
+        tt.txn.put(key, rec.tombstone(), db=tt.db["tombs"])
+        tt.settle_item(uid, rec)
+        tt.counters.add(state, -1)
+        tt.counters.add(QUARANTINED, 1)
+    chunked.delete(tt.txn, tt.db, sorted(keys))  # no size to go by: each looked at
+    nbytes, places = _live_bytes(tt, {uid for _, _, uid in lost})
+    drop_payloads(tt, [], [], places, 0, keep_blobs=True)
+    tt.counters.bytes = nbytes
 
 
-def _place_of(tt: TableState, uid: str) -> bytes | None:
-    """The uid's key in the table's insertion order, found by reading the order through (its
-    record, which says where, is lost): damage is rare, and its sample pays for it."""
-    name = uid.encode()
+def _live_bytes(tt: TableState, lost: Set[str]) -> tuple[int, list[bytes]]:
+    """The bytes of the table's live experiences whose records are stored, and the keys of the
+    `lost` in the insertion order, read through the order (their records, which say where, are
+    gone): damage is rare, and the request that meets it pays for it."""
+    nbytes, places = 0, []
     with tt.txn.cursor(db=tt.db["order"]) as cur:
         found = cur.set_range(tt.prefix)
         while found and cur.key().startswith(tt.prefix):
-            if cur.value() == name:
-                return cur.key()
+            uid = bytes(cur.value()).decode(errors="replace")
+            if uid in lost:
+                places.append(bytes(cur.key()))
+            else:
+                nbytes += _size(tt, uid)
             found = cur.next()
-    return None
+    return nbytes, places
+
+
+def _size(tt: TableState, uid: str) -> int:
+    """The size its record gives a live experience's payload (0: its record is not stored)."""
+    cached, rec = tt.cached_item(uid)
+    if cached:
+        return 0 if rec is None else rec.size
+    raw = tt.txn.get(tt.key(uid), db=tt.db["items"])
+    return 0 if raw is None else ItemRecord.place(raw)[2]
 
 
 def quarantine_kept(tt: TableState, uid: str, view: MemberView) -> None:
