@@ -115,6 +115,14 @@ def prio_key(priority: float) -> bytes:
     return u64(bits ^ 0xFFFFFFFFFFFFFFFF)  # flip for descending
 
 
+def priority_of(key: bytes | memoryview) -> float:
+    """The priority a prio_key was made of."""
+    bits = U64.unpack(key)[0] ^ 0xFFFFFFFFFFFFFFFF  # ascending again
+    bits = bits ^ (1 << 63) if bits >> 63 else bits ^ 0xFFFFFFFFFFFFFFFF
+    (priority,) = struct.unpack(">d", struct.pack(">Q", bits))
+    return float(priority)
+
+
 def version_key(version: int) -> bytes:
     """A signed 64-bit version as 8 bytes that sort in its order."""
     return u64(version + (1 << 63))

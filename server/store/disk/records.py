@@ -138,6 +138,13 @@ class ItemRecord:
         return STATES[state], seq, size
 
     @classmethod
+    def group_of(cls, data: bytes | memoryview) -> str:
+        """The group of an encoded record, the rest left undecoded: what finding the members of a
+        group whose record is lost reads of every record."""
+        group, _ = _unpack_str(data, cls._TOMB.size if cls.compact(data) else cls._HEAD.size)
+        return group
+
+    @classmethod
     def digest_of(cls, data: bytes | memoryview) -> tuple[bytes, int]:
         """The digest and size of an encoded full record, the rest left undecoded: what the
         scrub compares a payload with."""

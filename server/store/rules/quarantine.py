@@ -23,7 +23,7 @@ from collections.abc import Iterable, Sequence
 
 from ..core.table_state.read_check import payload_problem
 from ..core.table_state.state import TableState
-from ..core.verbs import retire
+from ..core.verbs import groups, retire
 from ..disk import chunk_reads
 from ..schema.states import FAILED, LIVE, State
 from ..schema.views import GroupView, MemberView
@@ -51,6 +51,30 @@ def quarantine_groups(tt: TableState, groups: Sequence[tuple[str, GroupView, dic
     retire.retire(tt, [(gkey, grp) for gkey, grp, _ in groups], FAILED, quarantined)  # leaves the lost alone
     retire.bury_lost(tt, lost)
     return len(quarantined)
+
+
+def fail_lost_groups(tt: TableState, gkeys: Sequence[str]) -> None:
+    """Ready groups whose records are lost (a sample passed them over) fail, their members, whose
+    records and payloads are stored, kept for Get as a group failed for damage keeps them; each
+    logged once. A group the ready order does not name cannot be remade, and is left to
+    `expbuf check`, logged."""
+    failed = []
+    for gkey in gkeys:
+        grp = groups.remade(tt, gkey)
+        if grp is None:
+            log.error(
+                "table %s: ready group %s has no record, and the ready order does not name it: run `expbuf check`",
+                tt.config.name, gkey,
+            )  # fmt: skip
+            continue
+        log.error(
+            "table %s: group %s failed (its record is not stored): never served; its %d experience(s) kept for Get",
+            tt.config.name, gkey, len(grp.members),
+        )  # fmt: skip
+        tt.counters.groups_failed += 1
+        tt.counters.last_failure = f"group {gkey}: its record is not stored"
+        failed.append((gkey, grp))
+    retire.retire(tt, failed, FAILED, keep_payloads=True)
 
 
 def quarantine_kept(tt: TableState, uid: str, rec: MemberView, why: str) -> None:

@@ -31,7 +31,7 @@ from ..disk.snapshot import Snapshot
 from ..disk.stored_advantages import FinishBatch, StageCounts
 from ..rules import reuse
 from ..rules.limiter import sample_limit
-from ..rules.quarantine import quarantine_groups
+from ..rules.quarantine import fail_lost_groups, quarantine_groups
 from ..rules.staleness import masked_tokens, report, token_bound
 from ..schema.errors import SampleLimited
 from ..schema.sample_spec import TakeSpec
@@ -71,7 +71,10 @@ def take(
     report(tt, spec.trainer_version)  # before selection: a stale group is not taken in the same step
     payloads = Payloads(tt, snapshot, defer=hold)
     while True:
-        chosen, total = select(tt, spec, rng)
+        chosen, total, lost = select(tt, spec, rng)
+        if lost:  # passed over: failed now, whether or not the groups chosen make a batch
+            fail_lost_groups(tt, lost)
+            tt.save()
         enough = (spec.num_groups and len(chosen) >= spec.num_groups) or (spec.batch_size and total >= spec.batch_size)
         if not chosen or not (enough or allow_partial):
             return None

@@ -23,7 +23,7 @@ from typing import ClassVar, NamedTuple
 
 import lmdb
 
-from ...disk.layout import U64, next_prefix, prio_key, put_rows, u64, version_key
+from ...disk.layout import U64, next_prefix, prio_key, priority_of, put_rows, u64, version_key
 
 
 class ReadyGroup(NamedTuple):
@@ -176,6 +176,18 @@ class ReadyOrder(KeyedIndex):
                 more = cur.next()
         return found, None
 
+    def rseq_of(self, gkey: bytes) -> int | None:
+        """The place of a ready group known by its key alone (its record lost), read through the
+        whole order; None: the order does not name it."""
+        p = self.prefix
+        with self.txn.cursor(db=self.db["ready"]) as cur:
+            found = cur.set_range(p)
+            while found and cur.key().startswith(p):
+                if cur.value() == gkey:
+                    return int(U64.unpack(cur.key()[len(p) :])[0])
+                found = cur.next()
+        return None
+
     def before(self, rseq: int) -> int:
         """How many ready groups lie before `rseq` in the ready order (a cost of those groups)."""
         p, end, count = self.prefix, self.prefix + u64(rseq), 0
@@ -197,6 +209,18 @@ class PriorityIndex(KeyedIndex):
     def row(self, group: ReadyGroup) -> tuple[bytes, bytes]:
         return prio_key(group.priority) + u64(group.rseq), group.gkey
 
+    def priority_of(self, gkey: bytes, rseq: int) -> float | None:
+        """The priority this index holds a ready group at, known by its key and place alone (its
+        record lost), read through the whole index; None: it does not hold the group."""
+        p, place = self.prefix, u64(rseq)
+        with self.txn.cursor(db=self.db["prio"]) as cur:
+            found = cur.set_range(p)
+            while found and cur.key().startswith(p):
+                if cur.key()[len(p) + 8 :] == place and cur.value() == gkey:
+                    return priority_of(cur.key()[len(p) : len(p) + 8])
+                found = cur.next()
+        return None
+
 
 class VersionIndex(KeyedIndex):
     """Lowest model version, then rseq -> priority key + group key, for the groups of a known
@@ -211,6 +235,12 @@ class VersionIndex(KeyedIndex):
         if group.version is None:
             return None
         return version_key(group.version) + u64(group.rseq), prio_key(group.priority) + group.gkey
+
+    def priority_of(self, gkey: bytes, rseq: int, version: int) -> float | None:
+        """The priority this index holds a ready group at, known by its key, place and version
+        (its record lost); None: it does not hold the group."""
+        value = self.txn.get(self.prefix + version_key(version) + u64(rseq), db=self.db["byver"])
+        return None if value is None or value[8:] != gkey else priority_of(value[:8])
 
     def below(self, version: int, limit: int) -> list[str]:
         """Up to `limit` ready groups whose lowest version is below `version`, lowest first,

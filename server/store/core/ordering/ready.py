@@ -32,7 +32,7 @@ import lmdb
 
 from ...schema.errors import InvalidRequest
 from . import orders
-from .indexes import Index, ReadyGroup, VersionIndex
+from .indexes import Index, PriorityIndex, ReadyGroup, ReadyOrder, VersionIndex
 from .orders import ORDERS
 
 I = TypeVar("I", bound=Index)  # noqa: E741
@@ -294,6 +294,22 @@ class ReadyIndex:
                             "but the table does not keep it (it was never read in its order)"
                         )
         return problems
+
+    def lost(self, gkey: bytes, version: int | None, priority: float) -> ReadyGroup | None:
+        """A ready group whose record is lost, as the indexes hold it (so that it can leave them):
+        its place from the ready order, its priority from the version or the priority index where
+        the table keeps one (a replayed group's is its own, reuse.py), else `priority`, its
+        members' highest, as its completion gave it; its lowest `version` its members say. None:
+        the ready order does not name it."""
+        rseq = self.of(ReadyOrder).rseq_of(gkey)
+        if rseq is None:
+            return None
+        kept, held = self.kept(), None
+        if version is not None and VersionIndex in kept:
+            held = self.versions.priority_of(gkey, rseq, version)
+        if held is None and PriorityIndex in kept:
+            held = self.of(PriorityIndex).priority_of(gkey, rseq)
+        return ReadyGroup(gkey, rseq, priority if held is None else held, version)
 
     def below_version(self, version: int, limit: int) -> list[str]:
         """Up to `limit` ready groups whose lowest version is below `version`, lowest first."""

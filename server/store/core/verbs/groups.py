@@ -13,7 +13,7 @@ import lmdb
 from ...disk import chunked, layout, shared_prompts
 from ...disk.kinds import Entry
 from ...disk.layout import put_rows, u64
-from ...disk.records import GroupRecord
+from ...disk.records import GroupRecord, ItemRecord
 from ...schema.errors import clip
 from ...schema.states import COMPUTING, PENDING, READY
 from ...schema.views import GroupView, Members, MemberView
@@ -152,9 +152,7 @@ def complete(
         grp = group_record(view)
         if indexed:
             tt.txn.delete(tt.pending_key(gkey, grp), db=tt.db["pending"])
-        versions = [rec.version for rec in recs.values() if rec.version is not None]
-        grp.version = min(versions) if versions and len(versions) == len(recs) else None
-        grp.priority = max((rec.priority for rec in recs.values()), default=0.0)
+        grp.version, grp.priority = _placed_by(recs)
         grp.rseq = tt.counters.next_rseq
         tt.counters.next_rseq += 1
         if not estimated:
@@ -174,3 +172,41 @@ def complete(
             ready.extend(rows)
     if queued:
         tt.set_states(queued, COMPUTING)
+
+
+def _placed_by(recs: dict[str, MemberView]) -> tuple[int | None, float]:
+    """A complete group's lowest version (None unless every member has one) and highest
+    priority, from its members'."""
+    versions = [rec.version for rec in recs.values() if rec.version is not None]
+    version = min(versions) if versions and len(versions) == len(recs) else None
+    return version, max((rec.priority for rec in recs.values()), default=0.0)
+
+
+def remade(tt: TableState, gkey: str) -> GroupView | None:
+    """The record of a ready group that the directory lost, remade from what is left so that the
+    group can leave as any other does: its members are the ready experiences whose records name
+    it, in push order, found by reading every record of the table (damage is rare, and the request
+    that meets it pays for it); its place and priority, as the ready indexes hold them
+    (ReadyIndex.lost). None: the ready order does not name it."""
+    uids = []
+    with tt.txn.cursor(db=tt.db["items"]) as cur:
+        found = cur.set_range(tt.prefix)
+        while found and cur.key().startswith(tt.prefix):
+            if ItemRecord.group_of(cur.value()) == gkey:
+                uids.append(bytes(cur.key()[len(tt.prefix) :]).decode())
+            found = cur.next()
+    recs: dict[str, MemberView] = {uid: rec for uid in uids if (rec := tt.item(uid)) is not None and rec.state == READY}
+    version, priority = _placed_by(recs)
+    placed = tt.ready.lost(gkey.encode(), version, priority)
+    if placed is None:
+        return None
+    grp = GroupRecord(
+        state=READY,
+        created=min((rec.created for rec in recs.values()), default=tt.now),
+        members=sorted(recs, key=lambda uid: recs[uid].seq),
+        rseq=placed.rseq,
+        priority=placed.priority,
+        version=version,
+    )
+    tt.put_group(gkey, grp)
+    return grp

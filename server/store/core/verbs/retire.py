@@ -30,10 +30,12 @@ def _delete_rows(txn: lmdb.Transaction[bytes], db: lmdb._Database, keys: Iterabl
         txn.delete(key, db=db)
 
 
-def retire(tt: TableState, groups: Groups, state: State, quarantined: Set[str] = frozenset()) -> None:
+def retire(
+    tt: TableState, groups: Groups, state: State, quarantined: Set[str] = frozenset(), *, keep_payloads: bool = False
+) -> None:
     """Members leave the buffer (consumed, evicted, dropped, failed): payloads go (a
-    failed group's stay with keep_failed, and those of a group failed for a quarantined
-    member), records stay as tombstones so that a retried push of the same uid is still
+    failed group's stay with keep_failed, and those of a group failed for damage: a quarantined
+    member, or `keep_payloads`), records stay as tombstones so that a retried push of the same uid is still
     recognised as a duplicate, pruned after tombstone_seconds: compact ones (records.py, in
     the tombs database) where the payload goes, full records where it is kept. The members
     among `quarantined` (their payloads damaged, quarantine.py) become quarantined tombstones,
@@ -56,7 +58,7 @@ def retire(tt: TableState, groups: Groups, state: State, quarantined: Set[str] =
     counters, now, prefix = tt.counters, tt.now, tt.prefix
     stamp = prefix + layout.micros(now)  # retired_key() of every group retired now
     # A kept payload keeps its full record, for Get.
-    keep = state == FAILED and (tt.config.retention.keep_failed or bool(quarantined))
+    keep = state == FAILED and (tt.config.retention.keep_failed or keep_payloads or bool(quarantined))
     keys, sizes, places, marks, full, tombstones, nbytes, damaged = [], [], [], [], [], [], 0, []
     for gkey, grp in records:
         for uid in grp.members:

@@ -31,14 +31,19 @@ def _closable(keys: Iterator[bytes]) -> Generator[bytes]:
     yield from keys
 
 
-def select(tt: TableState, spec: TakeSpec, rng: random.Random) -> tuple[list[tuple[str, GroupView]], int]:
-    """Ready groups in the request's order, until there are enough; and their experiences."""
+def select(tt: TableState, spec: TakeSpec, rng: random.Random) -> tuple[list[tuple[str, GroupView]], int, list[str]]:
+    """Ready groups in the request's order, until there are enough; their experiences; and the
+    groups passed over on the way whose records are not stored (the directory lost them)."""
     chosen: list[tuple[str, GroupView]] = []
+    lost: list[str] = []
     total = 0
     with contextlib.closing(_closable(tt.ready.candidates(spec.order, rng, spec.min_model_version))) as candidates:
         for gkey_raw in candidates:
             gkey = gkey_raw.decode()
-            grp = tt.existing_group(gkey)
+            grp = tt.group(gkey)
+            if grp is None:
+                lost.append(gkey)
+                continue
             chosen.append((gkey, grp))
             total += len(grp.members)
             if (spec.num_groups and len(chosen) >= spec.num_groups) or (spec.batch_size and total >= spec.batch_size):
@@ -48,7 +53,7 @@ def select(tt: TableState, spec: TakeSpec, rng: random.Random) -> tuple[list[tup
                     f"the first {len(chosen)} of the {spec.num_groups} groups asked for hold {total} experiences: a "
                     f"batch holds at most {MAX_BATCH} (its take holds the store's writer); ask for fewer groups a batch"
                 )
-    return chosen, total
+    return chosen, total, lost
 
 
 def read_batch(
