@@ -14,7 +14,7 @@ from pathlib import Path
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from test_quarantine import lose, uids
+from test_quarantine import lose, quarantine_logs, uids
 
 from expbuf.client import BufferClient
 from expbuf.server.store import Store
@@ -146,4 +146,135 @@ def test_a_sample_stream_past_a_lost_group_record_is_served_and_the_server_stays
         with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
             health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
         assert health.status == health_pb2.HealthCheckResponse.SERVING
+    assert server.store.verify("t") == []
+
+
+# ---- a member's record lost under a group that is evicted or whose lease ends ------------------
+
+
+@pytest.mark.parametrize("dbs", [("items",), ("items", "blobs")], ids=["record", "record-and-payload"])
+@pytest.mark.parametrize("run", [0, 2], ids=["oldest", "middle"])
+def test_an_eviction_buries_a_member_whose_record_is_lost_and_evicts_the_rest(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, dbs: tuple[str, ...], run: int
+) -> None:
+    """A push into a full table (when_full=evict) evicts the oldest group, one of whose members'
+    records is gone: that member is quarantined, logged, the others evicted, the push stored. It
+    was refused INTERNAL ("experience ... is named but not stored"), the lost member's place in the
+    insertion order read as the next oldest, and Stats failed alike on a table so left."""
+    caplog.set_level(logging.ERROR, "expbuf.store")
+    with Store(tmp_path) as store:
+        store.create_table(
+            TableConfig.of("t", estimator="none", group_size=4, capacity_experiences=12, when_full="evict")
+        )
+        for task in range(3):
+            store.put("t", group_items(0, task, 4, reward=float(task)))
+        lost = uids(0)[run]
+        for db in dbs:
+            lose(store, "t", lost, db)
+        assert store.put("t", group_items(0, 3, 4, reward=3.0)).stored == uids(3)
+        stats = store.stats("t")
+        assert (stats["evicted"], stats["quarantined"], stats["damaged"], stats["ready"]) == (3, 1, 1, 12)
+        assert stats["bytes"] == stored_bytes(store, [1, 2, 3])
+        assert f"experience {lost}" in stats["last_failure"]
+        assert quarantine_logs(caplog, lost) == 1
+        assert store.verify("t") == []
+
+
+def test_a_stale_group_dropped_buries_a_member_whose_record_is_lost(tmp_path: Path) -> None:
+    """A group that falls stale (evict_stale) and is dropped with a member's record lost: that
+    member is quarantined, the others dropped, the sample served."""
+    with Store(tmp_path) as store:
+        store.create_table(TableConfig.of("t", estimator="none", group_size=4, max_staleness=0, evict_stale=True))
+        for task in range(3):
+            store.put("t", group_items(0, task, 4, reward=float(task), version=task))
+        lose(store, "t", uids(0)[1], "items")
+        batch = store.sample(TakeSpec("t", num_groups=1, wait_seconds=0, trainer_version=2), hold=False)
+        assert batch is not None and set(batch.group_ids) == {"0/2"}
+        stats = store.stats("t")
+        assert (stats["dropped"], stats["quarantined"], stats["damaged"], stats["ready"]) == (7, 1, 1, 0)
+        assert store.verify("t") == []
+
+
+def leased_with_a_lost_member(store: Store, delivery: str, *, hold: bool) -> tuple[str, TakeSpec]:
+    """Group 0/0 taken under a lease (held for a stream with `hold`), then a member's record lost."""
+    store.create_table(TableConfig.of("t", estimator="none", group_size=4))
+    for task in range(3):
+        store.put("t", group_items(0, task, 4, reward=float(task)))
+    spec = TakeSpec("t", num_groups=1, wait_seconds=0, delivery=delivery, lease_seconds=10)
+    batch = store.sample(spec, hold=hold)
+    assert batch is not None and batch.lease_id and set(batch.group_ids) == {"0/0"}
+    lose(store, "t", uids(0)[1], "items")
+    return batch.lease_id, spec
+
+
+@pytest.mark.parametrize("call", ["ack", "confirm"])
+def test_a_lease_consumed_buries_a_member_whose_record_is_lost_and_consumes_the_rest(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, call: str
+) -> None:
+    """An ack of a lease, or a stream's confirmation of a consumed batch, whose group lost a
+    member's record: that member is quarantined, the others consumed. The lost member stayed
+    counted leased, its bytes and its place in the insertion order kept, and Stats of the table
+    then failed INTERNAL on the place."""
+    caplog.set_level(logging.ERROR, "expbuf.store")
+    with Store(tmp_path) as store:
+        delivery = "lease" if call == "ack" else "consume"
+        lease_id, spec = leased_with_a_lost_member(store, delivery, hold=call == "confirm")
+        assert (store.ack(lease_id) if call == "ack" else store.confirm(lease_id, spec)) == 4
+        stats = store.stats("t")
+        assert (stats["consumed"], stats["quarantined"], stats["damaged"], stats["leased"]) == (3, 1, 1, 0)
+        assert stats["bytes"] == stored_bytes(store, [1, 2])
+        assert quarantine_logs(caplog, uids(0)[1]) == 1
+        assert store.verify("t") == []
+
+
+@pytest.mark.parametrize("call", ["nack", "expiry", "give-back", "replay"])
+def test_a_lease_ended_back_fails_a_group_whose_member_s_record_is_lost(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, call: str
+) -> None:
+    """A lease that would put its group back in the buffer (a nack, its expiry, a stream giving back
+    a batch it did not send, a confirmed replay) fails the group one of whose members' records is
+    lost, as a sample would: the member quarantined, the others kept for Get. Each answered
+    INTERNAL ("experience ... is named but not stored"), the group left leased."""
+    caplog.set_level(logging.ERROR, "expbuf.store")
+    now = [1000.0]
+    with Store(tmp_path, clock=lambda: now[0]) as store:
+        delivery = "replay" if call == "replay" else "lease"
+        lease_id, spec = leased_with_a_lost_member(store, delivery, hold=call in ("give-back", "replay"))
+        if call == "nack":
+            assert store.nack(lease_id) == 0
+        elif call == "expiry":
+            now[0] += 11
+            store.tick()
+        elif call == "give-back":
+            assert store.give_back(lease_id, "t") == 0
+        else:
+            assert store.confirm(lease_id, spec) == 0
+        assert counted(store) == {
+            "ready": 8, "leased": 0, "failed": 3, "quarantined": 1, "damaged": 1, "groups_failed": 1,
+        }  # fmt: skip
+        assert quarantine_logs(caplog, uids(0)[1]) == 1
+        assert store.get("t", uids(0)).keys() == set(uids(0)) - {uids(0)[1]}
+        assert store.verify("t") == []
+        batch = store.sample(TakeSpec("t", num_groups=2, wait_seconds=0), hold=False)
+        assert batch is not None and sorted(set(batch.group_ids)) == ["0/1", "0/2"]
+
+
+def test_through_the_server_an_evicting_push_and_an_ack_over_lost_records_succeed(start_server: Servers) -> None:
+    """Through the server: the push that evicts a group with a lost member is stored, and the ack
+    of a lease whose group lost one is answered, neither INTERNAL; Stats counts the quarantined."""
+    server = start_server()
+    with BufferClient(f"127.0.0.1:{server.port}", timeout=10) as client:
+        client.create_table("t", estimator="none", group_size=4, capacity_experiences=12, when_full="evict")
+        for task in range(3):
+            client.push([make_experience(0, task, run) for run in range(4)], "t")
+        stream = client.sample("t", num_groups=1, delivery="lease", order="lifo", window=1, prefetch=0)
+        batch = next(stream)
+        stream.close()  # the batch handed over stays leased
+        assert set(batch.group_ids) == {"0/2"}
+        lose(server.store, "t", uids(0)[0], "items")
+        lose(server.store, "t", uids(2)[3], "items")
+        assert client.push([make_experience(0, 3, run) for run in range(4)], "t").stored == uids(3)
+        assert batch.ack() == 4
+        stats = client.stats("t").tables["t"]
+        assert (stats.evicted, stats.consumed, stats.quarantined, stats.damaged) == (3, 3, 2, 2)
     assert server.store.verify("t") == []

@@ -23,9 +23,10 @@ from collections.abc import Iterable, Sequence
 
 from ..core.table_state.read_check import payload_problem
 from ..core.table_state.state import TableState
-from ..core.verbs import groups, retire
+from ..core.verbs import retire
+from ..core.verbs.groups import remade
 from ..disk import chunk_reads
-from ..schema.states import FAILED, LIVE, State
+from ..schema.states import FAILED, LIVE
 from ..schema.views import GroupView, MemberView
 
 log = logging.getLogger("expbuf.store")
@@ -35,22 +36,32 @@ def quarantine_groups(tt: TableState, groups: Sequence[tuple[str, GroupView, dic
     """Live groups with damaged members (uid -> why) fail; those members are quarantined.
     Returns how many were."""
     quarantined: set[str] = set()
-    lost: list[tuple[str, State, str]] = []  # members whose records are not stored: (group, its state, uid)
-    for gkey, grp, damaged in groups:
+    for gkey, _, damaged in groups:
         for uid, why in damaged.items():
             log.error(
                 "table %s: experience %s quarantined (%s): never served; its group %s failed",
                 tt.config.name, uid, why, gkey,
             )  # fmt: skip
         quarantined |= damaged.keys()
-        lost += [(gkey, grp.state, uid) for uid in damaged if tt.member(uid) is None]
         tt.counters.groups_failed += 1
         uid, why = next(iter(damaged.items()))
         tt.counters.last_failure = f"group {gkey}: experience {uid} quarantined: {why}"
     tt.counters.damaged += len(quarantined)
-    retire.retire(tt, [(gkey, grp) for gkey, grp, _ in groups], FAILED, quarantined)  # leaves the lost alone
-    retire.bury_lost(tt, lost)
+    retire.retire(tt, [(gkey, grp) for gkey, grp, _ in groups], FAILED, quarantined)  # and buries the lost
     return len(quarantined)
+
+
+def quarantine_lost(tt: TableState, groups: Sequence[tuple[str, GroupView]]) -> None:
+    """The live `groups` with a member whose record the directory lost fail, as a sample fails
+    them (quarantine_groups): a lease that puts its groups back in the buffer asks first, since
+    such a group can never be served whole again."""
+    damaged = []
+    for gkey, grp in groups:
+        lost = {uid: "its record is not stored" for uid in grp.members if tt.member(uid) is None}
+        if lost:
+            damaged.append((gkey, grp, lost))
+    if damaged:
+        quarantine_groups(tt, damaged)
 
 
 def fail_lost_groups(tt: TableState, gkeys: Sequence[str]) -> None:
@@ -60,7 +71,7 @@ def fail_lost_groups(tt: TableState, gkeys: Sequence[str]) -> None:
     `expbuf check`, logged."""
     failed = []
     for gkey in gkeys:
-        grp = groups.remade(tt, gkey)
+        grp = remade(tt, gkey)
         if grp is None:
             log.error(
                 "table %s: ready group %s has no record, and the ready order does not name it: run `expbuf check`",

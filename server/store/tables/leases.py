@@ -29,6 +29,7 @@ from ..core.verbs import leases
 from ..disk.kinds import Sampled
 from ..disk.records import Lease
 from ..rules import reuse
+from ..rules.quarantine import quarantine_lost
 from ..schema.errors import Forbidden, InvalidRequest, NotFound, clip
 from ..schema.sample_spec import MAX_LEASE_SECONDS, TakeSpec, check_seconds
 from .catalog import TableCatalog
@@ -94,6 +95,7 @@ class TableLeases:
             leases.set_expiry(txn, self.db, lease_id, lease, tt.now + spec.lease_seconds)
             return leases.held(tt, lease_id, lease)
         leases.delete(txn, self.db, lease_id, lease)
+        quarantine_lost(tt, leases.leased_groups(tt, lease_id, lease.groups))
         taken = leases.replayed_back(tt, lease_id, lease.groups)
         reuse.replayed(tt, taken, rng)
         tt.save()
@@ -121,6 +123,8 @@ class TableLeases:
         if tt is None:  # the table was dropped
             return 0
         held = lease.expires is None  # a batch held for its stream: not confirmed, or its confirmation on its way
+        if requeue:
+            quarantine_lost(tt, leases.leased_groups(tt, lease_id, lease.groups))
         count = leases.groups_back(tt, lease_id, lease, requeue=requeue, unsent=requeue and unsent and held)
         if expired:
             tt.counters.leases_expired += 1

@@ -8,6 +8,7 @@ tombstone (`quarantine_kept`, `bury_lost`; rules/quarantine.py says when).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable, Sequence, Set
 
 import lmdb
@@ -23,6 +24,8 @@ from ..table_state.state import TableState
 from ..table_state.views import group_record, member_record
 from . import pieces
 
+log = logging.getLogger("expbuf.store")
+
 
 def _delete_rows(txn: lmdb.Transaction[bytes], db: lmdb._Database, keys: Iterable[bytes]) -> None:
     """Delete keys (absent ones are no error) from one database."""
@@ -33,15 +36,17 @@ def _delete_rows(txn: lmdb.Transaction[bytes], db: lmdb._Database, keys: Iterabl
 def retire(
     tt: TableState, groups: Groups, state: State, quarantined: Set[str] = frozenset(), *, keep_payloads: bool = False
 ) -> None:
-    """Members leave the buffer (consumed, evicted, dropped, failed): payloads go (a
-    failed group's stay with keep_failed, and those of a group failed for damage: a quarantined
-    member, or `keep_payloads`), records stay as tombstones so that a retried push of the same uid is still
-    recognised as a duplicate, pruned after tombstone_seconds: compact ones (records.py, in
-    the tombs database) where the payload goes, full records where it is kept. The members
-    among `quarantined` (their payloads damaged, quarantine.py) become quarantined tombstones,
-    their payloads gone. Done in passes, one per database, over all the groups; a record not
-    read yet in this transaction becomes a tombstone without being decoded. The table's
-    extensions hear of it first (`Retired`)."""
+    """Members leave the buffer (consumed, evicted, dropped, failed): payloads go (a failed
+    group's stay with keep_failed, and those of a group failed for damage: a quarantined member,
+    or `keep_payloads`), records stay as tombstones so that a retried push of the same uid is
+    still recognised as a duplicate, pruned after tombstone_seconds: compact ones (records.py,
+    in the tombs database) where the payload goes, full records where it is kept. The members
+    among `quarantined` (their payloads damaged or their records lost, quarantine.py) become
+    quarantined tombstones, their payloads gone, and so does a member whose record is lost
+    (bury_lost), counted damaged and logged where the caller did not name it among them. Done
+    in passes, one per database, over all the groups; a record not read yet in this transaction
+    becomes a tombstone without being decoded. The table's extensions hear of it first
+    (`Retired`)."""
     tt.extensions.on_retired(tt, Retired(groups, state))
     records = [(gkey, group_record(grp)) for gkey, grp in groups]
     for gkey, _ in records:
@@ -60,6 +65,7 @@ def retire(
     # A kept payload keeps its full record, for Get.
     keep = state == FAILED and (tt.config.retention.keep_failed or keep_payloads or bool(quarantined))
     keys, sizes, places, marks, full, tombstones, nbytes, damaged = [], [], [], [], [], [], 0, []
+    lost: list[tuple[str, State, str]] = []  # members whose records are not stored: (group, its state, uid)
     for gkey, grp in records:
         for uid in grp.members:
             key = tt.key(uid)
@@ -68,6 +74,7 @@ def retire(
             cached, rec = tt.cached_item(uid)
             if cached:
                 if rec is None:
+                    lost.append((gkey, grp.state, uid))
                     continue
                 seq, size = rec.seq, rec.size
                 rec.state, rec.retired = became, now
@@ -79,6 +86,7 @@ def retire(
             else:
                 raw = tt.txn.get(key, db=tt.db["items"])
                 if raw is None:
+                    lost.append((gkey, grp.state, uid))
                     continue
                 _, seq, size = ItemRecord.place(raw)
                 if kept:
@@ -105,6 +113,20 @@ def retire(
     for db, rows in ((tt.db["items"], full), (tt.db["tombs"], tombstones), (tt.db["retired"], marks)):
         rows.sort()
         put_rows(tt.txn, db, rows)
+    _found_lost(tt, [(gkey, uid) for gkey, _, uid in lost if uid not in quarantined], state)
+    bury_lost(tt, lost)
+
+
+def _found_lost(tt: TableState, lost: Sequence[tuple[str, str]], state: State) -> None:
+    """Members of groups retired as `state` whose records are lost, found by the retirement
+    itself: counted damaged and logged, once each, as the quarantine rule does those it names."""
+    for gkey, uid in lost:
+        log.error(
+            "table %s: experience %s quarantined (its record is not stored): never served; its group %s left as %s",
+            tt.config.name, uid, gkey, state,
+        )  # fmt: skip
+        tt.counters.last_failure = f"group {gkey}: experience {uid} quarantined: its record is not stored"
+    tt.counters.damaged += len(lost)
 
 
 def consume(tt: TableState, groups: Groups) -> None:
@@ -113,7 +135,7 @@ def consume(tt: TableState, groups: Groups) -> None:
     count as a delete does; a leased one's lease is over."""
     for _, grp in groups:
         if grp.state == READY:  # never taken: out of the rate limiter's count, as a delete is
-            rate_counts.forget(tt, grp, tt.members(grp).values())
+            rate_counts.forget(tt, grp, tt.stored_members(grp).values())
         group_record(grp).lease = ""
     retire(tt, groups, CONSUMED)
 

@@ -85,7 +85,9 @@ def batch_rows(reader: Reader, dbs: Dbs, config: TableConfig, finish: FinishBatc
 
 def oldest_groups(tt: TableState) -> Iterator[str]:
     """Groups of the live experiences, oldest first. The caller retires groups between
-    steps, so each step opens a fresh cursor after the last key seen."""
+    steps, so each step opens a fresh cursor after the last key seen. An experience whose record
+    is lost is passed over (its record named its group): its group, reached through its other
+    members or a sample, buries it."""
     seen: set[str] = set()
     position = tt.prefix
     while True:
@@ -93,18 +95,25 @@ def oldest_groups(tt: TableState) -> Iterator[str]:
             if not cur.set_range(position) or not cur.key().startswith(tt.prefix):
                 return
             position = cur.key() + b"\0"
-            gkey = tt.existing_item(cur.value().decode()).group
+            rec = tt.item(cur.value().decode(errors="replace"))
+        if rec is None:
+            continue
+        gkey = rec.group
         if gkey not in seen:
             seen.add(gkey)
             yield gkey
 
 
 def oldest_age(txn: lmdb.Transaction[bytes], dbs: Dbs, prefix: bytes, now: float) -> float:
-    """How long ago a table's oldest live experience was pushed (0: it holds none)."""
+    """How long ago a table's oldest live experience was pushed (0: it holds none); one whose
+    record is lost is passed over."""
     with txn.cursor(db=dbs["order"]) as cur:
-        if cur.set_range(prefix) and cur.key().startswith(prefix):
-            rec = ItemRecord.decode(stored(txn, prefix + cur.value(), dbs["items"], "experience"))
-            return max(0.0, now - rec.created)
+        found = cur.set_range(prefix)
+        while found and cur.key().startswith(prefix):
+            raw = txn.get(prefix + cur.value(), db=dbs["items"])
+            if raw is not None:
+                return max(0.0, now - ItemRecord.decode(raw).created)
+            found = cur.next()
     return 0.0
 
 

@@ -119,7 +119,7 @@ def _check_item(
             problems.append(f"item {uid} is missing from the insertion order")
     if grp is None or uid not in grp.members:
         problems.append(f"item {uid} is not a member of its group {rec.group}")
-    elif grp.state != state and not (state == QUARANTINED and grp.state == FAILED):
+    elif grp.state != state and not (state == QUARANTINED and grp.state in RETIRED):  # failed for it, or it was lost
         problems.append(f"item {uid} is {state} but its group {rec.group} is {grp.state}")
     return problems
 
