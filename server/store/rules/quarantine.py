@@ -9,11 +9,15 @@ with it. A member of a group that had failed already, whose payload was kept, is
 alone. Each experience is logged once, with its uid, when it is quarantined, and counted: by
 state (`quarantined`, a tombstone forgotten in time like the others) and in the total `damaged`.
 
-A member its group names whose record the directory lost (found by a sample) is quarantined
-alike: its tombstone is made from what is left (its payload's digest where the payload is, so
-that a retried push of it is still a duplicate), its payload and place in the insertion order,
-found by its uid, go, and the table's bytes are recounted from its records (the lost record's
-size, counted in them, is known nowhere else).
+A member its group names whose record the directory lost is quarantined alike: found by a
+sample, or by a lease that would put its group back in the buffer (`quarantine_lost`), its group
+fails; found where its group leaves anyway (evicted, consumed, dropped), the retirement buries it
+(core/verbs/retire.py). Its tombstone is made from what is left (its payload's digest where the
+payload is, so that a retried push of it is still a duplicate), its payload and place in the
+insertion order, found by its uid, go, and the table's bytes are recounted from its records (the
+lost record's size, counted in them, is known nowhere else). A ready group whose own record is
+lost fails when a sample passes it over (`fail_lost_groups`), its record remade from its
+members' (core/verbs/groups.remade), their payloads kept for Get.
 """
 
 from __future__ import annotations

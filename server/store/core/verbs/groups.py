@@ -6,7 +6,7 @@ a report of failed runs, a seal or a timeout decides about its groups is rules/g
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import lmdb
 
@@ -174,7 +174,7 @@ def complete(
         tt.set_states(queued, COMPUTING)
 
 
-def _placed_by(recs: dict[str, MemberView]) -> tuple[int | None, float]:
+def _placed_by(recs: Mapping[str, MemberView]) -> tuple[int | None, float]:
     """A complete group's lowest version (None unless every member has one) and highest
     priority, from its members'."""
     versions = [rec.version for rec in recs.values() if rec.version is not None]
@@ -195,7 +195,7 @@ def remade(tt: TableState, gkey: str) -> GroupView | None:
             if ItemRecord.group_of(cur.value()) == gkey:
                 uids.append(bytes(cur.key()[len(tt.prefix) :]).decode())
             found = cur.next()
-    recs: dict[str, MemberView] = {uid: rec for uid in uids if (rec := tt.item(uid)) is not None and rec.state == READY}
+    recs = {uid: rec for uid in uids if (rec := tt.item(uid)) is not None and rec.state == READY}
     version, priority = _placed_by(recs)
     placed = tt.ready.lost(gkey.encode(), version, priority)
     if placed is None:

@@ -3,7 +3,8 @@ their members' records as tombstones, so that a retried push of the same uid is 
 duplicate, while their payloads go; tombstones are forgotten after `tombstone_seconds`; groups
 a trainer trained are consumed (`consume`; rules/trained.py says which); a Delete removes
 experiences outright, tombstones included; and a damaged experience becomes a quarantined
-tombstone (`quarantine_kept`, `bury_lost`; rules/quarantine.py says when).
+tombstone (`quarantine_kept`, `bury_lost`; rules/quarantine.py says when), as does a member
+whose record is lost that a retirement meets, logged here, where it is found.
 """
 
 from __future__ import annotations
