@@ -2,6 +2,7 @@
 in one process (issue 41).
 
     .venv/bin/python bench/bench_take_floor.py [--experiences 16384] [--rounds 3] [--out bench/RESULTS.md]
+        [--ways store,unheld,floor,rows-floor]
 
 Each round fills three data directories with the same 8 KB experiences (bench_reverb's shape), each
 its own group and in groups of 8, then drains each as a Sample stream's server does, in batches
@@ -14,7 +15,17 @@ of 256, taking a batch held while it confirms (consumes) the one before, in one 
 - the floor: the same reads and writes in plain py-lmdb, nothing else: the ready order's rows
   read and deleted, each group's and member's record read, its payload read from a read snapshot
   and its XXH3-128 digest checked, the group rewritten as held; at the confirm each payload,
-  insertion-order row and record deleted, a tombstone, a retired mark and the group written.
+  insertion-order row and record deleted, a tombstone, a retired mark and the group written;
+- the rows floor: the same drain over the rows a table keeps per batch of groups (disk/rows/, issue
+  64), in plain py-lmdb: the ready runs read from the front (a run cut where a batch ends), each
+  run's segment state read and its segment viewed from the snapshot, the run's uids and digests
+  read from the segment's columns, each payload read and checked, the state rewritten as held,
+  one lease row of runs; at the confirm each payload deleted, the state rewritten as consumed, and
+  a retired mark for a segment whose every group is retired.
+
+Beside the drains, what reading a take's fields costs: a segment of 64 groups of one (32 of 8)
+viewed and its uids, digests, sizes, versions, rewards, lengths and advantages read, with its
+state, against today's group and item records decoded, µs an experience.
 
 CPU microseconds an experience (this process: the writer's thread included), medians of the
 rounds; which goes first turns. The floor is what Python and LMDB cost for this work; the
@@ -45,7 +56,21 @@ from results import write_section  # noqa: E402
 
 from expbuf.client import EID, trxp  # noqa: E402
 from expbuf.server.store import Entry, Store  # noqa: E402
+from expbuf.server.store.disk.records import GroupRecord, ItemRecord  # noqa: E402
+from expbuf.server.store.disk.rows import (  # noqa: E402
+    SEGMENT_GROUPS,
+    SEGMENT_MEMBERS,
+    Group,
+    GroupRef,
+    Member,
+    RowLease,
+    RunRow,
+    SegmentView,
+    SegState,
+    encode_segment,
+)
 from expbuf.server.store.schema.sample_spec import TakeSpec  # noqa: E402
+from expbuf.server.store.schema.states import CONSUMED, LEASED, READY  # noqa: E402
 from expbuf.server.store.schema.table_config import TableConfig  # noqa: E402
 
 HEADING = "## The store's take and confirm beside the least they must do (issue 41)"
@@ -160,14 +185,153 @@ def floor_drain(path: Path, pushes: list[list[Entry]], group: int) -> float:
     return time.process_time() - start
 
 
-def measure(count: int, rounds: int) -> dict[int, dict[str, list[float]]]:
+def segments(pushes: list[list[Entry]], group: int) -> list[list[Group]]:
+    """The pushes' groups cut into segments as the rows keep them (at most SEGMENT_GROUPS groups and
+    SEGMENT_MEMBERS members each), every member's fields as the store records them."""
+    found: list[list[Group]] = [[]]
+    entries = [entry for push in pushes for entry in push]
+    for start in range(0, len(entries), group):
+        members = [
+            Member(e.uid, e.digest, e.size, start + k, 0.0, e.step, e.response_length, e.generated, e.version, e.reward)
+            for k, e in enumerate(entries[start : start + group])
+        ]
+        key = members[0].uid if group == 1 else entries[start].tid
+        if len(found[-1]) == SEGMENT_GROUPS or sum(len(g.members) for g in found[-1]) + group > SEGMENT_MEMBERS:
+            found.append([])
+        found[-1].append(Group(key=key, created=0.0, members=members))
+    return found
+
+
+def rows_drain(path: Path, pushes: list[list[Entry]], group: int) -> float:
+    """CPU seconds of the same drain over the rows (disk/rows/) in plain py-lmdb (its fill not counted)."""
+    env = lmdb.open(str(path), map_size=8 << 30, max_dbs=16, sync=True, metasync=True, readahead=False)
+    names = ("blobs", "segs", "sstate", "gdir", "ready", "retired", "leases")
+    db = {name: env.open_db(name.encode()) for name in names}
+    with env.begin(write=True) as txn:
+        blobs = {entry.uid: bytes(entry.blob) for push in pushes for entry in push}
+        rseq = 0
+        for seg, groups in enumerate(segments(pushes, group)):
+            txn.put(PREFIX + _U64.pack(seg), encode_segment(groups, rseq, 0.0), db=db["segs"])
+            members = sum(len(g.members) for g in groups)
+            txn.put(PREFIX + _U64.pack(seg), SegState.new([READY] * len(groups), members).encode(), db=db["sstate"])
+            for index, g in enumerate(groups):
+                txn.put(PREFIX + g.key.encode(), GroupRef(seg, index).encode(), db=db["gdir"])
+                for m in g.members:
+                    txn.put(PREFIX + m.uid.encode(), blobs[m.uid], db=db["blobs"])
+            txn.put(PREFIX + _U64.pack(rseq), RunRow(seg, 0, len(groups)).encode(), db=db["ready"])
+            rseq += len(groups)
+    start = time.process_time()
+    held: list[tuple[RunRow, list[str]]] = []
+    tag, drained = b"12345678", 0
+    while True:
+        with env.begin(write=True) as txn:
+            for run, uids in held:  # the confirm: consumed
+                for uid in uids:
+                    txn.delete(PREFIX + uid.encode(), db=db["blobs"])
+                key = PREFIX + _U64.pack(run.seg)
+                state = SegState.decode(txn.get(key, db=db["sstate"]))
+                for g in range(run.first, run.first + run.length):
+                    state.set_state(g, CONSUMED)
+                if run.first + run.length == state.groups:  # drained from the front: the segment's last run
+                    state.retired = 1.0
+                    txn.put(PREFIX + b"\0" * 8 + _U64.pack(run.seg), b"", db=db["retired"])
+                txn.put(key, state.encode(), db=db["sstate"])
+            held = []
+            snapshot = env.begin(buffers=True)
+            taken = 0
+            with txn.cursor(db=db["ready"]) as cursor:
+                found = cursor.set_range(PREFIX)
+                while found and taken < BATCH:
+                    run = RunRow.decode(cursor.value())
+                    key = PREFIX + _U64.pack(run.seg)
+                    state = SegState.decode(txn.get(key, db=db["sstate"]))
+                    view = SegmentView(snapshot.get(key, db=db["segs"]))
+                    end = run.first
+                    while end < run.first + run.length and taken + view.span(end)[1] - view.span(end)[0] <= BATCH:
+                        taken += view.span(end)[1] - view.span(end)[0]
+                        state.set_state(end, LEASED)
+                        state.set_lease(end, tag)
+                        end += 1
+                    if end == run.first:  # its first group does not fit in the batch
+                        break
+                    lo, hi = view.span(run.first)[0], view.span(end - 1)[1]
+                    uids = view.members.uids(lo, hi)
+                    for uid, digest in zip(uids, view.members.digests(lo, hi), strict=True):
+                        blob = snapshot.get(PREFIX + uid.encode(), db=db["blobs"])
+                        if xxhash.xxh3_128_digest(blob) != digest:
+                            raise AssertionError(f"{uid}: digest")
+                    txn.put(key, state.encode(), db=db["sstate"])
+                    held.append((RunRow(run.seg, run.first, end - run.first), uids))
+                    found = cursor.delete()
+                    if end < run.first + run.length:  # the rest of the run stays ready, keyed by its first group
+                        rest = RunRow(run.seg, end, run.first + run.length - end)
+                        txn.put(PREFIX + _U64.pack(view.rseq0 + end), rest.encode(), db=db["ready"])
+                        break
+            drained += taken
+            lease = RowLease(table_id=1, runs=[run for run, _ in held], expires=None)
+            txn.put(b"lease", lease.encode(), db=db["leases"])
+            snapshot.abort()
+        if not held:
+            break
+    env.close()
+    if drained != sum(map(len, pushes)):
+        raise AssertionError(f"the rows' drain took {drained} of {sum(map(len, pushes))} experiences")
+    return time.process_time() - start
+
+
+def decode_costs(pushes: list[list[Entry]], group: int, repeat: int = 20) -> dict[str, float]:
+    """CPU µs an experience of reading what a take reads of a segment's groups: as rows (the segment
+    viewed, its columns read, its state decoded) and as today's records (a group record and each
+    member's item record decoded)."""
+    groups = segments(pushes, group)[0]
+    seg = memoryview(encode_segment(groups, 0, 0.0))
+    count = sum(len(g.members) for g in groups)
+    state = SegState.new([READY] * len(groups), count).encode()
+    records = [
+        (
+            GroupRecord(state=READY, created=0.0, members=[m.uid for m in g.members], rseq=0).encode(),
+            [
+                ItemRecord(
+                    state=READY, group=g.key, seq=m.seq, digest=m.digest, size=m.size, created=0.0, tid=g.key,
+                    rid=m.uid, step=m.step, response_length=m.response_length, generated=m.generated,
+                    version=m.version, reward=m.reward,
+                ).encode()
+                for m in g.members
+            ],
+        )
+        for g in groups
+    ]  # fmt: skip
+    start = time.process_time()
+    for _ in range(repeat):
+        view, read = SegmentView(seg), SegState.decode(state)
+        read.states(0, view.groups)
+        members = view.members
+        members.uids(0, count)
+        members.digests(0, count)
+        for name in ("size", "version", "reward", "response_length", "advantage"):
+            members.column(name, 0, count)
+    rows = time.process_time() - start
+    start = time.process_time()
+    for _ in range(repeat):
+        for grp, items in records:
+            GroupRecord.decode(grp)
+            for item in items:
+                ItemRecord.decode(item)
+    return {"rows": rows / repeat / count * 1e6, "records": (time.process_time() - start) / repeat / count * 1e6}
+
+
+WAYS: dict[str, Callable[[Path, list[list[Entry]], int], float]] = {
+    "store": store_drain,
+    "unheld": unheld_drain,
+    "floor": floor_drain,
+    "rows-floor": rows_drain,
+}
+
+
+def measure(count: int, rounds: int, names: list[str]) -> dict[int, dict[str, list[float]]]:
     serial = itertools.count()
     results: dict[int, dict[str, list[float]]] = {}
-    ways: dict[str, Callable[[Path, list[list[Entry]], int], float]] = {
-        "store": store_drain,
-        "unheld": unheld_drain,
-        "floor": floor_drain,
-    }
+    ways = {name: WAYS[name] for name in names}
     for group in (1, 8):
         found: dict[str, list[float]] = {way: [] for way in ways}
         for round_ in range(rounds):
@@ -175,12 +339,27 @@ def measure(count: int, rounds: int) -> dict[int, dict[str, list[float]]]:
             for way in list(ways)[round_ % len(ways) :] + list(ways)[: round_ % len(ways)]:
                 with tempfile.TemporaryDirectory(prefix="expbuf-floor-") as data:
                     found[way].append(ways[way](Path(data), pushes, group) / count * 1e6)
+            for way, cost in decode_costs(pushes, group).items():
+                found.setdefault(f"decode {way}", []).append(cost)
         results[group] = found
         print(group, {way: [f"{value:.1f}" for value in values] for way, values in found.items()})
     return results
 
 
+COLUMNS = {
+    "store": "the store's take and confirm",
+    "unheld": "the store's take consuming, no hold",
+    "floor": "the same reads and writes in py-lmdb",
+    "rows-floor": "the same over rows (disk/rows/) in py-lmdb",
+    "decode records": "a take's fields: records decoded",
+    "decode rows": "a take's fields: a segment's columns read",
+}
+RATIOS = (("store", "floor"), ("unheld", "floor"), ("floor", "rows-floor"), ("decode records", "decode rows"))
+
+
 def report(command: str, load: str, count: int, results: dict[int, dict[str, list[float]]]) -> str:
+    ways = [way for way in COLUMNS if all(way in found for found in results.values())]
+    ratios = [(a, b) for a, b in RATIOS if a in ways and b in ways]
     lines = [
         HEADING,
         "",
@@ -188,15 +367,16 @@ def report(command: str, load: str, count: int, results: dict[int, dict[str, lis
         f"2 cores (load average {load} at the start); {count:,} experiences of 8 KB a drain, batches of "
         f"{BATCH}; CPU µs an experience, medians of the rounds.",
         "",
-        "| groups of | the store's take and confirm | the store's take consuming, no hold | the same reads and "
-        "writes in py-lmdb | store / floor | no hold / floor |",
-        "| ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| groups of | "
+        + " | ".join(COLUMNS[way] for way in ways)
+        + "".join(f" | {a} / {b}" for a, b in ratios)
+        + " |",
+        "| ---: |" + " ---: |" * (len(ways) + len(ratios)),
     ]
     for group, found in results.items():
-        store, unheld, floor = (statistics.median(found[way]) for way in ("store", "unheld", "floor"))
-        lines.append(
-            f"| {group} | {store:.1f} | {unheld:.1f} | {floor:.1f} | **{store / floor:.1f}x** | {unheld / floor:.1f}x |"
-        )
+        median = {way: statistics.median(found[way]) for way in ways}
+        cells = [f"{median[way]:.1f}" for way in ways] + [f"**{median[a] / median[b]:.1f}x**" for a, b in ratios]
+        lines.append(f"| {group} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -205,10 +385,14 @@ def main() -> None:
     parser.add_argument("--experiences", type=int, default=16384)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--out", default=str(HERE / "RESULTS.md"))
+    parser.add_argument("--ways", default=",".join(WAYS), help=f"drains, comma-separated, of {', '.join(WAYS)}")
     args = parser.parse_args()
+    names = args.ways.split(",")
+    if not names or set(names) - set(WAYS):
+        parser.error(f"--ways takes drains of {', '.join(WAYS)}")
     command = ("python bench/bench_take_floor.py " + " ".join(sys.argv[1:])).strip()
     load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
-    section = report(command, load, args.experiences, measure(args.experiences, args.rounds))
+    section = report(command, load, args.experiences, measure(args.experiences, args.rounds, names))
     print(section)
     write_section(Path(args.out), HEADING, section)
 

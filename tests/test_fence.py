@@ -42,6 +42,8 @@ ROOM_PROBES = [
     ("server/store/core/table_state/counters.py", ".state", "The table state imports only downward"),
     ("server/store/core/ordering/indexes.py", ".orders", "The orders of ready groups import only downward"),
     ("server/store/schema/errors.py", ".states", "The store's schema imports only downward"),
+    ("server/store/disk/rows/members.py", ".runs", "The rows import only downward"),
+    ("server/store/rules/groups.py", "..disk.rows", "Only the table core reads and writes the rows"),
     ("server/config.py", ".app", "The server imports only downward, the storage engine at the bottom"),
     ("server/rpc/interceptors/base.py", "...service", "The gRPC service imports only downward"),
     ("server/rpc/push/ingest.py", "..sample.replies", "The gRPC service imports only downward"),  # push | sample

@@ -373,6 +373,29 @@ class Counted(NamedTuple):
     tokens_masked: int
 
 
+_LEASE = struct.Struct("<Id")  # table id, expires (NaN: held)
+_COUNTED = struct.Struct("<QQQ")
+
+
+def pack_lease(table_id: int, expires: float | None, owner: str, held: bytes, counted: Counted | None) -> bytes:
+    """A lease's value: its table, expiry and owner, then `held` (what it holds, as its kind of lease
+    writes it), then what its take counted, if it says."""
+    value = _LEASE.pack(table_id, _opt_float(expires)) + _pack_str(owner) + held
+    return value if counted is None else value + _COUNTED.pack(*counted)
+
+
+def unpack_lease(data: bytes | memoryview) -> tuple[int, float | None, str, int]:
+    """A lease value's table, expiry and owner, and where what it holds begins."""
+    table_id, expires = _LEASE.unpack_from(data)
+    owner, pos = _unpack_str(data, _LEASE.size)
+    return table_id, _float_or_none(expires), owner, pos
+
+
+def counted_at(data: bytes | memoryview, pos: int) -> Counted | None:
+    """What a lease's take counted, where `pos`, the end of what it holds, is not the value's end."""
+    return Counted(*_COUNTED.unpack_from(data, pos)) if pos < len(data) else None
+
+
 @dataclass(slots=True, kw_only=True)
 class Lease:
     """Groups of one table handed out together. `expires` None: held for a Sample stream
@@ -387,21 +410,14 @@ class Lease:
     # held by a release that did not write it (its give-back counts the members it finds).
     counted: Counted | None = None
 
-    _HEAD = struct.Struct("<Id")
-    _COUNTED = struct.Struct("<QQQ")
-
     def encode(self) -> bytes:
-        head = self._HEAD.pack(self.table_id, _opt_float(self.expires))
-        body = head + _pack_str(self.owner) + _pack_strs(self.groups)
-        return body if self.counted is None else body + self._COUNTED.pack(*self.counted)
+        return pack_lease(self.table_id, self.expires, self.owner, _pack_strs(self.groups), self.counted)
 
     @classmethod
     def decode(cls, data: bytes | memoryview) -> Lease:
-        table_id, expires = cls._HEAD.unpack_from(data)
-        owner, pos = _unpack_str(data, cls._HEAD.size)
+        table_id, expires, owner, pos = unpack_lease(data)
         groups, pos = _unpack_strs(data, pos)
-        counted = Counted(*cls._COUNTED.unpack_from(data, pos)) if pos < len(data) else None
-        return cls(table_id=table_id, groups=groups, expires=_float_or_none(expires), owner=owner, counted=counted)
+        return cls(table_id=table_id, groups=groups, expires=expires, owner=owner, counted=counted_at(data, pos))
 
     @classmethod
     def from_v1(cls, rec: dict[str, Any]) -> Lease:

@@ -1,0 +1,24 @@
+"""The rows a table keeps per batch of groups, not per experience (issue 64, format 10): written and
+read only by the table core (core/), the one owner of a table's records.
+
+- members.py: a block of members' columns (`Member`, `encode_members`, `MemberBlock`), which a
+  segment and a pending group's fragment hold;
+- segments.py: a segment of completed groups (`Group`, `encode_segment`, `SegmentView`) and what
+  changes of it (`SegState`);
+- directory.py: the group directory's entries (`GroupRef`, `PendingHead`, `directory_entry`,
+  `uid_hash`);
+- runs.py: the runs the ready orders keep (`RunRow`) and a lease of runs (`RowLease`).
+
+May import the disk room's records (their numbers and strings, a lease's head) and the schema.
+"""
+
+from .directory import PENDING, REF, GroupRef, PendingHead, directory_entry, uid_hash
+from .members import ROWS, Member, MemberBlock, encode_members
+from .runs import RowLease, RunRow
+from .segments import SEGMENT_GROUPS, SEGMENT_MEMBERS, Group, SegmentView, SegState, encode_segment
+
+__all__ = [
+    "PENDING", "REF", "ROWS", "SEGMENT_GROUPS", "SEGMENT_MEMBERS", "Group", "GroupRef", "Member", "MemberBlock",
+    "PendingHead", "RowLease", "RunRow", "SegState", "SegmentView", "directory_entry", "encode_members",
+    "encode_segment", "uid_hash",
+]  # fmt: skip

@@ -1,0 +1,169 @@
+"""A block of members' columns (`encode_members`, read by `MemberBlock`), which a segment and a
+pending group's fragment both hold: each member's small fields (`Member`), each column contiguous,
+so that a run of members reads a column with one struct call on a memoryview of the map.
+
+Absent numbers are stored as in records.py: an absent version as -2^63, an absent float as NaN.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import struct
+from collections.abc import Sequence
+from typing import NamedTuple
+
+ROWS = 1  # the rows' own layout, the first byte of a segment and of its state
+_PARTIAL = 1  # a group's flag, in a segment's group flags and a pending head's
+_NONE_INT = -(2**63)
+_DIGEST = 16
+
+
+class Member(NamedTuple):
+    """One experience as its group's rows keep it: what a take, a confirm, the estimators and a
+    retried push's check read, without its payload."""
+
+    uid: str
+    digest: bytes  # digests.of the stored payload
+    size: int
+    seq: int  # its place in the table's insertion order
+    created: float
+    step: int
+    response_length: int
+    generated: int  # response tokens under the action mask
+    version: int | None = None
+    reward: float | None = None
+    priority: float = 0.0
+    advantage: float | None = None
+    shaped_reward: float | None = None
+    segments: tuple[int, ...] = ()  # per-token policy versions, flattened; () without
+
+
+# The fixed-width member columns after the digests, in their order in a block: (field, struct code).
+_COLUMNS = (
+    ("size", "Q"),
+    ("seq", "Q"),
+    ("created", "d"),
+    ("step", "q"),
+    ("version", "q"),
+    ("reward", "d"),
+    ("priority", "d"),
+    ("advantage", "d"),
+    ("shaped_reward", "d"),
+    ("response_length", "I"),
+    ("generated", "I"),
+)
+_WIDTH = {code: struct.calcsize(code) for _, code in _COLUMNS}
+_OPTIONAL_INT = frozenset({"version"})
+_OPTIONAL_FLOAT = frozenset({"reward", "advantage", "shaped_reward"})
+_FIELD = {name: Member._fields.index(name) for name, _ in _COLUMNS}
+_UID, _DIGEST_FIELD, _SEGMENTS = (Member._fields.index(name) for name in ("uid", "digest", "segments"))
+_BLOCK = struct.Struct("<II")  # members, flags
+_HAS_SEGMENTS = 1
+
+
+def _stored(name: str, values: Sequence[object]) -> Sequence[object]:
+    if name in _OPTIONAL_INT:
+        return [_NONE_INT if value is None else value for value in values]
+    if name in _OPTIONAL_FLOAT:
+        return [math.nan if value is None else value for value in values]
+    return values
+
+
+def _offsets(parts: Sequence[bytes | tuple[int, ...]]) -> bytes:
+    """u32 offsets of consecutive parts, n + 1 of them from 0."""
+    return struct.pack(f"<{len(parts) + 1}I", *itertools.accumulate(map(len, parts), initial=0))
+
+
+def encode_members(members: Sequence[Member]) -> bytes:
+    """A block of members' columns: digests, the fixed-width columns, the uids (offsets, then their
+    UTF-8), and where any member has them, the version segments (offsets in values, then i64s)."""
+    count = len(members)
+    columns = list(zip(*members, strict=True)) if members else [()] * len(Member._fields)
+    digests = b"".join(columns[_DIGEST_FIELD])
+    if len(digests) != _DIGEST * count:
+        raise ValueError(f"a member's digest is not {_DIGEST} bytes")
+    segments: Sequence[tuple[int, ...]] = columns[_SEGMENTS]
+    flags = _HAS_SEGMENTS if any(segments) else 0
+    parts = [_BLOCK.pack(count, flags), digests]
+    for name, code in _COLUMNS:
+        parts.append(struct.pack(f"<{count}{code}", *_stored(name, columns[_FIELD[name]])))
+    uids = [uid.encode() for uid in columns[_UID]]
+    parts.append(_offsets(uids))
+    parts.extend(uids)
+    if flags:
+        parts.append(_offsets(segments))
+        parts.append(struct.pack(f"<{sum(map(len, segments))}q", *itertools.chain.from_iterable(segments)))
+    return b"".join(parts)
+
+
+class MemberBlock:
+    """A view of a block of members' columns (`encode_members`) at `pos` in `data`, a segment's or
+    a fragment's value: each read unpacks only the columns and members it asks for."""
+
+    __slots__ = ("_columns", "_digests", "_segment_values", "_segments", "_uid_bytes", "_uids", "count", "data", "end")
+
+    def __init__(self, data: bytes | memoryview, pos: int = 0) -> None:
+        count, flags = _BLOCK.unpack_from(data, pos)
+        self.data, self.count = data, count
+        pos += _BLOCK.size
+        self._digests = pos
+        pos += _DIGEST * count
+        columns = {}
+        for name, code in _COLUMNS:
+            columns[name] = (pos, code, _WIDTH[code])
+            pos += _WIDTH[code] * count
+        self._columns = columns
+        self._uids = pos
+        self._uid_bytes = pos + 4 * (count + 1)
+        (size,) = struct.unpack_from("<I", data, pos + 4 * count)
+        pos = self._uid_bytes + size
+        self._segments = self._segment_values = -1
+        if flags & _HAS_SEGMENTS:
+            self._segments = pos
+            (values,) = struct.unpack_from("<I", data, pos + 4 * count)
+            self._segment_values = pos + 4 * (count + 1)
+            pos = self._segment_values + 8 * values
+        self.end = pos  # past the block
+
+    def uids(self, lo: int, hi: int) -> list[str]:
+        """The uids of members lo to hi (excluded)."""
+        if hi <= lo:
+            return []
+        data, base = self.data, self._uid_bytes
+        ends = struct.unpack_from(f"<{hi - lo + 1}I", data, self._uids + 4 * lo)
+        return [str(data[base + a : base + b], "utf-8") for a, b in itertools.pairwise(ends)]
+
+    def uid(self, i: int) -> str:
+        return self.uids(i, i + 1)[0]
+
+    def digests(self, lo: int, hi: int) -> list[bytes]:
+        data, pos = self.data, self._digests
+        return [bytes(data[p : p + _DIGEST]) for p in range(pos + _DIGEST * lo, pos + _DIGEST * hi, _DIGEST)]
+
+    def column(self, name: str, lo: int, hi: int) -> Sequence[int | float | None]:
+        """A member column (a field of Member) of members lo to hi (excluded), absent values as None."""
+        pos, code, width = self._columns[name]
+        values = struct.unpack_from(f"<{hi - lo}{code}", self.data, pos + width * lo)
+        if name in _OPTIONAL_FLOAT:
+            return [None if value != value else value for value in values]  # NaN: absent
+        if name in _OPTIONAL_INT:
+            return [None if value == _NONE_INT else value for value in values]
+        return values
+
+    def segments(self, i: int) -> tuple[int, ...]:
+        """Member i's version segments, flattened; () without."""
+        if self._segments < 0:
+            return ()
+        a, b = struct.unpack_from("<II", self.data, self._segments + 4 * i)
+        return struct.unpack_from(f"<{b - a}q", self.data, self._segment_values + 8 * a)
+
+    def members(self, lo: int = 0, hi: int | None = None) -> list[Member]:
+        """Members lo to hi (excluded; the end by default), every field read."""
+        hi = self.count if hi is None else hi
+        if hi <= lo:
+            return []
+        columns: dict[str, Sequence[object]] = {name: self.column(name, lo, hi) for name, _ in _COLUMNS}
+        columns["uid"], columns["digest"] = self.uids(lo, hi), self.digests(lo, hi)
+        columns["segments"] = [self.segments(i) for i in range(lo, hi)]
+        return [Member._make(row) for row in zip(*(columns[name] for name in Member._fields), strict=True)]

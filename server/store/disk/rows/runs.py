@@ -1,0 +1,54 @@
+"""What the ready orders keep (`RunRow`: consecutive groups of one segment) and a lease of runs
+(`RowLease`)."""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from ..records import Counted, counted_at, pack_lease, unpack_lease
+
+_RUN = struct.Struct("<QHH")  # seg, first, length
+
+
+class RunRow(NamedTuple):
+    """Consecutive groups of one segment: its groups first to first + length (excluded)."""
+
+    seg: int
+    first: int
+    length: int
+
+    def encode(self) -> bytes:
+        return _RUN.pack(self.seg, self.first, self.length)
+
+    @classmethod
+    def decode(cls, data: bytes | memoryview, pos: int = 0) -> RunRow:
+        seg, first, length = _RUN.unpack_from(data, pos)
+        return cls(seg, first, length)
+
+
+@dataclass(slots=True, kw_only=True)
+class RowLease:
+    """A batch of one table's groups handed out together, named by runs (records.Lease names groups).
+    `expires` None: held for a Sample stream until the client confirms it; `owner` binds it to the
+    token that took it; `counted`, what its take counted as sampled (records.Lease.counted)."""
+
+    table_id: int
+    runs: list[RunRow]
+    expires: float | None
+    owner: str = ""
+    counted: Counted | None = None
+
+    def encode(self) -> bytes:
+        held = struct.pack("<I", len(self.runs)) + b"".join(run.encode() for run in self.runs)
+        return pack_lease(self.table_id, self.expires, self.owner, held, self.counted)
+
+    @classmethod
+    def decode(cls, data: bytes | memoryview) -> RowLease:
+        table_id, expires, owner, pos = unpack_lease(data)
+        (count,) = struct.unpack_from("<I", data, pos)
+        pos += 4
+        runs = [RunRow.decode(data, pos + _RUN.size * k) for k in range(count)]
+        counted = counted_at(data, pos + _RUN.size * count)
+        return cls(table_id=table_id, runs=runs, expires=expires, owner=owner, counted=counted)

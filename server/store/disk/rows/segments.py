@@ -1,0 +1,237 @@
+"""A segment (`encode_segment`, read by `SegmentView`): the groups one transaction completed, in
+completion order, at most SEGMENT_GROUPS groups and SEGMENT_MEMBERS members (a larger group alone):
+the groups' keys, creation times, priorities and lowest versions as group columns, and their
+members' as a member block. It is not rewritten when a group moves: what moves is its `SegState`,
+a row of its own of a few bytes a group (state, times sampled, the lease holding it) and one a
+member (its flags).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import struct
+from collections.abc import Sequence
+from typing import NamedTuple
+
+from ...schema.states import STATES, State
+from ..records import _float_or_none, _opt_float, _pack_str, _unpack_str
+from .members import _NONE_INT, _PARTIAL, ROWS, Member, MemberBlock, _offsets, encode_members
+
+SEGMENT_GROUPS = 64
+SEGMENT_MEMBERS = 256
+_STATE_CODE = {state: code for code, state in enumerate(STATES)}
+
+
+class Group(NamedTuple):
+    """A complete group as its segment keeps it."""
+
+    key: str
+    created: float
+    members: Sequence[Member]
+    priority: float = 0.0
+    version: int | None = None  # the lowest of its members'; None if any is unknown
+    partial: bool = False
+    failed: tuple[tuple[str, str], ...] = ()  # runs its workers reported failed: (uid, reason)
+
+
+_SEGMENT = struct.Struct("<BBHQd")  # ROWS, flags, groups, rseq of the first group, completed
+_KEYS_ARE_UIDS = 1  # every group is one member whose uid is its key: no keys stored
+_HAS_FAILED = 2
+
+
+def encode_segment(groups: Sequence[Group], rseq0: int, completed: float) -> bytes:
+    """The segment of `groups`, the first at `rseq0` in the ready order, completed at `completed`."""
+    count = len(groups)
+    if not 0 < count < 1 << 16:
+        raise ValueError(f"a segment holds 1 to 65535 groups, not {count}")
+    keys_are_uids = all(len(g.members) == 1 and g.members[0].uid == g.key for g in groups)
+    failed = [(index, uid, reason) for index, g in enumerate(groups) for uid, reason in g.failed]
+    flags = (_KEYS_ARE_UIDS if keys_are_uids else 0) | (_HAS_FAILED if failed else 0)
+    parts = [
+        _SEGMENT.pack(ROWS, flags, count, rseq0, completed),
+        struct.pack(f"<{count}I", *itertools.accumulate(len(g.members) for g in groups)),
+        struct.pack(f"<{count}d", *(g.created for g in groups)),
+        struct.pack(f"<{count}d", *(g.priority for g in groups)),
+        struct.pack(f"<{count}q", *(_NONE_INT if g.version is None else g.version for g in groups)),
+        bytes(_PARTIAL if g.partial else 0 for g in groups),
+    ]
+    if not keys_are_uids:
+        keys = [g.key.encode() for g in groups]
+        parts.append(_offsets(keys))
+        parts.extend(keys)
+    parts.append(encode_members([m for g in groups for m in g.members]))
+    if failed:
+        parts.append(struct.pack("<I", len(failed)))
+        parts.extend(struct.pack("<H", index) + _pack_str(uid) + _pack_str(reason) for index, uid, reason in failed)
+    return b"".join(parts)
+
+
+class SegmentView:
+    """A view of a segment's value (a memoryview of the map, or bytes): its header and group ends read,
+    the rest as asked."""
+
+    __slots__ = (
+        "_created", "_failed", "_flags", "_keys", "_priority", "_version", "completed", "data", "ends", "groups",
+        "members", "rseq0",
+    )  # fmt: skip
+
+    def __init__(self, data: bytes | memoryview) -> None:
+        rows, flags, count, self.rseq0, self.completed = _SEGMENT.unpack_from(data)
+        if rows != ROWS:
+            raise ValueError(f"a segment of rows {rows}, not {ROWS}")
+        self.data, self.groups, self._flags = data, count, flags
+        pos = _SEGMENT.size
+        self.ends: tuple[int, ...] = struct.unpack_from(f"<{count}I", data, pos)  # each group's members' end
+        self._created = pos = pos + 4 * count
+        self._priority = pos = pos + 8 * count
+        self._version = pos = pos + 8 * count
+        pos += 9 * count  # versions, then a flags byte a group
+        self._keys = -1
+        if not flags & _KEYS_ARE_UIDS:
+            self._keys = pos
+            (size,) = struct.unpack_from("<I", data, pos + 4 * count)
+            pos += 4 * (count + 1) + size
+        self.members = MemberBlock(data, pos)
+        self._failed = self.members.end if flags & _HAS_FAILED else -1
+
+    def span(self, g: int) -> tuple[int, int]:
+        """Group g's members: from, to (excluded)."""
+        return (self.ends[g - 1] if g else 0), self.ends[g]
+
+    def keys(self, lo: int, hi: int) -> list[str]:
+        """The keys of groups lo to hi (excluded)."""
+        if self._keys < 0:
+            return self.members.uids(lo, hi)
+        data, base = self.data, self._keys + 4 * (self.groups + 1)
+        ends = struct.unpack_from(f"<{hi - lo + 1}I", data, self._keys + 4 * lo)
+        return [str(data[base + a : base + b], "utf-8") for a, b in itertools.pairwise(ends)]
+
+    def created(self, lo: int, hi: int) -> tuple[float, ...]:
+        return struct.unpack_from(f"<{hi - lo}d", self.data, self._created + 8 * lo)
+
+    def priorities(self, lo: int, hi: int) -> tuple[float, ...]:
+        return struct.unpack_from(f"<{hi - lo}d", self.data, self._priority + 8 * lo)
+
+    def versions(self, lo: int, hi: int) -> list[int | None]:
+        values = struct.unpack_from(f"<{hi - lo}q", self.data, self._version + 8 * lo)
+        return [None if value == _NONE_INT else value for value in values]
+
+    def partial(self, g: int) -> bool:
+        return bool(self.data[self._version + 8 * self.groups + g] & _PARTIAL)
+
+    def failed(self, g: int) -> dict[str, str]:
+        """The runs group g's workers reported failed: uid -> reason."""
+        found: dict[str, str] = {}
+        if self._failed < 0:
+            return found
+        (count,) = struct.unpack_from("<I", self.data, self._failed)
+        pos = self._failed + 4
+        for _ in range(count):
+            (index,) = struct.unpack_from("<H", self.data, pos)
+            uid, pos = _unpack_str(self.data, pos + 2)
+            reason, pos = _unpack_str(self.data, pos)
+            if index == g:
+                found[uid] = reason
+        return found
+
+    def group(self, g: int) -> Group:
+        """Group g, every field read."""
+        lo, hi = self.span(g)
+        return Group(
+            key=self.keys(g, g + 1)[0],
+            created=self.created(g, g + 1)[0],
+            members=self.members.members(lo, hi),
+            priority=self.priorities(g, g + 1)[0],
+            version=self.versions(g, g + 1)[0],
+            partial=self.partial(g),
+            failed=tuple(self.failed(g).items()),
+        )
+
+
+class SegState:
+    """What changes of a segment's groups: each one's state, times sampled and the lease holding it
+    (the 8 bytes of its id; zero: none), each member's flags, and when the last group retired.
+    Read and written in place over a bytearray; `encode` is its bytes."""
+
+    _HEAD = struct.Struct("<BBHId")  # ROWS, flags (any member flag set), groups, members, retired (NaN: not yet)
+    _ANY_FLAGS = 1
+    LEASE = 8  # bytes of a lease tag
+    __slots__ = ("_flags", "_leases", "_times", "buf", "groups", "members")
+
+    def __init__(self, buf: bytearray) -> None:
+        rows, _, groups, members, _ = self._HEAD.unpack_from(buf)
+        groups, members = int(groups), int(members)
+        if rows != ROWS:
+            raise ValueError(f"a segment's state of rows {rows}, not {ROWS}")
+        if len(buf) != self._HEAD.size + (1 + 4 + self.LEASE) * groups + members:
+            raise ValueError(f"a segment's state of {len(buf)} bytes for {groups} groups and {members} members")
+        self.buf, self.groups, self.members = buf, groups, members
+        self._times = self._HEAD.size + groups
+        self._leases = self._times + 4 * groups
+        self._flags = self._leases + self.LEASE * groups
+
+    @classmethod
+    def new(cls, states: Sequence[State], members: int) -> SegState:
+        """The state of a new segment whose groups are in `states`, none sampled or leased."""
+        groups = len(states)
+        buf = bytearray(cls._HEAD.size + (1 + 4 + cls.LEASE) * groups + members)
+        cls._HEAD.pack_into(buf, 0, ROWS, 0, groups, members, math.nan)
+        buf[cls._HEAD.size : cls._HEAD.size + groups] = bytes(_STATE_CODE[state] for state in states)
+        return cls(buf)
+
+    @classmethod
+    def decode(cls, data: bytes | memoryview) -> SegState:
+        return cls(bytearray(data))
+
+    def encode(self) -> bytes:
+        return bytes(self.buf)
+
+    def state(self, g: int) -> State:
+        return STATES[self.buf[self._HEAD.size + g]]
+
+    def states(self, lo: int, hi: int) -> list[State]:
+        base = self._HEAD.size
+        return [STATES[code] for code in self.buf[base + lo : base + hi]]
+
+    def set_state(self, g: int, state: State) -> None:
+        self.buf[self._HEAD.size + g] = _STATE_CODE[state]
+
+    def times(self, g: int) -> int:
+        times: int = struct.unpack_from("<I", self.buf, self._times + 4 * g)[0]
+        return times
+
+    def set_times(self, g: int, times: int) -> None:
+        struct.pack_into("<I", self.buf, self._times + 4 * g, times)
+
+    def lease(self, g: int) -> bytes:
+        pos = self._leases + self.LEASE * g
+        return bytes(self.buf[pos : pos + self.LEASE])
+
+    def set_lease(self, g: int, tag: bytes) -> None:
+        if len(tag) != self.LEASE:
+            raise ValueError(f"a lease tag is {self.LEASE} bytes, not {len(tag)}")
+        pos = self._leases + self.LEASE * g
+        self.buf[pos : pos + self.LEASE] = tag
+
+    @property
+    def any_flags(self) -> bool:
+        """Whether any member has a flag set: a take reads them only then."""
+        return bool(self.buf[1] & self._ANY_FLAGS)
+
+    def flags(self, i: int) -> int:
+        return self.buf[self._flags + i]
+
+    def set_flags(self, i: int, flags: int) -> None:
+        self.buf[self._flags + i] = flags
+        if flags:
+            self.buf[1] |= self._ANY_FLAGS
+
+    @property
+    def retired(self) -> float | None:
+        """When the last of its groups retired; None while one is live."""
+        return _float_or_none(self._HEAD.unpack_from(self.buf)[4])
+
+    @retired.setter
+    def retired(self, when: float | None) -> None:
+        struct.pack_into("<d", self.buf, self._HEAD.size - 8, _opt_float(when))

@@ -1,0 +1,206 @@
+"""The rows a table keeps per batch of groups (disk/rows/): every row reads back as it was written,
+through its decoder and through the views that read a run of its columns from a memoryview."""
+
+from __future__ import annotations
+
+import math
+import struct
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from expbuf.server.store.disk.records import Counted, Lease
+from expbuf.server.store.disk.rows import (
+    SEGMENT_GROUPS,
+    Group,
+    GroupRef,
+    Member,
+    MemberBlock,
+    PendingHead,
+    RowLease,
+    RunRow,
+    SegmentView,
+    SegState,
+    directory_entry,
+    encode_members,
+    encode_segment,
+    uid_hash,
+)
+from expbuf.server.store.schema.states import STATES
+
+u32 = st.integers(0, 2**32 - 1)
+u64 = st.integers(0, 2**64 - 1)
+i64 = st.integers(-(2**63) + 1, 2**63 - 1)  # -2^63 stands for an absent version
+number = st.floats(allow_nan=False)
+text = st.text(max_size=12)
+
+members = st.builds(
+    Member,
+    uid=text,
+    digest=st.binary(min_size=16, max_size=16),
+    size=u64,
+    seq=u64,
+    created=number,
+    step=i64,
+    response_length=u32,
+    generated=u32,
+    version=st.none() | i64,
+    reward=st.none() | number,
+    priority=number,
+    advantage=st.none() | number,
+    shaped_reward=st.none() | number,
+    segments=st.lists(i64, max_size=6).map(tuple),
+)
+groups = st.builds(
+    Group,
+    key=text,
+    created=number,
+    members=st.lists(members, min_size=1, max_size=5),
+    priority=number,
+    version=st.none() | i64,
+    partial=st.booleans(),
+    failed=st.dictionaries(text, text, max_size=2).map(lambda d: tuple(d.items())),
+)
+# Groups of one whose key is their uid: a table grouped by none, whose segment keeps no keys.
+singles = members.map(lambda m: Group(key=m.uid, created=m.created, members=[m]))
+
+
+@given(st.lists(members, max_size=8))
+@settings(max_examples=80, deadline=None)
+def test_a_member_block_reads_back_whole_and_by_ranges(found: list[Member]) -> None:
+    encoded = encode_members(found)
+    block = MemberBlock(memoryview(b"head" + encoded + b"tail"), 4)
+    assert block.count == len(found) and block.end == 4 + len(encoded)
+    assert block.members() == found
+    for lo in range(len(found) + 1):
+        for hi in range(lo, len(found) + 1):
+            assert block.uids(lo, hi) == [m.uid for m in found[lo:hi]]
+            assert block.digests(lo, hi) == [m.digest for m in found[lo:hi]]
+            assert list(block.column("reward", lo, hi)) == [m.reward for m in found[lo:hi]]
+            assert list(block.column("version", lo, hi)) == [m.version for m in found[lo:hi]]
+            assert list(block.column("size", lo, hi)) == [m.size for m in found[lo:hi]]
+    assert [block.segments(i) for i in range(len(found))] == [m.segments for m in found]
+
+
+@given(st.lists(groups, min_size=1, max_size=6) | st.lists(singles, min_size=1, max_size=SEGMENT_GROUPS), u64, number)
+@settings(max_examples=80, deadline=None)
+def test_a_segment_reads_back_group_by_group_and_run_by_run(found: list[Group], rseq0: int, completed: float) -> None:
+    view = SegmentView(memoryview(encode_segment(found, rseq0, completed)))
+    assert (view.groups, view.rseq0, view.completed) == (len(found), rseq0, completed)
+    for g, group in enumerate(found):
+        read = view.group(g)
+        assert read._replace(members=list(read.members)) == group._replace(members=list(group.members))
+        lo, hi = view.span(g)
+        assert view.members.uids(lo, hi) == [m.uid for m in group.members]
+    assert view.keys(0, len(found)) == [g.key for g in found]
+    assert list(view.created(0, len(found))) == [g.created for g in found]
+    assert list(view.priorities(0, len(found))) == [g.priority for g in found]
+    assert view.versions(0, len(found)) == [g.version for g in found]
+    assert view.members.members() == [m for g in found for m in g.members]
+
+
+def test_a_segment_of_groups_of_one_keeps_no_keys_beside_the_uids() -> None:
+    member = Member("0/0/0/0/a", b"d" * 16, 8192, 0, 1.0, 0, 10, 10)
+    one = encode_segment([Group(key=member.uid, created=1.0, members=[member])], 0, 1.0)
+    keyed = encode_segment([Group(key="0/0", created=1.0, members=[member])], 0, 1.0)
+    assert len(keyed) == len(one) + 4 * 2 + len("0/0")
+    assert SegmentView(one).keys(0, 1) == [member.uid]
+
+
+def test_a_segment_refuses_no_groups_a_short_digest_and_another_layout() -> None:
+    with pytest.raises(ValueError, match="1 to 65535 groups"):
+        encode_segment([], 0, 0.0)
+    with pytest.raises(ValueError, match="16 bytes"):
+        encode_members([Member("u", b"short", 1, 0, 0.0, 0, 0, 0)])
+    member = Member("u", b"d" * 16, 1, 0, 0.0, 0, 0, 0)
+    data = bytearray(encode_segment([Group(key="u", created=0.0, members=[member])], 0, 0.0))
+    data[0] = 2
+    with pytest.raises(ValueError, match="rows 2"):
+        SegmentView(bytes(data))
+
+
+@given(
+    st.lists(st.sampled_from(STATES), min_size=1, max_size=SEGMENT_GROUPS),
+    st.integers(0, 300),
+    st.data(),
+)
+@settings(max_examples=80, deadline=None)
+def test_a_segments_state_changes_in_place_and_reads_back(states: list, count: int, data: st.DataObject) -> None:
+    state = SegState.new(states, count)
+    assert state.states(0, len(states)) == states and not state.any_flags and state.retired is None
+    assert all(state.times(g) == 0 and state.lease(g) == bytes(8) for g in range(len(states)))
+    for g in data.draw(st.lists(st.integers(0, len(states) - 1), max_size=4)):
+        state.set_state(g, data.draw(st.sampled_from(STATES)))
+        state.set_times(g, data.draw(u32))
+        state.set_lease(g, data.draw(st.binary(min_size=8, max_size=8)))
+    flagged = data.draw(st.dictionaries(st.integers(0, count - 1), st.integers(0, 255), max_size=3)) if count else {}
+    for i, flags in flagged.items():
+        state.set_flags(i, flags)
+    state.retired = data.draw(st.none() | number)
+    read = SegState.decode(memoryview(state.encode()))
+    assert read.encode() == state.encode()
+    assert read.states(0, len(states)) == [state.state(g) for g in range(len(states))]
+    assert [read.times(g) for g in range(len(states))] == [state.times(g) for g in range(len(states))]
+    assert [read.lease(g) for g in range(len(states))] == [state.lease(g) for g in range(len(states))]
+    assert [read.flags(i) for i in range(count)] == [flagged.get(i, 0) for i in range(count)]
+    assert read.any_flags == any(flagged.values())
+    assert read.retired == state.retired
+
+
+def test_a_segments_state_refuses_a_wrong_size_and_a_lease_tag_not_of_8_bytes() -> None:
+    state = SegState.new(STATES[:2], 3)
+    with pytest.raises(ValueError, match="for 2 groups and 3 members"):
+        SegState.decode(state.encode() + b"\0")
+    with pytest.raises(ValueError, match="8 bytes"):
+        state.set_lease(0, b"short")
+
+
+@given(u64, st.integers(0, 2**16 - 1))
+def test_a_group_ref_reads_back_from_the_directory(seg: int, index: int) -> None:
+    encoded = GroupRef(seg, index).encode()
+    assert len(encoded) == 12
+    assert directory_entry(memoryview(encoded)) == GroupRef(seg, index)
+
+
+@given(number, st.lists(text, max_size=10), u32, st.booleans(), st.dictionaries(text, text, max_size=3))
+def test_a_pending_head_reads_back_from_the_directory(
+    created: float, uids: list[str], fragments: int, partial: bool, failed: dict[str, str]
+) -> None:
+    head = PendingHead(created=created, hashes=[uid_hash(u) for u in uids], fragments=fragments, partial=partial)
+    head.failed = failed
+    assert directory_entry(memoryview(head.encode())) == head
+
+
+def test_a_directory_entry_of_an_unknown_kind_is_refused() -> None:
+    with pytest.raises(ValueError, match="kind 9"):
+        directory_entry(b"\x09" + bytes(11))
+
+
+runs = st.builds(RunRow, seg=u64, first=st.integers(0, 2**16 - 1), length=st.integers(0, 2**16 - 1))
+
+
+@given(
+    u32,
+    st.lists(runs, max_size=6),
+    st.none() | number,
+    text,
+    st.none() | st.builds(Counted, experiences=u64, nbytes=u64, tokens_masked=u64),
+)
+def test_a_lease_of_runs_reads_back(
+    table_id: int, found: list[RunRow], expires: float | None, owner: str, counted: Counted | None
+) -> None:
+    lease = RowLease(table_id=table_id, runs=found, expires=expires, owner=owner, counted=counted)
+    assert RowLease.decode(memoryview(lease.encode())) == lease
+    assert [RunRow.decode(run.encode()) for run in found] == found
+
+
+def test_a_lease_of_groups_keeps_its_bytes_beside_the_lease_of_runs() -> None:
+    """records.Lease and RowLease write their head and count with the same code; a lease of groups
+    is written as it always was."""
+    lease = Lease(table_id=3, groups=["a", "bc"], expires=None, owner="o", counted=Counted(1, 2, 3))
+    before = struct.pack("<Id", 3, math.nan) + b"\x01\x00o" + struct.pack("<I", 2) + b"\x01\x00a\x02\x00bc"
+    assert lease.encode() == before + struct.pack("<QQQ", 1, 2, 3)
+    assert Lease.decode(lease.encode()) == lease
+    lease.counted, lease.expires = None, 5.0
+    assert Lease.decode(lease.encode()) == lease
