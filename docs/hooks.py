@@ -248,6 +248,8 @@ def settings_tables(cls: type, where: dict[str, str], seen: set[type] | None = N
     lines += ["| setting | type | default | also from | note |", "| --- | --- | --- | --- | --- |"]
     nested: list[type] = []
     for field in dataclasses.fields(cls):  # type: ignore[arg-type]
+        if field.metadata.get("hidden"):  # a setting the store keeps for its own development (table_parts.HIDDEN)
+            continue
         hint = hints[field.name]
         nested += [c for c in _dataclasses_in(hint) if c not in seen and c not in nested]
         also = where.get(f"{cls.__name__}.{field.name}", "")

@@ -11,6 +11,7 @@ flat names (table_parts.flat_names); the typed flat settings are the client's Ta
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import warnings
 from collections.abc import Mapping, Sequence
@@ -35,6 +36,7 @@ from .table_parts import (
     Staleness,
     Storage,
     flat_names,
+    is_hidden,
 )
 
 # The form of stored table records: 1 before the estimators took Trinity-RFT's names.
@@ -60,6 +62,14 @@ _OWNERS: dict[str, tuple[str | None, str]] = {
 # Each flat setting -> the part (None: the table itself) and field that hold it, in the order
 # of the wire's message (a setting without a field fails here, at import).
 WHERE: dict[str, tuple[str | None, str]] = {setting: _OWNERS[setting] for setting in SETTING_NAMES}
+# The hidden settings (table_parts.HIDDEN) -> their part and field: taken from a TOML file's table
+# and a stored record, written by `to_stored` where not at their defaults, never in `settings()`.
+HIDDEN_WHERE: dict[str, tuple[str, str]] = {
+    flat_names(cls)[f.name]: (part, f.name)
+    for part, cls in PARTS.items()
+    for f in dataclasses.fields(cls)
+    if is_hidden(f)
+}
 # A table extension's name, as a table names it and a Store registers it (extensions.py).
 EXTENSION_NAME = re.compile(r"^[A-Za-z][A-Za-z0-9_.\-]{0,63}$")
 MAX_EXTENSIONS = 32
@@ -183,7 +193,7 @@ class TableConfig:
                 settings = preset_settings(data["preset"], settings)
             except ValueError as exc:
                 raise ConfigError(f"table '{clip(data.get('name'))}': {exc}") from None
-        unknown = set(settings) - set(WHERE)
+        unknown = set(settings) - set(WHERE) - set(HIDDEN_WHERE)
         if unknown:
             raise ConfigError(f"unknown table setting(s): {', '.join(clip(u, 40) for u in sorted(unknown))}")
         name = _check_name(data.get("name"))
@@ -271,6 +281,10 @@ class TableConfig:
             del stored["extensions"]
         if self.storage.zstd_level is None:
             del stored["compression"], stored["compression_level"]
+        for setting, (part, name) in HIDDEN_WHERE.items():
+            value = getattr(getattr(self, part), name)
+            if value != getattr(PARTS[part](), name):  # so a release without the setting opens the table
+                stored[setting] = value
         return stored
 
 
@@ -280,9 +294,10 @@ def _fields(name: str, flat: Mapping[str, Any]) -> dict[str, Any]:
     parts: dict[str, dict[str, Any]] = {}
     own: dict[str, Any] = {}
     for setting, value in flat.items():
-        if setting not in WHERE:
+        where = WHERE.get(setting) or HIDDEN_WHERE.get(setting)
+        if where is None:
             raise ConfigError(f"table '{name}': unknown table setting {clip(setting, 40)}")
-        part, field_name = WHERE[setting]
+        part, field_name = where
         if part is None:
             own[field_name] = value
         else:

@@ -40,6 +40,14 @@ from .estimator_registry import ESTIMATORS
 
 # The metadata key of a field's flat setting name, where it is not the field's own.
 SETTING = "setting"
+# The metadata key of a hidden setting: one the store keeps for its own development (a table's
+# storage layout while the rows of issue 64 land), set in Python and a TOML file's [[tables]],
+# stored with its table, but not on the wire, in the flat settings or on the settings page.
+HIDDEN = "hidden"
+# The layouts a table's records may take (issue 64): an item and a group record per experience
+# and group ("records"), or the rows of batches of groups (disk/rows/, "rows"), which only the
+# push writes so far.
+LAYOUTS = ("records", "rows")
 # Timeouts and retention beyond ten years are mistakes (1e10, inf), not plans.
 MAX_SECONDS = 10 * 365 * 86400.0
 # zstd's levels above 19 take far more memory and time for little: not offered.
@@ -49,6 +57,11 @@ MAX_ZSTD_LEVEL = 19
 def flat(name: str) -> dict[str, str]:
     """A field's metadata naming its flat setting."""
     return {SETTING: name}
+
+
+def is_hidden(f: dataclasses.Field[Any]) -> bool:
+    """Whether a part's field is a hidden setting (HIDDEN)."""
+    return bool(f.metadata.get(HIDDEN))
 
 
 def flat_names(part: type[Any]) -> dict[str, str]:
@@ -420,9 +433,12 @@ class Storage(Part):
     compression: Compression = "none"
     # zstd's level, 1-19: 1 is fastest, and within a few percent of 3's size on tensor data.
     compression_level: int = 1
+    # A hidden setting (HIDDEN): how the table's records are kept, one of LAYOUTS.
+    layout: str = field(default="records", metadata={HIDDEN: True})
 
     def __post_init__(self) -> None:
         self._one_of("compression", COMPRESSIONS)
+        self._one_of("layout", LAYOUTS)
         setting, value = self._setting("compression_level")
         if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= MAX_ZSTD_LEVEL:
             raise ConfigError(f"{setting} must be an integer from 1 to {MAX_ZSTD_LEVEL}, got {clip(repr(value), 40)}")
