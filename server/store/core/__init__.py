@@ -10,6 +10,7 @@ order, a table's counters, its rollouts held in pieces), in rooms that import on
   groups (leases.py), group records opened, filled, failed and completed (groups.py), a batch
   chosen, read and leased (take.py), how experiences leave (retire.py), the compute queue and a
   group's advantages stored (compute.py), a replayed group placed anew or cooling (requeue.py),
+  a rows table's complete groups as rows (segments.py: disk/rows/, which only the core writes),
   rollouts in pieces with their counters (pieces.py);
 - table_state/: a table in one transaction and what it is made of: `TableState` (state.py), the
   rate limiter's counts (rate_counts.py), the events a table raises and `TableExtension`

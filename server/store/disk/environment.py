@@ -132,11 +132,12 @@ class Environment:
                     str(self.path), max_dbs=layout.MAX_DBS, readonly=True, lock=False, readahead=False, create=False
                 )
                 self.db = {}
-                for name in names:
+                for name in names + layout.ROWS:
                     try:
                         self.db[name] = self.env.open_db(name.encode(), create=False)
                     except lmdb.NotFoundError:
-                        self.missing.append(name)
+                        if name not in layout.ROWS:  # the rows' are made only for a rows table
+                            self.missing.append(name)
                 return
             self.env = lmdb.open(
                 str(self.path), map_size=map_size, max_dbs=layout.MAX_DBS, sync=True, metasync=True, readahead=False
@@ -153,6 +154,9 @@ class Environment:
             try:
                 with self.env.begin(write=True) as txn:
                     self.db = {name: self.env.open_db(name.encode(), txn=txn) for name in names}
+                    # the rows' databases where a rows table made them (open_rows), left absent elsewhere
+                    made = [name for name in layout.ROWS if txn.get(name.encode()) is not None]
+                    self.db |= {name: self.env.open_db(name.encode(), txn=txn) for name in made}
                     if self._migration is not None:
                         self._migration(txn, self.env, self.db, self.path)
                 return
@@ -161,6 +165,19 @@ class Environment:
                 if size >= self.max_map_size:
                     raise StorageFull(f"upgrading {self.path} needs more than max_map_size ({size} bytes)") from None
                 self.env.set_mapsize(min(size * 2, self.max_map_size))
+
+    def open_rows(self) -> None:
+        """The databases of the rows (layout.ROWS), made where they are not yet, before the first
+        table of layout "rows" is created: in a transaction of their own (a background one, never
+        nested in a batch's, whose refusal would close a handle made in it), their handles shared
+        once it has committed. Called off the writer thread."""
+        if all(name in self.db for name in layout.ROWS):
+            return
+
+        def made(txn: lmdb.Transaction[bytes]) -> dict[str, lmdb._Database]:
+            return {name: self.env.open_db(name.encode(), txn=txn) for name in layout.ROWS}
+
+        self.db.update(self.submit(made, background=True))
 
     def close(self) -> None:
         """Finish and commit every queued request, then close the environment."""

@@ -29,6 +29,7 @@ from ..schema.views import MemberView
 from . import digests
 from .chunk_reads import Deferred, checked, token_length
 from .records import Counted, ItemRecord
+from .rows import Member
 from .snapshot import Snapshot
 from .stored_advantages import Advantage, Masks, Stage, batch_columns, batch_parts
 
@@ -108,6 +109,23 @@ class Entry:
             created=created,
             tid=self.tid,
             rid=self.rid,
+            step=self.step,
+            response_length=self.response_length,
+            generated=self.generated,
+            version=self.version,
+            reward=self.reward,
+            priority=self.priority,
+            segments=self.segments,
+        )
+
+    def member(self, *, seq: int, created: float) -> Member:
+        """This experience as a rows table's segment keeps it (disk/rows/)."""
+        return Member(
+            uid=self.uid,
+            digest=self.digest,
+            size=self.size,
+            seq=seq,
+            created=created,
             step=self.step,
             response_length=self.response_length,
             generated=self.generated,

@@ -59,6 +59,13 @@ OWN = (
     *DIRECTORY, "items", "blobs", "adv", "groups", "order", "pending", "compute", "retired", "counters", "cooling",
     "tombs", "ledger", "chunks", "staged", "shared", "shared_refs", "kv", "partials",
 )  # fmt: skip
+# The databases of the rows a table of layout "rows" keeps (issue 64, disk/rows/; core/verbs/segments.py
+# writes them): gdir, T + group key -> a complete group's GroupRef or a pending group's head;
+# segs, T + seg -> a segment; sstate, T + seg -> its SegState; runs, T + rseq -> a RunRow of ready
+# groups (the ready order of a rows table, apart from the records' `ready` while both layouts live).
+# Not among OWN: only a directory that has held a rows table has them (Environment.open_rows), so
+# opening, checking or reading a directory of records tables creates and finds nothing new.
+ROWS = ("gdir", "segs", "sstate", "runs")
 # The indexes a directory written before the order registry keeps: those of the built-in orders.
 BUILT_IN_INDEXES = ("ready", "prio", "slots", "slotof", "byver")
 FORMAT_1_ONLY = ("tasks", "runs", "steps")
@@ -68,7 +75,7 @@ MAX_DBS = 64  # the store's own, the indexes of the registered orders, and forma
 def index_databases() -> tuple[str, ...]:
     """The databases of the indexes the store keeps for the registered orders (order_names.py)."""
     names = order_names.DATABASES
-    taken = set(names) & set(OWN + FORMAT_1_ONLY)
+    taken = set(names) & set(OWN + ROWS + FORMAT_1_ONLY)
     if taken:
         raise ValueError(f"an order's index names the store's own database(s) {', '.join(sorted(taken))}")
     return names

@@ -21,6 +21,7 @@ from ..core.table_state.events import Inserted, Pushed, Resent
 from ..core.table_state.state import TableState
 from ..core.verbs import groups as core_groups
 from ..core.verbs import pieces
+from ..core.verbs import segments as core_segments
 from ..core.verbs.compute import store_advantages
 from ..core.verbs.groups import Closed
 from ..core.verbs.retire import retire
@@ -102,10 +103,17 @@ def put(
     result = PutResult()
     fresh: dict[str, Entry] = {}
     copies: dict[str, None] = {}  # the groups of the duplicates
+    rows = tt.config.storage.layout == "rows"
     for entry in entries:
         known = fresh.get(entry.uid)
         if known is not None:
             same = known.digest == entry.digest
+        elif rows:
+            digest = core_segments.stored_digest(tt, entry.group_key(tt.config.grouping.by), entry.uid)
+            if digest is None:
+                fresh[entry.uid] = entry
+                continue
+            same = digest == entry.digest
         else:
             rec = tt.member(entry.uid)
             if rec is None:
@@ -126,6 +134,10 @@ def put(
         by_group[entry.group_key(tt.config.grouping.by)].append(entry)
     if by_group:  # a push of pieces alone, or of copies alone, was heard of as such
         tt.extensions.on_pushed(tt, Pushed(list(by_group), holder))
+    if rows:
+        _put_rows(tt, by_group, compute)
+        result.completed_groups = list(by_group)
+        return _stored(tt, result, list(fresh))
     groups: dict[str, GroupView] = {}
     opened: set[str] = set()  # groups this push starts: not in the pending index yet
     size = tt.config.grouping.size
@@ -169,13 +181,39 @@ def put(
     if computing:
         compute_in_push(tt, computing, ready, compute, ahead)
     tt.ready.add_many(ready)
-    result.stored = list(fresh)
-    tt.counters.pushed += len(fresh)
+    return _stored(tt, result, list(fresh))
+
+
+def _stored(tt: TableState, result: PutResult, stored: list[str]) -> PutResult:
+    """A push's end: what it stored counted and heard of, the counters saved."""
+    result.stored = stored
+    tt.counters.pushed += len(stored)
     tt.counters.duplicates += len(result.duplicates)
-    if result.stored:
-        tt.extensions.on_inserted(tt, Inserted(result.stored))
+    if stored:
+        tt.extensions.on_inserted(tt, Inserted(stored))
     tt.save()
     return result
+
+
+def _put_rows(tt: TableState, by_group: dict[str, list[Entry]], compute: Compute | None) -> None:
+    """A push into a table of layout "rows" (issue 64, whose rows land a step at a time): so far
+    only new groups, each complete in the push, of a table that computes no advantages; any
+    other push is refused before anything is stored."""
+    size = tt.config.grouping.size
+    if compute is not None or tt.config.advantages.estimator != "none":
+        raise InvalidRequest(
+            f"table '{tt.config.name}' keeps rows, which take no advantages yet: its estimator must be none"
+        )
+    for gkey, members in by_group.items():
+        if core_segments.has_group(tt, gkey):
+            raise GroupClosed(f"group {gkey} is already complete; it takes no more experiences")
+        if size and len(members) != size:
+            raise InvalidRequest(
+                f"table '{tt.config.name}' keeps rows, which take only whole groups yet: group {gkey} "
+                f"has {len(members)} of its {size} experiences in this push"
+            )
+    make_room(tt, sum(map(len, by_group.values())), sum(e.size for es in by_group.values() for e in es), set())
+    core_groups.put_whole(tt, by_group)
 
 
 def _check_rewards(tt: TableState, entries: Iterable[Entry]) -> None:

@@ -137,6 +137,8 @@ class TableCatalog:
         table naming an extension kind not registered is refused (ConfigError)."""
         if self.kinds.unknown(config.extensions):
             raise ConfigError(self.kinds.refusal(config.name, config.extensions))
+        if config.storage.layout == "rows":
+            self.environment.open_rows()
         db = self.db
 
         def op(txn: lmdb.Transaction[bytes]) -> tuple[bool, int]:

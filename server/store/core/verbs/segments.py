@@ -1,0 +1,98 @@
+"""A rows table's complete groups as rows (issue 64; disk/rows/): the groups one push completes go,
+in completion order, into segments of at most SEGMENT_GROUPS groups and SEGMENT_MEMBERS members
+(a larger group alone), each with its state (SegState), a directory entry per group (GroupRef)
+and one run of ready groups (RunRow) keyed by the rseq of its first group; and a uid's stored
+digest found again through its group's entry, for a retried push's duplicate check.
+
+A segment's id is the rseq its first group took: rseqs are the table's own, unique and
+increasing, so no other counter is kept for segments.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from ...disk.layout import put_rows, u64
+from ...disk.rows import (
+    SEGMENT_GROUPS,
+    SEGMENT_MEMBERS,
+    Group,
+    GroupRef,
+    RunRow,
+    SegmentView,
+    SegState,
+    directory_entry,
+    encode_segment,
+)
+from ...schema.states import PENDING, READY
+from ..table_state import rate_counts
+from ..table_state.state import TableState, missing
+
+
+def has_group(tt: TableState, gkey: str) -> bool:
+    """Whether the table has a group of that key (complete: every group a rows table keeps so far)."""
+    return tt.txn.get(tt.key(gkey), db=tt.db["gdir"]) is not None
+
+
+def stored_digest(tt: TableState, gkey: str, uid: str) -> bytes | None:
+    """The digest of the experience `uid` stored in its group `gkey` (None: it has none), read
+    from the group's segment."""
+    raw = tt.txn.get(tt.key(gkey), db=tt.db["gdir"])
+    if raw is None:
+        return None
+    ref = directory_entry(raw)
+    if not isinstance(ref, GroupRef):
+        return None  # a pending group's members are kept apart (pieces of rows to come, 2.8)
+    seg = tt.txn.get(tt.prefix + u64(ref.seg), db=tt.db["segs"])
+    if seg is None:
+        raise missing("segment", f"{ref.seg} of group {gkey}")
+    view = SegmentView(seg)
+    lo, hi = view.span(ref.group)
+    uids = view.members.uids(lo, hi)
+    if uid not in uids:
+        return None
+    at = lo + uids.index(uid)
+    return view.members.digests(at, at + 1)[0]
+
+
+def cut(groups: Sequence[Group]) -> list[list[Group]]:
+    """Groups in completion order, cut into segments: at most SEGMENT_GROUPS groups and
+    SEGMENT_MEMBERS members each, a larger group alone."""
+    segments: list[list[Group]] = []
+    members = 0
+    for group in groups:
+        size = len(group.members)
+        if not segments or len(segments[-1]) == SEGMENT_GROUPS or members + size > SEGMENT_MEMBERS:
+            segments.append([])
+            members = 0
+        segments[-1].append(group)
+        members += size
+    return segments
+
+
+def complete_ready(tt: TableState, groups: Sequence[Group]) -> None:
+    """Pending groups, counted as such, complete and become ready together as rows: their
+    segments, states, directory entries and runs written, the counters moved as a records
+    table's are (core/verbs/groups.complete)."""
+    counters = tt.counters
+    prefix, now = tt.prefix, tt.now
+    segs, states, refs, runs = [], [], [], []
+    for part in cut(groups):
+        seg = counters.next_rseq
+        counters.next_rseq += len(part)
+        key = prefix + u64(seg)
+        segs.append((key, encode_segment(part, seg, now)))
+        members = sum(len(group.members) for group in part)
+        states.append((key, SegState.new([READY] * len(part), members).encode()))
+        refs.extend((tt.key(group.key), GroupRef(seg, index).encode()) for index, group in enumerate(part))
+        runs.append((key, RunRow(seg, 0, len(part)).encode()))
+    put_rows(tt.txn, tt.db["segs"], segs)
+    put_rows(tt.txn, tt.db["sstate"], states)
+    put_rows(tt.txn, tt.db["gdir"], refs)
+    put_rows(tt.txn, tt.db["runs"], runs)
+    count = sum(len(group.members) for group in groups)
+    counters.add(PENDING, -count)
+    counters.add(READY, count)
+    counters.add_groups(PENDING, -len(groups))
+    counters.add_groups(READY, len(groups))
+    rate_counts.became_ready(tt, count)

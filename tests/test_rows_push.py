@@ -1,0 +1,189 @@
+"""A push into a table of layout "rows" (issue 64, step 2.3): whole groups become rows (disk/rows/):
+a segment per SEGMENT_GROUPS groups (or SEGMENT_MEMBERS members) with its state, a directory entry
+per group and a run of ready groups, beside the payloads a records table stores; duplicates and
+conflicts are answered as a records table answers them, and the counters are a records table's.
+A directory that never held a rows table has none of the rows' databases."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import lmdb
+import pytest
+
+from expbuf.client import trxp
+from expbuf.server.store import Entry, Environment, Store
+from expbuf.server.store.disk import digests, layout
+from expbuf.server.store.disk.rows import (
+    SEGMENT_GROUPS,
+    SEGMENT_MEMBERS,
+    GroupRef,
+    RunRow,
+    SegmentView,
+    SegState,
+    directory_entry,
+)
+from expbuf.server.store.schema.errors import Conflict, GroupClosed, InvalidRequest
+from expbuf.server.store.schema.states import READY
+from expbuf.server.store.schema.table_config import TableConfig
+from expbuf.server.store.schema.table_parts import Storage
+
+from helpers import group_items, make_experience
+
+ONES = {"estimator": "none", "group_by": "none"}  # each experience its own group, keyed by its uid
+EIGHTS = {"estimator": "none", "group_by": "task", "group_size": 8}
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1_000_000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def both(store: Store, name: str, **settings: object) -> None:
+    """Tables `name` (records) and `name`_rows (rows) of the same settings."""
+    store.create_table(TableConfig.of(name, **settings))  # type: ignore[arg-type]
+    rows = TableConfig.of(f"{name}_rows", **settings)  # type: ignore[arg-type]
+    store.create_table(TableConfig(rows.name, **{p: getattr(rows, p) for p in _PARTS}, storage=Storage(layout="rows")))
+
+
+_PARTS = ("grouping", "advantages", "capacity", "retention", "staleness", "rate_limiter", "reuse")
+
+
+def pushes(groups: int, size: int) -> list[list[trxp.RawItem]]:
+    """`groups` groups of `size` experiences (each of its own task), in pushes of up to 256."""
+    items = [item for task in range(groups) for item in group_items(0, task, size, reward=float(task % 3))]
+    return [items[i : i + 256] for i in range(0, len(items), 256)]
+
+
+def rows_of(store: Store, table: str) -> dict[str, dict[bytes, bytes]]:
+    """A table's rows, by database, its prefix taken off the keys."""
+    prefix = layout.table_prefix(store.catalog.lookup(table)[0])
+    found: dict[str, dict[bytes, bytes]] = {}
+    with store.environment.read() as txn:
+        for name in (*layout.ROWS, "blobs"):
+            with txn.cursor(db=store.db[name]) as cur:
+                found[name] = {}
+                if cur.set_range(prefix):
+                    while cur.key().startswith(prefix):
+                        found[name][bytes(cur.key()[4:])] = bytes(cur.value())
+                        if not cur.next():
+                            break
+    return found
+
+
+def named_databases(path: Path) -> set[str]:
+    env = lmdb.open(str(path), readonly=True, lock=False, max_dbs=layout.MAX_DBS)
+    try:
+        with env.begin() as txn:
+            return {bytes(key).decode() for key, _ in txn.cursor()}
+    finally:
+        env.close()
+
+
+@pytest.mark.parametrize(("settings", "groups", "size"), [(ONES, 300, 1), (EIGHTS, 40, 8)])
+def test_a_push_of_whole_groups_writes_their_rows(
+    tmp_path: Path, settings: dict[str, object], groups: int, size: int
+) -> None:
+    with Store(tmp_path, clock=Clock()) as store:
+        both(store, "t", **settings)
+        pushed = [Entry.of(item) for push in pushes(groups, size) for item in push]
+        for push in pushes(groups, size):
+            result = store.put("t_rows", push)
+            assert len(result.stored) == len(push) and result.duplicates == []
+        found = rows_of(store, "t_rows")
+    assert set(found["blobs"]) == {e.uid.encode() for e in pushed}  # a payload per uid, as a records table's
+    segments = {int.from_bytes(key, "big"): SegmentView(value) for key, value in found["segs"].items()}
+    per_segment = min(SEGMENT_GROUPS, SEGMENT_MEMBERS // size)
+    cuts = [
+        min(per_segment, n - first)
+        for n in (len(p) // size for p in pushes(groups, size))
+        for first in range(0, n, per_segment)
+    ]
+    assert [view.groups for view in segments.values()] == cuts  # cut where a push ends, and at 64 groups or 256 members
+    assert sum(view.groups for view in segments.values()) == groups
+    members = [m for view in segments.values() for m in view.members.members(0, view.members.count)]
+    assert [m.uid for m in members] == [e.uid for e in pushed]  # completion order is push order
+    assert [m.digest for m in members] == [digests.of(e.blob) for e in pushed]
+    assert [m.seq for m in members] == list(range(len(pushed)))
+    assert [m.reward for m in members] == [e.reward for e in pushed]
+    keys = [key for view in segments.values() for key in view.keys(0, view.groups)]
+    by = "uid" if size == 1 else "tid"
+    assert keys == list(dict.fromkeys(getattr(e, by) for e in pushed))
+    refs = {key.decode(): directory_entry(value) for key, value in found["gdir"].items()}
+    for seg, view in segments.items():
+        assert view.rseq0 == seg  # a segment's id is its first group's rseq
+        for g, key in enumerate(view.keys(0, view.groups)):
+            assert refs[key] == GroupRef(seg, g)
+        state = SegState.decode(found["sstate"][seg.to_bytes(8, "big")])
+        assert state.states(0, view.groups) == [READY] * view.groups
+        assert [state.times(g) for g in range(view.groups)] == [0] * view.groups
+        assert RunRow.decode(found["runs"][seg.to_bytes(8, "big")]) == RunRow(seg, 0, view.groups)
+    assert len(refs) == groups and len(found["runs"]) == len(segments)
+
+
+@pytest.mark.parametrize(("settings", "groups", "size"), [(ONES, 300, 1), (EIGHTS, 40, 8)])
+def test_duplicates_conflicts_and_counters_are_a_records_tables(
+    tmp_path: Path, settings: dict[str, object], groups: int, size: int
+) -> None:
+    with Store(tmp_path, clock=Clock()) as store:
+        both(store, "t", **settings)
+        results = {}
+        for table in ("t", "t_rows"):
+            results[table] = [store.put(table, push) for push in pushes(groups, size)]
+            again = pushes(groups, size)[0]  # a retried push: every uid a duplicate
+            results[table].append(store.put(table, again))
+            changed = group_items(0, 0, size, reward=7.0)  # the uids of the first group, other rewards
+            with pytest.raises(Conflict, match="already exists with different content"):
+                store.put(table, changed)
+        assert [(r.stored, r.duplicates, r.completed_groups) for r in results["t_rows"]] == [
+            (r.stored, r.duplicates, r.completed_groups) for r in results["t"]
+        ]
+        assert results["t_rows"][-1].duplicates and not results["t_rows"][-1].stored
+        records, rows = store.stats("t"), store.stats("t_rows")
+        records.pop("oldest_age_seconds"), rows.pop("oldest_age_seconds")  # read from the records' order
+        assert rows == records and rows["ready"] == groups * size and rows["duplicates"] > 0
+        assert store.verify("t") == []  # the records table as it was
+
+
+def test_a_push_rows_cannot_take_yet_is_refused_and_stores_nothing(tmp_path: Path) -> None:
+    with Store(tmp_path, clock=Clock()) as store:
+        both(store, "t", **EIGHTS)
+        store.create_table(TableConfig("grpo", storage=Storage(layout="rows")))
+        with pytest.raises(InvalidRequest, match="take only whole groups yet: group 0/0 has 3 of its 8"):
+            store.put("t_rows", group_items(0, 0, 3))
+        with pytest.raises(InvalidRequest, match="its estimator must be none"):
+            store.put("grpo", group_items(0, 0, 8))
+        store.put("t_rows", group_items(0, 1, 8))
+        with pytest.raises(GroupClosed, match="group 0/1 is already complete"):
+            store.put("t_rows", [trxp.from_experience(make_experience(0, 1, 8))])
+        assert store.stats("t_rows")["pushed"] == 8 and store.stats("grpo")["pushed"] == 0
+        assert len(rows_of(store, "t_rows")["blobs"]) == 8
+
+
+def test_only_a_directory_that_held_a_rows_table_has_the_rows_databases(tmp_path: Path) -> None:
+    """The rows' databases are made with the first rows table (Environment.open_rows), in a
+    transaction of their own: opening, reading read-only or checking a directory of records
+    tables creates none of them, and they are found again at the next open."""
+    with Store(tmp_path / "records", clock=Clock()) as store:
+        store.create_table(TableConfig.of("t", **EIGHTS))
+        store.put("t", group_items(0, 0, 8))
+    assert named_databases(tmp_path / "records").isdisjoint(layout.ROWS)
+    reader = Environment(tmp_path / "records", readonly=True)  # as `expbuf check` opens it
+    try:
+        assert reader.missing == [] and set(layout.ROWS).isdisjoint(reader.db)
+    finally:
+        reader.close()
+    assert named_databases(tmp_path / "records").isdisjoint(layout.ROWS)
+    with Store(tmp_path / "rows", clock=Clock()) as store:
+        both(store, "t", **EIGHTS)
+        store.put("t_rows", group_items(0, 0, 8))
+    assert set(layout.ROWS) <= named_databases(tmp_path / "rows")
+    with Store(tmp_path / "rows", clock=Clock()) as store:
+        assert store.table("t_rows").storage.layout == "rows"
+        assert store.put("t_rows", group_items(0, 0, 8)).duplicates != []  # found through the rows again
+        store.drop_table("t_rows")  # its rows go with it
+        with store.environment.read() as txn:
+            assert [txn.stat(store.db[name])["entries"] for name in layout.ROWS] == [0] * len(layout.ROWS)
