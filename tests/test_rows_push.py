@@ -6,6 +6,7 @@ A directory that never held a rows table has none of the rows' databases."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import lmdb
@@ -44,12 +45,9 @@ class Clock:
 
 def both(store: Store, name: str, **settings: object) -> None:
     """Tables `name` (records) and `name`_rows (rows) of the same settings."""
-    store.create_table(TableConfig.of(name, **settings))  # type: ignore[arg-type]
-    rows = TableConfig.of(f"{name}_rows", **settings)  # type: ignore[arg-type]
-    store.create_table(TableConfig(rows.name, **{p: getattr(rows, p) for p in _PARTS}, storage=Storage(layout="rows")))
-
-
-_PARTS = ("grouping", "advantages", "capacity", "retention", "staleness", "rate_limiter", "reuse")
+    records = TableConfig.of(name, **settings)  # type: ignore[arg-type]
+    store.create_table(records)
+    store.create_table(dataclasses.replace(records, name=f"{name}_rows", storage=Storage(layout="rows")))
 
 
 def pushes(groups: int, size: int) -> list[list[trxp.RawItem]]:

@@ -11,7 +11,6 @@ flat names (table_parts.flat_names); the typed flat settings are the client's Ta
 
 from __future__ import annotations
 
-import dataclasses
 import re
 import warnings
 from collections.abc import Mapping, Sequence
@@ -36,7 +35,7 @@ from .table_parts import (
     Staleness,
     Storage,
     flat_names,
-    is_hidden,
+    hidden_fields,
 )
 
 # The form of stored table records: 1 before the estimators took Trinity-RFT's names.
@@ -65,10 +64,7 @@ WHERE: dict[str, tuple[str | None, str]] = {setting: _OWNERS[setting] for settin
 # The hidden settings (table_parts.HIDDEN) -> their part and field: taken from a TOML file's table
 # and a stored record, written by `to_stored` where not at their defaults, never in `settings()`.
 HIDDEN_WHERE: dict[str, tuple[str, str]] = {
-    flat_names(cls)[f.name]: (part, f.name)
-    for part, cls in PARTS.items()
-    for f in dataclasses.fields(cls)
-    if is_hidden(f)
+    flat_names(cls)[name]: (part, name) for part, cls in PARTS.items() for name in hidden_fields(cls)
 }
 # A table extension's name, as a table names it and a Store registers it (extensions.py).
 EXTENSION_NAME = re.compile(r"^[A-Za-z][A-Za-z0-9_.\-]{0,63}$")

@@ -64,6 +64,11 @@ def is_hidden(f: dataclasses.Field[Any]) -> bool:
     return bool(f.metadata.get(HIDDEN))
 
 
+def hidden_fields(part: type[Any]) -> list[str]:
+    """A part's fields that are hidden settings."""
+    return [f.name for f in dataclasses.fields(part) if is_hidden(f)]
+
+
 def flat_names(part: type[Any]) -> dict[str, str]:
     """A part's fields -> their flat setting names."""
     names = _FLAT_NAMES.get(part)

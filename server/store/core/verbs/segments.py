@@ -76,7 +76,10 @@ def complete_ready(tt: TableState, groups: Sequence[Group]) -> None:
     table's are (core/verbs/groups.complete)."""
     counters = tt.counters
     prefix, now = tt.prefix, tt.now
-    segs, states, refs, runs = [], [], [], []
+    segs: list[tuple[bytes, bytes]] = []
+    states: list[tuple[bytes, bytes]] = []
+    refs: list[tuple[bytes, bytes]] = []
+    runs: list[tuple[bytes, bytes]] = []
     for part in cut(groups):
         seg = counters.next_rseq
         counters.next_rseq += len(part)
