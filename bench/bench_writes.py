@@ -6,6 +6,11 @@ side with an earlier tree of expbuf (each round runs both, alternating, in child
 
     .venv/bin/python bench/bench_writes.py [--before DIR] [--rounds 3] [--out bench/RESULTS.md]
 
+    .venv/bin/python bench/bench_writes.py --layouts records,rows [--rounds 3]
+
+With --layouts, only the push stage, of a table of each storage layout (issue 64's hidden setting:
+rows land a step at a time, and so far a rows table takes only pushes), side by side in one run.
+
 DIR holds an earlier commit's files (`git archive COMMIT | tar -x -C DIR`). Puts are counted
 through a wrapper around the writer's transaction (one row of a putmulti is a put); throughput
 is of the Store itself (no gRPC), 64 experiences per durable write or per batch.
@@ -15,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import json
 import os
 import statistics
@@ -38,6 +44,7 @@ from expbuf.server.store import Entry, Store  # noqa: E402
 from expbuf.server.store.disk.environment import Environment  # noqa: E402
 from expbuf.server.store.schema.sample_spec import TakeSpec  # noqa: E402
 from expbuf.server.store.schema.table_config import TableConfig  # noqa: E402
+from expbuf.server.store.schema.table_parts import Storage  # noqa: E402
 
 Counts = collections.Counter[str]
 
@@ -147,8 +154,9 @@ def entries(n: int, group: int, start: int = 0, size: int = 0) -> list[Entry]:
     return out
 
 
-def _table(group: int) -> TableConfig:
-    return TableConfig.of(name="t", estimator="none", group_size=group, drop_zero_variance=False)
+def _table(group: int, layout: str = "records") -> TableConfig:
+    table = TableConfig.of(name="t", estimator="none", group_size=group, drop_zero_variance=False)
+    return table if layout == "records" else dataclasses.replace(table, storage=Storage(layout=layout))
 
 
 def stream(store: Store, batches: int) -> None:
@@ -267,6 +275,91 @@ def tombstone_bytes(n: int, group: int) -> float:
     return pages * psize / n
 
 
+def pushes(n: int, group: int, size: int, layout: str) -> dict[str, Any]:
+    """The push stage alone into a table of `layout`: its writes per experience by database (of
+    3n small experiences), and of 3n of `size` bytes its experiences per second, the process's CPU
+    µs and the bytes written to storage per experience."""
+    out: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        store = Store(Path(tmp) / "d", map_size=4 << 30)
+        store.create_table(_table(group, layout))
+        counted: Counts = collections.Counter()
+        counting(store, counted)
+        for at in range(0, 3 * n, 64):
+            store.put_entries("t", entries(64, group, at))
+        out["writes"] = {k: v / (3 * n) for k, v in counted.items()}
+        store.close()
+    writes = [entries(64, group, at, size) for at in range(0, 3 * n, 64)]
+    with tempfile.TemporaryDirectory() as tmp:
+        store = Store(Path(tmp) / "d", map_size=4 << 30)
+        store.create_table(_table(group, layout))
+        wall, cpu, written = time.perf_counter(), time.process_time(), _written()
+        for batch in writes:
+            store.put_entries("t", batch)
+        out["rate"] = 3 * n / (time.perf_counter() - wall)
+        out["cpu_us"] = (time.process_time() - cpu) / (3 * n) * 1e6
+        out["bytes"] = (_written() - written) / (3 * n)
+        store.close()
+    return out
+
+
+def layout_child(args: argparse.Namespace) -> None:
+    result = {
+        f"{size}/{group}": pushes(args.experiences, group, size, args.layout_child)
+        for size in (0, 8192)
+        for group in (1, 8)
+    }
+    print(json.dumps(result))
+
+
+def layouts_report(command: str, results: dict[str, list[dict[str, Any]]]) -> str:
+    """The push stage of each layout side by side: medians of the rounds, and the first layout's
+    over each other's."""
+    load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
+    names = list(results)
+    first = names[0]
+    lines = [
+        "## The push of each storage layout (issue 64)",
+        "",
+        f"Command: `{command}`  ",
+        f"{os.cpu_count()} CPUs, load average {load} at the end; the Store alone (no gRPC), fsync on every commit,"
+        " 64 experiences a push; medians of the rounds, each layout in a child process of its own, their order"
+        " alternating.",
+        "",
+        "| payload / group size | "
+        + " | ".join(f"{name} CPU µs | {name} exp/s | {name} writes | {name} bytes written" for name in names)
+        + " | "
+        + " | ".join(f"CPU {first} / {name} | exp/s {name} / {first}" for name in names[1:])
+        + " |",
+        "| --- | "
+        + " | ".join("--- | --- | --- | ---" for _ in names)
+        + " | "
+        + " | ".join("--- | ---" for _ in names[1:])
+        + " |",
+    ]
+    for case in results[first][0]:
+        med = {
+            name: {m: statistics.median(r[case][m] for r in res) for m in ("cpu_us", "rate", "bytes")}
+            for name, res in results.items()
+        }
+        cells = " | ".join(
+            f"{med[n]['cpu_us']:.1f} | {med[n]['rate']:,.0f} | {sum(results[n][0][case]['writes'].values()):.2f}"
+            f" | {med[n]['bytes']:,.0f}"
+            for n in names
+        )
+        ratios = " | ".join(
+            f"**{med[first]['cpu_us'] / med[n]['cpu_us']:.2f}** | **{med[n]['rate'] / med[first]['rate']:.2f}**"
+            for n in names[1:]
+        )
+        lines.append(f"| {case} | {cells} | {ratios} |")
+    lines += ["", "Writes per experience by database (puts and deletes, a putmulti row a put):", ""]
+    for case in results[first][0]:
+        for n in names:
+            detail = ", ".join(f"{k} {v:.2f}" for k, v in sorted(results[n][0][case]["writes"].items()) if v >= 0.005)
+            lines.append(f"- {case}, {n}: {detail}")
+    return "\n".join(lines) + "\n"
+
+
 def child(args: argparse.Namespace) -> None:
     result = {
         "counts": {group: counts(512, group) for group in (1, 8)},
@@ -276,7 +369,7 @@ def child(args: argparse.Namespace) -> None:
     print(json.dumps(result))
 
 
-def run_child(tree: Path | None, experiences: int) -> dict[str, Any]:
+def run_child(tree: Path | None, experiences: int, layout: str | None = None) -> dict[str, Any]:
     env = dict(os.environ)
     if tree is not None:  # an earlier tree's files, as the expbuf package
         pkg = Path(tempfile.mkdtemp(prefix="expbuf-before-")) / "expbuf"
@@ -286,6 +379,8 @@ def run_child(tree: Path | None, experiences: int) -> dict[str, Any]:
         (pkg / "ray").symlink_to(tree / "server" / "ray")
         env["PYTHONPATH"] = str(pkg.parent)
     command = [sys.executable, __file__, "--child", "--experiences", str(experiences)]
+    if layout is not None:
+        command += ["--layout-child", layout]
     out = subprocess.run(command, env=env, capture_output=True, text=True, check=True)
     result: dict[str, Any] = json.loads(out.stdout)
     return result
@@ -357,10 +452,24 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--experiences", type=int, default=2048, help="per stage of the speed runs (a multiple of 64)")
     parser.add_argument("--out", help="write the section into this RESULTS.md")
+    parser.add_argument("--layouts", help="only the push stage, of tables of these storage layouts: records,rows")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--layout-child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        child(args)
+        (layout_child if args.layout_child else child)(args)
+        return
+    if args.layouts:
+        names = args.layouts.split(",")
+        results: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
+        for round_ in range(args.rounds):  # the order alternates, so that none is always first
+            for name in names if round_ % 2 == 0 else names[::-1]:
+                results[name].append(run_child(None, args.experiences, name))
+        command = f"python bench/bench_writes.py --layouts {args.layouts} --rounds {args.rounds}"
+        section = layouts_report(command + f" --experiences {args.experiences}", results)
+        print(section)
+        if args.out:
+            write_section(Path(args.out), "## The push of each storage layout (issue 64)", section)
         return
     before, after = [], []
     for round_ in range(args.rounds):  # which tree goes first alternates, so neither is always second
