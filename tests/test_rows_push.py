@@ -120,6 +120,8 @@ def test_a_push_of_whole_groups_writes_their_rows(
         assert [state.times(g) for g in range(view.groups)] == [0] * view.groups
         assert RunRow.decode(found["runs"][seg.to_bytes(8, "big")]) == RunRow(seg, 0, view.groups)
     assert len(refs) == groups and len(found["runs"]) == len(segments)
+    with Store(tmp_path, clock=Clock()) as store:  # reopened: the rows found again, and consistent
+        assert store.verify("t_rows") == [] and store.verify("t") == []
 
 
 @pytest.mark.parametrize(("settings", "groups", "size"), [(ONES, 300, 1), (EIGHTS, 40, 8)])
@@ -185,3 +187,36 @@ def test_only_a_directory_that_held_a_rows_table_has_the_rows_databases(tmp_path
         store.drop_table("t_rows")  # its rows go with it
         with store.environment.read() as txn:
             assert [txn.stat(store.db[name])["entries"] for name in layout.ROWS] == [0] * len(layout.ROWS)
+
+
+def test_the_check_of_a_rows_table_names_what_is_damaged(tmp_path: Path) -> None:
+    """verify() (and so `expbuf check`) of a rows table reads its rows, not records: a missing
+    payload, a changed one, a directory entry that names another place and the ready groups no
+    run covers are each named."""
+    with Store(tmp_path, clock=Clock()) as store:
+        both(store, "t", **EIGHTS)
+        for push in pushes(40, 8):
+            store.put("t_rows", push)
+        assert store.verify("t_rows") == []
+        prefix = layout.table_prefix(store.catalog.lookup("t_rows")[0])
+        found = rows_of(store, "t_rows")
+        seg = min(found["segs"])
+        view = SegmentView(found["segs"][seg])
+        first, second = view.members.uids(0, 2)
+        gkey = view.keys(1, 2)[0]
+
+        def damage(txn: lmdb.Transaction) -> None:
+            txn.delete(prefix + first.encode(), db=store.db["blobs"])
+            value = bytearray(txn.get(prefix + second.encode(), db=store.db["blobs"]))
+            value[-1] ^= 0xFF
+            txn.put(prefix + second.encode(), bytes(value), db=store.db["blobs"])
+            txn.put(prefix + gkey.encode(), GroupRef(int.from_bytes(seg, "big"), 0).encode(), db=store.db["gdir"])
+            txn.delete(prefix + seg, db=store.db["runs"])
+
+        store.environment.submit(damage)
+        problems = store.verify("t_rows")
+    assert f"item {first} of group 0/0: its payload is missing" in problems
+    assert f"item {second} of group 0/0: its payload does not match its digest" in problems
+    assert f"group {gkey} of segment {int.from_bytes(seg, 'big')} has no directory entry naming it" in problems
+    assert "group 0/0 is ready but covered by another count of ready runs" in problems
+    assert len(problems) == 2 + 1 + view.groups

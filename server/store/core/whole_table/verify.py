@@ -10,9 +10,10 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from ...disk import chunk_reads
+from ...disk import chunk_reads, digests
 from ...disk.layout import u64
 from ...disk.records import GroupRecord, ItemRecord
+from ...disk.rows import GroupRef, RunRow, SegmentView, SegState, directory_entry
 from ...schema.states import COMPUTING, FAILED, LIVE, PENDING, QUARANTINED, READY, RETIRED, STATES
 from ..table_state.read_check import payload_problem
 from ..table_state.state import TableState, member_state
@@ -23,6 +24,8 @@ _DAMAGE = Exception
 
 def records(tt: TableState) -> list[str]:
     """The problems of one table's records, their indexes and its counters; [] when consistent."""
+    if tt.config.storage.layout == "rows":
+        return rows(tt)
     problems: list[str] = []
     p, txn, db = tt.prefix, tt.txn, tt.db
     counts: dict[str, int] = defaultdict(int)
@@ -148,3 +151,84 @@ def _prefix_count(tt: TableState, name: str) -> int:
             n += len(cur.key()) > len(tt.prefix)
             found = cur.next()
     return n
+
+
+# The databases a rows table keeps nothing in (disk/rows/ keeps what they hold for a records table).
+RECORDS_ONLY = ("items", "tombs", "groups", "order", "pending", "compute", "retired", "cooling")
+
+
+def rows(tt: TableState) -> list[str]:
+    """The problems of a rows table's rows (issue 64; so far groups pushed whole, ready): every
+    segment decodes with its state, each of its groups has the directory entry that names it and
+    no entry names another place, each member's payload is present and the one pushed, each ready
+    group is covered by one ready run and every run covers ready groups of a segment, nothing is
+    kept in the records' databases, and the counters count what is there."""
+    problems: list[str] = []
+    counts: dict[str, int] = defaultdict(int)
+    covered: dict[tuple[int, int], int] = defaultdict(int)  # (seg, group) -> the runs covering it
+    places: dict[str, GroupRef] = {}
+    for key, value in _rows_of(tt, "gdir"):
+        try:
+            entry = directory_entry(value)
+        except _DAMAGE as exc:
+            problems.append(f"group directory entry {key[:80]!r} does not decode ({exc})")
+            continue
+        if not isinstance(entry, GroupRef):
+            problems.append(f"group {key[:80]!r} is pending, which a rows table does not keep yet")
+            continue
+        places[key.decode(errors="replace")] = entry
+    for _, value in _rows_of(tt, "runs"):
+        run = RunRow.decode(value)
+        for g in range(run.first, run.first + run.length):
+            covered[run.seg, g] += 1
+    for key, value in _rows_of(tt, "segs"):
+        seg = int.from_bytes(key, "big")
+        raw_state = tt.txn.get(tt.prefix + key, db=tt.db["sstate"])
+        try:
+            view = SegmentView(value)
+            if raw_state is None:
+                raise ValueError("it has no state row")
+            state = SegState.decode(raw_state)
+            if (state.groups, state.members) != (view.groups, view.members.count):
+                raise ValueError(f"its state is of {state.groups} groups and {state.members} members")
+        except _DAMAGE as exc:
+            problems.append(f"segment {seg} does not decode ({exc})")
+            continue
+        for g, gkey in enumerate(view.keys(0, view.groups)):
+            group_state = state.state(g)
+            if places.pop(gkey, None) != GroupRef(seg, g):
+                problems.append(f"group {gkey} of segment {seg} has no directory entry naming it")
+            if (group_state == READY) != (covered.pop((seg, g), 0) == 1):
+                problems.append(f"group {gkey} is {group_state} but covered by another count of ready runs")
+            lo, hi = view.span(g)
+            counts["groups_" + group_state] += 1
+            counts[group_state] += hi - lo
+            for member in view.members.members(lo, hi):
+                counts["bytes"] += member.size
+                blob = chunk_reads.read_payload(tt.txn, tt.db, tt.key(member.uid))
+                problem = (
+                    "its payload is missing" if blob is None else digests.mismatch(blob, member.size, member.digest)
+                )
+                if problem is not None:
+                    problems.append(f"item {member.uid} of group {gkey}: {problem}")
+    problems.extend(
+        f"directory entry of group {gkey} names segment {ref.seg}, which lacks it" for gkey, ref in places.items()
+    )
+    problems.extend(f"a ready run covers group {g} of segment {seg}, which is not there" for seg, g in covered)
+    problems.extend(f"a rows table keeps records in {name}" for name in RECORDS_ONLY if _prefix_count(tt, name))
+    stored = tt.counters.to_dict()
+    for name in (*STATES, "bytes", *(f"groups_{state}" for state in LIVE)):
+        if stored[name] != counts[name]:
+            problems.append(f"counter {name} is {stored[name]} but {counts[name]} were found")
+    return problems
+
+
+def _rows_of(tt: TableState, name: str) -> list[tuple[bytes, bytes]]:
+    """A table's rows in one of the rows' databases, the table's prefix taken off their keys."""
+    found = []
+    with tt.txn.cursor(db=tt.db[name]) as cur:
+        at = cur.set_range(tt.prefix)
+        while at and cur.key().startswith(tt.prefix):
+            found.append((bytes(cur.key()[len(tt.prefix) :]), bytes(cur.value())))
+            at = cur.next()
+    return found
