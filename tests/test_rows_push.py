@@ -13,7 +13,8 @@ import lmdb
 import pytest
 
 from expbuf.client import trxp
-from expbuf.server.store import Entry, Environment, Store
+from expbuf.server.store import Entry, Environment, Moved, Pushed, Store, TableExtension
+from expbuf.server.store.core.table_state.state import TableState
 from expbuf.server.store.disk import digests, layout
 from expbuf.server.store.disk.rows import (
     SEGMENT_GROUPS,
@@ -220,3 +221,38 @@ def test_the_check_of_a_rows_table_names_what_is_damaged(tmp_path: Path) -> None
     assert f"group {gkey} of segment {int.from_bytes(seg, 'big')} has no directory entry naming it" in problems
     assert "group 0/0 is ready but covered by another count of ready runs" in problems
     assert len(problems) == 2 + 1 + view.groups
+
+
+class Heard(TableExtension):
+    """What a table's extension hears of its pushes, and the members it reads of the groups moved."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple] = []
+
+    def on_pushed(self, tt: TableState, event: Pushed) -> None:
+        self.events.append(("pushed", list(event.gkeys)))
+
+    def on_moved(self, tt: TableState, event: Moved) -> None:
+        members = [tt.members(grp) for _, grp in event.groups]
+        rewards = [
+            [(uid, m.group, m.state, m.rid, m.reward, m.times_sampled) for uid, m in ms.items()] for ms in members
+        ]
+        states = {grp.state for _, grp in event.groups}
+        self.events.append(("moved", event.was, event.now, [gkey for gkey, _ in event.groups], states, rewards))
+
+
+def test_an_extension_hears_a_rows_tables_groups_become_ready_once_a_push(tmp_path: Path) -> None:
+    """The groups a push readies are heard in one Moved (pending -> ready), as a records table's
+    are, and their members read through the table's state (the prompt ledger reads rewards so)."""
+    with Store(tmp_path, clock=Clock(), extensions={"heard": Heard}) as store:
+        both(store, "t", **EIGHTS, extensions=["heard"])
+        for table in ("t", "t_rows"):
+            store.put(table, [item for task in range(2) for item in group_items(0, task, 8, reward=float(task))])
+        heard = {
+            table: next(e for e in store.extensions_of(table) if isinstance(e, Heard)).events
+            for table in ("t", "t_rows")
+        }
+    assert heard["t_rows"] == heard["t"]
+    (_, (_, was, now, gkeys, states, rewards)) = heard["t_rows"]
+    assert (was, now, gkeys, states) == ("pending", "ready", ["0/0", "0/1"], {"ready"})
+    assert rewards[1][3] == ("0/1/3/0/r3s0", "0/1", "ready", "0/1/3", 1.0, 0)

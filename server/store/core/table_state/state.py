@@ -26,7 +26,7 @@ from ..ordering.indexes import ReadyGroup, ReadyOrder
 from ..ordering.ready import ReadyIndex
 from .counters import read_counters, write_counters
 from .events import Events, Moved
-from .views import group_record, member_record
+from .views import RowGroup, group_record, member_record, row_members
 
 # A member's record as the cache holds it: absent (None) when the table has no such uid.
 Cached = ItemRecord | None
@@ -183,6 +183,8 @@ class TableState:
 
     def members(self, grp: GroupView) -> dict[str, MemberView]:
         """The group's members' views (uid -> view), in push order."""
+        if isinstance(grp, RowGroup):
+            return row_members(grp)
         return {uid: self.existing_item(uid) for uid in grp.members}
 
     def stored_members(self, grp: GroupView) -> dict[str, MemberView]:

@@ -1,11 +1,20 @@
-"""The records behind the views the table core hands out (schema/views.py): today a view is its
-record, and the core, the only code that changes records, takes the record back from a view it
-made to change it.
+"""The records and rows behind the views the table core hands out (schema/views.py): a records
+table's view is its record, and the core, the only code that changes records, takes the record
+back from a view it made to change it; a rows table's group is a `RowGroup` and its experiences
+`RowMember`s, read from its segment's columns (disk/rows/), which code outside the core reads as
+it reads records.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from expbuf.client.schema.routing import uid_group_key
+
 from ...disk.records import GroupRecord, ItemRecord
+from ...disk.rows import Member
+from ...schema.states import State
 from ...schema.views import GroupView, MemberView
 
 
@@ -21,3 +30,86 @@ def member_record(view: MemberView) -> ItemRecord:
     if not isinstance(view, ItemRecord):
         raise TypeError(f"an experience's view the table core did not make: {type(view).__name__}")
     return view
+
+
+@dataclass(frozen=True, slots=True)
+class RowGroup:
+    """A rows table's group as a GroupView, with its members' rows (`rows`) as its segment holds them."""
+
+    key: str
+    state: State
+    rows: tuple[Member, ...]
+    failed: Mapping[str, str] = field(default_factory=dict)
+    lease: str = ""
+    under_lease: bool = False
+
+    @property
+    def members(self) -> tuple[str, ...]:
+        return tuple(member.uid for member in self.rows)
+
+
+class RowMember:
+    """A rows table's experience as a MemberView: its row (disk/rows/'s Member), its group's key
+    and state."""
+
+    __slots__ = ("_row", "group", "state", "times_sampled")
+
+    def __init__(self, row: Member, group: str, state: State, times_sampled: int = 0) -> None:
+        self._row, self.group, self.state, self.times_sampled = row, group, state, times_sampled
+
+    @property
+    def rid(self) -> str:
+        return uid_group_key(self._row.uid, "run") or ""
+
+    @property
+    def digest(self) -> bytes:
+        return self._row.digest
+
+    @property
+    def size(self) -> int:
+        return self._row.size
+
+    @property
+    def seq(self) -> int:
+        return self._row.seq
+
+    @property
+    def step(self) -> int:
+        return self._row.step
+
+    @property
+    def response_length(self) -> int:
+        return self._row.response_length
+
+    @property
+    def generated(self) -> int:
+        return self._row.generated
+
+    @property
+    def version(self) -> int | None:
+        return self._row.version
+
+    @property
+    def reward(self) -> float | None:
+        return self._row.reward
+
+    @property
+    def priority(self) -> float:
+        return self._row.priority
+
+    @property
+    def advantage(self) -> float | None:
+        return self._row.advantage
+
+    @property
+    def shaped_reward(self) -> float | None:
+        return self._row.shaped_reward
+
+    @property
+    def segments(self) -> tuple[int, ...]:
+        return self._row.segments
+
+
+def row_members(grp: RowGroup) -> dict[str, MemberView]:
+    """A rows table's group's members' views (uid -> view), in push order."""
+    return {row.uid: RowMember(row, grp.key, grp.state) for row in grp.rows}

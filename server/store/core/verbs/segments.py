@@ -25,8 +25,11 @@ from ...disk.rows import (
     encode_segment,
 )
 from ...schema.states import PENDING, READY
+from ...schema.views import Groups
 from ..table_state import rate_counts
+from ..table_state.events import Moved
 from ..table_state.state import TableState, missing
+from ..table_state.views import RowGroup
 
 
 def has_group(tt: TableState, gkey: str) -> bool:
@@ -99,3 +102,5 @@ def complete_ready(tt: TableState, groups: Sequence[Group]) -> None:
     counters.add_groups(PENDING, -len(groups))
     counters.add_groups(READY, len(groups))
     rate_counts.became_ready(tt, count)
+    ready: Groups = [(group.key, RowGroup(group.key, READY, tuple(group.members))) for group in groups]
+    tt.extensions.on_moved(tt, Moved(PENDING, READY, ready))
