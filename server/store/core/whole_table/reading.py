@@ -22,8 +22,9 @@ from ...disk import digests
 from ...disk.batch_rows import BatchRows, Reader
 from ...disk.layout import u64
 from ...disk.records import GroupRecord, ItemRecord
+from ...disk.rows import SegmentView, SegState
 from ...disk.stored_advantages import FinishBatch
-from ...schema.states import READY
+from ...schema.states import LIVE, READY
 from ...schema.table_config import TableConfig
 from ...schema.views import GroupView, MemberView
 from ..table_state.read_check import payload_problem
@@ -114,7 +115,24 @@ def oldest_age(txn: lmdb.Transaction[bytes], dbs: Dbs, prefix: bytes, now: float
             if raw is not None:
                 return max(0.0, now - ItemRecord.decode(raw).created)
             found = cur.next()
-    return 0.0
+    created = _oldest_row(txn, dbs, prefix) if "segs" in dbs else None  # a rows table keeps no order
+    return 0.0 if created is None else max(0.0, now - created)
+
+
+def _oldest_row(txn: lmdb.Transaction[bytes], dbs: Dbs, prefix: bytes) -> float | None:
+    """When a rows table's oldest live experience was pushed: the first member of the first live
+    group of its segments, which hold their groups in completion order (None: it holds none)."""
+    with txn.cursor(db=dbs["segs"]) as cur:
+        at = cur.set_range(prefix)
+        while at and cur.key().startswith(prefix):
+            state = SegState.decode(stored(txn, cur.key(), dbs["sstate"], "segment state"))
+            view = SegmentView(cur.value())
+            for g in range(view.groups):
+                if state.state(g) in LIVE:
+                    first = view.span(g)[0]
+                    return float(view.members.column("created", first, first + 1)[0] or 0.0)
+            at = cur.next()
+    return None
 
 
 @dataclass(frozen=True, slots=True)
