@@ -48,7 +48,8 @@ def both(store: Store, name: str, **settings: object) -> None:
     """Tables `name` (records) and `name`_rows (rows) of the same settings."""
     records = TableConfig.of(name, **settings)  # type: ignore[arg-type]
     store.create_table(records)
-    store.create_table(dataclasses.replace(records, name=f"{name}_rows", storage=Storage(layout="rows")))
+    rows = dataclasses.replace(records.storage, layout="rows")
+    store.create_table(dataclasses.replace(records, name=f"{name}_rows", storage=rows))
 
 
 def pushes(groups: int, size: int) -> list[list[trxp.RawItem]]:
@@ -258,3 +259,19 @@ def test_an_extension_hears_a_rows_tables_groups_become_ready_once_a_push(tmp_pa
     (_, (_, was, now, gkeys, states, rewards)) = heard["t_rows"]
     assert (was, now, gkeys, states) == ("pending", "ready", ["0/0", "0/1"], {"ready"})
     assert rewards[1][3] == ("0/1/3/0/r3s0", "0/1", "ready", "0/1/3", 1.0, 0)
+
+
+@pytest.mark.parametrize("compression", ["none", "zstd"])
+def test_large_payloads_in_chunks_are_stored_beside_a_rows_tables_rows(tmp_path: Path, compression: str) -> None:
+    """A payload whose tensor section goes to chunks (compressed or not) is stored as a records
+    table stores it: the rows hold its digest, the check reads it through its chunks, and it is
+    a duplicate when pushed again."""
+    with Store(tmp_path, clock=Clock()) as store:
+        both(store, "t", estimator="none", group_size=2, compression=compression)
+        items = group_items(0, 0, 2, response=200_000)
+        assert store.table("t_rows").storage.compression == compression
+        assert len(store.put("t_rows", items).stored) == 2
+        assert store.verify("t_rows") == []
+        assert store.put("t_rows", group_items(0, 0, 2, response=200_000)).duplicates == [
+            e.uid for e in map(Entry.of, items)
+        ]

@@ -104,12 +104,15 @@ def put(
     fresh: dict[str, Entry] = {}
     copies: dict[str, None] = {}  # the groups of the duplicates
     rows = tt.config.storage.layout == "rows"
+    # of a rows table, the groups it has of this push's, and their members' digests
+    gkeys = {entry.group_key(tt.config.grouping.by) for entry in entries} if rows else ()
+    existing, stored = core_segments.stored(tt, gkeys) if rows else (set(), {})
     for entry in entries:
         known = fresh.get(entry.uid)
         if known is not None:
             same = known.digest == entry.digest
         elif rows:
-            digest = core_segments.stored_digest(tt, entry.group_key(tt.config.grouping.by), entry.uid)
+            digest = stored.get(entry.uid)
             if digest is None:
                 fresh[entry.uid] = entry
                 continue
@@ -135,7 +138,7 @@ def put(
     if by_group:  # a push of pieces alone, or of copies alone, was heard of as such
         tt.extensions.on_pushed(tt, Pushed(list(by_group), holder))
     if rows:
-        _put_rows(tt, by_group, compute)
+        _put_rows(tt, by_group, existing, compute)
         result.completed_groups = list(by_group)
         return _stored(tt, result, list(fresh))
     groups: dict[str, GroupView] = {}
@@ -195,7 +198,7 @@ def _stored(tt: TableState, result: PutResult, stored: list[str]) -> PutResult:
     return result
 
 
-def _put_rows(tt: TableState, by_group: dict[str, list[Entry]], compute: Compute | None) -> None:
+def _put_rows(tt: TableState, by_group: dict[str, list[Entry]], existing: set[str], compute: Compute | None) -> None:
     """A push into a table of layout "rows" (issue 64, whose rows land a step at a time): so far
     only new groups, each complete in the push, of a table that computes no advantages; any
     other push is refused before anything is stored."""
@@ -205,7 +208,7 @@ def _put_rows(tt: TableState, by_group: dict[str, list[Entry]], compute: Compute
             f"table '{tt.config.name}' keeps rows, which take no advantages yet: its estimator must be none"
         )
     for gkey, members in by_group.items():
-        if core_segments.has_group(tt, gkey):
+        if gkey in existing:
             raise GroupClosed(f"group {gkey} is already complete; it takes no more experiences")
         if size and len(members) != size:
             raise InvalidRequest(

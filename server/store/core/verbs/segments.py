@@ -10,7 +10,7 @@ increasing, so no other counter is kept for segments.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 from ...disk.layout import put_rows, u64
 from ...disk.rows import (
@@ -32,30 +32,29 @@ from ..table_state.state import TableState, missing
 from ..table_state.views import RowGroup
 
 
-def has_group(tt: TableState, gkey: str) -> bool:
-    """Whether the table has a group of that key (complete: every group a rows table keeps so far)."""
-    return tt.txn.get(tt.key(gkey), db=tt.db["gdir"]) is not None
-
-
-def stored_digest(tt: TableState, gkey: str, uid: str) -> bytes | None:
-    """The digest of the experience `uid` stored in its group `gkey` (None: it has none), read
-    from the group's segment."""
-    raw = tt.txn.get(tt.key(gkey), db=tt.db["gdir"])
-    if raw is None:
-        return None
-    ref = directory_entry(raw)
-    if not isinstance(ref, GroupRef):
-        return None  # a pending group's members are kept apart (pieces of rows to come, 2.8)
-    seg = tt.txn.get(tt.prefix + u64(ref.seg), db=tt.db["segs"])
-    if seg is None:
-        raise missing("segment", f"{ref.seg} of group {gkey}")
-    view = SegmentView(seg)
-    lo, hi = view.span(ref.group)
-    uids = view.members.uids(lo, hi)
-    if uid not in uids:
-        return None
-    at = lo + uids.index(uid)
-    return view.members.digests(at, at + 1)[0]
+def stored(tt: TableState, gkeys: Iterable[str]) -> tuple[set[str], dict[str, bytes]]:
+    """Of these groups, those the table has, and the digests of their members (uid -> digest),
+    for a retried push's duplicates: one directory read a group, one segment read a segment."""
+    found: set[str] = set()
+    digests: dict[str, bytes] = {}
+    views: dict[int, SegmentView] = {}
+    for gkey in gkeys:
+        raw = tt.txn.get(tt.key(gkey), db=tt.db["gdir"])
+        if raw is None:
+            continue
+        found.add(gkey)
+        ref = directory_entry(raw)
+        if not isinstance(ref, GroupRef):
+            continue  # a pending group's members are kept apart (its fragments, to come: 2.8)
+        view = views.get(ref.seg)
+        if view is None:
+            seg = tt.txn.get(tt.prefix + u64(ref.seg), db=tt.db["segs"])
+            if seg is None:
+                raise missing("segment", f"{ref.seg} of group {gkey}")
+            view = views[ref.seg] = SegmentView(seg)
+        lo, hi = view.span(ref.group)
+        digests.update(zip(view.members.uids(lo, hi), view.members.digests(lo, hi), strict=True))
+    return found, digests
 
 
 def cut(groups: Sequence[Group]) -> list[list[Group]]:
