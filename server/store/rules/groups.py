@@ -215,6 +215,10 @@ def _put_rows(tt: TableState, by_group: dict[str, list[Entry]], existing: set[st
                 f"table '{tt.config.name}' keeps rows, which take only whole groups yet: group {gkey} "
                 f"has {len(members)} of its {size} experiences in this push"
             )
+        if tt.config.grouping.drop_zero_variance and zero_variance([entry.reward for entry in members]):
+            raise InvalidRequest(
+                f"table '{tt.config.name}' keeps rows, which drop no groups yet: group {gkey}'s rewards are all equal"
+            )
     make_room(tt, sum(map(len, by_group.values())), sum(e.size for es in by_group.values() for e in es), set())
     core_groups.put_whole(tt, by_group)
 
