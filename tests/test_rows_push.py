@@ -7,6 +7,8 @@ A directory that never held a rows table has none of the rows' databases."""
 from __future__ import annotations
 
 import dataclasses
+import subprocess
+import sys
 from pathlib import Path
 
 import lmdb
@@ -190,6 +192,10 @@ def test_only_a_directory_that_held_a_rows_table_has_the_rows_databases(tmp_path
         both(store, "t", **EIGHTS)
         store.put("t_rows", group_items(0, 0, 8))
     assert set(layout.ROWS) <= named_databases(tmp_path / "rows")
+    check = [sys.executable, "-m", "expbuf.server.cli", "check", "--data"]
+    for data in ("records", "rows"):  # a check of each reads each table's records or rows
+        done = subprocess.run([*check, str(tmp_path / data)], capture_output=True, text=True, timeout=120, check=False)
+        assert done.returncode == 0 and "t: ok" in done.stdout, done.stdout + done.stderr
     with Store(tmp_path / "rows", clock=Clock()) as store:
         assert store.table("t_rows").storage.layout == "rows"
         assert store.put("t_rows", group_items(0, 0, 8)).duplicates != []  # found through the rows again
@@ -224,6 +230,10 @@ def test_the_check_of_a_rows_table_names_what_is_damaged(tmp_path: Path) -> None
 
         store.environment.submit(damage)
         problems = store.verify("t_rows")
+    check = [sys.executable, "-m", "expbuf.server.cli", "check", "--data", str(tmp_path)]
+    done = subprocess.run(check, capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 1 and "t: ok" in done.stdout and "t_rows: " in done.stdout, done.stdout
+    assert f"item {first} of group 0/0: its payload is missing" in done.stdout, done.stdout
     assert f"item {first} of group 0/0: its payload is missing" in problems
     assert f"item {second} of group 0/0: its payload does not match its digest" in problems
     assert f"group {gkey} of segment {int.from_bytes(seg, 'big')} has no directory entry naming it" in problems
