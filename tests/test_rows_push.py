@@ -167,6 +167,11 @@ def test_a_push_rows_cannot_take_yet_is_refused_and_stores_nothing(tmp_path: Pat
             store.put("zv_rows", group_items(0, 0, 8))
         varied = [trxp.from_experience(make_experience(0, 1, run, reward=float(run % 2))) for run in range(8)]
         assert len(store.put("zv_rows", varied).stored) == 8
+        both(store, "full", **EIGHTS, capacity_experiences=8, when_full="evict")
+        store.put("full_rows", group_items(0, 0, 8))
+        with pytest.raises(InvalidRequest, match="evict no groups yet: it is full"):
+            store.put("full_rows", group_items(0, 1, 8))
+        assert store.stats("full_rows")["ready"] == 8
         store.put("t_rows", group_items(0, 1, 8))
         with pytest.raises(GroupClosed, match="group 0/1 is already complete"):
             store.put("t_rows", [trxp.from_experience(make_experience(0, 1, 8))])

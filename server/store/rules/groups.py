@@ -27,7 +27,16 @@ from ..core.verbs.groups import Closed
 from ..core.verbs.retire import retire
 from ..disk import digests
 from ..disk.kinds import Ahead, Compute, Entry, FailResult, PutResult, ShapingUpdate
-from ..schema.errors import Conflict, GroupClosed, GroupOverfilled, InvalidPayload, InvalidRequest, NotFound, clip
+from ..schema.errors import (
+    Conflict,
+    GroupClosed,
+    GroupOverfilled,
+    InvalidPayload,
+    InvalidRequest,
+    NotFound,
+    TableFull,
+    clip,
+)
 from ..schema.states import COMPUTING, DROPPED, FAILED, PENDING, RETIRED, State
 from ..schema.table_config import estimator_of
 from ..schema.views import GroupView, Members
@@ -219,7 +228,12 @@ def _put_rows(tt: TableState, by_group: dict[str, list[Entry]], existing: set[st
             raise InvalidRequest(
                 f"table '{tt.config.name}' keeps rows, which drop no groups yet: group {gkey}'s rewards are all equal"
             )
-    make_room(tt, sum(map(len, by_group.values())), sum(e.size for es in by_group.values() for e in es), set())
+    try:
+        make_room(tt, sum(map(len, by_group.values())), sum(e.size for es in by_group.values() for e in es), set())
+    except TableFull:
+        if tt.config.capacity.when_full != "evict":
+            raise  # a push into a full table that blocks waits for room, as a records table's does
+        raise InvalidRequest(f"table '{tt.config.name}' keeps rows, which evict no groups yet: it is full") from None
     core_groups.put_whole(tt, by_group)
 
 
