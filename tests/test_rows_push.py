@@ -172,6 +172,10 @@ def test_a_push_rows_cannot_take_yet_is_refused_and_stores_nothing(tmp_path: Pat
         with pytest.raises(InvalidRequest, match="evict no groups yet: it is full"):
             store.put("full_rows", group_items(0, 1, 8))
         assert store.stats("full_rows")["ready"] == 8
+        with pytest.raises(InvalidRequest, match="hold no pending groups yet, for a report of failed runs"):
+            store.fail_runs("t_rows", ["0/2/0/0/r0s0"], ["crashed"])
+        with pytest.raises(InvalidRequest, match="hold no pending groups yet, for a seal"):
+            store.seal("t_rows", "0/2")
         store.put("t_rows", group_items(0, 1, 8))
         with pytest.raises(GroupClosed, match="group 0/1 is already complete"):
             store.put("t_rows", [trxp.from_experience(make_experience(0, 1, 8))])

@@ -335,6 +335,7 @@ def fail_runs(tt: TableState, failures: Sequence[tuple[str, str]], holder: str) 
             f"table '{tt.config.name}' completes a group with the push that carries it (group_size = 0): "
             "it has no runs to wait for, so none to report failed"
         )
+    _no_pending_rows(tt, "a report of failed runs")
     result = FailResult()
     touched: dict[str, GroupView] = {}
     keys = [uid_group_key(uid, grouping.by) for uid, _ in failures]
@@ -378,6 +379,13 @@ def fail_runs(tt: TableState, failures: Sequence[tuple[str, str]], holder: str) 
     return result
 
 
+def _no_pending_rows(tt: TableState, what: str) -> None:
+    """Refuse `what` on a rows table, which keeps no pending groups yet (issue 64, 2.8): it would
+    open or complete a group's records there."""
+    if tt.config.storage.layout == "rows":
+        raise InvalidRequest(f"table '{tt.config.name}' keeps rows, which hold no pending groups yet, for {what}")
+
+
 def too_short(tt: TableState, grp: GroupView) -> bool:
     """Whether a group has fewer members than it may complete with (min_group_size; every run
     where that is 0)."""
@@ -388,6 +396,7 @@ def seal(tt: TableState, gkey: str, holder: str) -> int:
     """Complete a pending group now; returns its size. A group with no members (its runs so far
     all reported failed) is dropped instead (reason short), its size 0. `holder` is who seals
     (as a push's: only a prompt's claimant completes its group)."""
+    _no_pending_rows(tt, "a seal")
     grp = tt.view(gkey)
     if grp is None:
         raise NotFound(f"group {clip(gkey)} does not exist in table '{tt.config.name}'")
