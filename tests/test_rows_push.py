@@ -28,6 +28,7 @@ from expbuf.server.store.disk.rows import (
     directory_entry,
 )
 from expbuf.server.store.schema.errors import Conflict, GroupClosed, InvalidRequest
+from expbuf.server.store.schema.sample_spec import TakeSpec
 from expbuf.server.store.schema.states import READY
 from expbuf.server.store.schema.table_config import TableConfig
 from expbuf.server.store.schema.table_parts import Storage
@@ -176,6 +177,8 @@ def test_a_push_rows_cannot_take_yet_is_refused_and_stores_nothing(tmp_path: Pat
             store.fail_runs("t_rows", ["0/2/0/0/r0s0"], ["crashed"])
         with pytest.raises(InvalidRequest, match="hold no pending groups yet, for a seal"):
             store.seal("t_rows", "0/2")
+        with pytest.raises(InvalidRequest, match="keeps rows, which are not sampled yet"):
+            store.sample(TakeSpec(table="t_rows", batch_size=8, wait_seconds=0))
         store.put("t_rows", group_items(0, 1, 8))
         with pytest.raises(GroupClosed, match="group 0/1 is already complete"):
             store.put("t_rows", [trxp.from_experience(make_experience(0, 1, 8))])

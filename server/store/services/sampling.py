@@ -23,7 +23,7 @@ from ..disk.environment import Environment
 from ..disk.kinds import Sampled
 from ..disk.stored_advantages import FinishBatch, StageCounts
 from ..rules import staleness
-from ..schema.errors import SampleLimited
+from ..schema.errors import InvalidRequest, SampleLimited
 from ..schema.sample_spec import TakeSpec
 from ..schema.table_config import TableConfig
 from ..tables.catalog import TableCatalog
@@ -100,6 +100,8 @@ class Sampling:
             final = time.monotonic() >= deadline
             blocked = time.monotonic() - start if held else 0.0
             table_id, config = self.catalog.lookup(spec.table)  # at each attempt: it may have been dropped
+            if config.storage.layout == "rows":  # issue 64: the take of rows is the next step (2.4)
+                raise InvalidRequest(f"table '{config.name}' keeps rows, which are not sampled yet")
 
             def attempt(
                 txn: lmdb.Transaction[bytes],
