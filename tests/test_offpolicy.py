@@ -237,7 +237,7 @@ def test_grants_of_a_killed_worker_come_back(start_server: Servers) -> None:
         assert worker.stdout.readline().strip() == "4"  # every rollout the bound allows
         worker.kill()
         worker.wait()
-        assert c.admit("t", 1).count == 0
+        assert c.admit("t", 1).count == 0  # held: the killed worker's grant lasts GRANT_SECONDS
         again = c.admit("t", 2, wait=15)  # woken by the upkeep that expires the grant
         assert again.count == 2
         assert c.finish_grant(again, accepted=1) == 1
@@ -247,11 +247,14 @@ def test_grants_of_a_killed_worker_come_back(start_server: Servers) -> None:
         assert bad.value.code == grpc.StatusCode.INVALID_ARGUMENT
 
 
-KILLED_WORKER = """
+# Long enough that the admission right after the worker's kill finds its grant held on a loaded
+# machine (0.5 s expired first there once), short for the wait that follows.
+GRANT_SECONDS = 3.0
+KILLED_WORKER = f"""
 import sys, time
 from expbuf.client import BufferClient
 with BufferClient(sys.argv[1]) as c:
-    print(c.admit("t", 10, grant_seconds=0.5).count, flush=True)
+    print(c.admit("t", 10, grant_seconds={GRANT_SECONDS}).count, flush=True)
     time.sleep(60)
 """
 
