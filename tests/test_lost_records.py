@@ -278,3 +278,36 @@ def test_through_the_server_an_evicting_push_and_an_ack_over_lost_records_succee
         stats = client.stats("t").tables["t"]
         assert (stats.evicted, stats.consumed, stats.quarantined, stats.damaged) == (3, 3, 2, 2)
     assert server.store.verify("t") == []
+
+
+# ---- a member's record lost under a group that is cooling, completing or computing ------------
+
+
+def test_a_replayed_group_cooling_fails_when_its_cooldown_ends_if_a_member_s_record_is_lost(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A replayed group cooling down (reuse_cooldown_seconds) one of whose members' records is lost:
+    the sample once its cooldown ends fails it, as a lease ending would, the member quarantined
+    and the others kept for Get, and serves the other groups. It answered INTERNAL ("experience ...
+    is named but not stored") each time, once the cooldown had ended."""
+    caplog.set_level(logging.ERROR, "expbuf.store")
+    now = [1000.0]
+    with Store(tmp_path, clock=lambda: now[0]) as store:
+        store.create_table(TableConfig.of("t", estimator="none", group_size=4, reuse_cooldown_seconds=10.0))
+        for task in range(3):
+            store.put("t", group_items(0, task, 4, reward=float(task)))
+        spec = TakeSpec("t", num_groups=1, wait_seconds=0, delivery="replay")
+        replayed = store.sample(spec, hold=False)
+        assert replayed is not None and set(replayed.group_ids) == {"0/0"}
+        lose(store, "t", uids(0)[1], "items")
+        now[0] += 11
+        batch = store.sample(TakeSpec("t", num_groups=3, wait_seconds=0, allow_partial=True), hold=False)
+        assert batch is not None and sorted(set(batch.group_ids)) == ["0/1", "0/2"]
+        assert counted(store) == {
+            "ready": 0, "leased": 0, "failed": 3, "quarantined": 1, "damaged": 1, "groups_failed": 1,
+        }  # fmt: skip
+        assert f"experience {uids(0)[1]}" in store.stats("t")["last_failure"]
+        assert quarantine_logs(caplog, uids(0)[1]) == 1
+        assert store.get("t", uids(0)).keys() == set(uids(0)) - {uids(0)[1]}
+        assert store.stats("t")["bytes"] == 0
+        assert store.verify("t") == []

@@ -18,7 +18,6 @@ import lmdb
 
 from ..core.ordering.ready import IndexBuilding
 from ..core.table_state.state import TableState
-from ..core.verbs import requeue
 from ..disk.environment import Environment
 from ..disk.kinds import Sampled
 from ..disk.stored_advantages import FinishBatch, StageCounts
@@ -28,7 +27,7 @@ from ..schema.sample_spec import TakeSpec
 from ..schema.table_config import TableConfig
 from ..tables.catalog import TableCatalog
 from ..tables.leases import TableLeases
-from ..tables.taking import could_fill, take
+from ..tables.taking import could_fill, take, warm
 from .index_builds import IndexBuilds
 
 T = TypeVar("T")
@@ -174,7 +173,7 @@ class Sampling:
         the version is stored with a batch, and a waiting request changes nothing; while the
         table holds too little ready data for any batch, it does not even try."""
         partial = spec.allow_partial and final
-        requeue.warm(tt)  # replayed groups whose cooldown ended: takeable in this attempt
+        warm(tt)  # replayed groups whose cooldown ended: takeable in this attempt
 
         def attempt(t: TableState) -> Sampled | SampleLimited | None:
             batch = take(

@@ -22,6 +22,7 @@ from ..core.table_state import rate_counts
 from ..core.table_state.events import Taken
 from ..core.table_state.read_check import Unservable
 from ..core.table_state.state import TableState
+from ..core.verbs import requeue
 from ..core.verbs.retire import retire
 from ..core.verbs.take import Payloads, lease, read_batch, select
 from ..core.whole_table.reading import batch_rows
@@ -31,7 +32,7 @@ from ..disk.snapshot import Snapshot
 from ..disk.stored_advantages import FinishBatch, StageCounts
 from ..rules import reuse
 from ..rules.limiter import sample_limit
-from ..rules.quarantine import fail_lost_groups, quarantine_groups
+from ..rules.quarantine import fail_lost_groups, quarantine_groups, quarantine_lost
 from ..rules.staleness import masked_tokens, report, token_bound
 from ..schema.errors import SampleLimited
 from ..schema.sample_spec import TakeSpec
@@ -48,6 +49,19 @@ def could_fill(tt: TableState, spec: TakeSpec, allow_partial: bool) -> bool:
     if allow_partial:
         return groups > 0
     return bool((spec.num_groups and groups >= spec.num_groups) or (spec.batch_size and experiences >= spec.batch_size))
+
+
+def warm(tt: TableState) -> int:
+    """Replayed groups whose cooldown has ended become ready again (core/verbs/requeue.py);
+    returns how many. One with a member whose record is lost fails first, as a lease putting it
+    back fails it (the quarantine rule), since it can never be served whole again."""
+    cooled = requeue.cooled(tt)
+    if not cooled:
+        return 0
+    quarantine_lost(tt, cooled)
+    back = requeue.warm(tt, cooled)
+    tt.save()
+    return back
 
 
 def take(

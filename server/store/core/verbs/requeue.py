@@ -2,7 +2,7 @@
 the ready order at once, behind every group there, or cooling until a time. A cooling group is
 leased to no one (state leased, no lease) and has a row in the `cooling` index, T + the time it
 is ready again + group key; the table's next take makes the groups whose time has come ready
-again (`warm`), in that order.
+again (`cooled`, then `warm`), in that order.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from collections.abc import Sequence
 
 from ...disk import layout
 from ...disk.layout import put_rows
+from ...disk.records import GroupRecord
 from ...schema.states import LEASED, READY
 from ...schema.views import Members
 from ..table_state.state import TableState
@@ -33,11 +34,11 @@ def place(tt: TableState, groups: Sequence[Members], priorities: Sequence[float]
     put_rows(tt.txn, tt.db["cooling"], sorted((tt.prefix + at + gkey.encode(), b"") for gkey, _, _ in groups))
 
 
-def warm(tt: TableState) -> int:
-    """Cooling groups whose cooldown has ended become ready again; returns how many. Rows of
-    groups deleted or retired meanwhile are dropped."""
+def cooled(tt: TableState) -> list[tuple[str, GroupRecord]]:
+    """Cooling groups whose cooldown has ended, their rows in the cooling index gone, to be made
+    ready again (`warm`). Rows of groups deleted or retired meanwhile are dropped."""
     if tt.config.reuse.cooldown_seconds <= 0:  # nothing of this table ever cools
-        return 0
+        return []
     due = []
     cutoff = layout.micros(tt.now)
     with tt.txn.cursor(db=tt.db["cooling"]) as cur:
@@ -45,16 +46,25 @@ def warm(tt: TableState) -> int:
         while found and cur.key().startswith(tt.prefix) and cur.key()[4:12] <= cutoff:
             due.append(bytes(cur.key()))
             found = cur.delete()
-    back: list[Members] = []
+    groups = []
     for key in due:
         gkey = key[12:].decode()
         grp = tt.group(gkey)
         if grp is not None and grp.state == LEASED and not grp.lease:
-            back.append((gkey, grp, tt.members(grp)))
+            groups.append((gkey, grp))
+    return groups
+
+
+def warm(tt: TableState, groups: Sequence[tuple[str, GroupRecord]]) -> int:
+    """Groups `cooled` become ready again, in that order (written by the caller's save); returns
+    how many. Those that left meanwhile (failed for a member whose record is lost:
+    rules/quarantine.py) are passed over."""
+    back: list[Members] = [
+        (gkey, grp, tt.members(grp)) for gkey, grp in groups if grp.state == LEASED and not grp.lease
+    ]
     if back:
         tt.set_states(back, READY)
         tt.ready.add_many(_ready_again(tt, back))
-        tt.save()
     return len(back)
 
 
