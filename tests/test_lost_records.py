@@ -311,3 +311,44 @@ def test_a_replayed_group_cooling_fails_when_its_cooldown_ends_if_a_member_s_rec
         assert store.get("t", uids(0)).keys() == set(uids(0)) - {uids(0)[1]}
         assert store.stats("t")["bytes"] == 0
         assert store.verify("t") == []
+
+
+@pytest.mark.parametrize("call", ["push", "seal", "fail-runs", "timeout"])
+def test_a_pending_group_completed_with_a_member_s_record_lost_fails_and_the_call_succeeds(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, call: str
+) -> None:
+    """A pending group one of whose earlier members' records is lost, completed by the push of its
+    last run (or sealed, its last run reported failed, its timeout's release): it fails, the member
+    quarantined, the others kept for Get, and the call is answered. Each was refused INTERNAL
+    ("experience ... is named but not stored"), the group left pending."""
+    caplog.set_level(logging.ERROR, "expbuf.store")
+    now = [1000.0]
+    with Store(tmp_path, clock=lambda: now[0]) as store:
+        store.create_table(
+            TableConfig.of("t", estimator="none", group_size=4, min_group_size=2, group_timeout_seconds=60.0)
+        )
+        store.put("t", group_items(0, 1, 4, reward=1.0))
+        items = group_items(0, 0, 4)
+        store.put("t", items[:3])
+        lose(store, "t", uids(0)[1], "items")
+        if call == "push":
+            assert store.put("t", items[3:]).stored == uids(0)[3:]
+        elif call == "seal":
+            assert store.seal("t", "0/0") == 3
+        elif call == "fail-runs":
+            assert store.fail_runs("t", uids(0)[3:], ["gone"]).recorded == uids(0)[3:]
+        else:
+            now[0] += 61
+            store.tick()
+        kept = set(uids(0)[: 4 if call == "push" else 3]) - {uids(0)[1]}
+        assert counted(store) == {
+            "ready": 4, "leased": 0, "failed": len(kept), "quarantined": 1, "damaged": 1, "groups_failed": 1,
+        }  # fmt: skip
+        assert (store.stats("t")["pending"], store.stats("t")["groups_pending"]) == (0, 0)
+        assert f"experience {uids(0)[1]}" in store.stats("t")["last_failure"]
+        assert quarantine_logs(caplog, uids(0)[1]) == 1
+        assert store.get("t", uids(0)).keys() == kept
+        assert store.stats("t")["bytes"] == stored_bytes(store, [1])
+        assert store.verify("t") == []
+        batch = store.sample(TakeSpec("t", num_groups=2, wait_seconds=0, allow_partial=True), hold=False)
+        assert batch is not None and set(batch.group_ids) == {"0/1"}

@@ -42,6 +42,7 @@ from ..schema.table_config import estimator_of
 from ..schema.views import GroupView, Members
 from .capacity import make_room
 from .pushed_advantages import add_shaping, compute_in_push, drop_below_threshold, zero_variance
+from .quarantine import quarantine_lost
 
 
 class Ending:
@@ -53,12 +54,17 @@ class Ending:
         self.tt = tt
         self.closed: list[Closed] = []
         self.gone: dict[State, list[tuple[str, GroupView]]] = {}
+        self.lost: list[tuple[str, GroupView]] = []  # to fail: a member's record is lost
 
     def complete(self, gkey: str, grp: GroupView, *, partial: bool, indexed: bool = True) -> bool:
         """A pending group is to become ready, or computing; False if the zero-variance filter
         drops it instead. `indexed`: the group is in the pending index (a group opened and
-        filled by one push never is)."""
+        filled by one push never is). One with a member whose record the directory lost is to
+        fail instead (the quarantine rule), since it can never be served whole."""
         tt = self.tt
+        if any(tt.member(uid) is None for uid in grp.members):
+            self.lost.append((gkey, grp))
+            return True
         recs = core_groups.closing(tt, gkey, grp, partial=partial)
         if tt.config.grouping.drop_zero_variance and zero_variance([rec.reward for rec in recs.values()]):
             self.drop(gkey, grp)
@@ -89,7 +95,8 @@ class Ending:
         core_groups.complete(self.tt, self.closed, ready=ready, computing=computing)
         for state, groups in self.gone.items():
             retire(self.tt, groups, state)
-        self.closed, self.gone = [], {}
+        quarantine_lost(self.tt, self.lost)
+        self.closed, self.gone, self.lost = [], {}, []
 
 
 def put(

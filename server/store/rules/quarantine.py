@@ -10,8 +10,8 @@ alone. Each experience is logged once, with its uid, when it is quarantined, and
 state (`quarantined`, a tombstone forgotten in time like the others) and in the total `damaged`.
 
 A member its group names whose record the directory lost is quarantined alike: found by a
-sample, or by a lease that would put its group back in the buffer or by a replayed group's
-cooldown ending (`quarantine_lost`), its group fails; found where its group leaves anyway
+sample, by a lease that would put its group back in the buffer, by a replayed group's cooldown
+ending, or by its pending group's completion (`quarantine_lost`), its group fails; found where its group leaves anyway
 (evicted, consumed, dropped), the retirement buries it (core/verbs/retire.py). Its tombstone is
 made from what is left (its payload's digest where the payload is, so that a retried push of it
 is still a duplicate), its payload and place in the insertion order, found by its uid, go, and
@@ -58,8 +58,9 @@ def quarantine_groups(tt: TableState, groups: Sequence[tuple[str, GroupView, dic
 
 def quarantine_lost(tt: TableState, groups: Sequence[tuple[str, GroupView]]) -> None:
     """The live `groups` with a member whose record the directory lost fail, as a sample fails
-    them (quarantine_groups): a lease that puts its groups back in the buffer, or a cooldown that
-    ends, asks first, since such a group can never be served whole again."""
+    them (quarantine_groups): a lease that puts its groups back in the buffer, a cooldown that
+    ends and a pending group's completion ask first, since such a group can never be served
+    whole again."""
     damaged = []
     for gkey, grp in groups:
         lost = {uid: "its record is not stored" for uid in grp.members if tt.member(uid) is None}
