@@ -352,3 +352,40 @@ def test_a_pending_group_completed_with_a_member_s_record_lost_fails_and_the_cal
         assert store.verify("t") == []
         batch = store.sample(TakeSpec("t", num_groups=2, wait_seconds=0, allow_partial=True), hold=False)
         assert batch is not None and set(batch.group_ids) == {"0/1"}
+
+
+@pytest.mark.parametrize("when", ["before-backlog", "before-finish"])
+def test_a_computing_group_with_a_member_s_record_lost_fails_and_the_others_are_computed(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, when: str
+) -> None:
+    """A group waiting for its advantages (estimator grpo) one of whose members' records is lost,
+    found by the advantage worker's read of the backlog or by the store of its advantages: the
+    group fails, the member quarantined, the others kept for Get, and the other group is computed
+    and ready. The read of the backlog was refused ("experience ... is named but not stored") at
+    each of the worker's passes, every table's advantages held up; the store of the advantages
+    alike, the group left computing."""
+    caplog.set_level(logging.ERROR, "expbuf.store")
+    with Store(tmp_path) as store:
+        store.create_table(TableConfig.of("t", estimator="grpo", group_size=4))
+        for task in range(2):
+            store.put("t", group_items(0, task, 4, reward=float(task)))
+        lost = uids(0)[1]
+        if when == "before-backlog":
+            lose(store, "t", lost, "items")
+        (job,) = store.compute_backlog()
+        if when == "before-finish":
+            assert job.groups == ["0/0", "0/1"]
+            lose(store, "t", lost, "items")
+        else:
+            assert job.groups == ["0/1"]
+        store.finish_compute("t", dict.fromkeys(job.records, 0.5), ready=job.groups)
+        assert counted(store) == {
+            "ready": 4, "leased": 0, "failed": 3, "quarantined": 1, "damaged": 1, "groups_failed": 1,
+        }  # fmt: skip
+        assert store.stats("t")["groups_computing"] == 0
+        assert f"experience {lost}" in store.stats("t")["last_failure"]
+        assert quarantine_logs(caplog, lost) == 1
+        assert store.get("t", uids(0)).keys() == set(uids(0)) - {lost}
+        assert store.stats("t")["bytes"] == stored_bytes(store, [1])
+        assert store.compute_backlog() == []
+        assert store.verify("t") == []

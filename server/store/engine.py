@@ -44,10 +44,11 @@ from .forward import Forwarded
 from .ledger.rules import Ledger
 from .rules import groups, staleness
 from .rules.extensions import ExtensionKinds
-from .rules.quarantine import quarantine_found
+from .rules.quarantine import quarantine_found, quarantine_lost
 from .rules.trained import retire_trained
 from .schema.errors import InvalidRequest, NotFound, check_names
 from .schema.sample_spec import check_version
+from .schema.states import COMPUTING
 from .schema.table_config import TableConfig, default_table
 from .service_calls import ServiceCalls
 from .services.claims import Claims
@@ -323,6 +324,21 @@ class Store(ServiceCalls):
         except NotFound:
             return 0
 
+    def _fail_lost(self, table: str, gkeys: list[str]) -> None:
+        """Computing groups the backlog found a member's record lost of fail (quarantine.py), so
+        that the advantage worker's next pass does not meet them again; a table dropped meanwhile
+        has nothing to fail."""
+
+        def fail(tt: TableState) -> None:
+            computing = [(gkey, grp) for gkey in gkeys if (grp := tt.view(gkey)) is not None and grp.state == COMPUTING]
+            quarantine_lost(tt, computing)
+            tt.save()
+
+        try:
+            self._in_table(table, fail)
+        except NotFound:
+            return
+
     scrub_status = Forwarded("scrub", Scrub.status)
 
     def delete(self, table: str, uids: Sequence[str] = (), group_ids: Sequence[str] = ()) -> int:
@@ -430,17 +446,21 @@ class Store(ServiceCalls):
         table with a long backlog cannot keep the others waiting. The compute index is read
         from table to table with a backlog, never over the tables without one. Payloads are read
         only for estimators that need token-level data, each checked against its digest: a group
-        with a damaged one is not computed, its damaged members are quarantined (quarantine.py);
-        the others work from the item records."""
+        with a damaged one is not computed, its damaged members are quarantined (quarantine.py),
+        and one with a member whose record is lost fails alike; the others work from the item
+        records."""
 
         def table_of(table_id: int) -> tuple[str, TableConfig] | None:
             return self.catalog.by_id(table_id)
 
         damaged: dict[str, list[str]] = {}
+        lost: dict[str, list[str]] = {}
         with self.environment.read() as txn:
-            jobs, self._last_computed = backlog(txn, self.db, table_of, self._last_computed, limit, damaged)
+            jobs, self._last_computed = backlog(txn, self.db, table_of, self._last_computed, limit, damaged, lost)
         for table, uids in damaged.items():
             self._quarantine_found(table, uids)
+        for table, gkeys in lost.items():
+            self._fail_lost(table, gkeys)
         return jobs
 
     def finish_compute(

@@ -287,7 +287,8 @@ def finish_compute(
     """One value per experience goes into its record (rewritten anyway to become ready),
     with its shaped reward where the batch stage needs it; token-level advantages, being
     larger, into the adv database. What reward shaping did (its counts and running
-    moments) is saved with them. Groups deleted or evicted meanwhile are left alone."""
+    moments) is saved with them. Groups deleted or evicted meanwhile are left alone; one with a
+    member whose record the directory lost fails instead (the quarantine rule)."""
     if shaping is not None:
         add_shaping(tt, shaping)
     ending = Ending(tt)
@@ -301,6 +302,8 @@ def finish_compute(
             ending.fail(gkey, grp, failed[gkey])
         elif gkey in dropped:
             below.append((gkey, grp))
+        elif any(tt.member(uid) is None for uid in grp.members):  # never to be served whole
+            ending.lost.append((gkey, grp))
         else:
             computed.append((gkey, grp, tt.members(grp)))
     tt.ready.add_many(store_advantages(tt, computed, advantages, shaping))

@@ -11,14 +11,14 @@ state (`quarantined`, a tombstone forgotten in time like the others) and in the 
 
 A member its group names whose record the directory lost is quarantined alike: found by a
 sample, by a lease that would put its group back in the buffer, by a replayed group's cooldown
-ending, or by its pending group's completion (`quarantine_lost`), its group fails; found where its group leaves anyway
-(evicted, consumed, dropped), the retirement buries it (core/verbs/retire.py). Its tombstone is
-made from what is left (its payload's digest where the payload is, so that a retried push of it
-is still a duplicate), its payload and place in the insertion order, found by its uid, go, and
-the table's bytes are recounted from its records (the lost record's size, counted in them, is
-known nowhere else). A ready group whose own record is lost fails when a sample passes it over
-(`fail_lost_groups`), its record remade from its members' (core/verbs/groups.remade), their
-payloads kept for Get.
+ending, or by its group's completion or advantages (`quarantine_lost`), its group fails; found
+where its group leaves anyway (evicted, consumed, dropped), the retirement buries it
+(core/verbs/retire.py). Its tombstone is made from what is left (its payload's digest where the
+payload is, so that a retried push of it is still a duplicate), its payload and place in the
+insertion order, found by its uid, go, and the table's bytes are recounted from its records (the
+lost record's size, counted in them, is known nowhere else). A ready group whose own record is
+lost fails when a sample passes it over (`fail_lost_groups`), its record remade from its
+members' (core/verbs/groups.remade), their payloads kept for Get.
 """
 
 from __future__ import annotations
@@ -59,8 +59,8 @@ def quarantine_groups(tt: TableState, groups: Sequence[tuple[str, GroupView, dic
 def quarantine_lost(tt: TableState, groups: Sequence[tuple[str, GroupView]]) -> None:
     """The live `groups` with a member whose record the directory lost fail, as a sample fails
     them (quarantine_groups): a lease that puts its groups back in the buffer, a cooldown that
-    ends and a pending group's completion ask first, since such a group can never be served
-    whole again."""
+    ends, a pending group's completion and its advantages ask first, since such a group can
+    never be served whole again."""
     damaged = []
     for gkey, grp in groups:
         lost = {uid: "its record is not stored" for uid in grp.members if tt.member(uid) is None}

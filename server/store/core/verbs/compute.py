@@ -33,6 +33,7 @@ def backlog(
     after: int,
     limit: int,
     damaged: dict[str, list[str]],
+    lost: dict[str, list[str]],
 ) -> tuple[list[ComputeJob], int]:
     """Queued groups, oldest first within each table, up to about `limit` experiences, as one
     job per table, starting with the first table with a backlog after table id `after` (the
@@ -40,8 +41,9 @@ def backlog(
     queue is read from table to table with a backlog, never over the tables without one.
     Payloads are read only for estimators that need token-level data, each checked against its
     digest: a group with a damaged one is left out, its damaged members' uids listed by table in
-    `damaged` (for the caller to quarantine); the others work from the item records. `table_of`
-    names a table id's table, None for a dropped one."""
+    `damaged` (for the caller to quarantine); the others work from the item records. A group with
+    a member whose record the directory lost is left out too, its key listed by table in `lost`
+    (for the caller to fail). `table_of` names a table id's table, None for a dropped one."""
     jobs: list[ComputeJob] = []
     count = 0
     seen: set[int] = set()
@@ -68,16 +70,25 @@ def backlog(
                     blobs: dict[str, Stored] = {}
                     for uid in grp.members:
                         item_key = prefix + uid.encode()
-                        records[uid] = ItemRecord.decode(stored(txn, item_key, dbs["items"], "experience"))
+                        raw = txn.get(item_key, db=dbs["items"])
+                        if raw is None:
+                            lost.setdefault(name, []).append(gkey.decode())
+                            break
+                        records[uid] = ItemRecord.decode(raw)
                         if token_level:
                             payload = chunk_reads.read_payload(txn, dbs, item_key)
                             if payload is None:
                                 raise missing("payload of experience", uid)
                             blobs[uid] = payload
-                    bad = [uid for uid, blob in blobs.items() if payload_problem(uid, records[uid], blob) is not None]
+                    whole_group = len(records) == len(grp.members)  # else a record is lost
+                    bad = [
+                        uid
+                        for uid, blob in blobs.items()
+                        if whole_group and payload_problem(uid, records[uid], blob) is not None
+                    ]
                     if bad:
                         damaged.setdefault(name, []).extend(bad)
-                    else:
+                    elif whole_group:
                         job.groups.append(gkey.decode())
                         job.members.append(grp.members)
                         job.records |= records
