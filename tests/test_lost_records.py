@@ -16,8 +16,9 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from test_quarantine import lose, quarantine_logs, uids
 
-from expbuf.client import BufferClient
+from expbuf.client import BufferClient, trxp
 from expbuf.server.store import Store
+from expbuf.server.store.ledger.records import DatasetRecord
 from expbuf.server.store.schema.errors import TableFull
 from expbuf.server.store.schema.sample_spec import TakeSpec
 from expbuf.server.store.schema.table_config import TableConfig
@@ -388,4 +389,46 @@ def test_a_computing_group_with_a_member_s_record_lost_fails_and_the_others_are_
         assert store.get("t", uids(0)).keys() == set(uids(0)) - {lost}
         assert store.stats("t")["bytes"] == stored_bytes(store, [1])
         assert store.compute_backlog() == []
+        assert store.verify("t") == []
+
+
+@pytest.mark.parametrize("call", ["push", "stale"])
+def test_a_claimed_prompt_s_group_leaving_with_a_member_s_record_lost_moves_its_prompt(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, call: str
+) -> None:
+    """A claimed prompt's group one of whose members' records is lost, failed as its last run is
+    pushed or dropped stale once generated: the prompt ledger reads the rewards of the members
+    whose records are stored, the prompt is done with (dropped), and the call is answered. The
+    ledger read every member (`zero_variance`, the prompt's statistics) and the call was refused
+    ("experience ... is named but not stored")."""
+    caplog.set_level(logging.ERROR, "expbuf.store")
+    with Store(tmp_path) as store:
+        store.create_table(TableConfig.of("t", estimator="none", group_size=2, max_staleness=0, evict_stale=True))
+        store.claims.create("t", DatasetRecord("math", size=2, zero_variance="skip"))
+        (prompt,), _ = store.claims.claim("t", "math", 1, seconds=60)
+        runs = [
+            trxp.from_experience(
+                make_experience(f"math/{prompt.epoch}", f"{prompt.index}@{prompt.attempt}", run, reward=1.0, version=0)
+            )
+            for run in range(2)
+        ]
+        gkey = f"math/{prompt.epoch}/{prompt.index}@{prompt.attempt}"
+        lost = f"{gkey}/0/0/r0s0"
+        if call == "push":
+            store.put("t", runs[:1])
+            lose(store, "t", lost, "items")
+            assert store.put("t", runs[1:]).completed_groups == [gkey]
+        else:
+            store.put("t", runs)
+            store.put("t", group_items(0, 0, 2, version=1))  # a fresh group: the sample that drops the stale one
+            lose(store, "t", lost, "items")
+            batch = store.sample(TakeSpec("t", num_groups=1, wait_seconds=0, trainer_version=1), hold=False)
+            assert batch is not None and batch.group_ids == ["0/0", "0/0"]
+        stats = store.stats("t")
+        assert (stats["quarantined"], stats["damaged"], stats["ready"], stats["pending"]) == (1, 1, 0, 0)
+        assert quarantine_logs(caplog, lost) == 1
+        (ds,) = store.claims.datasets("t", "math")
+        assert {state: ds.total(state) for state in ("claimed", "generated", "dropped")} == {
+            "claimed": 0, "generated": 0, "dropped": 1,
+        }  # fmt: skip
         assert store.verify("t") == []

@@ -115,7 +115,7 @@ class OutcomeRules(DatasetRules):
                 ds.zero_variance != "keep"
                 and state == GROUP_DROPPED
                 and full
-                and prompt_stats.unvaried([member.reward for member in tt.members(grp).values()])
+                and prompt_stats.unvaried(_rewards(tt, grp))
             ):
                 retry = ds.zero_variance == "retry"  # "skip": done for its epoch, whatever on_drop says
             if state == CONSUMED:
@@ -137,7 +137,14 @@ class OutcomeRules(DatasetRules):
 
 def _generated(tt: TableState, ds: DatasetRecord, epoch: int, index: int, grp: GroupView) -> None:
     """The prompt's statistics take its complete group (`_learned`)."""
-    _learned(tt, ds, epoch, index, [member.reward for member in tt.members(grp).values()])
+    _learned(tt, ds, epoch, index, _rewards(tt, grp))
+
+
+def _rewards(tt: TableState, grp: GroupView) -> list[float | None]:
+    """The group's members' rewards, of those whose records are stored: a member whose record the
+    directory lost is quarantined as its group leaves (rules/quarantine.py), and its reward is
+    known nowhere else."""
+    return [member.reward for member in tt.stored_members(grp).values()]
 
 
 def _learned(tt: TableState, ds: DatasetRecord, epoch: int, index: int, rewards: list[float | None]) -> None:
