@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from expbuf.client.schema.routing import GROUP_KEY_OF
 from expbuf.client.trxp.codec import partial
@@ -100,40 +100,19 @@ class Entry:
 
     def record(self, gkey: str, *, seq: int, created: float) -> ItemRecord:
         """The record of this experience as a pending member of group `gkey`."""
-        return ItemRecord(
-            state=PENDING,
-            group=gkey,
-            seq=seq,
-            digest=self.digest,
-            size=self.size,
-            created=created,
-            tid=self.tid,
-            rid=self.rid,
-            step=self.step,
-            response_length=self.response_length,
-            generated=self.generated,
-            version=self.version,
-            reward=self.reward,
-            priority=self.priority,
-            segments=self.segments,
-        )
+        return ItemRecord(state=PENDING, group=gkey, tid=self.tid, rid=self.rid, **self._kept(seq, created))
 
     def member(self, *, seq: int, created: float) -> Member:
         """This experience as a rows table's segment keeps it (disk/rows/)."""
-        return Member(
-            uid=self.uid,
-            digest=self.digest,
-            size=self.size,
-            seq=seq,
-            created=created,
-            step=self.step,
-            response_length=self.response_length,
-            generated=self.generated,
-            version=self.version,
-            reward=self.reward,
-            priority=self.priority,
-            segments=self.segments,
-        )
+        return Member(uid=self.uid, **self._kept(seq, created))
+
+    def _kept(self, seq: int, created: float) -> dict[str, Any]:
+        """What a record and a segment's member both keep of this experience."""
+        return {
+            "digest": self.digest, "size": self.size, "seq": seq, "created": created, "step": self.step,
+            "response_length": self.response_length, "generated": self.generated, "version": self.version,
+            "reward": self.reward, "priority": self.priority, "segments": self.segments,
+        }  # fmt: skip
 
     def group_key(self, group_by: str) -> str:
         key: str = getattr(self, GROUP_KEY_OF[group_by])
