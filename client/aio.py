@@ -105,7 +105,7 @@ class AsyncBufferClient(ServerCalls, Awaiting, ClientBase):
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
-    async def _run(self, call: calls.Unary[R] | calls.Chunked[R]) -> R:
+    async def _run(self, call: declare.Unary[R] | declare.Chunked[R]) -> R:
         """`call`'s result; made again after a pause where calls.Attempts says so."""
         attempts = calls.Attempts(call, self.timeout)
         while True:
@@ -124,10 +124,10 @@ class AsyncBufferClient(ServerCalls, Awaiting, ClientBase):
             turns.answer(await self._run(call))
         return turns.result
 
-    async def _attempt(self, call: calls.Unary[R] | calls.Chunked[R]) -> R:
+    async def _attempt(self, call: declare.Unary[R] | declare.Chunked[R]) -> R:
         method, keywords = self._method(call)
         try:
-            if isinstance(call, calls.Chunked):
+            if isinstance(call, declare.Chunked):
                 reply = calls.one_reply(await aio_status.replies(method(call.requests(), **keywords)))
             elif call.parts:
                 parts = Parts()

@@ -122,7 +122,7 @@ class BufferClient(ServerCalls, Blocking, ClientBase):
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _run(self, call: calls.Unary[R] | calls.Chunked[R]) -> R:
+    def _run(self, call: declare.Unary[R] | declare.Chunked[R]) -> R:
         """`call`'s result; made again after a pause where calls.Attempts says so."""
         attempts = calls.Attempts(call, self.timeout)
         while True:
@@ -141,10 +141,10 @@ class BufferClient(ServerCalls, Blocking, ClientBase):
             turns.answer(self._run(call))
         return turns.result
 
-    def _attempt(self, call: calls.Unary[R] | calls.Chunked[R]) -> R:
+    def _attempt(self, call: declare.Unary[R] | declare.Chunked[R]) -> R:
         method, keywords = self._method(call)
         try:
-            if isinstance(call, calls.Chunked):
+            if isinstance(call, declare.Chunked):
                 reply = calls.one_reply(list(method(call.requests(), **keywords)))
             elif call.parts:
                 parts = Parts()

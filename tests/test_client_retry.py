@@ -38,7 +38,7 @@ from expbuf.client import (
     trxp,
 )
 from expbuf.client.rpc import calls as calls_module
-from expbuf.client.rpc import ledger_calls
+from expbuf.client.rpc.calls import ledger_calls
 from expbuf.client.rpc.connection import MAX_RETRIES
 from expbuf.client.schema.prompts import Claim
 from expbuf.client.shards.blocking import ShardedBufferClient

@@ -56,7 +56,7 @@ ROOM_PROBES = [
     ("server/commands/stats.py", "..store.ledger.records", "Code above the store reaches it through its face"),
     ("server/rpc/sample/replies.py", "...store.disk.layout", "Code above the store reaches it through its face"),
     ("client/schema/routing.py", "..rpc.wire", "The client imports only downward"),
-    ("client/rpc/calls.py", "..shards.plans", "The client imports only downward"),
+    ("client/rpc/calls/push_calls.py", "...shards.plans", "The client imports only downward"),
     ("client/pushers/blocking.py", "..client.BufferClient", "The client imports only downward"),
     ("client/kit/tables.py", "..trinity.settings", "The client imports only downward"),
     ("client/results/stats.py", ".tables", "What the clients return is independent, a module a kind of call"),

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from expbuf.client import AsyncBufferClient, BufferClient, InvalidArgumentError, Prompt, trxp
-from expbuf.client.rpc import calls, read_calls, value_calls
+from expbuf.client.rpc.calls import group_calls, lease_calls, read_calls, table_calls, value_calls
 from expbuf.client.schema.call_limits import MAX_KEYS_PER_CALL, MAX_NAMES_PER_CALL, MAX_READ_UIDS, MAX_REWARDS, in_parts
 from expbuf.proto.v1 import buffer_pb2 as pb
 from expbuf.proto.v1 import buffer_pb2_grpc as pb_grpc
@@ -68,7 +68,8 @@ def test_a_call_naming_too_many_is_refused_and_stores_nothing(
 def test_the_clients_send_any_number_in_calls_of_the_most_each_takes(
     server: ExpbufServer, client: BufferClient, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(calls, "MAX_NAMES_PER_CALL", 3)
+    for module in (lease_calls, table_calls):  # retire's, delete's
+        monkeypatch.setattr(module, "MAX_NAMES_PER_CALL", 3)
     monkeypatch.setattr(value_calls, "MAX_KEYS_PER_CALL", 4)
     client.create_table("t", group_size=1, group_by="run", estimator="none")
     client.push(trxp.build([item for task in range(8) for item in group_items(0, task, 1)]), table="t")
@@ -141,7 +142,7 @@ def test_the_clients_read_any_number_in_calls_of_the_most_each_takes(
 def test_failed_runs_reported_in_several_calls_come_back_as_one_report(
     client: BufferClient, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(calls, "MAX_NAMES_PER_CALL", 2)
+    monkeypatch.setattr(group_calls, "MAX_NAMES_PER_CALL", 2)
     client.create_table("t", group_size=4, min_group_size=1, estimator="none")
     client.push(trxp.build(group_items(0, 0, 1)), table="t")  # run 0 of task 0; runs 1-3 fail
     failed = [f"0/0/{run}/0/r{run}s0" for run in (1, 2, 3)] + [f"0/1/{run}/0/r{run}s0" for run in range(4)]

@@ -17,7 +17,7 @@ import grpc
 import pytest
 
 from expbuf.client import AsyncBufferClient, BufferClient, BufferError, trxp
-from expbuf.client.rpc import calls
+from expbuf.client.rpc import declare
 from expbuf.client.torch import ExperienceDataset
 from expbuf.proto.v1 import buffer_pb2 as pb
 from expbuf.server.config import load
@@ -44,7 +44,7 @@ def test_trainer_version_is_stored_shown_exported_and_measures_staleness(start_s
         assert c.set_trainer_version(3, "t") == 3
         assert c.stats("t")["t"].trainer_version == 3
         with pytest.raises(BufferError) as bad:
-            c._run(calls.Unary("SetTrainerVersion", _request("t", -2), lambda reply: reply.version, retry=False))
+            c._run(declare.Unary("SetTrainerVersion", _request("t", -2), lambda reply: reply.version, retry=False))
         assert bad.value.code == grpc.StatusCode.INVALID_ARGUMENT and "version" in bad.value.details
         with pytest.raises(BufferError) as missing:
             c.set_trainer_version(1, "nope")

@@ -14,18 +14,35 @@ from typing import TYPE_CHECKING, Any, TypedDict, Unpack
 from expbuf.proto.v1 import buffer_pb2 as pb
 
 from ..results import ExperiencePage, ListedExperience
-from .calls import BufferCalls
+from .calls.admission_calls import AdmissionCalls
+from .calls.group_calls import GroupCalls
+from .calls.info_calls import InfoCalls
+from .calls.lease_calls import LeaseCalls
+from .calls.ledger_calls import PromptCalls
+from .calls.push_calls import PushCalls
+from .calls.read_calls import ExperienceReads
+from .calls.table_calls import TableCalls
+from .calls.value_calls import ValueCalls
 from .declare import Plan, Unary, declare
-from .ledger_calls import PromptCalls
-from .read_calls import ExperienceReads
-from .value_calls import ValueCalls
 
 if TYPE_CHECKING:
     from ..shards.common import LiveResult
 
 
-class Calls(BufferCalls, ExperienceReads, ValueCalls, PromptCalls):
-    """Every call the clients share, declared once."""
+# declared_calls (and the site's client pages) lists a class's calls from its last base to its
+# first: the bases stand here in the reverse of the order their calls are listed in.
+class Calls(
+    TableCalls,
+    InfoCalls,
+    GroupCalls,
+    AdmissionCalls,
+    LeaseCalls,
+    PushCalls,
+    ExperienceReads,
+    ValueCalls,
+    PromptCalls,
+):
+    """Every call the clients share, declared once (rpc/calls/, a module a kind)."""
 
 
 class ListFilters(TypedDict, total=False):

@@ -3,7 +3,7 @@
 A push is idempotent on the server (a retried payload is reported as duplicates), so pushes
 and reads are retried by gRPC's own retry policy (the channel's service config) while the
 server is UNAVAILABLE; every call has a deadline that covers all its attempts. gRPC has no
-switch for one call: a call of a method under the policy that must not be made twice (calls.py)
+switch for one call: a call of a method under the policy that must not be made twice (calls/)
 goes over a second channel without it. The blocking client (client.py) and the asyncio one
 (aio.py) differ only in how they wait.
 """
@@ -30,7 +30,7 @@ from .wire import BUSY, MESSAGE_BYTES, reason_of
 
 
 class CallShape(Protocol):
-    """What the channel needs to know of a call (calls.Unary, calls.Chunked) to make it."""
+    """What the channel needs to know of a call (declare.Unary, declare.Chunked) to make it."""
 
     @property
     def method(self) -> str: ...
@@ -57,7 +57,7 @@ MAX_RETRIES = 4
 DEFAULT_RETRIES = MAX_RETRIES
 SERVICE = "expbuf.v1.ExperienceBuffer"
 # The methods under the retry policy: every call of them is idempotent, or is sent with the
-# policy only when it is (a call of one whose `retry` is False, calls.py, goes over the channel
+# policy only when it is (a call of one whose `retry` is False, calls/, goes over the channel
 # without it). Not here: Sample (a trainer's stream that breaks raises its error, as it always has),
 # nor any call whose repetition would act twice (Ack, Nack, Admit, FinishGrant, Claim, Delete,
 # Seal, CreateTable, DropTable).

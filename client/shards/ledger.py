@@ -25,7 +25,7 @@ from typing import Any
 import grpc
 
 from ..errors import BufferError
-from ..rpc.ledger_calls import Outcomes, outcomes_by_dataset
+from ..rpc.calls.ledger_calls import Outcomes, outcomes_by_dataset
 from ..schema.prompts import Claim, DatasetInfo, Prompt, PromptPage
 from .common import shard_error
 from .plans import Call, Plan, Planned, is_down

@@ -11,7 +11,7 @@ from typing import Any
 from ..columns import join_columns, run_lengths
 from ..errors import BufferError
 from ..results import FieldBatch, GetResult
-from ..rpc.read_calls import PartOptions, ReadPartOptions, check_part, split_of
+from ..rpc.calls.read_calls import PartOptions, ReadPartOptions, check_part, split_of
 from ..schema.balance import COSTS, ModelShape, split_runs
 from ..schema.routing import uid_group_key
 from .common import shard_error

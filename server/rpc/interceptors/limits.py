@@ -25,7 +25,7 @@ Claim with a wait for prompts. Each of those classes has its own cap (`max_sampl
 The thread pool has RESERVED_THREADS more than `workers` (those included), so health checks,
 reflection and the refusals themselves are always answered. A call refused here did nothing: its
 refusal carries the trailing metadata `wire.BUSY`, and the clients make a waiting claim or admit
-so refused again while its wait lasts, and a push until its deadline (client/rpc/calls.py, Attempts;
+so refused again while its wait lasts, and a push until its deadline (client/rpc/calls/attempts.py;
 a pusher's, client/pushers/pipeline.py).
 """
 

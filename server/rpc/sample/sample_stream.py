@@ -20,7 +20,7 @@ its unconfirmed batches return to the buffer, as on a broken stream; a confirmat
 after that arrives at an ended call and delivers nothing. Each reply says how long its batch
 may wait counted from the client's confirmation before it (`confirm_seconds`), an event
 both sides see, so a client measures it on its own clock and never hands over a batch its
-confirmation would reach too late (client/rpc/calls.py).
+confirmation would reach too late (client/rpc/calls/sample_stream.py).
 
 When the server stops, the stream ends between batches with UNAVAILABLE (rpc/draining.py): what the
 client confirmed by then is delivered, and the rest returns to the buffer.

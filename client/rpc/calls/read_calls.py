@@ -13,16 +13,16 @@ import grpc
 
 from expbuf.proto.v1 import buffer_pb2 as pb
 
-from .. import trxp
-from ..columns import decode_columns, join_columns
-from ..errors import DataLossError
-from ..results import FieldBatch, GetResult
-from ..schema.balance import MAX_RANKS, ModelShape
-from ..schema.call_limits import MAX_READ_UIDS, in_parts
-from ..schema.experience import Experience
-from ..trxp.stored.columns import Shares, unknown_field
-from .declare import ClientSettings, Plan, Several, Steps, Unary, declare
-from .sample_reply import SampleReplyParts
+from ... import trxp
+from ...columns import decode_columns, join_columns
+from ...errors import DataLossError
+from ...results import FieldBatch, GetResult
+from ...schema.balance import MAX_RANKS, ModelShape
+from ...schema.call_limits import MAX_READ_UIDS, in_parts
+from ...schema.experience import Experience
+from ...trxp.stored.columns import Shares, unknown_field
+from ..declare import ClientSettings, Plan, Several, Steps, Unary, declare
+from ..sample_reply import SampleReplyParts
 
 
 def _joined_fields(parts: list[FieldBatch]) -> FieldBatch:

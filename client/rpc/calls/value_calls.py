@@ -9,9 +9,9 @@ from collections.abc import Sequence
 
 from expbuf.proto.v1 import buffer_pb2 as pb
 
-from ..schema.call_limits import MAX_KEYS_PER_CALL, in_parts
-from . import frames
-from .declare import ClientSettings, Plan, Several, Unary, declare
+from ...schema.call_limits import MAX_KEYS_PER_CALL, in_parts
+from .. import frames
+from ..declare import ClientSettings, Plan, Several, Unary, declare
 
 
 class ValueCalls(ClientSettings):

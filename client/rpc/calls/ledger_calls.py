@@ -13,8 +13,8 @@ from typing import Any
 
 from expbuf.proto.v1 import buffer_pb2 as pb
 
-from ..schema.prompts import MAX_PROMPTS_PER_CALL, Claim, DatasetInfo, Prompt, PromptPage
-from .declare import ClientSettings, Plan, Steps, Unary, declare
+from ...schema.prompts import MAX_PROMPTS_PER_CALL, Claim, DatasetInfo, Prompt, PromptPage
+from ..declare import ClientSettings, Plan, Steps, Unary, declare
 
 Outcomes = Mapping[Prompt, Sequence[float]] | Iterable[tuple[Prompt, Sequence[float]]]
 

@@ -1,0 +1,78 @@
+"""How a client makes a call again: after a refusal that did nothing (the server's calls that wait
+were as many as it lets), or as the call an older server answers instead (`Attempts`); and the
+one reply of a call answered over a stream (`one_reply`). Both clients' runners use them
+(client.py, aio.py)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+from typing import Any, Generic, TypeVar
+
+import grpc
+
+from ...errors import ExpbufError
+from ..connection import BACKOFF
+from ..declare import Chunked, Unary
+
+R = TypeVar("R")
+
+
+class Attempts(Generic[R]):
+    """The attempts of one call, `call` the next. The server lets only so many calls wait at once
+    (each holds a server thread while it waits) and refuses the others at once, as having done
+    nothing (ExpbufError.busy). Such a refusal of a call that waits there is not its caller's
+    answer: the call is made again after a pause, as gRPC's retry policy pauses
+    (connection.BACKOFF). A claim or an admit with a `wait` (its request's wait_seconds) waits
+    what is left of it; once its wait is spent, it is made once more without waiting, so that it
+    answers with what there is. A push, which waits for room in a full table in block mode, or
+    for the rate limit (or, as a PutValues does, for max_inflight_bytes), is made as it was: it
+    stored nothing, and is stored once however often it is sent. No attempt ends past the first
+    one's deadline (the call's timeout, else the client's `timeout`); the refusal that comes when
+    none may start before it is the caller's."""
+
+    def __init__(self, call: Unary[R] | Chunked[R], timeout: float) -> None:
+        self.call = call
+        start = time.monotonic()
+        self._pushes = isinstance(call, Chunked) or call.method in ("Push", "PutValues")
+        self._waits_until = start + _wait(call)
+        self._deadline = start + (call.timeout or timeout)
+        self._made = 0  # attempts made again
+
+    def after(self, error: ExpbufError) -> float | None:
+        """The pause before the call is made again (`call` is then that attempt), or None when
+        `error` is the call's answer."""
+        call = self.call
+        if error.code == grpc.StatusCode.UNIMPLEMENTED and isinstance(call, Unary) and call.fallback is not None:
+            self.call = replace(call.fallback, timeout=call.timeout)
+            return 0.0
+        waits = _wait(call) > 0  # not once it is made without waiting
+        if not (error.busy and (waits or self._pushes)):
+            return None
+        now = time.monotonic()
+        pause = BACKOFF.pause(self._made)
+        self._made += 1
+        if waits:
+            pause = max(0.0, min(pause, self._waits_until - now))
+        start = now + pause
+        if start >= self._deadline:
+            return None
+        if isinstance(call, Unary) and waits:
+            request = type(call.request)()
+            request.CopyFrom(call.request)
+            request.wait_seconds = max(0.0, self._waits_until - start)
+            call = replace(call, request=request)
+        self.call = replace(call, timeout=self._deadline - start)
+        return pause
+
+
+def _wait(call: Unary[Any] | Chunked[Any]) -> float:
+    """The seconds `call` asks the server to wait (a claim's or an admit's wait_seconds), 0 for none."""
+    return float(getattr(call.request, "wait_seconds", 0.0)) if isinstance(call, Unary) else 0.0
+
+
+def one_reply(replies: list[Any], method: str = "PushStream") -> Any:
+    """The reply to a push sent in chunks, or to a ReadFields once put together: its stream answers it once."""
+    if len(replies) != 1:
+        raise ExpbufError(grpc.StatusCode.INTERNAL, f"{method} answered one call {len(replies)} times")
+    return replies[0]

@@ -1,0 +1,145 @@
+"""The Sample stream's pieces both clients share, whose two loops are each client's own (client.py,
+aio.py): a sample's order checked before its stream opens (`Orders`), a batch's confirmation, the
+batch decoded from its reply, and handed to the caller unless asked for too late."""
+
+from __future__ import annotations
+
+import time
+from typing import TypeVar
+
+import grpc
+
+from expbuf.proto.v1 import buffer_pb2 as pb
+
+from ... import trxp
+from ...columns import decode_columns
+from ...errors import DataLossError, DeadlineExceededError
+from ...results import Batch, Leases
+from .. import wire
+from ..declare import Unary
+from ..sample_reply import SampleReplyParts
+
+B = TypeVar("B", bound=Batch)
+# How long a stream the caller left may take to hand back the batches already on their way.
+STOP_SECONDS = 5.0
+# What the client keeps of a batch's confirm_seconds for its confirmation's way to the server:
+# a tenth of it, at most this.
+CONFIRM_MARGIN = 2.0
+
+
+class Orders:
+    """The orders a client's server samples in, for a check of a sample's order before its stream
+    opens (both clients'): a built-in order is every server's; another name is looked up among
+    the server's (ServerInfo's `orders`), asked once, and again for a name not among them (a
+    server restarted since may have registered it)."""
+
+    def __init__(self) -> None:
+        self.known: frozenset[str] = frozenset(wire.ORDER)
+
+    def check(self, order: str) -> Unary[None] | None:
+        """The call that refuses `order`, ValueError naming the server's orders, when the server
+        has no such order; None where there is nothing to ask. A server before this release names
+        none: it checks the order itself, as the stream opens."""
+        if order in self.known:
+            return None
+
+        def read(reply: pb.ServerInfoReply) -> None:
+            if not reply.orders:
+                return
+            self.known = frozenset(reply.orders)
+            if order not in self.known:
+                raise ValueError(
+                    f"sample: order is {order!r}; this server samples in the orders {', '.join(reply.orders)}"
+                )
+
+        return Unary("ServerInfo", pb.ServerInfoRequest(), read, retry=True)
+
+
+def confirmation(received: int, *, stop: bool = False) -> pb.SampleRequest:
+    """Tells the server that `received` batches arrived, which frees room in the window for
+    more (or, with `stop`, asks for nothing more: batches already on their way return to
+    the buffer)."""
+    return pb.SampleRequest(received=received, stop=stop)
+
+
+def batch(reply: SampleReplyParts, table: str, leases: Leases | None, kind: type[B], *, columnar: bool = False) -> B:
+    """A sampled batch, decoded (the checks a reader relies on), that acknowledges, gives
+    back and renews through `leases` (the client's). The client confirms a batch only once
+    this returns: one it cannot decode raises DataLossError naming it, and goes back.
+    `columnar`: the request named fields, so the reply must carry columns, not a payload."""
+    rest = reply.rest
+    try:
+        if columnar and reply.payload:
+            raise ValueError(
+                "the request named fields, and the server sent a TRXP payload: it predates columnar batches "
+                "(a server of this release or later sends them)"
+            )
+        made = kind(
+            payload=trxp.attach_advantages(reply.payload, rest.advantages, rest.response_lengths),
+            uids=list(rest.uids),
+            group_ids=list(rest.group_ids),
+            lease_id=rest.lease_id,
+            lease_expires=rest.lease_expires_unix,
+            partial=rest.partial,
+            table=table,
+            times_sampled=list(rest.times_sampled),
+            _leases=leases,
+            confirm_seconds=rest.confirm_seconds,
+            columns=(
+                decode_columns(rest.columns, len(rest.uids), reply.values, rest.missing_fields)
+                if rest.columns or rest.missing_fields
+                else {}
+            ),
+        )
+        if not made.columnar:
+            _ = made.experiences  # decoded now, before it is confirmed
+    except (trxp.TrxpError, ValueError, OverflowError) as exc:
+        groups = list(dict.fromkeys(rest.group_ids))
+        raise DataLossError(
+            grpc.StatusCode.DATA_LOSS,
+            f"a batch of table '{table}' ({len(rest.uids)} experiences, groups {', '.join(groups[:4])}"
+            f"{', ...' if len(groups) > 4 else ''}) could not be decoded, so it was not confirmed and goes back "
+            f"to the buffer: {type(exc).__name__}: {exc}",
+        ) from exc
+    return made
+
+
+def late(table: str, seconds: float, since: float) -> DeadlineExceededError | None:
+    """The error of a batch asked for too late for a server that waits `seconds` (a reply's
+    confirm_seconds; 0: unknown) for its confirmation, counted from the confirmation before it, sent
+    at `since` (see `handed`); None in time."""
+    waited = time.monotonic() - since
+    if not seconds or waited <= seconds - min(seconds / 10, CONFIRM_MARGIN):
+        return None
+    return DeadlineExceededError(
+        grpc.StatusCode.DEADLINE_EXCEEDED,
+        f"a batch of table '{table}' was asked for {waited:.1f}s after the batch before it (or the stream's "
+        f"start), too late for the server, which waits {seconds:g}s for its confirmation (max_confirm_seconds, "
+        "EXPBUF_MAX_CONFIRM_SECONDS): it was not handed over and goes back to the buffer with the batches after "
+        "it. Open a new sample() to go on; a step this long needs a larger max_confirm_seconds",
+    )
+
+
+def ended_late(code: grpc.StatusCode, table: str, seconds: float, since: float) -> DeadlineExceededError | None:
+    """What a Sample stream that ended with `code` was, when the server cancelled it because its
+    client came late (`late`: the server ends a stream whose reply its client has not taken for
+    max_confirm_seconds, a step that long with a batch too large to wait in the channel's
+    buffers); None otherwise."""
+    return late(table, seconds, since) if code == grpc.StatusCode.CANCELLED else None
+
+
+def handed(made: B, lease_seconds: float, since: float) -> B:
+    """The batch as the client hands it to its caller, confirming it: a lease's clock starts now.
+
+    The server gives a batch back (and ends the stream) when its confirmation has not come
+    `confirm_seconds` (the reply's) after the client's confirmation before it, sent at `since`
+    (time.monotonic(); the stream's first request, for the first batch). A batch asked for
+    past that, less a tenth (at most CONFIRM_MARGIN) for the confirmation's way, may be in the
+    buffer again already: it is not handed over, so no batch is trained that another trainer
+    may get, and DeadlineExceededError says why."""
+    error = late(made.table, made.confirm_seconds, since)
+    if error is not None:
+        raise error
+    if made.lease_id:
+        made.lease_expires = time.time() + lease_seconds
+    return made
