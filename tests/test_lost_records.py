@@ -14,6 +14,7 @@ from pathlib import Path
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from test_lazy_indexes import kept_by, made_before
 from test_quarantine import lose, quarantine_logs, uids
 
 from expbuf.client import BufferClient, trxp
@@ -24,7 +25,7 @@ from expbuf.server.store.schema.sample_spec import TakeSpec
 from expbuf.server.store.schema.table_config import TableConfig
 
 from conftest import Servers
-from helpers import group_items, make_experience
+from helpers import group_items, make_experience, wait_for
 
 
 def counted(store: Store) -> dict[str, int]:
@@ -431,4 +432,53 @@ def test_a_claimed_prompt_s_group_leaving_with_a_member_s_record_lost_moves_its_
         assert {state: ds.total(state) for state in ("claimed", "generated", "dropped")} == {
             "claimed": 0, "generated": 0, "dropped": 1,
         }  # fmt: skip
+        assert store.verify("t") == []
+
+
+# ---- a lost record met by a background index build ----------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("order", "fresh", "index"),
+    [("priority", None, "prio"), ("fifo", 1, "byver"), ("uniform", None, "slots")],
+    ids=["priority", "min-version", "uniform"],
+)
+@pytest.mark.parametrize("lost", ["group", "member"])
+@pytest.mark.parametrize("when", ["request", "open"])
+def test_an_index_built_over_a_lost_record_is_built_and_the_sample_serves_the_others(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, order: str, fresh: int | None, index: str, lost: str, when: str
+) -> None:
+    """A table that lacks an index (made by an earlier release) has it built in the background,
+    from the open or for the first request in its order; a ready group whose record is lost (or
+    one of whose members' records is) is met by the build or by the sample: the group fails, the
+    build completes, and the sample is served the other groups. The build of the priority or the
+    version index read each ready group's record and failed at the lost one ("group 0/1 is named
+    but not stored"): the request waiting for it was refused INTERNAL, and each request after it
+    tried the build again and was refused alike, the order never served."""
+    caplog.set_level(logging.ERROR, "expbuf.store")
+    store = Store(tmp_path)
+    store.create_table(TableConfig.of("t", estimator="none", group_size=4))
+    made_before(store)
+    for task in range(4):
+        store.put("t", group_items(0, task, 4, reward=float(task), priority=5.0 if task == 1 else 1.0, version=1))
+    lose(store, "t", "0/1" if lost == "group" else uids(1)[2], "groups" if lost == "group" else "items")
+    assert index not in (kept_by(store) or set())
+    if when == "open":  # the next open builds every index the table lacks, no request asking
+        store.close()
+        store = Store(tmp_path)
+        wait_for(lambda: store.index_builds() == [], "the builds from the open", seconds=30)
+        assert store.stats("t")["groups_failed"] == (lost == "group")  # the build met the lost group
+    with store:
+        spec = TakeSpec("t", num_groups=3, wait_seconds=30, order=order, min_model_version=fresh)
+        batch = store.sample(spec, hold=False)
+        assert batch is not None and sorted(set(batch.group_ids)) == ["0/0", "0/2", "0/3"]
+        assert index in (kept_by(store) or set())
+        # Nothing left to serve: a uniform draw may have passed the lost group by, and meets it now.
+        assert store.sample(TakeSpec("t", num_groups=1, wait_seconds=0, order=order), hold=False) is None
+        wait_for(lambda: store.index_builds() == [], "the builds' end", seconds=30)
+        stats = store.stats("t")
+        assert (stats["ready"], stats["groups_failed"], stats["quarantined"]) == (0, 1, lost == "member")
+        assert "0/1" in stats["last_failure"]
+        assert any("0/1" in r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR)
+        assert not any("is named but not stored" in r.getMessage() for r in caplog.records)
         assert store.verify("t") == []

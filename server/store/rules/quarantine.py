@@ -17,8 +17,8 @@ where its group leaves anyway (evicted, consumed, dropped), the retirement burie
 payload is, so that a retried push of it is still a duplicate), its payload and place in the
 insertion order, found by its uid, go, and the table's bytes are recounted from its records (the
 lost record's size, counted in them, is known nowhere else). A ready group whose own record is
-lost fails when a sample passes it over (`fail_lost_groups`), its record remade from its
-members' (core/verbs/groups.remade), their payloads kept for Get.
+lost fails when a sample passes it over or an index build reads past it (`fail_lost_groups`), its
+record remade from its members' (core/verbs/groups.remade), their payloads kept for Get.
 """
 
 from __future__ import annotations
@@ -71,10 +71,10 @@ def quarantine_lost(tt: TableState, groups: Sequence[tuple[str, GroupView]]) -> 
 
 
 def fail_lost_groups(tt: TableState, gkeys: Sequence[str]) -> None:
-    """Ready groups whose records are lost (a sample passed them over) fail, their members, whose
-    records and payloads are stored, kept for Get as a group failed for damage keeps them; each
-    logged once. A group the ready order does not name cannot be remade, and is left to
-    `expbuf check`, logged."""
+    """Ready groups whose records are lost (a sample or an index build passed them over) fail,
+    their members, whose records and payloads are stored, kept for Get as a group failed for
+    damage keeps them; each logged once. A group the ready order does not name cannot be
+    remade, and is left to `expbuf check`, logged."""
     failed = []
     for gkey in gkeys:
         grp = remade(tt, gkey)

@@ -46,6 +46,7 @@ from ..core.ordering.indexes import Index, ReadyOrder
 from ..core.ordering.ready import BuildStep, IndexBuilding, ReadyIndex, builds
 from ..disk import layout, residency
 from ..disk.environment import Environment
+from ..rules.quarantine import fail_lost_groups
 from ..schema.errors import IndexNotReady, StoreClosed, clip
 from ..tables.catalog import TableCatalog
 
@@ -147,7 +148,13 @@ class IndexBuilds:
             nonlocal began
             began = time.monotonic()
             tt = self.catalog.state_of(txn, job.table_id)
-            return BuildStep(True, 0) if tt is None else tt.ready.build_step(job.index)
+            if tt is None:
+                return BuildStep(True, 0)
+            done = tt.ready.build_step(job.index)
+            if done.lost:  # ready groups whose records are lost fail, as a sample that meets them fails them
+                fail_lost_groups(tt, done.lost)
+                tt.save()
+            return done
 
         try:
             done = self.environment.submit(step, background=True)

@@ -126,11 +126,14 @@ def every_lazy(dbs: Mapping[str, lmdb._Database]) -> set[str]:
 
 
 class BuildStep(NamedTuple):
-    """What one chunk of a build did: whether the table keeps the index now, and the ready
-    groups it indexed."""
+    """What one chunk of a build did: whether the table keeps the index now, the ready groups
+    it indexed, and the ready groups whose records are lost, which it left out: its caller fails
+    them in the same transaction (rules/quarantine.fail_lost_groups), so that no kept index
+    lacks a ready group."""
 
     kept: bool
     groups: int
+    lost: tuple[str, ...] = ()
 
 
 class ReadyIndex:
@@ -146,7 +149,7 @@ class ReadyIndex:
         dbs: Mapping[str, lmdb._Database],
         txn: lmdb.Transaction[bytes],
         prefix: bytes,
-        ready_groups: Callable[[int, int, bool], tuple[list[ReadyGroup], int | None]] | None = None,
+        ready_groups: Callable[[int, int, bool], tuple[list[ReadyGroup], int | None, list[str]]] | None = None,
     ) -> None:
         self.dbs, self.txn, self.prefix, self.ready_groups = dbs, txn, prefix, ready_groups
         self._made: dict[type[Index], Index] = {}  # made when first used: a request reads one or two
@@ -211,18 +214,18 @@ class ReadyIndex:
                 self._saved(found)
                 return BuildStep(False, 0)
             cursor = 0
-        groups, after = self.ready_groups(cursor, budget, cls.reads_records)
+        groups, after, lost = self.ready_groups(cursor, budget, cls.reads_records)
         index.add(groups)
         if after is not None:
             found[cls.databases[0]] = after
             self._saved(found)
-            return BuildStep(False, len(groups))
+            return BuildStep(False, len(groups), tuple(lost))
         found.pop(cls.databases[0], None)
         self._saved(found)
         used = in_use(self.txn, self.dbs, self.prefix) or set()
         mark_in_use(self.txn, self.dbs, self.prefix, used | set(cls.databases))
         self.kept().append(cls)
-        return BuildStep(True, len(groups))
+        return BuildStep(True, len(groups), tuple(lost))
 
     def _saved(self, found: dict[str, int]) -> None:
         _mark_builds(self.txn, self.dbs, self.prefix, found)

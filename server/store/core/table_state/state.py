@@ -169,17 +169,25 @@ class TableState:
         self._dirty_groups.pop(gkey, None)
         self.txn.delete(self.key(gkey), db=self.db["groups"])
 
-    def ready_groups(self, start: int, limit: int, records: bool = True) -> tuple[list[ReadyGroup], int | None]:
+    def ready_groups(
+        self, start: int, limit: int, records: bool = True
+    ) -> tuple[list[ReadyGroup], int | None, list[str]]:
         """Up to `limit` ready groups from rseq `start` on, in ready order, as a lazy index being
         built reads them (ready.ReadyIndex.build_step), each with its priority and version
-        from the head of its record (without `records`: priority 0, no version); and the rseq to
-        go on from (None: none lies past them)."""
+        from the head of its record (without `records`: priority 0, no version); the rseq to
+        go on from (None: none lies past them); and those whose records the directory lost, left
+        out: damage the build's caller fails (rules/quarantine.fail_lost_groups)."""
         rows, after = self.ready.of(ReadyOrder).from_rseq(start, limit)
         if not records:
-            return [ReadyGroup(gkey, rseq, 0.0, None) for rseq, gkey in rows], after
-        db = self.db["groups"]
-        placed = (GroupRecord.placed(stored(self.txn, self.prefix + gkey, db, "group")) for _, gkey in rows)
-        return [ReadyGroup(gkey, *place) for (_, gkey), place in zip(rows, placed, strict=True)], after
+            return [ReadyGroup(gkey, rseq, 0.0, None) for rseq, gkey in rows], after, []
+        db, found, lost = self.db["groups"], [], []
+        for _, gkey in rows:
+            raw = self.txn.get(self.prefix + gkey, db=db)
+            if raw is None:
+                lost.append(gkey.decode())
+            else:
+                found.append(ReadyGroup(gkey, *GroupRecord.placed(raw)))
+        return found, after, lost
 
     def members(self, grp: GroupView) -> dict[str, MemberView]:
         """The group's members' views (uid -> view), in push order."""
