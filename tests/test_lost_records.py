@@ -19,6 +19,7 @@ from test_quarantine import lose, quarantine_logs, uids
 
 from expbuf.client import BufferClient, trxp
 from expbuf.server.store import Store
+from expbuf.server.store.disk import chunk_heads, layout
 from expbuf.server.store.ledger.records import DatasetRecord
 from expbuf.server.store.schema.errors import TableFull
 from expbuf.server.store.schema.sample_spec import TakeSpec
@@ -481,4 +482,63 @@ def test_an_index_built_over_a_lost_record_is_built_and_the_sample_serves_the_ot
         assert "0/1" in stats["last_failure"]
         assert any("0/1" in r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR)
         assert not any("is named but not stored" in r.getMessage() for r in caplog.records)
+        assert store.verify("t") == []
+
+
+# ---- a chunked payload whose head is lost -------------------------------------------------------
+
+
+def sets(store: Store) -> set[int]:
+    """The chunk sets stored, by number."""
+    with store.environment.read() as txn, txn.cursor(db=store.db["chunks"]) as cur:
+        return {int.from_bytes(key[4:12], "big") for key in cur.iternext(values=False)}
+
+
+@pytest.mark.parametrize(
+    ("compression", "response"),
+    # a section of some 6 MB, kept in chunks as it is; one of about 0.9 MB, within CHUNK_BYTES,
+    # kept in chunks only by a table that compresses (past MIN_COMPRESSED)
+    [("none", 700_000), ("zstd", 100_000)],
+    ids=["chunks", "zstd-frames"],
+)
+@pytest.mark.parametrize("how", ["sample", "ack", "delete", "record-and-head"])
+def test_an_experience_whose_head_is_lost_takes_its_chunks_when_it_leaves(
+    tmp_path: Path, how: str, compression: str, response: int
+) -> None:
+    """An experience stored in chunks whose head (its value in `blobs`) is lost, its chunks left:
+    the sample that quarantines it, the ack that consumes its group, the Delete that names it, and
+    the retirement that buries it with its record lost, drop its chunk set (found by its mark,
+    which names the experience) with it, and the table checks clean after it. The set stayed, its
+    bytes held in the data file for good, and `expbuf check` reported it ("1 chunk set(s) belong to
+    no stored payload and to no push"), exit code 1, until `expbuf repair` was run with the server
+    stopped."""
+    with Store(tmp_path) as store:
+        store.create_table(TableConfig.of("t", estimator="none", group_size=2, compression=compression))
+        for task in range(3):
+            store.put("t", group_items(0, task, 2, reward=float(task), response=response))
+        lost = uids(0, 2)[0]
+        with store.environment.read() as txn:
+            head = txn.get(layout.table_prefix(store.catalog.lookup("t")[0]) + lost.encode(), db=store.db["blobs"])
+        assert head is not None and chunk_heads.is_head(head)
+        own = chunk_heads.read_head(head).set_id
+        assert len(sets(store)) == 6  # each experience's section in chunks
+        leased = None
+        if how == "ack":
+            leased = store.sample(TakeSpec("t", num_groups=1, delivery="lease", lease_seconds=60), hold=False)
+            assert leased is not None and set(leased.group_ids) == {"0/0"}
+        lose(store, "t", lost, "blobs")
+        if how == "record-and-head":
+            lose(store, "t", lost, "items")
+        if how in ("sample", "record-and-head"):
+            batch = store.sample(TakeSpec("t", num_groups=2, wait_seconds=0), hold=False)
+            assert batch is not None and sorted(set(batch.group_ids)) == ["0/1", "0/2"]
+            assert (store.stats("t")["quarantined"], store.stats("t")["damaged"]) == (1, 1)
+        elif how == "ack":
+            assert leased is not None and store.ack(leased.lease_id) == 2
+        else:
+            assert store.delete("t", uids=[lost]) == 1
+        assert own not in sets(store)
+        # Left: the sample's failed group's other member, kept for Get; none of the consumed
+        # group; the deleted experience's group and the others, whole.
+        assert len(sets(store)) == {"sample": 1, "record-and-head": 1, "ack": 4, "delete": 5}[how]
         assert store.verify("t") == []

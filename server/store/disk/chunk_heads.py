@@ -36,7 +36,7 @@ _SET = slice(4, 12)  # the head's chunk set, which its own digest covers ...
 DIGESTED = 4 + 8 + 16  # ... with the bytes from its section length on
 SET_NUMBER = struct.Struct(">Q")  # a chunk set's number, in its chunks' keys and as the next to take
 # The number under which a stored set keeps the key of the experience it holds the data of (the
-# last of its set): a damaged head's own set is found by it, whatever its damage (chunked.delete).
+# last of its set): a damaged or lost head's own set is found by it, whatever its damage (chunked.delete).
 OWNER = 0xFFFFFFFF
 DIGEST_BYTES = 16
 

@@ -303,12 +303,13 @@ def delete(
     sizes: Sequence[int] | None = None,
 ) -> None:
     """Delete stored payloads (absent ones are no error), the chunk sets of those stored in chunks
-    (the one an intact head names; a damaged one's, the set marked with its key) and their
-    references to shared prompts: with their sizes (the records'), only one that may be either is
-    looked at (larger than CHUNK_BYTES; larger than MIN_COMPRESSED, in a table that holds any
-    chunk; or of at least shared_prompts.MIN_BYTES, in a table that keeps shared prompts), so that
-    a consume of small experiences reads none, and one of experiences of up to 4 MiB in a table
-    that holds no chunk none either."""
+    (the one an intact head names; a damaged one's, the set marked with its key, and so a lost
+    one's, whose chunks the directory kept) and their references to shared prompts: with their
+    sizes (the records'), only one that may be either is looked at (larger than CHUNK_BYTES;
+    larger than MIN_COMPRESSED, in a table that holds any chunk; or of at least
+    shared_prompts.MIN_BYTES, in a table that keeps shared prompts), so that a consume of small
+    experiences reads none, and one of experiences of up to 4 MiB in a table that holds no chunk
+    none either."""
     blobs = dbs["blobs"]
     chunking: dict[bytes, bool] = {}  # by table prefix: whether the table holds any chunk
     sharing: dict[bytes, bool] = {}  # ... and any shared prompt
@@ -329,13 +330,21 @@ def delete(
                 shared_prompts.release(txn, dbs, key, value)
             elif value is not None and (head := intact_head(value)) is not None and _marked(txn, dbs, key, head):
                 drop_set(txn, dbs, prefix, head.set_id)
-            elif value is not None and (is_head(value) or sizes is None or len(value) != sizes[at]):
-                # A damaged head (or one whose magic is damaged: not as long as its record says)
-                # may name another experience's set: its own is the one marked with its key (the
-                # chunks' bytes cannot say: two experiences may hold the same).
+            elif _set_unnamed(value, None if sizes is None else sizes[at]):
                 for set_id in _sets_of(txn, dbs, key):
                     drop_set(txn, dbs, prefix, set_id)
         txn.delete(key, db=blobs)
+
+
+def _set_unnamed(value: Bytes | None, size: int | None) -> bool:
+    """Whether a payload being deleted (`value`, None: not stored; `size`, its record's) may have a
+    chunk set its head does not name: a damaged head (or one whose magic is damaged: not as long
+    as its record says) may name another experience's set, and a lost one (of a payload large
+    enough to have been a head) names none. Its own is then the one marked with its key (the
+    chunks' bytes cannot say: two experiences may hold the same)."""
+    if value is None:
+        return size is None or size > MIN_COMPRESSED
+    return is_head(value) or size is None or len(value) != size
 
 
 def chunk_sets(txn: lmdb.Transaction[bytes], dbs: Mapping[str, lmdb._Database], p: bytes) -> tuple[set[int], int]:
