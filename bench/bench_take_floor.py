@@ -2,7 +2,7 @@
 in one process (issue 41).
 
     .venv/bin/python bench/bench_take_floor.py [--experiences 16384] [--rounds 3] [--out bench/RESULTS.md]
-        [--ways store,unheld,floor,rows-floor]
+        [--ways store,rows,unheld,floor,rows-floor]
 
 Each round fills three data directories with the same 8 KB experiences (bench_reverb's shape), each
 its own group and in groups of 8, then drains each as a Sample stream's server does, in batches
@@ -10,6 +10,7 @@ of 256, taking a batch held while it confirms (consumes) the one before, in one 
 
 - the store: `Store.sample(hold=True, confirm=...)`, its take and its confirm as the server runs
   them (records decoded and written, counters, every ready index, extension hooks, the checks);
+- the store's over a rows table (issue 64's storage layout): the same calls;
 - the store with no hold: `Store.sample()` consuming each batch in its take, which no stream does
   (a batch its client never had would be lost): what holding a batch until it is confirmed costs;
 - the floor: the same reads and writes in plain py-lmdb, nothing else: the ready order's rows
@@ -35,6 +36,7 @@ difference is what the store's bookkeeping costs.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import os
 import statistics
@@ -91,15 +93,19 @@ def entries(count: int, group: int, serial: Iterator[int]) -> list[list[Entry]]:
     return [[Entry.of(trxp.from_experience(exp)) for exp in exps] for exps in pushes]
 
 
-def store_drain(path: Path, pushes: list[list[Entry]], group: int, *, hold: bool = True) -> float:
+def store_drain(
+    path: Path, pushes: list[list[Entry]], group: int, *, hold: bool = True, layout: str = "records"
+) -> float:
     """CPU seconds of the store's drain (its fill not counted): each batch held, then consumed when the
     next is taken, as a Sample stream's server does; or (`hold=False`) consumed in its take, one commit
-    a batch, as no stream does (a batch the client never had would be lost): what the hold costs."""
+    a batch, as no stream does (a batch the client never had would be lost): what the hold costs.
+    `layout`: the table's storage layout (records, or the rows of issue 64)."""
     config = (
         TableConfig.of(name="t", estimator="none", group_by="none")
         if group == 1
         else TableConfig.of(name="t", estimator="none", group_by="task", group_size=group)
     )
+    config = dataclasses.replace(config, storage=dataclasses.replace(config.storage, layout=layout))
     with Store(path, map_size=8 << 30) as store:
         store.create_table(config)
         for push in pushes:
@@ -120,6 +126,10 @@ def store_drain(path: Path, pushes: list[list[Entry]], group: int, *, hold: bool
 
 def unheld_drain(path: Path, pushes: list[list[Entry]], group: int) -> float:
     return store_drain(path, pushes, group, hold=False)
+
+
+def rows_store_drain(path: Path, pushes: list[list[Entry]], group: int) -> float:
+    return store_drain(path, pushes, group, layout="rows")
 
 
 def floor_drain(path: Path, pushes: list[list[Entry]], group: int) -> float:
@@ -322,6 +332,7 @@ def decode_costs(pushes: list[list[Entry]], group: int, repeat: int = 20) -> dic
 
 WAYS: dict[str, Callable[[Path, list[list[Entry]], int], float]] = {
     "store": store_drain,
+    "rows": rows_store_drain,
     "unheld": unheld_drain,
     "floor": floor_drain,
     "rows-floor": rows_drain,
@@ -348,13 +359,14 @@ def measure(count: int, rounds: int, names: list[str]) -> dict[int, dict[str, li
 
 COLUMNS = {
     "store": "the store's take and confirm",
+    "rows": "the same, a rows table (issue 64)",
     "unheld": "the store's take consuming, no hold",
     "floor": "the same reads and writes in py-lmdb",
     "rows-floor": "the same over rows (disk/rows/) in py-lmdb",
     "decode records": "a take's fields: records decoded",
     "decode rows": "a take's fields: a segment's columns read",
 }
-RATIOS = (("store", "floor"), ("unheld", "floor"), ("floor", "rows-floor"), ("decode records", "decode rows"))
+RATIOS = (("store", "rows"), ("rows", "rows-floor"), ("store", "floor"), ("unheld", "floor"), ("floor", "rows-floor"), ("decode records", "decode rows"))
 
 
 def report(command: str, load: str, count: int, results: dict[int, dict[str, list[float]]]) -> str:

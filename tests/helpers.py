@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import importlib.util
 import os
@@ -27,6 +28,7 @@ from expbuf.proto.v1 import buffer_pb2_grpc as pb_grpc
 from expbuf.server.store import Entry, Sampled, Store
 from expbuf.server.store.schema.estimator_registry import Estimator, register, unregister
 from expbuf.server.store.schema.sample_spec import TakeSpec
+from expbuf.server.store.schema.table_config import TableConfig
 
 # batch.tensordict() needs the tensordict package, which expbuf does not require: a machine
 # without it (a user's bare GPU host) skips what reads batches as TensorDicts, and runs the rest.
@@ -360,3 +362,21 @@ def servers() -> Iterator[Callable[..., ServerProcess]]:
             if server.proc.poll() is None:
                 server.proc.send_signal(signal.SIGKILL)
                 server.proc.wait(30)
+
+
+class StoppedClock:
+    """A store's clock that moves only when a test sets `now`."""
+
+    def __init__(self) -> None:
+        self.now = 1_000_000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def both_layouts(store: Store, name: str, **settings: object) -> None:
+    """Tables `name` (storage layout records) and `name`_rows (rows, issue 64) of the same settings."""
+    records = TableConfig.of(name, **settings)  # type: ignore[arg-type]
+    store.create_table(records)
+    rows = dataclasses.replace(records.storage, layout="rows")
+    store.create_table(dataclasses.replace(records, name=f"{name}_rows", storage=rows))

@@ -6,7 +6,6 @@ A directory that never held a rows table has none of the rows' databases."""
 
 from __future__ import annotations
 
-import dataclasses
 import subprocess
 import sys
 from pathlib import Path
@@ -28,31 +27,16 @@ from expbuf.server.store.disk.rows import (
     directory_entry,
 )
 from expbuf.server.store.schema.errors import Conflict, GroupClosed, InvalidRequest
-from expbuf.server.store.schema.sample_spec import TakeSpec
 from expbuf.server.store.schema.states import READY
 from expbuf.server.store.schema.table_config import TableConfig
 from expbuf.server.store.schema.table_parts import Storage
 
+from helpers import StoppedClock as Clock
+from helpers import both_layouts as both
 from helpers import group_items, make_experience
 
 ONES = {"estimator": "none", "group_by": "none"}  # each experience its own group, keyed by its uid
 EIGHTS = {"estimator": "none", "group_by": "task", "group_size": 8}
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1_000_000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-def both(store: Store, name: str, **settings: object) -> None:
-    """Tables `name` (records) and `name`_rows (rows) of the same settings."""
-    records = TableConfig.of(name, **settings)  # type: ignore[arg-type]
-    store.create_table(records)
-    rows = dataclasses.replace(records.storage, layout="rows")
-    store.create_table(dataclasses.replace(records, name=f"{name}_rows", storage=rows))
 
 
 def pushes(groups: int, size: int) -> list[list[trxp.RawItem]]:
@@ -177,8 +161,6 @@ def test_a_push_rows_cannot_take_yet_is_refused_and_stores_nothing(tmp_path: Pat
             store.fail_runs("t_rows", ["0/2/0/0/r0s0"], ["crashed"])
         with pytest.raises(InvalidRequest, match="hold no pending groups yet, for a seal"):
             store.seal("t_rows", "0/2")
-        with pytest.raises(InvalidRequest, match="keeps rows, which are not sampled yet"):
-            store.sample(TakeSpec(table="t_rows", batch_size=8, wait_seconds=0))
         store.put("t_rows", group_items(0, 1, 8))
         with pytest.raises(GroupClosed, match="group 0/1 is already complete"):
             store.put("t_rows", [trxp.from_experience(make_experience(0, 1, 8))])

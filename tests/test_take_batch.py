@@ -12,9 +12,9 @@ import pytest
 from expbuf.server.store import Store
 from expbuf.server.store.core.ordering.indexes import PriorityIndex, ReadyOrder, Slots
 from expbuf.server.store.core.ordering.ready import ReadyIndex
-from expbuf.server.store.core.verbs import take as core_take
 from expbuf.server.store.disk.layout import u64
 from expbuf.server.store.disk.records import ItemRecord
+from expbuf.server.store.schema import sample_spec
 from expbuf.server.store.schema.errors import SpecError
 from expbuf.server.store.schema.sample_spec import MAX_BATCH, TakeSpec
 from expbuf.server.store.schema.states import CONSUMED, LEASED
@@ -120,7 +120,7 @@ def test_a_batch_holds_at_most_max_batch_experiences(tmp_path: Path, monkeypatch
         TakeSpec("t", num_groups=MAX_BATCH + 1)
     with pytest.raises(SpecError, match=f"batch_size is {MAX_BATCH + 1}"):
         TakeSpec("t", batch_size=MAX_BATCH + 1)
-    monkeypatch.setattr(core_take, "MAX_BATCH", 10)
+    monkeypatch.setattr(sample_spec, "MAX_BATCH", 10)  # where a take checks the batch it fills (TakeSpec.filled)
     with Store(tmp_path) as store:
         store.create_table(TableConfig.of("t", group_size=4, estimator="none"))
         for task in range(5):

@@ -193,6 +193,8 @@ class Sampled:
     # each one's response tokens masked as too stale (a prefix); empty where the table masks none
     masked: list[int] = field(default_factory=list)
     counted: Counted | None = None  # what its take counted as sampled (a held batch's lease keeps it)
+    # a rows table's leased batch: its groups as runs (segment, first group, groups), its lease's
+    lease_runs: list[tuple[int, int, int]] = field(default_factory=list)
 
     @property
     def payload(self) -> bytes:

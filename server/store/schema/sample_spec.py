@@ -123,6 +123,24 @@ class TakeSpec:
             raise SpecError(f"window is {self.window!r}; it must be 1 to {MAX_WINDOW} batches ahead")
         check_fields(self.fields)
 
+    def enough(self, groups: int, experiences: int) -> bool:
+        """Whether `groups` groups holding `experiences` experiences make the batch asked for."""
+        if self.num_groups:
+            return groups >= self.num_groups
+        return experiences >= self.batch_size
+
+    def filled(self, groups: int, experiences: int) -> bool:
+        """Whether the groups a take chose so far make the batch asked for; past MAX_BATCH
+        experiences before that (groups of many), the request is refused."""
+        if self.enough(groups, experiences):
+            return True
+        if experiences > MAX_BATCH:
+            raise SpecError(
+                f"the first {groups} of the {self.num_groups} groups asked for hold {experiences} experiences: a "
+                f"batch holds at most {MAX_BATCH} (its take holds the store's writer); ask for fewer groups a batch"
+            )
+        return False
+
     @property
     def want(self) -> str:
         """The requested amount, in words, for messages."""

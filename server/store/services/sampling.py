@@ -18,6 +18,7 @@ import lmdb
 
 from ..core.ordering.ready import IndexBuilding
 from ..core.table_state.state import TableState
+from ..core.verbs import row_batches
 from ..disk.environment import Environment
 from ..disk.kinds import Sampled
 from ..disk.stored_advantages import FinishBatch, StageCounts
@@ -99,8 +100,8 @@ class Sampling:
             final = time.monotonic() >= deadline
             blocked = time.monotonic() - start if held else 0.0
             table_id, config = self.catalog.lookup(spec.table)  # at each attempt: it may have been dropped
-            if config.storage.layout == "rows":  # issue 64: the take of rows is the next step (2.4)
-                raise InvalidRequest(f"table '{config.name}' keeps rows, which are not sampled yet")
+            if config.storage.layout == "rows" and (why := row_batches.unsampled(spec)) is not None:
+                raise InvalidRequest(f"table '{config.name}' keeps rows, which are {why}")
 
             def attempt(
                 txn: lmdb.Transaction[bytes],

@@ -27,7 +27,6 @@ import lmdb
 
 from ..core.verbs import leases
 from ..disk.kinds import Sampled
-from ..disk.records import Lease
 from ..rules import reuse
 from ..rules.quarantine import quarantine_lost
 from ..schema.errors import Forbidden, InvalidRequest, NotFound, clip
@@ -47,7 +46,7 @@ class TableLeases:
         until confirmed, or running until `batch.lease_expires`."""
         leases.grant_row(txn, self.db, batch, table_id, hold=hold, owner=owner)
 
-    def checked(self, txn: lmdb.Transaction[bytes], lease_id: str, table: str | None, owner: str) -> Lease:
+    def checked(self, txn: lmdb.Transaction[bytes], lease_id: str, table: str | None, owner: str) -> leases.AnyLease:
         """A lease that exists; with a table (a caller's request), of that table and owner."""
         if not lease_id:
             raise InvalidRequest("lease_id is empty")
@@ -95,8 +94,8 @@ class TableLeases:
             leases.set_expiry(txn, self.db, lease_id, lease, tt.now + spec.lease_seconds)
             return leases.held(tt, lease_id, lease)
         leases.delete(txn, self.db, lease_id, lease)
-        quarantine_lost(tt, leases.leased_groups(tt, lease_id, lease.groups))
-        taken = leases.replayed_back(tt, lease_id, lease.groups)
+        quarantine_lost(tt, leases.leased_groups(tt, lease_id, lease))
+        taken = leases.replayed_back(tt, lease_id, lease)
         reuse.replayed(tt, taken, rng)
         tt.save()
         return sum(len(recs) for _, _, recs in taken)
@@ -124,7 +123,7 @@ class TableLeases:
             return 0
         held = lease.expires is None  # a batch held for its stream: not confirmed, or its confirmation on its way
         if requeue:
-            quarantine_lost(tt, leases.leased_groups(tt, lease_id, lease.groups))
+            quarantine_lost(tt, leases.leased_groups(tt, lease_id, lease))
         count = leases.groups_back(tt, lease_id, lease, requeue=requeue, unsent=requeue and unsent and held)
         if expired:
             tt.counters.leases_expired += 1

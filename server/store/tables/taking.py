@@ -22,7 +22,7 @@ from ..core.table_state import rate_counts
 from ..core.table_state.events import Taken
 from ..core.table_state.read_check import Unservable
 from ..core.table_state.state import TableState
-from ..core.verbs import requeue
+from ..core.verbs import requeue, row_batches
 from ..core.verbs.retire import retire
 from ..core.verbs.take import Payloads, lease, read_batch, select
 from ..core.whole_table.reading import batch_rows
@@ -36,7 +36,7 @@ from ..rules.quarantine import fail_lost_groups, quarantine_groups, quarantine_l
 from ..rules.staleness import masked_tokens, report, token_bound
 from ..schema.errors import SampleLimited
 from ..schema.sample_spec import TakeSpec
-from ..schema.states import CONSUMED, FAILED
+from ..schema.states import CONSUMED, FAILED, READY
 from ..schema.views import GroupView
 
 log = logging.getLogger("expbuf.store")
@@ -48,7 +48,7 @@ def could_fill(tt: TableState, spec: TakeSpec, allow_partial: bool) -> bool:
     groups, experiences = tt.counters.groups_ready, tt.counters.ready
     if allow_partial:
         return groups > 0
-    return bool((spec.num_groups and groups >= spec.num_groups) or (spec.batch_size and experiences >= spec.batch_size))
+    return spec.enough(groups, experiences)
 
 
 def warm(tt: TableState) -> int:
@@ -84,22 +84,35 @@ def take(
     `counts`)."""
     report(tt, spec.trainer_version)  # before selection: a stale group is not taken in the same step
     payloads = Payloads(tt, snapshot, defer=hold)
+    segments = row_batches.Segments(tt) if tt.config.storage.layout == "rows" else None
+    picked: list[row_batches.Picked] = []
     while True:
-        chosen, total, lost = select(tt, spec, rng)
+        if segments is not None:  # a rows table's runs: it loses no records
+            picked, total = row_batches.select(tt, spec, segments)
+            chosen: list[tuple[str, GroupView]] = [(p.gkey, p.group) for p in picked]
+            lost: list[str] = []
+        else:
+            chosen, total, lost = select(tt, spec, rng)
         if lost:  # passed over: failed now, whether or not the groups chosen make a batch
             fail_lost_groups(tt, lost)
             tt.save()
-        enough = (spec.num_groups and len(chosen) >= spec.num_groups) or (spec.batch_size and total >= spec.batch_size)
+        enough = spec.enough(len(chosen), total)
         if not chosen or not (enough or allow_partial):
             return None
         held = sample_limit(tt, total)
         if held is not None:
             return held
-        taken = [(gkey, grp, tt.stored_members(grp)) for gkey, grp in chosen]
+        if segments is not None:
+            taken = row_batches.taken(picked)
+        else:
+            taken = [(gkey, grp, tt.stored_members(grp)) for gkey, grp in chosen]
         unservable = [(gkey, grp, problems) for gkey, grp, recs in taken if (problems := payloads.check(grp, recs))]
         if not unservable:
             break
-        _fail_unservable(tt, unservable)  # and choose again, from the groups left
+        if segments is not None:
+            _fail_unservable_rows(tt, segments, picked, unservable)
+        else:
+            _fail_unservable(tt, unservable)  # and choose again, from the groups left
         tt.save()  # the failure stands whether or not the groups left make a batch
     batch = Sampled(uids=[], group_ids=[], blobs=[], partial=not enough)
     delivery = "lease" if hold else spec.delivery
@@ -109,11 +122,19 @@ def take(
     rows = batch_rows(tt.txn, tt.db, tt.config, finish)
     bound = token_bound(tt.config, tt.counters.trainer_version)
     masked = None if bound is None else functools.partial(masked_tokens, bound=bound)
-    # a leased one's delivery is counted in its record when the lease ends (leases.py)
-    read_batch(tt, taken, payloads, rows, batch, counted=delivery != "lease", masked=masked)
+    # a leased one's delivery is counted in its record when the lease ends (leases.py); a rows
+    # table's consumed group keeps no count
+    counted = delivery != "lease" and segments is None
+    read_batch(tt, taken, payloads, rows, batch, counted=counted, masked=masked)
     batch.blobs, batch.advantages, batch.stage = rows.blobs, rows.advantages, rows.stage(counts)
     batch.counted = Counted(len(batch.uids), sum(rec.size for rec in rows.records), sum(batch.masked))
-    if delivery == "consume":
+    if segments is not None:
+        row_batches.unready(tt, picked)
+        if delivery == "consume":
+            row_batches.retire(tt, segments, picked, READY, CONSUMED)
+        else:
+            batch.lease_runs = row_batches.hold(tt, segments, picked, batch.lease_id)
+    elif delivery == "consume":
         retire(tt, chosen, CONSUMED)
     elif delivery == "replay":
         reuse.replayed(tt, taken, rng)
@@ -132,6 +153,25 @@ def take(
         payloads.snapshot.hold(batch.blobs)
         payloads.snapshot.unpin()
     return batch
+
+
+def _fail_unservable_rows(
+    tt: TableState,
+    segments: row_batches.Segments,
+    picked: list[row_batches.Picked],
+    groups: list[tuple[str, GroupView, list[Unservable]]],
+) -> None:
+    """A rows table's groups a sample found a member of unservable fail whole, never served, their
+    payloads gone (a rows table keeps no failed payload yet, issue 64, 2.9), the damaged counted."""
+    failing = {gkey: problems for gkey, _, problems in groups}
+    for gkey, problems in failing.items():
+        log.error("table %s: group %s failed when sampled, never to be served: %s", tt.config.name, gkey, problems[0])
+        tt.counters.damaged += sum(problem.damaged for problem in problems)
+        tt.counters.last_failure = f"group {gkey}: {problems[0]}"
+    tt.counters.groups_failed += len(failing)
+    failed = [p for p in picked if p.gkey in failing]
+    row_batches.unready(tt, failed)
+    row_batches.retire(tt, segments, failed, READY, FAILED)
 
 
 def _fail_unservable(tt: TableState, groups: list[tuple[str, GroupView, list[Unservable]]]) -> None:

@@ -12,24 +12,28 @@ import lmdb
 
 from ...disk import layout
 from ...disk.kinds import Sampled
-from ...disk.records import Counted, GroupRecord, Lease
+from ...disk.records import Counted, GroupRecord, Lease, unpack_lease
+from ...disk.rows import RowLease, decode_lease
+from ...schema.errors import InvalidRequest
 from ...schema.states import CONSUMED, LEASED, READY
 from ...schema.views import Members
 from ..table_state import rate_counts
 from ..table_state.state import TableState
 from ..table_state.views import group_record, member_record
+from . import row_batches
 from .retire import retire
 
 Dbs = Mapping[str, lmdb._Database]
-# A group a lease held, with its member records, as it goes back to ready.
+# A lease of a records table's groups, or of a rows table's runs (disk/rows/).
+AnyLease = Lease | RowLease
 
 
-def read_lease(txn: lmdb.Transaction[bytes], db: lmdb._Database, lease_id: str) -> Lease | None:
+def read_lease(txn: lmdb.Transaction[bytes], db: lmdb._Database, lease_id: str) -> AnyLease | None:
     raw = txn.get(lease_id.encode(), db=db) if 0 < len(lease_id) <= 64 else None
-    return None if raw is None else Lease.decode(raw)
+    return None if raw is None else decode_lease(raw)
 
 
-def lease_of(txn: lmdb.Transaction[bytes], dbs: Dbs, lease_id: str) -> Lease | None:
+def lease_of(txn: lmdb.Transaction[bytes], dbs: Dbs, lease_id: str) -> AnyLease | None:
     """The lease under an id (None: no such lease)."""
     return read_lease(txn, dbs["leases"], lease_id)
 
@@ -44,15 +48,18 @@ def grant_row(txn: lmdb.Transaction[bytes], dbs: Dbs, batch: Sampled, table_id: 
     """The lease of a batch just taken (its groups LEASED under `batch.lease_id`): held
     until confirmed, or running until `batch.lease_expires`."""
     expires = None if hold else batch.lease_expires
-    groups = list(dict.fromkeys(batch.group_ids))
     counted = batch.counted if hold else None  # what a give-back unsent takes back
-    lease = Lease(table_id=table_id, groups=groups, expires=expires, owner=owner, counted=counted)
-    txn.put(batch.lease_id.encode(), lease.encode(), db=dbs["leases"])
+    if batch.lease_runs:  # a rows table's batch
+        value = row_batches.lease_row(table_id, batch.lease_runs, expires, owner, counted)
+    else:
+        groups = list(dict.fromkeys(batch.group_ids))
+        value = Lease(table_id=table_id, groups=groups, expires=expires, owner=owner, counted=counted).encode()
+    txn.put(batch.lease_id.encode(), value, db=dbs["leases"])
     if expires is not None:
         txn.put(layout.expiry_key(expires, batch.lease_id), b"", db=dbs["lease_exp"])
 
 
-def set_expiry(txn: lmdb.Transaction[bytes], dbs: Dbs, lease_id: str, lease: Lease, expires: float) -> None:
+def set_expiry(txn: lmdb.Transaction[bytes], dbs: Dbs, lease_id: str, lease: AnyLease, expires: float) -> None:
     """The lease now ends at `expires` (a held one's clock starts)."""
     if lease.expires is not None:
         txn.delete(layout.expiry_key(lease.expires, lease_id), db=dbs["lease_exp"])
@@ -61,7 +68,7 @@ def set_expiry(txn: lmdb.Transaction[bytes], dbs: Dbs, lease_id: str, lease: Lea
     txn.put(layout.expiry_key(expires, lease_id), b"", db=dbs["lease_exp"])
 
 
-def delete(txn: lmdb.Transaction[bytes], dbs: Dbs, lease_id: str, lease: Lease) -> None:
+def delete(txn: lmdb.Transaction[bytes], dbs: Dbs, lease_id: str, lease: AnyLease) -> None:
     """A lease's record and its expiry row go."""
     txn.delete(lease_id.encode(), db=dbs["leases"])
     if lease.expires is not None:
@@ -70,7 +77,7 @@ def delete(txn: lmdb.Transaction[bytes], dbs: Dbs, lease_id: str, lease: Lease) 
 
 def holds(txn: lmdb.Transaction[bytes], dbs: Dbs) -> list[str]:
     """The leases held for a stream (no expiry), of every table."""
-    return [key.decode() for key, raw in txn.cursor(db=dbs["leases"]) if Lease.decode(raw).expires is None]
+    return [key.decode() for key, raw in txn.cursor(db=dbs["leases"]) if unpack_lease(raw)[1] is None]
 
 
 def expired(txn: lmdb.Transaction[bytes], dbs: Dbs, now: float) -> list[bytes]:
@@ -81,7 +88,7 @@ def expired(txn: lmdb.Transaction[bytes], dbs: Dbs, now: float) -> list[bytes]:
 def drop_table(txn: lmdb.Transaction[bytes], dbs: Dbs, table_id: int) -> None:
     """A dropped table's leases go: they are keyed by id, not by table (a batch held by a stream
     of the table ends here)."""
-    ended = [key for key, raw in txn.cursor(db=dbs["leases"]) if Lease.decode(raw).table_id == table_id]
+    ended = [key for key, raw in txn.cursor(db=dbs["leases"]) if unpack_lease(raw)[0] == table_id]
     for key in ended:
         txn.delete(key, db=dbs["leases"])
 
@@ -91,7 +98,7 @@ def undecodable(txn: lmdb.Transaction[bytes], dbs: Dbs) -> list[str]:
     problems = []
     for key, value in txn.cursor(db=dbs["leases"]):
         try:
-            Lease.decode(value)
+            decode_lease(value)
         except Exception as exc:
             problems.append(f"lease {bytes(key)[:60]!r} does not decode ({exc})")
     return problems
@@ -105,22 +112,27 @@ def stray_expiry(txn: lmdb.Transaction[bytes], dbs: Dbs, key: bytes) -> bool:
     return True
 
 
-def leased_groups(tt: TableState, lease_id: str, gkeys: list[str]) -> list[tuple[str, GroupRecord]]:
-    """The groups still held under a lease (a group deleted meanwhile is not)."""
+def leased_groups(tt: TableState, lease_id: str, lease: AnyLease) -> list[tuple[str, GroupRecord]]:
+    """The records of the groups still held under a lease (a group deleted meanwhile is not); a
+    lease of runs names no records."""
+    if isinstance(lease, RowLease):
+        return []
     held = []
-    for gkey in gkeys:
+    for gkey in lease.groups:
         grp = tt.group(gkey)
         if grp is not None and grp.state == LEASED and grp.lease == lease_id:
             held.append((gkey, grp))
     return held
 
 
-def held(tt: TableState, lease_id: str, lease: Lease) -> int:
+def held(tt: TableState, lease_id: str, lease: AnyLease) -> int:
     """The experiences still under a lease."""
-    return sum(len(grp.members) for _, grp in leased_groups(tt, lease_id, lease.groups))
+    if isinstance(lease, RowLease):
+        return row_batches.held(tt, lease_id, lease)
+    return sum(len(grp.members) for _, grp in leased_groups(tt, lease_id, lease))
 
 
-def groups_back(tt: TableState, lease_id: str, lease: Lease, *, requeue: bool, unsent: bool) -> int:
+def groups_back(tt: TableState, lease_id: str, lease: AnyLease, *, requeue: bool, unsent: bool) -> int:
     """The groups of a lease go back to ready (`requeue`) or are consumed; returns the
     experiences. Only a batch that goes back sampled rewrites its members' records (their times
     sampled). `unsent`: a batch held for a stream that never confirmed it is not sampled after
@@ -128,7 +140,9 @@ def groups_back(tt: TableState, lease_id: str, lease: Lease, *, requeue: bool, u
     `Lease.counted` wrote: the members still under it, as it did), and the members still under
     it leave the rate limiter's count (a member deleted meanwhile took its lease's sample out of
     that count as it left: rate_counts.forget)."""
-    ended = leased_groups(tt, lease_id, lease.groups)
+    if isinstance(lease, RowLease):
+        return row_batches.end(tt, lease_id, lease, requeue=requeue, unsent=unsent)
+    ended = leased_groups(tt, lease_id, lease)
     for _, grp in ended:
         grp.lease = ""
     if not requeue:
@@ -146,11 +160,13 @@ def groups_back(tt: TableState, lease_id: str, lease: Lease, *, requeue: bool, u
     return sum(len(grp.members) for _, grp in ended)
 
 
-def replayed_back(tt: TableState, lease_id: str, gkeys: list[str]) -> list[Members]:
+def replayed_back(tt: TableState, lease_id: str, lease: AnyLease) -> list[Members]:
     """A held replay batch the client confirmed: its groups are ready again, their members'
     deliveries counted; returns them (with their members' views), for reuse to count as
     replayed (rules/reuse.replayed)."""
-    groups = leased_groups(tt, lease_id, gkeys)
+    if isinstance(lease, RowLease):
+        raise InvalidRequest(f"table '{tt.config.name}' keeps rows, which are not replayed yet")
+    groups = leased_groups(tt, lease_id, lease)
     for _, grp in groups:
         grp.lease = ""
     taken: list[Members] = [(gkey, grp, tt.members(grp)) for gkey, grp in groups]

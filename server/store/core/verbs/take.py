@@ -17,13 +17,13 @@ from ...disk import chunk_reads
 from ...disk.batch_rows import BatchRows
 from ...disk.kinds import Sampled
 from ...disk.snapshot import Snapshot
-from ...schema.errors import SpecError
-from ...schema.sample_spec import MAX_BATCH, TakeSpec
+from ...schema.sample_spec import TakeSpec
 from ...schema.states import LEASED
 from ...schema.views import Groups, GroupView, Members, MemberView
 from ..table_state.read_check import Unservable, serve_problem
 from ..table_state.state import TableState
 from ..table_state.views import group_record, member_record
+from . import row_batches
 
 
 def _closable(keys: Iterator[bytes]) -> Generator[bytes]:
@@ -46,13 +46,8 @@ def select(tt: TableState, spec: TakeSpec, rng: random.Random) -> tuple[list[tup
                 continue
             chosen.append((gkey, grp))
             total += len(grp.members)
-            if (spec.num_groups and len(chosen) >= spec.num_groups) or (spec.batch_size and total >= spec.batch_size):
+            if spec.filled(len(chosen), total):
                 break
-            if total > MAX_BATCH:
-                raise SpecError(
-                    f"the first {len(chosen)} of the {spec.num_groups} groups asked for hold {total} experiences: a "
-                    f"batch holds at most {MAX_BATCH} (its take holds the store's writer); ask for fewer groups a batch"
-                )
     return chosen, total, lost
 
 
@@ -133,8 +128,11 @@ class Payloads:
     def _get(self, uid: str, rec: MemberView) -> Stored | chunk_reads.Deferred | None:
         if self.snapshot is None and self._open is not None:
             self.snapshot = self._open()
-            newest = self.snapshot.last_key(self.tt.prefix, self.tt.db["order"])
-            self.newest = -1 if newest is None else int.from_bytes(newest[len(self.tt.prefix) :], "big")  # T + seq
+            if self.tt.config.storage.layout == "rows":
+                self.newest = row_batches.newest_seq(self.snapshot, self.tt)
+            else:
+                newest = self.snapshot.last_key(self.tt.prefix, self.tt.db["order"])
+                self.newest = -1 if newest is None else int.from_bytes(newest[len(self.tt.prefix) :], "big")  # T + seq
         key, blobs = self.tt.key(uid), self.tt.db["blobs"]
         snapshot = self.snapshot if self.snapshot is not None and rec.seq <= self.newest else None
         view = snapshot.get(key, blobs) if snapshot is not None else None

@@ -14,11 +14,11 @@ May import the disk room's records (their numbers and strings, a lease's head) a
 
 from .directory import PENDING, REF, GroupRef, PendingHead, directory_entry, uid_hash
 from .members import ROWS, Member, MemberBlock, encode_members
-from .runs import RowLease, RunRow
+from .runs import RowLease, RunRow, decode_lease
 from .segments import SEGMENT_GROUPS, SEGMENT_MEMBERS, Group, SegmentView, SegState, encode_segment
 
 __all__ = [
     "PENDING", "REF", "ROWS", "SEGMENT_GROUPS", "SEGMENT_MEMBERS", "Group", "GroupRef", "Member", "MemberBlock",
-    "PendingHead", "RowLease", "RunRow", "SegState", "SegmentView", "directory_entry", "encode_members",
+    "PendingHead", "RowLease", "RunRow", "SegState", "SegmentView", "decode_lease", "directory_entry", "encode_members",
     "encode_segment", "uid_hash",
 ]  # fmt: skip

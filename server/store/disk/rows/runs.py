@@ -7,9 +7,12 @@ import struct
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from ..records import Counted, counted_at, pack_lease, unpack_lease
+from ..records import Counted, Lease, counted_at, pack_lease, unpack_lease
 
 _RUN = struct.Struct("<QHH")  # seg, first, length
+# What a lease of runs holds begins with this count, which a lease of groups (records.Lease, whose
+# held part begins with its groups' count) never reaches: one reading tells the two apart.
+_RUNS_MARK = 0xFFFFFFFF
 
 
 class RunRow(NamedTuple):
@@ -41,14 +44,24 @@ class RowLease:
     counted: Counted | None = None
 
     def encode(self) -> bytes:
-        held = struct.pack("<I", len(self.runs)) + b"".join(run.encode() for run in self.runs)
+        held = struct.pack("<II", _RUNS_MARK, len(self.runs)) + b"".join(run.encode() for run in self.runs)
         return pack_lease(self.table_id, self.expires, self.owner, held, self.counted)
 
     @classmethod
     def decode(cls, data: bytes | memoryview) -> RowLease:
         table_id, expires, owner, pos = unpack_lease(data)
-        (count,) = struct.unpack_from("<I", data, pos)
-        pos += 4
+        mark, count = struct.unpack_from("<II", data, pos)
+        if mark != _RUNS_MARK:
+            raise ValueError("a lease of groups, not of runs")
+        pos += 8
         runs = [RunRow.decode(data, pos + _RUN.size * k) for k in range(count)]
         counted = counted_at(data, pos + _RUN.size * count)
         return cls(table_id=table_id, runs=runs, expires=expires, owner=owner, counted=counted)
+
+
+def decode_lease(data: bytes | memoryview) -> Lease | RowLease:
+    """A lease's value, of groups (a records table's) or of runs (a rows table's)."""
+    _, _, _, pos = unpack_lease(data)
+    if struct.unpack_from("<I", data, pos)[0] == _RUNS_MARK:
+        return RowLease.decode(data)
+    return Lease.decode(data)

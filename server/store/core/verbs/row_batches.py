@@ -1,0 +1,349 @@
+"""A rows table's batches (issue 64, 2.4): ready groups read from the runs of the ready order, front
+first (fifo) or back first (lifo), each segment's rows read once and its members' columns once a
+run; a batch's groups consumed (their state bytes, their payloads deleted) or held under a lease of
+runs (`RowLease`), which is then consumed or gives its groups back. Nothing here reads or writes a
+record per experience: a take and a confirm write one state row a segment, and a run row a run.
+
+The runs cover the ready groups exactly: a group leaving ready leaves its run (the run cut around
+it), and one coming back gets a run of its own.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+from collections.abc import Generator, Iterable, Sequence
+from dataclasses import dataclass
+
+from ...disk import chunked
+from ...disk.layout import next_prefix, put_rows, u64
+from ...disk.records import Counted
+from ...disk.rows import RowLease, RunRow, SegmentView, SegState
+from ...disk.snapshot import Snapshot
+from ...schema.sample_spec import TakeSpec
+from ...schema.states import CONSUMED, LEASED, READY, RETIRED, State
+from ...schema.views import Groups, Members
+from ..table_state import rate_counts
+from ..table_state.events import Moved, Retired
+from ..table_state.state import TableState, missing
+from ..table_state.views import RowGroup, RowMember
+
+NO_LEASE = bytes(SegState.LEASE)
+
+
+def unsampled(spec: TakeSpec) -> str | None:
+    """Why a rows table cannot take this request yet (None: it can): so far it is sampled in fifo or
+    lifo order, consumed or leased, without a lowest model version (issue 64: the other orders 2.7,
+    replay 2.6)."""
+    if spec.order not in ("fifo", "lifo"):
+        return f"sampled only in fifo or lifo order yet, not {spec.order}"
+    if spec.delivery == "replay":
+        return "not replayed yet"
+    if spec.min_model_version is not None:
+        return "not sampled by a lowest model version yet"
+    return None
+
+
+@dataclass(slots=True)
+class Picked:
+    """A group a take picked: its key, view and members' views, and its place (segment, index)."""
+
+    gkey: str
+    group: RowGroup
+    members: dict[str, RowMember]
+    seg: int
+    index: int
+
+
+class Segments:
+    """The segments a request reads in one transaction, each read once (its rows as a view of the
+    map, its state as a bytearray), and the states it changed, written once by `save`."""
+
+    def __init__(self, tt: TableState) -> None:
+        self.tt = tt
+        self._views: dict[int, SegmentView] = {}
+        self._states: dict[int, SegState] = {}
+        self._dirty: set[int] = set()
+
+    def view(self, seg: int) -> SegmentView:
+        view = self._views.get(seg)
+        if view is None:
+            raw = self.tt.txn.get(self.tt.prefix + u64(seg), db=self.tt.db["segs"])
+            if raw is None:
+                raise missing("segment", str(seg))
+            view = self._views[seg] = SegmentView(raw)
+        return view
+
+    def state(self, seg: int) -> SegState:
+        state = self._states.get(seg)
+        if state is None:
+            raw = self.tt.txn.get(self.tt.prefix + u64(seg), db=self.tt.db["sstate"])
+            if raw is None:
+                raise missing("segment state", str(seg))
+            state = self._states[seg] = SegState.decode(raw)
+        return state
+
+    def changed(self, seg: int) -> SegState:
+        """A segment's state, to change: written by `save`."""
+        self._dirty.add(seg)
+        return self.state(seg)
+
+    def save(self) -> None:
+        prefix = self.tt.prefix
+        rows = [(prefix + u64(seg), self._states[seg].encode()) for seg in sorted(self._dirty)]
+        put_rows(self.tt.txn, self.tt.db["sstate"], rows)
+        self._dirty.clear()
+
+
+def _runs(tt: TableState, newest: bool) -> Generator[tuple[bytes, RunRow]]:
+    """The table's ready runs in the ready order, oldest first (or `newest` first). The caller
+    changes none while it reads: it picks, then `unready` cuts the runs."""
+    prefix = tt.prefix
+    with tt.txn.cursor(db=tt.db["runs"]) as cur:
+        if newest:
+            end = next_prefix(prefix)
+            found = (cur.prev() if cur.set_range(end) else cur.last()) if end is not None else cur.last()
+            step = cur.prev
+        else:
+            found = cur.set_range(prefix)
+            step = cur.next
+        while found and cur.key()[: len(prefix)] == prefix:
+            yield bytes(cur.key()), RunRow.decode(cur.value())
+            found = step()
+
+
+def select(tt: TableState, spec: TakeSpec, segments: Segments) -> tuple[list[Picked], int]:
+    """Ready groups in the request's order (fifo or lifo) until there are enough, and their
+    experiences; the columns of the members taken from a run read once."""
+    picked: list[Picked] = []
+    total = 0
+    newest = spec.order == "lifo"
+    with contextlib.closing(_runs(tt, newest)) as runs:
+        for _, run in runs:
+            view = segments.view(run.seg)
+            places = range(run.first, run.first + run.length)
+            chosen: list[int] = []
+            for g in reversed(places) if newest else places:
+                lo, hi = view.span(g)
+                chosen.append(g)
+                total += hi - lo
+                if spec.filled(len(picked) + len(chosen), total):
+                    break
+            picked += _picked(view, segments.state(run.seg), run.seg, chosen, READY, "")
+            if spec.enough(len(picked), total):
+                break
+    return picked, total
+
+
+def _picked(
+    view: SegmentView, state: SegState, seg: int, places: Sequence[int], now: State, lease: str
+) -> list[Picked]:
+    """Groups of one segment at `places` (in that order), in state `now` (under `lease`), with their
+    members' views: the columns of the members they span read once."""
+    if not places:
+        return []
+    first, last = min(places), max(places)
+    lo, hi = view.span(first)[0], view.span(last)[1]
+    rows = view.members.members(lo, hi)
+    keys = view.keys(first, last + 1)
+    found = []
+    for g in places:
+        a, b = view.span(g)
+        members, gkey, times = tuple(rows[a - lo : b - lo]), keys[g - first], state.times(g)
+        group = RowGroup(gkey, now, members, lease=lease, under_lease=bool(lease))
+        views = {m.uid: RowMember(m, gkey, READY, times) for m in members}
+        found.append(Picked(gkey, group, views, seg, g))
+    return found
+
+
+def _ranges(indexes: Iterable[int]) -> list[tuple[int, int]]:
+    """Sorted group indexes as (first, length) ranges of consecutive ones."""
+    found: list[tuple[int, int]] = []
+    for _, part in itertools.groupby(enumerate(sorted(indexes)), key=lambda pair: pair[1] - pair[0]):
+        values = [g for _, g in part]
+        found.append((values[0], len(values)))
+    return found
+
+
+def _by_segment(places: Iterable[tuple[int, int]]) -> dict[int, list[int]]:
+    found: dict[int, list[int]] = {}
+    for seg, g in places:
+        found.setdefault(seg, []).append(g)
+    return found
+
+
+def _run_key(tt: TableState, seg: int, first: int) -> bytes:
+    """A run's key: the ready order's place of its first group (the segment's id is its first's)."""
+    return tt.prefix + u64(seg + first)
+
+
+def unready(tt: TableState, picked: Sequence[Picked]) -> None:
+    """Picked groups leave the runs that cover them: each such run is cut around them."""
+    runs = tt.db["runs"]
+    for seg, indexes in _by_segment((p.seg, p.index) for p in picked).items():
+        gone, cut = set(indexes), set[int]()
+        for g in sorted(gone):
+            if g in cut:
+                continue
+            key = _covering(tt, seg, g)
+            run = RunRow.decode(tt.txn.get(key, db=runs) or b"")
+            tt.txn.delete(key, db=runs)
+            span = range(run.first, run.first + run.length)
+            cut.update(span)
+            left = [x for x in span if x not in gone]
+            put_rows(tt.txn, runs, [(_run_key(tt, seg, a), RunRow(seg, a, n).encode()) for a, n in _ranges(left)])
+
+
+def _covering(tt: TableState, seg: int, g: int) -> bytes:
+    """The key of the run that covers group g of segment seg: the last run at or before its place
+    (runs cover the ready groups exactly, and a segment's places are its own)."""
+    key = _run_key(tt, seg, g)
+    with tt.txn.cursor(db=tt.db["runs"]) as cur:
+        if cur.set_range(key) and cur.key() == key:
+            return key
+        found = cur.prev() if cur.key() else cur.last()
+        at = bytes(cur.key()) if found else b""
+        run = RunRow.decode(cur.value()) if found and at.startswith(tt.prefix) else None
+    if run is None or run.seg != seg or not run.first <= g < run.first + run.length:
+        raise missing("ready run", f"of group {g} of segment {seg}")
+    return at
+
+
+def _moved(tt: TableState, was: State, now: State, picked: Sequence[Picked]) -> None:
+    """Picked groups' members counted from `was` to `now`, and the groups too (live states only)."""
+    counters = tt.counters
+    count = sum(len(p.members) for p in picked)
+    counters.add(was, -count)
+    counters.add(now, count)
+    counters.add_groups(was, -len(picked))
+    if now not in RETIRED:
+        counters.add_groups(now, len(picked))
+
+
+def retire(tt: TableState, segments: Segments, picked: Sequence[Picked], was: State, state: State) -> None:
+    """Picked groups (in state `was`: ready, or leased) leave the table as `state` (consumed, or
+    failed): their state bytes say so, their payloads go, and a segment whose groups have all
+    retired says when; the extensions hear of it first (`Retired`). The groups' directory entries
+    and their segment's columns stay: the members' tombstones (a retried push of one is a
+    duplicate)."""
+    tt.extensions.on_retired(tt, Retired([(p.gkey, p.group) for p in picked], state))
+    keys: list[bytes] = []
+    sizes: list[int] = []
+    for p in picked:
+        seg = segments.changed(p.seg)
+        seg.set_state(p.index, state)
+        seg.set_lease(p.index, NO_LEASE)
+        for uid, member in p.members.items():
+            keys.append(tt.key(uid))
+            sizes.append(member.size)
+    for at in {p.seg for p in picked}:
+        seg = segments.state(at)
+        if all(s in RETIRED for s in seg.states(0, seg.groups)):
+            seg.retired = tt.now
+    _moved(tt, was, state, picked)
+    order = sorted(range(len(keys)), key=keys.__getitem__)
+    chunked.delete(tt.txn, tt.db, [keys[at] for at in order], [sizes[at] for at in order])
+    tt.counters.bytes -= sum(sizes)
+    segments.save()
+
+
+def hold(tt: TableState, segments: Segments, picked: Sequence[Picked], lease_id: str) -> list[tuple[int, int, int]]:
+    """Picked groups (ready, out of their runs) leased under `lease_id`: their state bytes and lease
+    tags; returns the lease's runs (segment, first group, groups)."""
+    tag = bytes.fromhex(lease_id)
+    for p in picked:
+        state = segments.changed(p.seg)
+        state.set_state(p.index, LEASED)
+        state.set_lease(p.index, tag)
+    _moved(tt, READY, LEASED, picked)
+    segments.save()
+    tt.extensions.on_moved(tt, Moved(READY, LEASED, [(p.gkey, _as(p, LEASED, lease_id)) for p in picked]))
+    return _lease_runs(picked)
+
+
+def _lease_runs(picked: Sequence[Picked]) -> list[tuple[int, int, int]]:
+    """Picked groups as runs (segment, first group, groups) of consecutive ones."""
+    places = _by_segment((p.seg, p.index) for p in picked)
+    return [(seg, first, n) for seg, indexes in places.items() for first, n in _ranges(indexes)]
+
+
+def _as(p: Picked, state: State, lease: str = "") -> RowGroup:
+    return RowGroup(p.gkey, state, p.group.rows, lease=lease, under_lease=bool(lease))
+
+
+def lease_row(
+    table_id: int, runs: Sequence[tuple[int, int, int]], expires: float | None, owner: str, counted: Counted | None
+) -> bytes:
+    """The value of a lease of runs."""
+    row_runs = [RunRow(*run) for run in runs]
+    return RowLease(table_id=table_id, runs=row_runs, expires=expires, owner=owner, counted=counted).encode()
+
+
+def leased(tt: TableState, segments: Segments, lease_id: str, lease: RowLease) -> list[Picked]:
+    """The groups still under a lease of runs (one consumed or given back meanwhile is not)."""
+    tag = bytes.fromhex(lease_id)
+    found: list[Picked] = []
+    for run in lease.runs:
+        state = segments.state(run.seg)
+        places = range(run.first, run.first + run.length)
+        under = [g for g in places if state.state(g) == LEASED and state.lease(g) == tag]
+        found += _picked(segments.view(run.seg), state, run.seg, under, LEASED, lease_id)
+    return found
+
+
+def held(tt: TableState, lease_id: str, lease: RowLease) -> int:
+    """The experiences still under a lease of runs."""
+    return sum(len(p.members) for p in leased(tt, Segments(tt), lease_id, lease))
+
+
+def end(tt: TableState, lease_id: str, lease: RowLease, *, requeue: bool, unsent: bool) -> int:
+    """A lease of runs ends: its groups consumed, or back to ready (`requeue`), counted as sampled
+    unless `unsent` (a batch held for a stream that never sent it: what its take counted leaves the
+    table's counters and the rate limiter's count); returns the experiences."""
+    segments = Segments(tt)
+    picked = leased(tt, segments, lease_id, lease)
+    count = sum(len(p.members) for p in picked)
+    if not requeue:
+        retire(tt, segments, picked, LEASED, CONSUMED)
+        return count
+    if unsent:
+        counted = lease.counted or Counted(count, sum(m.size for p in picked for m in p.members.values()), 0)
+        tt.counters.sampled -= counted.experiences
+        tt.counters.bytes_sampled -= counted.nbytes
+        tt.counters.tokens_masked -= counted.tokens_masked
+        rate_counts.given_back(tt, count)
+    back(tt, segments, picked, sampled=not unsent)
+    return count
+
+
+def back(tt: TableState, segments: Segments, picked: Sequence[Picked], *, sampled: bool) -> None:
+    """Leased groups are ready again, each in a run of its own range (their deliveries counted where
+    `sampled`)."""
+    for p in picked:
+        state = segments.changed(p.seg)
+        state.set_state(p.index, READY)
+        state.set_lease(p.index, NO_LEASE)
+        if sampled:
+            state.set_times(p.index, state.times(p.index) + 1)
+    _moved(tt, LEASED, READY, picked)
+    segments.save()
+    rows = [(_run_key(tt, seg, first), RunRow(seg, first, n).encode()) for seg, first, n in _lease_runs(picked)]
+    put_rows(tt.txn, tt.db["runs"], sorted(rows))
+    groups: Groups = [(p.gkey, _as(p, READY)) for p in picked]
+    tt.extensions.on_moved(tt, Moved(LEASED, READY, groups))
+
+
+def taken(picked: Sequence[Picked]) -> list[Members]:
+    """Picked groups as a take's verbs read them: key, view, members' views."""
+    return [(p.gkey, p.group, p.members) for p in picked]
+
+
+def newest_seq(snapshot: Snapshot, tt: TableState) -> int:
+    """The insertion number of the newest experience a snapshot holds of a rows table (-1: none):
+    the last member of its newest segment (payloads are stored with their segment)."""
+    last = snapshot.last_key(tt.prefix, tt.db["segs"])
+    raw = None if last is None else snapshot.get(last, tt.db["segs"])
+    if raw is None:
+        return -1
+    members = SegmentView(raw).members
+    return int(members.column("seq", members.count - 1, members.count)[0] or 0)

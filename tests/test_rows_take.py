@@ -1,0 +1,245 @@
+"""A take from a table of layout "rows" (issue 64, step 2.4): whole ready groups read from the runs of
+the ready order (fifo or lifo), consumed, held for a stream and confirmed or given back, leased and
+acked, nacked or expired, and held batches released at a start: every batch, every counter and every
+payload byte as a records table of the same settings gives them, while a take and a confirm write a
+state row a segment and a run row a run, never a record per experience. The runs cover the ready
+groups exactly after every step."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import lmdb
+import pytest
+
+from expbuf.client import BufferClient, trxp
+from expbuf.client.errors import InvalidArgumentError
+from expbuf.server.store import Store
+from expbuf.server.store.disk import layout
+from expbuf.server.store.disk.kinds import Sampled
+from expbuf.server.store.disk.rows import RunRow, SegState
+from expbuf.server.store.schema.errors import InvalidRequest
+from expbuf.server.store.schema.sample_spec import TakeSpec
+from expbuf.server.store.schema.states import READY
+
+from helpers import StoppedClock as Clock
+from helpers import both_layouts as both
+from helpers import group_items
+
+ONES = {"estimator": "none", "group_by": "none"}
+EIGHTS = {"estimator": "none", "group_by": "task", "group_size": 8}
+SHAPES = {"groups of 1": (ONES, 1), "groups of 8": (EIGHTS, 8)}
+
+
+def items(groups: int, size: int, first: int = 0) -> list[trxp.RawItem]:
+    return [
+        item for task in range(first, first + groups) for item in group_items(0, task, size, reward=float(task % 3))
+    ]
+
+
+def push_both(store: Store, name: str, groups: int, size: int, per_push: int = 96, first: int = 0) -> None:
+    pushed = items(groups, size, first)
+    for at in range(0, len(pushed), per_push):
+        for table in (name, f"{name}_rows"):
+            store.put(table, pushed[at : at + per_push])
+
+
+def reply(batch: Sampled | None) -> tuple[object, ...] | None:
+    """What a client is sent of a batch."""
+    if batch is None:
+        return None
+    return (
+        batch.uids, batch.group_ids, batch.payload, batch.versions, batch.rewards, batch.response_lengths,
+        batch.times_sampled, batch.partial, batch.masked,
+    )  # fmt: skip
+
+
+def stats(store: Store, table: str) -> dict[str, object]:
+    return {k: v for k, v in store.stats(table).items() if k != "oldest_age_seconds"}
+
+
+def runs_cover_the_ready_groups(store: Store, table: str) -> None:
+    """Every ready group of the rows table is covered by exactly one run, and every run covers only
+    ready groups."""
+    prefix = layout.table_prefix(store.catalog.lookup(table)[0])
+    covered: list[tuple[int, int]] = []
+    ready: set[tuple[int, int]] = set()
+    with store.environment.read() as txn:
+        for key, value in _rows(txn, store.db["runs"], prefix):
+            run = RunRow.decode(value)
+            assert key == prefix + layout.u64(run.seg + run.first), "a run is keyed by its first group's place"
+            covered.extend((run.seg, g) for g in range(run.first, run.first + run.length))
+        for key, value in _rows(txn, store.db["sstate"], prefix):
+            state = SegState.decode(value)
+            seg = int.from_bytes(key[4:], "big")
+            ready.update((seg, g) for g in range(state.groups) if state.state(g) == READY)
+    assert len(covered) == len(set(covered)), "a group is covered twice"
+    assert set(covered) == ready
+
+
+def _rows(txn: lmdb.Transaction[bytes], db: lmdb._Database, prefix: bytes) -> Iterator[tuple[bytes, bytes]]:
+    with txn.cursor(db=db) as cur:
+        found = cur.set_range(prefix)
+        while found and cur.key().startswith(prefix):
+            yield bytes(cur.key()), bytes(cur.value())
+            found = cur.next()
+
+
+def take_both(store: Store, name: str, **spec: object) -> tuple[object, ...] | None:
+    """The same take from both tables; the rows table's reply, asserted equal to the records one's."""
+    got = [reply(store.sample(TakeSpec(table=table, wait_seconds=0, **spec))) for table in (name, f"{name}_rows")]  # type: ignore[arg-type]
+    assert got[1] == got[0]
+    return got[1]
+
+
+@pytest.mark.parametrize("order", ["fifo", "lifo"])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_consumed_batches_are_a_records_tables(tmp_path: Path, shape: str, order: str) -> None:
+    settings, size = SHAPES[shape]
+    with Store(tmp_path, clock=Clock()) as store:
+        both(store, "t", **settings)
+        push_both(store, "t", 150, size)
+        for asked in ({"num_groups": 1}, {"num_groups": 7}, {"batch_size": 20}, {"num_groups": 70}):
+            assert take_both(store, "t", order=order, **asked) is not None
+            assert stats(store, "t_rows") == stats(store, "t")
+            runs_cover_the_ready_groups(store, "t_rows")
+        push_both(store, "t", 10, size, first=150)  # new groups behind the ones left
+        while take_both(store, "t", order=order, num_groups=9, allow_partial=True) is not None:
+            assert stats(store, "t_rows") == stats(store, "t")
+        assert store.stats("t_rows")["ready"] == 0 and store.stats("t_rows")["consumed"] == 160 * size
+        runs_cover_the_ready_groups(store, "t_rows")
+        with store.environment.read() as txn:
+            prefix = layout.table_prefix(store.catalog.lookup("t_rows")[0])
+            assert not list(_rows(txn, store.db["blobs"], prefix)), "a consumed payload is deleted"
+            assert all(SegState.decode(v).retired for _, v in _rows(txn, store.db["sstate"], prefix))
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_held_batches_confirmed_or_given_back_are_a_records_tables(tmp_path: Path, shape: str) -> None:
+    settings, size = SHAPES[shape]
+    with Store(tmp_path, clock=Clock()) as store:
+        both(store, "t", **settings)
+        push_both(store, "t", 100, size)
+        held: dict[str, list[Sampled]] = {"t": [], "t_rows": []}
+        for table in held:
+            for order, count in (("fifo", 5), ("lifo", 3), ("fifo", 30), ("lifo", 2)):
+                batch = store.sample(TakeSpec(table=table, num_groups=count, order=order), hold=True)
+                assert batch is not None
+                held[table].append(batch)
+        assert [reply(b) for b in held["t_rows"]] == [reply(b) for b in held["t"]]
+        assert stats(store, "t_rows") == stats(store, "t")
+        runs_cover_the_ready_groups(store, "t_rows")
+        spec = TakeSpec(table="", num_groups=1)
+        for table, batches in held.items():
+            store.give_back(batches[0].lease_id, table)  # the client never had it
+            spec = dataclasses.replace(spec, table=table)
+            assert store.confirm(batches[1].lease_id, spec) == 3 * size  # consumed
+            store.give_back(batches[2].lease_id, table)
+        assert stats(store, "t_rows") == stats(store, "t")
+        runs_cover_the_ready_groups(store, "t_rows")
+        # what went back is served again, in its place in the order, counted as never sampled
+        assert take_both(store, "t", num_groups=40) is not None
+        assert take_both(store, "t", num_groups=40, order="lifo") is not None
+        assert stats(store, "t_rows") == stats(store, "t")
+        runs_cover_the_ready_groups(store, "t_rows")
+        # the last hold is left for the next start, which gives it back
+    with Store(tmp_path, clock=Clock()) as store:
+        assert store.release_holds() == 2 * size * 2
+        assert stats(store, "t_rows") == stats(store, "t")
+        runs_cover_the_ready_groups(store, "t_rows")
+        while take_both(store, "t", num_groups=6, allow_partial=True) is not None:
+            pass
+        assert stats(store, "t_rows") == stats(store, "t")
+
+
+def test_leases_are_acked_nacked_renewed_and_expire_as_a_records_tables(tmp_path: Path) -> None:
+    clock = Clock()
+    with Store(tmp_path, clock=clock) as store:
+        both(store, "t", **EIGHTS)
+        push_both(store, "t", 20, 8)
+        leases: dict[str, list[str]] = {"t": [], "t_rows": []}
+        for table, ids in leases.items():
+            for count in (2, 3, 4, 1):
+                spec = TakeSpec(table=table, num_groups=count, delivery="lease", lease_seconds=30)
+                batch = store.sample(spec)
+                assert batch is not None and batch.lease_id
+                ids.append(batch.lease_id)
+        assert stats(store, "t_rows") == stats(store, "t")
+        for table, ids in leases.items():
+            assert store.ack(ids[0], table) == 16
+            assert store.nack(ids[1], table) == 24  # back, counted as sampled
+            assert store.renew(ids[3], 300, table)[1] == 8
+        assert stats(store, "t_rows") == stats(store, "t")
+        clock.now += 60  # the third lease expires; the renewed one does not
+        done = store.tick()
+        assert done["leases_expired"] == 2 and done["requeued"] == 2 * 32
+        assert stats(store, "t_rows") == stats(store, "t")
+        assert stats(store, "t")["leases_expired"] == 1 and stats(store, "t")["leased"] == 8
+        runs_cover_the_ready_groups(store, "t_rows")
+        # the nacked and expired groups come back with their deliveries counted
+        batch = take_both(store, "t", num_groups=20, allow_partial=True)
+        assert batch is not None and set(batch[6]) == {1, 2}  # type: ignore[arg-type]
+        assert stats(store, "t_rows") == stats(store, "t")
+
+
+def test_what_a_rows_table_cannot_take_yet_is_refused_and_takes_nothing(tmp_path: Path) -> None:
+    with Store(tmp_path, clock=Clock()) as store:
+        both(store, "t", **EIGHTS)
+        push_both(store, "t", 4, 8)
+        before = stats(store, "t_rows")
+        for spec, why in (
+            ({"order": "priority"}, "sampled only in fifo or lifo order yet, not priority"),
+            ({"order": "uniform"}, "sampled only in fifo or lifo order yet, not uniform"),
+            ({"delivery": "replay"}, "not replayed yet"),
+            ({"min_model_version": 0}, "not sampled by a lowest model version yet"),
+        ):
+            with pytest.raises(InvalidRequest, match=f"table 't_rows' keeps rows, which are {why}"):
+                store.sample(TakeSpec(table="t_rows", num_groups=1, wait_seconds=0, **spec))  # type: ignore[arg-type]
+        assert stats(store, "t_rows") == before
+
+
+def test_a_damaged_payload_fails_its_group_and_the_others_are_served(tmp_path: Path) -> None:
+    with Store(tmp_path, clock=Clock()) as store:
+        both(store, "t", **EIGHTS)
+        push_both(store, "t", 4, 8)
+        prefix = layout.table_prefix(store.catalog.lookup("t_rows")[0])
+        with store.environment.env.begin(write=True) as txn:
+            key = prefix + b"0/1/3/0/r3s0"
+            value = bytearray(txn.get(key, db=store.db["blobs"]))
+            value[-1] ^= 0xFF
+            txn.put(key, bytes(value), db=store.db["blobs"])
+        batch = store.sample(TakeSpec(table="t_rows", num_groups=2, wait_seconds=0))
+        assert batch is not None and sorted(set(batch.group_ids)) == ["0/0", "0/2"]
+        counts = store.stats("t_rows")
+        assert counts["groups_failed"] == 1 and counts["failed"] == 8 and counts["damaged"] == 1
+        assert "group 0/1: " in str(counts["last_failure"]) and counts["ready"] == 8
+        runs_cover_the_ready_groups(store, "t_rows")
+
+
+def test_a_sample_stream_over_grpc_serves_a_rows_table_as_a_records_one(start_server) -> None:  # type: ignore[no-untyped-def]
+    server = start_server()
+    both(server.store, "t", **EIGHTS)
+    with BufferClient(f"127.0.0.1:{server.port}", timeout=10) as client:
+        for table in ("t", "t_rows"):
+            client.push(trxp.build(items(12, 8)), table=table)
+        got = {}
+        for table in ("t", "t_rows"):
+            stream = client.sample(table, num_groups=2, delivery="consume", timeout=5)
+            got[table] = [(b.uids, b.group_ids, b.payload) for b in itertools.islice(stream, 5)]
+            stream.close()
+        assert got["t_rows"] == got["t"] and len(got["t"]) == 5
+        # the stream's last batch, held and never confirmed, goes back as it closes
+        deadline = time.monotonic() + 10
+        while any(server.store.stats(table)["leased"] for table in ("t", "t_rows")):
+            assert time.monotonic() < deadline, "a closed stream's held batch did not go back"
+            time.sleep(0.02)
+        shown = {table: dataclasses.asdict(client.stats(table).tables[table]) for table in ("t", "t_rows")}
+        for table in shown.values():
+            del table["name"], table["oldest_age_seconds"]
+        assert shown["t_rows"] == shown["t"] and shown["t"]["consumed"] == 80 and shown["t"]["ready"] == 16
+        with pytest.raises(InvalidArgumentError, match="keeps rows, which are not replayed yet"):
+            next(client.sample("t_rows", num_groups=1, delivery="replay", timeout=1))
