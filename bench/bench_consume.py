@@ -3,7 +3,7 @@ through a real `expbuf serve`, optionally side by side with an earlier tree of e
 that CPU goes (py-spy).
 
     .venv/bin/python bench/bench_consume.py [--before DIR] [--rounds 4] [--experiences 16384]
-        [--shape 8k,40k] [--groups 1,8] [--profile OUT] [--out bench/RESULTS.md]
+        [--shape 8k,40k] [--groups 1,8] [--layouts records,rows] [--profile OUT] [--out bench/RESULTS.md]
 
 Each round starts a server of each tree in turn (which goes first alternating), fills a table
 with experiences of each shape (bench_reverb's: 8 KB, 256 a push; 40 KB, 64 a push; a 40 KB
@@ -13,7 +13,9 @@ drain holds the bytes of an 8 KB one), then drains it with one consume stream of
 group size in a round: each experience its own group (group_by none) or groups of N. DIR holds
 an earlier commit's files (`git archive COMMIT | tar -x -C DIR`; copy client/trxp/codec/_native there
 for its compiled codec). With --profile, py-spy samples the last round's server of this tree over
-its drains, and the busy samples go to stages of the consume path (written to OUT).
+its drains, and the busy samples go to stages of the consume path (written to OUT). With
+--layouts records,rows, this tree's server runs once per storage layout of its tables (the rows
+of issue 64, made by a TOML file's [[tables]], the hidden setting's one way in), side by side.
 """
 
 from __future__ import annotations
@@ -98,12 +100,13 @@ def package(tree: Path, root: Path) -> Path:
 class Server:
     """An `expbuf serve` of one tree (None: this one) on a fresh data directory."""
 
-    def __init__(self, tree: Path | None, data: Path) -> None:
+    def __init__(self, tree: Path | None, data: Path, config: Path | None = None) -> None:
         env = dict(os.environ)
         if tree is not None:
             env["PYTHONPATH"] = str(package(tree, data.parent))
         argv = [sys.executable, "-m", "expbuf.server.cli", "serve", "--data", str(data), "--port", "0"]
         argv += ["--metrics-port", "-1", "--ingest-processes", "0"]
+        argv += ["--config", str(config)] if config is not None else []
         self.proc = subprocess.Popen(argv, stderr=subprocess.PIPE, text=True, env=env)
         assert self.proc.stderr is not None
         self.log: list[str] = []
@@ -161,19 +164,30 @@ def drain(target: str, table: str, count: int) -> int:
     return total
 
 
+def tables_file(cases: list[Case], layout: str, path: Path) -> Path:
+    """A TOML file that makes the cases' tables in `layout` at the server's start."""
+    blocks = []
+    for case in cases:
+        settings = {"name": case.name, "estimator": "none", "layout": layout, **case.options()}
+        blocks.append("[[tables]]\n" + "".join(f"{k} = {v!r}\n".replace("'", '"') for k, v in settings.items()))
+    path.write_text("\n".join(blocks))
+    return path
+
+
 def one_server(
-    tree: Path | None, cases: list[Case], experiences: int, cycles: int, spy: Path | None
+    tree: Path | None, cases: list[Case], experiences: int, cycles: int, spy: Path | None, layout: str = "records"
 ) -> dict[Case, dict[str, float]]:
     """A server of `tree`: each case filled then drained, `cycles` times in turn; CPU µs and bytes
     written per consumed experience over its drains (and the CPU per pushed one over its fills).
-    With `spy`, py-spy records the last cycle's drains there."""
+    With `spy`, py-spy records the last cycle's drains there. `layout`: its tables' storage layout."""
     totals: dict[Case, collections.Counter[str]] = {case: collections.Counter() for case in cases}
     serial = iter(range(10**9))
     with tempfile.TemporaryDirectory() as data:
-        server = Server(tree, Path(data) / "d")
+        config = tables_file(cases, layout, Path(data) / "tables.toml") if layout != "records" else None
+        server = Server(tree, Path(data) / "d", config)
         try:
             with BufferClient(server.target, timeout=120) as client:
-                for case in cases:
+                for case in cases if config is None else ():
                     client.create_table(case.name, estimator="none", **case.options())
             server.wait_started()
             for cycle in range(cycles):
@@ -235,7 +249,11 @@ def report(
         "",
         "| shape | group size | "
         + " | ".join(f"{t} CPU µs | {t} bytes written | {t} exp/s | {t} push CPU µs" for t in trees)
-        + (" | consume CPU before / after | bytes before / after | push CPU before / after |" if pair else " |"),
+        + (
+            "".join(f" | {what} {trees[0]} / {trees[1]}" for what in ("consume CPU", "bytes", "push CPU")) + " |"
+            if pair
+            else " |"
+        ),
         "| --- | ---: | "
         + " | ".join("---: | ---: | ---: | ---:" for _ in trees)
         + (" | ---: | ---: | ---: |" if pair else " |"),
@@ -249,7 +267,7 @@ def report(
         )
         ratio = ""
         if pair:
-            b, a = med["before"], med["after"]
+            b, a = med[trees[0]], med[trees[1]]
             ratio = " | " + " | ".join(f"**{b[k] / a[k]:.2f}**" for k in ("cpu_us", "written", "push_cpu_us"))
         lines.append(f"| {case.shape} | {case.group} | {cells}{ratio} |")
     return "\n".join(lines) + "\n"
@@ -303,6 +321,9 @@ def main() -> None:
     parser.add_argument("--shape", default="8k", help="experience sizes, comma-separated: 8k, 40k")
     parser.add_argument("--groups", default="1,8", help="group sizes, comma-separated (each divides 64)")
     parser.add_argument("--cycles", type=int, default=3, help="fills and drains of each case per server")
+    parser.add_argument(
+        "--layouts", default="records", help="this tree's storage layouts, comma-separated: records, rows"
+    )
     parser.add_argument("--profile", type=Path, help="py-spy the last round's server of this tree; its stages here")
     parser.add_argument("--out", help="write the section into this RESULTS.md")
     args = parser.parse_args()
@@ -311,21 +332,27 @@ def main() -> None:
     for case in cases:
         if case.shape not in PER_PUSH or PER_PUSH[case.shape] % case.group or not case.count(args.experiences):
             parser.error(f"no drain of {case.shape} in groups of {case.group} from {args.experiences} experiences")
+    layouts = args.layouts.split(",")
+    if set(layouts) - {"records", "rows"} or (args.before and len(layouts) > 1):
+        parser.error("--layouts takes records and rows, and one of them with --before")
     start = _uptime()
     label = "after" if args.before else "now"
-    runs: dict[str, list[dict[str, Any]]] = {"before": [], label: []} if args.before else {label: []}
+    servers: list[tuple[Path | None, str, str]] = [(None, layout, layout) for layout in layouts]
+    if args.before:
+        servers = [(args.before.resolve(), "records", "before"), (None, layouts[0], label)]
+    elif len(layouts) == 1:
+        servers = [(None, layouts[0], label)]
+    runs: dict[str, list[dict[Case, Any]]] = {name: [] for _, _, name in servers}
     for round_ in range(args.rounds):
-        order = [args.before.resolve(), None] if args.before and round_ % 2 == 0 else [None]
-        if args.before and round_ % 2:
-            order = [None, args.before.resolve()]
-        for tree in order:
+        for tree, layout, name in servers[round_ % 2 :] + servers[: round_ % 2]:
             spy = args.profile if tree is None and args.profile and round_ == args.rounds - 1 else None
-            found = one_server(tree, cases, args.experiences, args.cycles, spy)
-            runs["before" if tree is not None else label].append(found)
+            runs[name].append(one_server(tree, cases, args.experiences, args.cycles, spy, layout))
         print(round_, {t: {c.name: v for c, v in r[-1].items()} for t, r in runs.items()}, file=sys.stderr)
     command = "python bench/bench_consume.py" + (" --before DIR" if args.before else "")
     command += f" --rounds {args.rounds} --experiences {args.experiences} --cycles {args.cycles}"
-    command += f" --shape {args.shape} --groups {args.groups}"
+    command += f" --shape {args.shape} --groups {args.groups}" + (
+        f" --layouts {args.layouts}" if len(layouts) > 1 else ""
+    )
     section = report(command, cases, runs, (start, _uptime()), args.cycles)
     section += writes_per_experience(groups)
     if args.profile:

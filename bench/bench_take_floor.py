@@ -366,7 +366,14 @@ COLUMNS = {
     "decode records": "a take's fields: records decoded",
     "decode rows": "a take's fields: a segment's columns read",
 }
-RATIOS = (("store", "rows"), ("rows", "rows-floor"), ("store", "floor"), ("unheld", "floor"), ("floor", "rows-floor"), ("decode records", "decode rows"))
+RATIOS = (
+    ("store", "rows"),
+    ("rows", "rows-floor"),
+    ("store", "floor"),
+    ("unheld", "floor"),
+    ("floor", "rows-floor"),
+    ("decode records", "decode rows"),
+)
 
 
 def report(command: str, load: str, count: int, results: dict[int, dict[str, list[float]]]) -> str:

@@ -18,17 +18,20 @@ import pytest
 
 from expbuf.client import BufferClient, trxp
 from expbuf.client.errors import InvalidArgumentError
-from expbuf.server.store import Store
+from expbuf.server.store import Moved, Retired, Store, TableExtension, Taken
+from expbuf.server.store.core.table_state.state import TableState
 from expbuf.server.store.disk import layout
 from expbuf.server.store.disk.kinds import Sampled
 from expbuf.server.store.disk.rows import RunRow, SegState
+from expbuf.server.store.ledger.records import DatasetRecord
 from expbuf.server.store.schema.errors import InvalidRequest
 from expbuf.server.store.schema.sample_spec import TakeSpec
 from expbuf.server.store.schema.states import READY
+from expbuf.server.store.schema.views import Groups
 
 from helpers import StoppedClock as Clock
 from helpers import both_layouts as both
-from helpers import group_items
+from helpers import group_items, make_experience
 
 ONES = {"estimator": "none", "group_by": "none"}
 EIGHTS = {"estimator": "none", "group_by": "task", "group_size": 8}
@@ -87,6 +90,16 @@ def _rows(txn: lmdb.Transaction[bytes], db: lmdb._Database, prefix: bytes) -> It
         while found and cur.key().startswith(prefix):
             yield bytes(cur.key()), bytes(cur.value())
             found = cur.next()
+
+
+def given_back_then_confirmed(store: Store, spec: TakeSpec) -> None:
+    """A batch held for a stream and given back, then one held and confirmed."""
+    held = store.sample(spec, hold=True)
+    assert held is not None
+    store.give_back(held.lease_id, spec.table)
+    held = store.sample(spec, hold=True)
+    assert held is not None
+    store.confirm(held.lease_id, spec)
 
 
 def take_both(store: Store, name: str, **spec: object) -> tuple[object, ...] | None:
@@ -243,3 +256,96 @@ def test_a_sample_stream_over_grpc_serves_a_rows_table_as_a_records_one(start_se
         assert shown["t_rows"] == shown["t"] and shown["t"]["consumed"] == 80 and shown["t"]["ready"] == 16
         with pytest.raises(InvalidArgumentError, match="keeps rows, which are not replayed yet"):
             next(client.sample("t_rows", num_groups=1, delivery="replay", timeout=1))
+
+
+class Heard(TableExtension):
+    """What a table's extension hears of its takes, and the members it reads of the groups each names."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple[object, ...]] = []
+
+    def _groups(self, tt: TableState, groups: Groups) -> list[tuple[object, ...]]:
+        """The groups, by key: a lease of runs names its groups in the ready order, not the take's."""
+        return sorted(
+            (
+                gkey,
+                grp.state,
+                grp.lease != "",
+                [(uid, m.state, m.reward, m.times_sampled) for uid, m in tt.members(grp).items()],
+            )
+            for gkey, grp in groups
+        )
+
+    def on_moved(self, tt: TableState, event: Moved) -> None:
+        self.events.append(("moved", event.was, event.now, self._groups(tt, event.groups)))
+
+    def on_taken(self, tt: TableState, event: Taken) -> None:
+        self.events.append(("taken", event.delivery, self._groups(tt, event.groups)))
+
+    def on_retired(self, tt: TableState, event: Retired) -> None:
+        self.events.append(("retired", event.state, self._groups(tt, event.groups)))
+
+
+def test_an_extension_hears_a_rows_tables_takes_as_a_records_tables(tmp_path: Path) -> None:
+    """Takes, holds, give-backs, confirms and leases are heard as a records table's are: the same
+    events, groups, states and members (the prompt ledger reads a retired group's rewards so)."""
+    with Store(tmp_path, clock=Clock(), extensions={"heard": Heard}) as store:
+        both(store, "t", **EIGHTS, extensions=["heard"])
+        push_both(store, "t", 12, 8)
+        for table in ("t", "t_rows"):
+            spec = TakeSpec(table=table, num_groups=2)
+            given_back_then_confirmed(store, spec)
+            leased = store.sample(TakeSpec(table=table, num_groups=3, delivery="lease", order="lifo"))
+            assert leased is not None
+            store.nack(leased.lease_id, table)
+            assert store.sample(TakeSpec(table=table, num_groups=1)) is not None
+        heard = {
+            table: next(e for e in store.extensions_of(table) if isinstance(e, Heard)).events
+            for table in ("t", "t_rows")
+        }
+    assert heard["t_rows"] == heard["t"]
+    assert [event[:2] for event in heard["t"]] == [
+        ("moved", "pending"), ("moved", "ready"), ("taken", "lease"), ("moved", "leased"),  # held, given back
+        ("moved", "ready"), ("taken", "lease"), ("retired", "consumed"),  # held, confirmed
+        ("moved", "ready"), ("taken", "lease"), ("moved", "leased"),  # leased, nacked
+        ("retired", "consumed"), ("taken", "consume"),  # consumed in its take
+    ]  # fmt: skip
+
+
+def attempt(name: str, epoch: int, index: int, attempt: int, runs: int) -> list[trxp.RawItem]:
+    """The experiences of one attempt at a claimed prompt, whole: EID batch name/epoch, task index@attempt."""
+    experiences = (
+        make_experience(f"{name}/{epoch}", f"{index}@{attempt}", run, reward=float(run)) for run in range(runs)
+    )
+    return [trxp.from_experience(exp) for exp in experiences]
+
+
+def test_the_prompt_ledger_follows_a_rows_tables_groups_as_a_records_tables(tmp_path: Path) -> None:
+    """Prompts claimed from a dataset are generated when their group is pushed, trained when it is
+    consumed (in its take, or a held batch confirmed, or a lease acked) and left generated when a
+    held batch goes back: on a rows table as on a records table, and `verify` (the ledger's check
+    of each generated prompt's group included) finds nothing wrong in either."""
+    with Store(tmp_path, clock=Clock()) as store:
+        both(store, "t", group_by="task", group_size=2, estimator="none")
+        found: dict[str, object] = {}
+        for table in ("t", "t_rows"):
+            store.claims.create(table, DatasetRecord("math", size=8))
+            prompts, _ = store.claims.claim(table, "math", 6, seconds=60, owner="w")
+            for prompt in prompts:
+                pushed = attempt("math", prompt.epoch, prompt.index, prompt.attempt, 2)
+                store.put(table, pushed)
+            spec = TakeSpec(table=table, num_groups=1)
+            assert store.sample(spec) is not None  # consumed in its take
+            given_back_then_confirmed(store, spec)
+            leased = store.sample(TakeSpec(table=table, num_groups=2, delivery="lease"))
+            assert leased is not None
+            store.ack(leased.lease_id, table)
+            (ds,) = store.claims.datasets(table, "math")
+            page = store.claims.prompts(table, "math")
+            found[table] = (ds, [(e, i, r.state, r.attempt) for e, i, r in page.prompts])
+            assert store.verify(table) == []
+        assert found["t_rows"] == found["t"]
+        ds, prompts = found["t"]
+        assert [state for _, _, state, _ in prompts] == ["trained"] * 4 + ["generated"] * 2  # type: ignore[union-attr]
+        with pytest.raises(InvalidRequest, match="keeps rows, whose groups are not retired as trained yet"):
+            store.retire("t_rows", ["math/0/4@0"])

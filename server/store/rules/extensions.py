@@ -129,6 +129,9 @@ class Extensions:
     def __iter__(self) -> Iterator[TableExtension]:
         return iter(self._all)
 
+    def hears(self, name: str) -> bool:
+        return bool(self._hear[name])
+
     def _each(self, name: str, tt: TableState, event: object) -> None:
         """Each extension that hears event `name`, in order."""
         for hook in self._hear[name]:

@@ -36,7 +36,7 @@ from ..rules.quarantine import fail_lost_groups, quarantine_groups, quarantine_l
 from ..rules.staleness import masked_tokens, report, token_bound
 from ..schema.errors import SampleLimited
 from ..schema.sample_spec import TakeSpec
-from ..schema.states import CONSUMED, FAILED, READY
+from ..schema.states import CONSUMED, FAILED, LEASED, READY
 from ..schema.views import GroupView
 
 log = logging.getLogger("expbuf.store")
@@ -131,9 +131,12 @@ def take(
     if segments is not None:
         row_batches.unready(tt, picked)
         if delivery == "consume":
+            picked = row_batches.counted(segments, picked)
             row_batches.retire(tt, segments, picked, READY, CONSUMED)
+            chosen = row_batches.views(picked, CONSUMED)
         else:
             batch.lease_runs = row_batches.hold(tt, segments, picked, batch.lease_id)
+            chosen = row_batches.views(picked, LEASED, batch.lease_id)
     elif delivery == "consume":
         retire(tt, chosen, CONSUMED)
     elif delivery == "replay":

@@ -93,6 +93,10 @@ class Events(Protocol):
     def on_retired(self, tt: TableState, event: Retired) -> None: ...
     def on_version(self, tt: TableState) -> None: ...
     def on_upkeep(self, tt: TableState) -> int: ...
+    def hears(self, name: str) -> bool:
+        """Whether any extension hears the event `name` ("on_moved", ...): a step whose event costs
+        views to make (a rows table's groups) makes them only then."""
+        ...
 
 
 class TableExtension:
@@ -125,3 +129,8 @@ class TableExtension:
     def on_upkeep(self, tt: TableState) -> int:
         """The periodic upkeep visits the table; returns the groups it removed."""
         return 0
+
+    def hears(self, name: str) -> bool:
+        """Whether this extension hears the event `name` (overrides its hook): the store asks before
+        it makes views only an event would read."""
+        return getattr(type(self), name) is not getattr(TableExtension, name)

@@ -18,6 +18,7 @@ import lmdb
 from ...disk import layout
 from ...disk.layout import put_rows, u64
 from ...disk.records import GroupRecord, ItemRecord
+from ...disk.rows import GroupRef, SegmentView, SegState, directory_entry
 from ...schema.errors import StoreError, clip
 from ...schema.states import COMPUTING, LEASED, LIVE, READY, State, check_move
 from ...schema.table_config import TableConfig
@@ -154,8 +155,26 @@ class TableState:
         return grp
 
     def view(self, gkey: str) -> GroupView | None:
-        """The group as code outside the core reads it (views.py)."""
+        """The group as code outside the core reads it (views.py): a records table's record, or a
+        rows table's group as its segment and state rows hold it (None while it is pending: a rows
+        table keeps no pending group yet, issue 64)."""
+        if self.config.storage.layout == "rows":
+            return self._row_group(gkey)
         return self.group(gkey)
+
+    def _row_group(self, gkey: str) -> RowGroup | None:
+        raw = self.txn.get(self.key(gkey), db=self.db["gdir"])
+        ref = None if raw is None else directory_entry(raw)
+        if not isinstance(ref, GroupRef):
+            return None
+        key = self.prefix + u64(ref.seg)
+        view = SegmentView(stored(self.txn, key, self.db["segs"], "segment"))
+        state = SegState.decode(stored(self.txn, key, self.db["sstate"], "segment state"))
+        lo, hi = view.span(ref.group)
+        tag = state.lease(ref.group)
+        lease = tag.hex() if any(tag) else ""
+        rows = tuple(view.members.members(lo, hi))
+        return RowGroup(gkey, state.state(ref.group), rows, view.failed(ref.group), lease, state.times(ref.group))
 
     def existing_view(self, gkey: str) -> GroupView:
         """The view of a group an index or a member names, which exists while they do."""
@@ -192,12 +211,15 @@ class TableState:
     def members(self, grp: GroupView) -> dict[str, MemberView]:
         """The group's members' views (uid -> view), in push order."""
         if isinstance(grp, RowGroup):
-            return row_members(grp)
+            return dict(row_members(grp))
         return {uid: self.existing_item(uid) for uid in grp.members}
 
     def stored_members(self, grp: GroupView) -> dict[str, MemberView]:
         """The group's members whose records are stored: a sample's, which quarantines the group
-        of one that is not (quarantine.py) where `members` refuses it."""
+        of one that is not (quarantine.py) where `members` refuses it; a rows table's group's are
+        its segment's."""
+        if isinstance(grp, RowGroup):
+            return dict(row_members(grp))
         return {uid: rec for uid in grp.members if (rec := self.item(uid)) is not None}
 
     # ---- keys of the per-table indexes ---------------------------------------------------

@@ -8,13 +8,14 @@ it reads records.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import NamedTuple
 
 from expbuf.client.schema.routing import uid_group_key
 
 from ...disk.records import GroupRecord, ItemRecord
 from ...disk.rows import Member
-from ...schema.states import State
+from ...schema.states import LEASED, READY, State
 from ...schema.views import GroupView, MemberView
 
 
@@ -32,16 +33,20 @@ def member_record(view: MemberView) -> ItemRecord:
     return view
 
 
-@dataclass(frozen=True, slots=True)
-class RowGroup:
-    """A rows table's group as a GroupView, with its members' rows (`rows`) as its segment holds them."""
+class RowGroup(NamedTuple):
+    """A rows table's group as a GroupView, with its members' rows (`rows`) as its segment holds them:
+    a tuple, made per group a take reads."""
 
     key: str
     state: State
     rows: tuple[Member, ...]
-    failed: Mapping[str, str] = field(default_factory=dict)
+    failed: Mapping[str, str] = MappingProxyType({})
     lease: str = ""
-    under_lease: bool = False
+    times: int = 0  # its members' deliveries (a group's members are delivered together)
+
+    @property
+    def under_lease(self) -> bool:
+        return self.state == LEASED and bool(self.lease)
 
     @property
     def members(self) -> tuple[str, ...]:
@@ -110,6 +115,8 @@ class RowMember:
         return self._row.segments
 
 
-def row_members(grp: RowGroup) -> dict[str, MemberView]:
-    """A rows table's group's members' views (uid -> view), in push order."""
-    return {row.uid: RowMember(row, grp.key, grp.state) for row in grp.rows}
+def row_members(grp: RowGroup) -> dict[str, RowMember]:
+    """A rows table's group's members' views (uid -> view), in push order; a leased group's members
+    say ready, as a records table's member records do."""
+    state = READY if grp.state == LEASED else grp.state
+    return {row.uid: RowMember(row, grp.key, state, grp.times) for row in grp.rows}

@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 from collections.abc import Generator, Iterable, Sequence
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from ...disk import chunked
 from ...disk.layout import next_prefix, put_rows, u64
@@ -22,11 +22,11 @@ from ...disk.rows import RowLease, RunRow, SegmentView, SegState
 from ...disk.snapshot import Snapshot
 from ...schema.sample_spec import TakeSpec
 from ...schema.states import CONSUMED, LEASED, READY, RETIRED, State
-from ...schema.views import Groups, Members
+from ...schema.views import Groups, GroupView, Members
 from ..table_state import rate_counts
 from ..table_state.events import Moved, Retired
 from ..table_state.state import TableState, missing
-from ..table_state.views import RowGroup, RowMember
+from ..table_state.views import RowGroup, RowMember, row_members
 
 NO_LEASE = bytes(SegState.LEASE)
 
@@ -44,15 +44,14 @@ def unsampled(spec: TakeSpec) -> str | None:
     return None
 
 
-@dataclass(slots=True)
-class Picked:
+class Picked(NamedTuple):
     """A group a take picked: its key, view and members' views, and its place (segment, index)."""
 
     gkey: str
     group: RowGroup
     members: dict[str, RowMember]
     seg: int
-    index: int
+    at: int  # its index in the segment
 
 
 class Segments:
@@ -149,10 +148,9 @@ def _picked(
     found = []
     for g in places:
         a, b = view.span(g)
-        members, gkey, times = tuple(rows[a - lo : b - lo]), keys[g - first], state.times(g)
-        group = RowGroup(gkey, now, members, lease=lease, under_lease=bool(lease))
-        views = {m.uid: RowMember(m, gkey, READY, times) for m in members}
-        found.append(Picked(gkey, group, views, seg, g))
+        gkey = keys[g - first]
+        group = RowGroup(gkey, now, tuple(rows[a - lo : b - lo]), lease=lease, times=state.times(g))
+        found.append(Picked(gkey, group, row_members(group), seg, g))
     return found
 
 
@@ -180,7 +178,7 @@ def _run_key(tt: TableState, seg: int, first: int) -> bytes:
 def unready(tt: TableState, picked: Sequence[Picked]) -> None:
     """Picked groups leave the runs that cover them: each such run is cut around them."""
     runs = tt.db["runs"]
-    for seg, indexes in _by_segment((p.seg, p.index) for p in picked).items():
+    for seg, indexes in _by_segment((p.seg, p.at) for p in picked).items():
         gone, cut = set(indexes), set[int]()
         for g in sorted(gone):
             if g in cut:
@@ -209,6 +207,15 @@ def _covering(tt: TableState, seg: int, g: int) -> bytes:
     return at
 
 
+def _mark(segments: Segments, picked: Sequence[Picked], state: State, tag: bytes) -> None:
+    """Picked groups' state bytes and lease tags, a segment at a time."""
+    for seg, places in _by_segment((p.seg, p.at) for p in picked).items():
+        row = segments.changed(seg)
+        for at in places:
+            row.set_state(at, state)
+            row.set_lease(at, tag)
+
+
 def _moved(tt: TableState, was: State, now: State, picked: Sequence[Picked]) -> None:
     """Picked groups' members counted from `was` to `now`, and the groups too (live states only)."""
     counters = tt.counters
@@ -227,15 +234,10 @@ def retire(tt: TableState, segments: Segments, picked: Sequence[Picked], was: St
     and their segment's columns stay: the members' tombstones (a retried push of one is a
     duplicate)."""
     tt.extensions.on_retired(tt, Retired([(p.gkey, p.group) for p in picked], state))
-    keys: list[bytes] = []
-    sizes: list[int] = []
-    for p in picked:
-        seg = segments.changed(p.seg)
-        seg.set_state(p.index, state)
-        seg.set_lease(p.index, NO_LEASE)
-        for uid, member in p.members.items():
-            keys.append(tt.key(uid))
-            sizes.append(member.size)
+    _mark(segments, picked, state, NO_LEASE)
+    prefix = tt.prefix
+    keys = [prefix + uid.encode() for p in picked for uid in p.members]
+    sizes = [member.size for p in picked for member in p.group.rows]
     for at in {p.seg for p in picked}:
         seg = segments.state(at)
         if all(s in RETIRED for s in seg.states(0, seg.groups)):
@@ -250,25 +252,40 @@ def retire(tt: TableState, segments: Segments, picked: Sequence[Picked], was: St
 def hold(tt: TableState, segments: Segments, picked: Sequence[Picked], lease_id: str) -> list[tuple[int, int, int]]:
     """Picked groups (ready, out of their runs) leased under `lease_id`: their state bytes and lease
     tags; returns the lease's runs (segment, first group, groups)."""
-    tag = bytes.fromhex(lease_id)
-    for p in picked:
-        state = segments.changed(p.seg)
-        state.set_state(p.index, LEASED)
-        state.set_lease(p.index, tag)
+    _mark(segments, picked, LEASED, bytes.fromhex(lease_id))
     _moved(tt, READY, LEASED, picked)
     segments.save()
-    tt.extensions.on_moved(tt, Moved(READY, LEASED, [(p.gkey, _as(p, LEASED, lease_id)) for p in picked]))
+    if tt.extensions.hears("on_moved"):
+        tt.extensions.on_moved(tt, Moved(READY, LEASED, [(p.gkey, _as(p, LEASED, lease_id)) for p in picked]))
     return _lease_runs(picked)
 
 
 def _lease_runs(picked: Sequence[Picked]) -> list[tuple[int, int, int]]:
     """Picked groups as runs (segment, first group, groups) of consecutive ones."""
-    places = _by_segment((p.seg, p.index) for p in picked)
+    places = _by_segment((p.seg, p.at) for p in picked)
     return [(seg, first, n) for seg, indexes in places.items() for first, n in _ranges(indexes)]
 
 
-def _as(p: Picked, state: State, lease: str = "") -> RowGroup:
-    return RowGroup(p.gkey, state, p.group.rows, lease=lease, under_lease=bool(lease))
+def _as(p: Picked, state: State, lease: str = "", times: int | None = None) -> RowGroup:
+    """A picked group's view once it moved to `state` (under `lease`; its deliveries `times`)."""
+    return RowGroup(p.gkey, state, p.group.rows, lease=lease, times=p.group.times if times is None else times)
+
+
+def views(picked: Sequence[Picked], state: State, lease: str = "") -> list[tuple[str, GroupView]]:
+    """Picked groups' views once a take delivered them, as its `Taken` event names them."""
+    return [(p.gkey, _as(p, state, lease)) for p in picked]
+
+
+def counted(segments: Segments, picked: Sequence[Picked]) -> list[Picked]:
+    """Picked groups a take consumes, their delivery counted (as a records table counts it in each
+    member's record before it becomes a tombstone)."""
+    found = []
+    for p in picked:
+        times = p.group.times + 1
+        segments.changed(p.seg).set_times(p.at, times)
+        group = _as(p, p.group.state, times=times)
+        found.append(p._replace(group=group, members=row_members(group)))
+    return found
 
 
 def lease_row(
@@ -303,8 +320,9 @@ def end(tt: TableState, lease_id: str, lease: RowLease, *, requeue: bool, unsent
     segments = Segments(tt)
     picked = leased(tt, segments, lease_id, lease)
     count = sum(len(p.members) for p in picked)
-    if not requeue:
-        retire(tt, segments, picked, LEASED, CONSUMED)
+    if not requeue:  # the groups leave their lease, then the table
+        ended = [p._replace(group=p.group._replace(lease="")) for p in picked]
+        retire(tt, segments, ended, LEASED, CONSUMED)
         return count
     if unsent:
         counted = lease.counted or Counted(count, sum(m.size for p in picked for m in p.members.values()), 0)
@@ -319,18 +337,18 @@ def end(tt: TableState, lease_id: str, lease: RowLease, *, requeue: bool, unsent
 def back(tt: TableState, segments: Segments, picked: Sequence[Picked], *, sampled: bool) -> None:
     """Leased groups are ready again, each in a run of its own range (their deliveries counted where
     `sampled`)."""
-    for p in picked:
-        state = segments.changed(p.seg)
-        state.set_state(p.index, READY)
-        state.set_lease(p.index, NO_LEASE)
-        if sampled:
-            state.set_times(p.index, state.times(p.index) + 1)
+    _mark(segments, picked, READY, NO_LEASE)
+    if sampled:
+        for p in picked:
+            state = segments.state(p.seg)
+            state.set_times(p.at, state.times(p.at) + 1)
     _moved(tt, LEASED, READY, picked)
     segments.save()
     rows = [(_run_key(tt, seg, first), RunRow(seg, first, n).encode()) for seg, first, n in _lease_runs(picked)]
     put_rows(tt.txn, tt.db["runs"], sorted(rows))
-    groups: Groups = [(p.gkey, _as(p, READY)) for p in picked]
-    tt.extensions.on_moved(tt, Moved(LEASED, READY, groups))
+    if tt.extensions.hears("on_moved"):
+        groups: Groups = [(p.gkey, _as(p, READY, times=p.group.times + sampled)) for p in picked]
+        tt.extensions.on_moved(tt, Moved(LEASED, READY, groups))
 
 
 def taken(picked: Sequence[Picked]) -> list[Members]:

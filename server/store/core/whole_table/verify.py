@@ -13,8 +13,8 @@ from collections import defaultdict
 from ...disk import chunk_reads, digests
 from ...disk.layout import u64
 from ...disk.records import GroupRecord, ItemRecord
-from ...disk.rows import GroupRef, RunRow, SegmentView, SegState, directory_entry
-from ...schema.states import COMPUTING, FAILED, LIVE, PENDING, QUARANTINED, READY, RETIRED, STATES
+from ...disk.rows import GroupRef, RowLease, RunRow, SegmentView, SegState, decode_lease, directory_entry
+from ...schema.states import COMPUTING, FAILED, LEASED, LIVE, PENDING, QUARANTINED, READY, RETIRED, STATES
 from ..table_state.read_check import payload_problem
 from ..table_state.state import TableState, member_state
 
@@ -181,6 +181,15 @@ def rows(tt: TableState) -> list[str]:
         run = RunRow.decode(value)
         for g in range(run.first, run.first + run.length):
             covered[run.seg, g] += 1
+    leased: dict[tuple[int, int], str] = {}  # (seg, group) -> the lease of runs naming it
+    for key, value in tt.txn.cursor(db=tt.db["leases"]):
+        lease = decode_lease(value)
+        if isinstance(lease, RowLease) and lease.table_id == tt.table_id:
+            leased.update(
+                ((run.seg, g), bytes(key).decode())
+                for run in lease.runs
+                for g in range(run.first, run.first + run.length)
+            )
     for key, value in _rows_of(tt, "segs"):
         seg = int.from_bytes(key, "big")
         raw_state = tt.txn.get(tt.prefix + key, db=tt.db["sstate"])
@@ -200,21 +209,35 @@ def rows(tt: TableState) -> list[str]:
                 problems.append(f"group {gkey} of segment {seg} has no directory entry naming it")
             if (group_state == READY) != (covered.pop((seg, g), 0) == 1):
                 problems.append(f"group {gkey} is {group_state} but covered by another count of ready runs")
+            tag = state.lease(g).hex()
+            if leased.pop((seg, g), "0" * 16) != tag or (group_state == LEASED) != (tag != "0" * 16):
+                problems.append(f"group {gkey} is {group_state} under lease {tag}, which does not hold it so")
             lo, hi = view.span(g)
-            counts["groups_" + group_state] += 1
             counts[group_state] += hi - lo
+            live = group_state in LIVE
+            if live:
+                counts["groups_" + group_state] += 1
             for member in view.members.members(lo, hi):
-                counts["bytes"] += member.size
                 blob = chunk_reads.read_payload(tt.txn, tt.db, tt.key(member.uid))
+                if not live:
+                    if blob is not None:
+                        problems.append(f"item {member.uid} of group {gkey} is {group_state} but its payload is kept")
+                    continue
+                counts["bytes"] += member.size
                 problem = (
                     "its payload is missing" if blob is None else digests.mismatch(blob, member.size, member.digest)
                 )
                 if problem is not None:
                     problems.append(f"item {member.uid} of group {gkey}: {problem}")
+        if all(s in RETIRED for s in state.states(0, state.groups)) != (state.retired is not None):
+            problems.append(f"segment {seg} says it retired at {state.retired}, which its groups' states do not")
     problems.extend(
         f"directory entry of group {gkey} names segment {ref.seg}, which lacks it" for gkey, ref in places.items()
     )
     problems.extend(f"a ready run covers group {g} of segment {seg}, which is not there" for seg, g in covered)
+    problems.extend(
+        f"lease {lease} names group {g} of segment {seg}, which is not there" for (seg, g), lease in leased.items()
+    )
     problems.extend(f"a rows table keeps records in {name}" for name in RECORDS_ONLY if _prefix_count(tt, name))
     stored = tt.counters.to_dict()
     for name in (*STATES, "bytes", *(f"groups_{state}" for state in LIVE)):
