@@ -347,5 +347,30 @@ def test_the_prompt_ledger_follows_a_rows_tables_groups_as_a_records_tables(tmp_
         assert found["t_rows"] == found["t"]
         ds, prompts = found["t"]
         assert [state for _, _, state, _ in prompts] == ["trained"] * 4 + ["generated"] * 2  # type: ignore[union-attr]
-        with pytest.raises(InvalidRequest, match="keeps rows, whose groups are not retired as trained yet"):
-            store.retire("t_rows", ["math/0/4@0"])
+
+
+def test_trained_groups_retire_and_a_lease_is_read_in_parts_as_a_records_tables(tmp_path: Path) -> None:
+    """Retire (groups a trainer trained without a lease: ready ones, and leased ones, their lease going
+    on without them) and a leased step's rank parts give a rows table's groups as a records table's."""
+    with Store(tmp_path, clock=Clock()) as store:
+        both(store, "t", **EIGHTS)
+        push_both(store, "t", 12, 8)
+        found: dict[str, tuple[object, ...]] = {}
+        for table in ("t", "t_rows"):
+            lease = store.sample(TakeSpec(table=table, num_groups=4, delivery="lease"))
+            assert lease is not None
+            parts = [store.lease_part(table, lease.lease_id, rank, 2, "tokens") for rank in range(2)]
+            retired = store.retire(table, ["0/1", "0/9", "0/10", "0/99"])  # leased, ready, ready, absent
+            again = store.retire(table, ["0/1", "0/9"])  # a retried call changes nothing
+            after = [store.lease_part(table, lease.lease_id, rank, 2, "tokens") for rank in range(2)]
+            acked = store.ack(lease.lease_id, table)  # what the lease still holds
+            found[table] = (parts, retired, again, after, acked, stats(store, table))
+            assert store.verify(table) == []
+            runs_cover_the_ready_groups(store, "t_rows")
+        assert found["t_rows"] == found["t"]
+        parts, retired, again, after, acked, counts = found["t"]
+        assert sorted(uid[:4] for part in parts for uid in part) == sorted(  # type: ignore[attr-defined]
+            f"0/{task}/" for task in range(4) for _ in range(8)
+        )
+        assert (retired, again, acked) == (3, 0, 24)
+        assert counts["consumed"] == 6 * 8 and counts["ready"] == 6 * 8  # type: ignore[index]

@@ -7,9 +7,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from ..core.table_state.state import TableState
-from ..core.verbs import leases
+from ..core.verbs import leases, row_batches
 from ..core.verbs.retire import consume
-from ..schema.errors import Forbidden, GroupIncomplete, InvalidRequest, clip
+from ..schema.errors import Forbidden, GroupIncomplete, clip
 from ..schema.states import LEASED, READY, RETIRED
 from ..schema.views import GroupView
 
@@ -21,8 +21,6 @@ def retire_trained(tt: TableState, group_ids: Sequence[str], owner: str = "") ->
     groups, and groups leased with the caller's token, retire; an absent or retired one is left
     alone (a retried call changes nothing); an incomplete one is refused, and then none retires.
     Returns the groups retired."""
-    if tt.config.storage.layout == "rows":  # issue 64, 2.5
-        raise InvalidRequest(f"table '{tt.config.name}' keeps rows, whose groups are not retired as trained yet")
     found: dict[str, GroupView] = {}
     for gkey in group_ids:
         grp = tt.view(gkey)
@@ -38,5 +36,8 @@ def retire_trained(tt: TableState, group_ids: Sequence[str], owner: str = "") ->
                 raise Forbidden(f"group {clip(gkey)} is leased with another token")
         found[gkey] = grp
     groups = list(found.items())
-    consume(tt, groups)
+    if tt.config.storage.layout == "rows":
+        row_batches.consume(tt, list(found))
+    else:
+        consume(tt, groups)
     return len(groups)

@@ -28,14 +28,12 @@ from ..disk import chunk_reads, digests, layout
 from ..disk.chunk_reads import checked, read_payload
 from ..disk.environment import Environment
 from ..disk.kinds import Sampled
-from ..disk.records import Lease
 from ..disk.snapshot import Snapshot
 from ..disk.stored_advantages import FinishBatch, batch_payload
 from ..ledger.claimants import check_reader
 from ..rules import partials
 from ..rules.staleness import masked_tokens, token_bound
-from ..schema.errors import Busy, Forbidden, InvalidRequest, NotFound, TooLarge, clip
-from ..schema.states import LEASED
+from ..schema.errors import Busy, Forbidden, NotFound, TooLarge, clip
 from ..tables.catalog import TableCatalog
 
 _FRAMING = 64 << 10  # what a GetReply adds to its payload and names, and more
@@ -306,13 +304,7 @@ class Reads:
                 )
             if lease.owner != owner:
                 raise Forbidden(f"lease {clip(lease_id)!r} was taken with another token; read its parts with that one")
-            if not isinstance(lease, Lease):  # issue 64, 2.5
-                raise InvalidRequest(f"table '{table}' keeps rows, whose leases are not read in parts yet")
-            held: dict[str, Sequence[str]] = {}  # the lease's groups it still holds, and their runs
-            for gkey in lease.groups:
-                grp = reading.group(txn, db, prefix + gkey.encode())
-                if grp is not None and grp.state == LEASED and grp.lease == lease_id:
-                    held[gkey] = grp.members
+            held = reading.lease_groups(txn, db, prefix, lease_id, lease)  # its groups still held, and their runs
             with self._lock:
                 split = self._splits.get(key)
             if split is None:

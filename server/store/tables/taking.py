@@ -36,7 +36,7 @@ from ..rules.quarantine import fail_lost_groups, quarantine_groups, quarantine_l
 from ..rules.staleness import masked_tokens, report, token_bound
 from ..schema.errors import SampleLimited
 from ..schema.sample_spec import TakeSpec
-from ..schema.states import CONSUMED, FAILED, LEASED, READY
+from ..schema.states import CONSUMED, FAILED, LEASED
 from ..schema.views import GroupView
 
 log = logging.getLogger("expbuf.store")
@@ -132,7 +132,7 @@ def take(
         row_batches.unready(tt, picked)
         if delivery == "consume":
             picked = row_batches.counted(segments, picked)
-            row_batches.retire(tt, segments, picked, READY, CONSUMED)
+            row_batches.retire(tt, segments, picked, CONSUMED)
             chosen = row_batches.views(picked, CONSUMED)
         else:
             batch.lease_runs = row_batches.hold(tt, segments, picked, batch.lease_id)
@@ -174,7 +174,7 @@ def _fail_unservable_rows(
     tt.counters.groups_failed += len(failing)
     failed = [p for p in picked if p.gkey in failing]
     row_batches.unready(tt, failed)
-    row_batches.retire(tt, segments, failed, READY, FAILED)
+    row_batches.retire(tt, segments, failed, FAILED)
 
 
 def _fail_unservable(tt: TableState, groups: list[tuple[str, GroupView, list[Unservable]]]) -> None:

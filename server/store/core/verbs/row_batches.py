@@ -18,7 +18,7 @@ from typing import NamedTuple
 from ...disk import chunked
 from ...disk.layout import next_prefix, put_rows, u64
 from ...disk.records import Counted
-from ...disk.rows import RowLease, RunRow, SegmentView, SegState
+from ...disk.rows import GroupRef, RowLease, RunRow, SegmentView, SegState, directory_entry
 from ...disk.snapshot import Snapshot
 from ...schema.sample_spec import TakeSpec
 from ...schema.states import CONSUMED, LEASED, READY, RETIRED, State
@@ -216,19 +216,21 @@ def _mark(segments: Segments, picked: Sequence[Picked], state: State, tag: bytes
             row.set_lease(at, tag)
 
 
-def _moved(tt: TableState, was: State, now: State, picked: Sequence[Picked]) -> None:
-    """Picked groups' members counted from `was` to `now`, and the groups too (live states only)."""
+def _moved(tt: TableState, now: State, picked: Sequence[Picked]) -> None:
+    """Picked groups' members counted from the state each group was in to `now`, and the groups too
+    (live states only)."""
     counters = tt.counters
-    count = sum(len(p.members) for p in picked)
-    counters.add(was, -count)
-    counters.add(now, count)
-    counters.add_groups(was, -len(picked))
-    if now not in RETIRED:
-        counters.add_groups(now, len(picked))
+    for p in picked:
+        was = p.group.state
+        counters.add(was, -len(p.members))
+        counters.add(now, len(p.members))
+        counters.add_groups(was, -1)
+        if now not in RETIRED:
+            counters.add_groups(now, 1)
 
 
-def retire(tt: TableState, segments: Segments, picked: Sequence[Picked], was: State, state: State) -> None:
-    """Picked groups (in state `was`: ready, or leased) leave the table as `state` (consumed, or
+def retire(tt: TableState, segments: Segments, picked: Sequence[Picked], state: State) -> None:
+    """Picked groups (ready, or leased: out of their runs or leases) leave the table as `state` (consumed, or
     failed): their state bytes say so, their payloads go, and a segment whose groups have all
     retired says when; the extensions hear of it first (`Retired`). The groups' directory entries
     and their segment's columns stay: the members' tombstones (a retried push of one is a
@@ -242,7 +244,7 @@ def retire(tt: TableState, segments: Segments, picked: Sequence[Picked], was: St
         seg = segments.state(at)
         if all(s in RETIRED for s in seg.states(0, seg.groups)):
             seg.retired = tt.now
-    _moved(tt, was, state, picked)
+    _moved(tt, state, picked)
     order = sorted(range(len(keys)), key=keys.__getitem__)
     chunked.delete(tt.txn, tt.db, [keys[at] for at in order], [sizes[at] for at in order])
     tt.counters.bytes -= sum(sizes)
@@ -253,7 +255,7 @@ def hold(tt: TableState, segments: Segments, picked: Sequence[Picked], lease_id:
     """Picked groups (ready, out of their runs) leased under `lease_id`: their state bytes and lease
     tags; returns the lease's runs (segment, first group, groups)."""
     _mark(segments, picked, LEASED, bytes.fromhex(lease_id))
-    _moved(tt, READY, LEASED, picked)
+    _moved(tt, LEASED, picked)
     segments.save()
     if tt.extensions.hears("on_moved"):
         tt.extensions.on_moved(tt, Moved(READY, LEASED, [(p.gkey, _as(p, LEASED, lease_id)) for p in picked]))
@@ -322,7 +324,7 @@ def end(tt: TableState, lease_id: str, lease: RowLease, *, requeue: bool, unsent
     count = sum(len(p.members) for p in picked)
     if not requeue:  # the groups leave their lease, then the table
         ended = [p._replace(group=p.group._replace(lease="")) for p in picked]
-        retire(tt, segments, ended, LEASED, CONSUMED)
+        retire(tt, segments, ended, CONSUMED)
         return count
     if unsent:
         counted = lease.counted or Counted(count, sum(m.size for p in picked for m in p.members.values()), 0)
@@ -342,13 +344,41 @@ def back(tt: TableState, segments: Segments, picked: Sequence[Picked], *, sample
         for p in picked:
             state = segments.state(p.seg)
             state.set_times(p.at, state.times(p.at) + 1)
-    _moved(tt, LEASED, READY, picked)
+    _moved(tt, READY, picked)
     segments.save()
     rows = [(_run_key(tt, seg, first), RunRow(seg, first, n).encode()) for seg, first, n in _lease_runs(picked)]
     put_rows(tt.txn, tt.db["runs"], sorted(rows))
     if tt.extensions.hears("on_moved"):
         groups: Groups = [(p.gkey, _as(p, READY, times=p.group.times + sampled)) for p in picked]
         tt.extensions.on_moved(tt, Moved(LEASED, READY, groups))
+
+
+def found(tt: TableState, segments: Segments, gkeys: Iterable[str]) -> list[Picked]:
+    """The complete groups of these keys the table holds, each read from its segment (a pending or
+    absent one is not)."""
+    picked: list[Picked] = []
+    for gkey in gkeys:
+        raw = tt.txn.get(tt.key(gkey), db=tt.db["gdir"])
+        ref = None if raw is None else directory_entry(raw)
+        if isinstance(ref, GroupRef):
+            state = segments.state(ref.seg)
+            tag = state.lease(ref.group)
+            lease = tag.hex() if tag != NO_LEASE else ""
+            picked += _picked(segments.view(ref.seg), state, ref.seg, [ref.group], state.state(ref.group), lease)
+    return picked
+
+
+def consume(tt: TableState, gkeys: Sequence[str]) -> None:
+    """Groups a trainer trained without a lease of this table (ready, or leased: their lease goes
+    on without them) are consumed, as an ack consumes a lease's: a ready one, never taken, leaves the
+    rate limiter's count as a delete does."""
+    segments = Segments(tt)
+    picked = found(tt, segments, gkeys)
+    ready = [p for p in picked if p.group.state == READY]
+    for p in ready:
+        rate_counts.forget(tt, p.group, p.members.values())
+    unready(tt, ready)
+    retire(tt, segments, [p._replace(group=p.group._replace(lease="")) for p in picked], CONSUMED)
 
 
 def taken(picked: Sequence[Picked]) -> list[Members]:

@@ -11,7 +11,7 @@ read transaction that holds the map's old pages.
 from __future__ import annotations
 
 import struct
-from collections.abc import Collection, Iterator, Mapping
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import lmdb
@@ -21,10 +21,10 @@ from expbuf.client.trxp.stored.pieces import Stored
 from ...disk import digests
 from ...disk.batch_rows import BatchRows, Reader
 from ...disk.layout import u64
-from ...disk.records import GroupRecord, ItemRecord
-from ...disk.rows import SegmentView, SegState
+from ...disk.records import GroupRecord, ItemRecord, Lease
+from ...disk.rows import RowLease, SegmentView, SegState
 from ...disk.stored_advantages import FinishBatch
-from ...schema.states import LIVE, READY
+from ...schema.states import LEASED, LIVE, READY
 from ...schema.table_config import TableConfig
 from ...schema.views import GroupView, MemberView
 from ..table_state.read_check import payload_problem
@@ -52,6 +52,32 @@ def group(reader: Reader, dbs: Dbs, key: bytes) -> GroupView | None:
     """A group's view by its key (T + group key); None: no such group."""
     raw = reader.get(key, db=dbs["groups"])
     return None if raw is None else GroupRecord.decode(raw)
+
+
+def lease_groups(
+    reader: Reader, dbs: Dbs, prefix: bytes, lease_id: str, lease: Lease | RowLease
+) -> dict[str, Sequence[str]]:
+    """The groups still held under a lease of the table (of `prefix`), each with its members' uids,
+    in the lease's order (a lease of runs: the ready order): a group deleted, consumed or given back
+    meanwhile is not."""
+    held: dict[str, Sequence[str]] = {}
+    if isinstance(lease, Lease):
+        for gkey in lease.groups:
+            grp = group(reader, dbs, prefix + gkey.encode())
+            if grp is not None and grp.state == LEASED and grp.lease == lease_id:
+                held[gkey] = grp.members
+        return held
+    tag = bytes.fromhex(lease_id)
+    for run in lease.runs:
+        key = prefix + u64(run.seg)
+        raw, raw_state = reader.get(key, db=dbs["segs"]), reader.get(key, db=dbs["sstate"])
+        if raw is None or raw_state is None:
+            continue
+        view, state = SegmentView(raw), SegState.decode(raw_state)
+        for g in range(run.first, run.first + run.length):
+            if state.state(g) == LEASED and state.lease(g) == tag:
+                held[view.keys(g, g + 1)[0]] = view.members.uids(*view.span(g))
+    return held
 
 
 def payload_mismatch(uid: str, raw: Value, blob: Stored | tuple[bytes, int]) -> bool:
