@@ -353,7 +353,7 @@ def back(tt: TableState, segments: Segments, picked: Sequence[Picked], *, sample
         tt.extensions.on_moved(tt, Moved(LEASED, READY, groups))
 
 
-def found(tt: TableState, segments: Segments, gkeys: Iterable[str]) -> list[Picked]:
+def complete_groups(tt: TableState, segments: Segments, gkeys: Iterable[str]) -> list[Picked]:
     """The complete groups of these keys the table holds, each read from its segment (a pending or
     absent one is not)."""
     picked: list[Picked] = []
@@ -373,7 +373,7 @@ def consume(tt: TableState, gkeys: Sequence[str]) -> None:
     on without them) are consumed, as an ack consumes a lease's: a ready one, never taken, leaves the
     rate limiter's count as a delete does."""
     segments = Segments(tt)
-    picked = found(tt, segments, gkeys)
+    picked = complete_groups(tt, segments, gkeys)
     ready = [p for p in picked if p.group.state == READY]
     for p in ready:
         rate_counts.forget(tt, p.group, p.members.values())
