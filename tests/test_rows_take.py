@@ -202,17 +202,19 @@ def test_leases_are_acked_nacked_renewed_and_expire_as_a_records_tables(tmp_path
 def test_what_a_rows_table_cannot_take_yet_is_refused_and_takes_nothing(tmp_path: Path) -> None:
     with Store(tmp_path, clock=Clock()) as store:
         both(store, "t", **EIGHTS)
-        push_both(store, "t", 4, 8)
-        before = stats(store, "t_rows")
-        for spec, why in (
-            ({"order": "priority"}, "sampled only in fifo or lifo order yet, not priority"),
-            ({"order": "uniform"}, "sampled only in fifo or lifo order yet, not uniform"),
-            ({"delivery": "replay"}, "not replayed yet"),
-            ({"min_model_version": 0}, "not sampled by a lowest model version yet"),
+        both(store, "decay", **EIGHTS, priority_decay=0.5)
+        for table in ("t", "decay"):
+            push_both(store, table, 4, 8)
+        before = stats(store, "t_rows"), stats(store, "decay_rows")
+        for table, spec, why in (
+            ("t", {"order": "priority"}, "sampled only in fifo or lifo order yet, not priority"),
+            ("t", {"order": "uniform"}, "sampled only in fifo or lifo order yet, not uniform"),
+            ("t", {"min_model_version": 0}, "not sampled by a lowest model version yet"),
+            ("decay", {"delivery": "replay"}, r"not replayed with reuse \(a priority decay or a cooldown\) yet"),
         ):
-            with pytest.raises(InvalidRequest, match=f"table 't_rows' keeps rows, which are {why}"):
-                store.sample(TakeSpec(table="t_rows", num_groups=1, wait_seconds=0, **spec))  # type: ignore[arg-type]
-        assert stats(store, "t_rows") == before
+            with pytest.raises(InvalidRequest, match=f"table '{table}_rows' keeps rows, which are {why}"):
+                store.sample(TakeSpec(table=f"{table}_rows", num_groups=1, wait_seconds=0, **spec))  # type: ignore[arg-type]
+        assert (stats(store, "t_rows"), stats(store, "decay_rows")) == before
 
 
 def test_a_damaged_payload_fails_its_group_and_the_others_are_served(tmp_path: Path) -> None:
@@ -254,8 +256,8 @@ def test_a_sample_stream_over_grpc_serves_a_rows_table_as_a_records_one(start_se
         for table in shown.values():
             del table["name"], table["oldest_age_seconds"]
         assert shown["t_rows"] == shown["t"] and shown["t"]["consumed"] == 80 and shown["t"]["ready"] == 16
-        with pytest.raises(InvalidArgumentError, match="keeps rows, which are not replayed yet"):
-            next(client.sample("t_rows", num_groups=1, delivery="replay", timeout=1))
+        with pytest.raises(InvalidArgumentError, match="keeps rows, which are sampled only in fifo or lifo order"):
+            next(client.sample("t_rows", num_groups=1, order="uniform", timeout=1))
 
 
 class Heard(TableExtension):
@@ -374,3 +376,27 @@ def test_trained_groups_retire_and_a_lease_is_read_in_parts_as_a_records_tables(
         )
         assert (retired, again, acked) == (3, 0, 24)
         assert counts["consumed"] == 6 * 8 and counts["ready"] == 6 * 8  # type: ignore[index]
+
+
+@pytest.mark.parametrize("hold", [False, True])
+def test_replayed_batches_are_a_records_tables(tmp_path: Path, hold: bool) -> None:
+    """Replay keeps the groups ready where they are, their deliveries counted, until
+    max_times_sampled consumes them: taken in one step, or held for a stream and confirmed (then
+    the groups go back counted); the replies and counters are a records table's."""
+    with Store(tmp_path, clock=Clock()) as store:
+        both(store, "t", **EIGHTS, max_times_sampled=3)
+        push_both(store, "t", 10, 8)
+        for order, count in (("fifo", 2), ("lifo", 3), ("fifo", 4), ("fifo", 4), ("lifo", 10), ("fifo", 10)):
+            got = {}
+            for table in ("t", "t_rows"):
+                spec = TakeSpec(table=table, num_groups=count, delivery="replay", order=order, allow_partial=True)
+                batch = store.sample(spec, hold=hold, timeout=0)
+                if hold and batch is not None:
+                    assert store.confirm(batch.lease_id, spec) == len(batch.uids)
+                got[table] = reply(batch)
+            assert got["t_rows"] == got["t"]
+            assert stats(store, "t_rows") == stats(store, "t")
+            runs_cover_the_ready_groups(store, "t_rows")
+            assert store.verify("t_rows") == []
+        counts = stats(store, "t")
+        assert counts["consumed"] > 0 and counts["ready"] > 0 and counts["sampled"] > counts["pushed"]  # type: ignore[operator]

@@ -21,6 +21,7 @@ import random
 from collections.abc import Sequence
 
 from ..core.table_state.state import TableState
+from ..core.verbs import row_batches
 from ..core.verbs.requeue import place
 from ..core.verbs.retire import retire
 from ..schema.states import CONSUMED
@@ -55,5 +56,8 @@ def replayed(tt: TableState, taken: Sequence[Members], rng: random.Random) -> No
     max_times_sampled retire, the others stay ready, lowered and cooled (`requeue`)."""
     limit = tt.config.reuse.max_times_sampled
     spent = {gkey for gkey, _, recs in taken if limit and max(r.times_sampled for r in recs.values()) >= limit}
+    if tt.config.storage.layout == "rows":  # a rows table reuses nothing yet (issue 64, 2.6): it is refused first
+        row_batches.spent(tt, [gkey for gkey, _, _ in taken if gkey in spent])
+        return
     retire(tt, [(gkey, grp) for gkey, grp, _ in taken if gkey in spent], CONSUMED)
     requeue(tt, [group for group in taken if group[0] not in spent], rng)

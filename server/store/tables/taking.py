@@ -128,7 +128,10 @@ def take(
     read_batch(tt, taken, payloads, rows, batch, counted=counted, masked=masked)
     batch.blobs, batch.advantages, batch.stage = rows.blobs, rows.advantages, rows.stage(counts)
     batch.counted = Counted(len(batch.uids), sum(rec.size for rec in rows.records), sum(batch.masked))
-    if segments is not None:
+    if segments is not None and delivery == "replay":  # the groups stay ready, in their runs
+        picked, chosen = row_batches.replayed(segments, picked, tt.config.reuse.max_times_sampled)
+        reuse.replayed(tt, row_batches.taken(picked), rng)
+    elif segments is not None:
         row_batches.unready(tt, picked)
         if delivery == "consume":
             picked = row_batches.counted(segments, picked)

@@ -14,7 +14,6 @@ from ...disk import layout
 from ...disk.kinds import Sampled
 from ...disk.records import Counted, GroupRecord, Lease, unpack_lease
 from ...disk.rows import RowLease, decode_lease
-from ...schema.errors import InvalidRequest
 from ...schema.states import CONSUMED, LEASED, READY
 from ...schema.views import Members
 from ..table_state import rate_counts
@@ -165,7 +164,7 @@ def replayed_back(tt: TableState, lease_id: str, lease: AnyLease) -> list[Member
     deliveries counted; returns them (with their members' views), for reuse to count as
     replayed (rules/reuse.replayed)."""
     if isinstance(lease, RowLease):
-        raise InvalidRequest(f"table '{tt.config.name}' keeps rows, which are not replayed yet")
+        return row_batches.replayed_back(tt, lease_id, lease)
     groups = leased_groups(tt, lease_id, lease)
     for _, grp in groups:
         grp.lease = ""

@@ -33,12 +33,9 @@ NO_LEASE = bytes(SegState.LEASE)
 
 def unsampled(spec: TakeSpec) -> str | None:
     """Why a rows table cannot take this request yet (None: it can): so far it is sampled in fifo or
-    lifo order, consumed or leased, without a lowest model version (issue 64: the other orders 2.7,
-    replay 2.6)."""
+    lifo order, without a lowest model version (issue 64, 2.7: the other orders)."""
     if spec.order not in ("fifo", "lifo"):
         return f"sampled only in fifo or lifo order yet, not {spec.order}"
-    if spec.delivery == "replay":
-        return "not replayed yet"
     if spec.min_model_version is not None:
         return "not sampled by a lowest model version yet"
     return None
@@ -336,6 +333,16 @@ def end(tt: TableState, lease_id: str, lease: RowLease, *, requeue: bool, unsent
     return count
 
 
+def replayed_back(tt: TableState, lease_id: str, lease: RowLease) -> list[Members]:
+    """A held replay batch its client confirmed: its groups still under the lease are ready again,
+    their deliveries counted; returns them, counted, for reuse to retire the spent."""
+    segments = Segments(tt)
+    picked = leased(tt, segments, lease_id, lease)
+    back(tt, segments, picked, sampled=True)
+    again = [p._replace(group=_as(p, READY, times=p.group.times + 1)) for p in picked]
+    return taken([p._replace(members=row_members(p.group)) for p in again])
+
+
 def back(tt: TableState, segments: Segments, picked: Sequence[Picked], *, sampled: bool) -> None:
     """Leased groups are ready again, each in a run of its own range (their deliveries counted where
     `sampled`)."""
@@ -366,6 +373,27 @@ def complete_groups(tt: TableState, segments: Segments, gkeys: Iterable[str]) ->
             lease = tag.hex() if tag != NO_LEASE else ""
             picked += _picked(segments.view(ref.seg), state, ref.seg, [ref.group], state.state(ref.group), lease)
     return picked
+
+
+def spent(tt: TableState, gkeys: Sequence[str]) -> None:
+    """Replayed groups (ready) that reached the table's max_times_sampled retire, consumed."""
+    segments = Segments(tt)
+    picked = complete_groups(tt, segments, gkeys)
+    unready(tt, picked)
+    retire(tt, segments, picked, CONSUMED)
+
+
+def replayed(
+    segments: Segments, picked: Sequence[Picked], limit: int
+) -> tuple[list[Picked], list[tuple[str, GroupView]]]:
+    """Picked groups a take replays, still ready: their deliveries counted (saved), and their views
+    once replayed, those that reach `limit` (0: none) as consumed; returns the groups so counted."""
+    counted_now = counted(segments, picked)
+    segments.save()
+    done: list[tuple[str, GroupView]] = [
+        (p.gkey, _as(p, CONSUMED if limit and p.group.times >= limit else READY)) for p in counted_now
+    ]
+    return counted_now, done
 
 
 def consume(tt: TableState, gkeys: Sequence[str]) -> None:
