@@ -400,3 +400,37 @@ def test_replayed_batches_are_a_records_tables(tmp_path: Path, hold: bool) -> No
             assert store.verify("t_rows") == []
         counts = stats(store, "t")
         assert counts["consumed"] > 0 and counts["ready"] > 0 and counts["sampled"] > counts["pushed"]  # type: ignore[operator]
+
+
+def test_verify_finds_nothing_wrong_while_a_lease_names_a_group_retired_as_trained(tmp_path: Path) -> None:
+    """A group of a lease retired as trained leaves its lease, which goes on naming it in its runs:
+    that is no damage, and `verify` says so while the lease lasts, as a records table's does."""
+    with Store(tmp_path, clock=Clock()) as store:
+        both(store, "t", **EIGHTS)
+        push_both(store, "t", 6, 8)
+        for table in ("t", "t_rows"):
+            lease = store.sample(TakeSpec(table=table, num_groups=3, delivery="lease"))
+            held = store.sample(TakeSpec(table=table, num_groups=2), hold=True)
+            assert lease is not None and held is not None
+            assert store.retire(table, ["0/1", "0/4"]) == 2  # one of each
+            assert store.verify(table) == []
+        assert stats(store, "t_rows") == stats(store, "t")
+
+
+def test_verify_reports_a_rows_tables_damaged_runs_and_reads_past_a_damaged_lease(tmp_path: Path) -> None:
+    """A run that does not decode, or is not keyed by its first group's place (where a take looks for
+    it), is reported; a lease that does not decode (the directory's check reports it) does not stop
+    the check of a rows table's rows."""
+    with Store(tmp_path, clock=Clock()) as store:
+        both(store, "t", **ONES)
+        push_both(store, "t", 130, 1, per_push=130)  # segments 0 and 64 of 64 groups, 128 of 2
+        prefix = layout.table_prefix(store.catalog.lookup("t_rows")[0])
+        with store.environment.env.begin(write=True) as txn:
+            txn.put(b"feedfacefeedface", b"\x01\x02", db=store.db["leases"])
+            txn.delete(prefix + layout.u64(64), db=store.db["runs"])
+            txn.put(prefix + layout.u64(70), RunRow(64, 0, 64).encode(), db=store.db["runs"])
+            txn.put(prefix + layout.u64(128), b"\x01\x02", db=store.db["runs"])
+        problems = store.verify("t_rows")
+        assert any("run keyed at 70 is of group 0 of segment 64, whose place is 64" in p for p in problems), problems
+        assert any(p.startswith(f"ready run {128} does not decode") for p in problems), problems
+        assert not any("feedface" in p for p in problems), "the directory's check reports a damaged lease"

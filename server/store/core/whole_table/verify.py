@@ -14,9 +14,11 @@ from ...disk import chunk_reads, digests
 from ...disk.layout import u64
 from ...disk.records import GroupRecord, ItemRecord
 from ...disk.rows import GroupRef, RowLease, RunRow, SegmentView, SegState, decode_lease, directory_entry
-from ...schema.states import COMPUTING, FAILED, LEASED, LIVE, PENDING, QUARANTINED, READY, RETIRED, STATES
+from ...schema.states import COMPUTING, FAILED, LEASED, LIVE, PENDING, QUARANTINED, READY, RETIRED, STATES, State
 from ..table_state.read_check import payload_problem
 from ..table_state.state import TableState, member_state
+
+_NO_TAG = "00" * SegState.LEASE  # a rows table's group under no lease
 
 # A damaged page can make LMDB or a record's decoder raise almost anything: every exception is damage.
 _DAMAGE = Exception
@@ -177,13 +179,26 @@ def rows(tt: TableState) -> list[str]:
             problems.append(f"group {key[:80]!r} is pending, which a rows table does not keep yet")
             continue
         places[key.decode(errors="replace")] = entry
-    for _, value in _rows_of(tt, "runs"):
-        run = RunRow.decode(value)
+    for key, value in _rows_of(tt, "runs"):
+        place = int.from_bytes(key, "big")
+        try:
+            run = RunRow.decode(value)
+        except _DAMAGE as exc:
+            problems.append(f"ready run {place} does not decode ({exc})")
+            continue
+        if place != run.seg + run.first:  # a take looks for a group's run by its place
+            problems.append(
+                f"run keyed at {place} is of group {run.first} of segment {run.seg}, "
+                f"whose place is {run.seg + run.first}"
+            )
         for g in range(run.first, run.first + run.length):
             covered[run.seg, g] += 1
     leased: dict[tuple[int, int], str] = {}  # (seg, group) -> the lease of runs naming it
     for key, value in tt.txn.cursor(db=tt.db["leases"]):
-        lease = decode_lease(value)
+        try:
+            lease = decode_lease(value)
+        except _DAMAGE:
+            continue  # the directory's own check reports it (leases.undecodable)
         if isinstance(lease, RowLease) and lease.table_id == tt.table_id:
             leased.update(
                 ((run.seg, g), bytes(key).decode())
@@ -210,7 +225,7 @@ def rows(tt: TableState) -> list[str]:
             if (group_state == READY) != (covered.pop((seg, g), 0) == 1):
                 problems.append(f"group {gkey} is {group_state} but covered by another count of ready runs")
             tag = state.lease(g).hex()
-            if leased.pop((seg, g), "0" * 16) != tag or (group_state == LEASED) != (tag != "0" * 16):
+            if not _lease_holds(group_state, tag, leased.pop((seg, g), None)):
                 problems.append(f"group {gkey} is {group_state} under lease {tag}, which does not hold it so")
             lo, hi = view.span(g)
             counts[group_state] += hi - lo
@@ -244,6 +259,16 @@ def rows(tt: TableState) -> list[str]:
         if stored[name] != counts[name]:
             problems.append(f"counter {name} is {stored[name]} but {counts[name]} were found")
     return problems
+
+
+def _lease_holds(state: State, tag: str, named: str | None) -> bool:
+    """Whether a rows table's group in `state`, its lease tag `tag` (hex), is held as the lease of runs
+    naming it (`named`: its id; None: none) says: a leased group's tag is the id of the lease that
+    names it; any other group's tag is zero, and only a retired one may still be named (retired as
+    trained, it left its lease, which goes on)."""
+    if state == LEASED:
+        return named == tag
+    return tag == _NO_TAG and (named is None or state in RETIRED)
 
 
 def _rows_of(tt: TableState, name: str) -> list[tuple[bytes, bytes]]:
