@@ -417,6 +417,26 @@ def test_verify_finds_nothing_wrong_while_a_lease_names_a_group_retired_as_train
         assert stats(store, "t_rows") == stats(store, "t")
 
 
+def test_a_group_failed_when_sampled_leaves_the_rate_limiters_count(tmp_path: Path) -> None:
+    """A ready group that fails when sampled (a damaged payload) leaves the rate limiter's count as a
+    records table's does: its experiences are no longer inserted, so they owe no samples."""
+    with Store(tmp_path, clock=Clock()) as store:
+        both(store, "t", **EIGHTS)
+        push_both(store, "t", 4, 8)
+        for table in ("t", "t_rows"):
+            prefix = layout.table_prefix(store.catalog.lookup(table)[0])
+            with store.environment.env.begin(write=True) as txn:
+                key = prefix + b"0/1/3/0/r3s0"
+                value = bytearray(txn.get(key, db=store.db["blobs"]))
+                value[-1] ^= 0xFF
+                txn.put(key, bytes(value), db=store.db["blobs"])
+            assert store.sample(TakeSpec(table=table, num_groups=2, wait_seconds=0)) is not None
+        limiter = {
+            table: {k: stats(store, table)[k] for k in ("rate_inserted", "rate_sampled")} for table in ("t", "t_rows")
+        }
+        assert limiter["t_rows"] == limiter["t"] == {"rate_inserted": 24, "rate_sampled": 16}
+
+
 def test_verify_reports_a_rows_tables_damaged_runs_and_reads_past_a_damaged_lease(tmp_path: Path) -> None:
     """A run that does not decode, or is not keyed by its first group's place (where a take looks for
     it), is reported; a lease that does not decode (the directory's check reports it) does not stop

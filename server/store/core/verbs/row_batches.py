@@ -229,10 +229,14 @@ def _moved(tt: TableState, now: State, picked: Sequence[Picked]) -> None:
 def retire(tt: TableState, segments: Segments, picked: Sequence[Picked], state: State) -> None:
     """Picked groups (ready, or leased: out of their runs or leases) leave the table as `state` (consumed, or
     failed): their state bytes say so, their payloads go, and a segment whose groups have all
-    retired says when; the extensions hear of it first (`Retired`). The groups' directory entries
-    and their segment's columns stay: the members' tombstones (a retried push of one is a
-    duplicate)."""
+    retired says when; the extensions hear of it first (`Retired`). One that leaves other than
+    consumed leaves the rate limiter's count (as core/verbs/retire.retire has it). The groups'
+    directory entries and their segment's columns stay: the members' tombstones (a retried push of
+    one is a duplicate)."""
     tt.extensions.on_retired(tt, Retired([(p.gkey, p.group) for p in picked], state))
+    if state != CONSUMED:
+        for p in picked:
+            rate_counts.forget(tt, p.group, p.members.values())
     _mark(segments, picked, state, NO_LEASE)
     prefix = tt.prefix
     keys = [prefix + uid.encode() for p in picked for uid in p.members]
