@@ -216,12 +216,18 @@ def _stored(tt: TableState, result: PutResult, stored: list[str]) -> PutResult:
 
 def _put_rows(tt: TableState, by_group: dict[str, list[Entry]], existing: set[str], compute: Compute | None) -> None:
     """A push into a table of layout "rows" (issue 64, whose rows land a step at a time): so far
-    only new groups, each complete in the push, of a table that computes no advantages; any
-    other push is refused before anything is stored."""
+    only new groups, each complete in the push, of a table that computes no advantages and evicts
+    no stale groups (its version report and upkeep read the records' ready index); any other push
+    is refused before anything is stored."""
     size = tt.config.grouping.size
     if compute is not None or tt.config.advantages.estimator != "none":
         raise InvalidRequest(
             f"table '{tt.config.name}' keeps rows, which take no advantages yet: its estimator must be none"
+        )
+    staleness = tt.config.staleness
+    if staleness.evict_stale and staleness.experience_bound is not None:
+        raise InvalidRequest(
+            f"table '{tt.config.name}' keeps rows, which evict no stale groups yet: evict_stale must be off"
         )
     for gkey, members in by_group.items():
         if gkey in existing:
