@@ -17,6 +17,7 @@ import lmdb
 from ...disk import chunk_reads, chunked, digests, layout
 from ...disk.layout import put_rows, u64
 from ...disk.records import DELETED, GroupRecord, ItemRecord
+from ...schema.errors import InvalidRequest
 from ...schema.states import COMPUTING, CONSUMED, FAILED, LIVE, PENDING, QUARANTINED, READY, RETIRED, State
 from ...schema.views import Groups, MemberView
 from ..table_state import rate_counts
@@ -226,6 +227,8 @@ def prune_tombstones(tt: TableState, retired_before: float, limit: int = 10_000)
 
 
 def delete(tt: TableState, uids: Sequence[str], group_ids: Sequence[str]) -> int:
+    if tt.config.storage.layout == "rows":  # issue 64, 2.9: a rows table's groups are deleted from their segments
+        raise InvalidRequest(f"table '{tt.config.name}' keeps rows, whose experiences are not deleted yet")
     targets = list(uids)
     for gkey in group_ids:
         grp = tt.group(gkey)
