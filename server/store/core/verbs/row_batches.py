@@ -215,15 +215,21 @@ def _mark(segments: Segments, picked: Sequence[Picked], state: State, tag: bytes
 
 def _moved(tt: TableState, now: State, picked: Sequence[Picked]) -> None:
     """Picked groups' members counted from the state each group was in to `now`, and the groups too
-    (live states only)."""
-    counters = tt.counters
+    (live states only): one count a state."""
+    members: dict[State, int] = {}
+    groups: dict[State, int] = {}
     for p in picked:
         was = p.group.state
-        counters.add(was, -len(p.members))
-        counters.add(now, len(p.members))
-        counters.add_groups(was, -1)
+        members[was] = members.get(was, 0) + len(p.group.rows)
+        groups[was] = groups.get(was, 0) + 1
+    counters = tt.counters
+    for was, count in members.items():
+        counters.add(was, -count)
+        counters.add(now, count)
+    for was, count in groups.items():
+        counters.add_groups(was, -count)
         if now not in RETIRED:
-            counters.add_groups(now, 1)
+            counters.add_groups(now, count)
 
 
 def retire(tt: TableState, segments: Segments, picked: Sequence[Picked], state: State) -> None:
@@ -299,15 +305,16 @@ def lease_row(
     return RowLease(table_id=table_id, runs=row_runs, expires=expires, owner=owner, counted=counted).encode()
 
 
-def leased(tt: TableState, segments: Segments, lease_id: str, lease: RowLease) -> list[Picked]:
-    """The groups still under a lease of runs (one consumed or given back meanwhile is not)."""
+def leased(tt: TableState, segments: Segments, lease_id: str, lease: RowLease, *, ending: bool = False) -> list[Picked]:
+    """The groups still under a lease of runs (one consumed or given back meanwhile is not); with
+    `ending`, their views say they left it (as an ack's consume hears them)."""
     tag = bytes.fromhex(lease_id)
     found: list[Picked] = []
     for run in lease.runs:
         state = segments.state(run.seg)
         places = range(run.first, run.first + run.length)
         under = [g for g in places if state.state(g) == LEASED and state.lease(g) == tag]
-        found += _picked(segments.view(run.seg), state, run.seg, under, LEASED, lease_id)
+        found += _picked(segments.view(run.seg), state, run.seg, under, LEASED, "" if ending else lease_id)
     return found
 
 
@@ -321,11 +328,10 @@ def end(tt: TableState, lease_id: str, lease: RowLease, *, requeue: bool, unsent
     unless `unsent` (a batch held for a stream that never sent it: what its take counted leaves the
     table's counters and the rate limiter's count); returns the experiences."""
     segments = Segments(tt)
-    picked = leased(tt, segments, lease_id, lease)
+    picked = leased(tt, segments, lease_id, lease, ending=not requeue)
     count = sum(len(p.members) for p in picked)
     if not requeue:  # the groups leave their lease, then the table
-        ended = [p._replace(group=p.group._replace(lease="")) for p in picked]
-        retire(tt, segments, ended, CONSUMED)
+        retire(tt, segments, picked, CONSUMED)
         return count
     if unsent:
         counted = lease.counted or Counted(count, sum(m.size for p in picked for m in p.members.values()), 0)
