@@ -47,8 +47,8 @@ from bench_writes import Counts, counting, entries
 HERE = Path(__file__).resolve().parent
 
 # Ready groups of the tests of a build from the open: what they check holds at any size past a few
-# chunks; EXPBUF_SOAK_SCALE=20 gives the million of issue 39.
-OPEN_READY = 50_000 * int(os.environ.get("EXPBUF_SOAK_SCALE", "1"))
+# chunks (10,000 are some 40 of BUILD_CHUNK a build); EXPBUF_SOAK_SCALE=100 gives the million of issue 39.
+OPEN_READY = 10_000 * int(os.environ.get("EXPBUF_SOAK_SCALE", "1"))
 INDEXES = ("ready", "prio", "slots", "slotof", "byver")
 RECORDS = ("blobs", "items", "order", "groups")
 BUILDER = "expbuf-index-builds"  # the builds' thread
@@ -453,7 +453,7 @@ def test_a_build_killed_midway_goes_on_from_its_cursor_at_the_next_open(
     """SIGKILL in the middle of a build from the open, while pushes go on: the part built and its
     cursor are consistent with every acknowledged push, the next open goes on from the cursor (its
     log says how far the build had come), and the index then holds every ready group."""
-    ready = 20_000
+    ready = OPEN_READY // 2  # some 150 chunks a build in the child (its BUILD_CHUNK is 32)
     with made_before(one_each(tmp_path)) as store:
         fill(store, ready)
     child = subprocess.Popen(
