@@ -3,7 +3,8 @@
 A consumed batch counts as consumed only when the client has it; a stream that ends
 normally consumes what it delivered; the server reads at most a fixed number of
 batches ahead of a slow reader; and waiting streams never starve Push, Stats or the
-health check.
+health check. The tests that do not kill the server share one child (conftest's
+`child_server`), each on tables of its own.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from expbuf.client import trxp
 from expbuf.proto.v1 import buffer_pb2 as pb
 from expbuf.proto.v1 import buffer_pb2_grpc as pb_grpc
 
-from faultkit import SampleStream, channel, group, healthy, sample_all, stats, stub
+from faultkit import SampleStream, channel, group, healthy, sample_all, scaled, stats, stub
 from helpers import ServerProcess
 
 pytestmark = pytest.mark.faults
@@ -30,83 +31,93 @@ pytestmark = pytest.mark.faults
 # has (docs/concepts/credit-window.md: the stream's window, 1 by default on the wire).
 WINDOWS = [1, 3]
 MANY_STREAMS = 80  # more than the server's 64 workers
+KILLS = scaled(2)  # a kill, then a kill of the restarted server; more with EXPBUF_SOAK_SCALE
 
 
-def push_groups(buffer: pb_grpc.ExperienceBufferStub, count: int, size: int = 1, batch: str = "s") -> list[list[str]]:
-    """Push `count` complete groups of `size` in one payload; their uids, group by group."""
+def push_groups(
+    buffer: pb_grpc.ExperienceBufferStub, count: int, size: int = 1, batch: str = "s", table: str = ""
+) -> list[list[str]]:
+    """Push `count` complete groups of `size` in one payload (into `table`, the default table
+    unless named); their uids, group by group."""
     items = [item for task in range(count) for item in group(batch, task, size)]
-    buffer.Push(pb.PushRequest(payload=trxp.build(items)), timeout=30)
+    buffer.Push(pb.PushRequest(table=table, payload=trxp.build(items)), timeout=30)
     return [[item.uid for item in items[i : i + size]] for i in range(0, len(items), size)]
 
 
-def settled(buffer: pb_grpc.ExperienceBufferStub, seconds: float = 10.0) -> pb.TableStats:
+def own_table(buffer: pb_grpc.ExperienceBufferStub, name: str) -> str:
+    """A table of the shared server's with the default table's settings, for one test alone."""
+    buffer.CreateTable(pb.CreateTableRequest(config=pb.TableConfig(name=name)), timeout=10)
+    return name
+
+
+def settled(buffer: pb_grpc.ExperienceBufferStub, table: str, seconds: float = 10.0) -> pb.TableStats:
     """Stats once nothing is leased and the counts stopped moving (or after `seconds`)."""
     deadline = time.monotonic() + seconds
-    last = stats(buffer)
+    last = stats(buffer, table)
     while time.monotonic() < deadline:
         time.sleep(0.5)
-        now = stats(buffer)
+        now = stats(buffer, table)
         if now.leased == 0 and (now.ready, now.consumed) == (last.ready, last.consumed):
             return now
         last = now
     return last
 
 
-def test_consume_stream_that_ends_normally_consumes_its_batches(
-    tmp_path: Path, serve: Callable[..., ServerProcess]
-) -> None:
-    server = serve(str(tmp_path / "data"))
-    with channel(server.target) as chan:
+def test_consume_stream_that_ends_normally_consumes_its_batches(child_server: ServerProcess) -> None:
+    with channel(child_server.target) as chan:
         buffer = stub(chan)
-        push_groups(buffer, 5)
-        request = pb.SampleRequest(num_groups=1, delivery=pb.DELIVERY_CONSUME, max_batches=1, wait_seconds=5)
+        table = own_table(buffer, "ends")
+        push_groups(buffer, 5, table=table)
+        request = pb.SampleRequest(
+            table=table, num_groups=1, delivery=pb.DELIVERY_CONSUME, max_batches=1, wait_seconds=5
+        )
         seen = [list(reply.uids) for _ in range(3) for reply in sample_all(buffer, request, timeout=30)]
         assert len(seen) == 3
         flat = [uid for uids in seen for uid in uids]
         assert len(set(flat)) == len(flat), f"max_batches=1 consume calls delivered the same uids again: {seen}"
-        s = settled(buffer)
+        s = settled(buffer, table)
         assert s.consumed == 3, f"three delivered experiences, Stats.consumed is {s.consumed}"
         assert s.ready == 2
-        assert list(buffer.Get(pb.GetRequest(uids=flat), timeout=10).missing_uids) == flat
+        assert list(buffer.Get(pb.GetRequest(table=table, uids=flat), timeout=10).missing_uids) == flat
 
 
 @pytest.mark.parametrize("window", WINDOWS)
-def test_cancelled_consume_stream_consumes_only_what_was_delivered(
-    tmp_path: Path, serve: Callable[..., ServerProcess], window: int
-) -> None:
-    server = serve(str(tmp_path / "data"))
-    with channel(server.target) as chan:
+def test_cancelled_consume_stream_consumes_only_what_was_delivered(child_server: ServerProcess, window: int) -> None:
+    with channel(child_server.target) as chan:
         buffer = stub(chan)
-        groups = push_groups(buffer, 300)
-        request = pb.SampleRequest(num_groups=1, delivery=pb.DELIVERY_CONSUME, wait_seconds=5, window=window)
+        table = own_table(buffer, f"cancelled_{window}")
+        groups = push_groups(buffer, 300, table=table)
+        request = pb.SampleRequest(
+            table=table, num_groups=1, delivery=pb.DELIVERY_CONSUME, wait_seconds=5, window=window
+        )
         stream = SampleStream(buffer, request)
         delivered = [uid for _ in range(3) for uid in stream.next().uids]  # each confirmed as it arrives
         time.sleep(1.0)  # the trainer works on its third batch, then stops
         stream.cancel()
-        s = settled(buffer)
+        s = settled(buffer, table)
         never = [uid for uids in groups for uid in uids if uid not in delivered]
         assert s.consumed == 3, f"3 batches of 1 were delivered and confirmed, {s.consumed} experiences consumed"
         assert s.ready == 297 and s.leased == 0, s
-        missing = set(buffer.Get(pb.GetRequest(uids=never), timeout=30).missing_uids)
+        missing = set(buffer.Get(pb.GetRequest(table=table, uids=never), timeout=30).missing_uids)
         assert not missing, f"{len(missing)} experiences were never delivered but are gone, e.g. {sorted(missing)[:3]}"
-        assert list(buffer.Get(pb.GetRequest(uids=delivered), timeout=10).missing_uids) == delivered
+        assert list(buffer.Get(pb.GetRequest(table=table, uids=delivered), timeout=10).missing_uids) == delivered
 
 
 @pytest.mark.parametrize("window", WINDOWS)
 @pytest.mark.parametrize("delivery", [pb.DELIVERY_LEASE, pb.DELIVERY_CONSUME], ids=["lease", "consume"])
-def test_slow_reader_holds_a_bounded_number_of_batches(
-    tmp_path: Path, serve: Callable[..., ServerProcess], delivery: int, window: int
-) -> None:
-    server = serve(str(tmp_path / "data"))
-    with channel(server.target) as chan:
+def test_slow_reader_holds_a_bounded_number_of_batches(child_server: ServerProcess, delivery: int, window: int) -> None:
+    with channel(child_server.target) as chan:
         buffer = stub(chan)
-        push_groups(buffer, 80)
-        request = pb.SampleRequest(num_groups=1, delivery=delivery, lease_seconds=60, wait_seconds=5, window=window)
+        table = own_table(buffer, f"slow_{delivery}_{window}")
+        push_groups(buffer, 80, table=table)
+        request = pb.SampleRequest(
+            table=table, num_groups=1, delivery=delivery, lease_seconds=60, wait_seconds=5, window=window
+        )
         stream = SampleStream(buffer, request)
         for received in range(1, 4):
             stream.next()
             time.sleep(1.0)  # a training step: the server must not run ahead meanwhile
-            s = stats(buffer)
+            s = stats(buffer, table)
             taken = s.leased + s.consumed  # delivered or read ahead
             allowed = received + window
             assert taken <= allowed, (
@@ -117,11 +128,11 @@ def test_slow_reader_holds_a_bounded_number_of_batches(
         stream.cancel()
 
 
-def test_many_waiting_streams_do_not_starve_other_calls(tmp_path: Path, serve: Callable[..., ServerProcess]) -> None:
-    server = serve(str(tmp_path / "data"))
-    with channel(server.target) as chan:
+def test_many_waiting_streams_do_not_starve_other_calls(child_server: ServerProcess) -> None:
+    with channel(child_server.target) as chan:
         buffer = stub(chan)
-        buffer.CreateTable(pb.CreateTableRequest(config=pb.TableConfig(name="empty")), timeout=10)
+        own_table(buffer, "empty")
+        during = own_table(buffer, "during")
         request = pb.SampleRequest(
             table="empty", num_groups=1, delivery=pb.DELIVERY_LEASE, lease_seconds=30, wait_seconds=30
         )
@@ -130,8 +141,8 @@ def test_many_waiting_streams_do_not_starve_other_calls(tmp_path: Path, serve: C
             time.sleep(1.0)  # every stream has reached the server and waits for data
             try:
                 assert healthy(chan), "the health check does not answer SERVING while streams wait"
-                push_groups(buffer, 1, batch="during")
-                assert stats(buffer).pushed == 1
+                push_groups(buffer, 1, batch="during", table=during)
+                assert stats(buffer, during).pushed == 1
             except grpc.RpcError as exc:
                 code = exc.code().name
                 pytest.fail(f"Health, Push or Stats refused while {MANY_STREAMS} streams wait: {code}: {exc.details()}")
@@ -156,9 +167,10 @@ def test_a_server_killed_between_send_and_confirm_loses_and_repeats_nothing(
     data = str(tmp_path / "data")
     server = serve(data)
     with channel(server.target) as chan:
-        groups = push_groups(stub(chan), 12, size=2)
+        groups = push_groups(stub(chan), 6 * KILLS, size=2)  # each round delivers one and sends two back
+    stored = sum(map(len, groups))
     delivered: list[str] = []
-    for rounds in range(3):
+    for rounds in range(KILLS):
         with channel(server.target) as chan:
             buffer = stub(chan)
             request = pb.SampleRequest(num_groups=1, delivery=delivery, lease_seconds=600, wait_seconds=5, window=3)
@@ -177,7 +189,9 @@ def test_a_server_killed_between_send_and_confirm_loses_and_repeats_nothing(
         with channel(server.target) as chan:
             buffer = stub(chan)
             s = stats(buffer)
-            assert (s.consumed, s.leased, s.ready) == (len(delivered), 0, 24 - len(delivered)), f"round {rounds}: {s}"
+            assert (s.consumed, s.leased, s.ready) == (len(delivered), 0, stored - len(delivered)), (
+                f"round {rounds}: {s}"
+            )
             assert set(buffer.Get(pb.GetRequest(uids=delivered), timeout=10).missing_uids) == set(delivered)
             left = [uid for uids in groups for uid in uids if uid not in delivered]
             assert not buffer.Get(pb.GetRequest(uids=left), timeout=10).missing_uids
