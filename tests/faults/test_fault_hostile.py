@@ -115,14 +115,15 @@ def test_memo_expansion_bomb_is_refused_with_bounded_memory(
 
 
 @pytest.mark.parametrize("estimator", ["opmd", "rloo", "reinforce"])
-def test_huge_rewards_stop_no_table(tmp_path: Path, serve: Callable[..., ServerProcess], estimator: str) -> None:
+def test_huge_rewards_stop_no_table(child_server: ServerProcess, estimator: str) -> None:
     """Rewards past float32 (finite in float64) are refused at push by name, storing nothing;
     rewards at float32's bounds whose advantages overflow fail their group alone; every Sample
-    of the table goes on (the review saw 9 of 9 fail INTERNAL after one reward of 1e300)."""
-    server = serve(str(tmp_path / "data"))
-    with channel(server.target) as chan:
+    of the table goes on (the review saw 9 of 9 fail INTERNAL after one reward of 1e300). The
+    estimators' tables share one server (conftest's `child_server`)."""
+    table = f"huge_{estimator}"
+    with channel(child_server.target) as chan:
         buffer = stub(chan)
-        config = wire.table_to_proto({"name": "t", "group_size": 2, "estimator": estimator})
+        config = wire.table_to_proto({"name": table, "group_size": 2, "estimator": estimator})
         buffer.CreateTable(pb.CreateTableRequest(config=config), timeout=10)
 
         def rewarded(task: int, rewards: tuple[float, ...]) -> bytes:
@@ -133,20 +134,20 @@ def test_huge_rewards_stop_no_table(tmp_path: Path, serve: Callable[..., ServerP
 
         for task, reward in enumerate((1e300, -1e300, 3.5e38, float(2**128), 10**39)):
             with pytest.raises(grpc.RpcError) as info:
-                buffer.Push(pb.PushRequest(table="t", payload=rewarded(task, (1.0, reward))), timeout=10)
+                buffer.Push(pb.PushRequest(table=table, payload=rewarded(task, (1.0, reward))), timeout=10)
             assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
             assert "field 'reward'" in info.value.details() and "float32" in info.value.details()
-        assert stats(buffer, "t").pushed == 0
+        assert stats(buffer, table).pushed == 0
         bound = 3.4028234663852886e38
-        buffer.Push(pb.PushRequest(table="t", payload=rewarded(10, (bound, -bound))), timeout=10)
+        buffer.Push(pb.PushRequest(table=table, payload=rewarded(10, (bound, -bound))), timeout=10)
         for task in range(11, 14):
-            buffer.Push(pb.PushRequest(table="t", payload=rewarded(task, (1.0, 0.0))), timeout=10)
+            buffer.Push(pb.PushRequest(table=table, payload=rewarded(task, (1.0, 0.0))), timeout=10)
         for delivery in (pb.DELIVERY_REPLAY, pb.DELIVERY_LEASE, pb.DELIVERY_CONSUME):
             request = pb.SampleRequest(
-                table="t", num_groups=1, delivery=delivery, lease_seconds=60, wait_seconds=5, max_batches=1
+                table=table, num_groups=1, delivery=delivery, lease_seconds=60, wait_seconds=5, max_batches=1
             )
             (reply,) = list(buffer.Sample(iter([request]), timeout=30))
             assert all(item.tensors["advantages"] for item in trxp.parse(reply.payload))
-        s = stats(buffer, "t")
+        s = stats(buffer, table)
         assert s.groups_ready + s.groups_leased + s.groups_failed + s.consumed // 2 == 4
         assert healthy(chan)
