@@ -24,9 +24,10 @@ import grpc
 import pytest
 
 from expbuf.proto.v1 import buffer_pb2 as pb
+from expbuf.proto.v1 import buffer_pb2_grpc as pb_grpc
 
 from faultkit import SampleStream, channel, check_data, payload, sample_all, scaled, stats, stub
-from helpers import ServerProcess
+from helpers import ServerProcess, wait_for
 
 pytestmark = pytest.mark.faults
 
@@ -245,6 +246,12 @@ def drain(target: str, ledger: Ledger) -> set[str]:
                 return got
 
 
+def leases_expired(buffer: pb_grpc.ExperienceBufferStub) -> None:
+    """Wait until every lease taken before the last stop has expired and its groups are back
+    (the restarted server finds the leases and its upkeep ends them past their LEASE_SECONDS)."""
+    wait_for(lambda: stats(buffer).leased == 0, "the leases taken before the stop expired", 60)
+
+
 def lease_then_kill(server: ServerProcess) -> list[str]:
     """Push two groups, lease them without acking, SIGKILL the server; the leased uids."""
     with channel(server.target) as chan:
@@ -290,9 +297,9 @@ def test_crash_loop_under_mixed_load(tmp_path: Path, serve: Callable[..., Server
     assert checked.returncode == 0, f"expbuf check after the crash loop:\n{checked.stdout}{checked.stderr}"
 
     server = serve(str(data))
-    time.sleep(LEASE_SECONDS + 1.5)  # every lease taken before the last stop has expired
     with channel(server.target) as chan:
         buffer = stub(chan)
+        leases_expired(buffer)
         acked = sorted(ledger.acked)
         live: set[str] = set()
         for start in range(0, len(acked), 500):
@@ -319,7 +326,8 @@ def test_crash_loop_under_mixed_load(tmp_path: Path, serve: Callable[..., Server
 
     leased = lease_then_kill(server)
     server = serve(str(data))
-    time.sleep(LEASE_SECONDS + 1.5)
+    with channel(server.target) as chan:
+        leases_expired(stub(chan))
     returned = drain(server.target, ledger)
     assert set(leased) <= returned, f"leases taken before a SIGKILL did not return after expiry: {leased}"
     assert server.stop(signal.SIGTERM) == 0
