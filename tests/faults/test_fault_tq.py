@@ -62,8 +62,9 @@ class Log:
         return {key for record in self.records("cleared") for key in record["keys"]}
 
 
-def roles(ray: ModuleType) -> tuple[Any, Any]:
-    """The producer and consumer actors (classes made here, so Ray ships them by value)."""
+def role(ray: ModuleType) -> Any:
+    """A producer's or a consumer's actor (its class made here, so Ray ships it by value); one a
+    call, so that a killed role's restart starts only its own process."""
 
     class Worker:
         def __init__(self) -> None:
@@ -98,8 +99,7 @@ def roles(ray: ModuleType) -> tuple[Any, Any]:
         def clear(self, keys: list[int]) -> None:
             tq.kv_clear(keys=[f"k{key}" for key in keys], partition_id=PARTITION)
 
-    remote = ray.remote(num_cpus=0)(Worker)
-    return remote.remote(), remote.remote()
+    return ray.remote(num_cpus=0)(Worker).remote()
 
 
 def check_stored(log: Log) -> None:
@@ -150,7 +150,7 @@ def test_transfer_queue_on_expbuf_loses_nothing_and_hands_out_nothing_twice_thro
         import expbuf.client.transferqueue  # noqa: F401
 
         tq.init(settings)
-        producer, consumer = roles(ray)
+        producer, consumer = role(ray), role(ray)
         try:
             for _ in range(scaled(1)):
                 for target in ("controller", "producer", "consumer", "expbuf"):
@@ -166,7 +166,7 @@ def test_transfer_queue_on_expbuf_loses_nothing_and_hands_out_nothing_twice_thro
                             ray.kill(worker)
                         tq.close()
                         tq.init(settings)
-                        producer, consumer = roles(ray)
+                        producer, consumer = role(ray), role(ray)
                         put(producer, keys)  # the put in flight, again: a key's second put is the first's
                     elif target == "producer":
                         in_flight = producer.put.remote(keys)
@@ -177,11 +177,11 @@ def test_transfer_queue_on_expbuf_loses_nothing_and_hands_out_nothing_twice_thro
                             log.write(kind="put", keys=keys)  # it was acknowledged before the kill
                         except ray.exceptions.RayActorError:
                             pass
-                        producer = roles(ray)[0]
+                        producer = role(ray)
                         put(producer, keys)
                     elif target == "consumer":
                         os.kill(_pid(ray, consumer), signal.SIGKILL)
-                        consumer = roles(ray)[1]
+                        consumer = role(ray)
                         put(producer, keys)
                     else:
                         in_flight = producer.put.remote(keys)
