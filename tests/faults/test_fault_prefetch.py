@@ -27,8 +27,8 @@ pytestmark = pytest.mark.faults
 
 TESTS = Path(__file__).resolve().parents[1]
 
-# A trainer that takes one batch and stops there, once two more are decoded ahead (prefetch 2,
-# window 3): it prints the batch's uids and waits to be killed.
+# A trainer that takes one batch of a table and stops there, once two more are decoded ahead
+# (prefetch 2, window 3): it prints the batch's uids and waits to be killed.
 TRAINER = textwrap.dedent(
     """
     import sys, threading
@@ -37,7 +37,7 @@ TRAINER = textwrap.dedent(
     from expbuf.client import BufferClient
     decodes = Decodes(setattr)
     client = BufferClient(sys.argv[1])
-    batches = client.sample("t", num_groups=1, delivery=sys.argv[2], lease_seconds=600, window=3, prefetch=2)
+    batches = client.sample(sys.argv[4], num_groups=1, delivery=sys.argv[2], lease_seconds=600, window=3, prefetch=2)
     first = next(batches)
     assert decodes.wait(3, 30), decodes.threads
     print(" ".join(first.uids), flush=True)
@@ -48,14 +48,16 @@ TRAINER = textwrap.dedent(
 
 @pytest.mark.parametrize("delivery", ["consume", "lease"])
 def test_a_trainer_killed_with_batches_decoded_ahead_gives_them_back(
-    tmp_path: Path, serve: Callable[..., ServerProcess], delivery: str
+    child_server: ServerProcess, delivery: str
 ) -> None:
-    server = serve(str(tmp_path / "data"))
-    with BufferClient(server.target, timeout=10) as client:
-        client.create_table("t", group_size=2, estimator="none")
-        fill(client, 10)
+    """The trainer's server lives on (conftest's `child_server`, shared by both deliveries, each
+    on a table of its own)."""
+    table = f"prefetch_{delivery}"
+    with BufferClient(child_server.target, timeout=10) as client:
+        client.create_table(table, group_size=2, estimator="none")
+        fill(client, 10, table)
         trainer = subprocess.Popen(
-            [sys.executable, "-c", TRAINER, server.target, delivery, str(TESTS)],
+            [sys.executable, "-c", TRAINER, child_server.target, delivery, str(TESTS), table],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
@@ -65,18 +67,18 @@ def test_a_trainer_killed_with_batches_decoded_ahead_gives_them_back(
             assert line, f"the trainer exited with {trainer.wait(10)}: {trainer.stderr.read()}"
             taken = line.split()
             # The server has batch 1's confirmation once it sent batch 4 (a window of 3 after it).
-            stats = settle(client, lambda s: s.leased + s.consumed == 8)
+            stats = settle(client, lambda s: s.leased + s.consumed == 8, table)
             assert stats.leased + stats.consumed == 8
         finally:
             trainer.send_signal(signal.SIGKILL)
             trainer.wait(30)
-        stats = settle(client, lambda s: s.leased + s.consumed == 2)
+        stats = settle(client, lambda s: s.leased + s.consumed == 2, table)
         if delivery == "consume":
             assert (stats.consumed, stats.leased, stats.ready) == (2, 0, 18)
-            assert client.get(taken, table="t") == []
+            assert client.get(taken, table=table) == []
         else:
             assert (stats.consumed, stats.leased, stats.ready) == (0, 2, 18)
-            leased = client.list_experiences("t", states=["leased"]).experiences
+            leased = client.list_experiences(table, states=["leased"]).experiences
             assert sorted(e.uid for e in leased) == sorted(taken)
 
 
