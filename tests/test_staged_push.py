@@ -57,11 +57,22 @@ def counts(data: Path) -> dict[str, int]:
         env.close()
 
 
+# a cap smaller than one push: a push whose items are staged holds a piece of each
+SMALL_CAP = {"EXPBUF_MAX_INFLIGHT_BYTES": str(20 << 20)}
+
+
 @pytest.fixture
 def server(tmp_path: Path) -> Iterator[ServerProcess]:
+    """A server of the test's own, whose data directory it counts once it has stopped it."""
     with servers() as start:
-        # a cap smaller than one push: a push whose items are staged holds a piece of each
-        yield start(str(tmp_path / "data"), env={"EXPBUF_MAX_INFLIGHT_BYTES": str(20 << 20)})
+        yield start(str(tmp_path / "data"), env=SMALL_CAP)
+
+
+@pytest.fixture(scope="module")
+def shared_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """One server of the same settings for the tests that count nothing on disk, each on a table of its own."""
+    with servers() as start:
+        yield start(str(tmp_path_factory.mktemp("shared") / "data"), env=SMALL_CAP)
 
 
 def columns_of(group: list) -> ColumnBatch:
@@ -123,15 +134,18 @@ def test_a_batch_of_columns_is_staged_as_it_arrives_and_stored_as_its_experience
 
 
 @pytest.mark.parametrize("as_columns", [False, True], ids=["experiences", "columns"])
-def test_a_staged_push_whose_data_ends_in_empty_tensors_is_stored(server: ServerProcess, as_columns: bool) -> None:
+def test_a_staged_push_whose_data_ends_in_empty_tensors_is_stored(
+    shared_server: ServerProcess, as_columns: bool
+) -> None:
     """A last experience with an empty response: the data's last spans take no byte, which no chunk
     steps past (the push failed INTERNAL where a push read whole stores it)."""
     group = [make_experience("e", 0, run, response=size) for run, size in enumerate((RESPONSE, 7, 0))]
     pushed = columns_of(group) if as_columns else group
-    with BufferClient(server.target, push_chunk_bytes=CHUNK, timeout=120) as client:
-        client.create_table("t", group_size=3)
-        assert client.push(pushed, table="t").stored == [one.eid.uid for one in group]
-        (empty,) = client.get([group[2].eid.uid], table="t")
+    table = "empty_columns" if as_columns else "empty_experiences"
+    with BufferClient(shared_server.target, push_chunk_bytes=CHUNK, timeout=120) as client:
+        client.create_table(table, group_size=3)
+        assert client.push(pushed, table=table).stored == [one.eid.uid for one in group]
+        (empty,) = client.get([group[2].eid.uid], table=table)
     assert empty.logprobs.numel() == 0 and torch.equal(empty.tokens, group[2].tokens)
 
 
