@@ -374,6 +374,33 @@ class StoppedClock:
         return self.now
 
 
+def layouts_reply(batch: Sampled | None) -> tuple[object, ...] | None:
+    """What a client is sent of a batch: the same from a records and a rows table of one data."""
+    if batch is None:
+        return None
+    return (
+        batch.uids, batch.group_ids, batch.payload, batch.versions, batch.rewards, batch.response_lengths,
+        batch.times_sampled, batch.partial, batch.masked,
+    )  # fmt: skip
+
+
+def layouts_stats(store: Store, table: str) -> dict[str, object]:
+    """A table's stats, to compare a records and a rows table's, but its oldest group's age and
+    `next_rseq`: a rows table's group dropped while pending takes places in that order too (its
+    segment's id), where a records table's takes none."""
+    return {k: v for k, v in store.stats(table).items() if k not in ("oldest_age_seconds", "next_rseq")}
+
+
+def take_both(store: Store, name: str, **spec: object) -> tuple[object, ...] | None:
+    """The same take from tables `name` and `name`_rows (both_layouts); the rows table's reply,
+    asserted equal to the records one's."""
+    got = [
+        layouts_reply(store.sample(TakeSpec(table=table, wait_seconds=0, **spec))) for table in (name, f"{name}_rows")
+    ]  # type: ignore[arg-type]
+    assert got[1] == got[0]
+    return got[1]
+
+
 def both_layouts(store: Store, name: str, **settings: object) -> None:
     """Tables `name` (storage layout records) and `name`_rows (rows, issue 64) of the same settings."""
     records = TableConfig.of(name, **settings)  # type: ignore[arg-type]

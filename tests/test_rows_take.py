@@ -31,7 +31,9 @@ from expbuf.server.store.schema.views import Groups
 
 from helpers import StoppedClock as Clock
 from helpers import both_layouts as both
-from helpers import group_items, make_experience
+from helpers import group_items, make_experience, take_both
+from helpers import layouts_reply as reply
+from helpers import layouts_stats as stats
 
 ONES = {"estimator": "none", "group_by": "none"}
 EIGHTS = {"estimator": "none", "group_by": "task", "group_size": 8}
@@ -49,20 +51,6 @@ def push_both(store: Store, name: str, groups: int, size: int, per_push: int = 9
     for at in range(0, len(pushed), per_push):
         for table in (name, f"{name}_rows"):
             store.put(table, pushed[at : at + per_push])
-
-
-def reply(batch: Sampled | None) -> tuple[object, ...] | None:
-    """What a client is sent of a batch."""
-    if batch is None:
-        return None
-    return (
-        batch.uids, batch.group_ids, batch.payload, batch.versions, batch.rewards, batch.response_lengths,
-        batch.times_sampled, batch.partial, batch.masked,
-    )  # fmt: skip
-
-
-def stats(store: Store, table: str) -> dict[str, object]:
-    return {k: v for k, v in store.stats(table).items() if k != "oldest_age_seconds"}
 
 
 def runs_cover_the_ready_groups(store: Store, table: str) -> None:
@@ -100,13 +88,6 @@ def given_back_then_confirmed(store: Store, spec: TakeSpec) -> None:
     held = store.sample(spec, hold=True)
     assert held is not None
     store.confirm(held.lease_id, spec)
-
-
-def take_both(store: Store, name: str, **spec: object) -> tuple[object, ...] | None:
-    """The same take from both tables; the rows table's reply, asserted equal to the records one's."""
-    got = [reply(store.sample(TakeSpec(table=table, wait_seconds=0, **spec))) for table in (name, f"{name}_rows")]  # type: ignore[arg-type]
-    assert got[1] == got[0]
-    return got[1]
 
 
 @pytest.mark.parametrize("order", ["fifo", "lifo"])

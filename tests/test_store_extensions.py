@@ -12,7 +12,6 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
-from test_partial_rollouts import rollout, split
 
 from expbuf.client import BufferClient, InvalidArgumentError, trxp
 from expbuf.server.app import ExpbufServer, StartupError
@@ -41,6 +40,7 @@ from expbuf.server.store.schema.table_config import TableConfig
 
 from conftest import payload
 from helpers import group_items
+from test_partial_rollouts import rollout, split
 
 
 class Journal(TableExtension):

@@ -65,7 +65,7 @@ OWN = (
 # groups (the ready order of a rows table, apart from the records' `ready` while both layouts live).
 # Not among OWN: only a directory that has held a rows table has them (Environment.open_rows), so
 # opening, checking or reading a directory of records tables creates and finds nothing new.
-ROWS = ("gdir", "segs", "sstate", "runs")
+ROWS = ("gdir", "segs", "sstate", "runs", "frags")
 # The indexes a directory written before the order registry keeps: those of the built-in orders.
 BUILT_IN_INDEXES = ("ready", "prio", "slots", "slotof", "byver")
 FORMAT_1_ONLY = ("tasks", "runs", "steps")

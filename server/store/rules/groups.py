@@ -12,16 +12,16 @@ bytes and totals are counters written in the same transaction as the records.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 from expbuf.client.schema.routing import uid_group_key
 
 from ..core.ordering.ready import Row
 from ..core.table_state.events import Inserted, Pushed, Resent
 from ..core.table_state.state import TableState
+from ..core.table_state.views import RowGroup
 from ..core.verbs import groups as core_groups
-from ..core.verbs import pieces
-from ..core.verbs import segments as core_segments
+from ..core.verbs import pieces, row_pending
 from ..core.verbs.compute import store_advantages
 from ..core.verbs.groups import Closed
 from ..core.verbs.retire import retire
@@ -53,24 +53,33 @@ class Ending:
     def __init__(self, tt: TableState) -> None:
         self.tt = tt
         self.closed: list[Closed] = []
+        self.rows: list[tuple[RowGroup, bool, bool]] = []  # a rows table's: (view, partial, written)
         self.gone: dict[State, list[tuple[str, GroupView]]] = {}
         self.lost: list[tuple[str, GroupView]] = []  # to fail: a member's record is lost
 
     def complete(self, gkey: str, grp: GroupView, *, partial: bool, indexed: bool = True) -> bool:
         """A pending group is to become ready, or computing; False if the zero-variance filter
         drops it instead. `indexed`: the group is in the pending index (a group opened and
-        filled by one push never is). One with a member whose record the directory lost is to
-        fail instead (the quarantine rule), since it can never be served whole."""
+        filled by one push never is; of a rows table's: its head is written). One with a member
+        whose record the directory lost is to fail instead (the quarantine rule), since it can never
+        be served whole."""
         tt = self.tt
-        if any(tt.member(uid) is None for uid in grp.members):
+        if isinstance(grp, RowGroup):  # its members are its rows, which it cannot lose apart
+            rewards = [member.reward for member in grp.rows]
+        elif any(tt.member(uid) is None for uid in grp.members):
             self.lost.append((gkey, grp))
             return True
-        recs = core_groups.closing(tt, gkey, grp, partial=partial)
-        if tt.config.grouping.drop_zero_variance and zero_variance([rec.reward for rec in recs.values()]):
+        else:
+            recs = core_groups.closing(tt, gkey, grp, partial=partial)
+            rewards = [rec.reward for rec in recs.values()]
+        if tt.config.grouping.drop_zero_variance and zero_variance(rewards):
             self.drop(gkey, grp)
             tt.counters.dropped_zero_variance += 1
             return False
-        self.closed.append((gkey, grp, recs, indexed))
+        if isinstance(grp, RowGroup):
+            self.rows.append((grp, partial, indexed))
+        else:
+            self.closed.append((gkey, grp, recs, indexed))
         return True
 
     def drop(self, gkey: str, grp: GroupView) -> None:
@@ -93,10 +102,12 @@ class Ending:
         """The groups complete (`ready`, `computing`: as core/verbs/groups.complete's), then the others
         leave."""
         core_groups.complete(self.tt, self.closed, ready=ready, computing=computing)
+        if self.rows:
+            row_pending.complete(self.tt, self.rows)
         for state, groups in self.gone.items():
             retire(self.tt, groups, state)
         quarantine_lost(self.tt, self.lost)
-        self.closed, self.gone, self.lost = [], {}, []
+        self.closed, self.rows, self.gone, self.lost = [], [], {}, []
 
 
 def put(
@@ -120,9 +131,8 @@ def put(
     fresh: dict[str, Entry] = {}
     copies: dict[str, None] = {}  # the groups of the duplicates
     rows = tt.config.storage.layout == "rows"
-    # of a rows table, the groups it has of this push's, and their members' digests
-    gkeys = {entry.group_key(tt.config.grouping.by) for entry in entries} if rows else ()
-    existing, stored = core_segments.stored(tt, gkeys) if rows else (set(), {})
+    # of a rows table, the directory entries of this push's groups, and their members' digests
+    existing, stored = row_pending.stored(tt, _uids_by_group(tt, entries)) if rows else ({}, {})
     for entry in entries:
         known = fresh.get(entry.uid)
         if known is not None:
@@ -154,8 +164,7 @@ def put(
     if by_group:  # a push of pieces alone, or of copies alone, was heard of as such
         tt.extensions.on_pushed(tt, Pushed(list(by_group), holder))
     if rows:
-        _put_rows(tt, by_group, existing, compute)
-        result.completed_groups = list(by_group)
+        _put_rows(tt, by_group, existing, compute, result)
         return _stored(tt, result, list(fresh))
     groups: dict[str, GroupView] = {}
     opened: set[str] = set()  # groups this push starts: not in the pending index yet
@@ -169,12 +178,7 @@ def put(
             raise GroupClosed(f"group {gkey} is already complete ({grp.state}); it takes no more experiences")
         if grp.failed:  # a run reported failed, then pushed after all (a retry that worked)
             core_groups.forget_failed(grp, [entry.uid for entry in members])
-        if size and len(grp.members) + len(grp.failed) + len(members) > size:
-            raise GroupOverfilled(
-                f"group {gkey} has {len(grp.members)} of {size} experiences"
-                + (f" and {len(grp.failed)} runs reported failed" if grp.failed else "")
-                + f"; {len(members)} more would overfill it"
-            )
+        _no_overfill(tt, gkey, len(grp.members), grp.failed, len(members))
         groups[gkey] = grp
     make_room(tt, len(fresh), sum(e.size for e in fresh.values()), set(groups))
     core_groups.add_members(tt, by_group, groups)
@@ -214,11 +218,25 @@ def _stored(tt: TableState, result: PutResult, stored: list[str]) -> PutResult:
     return result
 
 
-def _put_rows(tt: TableState, by_group: dict[str, list[Entry]], existing: set[str], compute: Compute | None) -> None:
-    """A push into a table of layout "rows" (issue 64, whose rows land a step at a time): so far
-    only new groups, each complete in the push, of a table that computes no advantages and evicts
-    no stale groups (its version report and upkeep read the records' ready index); any other push
-    is refused before anything is stored."""
+def _uids_by_group(tt: TableState, entries: Iterable[Entry]) -> dict[str, list[str]]:
+    found: dict[str, list[str]] = defaultdict(list)
+    for entry in entries:
+        found[entry.group_key(tt.config.grouping.by)].append(entry.uid)
+    return found
+
+
+def _put_rows(
+    tt: TableState,
+    by_group: dict[str, list[Entry]],
+    existing: dict[str, row_pending.PendingGroup | None],
+    compute: Compute | None,
+    result: PutResult,
+) -> None:
+    """A push into a table of layout "rows" (issue 64, whose rows land a step at a time): its groups
+    joined, completed, kept pending or dropped as a records table's (`put`), of a table that
+    computes no advantages and evicts no stale groups (its version report and upkeep read the
+    records' ready index) nor groups to make room; any other push is refused before anything is
+    stored."""
     size = tt.config.grouping.size
     if compute is not None or tt.config.advantages.estimator != "none":
         raise InvalidRequest(
@@ -229,25 +247,55 @@ def _put_rows(tt: TableState, by_group: dict[str, list[Entry]], existing: set[st
         raise InvalidRequest(
             f"table '{tt.config.name}' keeps rows, which evict no stale groups yet: evict_stale must be off"
         )
+    groups: dict[str, row_pending.PendingGroup] = {}
     for gkey, members in by_group.items():
-        if gkey in existing:
-            raise GroupClosed(f"group {gkey} is already complete; it takes no more experiences")
-        if size and len(members) != size:
-            raise InvalidRequest(
-                f"table '{tt.config.name}' keeps rows, which take only whole groups yet: group {gkey} "
-                f"has {len(members)} of its {size} experiences in this push"
-            )
-        if tt.config.grouping.drop_zero_variance and zero_variance([entry.reward for entry in members]):
-            raise InvalidRequest(
-                f"table '{tt.config.name}' keeps rows, which drop no groups yet: group {gkey}'s rewards are all equal"
-            )
+        if gkey not in existing:
+            grp = row_pending.opened_by_push(tt, gkey)
+        elif (found := existing[gkey]) is None:
+            state = tt.existing_view(gkey).state
+            raise GroupClosed(f"group {gkey} is already complete ({state}); it takes no more experiences")
+        else:
+            grp = found
+        if grp.failed:  # a run reported failed, then pushed after all (a retry that worked)
+            pushed = {entry.uid for entry in members}
+            grp = grp._replace(failed={uid: why for uid, why in grp.failed.items() if uid not in pushed})
+        _no_overfill(tt, gkey, grp.size, grp.failed, len(members))
+        groups[gkey] = grp
     try:
         make_room(tt, sum(map(len, by_group.values())), sum(e.size for es in by_group.values() for e in es), set())
     except TableFull:
         if tt.config.capacity.when_full != "evict":
             raise  # a push into a full table that blocks waits for room, as a records table's does
         raise InvalidRequest(f"table '{tt.config.name}' keeps rows, which evict no groups yet: it is full") from None
-    core_groups.put_whole(tt, by_group)
+    ending = Ending(tt)
+    for gkey, new in row_pending.joined(tt, by_group).items():
+        grp = groups[gkey]
+        if size and grp.size + len(new) + len(grp.failed) < size:
+            row_pending.keep(tt, gkey, grp, new)
+            continue
+        view = row_pending.view(tt, grp, new)
+        if grp.failed and too_short(tt, view):
+            ending.drop_short(gkey, view)
+            result.dropped_groups.append(gkey)
+            continue
+        result.completed_groups.append(gkey)
+        if not ending.complete(gkey, view, partial=bool(grp.failed), indexed=grp.head is not None):
+            result.dropped_groups.append(gkey)
+        else:
+            tt.counters.groups_short += bool(grp.failed)
+    ending.done()
+
+
+def _no_overfill(tt: TableState, gkey: str, members: int, failed: Mapping[str, str], adding: int) -> None:
+    """Refuse `adding` more experiences to a group of `members` and `failed` runs that they would
+    overfill (GroupOverfilled)."""
+    size = tt.config.grouping.size
+    if size and members + len(failed) + adding > size:
+        raise GroupOverfilled(
+            f"group {gkey} has {members} of {size} experiences"
+            + (f" and {len(failed)} runs reported failed" if failed else "")
+            + f"; {adding} more would overfill it"
+        )
 
 
 def _check_rewards(tt: TableState, entries: Iterable[Entry]) -> None:
@@ -351,7 +399,7 @@ def fail_runs(tt: TableState, failures: Sequence[tuple[str, str]], holder: str) 
             f"table '{tt.config.name}' completes a group with the push that carries it (group_size = 0): "
             "it has no runs to wait for, so none to report failed"
         )
-    _no_pending_rows(tt, "a report of failed runs")
+    rows = tt.config.storage.layout == "rows"
     result = FailResult()
     touched: dict[str, GroupView] = {}
     keys = [uid_group_key(uid, grouping.by) for uid, _ in failures]
@@ -362,10 +410,12 @@ def fail_runs(tt: TableState, failures: Sequence[tuple[str, str]], holder: str) 
     tt.extensions.on_pushed(tt, Pushed(gkeys, holder, "FailRuns"))  # a claim's checks
     for (uid, reason), gkey in zip(failures, keys, strict=True):
         assert gkey is not None
-        if tt.member(uid) is not None:
-            raise Conflict(f"uid {clip(uid)} was pushed: a run pushed cannot be reported failed")
         grp = touched.get(gkey) or tt.view(gkey)
-        if grp is None:
+        if uid in grp.members if rows and grp is not None else tt.member(uid) is not None:
+            raise Conflict(f"uid {clip(uid)} was pushed: a run pushed cannot be reported failed")
+        if grp is None and rows:
+            grp = row_pending.opened(tt, gkey)
+        elif grp is None:
             grp = core_groups.new(tt)
             core_groups.pend(tt, gkey, grp)
         elif grp.state != PENDING:
@@ -373,7 +423,7 @@ def fail_runs(tt: TableState, failures: Sequence[tuple[str, str]], holder: str) 
         if uid not in grp.failed:
             if len(grp.members) + len(grp.failed) >= grouping.size:
                 raise GroupOverfilled(f"group {clip(gkey)} has all its {grouping.size} runs; {clip(uid)} is not one")
-            core_groups.record_failed(grp, uid, reason)
+            grp = core_groups.record_failed(grp, uid, reason)
             tt.counters.runs_failed += 1
             pieces.drop(tt, uid)
             result.recorded.append(uid)
@@ -381,7 +431,7 @@ def fail_runs(tt: TableState, failures: Sequence[tuple[str, str]], holder: str) 
     ending = Ending(tt)
     for gkey, grp in touched.items():
         if len(grp.members) + len(grp.failed) < grouping.size:
-            core_groups.keep(tt, gkey, grp)
+            _keep(tt, gkey, grp)
         elif too_short(tt, grp):
             ending.drop_short(gkey, grp)
             result.dropped_groups.append(gkey)
@@ -395,11 +445,12 @@ def fail_runs(tt: TableState, failures: Sequence[tuple[str, str]], holder: str) 
     return result
 
 
-def _no_pending_rows(tt: TableState, what: str) -> None:
-    """Refuse `what` on a rows table, which keeps no pending groups yet (issue 64, 2.8): it would
-    open or complete a group's records there."""
-    if tt.config.storage.layout == "rows":
-        raise InvalidRequest(f"table '{tt.config.name}' keeps rows, which hold no pending groups yet, for {what}")
+def _keep(tt: TableState, gkey: str, grp: GroupView) -> None:
+    """A pending group changed, written: a records table's record, or a rows table's head."""
+    if isinstance(grp, RowGroup):
+        row_pending.keep(tt, gkey, grp)
+    else:
+        core_groups.keep(tt, gkey, grp)
 
 
 def too_short(tt: TableState, grp: GroupView) -> bool:
@@ -412,7 +463,6 @@ def seal(tt: TableState, gkey: str, holder: str) -> int:
     """Complete a pending group now; returns its size. A group with no members (its runs so far
     all reported failed) is dropped instead (reason short), its size 0. `holder` is who seals
     (as a push's: only a prompt's claimant completes its group)."""
-    _no_pending_rows(tt, "a seal")
     grp = tt.view(gkey)
     if grp is None:
         raise NotFound(f"group {clip(gkey)} does not exist in table '{tt.config.name}'")

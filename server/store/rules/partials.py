@@ -49,7 +49,7 @@ from expbuf.client.trxp.stored.pieces import Bytes
 
 from ..core.table_state.events import Pushed, Resent
 from ..core.table_state.state import TableState, missing
-from ..core.verbs import pieces
+from ..core.verbs import pieces, row_pending
 from ..core.verbs.groups import open_pending
 from ..disk import digests, piece_rows
 from ..disk.chunk_heads import CHUNK_BYTES
@@ -172,7 +172,9 @@ def _open_group(tt: TableState, gkey: str) -> None:
     report of a failed run opens it), so that its timeout, a seal and the ledger's end of a claim
     reach the rollouts held in pieces; a complete group takes no more pieces."""
     grp = tt.view(gkey)
-    if grp is None:
+    if grp is None and tt.config.storage.layout == "rows":
+        row_pending.open_pending(tt, gkey)
+    elif grp is None:
         open_pending(tt, gkey)
     elif grp.state != PENDING:
         raise GroupClosed(f"group {clip(gkey)} is already complete ({grp.state}); it takes no more pieces")

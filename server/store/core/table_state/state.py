@@ -11,6 +11,7 @@ pushes, what computes): those are the arguments of the verbs that need them.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from types import MappingProxyType
 from typing import TypeVar
 
 import lmdb
@@ -18,9 +19,17 @@ import lmdb
 from ...disk import layout
 from ...disk.layout import put_rows, u64
 from ...disk.records import GroupRecord, ItemRecord
-from ...disk.rows import GroupRef, SegmentView, SegState, directory_entry
+from ...disk.rows import (
+    Member,
+    PendingHead,
+    SegmentView,
+    SegState,
+    decode_member_rows,
+    directory_entry,
+    fragment_key,
+)
 from ...schema.errors import StoreError, clip
-from ...schema.states import COMPUTING, LEASED, LIVE, READY, State, check_move
+from ...schema.states import COMPUTING, LEASED, LIVE, PENDING, READY, State, check_move
 from ...schema.table_config import TableConfig
 from ...schema.views import GroupView, Members, MemberView
 from ..ordering.indexes import ReadyGroup, ReadyOrder
@@ -156,17 +165,20 @@ class TableState:
 
     def view(self, gkey: str) -> GroupView | None:
         """The group as code outside the core reads it (views.py): a records table's record, or a
-        rows table's group as its segment and state rows hold it (None while it is pending: a rows
-        table keeps no pending group yet, issue 64)."""
+        rows table's group as its segment and state rows hold it, or while it is pending, its head
+        and fragments."""
         if self.config.storage.layout == "rows":
             return self._row_group(gkey)
         return self.group(gkey)
 
     def _row_group(self, gkey: str) -> RowGroup | None:
         raw = self.txn.get(self.key(gkey), db=self.db["gdir"])
-        ref = None if raw is None else directory_entry(raw)
-        if not isinstance(ref, GroupRef):
+        if raw is None:
             return None
+        ref = directory_entry(raw)
+        if isinstance(ref, PendingHead):
+            rows = tuple(self.pending_rows(gkey, ref))
+            return RowGroup(gkey, PENDING, rows, MappingProxyType(dict(ref.failed)), created=ref.created)
         key = self.prefix + u64(ref.seg)
         view = SegmentView(stored(self.txn, key, self.db["segs"], "segment"))
         state = SegState.decode(stored(self.txn, key, self.db["sstate"], "segment state"))
@@ -176,8 +188,21 @@ class TableState:
         rows = tuple(view.members.members(lo, hi))
         return RowGroup(gkey, state.state(ref.group), rows, view.failed(ref.group), lease, state.times(ref.group))
 
+    def pending_rows(self, gkey: str, head: PendingHead) -> list[Member]:
+        """A rows table's pending group's members, in push order, as its fragments hold them."""
+        found: list[Member] = []
+        for number in range(head.fragments):
+            key = fragment_key(self.prefix, gkey, number)
+            found.extend(decode_member_rows(stored(self.txn, key, self.db["frags"], "fragment")))
+        return found
+
     def existing_view(self, gkey: str) -> GroupView:
         """The view of a group an index or a member names, which exists while they do."""
+        if self.config.storage.layout == "rows":
+            grp = self._row_group(gkey)
+            if grp is None:
+                raise missing("group", gkey)
+            return grp
         return self.existing_group(gkey)
 
     def put_group(self, gkey: str, grp: GroupRecord) -> None:
@@ -224,7 +249,7 @@ class TableState:
 
     # ---- keys of the per-table indexes ---------------------------------------------------
 
-    def pending_key(self, gkey: str, grp: GroupRecord) -> bytes:
+    def pending_key(self, gkey: str, grp: GroupRecord | PendingHead) -> bytes:
         return self.prefix + layout.micros(grp.created) + gkey.encode()
 
     def retired_key(self, gkey: str, retired: float) -> bytes:

@@ -43,6 +43,7 @@ class RowGroup(NamedTuple):
     failed: Mapping[str, str] = MappingProxyType({})
     lease: str = ""
     times: int = 0  # its members' deliveries (a group's members are delivered together)
+    created: float = 0.0  # when a pending group opened (its timeout's); 0 once it is complete
 
     @property
     def under_lease(self) -> bool:

@@ -10,19 +10,18 @@ from collections.abc import Mapping, Sequence
 
 import lmdb
 
-from ...disk import chunked, layout, shared_prompts
+from ...disk import layout
 from ...disk.kinds import Entry
 from ...disk.layout import put_rows, u64
 from ...disk.records import GroupRecord, ItemRecord
-from ...disk.rows import Group
 from ...schema.errors import clip
 from ...schema.states import COMPUTING, PENDING, READY
 from ...schema.views import GroupView, Members, MemberView
 from ..ordering.ready import Row
 from ..table_state import rate_counts
 from ..table_state.state import TableState
-from ..table_state.views import group_record
-from . import pieces, segments
+from ..table_state.views import RowGroup, group_record
+from . import payloads, pieces
 
 # A pending group about to complete: its key, view, members' views (closing), and whether it is in
 # the pending index.
@@ -53,9 +52,14 @@ def keep(tt: TableState, gkey: str, grp: GroupView) -> None:
     tt.put_group(gkey, group_record(grp))
 
 
-def record_failed(grp: GroupView, uid: str, reason: str) -> None:
-    """A run reported failed: one of the group's runs, not a member."""
-    group_record(grp).failed[uid] = clip(reason or "failed", 200)
+def record_failed(grp: GroupView, uid: str, reason: str) -> GroupView:
+    """A run reported failed: one of the group's runs, not a member. Returns the group's view with
+    it (a rows table's is a new view, for row_pending.keep to write)."""
+    why = clip(reason or "failed", 200)
+    if isinstance(grp, RowGroup):
+        return grp._replace(failed={**grp.failed, uid: why})
+    group_record(grp).failed[uid] = why
+    return grp
 
 
 def forget_failed(grp: GroupView, uids: Sequence[str]) -> None:
@@ -95,57 +99,7 @@ def add_members(tt: TableState, by_group: dict[str, list[Entry]], groups: dict[s
             grp.members.append(entry.uid)
             seq += 1
     put_rows(tt.txn, tt.db["order"], order)
-    _store_payloads(tt, by_group)
-
-
-def _store_payloads(tt: TableState, by_group: dict[str, list[Entry]]) -> None:
-    """New experiences' payloads, in push order, counted pending with their bytes, places in the
-    insertion order (next_seq) and versions: a records table's and a rows table's alike."""
-    counters = tt.counters
-    prefix, nbytes, count = tt.prefix, 0, 0
-    blobs: list[tuple[bytes, bytes]] = []
-    versions: list[int] = []
-    sharing = shared_prompts.Sharing(tt.txn, tt.db)
-    for members in by_group.values():
-        for entry in members:
-            key = prefix + entry.uid.encode()
-            value = chunked.stored_value(
-                sharing, key, entry.blob, entry.response_length, entry.prompt_bytes, entry.chunks
-            )
-            blobs.append((key, value))
-            if entry.version is not None:
-                versions.append(entry.version)
-            nbytes += entry.size
-            count += 1
-    sharing.close()
-    put_rows(tt.txn, tt.db["blobs"], blobs)
-    counters.pending += count
-    counters.next_seq += count
-    counters.bytes += nbytes
-    counters.bytes_pushed += nbytes
-    if versions:
-        low, high = counters.min_version, counters.max_version
-        counters.min_version = min(versions) if low is None else min(low, *versions)
-        counters.max_version = max(versions) if high is None else max(high, *versions)
-
-
-def put_whole(tt: TableState, by_group: dict[str, list[Entry]]) -> None:
-    """New groups of a rows table, each complete in this push, in push order: their payloads
-    stored as a records table's are, then the groups ready as rows (segments.complete_ready),
-    each with its members' lowest version (None unless every member has one) and highest
-    priority, as `complete` gives a records table's."""
-    now, seq = tt.now, tt.counters.next_seq
-    _store_payloads(tt, by_group)
-    whole: list[Group] = []
-    for gkey, entries in by_group.items():
-        members = [entry.member(seq=seq + i, created=now) for i, entry in enumerate(entries)]
-        seq += len(members)
-        versions = [m.version for m in members if m.version is not None]
-        version = min(versions) if len(versions) == len(members) else None
-        priority = max(m.priority for m in members)
-        whole.append(Group(key=gkey, created=now, members=members, priority=priority, version=version))
-    tt.counters.groups_pending += len(whole)
-    segments.complete_ready(tt, whole)
+    payloads.store(tt, by_group)
 
 
 def closing(tt: TableState, gkey: str, grp: GroupView, *, partial: bool) -> dict[str, MemberView]:

@@ -23,8 +23,8 @@ from ...schema.views import Groups, MemberView
 from ..table_state import rate_counts
 from ..table_state.events import Retired
 from ..table_state.state import TableState
-from ..table_state.views import group_record, member_record
-from . import pieces
+from ..table_state.views import RowGroup, group_record, member_record
+from . import pieces, row_pending
 
 log = logging.getLogger("expbuf.store")
 
@@ -48,7 +48,10 @@ def retire(
     (bury_lost), counted damaged and logged where the caller did not name it among them. Done
     in passes, one per database, over all the groups; a record not read yet in this transaction
     becomes a tombstone without being decoded. The table's extensions hear of it first
-    (`Retired`)."""
+    (`Retired`). A rows table's pending groups leave as row_pending.retire has it."""
+    if groups and isinstance(groups[0][1], RowGroup):
+        row_pending.retire(tt, groups, state)
+        return
     tt.extensions.on_retired(tt, Retired(groups, state))
     records = [(gkey, group_record(grp)) for gkey, grp in groups]
     for gkey, _ in records:

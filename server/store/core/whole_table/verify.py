@@ -10,10 +10,25 @@ from __future__ import annotations
 
 from collections import defaultdict
 
+from expbuf.client.trxp.stored.pieces import Stored
+
 from ...disk import chunk_reads, digests
 from ...disk.layout import u64
 from ...disk.records import GroupRecord, ItemRecord
-from ...disk.rows import GroupRef, RowLease, RunRow, SegmentView, SegState, decode_lease, directory_entry
+from ...disk.rows import (
+    GroupRef,
+    Member,
+    PendingHead,
+    RowLease,
+    RunRow,
+    SegmentView,
+    SegState,
+    decode_lease,
+    decode_member_rows,
+    directory_entry,
+    fragment_key,
+    uid_hash,
+)
 from ...schema.states import COMPUTING, FAILED, LEASED, LIVE, PENDING, QUARANTINED, READY, RETIRED, STATES, State
 from ..table_state.read_check import payload_problem
 from ..table_state.state import TableState, member_state
@@ -156,29 +171,32 @@ def _prefix_count(tt: TableState, name: str) -> int:
 
 
 # The databases a rows table keeps nothing in (disk/rows/ keeps what they hold for a records table).
-RECORDS_ONLY = ("items", "tombs", "groups", "order", "pending", "compute", "retired", "cooling")
+RECORDS_ONLY = ("items", "tombs", "groups", "order", "compute", "retired", "cooling")
 
 
 def rows(tt: TableState) -> list[str]:
-    """The problems of a rows table's rows (issue 64; so far groups pushed whole, ready): every
-    segment decodes with its state, each of its groups has the directory entry that names it and
-    no entry names another place, each member's payload is present and the one pushed, each ready
-    group is covered by one ready run and every run covers ready groups of a segment, nothing is
-    kept in the records' databases, and the counters count what is there."""
+    """The problems of a rows table's rows (issue 64): every segment decodes with its state, each of
+    its groups has the directory entry that names it and no entry names another place, each live
+    member's payload is present and the one pushed, each ready group is covered by one ready run and
+    every run covers ready groups of a segment, each pending group's head has its fragments and its
+    row in the pending index (`_pending`), nothing is kept in the records' databases, and the
+    counters count what is there."""
     problems: list[str] = []
     counts: dict[str, int] = defaultdict(int)
     covered: dict[tuple[int, int], int] = defaultdict(int)  # (seg, group) -> the runs covering it
     places: dict[str, GroupRef] = {}
+    heads: dict[str, PendingHead] = {}
     for key, value in _rows_of(tt, "gdir"):
         try:
             entry = directory_entry(value)
         except _DAMAGE as exc:
             problems.append(f"group directory entry {key[:80]!r} does not decode ({exc})")
             continue
-        if not isinstance(entry, GroupRef):
-            problems.append(f"group {key[:80]!r} is pending, which a rows table does not keep yet")
-            continue
-        places[key.decode(errors="replace")] = entry
+        if isinstance(entry, PendingHead):
+            heads[key.decode(errors="replace")] = entry
+        else:
+            places[key.decode(errors="replace")] = entry
+    problems.extend(_pending(tt, heads, counts))
     for key, value in _rows_of(tt, "runs"):
         place = int.from_bytes(key, "big")
         try:
@@ -239,9 +257,7 @@ def rows(tt: TableState) -> list[str]:
                         problems.append(f"item {member.uid} of group {gkey} is {group_state} but its payload is kept")
                     continue
                 counts["bytes"] += member.size
-                problem = (
-                    "its payload is missing" if blob is None else digests.mismatch(blob, member.size, member.digest)
-                )
+                problem = _row_payload(blob, member)
                 if problem is not None:
                     problems.append(f"item {member.uid} of group {gkey}: {problem}")
         if all(s in RETIRED for s in state.states(0, state.groups)) != (state.retired is not None):
@@ -259,6 +275,49 @@ def rows(tt: TableState) -> list[str]:
         if stored[name] != counts[name]:
             problems.append(f"counter {name} is {stored[name]} but {counts[name]} were found")
     return problems
+
+
+def _pending(tt: TableState, heads: dict[str, PendingHead], counts: dict[str, int]) -> list[str]:
+    """The problems of a rows table's pending groups (core/verbs/row_pending.py), their members
+    counted: each head's fragments decode and hold the members its hashes name, in order, each
+    payload present and the one pushed; the pending index names each head once, at its creation
+    time; no fragment is of no head."""
+    problems: list[str] = []
+    fragments = {bytes(key): None for key, _ in _rows_of(tt, "frags")}
+    indexed = {bytes(key) for key, _ in _rows_of(tt, "pending")}
+    for gkey, head in heads.items():
+        counts["groups_pending"] += 1
+        members = []
+        try:
+            for number in range(head.fragments):
+                key = fragment_key(b"", gkey, number)
+                raw = tt.txn.get(tt.prefix + key, db=tt.db["frags"])
+                if fragments.pop(key, False) is not None or raw is None:
+                    raise ValueError(f"its fragment {number} is not stored")
+                members.extend(decode_member_rows(raw))
+        except _DAMAGE as exc:
+            problems.append(f"pending group {gkey}: {exc}")
+            continue
+        if [uid_hash(member.uid) for member in members] != head.hashes:
+            problems.append(f"pending group {gkey}: its fragments hold other members than its head names")
+        pending_key = tt.pending_key(gkey, head)[len(tt.prefix) :]
+        if pending_key not in indexed:
+            problems.append(f"pending group {gkey} is not in the pending index")
+        indexed.discard(pending_key)
+        for member in members:
+            counts[PENDING] += 1
+            counts["bytes"] += member.size
+            problem = _row_payload(chunk_reads.read_payload(tt.txn, tt.db, tt.key(member.uid)), member)
+            if problem is not None:
+                problems.append(f"item {member.uid} of pending group {gkey}: {problem}")
+    problems.extend(f"fragment {key[:80]!r} is of no pending group" for key in fragments)
+    problems.extend(f"the pending index names {key[8:80]!r}, which is not pending" for key in indexed)
+    return problems
+
+
+def _row_payload(blob: Stored | None, member: Member) -> str | None:
+    """Why a rows table's live member's payload is not the one pushed, or None when it is."""
+    return "its payload is missing" if blob is None else digests.mismatch(blob, member.size, member.digest)
 
 
 def _lease_holds(state: State, tag: str, named: str | None) -> bool:

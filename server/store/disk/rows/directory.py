@@ -1,6 +1,6 @@
 """The group directory's entries: a complete group's place in a segment (`GroupRef`) or, while the
 group still takes members, its `PendingHead`; the members each push added to a pending group wait
-in a member block of their own (a fragment) until the group completes.
+as member rows of their own (a fragment: members.encode_member_rows) until the group completes.
 """
 
 from __future__ import annotations
@@ -13,6 +13,12 @@ import xxhash
 
 from ..records import _pack_str, _unpack_str
 from .members import _PARTIAL
+
+
+def fragment_key(prefix: bytes, gkey: str, number: int) -> bytes:
+    """A pending group's fragment `number` in the fragments database: its key ends in 5 bytes of its
+    own (a zero, then the number), so no two groups' fragments share a key."""
+    return prefix + gkey.encode() + b"\x00" + number.to_bytes(4, "big")
 
 
 def uid_hash(uid: str) -> int:

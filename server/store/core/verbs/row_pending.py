@@ -1,0 +1,184 @@
+"""A rows table's pending groups (issue 64, 2.8): a group whose runs arrive over many pushes (GRPO's
+rollout workers, each pushing its own runs) keeps its head in the group directory (`PendingHead`:
+when it opened, a hash of each member's uid, how many fragments it has, its failed runs), one
+fragment a push that added members to it (their rows, disk/rows/members.py) and a row
+in the pending index (its timeout's, as a records table's). It completes into a segment as a group
+pushed whole does (segments.py), its fragments read once and deleted then; dropped (timed out, too
+few runs, all rewards equal, its claim ended), it goes into a segment of its own retired state,
+which keeps its members' digests as a consumed group's does, its payloads gone.
+
+What a member of such a group costs beyond one of a group pushed whole: its row written once more
+(in its fragment) and its uid's hash in the head, which each push to the group rewrites.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from types import MappingProxyType
+from typing import NamedTuple
+
+from ...disk import chunked
+from ...disk.kinds import Entry
+from ...disk.layout import u64
+from ...disk.rows import Member, PendingHead, SegmentView, directory_entry, encode_member_rows, fragment_key
+from ...disk.rows import uid_hash as _uid_hash
+from ...schema.states import PENDING, State
+from ...schema.views import Groups
+from ..table_state.events import Retired
+from ..table_state.state import TableState, missing
+from ..table_state.views import RowGroup
+from . import payloads, pieces, segments
+
+
+class PendingGroup(NamedTuple):
+    """A rows table's pending group as a push meets it, its fragments unread (they are read once, when
+    it completes or leaves: `view`): its head as stored (None: opened by this request), its members
+    so far, its failed runs (uid -> reason) and when it opened."""
+
+    key: str
+    head: PendingHead | None
+    size: int  # its members so far
+    failed: Mapping[str, str]
+    created: float
+
+
+def stored(
+    tt: TableState, uids: Mapping[str, Sequence[str]]
+) -> tuple[dict[str, PendingGroup | None], dict[str, bytes]]:
+    """Of these groups (each with the uids a push brings it), those the table has: pending (a
+    `PendingGroup`) or complete (None); and the stored digests of their members (uid -> digest), for a
+    retried push's duplicates: one directory read a group, one segment read a segment, and a
+    pending group's fragments read only where one of the uids' hashes is among its head's."""
+    found: dict[str, PendingGroup | None] = {}
+    digests: dict[str, bytes] = {}
+    views: dict[int, SegmentView] = {}
+    for gkey, pushed in uids.items():
+        raw = tt.txn.get(tt.key(gkey), db=tt.db["gdir"])
+        if raw is None:
+            continue
+        entry = directory_entry(raw)
+        if isinstance(entry, PendingHead):
+            found[gkey] = PendingGroup(gkey, entry, len(entry.hashes), entry.failed, entry.created)
+            if not set(entry.hashes).isdisjoint(map(_uid_hash, pushed)):
+                digests.update((member.uid, member.digest) for member in tt.pending_rows(gkey, entry))
+            continue
+        found[gkey] = None
+        view = views.get(entry.seg)
+        if view is None:
+            seg = tt.txn.get(tt.prefix + u64(entry.seg), db=tt.db["segs"])
+            if seg is None:
+                raise missing("segment", f"{entry.seg} of group {gkey}")
+            view = views[entry.seg] = SegmentView(seg)
+        lo, hi = view.span(entry.group)
+        digests.update(zip(view.members.uids(lo, hi), view.members.digests(lo, hi), strict=True))
+    return found, digests
+
+
+def head(tt: TableState, gkey: str) -> PendingHead | None:
+    """A pending group's head; None: the group is not pending (complete, or not there)."""
+    raw = tt.txn.get(tt.key(gkey), db=tt.db["gdir"])
+    entry = None if raw is None else directory_entry(raw)
+    return entry if isinstance(entry, PendingHead) else None
+
+
+def opened(tt: TableState, gkey: str) -> RowGroup:
+    """A new pending group, counted (neither indexed as pending nor written yet: `keep` writes it)."""
+    tt.counters.groups_pending += 1
+    return RowGroup(gkey, PENDING, (), created=tt.now)
+
+
+def opened_by_push(tt: TableState, gkey: str) -> PendingGroup:
+    """A new pending group a push opens, counted (`keep` writes it, unless the push completes it)."""
+    tt.counters.groups_pending += 1
+    return PendingGroup(gkey, None, 0, {}, tt.now)
+
+
+def open_pending(tt: TableState, gkey: str) -> RowGroup:
+    """A new pending group, indexed and written (core/verbs/groups.open_pending's)."""
+    grp = opened(tt, gkey)
+    keep(tt, gkey, grp)
+    return grp
+
+
+def joined(tt: TableState, by_group: Mapping[str, Sequence[Entry]]) -> dict[str, list[Member]]:
+    """New experiences join their groups, in push order: their payloads stored and counted pending
+    (payloads.py); their rows by group (for `keep`, or for the group's segment: `view`)."""
+    now, seq = tt.now, tt.counters.next_seq
+    payloads.store(tt, by_group)
+    found: dict[str, list[Member]] = {}
+    for gkey, entries in by_group.items():
+        found[gkey] = [entry.member(seq=seq + i, created=now) for i, entry in enumerate(entries)]
+        seq += len(entries)
+    return found
+
+
+def view(tt: TableState, grp: PendingGroup, new: Sequence[Member]) -> RowGroup:
+    """A pending group's view with its new members: its earlier ones read from its fragments."""
+    rows = [*(tt.pending_rows(grp.key, grp.head) if grp.head is not None else ()), *new]
+    return RowGroup(grp.key, PENDING, tuple(rows), MappingProxyType(dict(grp.failed)), created=grp.created)
+
+
+def keep(tt: TableState, gkey: str, grp: RowGroup | PendingGroup, new: Sequence[Member] = ()) -> None:
+    """A pending group changed (members added: `new`; runs reported failed), or opened (then indexed
+    as pending): its head written, its new members as a fragment."""
+    entry = grp.head if isinstance(grp, PendingGroup) else head(tt, gkey)
+    if entry is None:
+        entry = PendingHead(created=grp.created)
+        tt.txn.put(tt.pending_key(gkey, entry), b"", db=tt.db["pending"])
+    entry.failed = dict(grp.failed)
+    if new:
+        tt.txn.put(fragment_key(tt.prefix, gkey, entry.fragments), encode_member_rows(new), db=tt.db["frags"])
+        entry.fragments += 1
+        entry.hashes.extend(_uid_hash(member.uid) for member in new)
+    tt.txn.put(tt.key(gkey), entry.encode(), db=tt.db["gdir"])
+
+
+def _forget(tt: TableState, gkey: str) -> None:
+    """A pending group's fragments and pending index row go (it completes or leaves); its directory
+    entry is overwritten by its segment's."""
+    entry = head(tt, gkey)
+    if entry is None:
+        return  # opened and closed by one request: never written
+    for number in range(entry.fragments):
+        tt.txn.delete(fragment_key(tt.prefix, gkey, number), db=tt.db["frags"])
+    tt.txn.delete(tt.pending_key(gkey, entry), db=tt.db["pending"])
+
+
+def complete(tt: TableState, groups: Sequence[tuple[RowGroup, bool, bool]]) -> None:
+    """Pending groups become ready together, in the ready order's next places, as groups pushed whole
+    do: each with whether it completes partial (sealed, timed out, runs reported failed) and whether
+    it was written (`keep`; a group opened and filled by one push never is)."""
+    whole = []
+    for grp, partial, written in groups:
+        if written:
+            _forget(tt, grp.key)
+        if partial:
+            pieces.drop_group(tt, grp.key)  # its runs still in pieces will not join it
+        whole.append(segments.whole(grp.key, grp.created, grp.rows, partial=partial, failed=grp.failed))
+    segments.complete_ready(tt, whole)
+
+
+def retire(tt: TableState, groups: Groups, state: State) -> None:
+    """Pending groups leave the table as `state` (dropped): the extensions hear of it first
+    (`Retired`); their rows go into segments of that state, which keep their members' digests (a
+    retried push of one is a duplicate), their payloads, fragments and pending index rows go."""
+    tt.extensions.on_retired(tt, Retired(groups, state))
+    views = [_pending(gkey, grp) for gkey, grp in groups]
+    for grp in views:
+        pieces.drop_group(tt, grp.key)
+        _forget(tt, grp.key)
+    segments.write(tt, [segments.whole(g.key, g.created, g.rows, failed=g.failed) for g in views], state)
+    counters = tt.counters
+    members = [member for grp in views for member in grp.rows]
+    counters.add(PENDING, -len(members))
+    counters.add(state, len(members))
+    counters.add_groups(PENDING, -len(views))
+    keys = sorted((tt.key(member.uid), member.size) for member in members)
+    chunked.delete(tt.txn, tt.db, [key for key, _ in keys], [size for _, size in keys])
+    counters.bytes -= sum(member.size for member in members)
+
+
+def _pending(gkey: str, grp: object) -> RowGroup:
+    if not isinstance(grp, RowGroup) or grp.state != PENDING:
+        raise TypeError(f"group {gkey} is no pending group of a rows table")
+    return grp
