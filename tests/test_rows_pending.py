@@ -22,6 +22,7 @@ from expbuf.server.store.disk import layout
 from expbuf.server.store.disk.rows import PendingHead, directory_entry
 from expbuf.server.store.ledger.records import DatasetRecord
 from expbuf.server.store.schema.errors import Conflict, StoreError
+from expbuf.server.store.schema.sample_spec import TakeSpec
 from expbuf.server.store.schema.states import DROPPED, PENDING, READY
 from expbuf.server.store.schema.views import Groups
 
@@ -367,4 +368,23 @@ def test_rollouts_in_pieces_join_a_rows_tables_pending_group_as_a_records_tables
         got = take_both(store, "t", num_groups=3, allow_partial=True)
         assert got is not None and got[1] == ["0/0", "0/0", "0/2"]
         assert store.stats("t_rows")["partials"] == 0 and store.stats("t_rows")["dropped_short"] == 1
+        clean(store, "t", "t_rows")
+
+
+@pytest.mark.parametrize("delivery", ["consume", "lease"])
+def test_a_consumed_groups_rollouts_in_pieces_are_dropped_as_a_records_tables(tmp_path: Path, delivery: str) -> None:
+    """A rollout in pieces whose group filled without it: the group's take (consumed, or leased
+    and acked) drops it, as a records table's retire does, and the table counts no pieces."""
+    with Store(tmp_path, clock=Clock()) as store:
+        both(store, "t", estimator="none", group_size=2)
+        first = trxp.from_experience(split(rollout(run=2), [4, 8])[0])
+        put_both(store, "t", [first, trxp.from_experience(rollout(run=0)), run(0, 1)])
+        assert store.stats("t_rows")["partials"] == 1 and store.stats("t_rows")["ready"] == 2
+        for table in ("t", "t_rows"):
+            batch = store.sample(TakeSpec(table=table, num_groups=1, delivery=delivery))
+            assert batch is not None
+            if delivery == "lease":
+                assert store.ack(batch.lease_id, table) == 2
+        assert stats(store, "t_rows") == stats(store, "t")
+        assert store.stats("t_rows")["partials"] == 0 and store.stats("t_rows")["partial_bytes"] == 0
         clean(store, "t", "t_rows")

@@ -27,6 +27,7 @@ from ..table_state import rate_counts
 from ..table_state.events import Moved, Retired
 from ..table_state.state import TableState, missing
 from ..table_state.views import RowGroup, RowMember, row_members
+from . import pieces
 
 NO_LEASE = bytes(SegState.LEASE)
 
@@ -236,10 +237,13 @@ def retire(tt: TableState, segments: Segments, picked: Sequence[Picked], state: 
     """Picked groups (ready, or leased: out of their runs or leases) leave the table as `state` (consumed, or
     failed): their state bytes say so, their payloads go, and a segment whose groups have all
     retired says when; the extensions hear of it first (`Retired`). One that leaves other than
-    consumed leaves the rate limiter's count (as core/verbs/retire.retire has it). The groups'
+    consumed leaves the rate limiter's count (as core/verbs/retire.retire has it), and rollouts still
+    in pieces of a group that filled without them go, as that retire drops them. The groups'
     directory entries and their segment's columns stay: the members' tombstones (a retried push of
     one is a duplicate)."""
     tt.extensions.on_retired(tt, Retired([(p.gkey, p.group) for p in picked], state))
+    for p in picked:
+        pieces.drop_group(tt, p.gkey)
     if state != CONSUMED:
         for p in picked:
             rate_counts.forget(tt, p.group, p.members.values())
