@@ -7,8 +7,10 @@ writes its fragment and its head, no record per experience."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import random
+from collections.abc import Callable
 from pathlib import Path
 
 import lmdb
@@ -16,18 +18,19 @@ import pytest
 
 from expbuf.client import trxp
 from expbuf.client.rollout_pieces import split
-from expbuf.server.store import Entry, Moved, Retired, Store, TableExtension
+from expbuf.server.store import Entry, Moved, Push, Retired, Store, TableExtension
 from expbuf.server.store.core.table_state.state import TableState
 from expbuf.server.store.disk import layout
 from expbuf.server.store.disk.rows import PendingHead, directory_entry
 from expbuf.server.store.ledger.records import DatasetRecord
 from expbuf.server.store.schema.errors import Conflict, StoreError
 from expbuf.server.store.schema.sample_spec import TakeSpec
-from expbuf.server.store.schema.states import DROPPED, PENDING, READY
+from expbuf.server.store.schema.states import DROPPED, LEASED, PENDING, READY
 from expbuf.server.store.schema.views import Groups
 
 from helpers import StoppedClock as Clock
 from helpers import both_layouts as both
+from helpers import layouts_reply as reply
 from helpers import layouts_stats as stats
 from helpers import make_experience, take_both
 from test_partial_rollouts import rollout
@@ -388,3 +391,217 @@ def test_a_consumed_groups_rollouts_in_pieces_are_dropped_as_a_records_tables(tm
         assert stats(store, "t_rows") == stats(store, "t")
         assert store.stats("t_rows")["partials"] == 0 and store.stats("t_rows")["partial_bytes"] == 0
         clean(store, "t", "t_rows")
+
+
+class Watched(Heard):
+    """What an extension hears, as `Heard`, of a randomized run (test_random_steps_...)."""
+
+
+def _lease_end(event: tuple[object, ...]) -> bool:
+    """Whether an event is of groups leaving a lease (moved from leased, or retired while leased)."""
+    groups = event[-1]
+    assert isinstance(groups, list)
+    return (event[0] == "moved" and event[1] == LEASED) or any(state == LEASED for _, state, _ in groups)
+
+
+def _heard_alike(events: list[tuple[object, ...]]) -> tuple[list[object], list[object]]:
+    """Events as a records and a rows table's compare: those of groups leaving leases apart, each's
+    groups and the events themselves sorted (a rows table's lease of runs gives its groups back in
+    their places' order, a records table's in the order taken; leases that end at one time end in
+    their random ids' order); the others in the order heard."""
+    ends = sorted(repr((*e[:-1], sorted(e[-1]))) for e in events if _lease_end(e))  # type: ignore[arg-type]
+    return ends, [e for e in events if not _lease_end(e)]
+
+
+class RandomSteps:
+    """A records and a rows table of the same settings driven through the same random steps: pushes of
+    random runs of random tasks (new, pending and complete groups, runs pushed twice, retried pushes,
+    conflicting content, overfills, rollouts in pieces, several pushes in one transaction), failed
+    runs, seals, the clock advanced and upkeep run (timeouts, lease expiries), restarts and takes
+    (consumed, held and confirmed or given back, leased and acked or nacked; fifo and lifo). After
+    every step each reply or error (type and message), each batch, the stats and what an extension
+    heard are the same, and `verify` finds nothing wrong in either."""
+
+    def __init__(self, root: Path, settings: dict[str, object], seed: int) -> None:
+        self.root, self.rng, self.clock = root, random.Random(seed), Clock()
+        self.size = int(settings["group_size"])  # type: ignore[call-overload]
+        self.store = Store(root, clock=self.clock, extensions={"watched": Watched})
+        both(self.store, "t", estimator="none", group_by="task", extensions=["watched"], **settings)
+        self.low = 0  # pushes go to tasks low..low+7, mostly to those whose groups are open
+        self.closed: set[int] = set()
+        self.pushes: list[list[trxp.RawItem]] = []
+        self.held: list[tuple[str, dict[str, str], TakeSpec]] = []  # leases and holds: (kind, id by table, spec)
+        self.leases: dict[str, str] = {}  # the lease id of each table a call names
+        self.log: list[str] = []
+
+    def both(self, what: str, call: Callable[[str], object]) -> object:
+        """`call` on each table: its result, or the error it raised (the table's name and lease ids
+        in its message made alike), asserted equal."""
+        got: list[object] = []
+        for table in ("t", "t_rows"):
+            try:
+                got.append(call(table))
+            except StoreError as exc:
+                message = str(exc).replace("'t_rows'", "'t'").replace(self.leases.get(table, "\0"), "<lease>")
+                got.append((type(exc).__name__, message))
+        self.log.append(f"{what} -> {got[0]!r}"[:300])
+        assert got[1] == got[0], "\n".join(self.log[-25:])
+        return got[0]
+
+    def check(self) -> None:
+        store = self.store
+        assert stats(store, "t_rows") == stats(store, "t"), "\n".join(self.log[-25:])
+        heard = [next(e for e in store.extensions_of(t) if isinstance(e, Watched)).events for t in ("t", "t_rows")]
+        assert _heard_alike(heard[1]) == _heard_alike(heard[0]), "\n".join(self.log[-25:])
+        for events in heard:
+            events.clear()
+        clean(store, "t", "t_rows")
+
+    def reward(self, task: int, number: int) -> float:
+        return 1.0 if task % 3 == 0 else float((task * 7 + number * 3) % 4)  # task 0, 3, ...: all equal
+
+    def items(self) -> list[trxp.RawItem]:
+        rng, items = self.rng, []
+        tasks = [t for t in range(self.low, self.low + 8) if t not in self.closed or rng.random() < 0.1]
+        for task in rng.sample(tasks, min(len(tasks), rng.randint(1, 3))):
+            for number in rng.sample(range(self.size + 2), rng.randint(1, self.size)):
+                reward = 9.0 if rng.random() < 0.01 else self.reward(task, number)  # 9: a conflict, once pushed
+                items.extend([run(task, number, reward)] * (2 if rng.random() < 0.03 else 1))
+            if rng.random() < 0.2:  # a piece of a rollout of one of the task's runs
+                number, at = rng.randrange(self.size + 2), rng.choice([0, 0, 1, 2])
+                made = rollout(task=task, run=number, reward=float(number % 2))
+                items.append(trxp.from_experience(split(made, [4, 8])[at]))
+        return items
+
+    def closes(self, got: object) -> None:
+        """The tasks whose groups a reply says are complete or dropped."""
+        assert isinstance(got, tuple)
+        if got[0] == "GroupClosed":
+            self.closed.add(int(str(got[1]).split()[1].split("/")[1]))
+        elif not isinstance(got[0], str):
+            self.closed.update(int(g.split("/")[1]) for gkeys in got[-3:] for g in gkeys)  # type: ignore[attr-defined]
+
+    def push(self) -> None:
+        if self.pushes and self.rng.random() < 0.15:
+            items = self.rng.choice(self.pushes)  # retried
+        else:
+            items = self.items()
+            self.pushes.append(items)
+
+        def put(table: str) -> object:
+            r = store.put(table, items)
+            return (r.stored, r.duplicates, r.completed_groups, r.dropped_groups, r.partial)
+
+        store = self.store
+        self.closes(self.both(f"push {[i.uid for i in items]}", put))
+
+    def push_in_order(self) -> None:
+        batches = [self.items() for _ in range(self.rng.randint(2, 3))]
+
+        def put(table: str) -> object:
+            got: list[object] = []
+            try:
+                for r in store.put_in_order([Push(table, [Entry.of(i) for i in b]) for b in batches]):
+                    got.append((r.stored, r.duplicates, r.completed_groups, r.dropped_groups, r.partial))
+            except StoreError as exc:
+                got.append((type(exc).__name__, str(exc).replace("'t_rows'", "'t'")))
+            return tuple(got)
+
+        store = self.store
+        self.both(f"in order {[[i.uid for i in b] for b in batches]}", put)
+
+    def fail(self) -> None:
+        rng = self.rng
+        uids = [
+            uid(rng.randrange(self.low, self.low + 8), rng.randrange(self.size + 2)) for _ in range(rng.randint(1, 4))
+        ]
+
+        def call(table: str) -> object:
+            r = self.store.fail_runs(table, uids, ["oom"] * len(uids))
+            return (r.recorded, r.completed_groups, r.dropped_groups)
+
+        self.closes(self.both(f"fail {uids}", call))
+
+    def seal(self) -> None:
+        task = self.rng.randrange(self.low, self.low + 8)
+        self.both(f"seal 0/{task}", lambda table: self.store.seal(table, f"0/{task}"))
+        self.closed.add(task)
+
+    def tick(self) -> None:
+        self.clock.now += self.rng.choice([0.5, 2, 4, 7])
+        self.log.append(f"tick to {self.clock.now}: {self.store.tick()}")
+
+    def restart(self) -> None:
+        self.store.close()
+        self.store = Store(self.root, clock=self.clock, extensions={"watched": Watched})
+        self.held = [h for h in self.held if h[0] == "lease"]  # a start gives held batches back
+        self.log.append("restart")
+
+    def take(self) -> None:
+        rng = self.rng
+        kind = rng.choice(["consume", "hold", "lease"])
+        spec = TakeSpec(
+            num_groups=rng.randint(1, 4),
+            order=rng.choice(["fifo", "lifo"]),
+            delivery="lease" if kind == "lease" else "consume",
+            lease_seconds=rng.choice([3, 30]),
+            allow_partial=rng.random() < 0.7,
+        )
+        ids: dict[str, str] = {}
+
+        def call(table: str) -> object:
+            batch = self.store.sample(dataclasses.replace(spec, table=table), hold=kind == "hold")
+            if batch is not None and kind != "consume":
+                ids[table] = batch.lease_id
+            return reply(batch)
+
+        self.both(f"take {kind} {spec.num_groups} {spec.order}", call)
+        if ids:
+            self.held.append((kind, ids, spec))
+
+    def end(self) -> None:
+        kind, ids, spec = self.held.pop(self.rng.randrange(len(self.held)))
+        good, store = self.rng.random() < 0.5, self.store
+        self.leases = ids
+
+        def call(table: str) -> object:
+            if kind == "hold":
+                if good:
+                    return store.confirm(ids[table], dataclasses.replace(spec, table=table))
+                return store.give_back(ids[table], table)
+            return store.ack(ids[table], table) if good else store.nack(ids[table], table)
+
+        self.both(f"end {kind} {'confirmed' if good else 'given back'}", call)
+        self.leases = {}
+
+    def step(self) -> None:
+        steps: list[tuple[Callable[[], None], float]] = [
+            (self.push, 10), (self.push_in_order, 1), (self.fail, 2), (self.seal, 1), (self.tick, 3),
+            (self.take, 3), (self.restart, 0.3), (self.end, 2 if self.held else 0),
+        ]  # fmt: skip
+        if self.rng.random() < 0.08:
+            self.low += 1
+        self.rng.choices([s for s, _ in steps], [w for _, w in steps])[0]()
+        self.check()
+
+
+@pytest.mark.parametrize(
+    ("settings", "seed"),
+    [
+        ({"group_size": 4}, 1),
+        ({"group_size": 8, "min_group_size": 5}, 2),
+        ({"group_size": 4, "drop_zero_variance": True, "group_timeout_seconds": 6, "on_group_timeout": "drop"}, 3),
+        ({"group_size": 8, "group_timeout_seconds": 10, "min_group_size": 3, "drop_zero_variance": True}, 4),
+        ({"group_size": 4, "group_timeout_seconds": 10, "min_group_size": 2}, 5),
+        ({"group_size": 8, "capacity_experiences": 40, "min_group_size": 4}, 6),
+    ],
+)
+def test_random_steps_leave_a_rows_table_as_a_records_tables(
+    tmp_path: Path, settings: dict[str, object], seed: int
+) -> None:
+    steps = RandomSteps(tmp_path, settings, seed)
+    try:
+        for _ in range(250):
+            steps.step()
+    finally:
+        steps.store.close()
