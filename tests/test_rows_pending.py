@@ -393,6 +393,32 @@ def test_a_consumed_groups_rollouts_in_pieces_are_dropped_as_a_records_tables(tm
         clean(store, "t", "t_rows")
 
 
+def test_the_oldest_experiences_age_counts_pending_groups_as_a_records_tables(tmp_path: Path) -> None:
+    """A pending group's members are live: the oldest one's age (stats' oldest_age_seconds, the metric
+    expbuf_oldest_age_seconds) counts them while their group is pending, and once it completes after
+    a newer group pushed whole, as a records table's does."""
+    clock = Clock()
+    with Store(tmp_path, clock=clock) as store:
+        both(store, "t", **EIGHTS)
+
+        def ages() -> list[float]:
+            found = [store.stats(table)["oldest_age_seconds"] for table in ("t", "t_rows")]
+            assert found[1] == found[0]
+            return found
+
+        store.fail_runs("t", [uid(0, 7)], ["oom"])  # a group opened by a failed run has no member yet
+        store.fail_runs("t_rows", [uid(0, 7)], ["oom"])
+        clock.now += 2
+        put_both(store, "t", [run(1, n) for n in range(3)])
+        clock.now += 5
+        assert ages() == [5.0, 5.0]
+        put_both(store, "t", [run(2, n) for n in range(8)])
+        clock.now += 5
+        put_both(store, "t", [run(1, n) for n in range(3, 8)])  # completes after group 0/2
+        assert ages() == [10.0, 10.0]
+        clean(store, "t", "t_rows")
+
+
 class Watched(Heard):
     """What an extension hears, as `Heard`, of a randomized run (test_random_steps_...)."""
 
@@ -419,8 +445,8 @@ class RandomSteps:
     conflicting content, overfills, rollouts in pieces, several pushes in one transaction), failed
     runs, seals, the clock advanced and upkeep run (timeouts, lease expiries), restarts and takes
     (consumed, held and confirmed or given back, leased and acked or nacked; fifo and lifo). After
-    every step each reply or error (type and message), each batch, the stats and what an extension
-    heard are the same, and `verify` finds nothing wrong in either."""
+    every step each reply or error (type and message), each batch, the stats (the oldest live
+    experience's age too) and what an extension heard are the same, and `verify` finds nothing wrong in either."""
 
     def __init__(self, root: Path, settings: dict[str, object], seed: int) -> None:
         self.root, self.rng, self.clock = root, random.Random(seed), Clock()
@@ -451,6 +477,8 @@ class RandomSteps:
     def check(self) -> None:
         store = self.store
         assert stats(store, "t_rows") == stats(store, "t"), "\n".join(self.log[-25:])
+        ages = [store.stats(table)["oldest_age_seconds"] for table in ("t", "t_rows")]
+        assert ages[1] == ages[0], "\n".join(self.log[-25:])
         heard = [next(e for e in store.extensions_of(t) if isinstance(e, Watched)).events for t in ("t", "t_rows")]
         assert _heard_alike(heard[1]) == _heard_alike(heard[0]), "\n".join(self.log[-25:])
         for events in heard:

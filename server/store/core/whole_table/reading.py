@@ -20,9 +20,9 @@ from expbuf.client.trxp.stored.pieces import Stored
 
 from ...disk import digests
 from ...disk.batch_rows import BatchRows, Reader
-from ...disk.layout import u64
+from ...disk.layout import micros, u64
 from ...disk.records import GroupRecord, ItemRecord, Lease
-from ...disk.rows import RowLease, SegmentView, SegState
+from ...disk.rows import PendingHead, RowLease, SegmentView, SegState, decode_member_rows, directory_entry, fragment_key
 from ...disk.stored_advantages import FinishBatch
 from ...schema.states import LEASED, LIVE, READY
 from ...schema.table_config import TableConfig
@@ -146,19 +146,37 @@ def oldest_age(txn: lmdb.Transaction[bytes], dbs: Dbs, prefix: bytes, now: float
 
 
 def _oldest_row(txn: lmdb.Transaction[bytes], dbs: Dbs, prefix: bytes) -> float | None:
-    """When a rows table's oldest live experience was pushed: the first member of the first live
-    group of its segments, which hold their groups in completion order (None: it holds none)."""
+    """When a rows table's oldest live experience was pushed (None: it holds none): the first member of
+    each live group of its segments (a group that was pending completes after newer ones, so every
+    live segment is read; a retired one by its state alone), and of each pending group's first
+    fragment, read in the pending index's order (when each opened, before its first member came)
+    while one may be older."""
+    oldest: float | None = None
     with txn.cursor(db=dbs["segs"]) as cur:
         at = cur.set_range(prefix)
         while at and cur.key().startswith(prefix):
             state = SegState.decode(stored(txn, cur.key(), dbs["sstate"], "segment state"))
-            view = SegmentView(cur.value())
-            for g in range(view.groups):
-                if state.state(g) in LIVE:
-                    first = view.span(g)[0]
-                    return float(view.members.column("created", first, first + 1)[0] or 0.0)
+            if state.retired is None:
+                view = SegmentView(cur.value())
+                for g in range(view.groups):
+                    if state.state(g) in LIVE:
+                        first = view.span(g)[0]
+                        created = float(view.members.column("created", first, first + 1)[0] or 0.0)
+                        oldest = created if oldest is None else min(oldest, created)
             at = cur.next()
-    return None
+    with txn.cursor(db=dbs["pending"]) as cur:
+        at = cur.set_range(prefix)
+        while at and cur.key().startswith(prefix):
+            if oldest is not None and bytes(cur.key()[4:12]) > micros(oldest):
+                break
+            raw = txn.get(prefix + cur.key()[12:], db=dbs["gdir"])  # none: a records table's group
+            head = None if raw is None else directory_entry(raw)
+            if isinstance(head, PendingHead) and head.fragments:
+                rows = stored(txn, fragment_key(prefix, bytes(cur.key()[12:]).decode(), 0), dbs["frags"], "fragment")
+                created = decode_member_rows(rows)[0].created
+                oldest = created if oldest is None else min(oldest, created)
+            at = cur.next()
+    return oldest
 
 
 @dataclass(frozen=True, slots=True)
