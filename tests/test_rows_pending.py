@@ -633,3 +633,50 @@ def test_random_steps_leave_a_rows_table_as_a_records_tables(
             steps.step()
     finally:
         steps.store.close()
+
+
+def test_tombstones_are_forgotten_after_tombstone_seconds_as_a_records_tables(tmp_path: Path) -> None:
+    """A segment whose groups all retired is forgotten tombstone_seconds later, with its groups'
+    directory entries (a retried push of one is stored again, its state counts uncounted) as a
+    records table's groups are; a segment with a live group keeps its retired groups' tombstones
+    until it retires whole; a dropped pending group's segment is forgotten as well."""
+    clock = Clock()
+    with Store(tmp_path, clock=clock) as store:
+        both(store, "t", **EIGHTS, tombstone_seconds=60, group_timeout_seconds=10, on_group_timeout="drop")
+        put_both(store, "t", [run(task, n) for task in range(3) for n in range(8)])  # one segment of 3 groups
+        put_both(store, "t", [run(3, n) for n in range(8)] + [run(4, n) for n in range(8)] + [run(5, 0)])
+        take_both(store, "t", num_groups=3)  # the first segment retires whole
+        take_both(store, "t", num_groups=1)  # group 0/3 retires; 0/4 keeps its segment live
+        clock.now += 11
+        store.tick()  # group 0/5 times out: dropped into a retired segment of its own
+        clock.now += 30
+        store.tick()
+        assert stats(store, "t_rows") == stats(store, "t") and store.stats("t_rows")["consumed"] == 32
+        clock.now += 40  # past 60 s for all of them
+        assert store.tick()["tombstones_pruned"] == 33 + 25  # records: 24 + 8 + 1; rows: 24 + 1, not 0/3's 8
+        records, rows = store.stats("t"), store.stats("t_rows")
+        assert (records["consumed"], records["dropped"]) == (0, 0)
+        assert (rows["consumed"], rows["dropped"]) == (8, 0), "0/3's tombstones wait for 0/4's segment"
+        again = [run(0, n) for n in range(8)] + [run(5, 0)]
+        for table in ("t", "t_rows"):
+            assert len(store.put(table, again).stored) == 9, "forgotten: stored again"
+        assert store.put("t", [run(3, 0)]).stored and store.put("t_rows", [run(3, 0)]).duplicates
+        clean(store, "t", "t_rows")
+
+
+def test_verify_names_a_retired_segment_the_retired_index_does_not(tmp_path: Path) -> None:
+    with Store(tmp_path, clock=Clock()) as store:
+        both(store, "t", **EIGHTS)
+        store.put("t_rows", [run(task, n) for task in range(2) for n in range(8)])
+        assert store.sample(TakeSpec(table="t_rows", num_groups=2)) is not None
+        prefix = layout.table_prefix(store.catalog.lookup("t_rows")[0])
+        env: lmdb.Environment = store.environment.env
+        with env.begin(write=True) as txn, txn.cursor(db=store.db["retired"]) as cur:
+            assert cur.set_range(prefix) and cur.key().startswith(prefix)
+            cur.delete()
+            txn.put(prefix + layout.micros(5.0) + layout.u64(77), b"", db=store.db["retired"])
+        problems = store.verify("t_rows")
+        assert problems == [
+            "segment 0 retired at 1000000.0 but the retired index does not name it so",
+            "the retired index names segment 77, not retired then",
+        ]

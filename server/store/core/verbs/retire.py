@@ -24,7 +24,7 @@ from ..table_state import rate_counts
 from ..table_state.events import Retired
 from ..table_state.state import TableState
 from ..table_state.views import RowGroup, group_record, member_record
-from . import pieces, row_pending
+from . import pieces, row_pending, segments
 
 log = logging.getLogger("expbuf.store")
 
@@ -206,7 +206,9 @@ def forget_tombstone(tt: TableState, uid: str, rec: ItemRecord) -> None:
 
 def prune_tombstones(tt: TableState, retired_before: float, limit: int = 10_000) -> int:
     """Forget the tombstones of groups retired before the cutoff (at most `limit` groups per
-    call); returns how many were forgotten."""
+    call; a rows table's, segments: segments.prune); returns how many were forgotten."""
+    if tt.config.storage.layout == "rows":
+        return segments.prune(tt, retired_before, limit)
     cutoff = layout.micros(retired_before)
     expired: list[bytes] = []
     with tt.txn.cursor(db=tt.db["retired"]) as cur:

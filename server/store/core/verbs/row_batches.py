@@ -28,6 +28,7 @@ from ..table_state.events import Moved, Retired
 from ..table_state.state import TableState, missing
 from ..table_state.views import RowGroup, RowMember, row_members
 from . import pieces
+from .segments import retired
 
 NO_LEASE = bytes(SegState.LEASE)
 
@@ -254,7 +255,7 @@ def retire(tt: TableState, segments: Segments, picked: Sequence[Picked], state: 
     for at in {p.seg for p in picked}:
         seg = segments.state(at)
         if all(s in RETIRED for s in seg.states(0, seg.groups)):
-            seg.retired = tt.now
+            retired(tt, at, seg)
     _moved(tt, state, picked)
     order = sorted(range(len(keys)), key=keys.__getitem__)
     chunked.delete(tt.txn, tt.db, [keys[at] for at in order], [sizes[at] for at in order])

@@ -14,8 +14,20 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from types import MappingProxyType
 
+from ...disk import layout
 from ...disk.layout import put_rows, u64
-from ...disk.rows import SEGMENT_GROUPS, SEGMENT_MEMBERS, Group, GroupRef, Member, RunRow, SegState, encode_segment
+from ...disk.rows import (
+    SEGMENT_GROUPS,
+    SEGMENT_MEMBERS,
+    Group,
+    GroupRef,
+    Member,
+    RunRow,
+    SegmentView,
+    SegState,
+    directory_entry,
+    encode_segment,
+)
 from ...schema.states import PENDING, READY, RETIRED, State
 from ...schema.views import Groups
 from ..table_state import rate_counts
@@ -76,7 +88,7 @@ def write(tt: TableState, groups: Sequence[Group], state: State) -> None:
         segs.append((key, encode_segment(part, seg, tt.now)))
         row = SegState.new([state] * len(part), sum(len(group.members) for group in part))
         if state in RETIRED:
-            row.retired = tt.now
+            retired(tt, seg, row)
         states.append((key, row.encode()))
         refs.extend((tt.key(group.key), GroupRef(seg, index).encode()) for index, group in enumerate(part))
         if state == READY:
@@ -85,6 +97,46 @@ def write(tt: TableState, groups: Sequence[Group], state: State) -> None:
     put_rows(tt.txn, tt.db["sstate"], states)
     put_rows(tt.txn, tt.db["gdir"], refs)
     put_rows(tt.txn, tt.db["runs"], runs)
+
+
+def retired(tt: TableState, seg: int, row: SegState) -> None:
+    """A segment's last group retired now: its state says when, and the retired index names it (its
+    tombstones are forgotten tombstone_seconds later: `prune`)."""
+    row.retired = tt.now
+    tt.txn.put(tt.prefix + layout.micros(tt.now) + u64(seg), b"", db=tt.db["retired"])
+
+
+def prune(tt: TableState, retired_before: float, limit: int = 10_000) -> int:
+    """Forget the segments whose last group retired before the cutoff (at most `limit` a call), and
+    their groups' directory entries: their members' tombstones, which a retried push meets no more
+    (it may push them again), uncounted from their states as a records table's forgotten tombstones
+    are; returns how many members were forgotten. A segment goes whole, once its last group retired:
+    a group that retired before the others of its segment keeps its tombstones longer than a
+    records table's group would."""
+    cutoff, prefix = layout.micros(retired_before), tt.prefix
+    expired: list[bytes] = []
+    with tt.txn.cursor(db=tt.db["retired"]) as cur:
+        found = cur.set_range(prefix)
+        while found and cur.key().startswith(prefix) and cur.key()[4:12] < cutoff and len(expired) < limit:
+            expired.append(bytes(cur.key()))
+            found = cur.next()
+    forgotten = 0
+    for key in expired:
+        seg = int.from_bytes(key[12:], "big")
+        raw, raw_state = (tt.txn.get(prefix + u64(seg), db=tt.db[name]) for name in ("segs", "sstate"))
+        if raw is not None and raw_state is not None:
+            view, state = SegmentView(raw), SegState.decode(raw_state)
+            for g, gkey in enumerate(view.keys(0, view.groups)):
+                lo, hi = view.span(g)
+                tt.counters.add(state.state(g), lo - hi)
+                forgotten += hi - lo
+                entry = tt.txn.get(tt.key(gkey), db=tt.db["gdir"])
+                if entry is not None and directory_entry(entry) == GroupRef(seg, g):
+                    tt.txn.delete(tt.key(gkey), db=tt.db["gdir"])
+            for name in ("segs", "sstate"):
+                tt.txn.delete(prefix + u64(seg), db=tt.db[name])
+        tt.txn.delete(key, db=tt.db["retired"])  # gone with its segment, or left by damage
+    return forgotten
 
 
 def complete_ready(tt: TableState, groups: Sequence[Group]) -> None:

@@ -12,7 +12,7 @@ from collections import defaultdict
 
 from expbuf.client.trxp.stored.pieces import Stored
 
-from ...disk import chunk_reads, digests
+from ...disk import chunk_reads, digests, layout
 from ...disk.layout import u64
 from ...disk.records import GroupRecord, ItemRecord
 from ...disk.rows import (
@@ -171,7 +171,7 @@ def _prefix_count(tt: TableState, name: str) -> int:
 
 
 # The databases a rows table keeps nothing in (disk/rows/ keeps what they hold for a records table).
-RECORDS_ONLY = ("items", "tombs", "groups", "order", "compute", "retired", "cooling")
+RECORDS_ONLY = ("items", "tombs", "groups", "order", "compute", "cooling")
 
 
 def rows(tt: TableState) -> list[str]:
@@ -223,6 +223,7 @@ def rows(tt: TableState) -> list[str]:
                 for run in lease.runs
                 for g in range(run.first, run.first + run.length)
             )
+    retired = {key: None for key, _ in _rows_of(tt, "retired")}  # when each retired segment retired
     for key, value in _rows_of(tt, "segs"):
         seg = int.from_bytes(key, "big")
         raw_state = tt.txn.get(tt.prefix + key, db=tt.db["sstate"])
@@ -262,12 +263,17 @@ def rows(tt: TableState) -> list[str]:
                     problems.append(f"item {member.uid} of group {gkey}: {problem}")
         if all(s in RETIRED for s in state.states(0, state.groups)) != (state.retired is not None):
             problems.append(f"segment {seg} says it retired at {state.retired}, which its groups' states do not")
+        if state.retired is not None and retired.pop(layout.micros(state.retired) + u64(seg), False) is not None:
+            problems.append(f"segment {seg} retired at {state.retired} but the retired index does not name it so")
     problems.extend(
         f"directory entry of group {gkey} names segment {ref.seg}, which lacks it" for gkey, ref in places.items()
     )
     problems.extend(f"a ready run covers group {g} of segment {seg}, which is not there" for seg, g in covered)
     problems.extend(
         f"lease {lease} names group {g} of segment {seg}, which is not there" for (seg, g), lease in leased.items()
+    )
+    problems.extend(
+        f"the retired index names segment {int.from_bytes(key[8:], 'big')}, not retired then" for key in retired
     )
     problems.extend(f"a rows table keeps records in {name}" for name in RECORDS_ONLY if _prefix_count(tt, name))
     stored = tt.counters.to_dict()
