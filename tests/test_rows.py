@@ -163,11 +163,11 @@ def test_a_group_ref_reads_back_from_the_directory(seg: int, index: int) -> None
     assert directory_entry(memoryview(encoded)) == GroupRef(seg, index)
 
 
-@given(number, st.lists(text, max_size=10), u32, st.booleans(), st.dictionaries(text, text, max_size=3))
+@given(number, st.lists(text, max_size=10), u32, st.dictionaries(text, text, max_size=3))
 def test_a_pending_head_reads_back_from_the_directory(
-    created: float, uids: list[str], fragments: int, partial: bool, failed: dict[str, str]
+    created: float, uids: list[str], fragments: int, failed: dict[str, str]
 ) -> None:
-    head = PendingHead(created=created, hashes=[uid_hash(u) for u in uids], fragments=fragments, partial=partial)
+    head = PendingHead(created=created, hashes=[uid_hash(u) for u in uids], fragments=fragments)
     head.failed = failed
     assert directory_entry(memoryview(head.encode())) == head
 

@@ -12,7 +12,6 @@ from typing import NamedTuple
 import xxhash
 
 from ..records import _pack_str, _unpack_str
-from .members import _PARTIAL
 
 
 def fragment_key(prefix: bytes, gkey: str, number: int) -> bytes:
@@ -54,7 +53,6 @@ class PendingHead:
     created: float
     hashes: list[int] = field(default_factory=list)
     fragments: int = 0
-    partial: bool = False
     failed: dict[str, str] = field(default_factory=dict)
 
     _HEAD = struct.Struct("<BBIId")  # PENDING, flags, members, fragments, created
@@ -62,7 +60,7 @@ class PendingHead:
 
     def encode(self) -> bytes:
         count = len(self.hashes)
-        flags = (_PARTIAL if self.partial else 0) | (self._FAILED if self.failed else 0)
+        flags = self._FAILED if self.failed else 0
         head = self._HEAD.pack(PENDING, flags, count, self.fragments, self.created)
         body = head + struct.pack(f"<{count}Q", *self.hashes)
         if not self.failed:
@@ -85,7 +83,7 @@ class PendingHead:
                 text, pos = _unpack_str(data, pos)
                 texts.append(text)
             failed = dict(zip(texts[::2], texts[1::2], strict=True))
-        return cls(created=created, hashes=hashes, fragments=fragments, partial=bool(flags & _PARTIAL), failed=failed)
+        return cls(created=created, hashes=hashes, fragments=fragments, failed=failed)
 
 
 def directory_entry(data: bytes | memoryview) -> GroupRef | PendingHead:
