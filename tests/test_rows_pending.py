@@ -23,7 +23,7 @@ from expbuf.server.store.core.table_state.state import TableState
 from expbuf.server.store.disk import layout
 from expbuf.server.store.disk.rows import PendingHead, directory_entry
 from expbuf.server.store.ledger.records import DatasetRecord
-from expbuf.server.store.schema.errors import Conflict, StoreError
+from expbuf.server.store.schema.errors import Conflict, InvalidRequest, StoreError
 from expbuf.server.store.schema.sample_spec import TakeSpec
 from expbuf.server.store.schema.states import DROPPED, LEASED, PENDING, READY
 from expbuf.server.store.schema.views import Groups
@@ -680,3 +680,19 @@ def test_verify_names_a_retired_segment_the_retired_index_does_not(tmp_path: Pat
             "segment 0 retired at 1000000.0 but the retired index does not name it so",
             "the retired index names segment 77, not retired then",
         ]
+
+
+def test_a_piece_into_a_full_rows_table_that_evicts_is_refused_as_a_whole_push_is(tmp_path: Path) -> None:
+    """A rows table evicts nothing yet: a piece that needs room is refused by name, as a rollout pushed
+    whole is, never left to wait for room as a table that blocks does; nothing is stored."""
+    with Store(tmp_path, clock=Clock()) as store:
+        whole = [trxp.from_experience(rollout(run=n)) for n in range(2)]
+        room = sum(Entry.of(item).size for item in whole)
+        both(store, "t", estimator="none", group_size=2, capacity_bytes=room, when_full="evict")
+        store.put("t_rows", whole)
+        piece = trxp.from_experience(split(rollout(task=1), [4, 8])[0])
+        for items in ([piece], [trxp.from_experience(rollout(task=1))]):
+            with pytest.raises(InvalidRequest, match="keeps rows, which evict no groups yet: it is full"):
+                store.put("t_rows", items)
+        assert store.stats("t_rows")["partials"] == 0 and store.stats("t_rows")["pushed"] == 2
+        clean(store, "t_rows")

@@ -13,7 +13,7 @@ from ..core.table_state.counters import Counters
 from ..core.table_state.state import TableState
 from ..core.verbs.retire import retire
 from ..core.whole_table.reading import oldest_groups
-from ..schema.errors import TableFull, TooLarge
+from ..schema.errors import InvalidRequest, TableFull, TooLarge
 from ..schema.states import EVICTED, READY
 from ..schema.table_config import TableConfig
 
@@ -64,6 +64,8 @@ def make_room(tt: TableState, count: int, nbytes: int, keep: set[str]) -> None:
             f"table '{cfg.name}': {count} experiences of {nbytes} bytes exceed its capacity "
             f"({cfg.capacity.experiences} experiences, {cfg.capacity.bytes} bytes) on their own"
         )
+    if cfg.capacity.when_full == "evict" and cfg.storage.layout == "rows":  # issue 64: eviction over rows
+        raise InvalidRequest(f"table '{cfg.name}' keeps rows, which evict no groups yet: it is full")
     if cfg.capacity.when_full == "evict":
         oldest = (gkey for gkey in oldest_groups(tt) if gkey not in keep)
         while over_now() and _evict(tt, oldest, over):

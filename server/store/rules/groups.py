@@ -34,7 +34,6 @@ from ..schema.errors import (
     InvalidPayload,
     InvalidRequest,
     NotFound,
-    TableFull,
     clip,
 )
 from ..schema.states import COMPUTING, DROPPED, FAILED, PENDING, RETIRED, State
@@ -261,12 +260,7 @@ def _put_rows(
             grp = grp._replace(failed={uid: why for uid, why in grp.failed.items() if uid not in pushed})
         _no_overfill(tt, gkey, grp.size, grp.failed, len(members))
         groups[gkey] = grp
-    try:
-        make_room(tt, sum(map(len, by_group.values())), sum(e.size for es in by_group.values() for e in es), set())
-    except TableFull:
-        if tt.config.capacity.when_full != "evict":
-            raise  # a push into a full table that blocks waits for room, as a records table's does
-        raise InvalidRequest(f"table '{tt.config.name}' keeps rows, which evict no groups yet: it is full") from None
+    make_room(tt, sum(map(len, by_group.values())), sum(e.size for es in by_group.values() for e in es), set())
     ending = Ending(tt)
     for gkey, new in row_pending.joined(tt, by_group).items():
         grp = groups[gkey]
