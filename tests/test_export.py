@@ -11,7 +11,6 @@ from pathlib import Path
 import grpc
 import pytest
 from test_ops import ServerProcess
-from test_quarantine import damage
 
 from expbuf.client import BufferClient, BufferError, decode, trxp
 from expbuf.server.store import Store
@@ -19,6 +18,7 @@ from expbuf.server.store.core.whole_table.reading import SCAN_PER_ITEM
 from expbuf.server.store.schema.table_config import TableConfig
 
 from helpers import group_items, make_experience
+from test_quarantine import damage
 
 
 def fill(client: BufferClient, table: str) -> None:

@@ -15,7 +15,6 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from test_lazy_indexes import kept_by, made_before
-from test_quarantine import lose, quarantine_logs, uids
 
 from expbuf.client import BufferClient, trxp
 from expbuf.server.store import Store
@@ -27,6 +26,7 @@ from expbuf.server.store.schema.table_config import TableConfig
 
 from conftest import Servers
 from helpers import group_items, make_experience, wait_for
+from test_quarantine import lose, quarantine_logs, uids
 
 
 def counted(store: Store) -> dict[str, int]:

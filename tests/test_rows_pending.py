@@ -34,6 +34,7 @@ from helpers import layouts_reply as reply
 from helpers import layouts_stats as stats
 from helpers import make_experience, take_both
 from test_partial_rollouts import rollout
+from test_quarantine import damage
 
 EIGHTS = {"estimator": "none", "group_by": "task", "group_size": 8}
 
@@ -695,4 +696,27 @@ def test_a_piece_into_a_full_rows_table_that_evicts_is_refused_as_a_whole_push_i
             with pytest.raises(InvalidRequest, match="keeps rows, which evict no groups yet: it is full"):
                 store.put("t_rows", items)
         assert store.stats("t_rows")["partials"] == 0 and store.stats("t_rows")["pushed"] == 2
+        clean(store, "t_rows")
+
+
+def test_a_damaged_payload_found_by_a_check_fails_its_group_whole_ready_leased_or_pending(tmp_path: Path) -> None:
+    """`quarantine` (the scrub's, and a check's) of a rows table: a damaged member's group fails whole
+    (a rows table keeps no failed payload yet), ready, under a lease (which goes on without it) or
+    pending, the damaged counted; an undamaged uid, or one of a group gone, is left alone."""
+    with Store(tmp_path, clock=Clock()) as store:
+        both(store, "t", **EIGHTS)
+        store.put("t_rows", [run(task, n) for task in range(4) for n in range(8)] + [run(9, 0)])
+        leased = store.sample(TakeSpec(table="t_rows", num_groups=1, delivery="lease"))
+        assert leased is not None and set(leased.group_ids) == {"0/0"}
+        for task, number in ((0, 2), (1, 5), (9, 0)):
+            damage(store, "t_rows", uid(task, number))
+        found = store.quarantine("t_rows", [uid(0, 2), uid(1, 5), uid(9, 0), uid(2, 1), "0/7/0/0/x"])
+        stats = store.stats("t_rows")
+        assert found == 3 and (stats["groups_failed"], stats["damaged"], stats["failed"]) == (3, 3, 17)
+        assert (stats["ready"], stats["leased"], stats["pending"], stats["bytes"] > 0) == (16, 0, 0, True)
+        assert store.verify("t_rows") == []
+        assert store.ack(leased.lease_id, "t_rows") == 0  # its group failed meanwhile
+        served = store.sample(TakeSpec(table="t_rows", num_groups=4, wait_seconds=0, allow_partial=True))
+        assert served is not None and sorted(set(served.group_ids)) == ["0/2", "0/3"]
+        assert store.quarantine("t_rows", [uid(1, 5)]) == 0  # failed: found once
         clean(store, "t_rows")

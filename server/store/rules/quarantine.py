@@ -19,6 +19,9 @@ insertion order, found by its uid, go, and the table's bytes are recounted from 
 lost record's size, counted in them, is known nowhere else). A ready group whose own record is
 lost fails when a sample passes it over or an index build reads past it (`fail_lost_groups`), its
 record remade from its members' (core/verbs/groups.remade), their payloads kept for Get.
+
+A rows table (issue 64) keeps no failed payload yet: a group with a damaged member fails whole, its
+payloads gone, the damaged counted, as a sample of it fails it (tables/taking.py).
 """
 
 from __future__ import annotations
@@ -26,12 +29,14 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable, Sequence
 
+from expbuf.client.schema.routing import uid_group_key
+
 from ..core.table_state.read_check import payload_problem
 from ..core.table_state.state import TableState
-from ..core.verbs import retire
+from ..core.verbs import retire, row_batches
 from ..core.verbs.groups import remade
 from ..disk import chunk_reads
-from ..schema.states import FAILED, LIVE
+from ..schema.states import FAILED, LIVE, PENDING
 from ..schema.views import GroupView, MemberView
 
 log = logging.getLogger("expbuf.store")
@@ -52,8 +57,21 @@ def quarantine_groups(tt: TableState, groups: Sequence[tuple[str, GroupView, dic
         uid, why = next(iter(damaged.items()))
         tt.counters.last_failure = f"group {gkey}: experience {uid} quarantined: {why}"
     tt.counters.damaged += len(quarantined)
-    retire.retire(tt, [(gkey, grp) for gkey, grp, _ in groups], FAILED, quarantined)  # and buries the lost
+    if tt.config.storage.layout == "rows":  # its groups fail whole: it keeps no failed payload yet
+        row_batches.fail(tt, [gkey for gkey, grp, _ in groups if grp.state != PENDING])
+        pending = [(gkey, grp) for gkey, grp, _ in groups if grp.state == PENDING]
+        if pending:
+            retire.retire(tt, pending, FAILED)
+    else:
+        retire.retire(tt, [(gkey, grp) for gkey, grp, _ in groups], FAILED, quarantined)  # and buries the lost
     return len(quarantined)
+
+
+def _row_member(tt: TableState, uid: str) -> MemberView | None:
+    """A rows table's experience by its uid: a member of its group's rows; None: none is stored."""
+    gkey = uid_group_key(uid, tt.config.grouping.by)
+    grp = None if gkey is None else tt.view(gkey)
+    return None if grp is None else tt.members(grp).get(uid)
 
 
 def quarantine_lost(tt: TableState, groups: Sequence[tuple[str, GroupView]]) -> None:
@@ -107,7 +125,7 @@ def quarantine_found(tt: TableState, uids: Iterable[str]) -> int:
     groups: dict[str, tuple[GroupView, dict[str, str]]] = {}
     count = 0
     for uid in dict.fromkeys(uids):
-        rec = tt.member(uid)
+        rec = _row_member(tt, uid) if tt.config.storage.layout == "rows" else tt.member(uid)
         if rec is None or rec.state not in (*LIVE, FAILED):
             continue
         blob = chunk_reads.read_payload(tt.txn, tt.db, tt.key(uid))

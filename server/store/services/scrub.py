@@ -139,12 +139,13 @@ class Scrub:
         self._running(True, total)
         checked_bytes = found = 0
         try:
-            for table_id, _ in tables:
+            for table_id, config in tables:
                 prefix = layout.table_prefix(table_id)
+                group_by = config.grouping.by if config.storage.layout == "rows" else None
                 after: bytes | None = prefix
                 while after is not None and not self._stop.is_set():
                     chunk_started = time.monotonic()
-                    bad, after, payloads, nbytes, count = self._chunk(prefix, after)
+                    bad, after, payloads, nbytes, count = self._chunk(prefix, after, group_by)
                     table = self.catalog.by_id(table_id)
                     newly = self.quarantine(table[0], bad) if bad and table is not None else 0
                     found += newly
@@ -182,16 +183,19 @@ class Scrub:
             residency.release(self.environment.path / "data.mdb")
             self._released = 0
 
-    def _chunk(self, prefix: bytes, after: bytes) -> tuple[list[str], bytes | None, int, int, int]:
+    def _chunk(
+        self, prefix: bytes, after: bytes, group_by: str | None
+    ) -> tuple[list[str], bytes | None, int, int, int]:
         """Check the payloads from key `after` on, up to CHUNK_BYTES or CHUNK_ITEMS, in one read
         transaction: the uids found damaged, where the next chunk starts (None: the table's
         end), the payload bytes checked, the bytes read (payloads and records) and the payloads
-        checked."""
+        checked. A rows table's (`group_by`: its grouping) are checked against its members' rows."""
         bad: list[str] = []
         payloads = nbytes = count = 0
         db = self.db
         try:
             with self.environment.read(buffers=True) as txn, reading.payload_cursor(txn, db) as cur:
+                rows = None if group_by is None else reading.RowDigests(txn, db, prefix, group_by)
                 found = cur.set_range(after)
                 while found and cur.key()[:4] == prefix:
                     if nbytes >= CHUNK_BYTES or count >= CHUNK_ITEMS:
@@ -199,11 +203,18 @@ class Scrub:
                     key, read = cur.key(), chunk_reads.reader(txn, db)
                     streamed = chunk_reads.streamed(cur.value(), key, read)  # held a chunk at a time
                     blob = chunk_reads.resolve(cur.value(), key, read) if streamed is None else streamed
-                    raw = reading.record_raw(txn, db, bytes(key))
                     length = len(blob) if streamed is None else streamed[1]
                     payloads += length
-                    nbytes += length + (0 if raw is None else len(raw))
                     count += 1
+                    if rows is not None:
+                        nbytes += length
+                        row = rows.of(bytes(key[4:]).decode())
+                        if row is not None and reading.row_payload_mismatch(row, blob):
+                            bad.append(bytes(key[4:]).decode())
+                        found = cur.next()
+                        continue
+                    raw = reading.record_raw(txn, db, bytes(key))
+                    nbytes += length + (0 if raw is None else len(raw))
                     if raw is not None and self._damaged(key, raw, blob):
                         bad.append(bytes(key[4:]).decode())
                     found = cur.next()

@@ -21,7 +21,7 @@ from ...disk.records import Counted
 from ...disk.rows import GroupRef, RowLease, RunRow, SegmentView, SegState, directory_entry
 from ...disk.snapshot import Snapshot
 from ...schema.sample_spec import TakeSpec
-from ...schema.states import CONSUMED, LEASED, READY, RETIRED, State
+from ...schema.states import CONSUMED, FAILED, LEASED, READY, RETIRED, State
 from ...schema.views import Groups, GroupView, Members
 from ..table_state import rate_counts
 from ..table_state.events import Moved, Retired
@@ -388,6 +388,15 @@ def complete_groups(tt: TableState, segments: Segments, gkeys: Iterable[str]) ->
             lease = tag.hex() if tag != NO_LEASE else ""
             picked += _picked(segments.view(ref.seg), state, ref.seg, [ref.group], state.state(ref.group), lease)
     return picked
+
+
+def fail(tt: TableState, gkeys: Sequence[str]) -> None:
+    """Complete groups found damaged (ready, or leased: their lease goes on without them) fail, never
+    to be served, their payloads gone (a rows table keeps no failed payload yet: issue 64, 2.9)."""
+    segments = Segments(tt)
+    picked = [p for p in complete_groups(tt, segments, gkeys) if p.group.state in (READY, LEASED)]
+    unready(tt, [p for p in picked if p.group.state == READY])
+    retire(tt, segments, [p._replace(group=p.group._replace(lease="")) for p in picked], FAILED)
 
 
 def spent(tt: TableState, gkeys: Sequence[str]) -> None:

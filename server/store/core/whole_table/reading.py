@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import lmdb
 
+from expbuf.client.schema.routing import uid_group_key
 from expbuf.client.trxp.stored.pieces import Stored
 
 from ...disk import digests
@@ -92,6 +93,61 @@ def payload_mismatch(uid: str, raw: Value, blob: Stored | tuple[bytes, int]) -> 
     if len(blob) == size and digests.of(blob) == digest:
         return False
     return payload_problem(uid, ItemRecord.decode(raw), blob) is not None
+
+
+class RowDigests:
+    """A rows table's live members' digests and sizes by uid, for the scrub's walk over its payloads:
+    each group read once a walk (from its segment, or a pending group's fragments), its segment's
+    rows once."""
+
+    def __init__(self, reader: lmdb.Transaction[memoryview], dbs: Dbs, prefix: bytes, group_by: str) -> None:
+        self.reader, self.dbs, self.prefix, self.group_by = reader, dbs, prefix, group_by
+        self._groups: dict[str, dict[str, tuple[bytes, int]]] = {}
+        self._segments: dict[int, tuple[SegmentView, SegState]] = {}
+
+    def of(self, uid: str) -> tuple[bytes, int] | None:
+        """The uid's digest and size, while it is live; None: it is not."""
+        gkey = uid_group_key(uid, self.group_by)
+        if gkey is None:
+            return None
+        if gkey not in self._groups:
+            self._groups[gkey] = self._live(gkey)
+        return self._groups[gkey].get(uid)
+
+    def _live(self, gkey: str) -> dict[str, tuple[bytes, int]]:
+        raw = self.reader.get(self.prefix + gkey.encode(), db=self.dbs["gdir"])
+        entry = None if raw is None else directory_entry(raw)
+        if entry is None:
+            return {}
+        if isinstance(entry, PendingHead):
+            rows = []
+            for number in range(entry.fragments):
+                key = fragment_key(self.prefix, gkey, number)
+                rows.extend(decode_member_rows(stored(self.reader, key, self.dbs["frags"], "fragment")))
+            return {row.uid: (row.digest, row.size) for row in rows}
+        if entry.seg not in self._segments:
+            key = self.prefix + u64(entry.seg)
+            view = SegmentView(stored(self.reader, key, self.dbs["segs"], "segment"))
+            self._segments[entry.seg] = (
+                view,
+                SegState.decode(stored(self.reader, key, self.dbs["sstate"], "segment state")),
+            )
+        view, state = self._segments[entry.seg]
+        if state.state(entry.group) not in LIVE:
+            return {}
+        lo, hi = view.span(entry.group)
+        members = view.members
+        sizes = [int(size or 0) for size in members.column("size", lo, hi)]
+        return dict(zip(members.uids(lo, hi), zip(members.digests(lo, hi), sizes, strict=True), strict=True))
+
+
+def row_payload_mismatch(found: tuple[bytes, int], blob: Stored | tuple[bytes, int]) -> bool:
+    """Whether a rows table's member's stored payload (or its digest and length: chunk_reads.streamed)
+    is not the one of the digest and size `found` (RowDigests.of)."""
+    digest, size = found
+    if isinstance(blob, tuple):
+        return blob != (digest, size)
+    return digests.mismatch(blob, size, digest) is not None
 
 
 def payload_value(reader: Reader, dbs: Dbs, key: bytes) -> Value | None:
