@@ -214,19 +214,16 @@ def read_terminal(command: list[str], lines: int, columns: int, timeout: float =
     return out.decode().replace("\r\n", "\n")  # the terminal's own line ends
 
 
-def test_stats_watch_redraws_one_screen_on_a_terminal(tmp_path: Path) -> None:
+def test_stats_watch_redraws_one_screen_on_a_terminal(child_server: ServerProcess) -> None:
     """On a terminal each refresh is drawn over the last, from the top (the screen is cleared
     once), every line cut to the width and the view to the height, so nothing scrolls and no
-    screen piles up under another; into a pipe it is plain text (test_json_logs_and_stats_view)."""
-    proc = ServerProcess(str(tmp_path))
-    try:
-        with BufferClient(proc.target) as c:
-            for n in range(12):  # a view taller than the terminal
-                c.create_table(f"t{n}", estimator="none")
-        command = ["stats", "--target", proc.target, "--watch", "0.2", "--count", "3"]
-        out = read_terminal([sys.executable, "-m", "expbuf.server.cli", *command], lines=12, columns=80)
-    finally:
-        assert proc.stop(signal.SIGTERM) == 0
+    screen piles up under another; into a pipe it is plain text (test_json_logs_and_stats_view).
+    The module's shared server: other tests' tables only make the view taller."""
+    with BufferClient(child_server.target) as c:
+        for n in range(12):  # a view taller than the terminal
+            c.create_table(f"watch{n}", estimator="none")
+    command = ["stats", "--target", child_server.target, "--watch", "0.2", "--count", "3"]
+    out = read_terminal([sys.executable, "-m", "expbuf.server.cli", *command], lines=12, columns=80)
     home, erase_line, erase_below, erase_screen = "\x1b[H", "\x1b[K", "\x1b[J", "\x1b[2J"
     assert out.startswith(erase_screen + home) and out.count(erase_screen) == 1, repr(out[:200])
     frames = out.split(home)[1:]
@@ -793,56 +790,53 @@ def test_start_up_line_summarises_the_tables() -> None:
     assert line == "10000 (table0, table1, table2, table3, table4, and 9995 more)"
 
 
-def test_table_commands(tmp_path: Path) -> None:
-    """create, list, describe and drop a table from the shell, settings in TOML's names and values."""
-    proc = ServerProcess(str(tmp_path))
-    try:
-        target = ("--target", proc.target)
-        settings = ("group_size=8", "estimator=rloo", "drop_zero_variance=true", "shaping={reward_clip=5.0}")
-        done = cli("table", "create", "grpo4", *settings, *target)
-        assert done.returncode == 0, done.stderr
-        with BufferClient(proc.target) as c:
-            (made,) = (t for t in c.list_tables() if t.name == "grpo4")
-            c.push(payload("grpo_group.trxp"), table="grpo4")
-        assert (made.group_size, made.estimator, made.drop_zero_variance) == (8, "rloo", True)
-        assert made.shaping.reward_clip == 5.0
-        again = cli("table", "create", "grpo4", "group_size=4", *target)
-        assert again.returncode == 1 and "ALREADY_EXISTS" in again.stderr
-        # --exist-ok (and the other options) before, between or after the settings
-        for order in (
-            ("grpo4", "--exist-ok", *settings),
-            ("grpo4", settings[0], "--exist-ok", *target, *settings[1:]),
-            ("--exist-ok", "grpo4", *settings),
-        ):
-            same = cli("table", "create", *order, *target)
-            assert same.returncode == 0 and not same.stderr, (order, same.stderr)
-        differs = cli("table", "create", "grpo4", "--exist-ok", "group_size=4", *settings[1:], *target)
-        assert differs.returncode == 1 and "group_size: the table has 8, the request 4" in differs.stderr
-        misplaced = cli("table", "create", "grpo4", *settings, "--no-such-option", *target)
-        assert misplaced.returncode == 2 and "unrecognized arguments: --no-such-option" in misplaced.stderr
-        refused = cli("table", "create", "x", "estimator=nope", *target)  # the server's refusal, with its reason
-        assert refused.returncode == 1 and "INVALID_ARGUMENT (invalid_config): table 'x'" in refused.stderr
-        bad = cli("table", "create", "x", "group_size", *target)
-        assert bad.returncode == 2 and "KEY=VALUE" in bad.stderr
-        # Mistakes the client catches before it calls: one line naming the setting, exit code 2.
-        one_line_error(cli("table", "create", "x", "group_size=-1", *target), "group_size", "-1")
-        one_line_error(cli("table", "create", "x", "gruop_size=4", *target), "unknown table setting", "gruop_size")
-        one_line_error(cli("table", "create", "x", "estimator_params=5", *target), "estimator_params", "5")
-        listing = cli("table", "list", *target).stdout.splitlines()
-        assert listing[0].split() == ["table", "group_by", "group_size", "estimator", "ready", "leased", "pending"]
-        assert any(line.split()[:4] == ["grpo4", "task", "8", "rloo"] for line in listing[1:])
-        described = cli("table", "describe", "grpo4", *target).stdout
-        toml_part = tomllib.loads(described.split("\n\n# stats")[0])["tables"][0]
-        assert made.settings() == toml_part  # pastes into a config as it is
-        assert re.search(r"^# pushed = \d+$", described, re.M)
-        refused = cli("table", "drop", "grpo4", *target)
-        assert refused.returncode == 2 and "--yes" in refused.stderr
-        dropped = cli("table", "drop", "grpo4", "--yes", *target)
-        assert dropped.returncode == 0 and dropped.stdout.startswith("dropped grpo4: ")
-        missing = cli("table", "describe", "grpo4", *target)
-        assert missing.returncode == 1 and "no table 'grpo4'" in missing.stderr
-    finally:
-        assert proc.stop(signal.SIGTERM) == 0
+def test_table_commands(child_server: ServerProcess) -> None:
+    """create, list, describe and drop a table from the shell, settings in TOML's names and values
+    (on the module's shared server, which must stop cleanly after its tests)."""
+    target = ("--target", child_server.target)
+    settings = ("group_size=8", "estimator=rloo", "drop_zero_variance=true", "shaping={reward_clip=5.0}")
+    done = cli("table", "create", "grpo4", *settings, *target)
+    assert done.returncode == 0, done.stderr
+    with BufferClient(child_server.target) as c:
+        (made,) = (t for t in c.list_tables() if t.name == "grpo4")
+        c.push(payload("grpo_group.trxp"), table="grpo4")
+    assert (made.group_size, made.estimator, made.drop_zero_variance) == (8, "rloo", True)
+    assert made.shaping.reward_clip == 5.0
+    again = cli("table", "create", "grpo4", "group_size=4", *target)
+    assert again.returncode == 1 and "ALREADY_EXISTS" in again.stderr
+    # --exist-ok (and the other options) before, between or after the settings
+    for order in (
+        ("grpo4", "--exist-ok", *settings),
+        ("grpo4", settings[0], "--exist-ok", *target, *settings[1:]),
+        ("--exist-ok", "grpo4", *settings),
+    ):
+        same = cli("table", "create", *order, *target)
+        assert same.returncode == 0 and not same.stderr, (order, same.stderr)
+    differs = cli("table", "create", "grpo4", "--exist-ok", "group_size=4", *settings[1:], *target)
+    assert differs.returncode == 1 and "group_size: the table has 8, the request 4" in differs.stderr
+    misplaced = cli("table", "create", "grpo4", *settings, "--no-such-option", *target)
+    assert misplaced.returncode == 2 and "unrecognized arguments: --no-such-option" in misplaced.stderr
+    refused = cli("table", "create", "x", "estimator=nope", *target)  # the server's refusal, with its reason
+    assert refused.returncode == 1 and "INVALID_ARGUMENT (invalid_config): table 'x'" in refused.stderr
+    bad = cli("table", "create", "x", "group_size", *target)
+    assert bad.returncode == 2 and "KEY=VALUE" in bad.stderr
+    # Mistakes the client catches before it calls: one line naming the setting, exit code 2.
+    one_line_error(cli("table", "create", "x", "group_size=-1", *target), "group_size", "-1")
+    one_line_error(cli("table", "create", "x", "gruop_size=4", *target), "unknown table setting", "gruop_size")
+    one_line_error(cli("table", "create", "x", "estimator_params=5", *target), "estimator_params", "5")
+    listing = cli("table", "list", *target).stdout.splitlines()
+    assert listing[0].split() == ["table", "group_by", "group_size", "estimator", "ready", "leased", "pending"]
+    assert any(line.split()[:4] == ["grpo4", "task", "8", "rloo"] for line in listing[1:])
+    described = cli("table", "describe", "grpo4", *target).stdout
+    toml_part = tomllib.loads(described.split("\n\n# stats")[0])["tables"][0]
+    assert made.settings() == toml_part  # pastes into a config as it is
+    assert re.search(r"^# pushed = \d+$", described, re.M)
+    refused = cli("table", "drop", "grpo4", *target)
+    assert refused.returncode == 2 and "--yes" in refused.stderr
+    dropped = cli("table", "drop", "grpo4", "--yes", *target)
+    assert dropped.returncode == 0 and dropped.stdout.startswith("dropped grpo4: ")
+    missing = cli("table", "describe", "grpo4", *target)
+    assert missing.returncode == 1 and "no table 'grpo4'" in missing.stderr
 
 
 def test_limits_on_waiting_calls_come_from_defaults_file_environment_and_flags(
