@@ -66,12 +66,12 @@ def runs(explorer: int, task: int, size: int) -> list[Experience]:
     ids=["group_size_4_lease", "group_by_none_consume"],
 )
 def test_reads_are_whole_batches_while_explorers_push_slowly(
-    serve, tmp_path, settings: dict, size: int, batch_size: int, query: str
+    child_server, settings: dict, size: int, batch_size: int, query: str
 ) -> None:
-    server = serve(str(tmp_path / "data"))
+    server, table = child_server, f"slow_{settings['group_by']}"  # the module's server, a table of its own
     with BufferClient(f"127.0.0.1:{server.port}") as admin:
-        admin.create_table("slow", estimator="none", **settings)
-    path = f"expbuf://127.0.0.1:{server.port}/slow" + (f"?{query}" if query else "")
+        admin.create_table(table, estimator="none", **settings)
+    path = f"expbuf://127.0.0.1:{server.port}/{table}" + (f"?{query}" if query else "")
     config = ExperienceBufferConfig(name="experience_buffer", path=path, batch_size=batch_size, max_read_timeout=60.0)
     open_writers, lock, last_releasing = [EXPLORERS], threading.Lock(), threading.Event()
     failed: list[BaseException] = []
@@ -116,7 +116,7 @@ def test_reads_are_whole_batches_while_explorers_push_slowly(
     read_uids = Counter(exp.eid.uid for got, _ in reads for exp in got)
     assert len(read_uids) == EXPLORERS * GROUPS * size and set(read_uids.values()) == {1}
     with BufferClient(f"127.0.0.1:{server.port}") as admin:
-        stats = admin.stats("slow")["slow"]
+        stats = admin.stats(table)[table]
     assert (stats.ready, stats.consumed + stats.leased) == (0, EXPLORERS * GROUPS * size)
 
 
@@ -136,8 +136,8 @@ TRAINER = textwrap.dedent(
 )
 
 
-def test_a_killed_readers_groups_return_within_a_lease(serve, tmp_path) -> None:
-    server = serve(str(tmp_path / "data"))
+def test_a_killed_readers_groups_return_within_a_lease(child_server) -> None:
+    server = child_server  # the module's server (a reader is killed here, not the server), a table of its own
     lease = 1.0
     with BufferClient(f"127.0.0.1:{server.port}") as admin:
         admin.create_table("agent", group_size=0, estimator="grpo")
