@@ -169,6 +169,20 @@ def due(txn: lmdb.Transaction[bytes], db: lmdb._Database, now: float) -> list[by
     return expired
 
 
+def stamped_before(
+    txn: lmdb.Transaction[bytes], db: lmdb._Database, prefix: bytes, cutoff: float, limit: int
+) -> list[bytes]:
+    """The keys of a table's time-ordered index (T + micros + ...) stamped before `cutoff`, oldest
+    first, at most `limit`."""
+    stamp, found = micros(cutoff), list[bytes]()
+    with txn.cursor(db=db) as cur:
+        at = cur.set_range(prefix)
+        while at and cur.key().startswith(prefix) and cur.key()[4:12] < stamp and len(found) < limit:
+            found.append(bytes(cur.key()))
+            at = cur.next()
+    return found
+
+
 def first_time(txn: lmdb.Transaction[bytes], db: lmdb._Database, prefix: bytes) -> bytes | None:
     """The time (8 sortable bytes) of a table's first key in a time-ordered index (T + micros + ...)."""
     with txn.cursor(db=db) as cur:

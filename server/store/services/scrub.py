@@ -206,17 +206,17 @@ class Scrub:
                     length = len(blob) if streamed is None else streamed[1]
                     payloads += length
                     count += 1
+                    uid = bytes(key[4:]).decode()
                     if rows is not None:
                         nbytes += length
-                        row = rows.of(bytes(key[4:]).decode())
-                        if row is not None and reading.row_payload_mismatch(row, blob):
-                            bad.append(bytes(key[4:]).decode())
-                        found = cur.next()
-                        continue
-                    raw = reading.record_raw(txn, db, bytes(key))
-                    nbytes += length + (0 if raw is None else len(raw))
-                    if raw is not None and self._damaged(key, raw, blob):
-                        bad.append(bytes(key[4:]).decode())
+                        row = rows.of(uid)
+                        damaged = row is not None and reading.row_payload_mismatch(row, blob)
+                    else:
+                        raw = reading.record_raw(txn, db, bytes(key))
+                        nbytes += length + (0 if raw is None else len(raw))
+                        damaged = raw is not None and self._damaged(key, raw, blob)
+                    if damaged:
+                        bad.append(uid)
                     found = cur.next()
         except lmdb.Error as exc:  # a page LMDB cannot read: `expbuf check` says more; the next table goes on
             self._report(f"table {layout.table_of(prefix)}: reading its payloads raised {type(exc).__name__}: {exc}")

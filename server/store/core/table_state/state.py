@@ -10,7 +10,7 @@ pushes, what computes): those are the arguments of the verbs that need them.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from types import MappingProxyType
 from typing import TypeVar
 
@@ -41,6 +41,17 @@ from .views import RowGroup, group_record, member_record, row_members
 # A member's record as the cache holds it: absent (None) when the table has no such uid.
 Cached = ItemRecord | None
 V = TypeVar("V", bytes, memoryview)
+
+
+def pending_rows(
+    txn: lmdb.Transaction[V], dbs: Mapping[str, lmdb._Database], prefix: bytes, gkey: str, head: PendingHead
+) -> list[Member]:
+    """A rows table's pending group's members, in push order, as its fragments hold them, read in
+    `txn` (the table state's, or a reader's such as the scrub's)."""
+    found: list[Member] = []
+    for number in range(head.fragments):
+        found.extend(decode_member_rows(stored(txn, fragment_key(prefix, gkey, number), dbs["frags"], "fragment")))
+    return found
 
 
 def stored(txn: lmdb.Transaction[V], key: bytes, db: lmdb._Database, what: str) -> V:
@@ -190,11 +201,7 @@ class TableState:
 
     def pending_rows(self, gkey: str, head: PendingHead) -> list[Member]:
         """A rows table's pending group's members, in push order, as its fragments hold them."""
-        found: list[Member] = []
-        for number in range(head.fragments):
-            key = fragment_key(self.prefix, gkey, number)
-            found.extend(decode_member_rows(stored(self.txn, key, self.db["frags"], "fragment")))
-        return found
+        return pending_rows(self.txn, self.db, self.prefix, gkey, head)
 
     def existing_view(self, gkey: str) -> GroupView:
         """The view of a group an index or a member names, which exists while they do."""

@@ -209,15 +209,8 @@ def prune_tombstones(tt: TableState, retired_before: float, limit: int = 10_000)
     call; a rows table's, segments: segments.prune); returns how many were forgotten."""
     if tt.config.storage.layout == "rows":
         return segments.prune(tt, retired_before, limit)
-    cutoff = layout.micros(retired_before)
-    expired: list[bytes] = []
-    with tt.txn.cursor(db=tt.db["retired"]) as cur:
-        found = cur.set_range(tt.prefix)
-        while found and cur.key().startswith(tt.prefix) and cur.key()[4:12] < cutoff and len(expired) < limit:
-            expired.append(cur.key())
-            found = cur.next()
     forgotten = 0
-    for key in expired:
+    for key in layout.stamped_before(tt.txn, tt.db["retired"], tt.prefix, retired_before, limit):
         gkey = key[12:].decode()
         grp = tt.group(gkey)
         for uid in list(grp.members) if grp is not None else ():

@@ -113,15 +113,8 @@ def prune(tt: TableState, retired_before: float, limit: int = 10_000) -> int:
     are; returns how many members were forgotten. A segment goes whole, once its last group retired:
     a group that retired before the others of its segment keeps its tombstones longer than a
     records table's group would."""
-    cutoff, prefix = layout.micros(retired_before), tt.prefix
-    expired: list[bytes] = []
-    with tt.txn.cursor(db=tt.db["retired"]) as cur:
-        found = cur.set_range(prefix)
-        while found and cur.key().startswith(prefix) and cur.key()[4:12] < cutoff and len(expired) < limit:
-            expired.append(bytes(cur.key()))
-            found = cur.next()
-    forgotten = 0
-    for key in expired:
+    prefix, forgotten = tt.prefix, 0
+    for key in layout.stamped_before(tt.txn, tt.db["retired"], prefix, retired_before, limit):
         seg = int.from_bytes(key[12:], "big")
         raw, raw_state = (tt.txn.get(prefix + u64(seg), db=tt.db[name]) for name in ("segs", "sstate"))
         if raw is not None and raw_state is not None:

@@ -29,7 +29,7 @@ from ...schema.states import LEASED, LIVE, READY
 from ...schema.table_config import TableConfig
 from ...schema.views import GroupView, MemberView
 from ..table_state.read_check import payload_problem
-from ..table_state.state import TableState, member_state, stored
+from ..table_state.state import TableState, member_state, pending_rows, stored
 
 Dbs = Mapping[str, lmdb._Database]
 Value = bytes | memoryview
@@ -120,10 +120,7 @@ class RowDigests:
         if entry is None:
             return {}
         if isinstance(entry, PendingHead):
-            rows = []
-            for number in range(entry.fragments):
-                key = fragment_key(self.prefix, gkey, number)
-                rows.extend(decode_member_rows(stored(self.reader, key, self.dbs["frags"], "fragment")))
+            rows = pending_rows(self.reader, self.dbs, self.prefix, gkey, entry)
             return {row.uid: (row.digest, row.size) for row in rows}
         if entry.seg not in self._segments:
             key = self.prefix + u64(entry.seg)
