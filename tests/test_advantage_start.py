@@ -216,7 +216,7 @@ def test_an_advantage_worker_that_ends_is_reported_as_one_that_did_not_start(
         BufferClient(f"127.0.0.1:{server.port}", timeout=30) as client,
     ):
         client.create_table("x", group_size=2, estimator=name)
-        assert scrape(server.metrics_port)[UP] == 1
+        wait_for(lambda: scrape(server.metrics_port)[UP] == 1, "the worker started")  # torch loads after the start
         client.push(trxp.build(group_items(0, 0, 2, reward=1.0)), table="x")  # the worker computes it, and ends
         wait_for(lambda: client.stats("x")["x"].groups_failed == 1, "the group left computing failed")
         assert cause in client.stats("x")["x"].last_failure
