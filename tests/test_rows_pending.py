@@ -18,6 +18,7 @@ import pytest
 
 from expbuf.client import trxp
 from expbuf.client.rollout_pieces import split
+from expbuf.server.advantages.worker import AdvantageWorker
 from expbuf.server.store import Entry, Moved, Push, Retired, Store, TableExtension
 from expbuf.server.store.core.table_state.state import TableState
 from expbuf.server.store.disk import layout
@@ -452,8 +453,12 @@ class RandomSteps:
     def __init__(self, root: Path, settings: dict[str, object], seed: int) -> None:
         self.root, self.rng, self.clock = root, random.Random(seed), Clock()
         self.size = int(settings["group_size"])  # type: ignore[call-overload]
+        settings = dict(settings)
+        self.in_push = bool(settings.pop("in_push", False))  # the store computes advantages in its pushes
+        self.computes = settings.get("estimator", "none") != "none"
         self.store = Store(root, clock=self.clock, extensions={"watched": Watched})
-        both(self.store, "t", estimator="none", group_by="task", extensions=["watched"], **settings)
+        self.worker = self.attach()
+        both(self.store, "t", group_by="task", extensions=["watched"], **{"estimator": "none", **settings})
         self.low = 0  # pushes go to tasks low..low+7, mostly to those whose groups are open
         self.closed: set[int] = set()
         self.pushes: list[list[trxp.RawItem]] = []
@@ -560,9 +565,21 @@ class RandomSteps:
         self.clock.now += self.rng.choice([0.5, 2, 4, 7])
         self.log.append(f"tick to {self.clock.now}: {self.store.tick()}")
 
+    def attach(self) -> AdvantageWorker:
+        """The store's advantage worker (run by `compute`), which computes in its pushes too where
+        the settings say so."""
+        worker = AdvantageWorker(self.store)
+        if self.in_push:
+            self.store.in_push = worker.in_push
+        return worker
+
+    def compute(self) -> None:
+        self.log.append(f"computed {self.worker.run_once()}")
+
     def restart(self) -> None:
         self.store.close()
         self.store = Store(self.root, clock=self.clock, extensions={"watched": Watched})
+        self.worker = self.attach()
         self.held = [h for h in self.held if h[0] == "lease"]  # a start gives held batches back
         self.log.append("restart")
 
@@ -607,6 +624,7 @@ class RandomSteps:
         steps: list[tuple[Callable[[], None], float]] = [
             (self.push, 10), (self.push_in_order, 1), (self.fail, 2), (self.seal, 1), (self.tick, 3),
             (self.take, 3), (self.restart, 0.3), (self.end, 2 if self.held else 0),
+            (self.compute, 2 if self.computes else 0),
         ]  # fmt: skip
         if self.rng.random() < 0.08:
             self.low += 1
@@ -623,6 +641,20 @@ class RandomSteps:
         ({"group_size": 8, "group_timeout_seconds": 10, "min_group_size": 3, "drop_zero_variance": True}, 4),
         ({"group_size": 4, "group_timeout_seconds": 10, "min_group_size": 2}, 5),
         ({"group_size": 8, "capacity_experiences": 40, "min_group_size": 4}, 6),
+        ({"group_size": 4, "estimator": "grpo", "min_group_size": 2, "group_timeout_seconds": 10}, 7),
+        (
+            {
+                "group_size": 8,
+                "estimator": "grpo",
+                "estimator_params": {"std_threshold": 0.5},
+                "in_push": True,
+                "drop_zero_variance": True,
+                "group_timeout_seconds": 6,
+                "min_group_size": 3,
+            },
+            8,
+        ),
+        ({"group_size": 4, "estimator": "rloo", "min_group_size": 3, "group_timeout_seconds": 10}, 9),
     ],
 )
 def test_random_steps_leave_a_rows_table_as_a_records_tables(

@@ -29,7 +29,6 @@ from expbuf.server.store.disk.rows import (
 from expbuf.server.store.schema.errors import Conflict, GroupClosed, InvalidRequest
 from expbuf.server.store.schema.states import READY
 from expbuf.server.store.schema.table_config import TableConfig
-from expbuf.server.store.schema.table_parts import Storage
 
 from helpers import StoppedClock as Clock
 from helpers import both_layouts as both
@@ -142,9 +141,6 @@ def test_duplicates_conflicts_and_counters_are_a_records_tables(
 def test_a_push_rows_cannot_take_yet_is_refused_and_stores_nothing(tmp_path: Path) -> None:
     with Store(tmp_path, clock=Clock()) as store:
         both(store, "t", **EIGHTS)
-        store.create_table(TableConfig("grpo", storage=Storage(layout="rows")))
-        with pytest.raises(InvalidRequest, match="its estimator must be none"):
-            store.put("grpo", group_items(0, 0, 8))
         both(store, "full", **EIGHTS, capacity_experiences=8, when_full="evict")
         store.put("full_rows", group_items(0, 0, 8))
         with pytest.raises(InvalidRequest, match="evict no groups yet: it is full"):
@@ -153,7 +149,7 @@ def test_a_push_rows_cannot_take_yet_is_refused_and_stores_nothing(tmp_path: Pat
         store.put("t_rows", group_items(0, 1, 8))
         with pytest.raises(GroupClosed, match="group 0/1 is already complete"):
             store.put("t_rows", [trxp.from_experience(make_experience(0, 1, 8))])
-        assert store.stats("t_rows")["pushed"] == 8 and store.stats("grpo")["pushed"] == 0
+        assert store.stats("t_rows")["pushed"] == 8
         assert len(rows_of(store, "t_rows")["blobs"]) == 8
 
 

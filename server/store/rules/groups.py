@@ -22,7 +22,7 @@ from ..core.table_state.state import TableState
 from ..core.table_state.views import RowGroup
 from ..core.verbs import groups as core_groups
 from ..core.verbs import pieces, row_pending
-from ..core.verbs.compute import store_advantages
+from ..core.verbs.compute import store_advantages, store_row_advantages
 from ..core.verbs.groups import Closed
 from ..core.verbs.retire import retire
 from ..disk import digests
@@ -40,7 +40,13 @@ from ..schema.states import COMPUTING, DROPPED, FAILED, PENDING, RETIRED, State
 from ..schema.table_config import estimator_of
 from ..schema.views import GroupView, Members
 from .capacity import make_room
-from .pushed_advantages import add_shaping, compute_in_push, drop_below_threshold, zero_variance
+from .pushed_advantages import (
+    add_shaping,
+    compute_in_push,
+    compute_rows_in_push,
+    drop_below_threshold,
+    zero_variance,
+)
 from .quarantine import quarantine_lost
 
 
@@ -97,15 +103,28 @@ class Ending:
         self.tt.counters.last_failure = f"group {gkey}: {why}"
         self.gone.setdefault(FAILED, []).append((gkey, grp))
 
-    def done(self, *, ready: list[Row] | None = None, computing: list[Members] | None = None) -> None:
-        """The groups complete (`ready`, `computing`: as core/verbs/groups.complete's), then the others
-        leave."""
+    def done(
+        self,
+        *,
+        ready: list[Row] | None = None,
+        computing: list[Members] | None = None,
+        compute: Compute | None = None,
+        ahead: Ahead | None = None,
+    ) -> None:
+        """The groups complete (`ready`, `computing`: as core/verbs/groups.complete's; a rows table's
+        with their advantages from `compute`, computed `ahead` or in the transaction, where its
+        estimator needs any: compute_rows_in_push), then the others leave."""
         core_groups.complete(self.tt, self.closed, ready=ready, computing=computing)
-        if self.rows:
-            row_pending.complete(self.tt, self.rows)
+        rows, estimated = self.rows, self.tt.config.advantages.estimator != "none"
+        if rows and not estimated:
+            row_pending.complete(self.tt, rows)
+        elif rows and compute is None:  # queued, computing, as a records table's are in complete
+            compute_rows_in_push(self.tt, rows, None, None)
         for state, groups in self.gone.items():
             retire(self.tt, groups, state)
         quarantine_lost(self.tt, self.lost)
+        if rows and estimated and compute is not None:  # after the others leave, as put's compute_in_push
+            compute_rows_in_push(self.tt, rows, compute, ahead)
         self.closed, self.rows, self.gone, self.lost = [], [], {}, []
 
 
@@ -163,7 +182,7 @@ def put(
     if by_group:  # a push of pieces alone, or of copies alone, was heard of as such
         tt.extensions.on_pushed(tt, Pushed(list(by_group), holder))
     if rows:
-        _put_rows(tt, by_group, existing, compute, result)
+        _put_rows(tt, by_group, existing, compute, ahead, result)
         return _stored(tt, result, list(fresh))
     groups: dict[str, GroupView] = {}
     opened: set[str] = set()  # groups this push starts: not in the pending index yet
@@ -229,18 +248,15 @@ def _put_rows(
     by_group: dict[str, list[Entry]],
     existing: dict[str, row_pending.PendingGroup | None],
     compute: Compute | None,
+    ahead: Ahead | None,
     result: PutResult,
 ) -> None:
     """A push into a table of layout "rows" (issue 64, whose rows land a step at a time): its groups
-    joined, completed, kept pending or dropped as a records table's (`put`), of a table that
-    computes no advantages and evicts no stale groups (its version report and upkeep read the
+    joined, completed (with their advantages, or computing), kept pending or dropped as a records
+    table's (`put`), of a table that evicts no stale groups (its version report and upkeep read the
     records' ready index) nor groups to make room; any other push is refused before anything is
     stored."""
     size = tt.config.grouping.size
-    if compute is not None or tt.config.advantages.estimator != "none":
-        raise InvalidRequest(
-            f"table '{tt.config.name}' keeps rows, which take no advantages yet: its estimator must be none"
-        )
     staleness = tt.config.staleness
     if staleness.evict_stale and staleness.experience_bound is not None:
         raise InvalidRequest(
@@ -277,7 +293,7 @@ def _put_rows(
             result.dropped_groups.append(gkey)
         else:
             tt.counters.groups_short += bool(grp.failed)
-    ending.done()
+    ending.done(compute=compute, ahead=ahead)
 
 
 def _no_overfill(tt: TableState, gkey: str, members: int, failed: Mapping[str, str], adding: int) -> None:
@@ -342,6 +358,7 @@ def finish_compute(
     ending = Ending(tt)
     below: list[tuple[str, GroupView]] = []
     computed: list[Members] = []
+    rows: list[tuple[RowGroup, bool, bool]] = []  # a rows table's: completing as row_pending.complete has it
     for gkey in dict.fromkeys([*ready, *dropped, *failed]):
         grp = tt.view(gkey)
         if grp is None or grp.state != COMPUTING:
@@ -350,11 +367,15 @@ def finish_compute(
             ending.fail(gkey, grp, failed[gkey])
         elif gkey in dropped:
             below.append((gkey, grp))
+        elif isinstance(grp, RowGroup):  # its members are its rows, which it cannot lose apart
+            rows.append((grp, False, True))
         elif any(tt.member(uid) is None for uid in grp.members):  # never to be served whole
             ending.lost.append((gkey, grp))
         else:
             computed.append((gkey, grp, tt.members(grp)))
     tt.ready.add_many(store_advantages(tt, computed, advantages, shaping))
+    if rows:
+        store_row_advantages(tt, rows, advantages, shaping, COMPUTING)
     drop_below_threshold(tt, below)
     ending.done()
     tt.save()

@@ -14,10 +14,12 @@ from collections.abc import Sequence
 
 from ..core.ordering.ready import Row
 from ..core.table_state.state import TableState
-from ..core.verbs.compute import queue, queued, store_advantages
+from ..core.table_state.views import RowGroup, row_members
+from ..core.verbs import row_pending
+from ..core.verbs.compute import queue, queued, store_advantages, store_row_advantages
 from ..core.verbs.retire import retire
 from ..disk.kinds import Ahead, Compute, ComputeJob, Entry, ShapingUpdate
-from ..schema.states import DROPPED
+from ..schema.states import DROPPED, PENDING
 from ..schema.table_config import TableConfig
 from ..schema.views import Groups, Members
 
@@ -37,17 +39,53 @@ def compute_in_push(
 ) -> None:
     """The advantages of the groups a push completed, computed in the push's own transaction:
     each member's record is written once, ready with its value (the ready groups' index entries
-    are appended to `ready`). The groups are queued for the worker instead, computing, when
-    they hold more than IN_PUSH_LIMIT experiences, when a running reward normalisation must
-    take them after older queued groups, or when the computation fails or gives any of them a
-    non-finite value: a push never fails for its estimator, and a group fails alone, as the
-    worker decides."""
+    are appended to `ready`). The groups are queued for the worker instead, computing, where
+    `computed` gives no values."""
     if not computing:
         return
-    count = sum(len(recs) for _, _, recs in computing)
-    if compute is None or count > IN_PUSH_LIMIT or (tt.config.advantages.shaping.reward_running_norm and queued(tt)):
+    outcome = _computed(tt, computing, compute, ahead)
+    if outcome is None:
         queue(tt, computing)
         return
+    values, dropped, shaping = outcome
+    add_shaping(tt, shaping)
+    ready.extend(store_advantages(tt, [group for group in computing if group[0] not in dropped], values, shaping))
+    drop_below_threshold(tt, [(gkey, grp) for gkey, grp, _ in computing if gkey in dropped])
+
+
+def compute_rows_in_push(
+    tt: TableState, groups: Sequence[tuple[RowGroup, bool, bool]], compute: Compute | None, ahead: Ahead | None
+) -> None:
+    """A rows table's groups a request completed (as row_pending.complete takes them), with their
+    advantages computed in its transaction, go into their segments ready with their values, written
+    once; queued for the worker instead (row_pending.queue), computing, where `computed` gives no
+    values (a request without `compute`: a seal, a timeout, runs reported failed, a push before the
+    server's computation is at hand)."""
+    if not groups:
+        return
+    computing = [(grp.key, grp, row_members(grp)) for grp, _, _ in groups]
+    outcome = _computed(tt, computing, compute, ahead)
+    if outcome is None:
+        row_pending.queue(tt, groups)
+        return
+    values, dropped, shaping = outcome
+    add_shaping(tt, shaping)
+    store_row_advantages(tt, [group for group in groups if group[0].key not in dropped], values, shaping, PENDING)
+    drop_below_threshold(tt, [(grp.key, grp) for grp, _, _ in groups if grp.key in dropped])
+
+
+def _computed(
+    tt: TableState, computing: Sequence[Members], compute: Compute | None, ahead: Ahead | None
+) -> tuple[dict[str, float | bytes], set[str], ShapingUpdate] | None:
+    """The values of the groups a request completed (uid -> value), the groups the estimator drops
+    and what reward shaping did; None where they are left to the worker: when there is no
+    computation, when the groups hold more than IN_PUSH_LIMIT experiences, when a running reward
+    normalisation must take them after older queued groups, or when the computation fails or gives
+    any of them a non-finite value (a push never fails for its estimator, and a group fails alone,
+    as the worker decides)."""
+    count = sum(len(recs) for _, _, recs in computing)
+    if compute is None or count > IN_PUSH_LIMIT or (tt.config.advantages.shaping.reward_running_norm and queued(tt)):
+        return None
     job = ComputeJob(
         table=tt.config.name,
         config=tt.config,
@@ -63,13 +101,10 @@ def compute_in_push(
         else:
             values, _, dropped, failed, shaping = compute(job)
     except Exception:  # the worker tries again, and fails only a group that fails on its own
-        failed = dict.fromkeys(job.groups, "the computation failed")
+        return None
     if failed:
-        queue(tt, computing)
-        return
-    add_shaping(tt, shaping)
-    ready.extend(store_advantages(tt, [group for group in computing if group[0] not in dropped], values, shaping))
-    drop_below_threshold(tt, [(gkey, grp) for gkey, grp, _ in computing if gkey in dropped])
+        return None
+    return values, set(dropped), shaping
 
 
 def compute_ahead(config: TableConfig, entries: Sequence[Entry], compute: Compute) -> Ahead | None:

@@ -176,8 +176,8 @@ class TableState:
 
     def view(self, gkey: str) -> GroupView | None:
         """The group as code outside the core reads it (views.py): a records table's record, or a
-        rows table's group as its segment and state rows hold it, or while it is pending, its head
-        and fragments."""
+        rows table's group as its segment and state rows hold it, or while it is pending or computing,
+        its head and fragments."""
         if self.config.storage.layout == "rows":
             return self._row_group(gkey)
         return self.group(gkey)
@@ -189,7 +189,8 @@ class TableState:
         ref = directory_entry(raw)
         if isinstance(ref, PendingHead):
             rows = tuple(self.pending_rows(gkey, ref))
-            return RowGroup(gkey, PENDING, rows, MappingProxyType(dict(ref.failed)), created=ref.created)
+            now = PENDING if ref.queued is None else COMPUTING
+            return RowGroup(gkey, now, rows, MappingProxyType(dict(ref.failed)), created=ref.created)
         key = self.prefix + u64(ref.seg)
         view = SegmentView(stored(self.txn, key, self.db["segs"], "segment"))
         state = SegState.decode(stored(self.txn, key, self.db["sstate"], "segment state"))

@@ -64,6 +64,10 @@ class RowMember:
         self._row, self.group, self.state, self.times_sampled = row, group, state, times_sampled
 
     @property
+    def tid(self) -> str:
+        return uid_group_key(self._row.uid, "task") or ""
+
+    @property
     def rid(self) -> str:
         return uid_group_key(self._row.uid, "run") or ""
 

@@ -15,15 +15,17 @@ from expbuf.client.trxp.stored.pieces import Stored, whole
 from ...disk import chunk_reads, layout
 from ...disk.kinds import ComputeJob, ShapingUpdate
 from ...disk.records import GroupRecord, ItemRecord
-from ...schema.states import COMPUTING, READY
+from ...disk.rows import PendingHead, directory_entry
+from ...schema.states import COMPUTING, READY, State
 from ...schema.table_config import TableConfig, estimator_of
 from ...schema.views import Members, MemberView
 from ..ordering.ready import Row
 from ..table_state import rate_counts
 from ..table_state.counters import read_counters
 from ..table_state.read_check import payload_problem
-from ..table_state.state import TableState, missing, stored
-from ..table_state.views import group_record, member_record
+from ..table_state.state import TableState, missing, pending_rows, stored
+from ..table_state.views import RowGroup, RowMember, group_record, member_record
+from . import row_pending
 
 
 def backlog(
@@ -41,7 +43,8 @@ def backlog(
     queue is read from table to table with a backlog, never over the tables without one.
     Payloads are read only for estimators that need token-level data, each checked against its
     digest: a group with a damaged one is left out, its damaged members' uids listed by table in
-    `damaged` (for the caller to quarantine); the others work from the item records. A group with
+    `damaged` (for the caller to quarantine); the others work from the item records (a rows table's
+    from its computing groups' fragments: row_pending.queue). A group with
     a member whose record the directory lost is left out too, its key listed by table in `lost`
     (for the caller to fail). `table_of` names a table id's table, None for a dropped one."""
     jobs: list[ComputeJob] = []
@@ -63,43 +66,61 @@ def backlog(
                     table=name, config=config, groups=[], members=[], records={}, blobs={}, moments=moments
                 )
                 token_level = estimator_of(config).token_level
+                rows = config.storage.layout == "rows"
                 while found and cur.key().startswith(prefix) and count < limit:
                     gkey = cur.value()
-                    grp = GroupRecord.decode(stored(txn, prefix + gkey, dbs["groups"], "group"))
-                    records: dict[str, MemberView] = {}
+                    uids, records = (_queued_rows if rows else _queued_records)(txn, dbs, prefix, bytes(gkey))
+                    whole_group = len(records) == len(uids)  # else a record is lost
+                    if not whole_group:
+                        lost.setdefault(name, []).append(gkey.decode())
                     blobs: dict[str, Stored] = {}
-                    for uid in grp.members:
-                        item_key = prefix + uid.encode()
-                        raw = txn.get(item_key, db=dbs["items"])
-                        if raw is None:
-                            lost.setdefault(name, []).append(gkey.decode())
-                            break
-                        records[uid] = ItemRecord.decode(raw)
-                        if token_level:
-                            payload = chunk_reads.read_payload(txn, dbs, item_key)
-                            if payload is None:
-                                raise missing("payload of experience", uid)
-                            blobs[uid] = payload
-                    whole_group = len(records) == len(grp.members)  # else a record is lost
-                    bad = [
-                        uid
-                        for uid, blob in blobs.items()
-                        if whole_group and payload_problem(uid, records[uid], blob) is not None
-                    ]
+                    for uid in records if token_level and whole_group else ():
+                        payload = chunk_reads.read_payload(txn, dbs, prefix + uid.encode())
+                        if payload is None:
+                            raise missing("payload of experience", uid)
+                        blobs[uid] = payload
+                    bad = [uid for uid, blob in blobs.items() if payload_problem(uid, records[uid], blob) is not None]
                     if bad:
                         damaged.setdefault(name, []).extend(bad)
                     elif whole_group:
                         job.groups.append(gkey.decode())
-                        job.members.append(grp.members)
+                        job.members.append(uids)
                         job.records |= records
                         job.blobs |= {uid: bytes(whole(blob)) for uid, blob in blobs.items()}
-                    count += len(grp.members)
+                    count += len(uids)
                     found = cur.next()
                 if job.groups:
                     jobs.append(job)
                 after = table_id
             found = cur.set_range(layout.table_prefix(table_id + 1)) or cur.first()
     return jobs, after
+
+
+def _queued_records(
+    txn: lmdb.Transaction[bytes], dbs: dict[str, lmdb._Database], prefix: bytes, gkey: bytes
+) -> tuple[list[str], dict[str, MemberView]]:
+    """A records table's computing group's members' uids and their records (one whose record the
+    directory lost is left out: those after it are not read)."""
+    grp = GroupRecord.decode(stored(txn, prefix + gkey, dbs["groups"], "group"))
+    records: dict[str, MemberView] = {}
+    for uid in grp.members:
+        raw = txn.get(prefix + uid.encode(), db=dbs["items"])
+        if raw is None:
+            break
+        records[uid] = ItemRecord.decode(raw)
+    return grp.members, records
+
+
+def _queued_rows(
+    txn: lmdb.Transaction[bytes], dbs: dict[str, lmdb._Database], prefix: bytes, gkey: bytes
+) -> tuple[list[str], dict[str, MemberView]]:
+    """A rows table's computing group's members' uids and views, from its head's fragments."""
+    entry = directory_entry(stored(txn, prefix + gkey, dbs["gdir"], "group"))
+    if not isinstance(entry, PendingHead):
+        raise missing("computing group", gkey.decode())
+    key = gkey.decode()
+    rows = pending_rows(txn, dbs, prefix, key, entry)
+    return [row.uid for row in rows], {row.uid: RowMember(row, key, COMPUTING) for row in rows}
 
 
 def queue(tt: TableState, groups: Sequence[Members]) -> None:
@@ -134,3 +155,29 @@ def store_advantages(
     rate_counts.became_ready(tt, sum(len(recs) for _, _, recs in groups))
     placed = [(gkey, group_record(grp)) for gkey, grp, _ in groups]
     return [(gkey.encode(), grp.ready_seq, grp.priority, grp.version) for gkey, grp in placed]
+
+
+def store_row_advantages(
+    tt: TableState,
+    groups: Sequence[tuple[RowGroup, bool, bool]],
+    advantages: dict[str, float | bytes],
+    shaping: ShapingUpdate | None,
+    was: State,
+) -> None:
+    """A rows table's groups' values (as `row_pending.complete` takes the groups: with whether each
+    completes partial and was written) go into their members' rows, written once, into the segments
+    the groups become ready in (token-level ones into the adv database, as a records table's)."""
+    done = []
+    for grp, partial, written in groups:
+        rows = []
+        for member in grp.rows:
+            value = advantages[member.uid]
+            if shaping is not None and member.uid in shaping.rewards:
+                member = member._replace(shaped_reward=shaping.rewards[member.uid])
+            if isinstance(value, float):
+                member = member._replace(advantage=value)
+            else:
+                tt.txn.put(tt.key(member.uid), value, db=tt.db["adv"])
+            rows.append(member)
+        done.append((grp._replace(rows=tuple(rows)), partial, written))
+    row_pending.complete(tt, done, was)

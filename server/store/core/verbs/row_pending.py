@@ -22,9 +22,9 @@ from ...disk.kinds import Entry
 from ...disk.layout import u64
 from ...disk.rows import Member, PendingHead, SegmentView, directory_entry, encode_member_rows, fragment_key
 from ...disk.rows import uid_hash as _uid_hash
-from ...schema.states import PENDING, State
+from ...schema.states import COMPUTING, PENDING, State
 from ...schema.views import Groups
-from ..table_state.events import Retired
+from ..table_state.events import Moved, Retired
 from ..table_state.state import TableState, missing
 from ..table_state.views import RowGroup
 from . import payloads, pieces, segments
@@ -46,7 +46,7 @@ def stored(
     tt: TableState, uids: Mapping[str, Sequence[str]]
 ) -> tuple[dict[str, PendingGroup | None], dict[str, bytes]]:
     """Of these groups (each with the uids a push brings it), those the table has: pending (a
-    `PendingGroup`) or complete (None); and the stored digests of their members (uid -> digest), for a
+    `PendingGroup`) or complete (None; computing too); and the stored digests of their members (uid -> digest), for a
     retried push's duplicates: one directory read a group, one segment read a segment, and a
     pending group's fragments read only where one of the uids' hashes is among its head's."""
     found: dict[str, PendingGroup | None] = {}
@@ -57,8 +57,12 @@ def stored(
         if raw is None:
             continue
         entry = directory_entry(raw)
-        if isinstance(entry, PendingHead):
-            found[gkey] = PendingGroup(gkey, entry, len(entry.hashes), entry.failed, entry.created)
+        if isinstance(entry, PendingHead):  # pending, or complete and computing (queued)
+            found[gkey] = (
+                None
+                if entry.queued is not None
+                else PendingGroup(gkey, entry, len(entry.hashes), entry.failed, entry.created)
+            )
             if not set(entry.hashes).isdisjoint(map(_uid_hash, pushed)):
                 digests.update((member.uid, member.digest) for member in tt.pending_rows(gkey, entry))
             continue
@@ -75,7 +79,7 @@ def stored(
 
 
 def head(tt: TableState, gkey: str) -> PendingHead | None:
-    """A pending group's head; None: the group is not pending (complete, or not there)."""
+    """A pending or computing group's head; None: the group is neither (in a segment, or not there)."""
     raw = tt.txn.get(tt.key(gkey), db=tt.db["gdir"])
     entry = None if raw is None else directory_entry(raw)
     return entry if isinstance(entry, PendingHead) else None
@@ -133,35 +137,78 @@ def keep(tt: TableState, gkey: str, grp: RowGroup | PendingGroup, new: Sequence[
     tt.txn.put(tt.key(gkey), entry.encode(), db=tt.db["gdir"])
 
 
-def _forget(tt: TableState, gkey: str) -> None:
-    """A pending group's fragments and pending index row go (it completes or leaves); its directory
-    entry is overwritten by its segment's."""
+def _forget(tt: TableState, gkey: str) -> PendingHead | None:
+    """A pending or computing group's fragments and its row in the pending index or the compute queue
+    go (it completes or leaves); its directory entry is overwritten by its segment's. Returns its
+    head, None for a group never written."""
     entry = head(tt, gkey)
     if entry is None:
-        return  # opened and closed by one request: never written
+        return None  # opened and closed by one request: never written
     for number in range(entry.fragments):
         tt.txn.delete(fragment_key(tt.prefix, gkey, number), db=tt.db["frags"])
-    tt.txn.delete(tt.pending_key(gkey, entry), db=tt.db["pending"])
+    if entry.queued is None:
+        tt.txn.delete(tt.pending_key(gkey, entry), db=tt.db["pending"])
+    else:
+        tt.txn.delete(tt.prefix + u64(entry.queued), db=tt.db["compute"])
+    return entry
 
 
-def complete(tt: TableState, groups: Sequence[tuple[RowGroup, bool, bool]]) -> None:
-    """Pending groups become ready together, in the ready order's next places, as groups pushed whole
-    do: each with whether it completes partial (sealed, timed out, runs reported failed) and whether
-    it was written (`keep`; a group opened and filled by one push never is)."""
-    whole = []
+def complete(tt: TableState, groups: Sequence[tuple[RowGroup, bool, bool]], was: State = PENDING) -> None:
+    """Pending (or computing: `was`) groups become ready together, in the ready order's next places,
+    as groups pushed whole do: each with whether it completes partial (sealed, timed out, runs
+    reported failed) and whether it was written (`keep`; a group opened and filled by one push never
+    is). A computing group's head says whether it completed partial, and its place in the ready
+    order: the rseq it took when it completed, a records table's group's."""
+    whole, places = [], []
     for grp, partial, written in groups:
-        if written:
-            _forget(tt, grp.key)
+        entry = _forget(tt, grp.key) if written else None
         if partial:
             pieces.drop_group(tt, grp.key)  # its runs still in pieces will not join it
+        if entry is not None and entry.queued is not None:
+            partial = entry.partial
+            places.append(entry.queued)
         whole.append(segments.whole(grp.key, grp.created, grp.rows, partial=partial, failed=grp.failed))
-    segments.complete_ready(tt, whole)
+    segments.complete_ready(tt, whole, was, places if was == COMPUTING else None)
+
+
+def queue(tt: TableState, groups: Sequence[tuple[RowGroup, bool, bool]]) -> None:
+    """Pending groups complete and wait for their advantages (computing), in the compute queue's next
+    places: each keeps its head, now naming its place there (its key in the compute queue, out of the
+    pending index: it times out no more) and whether it completed partial, and its members in its
+    fragments, the ones this request brought in one more. `complete` (from computing) writes it into
+    a segment with its advantages."""
+    counters = tt.counters
+    moved: list[tuple[str, RowGroup]] = []
+    for grp, partial, written in groups:
+        entry = head(tt, grp.key) if written else None
+        if entry is None:
+            entry = PendingHead(created=grp.created)
+        else:
+            tt.txn.delete(tt.pending_key(grp.key, entry), db=tt.db["pending"])
+        new = grp.rows[len(entry.hashes) :]
+        if new:
+            tt.txn.put(fragment_key(tt.prefix, grp.key, entry.fragments), encode_member_rows(new), db=tt.db["frags"])
+            entry.fragments += 1
+            entry.hashes.extend(_uid_hash(member.uid) for member in new)
+        if partial:
+            pieces.drop_group(tt, grp.key)  # its runs still in pieces will not join it
+        entry.failed, entry.partial, entry.queued = dict(grp.failed), partial, counters.next_rseq
+        counters.next_rseq += 1
+        tt.txn.put(tt.prefix + u64(entry.queued), grp.key.encode(), db=tt.db["compute"])
+        tt.txn.put(tt.key(grp.key), entry.encode(), db=tt.db["gdir"])
+        counters.add(PENDING, -len(grp.rows))
+        counters.add(COMPUTING, len(grp.rows))
+        moved.append((grp.key, grp._replace(state=COMPUTING)))
+    counters.add_groups(PENDING, -len(moved))
+    counters.add_groups(COMPUTING, len(moved))
+    tt.extensions.on_moved(tt, Moved(PENDING, COMPUTING, moved))
 
 
 def retire(tt: TableState, groups: Groups, state: State) -> None:
-    """Pending groups leave the table as `state` (dropped): the extensions hear of it first
-    (`Retired`); their rows go into segments of that state, which keep their members' digests (a
-    retried push of one is a duplicate), their payloads, fragments and pending index rows go."""
+    """Pending or computing groups leave the table as `state` (dropped, failed): the extensions hear
+    of it first (`Retired`); their rows go into segments of that state, which keep their members'
+    digests (a retried push of one is a duplicate), their payloads, fragments and rows in the pending
+    index or the compute queue go."""
     tt.extensions.on_retired(tt, Retired(groups, state))
     views = [_pending(gkey, grp) for gkey, grp in groups]
     for grp in views:
@@ -169,16 +216,17 @@ def retire(tt: TableState, groups: Groups, state: State) -> None:
         _forget(tt, grp.key)
     segments.write(tt, [segments.whole(g.key, g.created, g.rows, failed=g.failed) for g in views], state)
     counters = tt.counters
+    for grp in views:
+        counters.add(grp.state, -len(grp.rows))
+        counters.add_groups(grp.state, -1)
     members = [member for grp in views for member in grp.rows]
-    counters.add(PENDING, -len(members))
     counters.add(state, len(members))
-    counters.add_groups(PENDING, -len(views))
     keys = sorted((tt.key(member.uid), member.size) for member in members)
     chunked.delete(tt.txn, tt.db, [key for key, _ in keys], [size for _, size in keys])
     counters.bytes -= sum(member.size for member in members)
 
 
 def _pending(gkey: str, grp: object) -> RowGroup:
-    if not isinstance(grp, RowGroup) or grp.state != PENDING:
-        raise TypeError(f"group {gkey} is no pending group of a rows table")
+    if not isinstance(grp, RowGroup) or grp.state not in (PENDING, COMPUTING):
+        raise TypeError(f"group {gkey} is no pending or computing group of a rows table")
     return grp

@@ -70,20 +70,25 @@ def whole(
     return Group(gkey, created, members, priority, version, partial, tuple(failed.items()))
 
 
-def write(tt: TableState, groups: Sequence[Group], state: State) -> None:
+def write(tt: TableState, groups: Sequence[Group], state: State, places: Sequence[int] | None = None) -> None:
     """Groups written as rows in `state`, in the order given: their segments (each a segment's id
     the rseq of its first group), states and directory entries; ready ones with a run a segment,
     retired ones in segments that say they retired now (their members' digests kept there: a
-    retried push of one is a duplicate)."""
+    retried push of one is a duplicate). With `places` (the rseq each group took when it completed:
+    computing groups'), each group goes into a segment of its own there, in the ready order's place
+    it took then."""
     counters = tt.counters
     prefix = tt.prefix
     segs: list[tuple[bytes, bytes]] = []
     states: list[tuple[bytes, bytes]] = []
     refs: list[tuple[bytes, bytes]] = []
     runs: list[tuple[bytes, bytes]] = []
-    for part in cut(groups):
-        seg = counters.next_rseq
-        counters.next_rseq += len(part)
+    for at, part in enumerate(cut(groups) if places is None else [[group] for group in groups]):
+        if places is None:
+            seg = counters.next_rseq
+            counters.next_rseq += len(part)
+        else:
+            seg = places[at]
         key = prefix + u64(seg)
         segs.append((key, encode_segment(part, seg, tt.now)))
         row = SegState.new([state] * len(part), sum(len(group.members) for group in part))
@@ -132,16 +137,18 @@ def prune(tt: TableState, retired_before: float, limit: int = 10_000) -> int:
     return forgotten
 
 
-def complete_ready(tt: TableState, groups: Sequence[Group]) -> None:
-    """Pending groups, counted as such, complete and become ready together as rows (`write`), the
-    counters moved as a records table's are (core/verbs/groups.complete)."""
+def complete_ready(
+    tt: TableState, groups: Sequence[Group], was: State = PENDING, places: Sequence[int] | None = None
+) -> None:
+    """Pending (or computing: `was`, each at its place: `write`) groups, counted as such, become ready
+    together as rows, the counters moved as a records table's are (core/verbs/groups.complete)."""
     counters = tt.counters
-    write(tt, groups, READY)
+    write(tt, groups, READY, places)
     count = sum(len(group.members) for group in groups)
-    counters.add(PENDING, -count)
+    counters.add(was, -count)
     counters.add(READY, count)
-    counters.add_groups(PENDING, -len(groups))
+    counters.add_groups(was, -len(groups))
     counters.add_groups(READY, len(groups))
     rate_counts.became_ready(tt, count)
     ready: Groups = [(group.key, RowGroup(group.key, READY, tuple(group.members))) for group in groups]
-    tt.extensions.on_moved(tt, Moved(PENDING, READY, ready))
+    tt.extensions.on_moved(tt, Moved(was, READY, ready))

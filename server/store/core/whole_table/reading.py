@@ -203,7 +203,7 @@ def _oldest_row(txn: lmdb.Transaction[bytes], dbs: Dbs, prefix: bytes) -> float 
     each live group of its segments (a group that was pending completes after newer ones, so every
     live segment is read; a retired one by its state alone), and of each pending group's first
     fragment, read in the pending index's order (when each opened, before its first member came)
-    while one may be older."""
+    while one may be older, and of each computing group's."""
     oldest: float | None = None
     with txn.cursor(db=dbs["segs"]) as cur:
         at = cur.set_range(prefix)
@@ -222,13 +222,26 @@ def _oldest_row(txn: lmdb.Transaction[bytes], dbs: Dbs, prefix: bytes) -> float 
         while at and cur.key().startswith(prefix):
             if oldest is not None and bytes(cur.key()[4:12]) > micros(oldest):
                 break
-            raw = txn.get(prefix + cur.key()[12:], db=dbs["gdir"])  # none: a records table's group
-            head = None if raw is None else directory_entry(raw)
-            if isinstance(head, PendingHead) and head.fragments:
-                rows = stored(txn, fragment_key(prefix, bytes(cur.key()[12:]).decode(), 0), dbs["frags"], "fragment")
-                created = decode_member_rows(rows)[0].created
-                oldest = created if oldest is None else min(oldest, created)
+            oldest = _oldest_of_head(txn, dbs, prefix, bytes(cur.key()[12:]), oldest)
             at = cur.next()
+    with txn.cursor(db=dbs["compute"]) as cur:  # the computing groups, each kept as a pending one is
+        at = cur.set_range(prefix)
+        while at and cur.key().startswith(prefix):
+            oldest = _oldest_of_head(txn, dbs, prefix, bytes(cur.value()), oldest)
+            at = cur.next()
+    return oldest
+
+
+def _oldest_of_head(
+    txn: lmdb.Transaction[bytes], dbs: Dbs, prefix: bytes, gkey: bytes, oldest: float | None
+) -> float | None:
+    """The older of `oldest` and the first member of the group whose head is keyed `gkey`, if it has one."""
+    raw = txn.get(prefix + gkey, db=dbs["gdir"])  # none: a records table's group
+    head = None if raw is None else directory_entry(raw)
+    if isinstance(head, PendingHead) and head.fragments:
+        rows = stored(txn, fragment_key(prefix, gkey.decode(), 0), dbs["frags"], "fragment")
+        created = decode_member_rows(rows)[0].created
+        return created if oldest is None else min(oldest, created)
     return oldest
 
 

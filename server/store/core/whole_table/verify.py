@@ -171,7 +171,7 @@ def _prefix_count(tt: TableState, name: str) -> int:
 
 
 # The databases a rows table keeps nothing in (disk/rows/ keeps what they hold for a records table).
-RECORDS_ONLY = ("items", "tombs", "groups", "order", "compute", "cooling")
+RECORDS_ONLY = ("items", "tombs", "groups", "order", "cooling")
 
 
 def rows(tt: TableState) -> list[str]:
@@ -284,15 +284,17 @@ def rows(tt: TableState) -> list[str]:
 
 
 def _pending(tt: TableState, heads: dict[str, PendingHead], counts: dict[str, int]) -> list[str]:
-    """The problems of a rows table's pending groups (core/verbs/row_pending.py), their members
-    counted: each head's fragments decode and hold the members its hashes name, in order, each
-    payload present and the one pushed; the pending index names each head once, at its creation
-    time; no fragment is of no head."""
+    """The problems of a rows table's pending and computing groups (core/verbs/row_pending.py), their
+    members counted: each head's fragments decode and hold the members its hashes name, in order,
+    each payload present and the one pushed; the pending index names each pending head once, at its
+    creation time, and the compute queue each computing head at its place; no fragment is of no head."""
     problems: list[str] = []
     fragments = {bytes(key): None for key, _ in _rows_of(tt, "frags")}
     indexed = {bytes(key) for key, _ in _rows_of(tt, "pending")}
+    queued = {bytes(key): bytes(value).decode(errors="replace") for key, value in _rows_of(tt, "compute")}
     for gkey, head in heads.items():
-        counts["groups_pending"] += 1
+        state = PENDING if head.queued is None else COMPUTING
+        counts["groups_" + state] += 1
         members = []
         try:
             for number in range(head.fragments):
@@ -306,18 +308,21 @@ def _pending(tt: TableState, heads: dict[str, PendingHead], counts: dict[str, in
             continue
         if [uid_hash(member.uid) for member in members] != head.hashes:
             problems.append(f"pending group {gkey}: its fragments hold other members than its head names")
+        if head.queued is not None and queued.pop(u64(head.queued), None) != gkey:
+            problems.append(f"computing group {gkey} is missing from the compute queue")
         pending_key = tt.pending_key(gkey, head)[len(tt.prefix) :]
-        if pending_key not in indexed:
+        if head.queued is None and pending_key not in indexed:
             problems.append(f"pending group {gkey} is not in the pending index")
         indexed.discard(pending_key)
         for member in members:
-            counts[PENDING] += 1
+            counts[state] += 1
             counts["bytes"] += member.size
             problem = _row_payload(chunk_reads.read_payload(tt.txn, tt.db, tt.key(member.uid)), member)
             if problem is not None:
                 problems.append(f"item {member.uid} of pending group {gkey}: {problem}")
     problems.extend(f"fragment {key[:80]!r} is of no pending group" for key in fragments)
     problems.extend(f"the pending index names {key[8:80]!r}, which is not pending" for key in indexed)
+    problems.extend(f"the compute queue names {gkey[:80]!r}, which is not computing" for gkey in queued.values())
     return problems
 
 

@@ -47,35 +47,47 @@ class GroupRef(NamedTuple):
 
 @dataclass(slots=True, kw_only=True)
 class PendingHead:
-    """A group that still takes members: when it was opened, a hash of each member's uid in push order
-    (`uid_hash`), how many fragments hold the members, and the runs its workers reported failed."""
+    """A group that still takes members, or waits for its advantages: when it was opened, a hash of
+    each member's uid in push order (`uid_hash`), how many fragments hold the members, and the runs
+    its workers reported failed. A complete group waiting for its advantages (computing) keeps its
+    place in the compute queue (`queued`: its key there) and whether it completed partial, until its
+    advantages are stored and it goes into a segment with them."""
 
     created: float
     hashes: list[int] = field(default_factory=list)
     fragments: int = 0
     failed: dict[str, str] = field(default_factory=dict)
+    partial: bool = False
+    queued: int | None = None
 
     _HEAD = struct.Struct("<BBIId")  # PENDING, flags, members, fragments, created
-    _FAILED = 2
+    _PARTIAL, _FAILED, _QUEUED = 1, 2, 4
 
     def encode(self) -> bytes:
         count = len(self.hashes)
-        flags = self._FAILED if self.failed else 0
-        head = self._HEAD.pack(PENDING, flags, count, self.fragments, self.created)
-        body = head + struct.pack(f"<{count}Q", *self.hashes)
-        if not self.failed:
-            return body
-        texts = [text for uid, reason in self.failed.items() for text in (uid, reason)]
-        return body + struct.pack("<I", len(texts)) + b"".join(map(_pack_str, texts))
+        flags = (
+            (self._PARTIAL if self.partial else 0)
+            | (self._FAILED if self.failed else 0)
+            | (0 if self.queued is None else self._QUEUED)
+        )
+        parts = [self._HEAD.pack(PENDING, flags, count, self.fragments, self.created)]
+        parts.append(struct.pack(f"<{count}Q", *self.hashes))
+        if self.failed:
+            texts = [text for uid, reason in self.failed.items() for text in (uid, reason)]
+            parts.append(struct.pack("<I", len(texts)))
+            parts.extend(map(_pack_str, texts))
+        if self.queued is not None:
+            parts.append(struct.pack("<Q", self.queued))
+        return b"".join(parts)
 
     @classmethod
     def decode(cls, data: bytes | memoryview) -> PendingHead:
         _, flags, count, fragments, created = cls._HEAD.unpack_from(data)
         pos = cls._HEAD.size
         hashes = list(struct.unpack_from(f"<{count}Q", data, pos))
+        pos += 8 * count
         failed = {}
         if flags & cls._FAILED:
-            pos += 8 * count
             (size,) = struct.unpack_from("<I", data, pos)
             pos += 4
             texts = []
@@ -83,7 +95,9 @@ class PendingHead:
                 text, pos = _unpack_str(data, pos)
                 texts.append(text)
             failed = dict(zip(texts[::2], texts[1::2], strict=True))
-        return cls(created=created, hashes=hashes, fragments=fragments, failed=failed)
+        queued = struct.unpack_from("<Q", data, pos)[0] if flags & cls._QUEUED else None
+        partial = bool(flags & cls._PARTIAL)
+        return cls(created=created, hashes=hashes, fragments=fragments, failed=failed, partial=partial, queued=queued)
 
 
 def directory_entry(data: bytes | memoryview) -> GroupRef | PendingHead:

@@ -1,0 +1,167 @@
+"""Advantages on a rows table (issue 64): every estimator gives a rows table's experiences the values a
+records table of the same settings gets, computed in the push that completes a group (its values
+written once, into its segment) or by the advantage worker (the group waits computing as a head and
+its fragments, in the compute queue, and becomes ready at the place it took when it completed); a
+computing group answers pushes, failed runs and seals as a records table's does, survives a restart,
+fails alone when its computation fails, and a damaged payload quarantines it. Every reply, batch
+(its payload carries the advantages, the batch stage run), counter and event is compared with the
+records table's, and `verify` is clean after each step."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from test_advantages import exploding  # noqa: F401 (a fixture)
+from test_advantages_in_push import pushes
+from test_rows_pending import put_both
+
+from expbuf.server.advantages.batch_stage import finish_batch
+from expbuf.server.advantages.worker import AdvantageWorker, computed_in_push
+from expbuf.server.store import Store
+from expbuf.server.store.core.table_state.state import TableState
+from expbuf.server.store.disk.rows import PendingHead, directory_entry
+from expbuf.server.store.schema.errors import StoreError
+from expbuf.server.store.schema.estimator_registry import ESTIMATORS
+from expbuf.server.store.schema.states import COMPUTING, READY
+from expbuf.server.store.schema.table_config import TableConfig
+
+from helpers import StoppedClock as Clock
+from helpers import both_layouts as both
+from helpers import group_items, take_both
+from helpers import layouts_stats as stats
+from test_quarantine import damage
+
+PARAMS: dict[str, dict[str, object]] = {
+    "step_wise_grpo": {"enable_step_norm": True},
+    "opmd": {"opmd_baseline": "logavgexp", "tau": 0.5},
+    "rec": {"std_normalize": True},
+    "multi_turn_discount": {"turn_level_discount": 0.9},
+}
+MULTI_STEP = {"step_wise_grpo", "multi_turn_discount"}
+
+
+def clean(store: Store, *tables: str) -> None:
+    for table in tables:
+        assert store.verify(table) == [], table
+
+
+def alike(store: Store, name: str = "t") -> None:
+    """The rows table's stats are the records table's, the oldest experience's age too (the store's
+    clock stopped), and both verify clean."""
+    assert stats(store, f"{name}_rows") == stats(store, name)
+    assert store.stats(f"{name}_rows")["oldest_age_seconds"] == store.stats(name)["oldest_age_seconds"]
+    clean(store, name, f"{name}_rows")
+
+
+def drain(store: Store, name: str = "t") -> int:
+    """Every ready group taken from both tables in fifo order, a few at a time, each batch (its payload
+    with the advantages the batch stage finished) the same; returns the experiences taken."""
+    taken = 0
+    while (got := take_both(store, name, num_groups=2, allow_partial=True)) is not None:
+        taken += len(got[0])  # type: ignore[arg-type]
+    return taken
+
+
+@pytest.mark.parametrize("in_push", [True, False], ids=["in-push", "worker"])
+@pytest.mark.parametrize("name", sorted(set(ESTIMATORS) - {"none"}))
+def test_every_estimator_gives_a_rows_table_the_values_a_records_table_gets(
+    tmp_path: Path, name: str, in_push: bool
+) -> None:
+    steps = 3 if name in MULTI_STEP else 1
+    with Store(tmp_path, clock=Clock(), batch_stage=finish_batch) as store:
+        worker = AdvantageWorker(store)
+        if in_push:
+            store.in_push = worker.in_push
+        both(store, "t", estimator=name, estimator_params=PARAMS.get(name, {}), group_size=6, device="cpu")
+        for items in pushes(7, steps=steps):
+            put_both(store, "t", items)
+        alike(store)
+        computed_now = in_push and computed_in_push(TableConfig.of("t", estimator=name, device="cpu"), cuda=False)
+        assert (store.stats("t_rows")["computing"] == 0) == computed_now
+        assert worker.run_once() == (0 if computed_now else 18)  # 9 groups a table
+        alike(store)
+        assert store.stats("t_rows")["groups_ready"] == 9
+        assert drain(store) == 54
+
+
+def test_a_computing_rows_group_is_kept_as_its_head_and_fragments_and_answers_as_a_records_one(
+    tmp_path: Path,
+) -> None:
+    """A group completed without the server's computation at hand (a worker's job) waits computing:
+    its head (now naming its place in the compute queue, out of the pending index) and its fragments,
+    no segment and no record; pushes, failed runs and seals meet it complete, a retried push is a
+    duplicate; it survives a restart and becomes ready, at the place it took when it completed, with
+    the values a records table's gets."""
+    with Store(tmp_path, clock=Clock(), batch_stage=finish_batch) as store:
+        both(store, "t", estimator="grpo", group_size=4, device="cpu")
+        put_both(store, "t", group_items(0, 0, 2, reward=1.0))  # pending: 0/0
+        put_both(store, "t", group_items(0, 1, 4, reward=0.0)[:3] + group_items(0, 1, 4, reward=2.0)[3:])  # 0/1
+        put_both(store, "t", group_items(0, 0, 4, reward=3.0)[2:])  # 0/0 completes after 0/1
+        alike(store)
+        table_id = store.catalog.lookup("t_rows")[0]
+        with store.environment.read() as txn:
+            tt = TableState(txn, store.db, table_id, store.catalog.lookup("t_rows")[1], 0.0, ())
+            head = directory_entry(txn.get(tt.key("0/0"), db=store.db["gdir"]))
+            assert isinstance(head, PendingHead) and head.queued is not None and head.fragments == 2
+            assert tt.view("0/0").state == COMPUTING  # type: ignore[union-attr]
+            assert txn.get(tt.prefix + head.queued.to_bytes(8, "big"), db=store.db["compute"]) == b"0/0"
+        assert put_both(store, "t", group_items(0, 0, 4, reward=3.0)[3:]) == ([], ["0/0/3/0/r3s0"], [], [])
+        assert put_both(store, "t", group_items(0, 1, 5)[4:])[0] == "GroupClosed"
+        for call in (lambda table: store.fail_runs(table, ["0/0/9/0/r9s0"], ["oom"]), lambda t: store.seal(t, "0/1")):
+            got = []
+            for table in ("t", "t_rows"):
+                with pytest.raises(StoreError) as raised:
+                    call(table)
+                got.append((type(raised.value), str(raised.value)))
+            assert got[1] == got[0] and "computing" in got[0][1]
+    with Store(tmp_path, clock=Clock(), batch_stage=finish_batch) as store:
+        alike(store)
+        worker = AdvantageWorker(store)
+        store.in_push = worker.in_push
+        put_both(store, "t", group_items(0, 2, 4, reward=1.0)[:2] + group_items(0, 2, 4, reward=0.0)[2:])
+        assert store.stats("t_rows")["groups_ready"] == 1  # 0/2: computed in its push, ready first
+        assert worker.run_once() == 4
+        alike(store)
+        with store.environment.read() as txn:
+            tt = TableState(txn, store.db, table_id, store.catalog.lookup("t_rows")[1], 0.0, ())
+            assert [tt.view(g).state for g in ("0/0", "0/1", "0/2")] == [READY] * 3  # type: ignore[union-attr]
+        got = take_both(store, "t", num_groups=3)
+        assert got is not None and got[1] == ["0/1"] * 4 + ["0/0"] * 4 + ["0/2"] * 4  # the order they completed in
+        alike(store)
+
+
+def test_a_rows_group_whose_computation_fails_fails_alone(tmp_path: Path, exploding: str) -> None:  # noqa: F811
+    with Store(tmp_path, clock=Clock(), batch_stage=finish_batch) as store:
+        both(store, "t", estimator=exploding)
+        items = group_items(1, 0, 3, reward=1.0) + group_items(1, 1, 3, reward=13.0) + group_items(1, 2, 3)
+        put_both(store, "t", items)
+        assert AdvantageWorker(store).run_once() == 6
+        alike(store)
+        rows = store.stats("t_rows")
+        assert (rows["groups_ready"], rows["groups_failed"], rows["ready"]) == (2, 1, 6)
+        assert "group 1/1" in rows["last_failure"] and "reward of 13" in rows["last_failure"]
+        assert drain(store) == 6
+
+
+def test_a_damaged_payload_of_a_computing_rows_group_fails_it_as_a_records_one(tmp_path: Path) -> None:
+    """A token-level estimator reads the payloads of the groups it computes: one found damaged fails
+    its group, on a rows table as on a records table; the rows table's members all fail (it keeps no
+    failed payload yet, docs/internals/storage.md), where the records table quarantines the damaged
+    one and keeps the others' payloads."""
+    with Store(tmp_path, clock=Clock(), batch_stage=finish_batch) as store:
+        both(store, "t", estimator="rloo", group_size=3)
+        put_both(store, "t", group_items(2, 0, 3) + group_items(2, 1, 3))
+        for table in ("t", "t_rows"):
+            damage(store, table, "2/1/1/0/r1s0")
+        AdvantageWorker(store).run_once()
+        AdvantageWorker(store).run_once()
+        records, rows = store.stats("t"), store.stats("t_rows")
+        assert (records["quarantined"], records["failed"], rows["quarantined"], rows["failed"]) == (1, 2, 0, 3)
+        skip = ("quarantined", "failed")
+        assert {k: v for k, v in stats(store, "t_rows").items() if k not in skip} == {
+            k: v for k, v in stats(store, "t").items() if k not in skip
+        }
+        clean(store, "t", "t_rows")
+        assert (rows["groups_ready"], rows["groups_failed"], rows["damaged"]) == (1, 1, 1)
+        assert drain(store) == 3
