@@ -24,7 +24,7 @@ from expbuf.server.store.core.table_state.state import TableState
 from expbuf.server.store.disk import layout
 from expbuf.server.store.disk.rows import PendingHead, directory_entry
 from expbuf.server.store.ledger.records import DatasetRecord
-from expbuf.server.store.schema.errors import Conflict, InvalidRequest, StoreError
+from expbuf.server.store.schema.errors import Conflict, StoreError
 from expbuf.server.store.schema.sample_spec import TakeSpec
 from expbuf.server.store.schema.states import DROPPED, LEASED, PENDING, READY
 from expbuf.server.store.schema.views import Groups
@@ -715,20 +715,21 @@ def test_verify_names_a_retired_segment_the_retired_index_does_not(tmp_path: Pat
         ]
 
 
-def test_a_piece_into_a_full_rows_table_that_evicts_is_refused_as_a_whole_push_is(tmp_path: Path) -> None:
-    """A rows table evicts nothing yet: a piece that needs room is refused by name, as a rollout pushed
-    whole is, never left to wait for room as a table that blocks does; nothing is stored."""
+def test_a_piece_into_a_full_rows_table_that_evicts_makes_room_as_a_whole_push_does(tmp_path: Path) -> None:
+    """A piece that needs room in a rows table of when_full = evict evicts the oldest ready group, as
+    a rollout pushed whole does and as a records table's piece does: never left to wait for room as
+    in a table that blocks."""
     with Store(tmp_path, clock=Clock()) as store:
         whole = [trxp.from_experience(rollout(run=n)) for n in range(2)]
         room = sum(Entry.of(item).size for item in whole)
         both(store, "t", estimator="none", group_size=2, capacity_bytes=room, when_full="evict")
-        store.put("t_rows", whole)
+        put_both(store, "t", whole)
         piece = trxp.from_experience(split(rollout(task=1), [4, 8])[0])
-        for items in ([piece], [trxp.from_experience(rollout(task=1))]):
-            with pytest.raises(InvalidRequest, match="keeps rows, which evict no groups yet: it is full"):
-                store.put("t_rows", items)
-        assert store.stats("t_rows")["partials"] == 0 and store.stats("t_rows")["pushed"] == 2
-        clean(store, "t_rows")
+        for items in ([piece], [trxp.from_experience(rollout(task=1, run=1))]):
+            put_both(store, "t", items)
+        rows = store.stats("t_rows")
+        assert (rows["evicted"], rows["partials"], rows["pushed"]) == (2, 1, 3)
+        clean(store, "t", "t_rows")
 
 
 def test_a_damaged_payload_found_by_a_check_fails_its_group_whole_ready_leased_or_pending(tmp_path: Path) -> None:

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import lmdb
 import pytest
+from test_rows_pending import Watched
 
 from expbuf.client import trxp
 from expbuf.server.store import Entry, Environment, Moved, Pushed, Store, TableExtension
@@ -27,12 +28,13 @@ from expbuf.server.store.disk.rows import (
     directory_entry,
 )
 from expbuf.server.store.schema.errors import Conflict, GroupClosed, InvalidRequest
+from expbuf.server.store.schema.sample_spec import TakeSpec
 from expbuf.server.store.schema.states import READY
 from expbuf.server.store.schema.table_config import TableConfig
 
 from helpers import StoppedClock as Clock
 from helpers import both_layouts as both
-from helpers import group_items, make_experience
+from helpers import group_items, layouts_stats, make_experience, take_both
 
 ONES = {"estimator": "none", "group_by": "none"}  # each experience its own group, keyed by its uid
 EIGHTS = {"estimator": "none", "group_by": "task", "group_size": 8}
@@ -138,14 +140,9 @@ def test_duplicates_conflicts_and_counters_are_a_records_tables(
         assert store.verify("t") == []  # the records table as it was
 
 
-def test_a_push_rows_cannot_take_yet_is_refused_and_stores_nothing(tmp_path: Path) -> None:
+def test_a_push_to_a_complete_rows_group_is_refused_and_stores_nothing(tmp_path: Path) -> None:
     with Store(tmp_path, clock=Clock()) as store:
         both(store, "t", **EIGHTS)
-        both(store, "full", **EIGHTS, capacity_experiences=8, when_full="evict")
-        store.put("full_rows", group_items(0, 0, 8))
-        with pytest.raises(InvalidRequest, match="evict no groups yet: it is full"):
-            store.put("full_rows", group_items(0, 1, 8))
-        assert store.stats("full_rows")["ready"] == 8
         store.put("t_rows", group_items(0, 1, 8))
         with pytest.raises(GroupClosed, match="group 0/1 is already complete"):
             store.put("t_rows", [trxp.from_experience(make_experience(0, 1, 8))])
@@ -286,3 +283,65 @@ def test_a_push_into_a_rows_table_that_evicts_stale_groups_is_refused(tmp_path: 
         assert store.stats("t_rows")["pushed"] == 0 and not rows_of(store, "t_rows")["blobs"]
         both(store, "u", **EIGHTS, max_staleness=2)  # stale pushes dropped, ready groups kept: as a records table
         assert len(store.put("u_rows", group_items(0, 0, 8)).stored) == 8
+
+
+@pytest.mark.parametrize("bound", [{"capacity_experiences": 20}, {"capacity_bytes": 14_000}])
+def test_a_full_rows_table_that_evicts_evicts_its_oldest_ready_groups_as_a_records_table(
+    tmp_path: Path, bound: dict[str, int]
+) -> None:
+    """A push into a full table of when_full = evict evicts the oldest ready groups, never a leased
+    or a pending one, as many as it needs and in one step (one Retired event): every reply, batch,
+    counter and event of a rows table the same as a records table's, when its groups complete in
+    the order their first experiences came (a records table evicts by its oldest experience, a rows
+    table in its ready order: the next test)."""
+    with Store(tmp_path, clock=Clock(), extensions={"watched": Watched}) as store:
+        both(
+            store,
+            "t",
+            estimator="none",
+            group_by="task",
+            group_size=4,
+            when_full="evict",
+            extensions=["watched"],
+            **bound,
+        )
+        for task in range(12):
+            if task == 5:
+                take_both(store, "t", num_groups=1, delivery="lease")  # 0/0 leased: never evicted
+            items = group_items(0, task, 4, response=1 + task % 5)
+            if task % 4 == 3:  # one run left pending, pushed with the next group
+                held, items = items[-1:], items[:-1]
+            elif task % 4 == 0 and task:
+                items = held + items
+            got = [store.put(table, items) for table in ("t", "t_rows")]
+            assert [(r.stored, r.completed_groups) for r in got[1:]] == [
+                (r.stored, r.completed_groups) for r in got[:1]
+            ]
+            assert layouts_stats(store, "t_rows") == layouts_stats(store, "t")
+            heard = [next(e for e in store.extensions_of(t) if isinstance(e, Watched)).events for t in ("t", "t_rows")]
+            assert heard[1] == heard[0]
+            for events in heard:
+                events.clear()
+            assert store.verify("t") == [] and store.verify("t_rows") == []
+        rows = store.stats("t_rows")
+        assert rows["evicted"] > 0 and rows["evicted_total"] == store.stats("t")["evicted_total"]
+        while take_both(store, "t", num_groups=2, allow_partial=True) is not None:
+            pass
+
+
+def test_a_rows_table_evicts_in_the_order_its_groups_completed(tmp_path: Path) -> None:
+    """Where a group completes after newer ones (its runs came over many pushes), a rows table evicts
+    it after them (its ready order), a records table before them (its oldest experience)."""
+    with Store(tmp_path, clock=Clock()) as store:
+        both(store, "t", estimator="none", group_by="task", group_size=2, capacity_experiences=4, when_full="evict")
+        for table in ("t", "t_rows"):
+            store.put(table, group_items(0, 0, 2)[:1])  # 0/0 opens first
+            store.put(table, group_items(0, 1, 2))  # 0/1 completes first
+            store.put(table, group_items(0, 0, 2)[1:])  # then 0/0
+            store.put(table, group_items(0, 2, 2))  # full: one group evicted
+        taken = [store.sample(TakeSpec(table=t, num_groups=2, wait_seconds=0)) for t in ("t", "t_rows")]
+        assert [batch.group_ids for batch in taken if batch is not None] == [
+            ["0/1", "0/1", "0/2", "0/2"],
+            ["0/0", "0/0", "0/2", "0/2"],
+        ]
+        assert store.verify("t") == [] and store.verify("t_rows") == []

@@ -11,9 +11,10 @@ from collections.abc import Callable, Iterator
 
 from ..core.table_state.counters import Counters
 from ..core.table_state.state import TableState
+from ..core.verbs import row_batches
 from ..core.verbs.retire import retire
 from ..core.whole_table.reading import oldest_groups
-from ..schema.errors import InvalidRequest, TableFull, TooLarge
+from ..schema.errors import TableFull, TooLarge
 from ..schema.states import EVICTED, READY
 from ..schema.table_config import TableConfig
 
@@ -43,7 +44,9 @@ def room_for_values(cfg: TableConfig, counters: Counters, added: int) -> None:
 
 def make_room(tt: TableState, count: int, nbytes: int, keep: set[str]) -> None:
     """Room for `count` experiences of `nbytes` in the table: evict the oldest ready groups
-    (never pending ones, which still take members, nor leased ones) or refuse."""
+    (never pending ones, which still take members, nor leased ones) or refuse. A records table's
+    oldest are those of its oldest experiences; a rows table's, the first in its ready order (the
+    order they completed in: row_batches.evict)."""
     cfg = tt.config
 
     def over(live: int, held: int) -> bool:
@@ -64,9 +67,11 @@ def make_room(tt: TableState, count: int, nbytes: int, keep: set[str]) -> None:
             f"table '{cfg.name}': {count} experiences of {nbytes} bytes exceed its capacity "
             f"({cfg.capacity.experiences} experiences, {cfg.capacity.bytes} bytes) on their own"
         )
-    if cfg.capacity.when_full == "evict" and cfg.storage.layout == "rows":  # issue 64: eviction over rows
-        raise InvalidRequest(f"table '{cfg.name}' keeps rows, which evict no groups yet: it is full")
-    if cfg.capacity.when_full == "evict":
+    if cfg.capacity.when_full == "evict" and cfg.storage.layout == "rows":
+        tt.counters.evicted_total += row_batches.evict(tt, over, tt.counters.live(), held_bytes(tt.counters))
+        if not over_now():
+            return
+    elif cfg.capacity.when_full == "evict":
         oldest = (gkey for gkey in oldest_groups(tt) if gkey not in keep)
         while over_now() and _evict(tt, oldest, over):
             pass

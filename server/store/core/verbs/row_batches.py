@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-from collections.abc import Generator, Iterable, Sequence
+from collections.abc import Callable, Generator, Iterable, Sequence
 from typing import NamedTuple
 
 from ...disk import chunked
@@ -21,7 +21,7 @@ from ...disk.records import Counted
 from ...disk.rows import GroupRef, RowLease, RunRow, SegmentView, SegState, directory_entry
 from ...disk.snapshot import Snapshot
 from ...schema.sample_spec import TakeSpec
-from ...schema.states import CONSUMED, FAILED, LEASED, READY, RETIRED, State
+from ...schema.states import CONSUMED, EVICTED, FAILED, LEASED, READY, RETIRED, State
 from ...schema.views import Groups, GroupView, Members
 from ..table_state import rate_counts
 from ..table_state.events import Moved, Retired
@@ -431,6 +431,31 @@ def consume(tt: TableState, gkeys: Sequence[str]) -> None:
         rate_counts.forget(tt, p.group, p.members.values())
     unready(tt, ready)
     retire(tt, segments, [p._replace(group=p.group._replace(lease="")) for p in picked], CONSUMED)
+
+
+def evict(tt: TableState, over: Callable[[int, int], bool], live: int, held: int) -> int:
+    """The oldest ready groups in the ready order (the order they completed in) evicted in one step
+    (one Retired event), as many as it takes for `over` to pass on the counts (live experiences,
+    bytes held) they leave; returns the experiences evicted."""
+    segments = Segments(tt)
+    picked: list[Picked] = []
+    with contextlib.closing(_runs(tt, False)) as runs:
+        for _, run in runs:
+            view, state = segments.view(run.seg), segments.state(run.seg)
+            for g in range(run.first, run.first + run.length):
+                p = _picked(view, state, run.seg, [g], READY, "")[0]
+                picked.append(p)
+                live -= len(p.group.rows)
+                held -= sum(member.size for member in p.group.rows)
+                if not over(live, held):
+                    break
+            else:
+                continue
+            break
+    if picked:
+        unready(tt, picked)
+        retire(tt, segments, picked, EVICTED)
+    return sum(len(p.group.rows) for p in picked)
 
 
 def taken(picked: Sequence[Picked]) -> list[Members]:
