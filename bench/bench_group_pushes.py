@@ -2,7 +2,7 @@
 for a records table and a rows table (issue 64, 2.8), side by side in one process.
 
     .venv/bin/python bench/bench_group_pushes.py [--experiences 8192] [--rounds 3] [--groups 8,32]
-        [--out bench/RESULTS.md]
+        [--estimator grpo] [--out bench/RESULTS.md]
 
 Each round makes the same 8 KB experiences (bench_reverb's shape) in groups of G runs of a task, and
 pushes them into a fresh data directory, BATCH a push, two ways:
@@ -13,7 +13,10 @@ pushes them into a fresh data directory, BATCH a push, two ways:
   pending groups, the worst case for a group kept pending.
 
 CPU microseconds an experience of the pushes (`Store.put_entries`, this process: the writer's thread
-included), medians of the rounds; which goes first turns. The drain is not measured.
+included), medians of the rounds; which goes first turns. The drain is not measured. With
+`--estimator`, the tables compute that estimator's advantages in the pushes that complete their
+groups, as a server's do (AdvantageWorker.in_push, on the CPU), and the worker those a push leaves
+(one completing more than IN_PUSH_LIMIT experiences): its CPU is counted with the pushes'.
 """
 
 from __future__ import annotations
@@ -63,22 +66,30 @@ def pushes(made: list[Entry], group: int, spread: bool) -> list[list[Entry]]:
     return found
 
 
-def push_all(path: Path, layout: str, group: int, batches: list[list[Entry]]) -> float:
+def push_all(path: Path, layout: str, group: int, batches: list[list[Entry]], estimator: str) -> float:
     """CPU seconds of the pushes into a fresh table of `layout`; every group ready after them."""
-    config = TableConfig.of(name="t", estimator="none", group_by="task", group_size=group)
+    config = TableConfig.of(name="t", estimator=estimator, group_by="task", group_size=group, device="cpu")
     config = dataclasses.replace(config, storage=dataclasses.replace(config.storage, layout=layout))
     with Store(path, map_size=8 << 30) as store:
+        worker = None
+        if estimator != "none":
+            from expbuf.server.advantages.worker import AdvantageWorker
+
+            worker = AdvantageWorker(store)
+            store.in_push = worker.in_push
         store.create_table(config)
         start = time.process_time()
         for batch in batches:
             store.put_entries("t", batch)
+        while worker is not None and worker.run_once():  # what the pushes left to the worker
+            pass
         spent = time.process_time() - start
         stats = store.stats("t")
         assert stats["ready"] == sum(map(len, batches)) and stats["groups_pending"] == 0, stats
     return spent
 
 
-def measure(count: int, rounds: int, groups: list[int]) -> dict[int, dict[str, list[float]]]:
+def measure(count: int, rounds: int, groups: list[int], estimator: str) -> dict[int, dict[str, list[float]]]:
     results: dict[int, dict[str, list[float]]] = {}
     tasks = itertools.count(step=count)
     for group in groups:
@@ -88,7 +99,7 @@ def measure(count: int, rounds: int, groups: list[int]) -> dict[int, dict[str, l
             for way in WAYS[round_ % len(WAYS) :] + WAYS[: round_ % len(WAYS)]:
                 layout, how = way.split()
                 with tempfile.TemporaryDirectory(prefix="expbuf-groups-") as data:
-                    spent = push_all(Path(data), layout, group, pushes(made, group, how == "spread"))
+                    spent = push_all(Path(data), layout, group, pushes(made, group, how == "spread"), estimator)
                 found[way].append(spent / count * 1e6)
         results[group] = found
         print(group, {way: [f"{value:.1f}" for value in values] for way, values in found.items()})
@@ -98,9 +109,9 @@ def measure(count: int, rounds: int, groups: list[int]) -> dict[int, dict[str, l
 RATIOS = (("records spread", "records whole"), ("rows spread", "rows whole"), ("records spread", "rows spread"))
 
 
-def report(command: str, load: str, count: int, results: dict[int, dict[str, list[float]]]) -> str:
+def report(command: str, load: str, count: int, results: dict[int, dict[str, list[float]]], heading: str) -> str:
     lines = [
-        HEADING,
+        heading,
         "",
         f"Command: `{command}`  ",
         f"2 cores (load average {load} at the start); {count:,} experiences of 8 KB a way, pushes of {BATCH}; "
@@ -121,6 +132,7 @@ def main() -> None:
     parser.add_argument("--experiences", type=int, default=8192)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--groups", default="8,32")
+    parser.add_argument("--estimator", default="none", help="computed in the pushes (one value an experience)")
     parser.add_argument("--out", default=str(HERE / "RESULTS.md"))
     args = parser.parse_args()
     groups = [int(size) for size in args.groups.split(",")]
@@ -128,9 +140,11 @@ def main() -> None:
         parser.error(f"--experiences must be a multiple of {BATCH} times each group size")
     command = ("python bench/bench_group_pushes.py " + " ".join(sys.argv[1:])).strip()
     load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
-    section = report(command, load, args.experiences, measure(args.experiences, args.rounds, groups))
+    heading = HEADING if args.estimator == "none" else f"{HEADING}, {args.estimator} computed in the pushes"
+    results = measure(args.experiences, args.rounds, groups, args.estimator)
+    section = report(command, load, args.experiences, results, heading)
     print(section)
-    write_section(Path(args.out), HEADING, section)
+    write_section(Path(args.out), heading, section)
 
 
 if __name__ == "__main__":
