@@ -20,6 +20,7 @@ from expbuf.server.advantages.batch_stage import finish_batch
 from expbuf.server.advantages.worker import AdvantageWorker, computed_in_push
 from expbuf.server.store import Store
 from expbuf.server.store.core.table_state.state import TableState
+from expbuf.server.store.disk import layout
 from expbuf.server.store.disk.rows import PendingHead, directory_entry
 from expbuf.server.store.schema.errors import StoreError
 from expbuf.server.store.schema.estimator_registry import ESTIMATORS
@@ -165,3 +166,47 @@ def test_a_damaged_payload_of_a_computing_rows_group_fails_it_as_a_records_one(t
         clean(store, "t", "t_rows")
         assert (rows["groups_ready"], rows["groups_failed"], rows["damaged"]) == (1, 1, 1)
         assert drain(store) == 3
+
+
+def payloads_of(store: Store, table: str) -> set[str]:
+    """The uids whose payloads a table holds."""
+    prefix = layout.table_prefix(store.catalog.lookup(table)[0])
+    with store.environment.read() as txn, txn.cursor(db=store.db["blobs"]) as cur:
+        found, uids = cur.set_range(prefix), set()
+        while found and cur.key().startswith(prefix):
+            uids.add(bytes(cur.key()[len(prefix) :]).decode())
+            found = cur.next()
+    return uids
+
+
+@pytest.mark.parametrize("keep_failed", [True, False])
+def test_a_failed_rows_group_keeps_its_payloads_as_a_records_one(
+    tmp_path: Path,
+    exploding: str,  # noqa: F811
+    keep_failed: bool,
+) -> None:
+    """A group whose computation fails keeps its payloads where the table keeps failed ones (for Get,
+    as a records table's), until its tombstones are forgotten; a group failed for a damaged payload
+    keeps its other members' whatever keep_failed says, the damaged one's gone."""
+    clock = Clock()
+    with Store(tmp_path, clock=clock) as store:
+        both(store, "t", estimator=exploding, keep_failed=keep_failed, tombstone_seconds=60)
+        put_both(store, "t", group_items(1, 0, 3, reward=1.0) + group_items(1, 1, 3, reward=13.0))
+        AdvantageWorker(store, retry_delays=()).run_once()
+        put_both(store, "t", group_items(1, 2, 3, reward=1.0))
+        AdvantageWorker(store).run_once()
+        damage(store, "t_rows", "1/2/1/0/r1s0")
+        damage(store, "t", "1/2/1/0/r1s0")
+        for table in ("t", "t_rows"):
+            store.quarantine(table, ["1/2/1/0/r1s0"])
+        guilty = {f"1/1/{run}/0/r{run}s0" for run in range(3)}
+        kept = payloads_of(store, "t")
+        assert payloads_of(store, "t_rows") == kept
+        assert guilty & kept == (guilty if keep_failed else set())
+        assert {"1/2/0/0/r0s0", "1/2/2/0/r2s0"} <= kept and "1/2/1/0/r1s0" not in kept
+        clean(store, "t", "t_rows")
+        take_both(store, "t", num_groups=1)
+        clock.now += 61
+        store.tick()
+        assert payloads_of(store, "t_rows") == payloads_of(store, "t") == set()
+        clean(store, "t", "t_rows")

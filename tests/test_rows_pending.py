@@ -734,7 +734,7 @@ def test_a_piece_into_a_full_rows_table_that_evicts_makes_room_as_a_whole_push_d
 
 def test_a_damaged_payload_found_by_a_check_fails_its_group_whole_ready_leased_or_pending(tmp_path: Path) -> None:
     """`quarantine` (the scrub's, and a check's) of a rows table: a damaged member's group fails whole
-    (a rows table keeps no failed payload yet), ready, under a lease (which goes on without it) or
+    (the damaged member's payload gone, the others' kept), ready, under a lease (which goes on without it) or
     pending, the damaged counted; an undamaged uid, or one of a group gone, is left alone."""
     with Store(tmp_path, clock=Clock()) as store:
         both(store, "t", **EIGHTS)

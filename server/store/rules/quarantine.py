@@ -20,8 +20,9 @@ lost record's size, counted in them, is known nowhere else). A ready group whose
 lost fails when a sample passes it over or an index build reads past it (`fail_lost_groups`), its
 record remade from its members' (core/verbs/groups.remade), their payloads kept for Get.
 
-A rows table (issue 64) keeps no failed payload yet: a group with a damaged member fails whole, its
-payloads gone, the damaged counted, as a sample of it fails it (tables/taking.py).
+A rows table's (issue 64) group with a damaged member fails as a records table's does, the damaged
+member's payload gone and the others' kept, the damaged counted, as a sample of it fails it
+(tables/taking.py); its damaged member counts as failed, not quarantined apart.
 """
 
 from __future__ import annotations
@@ -57,11 +58,11 @@ def quarantine_groups(tt: TableState, groups: Sequence[tuple[str, GroupView, dic
         uid, why = next(iter(damaged.items()))
         tt.counters.last_failure = f"group {gkey}: experience {uid} quarantined: {why}"
     tt.counters.damaged += len(quarantined)
-    if tt.config.storage.layout == "rows":  # its groups fail whole: it keeps no failed payload yet
-        row_batches.fail(tt, [gkey for gkey, grp, _ in groups if grp.state not in (PENDING, COMPUTING)])
+    if tt.config.storage.layout == "rows":  # its damaged members fail with their groups, not quarantined apart
+        row_batches.fail(tt, [gkey for gkey, grp, _ in groups if grp.state not in (PENDING, COMPUTING)], quarantined)
         pending = [(gkey, grp) for gkey, grp, _ in groups if grp.state in (PENDING, COMPUTING)]
         if pending:
-            retire.retire(tt, pending, FAILED)
+            retire.retire(tt, pending, FAILED, quarantined)
     else:
         retire.retire(tt, [(gkey, grp) for gkey, grp, _ in groups], FAILED, quarantined)  # and buries the lost
     return len(quarantined)

@@ -167,8 +167,9 @@ def _fail_unservable_rows(
     picked: list[row_batches.Picked],
     groups: list[tuple[str, GroupView, list[Unservable]]],
 ) -> None:
-    """A rows table's groups a sample found a member of unservable fail whole, never served, their
-    payloads gone (a rows table keeps no failed payload yet, issue 64, 2.9), the damaged counted."""
+    """A rows table's groups a sample found a member of unservable fail whole, never served, the
+    damaged counted and their payloads gone, the others' kept as a records table's are
+    (payloads.kept)."""
     failing = {gkey: problems for gkey, _, problems in groups}
     for gkey, problems in failing.items():
         log.error("table %s: group %s failed when sampled, never to be served: %s", tt.config.name, gkey, problems[0])
@@ -177,7 +178,8 @@ def _fail_unservable_rows(
     tt.counters.groups_failed += len(failing)
     failed = [p for p in picked if p.gkey in failing]
     row_batches.unready(tt, failed)
-    row_batches.retire(tt, segments, failed, FAILED)
+    damaged = {problem.uid for problems in failing.values() for problem in problems if problem.damaged}
+    row_batches.retire(tt, segments, failed, FAILED, damaged)
 
 
 def _fail_unservable(tt: TableState, groups: list[tuple[str, GroupView, list[Unservable]]]) -> None:

@@ -50,7 +50,7 @@ def retire(
     becomes a tombstone without being decoded. The table's extensions hear of it first
     (`Retired`). A rows table's pending groups leave as row_pending.retire has it."""
     if groups and isinstance(groups[0][1], RowGroup):
-        row_pending.retire(tt, groups, state)
+        row_pending.retire(tt, groups, state, quarantined)
         return
     tt.extensions.on_retired(tt, Retired(groups, state))
     records = [(gkey, group_record(grp)) for gkey, grp in groups]

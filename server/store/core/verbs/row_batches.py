@@ -12,10 +12,9 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-from collections.abc import Callable, Generator, Iterable, Sequence
+from collections.abc import Callable, Generator, Iterable, Sequence, Set
 from typing import NamedTuple
 
-from ...disk import chunked
 from ...disk.layout import next_prefix, put_rows, u64
 from ...disk.records import Counted
 from ...disk.rows import GroupRef, RowLease, RunRow, SegmentView, SegState, directory_entry
@@ -27,7 +26,7 @@ from ..table_state import rate_counts
 from ..table_state.events import Moved, Retired
 from ..table_state.state import TableState, missing
 from ..table_state.views import RowGroup, RowMember, row_members
-from . import pieces
+from . import payloads, pieces
 from .segments import retired
 
 NO_LEASE = bytes(SegState.LEASE)
@@ -234,14 +233,16 @@ def _moved(tt: TableState, now: State, picked: Sequence[Picked]) -> None:
             counters.add_groups(now, count)
 
 
-def retire(tt: TableState, segments: Segments, picked: Sequence[Picked], state: State) -> None:
+def retire(
+    tt: TableState, segments: Segments, picked: Sequence[Picked], state: State, damaged: Set[str] = frozenset()
+) -> None:
     """Picked groups (ready, or leased: out of their runs or leases) leave the table as `state` (consumed, or
-    failed): their state bytes say so, their payloads go, and a segment whose groups have all
-    retired says when; the extensions hear of it first (`Retired`). One that leaves other than
-    consumed leaves the rate limiter's count (as core/verbs/retire.retire has it), and rollouts still
-    in pieces of a group that filled without them go, as that retire drops them. The groups'
-    directory entries and their segment's columns stay: the members' tombstones (a retried push of
-    one is a duplicate)."""
+    failed): their state bytes say so, their payloads go (a failed group's stay, as payloads.kept
+    says), and a segment whose groups have all retired says when; the extensions hear of it first
+    (`Retired`). One that leaves other than consumed leaves the rate limiter's count (as
+    core/verbs/retire.retire has it), and rollouts still in pieces of a group that filled without
+    them go, as that retire drops them. The groups' directory entries and their segment's columns
+    stay: the members' tombstones (a retried push of one is a duplicate)."""
     tt.extensions.on_retired(tt, Retired([(p.gkey, p.group) for p in picked], state))
     for p in picked:
         pieces.drop_group(tt, p.gkey)
@@ -257,9 +258,8 @@ def retire(tt: TableState, segments: Segments, picked: Sequence[Picked], state: 
         if all(s in RETIRED for s in seg.states(0, seg.groups)):
             retired(tt, at, seg)
     _moved(tt, state, picked)
-    order = sorted(range(len(keys)), key=keys.__getitem__)
-    chunked.delete(tt.txn, tt.db, [keys[at] for at in order], [sizes[at] for at in order])
-    tt.counters.bytes -= sum(sizes)
+    uids = [uid for p in picked for uid in p.members]
+    payloads.drop(tt, uids, keys, sizes, payloads.kept(tt, state, damaged))
     segments.save()
 
 
@@ -390,13 +390,13 @@ def complete_groups(tt: TableState, segments: Segments, gkeys: Iterable[str]) ->
     return picked
 
 
-def fail(tt: TableState, gkeys: Sequence[str]) -> None:
+def fail(tt: TableState, gkeys: Sequence[str], damaged: Set[str]) -> None:
     """Complete groups found damaged (ready, or leased: their lease goes on without them) fail, never
-    to be served, their payloads gone (a rows table keeps no failed payload yet: issue 64, 2.9)."""
+    to be served: the `damaged` members' payloads gone, the others' kept (payloads.kept)."""
     segments = Segments(tt)
     picked = [p for p in complete_groups(tt, segments, gkeys) if p.group.state in (READY, LEASED)]
     unready(tt, [p for p in picked if p.group.state == READY])
-    retire(tt, segments, [p._replace(group=p.group._replace(lease="")) for p in picked], FAILED)
+    retire(tt, segments, [p._replace(group=p.group._replace(lease="")) for p in picked], FAILED, damaged)
 
 
 def spent(tt: TableState, gkeys: Sequence[str]) -> None:

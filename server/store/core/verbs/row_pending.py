@@ -13,11 +13,10 @@ What a member of such a group costs beyond one of a group pushed whole: its row 
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping, Sequence, Set
 from types import MappingProxyType
 from typing import NamedTuple
 
-from ...disk import chunked
 from ...disk.kinds import Entry
 from ...disk.layout import u64
 from ...disk.rows import Member, PendingHead, SegmentView, directory_entry, encode_member_rows, fragment_key
@@ -204,11 +203,12 @@ def queue(tt: TableState, groups: Sequence[tuple[RowGroup, bool, bool]]) -> None
     tt.extensions.on_moved(tt, Moved(PENDING, COMPUTING, moved))
 
 
-def retire(tt: TableState, groups: Groups, state: State) -> None:
+def retire(tt: TableState, groups: Groups, state: State, damaged: Set[str] = frozenset()) -> None:
     """Pending or computing groups leave the table as `state` (dropped, failed): the extensions hear
     of it first (`Retired`); their rows go into segments of that state, which keep their members'
-    digests (a retried push of one is a duplicate), their payloads, fragments and rows in the pending
-    index or the compute queue go."""
+    digests (a retried push of one is a duplicate), their fragments and rows in the pending index or
+    the compute queue go, and their payloads (a failed group's stay, as payloads.kept says: all but
+    the `damaged` members')."""
     tt.extensions.on_retired(tt, Retired(groups, state))
     views = [_pending(gkey, grp) for gkey, grp in groups]
     for grp in views:
@@ -221,9 +221,9 @@ def retire(tt: TableState, groups: Groups, state: State) -> None:
         counters.add_groups(grp.state, -1)
     members = [member for grp in views for member in grp.rows]
     counters.add(state, len(members))
-    keys = sorted((tt.key(member.uid), member.size) for member in members)
-    chunked.delete(tt.txn, tt.db, [key for key, _ in keys], [size for _, size in keys])
-    counters.bytes -= sum(member.size for member in members)
+    uids = [member.uid for member in members]
+    sizes = [member.size for member in members]
+    payloads.drop(tt, uids, [tt.key(uid) for uid in uids], sizes, payloads.kept(tt, state, damaged))
 
 
 def _pending(gkey: str, grp: object) -> RowGroup:

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from types import MappingProxyType
 
-from ...disk import layout
+from ...disk import chunked, layout
 from ...disk.layout import put_rows, u64
 from ...disk.rows import (
     SEGMENT_GROUPS,
@@ -28,7 +28,7 @@ from ...disk.rows import (
     directory_entry,
     encode_segment,
 )
-from ...schema.states import PENDING, READY, RETIRED, State
+from ...schema.states import FAILED, PENDING, READY, RETIRED, State
 from ...schema.views import Groups
 from ..table_state import rate_counts
 from ..table_state.events import Moved
@@ -115,9 +115,9 @@ def prune(tt: TableState, retired_before: float, limit: int = 10_000) -> int:
     """Forget the segments whose last group retired before the cutoff (at most `limit` a call), and
     their groups' directory entries: their members' tombstones, which a retried push meets no more
     (it may push them again), uncounted from their states as a records table's forgotten tombstones
-    are; returns how many members were forgotten. A segment goes whole, once its last group retired:
-    a group that retired before the others of its segment keeps its tombstones longer than a
-    records table's group would."""
+    are, a failed group's kept payloads deleted; returns how many members were forgotten. A segment
+    goes whole, once its last group retired: a group that retired before the others of its segment
+    keeps its tombstones longer than a records table's group would."""
     prefix, forgotten = tt.prefix, 0
     for key in layout.stamped_before(tt.txn, tt.db["retired"], prefix, retired_before, limit):
         seg = int.from_bytes(key[12:], "big")
@@ -128,6 +128,10 @@ def prune(tt: TableState, retired_before: float, limit: int = 10_000) -> int:
                 lo, hi = view.span(g)
                 tt.counters.add(state.state(g), lo - hi)
                 forgotten += hi - lo
+                if state.state(g) == FAILED:  # its payloads, kept for Get (payloads.kept), go with it
+                    uids = view.members.uids(lo, hi)
+                    sizes = view.members.column("size", lo, hi)
+                    chunked.delete(tt.txn, tt.db, [tt.key(uid) for uid in uids], [int(size or 0) for size in sizes])
                 entry = tt.txn.get(tt.key(gkey), db=tt.db["gdir"])
                 if entry is not None and directory_entry(entry) == GroupRef(seg, g):
                     tt.txn.delete(tt.key(gkey), db=tt.db["gdir"])

@@ -254,8 +254,10 @@ def rows(tt: TableState) -> list[str]:
             for member in view.members.members(lo, hi):
                 blob = chunk_reads.read_payload(tt.txn, tt.db, tt.key(member.uid))
                 if not live:
-                    if blob is not None:
+                    if blob is not None and group_state != FAILED:  # a failed group's may be kept, for Get
                         problems.append(f"item {member.uid} of group {gkey} is {group_state} but its payload is kept")
+                    elif blob is not None and (problem := _row_payload(blob, member)) is not None:
+                        problems.append(f"kept item {member.uid} of failed group {gkey}: {problem}")
                     continue
                 counts["bytes"] += member.size
                 problem = _row_payload(blob, member)
