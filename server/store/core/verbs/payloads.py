@@ -1,6 +1,6 @@
 """A push's new payloads stored, in push order, and counted pending with their bytes, places in the
-insertion order (next_seq) and versions: a records table's and a rows table's alike (groups.py,
-row_pending.py)."""
+insertion order (next_seq) and versions; and payloads leaving with their token-level advantages: a
+records table's and a rows table's alike (groups.py, row_pending.py, retire.py, row_batches.py)."""
 
 from __future__ import annotations
 
@@ -41,3 +41,25 @@ def store(tt: TableState, by_group: Mapping[str, Sequence[Entry]]) -> None:
         low, high = counters.min_version, counters.max_version
         counters.min_version = min(versions) if low is None else min(low, *versions)
         counters.max_version = max(versions) if high is None else max(high, *versions)
+
+
+def drop(tt: TableState, keys: Sequence[bytes], sizes: Sequence[int], *, keep_blobs: bool = False) -> None:
+    """Experiences (their keys, their payloads' sizes) leave the live data, a records table's and a
+    rows table's alike: their payloads (and chunks: chunked.py; `keep_blobs` keeps those of failed
+    experiences for Get) and token-level advantages go, one database at a time in key order, and
+    their bytes leave the table's."""
+    order = sorted(range(len(keys)), key=keys.__getitem__)
+    keys, sizes, txn = [keys[at] for at in order], [sizes[at] for at in order], tt.txn
+    if not keep_blobs:
+        chunked.delete(txn, tt.db, keys, sizes)
+    if keys and _has_advantages(tt):
+        for key in keys:
+            txn.delete(key, db=tt.db["adv"])
+    tt.counters.bytes -= sum(sizes)
+
+
+def _has_advantages(tt: TableState) -> bool:
+    """Whether any token-level advantages of this table are stored (none for a table
+    without an estimator, so retiring its experiences need not look for them)."""
+    with tt.txn.cursor(db=tt.db["adv"]) as cur:
+        return cur.set_range(tt.prefix) and cur.key().startswith(tt.prefix)

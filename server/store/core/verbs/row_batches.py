@@ -15,7 +15,6 @@ import itertools
 from collections.abc import Callable, Generator, Iterable, Sequence
 from typing import NamedTuple
 
-from ...disk import chunked
 from ...disk.layout import next_prefix, put_rows, u64
 from ...disk.records import Counted
 from ...disk.rows import GroupRef, RowLease, RunRow, SegmentView, SegState, directory_entry
@@ -27,7 +26,7 @@ from ..table_state import rate_counts
 from ..table_state.events import Moved, Retired
 from ..table_state.state import TableState, missing
 from ..table_state.views import RowGroup, RowMember, row_members
-from . import pieces
+from . import payloads, pieces
 from .segments import retired
 
 NO_LEASE = bytes(SegState.LEASE)
@@ -235,13 +234,13 @@ def _moved(tt: TableState, now: State, picked: Sequence[Picked]) -> None:
 
 
 def retire(tt: TableState, segments: Segments, picked: Sequence[Picked], state: State) -> None:
-    """Picked groups (ready, or leased: out of their runs or leases) leave the table as `state` (consumed, or
-    failed): their state bytes say so, their payloads go, and a segment whose groups have all
-    retired says when; the extensions hear of it first (`Retired`). One that leaves other than
-    consumed leaves the rate limiter's count (as core/verbs/retire.retire has it), and rollouts still
-    in pieces of a group that filled without them go, as that retire drops them. The groups'
-    directory entries and their segment's columns stay: the members' tombstones (a retried push of
-    one is a duplicate)."""
+    """Picked groups (ready, or leased: out of their runs or leases) leave the table as `state`
+    (consumed, evicted or failed): their state bytes say so, their payloads and token-level
+    advantages go (payloads.drop), and a segment whose groups have all retired says when; the
+    extensions hear of it first (`Retired`). One that leaves other than consumed leaves the rate
+    limiter's count (as core/verbs/retire.retire has it), and rollouts still in pieces of a group
+    that filled without them go, as that retire drops them. The groups' directory entries and their
+    segment's columns stay: the members' tombstones (a retried push of one is a duplicate)."""
     tt.extensions.on_retired(tt, Retired([(p.gkey, p.group) for p in picked], state))
     for p in picked:
         pieces.drop_group(tt, p.gkey)
@@ -257,9 +256,7 @@ def retire(tt: TableState, segments: Segments, picked: Sequence[Picked], state: 
         if all(s in RETIRED for s in seg.states(0, seg.groups)):
             retired(tt, at, seg)
     _moved(tt, state, picked)
-    order = sorted(range(len(keys)), key=keys.__getitem__)
-    chunked.delete(tt.txn, tt.db, [keys[at] for at in order], [sizes[at] for at in order])
-    tt.counters.bytes -= sum(sizes)
+    payloads.drop(tt, keys, sizes)
     segments.save()
 
 

@@ -17,7 +17,6 @@ from collections.abc import Mapping, Sequence
 from types import MappingProxyType
 from typing import NamedTuple
 
-from ...disk import chunked
 from ...disk.kinds import Entry
 from ...disk.layout import u64
 from ...disk.rows import Member, PendingHead, SegmentView, directory_entry, encode_member_rows, fragment_key
@@ -221,9 +220,7 @@ def retire(tt: TableState, groups: Groups, state: State) -> None:
         counters.add_groups(grp.state, -1)
     members = [member for grp in views for member in grp.rows]
     counters.add(state, len(members))
-    keys = sorted((tt.key(member.uid), member.size) for member in members)
-    chunked.delete(tt.txn, tt.db, [key for key, _ in keys], [size for _, size in keys])
-    counters.bytes -= sum(member.size for member in members)
+    payloads.drop(tt, [tt.key(member.uid) for member in members], [member.size for member in members])
 
 
 def _pending(gkey: str, grp: object) -> RowGroup:
