@@ -220,3 +220,22 @@ def test_a_rows_groups_token_level_advantages_leave_with_it_as_a_records_groups(
         assert drain(store) == 2
         assert [advantage_rows(store, t) for t in ("t_rows", "t")] == [0, 0]
         clean(store, "t", "t_rows")
+
+
+def test_verify_names_a_computing_rows_groups_row_left_in_the_pending_index(tmp_path: Path) -> None:
+    """A computing group is out of the pending index (a timeout would complete it again): `verify`
+    names a row of it left there, as it names any row of a group that is not pending."""
+    with Store(tmp_path, clock=Clock()) as store:
+        both(store, "t", estimator="grpo", group_size=2, device="cpu")
+        put_both(store, "t", group_items(0, 0, 2, reward=1.0)[:1] + group_items(0, 0, 2, reward=0.0)[1:])
+        assert store.stats("t_rows")["computing"] == 2
+        table_id, config = store.catalog.lookup("t_rows")
+
+        def left(txn) -> None:  # type: ignore[no-untyped-def]
+            tt = TableState(txn, store.db, table_id, config, 0.0, ())
+            head = directory_entry(txn.get(tt.key("0/0"), db=store.db["gdir"]))
+            assert isinstance(head, PendingHead) and head.queued is not None
+            txn.put(tt.pending_key("0/0", head), b"", db=store.db["pending"])
+
+        store.environment.submit(left)
+        assert store.verify("t_rows") == ["the pending index names b'0/0', which is not pending"]
