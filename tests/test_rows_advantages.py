@@ -24,6 +24,7 @@ from expbuf.server.store.disk import layout
 from expbuf.server.store.disk.rows import PendingHead, directory_entry
 from expbuf.server.store.schema.errors import StoreError
 from expbuf.server.store.schema.estimator_registry import ESTIMATORS
+from expbuf.server.store.schema.sample_spec import TakeSpec
 from expbuf.server.store.schema.states import COMPUTING, READY
 from expbuf.server.store.schema.table_config import TableConfig
 
@@ -210,3 +211,75 @@ def test_a_failed_rows_group_keeps_its_payloads_as_a_records_one(
         store.tick()
         assert payloads_of(store, "t_rows") == payloads_of(store, "t") == set()
         clean(store, "t", "t_rows")
+
+
+def advantage_rows(store: Store, table: str) -> int:
+    """How many token-level advantage records a table keeps (the `adv` database, by uid)."""
+    prefix, count = layout.table_prefix(store.catalog.lookup(table)[0]), 0
+    with store.environment.read() as txn, txn.cursor(db=store.db["adv"]) as cur:
+        found = cur.set_range(prefix)
+        while found and cur.key().startswith(prefix):
+            count, found = count + 1, cur.next()
+    return count
+
+
+def test_a_rows_groups_token_level_advantages_leave_with_it_as_a_records_groups(tmp_path: Path) -> None:
+    """The token-level values of a group (the adv database) go when it leaves, consumed, acked,
+    evicted, retired as trained or failed for damage, on a rows table as on a records table: none are
+    left behind for experiences the table no longer holds."""
+    with Store(tmp_path, clock=Clock(), batch_stage=finish_batch) as store:
+        worker = AdvantageWorker(store)  # a token-level estimator's values are the worker's
+        both(store, "t", estimator="reinforceplusplus", group_size=2, capacity_experiences=6, when_full="evict")
+
+        def counted() -> None:
+            assert [advantage_rows(store, t) for t in ("t_rows", "t")] == [store.stats("t")["ready"]] * 2
+            alike(store)
+
+        def push(task: int) -> None:
+            put_both(store, "t", group_items(3, task, 2, reward=1.0)[:1] + group_items(3, task, 2, reward=0.0)[1:])
+            assert worker.run_once() == 2  # a group a table
+            counted()
+
+        for task in range(3):
+            push(task)
+        take_both(store, "t", num_groups=1)  # consumed: 3/0
+        counted()
+        lease = [
+            store.sample(TakeSpec(table=t, num_groups=1, delivery="lease", wait_seconds=0)) for t in ("t", "t_rows")
+        ]
+        for table, batch in zip(("t", "t_rows"), lease, strict=True):
+            assert batch is not None
+            store.ack(batch.lease_id, table)  # 3/1
+        counted()
+        push(3)
+        push(4)
+        push(5)  # full: 3/2 evicted
+        assert store.stats("t_rows")["evicted"] == 2
+        assert [store.retire(t, ["3/3"]) for t in ("t", "t_rows")] == [1, 1]
+        counted()
+        for table in ("t", "t_rows"):
+            damage(store, table, "3/4/1/0/r1s0")
+        assert store.quarantine("t", ["3/4/1/0/r1s0"]) == store.quarantine("t_rows", ["3/4/1/0/r1s0"]) == 1
+        assert [advantage_rows(store, t) for t in ("t_rows", "t")] == [2, 2]  # 3/5's
+        assert drain(store) == 2
+        assert [advantage_rows(store, t) for t in ("t_rows", "t")] == [0, 0]
+        clean(store, "t", "t_rows")
+
+
+def test_verify_names_a_computing_rows_groups_row_left_in_the_pending_index(tmp_path: Path) -> None:
+    """A computing group is out of the pending index (a timeout would complete it again): `verify`
+    names a row of it left there, as it names any row of a group that is not pending."""
+    with Store(tmp_path, clock=Clock()) as store:
+        both(store, "t", estimator="grpo", group_size=2, device="cpu")
+        put_both(store, "t", group_items(0, 0, 2, reward=1.0)[:1] + group_items(0, 0, 2, reward=0.0)[1:])
+        assert store.stats("t_rows")["computing"] == 2
+        table_id, config = store.catalog.lookup("t_rows")
+
+        def left(txn) -> None:  # type: ignore[no-untyped-def]
+            tt = TableState(txn, store.db, table_id, config, 0.0, ())
+            head = directory_entry(txn.get(tt.key("0/0"), db=store.db["gdir"]))
+            assert isinstance(head, PendingHead) and head.queued is not None
+            txn.put(tt.pending_key("0/0", head), b"", db=store.db["pending"])
+
+        store.environment.submit(left)
+        assert store.verify("t_rows") == ["the pending index names b'0/0', which is not pending"]

@@ -1,7 +1,7 @@
 """A push's new payloads stored, in push order, and counted pending with their bytes, places in the
-insertion order (next_seq) and versions: a records table's and a rows table's alike (groups.py,
-row_pending.py); and a rows table's retiring members' payloads dropped, or kept where their group
-failed and a records table's would keep them (`kept`, `drop`)."""
+insertion order (next_seq) and versions; and payloads leaving with their token-level advantages, a
+failed group's kept for Get where a records table's are (`kept`): a records table's and a rows
+table's alike (groups.py, row_pending.py, retire.py, row_batches.py)."""
 
 from __future__ import annotations
 
@@ -45,20 +45,45 @@ def store(tt: TableState, by_group: Mapping[str, Sequence[Entry]]) -> None:
         counters.max_version = max(versions) if high is None else max(high, *versions)
 
 
-def kept(tt: TableState, state: State, damaged: Set[str]) -> Callable[[str], bool]:
-    """Which members' payloads a group retiring as `state` keeps: a failed group's, with keep_failed
-    or where it failed for `damaged` members (for Get, as a records table keeps them:
-    core/verbs/retire.retire), but the damaged ones'; none otherwise."""
+def _none(key: bytes) -> bool:
+    return False
+
+
+def _every(key: bytes) -> bool:
+    return True
+
+
+def kept(tt: TableState, state: State, damaged: Set[str]) -> Callable[[bytes], bool]:
+    """Which members' payloads (by key) a rows table's group retiring as `state` keeps: a failed
+    group's, with keep_failed or where it failed for `damaged` members (for Get, as a records table
+    keeps them: core/verbs/retire.retire), but the damaged ones'; none otherwise."""
     if state != FAILED or not (tt.config.retention.keep_failed or damaged):
-        return lambda uid: False
-    return lambda uid: uid not in damaged
+        return _none
+    lost = {tt.key(uid) for uid in damaged}
+    return lambda key: key not in lost
 
 
 def drop(
-    tt: TableState, uids: Sequence[str], keys: Sequence[bytes], sizes: Sequence[int], keep: Callable[[str], bool]
+    tt: TableState, keys: Sequence[bytes], sizes: Sequence[int], *, keep: Callable[[bytes], bool] | bool = False
 ) -> None:
-    """Retiring members (their uids, payload keys and sizes) leave the live bytes; their payloads go, in
-    key order, but those `keep` keeps (a tombstone pruned later drops them: segments.prune)."""
-    gone = sorted((key, size) for uid, key, size in zip(uids, keys, sizes, strict=True) if not keep(uid))
-    chunked.delete(tt.txn, tt.db, [key for key, _ in gone], [size for _, size in gone])
+    """Experiences (their keys, their payloads' sizes) leave the live data, a records table's and a
+    rows table's alike: their payloads (and chunks: chunked.py; `keep` keeps those of failed
+    experiences for Get: all of them, or those it says) and token-level advantages go, one database
+    at a time in key order, and their bytes leave the table's. A kept payload goes when its
+    tombstone is forgotten (segments.prune, retire.forget_tombstone)."""
+    keeps = _every if keep is True else _none if keep is False else keep
+    order = sorted(range(len(keys)), key=keys.__getitem__)
+    keys, sizes, txn = [keys[at] for at in order], [sizes[at] for at in order], tt.txn
+    gone = [at for at, key in enumerate(keys) if not keeps(key)]
+    chunked.delete(txn, tt.db, [keys[at] for at in gone], [sizes[at] for at in gone])
+    if keys and _has_advantages(tt):
+        for key in keys:
+            txn.delete(key, db=tt.db["adv"])
     tt.counters.bytes -= sum(sizes)
+
+
+def _has_advantages(tt: TableState) -> bool:
+    """Whether any token-level advantages of this table are stored (none for a table
+    without an estimator, so retiring its experiences need not look for them)."""
+    with tt.txn.cursor(db=tt.db["adv"]) as cur:
+        return cur.set_range(tt.prefix) and cur.key().startswith(tt.prefix)

@@ -24,7 +24,7 @@ from ..table_state import rate_counts
 from ..table_state.events import Retired
 from ..table_state.state import TableState
 from ..table_state.views import RowGroup, group_record, member_record
-from . import pieces, row_pending, segments
+from . import payloads, pieces, row_pending, segments
 
 log = logging.getLogger("expbuf.store")
 
@@ -69,7 +69,7 @@ def retire(
     stamp = prefix + layout.micros(now)  # retired_key() of every group retired now
     # A kept payload keeps its full record, for Get.
     keep = state == FAILED and (tt.config.retention.keep_failed or keep_payloads or bool(quarantined))
-    keys, sizes, places, marks, full, tombstones, nbytes, damaged = [], [], [], [], [], [], 0, []
+    keys, sizes, places, marks, full, tombstones, damaged = [], [], [], [], [], [], []
     lost: list[tuple[str, State, str]] = []  # members whose records are not stored: (group, its state, uid)
     for gkey, grp in records:
         for uid in grp.members:
@@ -103,13 +103,12 @@ def retire(
             keys.append(key)
             sizes.append(size)
             places.append(prefix + u64(seq))
-            nbytes += size
             if uid in quarantined:
                 damaged.append((key, size))
         tt.move_group(gkey, grp, state)
         # its tombstone, members or none (runs all reported failed): a later report or push finds it complete
         marks.append((stamp + gkey.encode(), b""))
-    drop_payloads(tt, keys, sizes, places, nbytes, keep_blobs=keep)
+    drop_payloads(tt, keys, sizes, places, keep_blobs=keep)
     if keep:  # the quarantined members' payloads go all the same
         damaged.sort()
         chunked.delete(tt.txn, tt.db, [key for key, _ in damaged], [size for _, size in damaged])
@@ -160,29 +159,14 @@ def drop_payloads(
     keys: list[bytes],
     sizes: list[int],
     places: list[bytes],
-    nbytes: int,
     *,
     keep_blobs: bool = False,
 ) -> None:
-    """Experiences (their keys, their payloads' sizes, their keys in the insertion order, their
-    bytes) leave the live data: payloads (and their chunks: chunked.py), advantages and places in
-    the insertion order go (`keep_blobs` keeps the payloads of failed experiences for Get), one
-    database at a time, in key order."""
-    order = sorted(range(len(keys)), key=keys.__getitem__)
-    keys, sizes, txn = [keys[at] for at in order], [sizes[at] for at in order], tt.txn
-    if not keep_blobs:
-        chunked.delete(txn, tt.db, keys, sizes)
-    if _has_advantages(tt):
-        _delete_rows(txn, tt.db["adv"], keys)
-    _delete_rows(txn, tt.db["order"], sorted(places))
-    tt.counters.bytes -= nbytes
-
-
-def _has_advantages(tt: TableState) -> bool:
-    """Whether any token-level advantages of this table are stored (none for a table
-    without an estimator, so retiring its experiences need not look for them)."""
-    with tt.txn.cursor(db=tt.db["adv"]) as cur:
-        return cur.set_range(tt.prefix) and cur.key().startswith(tt.prefix)
+    """Experiences (their keys, their payloads' sizes, their keys in the insertion order) leave the
+    live data: payloads, advantages and bytes as payloads.drop has it (`keep_blobs` keeps the
+    payloads of failed experiences for Get), and their places in the insertion order."""
+    payloads.drop(tt, keys, sizes, keep=keep_blobs)
+    _delete_rows(tt.txn, tt.db["order"], sorted(places))
 
 
 def forget_tombstone(tt: TableState, uid: str, rec: ItemRecord) -> None:
@@ -246,7 +230,7 @@ def delete(tt: TableState, uids: Sequence[str], group_ids: Sequence[str]) -> int
         tt.forget_item(uid)
         tt.counters.add(grp.state, -1)
         deleted += 1
-        drop_payloads(tt, [tt.key(uid)], [rec.size], [tt.prefix + u64(rec.seq)], rec.size)
+        drop_payloads(tt, [tt.key(uid)], [rec.size], [tt.prefix + u64(rec.seq)])
         grp.members.remove(uid)
         if grp.members:
             tt.put_group(rec.group, grp)
@@ -284,7 +268,7 @@ def bury_lost(tt: TableState, lost: Sequence[tuple[str, State, str]]) -> None:
         tt.counters.add(QUARANTINED, 1)
     chunked.delete(tt.txn, tt.db, sorted(keys))  # no size to go by: each looked at
     nbytes, places = _live_bytes(tt, {uid for _, _, uid in lost})
-    drop_payloads(tt, [], [], places, 0, keep_blobs=True)
+    drop_payloads(tt, [], [], places, keep_blobs=True)
     tt.counters.bytes = nbytes
 
 

@@ -236,13 +236,14 @@ def _moved(tt: TableState, now: State, picked: Sequence[Picked]) -> None:
 def retire(
     tt: TableState, segments: Segments, picked: Sequence[Picked], state: State, damaged: Set[str] = frozenset()
 ) -> None:
-    """Picked groups (ready, or leased: out of their runs or leases) leave the table as `state` (consumed, or
-    failed): their state bytes say so, their payloads go (a failed group's stay, as payloads.kept
-    says), and a segment whose groups have all retired says when; the extensions hear of it first
-    (`Retired`). One that leaves other than consumed leaves the rate limiter's count (as
-    core/verbs/retire.retire has it), and rollouts still in pieces of a group that filled without
-    them go, as that retire drops them. The groups' directory entries and their segment's columns
-    stay: the members' tombstones (a retried push of one is a duplicate)."""
+    """Picked groups (ready, or leased: out of their runs or leases) leave the table as `state`
+    (consumed, evicted or failed): their state bytes say so, their payloads and token-level
+    advantages go (payloads.drop; a failed group's payloads stay, as payloads.kept says), and a
+    segment whose groups have all retired says when; the extensions hear of it first (`Retired`).
+    One that leaves other than consumed leaves the rate limiter's count (as core/verbs/retire.retire
+    has it), and rollouts still in pieces of a group that filled without them go, as that retire
+    drops them. The groups' directory entries and their segment's columns stay: the members'
+    tombstones (a retried push of one is a duplicate)."""
     tt.extensions.on_retired(tt, Retired([(p.gkey, p.group) for p in picked], state))
     for p in picked:
         pieces.drop_group(tt, p.gkey)
@@ -258,8 +259,7 @@ def retire(
         if all(s in RETIRED for s in seg.states(0, seg.groups)):
             retired(tt, at, seg)
     _moved(tt, state, picked)
-    uids = [uid for p in picked for uid in p.members]
-    payloads.drop(tt, uids, keys, sizes, payloads.kept(tt, state, damaged))
+    payloads.drop(tt, keys, sizes, keep=payloads.kept(tt, state, damaged))
     segments.save()
 
 

@@ -221,9 +221,8 @@ def retire(tt: TableState, groups: Groups, state: State, damaged: Set[str] = fro
         counters.add_groups(grp.state, -1)
     members = [member for grp in views for member in grp.rows]
     counters.add(state, len(members))
-    uids = [member.uid for member in members]
-    sizes = [member.size for member in members]
-    payloads.drop(tt, uids, [tt.key(uid) for uid in uids], sizes, payloads.kept(tt, state, damaged))
+    keys = [tt.key(member.uid) for member in members]
+    payloads.drop(tt, keys, [member.size for member in members], keep=payloads.kept(tt, state, damaged))
 
 
 def _pending(gkey: str, grp: object) -> RowGroup:

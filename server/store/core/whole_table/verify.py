@@ -312,10 +312,11 @@ def _pending(tt: TableState, heads: dict[str, PendingHead], counts: dict[str, in
             problems.append(f"pending group {gkey}: its fragments hold other members than its head names")
         if head.queued is not None and queued.pop(u64(head.queued), None) != gkey:
             problems.append(f"computing group {gkey} is missing from the compute queue")
-        pending_key = tt.pending_key(gkey, head)[len(tt.prefix) :]
-        if head.queued is None and pending_key not in indexed:
-            problems.append(f"pending group {gkey} is not in the pending index")
-        indexed.discard(pending_key)
+        if head.queued is None:  # a computing group's row there would be of no pending group
+            pending_key = tt.pending_key(gkey, head)[len(tt.prefix) :]
+            if pending_key not in indexed:
+                problems.append(f"pending group {gkey} is not in the pending index")
+            indexed.discard(pending_key)
         for member in members:
             counts[state] += 1
             counts["bytes"] += member.size
