@@ -120,9 +120,9 @@ def prune(tt: TableState, retired_before: float, limit: int = 10_000) -> int:
         if raw is not None and raw_state is not None:
             view, state = SegmentView(raw), SegState.decode(raw_state)
             for g, gkey in enumerate(view.keys(0, view.groups)):
-                lo, hi = view.span(g)
-                tt.counters.add(state.state(g), lo - hi)
-                forgotten += hi - lo
+                kept = len(state.kept(*view.span(g)))  # a deleted member was uncounted as it went
+                tt.counters.add(state.state(g), -kept)
+                forgotten += kept
                 entry = tt.txn.get(tt.key(gkey), db=tt.db["gdir"])
                 if entry is not None and directory_entry(entry) == GroupRef(seg, g):
                     tt.txn.delete(tt.key(gkey), db=tt.db["gdir"])
