@@ -62,16 +62,18 @@ class Reads:
     def get(self, table: str, uids: Sequence[str]) -> dict[str, bytes]:
         """Stored payloads among uids (live experiences', and failed ones' kept for Get), each
         checked against its digest first: a damaged one is quarantined (quarantine.py), not returned."""
-        prefix = layout.table_prefix(self.catalog.lookup(table)[0])
+        table_id, config = self.catalog.lookup(table)
+        prefix = layout.table_prefix(table_id)
         found: dict[str, bytes] = {}
         damaged: list[str] = []
         with self.environment.read() as txn:
+            member = reading.members_of(txn, self.environment.db, prefix, config)
             for uid in uids:
                 key = prefix + uid.encode()
                 blob = read_payload(txn, self.environment.db, key)
                 if blob is None:
                     continue
-                rec = reading.record(txn, self.environment.db, key)
+                rec = member(uid)
                 if rec is None:
                     _servable(table, "Get", _lost(uid), [], damaged)
                     continue
@@ -132,12 +134,14 @@ class Reads:
         limit: int = 1000,
     ) -> reading.Page:
         """A page of the table's live experiences in insertion order (core/whole_table/reading.py)."""
-        prefix = layout.table_prefix(self.catalog.lookup(table)[0])
+        table_id, config = self.catalog.lookup(table)
+        prefix, db = layout.table_prefix(table_id), self.environment.db
+        filters = reading.Filters(set(states), min_version, max_version)
+        if config.storage.layout == "rows":
+            with self.environment.read(buffers=True) as views:  # its segments' columns read in place
+                return reading.row_page(views, db, prefix, filters, after=after, limit=limit)
         with self.environment.read() as txn:
-            return reading.page(
-                txn, self.environment.db, prefix,
-                states=set(states), min_version=min_version, max_version=max_version, after=after, limit=limit,
-            )  # fmt: skip
+            return reading.page(txn, db, prefix, filters, after=after, limit=limit)
 
     def payload(self, table: str, uids: Sequence[str], limit: int | None = None) -> tuple[bytes, list[str]]:
         """A TRXP batch of the stored experiences among uids (in their order), and the missing
@@ -151,13 +155,14 @@ class Reads:
         size = 0
         with self.environment.read(buffers=True) as txn:  # views, copied once: into the batch
             rows = reading.batch_rows(txn, self.environment.db, config, self.finish)
+            member = reading.members_of(txn, self.environment.db, prefix, config)
             for uid in uids:
                 key = prefix + uid.encode()
                 blob = read_payload(txn, self.environment.db, key)
                 if blob is None:
                     missing.append(uid)
                     continue
-                rec = reading.record(txn, self.environment.db, key)
+                rec = member(uid)
                 if rec is None:
                     _servable(table, "Get", _lost(uid), missing, damaged)
                     continue
@@ -235,13 +240,14 @@ class Reads:
                 bound = token_bound(config, read_counters(snapshot, db, prefix).trainer_version)
             snapshot.hold(rows.blobs)
             snapshot.unpin()  # what it reads now goes into rows.blobs, held, under the lock
+            member = reading.members_of(snapshot, db, prefix, config)  # its views copied out of the map
             for uid in uids:
                 key = prefix + uid.encode()
                 value = reading.payload_value(snapshot, db, key)
                 if value is None:
                     missing.append(uid)
                     continue
-                rec = reading.record(snapshot, db, key)
+                rec = member(uid)
                 if rec is None:
                     _servable(table, "ReadFields", _lost(uid), missing, damaged)
                     continue

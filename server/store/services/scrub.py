@@ -195,7 +195,7 @@ class Scrub:
         db = self.db
         try:
             with self.environment.read(buffers=True) as txn, reading.payload_cursor(txn, db) as cur:
-                rows = None if group_by is None else reading.RowDigests(txn, db, prefix, group_by)
+                rows = None if group_by is None else reading.RowMembers(txn, db, prefix, group_by)
                 found = cur.set_range(after)
                 while found and cur.key()[:4] == prefix:
                     if nbytes >= CHUNK_BYTES or count >= CHUNK_ITEMS:

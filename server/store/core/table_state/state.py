@@ -12,11 +12,11 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from types import MappingProxyType
-from typing import TypeVar
 
 import lmdb
 
 from ...disk import layout
+from ...disk.batch_rows import Reader
 from ...disk.layout import put_rows, u64
 from ...disk.records import GroupRecord, ItemRecord
 from ...disk.rows import (
@@ -36,28 +36,27 @@ from ..ordering.indexes import ReadyGroup, ReadyOrder
 from ..ordering.ready import ReadyIndex
 from .counters import read_counters, write_counters
 from .events import Events, Moved
-from .views import RowGroup, group_record, member_record, row_members
+from .views import RowGroup, group_record, group_rows, member_record, row_members
 
 # A member's record as the cache holds it: absent (None) when the table has no such uid.
 Cached = ItemRecord | None
-V = TypeVar("V", bytes, memoryview)
 
 
 def pending_rows(
-    txn: lmdb.Transaction[V], dbs: Mapping[str, lmdb._Database], prefix: bytes, gkey: str, head: PendingHead
+    reader: Reader, dbs: Mapping[str, lmdb._Database], prefix: bytes, gkey: str, head: PendingHead
 ) -> list[Member]:
-    """A rows table's pending group's members, in push order, as its fragments hold them, read in
-    `txn` (the table state's, or a reader's such as the scrub's)."""
+    """A rows table's pending group's members, in push order, as its fragments hold them, read from
+    `reader` (the table state's transaction, or a reader's such as the scrub's or a Get's)."""
     found: list[Member] = []
     for number in range(head.fragments):
-        found.extend(decode_member_rows(stored(txn, fragment_key(prefix, gkey, number), dbs["frags"], "fragment")))
+        found.extend(decode_member_rows(stored(reader, fragment_key(prefix, gkey, number), dbs["frags"], "fragment")))
     return found
 
 
-def stored(txn: lmdb.Transaction[V], key: bytes, db: lmdb._Database, what: str) -> V:
+def stored(reader: Reader, key: bytes, db: lmdb._Database, what: str) -> bytes | memoryview:
     """The value of a table's key (its id, then a name) that an index or a record names, so
     it is stored: one that is not is damage, refused by name rather than read as nothing."""
-    value = txn.get(key, db=db)
+    value = reader.get(key, db=db)
     if value is None:
         raise missing(what, bytes(key[4:]).decode(errors="replace"))
     return value
@@ -194,10 +193,9 @@ class TableState:
         key = self.prefix + u64(ref.seg)
         view = SegmentView(stored(self.txn, key, self.db["segs"], "segment"))
         state = SegState.decode(stored(self.txn, key, self.db["sstate"], "segment state"))
-        lo, hi = view.span(ref.group)
         tag = state.lease(ref.group)
         lease = tag.hex() if any(tag) else ""
-        rows = tuple(view.members.members(lo, hi))
+        rows = group_rows(view, state, ref.group)
         return RowGroup(gkey, state.state(ref.group), rows, view.failed(ref.group), lease, state.times(ref.group))
 
     def pending_rows(self, gkey: str, head: PendingHead) -> list[Member]:

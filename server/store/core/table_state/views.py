@@ -7,14 +7,14 @@ it reads records.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from types import MappingProxyType
 from typing import NamedTuple
 
 from expbuf.client.schema.routing import uid_group_key
 
 from ...disk.records import GroupRecord, ItemRecord
-from ...disk.rows import Member
+from ...disk.rows import Member, SegmentView, SegState
 from ...schema.states import LEASED, READY, State
 from ...schema.views import GroupView, MemberView
 
@@ -118,6 +118,20 @@ class RowMember:
     @property
     def segments(self) -> tuple[int, ...]:
         return self._row.segments
+
+
+def kept_rows(state: SegState, rows: Sequence[Member], lo: int) -> tuple[Member, ...]:
+    """Members of a segment as read (`rows`: its members lo on), those deleted left out."""
+    kept = state.kept(lo, lo + len(rows))
+    if len(kept) == len(rows):
+        return tuple(rows)
+    return tuple(rows[i - lo] for i in kept)
+
+
+def group_rows(view: SegmentView, state: SegState, g: int) -> tuple[Member, ...]:
+    """The members of a segment's group g, in push order, those deleted left out."""
+    lo, hi = view.span(g)
+    return kept_rows(state, view.members.members(lo, hi), lo)
 
 
 def row_members(grp: RowGroup) -> dict[str, RowMember]:

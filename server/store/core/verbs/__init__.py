@@ -3,9 +3,9 @@ as records and what ending one does to its groups (leases.py), group records ope
 added, failed runs and completion (groups.py) and a batch chosen, read and leased (take.py), over
 how experiences leave (retire.py), the compute queue with a group's advantages stored
 (compute.py), a replayed group requeued (requeue.py), a rows table's complete groups as
-segments, states, directory entries and runs (segments.py, issue 64's disk/rows/) and its batches
-taken, held and ended over its runs (row_batches.py), over the rollouts held in pieces with their
-counters (pieces.py).
+segments, states, directory entries and runs (segments.py, issue 64's disk/rows/), its batches
+taken, held and ended over its runs (row_batches.py), its pending groups (row_pending.py) and its
+deletes (row_deletes.py), over the rollouts held in pieces with their counters (pieces.py).
 
 May import the core's rooms below: table_state/, ordering/; nothing of whole_table/.
 """

@@ -17,14 +17,13 @@ import lmdb
 from ...disk import chunk_reads, chunked, digests, layout
 from ...disk.layout import put_rows, u64
 from ...disk.records import DELETED, GroupRecord, ItemRecord
-from ...schema.errors import InvalidRequest
 from ...schema.states import COMPUTING, CONSUMED, FAILED, LIVE, PENDING, QUARANTINED, READY, RETIRED, State
 from ...schema.views import Groups, MemberView
 from ..table_state import rate_counts
 from ..table_state.events import Retired
 from ..table_state.state import TableState
 from ..table_state.views import RowGroup, group_record, member_record
-from . import payloads, pieces, row_pending, segments
+from . import payloads, pieces, row_deletes, row_pending, segments
 
 log = logging.getLogger("expbuf.store")
 
@@ -209,8 +208,11 @@ def prune_tombstones(tt: TableState, retired_before: float, limit: int = 10_000)
 
 
 def delete(tt: TableState, uids: Sequence[str], group_ids: Sequence[str]) -> int:
-    if tt.config.storage.layout == "rows":  # issue 64, 2.9: a rows table's groups are deleted from their segments
-        raise InvalidRequest(f"table '{tt.config.name}' keeps rows, whose experiences are not deleted yet")
+    """Experiences `uids` and the members of groups `group_ids` removed, tombstones included (their
+    uids may be pushed again); a group goes with its last member (the extensions hear a live one leave
+    as DELETED); a rows table's as row_deletes.py has it. Returns how many were live."""
+    if tt.config.storage.layout == "rows":
+        return row_deletes.delete(tt, uids, group_ids)
     targets = list(uids)
     for gkey in group_ids:
         grp = tt.group(gkey)

@@ -25,7 +25,7 @@ from ...schema.views import Groups, GroupView, Members
 from ..table_state import rate_counts
 from ..table_state.events import Moved, Retired
 from ..table_state.state import TableState, missing
-from ..table_state.views import RowGroup, RowMember, row_members
+from ..table_state.views import RowGroup, RowMember, kept_rows, row_members
 from . import payloads, pieces
 from .segments import retired
 
@@ -117,16 +117,15 @@ def select(tt: TableState, spec: TakeSpec, segments: Segments) -> tuple[list[Pic
     newest = spec.order == "lifo"
     with contextlib.closing(_runs(tt, newest)) as runs:
         for _, run in runs:
-            view = segments.view(run.seg)
+            view, state = segments.view(run.seg), segments.state(run.seg)
             places = range(run.first, run.first + run.length)
             chosen: list[int] = []
             for g in reversed(places) if newest else places:
-                lo, hi = view.span(g)
                 chosen.append(g)
-                total += hi - lo
+                total += len(state.kept(*view.span(g)))
                 if spec.filled(len(picked) + len(chosen), total):
                     break
-            picked += _picked(view, segments.state(run.seg), run.seg, chosen, READY, "")
+            picked += _picked(view, state, run.seg, chosen, READY, "")
             if spec.enough(len(picked), total):
                 break
     return picked, total
@@ -136,7 +135,7 @@ def _picked(
     view: SegmentView, state: SegState, seg: int, places: Sequence[int], now: State, lease: str
 ) -> list[Picked]:
     """Groups of one segment at `places` (in that order), in state `now` (under `lease`), with their
-    members' views: the columns of the members they span read once."""
+    members' views (those deleted left out): the columns of the members they span read once."""
     if not places:
         return []
     first, last = min(places), max(places)
@@ -147,7 +146,7 @@ def _picked(
     for g in places:
         a, b = view.span(g)
         gkey = keys[g - first]
-        group = RowGroup(gkey, now, tuple(rows[a - lo : b - lo]), lease=lease, times=state.times(g))
+        group = RowGroup(gkey, now, kept_rows(state, rows[a - lo : b - lo], a), lease=lease, times=state.times(g))
         found.append(Picked(gkey, group, row_members(group), seg, g))
     return found
 

@@ -19,7 +19,7 @@ from typing import NamedTuple
 
 from ...disk.kinds import Entry
 from ...disk.layout import u64
-from ...disk.rows import Member, PendingHead, SegmentView, directory_entry, encode_member_rows, fragment_key
+from ...disk.rows import Member, PendingHead, SegmentView, SegState, directory_entry, encode_member_rows, fragment_key
 from ...disk.rows import uid_hash as _uid_hash
 from ...schema.states import COMPUTING, PENDING, State
 from ...schema.views import Groups
@@ -45,12 +45,13 @@ def stored(
     tt: TableState, uids: Mapping[str, Sequence[str]]
 ) -> tuple[dict[str, PendingGroup | None], dict[str, bytes]]:
     """Of these groups (each with the uids a push brings it), those the table has: pending (a
-    `PendingGroup`) or complete (None; computing too); and the stored digests of their members (uid -> digest), for a
-    retried push's duplicates: one directory read a group, one segment read a segment, and a
-    pending group's fragments read only where one of the uids' hashes is among its head's."""
+    `PendingGroup`) or complete (None; computing too); and the stored digests of their members (uid ->
+    digest), for a retried push's duplicates (a deleted member's is not): one directory read a group,
+    one segment and its state read a segment, and a pending or computing group's fragments read only
+    where one of the uids' hashes is among its head's."""
     found: dict[str, PendingGroup | None] = {}
     digests: dict[str, bytes] = {}
-    views: dict[int, SegmentView] = {}
+    views: dict[int, tuple[SegmentView, SegState]] = {}
     for gkey, pushed in uids.items():
         raw = tt.txn.get(tt.key(gkey), db=tt.db["gdir"])
         if raw is None:
@@ -66,14 +67,16 @@ def stored(
                 digests.update((member.uid, member.digest) for member in tt.pending_rows(gkey, entry))
             continue
         found[gkey] = None
-        view = views.get(entry.seg)
-        if view is None:
-            seg = tt.txn.get(tt.prefix + u64(entry.seg), db=tt.db["segs"])
-            if seg is None:
+        if entry.seg not in views:
+            key = tt.prefix + u64(entry.seg)
+            raw, raw_state = tt.txn.get(key, db=tt.db["segs"]), tt.txn.get(key, db=tt.db["sstate"])
+            if raw is None or raw_state is None:
                 raise missing("segment", f"{entry.seg} of group {gkey}")
-            view = views[entry.seg] = SegmentView(seg)
+            views[entry.seg] = SegmentView(raw), SegState.decode(raw_state)
+        view, state = views[entry.seg]
         lo, hi = view.span(entry.group)
-        digests.update(zip(view.members.uids(lo, hi), view.members.digests(lo, hi), strict=True))
+        uids_there, digests_there = view.members.uids(lo, hi), view.members.digests(lo, hi)
+        digests.update((uids_there[i - lo], digests_there[i - lo]) for i in state.kept(lo, hi))
     return found, digests
 
 
@@ -134,6 +137,20 @@ def keep(tt: TableState, gkey: str, grp: RowGroup | PendingGroup, new: Sequence[
         entry.fragments += 1
         entry.hashes.extend(_uid_hash(member.uid) for member in new)
     tt.txn.put(tt.key(gkey), entry.encode(), db=tt.db["gdir"])
+
+
+def left(tt: TableState, gkey: str, head: PendingHead, rows: Sequence[Member]) -> None:
+    """Members left a pending group (a Delete): those still in it (`rows`, in push order) written again
+    as its one fragment under its head; with none, its fragments and pending index row go (its
+    directory entry is the caller's)."""
+    if not rows:
+        _forget(tt, gkey)
+        return
+    for number in range(1, head.fragments):
+        tt.txn.delete(fragment_key(tt.prefix, gkey, number), db=tt.db["frags"])
+    tt.txn.put(fragment_key(tt.prefix, gkey, 0), encode_member_rows(rows), db=tt.db["frags"])
+    head.fragments, head.hashes = 1, [_uid_hash(member.uid) for member in rows]
+    tt.txn.put(tt.key(gkey), head.encode(), db=tt.db["gdir"])
 
 
 def _forget(tt: TableState, gkey: str) -> PendingHead | None:

@@ -126,8 +126,9 @@ def prune(tt: TableState, retired_before: float, limit: int = 10_000) -> int:
             view, state = SegmentView(raw), SegState.decode(raw_state)
             for g, gkey in enumerate(view.keys(0, view.groups)):
                 lo, hi = view.span(g)
-                tt.counters.add(state.state(g), lo - hi)
-                forgotten += hi - lo
+                members = state.kept(lo, hi)  # a deleted member was uncounted as it went
+                tt.counters.add(state.state(g), -len(members))
+                forgotten += len(members)
                 if state.state(g) == FAILED:  # its payloads, kept for Get (payloads.kept), go with it
                     uids = view.members.uids(lo, hi)
                     sizes = view.members.column("size", lo, hi)

@@ -10,9 +10,14 @@ read transaction that holds the map's old pages.
 
 from __future__ import annotations
 
+import bisect
+import contextlib
+import functools
+import heapq
 import struct
-from collections.abc import Collection, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Generator, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import lmdb
 
@@ -23,13 +28,23 @@ from ...disk import digests
 from ...disk.batch_rows import BatchRows, Reader
 from ...disk.layout import micros, u64
 from ...disk.records import GroupRecord, ItemRecord, Lease
-from ...disk.rows import PendingHead, RowLease, SegmentView, SegState, decode_member_rows, directory_entry, fragment_key
+from ...disk.rows import (
+    Member,
+    PendingHead,
+    RowLease,
+    SegmentView,
+    SegState,
+    decode_member_rows,
+    directory_entry,
+    fragment_key,
+)
 from ...disk.stored_advantages import FinishBatch
-from ...schema.states import LEASED, LIVE, READY
+from ...schema.states import LEASED, LIVE, PENDING, READY
 from ...schema.table_config import TableConfig
 from ...schema.views import GroupView, MemberView
 from ..table_state.read_check import payload_problem
 from ..table_state.state import TableState, member_state, pending_rows, stored
+from ..table_state.views import RowGroup, RowMember, group_rows, row_members
 
 Dbs = Mapping[str, lmdb._Database]
 Value = bytes | memoryview
@@ -77,7 +92,9 @@ def lease_groups(
         view, state = SegmentView(raw), SegState.decode(raw_state)
         for g in range(run.first, run.first + run.length):
             if state.state(g) == LEASED and state.lease(g) == tag:
-                held[view.keys(g, g + 1)[0]] = view.members.uids(*view.span(g))
+                lo, hi = view.span(g)
+                uids = view.members.uids(lo, hi)
+                held[view.keys(g, g + 1)[0]] = [uids[i - lo] for i in state.kept(lo, hi)]
     return held
 
 
@@ -95,18 +112,19 @@ def payload_mismatch(uid: str, raw: Value, blob: Stored | tuple[bytes, int]) -> 
     return payload_problem(uid, ItemRecord.decode(raw), blob) is not None
 
 
-class RowDigests:
-    """A rows table's live members' digests and sizes by uid, for the scrub's walk over its payloads:
-    each group read once a walk (from its segment, or a pending group's fragments), its segment's
+class RowMembers:
+    """A rows table's live members by uid (`member`, as views; `of`, their digests and sizes, for the
+    scrub's walk over its payloads), read from `reader` (a transaction, or a snapshot while it is
+    read): each group read once (from its segment, or a pending group's fragments), each segment's
     rows once."""
 
-    def __init__(self, reader: lmdb.Transaction[memoryview], dbs: Dbs, prefix: bytes, group_by: str) -> None:
+    def __init__(self, reader: Reader, dbs: Dbs, prefix: bytes, group_by: str) -> None:
         self.reader, self.dbs, self.prefix, self.group_by = reader, dbs, prefix, group_by
-        self._groups: dict[str, dict[str, tuple[bytes, int]]] = {}
+        self._groups: dict[str, dict[str, RowMember]] = {}
         self._segments: dict[int, tuple[SegmentView, SegState]] = {}
 
-    def of(self, uid: str) -> tuple[bytes, int] | None:
-        """The uid's digest and size, while it is live; None: it is not."""
+    def member(self, uid: str) -> RowMember | None:
+        """The uid's view, while it is live; None: it is not (retired, deleted, or never pushed)."""
         gkey = uid_group_key(uid, self.group_by)
         if gkey is None:
             return None
@@ -114,33 +132,44 @@ class RowDigests:
             self._groups[gkey] = self._live(gkey)
         return self._groups[gkey].get(uid)
 
-    def _live(self, gkey: str) -> dict[str, tuple[bytes, int]]:
+    def of(self, uid: str) -> tuple[bytes, int] | None:
+        """The uid's digest and size, while it is live; None: it is not."""
+        found = self.member(uid)
+        return None if found is None else (found.digest, found.size)
+
+    def _live(self, gkey: str) -> dict[str, RowMember]:
         raw = self.reader.get(self.prefix + gkey.encode(), db=self.dbs["gdir"])
         entry = None if raw is None else directory_entry(raw)
         if entry is None:
             return {}
         if isinstance(entry, PendingHead):
-            rows = pending_rows(self.reader, self.dbs, self.prefix, gkey, entry)
-            return {row.uid: (row.digest, row.size) for row in rows}
+            pending = tuple(pending_rows(self.reader, self.dbs, self.prefix, gkey, entry))
+            return row_members(RowGroup(gkey, PENDING, pending))
         if entry.seg not in self._segments:
             key = self.prefix + u64(entry.seg)
-            view = SegmentView(stored(self.reader, key, self.dbs["segs"], "segment"))
             self._segments[entry.seg] = (
-                view,
+                SegmentView(stored(self.reader, key, self.dbs["segs"], "segment")),
                 SegState.decode(stored(self.reader, key, self.dbs["sstate"], "segment state")),
             )
         view, state = self._segments[entry.seg]
-        if state.state(entry.group) not in LIVE:
+        now = state.state(entry.group)
+        if now not in LIVE:
             return {}
-        lo, hi = view.span(entry.group)
-        members = view.members
-        sizes = [int(size or 0) for size in members.column("size", lo, hi)]
-        return dict(zip(members.uids(lo, hi), zip(members.digests(lo, hi), sizes, strict=True), strict=True))
+        rows = group_rows(view, state, entry.group)
+        return row_members(RowGroup(gkey, now, rows, times=state.times(entry.group)))
+
+
+def members_of(reader: Reader, dbs: Dbs, prefix: bytes, config: TableConfig) -> Callable[[str], MemberView | None]:
+    """A table's live experiences' views by uid, read from `reader`: a records table's records (a
+    failed one's whose payload is kept among them), or a rows table's members (`RowMembers`)."""
+    if config.storage.layout == "rows":
+        return RowMembers(reader, dbs, prefix, config.grouping.by).member
+    return lambda uid: record(reader, dbs, prefix + uid.encode())
 
 
 def row_payload_mismatch(found: tuple[bytes, int], blob: Stored | tuple[bytes, int]) -> bool:
     """Whether a rows table's member's stored payload (or its digest and length: chunk_reads.streamed)
-    is not the one of the digest and size `found` (RowDigests.of)."""
+    is not the one of the digest and size `found` (RowMembers.of)."""
     digest, size = found
     if isinstance(blob, tuple):
         return blob != (digest, size)
@@ -199,8 +228,8 @@ def oldest_age(txn: lmdb.Transaction[bytes], dbs: Dbs, prefix: bytes, now: float
 
 
 def _oldest_row(txn: lmdb.Transaction[bytes], dbs: Dbs, prefix: bytes) -> float | None:
-    """When a rows table's oldest live experience was pushed (None: it holds none): the first member of
-    each live group of its segments (a group that was pending completes after newer ones, so every
+    """When a rows table's oldest live experience was pushed (None: it holds none): the first member
+    (not deleted) of each live group of its segments (a group that was pending completes after newer ones, so every
     live segment is read; a retired one by its state alone), and of each pending group's first
     fragment, read in the pending index's order (when each opened, before its first member came)
     while one may be older, and of each computing group's."""
@@ -212,9 +241,9 @@ def _oldest_row(txn: lmdb.Transaction[bytes], dbs: Dbs, prefix: bytes) -> float 
             if state.retired is None:
                 view = SegmentView(cur.value())
                 for g in range(view.groups):
-                    if state.state(g) in LIVE:
-                        first = view.span(g)[0]
-                        created = float(view.members.column("created", first, first + 1)[0] or 0.0)
+                    kept = state.kept(*view.span(g)) if state.state(g) in LIVE else ()
+                    if kept:  # its first member not deleted
+                        created = float(view.members.column("created", kept[0], kept[0] + 1)[0] or 0.0)
                         oldest = created if oldest is None else min(oldest, created)
             at = cur.next()
     with txn.cursor(db=dbs["pending"]) as cur:
@@ -264,48 +293,146 @@ class Page:
     done: bool  # nothing live lies past this page
 
 
-def page(
-    txn: lmdb.Transaction[bytes],
-    dbs: Dbs,
-    prefix: bytes,
-    *,
-    states: Collection[str],
-    min_version: int | None,
-    max_version: int | None,
-    after: int,
-    limit: int,
-) -> Page:
+Listing = tuple[int, Callable[[], Listed]]  # an experience's insertion sequence, and its listing read when paged
+
+
+@dataclass(frozen=True, slots=True)
+class Filters:
+    """What a page lists of the live experiences: those in `states` (every live state if none) and of
+    a known model version from `min_version` to `max_version` (either bound None: none)."""
+
+    states: Collection[str] = ()
+    min_version: int | None = None
+    max_version: int | None = None
+
+    def passes(self, listed: Listed) -> bool:
+        if self.states and listed.state not in self.states:
+            return False
+        low, high = self.min_version, self.max_version
+        if low is None and high is None:
+            return True
+        version = listed.version
+        return version is not None and (low is None or version >= low) and (high is None or version <= high)
+
+
+def page(txn: lmdb.Transaction[bytes], dbs: Dbs, prefix: bytes, filters: Filters, *, after: int, limit: int) -> Page:
     """Live experiences from insertion sequence `after` on that pass the filters, at most `limit`."""
-    items: list[Listed] = []
-    budget = limit * SCAN_PER_ITEM
+    with contextlib.closing(_in_order(txn, dbs, prefix, after)) as found:
+        return _paged(found, filters, after, limit)
+
+
+def _in_order(txn: lmdb.Transaction[bytes], dbs: Dbs, prefix: bytes, after: int) -> Generator[Listing]:
+    """A records table's live experiences from insertion sequence `after` on, in its insertion order."""
     with txn.cursor(db=dbs["order"]) as cur:
         found = cur.set_range(prefix + u64(after))
         while found and cur.key().startswith(prefix):
             seq = _SEQ.unpack(cur.key()[len(prefix) :])[0]
-            if len(items) == limit or budget == 0:
-                return Page(items, seq, False)
-            budget -= 1
-            uid = bytes(cur.value())
-            rec = ItemRecord.decode(stored(txn, prefix + uid, dbs["items"], "experience"))
-            state = rec.state
-            if state == READY:  # or leased, as its group says
-                state = member_state(
-                    rec, GroupRecord.decode(stored(txn, prefix + rec.group.encode(), dbs["groups"], "group"))
-                )
-            if _passes(rec, state, states, min_version, max_version):
-                items.append(Listed(uid.decode(), rec.group, state, rec.version, rec.reward, rec.times_sampled))
+            yield seq, functools.partial(_listed_record, txn, dbs, prefix, cur.value())
             found = cur.next()
-            after = seq + 1
+
+
+def _listed_record(txn: lmdb.Transaction[bytes], dbs: Dbs, prefix: bytes, uid: bytes) -> Listed:
+    rec = ItemRecord.decode(stored(txn, prefix + uid, dbs["items"], "experience"))
+    state = rec.state
+    if state == READY:  # or leased, as its group says
+        state = member_state(rec, GroupRecord.decode(stored(txn, prefix + rec.group.encode(), dbs["groups"], "group")))
+    return Listed(uid.decode(), rec.group, state, rec.version, rec.reward, rec.times_sampled)
+
+
+def row_page(
+    txn: lmdb.Transaction[memoryview], dbs: Dbs, prefix: bytes, filters: Filters, *, after: int, limit: int
+) -> Page:
+    """`page` of a rows table, read from a transaction with buffers: the same page, its experiences read
+    from its live segments and pending groups (it keeps no insertion order), the first in insertion
+    order from `after` on: as many as the page takes (the next one tells where the next page starts),
+    more while filters leave it short, up to as many as a records table's page would read."""
+    most, wanted = limit * SCAN_PER_ITEM + 1, limit + 1
+    while True:
+        found = _row_listings(txn, dbs, prefix, after, wanted)
+        page = _paged(iter(found), filters, after, limit)
+        if not page.done or len(found) < wanted or wanted == most:
+            return page
+        wanted = min(most, 4 * wanted)
+
+
+def _row_listings(txn: lmdb.Transaction[memoryview], dbs: Dbs, prefix: bytes, after: int, wanted: int) -> list[Listing]:
+    """The first `wanted` live members of a rows table from insertion sequence `after` on, in its
+    insertion order: each live segment's insertion numbers read as one column, and passed over whole
+    where none of them can be among those found so far (segments are in completion order, mostly the
+    order their members came in); each pending group's fragments read."""
+    found: list[tuple[int, int, int]] = []  # a heap of (-seq, its source, its index there)
+    sources: list[Callable[[int], Listed]] = []  # each one's listing of its member i
+
+    def offer(seqs: Sequence[int], indexes: Iterable[int]) -> None:
+        source = len(sources) - 1
+        for i in indexes:
+            seq = seqs[i]
+            if seq < after:
+                continue
+            if len(found) < wanted:
+                heapq.heappush(found, (-seq, source, i))
+            elif seq < -found[0][0]:
+                heapq.heapreplace(found, (-seq, source, i))
+
+    with txn.cursor(db=dbs["segs"]) as cur:
+        at = cur.set_range(prefix)
+        while at and cur.key()[: len(prefix)] == prefix:
+            state = SegState.decode(stored(txn, bytes(cur.key()), dbs["sstate"], "segment state"))
+            view = SegmentView(cur.value()) if state.retired is None else None
+            seqs = () if view is None else cast(Sequence[int], view.members.column("seq", 0, view.members.count))
+            if seqs and max(seqs) >= after and not (len(found) == wanted and min(seqs) > -found[0][0]):
+                assert view is not None
+                sources.append(functools.partial(_listed_row, view, state))
+                offer(seqs, _live_members(view, state))
+            at = cur.next()
+    with txn.cursor(db=dbs["pending"]) as cur:
+        at = cur.set_range(prefix)
+        while at and cur.key()[: len(prefix)] == prefix:
+            gkey = bytes(cur.key()[12:]).decode()
+            head = directory_entry(stored(txn, prefix + gkey.encode(), dbs["gdir"], "pending group"))
+            if isinstance(head, PendingHead):
+                rows = pending_rows(txn, dbs, prefix, gkey, head)
+                sources.append(functools.partial(_listed_pending, gkey, rows))
+                offer([m.seq for m in rows], range(len(rows)))
+            at = cur.next()
+    return [(-seq, functools.partial(sources[source], i)) for seq, source, i in sorted(found, reverse=True)]
+
+
+def _live_members(view: SegmentView, state: SegState) -> Iterable[int]:
+    """The indexes of a segment's members in live groups, those deleted left out."""
+    groups = state.states(0, view.groups)
+    if not state.any_flags and all(s in LIVE for s in groups):
+        return range(view.members.count)
+    return [i for g, s in enumerate(groups) if s in LIVE for i in state.kept(*view.span(g))]
+
+
+def _listed_row(view: SegmentView, state: SegState, i: int) -> Listed:
+    """Member i of a live segment, as a page lists it."""
+    g, members = bisect.bisect_right(view.ends, i), view.members
+    version, reward = members.column("version", i, i + 1)[0], members.column("reward", i, i + 1)[0]
+    return Listed(
+        members.uid(i), view.keys(g, g + 1)[0], state.state(g), None if version is None else int(version), reward,
+        state.times(g),
+    )  # fmt: skip
+
+
+def _listed_pending(gkey: str, rows: Sequence[Member], i: int) -> Listed:
+    """Member i of a pending group, as a page lists it."""
+    m = rows[i]
+    return Listed(m.uid, gkey, PENDING, m.version, m.reward, 0)
+
+
+def _paged(found: Iterator[Listing], filters: Filters, after: int, limit: int) -> Page:
+    """A page of the live experiences `found` (in insertion order, from `after` on) that pass the
+    filters: at most `limit`, and at most SCAN_PER_ITEM experiences read for each."""
+    items: list[Listed] = []
+    budget = limit * SCAN_PER_ITEM
+    for seq, listing in found:
+        if len(items) == limit or budget == 0:
+            return Page(items, seq, False)
+        budget -= 1
+        listed = listing()
+        if filters.passes(listed):
+            items.append(listed)
+        after = seq + 1
     return Page(items, after, True)
-
-
-def _passes(
-    rec: ItemRecord, state: str, states: Collection[str], min_version: int | None, max_version: int | None
-) -> bool:
-    if states and state not in states:
-        return False
-    if min_version is None and max_version is None:
-        return True
-    if rec.version is None:
-        return False
-    return (min_version is None or rec.version >= min_version) and (max_version is None or rec.version <= max_version)

@@ -32,6 +32,7 @@ from ...disk.rows import (
 from ...schema.states import COMPUTING, FAILED, LEASED, LIVE, PENDING, QUARANTINED, READY, RETIRED, STATES, State
 from ..table_state.read_check import payload_problem
 from ..table_state.state import TableState, member_state
+from ..table_state.views import kept_rows
 
 _NO_TAG = "00" * SegState.LEASE  # a rows table's group under no lease
 
@@ -176,11 +177,11 @@ RECORDS_ONLY = ("items", "tombs", "groups", "order", "cooling")
 
 def rows(tt: TableState) -> list[str]:
     """The problems of a rows table's rows (issue 64): every segment decodes with its state, each of
-    its groups has the directory entry that names it and no entry names another place, each live
-    member's payload is present and the one pushed, each ready group is covered by one ready run and
-    every run covers ready groups of a segment, each pending group's head has its fragments and its
-    row in the pending index (`_pending`), nothing is kept in the records' databases, and the
-    counters count what is there."""
+    its groups has the directory entry that names it (but a group deleted whole, which none names) and
+    no entry names another place, each live member's payload (but a deleted one's) is present and the
+    one pushed, each ready group is covered by one ready run and every run covers ready groups of a
+    segment, each pending group's head has its fragments and its row in the pending index
+    (`_pending`), nothing is kept in the records' databases, and the counters count what is there."""
     problems: list[str] = []
     counts: dict[str, int] = defaultdict(int)
     covered: dict[tuple[int, int], int] = defaultdict(int)  # (seg, group) -> the runs covering it
@@ -239,19 +240,24 @@ def rows(tt: TableState) -> list[str]:
             continue
         for g, gkey in enumerate(view.keys(0, view.groups)):
             group_state = state.state(g)
-            if places.pop(gkey, None) != GroupRef(seg, g):
+            lo, hi = view.span(g)
+            kept = state.kept(lo, hi)
+            if hi > lo and not kept:  # deleted whole: its key is free (or a group pushed since holds it)
+                if places.get(gkey) == GroupRef(seg, g):
+                    del places[gkey]
+                    problems.append(f"group {gkey} of segment {seg} was deleted but its directory entry names it")
+            elif places.pop(gkey, None) != GroupRef(seg, g):
                 problems.append(f"group {gkey} of segment {seg} has no directory entry naming it")
             if (group_state == READY) != (covered.pop((seg, g), 0) == 1):
                 problems.append(f"group {gkey} is {group_state} but covered by another count of ready runs")
             tag = state.lease(g).hex()
             if not _lease_holds(group_state, tag, leased.pop((seg, g), None)):
                 problems.append(f"group {gkey} is {group_state} under lease {tag}, which does not hold it so")
-            lo, hi = view.span(g)
-            counts[group_state] += hi - lo
+            counts[group_state] += len(kept)
             live = group_state in LIVE
             if live:
                 counts["groups_" + group_state] += 1
-            for member in view.members.members(lo, hi):
+            for member in kept_rows(state, view.members.members(lo, hi), lo):
                 blob = chunk_reads.read_payload(tt.txn, tt.db, tt.key(member.uid))
                 if not live:
                     if blob is not None and group_state != FAILED:  # a failed group's may be kept, for Get

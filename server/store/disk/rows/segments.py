@@ -157,6 +157,7 @@ class SegState:
     _HEAD = struct.Struct("<BBHId")  # ROWS, flags (any member flag set), groups, members, retired (NaN: not yet)
     _ANY_FLAGS = 1
     LEASE = 8  # bytes of a lease tag
+    DELETED = 1  # a member's flag: deleted (a Delete), out of its group: never served, counted or a duplicate
     __slots__ = ("_flags", "_leases", "_times", "buf", "groups", "members")
 
     def __init__(self, buf: bytearray) -> None:
@@ -226,6 +227,13 @@ class SegState:
         self.buf[self._flags + i] = flags
         if flags:
             self.buf[1] |= self._ANY_FLAGS
+
+    def kept(self, lo: int, hi: int) -> range | list[int]:
+        """Members lo to hi (excluded) but those deleted."""
+        if not self.any_flags:
+            return range(lo, hi)
+        flags = self.buf[self._flags + lo : self._flags + hi]
+        return [lo + k for k, flag in enumerate(flags) if not flag & self.DELETED]
 
     @property
     def retired(self) -> float | None:

@@ -1,0 +1,152 @@
+"""A Delete of a rows table's experiences (issue 64, 2.9), as core/verbs/retire.delete takes a records
+table's out: a live member leaves its group (its payload gone, uncounted from its state and from the
+rate limiter's count), a retired one's tombstone is forgotten (its uid is no duplicate any more), and
+a group left without members goes: the extensions hear a live one leave as DELETED, and its key may
+be pushed again. What the others of a group see is a records table's: the group stays as it was
+(ready, leased, pending, retired), one member short.
+
+What is written is per group touched, never a record per experience: a complete group's deleted
+members are flagged in their segment's state (`SegState.DELETED`: never served, counted or a
+duplicate again), and a group deleted whole also leaves its run (or lease: a lease of runs goes on
+without it) and its directory entry, its state byte retired (dropped: it counts no member), so that
+its segment retires and is forgotten in time as one whose groups all retired; a pending group's
+members left are written again as its one fragment (row_pending.left).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from expbuf.client.schema.routing import uid_group_key
+
+from ...disk import chunked
+from ...disk.records import DELETED
+from ...disk.rows import PendingHead, SegState
+from ...schema.states import DROPPED, LIVE, PENDING, READY, RETIRED
+from ..table_state import rate_counts
+from ..table_state.events import Retired
+from ..table_state.state import TableState
+from ..table_state.views import RowGroup, RowMember, row_members
+from . import row_batches, row_pending
+from .row_batches import NO_LEASE, Picked, Segments
+from .segments import retired
+
+# The state byte of a complete group deleted whole: retired (its segment may retire), counting no member.
+EMPTIED = DROPPED
+
+
+@dataclass(slots=True)
+class _Touched:
+    """A group a delete meets, as it stood: its view and its members' views; of a complete group, its
+    place (`picked`) and each member's index in its segment; of a pending one, its head. `gone`: the
+    members this delete takes out, in the order it takes them."""
+
+    group: RowGroup
+    members: dict[str, RowMember]
+    picked: Picked | None = None
+    places: dict[str, int] = field(default_factory=dict)
+    head: PendingHead | None = None
+    gone: list[str] = field(default_factory=list)
+
+    @property
+    def emptied(self) -> bool:
+        return len(self.gone) == len(self.members)
+
+
+def delete(tt: TableState, uids: Sequence[str], group_ids: Sequence[str]) -> int:
+    """Experiences `uids` and the members of groups `group_ids` deleted (a records table's Delete,
+    core/verbs/retire.delete); returns how many were live."""
+    segments = Segments(tt)
+    found: dict[str, _Touched | None] = {}
+
+    def touched(gkey: str | None) -> _Touched | None:
+        if gkey is None:
+            return None
+        if gkey not in found:
+            found[gkey] = _read(tt, segments, gkey)
+        return found[gkey]
+
+    targets = list(uids)
+    for gkey in group_ids:
+        grp = touched(gkey)
+        if grp is not None:
+            targets.extend(grp.members)
+    by, deleted = tt.config.grouping.by, 0
+    emptied: list[_Touched] = []  # the live groups left without members, in the order they were
+    keys: list[bytes] = []
+    sizes: list[int] = []
+    for uid in dict.fromkeys(targets):
+        grp = touched(uid_group_key(uid, by))
+        member = None if grp is None else grp.members.get(uid)
+        if grp is None or member is None:
+            continue
+        state = grp.group.state
+        tt.counters.add(state, -1)
+        grp.gone.append(uid)
+        if state in LIVE:
+            rate_counts.forget(tt, grp.group, [member])
+            deleted += 1
+            keys.append(tt.key(uid))
+            sizes.append(member.size)
+            if grp.emptied:
+                emptied.append(grp)
+    changed = [grp for grp in found.values() if grp is not None and grp.gone]
+    for grp in changed:
+        if grp.picked is not None:
+            row = segments.changed(grp.picked.seg)
+            for uid in grp.gone:
+                row.set_flags(grp.places[uid], row.flags(grp.places[uid]) | SegState.DELETED)
+        elif not grp.emptied:
+            assert grp.head is not None
+            row_pending.left(tt, grp.group.key, grp.head, [m for m in grp.group.rows if m.uid not in grp.gone])
+    _gone(tt, segments, [grp for grp in changed if grp.emptied])
+    segments.save()
+    if emptied:  # as a records table's: each group as it stood, without members
+        groups = [(grp.group.key, grp.group._replace(rows=())) for grp in emptied]
+        tt.extensions.on_retired(tt, Retired(groups, DELETED))
+    order = sorted(range(len(keys)), key=keys.__getitem__)
+    chunked.delete(tt.txn, tt.db, [keys[at] for at in order], [sizes[at] for at in order])
+    tt.counters.bytes -= sum(sizes)
+    return deleted
+
+
+def _read(tt: TableState, segments: Segments, gkey: str) -> _Touched | None:
+    """The group of this key as a delete meets it; None: the table has none."""
+    head = row_pending.head(tt, gkey)
+    if head is not None:
+        rows = tuple(tt.pending_rows(gkey, head))
+        group = RowGroup(gkey, PENDING, rows, dict(head.failed), created=head.created)
+        return _Touched(group, row_members(group), head=head)
+    picked = row_batches.complete_groups(tt, segments, [gkey])
+    if not picked:
+        return None
+    p = picked[0]
+    view, state = segments.view(p.seg), segments.state(p.seg)
+    group = p.group._replace(failed=view.failed(p.at))
+    places = dict(zip(group.members, state.kept(*view.span(p.at)), strict=True))
+    return _Touched(group, p.members, p._replace(group=group), places)
+
+
+def _gone(tt: TableState, segments: Segments, groups: Sequence[_Touched]) -> None:
+    """Groups left without members go: a complete one's directory entry, and a live one's run (its
+    state byte retired, no lease's), its segment retired with its last live group; a pending one's
+    head, fragments and pending index row."""
+    row_batches.unready(tt, [grp.picked for grp in groups if grp.picked is not None and grp.group.state == READY])
+    ended: set[int] = set()
+    for grp in groups:
+        gkey, state = grp.group.key, grp.group.state
+        if state in LIVE:
+            tt.counters.add_groups(state, -1)
+        if grp.picked is not None and state in LIVE:
+            row = segments.changed(grp.picked.seg)
+            row.set_state(grp.picked.at, EMPTIED)
+            row.set_lease(grp.picked.at, NO_LEASE)
+            ended.add(grp.picked.seg)
+        elif grp.head is not None:
+            row_pending.left(tt, gkey, grp.head, [])
+        tt.txn.delete(tt.key(gkey), db=tt.db["gdir"])
+    for seg in sorted(ended):
+        row = segments.state(seg)
+        if all(s in RETIRED for s in row.states(0, row.groups)):
+            retired(tt, seg, row)
