@@ -39,7 +39,7 @@ from ...disk.rows import (
     fragment_key,
 )
 from ...disk.stored_advantages import FinishBatch
-from ...schema.states import LEASED, LIVE, PENDING, READY
+from ...schema.states import FAILED, LEASED, LIVE, PENDING, READY
 from ...schema.table_config import TableConfig
 from ...schema.views import GroupView, MemberView
 from ..table_state.read_check import payload_problem
@@ -113,7 +113,7 @@ def payload_mismatch(uid: str, raw: Value, blob: Stored | tuple[bytes, int]) -> 
 
 
 class RowMembers:
-    """A rows table's live members by uid (`member`, as views; `of`, their digests and sizes, for the
+    """A rows table's live and failed members by uid (`member`, as views; `of`, their digests and sizes, for the
     scrub's walk over its payloads), read from `reader` (a transaction, or a snapshot while it is
     read): each group read once (from its segment, or a pending group's fragments), each segment's
     rows once."""
@@ -124,7 +124,8 @@ class RowMembers:
         self._segments: dict[int, tuple[SegmentView, SegState]] = {}
 
     def member(self, uid: str) -> RowMember | None:
-        """The uid's view, while it is live; None: it is not (retired, deleted, or never pushed)."""
+        """The uid's view, while it is live or its group failed (its payload may be kept, for Get, as a
+        records table's failed record is); None: it is not (retired else, deleted, or never pushed)."""
         gkey = uid_group_key(uid, self.group_by)
         if gkey is None:
             return None
@@ -153,7 +154,7 @@ class RowMembers:
             )
         view, state = self._segments[entry.seg]
         now = state.state(entry.group)
-        if now not in LIVE:
+        if now not in LIVE and now != FAILED:  # a failed group's payloads may be kept, for Get
             return {}
         rows = group_rows(view, state, entry.group)
         return row_members(RowGroup(gkey, now, rows, times=state.times(entry.group)))
