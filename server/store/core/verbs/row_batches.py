@@ -6,12 +6,20 @@ record per experience: a take and a confirm write one state row a segment, and a
 
 The runs cover the ready groups exactly: a group leaving ready leaves its run (the run cut around
 it), and one coming back gets a run of its own.
+
+Any other order, and a lowest model version, read the index the order reads (core/ordering/), as a
+records table's take does, each group it names found through its directory entry (2.7). A rows
+table keeps such an index from the first request that read it (ready.ReadyIndex), so a table taken
+in fifo or lifo order alone writes none; from then on its groups reach it where they become ready
+(segments.write, `back`) and leave ready (`unready`), each at its place (its segment's id plus its
+index there).
 """
 
 from __future__ import annotations
 
 import contextlib
 import itertools
+import random
 from collections.abc import Generator, Iterable, Sequence
 from typing import NamedTuple
 
@@ -23,6 +31,7 @@ from ...disk.snapshot import Snapshot
 from ...schema.sample_spec import TakeSpec
 from ...schema.states import CONSUMED, FAILED, LEASED, READY, RETIRED, State
 from ...schema.views import Groups, GroupView, Members
+from ..ordering.ready import BUILD_CHUNK, IndexBuilding
 from ..table_state import rate_counts
 from ..table_state.events import Moved, Retired
 from ..table_state.state import TableState, missing
@@ -31,16 +40,6 @@ from . import pieces
 from .segments import retired
 
 NO_LEASE = bytes(SegState.LEASE)
-
-
-def unsampled(spec: TakeSpec) -> str | None:
-    """Why a rows table cannot take this request yet (None: it can): so far it is sampled in fifo or
-    lifo order, without a lowest model version (issue 64, 2.7: the other orders)."""
-    if spec.order not in ("fifo", "lifo"):
-        return f"sampled only in fifo or lifo order yet, not {spec.order}"
-    if spec.min_model_version is not None:
-        return "not sampled by a lowest model version yet"
-    return None
 
 
 class Picked(NamedTuple):
@@ -110,9 +109,49 @@ def _runs(tt: TableState, newest: bool) -> Generator[tuple[bytes, RunRow]]:
             found = step()
 
 
-def select(tt: TableState, spec: TakeSpec, segments: Segments) -> tuple[list[Picked], int]:
-    """Ready groups in the request's order (fifo or lifo) until there are enough, and their
-    experiences; the columns of the members taken from a run read once."""
+def select(tt: TableState, spec: TakeSpec, segments: Segments, rng: random.Random) -> tuple[list[Picked], int]:
+    """Ready groups in the request's order until there are enough, and their experiences: in fifo
+    or lifo order from the runs (the columns of the members taken from a run read once), in any
+    other order or with a lowest model version from the index the order reads (`_indexed`)."""
+    if spec.order in ("fifo", "lifo") and spec.min_model_version is None:
+        return _from_runs(tt, spec, segments)
+    for _ in range(_INLINE_BUILDS):
+        try:
+            return _indexed(tt, spec, segments, rng)
+        except IndexBuilding as building:
+            if tt.counters.groups_ready > BUILD_CHUNK or not tt.ready.build_step(building.index).kept:
+                raise
+    return _indexed(tt, spec, segments, rng)
+
+
+# The indexes a request may build in its own transaction: a table of few ready groups builds the
+# index an order reads where the request meets its lack (one chunk, what a background build's
+# chunk costs the writer), rather than waiting for the background's; a uniform request with a
+# lowest version reads two.
+_INLINE_BUILDS = 2
+
+
+def _indexed(tt: TableState, spec: TakeSpec, segments: Segments, rng: random.Random) -> tuple[list[Picked], int]:
+    """Ready groups in the order of the request's index (core/ordering/), each found through its
+    directory entry, until there are enough (core/verbs/take.select's way on records). Reading an
+    index the table does not keep yet raises IndexBuilding before anything is changed."""
+    picked: list[Picked] = []
+    total = 0
+    with contextlib.closing(tt.ready.candidates(spec.order, rng, spec.min_model_version)) as candidates:
+        for raw in candidates:
+            gkey = raw.decode()
+            found = complete_groups(tt, segments, [gkey])
+            if not found or found[0].group.state != READY:
+                raise missing("ready group", gkey)
+            picked += found
+            total += len(found[0].group.rows)
+            if spec.filled(len(picked), total):
+                break
+    return picked, total
+
+
+def _from_runs(tt: TableState, spec: TakeSpec, segments: Segments) -> tuple[list[Picked], int]:
+    """Ready groups from the runs, front first (fifo) or back first (lifo), until there are enough."""
     picked: list[Picked] = []
     total = 0
     newest = spec.order == "lifo"
@@ -174,8 +213,20 @@ def _run_key(tt: TableState, seg: int, first: int) -> bytes:
     return tt.prefix + u64(seg + first)
 
 
-def unready(tt: TableState, picked: Sequence[Picked]) -> None:
-    """Picked groups leave the runs that cover them: each such run is cut around them."""
+def _placed(segments: Segments, picked: Sequence[Picked]) -> list[tuple[bytes, int, float, int | None]]:
+    """Picked groups as the ready indexes hold them: key, place, priority, lowest version."""
+    found = []
+    for p in picked:
+        view, at = segments.view(p.seg), p.at
+        found.append((p.gkey.encode(), p.seg + at, view.priorities(at, at + 1)[0], view.versions(at, at + 1)[0]))
+    return found
+
+
+def unready(tt: TableState, picked: Sequence[Picked], segments: Segments | None = None) -> None:
+    """Picked groups leave the runs that cover them (each such run cut around them) and the indexes
+    the table keeps, in the order picked (`segments`: those read already)."""
+    if picked and tt.ready.indexing():
+        tt.ready.remove_many(_placed(segments or Segments(tt), picked))
     runs = tt.db["runs"]
     for seg, indexes in _by_segment((p.seg, p.at) for p in picked).items():
         gone, cut = set(indexes), set[int]()
@@ -370,6 +421,8 @@ def back(tt: TableState, segments: Segments, picked: Sequence[Picked], *, sample
     segments.save()
     rows = [(_run_key(tt, seg, first), RunRow(seg, first, n).encode()) for seg, first, n in _lease_runs(picked)]
     put_rows(tt.txn, tt.db["runs"], sorted(rows))
+    if picked and tt.ready.indexing():
+        tt.ready.add_many(_placed(segments, picked))
     if tt.extensions.hears("on_moved"):
         groups: Groups = [(p.gkey, _as(p, READY, times=p.group.times + sampled)) for p in picked]
         tt.extensions.on_moved(tt, Moved(LEASED, READY, groups))
@@ -395,7 +448,7 @@ def fail(tt: TableState, gkeys: Sequence[str]) -> None:
     to be served, their payloads gone (a rows table keeps no failed payload yet: issue 64, 2.9)."""
     segments = Segments(tt)
     picked = [p for p in complete_groups(tt, segments, gkeys) if p.group.state in (READY, LEASED)]
-    unready(tt, [p for p in picked if p.group.state == READY])
+    unready(tt, [p for p in picked if p.group.state == READY], segments)
     retire(tt, segments, [p._replace(group=p.group._replace(lease="")) for p in picked], FAILED)
 
 
@@ -403,7 +456,7 @@ def spent(tt: TableState, gkeys: Sequence[str]) -> None:
     """Replayed groups (ready) that reached the table's max_times_sampled retire, consumed."""
     segments = Segments(tt)
     picked = complete_groups(tt, segments, gkeys)
-    unready(tt, picked)
+    unready(tt, picked, segments)
     retire(tt, segments, picked, CONSUMED)
 
 
@@ -429,7 +482,7 @@ def consume(tt: TableState, gkeys: Sequence[str]) -> None:
     ready = [p for p in picked if p.group.state == READY]
     for p in ready:
         rate_counts.forget(tt, p.group, p.members.values())
-    unready(tt, ready)
+    unready(tt, ready, segments)
     retire(tt, segments, [p._replace(group=p.group._replace(lease="")) for p in picked], CONSUMED)
 
 
