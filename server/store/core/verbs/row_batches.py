@@ -135,19 +135,24 @@ def _indexed(tt: TableState, spec: TakeSpec, segments: Segments, rng: random.Ran
     """Ready groups in the order of the request's index (core/ordering/), each found through its
     directory entry, until there are enough (core/verbs/take.select's way on records). Reading an
     index the table does not keep yet raises IndexBuilding before anything is changed."""
-    picked: list[Picked] = []
+    places: list[tuple[int, int]] = []  # (segment, group) in the order's
     total = 0
     with contextlib.closing(tt.ready.candidates(spec.order, rng, spec.min_model_version)) as candidates:
         for raw in candidates:
-            gkey = raw.decode()
-            found = complete_groups(tt, segments, [gkey])
-            if not found or found[0].group.state != READY:
-                raise missing("ready group", gkey)
-            picked += found
-            total += len(found[0].group.rows)
-            if spec.filled(len(picked), total):
+            entry = tt.txn.get(tt.prefix + raw, db=tt.db["gdir"])
+            ref = None if entry is None else directory_entry(entry)
+            if not isinstance(ref, GroupRef) or segments.state(ref.seg).state(ref.group) != READY:
+                raise missing("ready group", raw.decode(errors="replace"))
+            places.append(ref)
+            lo, hi = segments.view(ref.seg).span(ref.group)
+            total += hi - lo
+            if spec.filled(len(places), total):
                 break
-    return picked, total
+    found: dict[tuple[int, int], Picked] = {}
+    for seg, indexes in _by_segment(places).items():  # each segment's members read once
+        for p in _picked(segments.view(seg), segments.state(seg), seg, indexes, READY, ""):
+            found[seg, p.at] = p
+    return [found[place] for place in places], total
 
 
 def _from_runs(tt: TableState, spec: TakeSpec, segments: Segments) -> tuple[list[Picked], int]:
@@ -176,18 +181,21 @@ def _picked(
     view: SegmentView, state: SegState, seg: int, places: Sequence[int], now: State, lease: str
 ) -> list[Picked]:
     """Groups of one segment at `places` (in that order), in state `now` (under `lease`), with their
-    members' views: the columns of the members they span read once."""
+    members' views: the columns of the members they span read once, or (groups far apart, as a
+    uniform take's) each group's alone."""
     if not places:
         return []
     first, last = min(places), max(places)
+    spans = [view.span(g) for g in places]
     lo, hi = view.span(first)[0], view.span(last)[1]
-    rows = view.members.members(lo, hi)
-    keys = view.keys(first, last + 1)
+    together = 4 * sum(b - a for a, b in spans) >= hi - lo
+    rows = view.members.members(lo, hi) if together else []
+    keys = view.keys(first, last + 1) if together else []
     found = []
-    for g in places:
-        a, b = view.span(g)
-        gkey = keys[g - first]
-        group = RowGroup(gkey, now, tuple(rows[a - lo : b - lo]), lease=lease, times=state.times(g))
+    for g, (a, b) in zip(places, spans, strict=True):
+        gkey = keys[g - first] if together else view.keys(g, g + 1)[0]
+        members = tuple(rows[a - lo : b - lo]) if together else tuple(view.members.members(a, b))
+        group = RowGroup(gkey, now, members, lease=lease, times=state.times(g))
         found.append(Picked(gkey, group, row_members(group), seg, g))
     return found
 
@@ -365,12 +373,14 @@ def leased(tt: TableState, segments: Segments, lease_id: str, lease: RowLease, *
     """The groups still under a lease of runs (one consumed or given back meanwhile is not); with
     `ending`, their views say they left it (as an ack's consume hears them)."""
     tag = bytes.fromhex(lease_id)
-    found: list[Picked] = []
+    under: dict[int, list[int]] = {}  # by segment, each read once (a lease's runs are by segment)
     for run in lease.runs:
         state = segments.state(run.seg)
         places = range(run.first, run.first + run.length)
-        under = [g for g in places if state.state(g) == LEASED and state.lease(g) == tag]
-        found += _picked(segments.view(run.seg), state, run.seg, under, LEASED, "" if ending else lease_id)
+        under.setdefault(run.seg, []).extend(g for g in places if state.state(g) == LEASED and state.lease(g) == tag)
+    found: list[Picked] = []
+    for seg, places in under.items():
+        found += _picked(segments.view(seg), segments.state(seg), seg, places, LEASED, "" if ending else lease_id)
     return found
 
 
