@@ -24,7 +24,7 @@ from expbuf.server.store.schema.table_config import TableConfig
 from expbuf.server.store.services import index_builds
 from expbuf.server.store.tables import integrity
 
-from helpers import group_items, make_experience, take
+from helpers import both_layouts, group_items, make_experience, take
 
 UNKNOWN = 1 << 62  # where a group of unknown version sorts: after every known one
 
@@ -283,3 +283,40 @@ def test_a_build_under_way_starts_over_when_the_index_was_dropped_meanwhile(
             f"1/{task}" for task in (1, 3, 0, 2) for _ in range(2)
         ]
         assert store.verify("t") == []
+
+
+def test_a_registered_order_takes_from_a_rows_table_as_from_a_records_one(tmp_path: Path) -> None:
+    """A rows table (issue 64) keeps an order's own index, eager or lazy, from the first request that
+    reads it, and gives the batches a records table of the same data gives; an open without the order
+    drops the index, and the rows table keeps it again from the next request in it."""
+
+    def fill_both(store: Store) -> None:
+        both_layouts(store, "t", estimator="none", group_size=2)
+        for task, version in enumerate((5, 2, None, 3, 2, 7)):
+            for table in ("t", "t_rows"):
+                store.put(table, group_items(1, task, 2, version=version))
+
+    def alike(store: Store, **spec: object) -> list[str]:
+        got = [take(store, table, **spec).group_ids for table in ("t", "t_rows")]
+        assert got[1] == got[0]
+        assert store.verify("t") == [] and store.verify("t_rows") == []
+        return got[0]
+
+    with (
+        registered_order(OldestVersionFirst) as eager,
+        registered_order(LazyOldestVersionFirst) as lazy,
+        Store(tmp_path) as store,
+    ):
+        fill_both(store)
+        assert alike(store, num_groups=1) == ["1/0"] * 2  # fifo, from the runs: no index written
+        assert alike(store, num_groups=2, order=eager, delivery="replay") == ["1/1"] * 2 + ["1/4"] * 2
+        assert alike(store, num_groups=1, order=lazy, min_model_version=3) == ["1/3"] * 2
+        leased = {t: take(store, t, num_groups=1, order=eager, delivery="lease") for t in ("t", "t_rows")}
+        assert alike(store, num_groups=2, order=lazy) == ["1/4"] * 2 + ["1/5"] * 2
+        for table, batch in leased.items():
+            store.nack(batch.lease_id, table)  # back into the indexes the table keeps
+        assert alike(store, num_groups=1, order=eager, delivery="replay") == ["1/1"] * 2
+    with Store(tmp_path) as store:
+        assert alike(store, num_groups=1, order="lifo") == ["1/2"] * 2  # both indexes dropped
+    with registered_order(OldestVersionFirst) as eager, Store(tmp_path) as store:
+        assert alike(store, num_groups=1, order=eager) == ["1/1"] * 2

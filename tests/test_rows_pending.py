@@ -40,11 +40,12 @@ from test_quarantine import damage
 EIGHTS = {"estimator": "none", "group_by": "task", "group_size": 8}
 
 
-def run(task: int, number: int, reward: float | None = None) -> trxp.RawItem:
+def run(
+    task: int, number: int, reward: float | None = None, version: int | None = 1, priority: float | None = None
+) -> trxp.RawItem:
     """Run `number` of task `task` (batch 0), its reward varied across the group's runs."""
-    return trxp.from_experience(
-        make_experience(0, task, number, reward=float((task + number) % 3) if reward is None else reward)
-    )
+    reward = float((task + number) % 3) if reward is None else reward
+    return trxp.from_experience(make_experience(0, task, number, reward=reward, version=version, priority=priority))
 
 
 def uid(task: int, number: int) -> str:
@@ -445,10 +446,12 @@ class RandomSteps:
     """A records and a rows table of the same settings driven through the same random steps: pushes of
     random runs of random tasks (new, pending and complete groups, runs pushed twice, retried pushes,
     conflicting content, overfills, rollouts in pieces, several pushes in one transaction), failed
-    runs, seals, the clock advanced and upkeep run (timeouts, lease expiries), restarts and takes
-    (consumed, held and confirmed or given back, leased and acked or nacked; fifo and lifo). After
-    every step each reply or error (type and message), each batch, the stats (the oldest live
-    experience's age too) and what an extension heard are the same, and `verify` finds nothing wrong in either."""
+    runs, seals, the clock advanced and upkeep run (timeouts, lease expiries, stale groups), trainer
+    versions reported, restarts and takes (consumed, held and confirmed or given back, leased and
+    acked or nacked; fifo, lifo and priority, and from a lowest version in those and uniform order,
+    whose shuffle of the fresh groups is the same for both from the same random state). After every
+    step each reply or error (type and message), each batch, the stats (the oldest live experience's
+    age too) and what an extension heard are the same, and `verify` finds nothing wrong in either."""
 
     def __init__(self, root: Path, settings: dict[str, object], seed: int) -> None:
         self.root, self.rng, self.clock = root, random.Random(seed), Clock()
@@ -494,13 +497,19 @@ class RandomSteps:
     def reward(self, task: int, number: int) -> float:
         return 1.0 if task % 3 == 0 else float((task * 7 + number * 3) % 4)  # task 0, 3, ...: all equal
 
+    def run(self, task: int, number: int, reward: float) -> trxp.RawItem:
+        """A run of a version (a few unknown: its group is of none) and a priority, which the takes in
+        priority order and from a lowest version read."""
+        version = None if task % 7 == 3 and number % 4 == 0 else task % 4 + number % 2
+        return run(task, number, reward, version=version, priority=float((task * 5 + number) % 3))
+
     def items(self) -> list[trxp.RawItem]:
         rng, items = self.rng, []
         tasks = [t for t in range(self.low, self.low + 8) if t not in self.closed or rng.random() < 0.1]
         for task in rng.sample(tasks, min(len(tasks), rng.randint(1, 3))):
             for number in rng.sample(range(self.size + 2), rng.randint(1, self.size)):
                 reward = 9.0 if rng.random() < 0.01 else self.reward(task, number)  # 9: a conflict, once pushed
-                items.extend([run(task, number, reward)] * (2 if rng.random() < 0.03 else 1))
+                items.extend([self.run(task, number, reward)] * (2 if rng.random() < 0.03 else 1))
             if rng.random() < 0.2:  # a piece of a rollout of one of the task's runs
                 number, at = rng.randrange(self.size + 2), rng.choice([0, 0, 1, 2])
                 made = rollout(task=task, run=number, reward=float(number % 2))
@@ -586,22 +595,26 @@ class RandomSteps:
     def take(self) -> None:
         rng = self.rng
         kind = rng.choice(["consume", "hold", "lease"])
+        fresh = rng.choice([None, None, 0, 1, 2])
         spec = TakeSpec(
             num_groups=rng.randint(1, 4),
-            order=rng.choice(["fifo", "lifo"]),
+            order=rng.choice(["fifo", "lifo", "priority", *(["uniform"] if fresh is not None else [])]),
             delivery="lease" if kind == "lease" else "consume",
             lease_seconds=rng.choice([3, 30]),
             allow_partial=rng.random() < 0.7,
+            min_model_version=fresh,
         )
         ids: dict[str, str] = {}
+        drawn = self.store.sampling.rng.getstate()  # a uniform order's shuffle of the fresh groups
 
         def call(table: str) -> object:
+            self.store.sampling.rng.setstate(drawn)
             batch = self.store.sample(dataclasses.replace(spec, table=table), hold=kind == "hold")
             if batch is not None and kind != "consume":
                 ids[table] = batch.lease_id
             return reply(batch)
 
-        self.both(f"take {kind} {spec.num_groups} {spec.order}", call)
+        self.both(f"take {kind} {spec.num_groups} {spec.order} from {fresh}", call)
         if ids:
             self.held.append((kind, ids, spec))
 
@@ -620,10 +633,15 @@ class RandomSteps:
         self.both(f"end {kind} {'confirmed' if good else 'given back'}", call)
         self.leases = {}
 
+    def report(self) -> None:
+        """A trainer's version (with evict_stale, the groups it leaves stale are dropped)."""
+        version = self.rng.randint(0, 5)
+        self.both(f"version {version}", lambda table: self.store.set_trainer_version(table, version))
+
     def step(self) -> None:
         steps: list[tuple[Callable[[], None], float]] = [
             (self.push, 10), (self.push_in_order, 1), (self.fail, 2), (self.seal, 1), (self.tick, 3),
-            (self.take, 3), (self.restart, 0.3), (self.end, 2 if self.held else 0),
+            (self.take, 3), (self.restart, 0.3), (self.end, 2 if self.held else 0), (self.report, 0.5),
             (self.compute, 2 if self.computes else 0),
         ]  # fmt: skip
         if self.rng.random() < 0.08:
@@ -655,6 +673,7 @@ class RandomSteps:
             8,
         ),
         ({"group_size": 4, "estimator": "rloo", "min_group_size": 3, "group_timeout_seconds": 10}, 9),
+        ({"group_size": 4, "evict_stale": True, "max_staleness": 1, "group_timeout_seconds": 8}, 10),
     ],
 )
 def test_random_steps_leave_a_rows_table_as_a_records_tables(

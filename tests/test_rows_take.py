@@ -7,24 +7,25 @@ groups exactly after every step."""
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import itertools
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import lmdb
 import pytest
 
 from expbuf.client import BufferClient, trxp
-from expbuf.client.errors import InvalidArgumentError
 from expbuf.server.store import Moved, Retired, Store, TableExtension, Taken
+from expbuf.server.store.core.ordering.ready import BUILD_CHUNK
 from expbuf.server.store.core.table_state.state import TableState
 from expbuf.server.store.disk import layout
 from expbuf.server.store.disk.kinds import Sampled
-from expbuf.server.store.disk.rows import RunRow, SegState
+from expbuf.server.store.disk.rows import RunRow, SegmentView, SegState
 from expbuf.server.store.ledger.records import DatasetRecord
-from expbuf.server.store.schema.errors import InvalidRequest
+from expbuf.server.store.schema.errors import IndexNotReady, InvalidRequest
 from expbuf.server.store.schema.sample_spec import TakeSpec
 from expbuf.server.store.schema.states import READY
 from expbuf.server.store.schema.views import Groups
@@ -112,6 +113,240 @@ def test_consumed_batches_are_a_records_tables(tmp_path: Path, shape: str, order
             assert all(SegState.decode(v).retired for _, v in _rows(txn, store.db["sstate"], prefix))
 
 
+def varied(groups: int, size: int, first: int = 0) -> list[trxp.RawItem]:
+    """Groups whose priorities repeat (ties taken in their place's order) and whose lowest versions
+    vary, a few unknown (a member without a version): what the other orders and a lowest version read."""
+    return [
+        trxp.from_experience(
+            make_experience(
+                0, task, run, reward=float(task % 3), priority=float((task * 7 + run) % 5),
+                version=None if task % 9 == 4 and run == 0 else task % 6 + run % 2,
+            )
+        )
+        for task in range(first, first + groups)
+        for run in range(size)
+    ]  # fmt: skip
+
+
+def push_varied(store: Store, name: str, groups: int, size: int, first: int = 0) -> None:
+    pushed = varied(groups, size, first)
+    for at in range(0, len(pushed), 96):
+        for table in (name, f"{name}_rows"):
+            store.put(table, pushed[at : at + 96])
+
+
+def alike(store: Store, name: str, call: Callable[[str], object]) -> object:
+    """`call` on tables `name` and `name`_rows, each from the same state of the store's random
+    draws (a uniform order's): its result, asserted equal."""
+    rng, got = store.sampling.rng, []
+    drawn = rng.getstate()
+    for table in (name, f"{name}_rows"):
+        rng.setstate(drawn)
+        got.append(call(table))
+    assert got[1] == got[0]
+    return got[1]
+
+
+def sample_alike(store: Store, name: str, **spec: object) -> tuple[object, ...] | None:
+    def call(table: str) -> object:
+        return reply(store.sample(TakeSpec(table=table, wait_seconds=0, **spec)))  # type: ignore[arg-type]
+
+    return alike(store, name, call)  # type: ignore[return-value]
+
+
+def alike_and_clean(store: Store, name: str) -> None:
+    assert stats(store, f"{name}_rows") == stats(store, name)
+    runs_cover_the_ready_groups(store, f"{name}_rows")
+    assert store.verify(name) == [] and store.verify(f"{name}_rows") == []
+
+
+# The orders whose batches a rows table gives as a records table of the same data does: each
+# deterministic, or (uniform with a lowest version) a shuffle of the same fresh groups.
+ORDERED = {
+    "priority": {"order": "priority"},
+    "fifo from version 3": {"order": "fifo", "min_model_version": 3},
+    "lifo from version 2": {"order": "lifo", "min_model_version": 2},
+    "priority from version 2": {"order": "priority", "min_model_version": 2},
+    "uniform from version 3": {"order": "uniform", "min_model_version": 3},
+}
+
+
+@pytest.mark.parametrize("asked", ORDERED)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_batches_in_every_order_and_from_a_lowest_version_are_a_records_tables(
+    tmp_path: Path, shape: str, asked: str
+) -> None:
+    """Consumed, held and given back or confirmed, leased and nacked or acked, replayed: every batch,
+    counter and check as a records table's, across a restart, the index the order reads built by
+    its first request and kept from then on, fifo takes in between keeping it."""
+    settings, size = SHAPES[shape]
+    order = ORDERED[asked]
+    with Store(tmp_path, clock=Clock()) as store:
+        both(store, "t", **settings)
+        push_varied(store, "t", 150, size)
+        for count in ({"num_groups": 1}, {"num_groups": 7}, {"batch_size": 20}):
+            assert sample_alike(store, "t", **order, **count) is not None
+            alike_and_clean(store, "t")
+        assert sample_alike(store, "t", num_groups=3) is not None  # fifo, from the runs: the index kept
+        alike_and_clean(store, "t")
+        ids: dict[str, str] = {}
+
+        def held(table: str) -> object:
+            batch = store.sample(TakeSpec(table=table, num_groups=4, wait_seconds=0, **order), hold=True)  # type: ignore[arg-type]
+            assert batch is not None
+            ids[table] = batch.lease_id
+            return reply(batch)
+
+        alike(store, "t", held)
+        alike(store, "t", lambda table: store.give_back(ids[table], table))  # in its place again
+        alike_and_clean(store, "t")
+        alike(store, "t", held)
+        alike(store, "t", lambda table: store.confirm(ids[table], TakeSpec(table=table, num_groups=1)))
+        alike_and_clean(store, "t")
+
+        def leased(table: str) -> object:
+            spec = TakeSpec(table=table, num_groups=5, wait_seconds=0, delivery="lease", **order)  # type: ignore[arg-type]
+            batch = store.sample(spec)
+            assert batch is not None
+            ids[table] = batch.lease_id
+            return reply(batch)
+
+        alike(store, "t", leased)
+        alike(store, "t", lambda table: store.nack(ids[table], table))
+        alike(store, "t", leased)
+        alike(store, "t", lambda table: store.ack(ids[table], table))
+        alike_and_clean(store, "t")
+        assert sample_alike(store, "t", num_groups=6, delivery="replay", **order) is not None
+        alike_and_clean(store, "t")
+        push_varied(store, "t", 20, size, first=150)  # new groups reach the index kept
+        alike_and_clean(store, "t")
+    with Store(tmp_path, clock=Clock()) as store:
+        alike_and_clean(store, "t")
+        while sample_alike(store, "t", num_groups=9, allow_partial=True, **order) is not None:
+            alike_and_clean(store, "t")
+        counts = stats(store, "t_rows")
+        assert counts["consumed"] > 40 * size and counts["leased"] == 0  # type: ignore[operator]
+
+
+def test_a_rows_table_keeps_an_index_from_the_first_request_that_reads_it(tmp_path: Path) -> None:
+    """A rows table taken in fifo order writes no index of another order; the first request that
+    reads one builds it: in its own transaction where the table holds a chunk of ready groups or
+    fewer, in the background (the request waiting for it) where it holds more. The table keeps it
+    from then on, across a restart, and every move reaches it."""
+    with Store(tmp_path, clock=Clock()) as store:
+        both(store, "small", **ONES)
+        both(store, "large", **ONES)
+        push_varied(store, "small", BUILD_CHUNK, 1)
+        push_varied(store, "large", 3 * BUILD_CHUNK, 1)
+        for name in ("small", "large"):
+            assert sample_alike(store, name, num_groups=5) is not None
+            assert index_rows(store, f"{name}_rows") == {"prio": 0, "slots": 0, "slotof": 0, "byver": 0}
+        assert sample_alike(store, "small", num_groups=5, order="priority") is not None  # built in its take
+        with pytest.raises(IndexNotReady, match="the priority index \\(prio\\) is being built in the background"):
+            store.sample(TakeSpec(table="large_rows", num_groups=5, order="priority", wait_seconds=0))
+        spec = TakeSpec(table="large_rows", num_groups=5, order="priority", wait_seconds=60)
+        assert reply(store.sample(spec)) == reply(store.sample(dataclasses.replace(spec, table="large")))
+        for name in ("small", "large"):
+            assert index_rows(store, f"{name}_rows")["prio"] == store.stats(f"{name}_rows")["groups_ready"]
+            assert index_rows(store, f"{name}_rows")["byver"] == 0  # never read
+            alike_and_clean(store, name)
+    with Store(tmp_path, clock=Clock()) as store:
+        for name in ("small", "large"):
+            assert sample_alike(store, name, num_groups=7) is not None  # fifo, the index kept
+            assert sample_alike(store, name, num_groups=7, order="priority") is not None
+            alike_and_clean(store, name)
+
+
+def index_rows(store: Store, table: str) -> dict[str, int]:
+    """How many rows of the lazy indexes' databases a table has."""
+    prefix = layout.table_prefix(store.catalog.lookup(table)[0])
+    with store.environment.read() as txn:
+        return {
+            name: sum(len(key) > len(prefix) for key, _ in _rows(txn, store.db[name], prefix))
+            for name in ("prio", "slots", "slotof", "byver")
+        }
+
+
+def test_uniform_batches_draw_every_ready_group_alike(tmp_path: Path) -> None:
+    """Uniform picks on a rows table: only ready groups, each at most once a batch, every ready group
+    drawn, about as often as each other; with the slots built from the ready order on a table no
+    group left yet, the same draws as a records table's, consumed step by step."""
+    with Store(tmp_path, clock=Clock(), seed=7) as store:
+        both(store, "t", **ONES)
+        push_varied(store, "t", 40, 1)
+        for _ in range(5):
+            assert sample_alike(store, "t", num_groups=3, order="uniform") is not None
+            alike_and_clean(store, "t")
+        # what leases, give-backs and nacks leave differs from a records table's slots: only what the
+        # draws may be is asked of them from here
+        for _ in range(3):
+            lease = store.sample(TakeSpec(table="t_rows", num_groups=4, order="uniform", delivery="lease"))
+            assert lease is not None
+            store.nack(lease.lease_id, "t_rows")
+        ready = set(groups_in(store, "t_rows", READY))
+        assert len(ready) == 25
+        drawn: collections.Counter[str] = collections.Counter()
+        for _ in range(400):
+            batch = store.sample(TakeSpec(table="t_rows", num_groups=5, order="uniform", delivery="replay"))
+            assert batch is not None and len(set(batch.group_ids)) == 5 and set(batch.group_ids) <= ready
+            drawn.update(batch.group_ids)
+        assert set(drawn) == ready and min(drawn.values()) > 40 and max(drawn.values()) < 120  # 80 each, about
+        assert store.verify("t_rows") == []
+        while (batch := store.sample(TakeSpec(table="t_rows", num_groups=4, order="uniform"))) is not None:
+            assert len(set(batch.group_ids)) == len(batch.group_ids) and set(batch.group_ids) <= ready
+            ready -= set(batch.group_ids)
+            if len(ready) < 4:
+                break
+        counts = store.stats("t_rows")
+        assert counts["groups_ready"] == len(ready) == 1 and counts["consumed"] == 39
+        assert store.verify("t_rows") == []
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_stale_groups_are_evicted_as_a_records_tables(tmp_path: Path, shape: str) -> None:
+    """evict_stale: a rows table keeps the version index from its creation; a trainer's version report
+    (alone, or with a take) drops the ready groups that fell below its bound, and the upkeep the
+    rest, as a records table's are: the same replies, counters, extensions' events and checks,
+    across a restart; a group leased meanwhile and given back stale is dropped by the next pass."""
+    settings, size = SHAPES[shape]
+    with Store(tmp_path, clock=Clock(), extensions={"heard": Heard}) as store:
+        both(store, "t", **settings, evict_stale=True, max_staleness=1, extensions=["heard"])
+        push_varied(store, "t", 60, size)
+        unknown = sum(task % 9 == 4 for task in range(60))  # groups of a member without a version
+        assert index_rows(store, "t_rows")["byver"] == store.stats("t_rows")["groups_ready"] - unknown
+        leased = {t: store.sample(TakeSpec(table=t, num_groups=3, delivery="lease")) for t in ("t", "t_rows")}
+        assert alike(store, "t", lambda table: store.set_trainer_version(table, 2)) == 2
+        alike_and_clean(store, "t")
+        assert sample_alike(store, "t", num_groups=4, trainer_version=4, order="priority") is not None
+        alike_and_clean(store, "t")
+        alike(store, "t", lambda table: store.nack(leased[table].lease_id, table))  # type: ignore[union-attr]
+        alike_and_clean(store, "t")
+        push_varied(store, "t", 12, size, first=60)  # old versions among them
+        assert sample_alike(store, "t", num_groups=2, min_model_version=5, order="lifo") is not None
+        alike_and_clean(store, "t")
+    with Store(tmp_path, clock=Clock(), extensions={"heard": Heard}) as store:
+        assert alike(store, "t", lambda table: store.set_trainer_version(table, 5)) == 5
+        store.tick()
+        alike_and_clean(store, "t")
+        while sample_alike(store, "t", num_groups=3, allow_partial=True) is not None:
+            alike_and_clean(store, "t")
+        heard = {t: next(e for e in store.extensions_of(t) if isinstance(e, Heard)).events for t in ("t", "t_rows")}
+        assert heard["t_rows"] == heard["t"] and ("retired", "dropped") in [e[:2] for e in heard["t"]]
+        counts = stats(store, "t")
+        assert counts["dropped_stale"] > 10 and counts["consumed"] > 0  # type: ignore[operator]
+
+
+def groups_in(store: Store, table: str, state: str) -> list[str]:
+    """The groups a table's segments say are in `state`."""
+    prefix = layout.table_prefix(store.catalog.lookup(table)[0])
+    found = []
+    with store.environment.read() as txn:
+        for key, value in _rows(txn, store.db["segs"], prefix):
+            view, segment = SegmentView(value), SegState.decode(txn.get(key, db=store.db["sstate"]))
+            found += [gkey for g, gkey in enumerate(view.keys(0, view.groups)) if segment.state(g) == state]
+    return found
+
+
 @pytest.mark.parametrize("shape", SHAPES)
 def test_held_batches_confirmed_or_given_back_are_a_records_tables(tmp_path: Path, shape: str) -> None:
     settings, size = SHAPES[shape]
@@ -187,14 +422,9 @@ def test_what_a_rows_table_cannot_take_yet_is_refused_and_takes_nothing(tmp_path
         for table in ("t", "decay"):
             push_both(store, table, 4, 8)
         before = stats(store, "t_rows"), stats(store, "decay_rows")
-        for table, spec, why in (
-            ("t", {"order": "priority"}, "sampled only in fifo or lifo order yet, not priority"),
-            ("t", {"order": "uniform"}, "sampled only in fifo or lifo order yet, not uniform"),
-            ("t", {"min_model_version": 0}, "not sampled by a lowest model version yet"),
-            ("decay", {"delivery": "replay"}, r"not replayed with reuse \(a priority decay or a cooldown\) yet"),
-        ):
-            with pytest.raises(InvalidRequest, match=f"table '{table}_rows' keeps rows, which are {why}"):
-                store.sample(TakeSpec(table=f"{table}_rows", num_groups=1, wait_seconds=0, **spec))  # type: ignore[arg-type]
+        why = r"not replayed with reuse \(a priority decay or a cooldown\) yet"
+        with pytest.raises(InvalidRequest, match=f"table 'decay_rows' keeps rows, which are {why}"):
+            store.sample(TakeSpec(table="decay_rows", num_groups=1, wait_seconds=0, delivery="replay"))
         assert (stats(store, "t_rows"), stats(store, "decay_rows")) == before
 
 
@@ -237,8 +467,9 @@ def test_a_sample_stream_over_grpc_serves_a_rows_table_as_a_records_one(start_se
         for table in shown.values():
             del table["name"], table["oldest_age_seconds"]
         assert shown["t_rows"] == shown["t"] and shown["t"]["consumed"] == 80 and shown["t"]["ready"] == 16
-        with pytest.raises(InvalidArgumentError, match="keeps rows, which are sampled only in fifo or lifo order"):
-            next(client.sample("t_rows", num_groups=1, order="uniform", timeout=1))
+        for order in ("priority", "uniform"):  # each the first request to read its index
+            batch = next(iter(client.sample("t_rows", num_groups=1, order=order, max_batches=1, timeout=5)))
+            assert len(batch.uids) == 8 and batch.group_ids[0] in {f"0/{task}" for task in range(10, 12)}
 
 
 class Heard(TableExtension):

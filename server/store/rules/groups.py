@@ -253,15 +253,8 @@ def _put_rows(
 ) -> None:
     """A push into a table of layout "rows" (issue 64, whose rows land a step at a time): its groups
     joined, completed (with their advantages, or computing), kept pending or dropped as a records
-    table's (`put`), of a table that evicts no stale groups (its version report and upkeep read the
-    records' ready index) nor groups to make room; any other push is refused before anything is
-    stored."""
+    table's (`put`)."""
     size = tt.config.grouping.size
-    staleness = tt.config.staleness
-    if staleness.evict_stale and staleness.experience_bound is not None:
-        raise InvalidRequest(
-            f"table '{tt.config.name}' keeps rows, which evict no stale groups yet: evict_stale must be off"
-        )
     groups: dict[str, row_pending.PendingGroup] = {}
     for gkey, members in by_group.items():
         if gkey not in existing:

@@ -102,14 +102,14 @@ class IndexBuilds:
     # ---- the thread ----------------------------------------------------------------------
 
     def start(self) -> None:
-        """Queue every lazy index a table lacks (or is building since an earlier run), and build
-        them in the background."""
+        """Queue every lazy index a table lacks (or is building since an earlier run; a rows table's
+        only then: it keeps one from the first request that read it), and build them in the
+        background."""
         with self.environment.read() as txn:
-            for table_id, _ in self.catalog.entries():
-                ready = ReadyIndex(self.environment.db, txn, layout.table_prefix(table_id))
-                for cls in ready.opened():
-                    if cls not in ready.kept():
-                        self._job(table_id, cls)
+            for table_id, config in self.catalog.entries():
+                rows = config.storage.layout == "rows"
+                for cls in ReadyIndex(self.environment.db, txn, layout.table_prefix(table_id), rows=rows).wanted():
+                    self._job(table_id, cls)
         self._thread = threading.Thread(target=self._loop, name="expbuf-index-builds", daemon=True)
         self._thread.start()
 

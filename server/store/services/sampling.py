@@ -18,7 +18,6 @@ import lmdb
 
 from ..core.ordering.ready import IndexBuilding
 from ..core.table_state.state import TableState
-from ..core.verbs import row_batches
 from ..disk.environment import Environment
 from ..disk.kinds import Sampled
 from ..disk.stored_advantages import FinishBatch, StageCounts
@@ -100,12 +99,9 @@ class Sampling:
             final = time.monotonic() >= deadline
             blocked = time.monotonic() - start if held else 0.0
             table_id, config = self.catalog.lookup(spec.table)  # at each attempt: it may have been dropped
-            if config.storage.layout == "rows":
-                why = row_batches.unsampled(spec)
-                if why is None and spec.delivery == "replay" and reuse.reuses(config):
-                    why = "not replayed with reuse (a priority decay or a cooldown) yet"
-                if why is not None:
-                    raise InvalidRequest(f"table '{config.name}' keeps rows, which are {why}")
+            if config.storage.layout == "rows" and spec.delivery == "replay" and reuse.reuses(config):
+                why = "not replayed with reuse (a priority decay or a cooldown) yet"
+                raise InvalidRequest(f"table '{config.name}' keeps rows, which are {why}")
 
             def attempt(
                 txn: lmdb.Transaction[bytes],

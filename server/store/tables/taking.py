@@ -88,7 +88,7 @@ def take(
     picked: list[row_batches.Picked] = []
     while True:
         if segments is not None:  # a rows table's runs: it loses no records
-            picked, total = row_batches.select(tt, spec, segments)
+            picked, total = row_batches.select(tt, spec, segments, rng)
             chosen: list[tuple[str, GroupView]] = [(p.gkey, p.group) for p in picked]
             lost: list[str] = []
         else:
@@ -132,7 +132,7 @@ def take(
         picked, chosen = row_batches.replayed(segments, picked, tt.config.reuse.max_times_sampled)
         reuse.replayed(tt, row_batches.taken(picked), rng)
     elif segments is not None:
-        row_batches.unready(tt, picked)
+        row_batches.unready(tt, picked, segments)
         if delivery == "consume":
             picked = row_batches.counted(segments, picked)
             row_batches.retire(tt, segments, picked, CONSUMED)
@@ -177,7 +177,7 @@ def _fail_unservable_rows(
         tt.counters.last_failure = f"group {gkey}: {problems[0]}"
     tt.counters.groups_failed += len(failing)
     failed = [p for p in picked if p.gkey in failing]
-    row_batches.unready(tt, failed)
+    row_batches.unready(tt, failed, segments)
     damaged = {problem.uid for problems in failing.values() for problem in problems if problem.damaged}
     row_batches.retire(tt, segments, failed, FAILED, damaged)
 

@@ -25,12 +25,13 @@ info["model_version"]) is not in `byver`: it never meets a minimum version.
 from __future__ import annotations
 
 import random
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Generator, Mapping, Sequence
 from typing import NamedTuple, TypeVar, cast
 
 import lmdb
 
 from ...schema.errors import InvalidRequest
+from ...schema.table_config import TableConfig
 from . import orders
 from .indexes import Index, PriorityIndex, ReadyGroup, ReadyOrder, VersionIndex
 from .orders import ORDERS
@@ -115,14 +116,37 @@ def forget_builds(
         )
 
 
-def keeps(used: set[str] | None, cls: type[Index]) -> bool:
-    """Whether a table whose mark is `used` keeps this index."""
+def forget_kept(
+    txn: lmdb.Transaction[bytes], dbs: Mapping[str, lmdb._Database], prefix: bytes, indexes: Sequence[type[Index]]
+) -> None:
+    """A table keeps these indexes no more (their rows were emptied: a rows table keeps one again from
+    the next request that reads it)."""
+    used, names = in_use(txn, dbs, prefix), {name for cls in indexes for name in cls.databases}
+    if used is not None and used & names:
+        mark_in_use(txn, dbs, prefix, used - names)
+
+
+def keeps(used: set[str] | None, cls: type[Index], *, rows: bool = False) -> bool:
+    """Whether a table whose mark is `used` keeps this index. A rows table (issue 64) keeps no ready
+    order (its runs are that order) and, of the others, those its mark names, lazy or not: each from
+    the first request that read it (`ReadyIndex`)."""
+    if rows:
+        return cls is not ReadyOrder and used is not None and set(cls.databases) <= used
     return not cls.lazy or used is None or set(cls.databases) <= used
 
 
 def every_lazy(dbs: Mapping[str, lmdb._Database]) -> set[str]:
     """The databases of every lazy index the store opened: a new table's mark (it keeps them all)."""
     return {name for cls in orders.KEPT if cls.lazy and all(n in dbs for n in cls.databases) for name in cls.databases}
+
+
+def kept_from_creation(dbs: Mapping[str, lmdb._Database], config: TableConfig) -> set[str]:
+    """A new table's mark: every lazy index; a rows table's, none but the version index where it
+    evicts stale groups (its pushes' and version reports' eviction reads it), since it keeps the
+    others from the first request that reads them (`ReadyIndex`)."""
+    if config.storage.layout != "rows":
+        return every_lazy(dbs)
+    return set(VersionIndex.databases) & set(dbs) if config.staleness.evict_stale else set()
 
 
 class BuildStep(NamedTuple):
@@ -142,7 +166,12 @@ class ReadyIndex:
     the eager ones and the lazy ones it was made with or has had built since. A request that
     needs a lazy one the table does not keep yet raises IndexBuilding; its caller waits while
     the store builds it chunk by chunk in the background (`build_step`, from `ready_groups`),
-    after which the table keeps it. So no push ever waits for a whole build."""
+    after which the table keeps it. So no push ever waits for a whole build.
+
+    A rows table (`rows`, issue 64) keeps its ready groups' order in its runs, not in the ready
+    index, and keeps any other index only from the first request that read it (its mark starts
+    empty; `keeps`): a table taken in fifo or lifo order alone writes nothing to them. Its groups'
+    place in the ready order (a ReadyGroup's rseq) is their segment's id plus their index there."""
 
     def __init__(
         self,
@@ -150,8 +179,10 @@ class ReadyIndex:
         txn: lmdb.Transaction[bytes],
         prefix: bytes,
         ready_groups: Callable[[int, int, bool], tuple[list[ReadyGroup], int | None, list[str]]] | None = None,
+        *,
+        rows: bool = False,
     ) -> None:
-        self.dbs, self.txn, self.prefix, self.ready_groups = dbs, txn, prefix, ready_groups
+        self.dbs, self.txn, self.prefix, self.ready_groups, self.rows = dbs, txn, prefix, ready_groups, rows
         self._made: dict[type[Index], Index] = {}  # made when first used: a request reads one or two
         self._kept: list[type[Index]] | None = None
         self._builds: dict[str, int] | None = None
@@ -164,8 +195,19 @@ class ReadyIndex:
         """The opened indexes this table keeps."""
         if self._kept is None:
             used = in_use(self.txn, self.dbs, self.prefix)
-            self._kept = [cls for cls in self.opened() if keeps(used, cls)]
+            self._kept = [cls for cls in self.opened() if keeps(used, cls, rows=self.rows)]
         return self._kept
+
+    def wanted(self) -> list[type[Index]]:
+        """The opened indexes to build in the background from the open: those this table lacks (a
+        rows table's: those whose build a request began, which it lacks only until then)."""
+        building = self.building()
+        return [cls for cls in self.opened() if cls not in self.kept() and (not self.rows or cls in building)]
+
+    def indexing(self) -> bool:
+        """Whether this table keeps or builds any index its groups' moves must reach (a rows table
+        taken in fifo or lifo order alone keeps none)."""
+        return bool(self.kept() or self.building())
 
     def building(self) -> dict[type[Index], int]:
         """The opened indexes this table is building, each with its cursor (_CLEAR: deleting
@@ -180,6 +222,11 @@ class ReadyIndex:
         registered after the store opened)."""
         index = self._made.get(cls)
         if index is None:
+            if self.rows and cls is ReadyOrder:
+                raise InvalidRequest(
+                    "a table of layout rows keeps its ready order as runs, not in the ready index: "
+                    "an order that reads that index does not take from it"
+                )
             if cls not in self.kept():
                 if cls not in self.opened():
                     raise InvalidRequest(
@@ -318,10 +365,11 @@ class ReadyIndex:
         """Up to `limit` ready groups whose lowest version is below `version`, lowest first."""
         return self.versions.below(version, limit)
 
-    def candidates(self, order: str, rng: random.Random, min_version: int | None = None) -> Iterator[bytes]:
-        """Ready group keys in the named order, each at most once, lazily. With `min_version`,
-        only groups whose lowest version is at least that (from `byver`)."""
+    def candidates(self, order: str, rng: random.Random, min_version: int | None = None) -> Generator[bytes]:
+        """Ready group keys in the named order, each at most once, lazily (a generator: closing it
+        closes the cursors the order reads from). With `min_version`, only groups whose lowest
+        version is at least that (from `byver`)."""
         if order not in ORDERS:
             raise ValueError(f"order is {order!r}; expected one of {', '.join(ORDERS)}")
         chosen = ORDERS[order]()
-        return chosen.candidates(self, rng) if min_version is None else chosen.fresh(self, min_version, rng)
+        yield from chosen.candidates(self, rng) if min_version is None else chosen.fresh(self, min_version, rng)

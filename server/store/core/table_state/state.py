@@ -22,6 +22,7 @@ from ...disk.records import GroupRecord, ItemRecord
 from ...disk.rows import (
     Member,
     PendingHead,
+    RunRow,
     SegmentView,
     SegState,
     decode_member_rows,
@@ -93,7 +94,7 @@ class TableState:
         self.extensions = extensions
         self.prefix = layout.table_prefix(table_id)
         self.counters = read_counters(txn, dbs, self.prefix)
-        self.ready = ReadyIndex(dbs, txn, self.prefix, self.ready_groups)
+        self.ready = ReadyIndex(dbs, txn, self.prefix, self.ready_groups, rows=config.storage.layout == "rows")
         # Write-back caches: a record changed several times in one request is encoded and
         # written once, by save().
         self._items: dict[str, Cached] = {}
@@ -226,7 +227,11 @@ class TableState:
         built reads them (ready.ReadyIndex.build_step), each with its priority and version
         from the head of its record (without `records`: priority 0, no version); the rseq to
         go on from (None: none lies past them); and those whose records the directory lost, left
-        out: damage the build's caller fails (rules/quarantine.fail_lost_groups)."""
+        out: damage the build's caller fails (rules/quarantine.fail_lost_groups). A rows table's are
+        read from its runs, each group's place its segment's id plus its index there."""
+        if self.ready.rows:
+            found, place = self._ready_places(start, limit, records)
+            return found, place, []
         rows, after = self.ready.of(ReadyOrder).from_rseq(start, limit)
         if not records:
             return [ReadyGroup(gkey, rseq, 0.0, None) for rseq, gkey in rows], after, []
@@ -238,6 +243,32 @@ class TableState:
             else:
                 found.append(ReadyGroup(gkey, *GroupRecord.placed(raw)))
         return found, after, lost
+
+    def _ready_places(self, start: int, limit: int, columns: bool) -> tuple[list[ReadyGroup], int | None]:
+        """A rows table's ready groups from place `start` on, up to `limit`, as its runs cover them
+        (the run keyed before `start` too, which may reach past it), with their priority and version
+        from their segment's columns (without `columns`: 0 and none); the place to go on from."""
+        p, found = self.prefix, list[ReadyGroup]()
+        with self.txn.cursor(db=self.db["runs"]) as cur:
+            first = p + u64(start)
+            more = cur.set_range(first)
+            if not (more and cur.key() == first):  # the run keyed before `start` may cover it
+                before = cur.prev() if more else cur.last()
+                more = bool(before and cur.key().startswith(p)) or cur.set_range(first)
+            while more and cur.key().startswith(p):
+                run = RunRow.decode(cur.value())
+                lo, hi = max(run.first, start - run.seg), run.first + run.length
+                if lo < hi:
+                    view = SegmentView(stored(self.txn, p + u64(run.seg), self.db["segs"], "segment"))
+                    keys = view.keys(lo, hi)
+                    priorities = view.priorities(lo, hi) if columns else (0.0,) * (hi - lo)
+                    versions = view.versions(lo, hi) if columns else [None] * (hi - lo)
+                    for at, g in enumerate(range(lo, hi)):
+                        if len(found) == limit:
+                            return found, run.seg + g
+                        found.append(ReadyGroup(keys[at].encode(), run.seg + g, priorities[at], versions[at]))
+                more = cur.next()
+        return found, None
 
     def members(self, grp: GroupView) -> dict[str, MemberView]:
         """The group's members' views (uid -> view), in push order."""

@@ -6,12 +6,20 @@ record per experience: a take and a confirm write one state row a segment, and a
 
 The runs cover the ready groups exactly: a group leaving ready leaves its run (the run cut around
 it), and one coming back gets a run of its own.
+
+Any other order, and a lowest model version, read the index the order reads (core/ordering/), as a
+records table's take does, each group it names found through its directory entry (2.7). A rows
+table keeps such an index from the first request that read it (ready.ReadyIndex), so a table taken
+in fifo or lifo order alone writes none; from then on its groups reach it where they become ready
+(segments.write, `back`) and leave ready (`unready`), each at its place (its segment's id plus its
+index there).
 """
 
 from __future__ import annotations
 
 import contextlib
 import itertools
+import random
 from collections.abc import Callable, Generator, Iterable, Sequence, Set
 from typing import NamedTuple
 
@@ -22,6 +30,7 @@ from ...disk.snapshot import Snapshot
 from ...schema.sample_spec import TakeSpec
 from ...schema.states import CONSUMED, EVICTED, FAILED, LEASED, READY, RETIRED, State
 from ...schema.views import Groups, GroupView, Members
+from ..ordering.ready import BUILD_CHUNK, IndexBuilding
 from ..table_state import rate_counts
 from ..table_state.events import Moved, Retired
 from ..table_state.state import TableState, missing
@@ -30,16 +39,6 @@ from . import payloads, pieces
 from .segments import retired
 
 NO_LEASE = bytes(SegState.LEASE)
-
-
-def unsampled(spec: TakeSpec) -> str | None:
-    """Why a rows table cannot take this request yet (None: it can): so far it is sampled in fifo or
-    lifo order, without a lowest model version (issue 64, 2.7: the other orders)."""
-    if spec.order not in ("fifo", "lifo"):
-        return f"sampled only in fifo or lifo order yet, not {spec.order}"
-    if spec.min_model_version is not None:
-        return "not sampled by a lowest model version yet"
-    return None
 
 
 class Picked(NamedTuple):
@@ -109,9 +108,54 @@ def _runs(tt: TableState, newest: bool) -> Generator[tuple[bytes, RunRow]]:
             found = step()
 
 
-def select(tt: TableState, spec: TakeSpec, segments: Segments) -> tuple[list[Picked], int]:
-    """Ready groups in the request's order (fifo or lifo) until there are enough, and their
-    experiences; the columns of the members taken from a run read once."""
+def select(tt: TableState, spec: TakeSpec, segments: Segments, rng: random.Random) -> tuple[list[Picked], int]:
+    """Ready groups in the request's order until there are enough, and their experiences: in fifo
+    or lifo order from the runs (the columns of the members taken from a run read once), in any
+    other order or with a lowest model version from the index the order reads (`_indexed`)."""
+    if spec.order in ("fifo", "lifo") and spec.min_model_version is None:
+        return _from_runs(tt, spec, segments)
+    for _ in range(_INLINE_BUILDS):
+        try:
+            return _indexed(tt, spec, segments, rng)
+        except IndexBuilding as building:
+            if tt.counters.groups_ready > BUILD_CHUNK or not tt.ready.build_step(building.index).kept:
+                raise
+    return _indexed(tt, spec, segments, rng)
+
+
+# The indexes a request may build in its own transaction: a table of few ready groups builds the
+# index an order reads where the request meets its lack (one chunk, what a background build's
+# chunk costs the writer), rather than waiting for the background's; a uniform request with a
+# lowest version reads two.
+_INLINE_BUILDS = 2
+
+
+def _indexed(tt: TableState, spec: TakeSpec, segments: Segments, rng: random.Random) -> tuple[list[Picked], int]:
+    """Ready groups in the order of the request's index (core/ordering/), each found through its
+    directory entry, until there are enough (core/verbs/take.select's way on records). Reading an
+    index the table does not keep yet raises IndexBuilding before anything is changed."""
+    places: list[tuple[int, int]] = []  # (segment, group) in the order's
+    total = 0
+    with contextlib.closing(tt.ready.candidates(spec.order, rng, spec.min_model_version)) as candidates:
+        for raw in candidates:
+            entry = tt.txn.get(tt.prefix + raw, db=tt.db["gdir"])
+            ref = None if entry is None else directory_entry(entry)
+            if not isinstance(ref, GroupRef) or segments.state(ref.seg).state(ref.group) != READY:
+                raise missing("ready group", raw.decode(errors="replace"))
+            places.append(ref)
+            lo, hi = segments.view(ref.seg).span(ref.group)
+            total += hi - lo
+            if spec.filled(len(places), total):
+                break
+    found: dict[tuple[int, int], Picked] = {}
+    for seg, indexes in _by_segment(places).items():  # each segment's members read once
+        for p in _picked(segments.view(seg), segments.state(seg), seg, indexes, READY, ""):
+            found[seg, p.at] = p
+    return [found[place] for place in places], total
+
+
+def _from_runs(tt: TableState, spec: TakeSpec, segments: Segments) -> tuple[list[Picked], int]:
+    """Ready groups from the runs, front first (fifo) or back first (lifo), until there are enough."""
     picked: list[Picked] = []
     total = 0
     newest = spec.order == "lifo"
@@ -135,18 +179,21 @@ def _picked(
     view: SegmentView, state: SegState, seg: int, places: Sequence[int], now: State, lease: str
 ) -> list[Picked]:
     """Groups of one segment at `places` (in that order), in state `now` (under `lease`), with their
-    members' views (those deleted left out): the columns of the members they span read once."""
+    members' views (those deleted left out): the columns of the members they span read once, or
+    (groups far apart, as a uniform take's) each group's alone."""
     if not places:
         return []
     first, last = min(places), max(places)
+    spans = [view.span(g) for g in places]
     lo, hi = view.span(first)[0], view.span(last)[1]
-    rows = view.members.members(lo, hi)
-    keys = view.keys(first, last + 1)
+    together = 4 * sum(b - a for a, b in spans) >= hi - lo
+    rows = view.members.members(lo, hi) if together else []
+    keys = view.keys(first, last + 1) if together else []
     found = []
-    for g in places:
-        a, b = view.span(g)
-        gkey = keys[g - first]
-        group = RowGroup(gkey, now, kept_rows(state, rows[a - lo : b - lo], a), lease=lease, times=state.times(g))
+    for g, (a, b) in zip(places, spans, strict=True):
+        gkey = keys[g - first] if together else view.keys(g, g + 1)[0]
+        members = kept_rows(state, rows[a - lo : b - lo] if together else view.members.members(a, b), a)
+        group = RowGroup(gkey, now, members, lease=lease, times=state.times(g))
         found.append(Picked(gkey, group, row_members(group), seg, g))
     return found
 
@@ -172,8 +219,20 @@ def _run_key(tt: TableState, seg: int, first: int) -> bytes:
     return tt.prefix + u64(seg + first)
 
 
-def unready(tt: TableState, picked: Sequence[Picked]) -> None:
-    """Picked groups leave the runs that cover them: each such run is cut around them."""
+def _placed(segments: Segments, picked: Sequence[Picked]) -> list[tuple[bytes, int, float, int | None]]:
+    """Picked groups as the ready indexes hold them: key, place, priority, lowest version."""
+    found = []
+    for p in picked:
+        view, at = segments.view(p.seg), p.at
+        found.append((p.gkey.encode(), p.seg + at, view.priorities(at, at + 1)[0], view.versions(at, at + 1)[0]))
+    return found
+
+
+def unready(tt: TableState, picked: Sequence[Picked], segments: Segments | None = None) -> None:
+    """Picked groups leave the runs that cover them (each such run cut around them) and the indexes
+    the table keeps, in the order picked (`segments`: those read already)."""
+    if picked and tt.ready.indexing():
+        tt.ready.remove_many(_placed(segments or Segments(tt), picked))
     runs = tt.db["runs"]
     for seg, indexes in _by_segment((p.seg, p.at) for p in picked).items():
         gone, cut = set(indexes), set[int]()
@@ -313,12 +372,14 @@ def leased(tt: TableState, segments: Segments, lease_id: str, lease: RowLease, *
     """The groups still under a lease of runs (one consumed or given back meanwhile is not); with
     `ending`, their views say they left it (as an ack's consume hears them)."""
     tag = bytes.fromhex(lease_id)
-    found: list[Picked] = []
+    under: dict[int, list[int]] = {}  # by segment, each read once (a lease's runs are by segment)
     for run in lease.runs:
         state = segments.state(run.seg)
         places = range(run.first, run.first + run.length)
-        under = [g for g in places if state.state(g) == LEASED and state.lease(g) == tag]
-        found += _picked(segments.view(run.seg), state, run.seg, under, LEASED, "" if ending else lease_id)
+        under.setdefault(run.seg, []).extend(g for g in places if state.state(g) == LEASED and state.lease(g) == tag)
+    found: list[Picked] = []
+    for seg, places in under.items():
+        found += _picked(segments.view(seg), segments.state(seg), seg, places, LEASED, "" if ending else lease_id)
     return found
 
 
@@ -369,6 +430,8 @@ def back(tt: TableState, segments: Segments, picked: Sequence[Picked], *, sample
     segments.save()
     rows = [(_run_key(tt, seg, first), RunRow(seg, first, n).encode()) for seg, first, n in _lease_runs(picked)]
     put_rows(tt.txn, tt.db["runs"], sorted(rows))
+    if picked and tt.ready.indexing():
+        tt.ready.add_many(_placed(segments, picked))
     if tt.extensions.hears("on_moved"):
         groups: Groups = [(p.gkey, _as(p, READY, times=p.group.times + sampled)) for p in picked]
         tt.extensions.on_moved(tt, Moved(LEASED, READY, groups))
@@ -394,16 +457,18 @@ def fail(tt: TableState, gkeys: Sequence[str], damaged: Set[str]) -> None:
     to be served: the `damaged` members' payloads gone, the others' kept (payloads.kept)."""
     segments = Segments(tt)
     picked = [p for p in complete_groups(tt, segments, gkeys) if p.group.state in (READY, LEASED)]
-    unready(tt, [p for p in picked if p.group.state == READY])
+    unready(tt, [p for p in picked if p.group.state == READY], segments)
     retire(tt, segments, [p._replace(group=p.group._replace(lease="")) for p in picked], FAILED, damaged)
 
 
-def spent(tt: TableState, gkeys: Sequence[str]) -> None:
-    """Replayed groups (ready) that reached the table's max_times_sampled retire, consumed."""
+def retire_ready(tt: TableState, gkeys: Sequence[str], state: State) -> int:
+    """The ready groups of these keys retire as `state`: replayed ones that reached the table's
+    max_times_sampled (consumed), stale ones (dropped); returns how many (one not ready stays)."""
     segments = Segments(tt)
-    picked = complete_groups(tt, segments, gkeys)
-    unready(tt, picked)
-    retire(tt, segments, picked, CONSUMED)
+    picked = [p for p in complete_groups(tt, segments, gkeys) if p.group.state == READY]
+    unready(tt, picked, segments)
+    retire(tt, segments, picked, state)
+    return len(picked)
 
 
 def replayed(
@@ -428,7 +493,7 @@ def consume(tt: TableState, gkeys: Sequence[str]) -> None:
     ready = [p for p in picked if p.group.state == READY]
     for p in ready:
         rate_counts.forget(tt, p.group, p.members.values())
-    unready(tt, ready)
+    unready(tt, ready, segments)
     retire(tt, segments, [p._replace(group=p.group._replace(lease="")) for p in picked], CONSUMED)
 
 
@@ -452,7 +517,7 @@ def evict(tt: TableState, over: Callable[[int, int], bool], live: int, held: int
                 continue
             break
     if picked:
-        unready(tt, picked)
+        unready(tt, picked, segments)
         retire(tt, segments, picked, EVICTED)
     return sum(len(p.group.rows) for p in picked)
 

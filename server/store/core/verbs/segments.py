@@ -98,6 +98,8 @@ def write(tt: TableState, groups: Sequence[Group], state: State, places: Sequenc
         refs.extend((tt.key(group.key), GroupRef(seg, index).encode()) for index, group in enumerate(part))
         if state == READY:
             runs.append((key, RunRow(seg, 0, len(part)).encode()))
+            if tt.ready.indexing():  # the indexes a take in another order read (row_batches.py)
+                tt.ready.add_many([(g.key.encode(), seg + at, g.priority, g.version) for at, g in enumerate(part)])
     put_rows(tt.txn, tt.db["segs"], segs)
     put_rows(tt.txn, tt.db["sstate"], states)
     put_rows(tt.txn, tt.db["gdir"], refs)

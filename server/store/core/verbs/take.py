@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import random
-from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from expbuf.client.trxp.stored.pieces import Stored
 
@@ -26,18 +26,13 @@ from ..table_state.views import group_record, member_record
 from . import row_batches
 
 
-def _closable(keys: Iterator[bytes]) -> Generator[bytes]:
-    """`keys` as a generator: closing it closes them, and the cursors they read from."""
-    yield from keys
-
-
 def select(tt: TableState, spec: TakeSpec, rng: random.Random) -> tuple[list[tuple[str, GroupView]], int, list[str]]:
     """Ready groups in the request's order, until there are enough; their experiences; and the
     groups passed over on the way whose records are not stored (the directory lost them)."""
     chosen: list[tuple[str, GroupView]] = []
     lost: list[str] = []
     total = 0
-    with contextlib.closing(_closable(tt.ready.candidates(spec.order, rng, spec.min_model_version))) as candidates:
+    with contextlib.closing(tt.ready.candidates(spec.order, rng, spec.min_model_version)) as candidates:
         for gkey_raw in candidates:
             gkey = gkey_raw.decode()
             grp = tt.group(gkey)

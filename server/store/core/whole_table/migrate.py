@@ -50,7 +50,7 @@ from ...schema.states import COMPUTING, LEASED, READY
 from ...schema.table_config import TableConfig, batch_stage
 from ..ordering import orders
 from ..ordering.indexes import Index, ReadyGroup, ReadyOrder, VersionIndex
-from ..ordering.ready import forget_builds, in_use, keeps
+from ..ordering.ready import forget_builds, forget_kept, in_use, keeps
 from ..table_state.events import TableExtension
 from ..table_state.state import TableState
 
@@ -103,14 +103,18 @@ def keep_indexes(txn: lmdb.Transaction[bytes], env: lmdb.Environment, dbs: dict[
 
 def build(txn: lmdb.Transaction[bytes], dbs: dict[str, lmdb._Database], indexes: list[type[Index]]) -> None:
     """Fill these indexes (emptied first, and the builds under way of them forgotten) with the
-    ready groups of every table that keeps them, in ready order."""
+    ready groups of every table that keeps them, in ready order; a rows table keeps them no more,
+    until a request reads one again (ready.ReadyIndex)."""
     if not indexes:
         return
     for index in indexes:
         for name in index.databases:
             txn.drop(dbs[name], delete=False)
     for _, raw in txn.cursor(db=dbs["tables"]):  # a build under way of an index emptied here starts over
-        forget_builds(txn, dbs, layout.table_prefix(json.loads(raw)["id"]), indexes)
+        record = json.loads(raw)
+        forget_builds(txn, dbs, layout.table_prefix(record["id"]), indexes)
+        if TableConfig.from_stored(record["config"], record.get("v", 1)).storage.layout == "rows":
+            forget_kept(txn, dbs, layout.table_prefix(record["id"]), indexes)  # kept again from its next read
     prefix, ready = b"", list[ReadyGroup]()
     # The groups of a table are one run of keys; an empty key ends the last run.
     for key, raw in itertools.chain(txn.cursor(db=dbs["groups"]), [(b"", b"")]):

@@ -181,7 +181,9 @@ def rows(tt: TableState) -> list[str]:
     no entry names another place, each live member's payload (but a deleted one's) is present and the
     one pushed, each ready group is covered by one ready run and every run covers ready groups of a
     segment, each pending group's head has its fragments and its row in the pending index
-    (`_pending`), nothing is kept in the records' databases, and the counters count what is there."""
+    (`_pending`), nothing is kept in the records' databases, the indexes the table keeps (a priority,
+    uniform or version index, at each group's place) hold exactly its ready groups and the others
+    nothing, and the counters count what is there."""
     problems: list[str] = []
     counts: dict[str, int] = defaultdict(int)
     covered: dict[tuple[int, int], int] = defaultdict(int)  # (seg, group) -> the runs covering it
@@ -225,6 +227,7 @@ def rows(tt: TableState) -> list[str]:
                 for g in range(run.first, run.first + run.length)
             )
     retired = {key: None for key, _ in _rows_of(tt, "retired")}  # when each retired segment retired
+    ready: list[tuple[bytes, int, float, int | None]] = []  # as the indexes the table keeps hold them
     for key, value in _rows_of(tt, "segs"):
         seg = int.from_bytes(key, "big")
         raw_state = tt.txn.get(tt.prefix + key, db=tt.db["sstate"])
@@ -250,6 +253,8 @@ def rows(tt: TableState) -> list[str]:
                 problems.append(f"group {gkey} of segment {seg} has no directory entry naming it")
             if (group_state == READY) != (covered.pop((seg, g), 0) == 1):
                 problems.append(f"group {gkey} is {group_state} but covered by another count of ready runs")
+            if group_state == READY:
+                ready.append((gkey.encode(), seg + g, view.priorities(g, g + 1)[0], view.versions(g, g + 1)[0]))
             tag = state.lease(g).hex()
             if not _lease_holds(group_state, tag, leased.pop((seg, g), None)):
                 problems.append(f"group {gkey} is {group_state} under lease {tag}, which does not hold it so")
@@ -284,6 +289,7 @@ def rows(tt: TableState) -> list[str]:
         f"the retired index names segment {int.from_bytes(key[8:], 'big')}, not retired then" for key in retired
     )
     problems.extend(f"a rows table keeps records in {name}" for name in RECORDS_ONLY if _prefix_count(tt, name))
+    problems.extend(tt.ready.verify(ready))
     stored = tt.counters.to_dict()
     for name in (*STATES, "bytes", *(f"groups_{state}" for state in LIVE)):
         if stored[name] != counts[name]:

@@ -60,6 +60,8 @@ _OPTIONAL_FLOAT = frozenset({"reward", "advantage", "shaped_reward"})
 _FIELD = {name: Member._fields.index(name) for name, _ in _COLUMNS}
 _UID, _DIGEST_FIELD, _SEGMENTS = (Member._fields.index(name) for name in ("uid", "digest", "segments"))
 _BLOCK = struct.Struct("<II")  # members, flags
+_ONE = {code: struct.Struct(f"<{code}") for _, code in _COLUMNS}  # one member's value of a column
+_ENDS = struct.Struct("<II")  # where a member's uid starts and ends
 _HAS_SEGMENTS = 1
 
 
@@ -164,10 +166,25 @@ class MemberBlock:
         hi = self.count if hi is None else hi
         if hi <= lo:
             return []
+        if hi == lo + 1:  # one member alone (a uniform take's group of one): a call a field, no lists
+            return [self._member(lo)]
         columns: dict[str, Sequence[object]] = {name: self.column(name, lo, hi) for name, _ in _COLUMNS}
         columns["uid"], columns["digest"] = self.uids(lo, hi), self.digests(lo, hi)
         columns["segments"] = [self.segments(i) for i in range(lo, hi)]
         return [Member._make(row) for row in zip(*(columns[name] for name in Member._fields), strict=True)]
+
+    def _member(self, i: int) -> Member:
+        row: list[object] = [None] * len(Member._fields)
+        data = self.data
+        for name, (pos, code, width) in self._columns.items():
+            value = _ONE[code].unpack_from(data, pos + width * i)[0]
+            absent = value != value if name in _OPTIONAL_FLOAT else name in _OPTIONAL_INT and value == _NONE_INT
+            row[_FIELD[name]] = None if absent else value  # NaN, or the absent int: None, as `column` has it
+        a, b = _ENDS.unpack_from(data, self._uids + 4 * i)
+        row[_UID] = str(data[self._uid_bytes + a : self._uid_bytes + b], "utf-8")
+        row[_DIGEST_FIELD] = bytes(data[self._digests + _DIGEST * i : self._digests + _DIGEST * (i + 1)])
+        row[_SEGMENTS] = self.segments(i)
+        return Member._make(row)
 
 
 # A member as one row (a pending group's fragment holds its members so, one after the other: read
