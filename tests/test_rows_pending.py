@@ -445,12 +445,12 @@ class RandomSteps:
     """A records and a rows table of the same settings driven through the same random steps: pushes of
     random runs of random tasks (new, pending and complete groups, runs pushed twice, retried pushes,
     conflicting content, overfills, rollouts in pieces, several pushes in one transaction), failed
-    runs, seals, the clock advanced and upkeep run (timeouts, lease expiries), restarts and takes
-    (consumed, held and confirmed or given back, leased and acked or nacked; fifo, lifo and
-    priority, and from a lowest version in those and uniform order, whose shuffle of the fresh groups
-    is the same for both from the same random state). After every step each reply or error (type and
-    message), each batch, the stats (the oldest live experience's age too) and what an extension
-    heard are the same, and `verify` finds nothing wrong in either."""
+    runs, seals, the clock advanced and upkeep run (timeouts, lease expiries, stale groups), trainer
+    versions reported, restarts and takes (consumed, held and confirmed or given back, leased and
+    acked or nacked; fifo, lifo and priority, and from a lowest version in those and uniform order,
+    whose shuffle of the fresh groups is the same for both from the same random state). After every
+    step each reply or error (type and message), each batch, the stats (the oldest live experience's
+    age too) and what an extension heard are the same, and `verify` finds nothing wrong in either."""
 
     def __init__(self, root: Path, settings: dict[str, object], seed: int) -> None:
         self.root, self.rng, self.clock = root, random.Random(seed), Clock()
@@ -616,10 +616,15 @@ class RandomSteps:
         self.both(f"end {kind} {'confirmed' if good else 'given back'}", call)
         self.leases = {}
 
+    def report(self) -> None:
+        """A trainer's version (with evict_stale, the groups it leaves stale are dropped)."""
+        version = self.rng.randint(0, 5)
+        self.both(f"version {version}", lambda table: self.store.set_trainer_version(table, version))
+
     def step(self) -> None:
         steps: list[tuple[Callable[[], None], float]] = [
             (self.push, 10), (self.push_in_order, 1), (self.fail, 2), (self.seal, 1), (self.tick, 3),
-            (self.take, 3), (self.restart, 0.3), (self.end, 2 if self.held else 0),
+            (self.take, 3), (self.restart, 0.3), (self.end, 2 if self.held else 0), (self.report, 0.5),
         ]  # fmt: skip
         if self.rng.random() < 0.08:
             self.low += 1
@@ -636,6 +641,7 @@ class RandomSteps:
         ({"group_size": 8, "group_timeout_seconds": 10, "min_group_size": 3, "drop_zero_variance": True}, 4),
         ({"group_size": 4, "group_timeout_seconds": 10, "min_group_size": 2}, 5),
         ({"group_size": 8, "capacity_experiences": 40, "min_group_size": 4}, 6),
+        ({"group_size": 4, "evict_stale": True, "max_staleness": 1, "group_timeout_seconds": 8}, 7),
     ],
 )
 def test_random_steps_leave_a_rows_table_as_a_records_tables(

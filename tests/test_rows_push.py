@@ -274,19 +274,3 @@ def test_large_payloads_in_chunks_are_stored_beside_a_rows_tables_rows(tmp_path:
         assert store.put("t_rows", group_items(0, 0, 2, response=200_000)).duplicates == [
             e.uid for e in map(Entry.of, items)
         ]
-
-
-def test_a_push_into_a_rows_table_that_evicts_stale_groups_is_refused(tmp_path: Path) -> None:
-    """A table with evict_stale drops its ready groups that fell stale as the trainer's version moves;
-    a rows table cannot yet (the version report and the upkeep find stale groups through the records'
-    ready index), so it would serve them, as its take reads its runs: its push is refused, storing
-    nothing, until it can."""
-    with Store(tmp_path, clock=Clock()) as store:
-        both(store, "t", **EIGHTS, max_staleness=2, evict_stale=True)
-        with pytest.raises(
-            InvalidRequest, match="keeps rows, which evict no stale groups yet: evict_stale must be off"
-        ):
-            store.put("t_rows", group_items(0, 0, 8))
-        assert store.stats("t_rows")["pushed"] == 0 and not rows_of(store, "t_rows")["blobs"]
-        both(store, "u", **EIGHTS, max_staleness=2)  # stale pushes dropped, ready groups kept: as a records table
-        assert len(store.put("u_rows", group_items(0, 0, 8)).stored) == 8

@@ -302,6 +302,40 @@ def test_uniform_batches_draw_every_ready_group_alike(tmp_path: Path) -> None:
         assert store.verify("t_rows") == []
 
 
+@pytest.mark.parametrize("shape", SHAPES)
+def test_stale_groups_are_evicted_as_a_records_tables(tmp_path: Path, shape: str) -> None:
+    """evict_stale: a rows table keeps the version index from its creation; a trainer's version report
+    (alone, or with a take) drops the ready groups that fell below its bound, and the upkeep the
+    rest, as a records table's are: the same replies, counters, extensions' events and checks,
+    across a restart; a group leased meanwhile and given back stale is dropped by the next pass."""
+    settings, size = SHAPES[shape]
+    with Store(tmp_path, clock=Clock(), extensions={"heard": Heard}) as store:
+        both(store, "t", **settings, evict_stale=True, max_staleness=1, extensions=["heard"])
+        push_varied(store, "t", 60, size)
+        unknown = sum(task % 9 == 4 for task in range(60))  # groups of a member without a version
+        assert index_rows(store, "t_rows")["byver"] == store.stats("t_rows")["groups_ready"] - unknown
+        leased = {t: store.sample(TakeSpec(table=t, num_groups=3, delivery="lease")) for t in ("t", "t_rows")}
+        assert alike(store, "t", lambda table: store.set_trainer_version(table, 2)) == 2
+        alike_and_clean(store, "t")
+        assert sample_alike(store, "t", num_groups=4, trainer_version=4, order="priority") is not None
+        alike_and_clean(store, "t")
+        alike(store, "t", lambda table: store.nack(leased[table].lease_id, table))  # type: ignore[union-attr]
+        alike_and_clean(store, "t")
+        push_varied(store, "t", 12, size, first=60)  # old versions among them
+        assert sample_alike(store, "t", num_groups=2, min_model_version=5, order="lifo") is not None
+        alike_and_clean(store, "t")
+    with Store(tmp_path, clock=Clock(), extensions={"heard": Heard}) as store:
+        assert alike(store, "t", lambda table: store.set_trainer_version(table, 5)) == 5
+        store.tick()
+        alike_and_clean(store, "t")
+        while sample_alike(store, "t", num_groups=3, allow_partial=True) is not None:
+            alike_and_clean(store, "t")
+        heard = {t: next(e for e in store.extensions_of(t) if isinstance(e, Heard)).events for t in ("t", "t_rows")}
+        assert heard["t_rows"] == heard["t"] and ("retired", "dropped") in [e[:2] for e in heard["t"]]
+        counts = stats(store, "t")
+        assert counts["dropped_stale"] > 10 and counts["consumed"] > 0  # type: ignore[operator]
+
+
 def groups_in(store: Store, table: str, state: str) -> list[str]:
     """The groups a table's segments say are in `state`."""
     prefix = layout.table_prefix(store.catalog.lookup(table)[0])

@@ -233,18 +233,12 @@ def _put_rows(
 ) -> None:
     """A push into a table of layout "rows" (issue 64, whose rows land a step at a time): its groups
     joined, completed, kept pending or dropped as a records table's (`put`), of a table that
-    computes no advantages and evicts no stale groups (its version report and upkeep read the
-    records' ready index) nor groups to make room; any other push is refused before anything is
-    stored."""
+    computes no advantages nor evicts groups to make room; any other push is refused before anything
+    is stored."""
     size = tt.config.grouping.size
     if compute is not None or tt.config.advantages.estimator != "none":
         raise InvalidRequest(
             f"table '{tt.config.name}' keeps rows, which take no advantages yet: its estimator must be none"
-        )
-    staleness = tt.config.staleness
-    if staleness.evict_stale and staleness.experience_bound is not None:
-        raise InvalidRequest(
-            f"table '{tt.config.name}' keeps rows, which evict no stale groups yet: evict_stale must be off"
         )
     groups: dict[str, row_pending.PendingGroup] = {}
     for gkey, members in by_group.items():

@@ -57,7 +57,7 @@ def replayed(tt: TableState, taken: Sequence[Members], rng: random.Random) -> No
     limit = tt.config.reuse.max_times_sampled
     spent = {gkey for gkey, _, recs in taken if limit and max(r.times_sampled for r in recs.values()) >= limit}
     if tt.config.storage.layout == "rows":  # a rows table reuses nothing yet (issue 64, 2.6): it is refused first
-        row_batches.spent(tt, [gkey for gkey, _, _ in taken if gkey in spent])
+        row_batches.retire_ready(tt, [gkey for gkey, _, _ in taken if gkey in spent], CONSUMED)
         return
     retire(tt, [(gkey, grp) for gkey, grp, _ in taken if gkey in spent], CONSUMED)
     requeue(tt, [group for group in taken if group[0] not in spent], rng)

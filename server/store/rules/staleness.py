@@ -29,6 +29,7 @@ from expbuf.client.trxp.codec import segments
 
 from ..core.table_state.events import TableExtension
 from ..core.table_state.state import TableState
+from ..core.verbs import row_batches
 from ..core.verbs.retire import retire
 from ..schema.errors import VersionJump
 from ..schema.states import DROPPED, READY
@@ -106,12 +107,16 @@ def evict_stale(tt: TableState, limit: int = EVICT_LIMIT) -> int:
     bound = stale_bound(tt)
     if bound is None:
         return 0
-    stale = tt.ready.below_version(bound, limit)
-    gone = [(gkey, grp) for gkey in dict.fromkeys(stale) if (grp := tt.view(gkey)) is not None and grp.state == READY]
-    if gone:
-        retire(tt, gone, DROPPED)
-        tt.counters.groups_dropped += len(gone)
-        tt.counters.dropped_stale += len(gone)
+    stale = list(dict.fromkeys(tt.ready.below_version(bound, limit)))
+    if tt.config.storage.layout == "rows":  # its groups leave their segments' runs (row_batches.py)
+        gone = row_batches.retire_ready(tt, stale, DROPPED) if stale else 0
+    else:
+        groups = [(gkey, grp) for gkey in stale if (grp := tt.view(gkey)) is not None and grp.state == READY]
+        if groups:
+            retire(tt, groups, DROPPED)
+        gone = len(groups)
+    tt.counters.groups_dropped += gone
+    tt.counters.dropped_stale += gone
     if stale:
         tt.save()
     return len(stale)

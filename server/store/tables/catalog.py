@@ -158,7 +158,8 @@ class TableCatalog:
             # A new table keeps every index from its creation, so that no request in a new order
             # waits for a build (index_builds.py says why); the mark names them all, so an order
             # registered later has its index built in the background. A rows table (issue 64)
-            # keeps one from the first request that reads it (ready.ReadyIndex).
+            # keeps one from the first request that reads it (ready.ReadyIndex), but the version
+            # index where it evicts stale groups, which a push's version report reads.
             ready.mark_in_use(txn, db, layout.table_prefix(table_id), ready.kept_from_creation(db, config))
             return True, table_id
 

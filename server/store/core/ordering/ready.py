@@ -141,9 +141,12 @@ def every_lazy(dbs: Mapping[str, lmdb._Database]) -> set[str]:
 
 
 def kept_from_creation(dbs: Mapping[str, lmdb._Database], config: TableConfig) -> set[str]:
-    """A new table's mark: every lazy index; a rows table's, none, since it keeps each from the
-    first request that reads it (`ReadyIndex`)."""
-    return every_lazy(dbs) if config.storage.layout != "rows" else set()
+    """A new table's mark: every lazy index; a rows table's, none but the version index where it
+    evicts stale groups (its pushes' and version reports' eviction reads it), since it keeps the
+    others from the first request that reads them (`ReadyIndex`)."""
+    if config.storage.layout != "rows":
+        return every_lazy(dbs)
+    return set(VersionIndex.databases) & set(dbs) if config.staleness.evict_stale else set()
 
 
 class BuildStep(NamedTuple):

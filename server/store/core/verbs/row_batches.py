@@ -452,12 +452,14 @@ def fail(tt: TableState, gkeys: Sequence[str]) -> None:
     retire(tt, segments, [p._replace(group=p.group._replace(lease="")) for p in picked], FAILED)
 
 
-def spent(tt: TableState, gkeys: Sequence[str]) -> None:
-    """Replayed groups (ready) that reached the table's max_times_sampled retire, consumed."""
+def retire_ready(tt: TableState, gkeys: Sequence[str], state: State) -> int:
+    """The ready groups of these keys retire as `state`: replayed ones that reached the table's
+    max_times_sampled (consumed), stale ones (dropped); returns how many (one not ready stays)."""
     segments = Segments(tt)
-    picked = complete_groups(tt, segments, gkeys)
+    picked = [p for p in complete_groups(tt, segments, gkeys) if p.group.state == READY]
     unready(tt, picked, segments)
-    retire(tt, segments, picked, CONSUMED)
+    retire(tt, segments, picked, state)
+    return len(picked)
 
 
 def replayed(
