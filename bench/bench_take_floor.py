@@ -2,7 +2,7 @@
 in one process (issue 41).
 
     .venv/bin/python bench/bench_take_floor.py [--experiences 16384] [--rounds 3] [--out bench/RESULTS.md]
-        [--ways store,rows,unheld,floor,rows-floor]
+        [--ways store,rows,unheld,floor,rows-floor,rows-build] [--order fifo]
 
 Each round fills three data directories with the same 8 KB experiences (bench_reverb's shape), each
 its own group and in groups of 8, then drains each as a Sample stream's server does, in batches
@@ -23,6 +23,12 @@ of 256, taking a batch held while it confirms (consumes) the one before, in one 
   read from the segment's columns, each payload read and checked, the state rewritten as held,
   one lease row of runs; at the confirm each payload deleted, the state rewritten as consumed, and
   a retired mark for a segment whose every group is retired.
+
+`--order` takes the store's drains in another order (the floors are fifo's, and refused with it). A
+records table keeps every order's index from its creation, its pushes writing them (not counted:
+the fill is not); a rows table builds the index an order other than fifo and lifo reads at the first
+request that reads it, before its drain's clock starts: `rows-build` is that build alone, CPU µs an
+experience of the table it indexes (a replay of one group, which waits for it).
 
 Beside the drains, what reading a take's fields costs: a segment of 64 groups of one (32 of 8)
 viewed and its uids, digests, sizes, versions, rewards, lengths and advantages read, with its
@@ -93,24 +99,46 @@ def entries(count: int, group: int, serial: Iterator[int]) -> list[list[Entry]]:
     return [[Entry.of(trxp.from_experience(exp)) for exp in exps] for exps in pushes]
 
 
-def store_drain(
-    path: Path, pushes: list[list[Entry]], group: int, *, hold: bool = True, layout: str = "records"
-) -> float:
-    """CPU seconds of the store's drain (its fill not counted): each batch held, then consumed when the
-    next is taken, as a Sample stream's server does; or (`hold=False`) consumed in its take, one commit
-    a batch, as no stream does (a batch the client never had would be lost): what the hold costs.
-    `layout`: the table's storage layout (records, or the rows of issue 64)."""
+def filled(store: Store, pushes: list[list[Entry]], group: int, layout: str) -> None:
+    """Table t of `layout` (records, or the rows of issue 64), groups of `group`, holding `pushes`."""
     config = (
         TableConfig.of(name="t", estimator="none", group_by="none")
         if group == 1
         else TableConfig.of(name="t", estimator="none", group_by="task", group_size=group)
     )
-    config = dataclasses.replace(config, storage=dataclasses.replace(config.storage, layout=layout))
+    store.create_table(dataclasses.replace(config, storage=dataclasses.replace(config.storage, layout=layout)))
+    for push in pushes:
+        store.put_entries("t", push)
+
+
+def build(store: Store, order: str) -> None:
+    """The index `order` reads, which a rows table builds at the first request that reads it: a
+    replay of one group, which waits for it and leaves every group where it was."""
+    spec = TakeSpec("t", num_groups=1, delivery="replay", order=order, wait_seconds=600)
+    batch = store.sample(spec)
+    assert batch is not None
+    batch.release()
+
+
+def store_drain(
+    path: Path,
+    pushes: list[list[Entry]],
+    group: int,
+    order: str = "fifo",
+    *,
+    hold: bool = True,
+    layout: str = "records",
+) -> float:
+    """CPU seconds of the store's drain in `order` (its fill not counted, nor a rows table's build of
+    the order's index): each batch held, then consumed when the next is taken, as a Sample stream's
+    server does; or (`hold=False`) consumed in its take, one commit a batch, as no stream does (a
+    batch the client never had would be lost): what the hold costs. `layout`: the table's storage
+    layout (records, or the rows of issue 64)."""
     with Store(path, map_size=8 << 30) as store:
-        store.create_table(config)
-        for push in pushes:
-            store.put_entries("t", push)
-        spec = TakeSpec("t", batch_size=BATCH, delivery="consume")
+        filled(store, pushes, group, layout)
+        if layout == "rows" and order not in ("fifo", "lifo"):
+            build(store, order)
+        spec = TakeSpec("t", batch_size=BATCH, delivery="consume", order=order)
         count, taken, held = sum(map(len, pushes)), 0, ""
         start = time.process_time()
         while taken < count:
@@ -124,15 +152,26 @@ def store_drain(
         return time.process_time() - start
 
 
-def unheld_drain(path: Path, pushes: list[list[Entry]], group: int) -> float:
-    return store_drain(path, pushes, group, hold=False)
+def unheld_drain(path: Path, pushes: list[list[Entry]], group: int, order: str) -> float:
+    return store_drain(path, pushes, group, order, hold=False)
 
 
-def rows_store_drain(path: Path, pushes: list[list[Entry]], group: int) -> float:
-    return store_drain(path, pushes, group, layout="rows")
+def rows_store_drain(path: Path, pushes: list[list[Entry]], group: int, order: str) -> float:
+    return store_drain(path, pushes, group, order, layout="rows")
 
 
-def floor_drain(path: Path, pushes: list[list[Entry]], group: int) -> float:
+def rows_build(path: Path, pushes: list[list[Entry]], group: int, order: str) -> float:
+    """CPU seconds of a rows table's build of the index `order` reads (none for fifo or lifo, which
+    read the runs), from the first request that reads it until it is kept."""
+    with Store(path, map_size=8 << 30) as store:
+        filled(store, pushes, group, "rows")
+        start = time.process_time()
+        if order not in ("fifo", "lifo"):
+            build(store, order)
+        return time.process_time() - start
+
+
+def floor_drain(path: Path, pushes: list[list[Entry]], group: int, order: str = "fifo") -> float:
     """CPU seconds of the same drain in plain py-lmdb (its fill not counted)."""
     env = lmdb.open(str(path), map_size=8 << 30, max_dbs=16, sync=True, metasync=True, readahead=False)
     names = ("items", "blobs", "groups", "order", "ready", "tombs", "retired", "leases")
@@ -212,7 +251,7 @@ def segments(pushes: list[list[Entry]], group: int) -> list[list[Group]]:
     return found
 
 
-def rows_drain(path: Path, pushes: list[list[Entry]], group: int) -> float:
+def rows_drain(path: Path, pushes: list[list[Entry]], group: int, order: str = "fifo") -> float:
     """CPU seconds of the same drain over the rows (disk/rows/) in plain py-lmdb (its fill not counted)."""
     env = lmdb.open(str(path), map_size=8 << 30, max_dbs=16, sync=True, metasync=True, readahead=False)
     names = ("blobs", "segs", "sstate", "gdir", "ready", "retired", "leases")
@@ -330,16 +369,19 @@ def decode_costs(pushes: list[list[Entry]], group: int, repeat: int = 20) -> dic
     return {"rows": rows / repeat / count * 1e6, "records": (time.process_time() - start) / repeat / count * 1e6}
 
 
-WAYS: dict[str, Callable[[Path, list[list[Entry]], int], float]] = {
+WAYS: dict[str, Callable[[Path, list[list[Entry]], int, str], float]] = {
     "store": store_drain,
     "rows": rows_store_drain,
     "unheld": unheld_drain,
     "floor": floor_drain,
     "rows-floor": rows_drain,
+    "rows-build": rows_build,
 }
+FLOORS = ("floor", "rows-floor")  # fifo's alone
+ORDERS = ("fifo", "lifo", "priority", "uniform")
 
 
-def measure(count: int, rounds: int, names: list[str]) -> dict[int, dict[str, list[float]]]:
+def measure(count: int, rounds: int, names: list[str], order: str = "fifo") -> dict[int, dict[str, list[float]]]:
     serial = itertools.count()
     results: dict[int, dict[str, list[float]]] = {}
     ways = {name: WAYS[name] for name in names}
@@ -349,7 +391,7 @@ def measure(count: int, rounds: int, names: list[str]) -> dict[int, dict[str, li
             pushes = entries(count, group, serial)
             for way in list(ways)[round_ % len(ways) :] + list(ways)[: round_ % len(ways)]:
                 with tempfile.TemporaryDirectory(prefix="expbuf-floor-") as data:
-                    found[way].append(ways[way](Path(data), pushes, group) / count * 1e6)
+                    found[way].append(ways[way](Path(data), pushes, group, order) / count * 1e6)
             for way, cost in decode_costs(pushes, group).items():
                 found.setdefault(f"decode {way}", []).append(cost)
         results[group] = found
@@ -363,6 +405,7 @@ COLUMNS = {
     "unheld": "the store's take consuming, no hold",
     "floor": "the same reads and writes in py-lmdb",
     "rows-floor": "the same over rows (disk/rows/) in py-lmdb",
+    "rows-build": "a rows table's build of the order's index",
     "decode records": "a take's fields: records decoded",
     "decode rows": "a take's fields: a segment's columns read",
 }
@@ -376,7 +419,7 @@ RATIOS = (
 )
 
 
-def report(command: str, load: str, count: int, results: dict[int, dict[str, list[float]]]) -> str:
+def report(command: str, load: str, count: int, results: dict[int, dict[str, list[float]]], order: str = "fifo") -> str:
     ways = [way for way in COLUMNS if all(way in found for found in results.values())]
     ratios = [(a, b) for a, b in RATIOS if a in ways and b in ways]
     lines = [
@@ -384,7 +427,7 @@ def report(command: str, load: str, count: int, results: dict[int, dict[str, lis
         "",
         f"Command: `{command}`  ",
         f"2 cores (load average {load} at the start); {count:,} experiences of 8 KB a drain, batches of "
-        f"{BATCH}; CPU µs an experience, medians of the rounds.",
+        f"{BATCH}, {order} order; CPU µs an experience, medians of the rounds.",
         "",
         "| groups of | "
         + " | ".join(COLUMNS[way] for way in ways)
@@ -405,13 +448,18 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--out", default=str(HERE / "RESULTS.md"))
     parser.add_argument("--ways", default=",".join(WAYS), help=f"drains, comma-separated, of {', '.join(WAYS)}")
+    parser.add_argument("--order", default="fifo", choices=ORDERS, help="the store's drains' order")
     args = parser.parse_args()
     names = args.ways.split(",")
     if not names or set(names) - set(WAYS):
         parser.error(f"--ways takes drains of {', '.join(WAYS)}")
+    if args.order != "fifo" and set(names) & set(FLOORS):
+        parser.error(f"--order {args.order}: the floors ({', '.join(FLOORS)}) drain in fifo order alone")
     command = ("python bench/bench_take_floor.py " + " ".join(sys.argv[1:])).strip()
     load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
-    section = report(command, load, args.experiences, measure(args.experiences, args.rounds, names))
+    section = report(
+        command, load, args.experiences, measure(args.experiences, args.rounds, names, args.order), args.order
+    )
     print(section)
     write_section(Path(args.out), HEADING, section)
 
