@@ -205,10 +205,16 @@ def queue(tt: TableState, groups: Sequence[tuple[RowGroup, bool, bool]]) -> None
 
 def retire(tt: TableState, groups: Groups, state: State) -> None:
     """Pending or computing groups leave the table as `state` (dropped, failed): the extensions hear
-    of it first (`Retired`); their rows go into segments of that state, which keep their members'
-    digests (a retried push of one is a duplicate), their payloads, fragments and rows in the pending
-    index or the compute queue go."""
+    of it first (`Retired`), then they `leave`."""
     tt.extensions.on_retired(tt, Retired(groups, state))
+    leave(tt, groups, state)
+
+
+def leave(tt: TableState, groups: Groups, state: State) -> None:
+    """Pending or computing groups leave the table as `state`, the extensions told by the caller
+    (`retire`): their rows go into segments of that state, which keep their members' digests (a
+    retried push of one is a duplicate), their payloads, fragments and rows in the pending index or
+    the compute queue go."""
     views = [_pending(gkey, grp) for gkey, grp in groups]
     for grp in views:
         pieces.drop_group(tt, grp.key)
