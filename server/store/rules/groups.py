@@ -253,9 +253,9 @@ def _put_rows(
 ) -> None:
     """A push into a table of layout "rows" (issue 64, whose rows land a step at a time): its groups
     joined, completed (with their advantages, or computing), kept pending or dropped as a records
-    table's (`put`), of a table that evicts no stale groups (its version report and upkeep read the
-    records' ready index) nor groups to make room; any other push is refused before anything is
-    stored."""
+    table's (`put`), the oldest ready groups evicted where it needs room (make_room), of a table that
+    evicts no stale groups (its version report and upkeep read the records' ready index); any other
+    push is refused before anything is stored."""
     size = tt.config.grouping.size
     staleness = tt.config.staleness
     if staleness.evict_stale and staleness.experience_bound is not None:
