@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from test_advantages import exploding  # noqa: F401 (a fixture)
 from test_advantages_in_push import pushes
-from test_rows_pending import put_both
+from test_rows_pending import Watched, put_both
 
 from expbuf.server.advantages.batch_stage import finish_batch
 from expbuf.server.advantages.worker import AdvantageWorker, computed_in_push
@@ -283,3 +283,30 @@ def test_verify_names_a_computing_rows_groups_row_left_in_the_pending_index(tmp_
 
         store.environment.submit(left)
         assert store.verify("t_rows") == ["the pending index names b'0/0', which is not pending"]
+
+
+def test_groups_a_quarantine_fails_are_heard_of_in_one_event_as_a_records_tables(tmp_path: Path) -> None:
+    """Damaged payloads found in a ready, a leased, a computing and a pending group at once fail them
+    together: an extension hears one Retired event of the four groups, on a rows table as on a records
+    table (never an empty one, nor one for the complete groups and one for the others)."""
+    with Store(tmp_path, clock=Clock(), extensions={"watched": Watched}) as store:
+        both(store, "t", estimator="grpo", group_size=2, device="cpu", extensions=["watched"])
+        worker = AdvantageWorker(store)
+        for task in range(3):
+            put_both(store, "t", group_items(4, task, 2, reward=1.0)[:1] + group_items(4, task, 2, reward=0.0)[1:])
+        assert worker.run_once() == 6  # 4/0, 4/1 and 4/2 ready
+        take_both(store, "t", num_groups=1, delivery="lease")  # 4/0 leased
+        put_both(store, "t", group_items(4, 3, 2, reward=1.0)[:1] + group_items(4, 3, 2, reward=0.0)[1:])  # computing
+        put_both(store, "t", group_items(4, 4, 2)[:1])  # pending
+        heard = [next(e for e in store.extensions_of(t) if isinstance(e, Watched)).events for t in ("t", "t_rows")]
+        for events in heard:
+            events.clear()
+        damaged = [f"4/{task}/0/0/r0s0" for task in (0, 2, 3, 4)]
+        for table in ("t", "t_rows"):
+            for uid in damaged:
+                damage(store, table, uid)
+            assert store.quarantine(table, damaged) == 4
+        assert len(heard[0]) == 1 and heard[1] == heard[0]
+        rows = store.stats("t_rows")
+        assert (rows["groups_failed"], rows["groups_ready"], rows["leased"]) == (4, 1, 0)
+        clean(store, "t", "t_rows")

@@ -253,7 +253,7 @@ def _put_rows(
 ) -> None:
     """A push into a table of layout "rows" (issue 64, whose rows land a step at a time): its groups
     joined, completed (with their advantages, or computing), kept pending or dropped as a records
-    table's (`put`)."""
+    table's (`put`), the oldest ready groups evicted where it needs room (make_room)."""
     size = tt.config.grouping.size
     groups: dict[str, row_pending.PendingGroup] = {}
     for gkey, members in by_group.items():

@@ -37,7 +37,7 @@ from ..core.table_state.state import TableState
 from ..core.verbs import retire, row_batches
 from ..core.verbs.groups import remade
 from ..disk import chunk_reads
-from ..schema.states import COMPUTING, FAILED, LIVE, PENDING
+from ..schema.states import FAILED, LIVE
 from ..schema.views import GroupView, MemberView
 
 log = logging.getLogger("expbuf.store")
@@ -59,10 +59,7 @@ def quarantine_groups(tt: TableState, groups: Sequence[tuple[str, GroupView, dic
         tt.counters.last_failure = f"group {gkey}: experience {uid} quarantined: {why}"
     tt.counters.damaged += len(quarantined)
     if tt.config.storage.layout == "rows":  # its damaged members fail with their groups, not quarantined apart
-        row_batches.fail(tt, [gkey for gkey, grp, _ in groups if grp.state not in (PENDING, COMPUTING)], quarantined)
-        pending = [(gkey, grp) for gkey, grp, _ in groups if grp.state in (PENDING, COMPUTING)]
-        if pending:
-            retire.retire(tt, pending, FAILED, quarantined)
+        row_batches.fail(tt, [(gkey, grp) for gkey, grp, _ in groups], quarantined)
     else:
         retire.retire(tt, [(gkey, grp) for gkey, grp, _ in groups], FAILED, quarantined)  # and buries the lost
     return len(quarantined)

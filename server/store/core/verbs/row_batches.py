@@ -28,14 +28,14 @@ from ...disk.records import Counted
 from ...disk.rows import GroupRef, RowLease, RunRow, SegmentView, SegState, directory_entry
 from ...disk.snapshot import Snapshot
 from ...schema.sample_spec import TakeSpec
-from ...schema.states import CONSUMED, EVICTED, FAILED, LEASED, READY, RETIRED, State
+from ...schema.states import COMPUTING, CONSUMED, EVICTED, FAILED, LEASED, PENDING, READY, RETIRED, State
 from ...schema.views import Groups, GroupView, Members
 from ..ordering.ready import BUILD_CHUNK, IndexBuilding
 from ..table_state import rate_counts
 from ..table_state.events import Moved, Retired
 from ..table_state.state import TableState, missing
 from ..table_state.views import RowGroup, RowMember, kept_rows, row_members
-from . import payloads, pieces
+from . import payloads, pieces, row_pending
 from .segments import retired
 
 NO_LEASE = bytes(SegState.LEASE)
@@ -303,6 +303,13 @@ def retire(
     drops them. The groups' directory entries and their segment's columns stay: the members'
     tombstones (a retried push of one is a duplicate)."""
     tt.extensions.on_retired(tt, Retired([(p.gkey, p.group) for p in picked], state))
+    _leave(tt, segments, picked, state, damaged)
+
+
+def _leave(
+    tt: TableState, segments: Segments, picked: Sequence[Picked], state: State, damaged: Set[str] = frozenset()
+) -> None:
+    """`retire`, the extensions told by the caller."""
     for p in picked:
         pieces.drop_group(tt, p.gkey)
     if state != CONSUMED:
@@ -452,13 +459,18 @@ def complete_groups(tt: TableState, segments: Segments, gkeys: Iterable[str]) ->
     return picked
 
 
-def fail(tt: TableState, gkeys: Sequence[str], damaged: Set[str]) -> None:
-    """Complete groups found damaged (ready, or leased: their lease goes on without them) fail, never
-    to be served: the `damaged` members' payloads gone, the others' kept (payloads.kept)."""
+def fail(tt: TableState, groups: Groups, damaged: Set[str]) -> None:
+    """Groups found damaged fail together, never to be served, heard of in one `Retired` event as a
+    records table's are: the `damaged` members' payloads gone, the others' kept (payloads.kept); the
+    complete ones (ready, or leased: their lease goes on without them) out of their runs, the pending
+    or computing ones as row_pending.leave has them."""
+    tt.extensions.on_retired(tt, Retired(groups, FAILED))
     segments = Segments(tt)
-    picked = [p for p in complete_groups(tt, segments, gkeys) if p.group.state in (READY, LEASED)]
+    complete = [gkey for gkey, grp in groups if grp.state not in (PENDING, COMPUTING)]
+    picked = [p for p in complete_groups(tt, segments, complete) if p.group.state in (READY, LEASED)]
     unready(tt, [p for p in picked if p.group.state == READY], segments)
-    retire(tt, segments, [p._replace(group=p.group._replace(lease="")) for p in picked], FAILED, damaged)
+    _leave(tt, segments, [p._replace(group=p.group._replace(lease="")) for p in picked], FAILED, damaged)
+    row_pending.leave(tt, [(gkey, grp) for gkey, grp in groups if grp.state in (PENDING, COMPUTING)], FAILED, damaged)
 
 
 def retire_ready(tt: TableState, gkeys: Sequence[str], state: State) -> int:

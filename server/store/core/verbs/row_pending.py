@@ -132,11 +132,17 @@ def keep(tt: TableState, gkey: str, grp: RowGroup | PendingGroup, new: Sequence[
         entry = PendingHead(created=grp.created)
         tt.txn.put(tt.pending_key(gkey, entry), b"", db=tt.db["pending"])
     entry.failed = dict(grp.failed)
+    _add_fragment(tt, gkey, entry, new)
+    tt.txn.put(tt.key(gkey), entry.encode(), db=tt.db["gdir"])
+
+
+def _add_fragment(tt: TableState, gkey: str, entry: PendingHead, new: Sequence[Member]) -> None:
+    """A pending group's new members (none: nothing) as its next fragment, their hashes in its head
+    (which the caller writes)."""
     if new:
         tt.txn.put(fragment_key(tt.prefix, gkey, entry.fragments), encode_member_rows(new), db=tt.db["frags"])
         entry.fragments += 1
         entry.hashes.extend(_uid_hash(member.uid) for member in new)
-    tt.txn.put(tt.key(gkey), entry.encode(), db=tt.db["gdir"])
 
 
 def left(tt: TableState, gkey: str, head: PendingHead, rows: Sequence[Member]) -> None:
@@ -201,11 +207,7 @@ def queue(tt: TableState, groups: Sequence[tuple[RowGroup, bool, bool]]) -> None
             entry = PendingHead(created=grp.created)
         else:
             tt.txn.delete(tt.pending_key(grp.key, entry), db=tt.db["pending"])
-        new = grp.rows[len(entry.hashes) :]
-        if new:
-            tt.txn.put(fragment_key(tt.prefix, grp.key, entry.fragments), encode_member_rows(new), db=tt.db["frags"])
-            entry.fragments += 1
-            entry.hashes.extend(_uid_hash(member.uid) for member in new)
+        _add_fragment(tt, grp.key, entry, grp.rows[len(entry.hashes) :])
         if partial:
             pieces.drop_group(tt, grp.key)  # its runs still in pieces will not join it
         entry.failed, entry.partial, entry.queued = dict(grp.failed), partial, counters.next_rseq
@@ -222,11 +224,17 @@ def queue(tt: TableState, groups: Sequence[tuple[RowGroup, bool, bool]]) -> None
 
 def retire(tt: TableState, groups: Groups, state: State, damaged: Set[str] = frozenset()) -> None:
     """Pending or computing groups leave the table as `state` (dropped, failed): the extensions hear
-    of it first (`Retired`); their rows go into segments of that state, which keep their members'
-    digests (a retried push of one is a duplicate), their fragments and rows in the pending index or
-    the compute queue go, and their payloads (a failed group's stay, as payloads.kept says: all but
-    the `damaged` members')."""
+    of it first (`Retired`), then they `leave`."""
     tt.extensions.on_retired(tt, Retired(groups, state))
+    leave(tt, groups, state, damaged)
+
+
+def leave(tt: TableState, groups: Groups, state: State, damaged: Set[str] = frozenset()) -> None:
+    """Pending or computing groups leave the table as `state`, the extensions told by the caller
+    (`retire`): their rows go into segments of that state, which keep their members' digests (a
+    retried push of one is a duplicate), their fragments and rows in the pending index or the
+    compute queue go, and their payloads (a failed group's stay, as payloads.kept says: all but the
+    `damaged` members')."""
     views = [_pending(gkey, grp) for gkey, grp in groups]
     for grp in views:
         pieces.drop_group(tt, grp.key)
