@@ -382,8 +382,8 @@ def leased(tt: TableState, segments: Segments, lease_id: str, lease: RowLease, *
     under: dict[int, list[int]] = {}  # by segment, each read once (a lease's runs are by segment)
     for run in lease.runs:
         state = segments.state(run.seg)
-        places = range(run.first, run.first + run.length)
-        under.setdefault(run.seg, []).extend(g for g in places if state.state(g) == LEASED and state.lease(g) == tag)
+        span = range(run.first, run.first + run.length)
+        under.setdefault(run.seg, []).extend(g for g in span if state.state(g) == LEASED and state.lease(g) == tag)
     found: list[Picked] = []
     for seg, places in under.items():
         found += _picked(segments.view(seg), segments.state(seg), seg, places, LEASED, "" if ending else lease_id)
