@@ -4,6 +4,7 @@ reuse_cooldown_seconds, durably, until max_times_sampled retires it."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,14 @@ from expbuf.server.store.schema.table_config import ConfigError, TableConfig
 from helpers import group_items, take
 from test_store import Clock
 
+LAYOUTS = ["records", "rows"]
+
+
+def made(store: Store, layout: str, **settings: object) -> None:
+    """Table "reuse" of these settings, its experiences kept as records or as rows (issue 64)."""
+    config = TableConfig.of(name="reuse", estimator="none", **settings)  # type: ignore[arg-type]
+    store.create_table(dataclasses.replace(config, storage=dataclasses.replace(config.storage, layout=layout)))
+
 
 def reused(store: Store, table: str = "reuse") -> tuple[str, list[int]] | None:
     """The group one replayed take of one group delivers, with its members' deliveries."""
@@ -21,13 +30,11 @@ def reused(store: Store, table: str = "reuse") -> tuple[str, list[int]] | None:
     return None if batch is None else (batch.group_ids[0], batch.times_sampled)
 
 
-def test_a_delivered_group_is_lowered_cooled_and_back_after_a_restart(tmp_path: Path) -> None:
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_a_delivered_group_is_lowered_cooled_and_back_after_a_restart(tmp_path: Path, layout: str) -> None:
     clock = Clock()
-    config = TableConfig.of(
-        name="reuse", estimator="none", priority_decay=2.0, reuse_cooldown_seconds=10.0, max_times_sampled=3
-    )
     with Store(tmp_path, clock=clock) as store:
-        store.create_table(config)
+        made(store, layout, priority_decay=2.0, reuse_cooldown_seconds=10.0, max_times_sampled=3)
         store.put("reuse", group_items(1, "a", 2, priority=5.0))
         store.put("reuse", group_items(1, "b", 2, priority=4.0))
         assert reused(store) == ("1/a", [1, 1])
@@ -48,10 +55,11 @@ def test_a_delivered_group_is_lowered_cooled_and_back_after_a_restart(tmp_path: 
         assert store.verify("reuse") == []
 
 
-def test_without_cooldown_a_group_goes_behind_its_equals_at_once(tmp_path: Path) -> None:
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_without_cooldown_a_group_goes_behind_its_equals_at_once(tmp_path: Path, layout: str) -> None:
     """Trinity appends a returning item to the items of its priority: a (3, then 2) follows b (2)."""
     with Store(tmp_path, clock=Clock()) as store:
-        store.create_table(TableConfig.of(name="reuse", estimator="none", priority_decay=1.0))
+        made(store, layout, priority_decay=1.0)
         store.put("reuse", group_items(1, "a", 1, priority=3.0))
         store.put("reuse", group_items(1, "b", 1, priority=2.0))
         order = [reused(store) for _ in range(5)]
@@ -59,10 +67,11 @@ def test_without_cooldown_a_group_goes_behind_its_equals_at_once(tmp_path: Path)
         assert store.verify("reuse") == []
 
 
-def test_a_cooling_group_deleted_meanwhile_does_not_come_back(tmp_path: Path) -> None:
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_a_cooling_group_deleted_meanwhile_does_not_come_back(tmp_path: Path, layout: str) -> None:
     clock = Clock()
     with Store(tmp_path, clock=clock) as store:
-        store.create_table(TableConfig.of(name="reuse", estimator="none", reuse_cooldown_seconds=5.0))
+        made(store, layout, reuse_cooldown_seconds=5.0)
         store.put("reuse", group_items(1, "a", 2))
         assert reused(store) == ("1/a", [1, 1])
         store.delete("reuse", group_ids=["1/a"])
@@ -71,12 +80,13 @@ def test_a_cooling_group_deleted_meanwhile_does_not_come_back(tmp_path: Path) ->
         assert store.verify("reuse") == []
 
 
-def test_a_cooling_group_retired_as_trained_stays_retired(tmp_path: Path) -> None:
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_a_cooling_group_retired_as_trained_stays_retired(tmp_path: Path, layout: str) -> None:
     """A group cooling down after a replay is leased to no one: a trainer that trained it another
     way retires it (it failed INTERNAL, the whole Retire with it), and it does not come back."""
     clock = Clock()
     with Store(tmp_path, clock=clock) as store:
-        store.create_table(TableConfig.of(name="reuse", estimator="none", reuse_cooldown_seconds=5.0))
+        made(store, layout, reuse_cooldown_seconds=5.0)
         store.put("reuse", group_items(1, "a", 2))
         store.put("reuse", group_items(1, "b", 2))
         assert reused(store) == ("1/a", [1, 1])  # a cools

@@ -448,8 +448,9 @@ class RandomSteps:
     conflicting content, overfills, rollouts in pieces, several pushes in one transaction), failed
     runs, seals, the clock advanced and upkeep run (timeouts, lease expiries, stale groups), trainer
     versions reported, restarts and takes (consumed, held and confirmed or given back, leased and
-    acked or nacked; fifo, lifo and priority, and from a lowest version in those and uniform order,
-    whose shuffle of the fresh groups is the same for both from the same random state). After every
+    acked or nacked, replayed with reuse where the settings have it, in one step or held; fifo, lifo
+    and priority, and from a lowest version in those and uniform order, whose shuffle of the fresh
+    groups is the same for both from the same random state, as a priority's noise is). After every
     step each reply or error (type and message), each batch, the stats (the oldest live experience's
     age too) and what an extension heard are the same, and `verify` finds nothing wrong in either."""
 
@@ -459,6 +460,8 @@ class RandomSteps:
         settings = dict(settings)
         self.in_push = bool(settings.pop("in_push", False))  # the store computes advantages in its pushes
         self.computes = settings.get("estimator", "none") != "none"
+        reuse = ("priority_decay", "reuse_cooldown_seconds", "max_times_sampled")
+        self.replays = any(name in settings for name in reuse)  # its takes replay too
         self.store = Store(root, clock=self.clock, extensions={"watched": Watched})
         self.worker = self.attach()
         both(self.store, "t", group_by="task", extensions=["watched"], **{"estimator": "none", **settings})
@@ -594,12 +597,13 @@ class RandomSteps:
 
     def take(self) -> None:
         rng = self.rng
-        kind = rng.choice(["consume", "hold", "lease"])
+        kind = rng.choice(["consume", "hold", "lease", *(["replay"] * 3 if self.replays else [])])
+        replayed = kind == "replay" or (kind == "hold" and self.replays and rng.random() < 0.7)
         fresh = rng.choice([None, None, 0, 1, 2])
         spec = TakeSpec(
             num_groups=rng.randint(1, 4),
             order=rng.choice(["fifo", "lifo", "priority", *(["uniform"] if fresh is not None else [])]),
-            delivery="lease" if kind == "lease" else "consume",
+            delivery="lease" if kind == "lease" else "replay" if replayed else "consume",
             lease_seconds=rng.choice([3, 30]),
             allow_partial=rng.random() < 0.7,
             min_model_version=fresh,
@@ -610,11 +614,11 @@ class RandomSteps:
         def call(table: str) -> object:
             self.store.sampling.rng.setstate(drawn)
             batch = self.store.sample(dataclasses.replace(spec, table=table), hold=kind == "hold")
-            if batch is not None and kind != "consume":
+            if batch is not None and kind in ("hold", "lease"):
                 ids[table] = batch.lease_id
             return reply(batch)
 
-        self.both(f"take {kind} {spec.num_groups} {spec.order} from {fresh}", call)
+        self.both(f"take {kind} {spec.delivery} {spec.num_groups} {spec.order} from {fresh}", call)
         if ids:
             self.held.append((kind, ids, spec))
 
@@ -622,8 +626,10 @@ class RandomSteps:
         kind, ids, spec = self.held.pop(self.rng.randrange(len(self.held)))
         good, store = self.rng.random() < 0.5, self.store
         self.leases = ids
+        drawn = store.sampling.rng.getstate()  # a confirmed replay's noise on its groups' new priorities
 
         def call(table: str) -> object:
+            store.sampling.rng.setstate(drawn)
             if kind == "hold":
                 if good:
                     return store.confirm(ids[table], dataclasses.replace(spec, table=table))
@@ -641,8 +647,8 @@ class RandomSteps:
     def step(self) -> None:
         steps: list[tuple[Callable[[], None], float]] = [
             (self.push, 10), (self.push_in_order, 1), (self.fail, 2), (self.seal, 1), (self.tick, 3),
-            (self.take, 3), (self.restart, 0.3), (self.end, 2 if self.held else 0), (self.report, 0.5),
-            (self.compute, 2 if self.computes else 0),
+            (self.take, 6 if self.replays else 3), (self.restart, 0.3), (self.end, 2 if self.held else 0),
+            (self.report, 0.5), (self.compute, 2 if self.computes else 0),
         ]  # fmt: skip
         if self.rng.random() < 0.08:
             self.low += 1
@@ -674,6 +680,20 @@ class RandomSteps:
         ),
         ({"group_size": 4, "estimator": "rloo", "min_group_size": 3, "group_timeout_seconds": 10}, 9),
         ({"group_size": 4, "evict_stale": True, "max_staleness": 1, "group_timeout_seconds": 8}, 10),
+        ({"group_size": 4, "priority_decay": 0.5, "max_times_sampled": 3, "min_group_size": 2}, 11),
+        (
+            {
+                "group_size": 4,
+                "priority_decay": 1.0,
+                "priority_noise": 0.5,
+                "reuse_cooldown_seconds": 5,
+                "max_times_sampled": 4,
+                "group_timeout_seconds": 10,
+                "min_group_size": 2,
+            },
+            12,
+        ),
+        ({"group_size": 8, "reuse_cooldown_seconds": 3, "capacity_experiences": 40, "min_group_size": 4}, 13),
     ],
 )
 def test_random_steps_leave_a_rows_table_as_a_records_tables(

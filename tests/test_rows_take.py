@@ -25,7 +25,7 @@ from expbuf.server.store.disk import layout
 from expbuf.server.store.disk.kinds import Sampled
 from expbuf.server.store.disk.rows import RunRow, SegmentView, SegState
 from expbuf.server.store.ledger.records import DatasetRecord
-from expbuf.server.store.schema.errors import IndexNotReady, InvalidRequest
+from expbuf.server.store.schema.errors import IndexNotReady
 from expbuf.server.store.schema.sample_spec import TakeSpec
 from expbuf.server.store.schema.states import READY
 from expbuf.server.store.schema.views import Groups
@@ -415,17 +415,78 @@ def test_leases_are_acked_nacked_renewed_and_expire_as_a_records_tables(tmp_path
         assert stats(store, "t_rows") == stats(store, "t")
 
 
-def test_what_a_rows_table_cannot_take_yet_is_refused_and_takes_nothing(tmp_path: Path) -> None:
-    with Store(tmp_path, clock=Clock()) as store:
-        both(store, "t", **EIGHTS)
-        both(store, "decay", **EIGHTS, priority_decay=0.5)
-        for table in ("t", "decay"):
-            push_both(store, table, 4, 8)
-        before = stats(store, "t_rows"), stats(store, "decay_rows")
-        why = r"not replayed with reuse \(a priority decay or a cooldown\) yet"
-        with pytest.raises(InvalidRequest, match=f"table 'decay_rows' keeps rows, which are {why}"):
-            store.sample(TakeSpec(table="decay_rows", num_groups=1, wait_seconds=0, delivery="replay"))
-        assert (stats(store, "t_rows"), stats(store, "decay_rows")) == before
+# Replay with reuse: a replayed group not spent lowered by priority_decay (plus priority_noise) and
+# sent behind every ready group, or cooled for reuse_cooldown_seconds.
+REUSES = {
+    "decay": {"priority_decay": 0.5, "max_times_sampled": 4},
+    "decay and noise": {"priority_decay": 1.0, "priority_noise": 0.7, "max_times_sampled": 3},
+    "cooldown": {"reuse_cooldown_seconds": 5.0, "max_times_sampled": 3},
+    "decay and cooldown": {"priority_decay": 2.0, "reuse_cooldown_seconds": 3.0},
+}
+REPLAYS = [
+    ("priority", 3, None), ("fifo", 4, None), ("priority", 5, 2), ("lifo", 2, None), ("uniform", 3, 3),
+    ("fifo", 3, 1), ("priority", 6, None),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("hold", [False, True])
+@pytest.mark.parametrize("reuse", REUSES)
+def test_replay_with_reuse_is_a_records_tables(tmp_path: Path, reuse: str, hold: bool) -> None:
+    """A replayed group not spent gets its new priority and goes behind every ready group at once,
+    or cools (leased to no one) until its cooldown ends: in every order, taken in one step or held
+    for a stream and confirmed, each batch, counter, extension event and check as a records
+    table's, across a restart, while groups are pushed, deleted (a cooling one too) and retired as
+    trained; the runs cover the ready groups."""
+    clock = Clock()
+
+    def replayed(store: Store, order: str, count: int, fresh: int | None) -> Callable[[str], object]:
+        def call(table: str) -> object:
+            spec = TakeSpec(
+                table=table, num_groups=count, delivery="replay", order=order, allow_partial=True,
+                min_model_version=fresh, wait_seconds=0,
+            )  # fmt: skip
+            batch = store.sample(spec, hold=hold, timeout=0)
+            if hold and batch is not None:
+                assert store.confirm(batch.lease_id, spec) == len(batch.uids)
+            return reply(batch)
+
+        return call
+
+    def heard(store: Store) -> None:
+        events = [next(e for e in store.extensions_of(t) if isinstance(e, Heard)).events for t in ("t", "t_rows")]
+        assert events[1] == events[0]
+        for found in events:
+            found.clear()
+
+    for start in range(3):
+        with Store(tmp_path, clock=clock, extensions={"heard": Heard}) as store:
+            if start == 0:
+                both(store, "t", **EIGHTS, **REUSES[reuse], extensions=["heard"])  # type: ignore[arg-type]
+            push_varied(store, "t", 12, 8, first=12 * start)
+            for step, (order, count, fresh) in enumerate(REPLAYS):
+                alike(store, "t", replayed(store, order, count, fresh))
+                alike_and_clean(store, "t")
+                heard(store)
+                clock.now += 2
+                if step == 2:
+                    task = 12 * start + 1
+                    for table in ("t", "t_rows"):
+                        store.delete(table, uids=[f"0/{task}/0/0/r0s0"], group_ids=[f"0/{task + 1}"])
+                    alike_and_clean(store, "t")
+                if step == 4:
+                    gkeys = [f"0/{12 * start + task}" for task in range(4, 7)]
+                    alike(store, "t", lambda table, g=gkeys: store.retire(table, g, owner="someone"))  # type: ignore[misc]
+                    alike_and_clean(store, "t")
+                heard(store)
+    with Store(tmp_path, clock=clock, extensions={"heard": Heard}) as store:
+        alike_and_clean(store, "t")
+        for _ in range(40):
+            clock.now += 3
+            if alike(store, "t", replayed(store, "priority", 7, None)) is None and not store.stats("t")["leased"]:
+                break
+            alike_and_clean(store, "t")
+        counts = stats(store, "t_rows")
+        assert counts["sampled"] > counts["pushed"]  # type: ignore[operator]
 
 
 def test_a_damaged_payload_fails_its_group_and_the_others_are_served(tmp_path: Path) -> None:

@@ -10,9 +10,9 @@ retires it (Trinity's `use_count_limit`). With `priority_noise`, a Gaussian of t
 deviation is added to each lowered priority (Trinity's `sigma`).
 
 A cooling group is leased to no one (state leased, no lease) until its time comes
-(core/verbs/requeue.py keeps it): the table's next take makes the groups whose time has come ready
-again, in that order, so a reader waiting for them gets them at its next attempt; until then the
-table's counts show them as leased.
+(core/verbs/requeue.py keeps it; a rows table's group, core/verbs/row_requeue.py): the table's next
+take makes the groups whose time has come ready again, in that order, so a reader waiting for them
+gets them at its next attempt; until then the table's counts show them as leased.
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ import random
 from collections.abc import Sequence
 
 from ..core.table_state.state import TableState
-from ..core.verbs import row_batches
-from ..core.verbs.requeue import place
+from ..core.verbs import requeue as records
+from ..core.verbs import row_batches, row_requeue
 from ..core.verbs.retire import retire
 from ..schema.states import CONSUMED
 from ..schema.table_config import TableConfig
@@ -48,6 +48,7 @@ def requeue(tt: TableState, groups: Sequence[Members], rng: random.Random) -> No
             priority += rng.gauss(0.0, config.reuse.priority_noise)
         priorities.append(priority)
     cooldown = config.reuse.cooldown_seconds
+    place = row_requeue.place if config.storage.layout == "rows" else records.place
     place(tt, groups, priorities, None if cooldown <= 0 else tt.now + cooldown)
 
 
@@ -56,8 +57,8 @@ def replayed(tt: TableState, taken: Sequence[Members], rng: random.Random) -> No
     max_times_sampled retire, the others stay ready, lowered and cooled (`requeue`)."""
     limit = tt.config.reuse.max_times_sampled
     spent = {gkey for gkey, _, recs in taken if limit and max(r.times_sampled for r in recs.values()) >= limit}
-    if tt.config.storage.layout == "rows":  # a rows table reuses nothing yet (issue 64, 2.6): it is refused first
+    if tt.config.storage.layout == "rows":
         row_batches.retire_ready(tt, [gkey for gkey, _, _ in taken if gkey in spent], CONSUMED)
-        return
-    retire(tt, [(gkey, grp) for gkey, grp, _ in taken if gkey in spent], CONSUMED)
+    else:
+        retire(tt, [(gkey, grp) for gkey, grp, _ in taken if gkey in spent], CONSUMED)
     requeue(tt, [group for group in taken if group[0] not in spent], rng)

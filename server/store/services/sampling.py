@@ -21,8 +21,8 @@ from ..core.table_state.state import TableState
 from ..disk.environment import Environment
 from ..disk.kinds import Sampled
 from ..disk.stored_advantages import FinishBatch, StageCounts
-from ..rules import reuse, staleness
-from ..schema.errors import InvalidRequest, SampleLimited
+from ..rules import staleness
+from ..schema.errors import SampleLimited
 from ..schema.sample_spec import TakeSpec
 from ..schema.table_config import TableConfig
 from ..tables.catalog import TableCatalog
@@ -99,9 +99,6 @@ class Sampling:
             final = time.monotonic() >= deadline
             blocked = time.monotonic() - start if held else 0.0
             table_id, config = self.catalog.lookup(spec.table)  # at each attempt: it may have been dropped
-            if config.storage.layout == "rows" and spec.delivery == "replay" and reuse.reuses(config):
-                why = "not replayed with reuse (a priority decay or a cooldown) yet"
-                raise InvalidRequest(f"table '{config.name}' keeps rows, which are {why}")
 
             def attempt(
                 txn: lmdb.Transaction[bytes],

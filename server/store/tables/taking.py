@@ -22,7 +22,7 @@ from ..core.table_state import rate_counts
 from ..core.table_state.events import Taken
 from ..core.table_state.read_check import Unservable
 from ..core.table_state.state import TableState
-from ..core.verbs import requeue, row_batches
+from ..core.verbs import requeue, row_batches, row_requeue
 from ..core.verbs.retire import retire
 from ..core.verbs.take import Payloads, lease, read_batch, select
 from ..core.whole_table.reading import batch_rows
@@ -52,14 +52,20 @@ def could_fill(tt: TableState, spec: TakeSpec, allow_partial: bool) -> bool:
 
 
 def warm(tt: TableState) -> int:
-    """Replayed groups whose cooldown has ended become ready again (core/verbs/requeue.py);
-    returns how many. One with a member whose record is lost fails first, as a lease putting it
-    back fails it (the quarantine rule), since it can never be served whole again."""
-    cooled = requeue.cooled(tt)
-    if not cooled:
-        return 0
-    quarantine_lost(tt, cooled)
-    back = requeue.warm(tt, cooled)
+    """Replayed groups whose cooldown has ended become ready again (core/verbs/requeue.py; a rows
+    table's, which loses no records, row_requeue.py); returns how many. One with a member whose
+    record is lost fails first, as a lease putting it back fails it (the quarantine rule), since it
+    can never be served whole again."""
+    if tt.config.storage.layout == "rows":
+        back = row_requeue.warm(tt)
+        if not back:
+            return 0
+    else:
+        cooled = requeue.cooled(tt)
+        if not cooled:
+            return 0
+        quarantine_lost(tt, cooled)
+        back = requeue.warm(tt, cooled)
     tt.save()
     return back
 

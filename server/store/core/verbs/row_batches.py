@@ -329,20 +329,32 @@ def _leave(
 
 
 def hold(tt: TableState, segments: Segments, picked: Sequence[Picked], lease_id: str) -> list[tuple[int, int, int]]:
-    """Picked groups (ready, out of their runs) leased under `lease_id`: their state bytes and lease
-    tags; returns the lease's runs (segment, first group, groups)."""
-    _mark(segments, picked, LEASED, bytes.fromhex(lease_id))
+    """Picked groups (ready, out of their runs) leased under `lease_id` (""): to no one, cooling:
+    row_requeue.py): their state bytes and lease tags; returns the lease's runs (segment, first group,
+    groups)."""
+    _mark(segments, picked, LEASED, bytes.fromhex(lease_id) if lease_id else NO_LEASE)
     _moved(tt, LEASED, picked)
     segments.save()
     if tt.extensions.hears("on_moved"):
         tt.extensions.on_moved(tt, Moved(READY, LEASED, [(p.gkey, _as(p, LEASED, lease_id)) for p in picked]))
-    return _lease_runs(picked)
+    reuse = tt.config.reuse
+    return _lease_runs(picked, taken=reuse.priority_decay > 0 or reuse.cooldown_seconds > 0)
 
 
-def _lease_runs(picked: Sequence[Picked]) -> list[tuple[int, int, int]]:
-    """Picked groups as runs (segment, first group, groups) of consecutive ones."""
-    places = _by_segment((p.seg, p.at) for p in picked)
-    return [(seg, first, n) for seg, indexes in places.items() for first, n in _ranges(indexes)]
+def _lease_runs(picked: Sequence[Picked], *, taken: bool = False) -> list[tuple[int, int, int]]:
+    """Picked groups as runs (segment, first group, groups) of consecutive ones; with `taken`, in the
+    order picked (a table that reuses replayed groups requeues a held batch's in the order it was
+    taken, as a records table's lease names them: row_requeue.py)."""
+    if not taken:
+        places = _by_segment((p.seg, p.at) for p in picked)
+        return [(seg, first, n) for seg, indexes in places.items() for first, n in _ranges(indexes)]
+    runs: list[tuple[int, int, int]] = []
+    for p in picked:
+        if runs and runs[-1][0] == p.seg and sum(runs[-1][1:]) == p.at:
+            runs[-1] = (p.seg, runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((p.seg, p.at, 1))
+    return runs
 
 
 def _as(p: Picked, state: State, lease: str = "", times: int | None = None) -> RowGroup:
@@ -379,15 +391,19 @@ def leased(tt: TableState, segments: Segments, lease_id: str, lease: RowLease, *
     """The groups still under a lease of runs (one consumed or given back meanwhile is not); with
     `ending`, their views say they left it (as an ack's consume hears them)."""
     tag = bytes.fromhex(lease_id)
-    under: dict[int, list[int]] = {}  # by segment, each read once (a lease's runs are by segment)
+    under: dict[int, list[int]] = {}  # by segment, each read once
+    order: list[tuple[int, int]] = []  # the runs' order (a reusing table's: the take's, _lease_runs)
     for run in lease.runs:
         state = segments.state(run.seg)
         span = range(run.first, run.first + run.length)
-        under.setdefault(run.seg, []).extend(g for g in span if state.state(g) == LEASED and state.lease(g) == tag)
-    found: list[Picked] = []
+        held = [g for g in span if state.state(g) == LEASED and state.lease(g) == tag]
+        under.setdefault(run.seg, []).extend(held)
+        order.extend((run.seg, g) for g in held)
+    found: dict[tuple[int, int], Picked] = {}
     for seg, places in under.items():
-        found += _picked(segments.view(seg), segments.state(seg), seg, places, LEASED, "" if ending else lease_id)
-    return found
+        for p in _picked(segments.view(seg), segments.state(seg), seg, places, LEASED, "" if ending else lease_id):
+            found[seg, p.at] = p
+    return [found[place] for place in order]
 
 
 def held(tt: TableState, lease_id: str, lease: RowLease) -> int:
@@ -487,11 +503,13 @@ def replayed(
     segments: Segments, picked: Sequence[Picked], limit: int
 ) -> tuple[list[Picked], list[tuple[str, GroupView]]]:
     """Picked groups a take replays, still ready: their deliveries counted (saved), and their views
-    once replayed, those that reach `limit` (0: none) as consumed; returns the groups so counted."""
+    once replayed, those that reach `limit` (0: none) as consumed, the others leased to no one where
+    the table cools them (rules/reuse.py); returns the groups so counted."""
     counted_now = counted(segments, picked)
     segments.save()
+    again = LEASED if segments.tt.config.reuse.cooldown_seconds > 0 else READY
     done: list[tuple[str, GroupView]] = [
-        (p.gkey, _as(p, CONSUMED if limit and p.group.times >= limit else READY)) for p in counted_now
+        (p.gkey, _as(p, CONSUMED if limit and p.group.times >= limit else again)) for p in counted_now
     ]
     return counted_now, done
 

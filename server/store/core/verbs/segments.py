@@ -70,19 +70,26 @@ def whole(
     return Group(gkey, created, members, priority, version, partial, tuple(failed.items()))
 
 
-def write(tt: TableState, groups: Sequence[Group], state: State, places: Sequence[int] | None = None) -> None:
+def write(
+    tt: TableState,
+    groups: Sequence[Group],
+    state: State,
+    places: Sequence[int] | None = None,
+    times: Sequence[int] | None = None,
+) -> None:
     """Groups written as rows in `state`, in the order given: their segments (each a segment's id
     the rseq of its first group), states and directory entries; ready ones with a run a segment,
     retired ones in segments that say they retired now (their members' digests kept there: a
     retried push of one is a duplicate). With `places` (the rseq each group took when it completed:
     computing groups'), each group goes into a segment of its own there, in the ready order's place
-    it took then."""
+    it took then. With `times`, each group's deliveries so far (a requeued group's: row_requeue.py)."""
     counters = tt.counters
     prefix = tt.prefix
     segs: list[tuple[bytes, bytes]] = []
     states: list[tuple[bytes, bytes]] = []
     refs: list[tuple[bytes, bytes]] = []
     runs: list[tuple[bytes, bytes]] = []
+    done = 0  # the groups of the segments before this one
     for at, part in enumerate(cut(groups) if places is None else [[group] for group in groups]):
         if places is None:
             seg = counters.next_rseq
@@ -92,6 +99,9 @@ def write(tt: TableState, groups: Sequence[Group], state: State, places: Sequenc
         key = prefix + u64(seg)
         segs.append((key, encode_segment(part, seg, tt.now)))
         row = SegState.new([state] * len(part), sum(len(group.members) for group in part))
+        for index in range(len(part)) if times is not None else ():
+            row.set_times(index, times[done + index])
+        done += len(part)
         if state in RETIRED:
             retired(tt, seg, row)
         states.append((key, row.encode()))

@@ -172,7 +172,7 @@ def _prefix_count(tt: TableState, name: str) -> int:
 
 
 # The databases a rows table keeps nothing in (disk/rows/ keeps what they hold for a records table).
-RECORDS_ONLY = ("items", "tombs", "groups", "order", "cooling")
+RECORDS_ONLY = ("items", "tombs", "groups", "order")
 
 
 def rows(tt: TableState) -> list[str]:
@@ -227,6 +227,7 @@ def rows(tt: TableState) -> list[str]:
                 for g in range(run.first, run.first + run.length)
             )
     retired = {key: None for key, _ in _rows_of(tt, "retired")}  # when each retired segment retired
+    cooling = {key[8:].decode(errors="replace") for key, _ in _rows_of(tt, "cooling")}  # replayed groups
     ready: list[tuple[bytes, int, float, int | None]] = []  # as the indexes the table keeps hold them
     for key, value in _rows_of(tt, "segs"):
         seg = int.from_bytes(key, "big")
@@ -256,7 +257,7 @@ def rows(tt: TableState) -> list[str]:
             if group_state == READY:
                 ready.append((gkey.encode(), seg + g, view.priorities(g, g + 1)[0], view.versions(g, g + 1)[0]))
             tag = state.lease(g).hex()
-            if not _lease_holds(group_state, tag, leased.pop((seg, g), None)):
+            if not _lease_holds(group_state, tag, leased.pop((seg, g), None), gkey in cooling):
                 problems.append(f"group {gkey} is {group_state} under lease {tag}, which does not hold it so")
             counts[group_state] += len(kept)
             live = group_state in LIVE
@@ -346,13 +347,14 @@ def _row_payload(blob: Stored | None, member: Member) -> str | None:
     return "its payload is missing" if blob is None else digests.mismatch(blob, member.size, member.digest)
 
 
-def _lease_holds(state: State, tag: str, named: str | None) -> bool:
+def _lease_holds(state: State, tag: str, named: str | None, cooling: bool) -> bool:
     """Whether a rows table's group in `state`, its lease tag `tag` (hex), is held as the lease of runs
     naming it (`named`: its id; None: none) says: a leased group's tag is the id of the lease that
-    names it; any other group's tag is zero, and only a retired one may still be named (retired as
-    trained, it left its lease, which goes on)."""
+    names it, or zero where it is cooling (`cooling`: the cooling index names it, core/verbs/row_requeue.py)
+    and no lease names it; any other group's tag is zero, and only a retired one may still be named
+    (retired as trained, it left its lease, which goes on)."""
     if state == LEASED:
-        return named == tag
+        return named == tag or (cooling and named is None and tag == _NO_TAG)
     return tag == _NO_TAG and (named is None or state in RETIRED)
 
 
