@@ -489,6 +489,35 @@ def test_replay_with_reuse_is_a_records_tables(tmp_path: Path, reuse: str, hold:
         assert counts["sampled"] > counts["pushed"]  # type: ignore[operator]
 
 
+def test_a_requeued_groups_old_place_is_forgotten_with_its_segment(tmp_path: Path) -> None:
+    """A group requeued at once leaves its old place as a group deleted whole: meanwhile a retried
+    push of its members is a duplicate (its directory entry names its new place); tombstone_seconds
+    after every group retired, every segment is forgotten, the old places counting nothing, as a
+    records table's tombstones are, and the uids are stored again."""
+    clock = Clock()
+    with Store(tmp_path, clock=clock) as store:
+        both(store, "t", **EIGHTS, priority_decay=1.0, max_times_sampled=2, tombstone_seconds=60)
+        push_both(store, "t", 6, 8)
+        assert take_both(store, "t", num_groups=4, delivery="replay") is not None  # moved behind 0/4, 0/5
+        alike_and_clean(store, "t")
+        again = items(1, 8)  # group 0/0's members
+        for table in ("t", "t_rows"):
+            pushed = store.put(table, again)
+            assert not pushed.stored and len(pushed.duplicates) == 8
+        while take_both(store, "t", num_groups=3, delivery="replay", allow_partial=True) is not None:
+            alike_and_clean(store, "t")
+        assert (store.stats("t_rows")["consumed"], store.stats("t_rows")["ready"]) == (48, 0)
+        clock.now += 61
+        store.tick()
+        alike_and_clean(store, "t")
+        assert store.stats("t_rows")["consumed"] == 0
+        with store.environment.read() as txn:
+            prefix = layout.table_prefix(store.catalog.lookup("t_rows")[0])
+            assert not list(_rows(txn, store.db["segs"], prefix)), "every segment forgotten"
+        for table in ("t", "t_rows"):
+            assert len(store.put(table, again).stored) == 8
+
+
 def test_a_damaged_payload_fails_its_group_and_the_others_are_served(tmp_path: Path) -> None:
     with Store(tmp_path, clock=Clock()) as store:
         both(store, "t", **EIGHTS)
