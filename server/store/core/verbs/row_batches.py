@@ -329,9 +329,9 @@ def _leave(
 
 
 def hold(tt: TableState, segments: Segments, picked: Sequence[Picked], lease_id: str) -> list[tuple[int, int, int]]:
-    """Picked groups (ready, out of their runs) leased under `lease_id` (""): to no one, cooling:
-    row_requeue.py): their state bytes and lease tags; returns the lease's runs (segment, first group,
-    groups)."""
+    """Picked groups (ready, out of their runs) leased under `lease_id` (to no one where it is "": a
+    cooling group, row_requeue.py): their state bytes and lease tags; returns the lease's runs
+    (segment, first group, groups)."""
     _mark(segments, picked, LEASED, bytes.fromhex(lease_id) if lease_id else NO_LEASE)
     _moved(tt, LEASED, picked)
     segments.save()
@@ -350,8 +350,9 @@ def _lease_runs(picked: Sequence[Picked], *, taken: bool = False) -> list[tuple[
         return [(seg, first, n) for seg, indexes in places.items() for first, n in _ranges(indexes)]
     runs: list[tuple[int, int, int]] = []
     for p in picked:
-        if runs and runs[-1][0] == p.seg and sum(runs[-1][1:]) == p.at:
-            runs[-1] = (p.seg, runs[-1][1], runs[-1][2] + 1)
+        seg, first, n = runs[-1] if runs else (-1, 0, 0)
+        if seg == p.seg and first + n == p.at:  # the next group of the run before
+            runs[-1] = (seg, first, n + 1)
         else:
             runs.append((p.seg, p.at, 1))
     return runs

@@ -99,8 +99,8 @@ def write(
         key = prefix + u64(seg)
         segs.append((key, encode_segment(part, seg, tt.now)))
         row = SegState.new([state] * len(part), sum(len(group.members) for group in part))
-        for index in range(len(part)) if times is not None else ():
-            row.set_times(index, times[done + index])
+        for index, count in enumerate(() if times is None else times[done : done + len(part)]):
+            row.set_times(index, count)
         done += len(part)
         if state in RETIRED:
             retired(tt, seg, row)
