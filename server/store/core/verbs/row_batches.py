@@ -461,6 +461,24 @@ def back(tt: TableState, segments: Segments, picked: Sequence[Picked], *, sample
         tt.extensions.on_moved(tt, Moved(LEASED, READY, groups))
 
 
+def unleased(tt: TableState, segments: Segments, gkeys: Iterable[str], now: State) -> list[Picked]:
+    """The groups of these keys the table holds in state `now` under no lease (ready ones, or cooling
+    ones: row_requeue.py), in that order, the members of each segment's read together (`_picked`)."""
+    places: list[tuple[int, int]] = []
+    for gkey in gkeys:
+        raw = tt.txn.get(tt.key(gkey), db=tt.db["gdir"])
+        ref = None if raw is None else directory_entry(raw)
+        if isinstance(ref, GroupRef):
+            state = segments.state(ref.seg)
+            if state.state(ref.group) == now and state.lease(ref.group) == NO_LEASE:
+                places.append(ref)
+    found: dict[tuple[int, int], Picked] = {}
+    for seg, indexes in _by_segment(places).items():
+        for p in _picked(segments.view(seg), segments.state(seg), seg, indexes, now, ""):
+            found[seg, p.at] = p
+    return [found[place] for place in places]
+
+
 def complete_groups(tt: TableState, segments: Segments, gkeys: Iterable[str]) -> list[Picked]:
     """The complete groups of these keys the table holds, each read from its segment (a pending or
     absent one is not)."""
@@ -494,7 +512,7 @@ def retire_ready(tt: TableState, gkeys: Sequence[str], state: State) -> int:
     """The ready groups of these keys retire as `state`: replayed ones that reached the table's
     max_times_sampled (consumed), stale ones (dropped); returns how many (one not ready stays)."""
     segments = Segments(tt)
-    picked = [p for p in complete_groups(tt, segments, gkeys) if p.group.state == READY]
+    picked = unleased(tt, segments, gkeys, READY)
     unready(tt, picked, segments)
     retire(tt, segments, picked, state)
     return len(picked)

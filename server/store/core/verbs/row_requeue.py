@@ -29,7 +29,7 @@ from ...schema.views import Groups, Members
 from ..table_state.events import Moved
 from ..table_state.state import TableState
 from . import segments as rows
-from .row_batches import NO_LEASE, Picked, Segments, _moved, complete_groups, hold, unready
+from .row_batches import NO_LEASE, Picked, Segments, _moved, hold, unleased, unready
 from .row_deletes import EMPTIED
 
 _PRIORITY = struct.Struct("<d")  # a cooling row's value: the priority its group is ready again with
@@ -39,7 +39,7 @@ def place(tt: TableState, groups: Sequence[Members], priorities: Sequence[float]
     """Ready groups replayed just now, with their new priorities: out of their runs and the indexes,
     then moved behind every ready group at once (`until` None), or cooling until `until`."""
     segments = Segments(tt)
-    picked = complete_groups(tt, segments, [gkey for gkey, _, _ in groups])
+    picked = unleased(tt, segments, [gkey for gkey, _, _ in groups], READY)
     unready(tt, picked, segments)
     if until is None:
         move(tt, segments, picked, priorities)
@@ -64,20 +64,15 @@ def warm(tt: TableState) -> int:
             due.append((bytes(cur.key()[12:]).decode(), _PRIORITY.unpack(cur.value())[0]))
             found = cur.delete()
     segments = Segments(tt)
-    back: list[Picked] = []
-    priorities: list[float] = []
-    for gkey, priority in due:
-        for p in complete_groups(tt, segments, [gkey]):
-            if p.group.state == LEASED and not p.group.lease:
-                back.append(p)
-                priorities.append(priority)
+    priority = dict(due)  # a group due twice (deleted, pushed again and cooled anew) warms once
+    back = unleased(tt, segments, priority, LEASED)
     if not back:
         return 0
     _moved(tt, READY, back)
     if tt.extensions.hears("on_moved"):
         groups: Groups = [(p.gkey, p.group._replace(state=READY)) for p in back]
         tt.extensions.on_moved(tt, Moved(LEASED, READY, groups))
-    move(tt, segments, back, priorities)
+    move(tt, segments, back, [priority[p.gkey] for p in back])
     return len(back)
 
 
@@ -92,8 +87,9 @@ def move(tt: TableState, segments: Segments, picked: Sequence[Picked], prioritie
             row.set_flags(i, row.flags(i) | SegState.DELETED)
         row.set_state(p.at, EMPTIED)
         row.set_lease(p.at, NO_LEASE)
-        kept = view.group(p.at)._replace(members=p.group.rows, priority=priority)
-        moved.append(kept)
+        created, version = view.created(p.at, p.at + 1)[0], view.versions(p.at, p.at + 1)[0]
+        failed = tuple(view.failed(p.at).items())  # its members as read (`rows`), not decoded again
+        moved.append(Group(p.gkey, created, p.group.rows, priority, version, view.partial(p.at), failed))
     for seg in sorted({p.seg for p in picked}):
         row = segments.state(seg)
         if all(s in RETIRED for s in row.states(0, row.groups)):
