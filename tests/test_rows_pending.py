@@ -771,6 +771,32 @@ def test_a_piece_into_a_full_rows_table_that_evicts_makes_room_as_a_whole_push_d
         clean(store, "t", "t_rows")
 
 
+def test_a_damaged_payload_fails_a_cooling_or_requeued_rows_group_whole(tmp_path: Path) -> None:
+    """`quarantine` of a rows table that reuses: a cooling group (leased to no one) with a damaged
+    member fails whole and does not come back when its cooldown ends; a group requeued at its new
+    place fails there; `verify` finds nothing wrong, before and after."""
+    clock = Clock()
+    with Store(tmp_path, clock=clock) as store:
+        both(store, "cool", **EIGHTS, reuse_cooldown_seconds=5.0)
+        both(store, "decay", **EIGHTS, priority_decay=1.0)
+        for table in ("cool_rows", "decay_rows"):
+            store.put(table, [run(task, n) for task in range(3) for n in range(8)])
+            spec = TakeSpec(table=table, num_groups=1, delivery="replay", wait_seconds=0)
+            assert (batch := store.sample(spec)) is not None and set(batch.group_ids) == {"0/0"}
+            damage(store, table, uid(0, 3))
+            assert store.quarantine(table, [uid(0, 3)]) == 1
+            assert store.verify(table) == []
+        clock.now += 6
+        served = store.sample(TakeSpec(table="cool_rows", num_groups=3, wait_seconds=0, allow_partial=True))
+        assert served is not None and sorted(set(served.group_ids)) == ["0/1", "0/2"]
+        served = store.sample(TakeSpec(table="decay_rows", num_groups=3, wait_seconds=0, allow_partial=True))
+        assert served is not None and set(served.group_ids) == {"0/1", "0/2"}
+        for table in ("cool_rows", "decay_rows"):
+            counts = store.stats(table)
+            assert (counts["groups_failed"], counts["failed"], counts["leased"], counts["ready"]) == (1, 8, 0, 0)
+            assert store.verify(table) == []
+
+
 def test_a_damaged_payload_found_by_a_check_fails_its_group_whole_ready_leased_or_pending(tmp_path: Path) -> None:
     """`quarantine` (the scrub's, and a check's) of a rows table: a damaged member's group fails whole
     (the damaged member's payload gone, the others' kept), ready, under a lease (which goes on without it) or
