@@ -4,8 +4,9 @@ added, failed runs and completion (groups.py) and a batch chosen, read and lease
 how experiences leave (retire.py), the compute queue with a group's advantages stored
 (compute.py), a replayed group requeued (requeue.py), a rows table's complete groups as
 segments, states, directory entries and runs (segments.py, issue 64's disk/rows/), its batches
-taken, held and ended over its runs (row_batches.py), its pending groups (row_pending.py) and its
-deletes (row_deletes.py), over the rollouts held in pieces with their counters (pieces.py).
+taken, held and ended over its runs (row_batches.py), its pending groups (row_pending.py), its
+deletes (row_deletes.py) and its replayed groups requeued (row_requeue.py), over the rollouts held
+in pieces with their counters (pieces.py).
 
 May import the core's rooms below: table_state/, ordering/; nothing of whole_table/.
 """
