@@ -562,6 +562,29 @@ def test_a_sample_stream_over_grpc_serves_a_rows_table_as_a_records_one(start_se
             assert len(batch.uids) == 8 and batch.group_ids[0] in {f"0/{task}" for task in range(10, 12)}
 
 
+def test_a_replay_stream_with_reuse_over_grpc_serves_a_rows_table_as_a_records_one(start_server) -> None:  # type: ignore[no-untyped-def]
+    """A Sample stream replaying in priority order from a table with a priority decay: each batch held,
+    confirmed by the next request (its groups lowered and sent behind the others), the last given
+    back as the stream closes: the same batches and stats from a rows table as from a records one."""
+    server = start_server()
+    both(server.store, "t", **EIGHTS, priority_decay=1.0, max_times_sampled=3)
+    with BufferClient(f"127.0.0.1:{server.port}", timeout=10) as client:
+        for table in ("t", "t_rows"):
+            client.push(trxp.build(varied(6, 8)), table=table)
+        got = {}
+        for table in ("t", "t_rows"):
+            stream = client.sample(table, num_groups=2, delivery="replay", order="priority", timeout=5)
+            got[table] = [(b.uids, b.group_ids, b.times_sampled) for b in itertools.islice(stream, 7)]
+            stream.close()
+        assert got["t_rows"] == got["t"] and len(got["t"]) == 7
+        deadline = time.monotonic() + 10
+        while any(server.store.stats(table)["leased"] for table in ("t", "t_rows")):
+            assert time.monotonic() < deadline, "a closed stream's held batch did not go back"
+            time.sleep(0.02)
+        assert stats(server.store, "t_rows") == stats(server.store, "t")
+        assert server.store.verify("t_rows") == []
+
+
 class Heard(TableExtension):
     """What a table's extension hears of its takes, and the members it reads of the groups each names."""
 
