@@ -518,6 +518,22 @@ def test_a_requeued_groups_old_place_is_forgotten_with_its_segment(tmp_path: Pat
             assert len(store.put(table, again).stored) == 8
 
 
+def test_a_requeued_rows_tables_payloads_are_served_from_the_map_as_a_records_tables(tmp_path: Path) -> None:
+    """A take reads a payload from its snapshot's map (a view, not a copy) where the snapshot holds
+    it: a rows table's groups requeued into its newest segment (their members pushed long before)
+    do not make it take the newer groups' payloads for ones the snapshot lacks."""
+    with Store(tmp_path, clock=Clock()) as store:
+        both(store, "t", **EIGHTS, priority_decay=1.0)
+        push_both(store, "t", 6, 8)
+        for _ in range(3):
+            kinds = {}
+            for table in ("t", "t_rows"):
+                batch = store.sample(TakeSpec(table=table, num_groups=2, delivery="replay", wait_seconds=0))
+                assert batch is not None
+                kinds[table] = [type(blob).__name__ for blob in batch.blobs]
+            assert kinds["t_rows"] == kinds["t"] == ["memoryview"] * 16
+
+
 def test_a_damaged_payload_fails_its_group_and_the_others_are_served(tmp_path: Path) -> None:
     with Store(tmp_path, clock=Clock()) as store:
         both(store, "t", **EIGHTS)

@@ -32,6 +32,7 @@ from ...schema.states import COMPUTING, CONSUMED, EVICTED, FAILED, LEASED, PENDI
 from ...schema.views import Groups, GroupView, Members
 from ..ordering.ready import BUILD_CHUNK, IndexBuilding
 from ..table_state import rate_counts
+from ..table_state.counters import read_counters
 from ..table_state.events import Moved, Retired
 from ..table_state.state import TableState, missing
 from ..table_state.views import RowGroup, RowMember, kept_rows, row_members
@@ -577,11 +578,7 @@ def taken(picked: Sequence[Picked]) -> list[Members]:
 
 
 def newest_seq(snapshot: Snapshot, tt: TableState) -> int:
-    """The insertion number of the newest experience a snapshot holds of a rows table (-1: none):
-    the last member of its newest segment (payloads are stored with their segment)."""
-    last = snapshot.last_key(tt.prefix, tt.db["segs"])
-    raw = None if last is None else snapshot.get(last, tt.db["segs"])
-    if raw is None:
-        return -1
-    members = SegmentView(raw).members
-    return int(members.column("seq", members.count - 1, members.count)[0] or 0)
+    """The insertion number of the newest experience a snapshot holds of a rows table (-1: none): the
+    one before the next its counters name. Its newest segment's last member would not do: a group
+    requeued by reuse (row_requeue.py) goes into the newest segment with members pushed long before."""
+    return read_counters(snapshot, tt.db, tt.prefix).next_seq - 1
