@@ -797,6 +797,20 @@ def test_a_damaged_payload_fails_a_cooling_or_requeued_rows_group_whole(tmp_path
             assert store.verify(table) == []
 
 
+def test_verify_names_a_rows_tables_cooling_row_that_holds_no_priority(tmp_path: Path) -> None:
+    with Store(tmp_path, clock=Clock()) as store:
+        both(store, "t", **EIGHTS, reuse_cooldown_seconds=5.0)
+        store.put("t_rows", [run(task, n) for task in range(2) for n in range(8)])
+        assert store.sample(TakeSpec(table="t_rows", num_groups=1, delivery="replay")) is not None
+        assert store.verify("t_rows") == []
+        prefix = layout.table_prefix(store.catalog.lookup("t_rows")[0])
+        env: lmdb.Environment = store.environment.env
+        with env.begin(write=True) as txn, txn.cursor(db=store.db["cooling"]) as cur:
+            assert cur.set_range(prefix) and cur.key().endswith(b"0/0")
+            cur.put(cur.key(), b"\x01")
+        assert store.verify("t_rows") == ["the cooling row of group 0/0 holds 1 bytes, not a priority's 8"]
+
+
 def test_a_damaged_payload_found_by_a_check_fails_its_group_whole_ready_leased_or_pending(tmp_path: Path) -> None:
     """`quarantine` (the scrub's, and a check's) of a rows table: a damaged member's group fails whole
     (the damaged member's payload gone, the others' kept), ready, under a lease (which goes on without it) or

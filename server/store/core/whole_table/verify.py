@@ -227,7 +227,12 @@ def rows(tt: TableState) -> list[str]:
                 for g in range(run.first, run.first + run.length)
             )
     retired = {key: None for key, _ in _rows_of(tt, "retired")}  # when each retired segment retired
-    cooling = {key[8:].decode(errors="replace") for key, _ in _rows_of(tt, "cooling")}  # replayed groups
+    cooling = {key[8:].decode(errors="replace"): value for key, value in _rows_of(tt, "cooling")}  # replayed groups
+    problems.extend(
+        f"the cooling row of group {gkey} holds {len(value)} bytes, not a priority's 8"
+        for gkey, value in cooling.items()
+        if len(value) != 8
+    )
     ready: list[tuple[bytes, int, float, int | None]] = []  # as the indexes the table keeps hold them
     for key, value in _rows_of(tt, "segs"):
         seg = int.from_bytes(key, "big")
