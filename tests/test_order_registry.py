@@ -17,6 +17,7 @@ from expbuf.server import cli
 from expbuf.server.app import ExpbufServer
 from expbuf.server.config import ServerConfig
 from expbuf.server.store import KeyedIndex, Order, ReadyGroup, ReadyIndex, Store, register, u64, unregister, version_key
+from expbuf.server.store.core.ordering.indexes import ReadyOrder
 from expbuf.server.store.core.ordering.orders import ORDERS
 from expbuf.server.store.schema.errors import InvalidRequest
 from expbuf.server.store.schema.sample_spec import SpecError
@@ -320,3 +321,26 @@ def test_a_registered_order_takes_from_a_rows_table_as_from_a_records_one(tmp_pa
         assert alike(store, num_groups=1, order="lifo") == ["1/2"] * 2  # both indexes dropped
     with registered_order(OldestVersionFirst) as eager, Store(tmp_path) as store:
         assert alike(store, num_groups=1, order=eager) == ["1/1"] * 2
+
+
+class NewestFirst(Order):
+    """An order of its own over the ready index: the newest completed group first."""
+
+    name = "newest_first"
+    index = ReadyOrder
+
+    def candidates(self, ready: ReadyIndex, rng: random.Random) -> Iterator[bytes]:
+        return ready.of(ReadyOrder).scan(reverse=True)
+
+
+def test_an_order_over_the_ready_index_is_refused_by_name_on_a_rows_table(tmp_path: Path) -> None:
+    """A rows table keeps its ready order as runs, not in the ready index: an order that reads that
+    index takes from a records table and is refused on a rows table, which it leaves as it was."""
+    with registered_order(NewestFirst) as name, Store(tmp_path) as store:
+        both_layouts(store, "t", estimator="none", group_size=2)
+        for table in ("t", "t_rows"):
+            store.put(table, group_items(1, 0, 2) + group_items(1, 1, 2))
+        assert take(store, "t", num_groups=1, order=name).group_ids == ["1/1"] * 2
+        with pytest.raises(InvalidRequest, match="table of layout rows keeps its ready order as runs"):
+            take(store, "t_rows", num_groups=1, order=name)
+        assert store.stats("t_rows")["ready"] == 4 and store.verify("t_rows") == []

@@ -80,6 +80,7 @@ def test_a_member_block_reads_back_whole_and_by_ranges(found: list[Member]) -> N
             assert list(block.column("reward", lo, hi)) == [m.reward for m in found[lo:hi]]
             assert list(block.column("version", lo, hi)) == [m.version for m in found[lo:hi]]
             assert list(block.column("size", lo, hi)) == [m.size for m in found[lo:hi]]
+            assert block.members(lo, hi) == found[lo:hi]  # one member alone read field by field
     assert [block.segments(i) for i in range(len(found))] == [m.segments for m in found]
 
 

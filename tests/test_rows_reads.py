@@ -402,3 +402,21 @@ def test_random_steps_with_deletes_and_reads_leave_a_rows_table_as_a_records_tab
             steps.step()
     finally:
         steps.store.close()
+
+
+@pytest.mark.parametrize("order", ["priority", "fifo-from-a-version"])
+def test_a_take_from_an_index_counts_a_group_without_its_deleted_members(tmp_path: Path, order: str) -> None:
+    """A take that reads an order's index (priority, or a lowest version) counts a group one member
+    short after a Delete as that many experiences, as a take from the runs and a records table do:
+    a batch of 4 experiences takes a second group where the first has 3 left."""
+    spec = {"order": "priority"} if order == "priority" else {"order": "fifo", "min_model_version": 0}
+    with Store(tmp_path, clock=Clock()) as store:
+        both(store, "t", **FOURS)
+        for task, priority in ((0, 3.0), (1, 2.0), (2, 1.0)):
+            items = [trxp.from_experience(make_experience(0, task, n, priority=priority, version=1)) for n in range(4)]
+            put_both(store, "t", items)
+        for table in ("t", "t_rows"):
+            assert store.delete(table, [uid(0, 1)]) == 1
+        got = take_both(store, "t", batch_size=4, **spec)
+        assert got is not None and got[1] == ["0/0"] * 3 + ["0/1"] * 4
+        clean(store, "t", "t_rows")

@@ -138,7 +138,7 @@ def take(
         picked, chosen = row_batches.replayed(segments, picked, tt.config.reuse.max_times_sampled)
         reuse.replayed(tt, row_batches.taken(picked), rng)
     elif segments is not None:
-        row_batches.unready(tt, picked, segments)
+        row_batches.unready(tt, picked)
         if delivery == "consume":
             picked = row_batches.counted(segments, picked)
             row_batches.retire(tt, segments, picked, CONSUMED)
@@ -183,7 +183,7 @@ def _fail_unservable_rows(
         tt.counters.last_failure = f"group {gkey}: {problems[0]}"
     tt.counters.groups_failed += len(failing)
     failed = [p for p in picked if p.gkey in failing]
-    row_batches.unready(tt, failed, segments)
+    row_batches.unready(tt, failed)
     damaged = {problem.uid for problems in failing.values() for problem in problems if problem.damaged}
     row_batches.retire(tt, segments, failed, FAILED, damaged)
 

@@ -43,13 +43,16 @@ NO_LEASE = bytes(SegState.LEASE)
 
 
 class Picked(NamedTuple):
-    """A group a take picked: its key, view and members' views, and its place (segment, index)."""
+    """A group a take picked: its key, view and members' views, its place (segment, index), and its
+    priority and lowest version, as the ready indexes hold it."""
 
     gkey: str
     group: RowGroup
     members: dict[str, RowMember]
     seg: int
     at: int  # its index in the segment
+    priority: float = 0.0
+    version: int | None = None
 
 
 class Segments:
@@ -126,8 +129,8 @@ def select(tt: TableState, spec: TakeSpec, segments: Segments, rng: random.Rando
 
 # The indexes a request may build in its own transaction: a table of few ready groups builds the
 # index an order reads where the request meets its lack (one chunk, what a background build's
-# chunk costs the writer), rather than waiting for the background's; a uniform request with a
-# lowest version reads two.
+# chunk costs the writer), rather than waiting for the background's; with a lowest version, an
+# order without a `fresh` of its own reads two (the version index and its own).
 _INLINE_BUILDS = 2
 
 
@@ -144,8 +147,7 @@ def _indexed(tt: TableState, spec: TakeSpec, segments: Segments, rng: random.Ran
             if not isinstance(ref, GroupRef) or segments.state(ref.seg).state(ref.group) != READY:
                 raise missing("ready group", raw.decode(errors="replace"))
             places.append(ref)
-            lo, hi = segments.view(ref.seg).span(ref.group)
-            total += hi - lo
+            total += len(segments.state(ref.seg).kept(*segments.view(ref.seg).span(ref.group)))  # deleted left out
             if spec.filled(len(places), total):
                 break
     found: dict[tuple[int, int], Picked] = {}
@@ -190,12 +192,13 @@ def _picked(
     together = 4 * sum(b - a for a, b in spans) >= hi - lo
     rows = view.members.members(lo, hi) if together else []
     keys = view.keys(first, last + 1) if together else []
+    priorities, versions = view.priorities(first, last + 1), view.versions(first, last + 1)
     found = []
     for g, (a, b) in zip(places, spans, strict=True):
         gkey = keys[g - first] if together else view.keys(g, g + 1)[0]
         members = kept_rows(state, rows[a - lo : b - lo] if together else view.members.members(a, b), a)
         group = RowGroup(gkey, now, members, lease=lease, times=state.times(g))
-        found.append(Picked(gkey, group, row_members(group), seg, g))
+        found.append(Picked(gkey, group, row_members(group), seg, g, priorities[g - first], versions[g - first]))
     return found
 
 
@@ -220,20 +223,16 @@ def _run_key(tt: TableState, seg: int, first: int) -> bytes:
     return tt.prefix + u64(seg + first)
 
 
-def _placed(segments: Segments, picked: Sequence[Picked]) -> list[tuple[bytes, int, float, int | None]]:
+def _placed(picked: Sequence[Picked]) -> list[tuple[bytes, int, float, int | None]]:
     """Picked groups as the ready indexes hold them: key, place, priority, lowest version."""
-    found = []
-    for p in picked:
-        view, at = segments.view(p.seg), p.at
-        found.append((p.gkey.encode(), p.seg + at, view.priorities(at, at + 1)[0], view.versions(at, at + 1)[0]))
-    return found
+    return [(p.gkey.encode(), p.seg + p.at, p.priority, p.version) for p in picked]
 
 
-def unready(tt: TableState, picked: Sequence[Picked], segments: Segments | None = None) -> None:
+def unready(tt: TableState, picked: Sequence[Picked]) -> None:
     """Picked groups leave the runs that cover them (each such run cut around them) and the indexes
-    the table keeps, in the order picked (`segments`: those read already)."""
+    the table keeps, in the order picked."""
     if picked and tt.ready.indexing():
-        tt.ready.remove_many(_placed(segments or Segments(tt), picked))
+        tt.ready.remove_many(_placed(picked))
     runs = tt.db["runs"]
     for seg, indexes in _by_segment((p.seg, p.at) for p in picked).items():
         gone, cut = set(indexes), set[int]()
@@ -456,7 +455,7 @@ def back(tt: TableState, segments: Segments, picked: Sequence[Picked], *, sample
     rows = [(_run_key(tt, seg, first), RunRow(seg, first, n).encode()) for seg, first, n in _lease_runs(picked)]
     put_rows(tt.txn, tt.db["runs"], sorted(rows))
     if picked and tt.ready.indexing():
-        tt.ready.add_many(_placed(segments, picked))
+        tt.ready.add_many(_placed(picked))
     if tt.extensions.hears("on_moved"):
         groups: Groups = [(p.gkey, _as(p, READY, times=p.group.times + sampled)) for p in picked]
         tt.extensions.on_moved(tt, Moved(LEASED, READY, groups))
@@ -504,7 +503,7 @@ def fail(tt: TableState, groups: Groups, damaged: Set[str]) -> None:
     segments = Segments(tt)
     complete = [gkey for gkey, grp in groups if grp.state not in (PENDING, COMPUTING)]
     picked = [p for p in complete_groups(tt, segments, complete) if p.group.state in (READY, LEASED)]
-    unready(tt, [p for p in picked if p.group.state == READY], segments)
+    unready(tt, [p for p in picked if p.group.state == READY])
     _leave(tt, segments, [p._replace(group=p.group._replace(lease="")) for p in picked], FAILED, damaged)
     row_pending.leave(tt, [(gkey, grp) for gkey, grp in groups if grp.state in (PENDING, COMPUTING)], FAILED, damaged)
 
@@ -514,7 +513,7 @@ def retire_ready(tt: TableState, gkeys: Sequence[str], state: State) -> int:
     max_times_sampled (consumed), stale ones (dropped); returns how many (one not ready stays)."""
     segments = Segments(tt)
     picked = unleased(tt, segments, gkeys, READY)
-    unready(tt, picked, segments)
+    unready(tt, picked)
     retire(tt, segments, picked, state)
     return len(picked)
 
@@ -543,7 +542,7 @@ def consume(tt: TableState, gkeys: Sequence[str]) -> None:
     ready = [p for p in picked if p.group.state == READY]
     for p in ready:
         rate_counts.forget(tt, p.group, p.members.values())
-    unready(tt, ready, segments)
+    unready(tt, ready)
     retire(tt, segments, [p._replace(group=p.group._replace(lease="")) for p in picked], CONSUMED)
 
 
@@ -567,7 +566,7 @@ def evict(tt: TableState, over: Callable[[int, int], bool], live: int, held: int
                 continue
             break
     if picked:
-        unready(tt, picked, segments)
+        unready(tt, picked)
         retire(tt, segments, picked, EVICTED)
     return sum(len(p.group.rows) for p in picked)
 

@@ -40,7 +40,7 @@ def place(tt: TableState, groups: Sequence[Members], priorities: Sequence[float]
     then moved behind every ready group at once (`until` None), or cooling until `until`."""
     segments = Segments(tt)
     picked = unleased(tt, segments, [gkey for gkey, _, _ in groups], READY)
-    unready(tt, picked, segments)
+    unready(tt, picked)
     if until is None:
         move(tt, segments, picked, priorities)
         return

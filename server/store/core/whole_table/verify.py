@@ -181,9 +181,7 @@ def rows(tt: TableState) -> list[str]:
     no entry names another place, each live member's payload (but a deleted one's) is present and the
     one pushed, each ready group is covered by one ready run and every run covers ready groups of a
     segment, each pending group's head has its fragments and its row in the pending index
-    (`_pending`), nothing is kept in the records' databases, the indexes the table keeps (a priority,
-    uniform or version index, at each group's place) hold exactly its ready groups and the others
-    nothing, and the counters count what is there."""
+    (`_pending`), nothing is kept in the records' databases, and the counters count what is there."""
     problems: list[str] = []
     counts: dict[str, int] = defaultdict(int)
     covered: dict[tuple[int, int], int] = defaultdict(int)  # (seg, group) -> the runs covering it
@@ -233,7 +231,9 @@ def rows(tt: TableState) -> list[str]:
         for gkey, value in cooling.items()
         if len(value) != 8
     )
-    ready: list[tuple[bytes, int, float, int | None]] = []  # as the indexes the table keeps hold them
+    # the ready groups as the indexes the table keeps hold them (each at its place), which hold
+    # exactly these (and the indexes it does not keep, nothing: ReadyIndex.verify)
+    ready: list[tuple[bytes, int, float, int | None]] = []
     for key, value in _rows_of(tt, "segs"):
         seg = int.from_bytes(key, "big")
         raw_state = tt.txn.get(tt.prefix + key, db=tt.db["sstate"])
