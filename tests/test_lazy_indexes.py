@@ -250,7 +250,7 @@ def test_a_request_that_needs_an_index_not_kept_changes_nothing_and_an_undone_ch
             store.catalog.state(txn, table_id, config).ready.of(PriorityIndex)
 
         def refused(txn: lmdb.Transaction[bytes]) -> None:
-            assert not store.catalog.state(txn, table_id, config).ready.build_step(PriorityIndex, limit=4).kept
+            assert not store.catalog.state(txn, table_id, config).build_index(PriorityIndex, limit=4).kept
             raise InvalidRequest("refused after a chunk")
 
         with pytest.raises(IndexBuilding):
@@ -283,8 +283,10 @@ class Writes:
         build_step, submit, apply, queue = core_ready.ReadyIndex.build_step, env.submit, env._apply, env._queue
         watch = self
 
-        def step(ready: core_ready.ReadyIndex, cls: type[Index], limit: int | None = None) -> core_ready.BuildStep:
-            done = build_step(ready, cls, limit)
+        def step(
+            ready: core_ready.ReadyIndex, cls: type[Index], groups: core_ready.ReadyGroups, limit: int | None = None
+        ) -> core_ready.BuildStep:
+            done = build_step(ready, cls, groups, limit)
             watch.chunks.append((watch._who, done.groups))
             return done
 
@@ -507,9 +509,7 @@ def test_a_build_cut_short_is_kept_consistent_and_goes_on_after_a_restart(tmp_pa
             store.put_entries("t", entries(40, 1))
         table_id, config = lazy.catalog.lookup("t")
         for _ in range(3):
-            lazy.environment.submit(
-                lambda txn: lazy.catalog.state(txn, table_id, config).ready.build_step(Slots, limit=8)
-            )
+            lazy.environment.submit(lambda txn: lazy.catalog.state(txn, table_id, config).build_index(Slots, limit=8))
         with lazy.environment.read() as txn:
             assert core_ready.builds(txn, lazy.environment.db, layout.table_prefix(table_id)) == {"slots": 24}
         assert lazy.verify("t") == []

@@ -272,7 +272,7 @@ def test_a_build_under_way_starts_over_when_the_index_was_dropped_meanwhile(
         store = Store(tmp_path)
         table_id, config = store.catalog.lookup("t")
         assert not store.environment.submit(
-            lambda txn: store.catalog.state(txn, table_id, config).ready.build_step(LazyOldestVersion, limit=2)
+            lambda txn: store.catalog.state(txn, table_id, config).build_index(LazyOldestVersion, limit=2)
         ).kept
         assert store.verify("t") == []
         store.close()

@@ -150,7 +150,7 @@ class IndexBuilds:
             tt = self.catalog.state_of(txn, job.table_id)
             if tt is None:
                 return BuildStep(True, 0)
-            done = tt.ready.build_step(job.index)
+            done = tt.build_index(job.index)
             if done.lost:  # ready groups whose records are lost fail, as a sample that meets them fails them
                 fail_lost_groups(tt, done.lost)
                 tt.save()

@@ -39,6 +39,9 @@ from .orders import ORDERS
 I = TypeVar("I", bound=Index)  # noqa: E741
 # A ready group as the rules pass it: key, rseq, priority, version (a ReadyGroup or a plain tuple).
 Row = tuple[bytes, int, float, int | None]
+# What a build reads its groups with (table_state.TableState.ready_groups): up to a limit of ready
+# groups from an rseq on, with or without their records; the rseq to go on from; those lost.
+ReadyGroups = Callable[[int, int, bool], tuple[list[ReadyGroup], int | None, list[str]]]
 # After a table's prefix in the counters database: the databases of the lazy indexes
 # (Index.lazy) the table keeps, comma separated. Absent (a table from before the mark): all.
 IN_USE = b"indexes"
@@ -178,11 +181,15 @@ class ReadyIndex:
         dbs: Mapping[str, lmdb._Database],
         txn: lmdb.Transaction[bytes],
         prefix: bytes,
-        ready_groups: Callable[[int, int, bool], tuple[list[ReadyGroup], int | None, list[str]]] | None = None,
         *,
+        buildable: bool = False,
         rows: bool = False,
     ) -> None:
-        self.dbs, self.txn, self.prefix, self.ready_groups, self.rows = dbs, txn, prefix, ready_groups, rows
+        # `buildable`: its table's state can read its ready groups for a build (`build_step`). The
+        # state is passed to each build, never kept: a state that kept its index and an index that
+        # kept its state would be a cycle, and the read transaction a dropped state names would
+        # hold one of LMDB's reader slots until the garbage collector found the cycle.
+        self.dbs, self.txn, self.prefix, self.buildable, self.rows = dbs, txn, prefix, buildable, rows
         self._made: dict[type[Index], Index] = {}  # made when first used: a request reads one or two
         self._kept: list[type[Index]] | None = None
         self._builds: dict[str, int] | None = None
@@ -233,7 +240,7 @@ class ReadyIndex:
                         f"the index {cls.__name__} ({', '.join(cls.databases)}) is not open in this store: "
                         "an order is registered before the store opens"
                     )
-                if self.ready_groups is None:
+                if not self.buildable:
                     raise InvalidRequest(
                         f"the index {cls.__name__} is not kept by this table, and cannot be built here"
                     )
@@ -241,14 +248,14 @@ class ReadyIndex:
             index = self._made[cls] = cls(self.dbs, self.txn, self.prefix)
         return cast(I, index)
 
-    def build_step(self, cls: type[Index], limit: int | None = None) -> BuildStep:
+    def build_step(self, cls: type[Index], ready_groups: ReadyGroups, limit: int | None = None) -> BuildStep:
         """One chunk of the build of an index the table does not keep: up to `limit` (default
         BUILD_CHUNK) stale rows deleted (rows a release that kept every index wrote while it served the table), then up
-        to `limit` ready groups indexed, from the cursor on in the ready order. The last chunk
-        marks it kept."""
+        to `limit` ready groups indexed, from the cursor on in the ready order, as `ready_groups`
+        reads them (table_state.TableState.ready_groups). The last chunk marks it kept."""
         if cls in self.kept():
             return BuildStep(True, 0)
-        if self.ready_groups is None:
+        if not self.buildable:
             raise InvalidRequest(f"the index {cls.__name__} is not kept by this table, and cannot be built here")
         index, found = cls(self.dbs, self.txn, self.prefix), builds(self.txn, self.dbs, self.prefix)
         cursor = found.get(cls.databases[0], _CLEAR)
@@ -261,7 +268,7 @@ class ReadyIndex:
                 self._saved(found)
                 return BuildStep(False, 0)
             cursor = 0
-        groups, after, lost = self.ready_groups(cursor, budget, cls.reads_records)
+        groups, after, lost = ready_groups(cursor, budget, cls.reads_records)
         index.add(groups)
         if after is not None:
             found[cls.databases[0]] = after

@@ -33,8 +33,8 @@ from ...schema.errors import StoreError, clip
 from ...schema.states import COMPUTING, LEASED, LIVE, PENDING, READY, State, check_move
 from ...schema.table_config import TableConfig
 from ...schema.views import GroupView, Members, MemberView
-from ..ordering.indexes import ReadyGroup, ReadyOrder
-from ..ordering.ready import ReadyIndex
+from ..ordering.indexes import Index, ReadyGroup, ReadyOrder
+from ..ordering.ready import BuildStep, ReadyIndex
 from .counters import read_counters, write_counters
 from .events import Events, Moved
 from .views import RowGroup, group_record, group_rows, member_record, row_members
@@ -94,7 +94,7 @@ class TableState:
         self.extensions = extensions
         self.prefix = layout.table_prefix(table_id)
         self.counters = read_counters(txn, dbs, self.prefix)
-        self.ready = ReadyIndex(dbs, txn, self.prefix, self.ready_groups, rows=config.storage.layout == "rows")
+        self.ready = ReadyIndex(dbs, txn, self.prefix, buildable=True, rows=config.storage.layout == "rows")
         # Write-back caches: a record changed several times in one request is encoded and
         # written once, by save().
         self._items: dict[str, Cached] = {}
@@ -219,6 +219,10 @@ class TableState:
         self._groups[gkey] = None
         self._dirty_groups.pop(gkey, None)
         self.txn.delete(self.key(gkey), db=self.db["groups"])
+
+    def build_index(self, cls: type[Index], limit: int | None = None) -> BuildStep:
+        """One chunk of the build of a lazy index this table does not keep (ReadyIndex.build_step)."""
+        return self.ready.build_step(cls, self.ready_groups, limit)
 
     def ready_groups(
         self, start: int, limit: int, records: bool = True

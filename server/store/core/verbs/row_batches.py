@@ -122,7 +122,7 @@ def select(tt: TableState, spec: TakeSpec, segments: Segments, rng: random.Rando
         try:
             return _indexed(tt, spec, segments, rng)
         except IndexBuilding as building:
-            if tt.counters.groups_ready > BUILD_CHUNK or not tt.ready.build_step(building.index).kept:
+            if tt.counters.groups_ready > BUILD_CHUNK or not tt.build_index(building.index).kept:
                 raise
     return _indexed(tt, spec, segments, rng)
 
