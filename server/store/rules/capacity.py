@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterator
 
 from ..core.table_state.counters import Counters
 from ..core.table_state.state import TableState
-from ..core.verbs import row_batches
+from ..core.verbs import row_moves
 from ..core.verbs.retire import retire
 from ..core.whole_table.reading import oldest_groups
 from ..schema.errors import TableFull, TooLarge
@@ -46,7 +46,7 @@ def make_room(tt: TableState, count: int, nbytes: int, keep: set[str]) -> None:
     """Room for `count` experiences of `nbytes` in the table: evict the oldest ready groups
     (never pending ones, which still take members, nor leased ones) or refuse. A records table's
     oldest are those of its oldest experiences; a rows table's, the first in its ready order (the
-    order they completed in: row_batches.evict)."""
+    order they completed in: row_moves.evict)."""
     cfg = tt.config
 
     def over(live: int, held: int) -> bool:
@@ -68,7 +68,7 @@ def make_room(tt: TableState, count: int, nbytes: int, keep: set[str]) -> None:
             f"({cfg.capacity.experiences} experiences, {cfg.capacity.bytes} bytes) on their own"
         )
     if cfg.capacity.when_full == "evict" and cfg.storage.layout == "rows":
-        tt.counters.evicted_total += row_batches.evict(tt, over, tt.counters.live(), held_bytes(tt.counters))
+        tt.counters.evicted_total += row_moves.evict(tt, over, tt.counters.live(), held_bytes(tt.counters))
         if not over_now():
             return
     elif cfg.capacity.when_full == "evict":

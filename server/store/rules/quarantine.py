@@ -34,7 +34,7 @@ from expbuf.client.schema.routing import uid_group_key
 
 from ..core.table_state.read_check import payload_problem
 from ..core.table_state.state import TableState
-from ..core.verbs import retire, row_batches
+from ..core.verbs import retire, row_moves
 from ..core.verbs.groups import remade
 from ..disk import chunk_reads
 from ..schema.states import FAILED, LIVE
@@ -59,7 +59,7 @@ def quarantine_groups(tt: TableState, groups: Sequence[tuple[str, GroupView, dic
         tt.counters.last_failure = f"group {gkey}: experience {uid} quarantined: {why}"
     tt.counters.damaged += len(quarantined)
     if tt.config.storage.layout == "rows":  # its damaged members fail with their groups, not quarantined apart
-        row_batches.fail(tt, [(gkey, grp) for gkey, grp, _ in groups], quarantined)
+        row_moves.fail(tt, [(gkey, grp) for gkey, grp, _ in groups], quarantined)
     else:
         retire.retire(tt, [(gkey, grp) for gkey, grp, _ in groups], FAILED, quarantined)  # and buries the lost
     return len(quarantined)

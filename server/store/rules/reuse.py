@@ -22,7 +22,7 @@ from collections.abc import Sequence
 
 from ..core.table_state.state import TableState
 from ..core.verbs import requeue as records
-from ..core.verbs import row_batches, row_requeue
+from ..core.verbs import row_moves, row_requeue
 from ..core.verbs.retire import retire
 from ..schema.states import CONSUMED
 from ..schema.table_config import TableConfig
@@ -58,7 +58,7 @@ def replayed(tt: TableState, taken: Sequence[Members], rng: random.Random) -> No
     limit = tt.config.reuse.max_times_sampled
     spent = {gkey for gkey, _, recs in taken if limit and max(r.times_sampled for r in recs.values()) >= limit}
     if tt.config.storage.layout == "rows":
-        row_batches.retire_ready(tt, [gkey for gkey, _, _ in taken if gkey in spent], CONSUMED)
+        row_moves.retire_ready(tt, [gkey for gkey, _, _ in taken if gkey in spent], CONSUMED)
     else:
         retire(tt, [(gkey, grp) for gkey, grp, _ in taken if gkey in spent], CONSUMED)
     requeue(tt, [group for group in taken if group[0] not in spent], rng)

@@ -29,7 +29,7 @@ from expbuf.client.trxp.codec import segments
 
 from ..core.table_state.events import TableExtension
 from ..core.table_state.state import TableState
-from ..core.verbs import row_batches
+from ..core.verbs import row_moves
 from ..core.verbs.retire import retire
 from ..schema.errors import VersionJump
 from ..schema.states import DROPPED, READY
@@ -108,8 +108,8 @@ def evict_stale(tt: TableState, limit: int = EVICT_LIMIT) -> int:
     if bound is None:
         return 0
     stale = list(dict.fromkeys(tt.ready.below_version(bound, limit)))
-    if tt.config.storage.layout == "rows":  # its groups leave their segments' runs (row_batches.py)
-        gone = row_batches.retire_ready(tt, stale, DROPPED) if stale else 0
+    if tt.config.storage.layout == "rows":  # its groups leave their segments' runs (row_moves.py)
+        gone = row_moves.retire_ready(tt, stale, DROPPED) if stale else 0
     else:
         groups = [(gkey, grp) for gkey in stale if (grp := tt.view(gkey)) is not None and grp.state == READY]
         if groups:

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from ..core.table_state.state import TableState
-from ..core.verbs import leases, row_batches
+from ..core.verbs import leases, row_moves
 from ..core.verbs.retire import consume
 from ..schema.errors import Forbidden, GroupIncomplete, clip
 from ..schema.states import LEASED, READY, RETIRED
@@ -37,7 +37,7 @@ def retire_trained(tt: TableState, group_ids: Sequence[str], owner: str = "") ->
         found[gkey] = grp
     groups = list(found.items())
     if tt.config.storage.layout == "rows":
-        row_batches.consume(tt, list(found))
+        row_moves.consume(tt, list(found))
     else:
         consume(tt, groups)
     return len(groups)

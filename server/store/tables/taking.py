@@ -22,7 +22,7 @@ from ..core.table_state import rate_counts
 from ..core.table_state.events import Taken
 from ..core.table_state.read_check import Unservable
 from ..core.table_state.state import TableState
-from ..core.verbs import requeue, row_batches, row_requeue
+from ..core.verbs import requeue, row_leases, row_moves, row_requeue, row_select
 from ..core.verbs.retire import retire
 from ..core.verbs.take import Payloads, lease, read_batch, select
 from ..core.whole_table.reading import batch_rows
@@ -90,11 +90,11 @@ def take(
     `counts`)."""
     report(tt, spec.trainer_version)  # before selection: a stale group is not taken in the same step
     payloads = Payloads(tt, snapshot, defer=hold)
-    segments = row_batches.Segments(tt) if tt.config.storage.layout == "rows" else None
-    picked: list[row_batches.Picked] = []
+    segments = row_select.Segments(tt) if tt.config.storage.layout == "rows" else None
+    picked: list[row_select.Picked] = []
     while True:
         if segments is not None:  # a rows table's runs: it loses no records
-            picked, total = row_batches.select(tt, spec, segments, rng)
+            picked, total = row_select.select(tt, spec, segments, rng)
             chosen: list[tuple[str, GroupView]] = [(p.gkey, p.group) for p in picked]
             lost: list[str] = []
         else:
@@ -109,7 +109,7 @@ def take(
         if held is not None:
             return held
         if segments is not None:
-            taken = row_batches.taken(picked)
+            taken = row_select.taken(picked)
         else:
             taken = [(gkey, grp, tt.stored_members(grp)) for gkey, grp in chosen]
         unservable = [(gkey, grp, problems) for gkey, grp, recs in taken if (problems := payloads.check(grp, recs))]
@@ -135,17 +135,17 @@ def take(
     batch.blobs, batch.advantages, batch.stage = rows.blobs, rows.advantages, rows.stage(counts)
     batch.counted = Counted(len(batch.uids), sum(rec.size for rec in rows.records), sum(batch.masked))
     if segments is not None and delivery == "replay":  # the groups stay ready, in their runs
-        picked, chosen = row_batches.replayed(segments, picked, tt.config.reuse.max_times_sampled)
-        reuse.replayed(tt, row_batches.taken(picked), rng)
+        picked, chosen = row_moves.replayed(segments, picked, tt.config.reuse.max_times_sampled)
+        reuse.replayed(tt, row_select.taken(picked), rng)
     elif segments is not None:
-        row_batches.unready(tt, picked)
+        row_moves.unready(tt, picked)
         if delivery == "consume":
-            picked = row_batches.counted(segments, picked)
-            row_batches.retire(tt, segments, picked, CONSUMED)
-            chosen = row_batches.views(picked, CONSUMED)
+            picked = row_moves.counted(segments, picked)
+            row_moves.retire(tt, segments, picked, CONSUMED)
+            chosen = row_select.views(picked, CONSUMED)
         else:
-            batch.lease_runs = row_batches.hold(tt, segments, picked, batch.lease_id)
-            chosen = row_batches.views(picked, LEASED, batch.lease_id)
+            batch.lease_runs = row_leases.hold(tt, segments, picked, batch.lease_id)
+            chosen = row_select.views(picked, LEASED, batch.lease_id)
     elif delivery == "consume":
         retire(tt, chosen, CONSUMED)
     elif delivery == "replay":
@@ -169,8 +169,8 @@ def take(
 
 def _fail_unservable_rows(
     tt: TableState,
-    segments: row_batches.Segments,
-    picked: list[row_batches.Picked],
+    segments: row_select.Segments,
+    picked: list[row_select.Picked],
     groups: list[tuple[str, GroupView, list[Unservable]]],
 ) -> None:
     """A rows table's groups a sample found a member of unservable fail whole, never served, the
@@ -183,9 +183,9 @@ def _fail_unservable_rows(
         tt.counters.last_failure = f"group {gkey}: {problems[0]}"
     tt.counters.groups_failed += len(failing)
     failed = [p for p in picked if p.gkey in failing]
-    row_batches.unready(tt, failed)
+    row_moves.unready(tt, failed)
     damaged = {problem.uid for problems in failing.values() for problem in problems if problem.damaged}
-    row_batches.retire(tt, segments, failed, FAILED, damaged)
+    row_moves.retire(tt, segments, failed, FAILED, damaged)
 
 
 def _fail_unservable(tt: TableState, groups: list[tuple[str, GroupView, list[Unservable]]]) -> None:

@@ -19,7 +19,7 @@ from ...schema.views import Members
 from ..table_state import rate_counts
 from ..table_state.state import TableState
 from ..table_state.views import group_record, member_record
-from . import row_batches
+from . import row_leases
 from .retire import retire
 
 Dbs = Mapping[str, lmdb._Database]
@@ -49,7 +49,7 @@ def grant_row(txn: lmdb.Transaction[bytes], dbs: Dbs, batch: Sampled, table_id: 
     expires = None if hold else batch.lease_expires
     counted = batch.counted if hold else None  # what a give-back unsent takes back
     if batch.lease_runs:  # a rows table's batch
-        value = row_batches.lease_row(table_id, batch.lease_runs, expires, owner, counted)
+        value = row_leases.lease_row(table_id, batch.lease_runs, expires, owner, counted)
     else:
         groups = list(dict.fromkeys(batch.group_ids))
         value = Lease(table_id=table_id, groups=groups, expires=expires, owner=owner, counted=counted).encode()
@@ -127,7 +127,7 @@ def leased_groups(tt: TableState, lease_id: str, lease: AnyLease) -> list[tuple[
 def held(tt: TableState, lease_id: str, lease: AnyLease) -> int:
     """The experiences still under a lease."""
     if isinstance(lease, RowLease):
-        return row_batches.held(tt, lease_id, lease)
+        return row_leases.held(tt, lease_id, lease)
     return sum(len(grp.members) for _, grp in leased_groups(tt, lease_id, lease))
 
 
@@ -140,7 +140,7 @@ def groups_back(tt: TableState, lease_id: str, lease: AnyLease, *, requeue: bool
     it leave the rate limiter's count (a member deleted meanwhile took its lease's sample out of
     that count as it left: rate_counts.forget)."""
     if isinstance(lease, RowLease):
-        return row_batches.end(tt, lease_id, lease, requeue=requeue, unsent=unsent)
+        return row_leases.end(tt, lease_id, lease, requeue=requeue, unsent=unsent)
     ended = leased_groups(tt, lease_id, lease)
     for _, grp in ended:
         grp.lease = ""
@@ -164,7 +164,7 @@ def replayed_back(tt: TableState, lease_id: str, lease: AnyLease) -> list[Member
     deliveries counted; returns them (with their members' views), for reuse to count as
     replayed (rules/reuse.replayed)."""
     if isinstance(lease, RowLease):
-        return row_batches.replayed_back(tt, lease_id, lease)
+        return row_leases.replayed_back(tt, lease_id, lease)
     groups = leased_groups(tt, lease_id, lease)
     for _, grp in groups:
         grp.lease = ""

@@ -28,8 +28,8 @@ from ..table_state import rate_counts
 from ..table_state.events import Retired
 from ..table_state.state import TableState
 from ..table_state.views import RowGroup, RowMember, row_members
-from . import row_batches, row_pending
-from .row_batches import NO_LEASE, Picked, Segments
+from . import row_moves, row_pending, row_select
+from .row_select import NO_LEASE, Picked, Segments
 from .segments import retired
 
 # The state byte of a complete group deleted whole: retired (its segment may retire), counting no member.
@@ -118,7 +118,7 @@ def _read(tt: TableState, segments: Segments, gkey: str) -> _Touched | None:
         rows = tuple(tt.pending_rows(gkey, head))
         group = RowGroup(gkey, PENDING, rows, dict(head.failed), created=head.created)
         return _Touched(group, row_members(group), head=head)
-    picked = row_batches.complete_groups(tt, segments, [gkey])
+    picked = row_select.complete_groups(tt, segments, [gkey])
     if not picked:
         return None
     p = picked[0]
@@ -132,7 +132,7 @@ def _gone(tt: TableState, segments: Segments, groups: Sequence[_Touched]) -> Non
     """Groups left without members go: a complete one's directory entry, and a live one's run (its
     state byte retired, no lease's), its segment retired with its last live group; a pending one's
     head, fragments and pending index row."""
-    row_batches.unready(tt, [grp.picked for grp in groups if grp.picked is not None and grp.group.state == READY])
+    row_moves.unready(tt, [grp.picked for grp in groups if grp.picked is not None and grp.group.state == READY])
     ended: set[int] = set()
     for grp in groups:
         gkey, state = grp.group.key, grp.group.state

@@ -29,8 +29,10 @@ from ...schema.views import Groups, Members
 from ..table_state.events import Moved
 from ..table_state.state import TableState
 from . import segments as rows
-from .row_batches import NO_LEASE, Picked, Segments, _moved, hold, unleased, unready
 from .row_deletes import EMPTIED
+from .row_leases import hold
+from .row_moves import count_moved, unready
+from .row_select import NO_LEASE, Picked, Segments, unleased
 
 _PRIORITY = struct.Struct("<d")  # a cooling row's value: the priority its group is ready again with
 
@@ -68,7 +70,7 @@ def warm(tt: TableState) -> int:
     back = unleased(tt, segments, priority, LEASED)
     if not back:
         return 0
-    _moved(tt, READY, back)
+    count_moved(tt, READY, back)
     if tt.extensions.hears("on_moved"):
         groups: Groups = [(p.gkey, p.group._replace(state=READY)) for p in back]
         tt.extensions.on_moved(tt, Moved(LEASED, READY, groups))

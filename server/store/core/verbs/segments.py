@@ -108,7 +108,7 @@ def write(
         refs.extend((tt.key(group.key), GroupRef(seg, index).encode()) for index, group in enumerate(part))
         if state == READY:
             runs.append((key, RunRow(seg, 0, len(part)).encode()))
-            if tt.ready.indexing():  # the indexes a take in another order read (row_batches.py)
+            if tt.ready.indexing():  # the indexes a take in another order read (row_select.py)
                 tt.ready.add_many([(g.key.encode(), seg + at, g.priority, g.version) for at, g in enumerate(part)])
     put_rows(tt.txn, tt.db["segs"], segs)
     put_rows(tt.txn, tt.db["sstate"], states)

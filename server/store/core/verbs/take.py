@@ -23,7 +23,7 @@ from ...schema.views import Groups, GroupView, Members, MemberView
 from ..table_state.read_check import Unservable, serve_problem
 from ..table_state.state import TableState
 from ..table_state.views import group_record, member_record
-from . import row_batches
+from . import row_select
 
 
 def select(tt: TableState, spec: TakeSpec, rng: random.Random) -> tuple[list[tuple[str, GroupView]], int, list[str]]:
@@ -124,7 +124,7 @@ class Payloads:
         if self.snapshot is None and self._open is not None:
             self.snapshot = self._open()
             if self.tt.config.storage.layout == "rows":
-                self.newest = row_batches.newest_seq(self.snapshot, self.tt)
+                self.newest = row_select.newest_seq(self.snapshot, self.tt)
             else:
                 newest = self.snapshot.last_key(self.tt.prefix, self.tt.db["order"])
                 self.newest = -1 if newest is None else int.from_bytes(newest[len(self.tt.prefix) :], "big")  # T + seq

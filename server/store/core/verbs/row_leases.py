@@ -1,0 +1,143 @@
+"""A rows table's leases of runs (issue 64, 2.4): a batch's groups held under a lease (`RowLease`:
+the runs of the groups it holds), then consumed as it ends, or given back, each in a run of its own
+range (the runs cover the ready groups exactly) and to the indexes the table keeps at its place (its
+segment's id plus its index there).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from ...disk.layout import put_rows
+from ...disk.records import Counted
+from ...disk.rows import RowLease, RunRow
+from ...schema.states import CONSUMED, LEASED, READY
+from ...schema.views import Groups, Members
+from ..table_state import rate_counts
+from ..table_state.events import Moved
+from ..table_state.state import TableState
+from ..table_state.views import row_members
+from .row_moves import count_moved, mark, retire
+from .row_select import (
+    NO_LEASE,
+    Picked,
+    Segments,
+    by_segment,
+    moved_view,
+    picks,
+    placed,
+    ranges,
+    run_key,
+    taken,
+)
+
+
+def hold(tt: TableState, segments: Segments, picked: Sequence[Picked], lease_id: str) -> list[tuple[int, int, int]]:
+    """Picked groups (ready, out of their runs) leased under `lease_id` (to no one where it is "": a
+    cooling group, row_requeue.py): their state bytes and lease tags; returns the lease's runs
+    (segment, first group, groups)."""
+    mark(segments, picked, LEASED, bytes.fromhex(lease_id) if lease_id else NO_LEASE)
+    count_moved(tt, LEASED, picked)
+    segments.save()
+    if tt.extensions.hears("on_moved"):
+        tt.extensions.on_moved(tt, Moved(READY, LEASED, [(p.gkey, moved_view(p, LEASED, lease_id)) for p in picked]))
+    reuse = tt.config.reuse
+    return _lease_runs(picked, taken=reuse.priority_decay > 0 or reuse.cooldown_seconds > 0)
+
+
+def _lease_runs(picked: Sequence[Picked], *, taken: bool = False) -> list[tuple[int, int, int]]:
+    """Picked groups as runs (segment, first group, groups) of consecutive ones; with `taken`, in the
+    order picked (a table that reuses replayed groups requeues a held batch's in the order it was
+    taken, as a records table's lease names them: row_requeue.py)."""
+    if not taken:
+        places = by_segment((p.seg, p.at) for p in picked)
+        return [(seg, first, n) for seg, indexes in places.items() for first, n in ranges(indexes)]
+    runs: list[tuple[int, int, int]] = []
+    for p in picked:
+        seg, first, n = runs[-1] if runs else (-1, 0, 0)
+        if seg == p.seg and first + n == p.at:  # the next group of the run before
+            runs[-1] = (seg, first, n + 1)
+        else:
+            runs.append((p.seg, p.at, 1))
+    return runs
+
+
+def lease_row(
+    table_id: int, runs: Sequence[tuple[int, int, int]], expires: float | None, owner: str, counted: Counted | None
+) -> bytes:
+    """The value of a lease of runs."""
+    row_runs = [RunRow(*run) for run in runs]
+    return RowLease(table_id=table_id, runs=row_runs, expires=expires, owner=owner, counted=counted).encode()
+
+
+def leased(tt: TableState, segments: Segments, lease_id: str, lease: RowLease, *, ending: bool = False) -> list[Picked]:
+    """The groups still under a lease of runs (one consumed or given back meanwhile is not); with
+    `ending`, their views say they left it (as an ack's consume hears them)."""
+    tag = bytes.fromhex(lease_id)
+    under: dict[int, list[int]] = {}  # by segment, each read once
+    order: list[tuple[int, int]] = []  # the runs' order (a reusing table's: the take's, _lease_runs)
+    for run in lease.runs:
+        state = segments.state(run.seg)
+        span = range(run.first, run.first + run.length)
+        held = [g for g in span if state.state(g) == LEASED and state.lease(g) == tag]
+        under.setdefault(run.seg, []).extend(held)
+        order.extend((run.seg, g) for g in held)
+    found: dict[tuple[int, int], Picked] = {}
+    for seg, places in under.items():
+        for p in picks(segments.view(seg), segments.state(seg), seg, places, LEASED, "" if ending else lease_id):
+            found[seg, p.at] = p
+    return [found[place] for place in order]
+
+
+def held(tt: TableState, lease_id: str, lease: RowLease) -> int:
+    """The experiences still under a lease of runs."""
+    return sum(len(p.members) for p in leased(tt, Segments(tt), lease_id, lease))
+
+
+def end(tt: TableState, lease_id: str, lease: RowLease, *, requeue: bool, unsent: bool) -> int:
+    """A lease of runs ends: its groups consumed, or back to ready (`requeue`), counted as sampled
+    unless `unsent` (a batch held for a stream that never sent it: what its take counted leaves the
+    table's counters and the rate limiter's count); returns the experiences."""
+    segments = Segments(tt)
+    picked = leased(tt, segments, lease_id, lease, ending=not requeue)
+    count = sum(len(p.members) for p in picked)
+    if not requeue:  # the groups leave their lease, then the table
+        retire(tt, segments, picked, CONSUMED)
+        return count
+    if unsent:
+        counted = lease.counted or Counted(count, sum(m.size for p in picked for m in p.members.values()), 0)
+        tt.counters.sampled -= counted.experiences
+        tt.counters.bytes_sampled -= counted.nbytes
+        tt.counters.tokens_masked -= counted.tokens_masked
+        rate_counts.given_back(tt, count)
+    back(tt, segments, picked, sampled=not unsent)
+    return count
+
+
+def replayed_back(tt: TableState, lease_id: str, lease: RowLease) -> list[Members]:
+    """A held replay batch its client confirmed: its groups still under the lease are ready again,
+    their deliveries counted; returns them, counted, for reuse to retire the spent."""
+    segments = Segments(tt)
+    picked = leased(tt, segments, lease_id, lease)
+    back(tt, segments, picked, sampled=True)
+    again = [p._replace(group=moved_view(p, READY, times=p.group.times + 1)) for p in picked]
+    return taken([p._replace(members=row_members(p.group)) for p in again])
+
+
+def back(tt: TableState, segments: Segments, picked: Sequence[Picked], *, sampled: bool) -> None:
+    """Leased groups are ready again, each in a run of its own range (their deliveries counted where
+    `sampled`)."""
+    mark(segments, picked, READY, NO_LEASE)
+    if sampled:
+        for p in picked:
+            state = segments.state(p.seg)
+            state.set_times(p.at, state.times(p.at) + 1)
+    count_moved(tt, READY, picked)
+    segments.save()
+    rows = [(run_key(tt, seg, first), RunRow(seg, first, n).encode()) for seg, first, n in _lease_runs(picked)]
+    put_rows(tt.txn, tt.db["runs"], sorted(rows))
+    if picked and tt.ready.indexing():
+        tt.ready.add_many(placed(picked))
+    if tt.extensions.hears("on_moved"):
+        groups: Groups = [(p.gkey, moved_view(p, READY, times=p.group.times + sampled)) for p in picked]
+        tt.extensions.on_moved(tt, Moved(LEASED, READY, groups))

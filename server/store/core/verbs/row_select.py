@@ -1,0 +1,268 @@
+"""A rows table's ready groups picked for a take (issue 64, 2.4), and the groups a verb names read
+back: from the runs of the ready order, front first (fifo) or back first (lifo), each segment's rows
+read once and its members' columns once a run; in any other order, or with a lowest model version,
+from the index the order reads (core/ordering/), as a records table's take does, each group it names
+found through its directory entry (2.7). A rows table keeps such an index from the first request
+that read it (ready.ReadyIndex), so a table taken in fifo or lifo order alone writes none. Nothing
+here writes: what the picked groups become is row_moves.py's and row_leases.py's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import random
+from collections.abc import Generator, Iterable, Sequence
+from typing import NamedTuple
+
+from ...disk.layout import next_prefix, put_rows, u64
+from ...disk.rows import GroupRef, RunRow, SegmentView, SegState, directory_entry
+from ...disk.snapshot import Snapshot
+from ...schema.sample_spec import TakeSpec
+from ...schema.states import READY, State
+from ...schema.views import GroupView, Members
+from ..ordering.ready import BUILD_CHUNK, IndexBuilding
+from ..table_state.counters import read_counters
+from ..table_state.state import TableState, missing
+from ..table_state.views import RowGroup, RowMember, kept_rows, row_members
+
+NO_LEASE = bytes(SegState.LEASE)
+
+
+class Picked(NamedTuple):
+    """A group a take picked: its key, view and members' views, its place (segment, index), and its
+    priority and lowest version, as the ready indexes hold it."""
+
+    gkey: str
+    group: RowGroup
+    members: dict[str, RowMember]
+    seg: int
+    at: int  # its index in the segment
+    priority: float = 0.0
+    version: int | None = None
+
+
+class Segments:
+    """The segments a request reads in one transaction, each read once (its rows as a view of the
+    map, its state as a bytearray), and the states it changed, written once by `save`."""
+
+    def __init__(self, tt: TableState) -> None:
+        self.tt = tt
+        self._views: dict[int, SegmentView] = {}
+        self._states: dict[int, SegState] = {}
+        self._dirty: set[int] = set()
+
+    def view(self, seg: int) -> SegmentView:
+        view = self._views.get(seg)
+        if view is None:
+            raw = self.tt.txn.get(self.tt.prefix + u64(seg), db=self.tt.db["segs"])
+            if raw is None:
+                raise missing("segment", str(seg))
+            view = self._views[seg] = SegmentView(raw)
+        return view
+
+    def state(self, seg: int) -> SegState:
+        state = self._states.get(seg)
+        if state is None:
+            raw = self.tt.txn.get(self.tt.prefix + u64(seg), db=self.tt.db["sstate"])
+            if raw is None:
+                raise missing("segment state", str(seg))
+            state = self._states[seg] = SegState.decode(raw)
+        return state
+
+    def changed(self, seg: int) -> SegState:
+        """A segment's state, to change: written by `save`."""
+        self._dirty.add(seg)
+        return self.state(seg)
+
+    def save(self) -> None:
+        prefix = self.tt.prefix
+        rows = [(prefix + u64(seg), self._states[seg].encode()) for seg in sorted(self._dirty)]
+        put_rows(self.tt.txn, self.tt.db["sstate"], rows)
+        self._dirty.clear()
+
+
+def ready_runs(tt: TableState, newest: bool) -> Generator[tuple[bytes, RunRow]]:
+    """The table's ready runs in the ready order, oldest first (or `newest` first). The caller
+    changes none while it reads: it picks, then `unready` cuts the runs."""
+    prefix = tt.prefix
+    with tt.txn.cursor(db=tt.db["runs"]) as cur:
+        if newest:
+            end = next_prefix(prefix)
+            found = (cur.prev() if cur.set_range(end) else cur.last()) if end is not None else cur.last()
+            step = cur.prev
+        else:
+            found = cur.set_range(prefix)
+            step = cur.next
+        while found and cur.key()[: len(prefix)] == prefix:
+            yield bytes(cur.key()), RunRow.decode(cur.value())
+            found = step()
+
+
+def select(tt: TableState, spec: TakeSpec, segments: Segments, rng: random.Random) -> tuple[list[Picked], int]:
+    """Ready groups in the request's order until there are enough, and their experiences: in fifo
+    or lifo order from the runs (the columns of the members taken from a run read once), in any
+    other order or with a lowest model version from the index the order reads (`_indexed`)."""
+    if spec.order in ("fifo", "lifo") and spec.min_model_version is None:
+        return _from_runs(tt, spec, segments)
+    for _ in range(_INLINE_BUILDS):
+        try:
+            return _indexed(tt, spec, segments, rng)
+        except IndexBuilding as building:
+            if tt.counters.groups_ready > BUILD_CHUNK or not tt.build_index(building.index).kept:
+                raise
+    return _indexed(tt, spec, segments, rng)
+
+
+# The indexes a request may build in its own transaction: a table of few ready groups builds the
+# index an order reads where the request meets its lack (one chunk, what a background build's
+# chunk costs the writer), rather than waiting for the background's; with a lowest version, an
+# order without a `fresh` of its own reads two (the version index and its own).
+_INLINE_BUILDS = 2
+
+
+def _indexed(tt: TableState, spec: TakeSpec, segments: Segments, rng: random.Random) -> tuple[list[Picked], int]:
+    """Ready groups in the order of the request's index (core/ordering/), each found through its
+    directory entry, until there are enough (core/verbs/take.select's way on records). Reading an
+    index the table does not keep yet raises IndexBuilding before anything is changed."""
+    places: list[tuple[int, int]] = []  # (segment, group) in the order's
+    total = 0
+    with contextlib.closing(tt.ready.candidates(spec.order, rng, spec.min_model_version)) as candidates:
+        for raw in candidates:
+            entry = tt.txn.get(tt.prefix + raw, db=tt.db["gdir"])
+            ref = None if entry is None else directory_entry(entry)
+            if not isinstance(ref, GroupRef) or segments.state(ref.seg).state(ref.group) != READY:
+                raise missing("ready group", raw.decode(errors="replace"))
+            places.append(ref)
+            total += len(segments.state(ref.seg).kept(*segments.view(ref.seg).span(ref.group)))  # deleted left out
+            if spec.filled(len(places), total):
+                break
+    found: dict[tuple[int, int], Picked] = {}
+    for seg, indexes in by_segment(places).items():  # each segment's members read once
+        for p in picks(segments.view(seg), segments.state(seg), seg, indexes, READY, ""):
+            found[seg, p.at] = p
+    return [found[place] for place in places], total
+
+
+def _from_runs(tt: TableState, spec: TakeSpec, segments: Segments) -> tuple[list[Picked], int]:
+    """Ready groups from the runs, front first (fifo) or back first (lifo), until there are enough."""
+    picked: list[Picked] = []
+    total = 0
+    newest = spec.order == "lifo"
+    with contextlib.closing(ready_runs(tt, newest)) as runs:
+        for _, run in runs:
+            view, state = segments.view(run.seg), segments.state(run.seg)
+            places = range(run.first, run.first + run.length)
+            chosen: list[int] = []
+            for g in reversed(places) if newest else places:
+                chosen.append(g)
+                total += len(state.kept(*view.span(g)))
+                if spec.filled(len(picked) + len(chosen), total):
+                    break
+            picked += picks(view, state, run.seg, chosen, READY, "")
+            if spec.enough(len(picked), total):
+                break
+    return picked, total
+
+
+def picks(view: SegmentView, state: SegState, seg: int, places: Sequence[int], now: State, lease: str) -> list[Picked]:
+    """Groups of one segment at `places` (in that order), in state `now` (under `lease`), with their
+    members' views (those deleted left out): the columns of the members they span read once, or
+    (groups far apart, as a uniform take's) each group's alone."""
+    if not places:
+        return []
+    first, last = min(places), max(places)
+    spans = [view.span(g) for g in places]
+    lo, hi = view.span(first)[0], view.span(last)[1]
+    together = 4 * sum(b - a for a, b in spans) >= hi - lo
+    rows = view.members.members(lo, hi) if together else []
+    keys = view.keys(first, last + 1) if together else []
+    priorities, versions = view.priorities(first, last + 1), view.versions(first, last + 1)
+    found = []
+    for g, (a, b) in zip(places, spans, strict=True):
+        gkey = keys[g - first] if together else view.keys(g, g + 1)[0]
+        members = kept_rows(state, rows[a - lo : b - lo] if together else view.members.members(a, b), a)
+        group = RowGroup(gkey, now, members, lease=lease, times=state.times(g))
+        found.append(Picked(gkey, group, row_members(group), seg, g, priorities[g - first], versions[g - first]))
+    return found
+
+
+def ranges(indexes: Iterable[int]) -> list[tuple[int, int]]:
+    """Sorted group indexes as (first, length) ranges of consecutive ones."""
+    found: list[tuple[int, int]] = []
+    for _, part in itertools.groupby(enumerate(sorted(indexes)), key=lambda pair: pair[1] - pair[0]):
+        values = [g for _, g in part]
+        found.append((values[0], len(values)))
+    return found
+
+
+def by_segment(places: Iterable[tuple[int, int]]) -> dict[int, list[int]]:
+    found: dict[int, list[int]] = {}
+    for seg, g in places:
+        found.setdefault(seg, []).append(g)
+    return found
+
+
+def run_key(tt: TableState, seg: int, first: int) -> bytes:
+    """A run's key: the ready order's place of its first group (the segment's id is its first's)."""
+    return tt.prefix + u64(seg + first)
+
+
+def placed(picked: Sequence[Picked]) -> list[tuple[bytes, int, float, int | None]]:
+    """Picked groups as the ready indexes hold them: key, place, priority, lowest version."""
+    return [(p.gkey.encode(), p.seg + p.at, p.priority, p.version) for p in picked]
+
+
+def moved_view(p: Picked, state: State, lease: str = "", times: int | None = None) -> RowGroup:
+    """A picked group's view once it moved to `state` (under `lease`; its deliveries `times`)."""
+    return RowGroup(p.gkey, state, p.group.rows, lease=lease, times=p.group.times if times is None else times)
+
+
+def views(picked: Sequence[Picked], state: State, lease: str = "") -> list[tuple[str, GroupView]]:
+    """Picked groups' views once a take delivered them, as its `Taken` event names them."""
+    return [(p.gkey, moved_view(p, state, lease)) for p in picked]
+
+
+def unleased(tt: TableState, segments: Segments, gkeys: Iterable[str], now: State) -> list[Picked]:
+    """The groups of these keys the table holds in state `now` under no lease (ready ones, or cooling
+    ones: row_requeue.py), in that order, the members of each segment's read together (`picks`)."""
+    places: list[tuple[int, int]] = []
+    for gkey in gkeys:
+        raw = tt.txn.get(tt.key(gkey), db=tt.db["gdir"])
+        ref = None if raw is None else directory_entry(raw)
+        if isinstance(ref, GroupRef):
+            state = segments.state(ref.seg)
+            if state.state(ref.group) == now and state.lease(ref.group) == NO_LEASE:
+                places.append(ref)
+    found: dict[tuple[int, int], Picked] = {}
+    for seg, indexes in by_segment(places).items():
+        for p in picks(segments.view(seg), segments.state(seg), seg, indexes, now, ""):
+            found[seg, p.at] = p
+    return [found[place] for place in places]
+
+
+def complete_groups(tt: TableState, segments: Segments, gkeys: Iterable[str]) -> list[Picked]:
+    """The complete groups of these keys the table holds, each read from its segment (a pending or
+    absent one is not)."""
+    picked: list[Picked] = []
+    for gkey in gkeys:
+        raw = tt.txn.get(tt.key(gkey), db=tt.db["gdir"])
+        ref = None if raw is None else directory_entry(raw)
+        if isinstance(ref, GroupRef):
+            state = segments.state(ref.seg)
+            tag = state.lease(ref.group)
+            lease = tag.hex() if tag != NO_LEASE else ""
+            picked += picks(segments.view(ref.seg), state, ref.seg, [ref.group], state.state(ref.group), lease)
+    return picked
+
+
+def taken(picked: Sequence[Picked]) -> list[Members]:
+    """Picked groups as a take's verbs read them: key, view, members' views."""
+    return [(p.gkey, p.group, p.members) for p in picked]
+
+
+def newest_seq(snapshot: Snapshot, tt: TableState) -> int:
+    """The insertion number of the newest experience a snapshot holds of a rows table (-1: none): the
+    one before the next its counters name. Its newest segment's last member would not do: a group
+    requeued by reuse (row_requeue.py) goes into the newest segment with members pushed long before."""
+    return read_counters(snapshot, tt.db, tt.prefix).next_seq - 1
