@@ -300,6 +300,13 @@ class TableState:
     def rseq_key(self, grp: GroupRecord) -> bytes:
         return self.prefix + u64(grp.ready_seq)
 
+    def queued_key(self, head: PendingHead) -> bytes:
+        """A computing rows group's key in the compute queue: the place in the ready order it took
+        when it completed (its head's `queued`), as a records group's is its rseq (`rseq_key`)."""
+        if head.queued is None:
+            raise StoreError("a pending group has no place in the compute queue")
+        return self.prefix + u64(head.queued)
+
     # ---- states and their counts ---------------------------------------------------------
 
     def set_states(self, groups: Sequence[Members], state: State) -> None:

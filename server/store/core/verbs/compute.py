@@ -144,17 +144,29 @@ def store_advantages(
     entries."""
     for _, _, views in groups:
         for uid, view in views.items():
-            rec, value = member_record(view), advantages[uid]
-            if shaping is not None and uid in shaping.rewards:
-                rec.shaped_reward = shaping.rewards[uid]
-            if isinstance(value, float):
-                rec.advantage = value
-            else:
-                tt.txn.put(tt.key(uid), value, db=tt.db["adv"])
+            rec = member_record(view)
+            shaped, advantage = _values(tt, uid, advantages, shaping)
+            if shaped is not None:
+                rec.shaped_reward = shaped
+            if advantage is not None:
+                rec.advantage = advantage
     tt.set_states(groups, READY)
     rate_counts.became_ready(tt, sum(len(recs) for _, _, recs in groups))
     placed = [(gkey, group_record(grp)) for gkey, grp, _ in groups]
     return [(gkey.encode(), grp.ready_seq, grp.priority, grp.version) for gkey, grp in placed]
+
+
+def _values(
+    tt: TableState, uid: str, advantages: dict[str, float | bytes], shaping: ShapingUpdate | None
+) -> tuple[float | None, float | None]:
+    """A member's shaped reward (where the shaping made one) and its advantage, if one float: a
+    token-level one goes into the adv database here, the member's own field left as it is."""
+    value = advantages[uid]
+    shaped = None if shaping is None else shaping.rewards.get(uid)
+    if isinstance(value, float):
+        return shaped, value
+    tt.txn.put(tt.key(uid), value, db=tt.db["adv"])
+    return shaped, None
 
 
 def store_row_advantages(
@@ -171,13 +183,11 @@ def store_row_advantages(
     for grp, partial, written in groups:
         rows = []
         for member in grp.rows:
-            value = advantages[member.uid]
-            if shaping is not None and member.uid in shaping.rewards:
-                member = member._replace(shaped_reward=shaping.rewards[member.uid])
-            if isinstance(value, float):
-                member = member._replace(advantage=value)
-            else:
-                tt.txn.put(tt.key(member.uid), value, db=tt.db["adv"])
+            shaped, advantage = _values(tt, member.uid, advantages, shaping)
+            if shaped is not None:
+                member = member._replace(shaped_reward=shaped)
+            if advantage is not None:
+                member = member._replace(advantage=advantage)
             rows.append(member)
         done.append((grp._replace(rows=tuple(rows)), partial, written))
     row_pending.complete(tt, done, was)

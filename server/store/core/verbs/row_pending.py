@@ -171,7 +171,7 @@ def _forget(tt: TableState, gkey: str) -> PendingHead | None:
     if entry.queued is None:
         tt.txn.delete(tt.pending_key(gkey, entry), db=tt.db["pending"])
     else:
-        tt.txn.delete(tt.prefix + u64(entry.queued), db=tt.db["compute"])
+        tt.txn.delete(tt.queued_key(entry), db=tt.db["compute"])
     return entry
 
 
@@ -212,7 +212,7 @@ def queue(tt: TableState, groups: Sequence[tuple[RowGroup, bool, bool]]) -> None
             pieces.drop_group(tt, grp.key)  # its runs still in pieces will not join it
         entry.failed, entry.partial, entry.queued = dict(grp.failed), partial, counters.next_rseq
         counters.next_rseq += 1
-        tt.txn.put(tt.prefix + u64(entry.queued), grp.key.encode(), db=tt.db["compute"])
+        tt.txn.put(tt.queued_key(entry), grp.key.encode(), db=tt.db["compute"])
         tt.txn.put(tt.key(grp.key), entry.encode(), db=tt.db["gdir"])
         counters.add(PENDING, -len(grp.rows))
         counters.add(COMPUTING, len(grp.rows))
