@@ -59,7 +59,8 @@ def test_a_rate_limited_table_is_never_held_by_what_cannot_be_sampled(
         for payload in group(3):  # ready and not sampled when the server is killed
             client.push(payload, table="t")
     assert server.stop(signal.SIGKILL) == -signal.SIGKILL
-    server = serve(data, "--ingest-processes", "0")
+    # torch loaded at the start, not at the push below: its import would hold the push's refusal past its deadline
+    server = serve(data, "--ingest-processes", "0", "--advantage-worker", "at_start")
     with BufferClient(server.target, timeout=10, retries=0) as client:
         with pytest.raises(BufferError) as held:  # the count survived: group 3 is owed its samples
             client.push(group(4)[0], table="t", timeout=1)
@@ -107,6 +108,10 @@ def test_an_over_confirmed_batch_goes_back(tmp_path: Path, serve: Callable[..., 
         buffer = stub(chan)
         items = [trxp.from_experience(make_experience("f", task, run)) for task in range(2) for run in range(4)]
         buffer.Push(pb.PushRequest(payload=trxp.build(items)), timeout=30)
+        deadline = time.monotonic() + 60
+        while stats(buffer).ready < 8:  # computed once torch has loaded, which the push asked for
+            assert time.monotonic() < deadline, "the groups pushed were not computed"
+            time.sleep(0.1)
         stream = SampleStream(buffer, pb.SampleRequest(num_groups=1, delivery=pb.DELIVERY_CONSUME, wait_seconds=5))
         sent = next(stream.call)
         stream._out.put(pb.SampleRequest(received=5))
