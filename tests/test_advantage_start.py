@@ -349,14 +349,19 @@ def test_an_advantage_worker_that_ends_is_reported_as_one_that_did_not_start(
     assert error.levelno == logging.ERROR and cause in error.getMessage(), error.getMessage()
 
 
-def test_what_the_server_loaded_at_its_start_is_out_of_the_collectors_sight(start_server: Servers) -> None:
-    """Once torch has loaded, the server freezes its heap (gc.freeze): a full collection, which
-    the records of takes and pushes bring on, then walks only what was made since."""
+@pytest.mark.parametrize("advantage_worker", ["at_start", "when_needed"])
+def test_what_the_server_loaded_at_its_start_is_out_of_the_collectors_sight(
+    start_server: Servers, advantage_worker: str
+) -> None:
+    """Once torch has loaded, or at the start where nothing needs it, the server freezes its heap
+    (gc.freeze): a full collection, which the records of takes and pushes bring on, then walks only
+    what was made since. A server that loads no torch froze nothing: each full collection walked
+    its own modules' objects."""
     before = gc.get_freeze_count()
     live = [[] for _ in range(10_000)]  # tracked objects that are alive when the server freezes
-    server = start_server()
+    server = start_server(advantage_worker=advantage_worker)
     deadline = time.monotonic() + 120
-    while not server.service.advantage_device:
+    while server.service.advantage_worker_state not in ("running", "not_needed"):
         assert time.monotonic() < deadline, "the advantage worker did not start"
         time.sleep(0.05)
     try:

@@ -50,6 +50,16 @@ log = logging.getLogger("expbuf.server")
 NOT_NEEDED, LOADING, RUNNING, FAILED = "not_needed", "loading", "running", "failed"
 
 
+def freeze_loaded() -> None:
+    """What the server has loaded by now (torch above all, once loaded: about 180,000 objects; the
+    server's own modules, about 44,000) lives as long as the process. Out of the collector's sight,
+    a full collection, which the records a take or a push makes and drops bring on every few
+    batches, no longer walks it: those walks took a fifth of a consume stream's writer. Garbage is
+    collected first, so that none is kept."""
+    gc.collect()
+    gc.freeze()
+
+
 class AdvantageStart:
     """Loads torch and starts the store's advantage worker on a thread of its own once a table
     needs it; answers the store's `in_push` meanwhile. `on_state` hears each state the worker
@@ -92,6 +102,7 @@ class AdvantageStart:
         if waiting is not None:
             self.need(f"table '{waiting}' holds groups whose advantages are still to compute")
         elif self.state == NOT_NEEDED:
+            freeze_loaded()  # the server's own objects, without torch's
             log.info(
                 "advantage worker not needed yet: torch loads when a table first needs advantages computed"
                 " (a push to a table with an estimator)"
@@ -139,13 +150,7 @@ class AdvantageStart:
                 return
             self._worker = worker.start()
         self._ready.set()
-        # What the server has loaded by now (torch above all: about 180,000 objects) lives as
-        # long as the process. Out of the collector's sight, a full collection, which the
-        # records a take or a push makes and drops bring on every few batches, no longer
-        # walks it: those walks took a fifth of a consume stream's writer. Garbage is collected
-        # first, so that none is kept.
-        gc.collect()
-        gc.freeze()
+        freeze_loaded()  # torch's objects too
         with self._lock:
             if self.state == LOADING:  # not a worker that has ended meanwhile
                 self.state = RUNNING
