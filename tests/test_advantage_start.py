@@ -18,7 +18,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from expbuf.client import BufferClient, InvalidArgumentError, trxp
+from expbuf.client import BufferClient, InvalidArgumentError, ResourceExhaustedError, trxp
 from expbuf.client.errors import ExpbufError
 from expbuf.server.advantages import estimators
 from expbuf.server.config import ServerConfig, load
@@ -123,6 +123,37 @@ def test_a_server_that_no_table_needs_advantages_of_loads_no_torch(tmp_path: Pat
     log = "".join(server.log)
     assert "advantage worker not needed yet" in log, log
     assert "advantage worker loading torch: table 'g' computes advantages with grpo" in log, log
+
+
+def test_a_push_that_stores_nothing_loads_no_torch(tmp_path: Path) -> None:
+    """A push that the rate limit holds, or that a full table of when_full = block holds, until
+    its deadline stores nothing, and needs nothing computed: it is refused RESOURCE_EXHAUSTED,
+    and torch does not begin to load. It did: the push's refusal, due just before its deadline,
+    raced torch's import, which holds the interpreter for seconds at a time under load, and the
+    caller saw DEADLINE_EXCEEDED (a push it could not tell from one lost)."""
+    data = str(tmp_path / "data")
+    first = ServerProcess(data, "--advantage-worker", "at_start")
+    try:
+        with BufferClient(first.target, timeout=30) as client:
+            client.create_table("limited", group_size=2, samples_per_insert=1.0, samples_per_insert_error=1.0)
+            client.create_table("full", group_size=2, capacity_experiences=2, when_full="block")
+            for table in ("limited", "full"):
+                client.push(trxp.build(group_items(0, 0, 2)), table=table)
+                wait_for(lambda t=table: client.stats(t)[t].ready == 2, f"{table}'s group computed")
+    finally:
+        assert first.stop(signal.SIGTERM) == 0, "".join(first.log)
+    env, gate = held_torch(tmp_path)  # the gate stays shut: a push that began torch's import shows
+    server = ServerProcess(data, env=env)
+    try:
+        with BufferClient(server.target, timeout=30, retries=0) as client:
+            for table in ("limited", "full"):
+                with pytest.raises(ResourceExhaustedError):
+                    client.push(trxp.build(group_items(0, 1, 2)), table=table, timeout=1)
+                assert client.stats(table)[table].pushed == 2
+            assert client.server_info().advantage_worker_state == "not_needed"
+            assert not asked(gate), "".join(server.log)
+    finally:
+        server.stop(signal.SIGKILL)
 
 
 @pytest.mark.parametrize("left", ["computing", "pending"])

@@ -5,9 +5,13 @@ torch's import takes 1.5-2.5 s of CPU on a few cores, most of a restart that oth
 well under a second (bench/RESULTS.md, "Restart at any size"), and far longer under load. The
 server therefore listens first, and this starts the worker beside it, when something needs it: at
 the start, where a table with an estimator holds groups still to compute (pending or computing,
-left by the last run or an upgrade); after it, at the first push to a table with an estimator
-(`in_push`). Every server has the default table, whose estimator is grpo: a table's mere existence
-is no need, or every server would load torch. A server that is never pushed to a table with an
+left by the last run or an upgrade); after it, at the first push that stores experiences in a
+table with an estimator (`stored`, once the push is durable). A push that stores nothing, held by
+a rate limit or a full table until its deadline, needs nothing computed and loads nothing: its
+refusal, due just before the deadline, would race the import, which holds the interpreter for up
+to seconds at a time on a loaded machine (the loading of torch's libraries). Every server has the
+default table, whose estimator is grpo: a table's mere existence is no need, or every server
+would load torch. A server that is never pushed to a table with an
 estimator never loads it (a replay buffer with estimator none, say). The setting
 `advantage_worker = "at_start"` loads it at the start instead (a torch that cannot load then shows
 at once, and the first pushes compute their advantages themselves). Until the worker runs no call
@@ -87,14 +91,14 @@ class AdvantageStart:
         self._worker: AdvantageWorker | None = None
         self._failure = ""
         self._thread = threading.Thread(target=self._load, name="expbuf-advantages-start", daemon=True)
-        store.in_push = self.in_push
+        store.in_push, store.on_stored = self.in_push, self.stored
         on_state(NOT_NEEDED, "")
 
     def start(self) -> None:
         """At the server's start (once it listens): load torch now where asked to (`at_start`), or
         where a table with an estimator holds groups still to compute, which no push of this server
         may come to complete (a group the last run left pending completes at its timeout); else
-        when `need` is first called."""
+        at the first push that stores experiences in a table with an estimator (`stored`)."""
         if self._at_start:
             self.need("advantage_worker = at_start")
             return
@@ -157,14 +161,19 @@ class AdvantageStart:
                 self._on_state(RUNNING, device)
         log.info("advantage worker started: advantages computed on %s", device)
 
+    def stored(self, config: TableConfig) -> None:
+        """The store's `on_stored`: a push stored experiences in a table, whose estimator, if it
+        has one, needs the worker."""
+        if config.advantages.estimator != "none":
+            self.need(f"table '{config.name}' computes advantages with {config.advantages.estimator}")
+
     def in_push(self, config: TableConfig) -> Compute | None:
-        """The store's `in_push`, and the need of a table with an estimator pushed to: None (the
-        groups computing, for the worker) for a table without an estimator, while torch loads, or
-        once the server stops; a refusal where the worker did not start or has ended; else the
+        """The store's `in_push`: None (the groups computing, for the worker) for a table without
+        an estimator, until the worker runs (nothing has needed it yet, or torch loads), or once
+        the server stops; a refusal where the worker did not start or has ended; else the
         worker's answer."""
         if config.advantages.estimator == "none":
             return None
-        self.need(f"table '{config.name}' computes advantages with {config.advantages.estimator}")
         if self._failure:
             raise AdvantagesUnavailable(
                 f"table '{config.name}': advantages cannot be computed on this server ({self._failure})"
