@@ -36,7 +36,7 @@ from expbuf.proto.v1 import buffer_pb2 as pb
 from expbuf.proto.v1 import buffer_pb2_grpc as pb_grpc
 
 from faultkit import channel, healthy, payload, sample_all, stats, stub
-from helpers import ServerProcess, group_items, make_experience, scrape, wait_for
+from helpers import ServerProcess, group_items, make_experience, scrape, wait_for, wait_ready
 from pages import code_blocks, page
 
 pytestmark = pytest.mark.faults
@@ -461,6 +461,7 @@ def test_a_fleet_running_the_ledger_pages_loop_gets_every_prompt_while_pushes_an
         large = trxp.build(group_items("chunked", 0, 2, response=8000))
         with BufferClient(server.target, push_chunk_bytes=1 << 16) as chunked:
             assert len(chunked.push(large, table="other").stored) == 2
+        wait_ready(client, "other", 6)  # torch may still load: the fleet's first push began it
         sampled = next(client.sample("other", num_groups=2, max_batches=1, timeout=10, delivery="consume"))
         assert len(sampled.uids) == 6
         scope["trainer"](client)
