@@ -133,9 +133,12 @@ class Servers:
     second start is a restart on the same data; `settings` are ServerConfig's fields. A test
     server decodes every push in its own process (`ingest_processes=0`) unless the test asks
     for ingest processes (tests/test_ingest.py does): a lone push, and any below 256 KiB
-    (ingest.SMALL), is decoded there anyway, and each worker is an interpreter to spawn. It is
-    returned once its advantage worker has started (as ServerProcess's `warm`): a push before
-    that leaves its groups to the worker, where one after computes them itself on the CPU.
+    (ingest.SMALL), is decoded there anyway, and each worker is an interpreter to spawn. Its
+    advantage worker starts at the start (`advantage_worker="at_start"`: this process has torch
+    loaded already) unless the test asks otherwise, and it is returned once that has started: a
+    push before that leaves its groups to the worker, where one after computes them itself on the
+    CPU. A server that loads torch only when a table needs it, the default, is tested as an
+    `expbuf serve` child (tests/test_advantage_start.py).
     """
 
     def __init__(self, data: Path) -> None:
@@ -143,10 +146,11 @@ class Servers:
         self.started: list[ExpbufServer] = []
 
     def __call__(self, data: Path | str | None = None, **settings: object) -> ExpbufServer:
-        settings = {"port": 0, "metrics_port": 0, "ingest_processes": 0, **settings}
+        settings = {"port": 0, "metrics_port": 0, "ingest_processes": 0, "advantage_worker": "at_start", **settings}
         server = ExpbufServer(ServerConfig(data=str(self.data if data is None else data), **settings))
         self.started.append(server.start())
-        assert server.advantages.wait(60), "the advantage worker did not start"
+        if server.advantages.state != "not_needed":  # advantage_worker="when_needed" asked, and nothing needs it
+            assert server.advantages.wait(60), "the advantage worker did not start"
         return server
 
     def stop_all(self) -> None:
