@@ -27,7 +27,7 @@ from expbuf.server.store.disk.rows import (
     SegState,
     directory_entry,
 )
-from expbuf.server.store.schema.errors import Conflict, GroupClosed
+from expbuf.server.store.schema.errors import Conflict, GroupClosed, InsertLimited
 from expbuf.server.store.schema.sample_spec import TakeSpec
 from expbuf.server.store.schema.states import READY
 from expbuf.server.store.schema.table_config import TableConfig
@@ -138,6 +138,22 @@ def test_duplicates_conflicts_and_counters_are_a_records_tables(
         assert rows == records and rows["ready"] == groups * size and rows["duplicates"] > 0
         assert rows["oldest_age_seconds"] == 5.0
         assert store.verify("t") == []  # the records table as it was
+
+
+def test_a_retried_push_to_a_rate_limited_table_is_answered_as_a_records_tables(tmp_path: Path) -> None:
+    """A push sent again (its reply lost) stores nothing new, so the rate limiter does not hold it:
+    a duplicate, as from a records table, while a new experience is held. A rows table held it as an
+    insert (InsertLimited), so a pusher that retried waited for samples that would never come."""
+    one = group_items(0, 0, 1, response=1, prompt=1)
+    limited = {**ONES, "samples_per_insert": 1.0, "samples_per_insert_error": 1.0}
+    with Store(tmp_path, clock=Clock()) as store:
+        both(store, "t", **limited)
+        for table in ("t", "t_rows"):
+            assert store.put(table, one).stored == [one[0].uid]
+            with pytest.raises(InsertLimited):
+                store.put(table, group_items(0, 1, 1, response=1, prompt=1), timeout=0)
+            assert store.put(table, one, timeout=0).duplicates == [one[0].uid]
+        assert layouts_stats(store, "t_rows") == layouts_stats(store, "t")
 
 
 def test_a_push_to_a_complete_rows_group_is_refused_and_stores_nothing(tmp_path: Path) -> None:
