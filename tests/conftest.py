@@ -108,6 +108,13 @@ def pytest_configure(config: pytest.Config) -> None:
         os.environ[DEFAULT_LAYOUT_VARIABLE] = layout
 
 
+@pytest.fixture
+def records_layout(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tables created without a layout are records tables, whatever `--layout` says: for a test of
+    what a records table writes (its item and group records, an upgrade of a format before rows)."""
+    monkeypatch.setenv(DEFAULT_LAYOUT_VARIABLE, "records")
+
+
 def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
     """With `--dist loadfile` (`make test` runs `-n 3 --dist loadfile`), each module's tests run on
     one worker, in their order, its shared servers started once; the modules of a SHARED_MODULES
