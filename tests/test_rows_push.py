@@ -167,6 +167,7 @@ def test_a_push_to_a_complete_rows_group_is_refused_and_stores_nothing(tmp_path:
         assert len(rows_of(store, "t_rows")["blobs"]) == 8
 
 
+@pytest.mark.usefixtures("records_layout")
 def test_only_a_directory_that_held_a_rows_table_has_the_rows_databases(tmp_path: Path) -> None:
     """The rows' databases are made with the first rows table (Environment.open_rows), in a
     transaction of their own: opening, reading read-only or checking a directory of records
