@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import signal
 import warnings
 from collections.abc import Callable, Iterator
@@ -22,6 +23,7 @@ from expbuf.client import BufferClient
 from expbuf.proto.v1 import buffer_pb2_grpc as pb_grpc
 from expbuf.server.app import ExpbufServer
 from expbuf.server.config import ServerConfig
+from expbuf.server.store.schema.table_parts import DEFAULT_LAYOUT_VARIABLE, LAYOUTS
 
 from helpers import ServerProcess, servers
 
@@ -90,6 +92,29 @@ LONG_FIRST = (
 
 
 @pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist, which a run may go without
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--layout",
+        choices=LAYOUTS,
+        help="the storage layout of every table created without one, in this process and the servers "
+        "it starts (issue 64: `--layout rows` runs the suite on rows)",
+    )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """`--layout` set in the environment, where the store and `expbuf serve` children read it."""
+    layout = config.getoption("--layout")
+    if layout:
+        os.environ[DEFAULT_LAYOUT_VARIABLE] = layout
+
+
+@pytest.fixture
+def records_layout(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tables created without a layout are records tables, whatever `--layout` says: for a test of
+    what a records table writes (its item and group records, an upgrade of a format before rows)."""
+    monkeypatch.setenv(DEFAULT_LAYOUT_VARIABLE, "records")
+
+
 def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
     """With `--dist loadfile` (`make test` runs `-n 3 --dist loadfile`), each module's tests run on
     one worker, in their order, its shared servers started once; the modules of a SHARED_MODULES

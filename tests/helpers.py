@@ -403,7 +403,8 @@ def take_both(store: Store, name: str, **spec: object) -> tuple[object, ...] | N
 
 def both_layouts(store: Store, name: str, **settings: object) -> None:
     """Tables `name` (storage layout records) and `name`_rows (rows, issue 64) of the same settings."""
-    records = TableConfig.of(name, **settings)  # type: ignore[arg-type]
+    made = TableConfig.of(name, **settings)  # type: ignore[arg-type]
+    records = dataclasses.replace(made, storage=dataclasses.replace(made.storage, layout="records"))
     store.create_table(records)
     rows = dataclasses.replace(records.storage, layout="rows")
     store.create_table(dataclasses.replace(records, name=f"{name}_rows", storage=rows))
