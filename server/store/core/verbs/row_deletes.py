@@ -123,9 +123,9 @@ def _read(tt: TableState, segments: Segments, gkey: str) -> _Touched | None:
     if not picked:
         return None
     p = picked[0]
-    view, state = segments.view(p.seg), segments.state(p.seg)
+    view, seg_state = segments.view(p.seg), segments.state(p.seg)
     group = p.group._replace(failed=view.failed(p.at))
-    places = dict(zip(group.members, state.kept(*view.span(p.at)), strict=True))
+    places = dict(zip(group.members, seg_state.kept(*view.span(p.at)), strict=True))
     return _Touched(group, p.members, p._replace(group=group), places)
 
 
