@@ -452,7 +452,7 @@ class Storage(Part):
     # zstd's level, 1-19: 1 is fastest, and within a few percent of 3's size on tensor data.
     compression_level: int = 1
     # A hidden setting (HIDDEN): how the table's records are kept, one of LAYOUTS.
-    layout: str = field(default_factory=lambda: default_layout(), metadata={HIDDEN: True})
+    layout: str = field(default_factory=default_layout, metadata={HIDDEN: True})
 
     def __post_init__(self) -> None:
         self._one_of("compression", COMPRESSIONS)

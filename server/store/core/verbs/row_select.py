@@ -55,20 +55,21 @@ class Segments:
     def view(self, seg: int) -> SegmentView:
         view = self._views.get(seg)
         if view is None:
-            raw = self.tt.txn.get(self.tt.prefix + u64(seg), db=self.tt.db["segs"])
-            if raw is None:
-                raise missing("segment", str(seg))
-            view = self._views[seg] = SegmentView(raw)
+            view = self._views[seg] = SegmentView(self._read(seg, "segs", "segment"))
         return view
 
     def state(self, seg: int) -> SegState:
         state = self._states.get(seg)
         if state is None:
-            raw = self.tt.txn.get(self.tt.prefix + u64(seg), db=self.tt.db["sstate"])
-            if raw is None:
-                raise missing("segment state", str(seg))
-            state = self._states[seg] = SegState.decode(raw)
+            state = self._states[seg] = SegState.decode(self._read(seg, "sstate", "segment state"))
         return state
+
+    def _read(self, seg: int, db: str, what: str) -> bytes:
+        """A segment's row in one of its databases, which whatever names the segment says is stored."""
+        raw = self.tt.txn.get(self.tt.prefix + u64(seg), db=self.tt.db[db])
+        if raw is None:
+            raise missing(what, str(seg))
+        return raw
 
     def changed(self, seg: int) -> SegState:
         """A segment's state, to change: written by `save`."""
