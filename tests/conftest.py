@@ -108,6 +108,15 @@ def pytest_configure(config: pytest.Config) -> None:
         os.environ[DEFAULT_LAYOUT_VARIABLE] = layout
 
 
+@pytest.fixture(params=LAYOUTS)
+def table_layout(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Tables created without a layout are of each layout in turn (or of the one a test's
+    `indirect` parametrize names): for a rule both layouts keep."""
+    layout: str = request.param
+    monkeypatch.setenv(DEFAULT_LAYOUT_VARIABLE, layout)
+    return layout
+
+
 @pytest.fixture
 def records_layout(monkeypatch: pytest.MonkeyPatch) -> None:
     """Tables created without a layout are records tables, whatever `--layout` says: for a test of

@@ -46,7 +46,7 @@ def quarantine_logs(caplog: pytest.LogCaptureFixture, uid: str) -> int:
 
 @pytest.mark.parametrize("keep_failed", [True, False])
 def test_a_get_quarantines_a_damaged_experience_and_its_group_keeps_the_others_for_get(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture, keep_failed: bool
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, keep_failed: bool, table_layout: str
 ) -> None:
     caplog.set_level(logging.ERROR, "expbuf.store")
     with Store(tmp_path) as store:
@@ -73,7 +73,7 @@ def test_a_get_quarantines_a_damaged_experience_and_its_group_keeps_the_others_f
         assert store.stats("t")["damaged"] == 1
 
 
-def test_a_sample_quarantines_and_serves_the_other_groups(tmp_path: Path) -> None:
+def test_a_sample_quarantines_and_serves_the_other_groups(tmp_path: Path, table_layout: str) -> None:
     with Store(tmp_path) as store:
         store.create_table(TableConfig.of("t", estimator="none", group_size=4))
         for task in range(4):
@@ -87,7 +87,7 @@ def test_a_sample_quarantines_and_serves_the_other_groups(tmp_path: Path) -> Non
         assert store.verify("t") == []
 
 
-def test_a_kept_payload_found_damaged_is_quarantined_alone(tmp_path: Path) -> None:
+def test_a_kept_payload_found_damaged_is_quarantined_alone(tmp_path: Path, table_layout: str) -> None:
     with Store(tmp_path) as store:
         store.create_table(TableConfig.of("t", estimator="none", group_size=4))
         store.put("t", group_items(0, 0, 4))
@@ -100,7 +100,7 @@ def test_a_kept_payload_found_damaged_is_quarantined_alone(tmp_path: Path) -> No
         assert store.verify("t") == []
 
 
-def test_quarantined_tombstones_are_forgotten_in_time_and_the_total_stays(tmp_path: Path) -> None:
+def test_quarantined_tombstones_are_forgotten_in_time_and_the_total_stays(tmp_path: Path, table_layout: str) -> None:
     now = [1000.0]
     with Store(tmp_path, clock=lambda: now[0]) as store:
         store.create_table(TableConfig.of("t", estimator="none", group_size=2, tombstone_seconds=60))
@@ -116,7 +116,7 @@ def test_quarantined_tombstones_are_forgotten_in_time_and_the_total_stays(tmp_pa
         assert store.verify("t") == []
 
 
-def test_the_advantage_worker_quarantines_a_damaged_token_level_payload(tmp_path: Path) -> None:
+def test_the_advantage_worker_quarantines_a_damaged_token_level_payload(tmp_path: Path, table_layout: str) -> None:
     """rloo reads each member's tokens: a group with a damaged one is not computed, the
     damaged member is quarantined, the other groups are computed."""
     with Store(tmp_path) as store:
@@ -131,6 +131,10 @@ def test_the_advantage_worker_quarantines_a_damaged_token_level_payload(tmp_path
         assert store.verify("t") == []
 
 
+# What a test loses (a uid's record, a records table's alone, or its payload) on which layout.
+LOST = [("items", "records"), ("blobs", "records"), ("blobs", "rows")]
+
+
 def lose(store: Store, table: str, uid: str, db: str) -> None:
     """Delete the uid's entry from one database (its record: items; its payload: blobs), as
     damage that lost a page of it would."""
@@ -138,10 +142,10 @@ def lose(store: Store, table: str, uid: str, db: str) -> None:
     store.environment.submit(lambda txn: txn.delete(key, db=store.db[db]))
 
 
-@pytest.mark.parametrize("db", ["items", "blobs"])
+@pytest.mark.parametrize(("db", "table_layout"), LOST, indirect=["table_layout"])
 @pytest.mark.parametrize("hold", [False, True])
 def test_a_sample_quarantines_a_group_whose_member_is_lost_and_serves_the_others(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture, db: str, hold: bool
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, db: str, hold: bool, table_layout: str
 ) -> None:
     """A member its group names whose record (or payload) is not stored: the sample that finds
     it quarantines its group as it does a damaged payload, counted and logged, and serves the
@@ -165,7 +169,9 @@ def test_a_sample_quarantines_a_group_whose_member_is_lost_and_serves_the_others
         assert store.verify("t") == []
 
 
-def test_a_sample_stream_of_a_table_with_a_lost_member_is_served_the_others(start_server: Servers) -> None:
+def test_a_sample_stream_of_a_table_with_a_lost_member_is_served_the_others(
+    start_server: Servers, records_layout: None
+) -> None:
     """Through the server: the Sample stream that meets a member whose record is gone is served
     the table's other groups, not refused INTERNAL, and the quarantine shows in Stats and the
     metrics."""
@@ -185,7 +191,7 @@ def test_a_sample_stream_of_a_table_with_a_lost_member_is_served_the_others(star
 
 
 def test_a_read_by_uid_lists_a_member_whose_record_is_lost_as_missing(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, records_layout: None
 ) -> None:
     """Get, its raw read and ReadFields (whole or by field) serve the others and list a payload
     whose record is lost as missing, logged with its uid, where they refused the whole read."""
@@ -207,8 +213,12 @@ def test_a_read_by_uid_lists_a_member_whose_record_is_lost_as_missing(
         assert any(lost in r.getMessage() and "its record is not" in r.getMessage() for r in caplog.records)
 
 
-@pytest.mark.parametrize("db", ["items", "blobs", "digest"])
-def test_a_sample_left_short_by_a_quarantine_keeps_it_and_the_table_checks_clean(tmp_path: Path, db: str) -> None:
+@pytest.mark.parametrize(
+    ("db", "table_layout"), [*LOST, ("digest", "records"), ("digest", "rows")], indirect=["table_layout"]
+)
+def test_a_sample_left_short_by_a_quarantine_keeps_it_and_the_table_checks_clean(
+    tmp_path: Path, db: str, table_layout: str
+) -> None:
     """A sample that quarantines a group (a member lost, or damaged) and then finds too few groups
     for its batch takes none, and the quarantine stands whole: the group failed, its members
     counted, the table clean. It stood in part: the tombstone and the payloads' deletes were

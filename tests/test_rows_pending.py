@@ -815,7 +815,8 @@ def test_a_damaged_payload_fails_a_cooling_or_requeued_rows_group_whole(tmp_path
         assert served is not None and set(served.group_ids) == {"0/1", "0/2"}
         for table in ("cool_rows", "decay_rows"):
             counts = store.stats(table)
-            assert (counts["groups_failed"], counts["failed"], counts["leased"], counts["ready"]) == (1, 8, 0, 0)
+            assert (counts["groups_failed"], counts["failed"], counts["quarantined"], counts["ready"]) == (1, 7, 1, 0)
+            assert counts["leased"] == 0
             assert store.verify(table) == []
 
 
@@ -846,7 +847,8 @@ def test_a_damaged_payload_found_by_a_check_fails_its_group_whole_ready_leased_o
             damage(store, "t_rows", uid(task, number))
         found = store.quarantine("t_rows", [uid(0, 2), uid(1, 5), uid(9, 0), uid(2, 1), "0/7/0/0/x"])
         stats = store.stats("t_rows")
-        assert found == 3 and (stats["groups_failed"], stats["damaged"], stats["failed"]) == (3, 3, 17)
+        assert found == 3 and (stats["groups_failed"], stats["damaged"], stats["failed"]) == (3, 3, 14)
+        assert stats["quarantined"] == 3
         assert (stats["ready"], stats["leased"], stats["pending"], stats["bytes"] > 0) == (16, 0, 0, True)
         assert store.verify("t_rows") == []
         assert store.ack(leased.lease_id, "t_rows") == 0  # its group failed meanwhile

@@ -547,7 +547,8 @@ def test_a_damaged_payload_fails_its_group_and_the_others_are_served(tmp_path: P
         batch = store.sample(TakeSpec(table="t_rows", num_groups=2, wait_seconds=0))
         assert batch is not None and sorted(set(batch.group_ids)) == ["0/0", "0/2"]
         counts = store.stats("t_rows")
-        assert counts["groups_failed"] == 1 and counts["failed"] == 8 and counts["damaged"] == 1
+        assert counts["groups_failed"] == 1 and counts["failed"] == 7 and counts["damaged"] == 1
+        assert counts["quarantined"] == 1
         assert "group 0/1: " in str(counts["last_failure"]) and counts["ready"] == 8
         runs_cover_the_ready_groups(store, "t_rows")
 

@@ -21,8 +21,8 @@ lost fails when a sample passes it over or an index build reads past it (`fail_l
 record remade from its members' (core/verbs/groups.remade), their payloads kept for Get.
 
 A rows table's (issue 64) group with a damaged member fails as a records table's does, the damaged
-member's payload gone and the others' kept, the damaged counted, as a sample of it fails it
-(tables/taking.py); its damaged member counts as failed, not quarantined apart.
+member's payload gone and the others' kept, the damaged member flagged quarantined in its segment's
+state (disk/rows/segments.SegState) and counted so until its segment is forgotten.
 """
 
 from __future__ import annotations
@@ -44,6 +44,18 @@ log = logging.getLogger("expbuf.store")
 def quarantine_groups(tt: TableState, groups: Sequence[tuple[str, GroupView, dict[str, str]]]) -> int:
     """Live groups with damaged members (uid -> why) fail; those members are quarantined.
     Returns how many were."""
+    quarantined = counted(tt, groups)
+    if tt.config.storage.layout == "rows":
+        row_moves.fail(tt, [(gkey, grp) for gkey, grp, _ in groups], quarantined)
+    else:
+        retire.retire(tt, [(gkey, grp) for gkey, grp, _ in groups], FAILED, quarantined)  # and buries the lost
+    return len(quarantined)
+
+
+def counted(tt: TableState, groups: Sequence[tuple[str, GroupView, dict[str, str]]]) -> set[str]:
+    """Groups with damaged members (uid -> why) about to fail, logged and counted (each damaged
+    member once, by uid); returns the members to quarantine. `quarantine_groups` moves them, and a
+    rows table's sample, which holds their segments' states, moves them itself."""
     quarantined: set[str] = set()
     for gkey, _, damaged in groups:
         for uid, why in damaged.items():
@@ -56,11 +68,7 @@ def quarantine_groups(tt: TableState, groups: Sequence[tuple[str, GroupView, dic
         uid, why = next(iter(damaged.items()))
         tt.counters.last_failure = f"group {gkey}: experience {uid} quarantined: {why}"
     tt.counters.damaged += len(quarantined)
-    if tt.config.storage.layout == "rows":  # its damaged members fail with their groups, not quarantined apart
-        row_moves.fail(tt, [(gkey, grp) for gkey, grp, _ in groups], quarantined)
-    else:
-        retire.retire(tt, [(gkey, grp) for gkey, grp, _ in groups], FAILED, quarantined)  # and buries the lost
-    return len(quarantined)
+    return quarantined
 
 
 def quarantine_lost(tt: TableState, groups: Sequence[tuple[str, GroupView]]) -> None:

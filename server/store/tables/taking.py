@@ -32,7 +32,7 @@ from ..disk.snapshot import Snapshot
 from ..disk.stored_advantages import FinishBatch, StageCounts
 from ..rules import reuse
 from ..rules.limiter import sample_limit
-from ..rules.quarantine import fail_lost_groups, quarantine_groups, quarantine_lost
+from ..rules.quarantine import counted, fail_lost_groups, quarantine_groups, quarantine_lost
 from ..rules.staleness import masked_tokens, report, token_bound
 from ..schema.errors import SampleLimited
 from ..schema.sample_spec import TakeSpec
@@ -115,10 +115,7 @@ def take(
         unservable = [(gkey, grp, problems) for gkey, grp, recs in taken if (problems := payloads.check(grp, recs))]
         if not unservable:
             break
-        if segments is not None:
-            _fail_unservable_rows(tt, segments, picked, unservable)
-        else:
-            _fail_unservable(tt, unservable)  # and choose again, from the groups left
+        _fail_unservable(tt, unservable, None if segments is None else (segments, picked))  # then choose again
         tt.save()  # the failure stands whether or not the groups left make a batch
     batch = Sampled(uids=[], group_ids=[], blobs=[], partial=not enough)
     delivery = "lease" if hold else spec.delivery
@@ -167,32 +164,16 @@ def take(
     return batch
 
 
-def _fail_unservable_rows(
+def _fail_unservable(
     tt: TableState,
-    segments: row_select.Segments,
-    picked: list[row_select.Picked],
     groups: list[tuple[str, GroupView, list[Unservable]]],
+    rows: tuple[row_select.Segments, list[row_select.Picked]] | None,
 ) -> None:
-    """A rows table's groups a sample found a member of unservable fail whole, never served, the
-    damaged counted and their payloads gone, the others' kept as a records table's are
-    (payloads.kept)."""
-    failing = {gkey: problems for gkey, _, problems in groups}
-    for gkey, problems in failing.items():
-        log.error("table %s: group %s failed when sampled, never to be served: %s", tt.config.name, gkey, problems[0])
-        tt.counters.damaged += sum(problem.damaged for problem in problems)
-        tt.counters.last_failure = f"group {gkey}: {problems[0]}"
-    tt.counters.groups_failed += len(failing)
-    failed = [p for p in picked if p.gkey in failing]
-    row_moves.unready(tt, failed)
-    damaged = {problem.uid for problems in failing.values() for problem in problems if problem.damaged}
-    row_moves.retire(tt, segments, failed, FAILED, damaged)
-
-
-def _fail_unservable(tt: TableState, groups: list[tuple[str, GroupView, list[Unservable]]]) -> None:
     """Groups a sample found a member of unservable fail whole, never served: one with a
     damaged payload by the quarantine rule (quarantine.py: the damaged members quarantined, the
     others' payloads kept for Get); one whose stored advantage is beyond float32 as any failed
-    group (its payloads kept where the table keeps failed groups)."""
+    group (its payloads kept where the table keeps failed groups). A rows table's (`rows`: the
+    sample's segments and picked groups) move in one step, through the segments the sample holds."""
     damaged, beyond = [], []
     for gkey, grp, problems in groups:
         found = {problem.uid: problem.why for problem in problems if problem.damaged}
@@ -207,6 +188,14 @@ def _fail_unservable(tt: TableState, groups: list[tuple[str, GroupView, list[Uns
             beyond.append((gkey, grp))
             tt.counters.groups_failed += 1
             tt.counters.last_failure = f"group {gkey}: {problems[0]}"
+    if rows is not None:
+        segments, picked = rows
+        quarantined = counted(tt, damaged)
+        failing = {gkey for gkey, _, _ in groups}
+        failed = [p for p in picked if p.gkey in failing]
+        row_moves.unready(tt, failed)
+        row_moves.retire(tt, segments, failed, FAILED, quarantined)
+        return
     if damaged:
         quarantine_groups(tt, damaged)
     if beyond:

@@ -39,7 +39,7 @@ from ..ordering.indexes import Index, ReadyGroup, ReadyOrder
 from ..ordering.ready import BuildStep, ReadyIndex
 from .counters import read_counters, write_counters
 from .events import Events, Moved
-from .views import RowGroup, group_record, group_rows, member_record, row_members
+from .views import RowGroup, group_record, group_rows, member_record, quarantined, row_members
 
 # A member's record as the cache holds it: absent (None) when the table has no such uid.
 Cached = ItemRecord | None
@@ -205,7 +205,8 @@ class TableState:
         tag = state.lease(ref.group)
         lease = tag.hex() if any(tag) else ""
         rows = group_rows(view, state, ref.group)
-        return RowGroup(gkey, state.state(ref.group), rows, view.failed(ref.group), lease, state.times(ref.group))
+        now, times, found = state.state(ref.group), state.times(ref.group), quarantined(view, state, ref.group)
+        return RowGroup(gkey, now, rows, view.failed(ref.group), lease, times, quarantined=found)
 
     def pending_rows(self, gkey: str, head: PendingHead) -> list[Member]:
         """A rows table's pending group's members, in push order, as its fragments hold them."""

@@ -15,7 +15,7 @@ from expbuf.client.schema.routing import uid_group_key
 
 from ...disk.records import GroupRecord, ItemRecord
 from ...disk.rows import Member, SegmentView, SegState
-from ...schema.states import LEASED, READY, State
+from ...schema.states import LEASED, QUARANTINED, READY, State
 from ...schema.views import GroupView, MemberView
 
 
@@ -44,6 +44,7 @@ class RowGroup(NamedTuple):
     lease: str = ""
     times: int = 0  # its members' deliveries (a group's members are delivered together)
     created: float = 0.0  # when a pending group opened (its timeout's); 0 once it is complete
+    quarantined: frozenset[str] = frozenset()  # a failed group's members found damaged (SegState.QUARANTINED)
 
     @property
     def under_lease(self) -> bool:
@@ -134,8 +135,17 @@ def group_rows(view: SegmentView, state: SegState, g: int) -> tuple[Member, ...]
     return kept_rows(state, view.members.members(lo, hi), lo)
 
 
+def quarantined(view: SegmentView, state: SegState, g: int) -> frozenset[str]:
+    """The uids of a segment's group g's quarantined members (only a failed group has any)."""
+    lo, hi = view.span(g)
+    return frozenset(view.members.uids(i, i + 1)[0] for i in state.quarantined(lo, hi))
+
+
 def row_members(grp: RowGroup) -> dict[str, RowMember]:
     """A rows table's group's members' views (uid -> view), in push order; a leased group's members
-    say ready, as a records table's member records do."""
+    say ready, as a records table's member records do, and a quarantined one says so."""
     state = READY if grp.state == LEASED else grp.state
-    return {row.uid: RowMember(row, grp.key, state, grp.times) for row in grp.rows}
+    return {
+        row.uid: RowMember(row, grp.key, QUARANTINED if row.uid in grp.quarantined else state, grp.times)
+        for row in grp.rows
+    }

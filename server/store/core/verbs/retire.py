@@ -23,7 +23,7 @@ from ..table_state import rate_counts
 from ..table_state.events import Retired
 from ..table_state.state import TableState
 from ..table_state.views import RowGroup, RowMember, group_record, member_record
-from . import payloads, pieces, row_deletes, row_pending, segments
+from . import payloads, pieces, row_deletes, row_moves, row_pending, segments
 
 log = logging.getLogger("expbuf.store")
 
@@ -301,20 +301,18 @@ def _size(tt: TableState, uid: str) -> int:
 
 
 def quarantine_kept(tt: TableState, uid: str, view: MemberView) -> None:
-    """A failed experience whose kept payload is damaged: quarantined alone, its payload gone. A
-    rows table's stays failed with its group (its damaged members count failed, not quarantined:
-    docs/internals/storage.md), its payload gone, its damage counted."""
+    """A failed experience whose kept payload is damaged: quarantined alone, its payload gone (a
+    rows table's flagged so in its segment's state: row_moves.quarantine_kept)."""
     key = tt.key(uid)
-    if isinstance(view, RowMember):  # its bytes left the table's when its group failed
-        chunked.delete(tt.txn, tt.db, [key], [view.size])
-        tt.counters.damaged += 1
-        return
-    rec = member_record(view)
-    chunked.delete(tt.txn, tt.db, [key], [rec.size])
-    tt.txn.delete(key, db=tt.db["items"])
-    rec.state = QUARANTINED
-    tt.txn.put(key, rec.tombstone(), db=tt.db["tombs"])
-    tt.settle_item(uid, rec)
+    chunked.delete(tt.txn, tt.db, [key], [view.size])  # its bytes left the table's when its group failed
+    if isinstance(view, RowMember):
+        row_moves.quarantine_kept(tt, view.group, uid)
+    else:
+        rec = member_record(view)
+        tt.txn.delete(key, db=tt.db["items"])
+        rec.state = QUARANTINED
+        tt.txn.put(key, rec.tombstone(), db=tt.db["tombs"])
+        tt.settle_item(uid, rec)
     tt.counters.add(FAILED, -1)
     tt.counters.add(QUARANTINED, 1)
     tt.counters.damaged += 1

@@ -23,11 +23,11 @@ from expbuf.client.schema.routing import uid_group_key
 from ...disk import chunked
 from ...disk.records import DELETED
 from ...disk.rows import PendingHead, SegState
-from ...schema.states import COMPUTING, DROPPED, LIVE, PENDING, READY, RETIRED
+from ...schema.states import COMPUTING, DROPPED, LIVE, PENDING, QUARANTINED, READY, RETIRED
 from ..table_state import rate_counts
 from ..table_state.events import Retired
 from ..table_state.state import TableState
-from ..table_state.views import RowGroup, RowMember, row_members
+from ..table_state.views import RowGroup, RowMember, quarantined, row_members
 from . import row_moves, row_pending, row_select
 from .row_select import NO_LEASE, Picked, Segments
 from .segments import retired
@@ -82,7 +82,7 @@ def delete(tt: TableState, uids: Sequence[str], group_ids: Sequence[str]) -> int
         if grp is None or member is None:
             continue
         state = grp.group.state
-        tt.counters.add(state, -1)
+        tt.counters.add(QUARANTINED if uid in grp.group.quarantined else state, -1)
         grp.gone.append(uid)
         if state in LIVE:
             rate_counts.forget(tt, grp.group, [member])
@@ -96,7 +96,7 @@ def delete(tt: TableState, uids: Sequence[str], group_ids: Sequence[str]) -> int
         if grp.picked is not None:
             row = segments.changed(grp.picked.seg)
             for uid in grp.gone:
-                row.set_flags(grp.places[uid], row.flags(grp.places[uid]) | SegState.DELETED)
+                row.flag(grp.places[uid], SegState.DELETED)
         elif not grp.emptied:
             assert grp.head is not None
             row_pending.left(tt, grp.group.key, grp.head, [m for m in grp.group.rows if m.uid not in grp.gone])
@@ -124,7 +124,7 @@ def _read(tt: TableState, segments: Segments, gkey: str) -> _Touched | None:
         return None
     p = picked[0]
     view, seg_state = segments.view(p.seg), segments.state(p.seg)
-    group = p.group._replace(failed=view.failed(p.at))
+    group = p.group._replace(failed=view.failed(p.at), quarantined=quarantined(view, seg_state, p.at))
     places = dict(zip(group.members, seg_state.kept(*view.span(p.at)), strict=True))
     return _Touched(group, p.members, p._replace(group=group), places)
 

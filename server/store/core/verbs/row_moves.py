@@ -11,8 +11,8 @@ import contextlib
 from collections.abc import Callable, Sequence, Set
 
 from ...disk.layout import put_rows
-from ...disk.rows import RunRow
-from ...schema.states import COMPUTING, CONSUMED, EVICTED, FAILED, LEASED, PENDING, READY, RETIRED, State
+from ...disk.rows import RunRow, SegState
+from ...schema.states import COMPUTING, CONSUMED, EVICTED, FAILED, LEASED, PENDING, QUARANTINED, READY, RETIRED, State
 from ...schema.views import Groups, GroupView
 from ..table_state import rate_counts
 from ..table_state.events import Retired
@@ -124,6 +124,7 @@ def _leave(
         for p in picked:
             rate_counts.forget(tt, p.group, p.members.values())
     mark(segments, picked, state, NO_LEASE)
+    _quarantine(tt, segments, picked, damaged)
     prefix = tt.prefix
     keys = [prefix + uid.encode() for p in picked for uid in p.members]
     sizes = [member.size for p in picked for member in p.group.rows]
@@ -134,6 +135,35 @@ def _leave(
     count_moved(tt, state, picked)
     payloads.drop(tt, keys, sizes, keep=payloads.kept(tt, state, damaged))
     segments.save()
+
+
+def quarantine_kept(tt: TableState, gkey: str, uid: str) -> None:
+    """A failed group's member whose kept payload is damaged flagged quarantined in its segment's
+    state (the caller deletes the payload and counts it)."""
+    segments = Segments(tt)
+    for p in complete_groups(tt, segments, [gkey]):
+        _flag(segments, p, {uid})
+    segments.save()
+
+
+def _quarantine(tt: TableState, segments: Segments, picked: Sequence[Picked], damaged: Set[str]) -> None:
+    """The `damaged` members of failing picked groups flagged quarantined in their segments' states,
+    and counted so (`count_moved` counts them with their groups first)."""
+    if not damaged:
+        return
+    count = sum(_flag(segments, p, damaged) for p in picked)
+    tt.counters.add(FAILED, -count)
+    tt.counters.add(QUARANTINED, count)
+
+
+def _flag(segments: Segments, p: Picked, uids: Set[str]) -> int:
+    """A picked group's members among `uids` flagged quarantined; returns how many."""
+    row, count = segments.changed(p.seg), 0
+    for i, member in zip(row.kept(*segments.view(p.seg).span(p.at)), p.group.rows, strict=True):
+        if member.uid in uids:
+            row.flag(i, SegState.QUARANTINED)
+            count += 1
+    return count
 
 
 def fail(tt: TableState, groups: Groups, damaged: Set[str]) -> None:

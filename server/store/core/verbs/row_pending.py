@@ -21,7 +21,7 @@ from ...disk.kinds import Entry
 from ...disk.layout import u64
 from ...disk.rows import Member, PendingHead, SegmentView, SegState, directory_entry, encode_member_rows, fragment_key
 from ...disk.rows import uid_hash as _uid_hash
-from ...schema.states import COMPUTING, PENDING, State
+from ...schema.states import COMPUTING, PENDING, QUARANTINED, State
 from ...schema.views import Groups
 from ..table_state.events import Moved, Retired
 from ..table_state.state import TableState, missing
@@ -239,13 +239,16 @@ def leave(tt: TableState, groups: Groups, state: State, damaged: Set[str] = froz
     for grp in views:
         pieces.drop_group(tt, grp.key)
         _forget(tt, grp.key)
-    segments.write(tt, [segments.whole(g.key, g.created, g.rows, failed=g.failed) for g in views], state)
+    whole = [segments.whole(g.key, g.created, g.rows, failed=g.failed) for g in views]
+    segments.write(tt, whole, state, quarantined=damaged)
     counters = tt.counters
     for grp in views:
         counters.add(grp.state, -len(grp.rows))
         counters.add_groups(grp.state, -1)
     members = [member for grp in views for member in grp.rows]
-    counters.add(state, len(members))
+    flagged = sum(member.uid in damaged for member in members)
+    counters.add(state, len(members) - flagged)
+    counters.add(QUARANTINED, flagged)
     keys = [tt.key(member.uid) for member in members]
     payloads.drop(tt, keys, [member.size for member in members], keep=payloads.kept(tt, state, damaged))
 

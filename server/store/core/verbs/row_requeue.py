@@ -86,7 +86,7 @@ def move(tt: TableState, segments: Segments, picked: Sequence[Picked], prioritie
     for p, priority in zip(picked, priorities, strict=True):
         view, row = segments.view(p.seg), segments.changed(p.seg)
         for i in row.kept(*view.span(p.at)):
-            row.set_flags(i, row.flags(i) | SegState.DELETED)
+            row.flag(i, SegState.DELETED)
         row.set_state(p.at, EMPTIED)
         row.set_lease(p.at, NO_LEASE)
         created, version = view.created(p.at, p.at + 1)[0], view.versions(p.at, p.at + 1)[0]

@@ -11,7 +11,7 @@ increasing, so no other counter is kept for segments.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping, Sequence, Set
 from types import MappingProxyType
 
 from ...disk import chunked, layout
@@ -28,7 +28,7 @@ from ...disk.rows import (
     directory_entry,
     encode_segment,
 )
-from ...schema.states import FAILED, PENDING, READY, RETIRED, State
+from ...schema.states import FAILED, PENDING, QUARANTINED, READY, RETIRED, State
 from ...schema.views import Groups
 from ..table_state import rate_counts
 from ..table_state.events import Moved
@@ -76,13 +76,15 @@ def write(
     state: State,
     places: Sequence[int] | None = None,
     times: Sequence[int] | None = None,
+    quarantined: Set[str] = frozenset(),
 ) -> None:
     """Groups written as rows in `state`, in the order given: their segments (each a segment's id
     the rseq of its first group), states and directory entries; ready ones with a run a segment,
     retired ones in segments that say they retired now (their members' digests kept there: a
     retried push of one is a duplicate). With `places` (the rseq each group took when it completed:
     computing groups'), each group goes into a segment of its own there, in the ready order's place
-    it took then. With `times`, each group's deliveries so far (a requeued group's: row_requeue.py)."""
+    it took then. With `times`, each group's deliveries so far (a requeued group's: row_requeue.py);
+    the members of `quarantined` (failed groups' damaged ones) flagged so."""
     counters = tt.counters
     prefix = tt.prefix
     segs: list[tuple[bytes, bytes]] = []
@@ -102,6 +104,10 @@ def write(
         for index, count in enumerate(() if times is None else times[done : done + len(part)]):
             row.set_times(index, count)
         done += len(part)
+        if quarantined:
+            uids = [member.uid for group in part for member in group.members]
+            for i in (i for i, uid in enumerate(uids) if uid in quarantined):
+                row.flag(i, SegState.QUARANTINED)
         if state in RETIRED:
             retired(tt, seg, row)
         states.append((key, row.encode()))
@@ -139,7 +145,9 @@ def prune(tt: TableState, retired_before: float, limit: int = 10_000) -> int:
             for g, gkey in enumerate(view.keys(0, view.groups)):
                 lo, hi = view.span(g)
                 members = state.kept(lo, hi)  # a deleted member was uncounted as it went
-                tt.counters.add(state.state(g), -len(members))
+                flagged = len(state.quarantined(lo, hi))
+                tt.counters.add(state.state(g), flagged - len(members))
+                tt.counters.add(QUARANTINED, -flagged)
                 forgotten += len(members)
                 if state.state(g) == FAILED:  # its payloads, kept for Get (payloads.kept), go with it
                     uids = view.members.uids(lo, hi)

@@ -44,7 +44,7 @@ from ...schema.table_config import TableConfig
 from ...schema.views import GroupView, MemberView
 from ..table_state.read_check import payload_problem
 from ..table_state.state import TableState, member_state, pending_rows, stored
-from ..table_state.views import RowGroup, RowMember, group_rows, row_members
+from ..table_state.views import RowGroup, RowMember, group_rows, quarantined, row_members
 
 Dbs = Mapping[str, lmdb._Database]
 Value = bytes | memoryview
@@ -157,7 +157,8 @@ class RowMembers:
         if now not in LIVE and now != FAILED:  # a failed group's payloads may be kept, for Get
             return {}
         rows = group_rows(view, state, entry.group)
-        return row_members(RowGroup(gkey, now, rows, times=state.times(entry.group)))
+        found = quarantined(view, state, entry.group)
+        return row_members(RowGroup(gkey, now, rows, times=state.times(entry.group), quarantined=found))
 
 
 def members_of(reader: Reader, dbs: Dbs, prefix: bytes, config: TableConfig) -> Callable[[str], MemberView | None]:

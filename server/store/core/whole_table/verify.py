@@ -32,7 +32,7 @@ from ...disk.rows import (
 from ...schema.states import COMPUTING, FAILED, LEASED, LIVE, PENDING, QUARANTINED, READY, RETIRED, STATES, State
 from ..table_state.read_check import payload_problem
 from ..table_state.state import TableState, member_state
-from ..table_state.views import kept_rows
+from ..table_state.views import kept_rows, quarantined
 
 _NO_TAG = "00" * SegState.LEASE  # a rows table's group under no lease
 
@@ -264,15 +264,18 @@ def rows(tt: TableState) -> list[str]:
             tag = state.lease(g).hex()
             if not _lease_holds(group_state, tag, leased.pop((seg, g), None), gkey in cooling):
                 problems.append(f"group {gkey} is {group_state} under lease {tag}, which does not hold it so")
-            counts[group_state] += len(kept)
+            flagged = quarantined(view, state, g)
+            counts[group_state] += len(kept) - len(flagged)
+            counts[QUARANTINED] += len(flagged)
             live = group_state in LIVE
             if live:
                 counts["groups_" + group_state] += 1
             for member in kept_rows(state, view.members.members(lo, hi), lo):
                 blob = chunk_reads.read_payload(tt.txn, tt.db, tt.key(member.uid))
                 if not live:
-                    if blob is not None and group_state != FAILED:  # a failed group's may be kept, for Get
-                        problems.append(f"item {member.uid} of group {gkey} is {group_state} but its payload is kept")
+                    now = QUARANTINED if member.uid in flagged else group_state
+                    if blob is not None and now != FAILED:  # a failed group's may be kept, for Get
+                        problems.append(f"item {member.uid} of group {gkey} is {now} but its payload is kept")
                     elif blob is not None and (problem := _row_payload(member, FAILED, blob)) is not None:
                         problems.append(problem)
                     continue

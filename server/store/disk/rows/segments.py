@@ -158,6 +158,7 @@ class SegState:
     _ANY_FLAGS = 1
     LEASE = 8  # bytes of a lease tag
     DELETED = 1  # a member's flag: deleted (a Delete), out of its group: never served, counted or a duplicate
+    QUARANTINED = 2  # a failed group's member found damaged (rules/quarantine.py): counted quarantined, no payload
     __slots__ = ("_flags", "_leases", "_times", "buf", "groups", "members")
 
     def __init__(self, buf: bytearray) -> None:
@@ -232,6 +233,17 @@ class SegState:
         self.buf[self._flags + i] = flags
         if flags:
             self.buf[1] |= self._ANY_FLAGS
+
+    def flag(self, i: int, flag: int) -> None:
+        """Member i's `flag` set, its others kept."""
+        self.set_flags(i, self.flags(i) | flag)
+
+    def quarantined(self, lo: int, hi: int) -> list[int]:
+        """Members lo to hi (excluded) that are quarantined (and not deleted since)."""
+        if not self.any_flags:
+            return []
+        flags = self.buf[self._flags + lo : self._flags + hi]
+        return [lo + k for k, flag in enumerate(flags) if flag & (self.QUARANTINED | self.DELETED) == self.QUARANTINED]
 
     def kept(self, lo: int, hi: int) -> range | list[int]:
         """Members lo to hi (excluded) but those deleted."""
