@@ -12,7 +12,7 @@ from collections import defaultdict
 
 from expbuf.client.trxp.stored.pieces import Stored
 
-from ...disk import chunk_reads, digests, layout
+from ...disk import chunk_reads, layout
 from ...disk.layout import u64
 from ...disk.records import GroupRecord, ItemRecord
 from ...disk.rows import (
@@ -30,7 +30,7 @@ from ...disk.rows import (
     uid_hash,
 )
 from ...schema.states import COMPUTING, FAILED, LEASED, LIVE, PENDING, QUARANTINED, READY, RETIRED, STATES, State
-from ..table_state.read_check import payload_problem
+from ..table_state.read_check import payload_problem, stored_problem
 from ..table_state.state import TableState, member_state
 from ..table_state.views import kept_rows
 
@@ -349,7 +349,7 @@ def _pending(tt: TableState, heads: dict[str, PendingHead], counts: dict[str, in
 
 def _row_payload(blob: Stored | None, member: Member) -> str | None:
     """Why a rows table's live member's payload is not the one pushed, or None when it is."""
-    return "its payload is missing" if blob is None else digests.mismatch(blob, member.size, member.digest)
+    return "its payload is missing" if blob is None else stored_problem(member.uid, member.size, member.digest, blob)
 
 
 def _lease_holds(state: State, tag: str, named: str | None, cooling: bool) -> bool:
