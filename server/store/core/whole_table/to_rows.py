@@ -14,8 +14,9 @@ their rows, and nothing changes of what the table serves or counts:
   segment at a new place, retired when it was (the retired index names the segment then), which
   keeps its members' digests for a retried push. A quarantined member counts failed with its group
   from then on, as a rows table's damaged member does.
-The indexes the table kept are built again from its segments (a place is the rseq it was), its
-records, tombstones, insertion order and the ready order's index deleted. The payloads, their
+The indexes the table kept stay as they are (a group's place is the rseq it had, its priority and
+version in its segment what its record held), a build under way of one goes on from where it was;
+its records, tombstones, insertion order and the ready order's index are deleted. The payloads, their
 token-level advantages, chunks, shared prompts, pieces and the prompt ledger are kept by uid or by
 group, as a rows table keeps them: they are not touched.
 """
@@ -76,11 +77,11 @@ def _table(
     prefix = layout.table_prefix(table_id)
     used = in_use(txn, dbs, prefix)
     kept = [cls for cls in orders.KEPT if all(n in dbs for n in cls.databases) and keeps(used, cls)]
-    for cls in kept:  # built again below, from the segments
-        for db_name in cls.databases:
-            cls(dbs, txn, prefix).clear(db_name, 1 << 62)
-    forget_builds(txn, dbs, prefix, list(orders.KEPT))
-    mark_in_use(txn, dbs, prefix, set())
+    for db_name in ReadyOrder.databases:  # a rows table's ready order is its runs
+        ReadyOrder(dbs, txn, prefix).clear(db_name, 1 << 62)
+    forget_builds(txn, dbs, prefix, [ReadyOrder])
+    # the indexes kept stay as they are: each group keeps its place (its rseq), priority and version
+    mark_in_use(txn, dbs, prefix, {name for cls in kept if cls is not ReadyOrder for name in cls.databases})
     tt = TableState(txn, dbs, table_id, config, 0.0, TableExtension())  # no extension hears an upgrade
     by_state: dict[State, list[tuple[str, GroupRecord]]] = {}
     for key, raw in _under(txn, dbs["groups"], prefix):
@@ -94,10 +95,6 @@ def _table(
     for db_name in ("items", "tombs", "order", "groups"):
         _clear(txn, dbs[db_name], prefix)
     tt.save()
-    built = TableState(txn, dbs, table_id, config, 0.0, TableExtension())
-    for cls in kept:  # each build's last step marks it kept; the ready order's the runs are
-        while cls is not ReadyOrder and not built.build_index(cls, limit=1 << 62).kept:
-            pass
     return {prefix.hex() + gkey: ref for gkey, ref in leased.items()}
 
 
@@ -157,7 +154,7 @@ def _placed(tt: TableState, groups: list[tuple[str, GroupRecord]]) -> dict[str, 
                 tt.counters.next_rseq = at[0][1].ready_seq  # segments.write places them from here on
                 made = [_group(gkey, grp, [m for m, _ in rows]) for (gkey, grp), rows in zip(at, read, strict=True)]
                 times = [max((t for _, t in rows), default=0) for rows in read]
-                segments.write(tt, made, state, times=times)
+                segments.write(tt, made, state, times=times, indexed=False)
     tt.counters.next_rseq = after
     leased = {}
     states = Segments(tt)
