@@ -241,11 +241,9 @@ def _oldest_row(txn: lmdb.Transaction[bytes], dbs: Dbs, prefix: bytes) -> float 
             state = SegState.decode(stored(txn, cur.key(), dbs["sstate"], "segment state"))
             if state.retired is None:
                 view = SegmentView(cur.value())
-                for g in range(view.groups):
-                    kept = state.kept(*view.span(g)) if state.state(g) in LIVE else ()
-                    if kept:  # its first member not deleted
-                        created = float(view.members.column("created", kept[0], kept[0] + 1)[0] or 0.0)
-                        oldest = created if oldest is None else min(oldest, created)
+                found = _oldest_in(view, state)
+                if found is not None:
+                    oldest = found if oldest is None else min(oldest, found)
             at = cur.next()
     with txn.cursor(db=dbs["pending"]) as cur:
         at = cur.set_range(prefix)
@@ -260,6 +258,19 @@ def _oldest_row(txn: lmdb.Transaction[bytes], dbs: Dbs, prefix: bytes) -> float 
             oldest = _oldest_of_head(txn, dbs, prefix, bytes(cur.value()), oldest)
             at = cur.next()
     return oldest
+
+
+def _oldest_in(view: SegmentView, state: SegState) -> float | None:
+    """When a segment's oldest live member was pushed (None: it has none): its created column read
+    once; of a segment whose members are all live (not deleted, their groups live), its least value,
+    else each live group's first member's not deleted (a group's members are in push order)."""
+    count = view.members.count
+    created = view.members.column("created", 0, count)
+    if not state.any_flags and state.all_in(LIVE):
+        return float(min(created)) if count else None
+    states = state.states(0, view.groups)
+    firsts = [kept[0] for g, s in enumerate(states) if s in LIVE and (kept := state.kept(*view.span(g)))]
+    return float(min(created[i] or 0.0 for i in firsts)) if firsts else None
 
 
 def _oldest_of_head(

@@ -11,7 +11,7 @@ from __future__ import annotations
 import itertools
 import math
 import struct
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import NamedTuple
 
 from ...schema.states import STATES, State
@@ -194,6 +194,11 @@ class SegState:
     def states(self, lo: int, hi: int) -> list[State]:
         base = self._HEAD.size
         return [STATES[code] for code in self.buf[base + lo : base + hi]]
+
+    def all_in(self, states: Collection[State]) -> bool:
+        """Whether every group of the segment is in one of `states` (its state bytes read at once)."""
+        base = self._HEAD.size
+        return set(self.buf[base : base + self.groups]) <= {_STATE_CODE[state] for state in states}
 
     def set_state(self, g: int, state: State) -> None:
         self.buf[self._HEAD.size + g] = _STATE_CODE[state]
