@@ -265,12 +265,12 @@ def _oldest_in(view: SegmentView, state: SegState) -> float | None:
     once; of a segment whose members are all live (not deleted, their groups live), its least value,
     else each live group's first member's not deleted (a group's members are in push order)."""
     count = view.members.count
-    created = view.members.column("created", 0, count)
+    created = cast(Sequence[float], view.members.column("created", 0, count))  # never absent
     if not state.any_flags and state.all_in(LIVE):
-        return float(min(created)) if count else None
+        return min(created) if count else None
     states = state.states(0, view.groups)
     firsts = [kept[0] for g, s in enumerate(states) if s in LIVE and (kept := state.kept(*view.span(g)))]
-    return float(min(created[i] or 0.0 for i in firsts)) if firsts else None
+    return min(created[i] for i in firsts) if firsts else None
 
 
 def _oldest_of_head(
