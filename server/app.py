@@ -32,7 +32,7 @@ from expbuf.proto.v1 import buffer_pb2, buffer_pb2_grpc
 
 from .advantages.batch_stage import finish_batch
 from .advantages.devices import check_device
-from .advantages.start import AdvantageStart
+from .advantages.start import FAILED, NOT_NEEDED, RUNNING, AdvantageStart
 from .config import ServerConfig
 from .rpc.interceptors.auth import TokenAuth
 from .rpc.interceptors.limits import RESERVED_THREADS, TableStreams, call_limits
@@ -191,7 +191,7 @@ class ExpbufServer:
             self.store,
             metrics=self.metrics,
             max_message_bytes=config.max_message_bytes,
-            advantage_device="",  # known once torch has loaded (advantages/start.py)
+            advantage_device="",  # known once the advantage worker runs (advantages/start.py)
             bind_leases=bool(config.tokens),
             ingest=Ingest(config.ingest_workers, config.max_metadata_bytes),
             table_streams=TableStreams(config.table_stream_limit),
@@ -204,13 +204,13 @@ class ExpbufServer:
         self.advantages = AdvantageStart(
             self.store,
             torch_threads=config.torch_threads,
+            at_start=config.advantage_worker == "at_start",
             on_computed=self._advantages_computed,
             on_failed=self._advantages_failed,
-            on_device=self._advantage_device,
-            on_failure=self._advantage_failure,
+            on_state=self._advantage_state,
         )
         self.metrics.advantage_worker_up.set_function(
-            lambda: float(bool(self.service.advantage_device) and not self.service.advantage_worker_failure)
+            lambda: float(self.service.advantage_worker_state in (RUNNING, NOT_NEEDED))
         )
         buffer_pb2_grpc.add_ExperienceBufferServicer_to_server(self.service, self.grpc)
         self.health = health.HealthServicer()
@@ -235,11 +235,14 @@ class ExpbufServer:
     def _advantages_failed(self, table: str, estimator: str, outcome: str, groups: int) -> None:
         self.metrics.advantage_failures.labels(table, estimator, outcome).inc(groups)
 
-    def _advantage_device(self, device: str) -> None:
-        self.service.advantage_device = device
-
-    def _advantage_failure(self, failure: str) -> None:
-        self.service.advantage_worker_failure = failure
+    def _advantage_state(self, state: str, detail: str) -> None:
+        """What ServerInfo says of the advantage worker: its state, with the device it computes
+        on once running, or why advantages cannot be computed once failed."""
+        self.service.advantage_worker_state = state
+        if state == RUNNING:
+            self.service.advantage_device = detail
+        elif state == FAILED:
+            self.service.advantage_worker_failure = detail
 
     def start(self) -> ExpbufServer:
         """Serve; on a StartupError nothing is left running and the store is closed."""
@@ -257,7 +260,7 @@ class ExpbufServer:
                 ) from None
             self._metrics_http, self.metrics_port = metrics_http, metrics_http.server_port
         self.grpc.start()
-        self.advantages.start()  # torch loads while the server already serves
+        self.advantages.start()  # torch loads, where a table needs it, while the server already serves
         self._maintenance.start()
         for name in ("", SERVICE_NAME):
             self.health.set(name, health_pb2.HealthCheckResponse.SERVING)

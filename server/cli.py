@@ -49,6 +49,7 @@ def _serve(args: argparse.Namespace) -> int:
             "metrics_host": args.metrics_host,
             "ingest_processes": args.ingest_processes,
             "torch_threads": args.torch_threads,
+            "advantage_worker": args.advantage_worker,
             "push_stream_idle_seconds": args.push_stream_idle_seconds,
             "push_stream_window": args.push_stream_window,
             "max_wait_seconds": args.max_wait_seconds,
@@ -295,6 +296,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--torch-threads",
         type=int,
         help="torch's threads for the server's advantages, 0 = torch's default (default 1; env EXPBUF_TORCH_THREADS)",
+    )
+    serve.add_argument(
+        "--advantage-worker",
+        choices=("when_needed", "at_start"),
+        help="load torch and start the advantage worker once a table needs advantages computed, or at the start"
+        " (default when_needed; env EXPBUF_ADVANTAGE_WORKER)",
     )
     serve.add_argument(
         "--push-stream-idle-seconds",

@@ -29,6 +29,7 @@ may also declare tables (created at start, or checked against the stored ones):
     scrub_interval_seconds = 86400  # and again this long after each pass began
     ingest_processes = 1          # processes that validate and pack pushes (default: cores - 1, at most 4)
     torch_threads = 1             # torch's threads for the server's advantages (0: torch's own default)
+    advantage_worker = "when_needed"  # torch loaded when a table needs advantages computed; "at_start": at once
     max_message_bytes = 268435456
 
     [tls]
@@ -152,6 +153,12 @@ class ServerConfig:
     # default, one per core). One by default: the server's computations are small (a push's groups, a
     # worker's batch), and a second thread on a few cores costs every table CPU (bench/RESULTS.md).
     torch_threads: int = 1
+    # When torch loads and the advantage worker starts (server/advantages/start.py), after the
+    # server listens either way: "when_needed", once a table needs advantages computed (a push to a
+    # table with an estimator, or groups left to compute at the start), so a server that never
+    # computes any never loads torch; "at_start", at once, so the first pushes compute their
+    # groups' advantages themselves and a torch that cannot load shows at the start.
+    advantage_worker: str = "when_needed"
     log_format: str = "text"  # "text" lines, or "json": one JSON object per line
     # This server's name among the shards of a sharded buffer; labels its metrics.
     shard: str = ""
@@ -230,6 +237,8 @@ class ServerConfig:
         threads = self.torch_threads
         if not isinstance(threads, int) or isinstance(threads, bool) or not 0 <= threads <= 1024:
             raise ConfigError(f"torch_threads must be an integer from 0 (torch's default) to 1024, got {threads!r}")
+        if self.advantage_worker not in ("when_needed", "at_start"):
+            raise ConfigError(f"advantage_worker must be 'when_needed' or 'at_start', got {self.advantage_worker!r}")
         if not isinstance(self.workers, int) or self.workers < 2:
             raise ConfigError(f"workers must be an integer >= 2, got {self.workers!r}")
         streams = self.max_sample_streams
@@ -330,6 +339,7 @@ _ENV = {
     "EXPBUF_SCRUB_INTERVAL_SECONDS": ("scrub_interval_seconds", float),
     "EXPBUF_INGEST_PROCESSES": ("ingest_processes", int),
     "EXPBUF_TORCH_THREADS": ("torch_threads", int),
+    "EXPBUF_ADVANTAGE_WORKER": ("advantage_worker", str),
     "EXPBUF_LOG_FORMAT": ("log_format", str),
     "EXPBUF_SHARD": ("shard", str),
 }

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import signal
 import warnings
 from collections.abc import Callable, Iterator
@@ -22,6 +23,7 @@ from expbuf.client import BufferClient
 from expbuf.proto.v1 import buffer_pb2_grpc as pb_grpc
 from expbuf.server.app import ExpbufServer
 from expbuf.server.config import ServerConfig
+from expbuf.server.store.schema.table_parts import DEFAULT_LAYOUT_VARIABLE, LAYOUTS
 
 from helpers import ServerProcess, servers
 
@@ -90,6 +92,29 @@ LONG_FIRST = (
 
 
 @pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist, which a run may go without
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--layout",
+        choices=LAYOUTS,
+        help="the storage layout of every table created without one, in this process and the servers "
+        "it starts (issue 64: `--layout rows` runs the suite on rows)",
+    )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """`--layout` set in the environment, where the store and `expbuf serve` children read it."""
+    layout = config.getoption("--layout")
+    if layout:
+        os.environ[DEFAULT_LAYOUT_VARIABLE] = layout
+
+
+@pytest.fixture
+def records_layout(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tables created without a layout are records tables, whatever `--layout` says: for a test of
+    what a records table writes (its item and group records, an upgrade of a format before rows)."""
+    monkeypatch.setenv(DEFAULT_LAYOUT_VARIABLE, "records")
+
+
 def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
     """With `--dist loadfile` (`make test` runs `-n 3 --dist loadfile`), each module's tests run on
     one worker, in their order, its shared servers started once; the modules of a SHARED_MODULES
@@ -133,9 +158,12 @@ class Servers:
     second start is a restart on the same data; `settings` are ServerConfig's fields. A test
     server decodes every push in its own process (`ingest_processes=0`) unless the test asks
     for ingest processes (tests/test_ingest.py does): a lone push, and any below 256 KiB
-    (ingest.SMALL), is decoded there anyway, and each worker is an interpreter to spawn. It is
-    returned once its advantage worker has started (as ServerProcess's `warm`): a push before
-    that leaves its groups to the worker, where one after computes them itself on the CPU.
+    (ingest.SMALL), is decoded there anyway, and each worker is an interpreter to spawn. Its
+    advantage worker starts at the start (`advantage_worker="at_start"`: this process has torch
+    loaded already) unless the test asks otherwise, and it is returned once that has started: a
+    push before that leaves its groups to the worker, where one after computes them itself on the
+    CPU. A server that loads torch only when a table needs it, the default, is tested as an
+    `expbuf serve` child (tests/test_advantage_start.py).
     """
 
     def __init__(self, data: Path) -> None:
@@ -143,10 +171,11 @@ class Servers:
         self.started: list[ExpbufServer] = []
 
     def __call__(self, data: Path | str | None = None, **settings: object) -> ExpbufServer:
-        settings = {"port": 0, "metrics_port": 0, "ingest_processes": 0, **settings}
+        settings = {"port": 0, "metrics_port": 0, "ingest_processes": 0, "advantage_worker": "at_start", **settings}
         server = ExpbufServer(ServerConfig(data=str(self.data if data is None else data), **settings))
         self.started.append(server.start())
-        assert server.advantages.wait(60), "the advantage worker did not start"
+        if server.advantages.state != "not_needed":  # advantage_worker="when_needed" asked, and nothing needs it
+            assert server.advantages.wait(60), "the advantage worker did not start"
         return server
 
     def stop_all(self) -> None:

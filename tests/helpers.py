@@ -285,10 +285,10 @@ class ServerProcess:
     read back from the start-up line. With `own_group` it leads a process group of its own (with
     the ingest processes it starts), as a shell's job does. A child that exits before it listens fails at once,
     with its log. With `warm` (the default) the child is returned once its advantage worker
-    has started, or failed to, as its log says: torch loads after the server listens
-    (server/advantages/start.py), and a test that measures the child's memory or CPU, or a
-    push's latency, must not count that load. A benchmark of the start itself passes
-    warm=False.
+    has started, or failed to, or is not needed yet, as its log says: torch loads after the
+    server listens, where a table needs it (server/advantages/start.py), and a test that measures
+    the child's memory or CPU, or a push's latency, must not count that load. A benchmark of the
+    start itself passes warm=False.
     """
 
     def __init__(
@@ -333,7 +333,7 @@ class ServerProcess:
                 self.port = int(match.group(1))
                 self.metrics_port = int(match.group(2) or -1)
                 ready.set()
-            if "advantage worker started" in line or "advantage worker did not start" in line:
+            if any(f"advantage worker {said}" in line for said in ("started", "did not start", "not needed yet")):
                 self._warm.set()
         ready.set()
         self._warm.set()
@@ -413,7 +413,8 @@ def take_both(store: Store, name: str, **spec: object) -> tuple[object, ...] | N
 
 def both_layouts(store: Store, name: str, **settings: object) -> None:
     """Tables `name` (storage layout records) and `name`_rows (rows, issue 64) of the same settings."""
-    records = TableConfig.of(name, **settings)  # type: ignore[arg-type]
+    made = TableConfig.of(name, **settings)  # type: ignore[arg-type]
+    records = dataclasses.replace(made, storage=dataclasses.replace(made.storage, layout="records"))
     store.create_table(records)
     rows = dataclasses.replace(records.storage, layout="rows")
     store.create_table(dataclasses.replace(records, name=f"{name}_rows", storage=rows))

@@ -1,7 +1,8 @@
-"""torch loads after the server listens (server/advantages/start.py): the server's modules import
-no torch; a push that comes before it has loaded is answered, and its groups are computed once it
-has; a stop does not wait for it; and where torch cannot load, the server still serves what needs
-no advantages and refuses by name each push that does."""
+"""torch loads after the server listens, and only once a table needs advantages computed
+(server/advantages/start.py): the server's modules import no torch, nor does a server that no
+table needs it for; a push that comes before it has loaded is answered, and its groups are
+computed once it has; a stop does not wait for it; and where torch cannot load, the server still
+serves what needs no advantages and refuses by name each push that does."""
 
 from __future__ import annotations
 
@@ -17,11 +18,14 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from expbuf.client import BufferClient, InvalidArgumentError, trxp
+from expbuf.client import BufferClient, InvalidArgumentError, ResourceExhaustedError, trxp
 from expbuf.client.errors import ExpbufError
 from expbuf.server.advantages import estimators
+from expbuf.server.config import ServerConfig, load
 from expbuf.server.store import Store
+from expbuf.server.store.schema.errors import ConfigError
 from expbuf.server.store.schema.estimator_registry import Estimator
+from expbuf.server.store.schema.table_config import TableConfig
 
 from conftest import Servers
 from helpers import ServerProcess, group_items, make_experience, pythonpath, registered, scrape, wait_for
@@ -42,9 +46,11 @@ def test_the_servers_modules_import_no_torch() -> None:
     assert child.returncode == 0 and child.stdout.strip() == "False", child.stderr
 
 
-# torch, held back until a file appears: its import, on the server's loading thread, cannot end before then
+# torch, held back until a file appears: its import, on the server's loading thread, cannot end before
+# then; the file's name with ".asked" appears once the import has begun
 HELD_TORCH = """import os, sys, time
 gate, here = os.environ["EXPBUF_TEST_TORCH_GATE"], os.path.dirname(os.path.abspath(__file__))
+open(gate + ".asked", "w").close()
 while not os.path.exists(gate):
     time.sleep(0.02)
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != here]
@@ -61,6 +67,146 @@ def held_torch(tmp_path: Path) -> tuple[dict[str, str], Path]:
     return {"PYTHONPATH": pythonpath(held), "EXPBUF_TEST_TORCH_GATE": str(gate)}, gate
 
 
+def asked(gate: Path) -> bool:
+    """Whether the child behind `held_torch` has begun to import torch."""
+    return gate.with_name(gate.name + ".asked").exists()
+
+
+def serves_what_needs_no_advantages(client: BufferClient) -> None:
+    """A table without an estimator takes a group and hands it out."""
+    client.create_table("plain", group_size=2, estimator="none")
+    client.push(trxp.build(group_items(0, 0, 2)), table="plain")
+    (batch,) = client.sample("plain", num_groups=1, max_batches=1, delivery="consume")
+    assert len(batch.uids) == 2
+
+
+def left_to_compute(data: Path) -> None:
+    """A data directory whose table `left` (grpo) holds a group still to compute: a server
+    started on it needs its advantage worker at once."""
+    with Store(data) as store:
+        store.create_table(TableConfig.of("left", group_size=2, estimator="grpo"))
+        store.put("left", group_items(0, 0, 1, reward=1.0))  # pending: one of two
+
+
+def test_a_server_that_no_table_needs_advantages_of_loads_no_torch(tmp_path: Path) -> None:
+    """Nothing makes a server load torch but a table that needs advantages computed: a start,
+    a table without an estimator pushed to and sampled, a table with one created and left alone
+    do not (torch's import cost each `expbuf serve` 1.5-2.5 s of CPU at its start, needed or not);
+    ServerInfo says the worker is not needed, and the gauge is 1 (nothing is amiss). The first push
+    to a table with an estimator loads it, and its groups are computed."""
+    env, gate = held_torch(tmp_path)
+    gate.touch()  # torch loads as soon as it is asked for
+    server = ServerProcess(str(tmp_path / "data"), env=env)
+    try:
+        with BufferClient(server.target, timeout=30) as client:
+            serves_what_needs_no_advantages(client)
+            client.create_table("g", group_size=4, estimator="grpo")
+            assert not asked(gate), "".join(server.log)
+            info = client.server_info()
+            assert (info.advantage_worker_state, info.advantage_device, info.advantage_worker_failure) == (
+                "not_needed",
+                "",
+                "",
+            )
+            assert scrape(server.metrics_port)[UP] == 1
+            client.push([make_experience(0, 0, run, reward=float(run)) for run in range(4)], table="g")
+            wait_for(lambda: client.stats("g")["g"].ready == 4, "the group pushed computed")
+            (batch,) = client.sample("g", num_groups=1, max_batches=1, delivery="consume")
+            firsts = sorted(float(e.advantages.flatten()[0]) for e in batch.experiences)
+            assert firsts[0] < 0 < firsts[-1]  # GRPO's: rewards 0..3 around their mean
+            wait_for(lambda: client.server_info().advantage_worker_state == "running", "the worker said it runs")
+            assert client.server_info().advantage_device in ("cpu", "cuda")
+            assert scrape(server.metrics_port)[UP] == 1
+            assert asked(gate)
+    finally:
+        server.stop(signal.SIGTERM)
+    log = "".join(server.log)
+    assert "advantage worker not needed yet" in log, log
+    assert "advantage worker loading torch: table 'g' computes advantages with grpo" in log, log
+
+
+def test_a_push_that_stores_nothing_loads_no_torch(tmp_path: Path) -> None:
+    """A push that the rate limit holds, or that a full table of when_full = block holds, until
+    its deadline stores nothing, and needs nothing computed: it is refused RESOURCE_EXHAUSTED,
+    and torch does not begin to load. It did: the push's refusal, due just before its deadline,
+    raced torch's import, which holds the interpreter for seconds at a time under load, and the
+    caller saw DEADLINE_EXCEEDED (a push it could not tell from one lost)."""
+    data = str(tmp_path / "data")
+    first = ServerProcess(data, "--advantage-worker", "at_start")
+    try:
+        with BufferClient(first.target, timeout=30) as client:
+            client.create_table("limited", group_size=2, samples_per_insert=1.0, samples_per_insert_error=1.0)
+            client.create_table("full", group_size=2, capacity_experiences=2, when_full="block")
+            for table in ("limited", "full"):
+                client.push(trxp.build(group_items(0, 0, 2)), table=table)
+                wait_for(lambda t=table: client.stats(t)[t].ready == 2, f"{table}'s group computed")
+    finally:
+        assert first.stop(signal.SIGTERM) == 0, "".join(first.log)
+    env, gate = held_torch(tmp_path)  # the gate stays shut: a push that began torch's import shows
+    server = ServerProcess(data, env=env)
+    try:
+        with BufferClient(server.target, timeout=30, retries=0) as client:
+            for table in ("limited", "full"):
+                with pytest.raises(ResourceExhaustedError):
+                    client.push(trxp.build(group_items(0, 1, 2)), table=table, timeout=1)
+                assert client.stats(table)[table].pushed == 2
+            assert client.server_info().advantage_worker_state == "not_needed"
+            assert not asked(gate), "".join(server.log)
+    finally:
+        server.stop(signal.SIGKILL)
+
+
+@pytest.mark.parametrize("left", ["computing", "pending"])
+def test_a_server_loads_torch_at_its_start_for_groups_left_to_compute(tmp_path: Path, left: str) -> None:
+    """Groups the last run left to compute (computing, or pending: a timeout or a seal may
+    complete them with no push of this run) need the worker at the start, with no push to ask for
+    it; those computing are computed."""
+    data = tmp_path / "data"
+    with Store(data) as store:  # a store without a server computes nothing: full groups stay computing
+        store.create_table(TableConfig.of("left", group_size=2, estimator="grpo"))
+        store.put("left", group_items(0, 0, 2 if left == "computing" else 1, reward=1.0))
+        assert store.stats("left")[left] > 0
+    env, gate = held_torch(tmp_path)
+    server = ServerProcess(str(data), env=env, warm=False)
+    try:
+        with BufferClient(server.target, timeout=30) as client:
+            wait_for(lambda: asked(gate), "the start began to load torch")
+            assert client.server_info().advantage_worker_state == "loading"
+            assert scrape(server.metrics_port)[UP] == 0
+            gate.touch()
+            wait_for(lambda: client.server_info().advantage_worker_state == "running", "the worker started")
+            if left == "computing":
+                wait_for(lambda: client.stats("left")["left"].ready == 2, "the group left computing computed")
+    finally:
+        gate.touch()
+        server.stop(signal.SIGTERM)
+    log = "".join(server.log)
+    assert "advantage worker loading torch: table 'left' holds groups whose advantages are still to compute" in log
+
+
+def test_advantage_worker_at_start_loads_torch_at_the_start(tmp_path: Path) -> None:
+    """`advantage_worker = "at_start"` loads torch at the start, with nothing to compute: a torch
+    that cannot load shows at once, and the first pushes compute their advantages themselves."""
+    assert load(None).advantage_worker == "when_needed"
+    toml = tmp_path / "expbuf.toml"
+    toml.write_text('advantage_worker = "at_start"\n')
+    assert load(str(toml)).advantage_worker == "at_start"
+    with pytest.raises(ConfigError, match="advantage_worker must be 'when_needed' or 'at_start', got 'soon'"):
+        ServerConfig(data=str(tmp_path), advantage_worker="soon")
+    env, gate = held_torch(tmp_path)
+    server = ServerProcess(str(tmp_path / "data"), "--advantage-worker", "at_start", env=env, warm=False)
+    try:
+        wait_for(lambda: asked(gate), "the start began to load torch")
+        with BufferClient(server.target, timeout=30) as client:
+            assert client.server_info().advantage_worker_state == "loading"
+            gate.touch()
+            wait_for(lambda: client.server_info().advantage_worker_state == "running", "the worker started")
+    finally:
+        gate.touch()
+        server.stop(signal.SIGTERM)
+    assert "advantage worker loading torch: advantage_worker = at_start" in "".join(server.log)
+
+
 def test_a_push_while_torch_loads_is_answered_and_computed_once_it_has(tmp_path: Path) -> None:
     """torch's import is in no push's path: a push to a table with an estimator is answered while
     torch cannot load (it waited for it, and its deadline expired under load), its groups
@@ -74,6 +220,7 @@ def test_a_push_while_torch_loads_is_answered_and_computed_once_it_has(tmp_path:
             assert client.stats("g")["g"].computing == 4
             loading = client.server_info()
             assert loading.advantage_device == "" and loading.advantage_worker_failure == ""
+            assert loading.advantage_worker_state == "loading"
             assert scrape(server.metrics_port)[UP] == 0  # not up yet, and not failed
             gate.touch()
             wait_for(lambda: client.stats("g")["g"].ready == 4, "the worker computed the group pushed before it")
@@ -110,13 +257,11 @@ def test_a_server_whose_torch_cannot_load_serves_what_needs_none(tmp_path: Path)
     broken = tmp_path / "broken"
     broken.mkdir()
     (broken / "torch.py").write_text("raise ImportError('this torch is broken on purpose')\n")
+    left_to_compute(tmp_path / "data")  # torch is needed at the start, and fails to load
     server = ServerProcess(str(tmp_path / "data"), env={"PYTHONPATH": pythonpath(broken)})
     try:
         with BufferClient(server.target, timeout=60) as client:
-            client.create_table("plain", group_size=2, estimator="none")
-            client.push(trxp.build(group_items(0, 0, 2)), table="plain")
-            (batch,) = client.sample("plain", num_groups=1, max_batches=1, delivery="consume")
-            assert len(batch.uids) == 2
+            serves_what_needs_no_advantages(client)
             client.create_table("g", group_size=2, estimator="grpo")
             with pytest.raises(ExpbufError, match="advantages cannot be computed on this server") as refused:
                 client.push(trxp.build(group_items(1, 0, 2)), table="g")
@@ -140,6 +285,7 @@ def test_an_advantage_worker_that_cannot_start_is_plain_to_its_operator(tmp_path
     broken.mkdir()
     (broken / "torch.py").write_text("raise ImportError('this torch is broken on purpose')\n")
     cause = "ImportError: this torch is broken on purpose"
+    left_to_compute(tmp_path / "data")  # torch is needed at the start, and fails to load
     server = ServerProcess(str(tmp_path / "data"), env={"PYTHONPATH": pythonpath(broken)})
     try:
         with BufferClient(server.target, timeout=60) as client, grpc.insecure_channel(server.target) as channel:
@@ -149,6 +295,7 @@ def test_an_advantage_worker_that_cannot_start_is_plain_to_its_operator(tmp_path
             info = client.server_info()
             assert info.advantage_device == ""
             assert info.advantage_worker_failure == f"the advantage worker did not start: {cause}"
+            assert info.advantage_worker_state == "failed"
             assert scrape(server.metrics_port)[UP] == 0
             health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
             assert health.status == health_pb2.HealthCheckResponse.SERVING
@@ -176,10 +323,12 @@ def test_groups_pushed_while_a_torch_that_cannot_load_loads_fail_naming_why(tmp_
     broken.mkdir()
     (broken / "torch.py").write_text(BROKEN_LATER)
     env = {"PYTHONPATH": pythonpath(broken), "EXPBUF_TEST_TORCH_GATE": str(gate)}
-    server = ServerProcess(str(tmp_path / "data"), env=env, warm=False)
+    server = ServerProcess(str(tmp_path / "data"), env=env)
     try:
         with BufferClient(server.target, timeout=30) as client:
             client.create_table("g", group_size=2, estimator="grpo")
+            assert client.server_info().advantage_worker_state == "not_needed"  # a broken torch matters not yet
+            assert scrape(server.metrics_port)[UP] == 1
             client.push(trxp.build(group_items(0, 0, 2, reward=1.0)), table="g")
             assert client.stats("g")["g"].groups_computing == 1
             gate.touch()
@@ -190,6 +339,8 @@ def test_groups_pushed_while_a_torch_that_cannot_load_loads_fail_naming_why(tmp_
             assert "this torch is broken on purpose" in stats.last_failure, stats.last_failure
             with pytest.raises(ExpbufError, match="advantages cannot be computed on this server"):
                 client.push(trxp.build(group_items(1, 0, 2)), table="g")
+            assert client.server_info().advantage_worker_state == "failed"
+            assert scrape(server.metrics_port)[UP] == 0
     finally:
         gate.touch()
         assert server.stop(signal.SIGTERM) == 0, "".join(server.log)
@@ -229,14 +380,19 @@ def test_an_advantage_worker_that_ends_is_reported_as_one_that_did_not_start(
     assert error.levelno == logging.ERROR and cause in error.getMessage(), error.getMessage()
 
 
-def test_what_the_server_loaded_at_its_start_is_out_of_the_collectors_sight(start_server: Servers) -> None:
-    """Once torch has loaded, the server freezes its heap (gc.freeze): a full collection, which
-    the records of takes and pushes bring on, then walks only what was made since."""
+@pytest.mark.parametrize("advantage_worker", ["at_start", "when_needed"])
+def test_what_the_server_loaded_at_its_start_is_out_of_the_collectors_sight(
+    start_server: Servers, advantage_worker: str
+) -> None:
+    """Once torch has loaded, or at the start where nothing needs it, the server freezes its heap
+    (gc.freeze): a full collection, which the records of takes and pushes bring on, then walks only
+    what was made since. A server that loads no torch froze nothing: each full collection walked
+    its own modules' objects."""
     before = gc.get_freeze_count()
     live = [[] for _ in range(10_000)]  # tracked objects that are alive when the server freezes
-    server = start_server()
+    server = start_server(advantage_worker=advantage_worker)
     deadline = time.monotonic() + 120
-    while not server.service.advantage_device:
+    while server.service.advantage_worker_state not in ("running", "not_needed"):
         assert time.monotonic() < deadline, "the advantage worker did not start"
         time.sleep(0.05)
     try:

@@ -71,6 +71,7 @@ CASES = [
 ]
 
 
+@pytest.mark.usefixtures("records_layout")  # rows: test_rows_advantages.py
 @pytest.mark.parametrize(("name", "params", "shaping"), CASES)
 def test_a_push_stores_the_values_the_worker_would(tmp_path: Path, name: str, params: dict, shaping: dict) -> None:
     steps = 3 if name in ("step_wise_grpo", "multi_turn_discount") else 1
@@ -157,6 +158,7 @@ def _nan_on_reward_7(b: FlatBatch, **_: object) -> Advantages:
     return out
 
 
+@pytest.mark.usefixtures("records_layout")  # it reads the item records
 @pytest.mark.parametrize(
     ("stage", "reason"),
     [(_fails_on_reward_7, "no estimate for reward 7"), (_nan_on_reward_7, "non-finite advantage")],

@@ -204,7 +204,10 @@ def test_an_experience_larger_than_a_message_round_trips_with_the_servers_memory
     tokens = size // 9  # int32 tokens, float32 log-probs and a bool mask: 9 bytes a token
     pushed = make_experience("huge", 0, 0, response=tokens)
     payload = trxp.build([trxp.from_experience(pushed)])
-    env = {"EXPBUF_MAX_INFLIGHT_BYTES": str(size // 4)}  # a push in chunks is staged, not held
+    env = {
+        "EXPBUF_MAX_INFLIGHT_BYTES": str(size // 4),  # a push in chunks is staged, not held
+        "EXPBUF_ADVANTAGE_WORKER": "at_start",  # torch loaded before, not while, the memory is measured
+    }
     with servers() as start:
         server = start(str(tmp_path / "data"), env=env)
         pid = server.proc.pid

@@ -649,6 +649,7 @@ def test_a_set_number_damaged_into_anothers_leaves_that_experience_whole(store: 
     assert own_set.to_bytes(8, "big") not in {chunk[4:12] for chunk in rows(store, "chunks")}
 
 
+@pytest.mark.usefixtures("records_layout")  # format 8 knew no rows
 def test_a_format_8_directory_reseals_its_heads_in_place(tmp_path: Path, table: TableConfig) -> None:
     """Format 8 took a head's own digest of its bytes after the digest alone: the open, in its one
     transaction, brings each head that matches it to format 9's and marks its set with its key. A

@@ -190,6 +190,9 @@ def test_merged_server_info_names_each_shard_whose_advantages_cannot_be_computed
         "s1: the advantage worker did not start: X; s2: the advantage worker did not start: X"
     )
     assert ServerInfo.merged({"s0": ok, "s1": ok}, {}).advantage_worker_failure == ""
+    idle = dataclasses.replace(ok, advantage_device="", advantage_worker_state="not_needed")
+    running = dataclasses.replace(ok, advantage_worker_state="running")
+    assert ServerInfo.merged({"s0": running, "s1": idle}, {}).advantage_worker_state == "not_needed,running"
 
 
 def test_results_that_hold_payloads_print_a_summary(targets: list[str]) -> None:

@@ -21,7 +21,7 @@ from expbuf.proto.v1 import buffer_pb2 as pb
 from expbuf.proto.v1 import buffer_pb2_grpc as pb_grpc
 from expbuf.server.app import ExpbufServer
 from expbuf.server.config import ServerConfig, load
-from expbuf.server.store.disk.records import Lease
+from expbuf.server.store.disk.rows import decode_lease
 from expbuf.server.store.schema.errors import ConfigError
 
 from conftest import Servers
@@ -187,7 +187,7 @@ def _lease_end(server: ExpbufServer, lease_id: str) -> float | None:
     """When the server's store has a lease end (None while it is held, its clock not started)."""
     with server.store.environment.read() as txn:
         raw = txn.get(lease_id.encode(), db=server.store.db["leases"])
-    return None if raw is None else Lease.decode(raw).expires
+    return None if raw is None else decode_lease(raw).expires
 
 
 def test_a_raw_client_that_confirms_late_is_told_how_long_its_lease_runs(start_server: Servers) -> None:

@@ -91,6 +91,7 @@ def test_format_3_tombstones_catch_a_retry_and_a_conflict_after_the_upgrade_and_
         assert store.verify("grpo4") == [] and store.verify("small") == []
 
 
+@pytest.mark.usefixtures("records_layout")  # format 4 knew no rows
 def test_a_tombstone_made_by_format_4_keeps_the_xxh3_digest_and_catches_a_retry(tmp_path: Path) -> None:
     with Store(tmp_path) as store:
         store.create_table(TableConfig.of(name="t", estimator="none", group_by="none"))

@@ -17,17 +17,19 @@ from expbuf.server.store import Store
 from expbuf.server.store.core.whole_table.reading import SCAN_PER_ITEM
 from expbuf.server.store.schema.table_config import TableConfig
 
-from helpers import group_items, make_experience
+from helpers import group_items, make_experience, wait_ready
 from test_quarantine import damage
 
 
 def fill(client: BufferClient, table: str) -> None:
-    """Groups of 2 at model versions 0..9, then one pending group (its second run never came)."""
+    """Groups of 2 at model versions 0..9, then one pending group (its second run never came); the
+    complete ones ready, their advantages computed (the module's first push loads the child's torch)."""
     client.create_table(table, group_size=2, estimator="grpo")
     for task in range(10):
         runs = [make_experience(0, task, run, reward=float(run), version=task) for run in range(2)]
         client.push(runs, table=table)
     client.push([make_experience(0, 99, 0, version=5)], table=table)
+    wait_ready(client, table, 20)
 
 
 def everything(client: BufferClient, table: str, **filters: object) -> list:

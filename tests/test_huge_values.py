@@ -91,6 +91,7 @@ def test_a_group_an_estimator_cannot_compute_in_float32_fails_alone(
                     break
 
 
+@pytest.mark.usefixtures("records_layout")  # it writes the item records an older release left
 def test_a_stored_advantage_beyond_float32_fails_its_group_when_sampled(tmp_path: Path) -> None:
     """An advantage an older release stored beyond float32 (before values were checked as float32):
     the sample that finds it fails that group, names it, and serves the others. (The table

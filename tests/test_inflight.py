@@ -422,7 +422,8 @@ def test_calls_waiting_for_room_leave_the_reserve_to_calls_that_answer_at_once(
             refused = [call.exception() for call in calls if call.done()]
             assert refused and all(error is not None for error in refused)
             assert all(error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED for error in refused)  # type: ignore[union-attr]
-            assert all("may not wait for room" in error.details() for error in refused)  # type: ignore[union-attr]
+            details = [error.details() for error in refused]  # type: ignore[union-attr]
+            assert all("may not wait for room" in detail for detail in details), details
         went_in = [call.result() for call in calls if call.exception() is None]
         assert len(went_in) == len(calls) - len(refused)
     assert held_drops_to_zero(server)

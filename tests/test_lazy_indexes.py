@@ -57,6 +57,11 @@ BUILDER = "expbuf-index-builds"  # the builds' thread
 UNWATCHED = "before the watch"
 
 
+# What a records table keeps, builds and checks (a table as an earlier release made it, builds from
+# the open); a rows table's lazy indexes: test_rows_take.py.
+pytestmark = pytest.mark.usefixtures("records_layout")
+
+
 def one_each(tmp_path: Path, name: str = "t") -> Store:
     store = Store(tmp_path)
     store.create_table(TableConfig.of(name=name, estimator="none", group_size=1, drop_zero_variance=False))

@@ -28,6 +28,10 @@ from conftest import Servers
 from helpers import group_items, make_experience, wait_for
 from test_quarantine import lose, quarantine_logs, uids
 
+# A records table's records lost apart from its payloads; a rows table keeps none to lose (its
+# members are its segments' rows).
+pytestmark = pytest.mark.usefixtures("records_layout")
+
 
 def counted(store: Store) -> dict[str, int]:
     stats = store.stats("t")

@@ -761,9 +761,12 @@ def test_stats_columns_fit_long_table_names() -> None:
 
 
 def test_stats_says_why_advantages_cannot_be_computed() -> None:
-    """`expbuf stats` names the advantage worker's failure where it shows the device."""
+    """`expbuf stats` names the advantage worker's failure where it shows the device, and says so
+    where nothing has needed it yet (torch not loaded) rather than a device not known yet."""
     info = ServerInfo("x", "1", "", 1 << 20, uptime_seconds=1.0, storage_bytes=1, lmdb_map_used_ratio=0.1)
     assert "advantages on a device not known yet" in render(info, {}, {}).splitlines()[0]
+    idle = dataclasses.replace(info, advantage_worker_state="not_needed")
+    assert render(idle, {}, {}).splitlines()[0].endswith("advantages not needed yet (torch not loaded)")
     failed = dataclasses.replace(info, advantage_worker_failure="the advantage worker did not start: ImportError: x")
     head = render(failed, {}, {}).splitlines()[0]
     assert head.endswith("advantages cannot be computed (the advantage worker did not start: ImportError: x)"), head

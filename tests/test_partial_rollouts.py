@@ -528,7 +528,7 @@ def test_a_large_rollout_is_put_together_off_the_writer_as_a_staged_chunk_set(tm
         same(read_back(store, "t", whole.eid.uid), whole)
         stats = store.stats("t")
         assert (stats["partials"], stats["partial_bytes"], stats["pieces_pushed"]) == (0, 0, 4)
-        record = store._in_table("t", lambda tt: tt.item(whole.eid.uid))
+        record = store._in_table("t", lambda tt: tt.member(whole.eid.uid))
         assert record.generated == int(whole.action_mask.sum()) and record.size > 8 << 20
         with store.environment.read() as txn:
             assert chunked.staged_sets(txn, store.environment.db) == 0

@@ -377,6 +377,28 @@ def test_rollouts_in_pieces_join_a_rows_tables_pending_group_as_a_records_tables
         clean(store, "t", "t_rows")
 
 
+def test_a_finished_rollouts_last_piece_sent_again_is_a_duplicate_as_a_records_tables(tmp_path: Path) -> None:
+    """A worker that sends its rollout's last piece again (its reply lost) hears a duplicate, whether
+    the rollout's group is still pending, ready, or consumed: as from a records table. A rows table
+    told it the buffer held 0 of the rollout's tokens (ALREADY_EXISTS), as if its pieces were lost."""
+    with Store(tmp_path, clock=Clock()) as store:
+        both(store, "t", estimator="none", group_size=2)
+        first, second, last = (trxp.from_experience(piece) for piece in split(rollout(run=1), [4, 8]))
+        got: dict[str, list[object]] = {"t": [], "t_rows": []}
+        for table in ("t", "t_rows"):
+            for piece in (first, second, last):
+                store.put(table, [piece])
+            got[table].append(store.put(table, [last]).duplicates)  # its group pending
+            store.put(table, [trxp.from_experience(rollout(run=0))])
+            got[table].append(store.put(table, [last]).duplicates)  # ready
+        assert take_both(store, "t", num_groups=1) is not None
+        for table in ("t", "t_rows"):
+            got[table].append(store.put(table, [last]).duplicates)  # consumed: its tombstone
+        assert got["t_rows"] == got["t"] == [[last.uid]] * 3
+        assert stats(store, "t_rows") == stats(store, "t")
+        clean(store, "t", "t_rows")
+
+
 @pytest.mark.parametrize("delivery", ["consume", "lease"])
 def test_a_consumed_groups_rollouts_in_pieces_are_dropped_as_a_records_tables(tmp_path: Path, delivery: str) -> None:
     """A rollout in pieces whose group filled without it: the group's take (consumed, or leased

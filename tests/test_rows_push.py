@@ -27,7 +27,7 @@ from expbuf.server.store.disk.rows import (
     SegState,
     directory_entry,
 )
-from expbuf.server.store.schema.errors import Conflict, GroupClosed
+from expbuf.server.store.schema.errors import Conflict, GroupClosed, InsertLimited
 from expbuf.server.store.schema.sample_spec import TakeSpec
 from expbuf.server.store.schema.states import READY
 from expbuf.server.store.schema.table_config import TableConfig
@@ -35,6 +35,7 @@ from expbuf.server.store.schema.table_config import TableConfig
 from helpers import StoppedClock as Clock
 from helpers import both_layouts as both
 from helpers import group_items, layouts_stats, make_experience, take_both
+from test_quarantine import damage
 
 ONES = {"estimator": "none", "group_by": "none"}  # each experience its own group, keyed by its uid
 EIGHTS = {"estimator": "none", "group_by": "task", "group_size": 8}
@@ -140,6 +141,22 @@ def test_duplicates_conflicts_and_counters_are_a_records_tables(
         assert store.verify("t") == []  # the records table as it was
 
 
+def test_a_retried_push_to_a_rate_limited_table_is_answered_as_a_records_tables(tmp_path: Path) -> None:
+    """A push sent again (its reply lost) stores nothing new, so the rate limiter does not hold it:
+    a duplicate, as from a records table, while a new experience is held. A rows table held it as an
+    insert (InsertLimited), so a pusher that retried waited for samples that would never come."""
+    one = group_items(0, 0, 1, response=1, prompt=1)
+    limited = {**ONES, "samples_per_insert": 1.0, "samples_per_insert_error": 1.0}
+    with Store(tmp_path, clock=Clock()) as store:
+        both(store, "t", **limited)
+        for table in ("t", "t_rows"):
+            assert store.put(table, one).stored == [one[0].uid]
+            with pytest.raises(InsertLimited):
+                store.put(table, group_items(0, 1, 1, response=1, prompt=1), timeout=0)
+            assert store.put(table, one, timeout=0).duplicates == [one[0].uid]
+        assert layouts_stats(store, "t_rows") == layouts_stats(store, "t")
+
+
 def test_a_push_to_a_complete_rows_group_is_refused_and_stores_nothing(tmp_path: Path) -> None:
     with Store(tmp_path, clock=Clock()) as store:
         both(store, "t", **EIGHTS)
@@ -150,6 +167,7 @@ def test_a_push_to_a_complete_rows_group_is_refused_and_stores_nothing(tmp_path:
         assert len(rows_of(store, "t_rows")["blobs"]) == 8
 
 
+@pytest.mark.usefixtures("records_layout")
 def test_only_a_directory_that_held_a_rows_table_has_the_rows_databases(tmp_path: Path) -> None:
     """The rows' databases are made with the first rows table (Environment.open_rows), in a
     transaction of their own: opening, reading read-only or checking a directory of records
@@ -210,9 +228,9 @@ def test_the_check_of_a_rows_table_names_what_is_damaged(tmp_path: Path) -> None
     check = [sys.executable, "-m", "expbuf.server.cli", "check", "--data", str(tmp_path)]
     done = subprocess.run(check, capture_output=True, text=True, timeout=120, check=False)
     assert done.returncode == 1 and "t: ok" in done.stdout and "t_rows: " in done.stdout, done.stdout
-    assert f"item {first} of group 0/0: its payload is missing" in done.stdout, done.stdout
-    assert f"item {first} of group 0/0: its payload is missing" in problems
-    assert f"item {second} of group 0/0: its payload does not match its digest" in problems
+    assert f"item {first} is ready but its payload is missing" in done.stdout, done.stdout
+    assert f"item {first} is ready but its payload is missing" in problems
+    assert f"item {second}: its payload does not match its digest" in problems
     assert f"group {gkey} of segment {int.from_bytes(seg, 'big')} has no directory entry naming it" in problems
     assert "group 0/0 is ready but covered by another count of ready runs" in problems
     assert len(problems) == 2 + 1 + view.groups
@@ -234,6 +252,20 @@ class Heard(TableExtension):
         ]
         states = {grp.state for _, grp in event.groups}
         self.events.append(("moved", event.was, event.now, [gkey for gkey, _ in event.groups], states, rewards))
+
+
+def test_the_check_names_a_damaged_payload_as_a_records_tables_does(tmp_path: Path) -> None:
+    """`expbuf check` (verify) names a live experience's damaged payload in the same line for either
+    layout (a deployment's scripts and tests/faults/test_fault_datadir.py read it); a rows table's
+    named the group too ("item U of group G: ...")."""
+    with Store(tmp_path, clock=Clock()) as store:
+        both(store, "t", **EIGHTS)
+        uid = group_items(0, 1, 8)[3].uid
+        for table in ("t", "t_rows"):
+            for push in pushes(3, 8):
+                store.put(table, push)
+            damage(store, table, uid)
+        assert store.verify("t_rows") == store.verify("t") == [f"item {uid}: its payload does not match its digest"]
 
 
 def test_an_extension_hears_a_rows_tables_groups_become_ready_once_a_push(tmp_path: Path) -> None:

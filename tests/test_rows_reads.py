@@ -264,6 +264,49 @@ def test_a_failed_groups_kept_payloads_are_got_as_a_records_tables(tmp_path: Pat
         clean(store, "t", "t_rows")
 
 
+def test_a_failed_groups_kept_payload_found_damaged_by_get_is_dropped_as_a_records_tables(tmp_path: Path) -> None:
+    """A Get that finds a failed group's kept payload damaged leaves it out, drops it and counts it
+    damaged, as a records table's does (which quarantines it alone; a rows table's member stays
+    failed with its group: storage.md); a rows table's Get raised TypeError (a view the table core
+    did not make), an INTERNAL error to its caller."""
+    with Store(tmp_path, clock=Clock()) as store:
+        both(store, "t", **FOURS)
+        for table in ("t", "t_rows"):
+            store.put(table, pushed(0) + pushed(1))
+            damage(store, table, uids_of(0)[2])
+        take_both(store, "t", num_groups=1)  # finds the damage: group 0/0 fails, its others kept
+        for table in ("t", "t_rows"):
+            damage(store, table, uids_of(0)[0])
+        got = {table: store.get_payload(table, uids_of(0)) for table in ("t", "t_rows")}
+        assert got["t_rows"] == got["t"] and got["t"][1] == [uids_of(0)[n] for n in (0, 2)]
+        assert store.get_payload("t_rows", uids_of(0)) == got["t"]  # its payload gone: missing, found no more
+        counts = {table: store.stats(table) for table in ("t", "t_rows")}
+        assert counts["t_rows"]["damaged"] == counts["t"]["damaged"] == 2
+        assert counts["t_rows"]["failed"] == counts["t"]["failed"] + counts["t"]["quarantined"] == 4
+        clean(store, "t", "t_rows")
+
+
+def test_a_delete_of_computing_groups_uncounts_them_as_a_records_tables(tmp_path: Path) -> None:
+    """Groups waiting for the advantage worker, deleted whole or in part: uncounted as computing and
+    out of the compute queue as a records table's, the check clean. A rows table's were uncounted as
+    pending (pending -2 and computing 2 for good, and `verify` naming the counters)."""
+    with Store(tmp_path, clock=Clock()) as store:
+        both(store, "g", estimator="grpo", group_size=2)
+        groups = [
+            [trxp.from_experience(make_experience(0, task, run, reward=float(run))) for run in range(2)]
+            for task in range(2)
+        ]
+        for table in ("g", "g_rows"):
+            for group in groups:
+                store.put(table, group)
+            assert store.stats(table)["groups_computing"] == 2
+            assert store.delete(table, group_ids=["0/0"], uids=[groups[1][0].uid]) == 3
+        assert stats(store, "g_rows") == stats(store, "g")
+        assert store.stats("g_rows")["computing"] == 1 and store.stats("g_rows")["pending"] == 0
+        assert [job.groups for job in store.compute_backlog() if job.table == "g_rows"] == [["0/1"]]
+        clean(store, "g", "g_rows")
+
+
 def test_a_delete_writes_per_group_never_a_record_per_experience(tmp_path: Path) -> None:
     """A rows table's delete of groups of 8: their members' flags in their segment's state (one row
     however many), their payloads, their runs cut, their directory entries; of a pending group's

@@ -147,12 +147,14 @@ def test_config_sources(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None
         load(str(config_file))
 
 
-def _raw_push(target: str, metadata: tuple[tuple[str, str], ...], payload_bytes: bytes) -> grpc.RpcError | None:
+def _raw_push(
+    target: str, metadata: tuple[tuple[str, str], ...], payload_bytes: bytes, table: str = ""
+) -> grpc.RpcError | None:
     options = [("grpc.max_send_message_length", len(payload_bytes) + (1 << 20))]
     with grpc.insecure_channel(target, options=options) as channel:
         stub = pb_grpc.ExperienceBufferStub(channel)
         try:
-            stub.Push(pb.PushRequest(payload=payload_bytes), timeout=60, metadata=metadata)
+            stub.Push(pb.PushRequest(payload=payload_bytes, table=table), timeout=60, metadata=metadata)
         except grpc.RpcError as exc:
             return exc
     return None
@@ -182,7 +184,10 @@ def test_unauthenticated_push_is_refused_before_its_body_is_read(tmp_path: Path)
     proc = ServerProcess(str(tmp_path), "--metrics-port", "-1", env={"EXPBUF_TOKENS": "ops:push,sample,admin"})
     size = 96 << 20
     try:
-        assert _raw_push(proc.target, (("authorization", "Bearer ops"),), payload("single_turn.trxp")) is None
+        with BufferClient(proc.target, token="ops") as client:  # no advantages: torch does not load meanwhile
+            client.create_table("plain", estimator="none")
+        ops = (("authorization", "Bearer ops"),)
+        assert _raw_push(proc.target, ops, payload("single_turn.trxp"), table="plain") is None
         before = _peak_rss_kib(proc.proc.pid)
         big = b"\0" * size
         for metadata in ((), (("authorization", "Bearer wrong"),)):

@@ -72,7 +72,11 @@ class Shards:
             self.procs = dict(zip(names, pool.map(self._start, names), strict=True))
 
     def _start(self, name: str) -> ServerProcess:
-        return ServerProcess(str(self.root / name), "--metrics-port", "0", "--shard", name)
+        # Every shard is pushed to tables with an estimator at once, and the tests' deadlines (2 s
+        # pushes, 5 s samples) leave no room for torch's load beside them: it loads at the start.
+        return ServerProcess(
+            str(self.root / name), "--metrics-port", "0", "--shard", name, "--advantage-worker", "at_start"
+        )
 
     def targets(self) -> dict[str, str]:
         return {name: proc.target for name, proc in self.procs.items()}

@@ -36,7 +36,7 @@ from expbuf.server.store.disk import chunk_heads
 from expbuf.server.store.disk.chunk_heads import CHUNK_BYTES
 from expbuf.server.store.disk.environment import Environment
 
-from helpers import ServerProcess, make_experience, scrape, servers
+from helpers import ServerProcess, make_experience, scrape, servers, wait_ready
 
 RESPONSE = 2_000_000  # about 18 MB an experience: five chunks of the store
 CHUNK = 1 << 20  # the client's chunks, smaller than the store's
@@ -281,8 +281,8 @@ def test_staged_pushes_share_capacity_bytes_and_show_in_stats_and_metrics(tmp_pa
     """A push staging into an evicting table of 30 MiB counts its 18 MB against it from its first
     chunk: its staged bytes show in Stats and the metrics while it stages, and a second such push
     waits for room beside it (here 8 s, half the idle time), then is refused naming capacity_bytes,
-    having staged nothing. Once the first is stored the second is (its commit evicts the first),
-    and nothing shows staged."""
+    having staged nothing. Once the first is stored and ready (computed: only a ready group is
+    evicted) the second is stored (its commit evicts the first), and nothing shows staged."""
     first, second = make_experience("a", 0, 0, response=RESPONSE), make_experience("b", 0, 0, response=RESPONSE)
     env = {"EXPBUF_PUSH_STREAM_IDLE_SECONDS": "16", "EXPBUF_PUSH_MIN_MB_PER_SECOND": "0.001"}
     with servers() as start:
@@ -312,6 +312,7 @@ def test_staged_pushes_share_capacity_bytes_and_show_in_stats_and_metrics(tmp_pa
                     go.set()
                 assert [len(reply.stored_uids) for reply in call] == [1]
             assert staged_bytes(client, "t") == 0
+            wait_ready(client, "t", 1)  # computed once torch has loaded, which the first push asked for
             assert client.push([second], table="t").stored == [second.eid.uid]
             stats = client.stats("t")["t"]
             assert (stats.ready, stats.evicted, stats.staged_bytes) == (1, 1, 0)

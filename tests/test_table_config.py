@@ -87,9 +87,28 @@ def test_a_tables_layout_is_a_hidden_setting_kept_with_the_table_and_off_the_wir
     assert TableConfig.from_settings({"name": "t", "layout": "rows"}) == rows
     assert "layout" not in rows.settings() and "layout" not in SETTING_NAMES
     assert rows.to_stored()["layout"] == "rows" and TableConfig.from_stored(rows.to_stored()) == rows
-    assert "layout" not in TableConfig("t").to_stored()
+    records = TableConfig("t", storage=Storage(layout="records"))
+    assert "layout" not in records.to_stored() and TableConfig.from_stored(records.to_stored()) == records
     with pytest.raises(ConfigError, match="layout is 'columns'; expected one of records, rows"):
         TableConfig.from_settings({"name": "t", "layout": "columns"})
+
+
+@pytest.mark.parametrize("default", ["records", "rows"])
+def test_the_default_layout_is_the_environments_and_a_stored_table_keeps_its_own(
+    default: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """EXPBUF_DEFAULT_LAYOUT (`pytest --layout`) sets the layout of a table created without one; a
+    stored table that names none is a records table whatever the default, and a rows table is
+    stored naming it, so a directory reads the same under either default."""
+    monkeypatch.setenv("EXPBUF_DEFAULT_LAYOUT", default)
+    assert TableConfig("t").storage.layout == default
+    assert TableConfig.from_stored({"name": "t"}).storage.layout == "records"
+    for layout in ("records", "rows"):
+        stored = TableConfig("t", storage=Storage(layout=layout)).to_stored()
+        assert ("layout" in stored) == (layout == "rows")
+        monkeypatch.setenv("EXPBUF_DEFAULT_LAYOUT", "rows" if default == "records" else "records")
+        assert TableConfig.from_stored(stored).storage.layout == layout
+        monkeypatch.setenv("EXPBUF_DEFAULT_LAYOUT", default)
 
 
 def test_flat_settings_become_parts_and_come_back() -> None:

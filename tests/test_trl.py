@@ -31,7 +31,7 @@ from expbuf.client.trl.leases import LeaseBook, ack_lag
 from expbuf.client.trl.reporter import Reporter
 
 from conftest import Servers
-from helpers import servers
+from helpers import servers, wait_ready
 from trl_cpu import EOS, MARKS, PAD, until
 
 pytestmark = pytest.mark.client_timeout(DEFAULT_TIMEOUT)  # BufferClient's own
@@ -352,6 +352,7 @@ def test_a_batch_given_back_while_the_server_is_away_is_given_back_once_it_is_ba
         with BufferClient(server.target, timeout=5) as client:
             client.create_table("g", group_size=2)
             client.push(group(0, [1.0, 0.0], version=1), table="g")
+            wait_ready(client, "g", 2)  # computed once the child's torch, which the push asked for, loads
             (batch,) = client.sample("g", num_groups=1, max_batches=1, timeout=10, lease_seconds=300)
             keeper = LeaseKeeper(client, "g", 300)
             failures: list[ExpbufError] = []

@@ -64,13 +64,17 @@ class ServerInfo:
     is, what its background scrub has done, the orders a sample may name (built in and
     registered; empty from a server that predates the list), and why advantages cannot be
     computed there (`advantage_worker_failure`: empty unless its advantage worker did not start
-    or ended; then a push that needs them is refused, and the groups computing fail).
+    or ended; then a push that needs them is refused, and the groups computing fail). What its
+    advantage worker is doing is `advantage_worker_state`: "not_needed" (nothing has needed
+    advantages computed since the start; torch loads when something does), "loading",
+    "running" or "failed"; empty from a server that predates it.
 
     From a sharded client, the shards that answered combined (each in `shards`, the others in
     `missing`): the versions and devices each shard reports, comma-joined where they differ; the
     smallest message limit (what every shard takes); the shortest uptime; the storage summed;
     the fullest map; the scrubs as `ScrubInfo.merged` says; the orders every shard has; each
-    failing shard's advantage worker failure, after its name.
+    failing shard's advantage worker failure, after its name; the workers' states, comma-joined
+    where they differ.
     """
 
     version: str
@@ -83,6 +87,7 @@ class ServerInfo:
     scrub: ScrubInfo = field(default_factory=ScrubInfo)
     orders: tuple[str, ...] = ()
     advantage_worker_failure: str = ""
+    advantage_worker_state: str = ""
     shards: Mapping[str, ServerInfo] = field(default_factory=dict)
     missing: Mapping[str, str] = field(default_factory=dict)
 
@@ -114,6 +119,7 @@ class ServerInfo:
             advantage_worker_failure="; ".join(
                 f"{name}: {i.advantage_worker_failure}" for name, i in shards.items() if i.advantage_worker_failure
             ),
+            advantage_worker_state=joined("advantage_worker_state"),
             shards=dict(shards),
             missing=dict(missing),
         )

@@ -1,6 +1,6 @@
 """Where a table's advantages can be computed, checked without loading torch for the tables
-that do not ask for CUDA: a start and CreateTable stay quick while torch loads in the
-background (app.py)."""
+that do not ask for CUDA: a start and CreateTable stay quick and load no torch, which loads
+in the background once a table needs advantages computed (start.py)."""
 
 from __future__ import annotations
 

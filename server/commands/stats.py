@@ -100,9 +100,11 @@ def scrub_line(scrub: ScrubInfo, now: float) -> str:
 
 
 def _advantages(info: ServerInfo) -> str:
-    """Where advantages are computed, or why they cannot be."""
+    """Where advantages are computed, or why they cannot be, or that nothing has needed them yet."""
     if info.advantage_worker_failure:
         return f"advantages cannot be computed ({info.advantage_worker_failure})"
+    if info.advantage_worker_state == "not_needed":
+        return "advantages not needed yet (torch not loaded)"
     return f"advantages on {info.advantage_device or 'a device not known yet'}"
 
 

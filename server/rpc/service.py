@@ -138,6 +138,7 @@ class ExperienceBufferService(LedgerServicer, ReadServicer, ValuesServicer, pb_g
         self.metrics = metrics
         self.max_message_bytes = max_message_bytes
         self.advantage_device = advantage_device
+        self.advantage_worker_state = ""  # not_needed, loading, running or failed (advantages/start.py)
         self.advantage_worker_failure = ""  # why advantages cannot be computed (advantages/start.py)
         self.push_stream_idle_seconds = push_stream_idle_seconds
         self.push_stream_window = push_stream_window
@@ -388,6 +389,7 @@ class ExperienceBufferService(LedgerServicer, ReadServicer, ValuesServicer, pb_g
             scrub=pb.ScrubInfo(**asdict(self.store.scrub_status())),
             orders=list(order_names.NAMES),
             advantage_worker_failure=self.advantage_worker_failure,
+            advantage_worker_state=self.advantage_worker_state,
         )
 
     @refusals

@@ -254,6 +254,17 @@ class Store(ServiceCalls):
     def in_push(self, compute: Callable[[TableConfig], Compute | None] | None) -> None:
         self.pushing.in_push = compute
 
+    @property
+    def on_stored(self) -> Callable[[TableConfig], None] | None:
+        """Told of each push that stored experiences (or pieces of rollouts) once it is durable,
+        with its table's settings; the server sets it (advantages/start.py: the first push that
+        needs advantages computed loads torch), and a push that stores nothing is not told of."""
+        return self.pushing.on_stored
+
+    @on_stored.setter
+    def on_stored(self, hear: Callable[[TableConfig], None] | None) -> None:
+        self.pushing.on_stored = hear
+
     # ---- admission -----------------------------------------------------------------------
 
     def admit(

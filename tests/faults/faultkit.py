@@ -23,7 +23,7 @@ from expbuf.server.rpc.interceptors.metrics import Metrics
 from expbuf.server.rpc.service import ExperienceBufferService
 from expbuf.server.store import Store
 
-from helpers import group_items, serving
+from helpers import group_items, serving, wait_for
 from helpers import servers as servers  # the fault modules that start children in a `with` block import it here
 
 SCALE = int(os.environ.get("EXPBUF_SOAK_SCALE", "1"))
@@ -155,6 +155,13 @@ def sample_all(buffer: pb_grpc.ExperienceBufferStub, request: pb.SampleRequest, 
 
 def stats(buffer: pb_grpc.ExperienceBufferStub, table: str = "default") -> pb.TableStats:
     return buffer.Stats(pb.StatsRequest(table=table), timeout=10).tables[0]
+
+
+def computed(buffer: pb_grpc.ExperienceBufferStub, table: str = "default") -> None:
+    """Wait until no group of `table` is computing its advantages: a child loads its torch at its
+    first push to a table with an estimator (seconds, far more under load), and a sample that
+    waits a few seconds for ready groups meanwhile ends DEADLINE_EXCEEDED."""
+    wait_for(lambda: not stats(buffer, table).groups_computing, f"the groups pushed to {table} computed")
 
 
 def check_data(data: Path) -> subprocess.CompletedProcess:

@@ -26,7 +26,7 @@ import pytest
 from expbuf.proto.v1 import buffer_pb2 as pb
 from expbuf.proto.v1 import buffer_pb2_grpc as pb_grpc
 
-from faultkit import SampleStream, channel, check_data, payload, sample_all, scaled, stats, stub
+from faultkit import SampleStream, channel, check_data, computed, payload, sample_all, scaled, stats, stub
 from helpers import ServerProcess, wait_for
 
 pytestmark = pytest.mark.faults
@@ -258,6 +258,7 @@ def lease_then_kill(server: ServerProcess) -> list[str]:
         buffer = stub(chan)
         for task in range(2):
             buffer.Push(pb.PushRequest(payload=payload("expiry", task)[0]), timeout=30)
+        computed(buffer)  # a server that started with nothing to compute loads its torch at these pushes
         request = pb.SampleRequest(
             num_groups=2, delivery=pb.DELIVERY_LEASE, lease_seconds=LEASE_SECONDS, wait_seconds=10, max_batches=1
         )

@@ -24,7 +24,7 @@ from expbuf.client.rpc import wire
 from expbuf.proto.v1 import buffer_pb2 as pb
 from expbuf.proto.v1 import buffer_pb2_grpc as pb_grpc
 
-from faultkit import channel, cpu_seconds, group, healthy, peak_rss_bytes, reset_peak_rss, stats, stub
+from faultkit import channel, computed, cpu_seconds, group, healthy, peak_rss_bytes, reset_peak_rss, stats, stub
 from helpers import ServerProcess
 
 pytestmark = pytest.mark.faults
@@ -142,6 +142,7 @@ def test_huge_rewards_stop_no_table(child_server: ServerProcess, estimator: str)
         buffer.Push(pb.PushRequest(table=table, payload=rewarded(10, (bound, -bound))), timeout=10)
         for task in range(11, 14):
             buffer.Push(pb.PushRequest(table=table, payload=rewarded(task, (1.0, 0.0))), timeout=10)
+        computed(buffer, table)  # the module's first push loads the child's torch
         for delivery in (pb.DELIVERY_REPLAY, pb.DELIVERY_LEASE, pb.DELIVERY_CONSUME):
             request = pb.SampleRequest(
                 table=table, num_groups=1, delivery=delivery, lease_seconds=60, wait_seconds=5, max_batches=1

@@ -35,8 +35,8 @@ from expbuf.client.rpc.wire import BUSY
 from expbuf.proto.v1 import buffer_pb2 as pb
 from expbuf.proto.v1 import buffer_pb2_grpc as pb_grpc
 
-from faultkit import channel, healthy, payload, sample_all, stub
-from helpers import ServerProcess, group_items, make_experience, scrape
+from faultkit import channel, healthy, payload, sample_all, stats, stub
+from helpers import ServerProcess, group_items, make_experience, scrape, wait_for, wait_ready
 from pages import code_blocks, page
 
 pytestmark = pytest.mark.faults
@@ -131,6 +131,7 @@ def held_lease(target: str) -> str:
         buffer = stub(chan)
         data, _ = payload("lease", 0)
         buffer.Push(pb.PushRequest(table="leased", payload=data), timeout=30)
+        wait_for(lambda: stats(buffer, "leased").ready, "the group pushed computed")  # once torch has loaded
         request = pb.SampleRequest(
             table="leased", num_groups=1, delivery=pb.DELIVERY_LEASE, lease_seconds=120, max_batches=1, wait_seconds=10
         )
@@ -460,6 +461,7 @@ def test_a_fleet_running_the_ledger_pages_loop_gets_every_prompt_while_pushes_an
         large = trxp.build(group_items("chunked", 0, 2, response=8000))
         with BufferClient(server.target, push_chunk_bytes=1 << 16) as chunked:
             assert len(chunked.push(large, table="other").stored) == 2
+        wait_ready(client, "other", 6)  # torch may still load: the fleet's first push began it
         sampled = next(client.sample("other", num_groups=2, max_batches=1, timeout=10, delivery="consume"))
         assert len(sampled.uids) == 6
         scope["trainer"](client)

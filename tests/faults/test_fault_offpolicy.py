@@ -39,7 +39,9 @@ def test_a_rate_limited_table_is_never_held_by_what_cannot_be_sampled(
     tmp_path: Path, serve: Callable[..., ServerProcess]
 ) -> None:
     data = str(tmp_path / "data")
-    server = serve(data, "--ingest-processes", "0")
+    # torch loaded at the start (and so below): its import, were it begun by the first push to t, holds the
+    # server for up to seconds under load, past the 1 s group timeout within which groups 0, 1, 4-6 complete
+    server = serve(data, "--ingest-processes", "0", "--advantage-worker", "at_start")
     with BufferClient(server.target, timeout=10, retries=0) as client:
         client.create_table(
             "t", group_size=8, samples_per_insert=1.0, samples_per_insert_error=1.0, drop_zero_variance=True,
@@ -59,10 +61,12 @@ def test_a_rate_limited_table_is_never_held_by_what_cannot_be_sampled(
         for payload in group(3):  # ready and not sampled when the server is killed
             client.push(payload, table="t")
     assert server.stop(signal.SIGKILL) == -signal.SIGKILL
-    server = serve(data, "--ingest-processes", "0")
+    # the held push below is refused at max_wait_seconds, 9 s before its deadline: a refusal due at the deadline
+    # (sent 50 ms before it) came after it at times on a loaded machine, the push failing DEADLINE_EXCEEDED
+    server = serve(data, "--ingest-processes", "0", "--advantage-worker", "at_start", "--max-wait-seconds", "1")
     with BufferClient(server.target, timeout=10, retries=0) as client:
         with pytest.raises(BufferError) as held:  # the count survived: group 3 is owed its samples
-            client.push(group(4)[0], table="t", timeout=1)
+            client.push(group(4)[0], table="t")
         assert held.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert "16 inserted, 8 sampled" in held.value.details
         assert take(client) == 1
@@ -107,6 +111,10 @@ def test_an_over_confirmed_batch_goes_back(tmp_path: Path, serve: Callable[..., 
         buffer = stub(chan)
         items = [trxp.from_experience(make_experience("f", task, run)) for task in range(2) for run in range(4)]
         buffer.Push(pb.PushRequest(payload=trxp.build(items)), timeout=30)
+        deadline = time.monotonic() + 60
+        while stats(buffer).ready < 8:  # computed once torch has loaded, which the push asked for
+            assert time.monotonic() < deadline, "the groups pushed were not computed"
+            time.sleep(0.1)
         stream = SampleStream(buffer, pb.SampleRequest(num_groups=1, delivery=pb.DELIVERY_CONSUME, wait_seconds=5))
         sent = next(stream.call)
         stream._out.put(pb.SampleRequest(received=5))

@@ -20,7 +20,7 @@ import torch
 from expbuf.client import BufferClient, trxp
 from expbuf.client.schema.experience import EID, Experience
 
-from helpers import servers
+from helpers import servers, wait_ready
 
 pytestmark = pytest.mark.faults
 
@@ -69,6 +69,7 @@ def test_a_rank_killed_mid_step_reads_its_part_again_and_no_group_is_trained_twi
         with BufferClient(server.target, timeout=30) as client:
             client.create_table("t", group_size=2, estimator="grpo")
             client.push(trxp.encode(made), table="t")
+            wait_ready(client, "t", len(made))  # computed once the child's torch, which the push asked for, loads
             (batch,) = client.sample("t", num_groups=9, delivery="lease", lease_seconds=120, max_batches=1, timeout=10)
             outs = [tmp_path / f"rank{number}.json" for number in range(RANKS)]
             procs = [

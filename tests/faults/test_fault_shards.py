@@ -27,7 +27,7 @@ from expbuf.client import BufferClient, Claim, Prompt, trxp
 from expbuf.client.shards.blocking import AsyncShardedBufferClient, ShardedBufferClient, ShardError
 
 from faultkit import group, servers
-from helpers import make_experience
+from helpers import ServerProcess, make_experience
 
 pytestmark = pytest.mark.faults
 
@@ -46,8 +46,14 @@ def settle(client: ShardedBufferClient, table: str) -> None:
 
 def test_a_killed_shard_degrades_every_call_and_is_paid_what_it_missed(tmp_path: Path) -> None:
     with servers() as start:
+
+        def shard(name: str) -> ServerProcess:
+            # torch loaded at the start: the first push would load it in three children at once, beside
+            # calls of 5 s deadlines
+            return start(str(tmp_path / name), "--shard", name, "--advantage-worker", "at_start")
+
         with ThreadPoolExecutor(len(NAMES)) as pool:  # side by side: each start imports torch
-            procs = dict(zip(NAMES, pool.map(lambda n: start(str(tmp_path / n), "--shard", n), NAMES), strict=True))
+            procs = dict(zip(NAMES, pool.map(shard, NAMES), strict=True))
         client = ShardedBufferClient({n: p.target for n, p in procs.items()}, timeout=5.0, retries=2)
         client.create_table("t", group_size=2)
         items = [item for task in range(GROUPS) for item in group("0", task, 2)]

@@ -27,10 +27,17 @@ STAGED_BEFORE_THE_KILL = 4  # of the store's chunks, durable (the table's staged
 
 
 def counts(data: Path) -> dict[str, int]:
+    """The entries of the databases a staged push and its experience write; "tombs" counts a
+    records table's tombstones or a rows table's (its groups' directory entries)."""
     env = Environment(data, readonly=True)
     try:
         with env.read() as txn:
-            return {name: txn.stat(env.db[name])["entries"] for name in ("chunks", "staged", "blobs", "items", "tombs")}
+            found = {
+                name: txn.stat(env.db[name])["entries"] for name in ("chunks", "staged", "blobs", "items", "tombs")
+            }
+            if "gdir" in env.db:
+                found["tombs"] += txn.stat(env.db["gdir"])["entries"]
+            return found
     finally:
         env.close()
 

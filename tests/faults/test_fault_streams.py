@@ -21,7 +21,7 @@ from expbuf.client import trxp
 from expbuf.proto.v1 import buffer_pb2 as pb
 from expbuf.proto.v1 import buffer_pb2_grpc as pb_grpc
 
-from faultkit import SampleStream, channel, group, healthy, sample_all, scaled, stats, stub
+from faultkit import SampleStream, channel, computed, group, healthy, sample_all, scaled, stats, stub
 from helpers import ServerProcess
 
 pytestmark = pytest.mark.faults
@@ -38,9 +38,11 @@ def push_groups(
     buffer: pb_grpc.ExperienceBufferStub, count: int, size: int = 1, batch: str = "s", table: str = ""
 ) -> list[list[str]]:
     """Push `count` complete groups of `size` in one payload (into `table`, the default table
-    unless named); their uids, group by group."""
+    unless named), and wait until their advantages are computed (the tables' estimator is grpo:
+    the samples after it wait 5 s for ready groups); their uids, group by group."""
     items = [item for task in range(count) for item in group(batch, task, size)]
     buffer.Push(pb.PushRequest(table=table, payload=trxp.build(items)), timeout=30)
+    computed(buffer, table or "default")
     return [[item.uid for item in items[i : i + size]] for i in range(0, len(items), size)]
 
 

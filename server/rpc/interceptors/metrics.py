@@ -291,8 +291,9 @@ class Metrics:
         )
         self.advantage_worker_up = Gauge(
             "expbuf_advantage_worker_up",
-            "1 while the advantage worker runs; 0 while torch loads after a start, and where the worker did not"
-            " start or ended (ServerInfo.advantage_worker_failure names why).",
+            "1 while the advantage worker runs, and while none is needed (no table has needed advantages computed"
+            " since the start: torch is not loaded); 0 while torch loads, and where the worker did not start or"
+            " ended (ServerInfo.advantage_worker_failure names why; .advantage_worker_state tells the four apart).",
             registry=self.registry,
         )
         self.admission = Counter(

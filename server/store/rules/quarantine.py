@@ -30,8 +30,6 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable, Sequence
 
-from expbuf.client.schema.routing import uid_group_key
-
 from ..core.table_state.read_check import payload_problem
 from ..core.table_state.state import TableState
 from ..core.verbs import retire, row_moves
@@ -63,13 +61,6 @@ def quarantine_groups(tt: TableState, groups: Sequence[tuple[str, GroupView, dic
     else:
         retire.retire(tt, [(gkey, grp) for gkey, grp, _ in groups], FAILED, quarantined)  # and buries the lost
     return len(quarantined)
-
-
-def _row_member(tt: TableState, uid: str) -> MemberView | None:
-    """A rows table's experience by its uid: a member of its group's rows; None: none is stored."""
-    gkey = uid_group_key(uid, tt.config.grouping.by)
-    grp = None if gkey is None else tt.view(gkey)
-    return None if grp is None else tt.members(grp).get(uid)
 
 
 def quarantine_lost(tt: TableState, groups: Sequence[tuple[str, GroupView]]) -> None:
@@ -123,7 +114,7 @@ def quarantine_found(tt: TableState, uids: Iterable[str]) -> int:
     groups: dict[str, tuple[GroupView, dict[str, str]]] = {}
     count = 0
     for uid in dict.fromkeys(uids):
-        rec = _row_member(tt, uid) if tt.config.storage.layout == "rows" else tt.member(uid)
+        rec = tt.member(uid)
         if rec is None or rec.state not in (*LIVE, FAILED):
             continue
         blob = chunk_reads.read_payload(tt.txn, tt.db, tt.key(uid))

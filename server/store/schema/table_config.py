@@ -24,6 +24,7 @@ from .errors import ConfigError, clip
 from .estimator_registry import ESTIMATORS, Estimator
 from .table_parts import (
     MAX_SECONDS,
+    STORED_LAYOUT,
     Capacity,
     Estimation,
     Grouping,
@@ -266,6 +267,8 @@ class TableConfig:
             data["estimator"], data["estimator_params"] = _estimator_of_v1(
                 data.get("estimator", "grpo"), dict(data.get("estimator_params") or {})
             )
+        for setting, (part, name) in HIDDEN_WHERE.items():
+            data.setdefault(setting, _stored_default(part, name))
         return cls.from_settings(data)
 
     def to_stored(self) -> dict[str, Any]:
@@ -279,9 +282,15 @@ class TableConfig:
             del stored["compression"], stored["compression_level"]
         for setting, (part, name) in HIDDEN_WHERE.items():
             value = getattr(getattr(self, part), name)
-            if value != getattr(PARTS[part](), name):  # so a release without the setting opens the table
+            if value != _stored_default(part, name):  # so a release without the setting opens the table
                 stored[setting] = value
         return stored
+
+
+def _stored_default(part: str, name: str) -> Any:
+    """What a stored table record that leaves out a hidden setting means: for the layout, the one
+    every table had before rows (STORED_LAYOUT), whatever a table created today takes."""
+    return STORED_LAYOUT if (part, name) == ("storage", "layout") else getattr(PARTS[part](), name)
 
 
 def _fields(name: str, flat: Mapping[str, Any]) -> dict[str, Any]:

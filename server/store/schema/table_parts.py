@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -48,10 +49,22 @@ HIDDEN = "hidden"
 # and group ("records"), or the rows of batches of groups (disk/rows/, "rows"), which only the
 # push writes so far.
 LAYOUTS = ("records", "rows")
+# The layout a table created without one takes, where the test suite runs with another
+# (`pytest --layout rows`, tests/conftest.py): read from the environment, so a server started as a
+# child takes it too. A table is stored naming its layout wherever it is not "records"
+# (STORED_LAYOUT), so this never changes what an existing table is.
+DEFAULT_LAYOUT_VARIABLE = "EXPBUF_DEFAULT_LAYOUT"
+# The layout of a stored table that names none: every table written before rows existed.
+STORED_LAYOUT = "records"
 # Timeouts and retention beyond ten years are mistakes (1e10, inf), not plans.
 MAX_SECONDS = 10 * 365 * 86400.0
 # zstd's levels above 19 take far more memory and time for little: not offered.
 MAX_ZSTD_LEVEL = 19
+
+
+def default_layout() -> str:
+    """The layout a table takes where its settings name none (DEFAULT_LAYOUT_VARIABLE)."""
+    return os.environ.get(DEFAULT_LAYOUT_VARIABLE) or STORED_LAYOUT
 
 
 def flat(name: str) -> dict[str, str]:
@@ -439,7 +452,7 @@ class Storage(Part):
     # zstd's level, 1-19: 1 is fastest, and within a few percent of 3's size on tensor data.
     compression_level: int = 1
     # A hidden setting (HIDDEN): how the table's records are kept, one of LAYOUTS.
-    layout: str = field(default="records", metadata={HIDDEN: True})
+    layout: str = field(default_factory=lambda: default_layout(), metadata={HIDDEN: True})
 
     def __post_init__(self) -> None:
         self._one_of("compression", COMPRESSIONS)

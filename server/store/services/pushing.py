@@ -18,7 +18,10 @@ server lets a push wait only where a call that waits idle would be let in (serve
 refuses it at once otherwise.
 Where the server gives a table a computation (`in_push`: one-value estimators), the groups the
 push completes get their advantages in its transaction, computed before it where the push's
-groups can be foreseen (pushed_advantages.py).
+groups can be foreseen (pushed_advantages.py). The server hears of each push that stored
+something, once it is durable (`on_stored`: its advantage worker starts at the first that needs
+it); a push that stores nothing (held by a rate limit or a full table to its deadline, say) is
+not heard of.
 
 A last piece of a large rollout held in pieces has its rollout put together off the writer when
 the writer asks for it (partials.OffWriter: services/assembly.py), and its push tried again; a
@@ -83,6 +86,7 @@ class Pushing:
     ) -> None:
         self.environment, self.catalog, self._state_in, self.builds = environment, catalog, state_in, builds
         self.in_push: Callable[[TableConfig], Compute | None] | None = None
+        self.on_stored: Callable[[TableConfig], None] | None = None
         self.max_push_bytes = max_push_bytes  # the largest push; a rollout in pieces takes no more (the server's)
         self._sets_lock = threading.Lock()
         self._sets = (0, 0)  # the chunk set numbers reserved and not handed out yet: [first, end)
@@ -146,7 +150,9 @@ class Pushing:
             final = now >= deadline
             done, stop = self._submit(list(todo), final, now - since if held else 0.0)
             for result in done:
-                todo.popleft()
+                ready = todo.popleft()
+                if self.on_stored is not None and (result.stored or result.partial):
+                    self.on_stored(ready.config)
                 yield result
             if done:
                 since, held, together = time.monotonic(), False, 0

@@ -15,6 +15,8 @@ from types import MappingProxyType
 
 import lmdb
 
+from expbuf.client.schema.routing import uid_group_key
+
 from ...disk import layout
 from ...disk.batch_rows import Reader
 from ...disk.layout import put_rows, u64
@@ -134,8 +136,14 @@ class TableState:
         return rec
 
     def member(self, uid: str) -> MemberView | None:
-        """The uid's experience as code outside the core reads it (views.py), or its tombstone."""
-        return self.item(uid)
+        """The uid's experience as code outside the core reads it (views.py), or its tombstone: a
+        rows table's, among its group's rows (its segment's, or its pending group's fragments)."""
+        if self.config.storage.layout != "rows":
+            return self.item(uid)
+        by = self.config.grouping.by
+        gkey = uid if by == "none" else uid_group_key(uid, by)  # an experience its own group: any uid
+        grp = None if gkey is None else self._row_group(gkey)
+        return None if grp is None else row_members(grp).get(uid)
 
     def cached_item(self, uid: str) -> tuple[bool, Cached]:
         """Whether the uid's record was read in this transaction, and the record if it was:

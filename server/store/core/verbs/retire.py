@@ -22,7 +22,7 @@ from ...schema.views import Groups, MemberView
 from ..table_state import rate_counts
 from ..table_state.events import Retired
 from ..table_state.state import TableState
-from ..table_state.views import RowGroup, group_record, member_record
+from ..table_state.views import RowGroup, RowMember, group_record, member_record
 from . import payloads, pieces, row_deletes, row_pending, segments
 
 log = logging.getLogger("expbuf.store")
@@ -301,8 +301,15 @@ def _size(tt: TableState, uid: str) -> int:
 
 
 def quarantine_kept(tt: TableState, uid: str, view: MemberView) -> None:
-    """A failed experience whose kept payload is damaged: quarantined alone, its payload gone."""
-    key, rec = tt.key(uid), member_record(view)
+    """A failed experience whose kept payload is damaged: quarantined alone, its payload gone. A
+    rows table's stays failed with its group (its damaged members count failed, not quarantined:
+    docs/internals/storage.md), its payload gone, its damage counted."""
+    key = tt.key(uid)
+    if isinstance(view, RowMember):  # its bytes left the table's when its group failed
+        chunked.delete(tt.txn, tt.db, [key], [view.size])
+        tt.counters.damaged += 1
+        return
+    rec = member_record(view)
     chunked.delete(tt.txn, tt.db, [key], [rec.size])
     tt.txn.delete(key, db=tt.db["items"])
     rec.state = QUARANTINED

@@ -23,7 +23,7 @@ from expbuf.client.schema.routing import uid_group_key
 from ...disk import chunked
 from ...disk.records import DELETED
 from ...disk.rows import PendingHead, SegState
-from ...schema.states import DROPPED, LIVE, PENDING, READY, RETIRED
+from ...schema.states import COMPUTING, DROPPED, LIVE, PENDING, READY, RETIRED
 from ..table_state import rate_counts
 from ..table_state.events import Retired
 from ..table_state.state import TableState
@@ -116,15 +116,16 @@ def _read(tt: TableState, segments: Segments, gkey: str) -> _Touched | None:
     head = row_pending.head(tt, gkey)
     if head is not None:
         rows = tuple(tt.pending_rows(gkey, head))
-        group = RowGroup(gkey, PENDING, rows, dict(head.failed), created=head.created)
+        state = PENDING if head.queued is None else COMPUTING  # a computing one waits for the worker
+        group = RowGroup(gkey, state, rows, dict(head.failed), created=head.created)
         return _Touched(group, row_members(group), head=head)
     picked = row_select.complete_groups(tt, segments, [gkey])
     if not picked:
         return None
     p = picked[0]
-    view, state = segments.view(p.seg), segments.state(p.seg)
+    view, seg_state = segments.view(p.seg), segments.state(p.seg)
     group = p.group._replace(failed=view.failed(p.at))
-    places = dict(zip(group.members, state.kept(*view.span(p.at)), strict=True))
+    places = dict(zip(group.members, seg_state.kept(*view.span(p.at)), strict=True))
     return _Touched(group, p.members, p._replace(group=group), places)
 
 

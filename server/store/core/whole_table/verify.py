@@ -273,13 +273,13 @@ def rows(tt: TableState) -> list[str]:
                 if not live:
                     if blob is not None and group_state != FAILED:  # a failed group's may be kept, for Get
                         problems.append(f"item {member.uid} of group {gkey} is {group_state} but its payload is kept")
-                    elif blob is not None and (problem := _row_payload(blob, member)) is not None:
-                        problems.append(f"kept item {member.uid} of failed group {gkey}: {problem}")
+                    elif blob is not None and (problem := _row_payload(member, FAILED, blob)) is not None:
+                        problems.append(problem)
                     continue
                 counts["bytes"] += member.size
-                problem = _row_payload(blob, member)
+                problem = _row_payload(member, READY if group_state == LEASED else group_state, blob)
                 if problem is not None:
-                    problems.append(f"item {member.uid} of group {gkey}: {problem}")
+                    problems.append(problem)
         if all(s in RETIRED for s in state.states(0, state.groups)) != (state.retired is not None):
             problems.append(f"segment {seg} says it retired at {state.retired}, which its groups' states do not")
         if state.retired is not None and retired.pop(layout.micros(state.retired) + u64(seg), False) is not None:
@@ -338,18 +338,22 @@ def _pending(tt: TableState, heads: dict[str, PendingHead], counts: dict[str, in
         for member in members:
             counts[state] += 1
             counts["bytes"] += member.size
-            problem = _row_payload(chunk_reads.read_payload(tt.txn, tt.db, tt.key(member.uid)), member)
+            problem = _row_payload(member, state, chunk_reads.read_payload(tt.txn, tt.db, tt.key(member.uid)))
             if problem is not None:
-                problems.append(f"item {member.uid} of pending group {gkey}: {problem}")
+                problems.append(problem)
     problems.extend(f"fragment {key[:80]!r} is of no pending group" for key in fragments)
     problems.extend(f"the pending index names {key[8:80]!r}, which is not pending" for key in indexed)
     problems.extend(f"the compute queue names {gkey[:80]!r}, which is not computing" for gkey in queued.values())
     return problems
 
 
-def _row_payload(blob: Stored | None, member: Member) -> str | None:
-    """Why a rows table's live member's payload is not the one pushed, or None when it is."""
-    return "its payload is missing" if blob is None else stored_problem(member.uid, member.size, member.digest, blob)
+def _row_payload(member: Member, state: State, blob: Stored | None) -> str | None:
+    """Why a rows table's member in `state` has not the payload pushed, in the words of a records
+    table's check (_check_item: `expbuf check` reads the same for either), or None when it has."""
+    if blob is None:
+        return f"item {member.uid} is {state} but its payload is missing"
+    problem = stored_problem(member.uid, member.size, member.digest, blob)
+    return None if problem is None else f"item {member.uid}: {problem}"
 
 
 def _lease_holds(state: State, tag: str, named: str | None, cooling: bool) -> bool:
