@@ -22,6 +22,9 @@ from expbuf.server.store.schema.table_config import TableConfig
 from conftest import FIXTURES
 from helpers import group_items, stored_members, take
 
+# A records table's tombstones (a rows table's are its segments' rows: test_rows_take.py, test_rows_reads.py).
+pytestmark = pytest.mark.usefixtures("records_layout")
+
 V3 = FIXTURES / "datadir_v3"
 NOW = 1_800_000_000.0
 
