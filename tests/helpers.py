@@ -14,7 +14,7 @@ import time
 import urllib.request
 from collections.abc import Callable, Iterator
 from concurrent import futures
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import grpc
 import pytest
@@ -26,8 +26,18 @@ from expbuf.client.schema.experience import TENSOR_FIELDS
 from expbuf.proto.v1 import buffer_pb2 as pb
 from expbuf.proto.v1 import buffer_pb2_grpc as pb_grpc
 from expbuf.server.store import Entry, Sampled, Store
+from expbuf.server.store.disk.environment import Environment
+from expbuf.server.store.disk.rows import (
+    Member,
+    PendingHead,
+    SegmentView,
+    SegState,
+    decode_member_rows,
+    directory_entry,
+)
 from expbuf.server.store.schema.estimator_registry import Estimator, register, unregister
 from expbuf.server.store.schema.sample_spec import TakeSpec
+from expbuf.server.store.schema.states import COMPUTING, PENDING, State
 from expbuf.server.store.schema.table_config import TableConfig
 
 # batch.tensordict() needs the tensordict package, which expbuf does not require: a machine
@@ -408,3 +418,44 @@ def both_layouts(store: Store, name: str, **settings: object) -> None:
     store.create_table(records)
     rows = dataclasses.replace(records.storage, layout="rows")
     store.create_table(dataclasses.replace(records, name=f"{name}_rows", storage=rows))
+
+
+class StoredMember(NamedTuple):
+    """A member of a rows table as its rows keep it (stored_members)."""
+
+    member: Member  # its columns: digest, size, seq, ...
+    group: str
+    seg: int | None  # its segment's id; None for a member of a fragment
+    state: State  # its group's: pending or computing for a member of a fragment
+    retired: float | None  # when its segment's last group retired; None while one is live
+    payload: bytes | None  # its value in blobs; None once its payload is gone (a tombstone's)
+
+
+def stored_members(env: Environment) -> dict[bytes, StoredMember]:
+    """Every member every rows table of `env` keeps, by its key (table prefix + uid, as a records
+    table's item record was): each segment's members with their group's state (a deleted member left
+    out) and each pending group's members from its fragments, each with its payload in blobs."""
+    found: dict[bytes, StoredMember] = {}
+    with env.read() as txn:
+        for key, raw in txn.cursor(db=env.db["segs"]):
+            prefix, seg, view = bytes(key[:4]), int.from_bytes(key[4:], "big"), SegmentView(raw)
+            state_row = txn.get(key, db=env.db["sstate"])
+            assert state_row is not None, key
+            row = SegState.decode(state_row)
+            for g, gkey in enumerate(view.keys(0, view.groups)):
+                for i in row.kept(*view.span(g)):
+                    member = view.members.members(i, i + 1)[0]
+                    uid = prefix + member.uid.encode()
+                    found[uid] = StoredMember(
+                        member, gkey, seg, row.state(g), row.retired, txn.get(uid, db=env.db["blobs"])
+                    )
+        for key, raw in txn.cursor(db=env.db["frags"]):
+            prefix, gkey = bytes(key[:4]), bytes(key[4:-5]).decode()
+            entry = txn.get(prefix + gkey.encode(), db=env.db["gdir"])
+            head = None if entry is None else directory_entry(entry)
+            assert isinstance(head, PendingHead), gkey  # a fragment's group is pending
+            state = PENDING if head.queued is None else COMPUTING
+            for member in decode_member_rows(raw):
+                uid = prefix + member.uid.encode()
+                found[uid] = StoredMember(member, gkey, None, state, None, txn.get(uid, db=env.db["blobs"]))
+    return found

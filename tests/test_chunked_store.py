@@ -335,7 +335,7 @@ def test_a_format_5_directory_upgrades_in_place_and_serves_its_large_payloads_st
     upgrade_killed_before_its_commit(data)
     with Store(data) as store:
         with store.environment.read() as txn:
-            assert txn.get(b"format", db=store.db["meta"]) == str(layout.FORMAT).encode() == b"9"
+            assert txn.get(b"format", db=store.db["meta"]) == str(layout.FORMAT).encode()
         assert rows(store, "chunks") == {}
         push(store, big_group(2))  # a new one is stored in chunks
         assert len(rows(store, "chunks")) > 0
@@ -686,7 +686,7 @@ def test_a_format_8_directory_reseals_its_heads_in_place(tmp_path: Path, table: 
     upgrade_killed_before_its_commit(data)
     with Store(data) as store:
         with store.environment.read() as txn:
-            assert txn.get(b"format", db=store.db["meta"]) == str(layout.FORMAT).encode() == b"9"
+            assert txn.get(b"format", db=store.db["meta"]) == str(layout.FORMAT).encode()
         after = rows(store, "blobs")
         intact = {key: chunk_heads.read_head(head).intact for key, head in after.items()}
         assert intact == {key: key not in (damaged, flipped) for key in heads}

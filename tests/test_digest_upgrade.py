@@ -30,7 +30,7 @@ from expbuf.server.store.schema.errors import Conflict, Damaged
 from expbuf.server.store.schema.states import CONSUMED, RETIRED
 from expbuf.server.store.schema.table_config import TableConfig
 
-from helpers import group_items, take
+from helpers import group_items, stored_members, take
 
 
 @pytest.fixture
@@ -58,18 +58,18 @@ def sha256_16(item: trxp.RawItem) -> bytes:
 def test_the_upgrade_digests_every_stored_payload_with_xxh3_and_tombstones_keep_theirs(v3: Path) -> None:
     with Store(v3, clock=lambda: MANIFEST["now"]) as store:
         with store.environment.read() as txn:
-            assert txn.get(b"format", db=store.environment.db["meta"]) == str(layout.FORMAT).encode() == b"9"
-        found = records(store)
-    stored = {key: (rec, blob) for key, (rec, blob) in found.items() if blob is not None}
+            assert txn.get(b"format", db=store.environment.db["meta"]) == str(layout.FORMAT).encode()
+        found = stored_members(store.environment)
+    stored = {key: row for key, row in found.items() if row.payload is not None}
     assert len(stored) == sum(len(uids) for uids in MANIFEST["stored"].values())
-    for key, (rec, blob) in stored.items():
-        assert blob is not None and rec.digest == xxhash.xxh3_128_digest(blob), key
-    tombstones = {key[4:].decode(): rec for key, (rec, blob) in found.items() if blob is None}
+    for key, row in stored.items():
+        assert row.payload is not None and row.member.digest == xxhash.xxh3_128_digest(row.payload), key
+    tombstones = {key[4:].decode(): row for key, row in found.items() if row.payload is None}
     retired = {item.uid: item for item in group(1, 2, 4) + group(4, 0, 1)}  # consumed, evicted
     assert set(tombstones) == set(retired)
-    for uid, rec in tombstones.items():
-        assert rec.state in RETIRED
-        assert rec.digest == sha256_16(retired[uid]) != xxhash.xxh3_128_digest(trxp.pack_item(retired[uid]))
+    for uid, row in tombstones.items():
+        assert row.state in RETIRED
+        assert row.member.digest == sha256_16(retired[uid]) != xxhash.xxh3_128_digest(trxp.pack_item(retired[uid]))
 
 
 def test_format_3_tombstones_catch_a_retry_and_a_conflict_after_the_upgrade_and_a_reopen(v3: Path) -> None:
@@ -156,8 +156,8 @@ def test_a_payload_kept_as_format_1_wrote_it_gets_the_digest_of_its_canonical_pa
     env.close()
     with Store(v3, clock=lambda: MANIFEST["now"]) as store:
         assert store.verify("grpo4") == []
-        rec, blob = records(store)[key]
-        assert blob == kept and rec.digest == xxhash.xxh3_128_digest(trxp.pack_item(item))
+        row = stored_members(store.environment)[key]
+        assert row.payload == kept and row.member.digest == xxhash.xxh3_128_digest(trxp.pack_item(item))
         retried = group(1, 0, 4)
         assert store.put("grpo4", retried).duplicates == [one.uid for one in retried]
 

@@ -1,7 +1,8 @@
 """A lease rewrites no member record (format 4): the group's record says leased while its
 members' records stay ready, and a batch counts as sampled in them when it comes back (a
 consumed one's tombstone needs no count). Listing still shows the members leased, counters
-and `verify` agree, and a format-3 directory's leased members are brought to that form."""
+and `verify` agree, and a format-3 directory's leased group is brought to that form (and, since
+format 10, to a rows table's: the group leased in its segment's state, its members untouched)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from expbuf.server.store.schema.sample_spec import TakeSpec
 from expbuf.server.store.schema.table_config import TableConfig
 
 from conftest import FIXTURES
-from helpers import group_items, take
+from helpers import group_items, stored_members, take
 
 V3 = FIXTURES / "datadir_v3"
 
@@ -73,17 +74,20 @@ def test_a_batch_held_for_a_stream_that_never_confirmed_it_comes_back_uncounted(
         assert store.stats("t")["sampled"] == 0 and store.verify("t") == []
 
 
-def test_a_format_3_leased_group_is_ready_in_its_member_records_and_its_lease_counts_when_it_ends(
+def test_a_format_3_leased_group_stays_leased_and_its_lease_counts_when_it_ends(
     tmp_path: Path,
 ) -> None:
     shutil.copy(V3 / "data.mdb", tmp_path / "data.mdb")
     manifest = json.loads((V3 / "manifest.json").read_text())
     lease = manifest["lease"]
     with Store(tmp_path, clock=lambda: manifest["now"]) as store:
-        leased = {
-            uid: ItemRecord.decode(raw) for uid, raw in _records(store, "grpo4").items() if uid.startswith("1/1/")
+        prefix = layout.table_prefix(store.catalog.lookup("grpo4")[0])
+        members = stored_members(store.environment)  # a rows table since format 10: its group leased in its segment
+        leased = {key[4:].decode(): row for key, row in members.items() if key[:4] == prefix and row.group == "1/1"}
+        assert len(leased) == 4 and {(row.state, row.payload is not None) for row in leased.values()} == {
+            ("leased", True)
         }
-        assert len(leased) == 4 and {(rec.state, rec.times_sampled) for rec in leased.values()} == {("ready", 0)}
+        assert len({row.seg for row in leased.values()}) == 1
         assert {_listed(store, "grpo4")[uid] for uid in leased} == {("leased", 0)}
         assert store.verify("grpo4") == []
         assert store.nack(lease["id"], lease["table"]) == 4

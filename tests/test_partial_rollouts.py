@@ -31,7 +31,7 @@ from expbuf.client.rollout_pieces import continuation, split
 from expbuf.proto.v1 import buffer_pb2 as pb
 from expbuf.proto.v1 import buffer_pb2_grpc as pb_grpc
 from expbuf.server.store import Store
-from expbuf.server.store.disk import chunked
+from expbuf.server.store.disk import chunked, layout
 from expbuf.server.store.disk.kinds import Entry, Push
 from expbuf.server.store.schema.errors import Conflict
 from expbuf.server.store.schema.table_config import TableConfig
@@ -264,7 +264,7 @@ def test_a_format_7_directory_upgrades_and_holds_pieces(tmp_path: Path) -> None:
             txn.drop(env.open_db(b"partials", txn=txn), delete=True)
     with Store(tmp_path / "data", map_size=1 << 24) as store:
         with store.environment.read() as txn:
-            assert txn.get(b"format", db=store.environment.db["meta"]) == b"9"
+            assert txn.get(b"format", db=store.environment.db["meta"]) == str(layout.FORMAT).encode()
         first = trxp.from_experience(split(rollout(), [4, 8])[0])
         assert store.put("t", [first]).partial == [first.uid]
 

@@ -258,7 +258,7 @@ def test_a_format_6_directory_upgrades_its_runs_stay_whole_and_new_pushes_share(
                 txn.drop(env.open_db(name.encode(), txn=txn), delete=True)
     with Store(tmp_path / "data", map_size=64 << 20) as store:
         with store.environment.read() as txn:
-            assert txn.get(b"format", db=store.environment.db["meta"]) == b"9"
+            assert txn.get(b"format", db=store.environment.db["meta"]) == str(layout.FORMAT).encode()
         assert shared(store) == {}
         assert stored_sizes(store, [item.uid for item in old]) == [len(trxp.pack_item(item)) for item in old]
         new = items(run(0, 2), run(0, 3))

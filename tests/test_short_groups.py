@@ -47,7 +47,7 @@ def runs(task: int, numbers: Iterable[int]) -> list[Experience]:
 
 
 def group_record(store: Store, table: str, gkey: str):  # type: ignore[no-untyped-def]
-    return store._in_table(table, lambda tt: tt.group(gkey))
+    return store._in_table(table, lambda tt: tt.view(gkey))
 
 
 def test_min_group_size_is_checked_against_group_size() -> None:
@@ -57,6 +57,7 @@ def test_min_group_size_is_checked_against_group_size() -> None:
             TableConfig.of("t", **bad)
 
 
+@pytest.mark.usefixtures("records_layout")  # a group record's partial flag
 def test_a_group_of_8_with_2_failed_runs_completes_with_the_6_and_records_why(store: Store) -> None:
     store.create_table(TableConfig.of("short", estimator="none", group_size=8, min_group_size=6))
     store.put("short", group_items(1, 0, 6))
@@ -69,6 +70,7 @@ def test_a_group_of_8_with_2_failed_runs_completes_with_the_6_and_records_why(st
     assert (stats["ready"], stats["runs_failed"], stats["groups_short"], stats["groups_dropped"]) == (6, 2, 1, 0)
 
 
+@pytest.mark.usefixtures("records_layout")  # a group record's partial flag
 def test_failures_first_then_the_pushes_complete_the_group_and_a_failed_run_pushed_after_all_rejoins(
     store: Store,
 ) -> None:

@@ -20,7 +20,10 @@ from expbuf.server.store.schema.errors import Conflict
 from expbuf.server.store.schema.table_config import TableConfig
 
 from conftest import FIXTURES
-from helpers import group_items, take
+from helpers import group_items, stored_members, take
+
+# A records table's tombstones (a rows table's are its segments' rows: test_rows_take.py, test_rows_reads.py).
+pytestmark = pytest.mark.usefixtures("records_layout")
 
 V3 = FIXTURES / "datadir_v3"
 NOW = 1_800_000_000.0
@@ -137,24 +140,27 @@ def test_the_upgrade_from_format_3_rewrites_its_tombstones_compact_and_they_are_
     clock = [manifest["now"]]
     with Store(tmp_path, clock=lambda: clock[0]) as store:
         with store.environment.read() as txn:
-            assert txn.get(b"format", db=store.db["meta"]) == str(layout.FORMAT).encode() == b"9"
+            assert txn.get(b"format", db=store.db["meta"]) == str(layout.FORMAT).encode()
         for table in manifest["stats"]:
             assert store.verify(table) == [], table
-    assert _raw_tombstones(tmp_path, "items") == {}
-    after = _raw_tombstones(tmp_path, "tombs")
-    assert after.keys() == before.keys() and all(ItemRecord.compact(raw) for raw in after.values())
-    for key, raw in after.items():
-        old, new = ItemRecord.decode(before[key]), ItemRecord.decode(raw)
-        assert (new.state, new.digest, new.retired, new.group) == (old.state, old.digest, old.retired, old.group)
-        assert len(raw) < len(before[key]) // 4
-    retired = {key[:4] + key[12:] for key in _retired_index(tmp_path)}  # one entry per retired group
-    assert retired == {b"\x00\x00\x00\x021/2", b"\x00\x00\x00\x054/0"}
+        after = {key: row for key, row in stored_members(store.environment).items() if row.state in RETIRED}
+    assert _raw_tombstones(tmp_path, "items") == {} == _raw_tombstones(tmp_path, "tombs")  # kept as rows now
+    assert after.keys() == before.keys()
+    for key, row in after.items():
+        old = ItemRecord.decode(before[key])
+        assert (row.state, row.member.digest, row.retired, row.group) == (old.state, old.digest, old.retired, old.group)
+        assert row.payload is None
+    # one entry per retired segment (here a retired group's own), stamped when it retired
+    retired = {(key[:4], key[4:12], int.from_bytes(key[12:], "big")) for key in _retired_index(tmp_path)}
+    assert retired == {(key[:4], layout.micros(row.retired or 0.0), row.seg) for key, row in after.items()}
+    assert {key[:4] for key, _, _ in retired} == {b"\x00\x00\x00\x02", b"\x00\x00\x00\x05"}
     with Store(tmp_path, clock=lambda: clock[0] + 86400 + 1) as store:
         store.tick()
         assert (store.stats("grpo4")["consumed"], store.stats("small")["evicted"]) == (0, 0)
         for table in manifest["stats"]:
             assert store.verify(table) == [], table
-    assert _raw_tombstones(tmp_path, "tombs") == {}
+        assert [row for row in stored_members(store.environment).values() if row.state in RETIRED] == []
+    assert _retired_index(tmp_path) == []
 
 
 def test_check_names_a_tombstone_kept_in_full_or_in_items_and_a_live_record_among_tombstones(tmp_path: Path) -> None:

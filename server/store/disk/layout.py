@@ -52,8 +52,9 @@ from ..schema import order_names
 # chunks and staged databases); 7 stores a prompt its runs share once (the shared and shared_refs
 # databases, shared_prompts.py) and keeps keyed values (kv, services/values.py); 8 keeps partial
 # rollouts' pieces (partials, rules/partials.py); 9 takes a chunked payload's head's own digest over
-# its chunk set too (chunk_heads.py, chunked.reseal_heads). See migrate.py.
-FORMAT = 9
+# its chunk set too (chunk_heads.py, chunked.reseal_heads); 10 keeps every table in rows (issue 64:
+# the databases of ROWS; core/whole_table/to_rows.py). See migrate.py.
+FORMAT = 10
 DIRECTORY = ("meta", "tables", "leases", "lease_exp", "grants", "grant_exp")  # not per table
 OWN = (
     *DIRECTORY, "items", "blobs", "adv", "groups", "order", "pending", "compute", "retired", "counters", "cooling",

@@ -160,7 +160,8 @@ def put(
             if digest is None:
                 fresh[entry.uid] = entry
                 continue
-            same = digest == entry.digest
+            # a tombstone a format-3 directory left keeps the digest of that format through its upgrades
+            same = digest == entry.digest or digest == digests.format_3(entry.blob)
         else:
             rec = tt.member(entry.uid)
             if rec is None:

@@ -210,7 +210,7 @@ class Scrub:
                     if rows is not None:
                         nbytes += length
                         row = rows.of(uid)
-                        damaged = row is not None and reading.row_payload_mismatch(row, blob)
+                        damaged = row is not None and reading.row_payload_mismatch(uid, row, blob)
                     else:
                         raw = reading.record_raw(txn, db, bytes(key))
                         nbytes += length + (0 if raw is None else len(raw))

@@ -23,14 +23,20 @@ from ...schema.views import MemberView
 
 def payload_problem(uid: str, rec: MemberView, blob: Stored) -> str | None:
     """Why the stored payload is not the one pushed (damage on disk), or None when it is."""
-    problem = digests.mismatch(blob, rec.size, rec.digest)
-    if problem is None or len(blob) != rec.size or isinstance(blob, SplitPayload):
+    return stored_problem(uid, rec.size, rec.digest, blob)
+
+
+def stored_problem(uid: str, size: int, digest: bytes, blob: Stored) -> str | None:
+    """Why the stored payload is not the one of `size` bytes and `digest` taken at push, or None when
+    it is: a records table's record or a rows table's member row names them."""
+    problem = digests.mismatch(blob, size, digest)
+    if problem is None or len(blob) != size or isinstance(blob, SplitPayload):
         return problem  # one stored in chunks (from format 6) has its digest of these very bytes
     try:
         items = parse(bytes(blob), trusted=True)
     except TrxpError:
         items = []
-    if len(items) == 1 and items[0].uid == uid and Entry.of(items[0]).digest == rec.digest:
+    if len(items) == 1 and items[0].uid == uid and Entry.of(items[0]).digest == digest:
         return None
     return "its payload does not match its digest"
 

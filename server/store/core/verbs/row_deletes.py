@@ -116,8 +116,8 @@ def _read(tt: TableState, segments: Segments, gkey: str) -> _Touched | None:
     head = row_pending.head(tt, gkey)
     if head is not None:
         rows = tuple(tt.pending_rows(gkey, head))
-        state = PENDING if head.queued is None else COMPUTING  # a computing one waits for the worker
-        group = RowGroup(gkey, state, rows, dict(head.failed), created=head.created)
+        now = PENDING if head.queued is None else COMPUTING  # a computing one waits for the worker
+        group = RowGroup(gkey, now, rows, dict(head.failed), created=head.created)
         return _Touched(group, row_members(group), head=head)
     picked = row_select.complete_groups(tt, segments, [gkey])
     if not picked:

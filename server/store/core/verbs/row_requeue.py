@@ -34,7 +34,7 @@ from .row_leases import hold
 from .row_moves import count_moved, unready
 from .row_select import NO_LEASE, Picked, Segments, unleased
 
-_PRIORITY = struct.Struct("<d")  # a cooling row's value: the priority its group is ready again with
+COOLING_PRIORITY = struct.Struct("<d")  # a cooling row's value: the priority its group is ready again with
 
 
 def place(tt: TableState, groups: Sequence[Members], priorities: Sequence[float], until: float | None) -> None:
@@ -48,7 +48,9 @@ def place(tt: TableState, groups: Sequence[Members], priorities: Sequence[float]
         return
     hold(tt, segments, picked, "")  # leased to no one: counted leased, heard of as a records table's
     at = layout.micros(until)
-    cooling = [(tt.prefix + at + p.gkey.encode(), _PRIORITY.pack(q)) for p, q in zip(picked, priorities, strict=True)]
+    cooling = [
+        (tt.prefix + at + p.gkey.encode(), COOLING_PRIORITY.pack(q)) for p, q in zip(picked, priorities, strict=True)
+    ]
     put_rows(tt.txn, tt.db["cooling"], sorted(cooling))
 
 
@@ -63,7 +65,7 @@ def warm(tt: TableState) -> int:
     with tt.txn.cursor(db=tt.db["cooling"]) as cur:
         found = cur.set_range(tt.prefix)
         while found and cur.key().startswith(tt.prefix) and cur.key()[4:12] <= cutoff:
-            due.append((bytes(cur.key()[12:]).decode(), _PRIORITY.unpack(cur.value())[0]))
+            due.append((bytes(cur.key()[12:]).decode(), COOLING_PRIORITY.unpack(cur.value())[0]))
             found = cur.delete()
     segments = Segments(tt)
     priority = dict(due)  # a group due twice (deleted, pushed again and cooled anew) warms once

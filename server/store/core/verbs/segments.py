@@ -77,6 +77,8 @@ def write(
     places: Sequence[int] | None = None,
     times: Sequence[int] | None = None,
     quarantined: Set[str] = frozenset(),
+    *,
+    indexed: bool = True,
 ) -> None:
     """Groups written as rows in `state`, in the order given: their segments (each a segment's id
     the rseq of its first group), states and directory entries; ready ones with a run a segment,
@@ -84,7 +86,9 @@ def write(
     retried push of one is a duplicate). With `places` (the rseq each group took when it completed:
     computing groups'), each group goes into a segment of its own there, in the ready order's place
     it took then. With `times`, each group's deliveries so far (a requeued group's: row_requeue.py);
-    the members of `quarantined` (failed groups' damaged ones) flagged so."""
+    the members of `quarantined` (failed groups' damaged ones) flagged so. Without `indexed`, ready
+    ones are not added to the indexes the table keeps: an upgrade's groups are there at their places
+    already (whole_table/to_rows.py)."""
     counters = tt.counters
     prefix = tt.prefix
     segs: list[tuple[bytes, bytes]] = []
@@ -114,7 +118,7 @@ def write(
         refs.extend((tt.key(group.key), GroupRef(seg, index).encode()) for index, group in enumerate(part))
         if state == READY:
             runs.append((key, RunRow(seg, 0, len(part)).encode()))
-            if tt.ready.indexing():  # the indexes a take in another order read (row_select.py)
+            if indexed and tt.ready.indexing():  # the indexes a take in another order read (row_select.py)
                 tt.ready.add_many([(g.key.encode(), seg + at, g.priority, g.version) for at, g in enumerate(part)])
     put_rows(tt.txn, tt.db["segs"], segs)
     put_rows(tt.txn, tt.db["sstate"], states)

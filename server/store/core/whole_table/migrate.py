@@ -20,7 +20,8 @@ adds the database of partial rollouts' pieces (rules/partials.py), created empty
 takes the own digest of a head of a payload stored in chunks over the number of its chunk set too
 and marks each set with its experience's key (chunked.reseal_heads): each head of a format 6 to 8
 directory that matches its old digest gets the new one and its mark, a damaged one is left for the
-read check to find.
+read check to find. Format 10 keeps every table in rows (issue 64): each table of layout records
+is made one of layout rows (to_rows.py).
 The indexes of the registered orders are not the format's: `keep_indexes` builds the index of
 an order registered since the last open and drops one no order reads any more. Which indexes a
 table keeps is marked per table (core/ordering/ready.IN_USE, in the counters database); a table without
@@ -53,6 +54,7 @@ from ..ordering.indexes import Index, ReadyGroup, ReadyOrder, VersionIndex
 from ..ordering.ready import forget_builds, forget_kept, in_use, keeps
 from ..table_state.events import TableExtension
 from ..table_state.state import TableState
+from .to_rows import to_rows
 
 _KEY = b"format"
 _INDEXES = b"indexes"  # the index databases kept, as a JSON list (absent: the built-in orders')
@@ -79,6 +81,8 @@ def migrate(txn: lmdb.Transaction[bytes], env: lmdb.Environment, dbs: dict[str, 
         ready_while_leased(txn, dbs)
     if 6 <= found <= 8:  # no payload was stored in chunks before format 6
         chunked.reseal_heads(txn, dbs)
+    if found <= 9:
+        to_rows(txn, env, dbs)
     if raw is None or found != layout.FORMAT:
         txn.put(_KEY, str(layout.FORMAT).encode(), db=dbs["meta"])
     keep_indexes(txn, env, dbs)

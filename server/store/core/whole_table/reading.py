@@ -42,7 +42,7 @@ from ...disk.stored_advantages import FinishBatch
 from ...schema.states import FAILED, LEASED, LIVE, PENDING, READY
 from ...schema.table_config import TableConfig
 from ...schema.views import GroupView, MemberView
-from ..table_state.read_check import payload_problem
+from ..table_state.read_check import payload_problem, stored_problem
 from ..table_state.state import TableState, member_state, pending_rows, stored
 from ..table_state.views import RowGroup, RowMember, group_rows, quarantined, row_members
 
@@ -169,13 +169,13 @@ def members_of(reader: Reader, dbs: Dbs, prefix: bytes, config: TableConfig) -> 
     return lambda uid: record(reader, dbs, prefix + uid.encode())
 
 
-def row_payload_mismatch(found: tuple[bytes, int], blob: Stored | tuple[bytes, int]) -> bool:
+def row_payload_mismatch(uid: str, found: tuple[bytes, int], blob: Stored | tuple[bytes, int]) -> bool:
     """Whether a rows table's member's stored payload (or its digest and length: chunk_reads.streamed)
     is not the one of the digest and size `found` (RowMembers.of)."""
     digest, size = found
     if isinstance(blob, tuple):
         return blob != (digest, size)
-    return digests.mismatch(blob, size, digest) is not None
+    return stored_problem(uid, size, digest, blob) is not None
 
 
 def payload_value(reader: Reader, dbs: Dbs, key: bytes) -> Value | None:

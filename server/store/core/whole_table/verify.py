@@ -12,7 +12,7 @@ from collections import defaultdict
 
 from expbuf.client.trxp.stored.pieces import Stored
 
-from ...disk import chunk_reads, digests, layout
+from ...disk import chunk_reads, layout
 from ...disk.layout import u64
 from ...disk.records import GroupRecord, ItemRecord
 from ...disk.rows import (
@@ -30,7 +30,7 @@ from ...disk.rows import (
     uid_hash,
 )
 from ...schema.states import COMPUTING, FAILED, LEASED, LIVE, PENDING, QUARANTINED, READY, RETIRED, STATES, State
-from ..table_state.read_check import payload_problem
+from ..table_state.read_check import payload_problem, stored_problem
 from ..table_state.state import TableState, member_state
 from ..table_state.views import kept_rows, quarantined
 
@@ -355,7 +355,7 @@ def _row_payload(member: Member, state: State, blob: Stored | None) -> str | Non
     table's check (_check_item: `expbuf check` reads the same for either), or None when it has."""
     if blob is None:
         return f"item {member.uid} is {state} but its payload is missing"
-    problem = digests.mismatch(blob, member.size, member.digest)
+    problem = stored_problem(member.uid, member.size, member.digest, blob)
     return None if problem is None else f"item {member.uid}: {problem}"
 
 
