@@ -23,6 +23,7 @@ from expbuf.server.store.schema.table_config import TableConfig
 
 from helpers import StoppedClock as Clock
 from helpers import group_items, layouts_reply
+from test_quarantine import damage
 
 
 def format_9(root: Path) -> None:
@@ -190,4 +191,34 @@ def test_an_upgraded_tables_tombstones_catch_a_retried_push_until_tombstone_seco
         assert store.stats("t")["consumed"] == 0
         pushed = store.put("t", consumed)
         assert pushed.duplicates == [] and store.stats("t")["ready"] == 12 + 20
+        assert store.verify("t") == []
+
+
+def test_an_upgraded_tables_quarantined_members_stay_quarantined_until_their_tombstones_are_forgotten(
+    tmp_path: Path, records_layout: None
+) -> None:
+    """A records table's quarantined tombstones (a damaged member of a failed group, and a kept payload
+    of its group found damaged later) are flagged quarantined in their rows segment: counted so, listed
+    missing by Get, uncounted when their segment is forgotten, the total of the damaged kept."""
+    clock = Clock()
+    uids = [item.uid for item in group_items(0, 1, 4)]
+    with Store(tmp_path, clock=clock) as store:
+        store.create_table(TableConfig.of("t", estimator="none", group_by="task", group_size=4, tombstone_seconds=60))
+        store.put("t", [item for task in range(3) for item in group_items(0, task, 4)])
+        damage(store, "t", uids[2])
+        assert store.quarantine("t", [uids[2]]) == 1
+        damage(store, "t", uids[0])  # a failed member whose payload was kept for Get
+        assert store.quarantine("t", [uids[0]]) == 1
+        before = _stats(store, "t")
+        assert (before["quarantined"], before["failed"], before["damaged"], before["ready"]) == (2, 2, 2, 8)
+    format_9(tmp_path)
+    with Store(tmp_path, clock=clock) as store:
+        assert store.table("t").storage.layout == "rows"
+        assert _stats(store, "t") == before
+        assert store.verify("t") == []
+        assert store.get_payload("t", uids)[1] == [uids[0], uids[2]]
+        clock.now += 61
+        assert store.tick()["tombstones_pruned"] == 4
+        after = store.stats("t")
+        assert (after["quarantined"], after["failed"], after["damaged"], after["ready"]) == (0, 0, 2, 8)
         assert store.verify("t") == []

@@ -12,8 +12,7 @@ their rows, and nothing changes of what the table serves or counts:
   members in one fragment; a computing one keeps its row in the compute queue, its head naming it;
 - a retired group (its members' tombstones, or a failed group's kept records) goes into a retired
   segment at a new place, retired when it was (the retired index names the segment then), which
-  keeps its members' digests for a retried push. A quarantined member counts failed with its group
-  from then on, as a rows table's damaged member does.
+  keeps its members' digests for a retried push, a quarantined member flagged so in its state.
 The indexes the table kept stay as they are (a group's place is the rseq it had, its priority and
 version in its segment what its record held), a build under way of one goes on from where it was;
 its records, tombstones, insertion order and the ready order's index are deleted. The payloads, their
@@ -192,26 +191,26 @@ def _pending(tt: TableState, gkey: str, grp: GroupRecord) -> None:
 
 def _retired(tt: TableState, groups: list[tuple[str, GroupRecord]]) -> None:
     """Retired groups written in retired segments at new places, those retired together together,
-    each retired when it was (its retired index row's time); a quarantined member counted failed."""
+    each retired when it was (its retired index row's time), a quarantined member flagged so."""
     when: dict[str, float] = {}
     for key, _ in _under(tt.txn, tt.db["retired"], tt.prefix):
         when[key[12:].decode()] = int.from_bytes(key[4:12], "big") / 1e6
     _clear(tt.txn, tt.db["retired"], tt.prefix)
     by_time: dict[tuple[float, State], list[Group]] = {}
+    quarantined: set[str] = set()
     for gkey, grp in groups:
         members = []
         for uid in grp.members:
             raw = tt.txn.get(tt.key(uid), db=tt.db["tombs"]) or tt.txn.get(tt.key(uid), db=tt.db["items"])
             if raw is not None:
                 rec = ItemRecord.decode(raw)
-                if rec.state == QUARANTINED:  # counted in its group's state, as its segment's prune uncounts it
-                    tt.counters.add(QUARANTINED, -1)
-                    tt.counters.add(grp.state, 1)
+                if rec.state == QUARANTINED:
+                    quarantined.add(uid)
                 members.append(_member(uid, rec))
         by_time.setdefault((when.get(gkey, 0.0), grp.state), []).append(_group(gkey, grp, members))
     for (at, state), made in sorted(by_time.items(), key=lambda item: item[0][0]):
         tt.now = at
-        segments.write(tt, made, state)
+        segments.write(tt, made, state, quarantined=quarantined)
     tt.now = 0.0
 
 
