@@ -97,7 +97,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "--layout",
         choices=LAYOUTS,
         help="the storage layout of every table created without one, in this process and the servers "
-        "it starts (issue 64: `--layout rows` runs the suite on rows)",
+        "it starts (issue 64: rows by default; `--layout records` runs the suite on records)",
     )
 
 

@@ -26,6 +26,10 @@ from helpers import group_items, layouts_reply
 from test_quarantine import damage
 
 
+# The tables a test fills before the upgrade are records tables, as format 9 wrote them.
+pytestmark = pytest.mark.usefixtures("records_layout")
+
+
 def format_9(root: Path) -> None:
     """A closed directory marked format 9: what this release's records tables are, as a format-9
     release wrote them."""
@@ -195,7 +199,7 @@ def test_an_upgraded_tables_tombstones_catch_a_retried_push_until_tombstone_seco
 
 
 def test_an_upgraded_tables_quarantined_members_stay_quarantined_until_their_tombstones_are_forgotten(
-    tmp_path: Path, records_layout: None
+    tmp_path: Path,
 ) -> None:
     """A records table's quarantined tombstones (a damaged member of a failed group, and a kept payload
     of its group found damaged later) are flagged quarantined in their rows segment: counted so, listed

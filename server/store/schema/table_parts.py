@@ -46,13 +46,13 @@ SETTING = "setting"
 # stored with its table, but not on the wire, in the flat settings or on the settings page.
 HIDDEN = "hidden"
 # The layouts a table's records may take (issue 64): an item and a group record per experience
-# and group ("records"), or the rows of batches of groups (disk/rows/, "rows"), which only the
-# push writes so far.
+# and group ("records"), or the rows of batches of groups (disk/rows/, "rows").
 LAYOUTS = ("records", "rows")
-# The layout a table created without one takes, where the test suite runs with another
-# (`pytest --layout rows`, tests/conftest.py): read from the environment, so a server started as a
-# child takes it too. A table is stored naming its layout wherever it is not "records"
-# (STORED_LAYOUT), so this never changes what an existing table is.
+# The layout a table created without one takes.
+DEFAULT_LAYOUT = "rows"
+# Where the test suite runs with another (`pytest --layout records`, tests/conftest.py): read from
+# the environment, so a server started as a child takes it too. A table is stored naming its layout
+# wherever it is not "records" (STORED_LAYOUT), so this never changes what an existing table is.
 DEFAULT_LAYOUT_VARIABLE = "EXPBUF_DEFAULT_LAYOUT"
 # The layout of a stored table that names none: every table written before rows existed.
 STORED_LAYOUT = "records"
@@ -64,7 +64,7 @@ MAX_ZSTD_LEVEL = 19
 
 def default_layout() -> str:
     """The layout a table takes where its settings name none (DEFAULT_LAYOUT_VARIABLE)."""
-    return os.environ.get(DEFAULT_LAYOUT_VARIABLE) or STORED_LAYOUT
+    return os.environ.get(DEFAULT_LAYOUT_VARIABLE) or DEFAULT_LAYOUT
 
 
 def flat(name: str) -> dict[str, str]:
