@@ -25,7 +25,6 @@ from helpers import StoppedClock as Clock
 from helpers import group_items, layouts_reply
 from test_quarantine import damage
 
-
 # The tables a test fills before the upgrade are records tables, as format 9 wrote them.
 pytestmark = pytest.mark.usefixtures("records_layout")
 
