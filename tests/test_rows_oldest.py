@@ -2,7 +2,7 @@
 expbuf_oldest_age_seconds): the age a records table of the same data reports, and the one its
 pushes' times say, through takes, confirms, give-backs, acks, nacks, lease expiries, deletes,
 evictions, a trainer's retires and restarts; kept as segments and pending groups change
-(core/verbs/row_oldest.py), checked by `verify`, and built at the open of a directory written
+(core/table_state/oldest_index.py), checked by `verify`, and built at the open of a directory written
 without it."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from expbuf.client import trxp
 from expbuf.client.schema.routing import uid_group_key
 from expbuf.server.store import Entry, Store
-from expbuf.server.store.core.verbs.row_oldest import stamp, unstamp
+from expbuf.server.store.core.table_state.oldest_index import stamp, unstamp
 from expbuf.server.store.disk import layout
 from expbuf.server.store.schema.errors import StoreError
 from expbuf.server.store.schema.sample_spec import TakeSpec

@@ -64,8 +64,8 @@ OWN = (
 # segs, T + seg -> a segment; sstate, T + seg -> its SegState; runs, T + rseq -> a RunRow of ready
 # groups (the ready order of a rows table, apart from the records' `ready` while both layouts live);
 # frags, a pending group's fragments; oldest, T + when + a segment's id or a pending group's key ->
-# b"", each segment's and pending or computing group's oldest live member (core/verbs/row_oldest.py:
-# stats' oldest age; a directory that has the others without it gets it at its open).
+# b"", each segment's and pending or computing group's oldest live member (stats' oldest age:
+# core/table_state/oldest_index.py; a directory that has the others without it gets it at its open).
 # Not among OWN: only a directory that has held a rows table has them (Environment.open_rows), so
 # opening, checking or reading a directory of records tables creates and finds nothing new.
 ROWS = ("gdir", "segs", "sstate", "runs", "frags", "oldest")

@@ -7,7 +7,7 @@ segments, states, directory entries and runs (segments.py, issue 64's disk/rows/
 groups picked over its runs or indexes (row_select.py), moved (row_moves.py) and leased
 (row_leases.py), its pending groups (row_pending.py), its deletes (row_deletes.py) and its
 replayed groups requeued (row_requeue.py), over the rollouts held in pieces with their counters
-(pieces.py) and the index of a rows table's oldest live members (row_oldest.py: stats' oldest age).
+(pieces.py).
 
 May import the core's rooms below: table_state/, ordering/; nothing of whole_table/.
 """

@@ -22,10 +22,10 @@ from ...schema.sample_spec import TakeSpec
 from ...schema.states import READY, State
 from ...schema.views import GroupView, Members
 from ..ordering.ready import BUILD_CHUNK, IndexBuilding
+from ..table_state import oldest_index
 from ..table_state.counters import read_counters
 from ..table_state.state import TableState, missing
 from ..table_state.views import RowGroup, RowMember, kept_rows, row_members
-from . import row_oldest
 
 NO_LEASE = bytes(SegState.LEASE)
 
@@ -84,7 +84,7 @@ class Segments:
         prefix, rows = self.tt.prefix, []
         for seg in sorted(self._dirty):
             state, raw = self._states[seg], self._stored[seg]
-            row_oldest.segment_saved(self.tt, seg, SegState.decode(raw), state, self.view)
+            oldest_index.segment_saved(self.tt, seg, SegState.decode(raw), state, self.view)
             self._stored[seg] = state.encode()
             rows.append((prefix + u64(seg), self._stored[seg]))
         put_rows(self.tt.txn, self.tt.db["sstate"], rows)

@@ -30,11 +30,10 @@ from ...disk.rows import (
 )
 from ...schema.states import FAILED, PENDING, READY, RETIRED, State
 from ...schema.views import Groups
-from ..table_state import rate_counts
+from ..table_state import oldest_index, rate_counts
 from ..table_state.events import Moved
 from ..table_state.state import TableState
 from ..table_state.views import RowGroup
-from . import row_oldest
 
 _NONE_FAILED: Mapping[str, str] = MappingProxyType({})
 
@@ -90,7 +89,7 @@ def write(
     states: list[tuple[bytes, bytes]] = []
     refs: list[tuple[bytes, bytes]] = []
     runs: list[tuple[bytes, bytes]] = []
-    live: list[tuple[int, float]] = []  # the live segments, each with its oldest member's time (row_oldest.py)
+    live: list[tuple[int, float]] = []  # the live segments, each with its oldest member's time (oldest_index)
     done = 0  # the groups of the segments before this one
     for at, part in enumerate(cut(groups) if places is None else [[group] for group in groups]):
         if places is None:
@@ -118,7 +117,7 @@ def write(
     put_rows(tt.txn, tt.db["sstate"], states)
     put_rows(tt.txn, tt.db["gdir"], refs)
     put_rows(tt.txn, tt.db["runs"], runs)
-    row_oldest.segments_written(tt, live)
+    oldest_index.segments_written(tt, live)
 
 
 def retired(tt: TableState, seg: int, row: SegState) -> None:

@@ -40,10 +40,10 @@ from ...disk.stored_advantages import FinishBatch
 from ...schema.states import FAILED, LEASED, LIVE, PENDING, READY
 from ...schema.table_config import TableConfig
 from ...schema.views import GroupView, MemberView
+from ..table_state import oldest_index
 from ..table_state.read_check import payload_problem
 from ..table_state.state import TableState, member_state, pending_rows, stored
 from ..table_state.views import RowGroup, RowMember, group_rows, row_members
-from ..verbs import row_oldest
 
 Dbs = Mapping[str, lmdb._Database]
 Value = bytes | memoryview
@@ -216,7 +216,7 @@ def oldest_groups(tt: TableState) -> Iterator[str]:
 def oldest_age(txn: lmdb.Transaction[bytes], dbs: Dbs, prefix: bytes, now: float) -> float:
     """How long ago a table's oldest live experience was pushed (0: it holds none): a records table's
     first in its insertion order (one whose record is lost is passed over), a rows table's first in
-    its index of the oldest (core/verbs/row_oldest.py; it keeps no insertion order)."""
+    its index of the oldest (core/table_state/oldest_index.py; it keeps no insertion order)."""
     with txn.cursor(db=dbs["order"]) as cur:
         found = cur.set_range(prefix)
         while found and cur.key().startswith(prefix):
@@ -224,7 +224,7 @@ def oldest_age(txn: lmdb.Transaction[bytes], dbs: Dbs, prefix: bytes, now: float
             if raw is not None:
                 return max(0.0, now - ItemRecord.decode(raw).created)
             found = cur.next()
-    created = row_oldest.oldest(txn, dbs, prefix) if "oldest" in dbs else None
+    created = oldest_index.oldest(txn, dbs, prefix) if "oldest" in dbs else None
     return 0.0 if created is None else max(0.0, now - created)
 
 

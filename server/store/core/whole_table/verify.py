@@ -30,10 +30,10 @@ from ...disk.rows import (
     uid_hash,
 )
 from ...schema.states import COMPUTING, FAILED, LEASED, LIVE, PENDING, QUARANTINED, READY, RETIRED, STATES, State
+from ..table_state import oldest_index
 from ..table_state.read_check import payload_problem
 from ..table_state.state import TableState, member_state
 from ..table_state.views import kept_rows
-from ..verbs import row_oldest
 
 _NO_TAG = "00" * SegState.LEASE  # a rows table's group under no lease
 
@@ -250,9 +250,9 @@ def rows(tt: TableState) -> list[str]:
         except _DAMAGE as exc:
             problems.append(f"segment {seg} does not decode ({exc})")
             continue
-        when = row_oldest.in_segment(view, state)
+        when = oldest_index.in_segment(view, state)
         if when is not None:
-            oldest.add(row_oldest.segment_key(b"", when, seg))
+            oldest.add(oldest_index.segment_key(b"", when, seg))
         for g, gkey in enumerate(view.keys(0, view.groups)):
             group_state = state.state(g)
             lo, hi = view.span(g)
@@ -335,7 +335,7 @@ def _pending(tt: TableState, heads: dict[str, PendingHead], counts: dict[str, in
             problems.append(f"pending group {gkey}: {exc}")
             continue
         if members:  # its first fragment's first member (fragments are never written empty)
-            oldest.add(row_oldest.head_key(b"", members[0].created, gkey))
+            oldest.add(oldest_index.head_key(b"", members[0].created, gkey))
         if [uid_hash(member.uid) for member in members] != head.hashes:
             problems.append(f"pending group {gkey}: its fragments hold other members than its head names")
         if head.queued is not None and queued.pop(u64(head.queued), None) != gkey:
@@ -358,9 +358,9 @@ def _pending(tt: TableState, heads: dict[str, PendingHead], counts: dict[str, in
 
 
 def _oldest(tt: TableState, expected: set[bytes]) -> list[str]:
-    """The problems of a rows table's index of the oldest (core/verbs/row_oldest.py): it holds exactly
-    the `expected` keys, one for each segment with a live member and each pending or computing group
-    with a member, at its oldest live member's time. A directory opened read-only before its first
+    """The problems of a rows table's index of the oldest (core/table_state/oldest_index.py): it holds
+    exactly the `expected` keys, one for each segment with a live member and each pending or computing
+    group with a member, at its oldest live member's time. A directory opened read-only before its first
     open by this release (which builds the index) has none to check."""
     if "oldest" not in tt.db:
         return []
@@ -375,10 +375,10 @@ def _oldest(tt: TableState, expected: set[bytes]) -> list[str]:
 
 def _oldest_key(key: bytes) -> str:
     """A key of the index of the oldest (its prefix taken off), as a problem names it."""
-    if len(key) < 9 or (key[8:9] == row_oldest.SEGMENT and len(key) != 17):
+    if len(key) < 9 or (key[8:9] == oldest_index.SEGMENT and len(key) != 17):
         return f"a key of {len(key)} bytes"
-    what = f"segment {int.from_bytes(key[9:], 'big')}" if key[8:9] == row_oldest.SEGMENT else f"group {key[9:89]!r}"
-    return f"{what} at {row_oldest.unstamp(key[:8])}"
+    what = f"segment {int.from_bytes(key[9:], 'big')}" if key[8:9] == oldest_index.SEGMENT else f"group {key[9:89]!r}"
+    return f"{what} at {oldest_index.unstamp(key[:8])}"
 
 
 def _row_payload(member: Member, state: State, blob: Stored | None) -> str | None:

@@ -10,14 +10,15 @@ and the group's key). The table's oldest live experience is the first key of its
 What a segment's oldest live member is (`in_segment`): the least creation time of its members where
 every group is live and no member deleted, else of each live group's first member not deleted (a
 group's members are in push order). A pending or computing group's is its first fragment's first
-member (the first of its members in push order). A segment's key moves when its state row is
-written with another live shape (a group leaving the live states, a member deleted: row_select.Segments
-saves it), never for a take or a give-back, which move groups between live states; it comes with a
-live segment written (segments.write) and goes once none of its members is live. A group's key comes
-with its first fragment, moves when a Delete writes its members again, and goes with its fragments.
+member (the first of its members in push order). A segment's key comes with it, written live
+(core/verbs/segments.write); it moves when its state row is written with another live shape (a
+group leaving the live states, a member deleted: core/verbs/row_select.Segments.save), never for a
+take or a give-back, which move groups between live states, and goes once none of its members is
+live. A group's key comes with its first fragment, moves when a Delete writes its members again,
+and goes with its fragments (core/verbs/row_pending.py).
 
 A directory whose rows tables were written without the database gets it built in its open's
-transaction (`build`, whole_table/migrate.py).
+transaction (`build`, core/whole_table/migrate.py).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ import lmdb
 from ...disk.batch_rows import Reader
 from ...disk.layout import put_rows, u64
 from ...disk.rows import PendingHead, SegmentView, SegState, directory_entry, first_created, fragment_key
-from ..table_state.state import TableState
+from .state import TableState
 
 SEGMENT, HEAD = b"\x00", b"\x01"  # what holds a key's member: a segment (its id follows) or a group (its key)
 _F64, _U64 = struct.Struct(">d"), struct.Struct(">Q")
