@@ -30,7 +30,6 @@ from typing import cast
 
 import lmdb
 
-from ...disk.batch_rows import Reader
 from ...disk.layout import put_rows, u64
 from ...disk.rows import PendingHead, SegmentView, SegState, directory_entry, first_created, fragment_key
 from .state import TableState
@@ -63,9 +62,9 @@ def head_key(prefix: bytes, when: float, gkey: str) -> bytes:
     return prefix + stamp(when) + HEAD + gkey.encode()
 
 
-def oldest(reader: Reader, dbs: Mapping[str, lmdb._Database], prefix: bytes) -> float | None:
+def oldest(txn: lmdb.Transaction[bytes], dbs: Mapping[str, lmdb._Database], prefix: bytes) -> float | None:
     """When a rows table's oldest live experience was pushed (None: it holds none): its first key."""
-    with reader.cursor(db=dbs["oldest"]) as cur:
+    with txn.cursor(db=dbs["oldest"]) as cur:
         if cur.set_range(prefix) and cur.key()[: len(prefix)] == prefix:
             return unstamp(cur.key()[len(prefix) : len(prefix) + 8])
     return None
