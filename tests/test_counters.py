@@ -93,6 +93,18 @@ def test_counters_stored_before_open_unchanged_and_go_on_counting(tmp_path: Path
         assert store.verify("t") == []
 
 
+def test_a_tables_counters_read_alone_are_what_its_stats_report(tmp_path: Path) -> None:
+    """`Store.counters` reads a table's stored counters alone (the advantage worker's start reads of
+    each table whether it holds experiences pending or computing): what its stats report of them,
+    without the oldest live experience's age and the bytes staged, which stats read beside them."""
+    with Store(tmp_path / "data", clock=lambda: 1_000_000.0, seed=7) as store:
+        _run(store)
+        counters = store.counters("t")
+        assert (counters.pending, counters.computing, counters.ready, counters.consumed) == (1, 0, 2, 2)
+        reported = {k: v for k, v in store.stats("t").items() if k not in ("oldest_age_seconds", "staged_bytes")}
+        assert counters.to_dict() == reported
+
+
 def test_an_older_release_s_missing_counters_read_as_zero(tmp_path: Path) -> None:
     """Counters stored without the ones added since (admission, shaping, blocked seconds):
     those read as zero or unset, the others as stored."""

@@ -115,8 +115,8 @@ class AdvantageStart:
     def _left_to_compute(self, config: TableConfig) -> bool:
         if config.advantages.estimator == "none":
             return False
-        stats = self._store.stats(config.name)
-        return stats["pending"] + stats["computing"] > 0
+        counters = self._store.counters(config.name)  # two counters: not the stats' reads beside them
+        return counters.pending + counters.computing > 0
 
     def need(self, why: str) -> None:
         """Load torch and start the worker, in the background, unless that has begun (or the

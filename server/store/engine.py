@@ -29,7 +29,7 @@ from expbuf.client.schema.call_limits import MAX_NAMES_PER_CALL
 from expbuf.client.trxp.codec.common import RawItem
 
 from .core.table_state import rate_counts
-from .core.table_state.counters import read_counters
+from .core.table_state.counters import Counters, read_counters
 from .core.table_state.events import TableExtension
 from .core.table_state.state import TableState
 from .core.verbs import retire
@@ -399,6 +399,13 @@ class Store(ServiceCalls):
             return groups.seal(tt, group_id, holder)
 
         return self._in_table(table, op)
+
+    def counters(self, table: str) -> Counters:
+        """The table's stored counters alone: what `stats` reports of them, without what it reads
+        beside them (the oldest live experience's age, the bytes staged, the batch stage's counts
+        since the start)."""
+        with self.environment.read() as txn:
+            return read_counters(txn, self.db, layout.table_prefix(self.catalog.lookup(table)[0]))
 
     def stats(self, table: str) -> dict[str, Any]:
         """The table's counters by name (counters.Counters), with the oldest live experience's age."""

@@ -63,10 +63,13 @@ OWN = (
 # The databases of the rows a table of layout "rows" keeps (issue 64, disk/rows/; core/verbs/segments.py
 # writes them): gdir, T + group key -> a complete group's GroupRef or a pending group's head;
 # segs, T + seg -> a segment; sstate, T + seg -> its SegState; runs, T + rseq -> a RunRow of ready
-# groups (the ready order of a rows table, apart from the records' `ready` while both layouts live).
+# groups (the ready order of a rows table, apart from the records' `ready` while both layouts live);
+# frags, a pending group's fragments; oldest, T + when + a segment's id or a pending group's key ->
+# b"", each segment's and pending or computing group's oldest live member (stats' oldest age:
+# core/table_state/oldest_index.py; a directory that has the others without it gets it at its open).
 # Not among OWN: only a directory that has held a rows table has them (Environment.open_rows), so
 # opening, checking or reading a directory of records tables creates and finds nothing new.
-ROWS = ("gdir", "segs", "sstate", "runs", "frags")
+ROWS = ("gdir", "segs", "sstate", "runs", "frags", "oldest")
 # The indexes a directory written before the order registry keeps: those of the built-in orders.
 BUILT_IN_INDEXES = ("ready", "prio", "slots", "slotof", "byver")
 FORMAT_1_ONLY = ("tasks", "runs", "steps")

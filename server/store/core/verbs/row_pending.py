@@ -23,6 +23,7 @@ from ...disk.rows import Member, PendingHead, SegmentView, SegState, directory_e
 from ...disk.rows import uid_hash as _uid_hash
 from ...schema.states import COMPUTING, PENDING, QUARANTINED, State
 from ...schema.views import Groups
+from ..table_state import oldest_index
 from ..table_state.events import Moved, Retired
 from ..table_state.state import TableState, missing
 from ..table_state.views import RowGroup
@@ -140,6 +141,8 @@ def _add_fragment(tt: TableState, gkey: str, entry: PendingHead, new: Sequence[M
     """A pending group's new members (none: nothing) as its next fragment, their hashes in its head
     (which the caller writes)."""
     if new:
+        if not entry.fragments:  # its first member: the group's key in the index of the oldest
+            oldest_index.head_changed(tt, gkey, None, new[0].created)
         tt.txn.put(fragment_key(tt.prefix, gkey, entry.fragments), encode_member_rows(new), db=tt.db["frags"])
         entry.fragments += 1
         entry.hashes.extend(_uid_hash(member.uid) for member in new)
@@ -152,6 +155,7 @@ def left(tt: TableState, gkey: str, head: PendingHead, rows: Sequence[Member]) -
     if not rows:
         _forget(tt, gkey)
         return
+    oldest_index.head_changed(tt, gkey, oldest_index.head_first(tt, gkey, head), rows[0].created)
     for number in range(1, head.fragments):
         tt.txn.delete(fragment_key(tt.prefix, gkey, number), db=tt.db["frags"])
     tt.txn.put(fragment_key(tt.prefix, gkey, 0), encode_member_rows(rows), db=tt.db["frags"])
@@ -166,6 +170,7 @@ def _forget(tt: TableState, gkey: str) -> PendingHead | None:
     entry = head(tt, gkey)
     if entry is None:
         return None  # opened and closed by one request: never written
+    oldest_index.head_changed(tt, gkey, oldest_index.head_first(tt, gkey, entry), None)
     for number in range(entry.fragments):
         tt.txn.delete(fragment_key(tt.prefix, gkey, number), db=tt.db["frags"])
     if entry.queued is None:

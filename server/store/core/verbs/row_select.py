@@ -22,6 +22,7 @@ from ...schema.sample_spec import TakeSpec
 from ...schema.states import READY, State
 from ...schema.views import GroupView, Members
 from ..ordering.ready import BUILD_CHUNK, IndexBuilding
+from ..table_state import oldest_index
 from ..table_state.counters import read_counters
 from ..table_state.state import TableState, missing
 from ..table_state.views import RowGroup, RowMember, kept_rows, row_members
@@ -50,6 +51,7 @@ class Segments:
         self.tt = tt
         self._views: dict[int, SegmentView] = {}
         self._states: dict[int, SegState] = {}
+        self._stored: dict[int, bytes] = {}  # each state row as stored, before this request changed it
         self._dirty: set[int] = set()
 
     def view(self, seg: int) -> SegmentView:
@@ -61,7 +63,8 @@ class Segments:
     def state(self, seg: int) -> SegState:
         state = self._states.get(seg)
         if state is None:
-            state = self._states[seg] = SegState.decode(self._read(seg, "sstate", "segment state"))
+            raw = self._stored[seg] = self._read(seg, "sstate", "segment state")
+            state = self._states[seg] = SegState.decode(raw)
         return state
 
     def _read(self, seg: int, db: str, what: str) -> bytes:
@@ -77,8 +80,13 @@ class Segments:
         return self.state(seg)
 
     def save(self) -> None:
-        prefix = self.tt.prefix
-        rows = [(prefix + u64(seg), self._states[seg].encode()) for seg in sorted(self._dirty)]
+        """The changed states written, each segment's key in the index of the oldest moved with them."""
+        prefix, rows = self.tt.prefix, []
+        for seg in sorted(self._dirty):
+            state, raw = self._states[seg], self._stored[seg]
+            oldest_index.segment_saved(self.tt, seg, SegState.decode(raw), state, self.view)
+            self._stored[seg] = state.encode()
+            rows.append((prefix + u64(seg), self._stored[seg]))
         put_rows(self.tt.txn, self.tt.db["sstate"], rows)
         self._dirty.clear()
 

@@ -30,7 +30,7 @@ from ...disk.rows import (
 )
 from ...schema.states import FAILED, PENDING, QUARANTINED, READY, RETIRED, State
 from ...schema.views import Groups
-from ..table_state import rate_counts
+from ..table_state import oldest_index, rate_counts
 from ..table_state.events import Moved
 from ..table_state.state import TableState
 from ..table_state.views import RowGroup
@@ -95,6 +95,7 @@ def write(
     states: list[tuple[bytes, bytes]] = []
     refs: list[tuple[bytes, bytes]] = []
     runs: list[tuple[bytes, bytes]] = []
+    live: list[tuple[int, float]] = []  # the live segments, each with its oldest member's time (oldest_index)
     done = 0  # the groups of the segments before this one
     for at, part in enumerate(cut(groups) if places is None else [[group] for group in groups]):
         if places is None:
@@ -114,6 +115,8 @@ def write(
                 row.flag(i, SegState.QUARANTINED)
         if state in RETIRED:
             retired(tt, seg, row)
+        elif any(group.members for group in part):  # every member live, none deleted
+            live.append((seg, min(member.created for group in part for member in group.members)))
         states.append((key, row.encode()))
         refs.extend((tt.key(group.key), GroupRef(seg, index).encode()) for index, group in enumerate(part))
         if state == READY:
@@ -124,6 +127,7 @@ def write(
     put_rows(tt.txn, tt.db["sstate"], states)
     put_rows(tt.txn, tt.db["gdir"], refs)
     put_rows(tt.txn, tt.db["runs"], runs)
+    oldest_index.segments_written(tt, live)
 
 
 def retired(tt: TableState, seg: int, row: SegState) -> None:

@@ -22,6 +22,10 @@ and marks each set with its experience's key (chunked.reseal_heads): each head o
 directory that matches its old digest gets the new one and its mark, a damaged one is left for the
 read check to find. Format 10 keeps every table in rows (issue 64): each table of layout records
 is made one of layout rows (to_rows.py).
+A directory whose rows tables were written before the index of their oldest live experiences
+(core/table_state/oldest_index.py) gets it built from their segments and pending groups, in the
+same transaction; it is no step of the format (a directory without rows tables has no such index,
+and the upgrade to rows writes it as it writes the rows).
 The indexes of the registered orders are not the format's: `keep_indexes` builds the index of
 an order registered since the last open and drops one no order reads any more. Which indexes a
 table keeps is marked per table (core/ordering/ready.IN_USE, in the counters database); a table without
@@ -52,6 +56,7 @@ from ...schema.table_config import TableConfig, batch_stage
 from ..ordering import orders
 from ..ordering.indexes import Index, ReadyGroup, ReadyOrder, VersionIndex
 from ..ordering.ready import forget_builds, forget_kept, in_use, keeps
+from ..table_state import oldest_index
 from ..table_state.events import TableExtension
 from ..table_state.state import TableState
 from .to_rows import to_rows
@@ -85,6 +90,9 @@ def migrate(txn: lmdb.Transaction[bytes], env: lmdb.Environment, dbs: dict[str, 
         to_rows(txn, env, dbs)
     if raw is None or found != layout.FORMAT:
         txn.put(_KEY, str(layout.FORMAT).encode(), db=dbs["meta"])
+    if "gdir" in dbs and "oldest" not in dbs:  # rows tables written before their index of the oldest
+        dbs["oldest"] = env.open_db(b"oldest", txn=txn)
+        oldest_index.build(txn, dbs)
     keep_indexes(txn, env, dbs)
     return found
 

@@ -26,7 +26,7 @@ from expbuf.client.trxp.stored.pieces import Stored
 
 from ...disk import digests
 from ...disk.batch_rows import BatchRows, Reader
-from ...disk.layout import micros, u64
+from ...disk.layout import u64
 from ...disk.records import GroupRecord, ItemRecord, Lease
 from ...disk.rows import (
     Member,
@@ -34,14 +34,13 @@ from ...disk.rows import (
     RowLease,
     SegmentView,
     SegState,
-    decode_member_rows,
     directory_entry,
-    fragment_key,
 )
 from ...disk.stored_advantages import FinishBatch
 from ...schema.states import FAILED, LEASED, LIVE, PENDING, READY
 from ...schema.table_config import TableConfig
 from ...schema.views import GroupView, MemberView
+from ..table_state import oldest_index
 from ..table_state.read_check import payload_problem, stored_problem
 from ..table_state.state import TableState, member_state, pending_rows, stored
 from ..table_state.views import RowGroup, RowMember, group_rows, quarantined, row_members
@@ -216,8 +215,9 @@ def oldest_groups(tt: TableState) -> Iterator[str]:
 
 
 def oldest_age(txn: lmdb.Transaction[bytes], dbs: Dbs, prefix: bytes, now: float) -> float:
-    """How long ago a table's oldest live experience was pushed (0: it holds none); one whose
-    record is lost is passed over."""
+    """How long ago a table's oldest live experience was pushed (0: it holds none): a records table's
+    first in its insertion order (one whose record is lost is passed over), a rows table's first in
+    its index of the oldest (core/table_state/oldest_index.py; it keeps no insertion order)."""
     with txn.cursor(db=dbs["order"]) as cur:
         found = cur.set_range(prefix)
         while found and cur.key().startswith(prefix):
@@ -225,66 +225,8 @@ def oldest_age(txn: lmdb.Transaction[bytes], dbs: Dbs, prefix: bytes, now: float
             if raw is not None:
                 return max(0.0, now - ItemRecord.decode(raw).created)
             found = cur.next()
-    created = _oldest_row(txn, dbs, prefix) if "segs" in dbs else None  # a rows table keeps no order
+    created = oldest_index.oldest(txn, dbs, prefix) if "oldest" in dbs else None
     return 0.0 if created is None else max(0.0, now - created)
-
-
-def _oldest_row(txn: lmdb.Transaction[bytes], dbs: Dbs, prefix: bytes) -> float | None:
-    """When a rows table's oldest live experience was pushed (None: it holds none): the first member
-    (not deleted) of each live group of its segments (a group that was pending completes after newer ones, so every
-    live segment is read; a retired one by its state alone), and of each pending group's first
-    fragment, read in the pending index's order (when each opened, before its first member came)
-    while one may be older, and of each computing group's."""
-    oldest: float | None = None
-    with txn.cursor(db=dbs["segs"]) as cur:
-        at = cur.set_range(prefix)
-        while at and cur.key().startswith(prefix):
-            state = SegState.decode(stored(txn, cur.key(), dbs["sstate"], "segment state"))
-            if state.retired is None:
-                view = SegmentView(cur.value())
-                found = _oldest_in(view, state)
-                if found is not None:
-                    oldest = found if oldest is None else min(oldest, found)
-            at = cur.next()
-    with txn.cursor(db=dbs["pending"]) as cur:
-        at = cur.set_range(prefix)
-        while at and cur.key().startswith(prefix):
-            if oldest is not None and bytes(cur.key()[4:12]) > micros(oldest):
-                break
-            oldest = _oldest_of_head(txn, dbs, prefix, bytes(cur.key()[12:]), oldest)
-            at = cur.next()
-    with txn.cursor(db=dbs["compute"]) as cur:  # the computing groups, each kept as a pending one is
-        at = cur.set_range(prefix)
-        while at and cur.key().startswith(prefix):
-            oldest = _oldest_of_head(txn, dbs, prefix, bytes(cur.value()), oldest)
-            at = cur.next()
-    return oldest
-
-
-def _oldest_in(view: SegmentView, state: SegState) -> float | None:
-    """When a segment's oldest live member was pushed (None: it has none): its created column read
-    once; of a segment whose members are all live (not deleted, their groups live), its least value,
-    else each live group's first member's not deleted (a group's members are in push order)."""
-    count = view.members.count
-    created = cast(Sequence[float], view.members.column("created", 0, count))  # never absent
-    if not state.any_flags and state.all_in(LIVE):
-        return min(created) if count else None
-    states = state.states(0, view.groups)
-    firsts = [kept[0] for g, s in enumerate(states) if s in LIVE and (kept := state.kept(*view.span(g)))]
-    return min(created[i] for i in firsts) if firsts else None
-
-
-def _oldest_of_head(
-    txn: lmdb.Transaction[bytes], dbs: Dbs, prefix: bytes, gkey: bytes, oldest: float | None
-) -> float | None:
-    """The older of `oldest` and the first member of the group whose head is keyed `gkey`, if it has one."""
-    raw = txn.get(prefix + gkey, db=dbs["gdir"])  # none: a records table's group
-    head = None if raw is None else directory_entry(raw)
-    if isinstance(head, PendingHead) and head.fragments:
-        rows = stored(txn, fragment_key(prefix, gkey.decode(), 0), dbs["frags"], "fragment")
-        created = decode_member_rows(rows)[0].created
-        return created if oldest is None else min(oldest, created)
-    return oldest
 
 
 @dataclass(frozen=True, slots=True)

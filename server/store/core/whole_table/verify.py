@@ -30,6 +30,7 @@ from ...disk.rows import (
     uid_hash,
 )
 from ...schema.states import COMPUTING, FAILED, LEASED, LIVE, PENDING, QUARANTINED, READY, RETIRED, STATES, State
+from ..table_state import oldest_index
 from ..table_state.read_check import payload_problem, stored_problem
 from ..table_state.state import TableState, member_state
 from ..table_state.views import kept_rows, quarantined
@@ -181,7 +182,8 @@ def rows(tt: TableState) -> list[str]:
     no entry names another place, each live member's payload (but a deleted one's) is present and the
     one pushed, each ready group is covered by one ready run and every run covers ready groups of a
     segment, each pending group's head has its fragments and its row in the pending index
-    (`_pending`), nothing is kept in the records' databases, and the counters count what is there."""
+    (`_pending`), the index of the oldest holds each live segment's and pending group's oldest member
+    (`_oldest`), nothing is kept in the records' databases, and the counters count what is there."""
     problems: list[str] = []
     counts: dict[str, int] = defaultdict(int)
     covered: dict[tuple[int, int], int] = defaultdict(int)  # (seg, group) -> the runs covering it
@@ -197,7 +199,8 @@ def rows(tt: TableState) -> list[str]:
             heads[key.decode(errors="replace")] = entry
         else:
             places[key.decode(errors="replace")] = entry
-    problems.extend(_pending(tt, heads, counts))
+    oldest: set[bytes] = set()  # the keys the index of the oldest should hold, the prefix taken off
+    problems.extend(_pending(tt, heads, counts, oldest))
     for key, value in _rows_of(tt, "runs"):
         place = int.from_bytes(key, "big")
         try:
@@ -247,6 +250,9 @@ def rows(tt: TableState) -> list[str]:
         except _DAMAGE as exc:
             problems.append(f"segment {seg} does not decode ({exc})")
             continue
+        when = oldest_index.in_segment(view, state)
+        if when is not None:
+            oldest.add(oldest_index.segment_key(b"", when, seg))
         for g, gkey in enumerate(view.keys(0, view.groups)):
             group_state = state.state(g)
             lo, hi = view.span(g)
@@ -298,6 +304,7 @@ def rows(tt: TableState) -> list[str]:
         f"the retired index names segment {int.from_bytes(key[8:], 'big')}, not retired then" for key in retired
     )
     problems.extend(f"a rows table keeps records in {name}" for name in RECORDS_ONLY if _prefix_count(tt, name))
+    problems.extend(_oldest(tt, oldest))
     problems.extend(tt.ready.verify(ready))
     stored = tt.counters.to_dict()
     for name in (*STATES, "bytes", *(f"groups_{state}" for state in LIVE)):
@@ -306,11 +313,12 @@ def rows(tt: TableState) -> list[str]:
     return problems
 
 
-def _pending(tt: TableState, heads: dict[str, PendingHead], counts: dict[str, int]) -> list[str]:
+def _pending(tt: TableState, heads: dict[str, PendingHead], counts: dict[str, int], oldest: set[bytes]) -> list[str]:
     """The problems of a rows table's pending and computing groups (core/verbs/row_pending.py), their
-    members counted: each head's fragments decode and hold the members its hashes name, in order,
-    each payload present and the one pushed; the pending index names each pending head once, at its
-    creation time, and the compute queue each computing head at its place; no fragment is of no head."""
+    members counted and their keys in the index of the oldest added to `oldest`: each head's fragments
+    decode and hold the members its hashes name, in order, each payload present and the one pushed;
+    the pending index names each pending head once, at its creation time, and the compute queue each
+    computing head at its place; no fragment is of no head."""
     problems: list[str] = []
     fragments = {bytes(key): None for key, _ in _rows_of(tt, "frags")}
     indexed = {bytes(key) for key, _ in _rows_of(tt, "pending")}
@@ -329,6 +337,8 @@ def _pending(tt: TableState, heads: dict[str, PendingHead], counts: dict[str, in
         except _DAMAGE as exc:
             problems.append(f"pending group {gkey}: {exc}")
             continue
+        if members:  # its first fragment's first member (fragments are never written empty)
+            oldest.add(oldest_index.head_key(b"", members[0].created, gkey))
         if [uid_hash(member.uid) for member in members] != head.hashes:
             problems.append(f"pending group {gkey}: its fragments hold other members than its head names")
         if head.queued is not None and queued.pop(u64(head.queued), None) != gkey:
@@ -348,6 +358,30 @@ def _pending(tt: TableState, heads: dict[str, PendingHead], counts: dict[str, in
     problems.extend(f"the pending index names {key[8:80]!r}, which is not pending" for key in indexed)
     problems.extend(f"the compute queue names {gkey[:80]!r}, which is not computing" for gkey in queued.values())
     return problems
+
+
+def _oldest(tt: TableState, expected: set[bytes]) -> list[str]:
+    """The problems of a rows table's index of the oldest (core/table_state/oldest_index.py): it holds
+    exactly the `expected` keys, one for each segment with a live member and each pending or computing
+    group with a member, at its oldest live member's time. A directory opened read-only before its first
+    open by this release (which builds the index) has none to check."""
+    if "oldest" not in tt.db:
+        return []
+    kept = {key for key, _ in _rows_of(tt, "oldest")}
+    problems = [f"the index of the oldest lacks {_oldest_key(key)}" for key in sorted(expected - kept)]
+    problems.extend(
+        f"the index of the oldest names {_oldest_key(key)}, whose oldest live member it is not"
+        for key in sorted(kept - expected)
+    )
+    return problems
+
+
+def _oldest_key(key: bytes) -> str:
+    """A key of the index of the oldest (its prefix taken off), as a problem names it."""
+    if len(key) < 9 or (key[8:9] == oldest_index.SEGMENT and len(key) != 17):
+        return f"a key of {len(key)} bytes"
+    what = f"segment {int.from_bytes(key[9:], 'big')}" if key[8:9] == oldest_index.SEGMENT else f"group {key[9:89]!r}"
+    return f"{what} at {oldest_index.unstamp(key[:8])}"
 
 
 def _row_payload(member: Member, state: State, blob: Stored | None) -> str | None:

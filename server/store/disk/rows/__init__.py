@@ -2,7 +2,8 @@
 read only by the table core (core/), the one owner of a table's records.
 
 - members.py: a block of members' columns (`Member`, `encode_members`, `MemberBlock`), which a
-  segment holds, and members as rows (`encode_member_rows`), which a pending group's fragment holds;
+  segment holds, and members as rows (`encode_member_rows`, the first one's time alone:
+  `first_created`), which a pending group's fragment holds;
 - segments.py: a segment of completed groups (`Group`, `encode_segment`, `SegmentView`) and what
   changes of it (`SegState`);
 - directory.py: the group directory's entries (`GroupRef`, `PendingHead`, `directory_entry`,
@@ -13,12 +14,13 @@ May import the disk room's records (their numbers and strings, a lease's head) a
 """
 
 from .directory import PENDING, REF, GroupRef, PendingHead, directory_entry, fragment_key, uid_hash
-from .members import ROWS, Member, MemberBlock, decode_member_rows, encode_member_rows, encode_members
+from .members import ROWS, Member, MemberBlock, decode_member_rows, encode_member_rows, encode_members, first_created
 from .runs import RowLease, RunRow, decode_lease
 from .segments import SEGMENT_GROUPS, SEGMENT_MEMBERS, Group, SegmentView, SegState, encode_segment
 
 __all__ = [
     "PENDING", "REF", "ROWS", "SEGMENT_GROUPS", "SEGMENT_MEMBERS", "Group", "GroupRef", "Member", "MemberBlock",
     "PendingHead", "RowLease", "RunRow", "SegState", "SegmentView", "decode_lease", "decode_member_rows",
-    "directory_entry", "encode_member_rows", "encode_members", "encode_segment", "fragment_key", "uid_hash",
+    "directory_entry", "encode_member_rows", "encode_members", "encode_segment", "first_created", "fragment_key",
+    "uid_hash",
 ]  # fmt: skip

@@ -240,3 +240,15 @@ def decode_member_rows(data: bytes | memoryview) -> list[Member]:
     if pos != len(data):
         raise ValueError(f"member rows of {len(data)} bytes, {pos} read")
     return found
+
+
+_CREATED_FIELD = 3  # of a row's fields as _ROW reads them: digest, size, seq, created
+
+
+def first_created(data: bytes | memoryview) -> float | None:
+    """When the first member of `encode_member_rows` was pushed (None: it holds none), its row alone read."""
+    (count,) = _COUNT.unpack_from(data)
+    if not count:
+        return None
+    created: float = _ROW.unpack_from(data, _COUNT.size)[_CREATED_FIELD]
+    return created

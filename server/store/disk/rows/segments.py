@@ -14,13 +14,14 @@ import struct
 from collections.abc import Collection, Sequence
 from typing import NamedTuple
 
-from ...schema.states import STATES, State
+from ...schema.states import LIVE, STATES, State
 from ..records import _float_or_none, _opt_float, _pack_str, _unpack_str
 from .members import _NONE_INT, _PARTIAL, ROWS, Member, MemberBlock, _offsets, encode_members
 
 SEGMENT_GROUPS = 64
 SEGMENT_MEMBERS = 256
 _STATE_CODE = {state: code for code, state in enumerate(STATES)}
+_IS_LIVE = bytes(code < len(STATES) and STATES[code] in LIVE for code in range(256))  # a state byte -> 1 if live
 
 
 class Group(NamedTuple):
@@ -200,6 +201,16 @@ class SegState:
         """Whether every group of the segment is in one of `states` (its state bytes read at once)."""
         base = self._HEAD.size
         return set(self.buf[base : base + self.groups]) <= {_STATE_CODE[state] for state in states}
+
+    def live_mask(self) -> bytes:
+        """A byte a group: 1 where it is in a live state, else 0."""
+        base = self._HEAD.size
+        return bytes(self.buf[base : base + self.groups]).translate(_IS_LIVE)
+
+    def live_shape(self) -> bytes:
+        """What the segment's live members follow from: whether each group is live, then each member's
+        flags. A change that leaves it alike (a take's, a give-back's) moves no live member."""
+        return self.live_mask() + self.buf[self._flags :]
 
     def set_state(self, g: int, state: State) -> None:
         self.buf[self._HEAD.size + g] = _STATE_CODE[state]
