@@ -91,7 +91,9 @@ def test_the_rate_bound_holds_and_a_close_ends_a_pass(tmp_path: Path, monkeypatc
         store.scrub.mb_per_second = 0.1
         store.scrub.run_pass()
         status = store.scrub_status()
-        records = 240 * 100  # each record is at least 100 bytes
+        # each record is at least 100 bytes; a rows table's pass reads its segments, not a record a
+        # payload, and counts its payloads alone
+        records = 240 * 100 if store.table("t").storage.layout == "records" else 0
         assert status.last_pass_seconds >= (status.last_pass_bytes + records) / 0.1e6 * 0.99
     with Store(tmp_path, scrub_mb_per_second=0.001) as store:
         while not store.scrub_status().pass_checked_bytes:  # a chunk was read: the pass is under way
