@@ -575,6 +575,24 @@ def test_a_sample_stream_over_grpc_serves_a_rows_table_as_a_records_one(start_se
             assert len(batch.uids) == 8 and batch.group_ids[0] in {f"0/{task}" for task in range(10, 12)}
 
 
+def test_a_first_priority_stream_of_a_large_rows_table_at_wait_0_is_served_as_a_records_tables(  # type: ignore[no-untyped-def]
+    start_server,
+) -> None:
+    """Over gRPC, a rows table of more than a chunk of ready groups, never read in priority order:
+    a Sample stream in that order with no wait is served once the index is built, the batch a
+    records table (which kept the index all along) serves at once, where it ended DEADLINE_EXCEEDED."""
+    server = start_server()
+    both(server.store, "t", **ONES)
+    push_varied(server.store, "t", 3 * BUILD_CHUNK, 1)
+    with BufferClient(f"127.0.0.1:{server.port}", timeout=60) as client:
+        got = {}
+        for table in ("t", "t_rows"):
+            stream = client.sample(table, num_groups=5, order="priority", delivery="replay", max_batches=1, timeout=0)
+            got[table] = [(b.uids, b.group_ids, b.payload) for b in stream]
+        assert got["t_rows"] == got["t"] and len(got["t"]) == 1 and len(got["t"][0][1]) == 5
+    assert stats(server.store, "t_rows") == stats(server.store, "t") and server.store.verify("t_rows") == []
+
+
 def test_a_replay_stream_with_reuse_over_grpc_serves_a_rows_table_as_a_records_one(start_server) -> None:  # type: ignore[no-untyped-def]
     """A Sample stream replaying in priority order from a table with a priority decay: each batch held,
     confirmed by the next request (its groups lowered and sent behind the others), the last given
