@@ -65,6 +65,7 @@ def test_a_full_open_check_and_a_scrub_pass_leave_the_file_out_of_rss(data: Path
     assert after_open < size / 10 and after_pass < size / 10
 
 
+@pytest.mark.usefixtures("records_layout")  # a records table's build from the open, of its group records
 def test_a_build_of_an_index_from_the_open_leaves_the_file_out_of_rss(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -25,7 +25,6 @@ from expbuf.server.store.disk import layout
 from expbuf.server.store.disk.kinds import Sampled
 from expbuf.server.store.disk.rows import RunRow, SegmentView, SegState
 from expbuf.server.store.ledger.records import DatasetRecord
-from expbuf.server.store.schema.errors import IndexNotReady
 from expbuf.server.store.schema.sample_spec import TakeSpec
 from expbuf.server.store.schema.states import READY
 from expbuf.server.store.schema.views import Groups
@@ -231,8 +230,9 @@ def test_batches_in_every_order_and_from_a_lowest_version_are_a_records_tables(
 def test_a_rows_table_keeps_an_index_from_the_first_request_that_reads_it(tmp_path: Path) -> None:
     """A rows table taken in fifo order writes no index of another order; the first request that
     reads one builds it: in its own transaction where the table holds a chunk of ready groups or
-    fewer, in the background (the request waiting for it) where it holds more. The table keeps it
-    from then on, across a restart, and every move reaches it."""
+    fewer, in the background where it holds more, the request waiting for it whatever its own wait
+    (a records table, which kept it all along, answers at once: so does the rows table, later). The
+    table keeps it from then on, across a restart, and every move reaches it."""
     with Store(tmp_path, clock=Clock()) as store:
         both(store, "small", **ONES)
         both(store, "large", **ONES)
@@ -242,10 +242,7 @@ def test_a_rows_table_keeps_an_index_from_the_first_request_that_reads_it(tmp_pa
             assert sample_alike(store, name, num_groups=5) is not None
             assert index_rows(store, f"{name}_rows") == {"prio": 0, "slots": 0, "slotof": 0, "byver": 0}
         assert sample_alike(store, "small", num_groups=5, order="priority") is not None  # built in its take
-        with pytest.raises(IndexNotReady, match="the priority index \\(prio\\) is being built in the background"):
-            store.sample(TakeSpec(table="large_rows", num_groups=5, order="priority", wait_seconds=0))
-        spec = TakeSpec(table="large_rows", num_groups=5, order="priority", wait_seconds=60)
-        assert reply(store.sample(spec)) == reply(store.sample(dataclasses.replace(spec, table="large")))
+        assert sample_alike(store, "large", num_groups=5, order="priority") is not None  # at wait 0, built meanwhile
         for name in ("small", "large"):
             assert index_rows(store, f"{name}_rows")["prio"] == store.stats(f"{name}_rows")["groups_ready"]
             assert index_rows(store, f"{name}_rows")["byver"] == 0  # never read
@@ -577,6 +574,24 @@ def test_a_sample_stream_over_grpc_serves_a_rows_table_as_a_records_one(start_se
         for order in ("priority", "uniform"):  # each the first request to read its index
             batch = next(iter(client.sample("t_rows", num_groups=1, order=order, max_batches=1, timeout=5)))
             assert len(batch.uids) == 8 and batch.group_ids[0] in {f"0/{task}" for task in range(10, 12)}
+
+
+def test_a_first_priority_stream_of_a_large_rows_table_at_wait_0_is_served_as_a_records_tables(  # type: ignore[no-untyped-def]
+    start_server,
+) -> None:
+    """Over gRPC, a rows table of more than a chunk of ready groups, never read in priority order:
+    a Sample stream in that order with no wait is served once the index is built, the batch a
+    records table (which kept the index all along) serves at once, where it ended DEADLINE_EXCEEDED."""
+    server = start_server()
+    both(server.store, "t", **ONES)
+    push_varied(server.store, "t", 3 * BUILD_CHUNK, 1)
+    with BufferClient(f"127.0.0.1:{server.port}", timeout=60) as client:
+        got = {}
+        for table in ("t", "t_rows"):
+            stream = client.sample(table, num_groups=5, order="priority", delivery="replay", max_batches=1, timeout=0)
+            got[table] = [(b.uids, b.group_ids, b.payload) for b in stream]
+        assert got["t_rows"] == got["t"] and len(got["t"]) == 1 and len(got["t"][0][1]) == 5
+    assert stats(server.store, "t_rows") == stats(server.store, "t") and server.store.verify("t_rows") == []
 
 
 def test_a_replay_stream_with_reuse_over_grpc_serves_a_rows_table_as_a_records_one(start_server) -> None:  # type: ignore[no-untyped-def]

@@ -15,8 +15,12 @@ import pytest
 from expbuf.client import BufferClient, Experience, InvalidArgumentError
 from expbuf.client.errors import AlreadyExistsError, FailedPreconditionError
 from expbuf.server.store import Store
+from expbuf.server.store.core.table_state.state import TableState
+from expbuf.server.store.disk.layout import u64
+from expbuf.server.store.disk.rows import GroupRef, SegmentView, directory_entry
 from expbuf.server.store.schema.errors import ConfigError, GroupClosed
 from expbuf.server.store.schema.table_config import TableConfig
+from expbuf.server.store.schema.views import GroupView
 
 from conftest import Servers
 from helpers import group_items, make_experience, scrape
@@ -46,8 +50,28 @@ def runs(task: int, numbers: Iterable[int]) -> list[Experience]:
     return [make_experience(1, task, run) for run in numbers]
 
 
-def group_record(store: Store, table: str, gkey: str):  # type: ignore[no-untyped-def]
+def group_record(store: Store, table: str, gkey: str) -> GroupView | None:
+    """The group as the store reads it, of either layout."""
     return store._in_table(table, lambda tt: tt.view(gkey))
+
+
+def group(store: Store, table: str, gkey: str) -> GroupView:
+    grp = group_record(store, table, gkey)
+    assert grp is not None, gkey
+    return grp
+
+
+def partial(store: Store, table: str, gkey: str) -> bool:
+    """Whether the group completed short: its record's flag, or a rows table's in its segment."""
+
+    def read(tt: TableState) -> bool:
+        if tt.config.storage.layout != "rows":
+            return tt.existing_group(gkey).partial
+        ref = directory_entry(tt.txn.get(tt.key(gkey), db=tt.db["gdir"]))
+        assert isinstance(ref, GroupRef)
+        return SegmentView(tt.txn.get(tt.prefix + u64(ref.seg), db=tt.db["segs"])).partial(ref.group)
+
+    return store._in_table(table, read)
 
 
 def test_min_group_size_is_checked_against_group_size() -> None:
@@ -63,8 +87,8 @@ def test_a_group_of_8_with_2_failed_runs_completes_with_the_6_and_records_why(st
     store.put("short", group_items(1, 0, 6))
     done = store.fail_runs("short", [uid(0, 6), uid(0, 7)], ["sandbox timed out", ""])
     assert (done.recorded, done.completed_groups, done.dropped_groups) == ([uid(0, 6), uid(0, 7)], ["1/0"], [])
-    grp = group_record(store, "short", "1/0")
-    assert grp.state == "ready" and grp.partial and len(grp.members) == 6
+    grp = group(store, "short", "1/0")
+    assert grp.state == "ready" and partial(store, "short", "1/0") and len(grp.members) == 6
     assert grp.failed == {uid(0, 6): "sandbox timed out", uid(0, 7): "failed"}
     stats = store.stats("short")
     assert (stats["ready"], stats["runs_failed"], stats["groups_short"], stats["groups_dropped"]) == (6, 2, 1, 0)
@@ -79,11 +103,12 @@ def test_failures_first_then_the_pushes_complete_the_group_and_a_failed_run_push
     assert store.fail_runs("late", [uid(0, 3)], ["again"]).recorded == []
     store.put("late", group_items(1, 0, 1))
     store.put("late", group_items(1, 0, 4)[3:])  # run 3 pushed after all: a member again
-    assert group_record(store, "late", "1/0").failed == {}
+    assert group(store, "late", "1/0").failed == {}
     done = store.put("late", group_items(1, 0, 3)[1:])
     assert done.completed_groups == ["1/0"]
-    grp = group_record(store, "late", "1/0")
-    assert not grp.partial and len(grp.members) == 4 and store.stats("late")["groups_short"] == 0
+    grp = group(store, "late", "1/0")
+    assert not partial(store, "late", "1/0") and len(grp.members) == 4
+    assert store.stats("late")["groups_short"] == 0
 
 
 def test_too_few_succeeded_drops_the_group_and_without_min_group_size_one_failure_does(store: Store) -> None:
@@ -128,7 +153,7 @@ def test_bad_reports_are_refused_by_name_and_record_nothing(store: Store) -> Non
             store.fail_runs(table, uids, [])
     with pytest.raises(InvalidRequest, match="one reason a uid"):
         store.fail_runs("bad", [uid(1, 1)], ["a", "b"])
-    assert store.stats("bad")["runs_failed"] == 0 and group_record(store, "bad", "1/1").failed == {}
+    assert store.stats("bad")["runs_failed"] == 0 and group(store, "bad", "1/1").failed == {}
 
 
 @pytest.mark.parametrize(("estimator", "params"), [("grpo", {}), ("rloo", {}), ("opmd", {})])
@@ -202,7 +227,7 @@ def test_a_group_of_failed_runs_alone_is_dropped_however_it_ends_and_remembered_
         0,
     )
     for task in range(3):
-        assert group_record(store, "none_ok", f"1/{task}").state == "dropped"
+        assert group(store, "none_ok", f"1/{task}").state == "dropped"
         with pytest.raises(GroupClosed, match=rf"group 1/{task} is already complete \(dropped\)"):
             store.fail_runs("none_ok", [uid(task, 3 if task < 2 else 4)], [])  # a run it never had: a fifth
         with pytest.raises(GroupClosed, match=rf"group 1/{task} is already complete \(dropped\)"):

@@ -306,7 +306,8 @@ def test_one_push_fills_opens_extends_and_drops_groups(store: Store, clock: Cloc
     stats = store.stats("mix")
     assert (stats["ready"], stats["pending"], stats["dropped"]) == (8, 3, 4)
     assert (stats["groups_ready"], stats["groups_pending"], stats["groups_dropped"]) == (2, 1, 1)
-    assert (stats["next_seq"], stats["next_rseq"]) == (15, 2)
+    # a rows table's dropped group takes a place in the ready order too (docs/internals/storage.md)
+    assert (stats["next_seq"], stats["next_rseq"]) == (15, 3 if store.table("mix").storage.layout == "rows" else 2)
     assert store.verify("mix") == []
     taken = [take(store, "mix", num_groups=1, order="uniform").group_ids[0] for _ in range(2)]
     assert sorted(taken) == ["1/0", "1/2"] and take(store, "mix", num_groups=1) is None

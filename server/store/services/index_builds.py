@@ -258,7 +258,11 @@ class IndexBuilds:
     ) -> bool:
         """Wait until the table keeps the index a request found missing, its build going first
         meanwhile; True then, False as soon as `stop()` says so. Past the monotonic `deadline`
-        IndexNotReady; a failed build's failure (it is tried again first), StoreClosed at a stop."""
+        IndexNotReady, unless the build is the request's own (`IndexBuilding.first_use`: a rows
+        table builds an index at the first request that reads it), which it waits for whatever its
+        deadline; a failed build's failure (it is tried again first), StoreClosed at a stop."""
+        if building.first_use:
+            deadline = None
         with self._changed:
             job = self._job(layout.table_of(building.prefix), building.index)
             job.error = None

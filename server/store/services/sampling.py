@@ -88,7 +88,8 @@ class Sampling:
         commit as the first attempt: one durable write for all, kept even if the attempt
         fails; if one cannot be delivered, none is and nothing is taken. A request in an order
         whose index the table is still building in the background (index_builds.py) waits for
-        the build within the same deadline, then is tried again; past it, IndexNotReady.
+        the build within the same deadline, then is tried again; past it, IndexNotReady (a rows
+        table's build at the first request that reads its index is waited for whatever the deadline).
         """
         start = time.monotonic()
         deadline = start + (spec.wait_seconds if timeout is None else timeout)

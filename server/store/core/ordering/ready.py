@@ -61,11 +61,16 @@ _CLEAR = -1  # a build's cursor while it deletes stale rows
 class IndexBuilding(Exception):
     """A request needs a lazy index its table does not keep yet; the caller waits while the
     store builds it in the background (index_builds.py) and tries the request again. Nothing
-    of the request is kept: it is raised before the request changes anything it would keep."""
+    of the request is kept: it is raised before the request changes anything it would keep.
 
-    def __init__(self, prefix: bytes, index: type[Index]) -> None:
+    `first_use`: the table keeps the index from the first request that reads it (a rows table's),
+    so the build is that request's own cost, which a records table paid at each push: the request
+    waits for it whatever its own wait for data, where it would be refused past that wait on a
+    table that lacks it since an earlier release."""
+
+    def __init__(self, prefix: bytes, index: type[Index], *, first_use: bool = False) -> None:
         super().__init__(f"the index {index.__name__} of table {prefix!r} is being built")
-        self.prefix, self.index = prefix, index
+        self.prefix, self.index, self.first_use = prefix, index, first_use
 
 
 def in_use(txn: lmdb.Transaction[bytes], dbs: Mapping[str, lmdb._Database], prefix: bytes) -> set[str] | None:
@@ -244,7 +249,7 @@ class ReadyIndex:
                     raise InvalidRequest(
                         f"the index {cls.__name__} is not kept by this table, and cannot be built here"
                     )
-                raise IndexBuilding(self.prefix, cls)
+                raise IndexBuilding(self.prefix, cls, first_use=self.rows)
             index = self._made[cls] = cls(self.dbs, self.txn, self.prefix)
         return cast(I, index)
 
