@@ -183,7 +183,10 @@ def one_server(
     totals: dict[Case, collections.Counter[str]] = {case: collections.Counter() for case in cases}
     serial = iter(range(10**9))
     with tempfile.TemporaryDirectory() as data:
-        config = tables_file(cases, layout, Path(data) / "tables.toml") if layout != "records" else None
+        # this tree's tables name their layout (rows is its default); an earlier tree's are records,
+        # its default, where it may know no layout setting
+        named = tree is None or layout != "records"
+        config = tables_file(cases, layout, Path(data) / "tables.toml") if named else None
         server = Server(tree, Path(data) / "d", config)
         try:
             with BufferClient(server.target, timeout=120) as client:

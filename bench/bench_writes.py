@@ -156,7 +156,7 @@ def entries(n: int, group: int, start: int = 0, size: int = 0) -> list[Entry]:
 
 def _table(group: int, layout: str = "records") -> TableConfig:
     table = TableConfig.of(name="t", estimator="none", group_size=group, drop_zero_variance=False)
-    return table if layout == "records" else dataclasses.replace(table, storage=Storage(layout=layout))
+    return table if table.storage.layout == layout else dataclasses.replace(table, storage=Storage(layout=layout))
 
 
 def stream(store: Store, batches: int) -> None:
