@@ -23,14 +23,19 @@ from ...schema.views import MemberView
 
 def payload_problem(uid: str, rec: MemberView, blob: Stored) -> str | None:
     """Why the stored payload is not the one pushed (damage on disk), or None when it is."""
-    problem = digests.mismatch(blob, rec.size, rec.digest)
-    if problem is None or len(blob) != rec.size or isinstance(blob, SplitPayload):
+    return digest_problem(uid, rec.size, rec.digest, blob)
+
+
+def digest_problem(uid: str, size: int, digest: bytes, blob: Stored) -> str | None:
+    """`payload_problem` of an experience whose record says `size` and `digest`."""
+    problem = digests.mismatch(blob, size, digest)
+    if problem is None or len(blob) != size or isinstance(blob, SplitPayload):
         return problem  # one stored in chunks (from format 6) has its digest of these very bytes
     try:
         items = parse(bytes(blob), trusted=True)
     except TrxpError:
         items = []
-    if len(items) == 1 and items[0].uid == uid and Entry.of(items[0]).digest == rec.digest:
+    if len(items) == 1 and items[0].uid == uid and Entry.of(items[0]).digest == digest:
         return None
     return "its payload does not match its digest"
 
@@ -50,9 +55,14 @@ class Unservable:
 def serve_problem(uid: str, rec: MemberView, blob: Stored | None) -> Unservable | None:
     """Why the experience cannot be served (its payload is damaged, or its stored advantage
     is beyond float32), or None when it can; without `blob`, its payload is checked elsewhere."""
-    if rec.advantage is not None and not -FLOAT32_MAX <= rec.advantage <= FLOAT32_MAX:
-        return Unservable(uid, f"its stored advantage {rec.advantage!r} is beyond float32's range", damaged=False)
+    return unservable(uid, rec.advantage, rec.size, rec.digest, blob)
+
+
+def unservable(uid: str, advantage: float | None, size: int, digest: bytes, blob: Stored | None) -> Unservable | None:
+    """`serve_problem` of an experience whose record says `advantage`, `size` and `digest`."""
+    if advantage is not None and not -FLOAT32_MAX <= advantage <= FLOAT32_MAX:
+        return Unservable(uid, f"its stored advantage {advantage!r} is beyond float32's range", damaged=False)
     if blob is None:
         return None
-    problem = payload_problem(uid, rec, blob)
+    problem = digest_problem(uid, size, digest, blob)
     return None if problem is None else Unservable(uid, problem, damaged=True)

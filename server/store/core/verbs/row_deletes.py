@@ -126,7 +126,7 @@ def _read(tt: TableState, segments: Segments, gkey: str) -> _Touched | None:
     view, seg_state = segments.view(p.seg), segments.state(p.seg)
     group = p.group._replace(failed=view.failed(p.at))
     places = dict(zip(group.members, seg_state.kept(*view.span(p.at)), strict=True))
-    return _Touched(group, p.members, p._replace(group=group), places)
+    return _Touched(group, p.members, p, places)
 
 
 def _gone(tt: TableState, segments: Segments, groups: Sequence[_Touched]) -> None:

@@ -12,16 +12,17 @@ from ...disk.layout import put_rows
 from ...disk.records import Counted
 from ...disk.rows import RowLease, RunRow
 from ...schema.states import CONSUMED, LEASED, READY
-from ...schema.views import Groups, Members
+from ...schema.views import Members
 from ..table_state import rate_counts
 from ..table_state.events import Moved
 from ..table_state.state import TableState
-from ..table_state.views import row_members
 from .row_moves import count_moved, mark, retire
 from .row_select import (
     NO_LEASE,
     Picked,
     Segments,
+    Spans,
+    Views,
     by_segment,
     moved_view,
     picks,
@@ -29,6 +30,7 @@ from .row_select import (
     ranges,
     run_key,
     taken,
+    views,
 )
 
 
@@ -40,7 +42,7 @@ def hold(tt: TableState, segments: Segments, picked: Sequence[Picked], lease_id:
     count_moved(tt, LEASED, picked)
     segments.save()
     if tt.extensions.hears("on_moved"):
-        tt.extensions.on_moved(tt, Moved(READY, LEASED, [(p.gkey, moved_view(p, LEASED, lease_id)) for p in picked]))
+        tt.extensions.on_moved(tt, Moved(READY, LEASED, views(picked, LEASED, lease_id)))
     reuse = tt.config.reuse
     return _lease_runs(picked, taken=reuse.priority_decay > 0 or reuse.cooldown_seconds > 0)
 
@@ -91,7 +93,7 @@ def leased(tt: TableState, segments: Segments, lease_id: str, lease: RowLease, *
 
 def held(tt: TableState, lease_id: str, lease: RowLease) -> int:
     """The experiences still under a lease of runs."""
-    return sum(len(p.members) for p in leased(tt, Segments(tt), lease_id, lease))
+    return sum(len(p.kept) for p in leased(tt, Segments(tt), lease_id, lease))
 
 
 def end(tt: TableState, lease_id: str, lease: RowLease, *, requeue: bool, unsent: bool) -> int:
@@ -100,12 +102,12 @@ def end(tt: TableState, lease_id: str, lease: RowLease, *, requeue: bool, unsent
     table's counters and the rate limiter's count); returns the experiences."""
     segments = Segments(tt)
     picked = leased(tt, segments, lease_id, lease, ending=not requeue)
-    count = sum(len(p.members) for p in picked)
+    count = sum(len(p.kept) for p in picked)
     if not requeue:  # the groups leave their lease, then the table
         retire(tt, segments, picked, CONSUMED)
         return count
     if unsent:
-        counted = lease.counted or Counted(count, sum(m.size for p in picked for m in p.members.values()), 0)
+        counted = lease.counted or Counted(count, sum(Spans(picked).column("size")), 0)
         tt.counters.sampled -= counted.experiences
         tt.counters.bytes_sampled -= counted.nbytes
         tt.counters.tokens_masked -= counted.tokens_masked
@@ -120,8 +122,7 @@ def replayed_back(tt: TableState, lease_id: str, lease: RowLease) -> list[Member
     segments = Segments(tt)
     picked = leased(tt, segments, lease_id, lease)
     back(tt, segments, picked, sampled=True)
-    again = [p._replace(group=moved_view(p, READY, times=p.group.times + 1)) for p in picked]
-    return taken([p._replace(members=row_members(p.group)) for p in again])
+    return taken([p.moved(READY, lease="", times=p.times + 1) for p in picked])
 
 
 def back(tt: TableState, segments: Segments, picked: Sequence[Picked], *, sampled: bool) -> None:
@@ -130,8 +131,7 @@ def back(tt: TableState, segments: Segments, picked: Sequence[Picked], *, sample
     mark(segments, picked, READY, NO_LEASE)
     if sampled:
         for p in picked:
-            state = segments.state(p.seg)
-            state.set_times(p.at, state.times(p.at) + 1)
+            segments.state(p.seg).set_times(p.at, p.times + 1)
     count_moved(tt, READY, picked)
     segments.save()
     rows = [(run_key(tt, seg, first), RunRow(seg, first, n).encode()) for seg, first, n in _lease_runs(picked)]
@@ -139,5 +139,5 @@ def back(tt: TableState, segments: Segments, picked: Sequence[Picked], *, sample
     if picked and tt.ready.indexing():
         tt.ready.add_many(placed(picked))
     if tt.extensions.hears("on_moved"):
-        groups: Groups = [(p.gkey, moved_view(p, READY, times=p.group.times + sampled)) for p in picked]
+        groups = Views(picked, lambda p: moved_view(p, READY, times=p.times + sampled))
         tt.extensions.on_moved(tt, Moved(LEASED, READY, groups))

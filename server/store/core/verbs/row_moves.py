@@ -17,12 +17,13 @@ from ...schema.views import Groups, GroupView
 from ..table_state import rate_counts
 from ..table_state.events import Retired
 from ..table_state.state import TableState, missing
-from ..table_state.views import row_members
 from . import payloads, pieces, row_pending
 from .row_select import (
     NO_LEASE,
     Picked,
     Segments,
+    Spans,
+    as_they_are,
     by_segment,
     complete_groups,
     moved_view,
@@ -72,12 +73,11 @@ def _covering(tt: TableState, seg: int, g: int) -> bytes:
 
 
 def mark(segments: Segments, picked: Sequence[Picked], state: State, tag: bytes) -> None:
-    """Picked groups' state bytes and lease tags, a segment at a time."""
+    """Picked groups' state bytes and lease tags, a run of consecutive ones at a time."""
     for seg, places in by_segment((p.seg, p.at) for p in picked).items():
         row = segments.changed(seg)
-        for at in places:
-            row.set_state(at, state)
-            row.set_lease(at, tag)
+        for first, n in ranges(places):
+            row.set_states(first, first + n, state, tag)
 
 
 def count_moved(tt: TableState, now: State, picked: Sequence[Picked]) -> None:
@@ -86,8 +86,8 @@ def count_moved(tt: TableState, now: State, picked: Sequence[Picked]) -> None:
     members: dict[State, int] = {}
     groups: dict[State, int] = {}
     for p in picked:
-        was = p.group.state
-        members[was] = members.get(was, 0) + len(p.group.rows)
+        was = p.state
+        members[was] = members.get(was, 0) + len(p.kept)
         groups[was] = groups.get(was, 0) + 1
     counters = tt.counters
     for was, count in members.items():
@@ -110,7 +110,7 @@ def retire(
     has it), and rollouts still in pieces of a group that filled without them go, as that retire
     drops them. The groups' directory entries and their segment's columns stay: the members'
     tombstones (a retried push of one is a duplicate)."""
-    tt.extensions.on_retired(tt, Retired([(p.gkey, p.group) for p in picked], state))
+    tt.extensions.on_retired(tt, Retired(as_they_are(picked), state))
     _leave(tt, segments, picked, state, damaged)
 
 
@@ -124,9 +124,9 @@ def _leave(
         for p in picked:
             rate_counts.forget(tt, p.group, p.members.values())
     mark(segments, picked, state, NO_LEASE)
-    prefix = tt.prefix
-    keys = [prefix + uid.encode() for p in picked for uid in p.members]
-    sizes = [member.size for p in picked for member in p.group.rows]
+    prefix, spans = tt.prefix, Spans(picked)
+    keys = [prefix + uid.encode() for uid in spans.column("uid")]
+    sizes: list[int] = spans.column("size")
     for at in {p.seg for p in picked}:
         seg = segments.state(at)
         if all(s in RETIRED for s in seg.states(0, seg.groups)):
@@ -144,9 +144,9 @@ def fail(tt: TableState, groups: Groups, damaged: Set[str]) -> None:
     tt.extensions.on_retired(tt, Retired(groups, FAILED))
     segments = Segments(tt)
     complete = [gkey for gkey, grp in groups if grp.state not in (PENDING, COMPUTING)]
-    picked = [p for p in complete_groups(tt, segments, complete) if p.group.state in (READY, LEASED)]
-    unready(tt, [p for p in picked if p.group.state == READY])
-    _leave(tt, segments, [p._replace(group=p.group._replace(lease="")) for p in picked], FAILED, damaged)
+    picked = [p for p in complete_groups(tt, segments, complete) if p.state in (READY, LEASED)]
+    unready(tt, [p for p in picked if p.state == READY])
+    _leave(tt, segments, [p.moved(lease="") for p in picked], FAILED, damaged)
     row_pending.leave(tt, [(gkey, grp) for gkey, grp in groups if grp.state in (PENDING, COMPUTING)], FAILED, damaged)
 
 
@@ -166,11 +166,11 @@ def consume(tt: TableState, gkeys: Sequence[str]) -> None:
     rate limiter's count as a delete does."""
     segments = Segments(tt)
     picked = complete_groups(tt, segments, gkeys)
-    ready = [p for p in picked if p.group.state == READY]
+    ready = [p for p in picked if p.state == READY]
     for p in ready:
         rate_counts.forget(tt, p.group, p.members.values())
     unready(tt, ready)
-    retire(tt, segments, [p._replace(group=p.group._replace(lease="")) for p in picked], CONSUMED)
+    retire(tt, segments, [p.moved(lease="") for p in picked], CONSUMED)
 
 
 def evict(tt: TableState, over: Callable[[int, int], bool], live: int, held: int) -> int:
@@ -185,8 +185,8 @@ def evict(tt: TableState, over: Callable[[int, int], bool], live: int, held: int
             for g in range(run.first, run.first + run.length):
                 p = picks(view, state, run.seg, [g], READY, "")[0]
                 picked.append(p)
-                live -= len(p.group.rows)
-                held -= sum(member.size for member in p.group.rows)
+                live -= len(p.kept)
+                held -= sum(p.block.column("size")[i - p.block.lo] for i in p.kept)
                 if not over(live, held):
                     break
             else:
@@ -195,7 +195,7 @@ def evict(tt: TableState, over: Callable[[int, int], bool], live: int, held: int
     if picked:
         unready(tt, picked)
         retire(tt, segments, picked, EVICTED)
-    return sum(len(p.group.rows) for p in picked)
+    return sum(len(p.kept) for p in picked)
 
 
 def counted(segments: Segments, picked: Sequence[Picked]) -> list[Picked]:
@@ -203,10 +203,8 @@ def counted(segments: Segments, picked: Sequence[Picked]) -> list[Picked]:
     member's record before it becomes a tombstone)."""
     found = []
     for p in picked:
-        times = p.group.times + 1
-        segments.changed(p.seg).set_times(p.at, times)
-        group = moved_view(p, p.group.state, times=times)
-        found.append(p._replace(group=group, members=row_members(group)))
+        segments.changed(p.seg).set_times(p.at, p.times + 1)
+        found.append(p.moved(times=p.times + 1))
     return found
 
 
@@ -220,6 +218,6 @@ def replayed(
     segments.save()
     again = LEASED if segments.tt.config.reuse.cooldown_seconds > 0 else READY
     done: list[tuple[str, GroupView]] = [
-        (p.gkey, moved_view(p, CONSUMED if limit and p.group.times >= limit else again)) for p in counted_now
+        (p.gkey, moved_view(p, CONSUMED if limit and p.times >= limit else again)) for p in counted_now
     ]
     return counted_now, done

@@ -10,13 +10,12 @@ here writes: what the picked groups become is row_moves.py's and row_leases.py's
 from __future__ import annotations
 
 import contextlib
-import itertools
 import random
-from collections.abc import Generator, Iterable, Sequence
-from typing import NamedTuple
+from collections.abc import Callable, Generator, Iterable, Sequence
+from typing import Any, overload
 
 from ...disk.layout import next_prefix, put_rows, u64
-from ...disk.rows import GroupRef, RunRow, SegmentView, SegState, directory_entry
+from ...disk.rows import GroupRef, Member, RunRow, SegmentView, SegState, directory_entry
 from ...disk.snapshot import Snapshot
 from ...schema.sample_spec import TakeSpec
 from ...schema.states import READY, State
@@ -24,22 +23,145 @@ from ...schema.views import GroupView, Members
 from ..ordering.ready import BUILD_CHUNK, IndexBuilding
 from ..table_state.counters import read_counters
 from ..table_state.state import TableState, missing
-from ..table_state.views import RowGroup, RowMember, kept_rows, row_members
+from ..table_state.views import RowGroup, RowMember, row_members
 
 NO_LEASE = bytes(SegState.LEASE)
 
 
-class Picked(NamedTuple):
-    """A group a take picked: its key, view and members' views, its place (segment, index), and its
-    priority and lowest version, as the ready indexes hold it."""
+class Block:
+    """Members lo to hi (excluded) of a segment, as the groups picked from them read them: each
+    column read once, on first use (`column`), and the members as rows only where a view of one is
+    asked for (`rows`)."""
 
-    gkey: str
-    group: RowGroup
-    members: dict[str, RowMember]
-    seg: int
-    at: int  # its index in the segment
-    priority: float = 0.0
-    version: int | None = None
+    __slots__ = ("_columns", "_rows", "hi", "lo", "view")
+
+    def __init__(self, view: SegmentView, lo: int, hi: int) -> None:
+        self.view, self.lo, self.hi = view, lo, hi
+        self._columns: dict[str, Sequence[Any]] = {}
+        self._rows: list[Member] | None = None
+
+    def column(self, name: str) -> Sequence[Any]:
+        """A field of Member, of the block's members."""
+        found = self._columns.get(name)
+        if found is None:
+            members, lo, hi = self.view.members, self.lo, self.hi
+            if name == "uid":
+                found = members.uids(lo, hi)
+            elif name == "digest":
+                found = members.digests(lo, hi)
+            elif name == "segments":
+                found = members.segments_of(lo, hi)
+            else:
+                found = members.column(name, lo, hi)
+            self._columns[name] = found
+        return found
+
+    def rows(self, kept: range | list[int]) -> tuple[Member, ...]:
+        """The members at `kept` (indexes in the segment), every field read."""
+        if self._rows is None:
+            self._rows = self.view.members.members(self.lo, self.hi)
+        rows, lo = self._rows, self.lo
+        if isinstance(kept, range):
+            return tuple(rows[kept.start - lo : kept.stop - lo])
+        return tuple(rows[i - lo] for i in kept)
+
+
+class Picked:
+    """A group a take picked, in state `state` (under `lease`; its deliveries `times`): its key, its
+    place (segment, index), its members (`kept`: their indexes in the segment, those deleted left out)
+    in a `Block` read with its neighbours', and its priority and lowest version, as the ready indexes
+    hold it. Its view (`group`) and its members' (`members`) are made only where asked for: a take
+    and a confirm read the members' columns a range at a time (`Spans`)."""
+
+    __slots__ = (
+        "_group", "_members", "at", "block", "gkey", "kept", "lease", "priority", "seg", "state", "times", "version",
+    )  # fmt: skip
+
+    def __init__(
+        self,
+        gkey: str,
+        seg: int,
+        at: int,
+        state: State,
+        block: Block,
+        kept: range | list[int],
+        lease: str = "",
+        times: int = 0,
+        priority: float = 0.0,
+        version: int | None = None,
+    ) -> None:
+        self.gkey, self.seg, self.at, self.state, self.block, self.kept = gkey, seg, at, state, block, kept
+        self.lease, self.times, self.priority, self.version = lease, times, priority, version
+        self._group: RowGroup | None = None
+        self._members: dict[str, RowMember] | None = None
+
+    @property
+    def rows(self) -> tuple[Member, ...]:
+        return self.block.rows(self.kept)
+
+    @property
+    def group(self) -> RowGroup:
+        """Its view."""
+        if self._group is None:
+            self._group = RowGroup(self.gkey, self.state, self.rows, lease=self.lease, times=self.times)
+        return self._group
+
+    @property
+    def members(self) -> dict[str, RowMember]:
+        """Its members' views (uid -> view), in push order."""
+        if self._members is None:
+            self._members = row_members(self.group)
+        return self._members
+
+    def moved(self, state: State | None = None, *, lease: str | None = None, times: int | None = None) -> Picked:
+        """The same group once it moved to `state` (its own by default), under `lease`, delivered `times`."""
+        return Picked(
+            self.gkey, self.seg, self.at, self.state if state is None else state, self.block, self.kept,
+            self.lease if lease is None else lease, self.times if times is None else times, self.priority,
+            self.version,
+        )  # fmt: skip
+
+
+class Spans:
+    """The members of picked groups, in the order picked, as ranges of their blocks: a column of them
+    all (`column`) is a slice of each block's column a range of consecutive members (a run's members
+    are one), not a read per experience."""
+
+    __slots__ = ("_parts", "members", "picked")
+
+    def __init__(self, picked: Sequence[Picked]) -> None:
+        self.picked, self.members = picked, 0
+        parts: list[tuple[Block, range | list[int]]] = []
+        for p in picked:
+            kept = p.kept
+            self.members += len(kept)
+            if parts and isinstance(kept, range):
+                block, last = parts[-1]
+                if block is p.block and isinstance(last, range) and last.stop == kept.start:
+                    parts[-1] = (block, range(last.start, kept.stop))
+                    continue
+            parts.append((p.block, kept))
+        self._parts = parts
+
+    def column(self, name: str) -> list[Any]:
+        """A field of Member, of every member, in order."""
+        found: list[Any] = []
+        for block, kept in self._parts:
+            values, lo = block.column(name), block.lo
+            if isinstance(kept, range):
+                found += values[kept.start - lo : kept.stop - lo]
+            else:
+                found += [values[i - lo] for i in kept]
+        return found
+
+    def per_member(self, values: Sequence[Any]) -> list[Any]:
+        """A value a picked group (`values`, one a group) as each of its members has it."""
+        if len(values) == self.members:  # groups of one
+            return list(values)
+        found: list[Any] = []
+        for p, value in zip(self.picked, values, strict=True):
+            found += [value] * len(p.kept)
+        return found
 
 
 class Segments:
@@ -154,46 +276,67 @@ def _from_runs(tt: TableState, spec: TakeSpec, segments: Segments) -> tuple[list
         for _, run in runs:
             view, state = segments.view(run.seg), segments.state(run.seg)
             places = range(run.first, run.first + run.length)
-            chosen: list[int] = []
-            for g in reversed(places) if newest else places:
-                chosen.append(g)
-                total += len(state.kept(*view.span(g)))
-                if spec.filled(len(picked) + len(chosen), total):
+            if newest:
+                places = places[::-1]
+            chosen = 0
+            for count in kept_counts(view, state, places):
+                chosen += 1
+                total += count
+                if spec.filled(len(picked) + chosen, total):
                     break
-            picked += picks(view, state, run.seg, chosen, READY, "")
+            picked += picks(view, state, run.seg, places[:chosen], READY, "")
             if spec.enough(len(picked), total):
                 break
     return picked, total
 
 
+def kept_counts(view: SegmentView, state: SegState, places: Iterable[int]) -> list[int]:
+    """The members of a segment's groups at `places` (those deleted left out)."""
+    if state.any_flags:
+        return [len(state.kept(*view.span(g))) for g in places]
+    ends = view.ends
+    return [ends[g] - ends[g - 1] if g else ends[0] for g in places]
+
+
 def picks(view: SegmentView, state: SegState, seg: int, places: Sequence[int], now: State, lease: str) -> list[Picked]:
     """Groups of one segment at `places` (in that order), in state `now` (under `lease`), with their
-    members' views (those deleted left out): the columns of the members they span read once, or
-    (groups far apart, as a uniform take's) each group's alone."""
+    members (those deleted left out): the members they span one block, read a column at a time when
+    asked, or (groups far apart, as a uniform take's) each group's a block of its own."""
     if not places:
         return []
     first, last = min(places), max(places)
-    spans = [view.span(g) for g in places]
-    lo, hi = view.span(first)[0], view.span(last)[1]
+    ends = view.ends
+    spans = [(ends[g - 1] if g else 0, ends[g]) for g in places]
+    lo, hi = view.span(first)[0], ends[last]
     together = 4 * sum(b - a for a, b in spans) >= hi - lo
-    rows = view.members.members(lo, hi) if together else []
+    shared = Block(view, lo, hi) if together else None
     keys = view.keys(first, last + 1) if together else []
     priorities, versions = view.priorities(first, last + 1), view.versions(first, last + 1)
+    times = state.times_of(first, last + 1)
+    kept = state.kept if state.any_flags else range  # a group's members, those deleted left out
     found = []
     for g, (a, b) in zip(places, spans, strict=True):
-        gkey = keys[g - first] if together else view.keys(g, g + 1)[0]
-        members = kept_rows(state, rows[a - lo : b - lo] if together else view.members.members(a, b), a)
-        group = RowGroup(gkey, now, members, lease=lease, times=state.times(g))
-        found.append(Picked(gkey, group, row_members(group), seg, g, priorities[g - first], versions[g - first]))
+        at = g - first
+        gkey = keys[at] if together else view.keys(g, g + 1)[0]
+        block = shared if shared is not None else Block(view, a, b)
+        found.append(Picked(gkey, seg, g, now, block, kept(a, b), lease, times[at], priorities[at], versions[at]))
     return found
 
 
 def ranges(indexes: Iterable[int]) -> list[tuple[int, int]]:
-    """Sorted group indexes as (first, length) ranges of consecutive ones."""
+    """Distinct group indexes, sorted, as (first, length) ranges of consecutive ones."""
+    values = sorted(indexes)
+    if not values or values[-1] - values[0] + 1 == len(values):  # one range (a run's groups)
+        return [(values[0], len(values))] if values else []
     found: list[tuple[int, int]] = []
-    for _, part in itertools.groupby(enumerate(sorted(indexes)), key=lambda pair: pair[1] - pair[0]):
-        values = [g for _, g in part]
-        found.append((values[0], len(values)))
+    first, n = values[0], 1
+    for g in values[1:]:
+        if g == first + n:
+            n += 1
+        else:
+            found.append((first, n))
+            first, n = g, 1
+    found.append((first, n))
     return found
 
 
@@ -216,12 +359,43 @@ def placed(picked: Sequence[Picked]) -> list[tuple[bytes, int, float, int | None
 
 def moved_view(p: Picked, state: State, lease: str = "", times: int | None = None) -> RowGroup:
     """A picked group's view once it moved to `state` (under `lease`; its deliveries `times`)."""
-    return RowGroup(p.gkey, state, p.group.rows, lease=lease, times=p.group.times if times is None else times)
+    return RowGroup(p.gkey, state, p.rows, lease=lease, times=p.times if times is None else times)
 
 
-def views(picked: Sequence[Picked], state: State, lease: str = "") -> list[tuple[str, GroupView]]:
+class Views(Sequence[tuple[str, GroupView]]):
+    """Picked groups' views as an event names them (key, view), each made as it is read: an event
+    whose extensions read no group's view (the prompt ledger of a table holding no dataset) costs none."""
+
+    def __init__(self, picked: Sequence[Picked], view: Callable[[Picked], GroupView]) -> None:
+        self._picked, self._view = picked, view
+        self._made: dict[int, GroupView] = {}
+
+    def __len__(self) -> int:
+        return len(self._picked)
+
+    @overload
+    def __getitem__(self, index: int) -> tuple[str, GroupView]: ...
+    @overload
+    def __getitem__(self, index: slice) -> list[tuple[str, GroupView]]: ...
+    def __getitem__(self, index: int | slice) -> tuple[str, GroupView] | list[tuple[str, GroupView]]:
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(len(self)))]
+        p = self._picked[index]
+        at = index % len(self._picked)
+        view = self._made.get(at)
+        if view is None:
+            view = self._made[at] = self._view(p)
+        return p.gkey, view
+
+
+def views(picked: Sequence[Picked], state: State, lease: str = "") -> Views:
     """Picked groups' views once a take delivered them, as its `Taken` event names them."""
-    return [(p.gkey, moved_view(p, state, lease)) for p in picked]
+    return Views(picked, lambda p: moved_view(p, state, lease))
+
+
+def as_they_are(picked: Sequence[Picked]) -> Views:
+    """Picked groups' own views, as an event names them."""
+    return Views(picked, lambda p: p.group)
 
 
 def unleased(tt: TableState, segments: Segments, gkeys: Iterable[str], now: State) -> list[Picked]:

@@ -20,7 +20,7 @@ from ...disk.snapshot import Snapshot
 from ...schema.sample_spec import TakeSpec
 from ...schema.states import LEASED
 from ...schema.views import Groups, GroupView, Members, MemberView
-from ..table_state.read_check import Unservable, serve_problem
+from ..table_state.read_check import Unservable, unservable
 from ..table_state.state import TableState
 from ..table_state.views import group_record, member_record
 from . import row_select
@@ -77,6 +77,36 @@ def read_batch(
                 tt.put_item(uid, record)
 
 
+def read_rows(
+    tt: TableState,
+    spans: row_select.Spans,
+    gkeys: Sequence[str],
+    payloads: Payloads,
+    rows: BatchRows,
+    batch: Sampled,
+    *,
+    masked: Callable[[MemberView], int] | None,
+) -> None:
+    """`read_batch` of a rows table's picked groups (`spans`; `gkeys`, each member's group), their
+    columns read a range at a time: no view of a member made unless the delivery masks tokens or
+    the table's batch stage reads them. A rows table's delivery is counted in its group's state."""
+    picked = spans.picked
+    uids, lengths = spans.column("uid"), spans.column("response_length")
+    batch.uids += uids
+    batch.group_ids += gkeys
+    batch.versions += spans.column("version")
+    batch.rewards += spans.column("reward")
+    batch.response_lengths += lengths
+    batch.times_sampled += spans.per_member([p.times + 1 for p in picked])
+    batch.segments += spans.column("segments")
+    if masked is not None:
+        batch.masked += [masked(rec) for p in picked for rec in p.members.values()]
+    rows.add_columns(
+        [tt.key(uid) for uid in uids], [payloads.read(uid) for uid in uids], spans.column("advantage"), lengths,
+        spans.column("size"), lambda: [rec for p in picked for rec in p.members.values()],
+    )  # fmt: skip
+
+
 def lease(tt: TableState, chosen: Groups, taken: Sequence[Members], lease_id: str) -> None:
     """A batch's groups leased under `lease_id`: out of the ready indexes, under the lease."""
     records = [(gkey, group_record(grp)) for gkey, grp in chosen]
@@ -107,20 +137,35 @@ class Payloads:
         or payload is not stored as damaged (the directory lost it)."""
         problems = [Unservable(uid, "its record is not stored", damaged=True) for uid in grp.members if uid not in recs]
         for uid, rec in recs.items():
-            blob = self._get(uid, rec)
-            if blob is None:
-                problems.append(Unservable(uid, "its payload is not stored", damaged=True))
-                continue
-            problem = serve_problem(uid, rec, None if isinstance(blob, chunk_reads.Deferred) else blob)
+            problem = self._check(uid, rec.seq, rec.digest, rec.size, rec.advantage)
             if problem is not None:
                 problems.append(problem)
         return problems
+
+    def check_columns(
+        self,
+        uids: Sequence[str],
+        seqs: Sequence[int],
+        digests: Sequence[bytes],
+        sizes: Sequence[int],
+        advantages: Sequence[float | None],
+    ) -> list[tuple[int, Unservable]]:
+        """`check` of experiences given as their records' columns (a rows table's, read a range at a
+        time): the index of each that cannot be served, and why."""
+        found = map(self._check, uids, seqs, digests, sizes, advantages)
+        return [(at, problem) for at, problem in enumerate(found) if problem is not None]
 
     def read(self, uid: str) -> Stored | chunk_reads.Deferred:
         """A payload `check` read."""
         return self._read[uid]
 
-    def _get(self, uid: str, rec: MemberView) -> Stored | chunk_reads.Deferred | None:
+    def _check(self, uid: str, seq: int, digest: bytes, size: int, advantage: float | None) -> Unservable | None:
+        blob = self._get(uid, seq, digest, size)
+        if blob is None:
+            return Unservable(uid, "its payload is not stored", damaged=True)
+        return unservable(uid, advantage, size, digest, None if isinstance(blob, chunk_reads.Deferred) else blob)
+
+    def _get(self, uid: str, seq: int, digest: bytes, size: int) -> Stored | chunk_reads.Deferred | None:
         if self.snapshot is None and self._open is not None:
             self.snapshot = self._open()
             if self.tt.config.storage.layout == "rows":
@@ -129,12 +174,14 @@ class Payloads:
                 newest = self.snapshot.last_key(self.tt.prefix, self.tt.db["order"])
                 self.newest = -1 if newest is None else int.from_bytes(newest[len(self.tt.prefix) :], "big")  # T + seq
         key, blobs = self.tt.key(uid), self.tt.db["blobs"]
-        snapshot = self.snapshot if self.snapshot is not None and rec.seq <= self.newest else None
+        snapshot = self.snapshot if self.snapshot is not None and seq <= self.newest else None
         view = snapshot.get(key, blobs) if snapshot is not None else None
-        if snapshot is not None and view is not None:
+        if view is not None and chunk_reads.whole(view):
+            blob: Stored | chunk_reads.Deferred = view
+        elif snapshot is not None and view is not None:
             read = chunk_reads.reader(snapshot, self.tt.db)
             if self._defer:
-                blob = chunk_reads.taken(uid, view, key, rec.digest, rec.size, read)
+                blob = chunk_reads.taken(uid, view, key, digest, size, read)
             else:
                 blob = chunk_reads.resolve(view, key, read)
         else:

@@ -161,6 +161,12 @@ class MemberBlock:
         a, b = struct.unpack_from("<II", self.data, self._segments + 4 * i)
         return struct.unpack_from(f"<{b - a}q", self.data, self._segment_values + 8 * a)
 
+    def segments_of(self, lo: int, hi: int) -> list[tuple[int, ...]]:
+        """The version segments of members lo to hi (excluded): one list of ()s in a block without any."""
+        if self._segments < 0:
+            return [()] * (hi - lo)
+        return [self.segments(i) for i in range(lo, hi)]
+
     def members(self, lo: int = 0, hi: int | None = None) -> list[Member]:
         """Members lo to hi (excluded; the end by default), every field read."""
         hi = self.count if hi is None else hi
@@ -170,7 +176,7 @@ class MemberBlock:
             return [self._member(lo)]
         columns: dict[str, Sequence[object]] = {name: self.column(name, lo, hi) for name, _ in _COLUMNS}
         columns["uid"], columns["digest"] = self.uids(lo, hi), self.digests(lo, hi)
-        columns["segments"] = [self.segments(i) for i in range(lo, hi)]
+        columns["segments"] = self.segments_of(lo, hi)
         return [Member._make(row) for row in zip(*(columns[name] for name in Member._fields), strict=True)]
 
     def _member(self, i: int) -> Member:

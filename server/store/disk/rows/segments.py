@@ -203,9 +203,21 @@ class SegState:
     def set_state(self, g: int, state: State) -> None:
         self.buf[self._HEAD.size + g] = _STATE_CODE[state]
 
+    def set_states(self, lo: int, hi: int, state: State, tag: bytes) -> None:
+        """Groups lo to hi (excluded) in `state`, under the lease `tag`: a run's bytes written at once."""
+        if len(tag) != self.LEASE:
+            raise ValueError(f"a lease tag is {self.LEASE} bytes, not {len(tag)}")
+        base = self._HEAD.size
+        self.buf[base + lo : base + hi] = bytes((_STATE_CODE[state],)) * (hi - lo)
+        self.buf[self._leases + self.LEASE * lo : self._leases + self.LEASE * hi] = tag * (hi - lo)
+
     def times(self, g: int) -> int:
         times: int = struct.unpack_from("<I", self.buf, self._times + 4 * g)[0]
         return times
+
+    def times_of(self, lo: int, hi: int) -> tuple[int, ...]:
+        """The times sampled of groups lo to hi (excluded)."""
+        return struct.unpack_from(f"<{hi - lo}I", self.buf, self._times + 4 * lo)
 
     def set_times(self, g: int, times: int) -> None:
         struct.pack_into("<I", self.buf, self._times + 4 * g, times)
