@@ -112,7 +112,8 @@ def take(
         if segments is not None:  # its members' columns read a range at a time
             spans = row_select.Spans(picked)
             gkeys = spans.per_member([p.gkey for p in picked])  # each member's group
-            unservable = _unservable_rows(payloads, picked, spans, gkeys)
+            keys = [tt.key(uid) for uid in spans.column("uid")]  # their payloads'
+            unservable = _unservable_rows(payloads, picked, spans, keys, gkeys)
         else:
             taken = [(gkey, grp, tt.stored_members(grp)) for gkey, grp in chosen]
             unservable = [(gkey, grp, problems) for gkey, grp, recs in taken if (problems := payloads.check(grp, recs))]
@@ -134,7 +135,7 @@ def take(
     # a leased one's delivery is counted in its record when the lease ends (leases.py); a rows
     # table's consumed group keeps no count
     if segments is not None:
-        read_rows(tt, spans, gkeys, payloads, rows, batch, masked=masked)
+        read_rows(spans, keys, gkeys, payloads, rows, batch, masked=masked)
     else:
         read_batch(tt, taken, payloads, rows, batch, counted=delivery != "lease", masked=masked)
     batch.blobs, batch.advantages, batch.stage = rows.blobs, rows.advantages, rows.stage(counts)
@@ -173,12 +174,12 @@ def take(
 
 
 def _unservable_rows(
-    payloads: Payloads, picked: list[row_select.Picked], spans: row_select.Spans, gkeys: list[str]
+    payloads: Payloads, picked: list[row_select.Picked], spans: row_select.Spans, keys: list[bytes], gkeys: list[str]
 ) -> list[tuple[str, GroupView, list[Unservable]]]:
     """A rows table's picked groups a member of which cannot be served, with why (Payloads.check),
-    their members' payloads read and checked from their columns."""
-    columns = (spans.column(name) for name in ("uid", "seq", "digest", "size", "advantage"))
-    found = payloads.check_columns(*columns)
+    their members' payloads (at `keys`) read and checked from their columns."""
+    seqs, digests, sizes, advantages = (spans.column(name) for name in ("seq", "digest", "size", "advantage"))
+    found = payloads.check_columns(spans.column("uid"), keys, seqs, digests, sizes, advantages)
     if not found:
         return []
     problems: dict[str, list[Unservable]] = {}

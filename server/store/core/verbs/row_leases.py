@@ -6,6 +6,7 @@ segment's id plus its index there).
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 
 from ...disk.layout import put_rows
@@ -75,20 +76,23 @@ def lease_row(
 def leased(tt: TableState, segments: Segments, lease_id: str, lease: RowLease, *, ending: bool = False) -> list[Picked]:
     """The groups still under a lease of runs (one consumed or given back meanwhile is not); with
     `ending`, their views say they left it (as an ack's consume hears them)."""
-    tag = bytes.fromhex(lease_id)
+    tag, lease_tag = bytes.fromhex(lease_id), "" if ending else lease_id
     under: dict[int, list[int]] = {}  # by segment, each read once
-    order: list[tuple[int, int]] = []  # the runs' order (a reusing table's: the take's, _lease_runs)
     for run in lease.runs:
-        state = segments.state(run.seg)
-        span = range(run.first, run.first + run.length)
-        held = [g for g in span if state.state(g) == LEASED and state.lease(g) == tag]
-        under.setdefault(run.seg, []).extend(held)
-        order.extend((run.seg, g) for g in held)
-    found: dict[tuple[int, int], Picked] = {}
-    for seg, places in under.items():
-        for p in picks(segments.view(seg), segments.state(seg), seg, places, LEASED, "" if ending else lease_id):
-            found[seg, p.at] = p
-    return [found[place] for place in order]
+        under.setdefault(run.seg, []).extend(
+            segments.state(run.seg).under(run.first, run.first + run.length, LEASED, tag)
+        )
+    found = [
+        p
+        for seg, places in under.items()
+        for p in picks(segments.view(seg), segments.state(seg), seg, places, LEASED, lease_tag)
+    ]
+    if all(a < b for a, b in itertools.pairwise(lease.runs)):  # runs in the ready order: so are the groups found
+        return found
+    at = {(p.seg, p.at): p for p in found}  # in the runs' order (a reusing table's: the take's, _lease_runs)
+    return [
+        at[run.seg, g] for run in lease.runs for g in range(run.first, run.first + run.length) if (run.seg, g) in at
+    ]
 
 
 def held(tt: TableState, lease_id: str, lease: RowLease) -> int:

@@ -44,17 +44,26 @@ def unready(tt: TableState, picked: Sequence[Picked]) -> None:
         tt.ready.remove_many(placed(picked))
     runs = tt.db["runs"]
     for seg, indexes in by_segment((p.seg, p.at) for p in picked).items():
-        gone, cut = set(indexes), set[int]()
-        for g in sorted(gone):
-            if g in cut:
-                continue
-            key = _covering(tt, seg, g)
+        gone = ranges(indexes)  # consecutive groups leave a run together
+        at = 0
+        while at < len(gone):
+            key = _covering(tt, seg, gone[at][0])
             run = RunRow.decode(tt.txn.get(key, db=runs) or b"")
             tt.txn.delete(key, db=runs)
-            span = range(run.first, run.first + run.length)
-            cut.update(span)
-            left = [x for x in span if x not in gone]
-            put_rows(tt.txn, runs, [(run_key(tt, seg, a), RunRow(seg, a, n).encode()) for a, n in ranges(left)])
+            left, end = [], run.first  # what is left of the run: from `end` to the next gone range
+            stop = run.first + run.length
+            while at < len(gone) and gone[at][0] < stop:
+                first, n = gone[at]
+                if first > end:
+                    left.append((end, first - end))
+                end = min(first + n, stop)
+                if first + n > stop:  # the range goes on into the next run
+                    gone[at] = (stop, first + n - stop)
+                    break
+                at += 1
+            if end < stop:
+                left.append((end, stop - end))
+            put_rows(tt.txn, runs, [(run_key(tt, seg, a), RunRow(seg, a, n).encode()) for a, n in left])
 
 
 def _covering(tt: TableState, seg: int, g: int) -> bytes:
@@ -118,8 +127,7 @@ def _leave(
     tt: TableState, segments: Segments, picked: Sequence[Picked], state: State, damaged: Set[str] = frozenset()
 ) -> None:
     """`retire`, the extensions told by the caller."""
-    for p in picked:
-        pieces.drop_group(tt, p.gkey)
+    pieces.drop_groups(tt, [p.gkey for p in picked])
     if state != CONSUMED:
         for p in picked:
             rate_counts.forget(tt, p.group, p.members.values())

@@ -127,10 +127,11 @@ class Spans:
     all (`column`) is a slice of each block's column a range of consecutive members (a run's members
     are one), not a read per experience."""
 
-    __slots__ = ("_parts", "members", "picked")
+    __slots__ = ("_columns", "_parts", "members", "picked")
 
     def __init__(self, picked: Sequence[Picked]) -> None:
         self.picked, self.members = picked, 0
+        self._columns: dict[str, list[Any]] = {}
         parts: list[tuple[Block, range | list[int]]] = []
         for p in picked:
             kept = p.kept
@@ -144,8 +145,11 @@ class Spans:
         self._parts = parts
 
     def column(self, name: str) -> list[Any]:
-        """A field of Member, of every member, in order."""
-        found: list[Any] = []
+        """A field of Member, of every member, in order (read once)."""
+        found = self._columns.get(name)
+        if found is not None:
+            return found
+        found = self._columns[name] = []
         for block, kept in self._parts:
             values, lo = block.column(name), block.lo
             if isinstance(kept, range):

@@ -78,8 +78,8 @@ def read_batch(
 
 
 def read_rows(
-    tt: TableState,
     spans: row_select.Spans,
+    keys: Sequence[bytes],
     gkeys: Sequence[str],
     payloads: Payloads,
     rows: BatchRows,
@@ -87,9 +87,10 @@ def read_rows(
     *,
     masked: Callable[[MemberView], int] | None,
 ) -> None:
-    """`read_batch` of a rows table's picked groups (`spans`; `gkeys`, each member's group), their
-    columns read a range at a time: no view of a member made unless the delivery masks tokens or
-    the table's batch stage reads them. A rows table's delivery is counted in its group's state."""
+    """`read_batch` of a rows table's picked groups (`spans`; `keys`, their members' payloads';
+    `gkeys`, each member's group), their columns read a range at a time: no view of a member made
+    unless the delivery masks tokens or the table's batch stage reads them. A rows table's delivery
+    is counted in its group's state."""
     picked = spans.picked
     uids, lengths = spans.column("uid"), spans.column("response_length")
     batch.uids += uids
@@ -102,7 +103,7 @@ def read_rows(
     if masked is not None:
         batch.masked += [masked(rec) for p in picked for rec in p.members.values()]
     rows.add_columns(
-        [tt.key(uid) for uid in uids], [payloads.read(uid) for uid in uids], spans.column("advantage"), lengths,
+        keys, [payloads.read(uid) for uid in uids], spans.column("advantage"), lengths,
         spans.column("size"), lambda: [rec for p in picked for rec in p.members.values()],
     )  # fmt: skip
 
@@ -137,7 +138,7 @@ class Payloads:
         or payload is not stored as damaged (the directory lost it)."""
         problems = [Unservable(uid, "its record is not stored", damaged=True) for uid in grp.members if uid not in recs]
         for uid, rec in recs.items():
-            problem = self._check(uid, rec.seq, rec.digest, rec.size, rec.advantage)
+            problem = self._check(uid, self.tt.key(uid), rec.seq, rec.digest, rec.size, rec.advantage)
             if problem is not None:
                 problems.append(problem)
         return problems
@@ -145,27 +146,30 @@ class Payloads:
     def check_columns(
         self,
         uids: Sequence[str],
+        keys: Sequence[bytes],
         seqs: Sequence[int],
         digests: Sequence[bytes],
         sizes: Sequence[int],
         advantages: Sequence[float | None],
     ) -> list[tuple[int, Unservable]]:
         """`check` of experiences given as their records' columns (a rows table's, read a range at a
-        time): the index of each that cannot be served, and why."""
-        found = map(self._check, uids, seqs, digests, sizes, advantages)
+        time; `keys`, their payloads'): the index of each that cannot be served, and why."""
+        found = map(self._check, uids, keys, seqs, digests, sizes, advantages)
         return [(at, problem) for at, problem in enumerate(found) if problem is not None]
 
     def read(self, uid: str) -> Stored | chunk_reads.Deferred:
         """A payload `check` read."""
         return self._read[uid]
 
-    def _check(self, uid: str, seq: int, digest: bytes, size: int, advantage: float | None) -> Unservable | None:
-        blob = self._get(uid, seq, digest, size)
+    def _check(
+        self, uid: str, key: bytes, seq: int, digest: bytes, size: int, advantage: float | None
+    ) -> Unservable | None:
+        blob = self._get(uid, key, seq, digest, size)
         if blob is None:
             return Unservable(uid, "its payload is not stored", damaged=True)
         return unservable(uid, advantage, size, digest, None if isinstance(blob, chunk_reads.Deferred) else blob)
 
-    def _get(self, uid: str, seq: int, digest: bytes, size: int) -> Stored | chunk_reads.Deferred | None:
+    def _get(self, uid: str, key: bytes, seq: int, digest: bytes, size: int) -> Stored | chunk_reads.Deferred | None:
         if self.snapshot is None and self._open is not None:
             self.snapshot = self._open()
             if self.tt.config.storage.layout == "rows":
@@ -173,7 +177,7 @@ class Payloads:
             else:
                 newest = self.snapshot.last_key(self.tt.prefix, self.tt.db["order"])
                 self.newest = -1 if newest is None else int.from_bytes(newest[len(self.tt.prefix) :], "big")  # T + seq
-        key, blobs = self.tt.key(uid), self.tt.db["blobs"]
+        blobs = self.tt.db["blobs"]
         snapshot = self.snapshot if self.snapshot is not None and seq <= self.newest else None
         view = snapshot.get(key, blobs) if snapshot is not None else None
         if view is not None and chunk_reads.whole(view):
