@@ -3,6 +3,7 @@ stored advantage, as a sample (leases.take) and a Get (Store.get_payload) read t
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
@@ -64,7 +65,10 @@ class BatchRows:
         only where the table's batch stage reads them."""
         self.blobs += blobs
         self.nbytes += sum(sizes)
-        self.advantages += map(self._advantage, keys, advantages, lengths)
+        if self.computed:
+            self.advantages += map(self._advantage, keys, advantages, lengths)
+        else:  # none stored apart from its record
+            self.advantages += map(advantage_of, advantages, lengths, itertools.repeat(None))
         if batch_stage(self.config):
             self.records += records()
 

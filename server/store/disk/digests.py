@@ -29,6 +29,12 @@ def of(blob: Stored) -> bytes:
     return xxhash.xxh3_128_digest(blob)
 
 
+def matches(blob: Stored, size: int, digest: bytes) -> bool:
+    """Whether `blob` is the payload of `size` bytes and `digest` a record names (`mismatch` says
+    why not)."""
+    return len(blob) == size and of(blob) == digest
+
+
 def mismatch(blob: Stored, size: int, digest: bytes) -> str | None:
     """Why `blob` is not the payload of `size` bytes and `digest` a record names, or None."""
     if len(blob) != size:

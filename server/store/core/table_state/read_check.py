@@ -62,7 +62,7 @@ def unservable(uid: str, advantage: float | None, size: int, digest: bytes, blob
     """`serve_problem` of an experience whose record says `advantage`, `size` and `digest`."""
     if advantage is not None and not -FLOAT32_MAX <= advantage <= FLOAT32_MAX:
         return Unservable(uid, f"its stored advantage {advantage!r} is beyond float32's range", damaged=False)
-    if blob is None:
+    if blob is None or digests.matches(blob, size, digest):
         return None
     problem = digest_problem(uid, size, digest, blob)
     return None if problem is None else Unservable(uid, problem, damaged=True)

@@ -24,8 +24,9 @@ from .row_select import (
     Segments,
     Spans,
     Views,
-    by_segment,
+    members,
     moved_view,
+    picked_by_segment,
     picks,
     placed,
     ranges,
@@ -53,7 +54,7 @@ def _lease_runs(picked: Sequence[Picked], *, taken: bool = False) -> list[tuple[
     order picked (a table that reuses replayed groups requeues a held batch's in the order it was
     taken, as a records table's lease names them: row_requeue.py)."""
     if not taken:
-        places = by_segment((p.seg, p.at) for p in picked)
+        places = picked_by_segment(picked)
         return [(seg, first, n) for seg, indexes in places.items() for first, n in ranges(indexes)]
     runs: list[tuple[int, int, int]] = []
     for p in picked:
@@ -97,7 +98,7 @@ def leased(tt: TableState, segments: Segments, lease_id: str, lease: RowLease, *
 
 def held(tt: TableState, lease_id: str, lease: RowLease) -> int:
     """The experiences still under a lease of runs."""
-    return sum(len(p.kept) for p in leased(tt, Segments(tt), lease_id, lease))
+    return members(leased(tt, Segments(tt), lease_id, lease))
 
 
 def end(tt: TableState, lease_id: str, lease: RowLease, *, requeue: bool, unsent: bool) -> int:
@@ -106,7 +107,7 @@ def end(tt: TableState, lease_id: str, lease: RowLease, *, requeue: bool, unsent
     table's counters and the rate limiter's count); returns the experiences."""
     segments = Segments(tt)
     picked = leased(tt, segments, lease_id, lease, ending=not requeue)
-    count = sum(len(p.kept) for p in picked)
+    count = members(picked)
     if not requeue:  # the groups leave their lease, then the table
         retire(tt, segments, picked, CONSUMED)
         return count

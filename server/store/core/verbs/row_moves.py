@@ -8,6 +8,8 @@ a segment, and a run row a run.
 from __future__ import annotations
 
 import contextlib
+import itertools
+import operator
 from collections.abc import Callable, Sequence, Set
 
 from ...disk.layout import put_rows
@@ -17,16 +19,16 @@ from ...schema.views import Groups, GroupView
 from ..table_state import rate_counts
 from ..table_state.events import Retired
 from ..table_state.state import TableState, missing
-from . import payloads, pieces, row_pending
+from . import payloads, pieces, row_pending, row_select
 from .row_select import (
     NO_LEASE,
     Picked,
     Segments,
     Spans,
     as_they_are,
-    by_segment,
     complete_groups,
     moved_view,
+    picked_by_segment,
     picks,
     placed,
     ranges,
@@ -43,7 +45,7 @@ def unready(tt: TableState, picked: Sequence[Picked]) -> None:
     if picked and tt.ready.indexing():
         tt.ready.remove_many(placed(picked))
     runs = tt.db["runs"]
-    for seg, indexes in by_segment((p.seg, p.at) for p in picked).items():
+    for seg, indexes in picked_by_segment(picked).items():
         gone = ranges(indexes)  # consecutive groups leave a run together
         at = 0
         while at < len(gone):
@@ -83,7 +85,7 @@ def _covering(tt: TableState, seg: int, g: int) -> bytes:
 
 def mark(segments: Segments, picked: Sequence[Picked], state: State, tag: bytes) -> None:
     """Picked groups' state bytes and lease tags, a run of consecutive ones at a time."""
-    for seg, places in by_segment((p.seg, p.at) for p in picked).items():
+    for seg, places in picked_by_segment(picked).items():
         row = segments.changed(seg)
         for first, n in ranges(places):
             row.set_states(first, first + n, state, tag)
@@ -94,10 +96,10 @@ def count_moved(tt: TableState, now: State, picked: Sequence[Picked]) -> None:
     (live states only): one count a state."""
     members: dict[State, int] = {}
     groups: dict[State, int] = {}
-    for p in picked:
-        was = p.state
-        members[was] = members.get(was, 0) + len(p.kept)
-        groups[was] = groups.get(was, 0) + 1
+    for was, run in itertools.groupby(picked, key=operator.attrgetter("state")):  # a batch's are in one
+        same = list(run)
+        members[was] = members.get(was, 0) + row_select.members(same)
+        groups[was] = groups.get(was, 0) + len(same)
     counters = tt.counters
     for was, count in members.items():
         counters.add(was, -count)

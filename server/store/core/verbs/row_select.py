@@ -10,6 +10,8 @@ here writes: what the picked groups become is row_moves.py's and row_leases.py's
 from __future__ import annotations
 
 import contextlib
+import itertools
+import operator
 import random
 from collections.abc import Callable, Generator, Iterable, Sequence
 from typing import Any, overload
@@ -342,6 +344,22 @@ def ranges(indexes: Iterable[int]) -> list[tuple[int, int]]:
             first, n = g, 1
     found.append((first, n))
     return found
+
+
+def picked_by_segment(picked: Sequence[Picked]) -> dict[int, list[int]]:
+    """Picked groups' indexes by segment, in the order picked (a run's groups read as one)."""
+    found: dict[int, list[int]] = {}
+    for seg, run in itertools.groupby(picked, key=_SEG):
+        found.setdefault(seg, []).extend(map(_AT, run))
+    return found
+
+
+def members(picked: Iterable[Picked]) -> int:
+    """Picked groups' members (those deleted left out)."""
+    return sum(map(len, map(_KEPT, picked)))
+
+
+_SEG, _AT, _KEPT = operator.attrgetter("seg"), operator.attrgetter("at"), operator.attrgetter("kept")
 
 
 def by_segment(places: Iterable[tuple[int, int]]) -> dict[int, list[int]]:

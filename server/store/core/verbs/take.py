@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import random
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from expbuf.client.trxp.stored.pieces import Stored
 
@@ -103,7 +103,7 @@ def read_rows(
     if masked is not None:
         batch.masked += [masked(rec) for p in picked for rec in p.members.values()]
     rows.add_columns(
-        keys, [payloads.read(uid) for uid in uids], spans.column("advantage"), lengths,
+        keys, payloads.read_all(uids), spans.column("advantage"), lengths,
         spans.column("size"), lambda: [rec for p in picked for rec in p.members.values()],
     )  # fmt: skip
 
@@ -153,13 +153,30 @@ class Payloads:
         advantages: Sequence[float | None],
     ) -> list[tuple[int, Unservable]]:
         """`check` of experiences given as their records' columns (a rows table's, read a range at a
-        time; `keys`, their payloads'): the index of each that cannot be served, and why."""
-        found = map(self._check, uids, keys, seqs, digests, sizes, advantages)
-        return [(at, problem) for at, problem in enumerate(found) if problem is not None]
+        time; `keys`, their payloads'): the index of each that cannot be served, and why. A payload
+        the snapshot holds whole (most are) is read and checked here, any other as `check` reads it."""
+        self._open_snapshot()
+        snapshot, newest, blobs, read = self.snapshot, self.newest, self.tt.db["blobs"], self._read
+        found: list[tuple[int, Unservable]] = []
+        rows = zip(uids, keys, seqs, digests, sizes, advantages, strict=True)
+        for at, (uid, key, seq, digest, size, advantage) in enumerate(rows):
+            view = snapshot.get(key, blobs) if snapshot is not None and seq <= newest else None
+            if view is not None and chunk_reads.whole(view):
+                read[uid] = view
+                problem = unservable(uid, advantage, size, digest, view)
+            else:
+                problem = self._check(uid, key, seq, digest, size, advantage)
+            if problem is not None:
+                found.append((at, problem))
+        return found
 
     def read(self, uid: str) -> Stored | chunk_reads.Deferred:
         """A payload `check` read."""
         return self._read[uid]
+
+    def read_all(self, uids: Iterable[str]) -> list[Stored | chunk_reads.Deferred]:
+        """The payloads `check` or `check_columns` read of these experiences."""
+        return list(map(self._read.__getitem__, uids))
 
     def _check(
         self, uid: str, key: bytes, seq: int, digest: bytes, size: int, advantage: float | None
@@ -169,7 +186,8 @@ class Payloads:
             return Unservable(uid, "its payload is not stored", damaged=True)
         return unservable(uid, advantage, size, digest, None if isinstance(blob, chunk_reads.Deferred) else blob)
 
-    def _get(self, uid: str, key: bytes, seq: int, digest: bytes, size: int) -> Stored | chunk_reads.Deferred | None:
+    def _open_snapshot(self) -> None:
+        """The snapshot opened at the first read, and the newest experience it holds."""
         if self.snapshot is None and self._open is not None:
             self.snapshot = self._open()
             if self.tt.config.storage.layout == "rows":
@@ -177,12 +195,13 @@ class Payloads:
             else:
                 newest = self.snapshot.last_key(self.tt.prefix, self.tt.db["order"])
                 self.newest = -1 if newest is None else int.from_bytes(newest[len(self.tt.prefix) :], "big")  # T + seq
+
+    def _get(self, uid: str, key: bytes, seq: int, digest: bytes, size: int) -> Stored | chunk_reads.Deferred | None:
+        self._open_snapshot()
         blobs = self.tt.db["blobs"]
         snapshot = self.snapshot if self.snapshot is not None and seq <= self.newest else None
         view = snapshot.get(key, blobs) if snapshot is not None else None
-        if view is not None and chunk_reads.whole(view):
-            blob: Stored | chunk_reads.Deferred = view
-        elif snapshot is not None and view is not None:
+        if snapshot is not None and view is not None:
             read = chunk_reads.reader(snapshot, self.tt.db)
             if self._defer:
                 blob = chunk_reads.taken(uid, view, key, digest, size, read)
