@@ -22,7 +22,7 @@ from ..core.table_state import rate_counts
 from ..core.table_state.events import Taken
 from ..core.table_state.read_check import Unservable
 from ..core.table_state.state import TableState
-from ..core.verbs import requeue, row_leases, row_moves, row_requeue, row_select
+from ..core.verbs import requeue, row_leases, row_moves, row_picks, row_requeue, row_select
 from ..core.verbs.retire import retire
 from ..core.verbs.take import Payloads, lease, read_batch, read_rows, select
 from ..core.whole_table.reading import batch_rows
@@ -91,12 +91,12 @@ def take(
     report(tt, spec.trainer_version)  # before selection: a stale group is not taken in the same step
     payloads = Payloads(tt, snapshot, defer=hold)
     segments = row_select.Segments(tt) if tt.config.storage.layout == "rows" else None
-    picked: list[row_select.Picked] = []
+    picked = row_picks.Picks()
     while True:
         chosen: Groups
         if segments is not None:  # a rows table's runs: it loses no records
             picked, total = row_select.select(tt, spec, segments, rng)
-            chosen = row_select.as_they_are(picked)
+            chosen = row_picks.as_they_are(picked)
             lost: list[str] = []
         else:
             chosen, total, lost = select(tt, spec, rng)
@@ -110,10 +110,10 @@ def take(
         if held is not None:
             return held
         if segments is not None:  # its members' columns read a range at a time
-            spans = row_select.Spans(picked)
-            gkeys = spans.per_member([p.gkey for p in picked])  # each member's group
+            spans = picked.spans()
+            gkeys = spans.per_member(picked.gkeys())  # each member's group
             keys = [tt.key(uid) for uid in spans.column("uid")]  # their payloads'
-            unservable = _unservable_rows(payloads, picked, spans, keys, gkeys)
+            unservable = _unservable_rows(payloads, picked, keys, gkeys)
         else:
             taken = [(gkey, grp, tt.stored_members(grp)) for gkey, grp in chosen]
             unservable = [(gkey, grp, problems) for gkey, grp, recs in taken if (problems := payloads.check(grp, recs))]
@@ -135,7 +135,7 @@ def take(
     # a leased one's delivery is counted in its record when the lease ends (leases.py); a rows
     # table's consumed group keeps no count
     if segments is not None:
-        read_rows(spans, keys, gkeys, payloads, rows, batch, masked=masked)
+        read_rows(picked, keys, gkeys, payloads, rows, batch, masked=masked)
     else:
         read_batch(tt, taken, payloads, rows, batch, counted=delivery != "lease", masked=masked)
     batch.blobs, batch.advantages, batch.stage = rows.blobs, rows.advantages, rows.stage(counts)
@@ -148,10 +148,10 @@ def take(
         if delivery == "consume":
             picked = row_moves.counted(segments, picked)
             row_moves.retire(tt, segments, picked, CONSUMED)
-            chosen = row_select.views(picked, CONSUMED)
+            chosen = row_picks.views(picked, CONSUMED)
         else:
             batch.lease_runs = row_leases.hold(tt, segments, picked, batch.lease_id)
-            chosen = row_select.views(picked, LEASED, batch.lease_id)
+            chosen = row_picks.views(picked, LEASED, batch.lease_id)
     elif delivery == "consume":
         retire(tt, chosen, CONSUMED)
     elif delivery == "replay":
@@ -174,10 +174,11 @@ def take(
 
 
 def _unservable_rows(
-    payloads: Payloads, picked: list[row_select.Picked], spans: row_select.Spans, keys: list[bytes], gkeys: list[str]
+    payloads: Payloads, picked: row_picks.Picks, keys: list[bytes], gkeys: list[str]
 ) -> list[tuple[str, GroupView, list[Unservable]]]:
     """A rows table's picked groups a member of which cannot be served, with why (Payloads.check),
     their members' payloads (at `keys`) read and checked from their columns."""
+    spans = picked.spans()
     seqs, digests, sizes, advantages = (spans.column(name) for name in ("seq", "digest", "size", "advantage"))
     found = payloads.check_columns(spans.column("uid"), keys, seqs, digests, sizes, advantages)
     if not found:
@@ -191,7 +192,7 @@ def _unservable_rows(
 def _fail_unservable_rows(
     tt: TableState,
     segments: row_select.Segments,
-    picked: list[row_select.Picked],
+    picked: row_picks.Picks,
     groups: list[tuple[str, GroupView, list[Unservable]]],
 ) -> None:
     """A rows table's groups a sample found a member of unservable fail whole, never served, the

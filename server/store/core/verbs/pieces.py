@@ -5,7 +5,7 @@ is, when one is stored and when a rollout is put together is rules/partials.py's
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 from expbuf.client.schema.routing import uid_group_key
 
@@ -68,10 +68,10 @@ def drop_group(tt: TableState, gkey: str) -> int:
     return sum(drop(tt, uid) for uid, _ in rows if uid_group_key(uid, by) == gkey)
 
 
-def drop_groups(tt: TableState, gkeys: Iterable[str]) -> int:
-    """`drop_group` of each of these groups (a batch that leaves the table): none looked at where
-    nothing can be dropped."""
-    return sum(drop_group(tt, gkey) for gkey in gkeys) if _droppable(tt) else 0
+def drop_groups(tt: TableState, gkeys: Callable[[], Iterable[str]]) -> int:
+    """`drop_group` of each of the groups `gkeys` names (a batch that leaves the table): their keys
+    not even read where nothing can be dropped."""
+    return sum(drop_group(tt, gkey) for gkey in gkeys()) if _droppable(tt) else 0
 
 
 def _droppable(tt: TableState) -> bool:

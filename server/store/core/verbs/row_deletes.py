@@ -29,7 +29,8 @@ from ..table_state.events import Retired
 from ..table_state.state import TableState
 from ..table_state.views import RowGroup, RowMember, row_members
 from . import row_moves, row_pending, row_select
-from .row_select import NO_LEASE, Picked, Segments
+from .row_picks import Picked
+from .row_select import NO_LEASE, Segments
 from .segments import retired
 
 # The state byte of a complete group deleted whole: retired (its segment may retire), counting no member.

@@ -18,22 +18,8 @@ from ..table_state import rate_counts
 from ..table_state.events import Moved
 from ..table_state.state import TableState
 from .row_moves import count_moved, mark, retire
-from .row_select import (
-    NO_LEASE,
-    Picked,
-    Segments,
-    Spans,
-    Views,
-    members,
-    moved_view,
-    picked_by_segment,
-    picks,
-    placed,
-    ranges,
-    run_key,
-    taken,
-    views,
-)
+from .row_picks import Picked, Picks, Views, moved_view, picks, views
+from .row_select import NO_LEASE, Segments, placed, ranges, run_key, taken
 
 
 def hold(tt: TableState, segments: Segments, picked: Sequence[Picked], lease_id: str) -> list[tuple[int, int, int]]:
@@ -53,16 +39,18 @@ def _lease_runs(picked: Sequence[Picked], *, taken: bool = False) -> list[tuple[
     """Picked groups as runs (segment, first group, groups) of consecutive ones; with `taken`, in the
     order picked (a table that reuses replayed groups requeues a held batch's in the order it was
     taken, as a records table's lease names them: row_requeue.py)."""
+    picked = Picks.of(picked)
     if not taken:
-        places = picked_by_segment(picked)
+        places = picked.by_segment()
         return [(seg, first, n) for seg, indexes in places.items() for first, n in ranges(indexes)]
     runs: list[tuple[int, int, int]] = []
-    for p in picked:
-        seg, first, n = runs[-1] if runs else (-1, 0, 0)
-        if seg == p.seg and first + n == p.at:  # the next group of the run before
-            runs[-1] = (seg, first, n + 1)
-        else:
-            runs.append((p.seg, p.at, 1))
+    for run in picked.runs:
+        for g in run.places:
+            seg, first, n = runs[-1] if runs else (-1, 0, 0)
+            if seg == run.seg and first + n == g:  # the next group of the run before
+                runs[-1] = (seg, first, n + 1)
+            else:
+                runs.append((run.seg, g, 1))
     return runs
 
 
@@ -74,7 +62,7 @@ def lease_row(
     return RowLease(table_id=table_id, runs=row_runs, expires=expires, owner=owner, counted=counted).encode()
 
 
-def leased(tt: TableState, segments: Segments, lease_id: str, lease: RowLease, *, ending: bool = False) -> list[Picked]:
+def leased(tt: TableState, segments: Segments, lease_id: str, lease: RowLease, *, ending: bool = False) -> Picks:
     """The groups still under a lease of runs (one consumed or given back meanwhile is not); with
     `ending`, their views say they left it (as an ack's consume hears them)."""
     tag, lease_tag = bytes.fromhex(lease_id), "" if ending else lease_id
@@ -83,22 +71,20 @@ def leased(tt: TableState, segments: Segments, lease_id: str, lease: RowLease, *
         under.setdefault(run.seg, []).extend(
             segments.state(run.seg).under(run.first, run.first + run.length, LEASED, tag)
         )
-    found = [
-        p
-        for seg, places in under.items()
-        for p in picks(segments.view(seg), segments.state(seg), seg, places, LEASED, lease_tag)
-    ]
+    found = Picks.joined(
+        picks(segments.view(seg), segments.state(seg), seg, places, LEASED, lease_tag) for seg, places in under.items()
+    )
     if all(a < b for a, b in itertools.pairwise(lease.runs)):  # runs in the ready order: so are the groups found
         return found
     at = {(p.seg, p.at): p for p in found}  # in the runs' order (a reusing table's: the take's, _lease_runs)
-    return [
-        at[run.seg, g] for run in lease.runs for g in range(run.first, run.first + run.length) if (run.seg, g) in at
-    ]
+    return Picks.of(
+        [at[run.seg, g] for run in lease.runs for g in range(run.first, run.first + run.length) if (run.seg, g) in at]
+    )
 
 
 def held(tt: TableState, lease_id: str, lease: RowLease) -> int:
     """The experiences still under a lease of runs."""
-    return members(leased(tt, Segments(tt), lease_id, lease))
+    return leased(tt, Segments(tt), lease_id, lease).members()
 
 
 def end(tt: TableState, lease_id: str, lease: RowLease, *, requeue: bool, unsent: bool) -> int:
@@ -107,12 +93,12 @@ def end(tt: TableState, lease_id: str, lease: RowLease, *, requeue: bool, unsent
     table's counters and the rate limiter's count); returns the experiences."""
     segments = Segments(tt)
     picked = leased(tt, segments, lease_id, lease, ending=not requeue)
-    count = members(picked)
+    count = picked.members()
     if not requeue:  # the groups leave their lease, then the table
         retire(tt, segments, picked, CONSUMED)
         return count
     if unsent:
-        counted = lease.counted or Counted(count, sum(Spans(picked).column("size")), 0)
+        counted = lease.counted or Counted(count, sum(picked.spans().column("size")), 0)
         tt.counters.sampled -= counted.experiences
         tt.counters.bytes_sampled -= counted.nbytes
         tt.counters.tokens_masked -= counted.tokens_masked
@@ -133,10 +119,13 @@ def replayed_back(tt: TableState, lease_id: str, lease: RowLease) -> list[Member
 def back(tt: TableState, segments: Segments, picked: Sequence[Picked], *, sampled: bool) -> None:
     """Leased groups are ready again, each in a run of its own range (their deliveries counted where
     `sampled`)."""
+    picked = Picks.of(picked)
     mark(segments, picked, READY, NO_LEASE)
     if sampled:
-        for p in picked:
-            segments.state(p.seg).set_times(p.at, p.times + 1)
+        for run in picked.runs:
+            row = segments.state(run.seg)
+            for g, times in zip(run.places, run.times, strict=True):
+                row.set_times(g, times + 1)
     count_moved(tt, READY, picked)
     segments.save()
     rows = [(run_key(tt, seg, first), RunRow(seg, first, n).encode()) for seg, first, n in _lease_runs(picked)]

@@ -8,8 +8,6 @@ a segment, and a run row a run.
 from __future__ import annotations
 
 import contextlib
-import itertools
-import operator
 from collections.abc import Callable, Sequence, Set
 
 from ...disk.layout import put_rows
@@ -19,33 +17,20 @@ from ...schema.views import Groups, GroupView
 from ..table_state import rate_counts
 from ..table_state.events import Retired
 from ..table_state.state import TableState, missing
-from . import payloads, pieces, row_pending, row_select
-from .row_select import (
-    NO_LEASE,
-    Picked,
-    Segments,
-    Spans,
-    as_they_are,
-    complete_groups,
-    moved_view,
-    picked_by_segment,
-    picks,
-    placed,
-    ranges,
-    ready_runs,
-    run_key,
-    unleased,
-)
+from . import payloads, pieces, row_pending
+from .row_picks import Picked, Picks, as_they_are, moved_view, picks
+from .row_select import NO_LEASE, Segments, complete_groups, placed, ranges, ready_runs, run_key, unleased
 from .segments import retired
 
 
 def unready(tt: TableState, picked: Sequence[Picked]) -> None:
     """Picked groups leave the runs that cover them (each such run cut around them) and the indexes
     the table keeps, in the order picked."""
+    picked = Picks.of(picked)
     if picked and tt.ready.indexing():
         tt.ready.remove_many(placed(picked))
     runs = tt.db["runs"]
-    for seg, indexes in picked_by_segment(picked).items():
+    for seg, indexes in picked.by_segment().items():
         gone = ranges(indexes)  # consecutive groups leave a run together
         at = 0
         while at < len(gone):
@@ -85,7 +70,7 @@ def _covering(tt: TableState, seg: int, g: int) -> bytes:
 
 def mark(segments: Segments, picked: Sequence[Picked], state: State, tag: bytes) -> None:
     """Picked groups' state bytes and lease tags, a run of consecutive ones at a time."""
-    for seg, places in picked_by_segment(picked).items():
+    for seg, places in Picks.of(picked).by_segment().items():
         row = segments.changed(seg)
         for first, n in ranges(places):
             row.set_states(first, first + n, state, tag)
@@ -94,20 +79,13 @@ def mark(segments: Segments, picked: Sequence[Picked], state: State, tag: bytes)
 def count_moved(tt: TableState, now: State, picked: Sequence[Picked]) -> None:
     """Picked groups' members counted from the state each group was in to `now`, and the groups too
     (live states only): one count a state."""
-    members: dict[State, int] = {}
-    groups: dict[State, int] = {}
-    for was, run in itertools.groupby(picked, key=operator.attrgetter("state")):  # a batch's are in one
-        same = list(run)
-        members[was] = members.get(was, 0) + row_select.members(same)
-        groups[was] = groups.get(was, 0) + len(same)
     counters = tt.counters
-    for was, count in members.items():
-        counters.add(was, -count)
-        counters.add(now, count)
-    for was, count in groups.items():
-        counters.add_groups(was, -count)
+    for was, (groups, members) in Picks.of(picked).counts().items():
+        counters.add(was, -members)
+        counters.add(now, members)
+        counters.add_groups(was, -groups)
         if now not in RETIRED:
-            counters.add_groups(now, count)
+            counters.add_groups(now, groups)
 
 
 def retire(
@@ -129,15 +107,16 @@ def _leave(
     tt: TableState, segments: Segments, picked: Sequence[Picked], state: State, damaged: Set[str] = frozenset()
 ) -> None:
     """`retire`, the extensions told by the caller."""
-    pieces.drop_groups(tt, [p.gkey for p in picked])
+    picked = Picks.of(picked)
+    pieces.drop_groups(tt, picked.gkeys)
     if state != CONSUMED:
         for p in picked:
             rate_counts.forget(tt, p.group, p.members.values())
     mark(segments, picked, state, NO_LEASE)
-    prefix, spans = tt.prefix, Spans(picked)
+    prefix, spans = tt.prefix, picked.spans()
     keys = [prefix + uid.encode() for uid in spans.column("uid")]
     sizes: list[int] = spans.column("size")
-    for at in {p.seg for p in picked}:
+    for at in picked.segments():
         seg = segments.state(at)
         if all(s in RETIRED for s in seg.states(0, seg.groups)):
             retired(tt, at, seg)
@@ -208,19 +187,18 @@ def evict(tt: TableState, over: Callable[[int, int], bool], live: int, held: int
     return sum(len(p.kept) for p in picked)
 
 
-def counted(segments: Segments, picked: Sequence[Picked]) -> list[Picked]:
+def counted(segments: Segments, picked: Sequence[Picked]) -> Picks:
     """Picked groups a take consumes, their delivery counted (as a records table counts it in each
     member's record before it becomes a tombstone)."""
-    found = []
-    for p in picked:
-        segments.changed(p.seg).set_times(p.at, p.times + 1)
-        found.append(p.moved(times=p.times + 1))
-    return found
+    picked = Picks.of(picked)
+    for run in picked.runs:
+        row = segments.changed(run.seg)
+        for g, times in zip(run.places, run.times, strict=True):
+            row.set_times(g, times + 1)
+    return picked.moved(sampled=True)
 
 
-def replayed(
-    segments: Segments, picked: Sequence[Picked], limit: int
-) -> tuple[list[Picked], list[tuple[str, GroupView]]]:
+def replayed(segments: Segments, picked: Sequence[Picked], limit: int) -> tuple[Picks, list[tuple[str, GroupView]]]:
     """Picked groups a take replays, still ready: their deliveries counted (saved), and their views
     once replayed, those that reach `limit` (0: none) as consumed, the others leased to no one where
     the table cools them (rules/reuse.py); returns the groups so counted."""

@@ -32,7 +32,8 @@ from . import segments as rows
 from .row_deletes import EMPTIED
 from .row_leases import hold
 from .row_moves import count_moved, unready
-from .row_select import NO_LEASE, Picked, Segments, unleased
+from .row_picks import Picked
+from .row_select import NO_LEASE, Segments, unleased
 
 _PRIORITY = struct.Struct("<d")  # a cooling row's value: the priority its group is ready again with
 

@@ -23,7 +23,7 @@ from ...schema.views import Groups, GroupView, Members, MemberView
 from ..table_state.read_check import Unservable, unservable
 from ..table_state.state import TableState
 from ..table_state.views import group_record, member_record
-from . import row_select
+from . import row_picks, row_select
 
 
 def select(tt: TableState, spec: TakeSpec, rng: random.Random) -> tuple[list[tuple[str, GroupView]], int, list[str]]:
@@ -78,7 +78,7 @@ def read_batch(
 
 
 def read_rows(
-    spans: row_select.Spans,
+    picked: row_picks.Picks,
     keys: Sequence[bytes],
     gkeys: Sequence[str],
     payloads: Payloads,
@@ -87,18 +87,18 @@ def read_rows(
     *,
     masked: Callable[[MemberView], int] | None,
 ) -> None:
-    """`read_batch` of a rows table's picked groups (`spans`; `keys`, their members' payloads';
-    `gkeys`, each member's group), their columns read a range at a time: no view of a member made
-    unless the delivery masks tokens or the table's batch stage reads them. A rows table's delivery
-    is counted in its group's state."""
-    picked = spans.picked
+    """`read_batch` of a rows table's picked groups (`keys`, their members' payloads'; `gkeys`,
+    each member's group), their columns read a range at a time: no view of a member made unless
+    the delivery masks tokens or the table's batch stage reads them. A rows table's delivery is
+    counted in its group's state."""
+    spans = picked.spans()
     uids, lengths = spans.column("uid"), spans.column("response_length")
     batch.uids += uids
     batch.group_ids += gkeys
     batch.versions += spans.column("version")
     batch.rewards += spans.column("reward")
     batch.response_lengths += lengths
-    batch.times_sampled += spans.per_member([p.times + 1 for p in picked])
+    batch.times_sampled += spans.per_member([times + 1 for times in picked.times()])
     batch.segments += spans.column("segments")
     if masked is not None:
         batch.masked += [masked(rec) for p in picked for rec in p.members.values()]
