@@ -150,5 +150,5 @@ def _gone(tt: TableState, segments: Segments, groups: Sequence[_Touched]) -> Non
         tt.txn.delete(tt.key(gkey), db=tt.db["gdir"])
     for seg in sorted(ended):
         row = segments.state(seg)
-        if all(s in RETIRED for s in row.states(0, row.groups)):
+        if row.all_in(RETIRED):
             retired(tt, seg, row)

@@ -114,11 +114,11 @@ def _leave(
             rate_counts.forget(tt, p.group, p.members.values())
     mark(segments, picked, state, NO_LEASE)
     prefix, spans = tt.prefix, picked.spans()
-    keys = [prefix + uid.encode() for uid in spans.column("uid")]
+    keys = [prefix + uid for uid in spans.column("uid_bytes")]
     sizes: list[int] = spans.column("size")
     for at in picked.segments():
         seg = segments.state(at)
-        if all(s in RETIRED for s in seg.states(0, seg.groups)):
+        if seg.all_in(RETIRED):
             retired(tt, at, seg)
     count_moved(tt, state, picked)
     payloads.drop(tt, keys, sizes, keep=payloads.kept(tt, state, damaged))

@@ -34,12 +34,14 @@ class Block:
         self._rows: list[Member] | None = None
 
     def column(self, name: str) -> Sequence[Any]:
-        """A field of Member, of the block's members."""
+        """A field of Member (or "uid_bytes", the uids as stored), of the block's members."""
         found = self._columns.get(name)
         if found is None:
             members, lo, hi = self.view.members, self.lo, self.hi
             if name == "uid":
                 found = members.uids(lo, hi)
+            elif name == "uid_bytes":  # as stored: what a key is made of
+                found = members.uid_bytes(lo, hi)
             elif name == "digest":
                 found = members.digests(lo, hi)
             elif name == "segments":

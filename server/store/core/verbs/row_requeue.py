@@ -95,7 +95,7 @@ def move(tt: TableState, segments: Segments, picked: Sequence[Picked], prioritie
         moved.append(Group(p.gkey, created, p.rows, priority, version, view.partial(p.at), failed))
     for seg in sorted({p.seg for p in picked}):
         row = segments.state(seg)
-        if all(s in RETIRED for s in row.states(0, row.groups)):
+        if row.all_in(RETIRED):
             rows.retired(tt, seg, row)
     segments.save()
     rows.write(tt, moved, READY, times=[p.times for p in picked])

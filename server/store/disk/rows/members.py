@@ -137,6 +137,14 @@ class MemberBlock:
         ends = struct.unpack_from(f"<{hi - lo + 1}I", data, self._uids + 4 * lo)
         return [str(data[base + a : base + b], "utf-8") for a, b in itertools.pairwise(ends)]
 
+    def uid_bytes(self, lo: int, hi: int) -> list[bytes]:
+        """The uids of members lo to hi (excluded), as stored (UTF-8): what a key is made of."""
+        if hi <= lo:
+            return []
+        data, base = self.data, self._uid_bytes
+        ends = struct.unpack_from(f"<{hi - lo + 1}I", data, self._uids + 4 * lo)
+        return [bytes(data[base + a : base + b]) for a, b in itertools.pairwise(ends)]
+
     def uid(self, i: int) -> str:
         return self.uids(i, i + 1)[0]
 
