@@ -67,6 +67,8 @@ class BatchRows:
         self.nbytes += sum(sizes)
         if self.computed:
             self.advantages += map(self._advantage, keys, advantages, lengths)
+        elif advantages.count(None) == len(advantages):  # none stored at all (no estimator)
+            self.advantages += [None] * len(advantages)
         else:  # none stored apart from its record
             self.advantages += map(advantage_of, advantages, lengths, itertools.repeat(None))
         if batch_stage(self.config):
