@@ -342,7 +342,7 @@ def main() -> None:
     label = "after" if args.before else "now"
     servers: list[tuple[Path | None, str, str]] = [(None, layout, layout) for layout in layouts]
     if args.before:
-        servers = [(args.before.resolve(), "records", "before"), (None, layouts[0], label)]
+        servers = [(args.before.resolve(), layouts[0], "before"), (None, layouts[0], label)]
     elif len(layouts) == 1:
         servers = [(None, layouts[0], label)]
     runs: dict[str, list[dict[Case, Any]]] = {name: [] for _, _, name in servers}
@@ -354,7 +354,7 @@ def main() -> None:
     command = "python bench/bench_consume.py" + (" --before DIR" if args.before else "")
     command += f" --rounds {args.rounds} --experiences {args.experiences} --cycles {args.cycles}"
     command += f" --shape {args.shape} --groups {args.groups}" + (
-        f" --layouts {args.layouts}" if len(layouts) > 1 else ""
+        f" --layouts {args.layouts}" if layouts != ["records"] else ""
     )
     section = report(command, cases, runs, (start, _uptime()), args.cycles)
     section += writes_per_experience(groups)

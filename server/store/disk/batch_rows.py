@@ -3,6 +3,8 @@ stored advantage, as a sample (leases.take) and a Get (Store.get_payload) read t
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import lmdb
@@ -13,7 +15,7 @@ from ..schema.errors import StoreError
 from ..schema.table_config import TableConfig, batch_stage
 from ..schema.views import MemberView
 from .chunk_reads import Deferred
-from .stored_advantages import Advantage, FinishBatch, Stage, StageCounts, stored_advantage
+from .stored_advantages import Advantage, FinishBatch, Stage, StageCounts, advantage_of
 
 
 class Reader(Protocol):
@@ -39,14 +41,44 @@ class BatchRows:
         self.blobs: list[Stored | Deferred] = []
         self.records: list[MemberView] = []
         self.advantages: list[Advantage] = []
+        self.nbytes = 0  # the payloads' bytes, as their records say
 
     def add(self, key: bytes, rec: MemberView, blob: Stored | Deferred) -> None:
         """One experience: its payload (as read), its record and its stored advantage (the
         value in the record, or the token-level record of the `adv` database)."""
-        token_level = self.txn.get(key, db=self.adv) if self.computed and rec.advantage is None else None
         self.blobs.append(blob)
         self.records.append(rec)
-        self.advantages.append(stored_advantage(rec, None if token_level is None else bytes(token_level)))
+        self.nbytes += rec.size
+        self.advantages.append(self._advantage(key, rec.advantage, rec.response_length))
+
+    def add_columns(
+        self,
+        keys: Sequence[bytes],
+        blobs: Sequence[Stored | Deferred],
+        advantages: Sequence[float | None],
+        lengths: Sequence[int],
+        sizes: Sequence[int],
+        records: Callable[[], Sequence[MemberView]],
+    ) -> None:
+        """Experiences as `add` has them, given as their records' columns (`advantages`, `lengths`:
+        each one's stored advantage and response length; `sizes`), their records (`records`) made
+        only where the table's batch stage reads them."""
+        self.blobs += blobs
+        self.nbytes += sum(sizes)
+        if self.computed:
+            self.advantages += map(self._advantage, keys, advantages, lengths)
+        elif advantages.count(None) == len(advantages):  # none stored at all (no estimator)
+            self.advantages += [None] * len(advantages)
+        else:  # none stored apart from its record
+            self.advantages += map(advantage_of, advantages, lengths, itertools.repeat(None))
+        if batch_stage(self.config):
+            self.records += records()
+
+    def _advantage(self, key: bytes, advantage: float | None, length: int) -> Advantage:
+        """An experience's stored advantage (`advantage`, its record's): the value in its record,
+        or the token-level record of the `adv` database."""
+        token_level = self.txn.get(key, db=self.adv) if self.computed and advantage is None else None
+        return advantage_of(advantage, length, None if token_level is None else bytes(token_level))
 
     def stage(self, counts: StageCounts | None) -> Stage | None:
         """The batch stage still to run on these rows, or None where the table has none. A

@@ -27,12 +27,32 @@ from expbuf.client.trxp.stored.splice import stored_entries
 
 from ..schema.errors import DamagedPayload
 from . import digests, shared_prompts
-from .chunk_heads import CHUNK_BYTES, FRAME, ChunkHead, chunk_key, intact_head, is_head, read_head
+from .chunk_heads import (
+    CHUNK_BYTES,
+    FRAME,
+    HEAD_MAGIC,
+    ZSTD_MAGIC,
+    ChunkHead,
+    chunk_key,
+    intact_head,
+    is_head,
+    read_head,
+)
 from .shared_prompts import Read
 from .zstd_workers import DECOMPRESSING
 
 if TYPE_CHECKING:
     from .snapshot import Snapshot
+
+
+# The first bytes of a stored value that is not the payload itself: a head of chunks, a reference.
+_NOT_WHOLE = (HEAD_MAGIC, ZSTD_MAGIC, shared_prompts.REF_MAGIC)
+
+
+def whole(value: Bytes) -> bool:
+    """Whether a stored value is the payload itself, stored whole (most are): neither a head of
+    chunks nor a reference to a shared prompt, it is what `resolve` and `taken` read it as."""
+    return value[:4] not in _NOT_WHOLE
 
 
 def resolve(value: Bytes, key: bytes | memoryview, read: Read) -> Stored:

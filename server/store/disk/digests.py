@@ -29,6 +29,14 @@ def of(blob: Stored) -> bytes:
     return xxhash.xxh3_128_digest(blob)
 
 
+def matches(blob: Stored, size: int, digest: bytes) -> bool:
+    """Whether `blob` is the payload of `size` bytes and `digest` a record names (`mismatch` says
+    why not)."""
+    if len(blob) != size:
+        return False
+    return (of(blob) if isinstance(blob, SplitPayload) else xxhash.xxh3_128_digest(blob)) == digest
+
+
 def mismatch(blob: Stored, size: int, digest: bytes) -> str | None:
     """Why `blob` is not the payload of `size` bytes and `digest` a record names, or None."""
     if len(blob) != size:

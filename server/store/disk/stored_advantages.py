@@ -86,10 +86,11 @@ def token_parts(record: bytes) -> tuple[int, bytes, bytes]:
     return length, record[_LENGTH.size : middle], record[middle:]
 
 
-def stored_advantage(record: MemberView, token_level: bytes | None) -> Advantage:
-    """An experience's stored advantage: the value in its record, or its token-level record."""
-    if record.advantage is not None:
-        return (record.advantage, record.response_length)
+def advantage_of(advantage: float | None, length: int, token_level: bytes | None) -> Advantage:
+    """An experience's stored advantage: the value in its record (`advantage`, of a response of
+    `length` tokens), or its token-level record."""
+    if advantage is not None:
+        return (advantage, length)
     return token_level
 
 

@@ -22,9 +22,9 @@ from ..core.table_state import rate_counts
 from ..core.table_state.events import Taken
 from ..core.table_state.read_check import Unservable
 from ..core.table_state.state import TableState
-from ..core.verbs import requeue, row_leases, row_moves, row_requeue, row_select
+from ..core.verbs import requeue, row_leases, row_moves, row_picks, row_requeue, row_select
 from ..core.verbs.retire import retire
-from ..core.verbs.take import Payloads, lease, read_batch, select
+from ..core.verbs.take import Payloads, lease, read_batch, read_rows, select
 from ..core.whole_table.reading import batch_rows
 from ..disk.kinds import Sampled
 from ..disk.records import Counted
@@ -37,7 +37,7 @@ from ..rules.staleness import masked_tokens, report, token_bound
 from ..schema.errors import SampleLimited
 from ..schema.sample_spec import TakeSpec
 from ..schema.states import CONSUMED, FAILED, LEASED
-from ..schema.views import GroupView
+from ..schema.views import Groups, GroupView
 
 log = logging.getLogger("expbuf.store")
 
@@ -91,11 +91,12 @@ def take(
     report(tt, spec.trainer_version)  # before selection: a stale group is not taken in the same step
     payloads = Payloads(tt, snapshot, defer=hold)
     segments = row_select.Segments(tt) if tt.config.storage.layout == "rows" else None
-    picked: list[row_select.Picked] = []
+    picked = row_picks.Picks()
     while True:
+        chosen: Groups
         if segments is not None:  # a rows table's runs: it loses no records
             picked, total = row_select.select(tt, spec, segments, rng)
-            chosen: list[tuple[str, GroupView]] = [(p.gkey, p.group) for p in picked]
+            chosen = row_picks.as_they_are(picked)
             lost: list[str] = []
         else:
             chosen, total, lost = select(tt, spec, rng)
@@ -108,11 +109,14 @@ def take(
         held = sample_limit(tt, total)
         if held is not None:
             return held
-        if segments is not None:
-            taken = row_select.taken(picked)
+        if segments is not None:  # its members' columns read a range at a time
+            spans = picked.spans()
+            gkeys = spans.per_member(picked.gkeys())  # each member's group
+            keys = [tt.key(uid) for uid in spans.column("uid")]  # their payloads'
+            unservable = _unservable_rows(payloads, picked, keys, gkeys)
         else:
             taken = [(gkey, grp, tt.stored_members(grp)) for gkey, grp in chosen]
-        unservable = [(gkey, grp, problems) for gkey, grp, recs in taken if (problems := payloads.check(grp, recs))]
+            unservable = [(gkey, grp, problems) for gkey, grp, recs in taken if (problems := payloads.check(grp, recs))]
         if not unservable:
             break
         _fail_unservable(tt, unservable, None if segments is None else (segments, picked))  # then choose again
@@ -127,10 +131,12 @@ def take(
     masked = None if bound is None else functools.partial(masked_tokens, bound=bound)
     # a leased one's delivery is counted in its record when the lease ends (leases.py); a rows
     # table's consumed group keeps no count
-    counted = delivery != "lease" and segments is None
-    read_batch(tt, taken, payloads, rows, batch, counted=counted, masked=masked)
+    if segments is not None:
+        read_rows(picked, keys, gkeys, payloads, rows, batch, masked=masked)
+    else:
+        read_batch(tt, taken, payloads, rows, batch, counted=delivery != "lease", masked=masked)
     batch.blobs, batch.advantages, batch.stage = rows.blobs, rows.advantages, rows.stage(counts)
-    batch.counted = Counted(len(batch.uids), sum(rec.size for rec in rows.records), sum(batch.masked))
+    batch.counted = Counted(len(batch.uids), rows.nbytes, sum(batch.masked))
     if segments is not None and delivery == "replay":  # the groups stay ready, in their runs
         picked, chosen = row_moves.replayed(segments, picked, tt.config.reuse.max_times_sampled)
         reuse.replayed(tt, row_select.taken(picked), rng)
@@ -139,10 +145,10 @@ def take(
         if delivery == "consume":
             picked = row_moves.counted(segments, picked)
             row_moves.retire(tt, segments, picked, CONSUMED)
-            chosen = row_select.views(picked, CONSUMED)
+            chosen = row_picks.views(picked, CONSUMED)
         else:
             batch.lease_runs = row_leases.hold(tt, segments, picked, batch.lease_id)
-            chosen = row_select.views(picked, LEASED, batch.lease_id)
+            chosen = row_picks.views(picked, LEASED, batch.lease_id)
     elif delivery == "consume":
         retire(tt, chosen, CONSUMED)
     elif delivery == "replay":
@@ -164,10 +170,26 @@ def take(
     return batch
 
 
+def _unservable_rows(
+    payloads: Payloads, picked: row_picks.Picks, keys: list[bytes], gkeys: list[str]
+) -> list[tuple[str, GroupView, list[Unservable]]]:
+    """A rows table's picked groups a member of which cannot be served, with why (Payloads.check),
+    their members' payloads (at `keys`) read and checked from their columns."""
+    spans = picked.spans()
+    seqs, digests, sizes, advantages = (spans.column(name) for name in ("seq", "digest", "size", "advantage"))
+    found = payloads.check_columns(spans.column("uid"), keys, seqs, digests, sizes, advantages)
+    if not found:
+        return []
+    problems: dict[str, list[Unservable]] = {}
+    for at, problem in found:
+        problems.setdefault(gkeys[at], []).append(problem)
+    return [(p.gkey, p.group, problems[p.gkey]) for p in picked if p.gkey in problems]
+
+
 def _fail_unservable(
     tt: TableState,
     groups: list[tuple[str, GroupView, list[Unservable]]],
-    rows: tuple[row_select.Segments, list[row_select.Picked]] | None,
+    rows: tuple[row_select.Segments, row_picks.Picks] | None,
 ) -> None:
     """Groups a sample found a member of unservable fail whole, never served: one with a
     damaged payload by the quarantine rule (quarantine.py: the damaged members quarantined, the

@@ -56,9 +56,14 @@ class Unservable:
 def serve_problem(uid: str, rec: MemberView, blob: Stored | None) -> Unservable | None:
     """Why the experience cannot be served (its payload is damaged, or its stored advantage
     is beyond float32), or None when it can; without `blob`, its payload is checked elsewhere."""
-    if rec.advantage is not None and not -FLOAT32_MAX <= rec.advantage <= FLOAT32_MAX:
-        return Unservable(uid, f"its stored advantage {rec.advantage!r} is beyond float32's range", damaged=False)
-    if blob is None:
+    return unservable(uid, rec.advantage, rec.size, rec.digest, blob)
+
+
+def unservable(uid: str, advantage: float | None, size: int, digest: bytes, blob: Stored | None) -> Unservable | None:
+    """`serve_problem` of an experience whose record says `advantage`, `size` and `digest`."""
+    if advantage is not None and not -FLOAT32_MAX <= advantage <= FLOAT32_MAX:
+        return Unservable(uid, f"its stored advantage {advantage!r} is beyond float32's range", damaged=False)
+    if blob is None or digests.matches(blob, size, digest):
         return None
-    problem = payload_problem(uid, rec, blob)
+    problem = stored_problem(uid, size, digest, blob)
     return None if problem is None else Unservable(uid, problem, damaged=True)

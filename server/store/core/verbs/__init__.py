@@ -4,10 +4,10 @@ added, failed runs and completion (groups.py) and a batch chosen, read and lease
 how experiences leave (retire.py), the compute queue with a group's advantages stored
 (compute.py), a replayed group requeued (requeue.py), a rows table's complete groups as
 segments, states, directory entries and runs (segments.py, issue 64's disk/rows/), its ready
-groups picked over its runs or indexes (row_select.py), moved (row_moves.py) and leased
-(row_leases.py), its pending groups (row_pending.py), its deletes (row_deletes.py) and its
-replayed groups requeued (row_requeue.py), over the rollouts held in pieces with their counters
-(pieces.py).
+groups picked over its runs or indexes (row_select.py) as the runs they were picked in
+(row_picks.py), moved (row_moves.py) and leased (row_leases.py), its pending groups
+(row_pending.py), its deletes (row_deletes.py) and its replayed groups requeued (row_requeue.py),
+over the rollouts held in pieces with their counters (pieces.py).
 
 May import the core's rooms below: table_state/, ordering/; nothing of whole_table/.
 """

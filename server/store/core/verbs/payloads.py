@@ -45,20 +45,17 @@ def store(tt: TableState, by_group: Mapping[str, Sequence[Entry]]) -> None:
         counters.max_version = max(versions) if high is None else max(high, *versions)
 
 
-def _none(key: bytes) -> bool:
-    return False
-
-
 def _every(key: bytes) -> bool:
     return True
 
 
-def kept(tt: TableState, state: State, damaged: Set[str]) -> Callable[[bytes], bool]:
-    """Which members' payloads (by key) a rows table's group retiring as `state` keeps: a failed
-    group's, with keep_failed or where it failed for `damaged` members (for Get, as a records table
-    keeps them: core/verbs/retire.retire), but the damaged ones'; none otherwise."""
+def kept(tt: TableState, state: State, damaged: Set[str]) -> Callable[[bytes], bool] | bool:
+    """Which members' payloads (by key) a rows table's group retiring as `state` keeps, as `drop`
+    takes it: a failed group's, with keep_failed or where it failed for `damaged` members (for Get,
+    as a records table keeps them: core/verbs/retire.retire), but the damaged ones'; none (False)
+    otherwise."""
     if state != FAILED or not (tt.config.retention.keep_failed or damaged):
-        return _none
+        return False
     lost = {tt.key(uid) for uid in damaged}
     return lambda key: key not in lost
 
@@ -71,11 +68,14 @@ def drop(
     experiences for Get: all of them, or those it says) and token-level advantages go, one database
     at a time in key order, and their bytes leave the table's. A kept payload goes when its
     tombstone is forgotten (segments.prune, retire.forget_tombstone)."""
-    keeps = _every if keep is True else _none if keep is False else keep
     order = sorted(range(len(keys)), key=keys.__getitem__)
     keys, sizes, txn = [keys[at] for at in order], [sizes[at] for at in order], tt.txn
-    gone = [at for at, key in enumerate(keys) if not keeps(key)]
-    chunked.delete(txn, tt.db, [keys[at] for at in gone], [sizes[at] for at in gone])
+    if keep is False:  # every one goes (a consume's)
+        chunked.delete(txn, tt.db, keys, sizes)
+    else:
+        keeps = _every if keep is True else keep
+        gone = [at for at, key in enumerate(keys) if not keeps(key)]
+        chunked.delete(txn, tt.db, [keys[at] for at in gone], [sizes[at] for at in gone])
     if keys and _has_advantages(tt):
         for key in keys:
             txn.delete(key, db=tt.db["adv"])

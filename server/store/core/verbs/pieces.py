@@ -5,7 +5,7 @@ is, when one is stored and when a rollout is put together is rules/partials.py's
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 from expbuf.client.schema.routing import uid_group_key
 
@@ -58,7 +58,7 @@ def drop_group(tt: TableState, gkey: str) -> int:
     """Drop the rollouts held in pieces of a group that completes without them (sealed, timed out)
     or leaves the table; returns how many. A table whose groups complete with each push (group_size
     0) has no runs to wait for: its rollouts in pieces join whichever group their task has then."""
-    if not tt.counters.partials or not tt.config.grouping.size:
+    if not _droppable(tt):
         return 0
     by = tt.config.grouping.by
     if by == "none":
@@ -66,6 +66,17 @@ def drop_group(tt: TableState, gkey: str) -> int:
     start = (gkey.rsplit("/", 1)[0] if by == "step" else gkey) + "/"
     rows = piece_rows.heads_under(tt.txn, tt.db, tt.key(start), tt.prefix)
     return sum(drop(tt, uid) for uid, _ in rows if uid_group_key(uid, by) == gkey)
+
+
+def drop_groups(tt: TableState, gkeys: Callable[[], Iterable[str]]) -> int:
+    """`drop_group` of each of the groups `gkeys` names (a batch that leaves the table): their keys
+    not even read where nothing can be dropped."""
+    return sum(drop_group(tt, gkey) for gkey in gkeys()) if _droppable(tt) else 0
+
+
+def _droppable(tt: TableState) -> bool:
+    """Whether the table may hold rollouts in pieces that a group's end drops."""
+    return bool(tt.counters.partials) and bool(tt.config.grouping.size)
 
 
 def carry(tt: TableState, uid: str, head: PieceHead, target: str) -> None:

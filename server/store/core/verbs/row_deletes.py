@@ -29,7 +29,8 @@ from ..table_state.events import Retired
 from ..table_state.state import TableState
 from ..table_state.views import RowGroup, RowMember, quarantined, row_members
 from . import row_moves, row_pending, row_select
-from .row_select import NO_LEASE, Picked, Segments
+from .row_picks import Picked
+from .row_select import NO_LEASE, Segments
 from .segments import retired
 
 # The state byte of a complete group deleted whole: retired (its segment may retire), counting no member.
@@ -126,7 +127,7 @@ def _read(tt: TableState, segments: Segments, gkey: str) -> _Touched | None:
     view, seg_state = segments.view(p.seg), segments.state(p.seg)
     group = p.group._replace(failed=view.failed(p.at), quarantined=quarantined(view, seg_state, p.at))
     places = dict(zip(group.members, seg_state.kept(*view.span(p.at)), strict=True))
-    return _Touched(group, p.members, p._replace(group=group), places)
+    return _Touched(group, p.members, p, places)
 
 
 def _gone(tt: TableState, segments: Segments, groups: Sequence[_Touched]) -> None:
@@ -149,5 +150,5 @@ def _gone(tt: TableState, segments: Segments, groups: Sequence[_Touched]) -> Non
         tt.txn.delete(tt.key(gkey), db=tt.db["gdir"])
     for seg in sorted(ended):
         row = segments.state(seg)
-        if all(s in RETIRED for s in row.states(0, row.groups)):
+        if row.all_in(RETIRED):
             retired(tt, seg, row)

@@ -6,30 +6,20 @@ segment's id plus its index there).
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 
 from ...disk.layout import put_rows
 from ...disk.records import Counted
 from ...disk.rows import RowLease, RunRow
 from ...schema.states import CONSUMED, LEASED, READY
-from ...schema.views import Groups, Members
+from ...schema.views import Members
 from ..table_state import rate_counts
 from ..table_state.events import Moved
 from ..table_state.state import TableState
-from ..table_state.views import row_members
 from .row_moves import count_moved, mark, retire
-from .row_select import (
-    NO_LEASE,
-    Picked,
-    Segments,
-    by_segment,
-    moved_view,
-    picks,
-    placed,
-    ranges,
-    run_key,
-    taken,
-)
+from .row_picks import Picked, Picks, Views, moved_view, picks, views
+from .row_select import NO_LEASE, Segments, placed, ranges, run_key, taken
 
 
 def hold(tt: TableState, segments: Segments, picked: Sequence[Picked], lease_id: str) -> list[tuple[int, int, int]]:
@@ -40,7 +30,7 @@ def hold(tt: TableState, segments: Segments, picked: Sequence[Picked], lease_id:
     count_moved(tt, LEASED, picked)
     segments.save()
     if tt.extensions.hears("on_moved"):
-        tt.extensions.on_moved(tt, Moved(READY, LEASED, [(p.gkey, moved_view(p, LEASED, lease_id)) for p in picked]))
+        tt.extensions.on_moved(tt, Moved(READY, LEASED, views(picked, LEASED, lease_id)))
     reuse = tt.config.reuse
     return _lease_runs(picked, taken=reuse.priority_decay > 0 or reuse.cooldown_seconds > 0)
 
@@ -49,16 +39,18 @@ def _lease_runs(picked: Sequence[Picked], *, taken: bool = False) -> list[tuple[
     """Picked groups as runs (segment, first group, groups) of consecutive ones; with `taken`, in the
     order picked (a table that reuses replayed groups requeues a held batch's in the order it was
     taken, as a records table's lease names them: row_requeue.py)."""
+    picked = Picks.of(picked)
     if not taken:
-        places = by_segment((p.seg, p.at) for p in picked)
+        places = picked.by_segment()
         return [(seg, first, n) for seg, indexes in places.items() for first, n in ranges(indexes)]
     runs: list[tuple[int, int, int]] = []
-    for p in picked:
-        seg, first, n = runs[-1] if runs else (-1, 0, 0)
-        if seg == p.seg and first + n == p.at:  # the next group of the run before
-            runs[-1] = (seg, first, n + 1)
-        else:
-            runs.append((p.seg, p.at, 1))
+    for run in picked.runs:
+        for g in run.places:
+            seg, first, n = runs[-1] if runs else (-1, 0, 0)
+            if seg == run.seg and first + n == g:  # the next group of the run before
+                runs[-1] = (seg, first, n + 1)
+            else:
+                runs.append((run.seg, g, 1))
     return runs
 
 
@@ -70,28 +62,29 @@ def lease_row(
     return RowLease(table_id=table_id, runs=row_runs, expires=expires, owner=owner, counted=counted).encode()
 
 
-def leased(tt: TableState, segments: Segments, lease_id: str, lease: RowLease, *, ending: bool = False) -> list[Picked]:
+def leased(tt: TableState, segments: Segments, lease_id: str, lease: RowLease, *, ending: bool = False) -> Picks:
     """The groups still under a lease of runs (one consumed or given back meanwhile is not); with
     `ending`, their views say they left it (as an ack's consume hears them)."""
-    tag = bytes.fromhex(lease_id)
+    tag, lease_tag = bytes.fromhex(lease_id), "" if ending else lease_id
     under: dict[int, list[int]] = {}  # by segment, each read once
-    order: list[tuple[int, int]] = []  # the runs' order (a reusing table's: the take's, _lease_runs)
     for run in lease.runs:
-        state = segments.state(run.seg)
-        span = range(run.first, run.first + run.length)
-        held = [g for g in span if state.state(g) == LEASED and state.lease(g) == tag]
-        under.setdefault(run.seg, []).extend(held)
-        order.extend((run.seg, g) for g in held)
-    found: dict[tuple[int, int], Picked] = {}
-    for seg, places in under.items():
-        for p in picks(segments.view(seg), segments.state(seg), seg, places, LEASED, "" if ending else lease_id):
-            found[seg, p.at] = p
-    return [found[place] for place in order]
+        under.setdefault(run.seg, []).extend(
+            segments.state(run.seg).under(run.first, run.first + run.length, LEASED, tag)
+        )
+    found = Picks.joined(
+        picks(segments.view(seg), segments.state(seg), seg, places, LEASED, lease_tag) for seg, places in under.items()
+    )
+    if all(a < b for a, b in itertools.pairwise(lease.runs)):  # runs in the ready order: so are the groups found
+        return found
+    at = {(p.seg, p.at): p for p in found}  # in the runs' order (a reusing table's: the take's, _lease_runs)
+    return Picks.of(
+        [at[run.seg, g] for run in lease.runs for g in range(run.first, run.first + run.length) if (run.seg, g) in at]
+    )
 
 
 def held(tt: TableState, lease_id: str, lease: RowLease) -> int:
     """The experiences still under a lease of runs."""
-    return sum(len(p.members) for p in leased(tt, Segments(tt), lease_id, lease))
+    return leased(tt, Segments(tt), lease_id, lease).members()
 
 
 def end(tt: TableState, lease_id: str, lease: RowLease, *, requeue: bool, unsent: bool) -> int:
@@ -100,12 +93,12 @@ def end(tt: TableState, lease_id: str, lease: RowLease, *, requeue: bool, unsent
     table's counters and the rate limiter's count); returns the experiences."""
     segments = Segments(tt)
     picked = leased(tt, segments, lease_id, lease, ending=not requeue)
-    count = sum(len(p.members) for p in picked)
+    count = picked.members()
     if not requeue:  # the groups leave their lease, then the table
         retire(tt, segments, picked, CONSUMED)
         return count
     if unsent:
-        counted = lease.counted or Counted(count, sum(m.size for p in picked for m in p.members.values()), 0)
+        counted = lease.counted or Counted(count, sum(picked.spans().column("size")), 0)
         tt.counters.sampled -= counted.experiences
         tt.counters.bytes_sampled -= counted.nbytes
         tt.counters.tokens_masked -= counted.tokens_masked
@@ -120,18 +113,19 @@ def replayed_back(tt: TableState, lease_id: str, lease: RowLease) -> list[Member
     segments = Segments(tt)
     picked = leased(tt, segments, lease_id, lease)
     back(tt, segments, picked, sampled=True)
-    again = [p._replace(group=moved_view(p, READY, times=p.group.times + 1)) for p in picked]
-    return taken([p._replace(members=row_members(p.group)) for p in again])
+    return taken([p.moved(READY, lease="", times=p.times + 1) for p in picked])
 
 
 def back(tt: TableState, segments: Segments, picked: Sequence[Picked], *, sampled: bool) -> None:
     """Leased groups are ready again, each in a run of its own range (their deliveries counted where
     `sampled`)."""
+    picked = Picks.of(picked)
     mark(segments, picked, READY, NO_LEASE)
     if sampled:
-        for p in picked:
-            state = segments.state(p.seg)
-            state.set_times(p.at, state.times(p.at) + 1)
+        for run in picked.runs:
+            row = segments.state(run.seg)
+            for g, times in zip(run.places, run.times, strict=True):
+                row.set_times(g, times + 1)
     count_moved(tt, READY, picked)
     segments.save()
     rows = [(run_key(tt, seg, first), RunRow(seg, first, n).encode()) for seg, first, n in _lease_runs(picked)]
@@ -139,5 +133,5 @@ def back(tt: TableState, segments: Segments, picked: Sequence[Picked], *, sample
     if picked and tt.ready.indexing():
         tt.ready.add_many(placed(picked))
     if tt.extensions.hears("on_moved"):
-        groups: Groups = [(p.gkey, moved_view(p, READY, times=p.group.times + sampled)) for p in picked]
+        groups = Views(picked, lambda p: moved_view(p, READY, times=p.times + sampled))
         tt.extensions.on_moved(tt, Moved(LEASED, READY, groups))

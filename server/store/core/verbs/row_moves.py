@@ -17,43 +17,40 @@ from ...schema.views import Groups, GroupView
 from ..table_state import rate_counts
 from ..table_state.events import Retired
 from ..table_state.state import TableState, missing
-from ..table_state.views import row_members
 from . import payloads, pieces, row_pending
-from .row_select import (
-    NO_LEASE,
-    Picked,
-    Segments,
-    by_segment,
-    complete_groups,
-    moved_view,
-    picks,
-    placed,
-    ranges,
-    ready_runs,
-    run_key,
-    unleased,
-)
+from .row_picks import Picked, Picks, as_they_are, moved_view, picks
+from .row_select import NO_LEASE, Segments, complete_groups, placed, ranges, ready_runs, run_key, unleased
 from .segments import retired
 
 
 def unready(tt: TableState, picked: Sequence[Picked]) -> None:
     """Picked groups leave the runs that cover them (each such run cut around them) and the indexes
     the table keeps, in the order picked."""
+    picked = Picks.of(picked)
     if picked and tt.ready.indexing():
         tt.ready.remove_many(placed(picked))
     runs = tt.db["runs"]
-    for seg, indexes in by_segment((p.seg, p.at) for p in picked).items():
-        gone, cut = set(indexes), set[int]()
-        for g in sorted(gone):
-            if g in cut:
-                continue
-            key = _covering(tt, seg, g)
+    for seg, indexes in picked.by_segment().items():
+        gone = ranges(indexes)  # consecutive groups leave a run together
+        at = 0
+        while at < len(gone):
+            key = _covering(tt, seg, gone[at][0])
             run = RunRow.decode(tt.txn.get(key, db=runs) or b"")
             tt.txn.delete(key, db=runs)
-            span = range(run.first, run.first + run.length)
-            cut.update(span)
-            left = [x for x in span if x not in gone]
-            put_rows(tt.txn, runs, [(run_key(tt, seg, a), RunRow(seg, a, n).encode()) for a, n in ranges(left)])
+            left, end = [], run.first  # what is left of the run: from `end` to the next gone range
+            stop = run.first + run.length
+            while at < len(gone) and gone[at][0] < stop:
+                first, n = gone[at]
+                if first > end:
+                    left.append((end, first - end))
+                end = min(first + n, stop)
+                if first + n > stop:  # the range goes on into the next run
+                    gone[at] = (stop, first + n - stop)
+                    break
+                at += 1
+            if end < stop:
+                left.append((end, stop - end))
+            put_rows(tt.txn, runs, [(run_key(tt, seg, a), RunRow(seg, a, n).encode()) for a, n in left])
 
 
 def _covering(tt: TableState, seg: int, g: int) -> bytes:
@@ -72,31 +69,23 @@ def _covering(tt: TableState, seg: int, g: int) -> bytes:
 
 
 def mark(segments: Segments, picked: Sequence[Picked], state: State, tag: bytes) -> None:
-    """Picked groups' state bytes and lease tags, a segment at a time."""
-    for seg, places in by_segment((p.seg, p.at) for p in picked).items():
+    """Picked groups' state bytes and lease tags, a run of consecutive ones at a time."""
+    for seg, places in Picks.of(picked).by_segment().items():
         row = segments.changed(seg)
-        for at in places:
-            row.set_state(at, state)
-            row.set_lease(at, tag)
+        for first, n in ranges(places):
+            row.set_states(first, first + n, state, tag)
 
 
 def count_moved(tt: TableState, now: State, picked: Sequence[Picked]) -> None:
     """Picked groups' members counted from the state each group was in to `now`, and the groups too
     (live states only): one count a state."""
-    members: dict[State, int] = {}
-    groups: dict[State, int] = {}
-    for p in picked:
-        was = p.group.state
-        members[was] = members.get(was, 0) + len(p.group.rows)
-        groups[was] = groups.get(was, 0) + 1
     counters = tt.counters
-    for was, count in members.items():
-        counters.add(was, -count)
-        counters.add(now, count)
-    for was, count in groups.items():
-        counters.add_groups(was, -count)
+    for was, (groups, members) in Picks.of(picked).counts().items():
+        counters.add(was, -members)
+        counters.add(now, members)
+        counters.add_groups(was, -groups)
         if now not in RETIRED:
-            counters.add_groups(now, count)
+            counters.add_groups(now, groups)
 
 
 def retire(
@@ -110,7 +99,7 @@ def retire(
     has it), and rollouts still in pieces of a group that filled without them go, as that retire
     drops them. The groups' directory entries and their segment's columns stay: the members'
     tombstones (a retried push of one is a duplicate)."""
-    tt.extensions.on_retired(tt, Retired([(p.gkey, p.group) for p in picked], state))
+    tt.extensions.on_retired(tt, Retired(as_they_are(picked), state))
     _leave(tt, segments, picked, state, damaged)
 
 
@@ -118,19 +107,19 @@ def _leave(
     tt: TableState, segments: Segments, picked: Sequence[Picked], state: State, damaged: Set[str] = frozenset()
 ) -> None:
     """`retire`, the extensions told by the caller."""
-    for p in picked:
-        pieces.drop_group(tt, p.gkey)
+    picked = Picks.of(picked)
+    pieces.drop_groups(tt, picked.gkeys)
     if state != CONSUMED:
         for p in picked:
             rate_counts.forget(tt, p.group, p.members.values())
     mark(segments, picked, state, NO_LEASE)
     _quarantine(tt, segments, picked, damaged)
-    prefix = tt.prefix
-    keys = [prefix + uid.encode() for p in picked for uid in p.members]
-    sizes = [member.size for p in picked for member in p.group.rows]
-    for at in {p.seg for p in picked}:
+    prefix, spans = tt.prefix, picked.spans()
+    keys = [prefix + uid for uid in spans.column("uid_bytes")]
+    sizes: list[int] = spans.column("size")
+    for at in picked.segments():
         seg = segments.state(at)
-        if all(s in RETIRED for s in seg.states(0, seg.groups)):
+        if seg.all_in(RETIRED):
             retired(tt, at, seg)
     count_moved(tt, state, picked)
     payloads.drop(tt, keys, sizes, keep=payloads.kept(tt, state, damaged))
@@ -159,7 +148,7 @@ def _quarantine(tt: TableState, segments: Segments, picked: Sequence[Picked], da
 def _flag(segments: Segments, p: Picked, uids: Set[str]) -> int:
     """A picked group's members among `uids` flagged quarantined; returns how many."""
     row, count = segments.changed(p.seg), 0
-    for i, member in zip(row.kept(*segments.view(p.seg).span(p.at)), p.group.rows, strict=True):
+    for i, member in zip(p.kept, p.rows, strict=True):
         if member.uid in uids:
             row.flag(i, SegState.QUARANTINED)
             count += 1
@@ -174,9 +163,9 @@ def fail(tt: TableState, groups: Groups, damaged: Set[str]) -> None:
     tt.extensions.on_retired(tt, Retired(groups, FAILED))
     segments = Segments(tt)
     complete = [gkey for gkey, grp in groups if grp.state not in (PENDING, COMPUTING)]
-    picked = [p for p in complete_groups(tt, segments, complete) if p.group.state in (READY, LEASED)]
-    unready(tt, [p for p in picked if p.group.state == READY])
-    _leave(tt, segments, [p._replace(group=p.group._replace(lease="")) for p in picked], FAILED, damaged)
+    picked = [p for p in complete_groups(tt, segments, complete) if p.state in (READY, LEASED)]
+    unready(tt, [p for p in picked if p.state == READY])
+    _leave(tt, segments, [p.moved(lease="") for p in picked], FAILED, damaged)
     row_pending.leave(tt, [(gkey, grp) for gkey, grp in groups if grp.state in (PENDING, COMPUTING)], FAILED, damaged)
 
 
@@ -196,11 +185,11 @@ def consume(tt: TableState, gkeys: Sequence[str]) -> None:
     rate limiter's count as a delete does."""
     segments = Segments(tt)
     picked = complete_groups(tt, segments, gkeys)
-    ready = [p for p in picked if p.group.state == READY]
+    ready = [p for p in picked if p.state == READY]
     for p in ready:
         rate_counts.forget(tt, p.group, p.members.values())
     unready(tt, ready)
-    retire(tt, segments, [p._replace(group=p.group._replace(lease="")) for p in picked], CONSUMED)
+    retire(tt, segments, [p.moved(lease="") for p in picked], CONSUMED)
 
 
 def evict(tt: TableState, over: Callable[[int, int], bool], live: int, held: int) -> int:
@@ -215,8 +204,8 @@ def evict(tt: TableState, over: Callable[[int, int], bool], live: int, held: int
             for g in range(run.first, run.first + run.length):
                 p = picks(view, state, run.seg, [g], READY, "")[0]
                 picked.append(p)
-                live -= len(p.group.rows)
-                held -= sum(member.size for member in p.group.rows)
+                live -= len(p.kept)
+                held -= sum(p.block.column("size")[i - p.block.lo] for i in p.kept)
                 if not over(live, held):
                     break
             else:
@@ -225,24 +214,21 @@ def evict(tt: TableState, over: Callable[[int, int], bool], live: int, held: int
     if picked:
         unready(tt, picked)
         retire(tt, segments, picked, EVICTED)
-    return sum(len(p.group.rows) for p in picked)
+    return sum(len(p.kept) for p in picked)
 
 
-def counted(segments: Segments, picked: Sequence[Picked]) -> list[Picked]:
+def counted(segments: Segments, picked: Sequence[Picked]) -> Picks:
     """Picked groups a take consumes, their delivery counted (as a records table counts it in each
     member's record before it becomes a tombstone)."""
-    found = []
-    for p in picked:
-        times = p.group.times + 1
-        segments.changed(p.seg).set_times(p.at, times)
-        group = moved_view(p, p.group.state, times=times)
-        found.append(p._replace(group=group, members=row_members(group)))
-    return found
+    picked = Picks.of(picked)
+    for run in picked.runs:
+        row = segments.changed(run.seg)
+        for g, times in zip(run.places, run.times, strict=True):
+            row.set_times(g, times + 1)
+    return picked.moved(sampled=True)
 
 
-def replayed(
-    segments: Segments, picked: Sequence[Picked], limit: int
-) -> tuple[list[Picked], list[tuple[str, GroupView]]]:
+def replayed(segments: Segments, picked: Sequence[Picked], limit: int) -> tuple[Picks, list[tuple[str, GroupView]]]:
     """Picked groups a take replays, still ready: their deliveries counted (saved), and their views
     once replayed, those that reach `limit` (0: none) as consumed, the others leased to no one where
     the table cools them (rules/reuse.py); returns the groups so counted."""
@@ -250,6 +236,6 @@ def replayed(
     segments.save()
     again = LEASED if segments.tt.config.reuse.cooldown_seconds > 0 else READY
     done: list[tuple[str, GroupView]] = [
-        (p.gkey, moved_view(p, CONSUMED if limit and p.group.times >= limit else again)) for p in counted_now
+        (p.gkey, moved_view(p, CONSUMED if limit and p.times >= limit else again)) for p in counted_now
     ]
     return counted_now, done

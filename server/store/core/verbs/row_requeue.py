@@ -32,7 +32,8 @@ from . import segments as rows
 from .row_deletes import EMPTIED
 from .row_leases import hold
 from .row_moves import count_moved, unready
-from .row_select import NO_LEASE, Picked, Segments, unleased
+from .row_picks import Picked
+from .row_select import NO_LEASE, Segments, unleased
 
 COOLING_PRIORITY = struct.Struct("<d")  # a cooling row's value: the priority its group is ready again with
 
@@ -93,10 +94,10 @@ def move(tt: TableState, segments: Segments, picked: Sequence[Picked], prioritie
         row.set_lease(p.at, NO_LEASE)
         created, version = view.created(p.at, p.at + 1)[0], view.versions(p.at, p.at + 1)[0]
         failed = tuple(view.failed(p.at).items())  # its members as read (`rows`), not decoded again
-        moved.append(Group(p.gkey, created, p.group.rows, priority, version, view.partial(p.at), failed))
+        moved.append(Group(p.gkey, created, p.rows, priority, version, view.partial(p.at), failed))
     for seg in sorted({p.seg for p in picked}):
         row = segments.state(seg)
-        if all(s in RETIRED for s in row.states(0, row.groups)):
+        if row.all_in(RETIRED):
             rows.retired(tt, seg, row)
     segments.save()
-    rows.write(tt, moved, READY, times=[p.group.times for p in picked])
+    rows.write(tt, moved, READY, times=[p.times for p in picked])

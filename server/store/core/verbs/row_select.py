@@ -4,43 +4,29 @@ read once and its members' columns once a run; in any other order, or with a low
 from the index the order reads (core/ordering/), as a records table's take does, each group it names
 found through its directory entry (2.7). A rows table keeps such an index from the first request
 that read it (ready.ReadyIndex), so a table taken in fifo or lifo order alone writes none. Nothing
-here writes: what the picked groups become is row_moves.py's and row_leases.py's.
+here writes: what the picked groups become is row_moves.py's and row_leases.py's; what a pick holds
+is row_picks.py's.
 """
 
 from __future__ import annotations
 
 import contextlib
-import itertools
 import random
 from collections.abc import Generator, Iterable, Sequence
-from typing import NamedTuple
 
 from ...disk.layout import next_prefix, put_rows, u64
 from ...disk.rows import GroupRef, RunRow, SegmentView, SegState, directory_entry
 from ...disk.snapshot import Snapshot
 from ...schema.sample_spec import TakeSpec
 from ...schema.states import READY, State
-from ...schema.views import GroupView, Members
+from ...schema.views import Members
 from ..ordering.ready import BUILD_CHUNK, IndexBuilding
 from ..table_state import oldest_index
 from ..table_state.counters import read_counters
 from ..table_state.state import TableState, missing
-from ..table_state.views import RowGroup, RowMember, kept_rows, row_members
+from .row_picks import Picked, Picks, picks
 
 NO_LEASE = bytes(SegState.LEASE)
-
-
-class Picked(NamedTuple):
-    """A group a take picked: its key, view and members' views, its place (segment, index), and its
-    priority and lowest version, as the ready indexes hold it."""
-
-    gkey: str
-    group: RowGroup
-    members: dict[str, RowMember]
-    seg: int
-    at: int  # its index in the segment
-    priority: float = 0.0
-    version: int | None = None
 
 
 class Segments:
@@ -108,7 +94,7 @@ def ready_runs(tt: TableState, newest: bool) -> Generator[tuple[bytes, RunRow]]:
             found = step()
 
 
-def select(tt: TableState, spec: TakeSpec, segments: Segments, rng: random.Random) -> tuple[list[Picked], int]:
+def select(tt: TableState, spec: TakeSpec, segments: Segments, rng: random.Random) -> tuple[Picks, int]:
     """Ready groups in the request's order until there are enough, and their experiences: in fifo
     or lifo order from the runs (the columns of the members taken from a run read once), in any
     other order or with a lowest model version from the index the order reads (`_indexed`)."""
@@ -130,7 +116,7 @@ def select(tt: TableState, spec: TakeSpec, segments: Segments, rng: random.Rando
 _INLINE_BUILDS = 2
 
 
-def _indexed(tt: TableState, spec: TakeSpec, segments: Segments, rng: random.Random) -> tuple[list[Picked], int]:
+def _indexed(tt: TableState, spec: TakeSpec, segments: Segments, rng: random.Random) -> tuple[Picks, int]:
     """Ready groups in the order of the request's index (core/ordering/), each found through its
     directory entry, until there are enough (core/verbs/take.select's way on records). Reading an
     index the table does not keep yet raises IndexBuilding before anything is changed."""
@@ -150,58 +136,56 @@ def _indexed(tt: TableState, spec: TakeSpec, segments: Segments, rng: random.Ran
     for seg, indexes in by_segment(places).items():  # each segment's members read once
         for p in picks(segments.view(seg), segments.state(seg), seg, indexes, READY, ""):
             found[seg, p.at] = p
-    return [found[place] for place in places], total
+    return Picks.of([found[place] for place in places]), total
 
 
-def _from_runs(tt: TableState, spec: TakeSpec, segments: Segments) -> tuple[list[Picked], int]:
-    """Ready groups from the runs, front first (fifo) or back first (lifo), until there are enough."""
-    picked: list[Picked] = []
-    total = 0
+def _from_runs(tt: TableState, spec: TakeSpec, segments: Segments) -> tuple[Picks, int]:
+    """Ready groups from the runs, front first (fifo) or back first (lifo), until there are enough:
+    the groups a run gives, one `Run`."""
+    picked: list[Picks] = []
+    groups = total = 0
     newest = spec.order == "lifo"
     with contextlib.closing(ready_runs(tt, newest)) as runs:
         for _, run in runs:
             view, state = segments.view(run.seg), segments.state(run.seg)
             places = range(run.first, run.first + run.length)
-            chosen: list[int] = []
-            for g in reversed(places) if newest else places:
-                chosen.append(g)
-                total += len(state.kept(*view.span(g)))
-                if spec.filled(len(picked) + len(chosen), total):
+            if newest:
+                places = places[::-1]
+            chosen = 0
+            for count in kept_counts(view, state, places):
+                chosen += 1
+                total += count
+                if spec.filled(groups + chosen, total):
                     break
-            picked += picks(view, state, run.seg, chosen, READY, "")
-            if spec.enough(len(picked), total):
+            picked.append(picks(view, state, run.seg, places[:chosen], READY, ""))
+            groups += chosen
+            if spec.enough(groups, total):
                 break
-    return picked, total
+    return Picks.joined(picked), total
 
 
-def picks(view: SegmentView, state: SegState, seg: int, places: Sequence[int], now: State, lease: str) -> list[Picked]:
-    """Groups of one segment at `places` (in that order), in state `now` (under `lease`), with their
-    members' views (those deleted left out): the columns of the members they span read once, or
-    (groups far apart, as a uniform take's) each group's alone."""
-    if not places:
-        return []
-    first, last = min(places), max(places)
-    spans = [view.span(g) for g in places]
-    lo, hi = view.span(first)[0], view.span(last)[1]
-    together = 4 * sum(b - a for a, b in spans) >= hi - lo
-    rows = view.members.members(lo, hi) if together else []
-    keys = view.keys(first, last + 1) if together else []
-    priorities, versions = view.priorities(first, last + 1), view.versions(first, last + 1)
-    found = []
-    for g, (a, b) in zip(places, spans, strict=True):
-        gkey = keys[g - first] if together else view.keys(g, g + 1)[0]
-        members = kept_rows(state, rows[a - lo : b - lo] if together else view.members.members(a, b), a)
-        group = RowGroup(gkey, now, members, lease=lease, times=state.times(g))
-        found.append(Picked(gkey, group, row_members(group), seg, g, priorities[g - first], versions[g - first]))
-    return found
+def kept_counts(view: SegmentView, state: SegState, places: Iterable[int]) -> list[int]:
+    """The members of a segment's groups at `places` (those deleted left out)."""
+    if state.any_flags:
+        return [len(state.kept(*view.span(g))) for g in places]
+    ends = view.ends
+    return [ends[g] - ends[g - 1] if g else ends[0] for g in places]
 
 
 def ranges(indexes: Iterable[int]) -> list[tuple[int, int]]:
-    """Sorted group indexes as (first, length) ranges of consecutive ones."""
+    """Distinct group indexes, sorted, as (first, length) ranges of consecutive ones."""
+    values = sorted(indexes)
+    if not values or values[-1] - values[0] + 1 == len(values):  # one range (a run's groups)
+        return [(values[0], len(values))] if values else []
     found: list[tuple[int, int]] = []
-    for _, part in itertools.groupby(enumerate(sorted(indexes)), key=lambda pair: pair[1] - pair[0]):
-        values = [g for _, g in part]
-        found.append((values[0], len(values)))
+    first, n = values[0], 1
+    for g in values[1:]:
+        if g == first + n:
+            n += 1
+        else:
+            found.append((first, n))
+            first, n = g, 1
+    found.append((first, n))
     return found
 
 
@@ -222,17 +206,7 @@ def placed(picked: Sequence[Picked]) -> list[tuple[bytes, int, float, int | None
     return [(p.gkey.encode(), p.seg + p.at, p.priority, p.version) for p in picked]
 
 
-def moved_view(p: Picked, state: State, lease: str = "", times: int | None = None) -> RowGroup:
-    """A picked group's view once it moved to `state` (under `lease`; its deliveries `times`)."""
-    return RowGroup(p.gkey, state, p.group.rows, lease=lease, times=p.group.times if times is None else times)
-
-
-def views(picked: Sequence[Picked], state: State, lease: str = "") -> list[tuple[str, GroupView]]:
-    """Picked groups' views once a take delivered them, as its `Taken` event names them."""
-    return [(p.gkey, moved_view(p, state, lease)) for p in picked]
-
-
-def unleased(tt: TableState, segments: Segments, gkeys: Iterable[str], now: State) -> list[Picked]:
+def unleased(tt: TableState, segments: Segments, gkeys: Iterable[str], now: State) -> Picks:
     """The groups of these keys the table holds in state `now` under no lease (ready ones, or cooling
     ones: row_requeue.py), in that order, the members of each segment's read together (`picks`)."""
     places: list[tuple[int, int]] = []
@@ -247,13 +221,13 @@ def unleased(tt: TableState, segments: Segments, gkeys: Iterable[str], now: Stat
     for seg, indexes in by_segment(places).items():
         for p in picks(segments.view(seg), segments.state(seg), seg, indexes, now, ""):
             found[seg, p.at] = p
-    return [found[place] for place in places]
+    return Picks.of([found[place] for place in places])
 
 
-def complete_groups(tt: TableState, segments: Segments, gkeys: Iterable[str]) -> list[Picked]:
+def complete_groups(tt: TableState, segments: Segments, gkeys: Iterable[str]) -> Picks:
     """The complete groups of these keys the table holds, each read from its segment (a pending or
     absent one is not)."""
-    picked: list[Picked] = []
+    picked: list[Picks] = []
     for gkey in gkeys:
         raw = tt.txn.get(tt.key(gkey), db=tt.db["gdir"])
         ref = None if raw is None else directory_entry(raw)
@@ -261,8 +235,8 @@ def complete_groups(tt: TableState, segments: Segments, gkeys: Iterable[str]) ->
             state = segments.state(ref.seg)
             tag = state.lease(ref.group)
             lease = tag.hex() if tag != NO_LEASE else ""
-            picked += picks(segments.view(ref.seg), state, ref.seg, [ref.group], state.state(ref.group), lease)
-    return picked
+            picked.append(picks(segments.view(ref.seg), state, ref.seg, [ref.group], state.state(ref.group), lease))
+    return Picks.joined(picked)
 
 
 def taken(picked: Sequence[Picked]) -> list[Members]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import random
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from expbuf.client.trxp.stored.pieces import Stored
 
@@ -20,10 +20,10 @@ from ...disk.snapshot import Snapshot
 from ...schema.sample_spec import TakeSpec
 from ...schema.states import LEASED
 from ...schema.views import Groups, GroupView, Members, MemberView
-from ..table_state.read_check import Unservable, serve_problem
+from ..table_state.read_check import Unservable, unservable
 from ..table_state.state import TableState
 from ..table_state.views import group_record, member_record
-from . import row_select
+from . import row_picks, row_select
 
 
 def select(tt: TableState, spec: TakeSpec, rng: random.Random) -> tuple[list[tuple[str, GroupView]], int, list[str]]:
@@ -77,6 +77,37 @@ def read_batch(
                 tt.put_item(uid, record)
 
 
+def read_rows(
+    picked: row_picks.Picks,
+    keys: Sequence[bytes],
+    gkeys: Sequence[str],
+    payloads: Payloads,
+    rows: BatchRows,
+    batch: Sampled,
+    *,
+    masked: Callable[[MemberView], int] | None,
+) -> None:
+    """`read_batch` of a rows table's picked groups (`keys`, their members' payloads'; `gkeys`,
+    each member's group), their columns read a range at a time: no view of a member made unless
+    the delivery masks tokens or the table's batch stage reads them. A rows table's delivery is
+    counted in its group's state."""
+    spans = picked.spans()
+    uids, lengths = spans.column("uid"), spans.column("response_length")
+    batch.uids += uids
+    batch.group_ids += gkeys
+    batch.versions += spans.column("version")
+    batch.rewards += spans.column("reward")
+    batch.response_lengths += lengths
+    batch.times_sampled += spans.per_member([times + 1 for times in picked.times()])
+    batch.segments += spans.column("segments")
+    if masked is not None:
+        batch.masked += [masked(rec) for p in picked for rec in p.members.values()]
+    rows.add_columns(
+        keys, payloads.read_all(uids), spans.column("advantage"), lengths,
+        spans.column("size"), lambda: [rec for p in picked for rec in p.members.values()],
+    )  # fmt: skip
+
+
 def lease(tt: TableState, chosen: Groups, taken: Sequence[Members], lease_id: str) -> None:
     """A batch's groups leased under `lease_id`: out of the ready indexes, under the lease."""
     records = [(gkey, group_record(grp)) for gkey, grp in chosen]
@@ -107,20 +138,56 @@ class Payloads:
         or payload is not stored as damaged (the directory lost it)."""
         problems = [Unservable(uid, "its record is not stored", damaged=True) for uid in grp.members if uid not in recs]
         for uid, rec in recs.items():
-            blob = self._get(uid, rec)
-            if blob is None:
-                problems.append(Unservable(uid, "its payload is not stored", damaged=True))
-                continue
-            problem = serve_problem(uid, rec, None if isinstance(blob, chunk_reads.Deferred) else blob)
+            problem = self._check(uid, self.tt.key(uid), rec.seq, rec.digest, rec.size, rec.advantage)
             if problem is not None:
                 problems.append(problem)
         return problems
+
+    def check_columns(
+        self,
+        uids: Sequence[str],
+        keys: Sequence[bytes],
+        seqs: Sequence[int],
+        digests: Sequence[bytes],
+        sizes: Sequence[int],
+        advantages: Sequence[float | None],
+    ) -> list[tuple[int, Unservable]]:
+        """`check` of experiences given as their records' columns (a rows table's, read a range at a
+        time; `keys`, their payloads'): the index of each that cannot be served, and why. A payload
+        the snapshot holds whole (most are) is read and checked here, any other as `check` reads it."""
+        self._open_snapshot()
+        snapshot, newest, blobs, read = self.snapshot, self.newest, self.tt.db["blobs"], self._read
+        found: list[tuple[int, Unservable]] = []
+        rows = zip(uids, keys, seqs, digests, sizes, advantages, strict=True)
+        for at, (uid, key, seq, digest, size, advantage) in enumerate(rows):
+            view = snapshot.get(key, blobs) if snapshot is not None and seq <= newest else None
+            if view is not None and chunk_reads.whole(view):
+                read[uid] = view
+                problem = unservable(uid, advantage, size, digest, view)
+            else:
+                problem = self._check(uid, key, seq, digest, size, advantage)
+            if problem is not None:
+                found.append((at, problem))
+        return found
 
     def read(self, uid: str) -> Stored | chunk_reads.Deferred:
         """A payload `check` read."""
         return self._read[uid]
 
-    def _get(self, uid: str, rec: MemberView) -> Stored | chunk_reads.Deferred | None:
+    def read_all(self, uids: Iterable[str]) -> list[Stored | chunk_reads.Deferred]:
+        """The payloads `check` or `check_columns` read of these experiences."""
+        return list(map(self._read.__getitem__, uids))
+
+    def _check(
+        self, uid: str, key: bytes, seq: int, digest: bytes, size: int, advantage: float | None
+    ) -> Unservable | None:
+        blob = self._get(uid, key, seq, digest, size)
+        if blob is None:
+            return Unservable(uid, "its payload is not stored", damaged=True)
+        return unservable(uid, advantage, size, digest, None if isinstance(blob, chunk_reads.Deferred) else blob)
+
+    def _open_snapshot(self) -> None:
+        """The snapshot opened at the first read, and the newest experience it holds."""
         if self.snapshot is None and self._open is not None:
             self.snapshot = self._open()
             if self.tt.config.storage.layout == "rows":
@@ -128,13 +195,16 @@ class Payloads:
             else:
                 newest = self.snapshot.last_key(self.tt.prefix, self.tt.db["order"])
                 self.newest = -1 if newest is None else int.from_bytes(newest[len(self.tt.prefix) :], "big")  # T + seq
-        key, blobs = self.tt.key(uid), self.tt.db["blobs"]
-        snapshot = self.snapshot if self.snapshot is not None and rec.seq <= self.newest else None
+
+    def _get(self, uid: str, key: bytes, seq: int, digest: bytes, size: int) -> Stored | chunk_reads.Deferred | None:
+        self._open_snapshot()
+        blobs = self.tt.db["blobs"]
+        snapshot = self.snapshot if self.snapshot is not None and seq <= self.newest else None
         view = snapshot.get(key, blobs) if snapshot is not None else None
         if snapshot is not None and view is not None:
             read = chunk_reads.reader(snapshot, self.tt.db)
             if self._defer:
-                blob = chunk_reads.taken(uid, view, key, rec.digest, rec.size, read)
+                blob = chunk_reads.taken(uid, view, key, digest, size, read)
             else:
                 blob = chunk_reads.resolve(view, key, read)
         else:

@@ -137,6 +137,14 @@ class MemberBlock:
         ends = struct.unpack_from(f"<{hi - lo + 1}I", data, self._uids + 4 * lo)
         return [str(data[base + a : base + b], "utf-8") for a, b in itertools.pairwise(ends)]
 
+    def uid_bytes(self, lo: int, hi: int) -> list[bytes]:
+        """The uids of members lo to hi (excluded), as stored (UTF-8): what a key is made of."""
+        if hi <= lo:
+            return []
+        data, base = self.data, self._uid_bytes
+        ends = struct.unpack_from(f"<{hi - lo + 1}I", data, self._uids + 4 * lo)
+        return [bytes(data[base + a : base + b]) for a, b in itertools.pairwise(ends)]
+
     def uid(self, i: int) -> str:
         return self.uids(i, i + 1)[0]
 
@@ -161,6 +169,12 @@ class MemberBlock:
         a, b = struct.unpack_from("<II", self.data, self._segments + 4 * i)
         return struct.unpack_from(f"<{b - a}q", self.data, self._segment_values + 8 * a)
 
+    def segments_of(self, lo: int, hi: int) -> list[tuple[int, ...]]:
+        """The version segments of members lo to hi (excluded): one list of ()s in a block without any."""
+        if self._segments < 0:
+            return [()] * (hi - lo)
+        return [self.segments(i) for i in range(lo, hi)]
+
     def members(self, lo: int = 0, hi: int | None = None) -> list[Member]:
         """Members lo to hi (excluded; the end by default), every field read."""
         hi = self.count if hi is None else hi
@@ -170,7 +184,7 @@ class MemberBlock:
             return [self._member(lo)]
         columns: dict[str, Sequence[object]] = {name: self.column(name, lo, hi) for name, _ in _COLUMNS}
         columns["uid"], columns["digest"] = self.uids(lo, hi), self.digests(lo, hi)
-        columns["segments"] = [self.segments(i) for i in range(lo, hi)]
+        columns["segments"] = self.segments_of(lo, hi)
         return [Member._make(row) for row in zip(*(columns[name] for name in Member._fields), strict=True)]
 
     def _member(self, i: int) -> Member:

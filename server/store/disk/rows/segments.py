@@ -215,9 +215,33 @@ class SegState:
     def set_state(self, g: int, state: State) -> None:
         self.buf[self._HEAD.size + g] = _STATE_CODE[state]
 
+    def set_states(self, lo: int, hi: int, state: State, tag: bytes) -> None:
+        """Groups lo to hi (excluded) in `state`, under the lease `tag`: a run's bytes written at once."""
+        if len(tag) != self.LEASE:
+            raise ValueError(f"a lease tag is {self.LEASE} bytes, not {len(tag)}")
+        base = self._HEAD.size
+        self.buf[base + lo : base + hi] = bytes((_STATE_CODE[state],)) * (hi - lo)
+        self.buf[self._leases + self.LEASE * lo : self._leases + self.LEASE * hi] = tag * (hi - lo)
+
+    def under(self, lo: int, hi: int, state: State, tag: bytes) -> range | list[int]:
+        """Those of groups lo to hi (excluded) in `state` under the lease `tag`: a run whose groups
+        all are (a lease's run, as it was taken) read at once."""
+        code, base, leases = _STATE_CODE[state], self._HEAD.size, self._leases
+        buf, n = self.buf, hi - lo
+        if (
+            buf[base + lo : base + hi] == bytes((code,)) * n
+            and buf[leases + self.LEASE * lo : leases + self.LEASE * hi] == tag * n
+        ):
+            return range(lo, hi)
+        return [g for g in range(lo, hi) if buf[base + g] == code and self.lease(g) == tag]
+
     def times(self, g: int) -> int:
         times: int = struct.unpack_from("<I", self.buf, self._times + 4 * g)[0]
         return times
+
+    def times_of(self, lo: int, hi: int) -> tuple[int, ...]:
+        """The times sampled of groups lo to hi (excluded)."""
+        return struct.unpack_from(f"<{hi - lo}I", self.buf, self._times + 4 * lo)
 
     def set_times(self, g: int, times: int) -> None:
         struct.pack_into("<I", self.buf, self._times + 4 * g, times)
