@@ -18,11 +18,11 @@ import random
 import secrets
 from collections.abc import Callable
 
-from ..core.table_state import rate_counts
+from ..core.table_state import picks, rate_counts
 from ..core.table_state.events import Taken
 from ..core.table_state.read_check import Unservable
 from ..core.table_state.state import TableState
-from ..core.verbs import requeue, row_leases, row_moves, row_picks, row_requeue, row_select
+from ..core.verbs import requeue, row_leases, row_moves, row_requeue, row_select
 from ..core.verbs.retire import retire
 from ..core.verbs.take import Payloads, lease, read_batch, read_rows, select
 from ..core.whole_table.reading import batch_rows
@@ -91,12 +91,12 @@ def take(
     report(tt, spec.trainer_version)  # before selection: a stale group is not taken in the same step
     payloads = Payloads(tt, snapshot, defer=hold)
     segments = row_select.Segments(tt) if tt.config.storage.layout == "rows" else None
-    picked = row_picks.Picks()
+    picked = picks.Picks()
     while True:
         chosen: Groups
         if segments is not None:  # a rows table's runs: it loses no records
             picked, total = row_select.select(tt, spec, segments, rng)
-            chosen = row_picks.as_they_are(picked)
+            chosen = picks.as_they_are(picked)
             lost: list[str] = []
         else:
             chosen, total, lost = select(tt, spec, rng)
@@ -145,10 +145,10 @@ def take(
         if delivery == "consume":
             picked = row_moves.counted(segments, picked)
             row_moves.retire(tt, segments, picked, CONSUMED)
-            chosen = row_picks.views(picked, CONSUMED)
+            chosen = picks.views(picked, CONSUMED)
         else:
             batch.lease_runs = row_leases.hold(tt, segments, picked, batch.lease_id)
-            chosen = row_picks.views(picked, LEASED, batch.lease_id)
+            chosen = picks.views(picked, LEASED, batch.lease_id)
     elif delivery == "consume":
         retire(tt, chosen, CONSUMED)
     elif delivery == "replay":
@@ -171,7 +171,7 @@ def take(
 
 
 def _unservable_rows(
-    payloads: Payloads, picked: row_picks.Picks, keys: list[bytes], gkeys: list[str]
+    payloads: Payloads, picked: picks.Picks, keys: list[bytes], gkeys: list[str]
 ) -> list[tuple[str, GroupView, list[Unservable]]]:
     """A rows table's picked groups a member of which cannot be served, with why (Payloads.check),
     their members' payloads (at `keys`) read and checked from their columns."""
@@ -189,7 +189,7 @@ def _unservable_rows(
 def _fail_unservable(
     tt: TableState,
     groups: list[tuple[str, GroupView, list[Unservable]]],
-    rows: tuple[row_select.Segments, row_picks.Picks] | None,
+    rows: tuple[row_select.Segments, picks.Picks] | None,
 ) -> None:
     """Groups a sample found a member of unservable fail whole, never served: one with a
     damaged payload by the quarantine rule (quarantine.py: the damaged members quarantined, the

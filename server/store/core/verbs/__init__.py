@@ -5,7 +5,7 @@ how experiences leave (retire.py), the compute queue with a group's advantages s
 (compute.py), a replayed group requeued (requeue.py), a rows table's complete groups as
 segments, states, directory entries and runs (segments.py, issue 64's disk/rows/), its ready
 groups picked over its runs or indexes (row_select.py) as the runs they were picked in
-(row_picks.py), moved (row_moves.py) and leased (row_leases.py), its pending groups
+(table_state/picks.py), moved (row_moves.py) and leased (row_leases.py), its pending groups
 (row_pending.py), its deletes (row_deletes.py) and its replayed groups requeued (row_requeue.py),
 over the rollouts held in pieces with their counters (pieces.py).
 

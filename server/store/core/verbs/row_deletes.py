@@ -26,10 +26,10 @@ from ...disk.rows import PendingHead, SegState
 from ...schema.states import COMPUTING, DROPPED, LIVE, PENDING, QUARANTINED, READY, RETIRED
 from ..table_state import rate_counts
 from ..table_state.events import Retired
+from ..table_state.picks import Picked
 from ..table_state.state import TableState
 from ..table_state.views import RowGroup, RowMember, quarantined, row_members
 from . import row_moves, row_pending, row_select
-from .row_picks import Picked
 from .row_select import NO_LEASE, Segments
 from .segments import retired
 

@@ -16,9 +16,9 @@ from ...schema.states import CONSUMED, LEASED, READY
 from ...schema.views import Members
 from ..table_state import rate_counts
 from ..table_state.events import Moved
+from ..table_state.picks import Picked, Picks, Views, moved_view, picks, views
 from ..table_state.state import TableState
 from .row_moves import count_moved, mark, retire
-from .row_picks import Picked, Picks, Views, moved_view, picks, views
 from .row_select import NO_LEASE, Segments, placed, ranges, run_key, taken
 
 

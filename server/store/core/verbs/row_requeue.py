@@ -27,12 +27,12 @@ from ...disk.rows import Group, SegState
 from ...schema.states import LEASED, READY, RETIRED
 from ...schema.views import Groups, Members
 from ..table_state.events import Moved
+from ..table_state.picks import Picked
 from ..table_state.state import TableState
 from . import segments as rows
 from .row_deletes import EMPTIED
 from .row_leases import hold
 from .row_moves import count_moved, unready
-from .row_picks import Picked
 from .row_select import NO_LEASE, Segments, unleased
 
 COOLING_PRIORITY = struct.Struct("<d")  # a cooling row's value: the priority its group is ready again with

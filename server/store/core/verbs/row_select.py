@@ -5,7 +5,7 @@ from the index the order reads (core/ordering/), as a records table's take does,
 found through its directory entry (2.7). A rows table keeps such an index from the first request
 that read it (ready.ReadyIndex), so a table taken in fifo or lifo order alone writes none. Nothing
 here writes: what the picked groups become is row_moves.py's and row_leases.py's; what a pick holds
-is row_picks.py's.
+is table_state/picks.py's.
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ from ...schema.views import Members
 from ..ordering.ready import BUILD_CHUNK, IndexBuilding
 from ..table_state import oldest_index
 from ..table_state.counters import read_counters
+from ..table_state.picks import Picked, Picks, picks
 from ..table_state.state import TableState, missing
-from .row_picks import Picked, Picks, picks
 
 NO_LEASE = bytes(SegState.LEASE)
 

@@ -20,10 +20,11 @@ from ...disk.snapshot import Snapshot
 from ...schema.sample_spec import TakeSpec
 from ...schema.states import LEASED
 from ...schema.views import Groups, GroupView, Members, MemberView
+from ..table_state import picks
 from ..table_state.read_check import Unservable, unservable
 from ..table_state.state import TableState
 from ..table_state.views import group_record, member_record
-from . import row_picks, row_select
+from . import row_select
 
 
 def select(tt: TableState, spec: TakeSpec, rng: random.Random) -> tuple[list[tuple[str, GroupView]], int, list[str]]:
@@ -78,7 +79,7 @@ def read_batch(
 
 
 def read_rows(
-    picked: row_picks.Picks,
+    picked: picks.Picks,
     keys: Sequence[bytes],
     gkeys: Sequence[str],
     payloads: Payloads,

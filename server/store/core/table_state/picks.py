@@ -18,7 +18,7 @@ from typing import Any, overload
 from ...disk.rows import Member, SegmentView, SegState
 from ...schema.states import State
 from ...schema.views import GroupView
-from ..table_state.views import RowGroup, RowMember, row_members
+from .views import RowGroup, RowMember, row_members
 
 
 class Block:
