@@ -9,11 +9,14 @@ import importlib.util
 import os
 import queue
 import signal
+import subprocess
+import sys
 import threading
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
 from concurrent import futures
+from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
 
 import grpc
@@ -459,3 +462,17 @@ def stored_members(env: Environment) -> dict[bytes, StoredMember]:
                 uid = prefix + member.uid.encode()
                 found[uid] = StoredMember(member, gkey, None, state, None, txn.get(uid, db=env.db["blobs"]))
     return found
+
+
+def killed_while_opening(data: Path, delay: float) -> None:
+    """An `expbuf serve` of `data` killed with SIGKILL `delay` seconds after it took the directory's
+    lock: a start cut short during its open (an upgrade of the format, say)."""
+    serve = [sys.executable, "-m", "expbuf.server.cli", "serve", "--data", str(data), "--port", "0"]
+    child = subprocess.Popen([*serve, "--metrics-port", "-1"], stderr=subprocess.DEVNULL)
+    try:
+        while not (data / "lock.mdb").exists() and child.poll() is None:
+            time.sleep(0.0002)
+        time.sleep(delay)
+    finally:
+        child.kill()
+        child.wait(30)

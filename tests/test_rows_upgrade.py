@@ -22,7 +22,7 @@ from expbuf.server.store.schema.sample_spec import TakeSpec
 from expbuf.server.store.schema.table_config import TableConfig
 
 from helpers import StoppedClock as Clock
-from helpers import group_items, layouts_reply
+from helpers import group_items, killed_while_opening, layouts_reply
 from test_quarantine import damage
 
 # The tables a test fills before the upgrade are records tables, as format 9 wrote them.
@@ -144,15 +144,7 @@ def test_a_kill_during_the_upgrade_to_rows_leaves_format_9_or_rows_and_check_fin
     for trial, delay in enumerate((0.0, 0.05, 0.15, 0.3, 0.6, 1.2, 2.5)):
         data = tmp_path / f"copy{trial}"
         shutil.copytree(source, data)
-        serve = [sys.executable, "-m", "expbuf.server.cli", "serve", "--data", str(data), "--port", "0"]
-        child = subprocess.Popen([*serve, "--metrics-port", "-1"], stderr=subprocess.DEVNULL)
-        try:
-            while not (data / "lock.mdb").exists() and child.poll() is None:
-                time.sleep(0.0002)
-            time.sleep(delay)
-        finally:
-            child.kill()
-            child.wait(30)
+        killed_while_opening(data, delay)
         checked = subprocess.run(
             [sys.executable, "-m", "expbuf.server.cli", "check", "--data", str(data)],
             capture_output=True, text=True, timeout=120, check=False,

@@ -27,7 +27,7 @@ from expbuf.server.store.schema.table_config import TableConfig
 from expbuf.server.store.tables import integrity
 
 from faultkit import channel, payload, servers, stats, stub
-from helpers import group_items
+from helpers import group_items, killed_while_opening
 
 GROUPS = 120
 
@@ -363,15 +363,7 @@ def test_a_kill_during_the_format_upgrade_leaves_format_3_or_the_current_one_and
         data = tmp_path / f"copy{trial}"
         data.mkdir()
         shutil.copy(fixture / "data.mdb", data / "data.mdb")
-        serve = [sys.executable, "-m", "expbuf.server.cli", "serve", "--data", str(data), "--port", "0"]
-        child = subprocess.Popen([*serve, "--metrics-port", "-1"], stderr=subprocess.DEVNULL)
-        try:
-            while not (data / "lock.mdb").exists() and child.poll() is None:
-                time.sleep(0.0002)
-            time.sleep(delay)
-        finally:
-            child.kill()
-            child.wait(30)
+        killed_while_opening(data, delay)
         checked = cli("check", "--data", str(data))
         assert checked.returncode == 0 and not checked.stderr, (trial, checked.stdout, checked.stderr)
         lines = checked.stdout.splitlines()
