@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import builtins
 import json
+import operator
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -128,35 +129,77 @@ class Counters:
 
     def to_dict(self) -> dict[str, Any]:
         """Every counter this release knows, by name."""
-        return {name: getattr(self, name) for name in NAMES}
+        return dict(zip(NAMES, _values(self), strict=True))
 
     def encode(self) -> builtins.bytes:  # `bytes` in this class is the counter
-        """The stored form: the known counters, then the unknown ones as they were read."""
-        return json.dumps(self.to_dict() | self.unknown, separators=(",", ":")).encode()
+        """The stored form: the known counters, then the unknown ones as they were read. Remembered
+        (`_Decoded`), since the next transaction reads back what this one wrote."""
+        values = _values(self)
+        raw = _ENCODER.encode(dict(zip(NAMES, values, strict=True)) | self.unknown).encode()
+        _DECODED.keep(raw, values, self.unknown)
+        return raw
 
     @classmethod
     def from_dict(cls, stored: dict[str, Any]) -> Counters:
         """Counters from their stored form; a count that is not a number is a ValueError."""
         if not isinstance(stored, dict):
             raise ValueError(f"the counters are a {type(stored).__name__}, not an object")
-        counters = cls()
-        for name, value in stored.items():
-            if name not in _FIELDS:
-                counters.unknown[name] = value
-                continue
-            if name in _COUNTS and (isinstance(value, bool) or not isinstance(value, (int, float))):
+        for name in _COUNTS.intersection(stored):
+            value = stored[name]
+            if type(value) not in _NUMBERS and (isinstance(value, bool) or not isinstance(value, (int, float))):
                 raise ValueError(f"counter {name} is {value!r}, not a number")
-            setattr(counters, name, value)
-        return counters
+        unknown = {name: value for name, value in stored.items() if name not in _FIELDS}
+        return cls(*[*(stored.get(name, default) for name, default in _DEFAULTS), unknown])
 
     @classmethod
     def decode(cls, raw: builtins.bytes | memoryview | None) -> Counters:
-        return cls() if raw is None else cls.from_dict(json.loads(bytes(raw)))
+        if raw is None:
+            return cls()
+        raw = bytes(raw)
+        found = _DECODED.get(raw)
+        if found is None:
+            counters = cls.from_dict(json.loads(raw))
+            _DECODED.keep(raw, _values(counters), counters.unknown)
+            return counters
+        values, unknown = found
+        counters = cls(*[*values, dict(unknown)])
+        if counters.reward_moments is not None:  # the one counter a list: the caller's own
+            counters.reward_moments = list(counters.reward_moments)
+        return counters
+
+
+class _Decoded:
+    """The counters of the stored forms last written or read, by the stored bytes: a table's
+    every transaction reads its counters and writes them back, and a transaction mostly reads
+    what the one before wrote. Keyed by the bytes themselves, an entry can never be stale; it
+    holds values only (tuples; a list counter as a tuple) and copies of the unknown ones."""
+
+    LIMIT = 256  # stored forms remembered: a table's last few, for many tables
+
+    def __init__(self) -> None:
+        self._found: dict[bytes, tuple[tuple[Any, ...], dict[str, Any]]] = {}
+
+    def get(self, raw: bytes) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+        return self._found.get(raw)
+
+    def keep(self, raw: bytes, values: tuple[Any, ...], unknown: dict[str, Any]) -> None:
+        if len(self._found) >= self.LIMIT:
+            self._found.clear()
+        moments = values[_MOMENTS]
+        if moments is not None:
+            values = (*values[:_MOMENTS], tuple(moments), *values[_MOMENTS + 1 :])
+        self._found[raw] = (values, dict(unknown))
 
 
 NAMES = tuple(f.name for f in fields(Counters) if f.name != "unknown")
 _FIELDS = frozenset(NAMES)
 _COUNTS = frozenset(f.name for f in fields(Counters) if f.default == 0 and f.name in _FIELDS)
+_DEFAULTS = tuple((f.name, f.default) for f in fields(Counters) if f.name in _FIELDS)
+_NUMBERS = (int, float)
+_MOMENTS = NAMES.index("reward_moments")
+_values = operator.attrgetter(*NAMES)
+_ENCODER = json.JSONEncoder(separators=(",", ":"))
+_DECODED = _Decoded()
 # The counter of the experiences in each state, and of the groups in each live state.
 _BY_STATE = {PENDING: "pending", COMPUTING: "computing", READY: "ready", LEASED: "leased"} | {
     CONSUMED: "consumed",
