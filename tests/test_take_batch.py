@@ -130,3 +130,36 @@ def test_a_batch_holds_at_most_max_batch_experiences(tmp_path: Path, monkeypatch
         assert store.stats("t")["ready"] == 20  # nothing taken
         batch = store.sample(TakeSpec("t", batch_size=10))  # whole groups: 12, the batch it asked for
         assert batch is not None and len(batch.uids) == 12
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_run_taken_at_once_takes_what_a_group_at_a_time_would(seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A rows table takes a run's groups at once (TakeSpec.taking): as many as asking `filled` after
+    each group in turn would, refused where that would be."""
+    monkeypatch.setattr(sample_spec, "MAX_BATCH", 40)
+    rng = random.Random(seed)
+
+    def one_at_a_time(spec: TakeSpec, groups: int, total: int, counts: list[int]) -> int | str:
+        try:
+            for chosen, count in enumerate(counts, 1):
+                total += count
+                if spec.filled(groups + chosen, total):
+                    return chosen
+        except SpecError as refused:
+            return str(refused)
+        return len(counts)
+
+    for _ in range(400):
+        spec = (
+            TakeSpec("t", num_groups=rng.randint(1, 12))
+            if rng.random() < 0.5
+            else TakeSpec("t", batch_size=rng.randint(1, 40))
+        )
+        counts = [rng.randint(0 if rng.random() < 0.1 else 1, 9) for _ in range(rng.randint(0, 10))]
+        groups = rng.randint(0, spec.num_groups - 1) if spec.num_groups else rng.randint(0, 5)
+        total = rng.randint(0, spec.batch_size - 1) if spec.batch_size else rng.randint(0, 30)
+        try:
+            found: int | str = spec.taking(groups, total, counts)
+        except SpecError as refused:
+            found = str(refused)
+        assert found == one_at_a_time(spec, groups, total, counts), (spec, groups, total, counts)

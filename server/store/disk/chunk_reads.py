@@ -13,7 +13,7 @@ import collections
 import dataclasses
 import struct
 import threading
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from concurrent.futures import Future
 from functools import partial
 from typing import TYPE_CHECKING
@@ -53,6 +53,11 @@ def whole(value: Bytes) -> bool:
     """Whether a stored value is the payload itself, stored whole (most are): neither a head of
     chunks nor a reference to a shared prompt, it is what `resolve` and `taken` read it as."""
     return value[:4] not in _NOT_WHOLE
+
+
+def all_whole(values: Iterable[Bytes | None]) -> list[bool]:
+    """`whole` of each of a batch's stored values (False where none is stored)."""
+    return [value is not None and value[:4] not in _NOT_WHOLE for value in values]
 
 
 def resolve(value: Bytes, key: bytes | memoryview, read: Read) -> Stored:

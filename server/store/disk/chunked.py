@@ -18,6 +18,7 @@ set number is never used twice (the next is kept in `meta`, `reserve_sets`).
 
 from __future__ import annotations
 
+import collections
 import contextlib
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from functools import partial
@@ -310,30 +311,40 @@ def delete(
     shared_prompts.MIN_BYTES, in a table that keeps shared prompts), so that a consume of small
     experiences reads none, and one of experiences of up to 4 MiB in a table that holds no chunk
     none either."""
+    keys = list(keys)
     blobs = dbs["blobs"]
-    chunking: dict[bytes, bool] = {}  # by table prefix: whether the table holds any chunk
-    sharing: dict[bytes, bool] = {}  # ... and any shared prompt
-    for at, key in enumerate(keys):
-        prefix = bytes(key[:4])
-        look = sizes is None or sizes[at] > chunk_heads.CHUNK_BYTES
-        if not look and sizes is not None and sizes[at] > MIN_COMPRESSED:
-            if prefix not in chunking:
-                chunking[prefix] = _any_chunk(txn, dbs, prefix)
-            look = chunking[prefix]
-        if not look and sizes is not None and sizes[at] >= shared_prompts.MIN_BYTES:
-            if prefix not in sharing:
-                sharing[prefix] = shared_prompts.any_in(txn, dbs, prefix)
-            look = sharing[prefix]
-        if look:
-            value = txn.get(key, db=blobs)
-            if value is not None and len(value) >= 4 and shared_prompts.is_ref(value):
-                shared_prompts.release(txn, dbs, key, value)
-            elif value is not None and (head := intact_head(value)) is not None and _marked(txn, dbs, key, head):
-                drop_set(txn, dbs, prefix, head.set_id)
-            elif _set_unnamed(value, None if sizes is None else sizes[at]):
-                for set_id in _sets_of(txn, dbs, key):
-                    drop_set(txn, dbs, prefix, set_id)
-        txn.delete(key, db=blobs)
+    looked = range(len(keys)) if sizes is None else _looked(txn, dbs, keys, sizes)
+    for at in looked:
+        key = keys[at]
+        value = txn.get(key, db=blobs)
+        if value is not None and len(value) >= 4 and shared_prompts.is_ref(value):
+            shared_prompts.release(txn, dbs, key, value)
+        elif value is not None and (head := intact_head(value)) is not None and _marked(txn, dbs, key, head):
+            drop_set(txn, dbs, bytes(key[:4]), head.set_id)
+        elif _set_unnamed(value, None if sizes is None else sizes[at]):
+            for set_id in _sets_of(txn, dbs, key):
+                drop_set(txn, dbs, bytes(key[:4]), set_id)
+    collections.deque(map(partial(txn.delete, db=blobs), keys), maxlen=0)  # a consume deletes hundreds
+
+
+def _looked(
+    txn: lmdb.Transaction[bytes], dbs: dict[str, lmdb._Database], keys: Sequence[bytes], sizes: Sequence[int]
+) -> list[int]:
+    """Which of the payloads being deleted (at `keys`, of `sizes`) may be other than a payload
+    stored whole, and must be read first (delete's rule): the index of each."""
+    top = max(sizes, default=0)
+    limits: dict[bytes, int] = {}  # by table prefix: the size a payload is looked at above
+    for prefix in {bytes(key[:4]) for key in keys}:
+        limit = chunk_heads.CHUNK_BYTES
+        if top > MIN_COMPRESSED and _any_chunk(txn, dbs, prefix):
+            limit = MIN_COMPRESSED
+        if top >= shared_prompts.MIN_BYTES and shared_prompts.any_in(txn, dbs, prefix):
+            limit = min(limit, shared_prompts.MIN_BYTES - 1)
+        limits[prefix] = limit
+    if len(limits) == 1:  # one table's (mostly)
+        (limit,) = limits.values()
+        return [at for at, size in enumerate(sizes) if size > limit]
+    return [at for at, (key, size) in enumerate(zip(keys, sizes, strict=True)) if size > limits[bytes(key[:4])]]
 
 
 def _set_unnamed(value: Bytes | None, size: int | None) -> bool:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, TypeVar
 
 import lmdb
@@ -50,6 +50,12 @@ class Snapshot:
         """A value as a view into the map (only while the snapshot is open)."""
         assert self._txn is not None
         return self._txn.get(key, db=db)
+
+    def get_all(self, keys: Iterable[bytes], db: lmdb._Database) -> list[memoryview | None]:
+        """`get` of each key, in one call (a take reads hundreds)."""
+        assert self._txn is not None
+        get = self._txn.get
+        return [get(key, db=db) for key in keys]
 
     def last_key(self, prefix: bytes, db: lmdb._Database) -> bytes | None:
         """The greatest key that starts with prefix, or None."""

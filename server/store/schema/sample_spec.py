@@ -7,7 +7,10 @@ the same nine arguments in every layer.
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from expbuf.client.schema.call_limits import MAX_WINDOW
@@ -140,6 +143,20 @@ class TakeSpec:
                 f"batch holds at most {MAX_BATCH} (its take holds the store's writer); ask for fewer groups a batch"
             )
         return False
+
+    def taking(self, groups: int, experiences: int, counts: Sequence[int]) -> int:
+        """How many of the next groups in order, of `counts` experiences each, the batch takes after
+        `groups` holding `experiences`: up to the first that makes it enough, or all; a SpecError
+        where `filled`, asked after each group in turn, would raise."""
+        totals = list(itertools.accumulate(counts, initial=experiences))[1:]  # after each group
+        if self.num_groups:
+            chosen = min(len(counts), self.num_groups - groups)
+        else:
+            chosen = min(len(counts), bisect.bisect_left(totals, self.batch_size) + 1)
+        over = bisect.bisect_right(totals, MAX_BATCH)  # the first group after which it holds more
+        if over < chosen:
+            self.filled(groups + over + 1, totals[over])  # refused there unless it is enough
+        return chosen
 
     @property
     def want(self) -> str:

@@ -9,6 +9,7 @@ payloads).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from expbuf.client.trxp.codec.checks import FLOAT32_MAX
@@ -67,3 +68,24 @@ def unservable(uid: str, advantage: float | None, size: int, digest: bytes, blob
         return None
     problem = stored_problem(uid, size, digest, blob)
     return None if problem is None else Unservable(uid, problem, damaged=True)
+
+
+def all_unservable(
+    uids: Sequence[str],
+    advantages: Sequence[float | None],
+    sizes: Sequence[int],
+    found: Sequence[bytes],
+    blobs: Sequence[Stored],
+) -> list[tuple[int, Unservable]]:
+    """`unservable` of each experience of a batch whose payloads were read (`blobs`): the index of
+    each that cannot be served, and why; the digests checked a batch at a time."""
+    intact = digests.all_match(blobs, sizes, found)
+    problems = []
+    for at, ok in enumerate(intact):
+        advantage = advantages[at]
+        if ok and (advantage is None or -FLOAT32_MAX <= advantage <= FLOAT32_MAX):
+            continue
+        problem = unservable(uids[at], advantage, sizes[at], found[at], blobs[at])
+        if problem is not None:
+            problems.append((at, problem))
+    return problems

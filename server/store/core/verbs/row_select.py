@@ -151,12 +151,9 @@ def _from_runs(tt: TableState, spec: TakeSpec, segments: Segments) -> tuple[Pick
             places = range(run.first, run.first + run.length)
             if newest:
                 places = places[::-1]
-            chosen = 0
-            for count in kept_counts(view, state, places):
-                chosen += 1
-                total += count
-                if spec.filled(groups + chosen, total):
-                    break
+            counts = kept_counts(view, state, places)
+            chosen = spec.taking(groups, total, counts)
+            total += sum(counts[:chosen])
             picked.append(picks(view, state, run.seg, places[:chosen], READY, ""))
             groups += chosen
             if spec.enough(groups, total):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import random
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import cast
 
 from expbuf.client.trxp.stored.pieces import Stored
 
@@ -21,7 +22,7 @@ from ...schema.sample_spec import TakeSpec
 from ...schema.states import LEASED
 from ...schema.views import Groups, GroupView, Members, MemberView
 from ..table_state import picks
-from ..table_state.read_check import Unservable, unservable
+from ..table_state.read_check import Unservable, all_unservable, unservable
 from ..table_state.state import TableState
 from ..table_state.views import group_record, member_record
 from . import row_select
@@ -158,11 +159,16 @@ class Payloads:
         the snapshot holds whole (most are) is read and checked here, any other as `check` reads it."""
         self._open_snapshot()
         snapshot, newest, blobs, read = self.snapshot, self.newest, self.tt.db["blobs"], self._read
+        views = snapshot.get_all(keys, blobs) if snapshot is not None else [None] * len(keys)
+        whole = chunk_reads.all_whole(views)
+        if all(whole) and (not seqs or max(seqs) <= newest):  # mostly: the batch checked at once
+            stored = cast("list[memoryview]", views)  # each whole, so read
+            read.update(zip(uids, stored, strict=True))
+            return all_unservable(uids, advantages, sizes, digests, stored)
         found: list[tuple[int, Unservable]] = []
-        rows = zip(uids, keys, seqs, digests, sizes, advantages, strict=True)
-        for at, (uid, key, seq, digest, size, advantage) in enumerate(rows):
-            view = snapshot.get(key, blobs) if snapshot is not None and seq <= newest else None
-            if view is not None and chunk_reads.whole(view):
+        rows = zip(uids, keys, seqs, digests, sizes, advantages, views, whole, strict=True)
+        for at, (uid, key, seq, digest, size, advantage, view, ok) in enumerate(rows):
+            if ok and seq <= newest:
                 read[uid] = view
                 problem = unservable(uid, advantage, size, digest, view)
             else:

@@ -133,24 +133,34 @@ class MemberBlock:
         """The uids of members lo to hi (excluded)."""
         if hi <= lo:
             return []
-        data, base = self.data, self._uid_bytes
-        ends = struct.unpack_from(f"<{hi - lo + 1}I", data, self._uids + 4 * lo)
-        return [str(data[base + a : base + b], "utf-8") for a, b in itertools.pairwise(ends)]
+        ends, joined = self._uid_range(lo, hi)
+        if joined.isascii():  # (mostly) its characters are its bytes: one decode, cut as text
+            text, first = joined.decode("ascii"), ends[0]
+            return [text[a - first : b - first] for a, b in itertools.pairwise(ends)]
+        return [str(uid, "utf-8") for uid in self._cut(ends, joined)]
 
     def uid_bytes(self, lo: int, hi: int) -> list[bytes]:
         """The uids of members lo to hi (excluded), as stored (UTF-8): what a key is made of."""
         if hi <= lo:
             return []
-        data, base = self.data, self._uid_bytes
-        ends = struct.unpack_from(f"<{hi - lo + 1}I", data, self._uids + 4 * lo)
-        return [bytes(data[base + a : base + b]) for a, b in itertools.pairwise(ends)]
+        return self._cut(*self._uid_range(lo, hi))
+
+    def _uid_range(self, lo: int, hi: int) -> tuple[tuple[int, ...], bytes]:
+        """The ends of members lo to hi's uids, and their bytes end to end (one copy out of the map)."""
+        ends = struct.unpack_from(f"<{hi - lo + 1}I", self.data, self._uids + 4 * lo)
+        return ends, bytes(self.data[self._uid_bytes + ends[0] : self._uid_bytes + ends[-1]])
+
+    @staticmethod
+    def _cut(ends: tuple[int, ...], joined: bytes) -> list[bytes]:
+        first = ends[0]
+        return [joined[a - first : b - first] for a, b in itertools.pairwise(ends)]
 
     def uid(self, i: int) -> str:
         return self.uids(i, i + 1)[0]
 
     def digests(self, lo: int, hi: int) -> list[bytes]:
-        data, pos = self.data, self._digests
-        return [bytes(data[p : p + _DIGEST]) for p in range(pos + _DIGEST * lo, pos + _DIGEST * hi, _DIGEST)]
+        joined = bytes(self.data[self._digests + _DIGEST * lo : self._digests + _DIGEST * hi])
+        return [joined[p : p + _DIGEST] for p in range(0, len(joined), _DIGEST)]
 
     def column(self, name: str, lo: int, hi: int) -> Sequence[int | float | None]:
         """A member column (a field of Member) of members lo to hi (excluded), absent values as None."""
