@@ -120,6 +120,23 @@ def test_a_newer_release_s_counters_are_kept_as_they_were() -> None:
     assert json.loads(counters.encode()) == newer
 
 
+def test_counters_read_back_from_what_was_written_are_the_callers_own() -> None:
+    """The counters a transaction wrote are read back by the next from memory (counters._Decoded):
+    the same as decoding the stored form, and changing what was read (a list counter, a newer
+    release's counter) changes neither what was written nor what the next read gets."""
+    written = Counters.decode(json.dumps(json.loads(STORED_NOW) | {"a_newer_count": [1, 2]}).encode())
+    written.pushed, written.reward_moments, written.insert_blocked_seconds = 9, [0.5, 0.25, 3.0], 1.5
+    raw = written.encode()
+    first = Counters.decode(raw)
+    assert first == written and first == Counters.from_dict(json.loads(raw))
+    assert type(first.reward_moments) is list and first.encode() == raw
+    first.reward_moments.append(7.0)  # type: ignore[union-attr]
+    first.unknown["a_newer_count"] = 0
+    first.pushed += 1
+    again = Counters.decode(raw)
+    assert again == written and again.reward_moments == [0.5, 0.25, 3.0] and again.unknown == {"a_newer_count": [1, 2]}
+
+
 def test_a_misspelt_counter_is_an_error_not_a_new_counter() -> None:
     counters = Counters()
     with pytest.raises(AttributeError):
