@@ -3,7 +3,7 @@ through a real `expbuf serve`, optionally side by side with an earlier tree of e
 that CPU goes (py-spy).
 
     .venv/bin/python bench/bench_consume.py [--before DIR] [--rounds 4] [--experiences 16384]
-        [--shape 8k,40k] [--groups 1,8] [--layouts records,rows] [--profile OUT] [--out bench/RESULTS.md]
+        [--shape 8k,40k] [--groups 1,8] [--layouts records,rows] [--profile OUT] [--threads] [--out bench/RESULTS.md]
 
 Each round starts a server of each tree in turn (which goes first alternating), fills a table
 with experiences of each shape (bench_reverb's: 8 KB, 256 a push; 40 KB, 64 a push; a 40 KB
@@ -16,6 +16,8 @@ for its compiled codec). With --profile, py-spy samples the last round's server 
 its drains, and the busy samples go to stages of the consume path (written to OUT). With
 --layouts records,rows, this tree's server runs once per storage layout of its tables (the rows
 of issue 64, made by a TOML file's [[tables]], the hidden setting's one way in), side by side.
+With --threads, the server's CPU over the drains by thread: its writer, its RPC threads (replies
+built and sent), gRPC's polling thread and event engine, the rest.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -97,6 +100,16 @@ def package(tree: Path, root: Path) -> Path:
     return pkg.parent
 
 
+# The parts of the server's CPU by thread (bench_consume --threads): its writer, the RPC threads that
+# build replies, gRPC's polling thread (grpc's `_serve`) and its event engine's (C++) threads.
+THREAD_PARTS: tuple[tuple[str, Callable[[str], bool]], ...] = (
+    ("writer", lambda name: name == "expbuf-writer"),
+    ("rpc", lambda name: name.startswith("expbuf-rpc")),
+    ("poller", lambda name: "(_serve)" in name),
+    ("engine", lambda name: name == "event_engine"),
+)
+
+
 class Server:
     """An `expbuf serve` of one tree (None: this one) on a fresh data directory."""
 
@@ -135,6 +148,26 @@ class Server:
         cpu = (int(fields[11]) + int(fields[12])) / ticks
         io = dict(line.split(": ") for line in Path(f"/proc/{self.proc.pid}/io").read_text().splitlines())
         return cpu, int(io["write_bytes"]), int(fields[7]), int(fields[9])
+
+    def threads(self) -> dict[str, float]:
+        """CPU seconds so far of the server's threads by part (THREAD_PARTS), each thread named as
+        py-spy's dump of the process names it (the server's Python threads), else as the kernel does."""
+        ticks, names = os.sysconf("SC_CLK_TCK"), {}
+        dump = subprocess.run([PY_SPY, "dump", "-p", str(self.proc.pid)], capture_output=True, text=True, check=False)
+        for line in dump.stdout.splitlines():
+            if line.startswith("Thread ") and '"' in line:
+                names[line.split()[1]] = line.split('"')[1]
+        found: collections.Counter[str] = collections.Counter()
+        for task in Path(f"/proc/{self.proc.pid}/task").iterdir():
+            try:
+                stat = (task / "stat").read_text()
+            except OSError:  # ended meanwhile
+                continue
+            name = names.get(task.name, stat[stat.index("(") + 1 : stat.rindex(")")])
+            fields = stat.rsplit(")", 1)[1].split()
+            part = next((part for part, match in THREAD_PARTS if match(name)), "other")
+            found[part] += (int(fields[11]) + int(fields[12])) / ticks
+        return dict(found)
 
     def stop(self) -> None:
         self.proc.terminate()
@@ -175,11 +208,18 @@ def tables_file(cases: list[Case], layout: str, path: Path) -> Path:
 
 
 def one_server(
-    tree: Path | None, cases: list[Case], experiences: int, cycles: int, spy: Path | None, layout: str = "records"
+    tree: Path | None,
+    cases: list[Case],
+    experiences: int,
+    cycles: int,
+    spy: Path | None,
+    layout: str = "records",
+    by_thread: bool = False,
 ) -> dict[Case, dict[str, float]]:
     """A server of `tree`: each case filled then drained, `cycles` times in turn; CPU µs and bytes
     written per consumed experience over its drains (and the CPU per pushed one over its fills).
-    With `spy`, py-spy records the last cycle's drains there. `layout`: its tables' storage layout."""
+    With `spy`, py-spy records the last cycle's drains there. `layout`: its tables' storage layout.
+    `by_thread`: the drains' CPU by part of the server too (THREAD_PARTS)."""
     totals: dict[Case, collections.Counter[str]] = {case: collections.Counter() for case in cases}
     serial = iter(range(10**9))
     with tempfile.TemporaryDirectory() as data:
@@ -210,12 +250,15 @@ def one_server(
                         command += ["--threads", "-f", "raw", "-o", f"{spy}.{case.name}"]
                         recorder = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
                         time.sleep(1.0)  # attached
+                    parts = server.threads() if by_thread else {}
                     before = server.usage()
                     wall = time.perf_counter()
                     drain(server.target, table, count)
                     total["wall"] += time.perf_counter() - wall
                     for key, now, then in zip(USAGE, server.usage(), before, strict=True):
                         total[key] += now - then
+                    for part, seconds in (server.threads() if by_thread else {}).items():
+                        total[f"thread {part}"] += seconds - parts.get(part, 0.0)
                     if recorder is not None:
                         recorder.send_signal(signal.SIGINT)
                         recorder.wait(60)
@@ -229,6 +272,7 @@ def one_server(
             "exp_s": t["n"] / t["wall"],
             "minor": t["minor"] / t["n"],
             "major": t["major"] / t["n"],
+            **{key: seconds / t["n"] * 1e6 for key, seconds in t.items() if key.startswith("thread ")},
         }
         for case, t in totals.items()
     }
@@ -273,6 +317,24 @@ def report(
             b, a = med[trees[0]], med[trees[1]]
             ratio = " | " + " | ".join(f"**{b[k] / a[k]:.2f}**" for k in ("cpu_us", "written", "push_cpu_us"))
         lines.append(f"| {case.shape} | {case.group} | {cells}{ratio} |")
+    return "\n".join(lines) + "\n"
+
+
+def by_thread(cases: list[Case], runs: dict[str, list[dict[Case, Any]]]) -> str:
+    """The drains' server CPU per consumed experience by part (THREAD_PARTS), medians of the rounds."""
+    parts = [part for part, _ in THREAD_PARTS] + ["other"]
+    lines = [
+        "",
+        "The server's CPU per consumed experience by thread (µs; `--threads`: /proc per thread, named by "
+        "py-spy's dump; medians of the rounds):",
+        "",
+        "| shape | group size | tree | " + " | ".join(parts) + " |",
+        "| --- | ---: | --- | " + " | ".join("---:" for _ in parts) + " |",
+    ]
+    for case in cases:
+        for tree, rounds in runs.items():
+            cells = [statistics.median(r[case].get(f"thread {part}", 0.0) for r in rounds) for part in parts]
+            lines.append(f"| {case.shape} | {case.group} | {tree} | " + " | ".join(f"{c:.1f}" for c in cells) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -328,6 +390,9 @@ def main() -> None:
         "--layouts", default="records", help="this tree's storage layouts, comma-separated: records, rows"
     )
     parser.add_argument("--profile", type=Path, help="py-spy the last round's server of this tree; its stages here")
+    parser.add_argument(
+        "--threads", action="store_true", help="the drains' server CPU by thread too: writer, RPC, gRPC's (py-spy dump)"
+    )
     parser.add_argument("--out", help="write the section into this RESULTS.md")
     args = parser.parse_args()
     groups = [int(group) for group in args.groups.split(",")]
@@ -349,7 +414,7 @@ def main() -> None:
     for round_ in range(args.rounds):
         for tree, layout, name in servers[round_ % 2 :] + servers[: round_ % 2]:
             spy = args.profile if tree is None and args.profile and round_ == args.rounds - 1 else None
-            runs[name].append(one_server(tree, cases, args.experiences, args.cycles, spy, layout))
+            runs[name].append(one_server(tree, cases, args.experiences, args.cycles, spy, layout, args.threads))
         print(round_, {t: {c.name: v for c, v in r[-1].items()} for t, r in runs.items()}, file=sys.stderr)
     command = "python bench/bench_consume.py" + (" --before DIR" if args.before else "")
     command += f" --rounds {args.rounds} --experiences {args.experiences} --cycles {args.cycles}"
@@ -357,6 +422,8 @@ def main() -> None:
         f" --layouts {args.layouts}" if layouts != ["records"] else ""
     )
     section = report(command, cases, runs, (start, _uptime()), args.cycles)
+    if args.threads:
+        section += by_thread(cases, runs)
     section += writes_per_experience(groups)
     if args.profile:
         section += profile_shares(args.profile, cases)
