@@ -148,39 +148,18 @@ def put(
     if tt.txn.get(tt.config.name.encode(), db=tt.db["tables"]) is None:
         raise NotFound(f"table '{tt.config.name}' does not exist")
     result = PutResult()
-    fresh: dict[str, Entry] = {}
-    by_group: dict[str, list[Entry]] = defaultdict(list)  # the fresh ones by group, in push order
-    copies: dict[str, None] = {}  # the groups of the duplicates
     rows = tt.config.storage.layout == "rows"
     keys = group_keys(entries, tt.config.grouping.by)
-    # of a rows table, the directory entries of this push's groups, and their members' digests
-    existing, stored = row_pending.stored(tt, _uids_by_group(entries, keys)) if rows else ({}, {})
-    for entry, gkey in zip(entries, keys, strict=True):
-        known = fresh.get(entry.uid)
-        if known is not None:
-            same = known.digest == entry.digest
-        elif rows:
-            digest = stored.get(entry.uid)
-            if digest is None:
-                fresh[entry.uid] = entry
-                by_group[gkey].append(entry)
-                continue
-            # a tombstone a format-3 directory left keeps the digest of that format through its upgrades
-            same = digest == entry.digest or digest == digests.format_3(entry.blob)
-        else:
-            rec = tt.member(entry.uid)
-            if rec is None:
-                fresh[entry.uid] = entry
-                by_group[gkey].append(entry)
-                continue
-            # A tombstone left by format 3 keeps the digest of that format (its payload is gone).
-            same = rec.digest == entry.digest or (rec.state in RETIRED and rec.digest == digests.format_3(entry.blob))
-        if not same:
-            raise Conflict(f"uid {entry.uid} already exists with different content")
-        result.duplicates.append(entry.uid)
-        copies[gkey] = None
-    if copies:  # a copy is answered as stored only to whoever may push its group
-        tt.extensions.on_resent(tt, Resent(list(copies), holder))
+    existing: dict[str, row_pending.PendingGroup | None] = {}
+    if rows:
+        by_group = _by_group(entries, keys)
+        # the directory entries of this push's groups, and the digests of their members stored
+        existing, stored = row_pending.stored(tt, by_group)
+        fresh = {entry.uid: entry for entry in entries}
+        if stored or len(fresh) < len(entries):  # some may be stored already, or pushed twice
+            fresh, by_group = _screen(tt, entries, keys, stored, result, holder)
+    else:
+        fresh, by_group = _screen(tt, entries, keys, None, result, holder)
     _check_rewards(tt, fresh.values())
     _check_eids(tt, fresh.values())
     if by_group:  # a push of pieces alone, or of copies alone, was heard of as such
@@ -240,12 +219,56 @@ def _stored(tt: TableState, result: PutResult, stored: list[str]) -> PutResult:
     return result
 
 
-def _uids_by_group(entries: Iterable[Entry], keys: Iterable[str]) -> dict[str, list[str]]:
-    """The entries' uids by group, each entry's group key in `keys`."""
-    found: dict[str, list[str]] = defaultdict(list)
+def _by_group(entries: Iterable[Entry], keys: Iterable[str]) -> dict[str, list[Entry]]:
+    """The entries by group, in push order, each entry's group key in `keys`."""
+    found: dict[str, list[Entry]] = defaultdict(list)
     for entry, gkey in zip(entries, keys, strict=True):
-        found[gkey].append(entry.uid)
+        found[gkey].append(entry)
     return found
+
+
+def _screen(
+    tt: TableState,
+    entries: Sequence[Entry],
+    keys: Sequence[str],
+    stored: Mapping[str, bytes] | None,
+    result: PutResult,
+    holder: str,
+) -> tuple[dict[str, Entry], dict[str, list[Entry]]]:
+    """A push's new experiences (uid -> entry), and by group, its copies (the same uid and payload
+    again, or stored already) its duplicates; a uid pushed or stored with another payload refused
+    (Conflict). `stored`: a rows table's stored digests of the push's uids (row_pending.stored); a
+    records table's (None) are read from their records."""
+    fresh: dict[str, Entry] = {}
+    by_group: dict[str, list[Entry]] = defaultdict(list)
+    copies: dict[str, None] = {}  # the groups of the duplicates
+    for entry, gkey in zip(entries, keys, strict=True):
+        known = fresh.get(entry.uid)
+        if known is not None:
+            same = known.digest == entry.digest
+        elif stored is not None:
+            digest = stored.get(entry.uid)
+            if digest is None:
+                fresh[entry.uid] = entry
+                by_group[gkey].append(entry)
+                continue
+            # a tombstone a format-3 directory left keeps the digest of that format through its upgrades
+            same = digest == entry.digest or digest == digests.format_3(entry.blob)
+        else:
+            rec = tt.member(entry.uid)
+            if rec is None:
+                fresh[entry.uid] = entry
+                by_group[gkey].append(entry)
+                continue
+            # A tombstone left by format 3 keeps the digest of that format (its payload is gone).
+            same = rec.digest == entry.digest or (rec.state in RETIRED and rec.digest == digests.format_3(entry.blob))
+        if not same:
+            raise Conflict(f"uid {entry.uid} already exists with different content")
+        result.duplicates.append(entry.uid)
+        copies[gkey] = None
+    if copies:  # a copy is answered as stored only to whoever may push its group
+        tt.extensions.on_resent(tt, Resent(list(copies), holder))
+    return fresh, by_group
 
 
 def _put_rows(

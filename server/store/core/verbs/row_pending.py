@@ -46,17 +46,17 @@ class PendingGroup(NamedTuple):
 
 
 def stored(
-    tt: TableState, uids: Mapping[str, Sequence[str]]
+    tt: TableState, pushed: Mapping[str, Sequence[Entry]]
 ) -> tuple[dict[str, PendingGroup | None], dict[str, bytes]]:
-    """Of these groups (each with the uids a push brings it), those the table has: pending (a
+    """Of these groups (each with the entries a push brings it), those the table has: pending (a
     `PendingGroup`) or complete (None; computing too); and the stored digests of their members (uid ->
     digest), for a retried push's duplicates (a deleted member's is not): one directory read a group,
     one segment and its state read a segment, and a pending or computing group's fragments read only
-    where one of the uids' hashes is among its head's."""
+    where one of the entries' uids' hashes is among its head's."""
     found: dict[str, PendingGroup | None] = {}
     digests: dict[str, bytes] = {}
     views: dict[int, tuple[SegmentView, SegState]] = {}
-    for gkey, pushed in uids.items():
+    for gkey, entries in pushed.items():
         raw = tt.txn.get(tt.key(gkey), db=tt.db["gdir"])
         if raw is None:
             continue
@@ -67,7 +67,7 @@ def stored(
                 if entry.queued is not None
                 else PendingGroup(gkey, entry, len(entry.hashes), entry.failed, entry.created)
             )
-            if not set(entry.hashes).isdisjoint(map(_uid_hash, pushed)):
+            if not set(entry.hashes).isdisjoint(_uid_hash(pushed.uid) for pushed in entries):
                 digests.update((member.uid, member.digest) for member in tt.pending_rows(gkey, entry))
             continue
         found[gkey] = None
@@ -120,7 +120,8 @@ def joined(tt: TableState, by_group: Mapping[str, Sequence[Entry]]) -> dict[str,
     (payloads.py); their rows by group (for `keep`, or for the group's segment: `view`)."""
     now, seq = tt.now, tt.counters.next_seq
     payloads.store(tt, by_group)
-    rows = [entry.member(at, now) for at, entry in enumerate(itertools.chain.from_iterable(by_group.values()), seq)]
+    pushed = itertools.chain.from_iterable(by_group.values())
+    rows = list(map(Entry.member, pushed, itertools.count(seq), itertools.repeat(now)))
     found: dict[str, list[Member]] = {}
     at = 0
     for gkey, entries in by_group.items():
