@@ -3,9 +3,10 @@ store, the result of a push, a sampled batch, and a computation of advantages to
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import operator
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from expbuf.client.schema.routing import GROUP_KEY_OF
 from expbuf.client.trxp.codec import partial
@@ -99,24 +100,29 @@ class Entry:
         )
 
     def record(self, gkey: str, *, seq: int, created: float) -> ItemRecord:
-        """The record of this experience as a pending member of group `gkey`."""
-        return ItemRecord(state=PENDING, group=gkey, tid=self.tid, rid=self.rid, **self._kept(seq, created))
+        """The record of this experience as a pending member of group `gkey`: what a rows table's
+        segment keeps of it (`member`), with its group and ids."""
+        return ItemRecord(
+            state=PENDING, group=gkey, tid=self.tid, rid=self.rid, digest=self.digest, size=self.size, seq=seq,
+            created=created, step=self.step, response_length=self.response_length, generated=self.generated,
+            version=self.version, reward=self.reward, priority=self.priority, segments=self.segments,
+        )  # fmt: skip
 
-    def member(self, *, seq: int, created: float) -> Member:
-        """This experience as a rows table's segment keeps it (disk/rows/)."""
-        return Member(uid=self.uid, **self._kept(seq, created))
-
-    def _kept(self, seq: int, created: float) -> dict[str, Any]:
-        """What a record and a segment's member both keep of this experience."""
-        return {
-            "digest": self.digest, "size": self.size, "seq": seq, "created": created, "step": self.step,
-            "response_length": self.response_length, "generated": self.generated, "version": self.version,
-            "reward": self.reward, "priority": self.priority, "segments": self.segments,
-        }  # fmt: skip
+    def member(self, seq: int, created: float) -> Member:
+        """This experience as a rows table's segment keeps it (disk/rows/), its fields in Member's order."""
+        return Member(
+            self.uid, self.digest, self.size, seq, created, self.step, self.response_length, self.generated,
+            self.version, self.reward, self.priority, None, None, self.segments,
+        )  # fmt: skip
 
     def group_key(self, group_by: str) -> str:
         key: str = getattr(self, GROUP_KEY_OF[group_by])
         return key
+
+
+def group_keys(entries: Iterable[Entry], group_by: str) -> list[str]:
+    """Each entry's group key (`Entry.group_key`), read as one attribute an entry."""
+    return list(map(operator.attrgetter(GROUP_KEY_OF[group_by]), entries))
 
 
 @dataclass(frozen=True, slots=True)

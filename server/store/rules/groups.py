@@ -26,7 +26,7 @@ from ..core.verbs.compute import store_advantages, store_row_advantages
 from ..core.verbs.groups import Closed
 from ..core.verbs.retire import retire
 from ..disk import digests
-from ..disk.kinds import Ahead, Compute, Entry, FailResult, PutResult, ShapingUpdate
+from ..disk.kinds import Ahead, Compute, Entry, FailResult, PutResult, ShapingUpdate, group_keys
 from ..schema.errors import (
     Conflict,
     GroupClosed,
@@ -70,22 +70,24 @@ class Ending:
         be served whole."""
         tt = self.tt
         if isinstance(grp, RowGroup):  # its members are its rows, which it cannot lose apart
-            rewards = [member.reward for member in grp.rows]
-        elif any(tt.member(uid) is None for uid in grp.members):
+            if tt.config.grouping.drop_zero_variance and zero_variance([member.reward for member in grp.rows]):
+                return self._zero_variance(gkey, grp)
+            self.rows.append((grp, partial, indexed))
+            return True
+        if any(tt.member(uid) is None for uid in grp.members):
             self.lost.append((gkey, grp))
             return True
-        else:
-            recs = core_groups.closing(tt, gkey, grp, partial=partial)
-            rewards = [rec.reward for rec in recs.values()]
-        if tt.config.grouping.drop_zero_variance and zero_variance(rewards):
-            self.drop(gkey, grp)
-            tt.counters.dropped_zero_variance += 1
-            return False
-        if isinstance(grp, RowGroup):
-            self.rows.append((grp, partial, indexed))
-        else:
-            self.closed.append((gkey, grp, recs, indexed))
+        recs = core_groups.closing(tt, gkey, grp, partial=partial)
+        if tt.config.grouping.drop_zero_variance and zero_variance([rec.reward for rec in recs.values()]):
+            return self._zero_variance(gkey, grp)
+        self.closed.append((gkey, grp, recs, indexed))
         return True
+
+    def _zero_variance(self, gkey: str, grp: GroupView) -> bool:
+        """A group the zero-variance filter drops instead of completing it (False, as `complete`)."""
+        self.drop(gkey, grp)
+        self.tt.counters.dropped_zero_variance += 1
+        return False
 
     def drop(self, gkey: str, grp: GroupView) -> None:
         """A group is to be dropped (the caller counts why)."""
@@ -146,40 +148,20 @@ def put(
     if tt.txn.get(tt.config.name.encode(), db=tt.db["tables"]) is None:
         raise NotFound(f"table '{tt.config.name}' does not exist")
     result = PutResult()
-    fresh: dict[str, Entry] = {}
-    copies: dict[str, None] = {}  # the groups of the duplicates
     rows = tt.config.storage.layout == "rows"
-    # of a rows table, the directory entries of this push's groups, and their members' digests
-    existing, stored = row_pending.stored(tt, _uids_by_group(tt, entries)) if rows else ({}, {})
-    for entry in entries:
-        known = fresh.get(entry.uid)
-        if known is not None:
-            same = known.digest == entry.digest
-        elif rows:
-            digest = stored.get(entry.uid)
-            if digest is None:
-                fresh[entry.uid] = entry
-                continue
-            # a tombstone a format-3 directory left keeps the digest of that format through its upgrades
-            same = digest == entry.digest or digest == digests.format_3(entry.blob)
-        else:
-            rec = tt.member(entry.uid)
-            if rec is None:
-                fresh[entry.uid] = entry
-                continue
-            # A tombstone left by format 3 keeps the digest of that format (its payload is gone).
-            same = rec.digest == entry.digest or (rec.state in RETIRED and rec.digest == digests.format_3(entry.blob))
-        if not same:
-            raise Conflict(f"uid {entry.uid} already exists with different content")
-        result.duplicates.append(entry.uid)
-        copies[entry.group_key(tt.config.grouping.by)] = None
-    if copies:  # a copy is answered as stored only to whoever may push its group
-        tt.extensions.on_resent(tt, Resent(list(copies), holder))
+    keys = group_keys(entries, tt.config.grouping.by)
+    existing: dict[str, row_pending.PendingGroup | None] = {}
+    if rows:
+        by_group = _by_group(entries, keys)
+        # the directory entries of this push's groups, and the digests of their members stored
+        existing, stored = row_pending.stored(tt, by_group)
+        fresh = {entry.uid: entry for entry in entries}
+        if stored or len(fresh) < len(entries):  # some may be stored already, or pushed twice
+            fresh, by_group = _screen(tt, entries, keys, stored, result, holder)
+    else:
+        fresh, by_group = _screen(tt, entries, keys, None, result, holder)
     _check_rewards(tt, fresh.values())
     _check_eids(tt, fresh.values())
-    by_group: dict[str, list[Entry]] = defaultdict(list)
-    for entry in fresh.values():
-        by_group[entry.group_key(tt.config.grouping.by)].append(entry)
     if by_group:  # a push of pieces alone, or of copies alone, was heard of as such
         tt.extensions.on_pushed(tt, Pushed(list(by_group), holder))
     if rows:
@@ -237,11 +219,56 @@ def _stored(tt: TableState, result: PutResult, stored: list[str]) -> PutResult:
     return result
 
 
-def _uids_by_group(tt: TableState, entries: Iterable[Entry]) -> dict[str, list[str]]:
-    found: dict[str, list[str]] = defaultdict(list)
-    for entry in entries:
-        found[entry.group_key(tt.config.grouping.by)].append(entry.uid)
+def _by_group(entries: Iterable[Entry], keys: Iterable[str]) -> dict[str, list[Entry]]:
+    """The entries by group, in push order, each entry's group key in `keys`."""
+    found: dict[str, list[Entry]] = defaultdict(list)
+    for entry, gkey in zip(entries, keys, strict=True):
+        found[gkey].append(entry)
     return found
+
+
+def _screen(
+    tt: TableState,
+    entries: Sequence[Entry],
+    keys: Sequence[str],
+    stored: Mapping[str, bytes] | None,
+    result: PutResult,
+    holder: str,
+) -> tuple[dict[str, Entry], dict[str, list[Entry]]]:
+    """A push's new experiences (uid -> entry), and by group, its copies (the same uid and payload
+    again, or stored already) its duplicates; a uid pushed or stored with another payload refused
+    (Conflict). `stored`: a rows table's stored digests of the push's uids (row_pending.stored); a
+    records table's (None) are read from their records."""
+    fresh: dict[str, Entry] = {}
+    by_group: dict[str, list[Entry]] = defaultdict(list)
+    copies: dict[str, None] = {}  # the groups of the duplicates
+    for entry, gkey in zip(entries, keys, strict=True):
+        known = fresh.get(entry.uid)
+        if known is not None:
+            same = known.digest == entry.digest
+        elif stored is not None:
+            digest = stored.get(entry.uid)
+            if digest is None:
+                fresh[entry.uid] = entry
+                by_group[gkey].append(entry)
+                continue
+            # a tombstone a format-3 directory left keeps the digest of that format through its upgrades
+            same = digest == entry.digest or digest == digests.format_3(entry.blob)
+        else:
+            rec = tt.member(entry.uid)
+            if rec is None:
+                fresh[entry.uid] = entry
+                by_group[gkey].append(entry)
+                continue
+            # A tombstone left by format 3 keeps the digest of that format (its payload is gone).
+            same = rec.digest == entry.digest or (rec.state in RETIRED and rec.digest == digests.format_3(entry.blob))
+        if not same:
+            raise Conflict(f"uid {entry.uid} already exists with different content")
+        result.duplicates.append(entry.uid)
+        copies[gkey] = None
+    if copies:  # a copy is answered as stored only to whoever may push its group
+        tt.extensions.on_resent(tt, Resent(list(copies), holder))
+    return fresh, by_group
 
 
 def _put_rows(
@@ -254,39 +281,49 @@ def _put_rows(
 ) -> None:
     """A push into a table of layout "rows" (issue 64, whose rows land a step at a time): its groups
     joined, completed (with their advantages, or computing), kept pending or dropped as a records
-    table's (`put`), the oldest ready groups evicted where it needs room (make_room)."""
+    table's (`put`), the oldest ready groups evicted where it needs room (make_room). A group the push
+    opens is not made a `PendingGroup` unless the push leaves it pending: most complete in their push."""
     size = tt.config.grouping.size
-    groups: dict[str, row_pending.PendingGroup] = {}
+    groups: dict[str, row_pending.PendingGroup] = {}  # those the table has (pending); not those the push opens
     for gkey, members in by_group.items():
         if gkey not in existing:
-            grp = row_pending.opened_by_push(tt, gkey)
-        elif (found := existing[gkey]) is None:
+            _no_overfill(tt, gkey, 0, {}, len(members))
+            continue
+        if (found := existing[gkey]) is None:
             state = tt.existing_view(gkey).state
             raise GroupClosed(f"group {gkey} is already complete ({state}); it takes no more experiences")
-        else:
-            grp = found
+        grp = found
         if grp.failed:  # a run reported failed, then pushed after all (a retry that worked)
             pushed = {entry.uid for entry in members}
             grp = grp._replace(failed={uid: why for uid, why in grp.failed.items() if uid not in pushed})
         _no_overfill(tt, gkey, grp.size, grp.failed, len(members))
         groups[gkey] = grp
+    row_pending.opened_by_push(tt, len(by_group) - len(groups))
     make_room(tt, sum(map(len, by_group.values())), sum(e.size for es in by_group.values() for e in es), set())
     ending = Ending(tt)
     for gkey, new in row_pending.joined(tt, by_group).items():
-        grp = groups[gkey]
-        if size and grp.size + len(new) + len(grp.failed) < size:
-            row_pending.keep(tt, gkey, grp, new)
+        pending = groups.get(gkey)
+        if pending is None:  # opened by this push, none of its runs reported failed
+            if size and len(new) < size:
+                row_pending.keep(tt, gkey, row_pending.opening(tt, gkey), new)
+                continue
+            result.completed_groups.append(gkey)
+            if not ending.complete(gkey, row_pending.view_new(tt, gkey, new), partial=False, indexed=False):
+                result.dropped_groups.append(gkey)
             continue
-        view = row_pending.view(tt, grp, new)
-        if grp.failed and too_short(tt, view):
+        if size and pending.size + len(new) + len(pending.failed) < size:
+            row_pending.keep(tt, gkey, pending, new)
+            continue
+        view = row_pending.view(tt, pending, new)
+        if pending.failed and too_short(tt, view):
             ending.drop_short(gkey, view)
             result.dropped_groups.append(gkey)
             continue
         result.completed_groups.append(gkey)
-        if not ending.complete(gkey, view, partial=bool(grp.failed), indexed=grp.head is not None):
+        if not ending.complete(gkey, view, partial=bool(pending.failed), indexed=pending.head is not None):
             result.dropped_groups.append(gkey)
         else:
-            tt.counters.groups_short += bool(grp.failed)
+            tt.counters.groups_short += bool(pending.failed)
     ending.done(compute=compute, ahead=ahead)
 
 
@@ -304,9 +341,11 @@ def _no_overfill(tt: TableState, gkey: str, members: int, failed: Mapping[str, s
 
 def _check_rewards(tt: TableState, entries: Iterable[Entry]) -> None:
     estimator = tt.config.advantages.estimator
+    if estimator == "none":  # no reward is needed
+        return
     needs_reward = estimator_of(tt.config).needs_reward
     for entry in entries:
-        if entry.reward is not None or estimator == "none":
+        if entry.reward is not None:
             continue
         if needs_reward or not entry.has_token_rewards:
             raise InvalidRequest(

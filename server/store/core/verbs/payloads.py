@@ -5,6 +5,8 @@ table's alike (groups.py, row_pending.py, retire.py, row_moves.py)."""
 
 from __future__ import annotations
 
+import itertools
+import operator
 from collections.abc import Callable, Mapping, Sequence, Set
 
 from ...disk import chunked, shared_prompts
@@ -13,28 +15,24 @@ from ...disk.layout import put_rows
 from ...schema.states import FAILED, State
 from ..table_state.state import TableState
 
+_SIZE, _VERSION = operator.attrgetter("size"), operator.attrgetter("version")
+
 
 def store(tt: TableState, by_group: Mapping[str, Sequence[Entry]]) -> None:
     """New experiences' payloads, in push order, counted pending with their bytes, places in the
     insertion order (next_seq) and versions: a records table's and a rows table's alike."""
-    counters = tt.counters
-    prefix, nbytes, count = tt.prefix, 0, 0
-    blobs: list[tuple[bytes, bytes]] = []
-    versions: list[int] = []
+    counters, prefix = tt.counters, tt.prefix
+    entries = list(itertools.chain.from_iterable(by_group.values()))
     sharing = shared_prompts.Sharing(tt.txn, tt.db)
-    for members in by_group.values():
-        for entry in members:
-            key = prefix + entry.uid.encode()
-            value = chunked.stored_value(
-                sharing, key, entry.blob, entry.response_length, entry.prompt_bytes, entry.chunks
-            )
-            blobs.append((key, value))
-            if entry.version is not None:
-                versions.append(entry.version)
-            nbytes += entry.size
-            count += 1
+    stored = chunked.stored_value
+    blobs = [
+        (key, stored(sharing, key, e.blob, e.response_length, e.prompt_bytes, e.chunks))
+        for key, e in zip([prefix + e.uid.encode() for e in entries], entries, strict=True)
+    ]
     sharing.close()
     put_rows(tt.txn, tt.db["blobs"], blobs)
+    count, nbytes = len(entries), sum(map(_SIZE, entries))
+    versions = [version for version in map(_VERSION, entries) if version is not None]
     counters.pending += count
     counters.next_seq += count
     counters.bytes += nbytes

@@ -13,6 +13,7 @@ What a member of such a group costs beyond one of a group pushed whole: its row 
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Mapping, Sequence, Set
 from types import MappingProxyType
 from typing import NamedTuple
@@ -29,6 +30,8 @@ from ..table_state.state import TableState, missing
 from ..table_state.views import RowGroup
 from . import payloads, pieces, segments
 
+_NONE_FAILED: Mapping[str, str] = MappingProxyType({})
+
 
 class PendingGroup(NamedTuple):
     """A rows table's pending group as a push meets it, its fragments unread (they are read once, when
@@ -43,17 +46,17 @@ class PendingGroup(NamedTuple):
 
 
 def stored(
-    tt: TableState, uids: Mapping[str, Sequence[str]]
+    tt: TableState, pushed: Mapping[str, Sequence[Entry]]
 ) -> tuple[dict[str, PendingGroup | None], dict[str, bytes]]:
-    """Of these groups (each with the uids a push brings it), those the table has: pending (a
+    """Of these groups (each with the entries a push brings it), those the table has: pending (a
     `PendingGroup`) or complete (None; computing too); and the stored digests of their members (uid ->
     digest), for a retried push's duplicates (a deleted member's is not): one directory read a group,
     one segment and its state read a segment, and a pending or computing group's fragments read only
-    where one of the uids' hashes is among its head's."""
+    where one of the entries' uids' hashes is among its head's."""
     found: dict[str, PendingGroup | None] = {}
     digests: dict[str, bytes] = {}
     views: dict[int, tuple[SegmentView, SegState]] = {}
-    for gkey, pushed in uids.items():
+    for gkey, entries in pushed.items():
         raw = tt.txn.get(tt.key(gkey), db=tt.db["gdir"])
         if raw is None:
             continue
@@ -64,7 +67,7 @@ def stored(
                 if entry.queued is not None
                 else PendingGroup(gkey, entry, len(entry.hashes), entry.failed, entry.created)
             )
-            if not set(entry.hashes).isdisjoint(map(_uid_hash, pushed)):
+            if not set(entry.hashes).isdisjoint(_uid_hash(pushed.uid) for pushed in entries):
                 digests.update((member.uid, member.digest) for member in tt.pending_rows(gkey, entry))
             continue
         found[gkey] = None
@@ -94,9 +97,14 @@ def opened(tt: TableState, gkey: str) -> RowGroup:
     return RowGroup(gkey, PENDING, (), created=tt.now)
 
 
-def opened_by_push(tt: TableState, gkey: str) -> PendingGroup:
-    """A new pending group a push opens, counted (`keep` writes it, unless the push completes it)."""
-    tt.counters.groups_pending += 1
+def opened_by_push(tt: TableState, count: int) -> None:
+    """New pending groups a push opens, counted: `keep` writes one (`opening`), unless the push
+    completes it (`view_new`)."""
+    tt.counters.groups_pending += count
+
+
+def opening(tt: TableState, gkey: str) -> PendingGroup:
+    """A pending group this request opened (counted: `opened_by_push`), as `keep` takes it."""
     return PendingGroup(gkey, None, 0, {}, tt.now)
 
 
@@ -112,10 +120,13 @@ def joined(tt: TableState, by_group: Mapping[str, Sequence[Entry]]) -> dict[str,
     (payloads.py); their rows by group (for `keep`, or for the group's segment: `view`)."""
     now, seq = tt.now, tt.counters.next_seq
     payloads.store(tt, by_group)
+    pushed = itertools.chain.from_iterable(by_group.values())
+    rows = list(map(Entry.member, pushed, itertools.count(seq), itertools.repeat(now)))
     found: dict[str, list[Member]] = {}
+    at = 0
     for gkey, entries in by_group.items():
-        found[gkey] = [entry.member(seq=seq + i, created=now) for i, entry in enumerate(entries)]
-        seq += len(entries)
+        found[gkey] = rows[at : at + len(entries)]
+        at += len(entries)
     return found
 
 
@@ -123,6 +134,12 @@ def view(tt: TableState, grp: PendingGroup, new: Sequence[Member]) -> RowGroup:
     """A pending group's view with its new members: its earlier ones read from its fragments."""
     rows = [*(tt.pending_rows(grp.key, grp.head) if grp.head is not None else ()), *new]
     return RowGroup(grp.key, PENDING, tuple(rows), MappingProxyType(dict(grp.failed)), created=grp.created)
+
+
+def view_new(tt: TableState, gkey: str, rows: Sequence[Member]) -> RowGroup:
+    """The view of a pending group this request opened (`opening`) with its members, none of its runs
+    reported failed: `view`'s, without a `PendingGroup` made first."""
+    return RowGroup(gkey, PENDING, tuple(rows), _NONE_FAILED, "", 0, tt.now)  # by position: one made a group
 
 
 def keep(tt: TableState, gkey: str, grp: RowGroup | PendingGroup, new: Sequence[Member] = ()) -> None:
@@ -194,7 +211,7 @@ def complete(tt: TableState, groups: Sequence[tuple[RowGroup, bool, bool]], was:
         if entry is not None and entry.queued is not None:
             partial = entry.partial
             places.append(entry.queued)
-        whole.append(segments.whole(grp.key, grp.created, grp.rows, partial=partial, failed=grp.failed))
+        whole.append(segments.whole(grp.key, grp.created, grp.rows, partial, grp.failed))
     segments.complete_ready(tt, whole, was, places if was == COMPUTING else None)
 
 

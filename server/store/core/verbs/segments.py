@@ -11,6 +11,8 @@ increasing, so no other counter is kept for segments.
 
 from __future__ import annotations
 
+import itertools
+import operator
 from collections.abc import Mapping, Sequence, Set
 from types import MappingProxyType
 
@@ -27,6 +29,7 @@ from ...disk.rows import (
     SegState,
     directory_entry,
     encode_segment,
+    group_refs,
 )
 from ...schema.states import FAILED, PENDING, QUARANTINED, READY, RETIRED, State
 from ...schema.views import Groups
@@ -36,6 +39,7 @@ from ..table_state.state import TableState
 from ..table_state.views import RowGroup
 
 _NONE_FAILED: Mapping[str, str] = MappingProxyType({})
+_CREATED = operator.attrgetter("created")
 
 
 def cut(groups: Sequence[Group]) -> list[list[Group]]:
@@ -57,17 +61,20 @@ def whole(
     gkey: str,
     created: float,
     members: Sequence[Member],
-    *,
     partial: bool = False,
     failed: Mapping[str, str] = _NONE_FAILED,
 ) -> Group:
     """A group as its segment keeps it once complete, with its members' lowest version (None unless
     every member has one) and highest priority, as core/verbs/groups.complete gives a records
     table's."""
+    runs = tuple(failed.items()) if failed else ()
+    if len(members) == 1:  # a group of one: its member's own
+        member = members[0]
+        return Group(gkey, created, members, member.priority, member.version, partial, runs)
     versions = [m.version for m in members if m.version is not None]
     version = min(versions) if versions and len(versions) == len(members) else None
-    priority = max((m.priority for m in members), default=0.0)
-    return Group(gkey, created, members, priority, version, partial, tuple(failed.items()))
+    priority = max([m.priority for m in members], default=0.0)
+    return Group(gkey, created, members, priority, version, partial, runs)
 
 
 def write(
@@ -105,20 +112,20 @@ def write(
             seg = places[at]
         key = prefix + u64(seg)
         segs.append((key, encode_segment(part, seg, tt.now)))
-        row = SegState.new([state] * len(part), sum(len(group.members) for group in part))
+        members = list(itertools.chain.from_iterable(group.members for group in part))
+        row = SegState.new([state] * len(part), len(members))
         for index, count in enumerate(() if times is None else times[done : done + len(part)]):
             row.set_times(index, count)
         done += len(part)
         if quarantined:
-            uids = [member.uid for group in part for member in group.members]
-            for i in (i for i, uid in enumerate(uids) if uid in quarantined):
+            for i in (i for i, member in enumerate(members) if member.uid in quarantined):
                 row.flag(i, SegState.QUARANTINED)
         if state in RETIRED:
             retired(tt, seg, row)
-        elif any(group.members for group in part):  # every member live, none deleted
-            live.append((seg, min(member.created for group in part for member in group.members)))
+        elif members:  # every member live, none deleted
+            live.append((seg, min(map(_CREATED, members))))
         states.append((key, row.encode()))
-        refs.extend((tt.key(group.key), GroupRef(seg, index).encode()) for index, group in enumerate(part))
+        refs.extend(zip([prefix + group.key.encode() for group in part], group_refs(seg, len(part)), strict=True))
         if state == READY:
             runs.append((key, RunRow(seg, 0, len(part)).encode()))
             if indexed and tt.ready.indexing():  # the indexes a take in another order read (row_select.py)
@@ -177,11 +184,12 @@ def complete_ready(
     together as rows, the counters moved as a records table's are (core/verbs/groups.complete)."""
     counters = tt.counters
     write(tt, groups, READY, places)
-    count = sum(len(group.members) for group in groups)
+    count = sum(map(len, (group.members for group in groups)))
     counters.add(was, -count)
     counters.add(READY, count)
     counters.add_groups(was, -len(groups))
     counters.add_groups(READY, len(groups))
     rate_counts.became_ready(tt, count)
-    ready: Groups = [(group.key, RowGroup(group.key, READY, tuple(group.members))) for group in groups]
-    tt.extensions.on_moved(tt, Moved(was, READY, ready))
+    if tt.extensions.hears("on_moved"):  # the groups' views made only for an extension that reads them
+        ready: Groups = [(group.key, RowGroup(group.key, READY, tuple(group.members))) for group in groups]
+        tt.extensions.on_moved(tt, Moved(was, READY, ready))

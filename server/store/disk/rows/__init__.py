@@ -6,14 +6,14 @@ read only by the table core (core/), the one owner of a table's records.
   `first_created`), which a pending group's fragment holds;
 - segments.py: a segment of completed groups (`Group`, `encode_segment`, `SegmentView`) and what
   changes of it (`SegState`);
-- directory.py: the group directory's entries (`GroupRef`, `PendingHead`, `directory_entry`,
-  `uid_hash`) and a pending group's fragments' keys (`fragment_key`);
+- directory.py: the group directory's entries (`GroupRef`, encoded a segment's at once: `group_refs`;
+  `PendingHead`, `directory_entry`, `uid_hash`) and a pending group's fragments' keys (`fragment_key`);
 - runs.py: the runs the ready orders keep (`RunRow`) and a lease of runs (`RowLease`).
 
 May import the disk room's records (their numbers and strings, a lease's head) and the schema.
 """
 
-from .directory import PENDING, REF, GroupRef, PendingHead, directory_entry, fragment_key, uid_hash
+from .directory import PENDING, REF, GroupRef, PendingHead, directory_entry, fragment_key, group_refs, uid_hash
 from .members import ROWS, Member, MemberBlock, decode_member_rows, encode_member_rows, encode_members, first_created
 from .runs import RowLease, RunRow, decode_lease
 from .segments import SEGMENT_GROUPS, SEGMENT_MEMBERS, Group, SegmentView, SegState, encode_segment
@@ -22,5 +22,5 @@ __all__ = [
     "PENDING", "REF", "ROWS", "SEGMENT_GROUPS", "SEGMENT_MEMBERS", "Group", "GroupRef", "Member", "MemberBlock",
     "PendingHead", "RowLease", "RunRow", "SegState", "SegmentView", "decode_lease", "decode_member_rows",
     "directory_entry", "encode_member_rows", "encode_members", "encode_segment", "first_created", "fragment_key",
-    "uid_hash",
+    "group_refs", "uid_hash",
 ]  # fmt: skip

@@ -45,6 +45,11 @@ class GroupRef(NamedTuple):
         return cls(seg, group)
 
 
+def group_refs(seg: int, count: int) -> list[bytes]:
+    """The directory entries of segment `seg`'s `count` groups, encoded: each its `GroupRef`'s."""
+    return [_REF.pack(REF, group, seg) for group in range(count)]
+
+
 @dataclass(slots=True, kw_only=True)
 class PendingHead:
     """A group that still takes members, or waits for its advantages: when it was opened, a hash of

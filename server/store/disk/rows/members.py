@@ -66,11 +66,14 @@ _HAS_SEGMENTS = 1
 
 
 def _stored(name: str, values: Sequence[object]) -> Sequence[object]:
-    if name in _OPTIONAL_INT:
-        return [_NONE_INT if value is None else value for value in values]
-    if name in _OPTIONAL_FLOAT:
-        return [math.nan if value is None else value for value in values]
-    return values
+    """A column's values as stored: absent ones (None) as their number. A column with none absent,
+    or none present, is not read value by value."""
+    absent = _NONE_INT if name in _OPTIONAL_INT else math.nan if name in _OPTIONAL_FLOAT else None
+    if absent is None or None not in values:
+        return values
+    if values.count(None) == len(values):
+        return [absent] * len(values)
+    return [absent if value is None else value for value in values]
 
 
 def _offsets(parts: Sequence[bytes | tuple[int, ...]]) -> bytes:
@@ -91,7 +94,7 @@ def encode_members(members: Sequence[Member]) -> bytes:
     parts = [_BLOCK.pack(count, flags), digests]
     for name, code in _COLUMNS:
         parts.append(struct.pack(f"<{count}{code}", *_stored(name, columns[_FIELD[name]])))
-    uids = [uid.encode() for uid in columns[_UID]]
+    uids = list(map(str.encode, columns[_UID]))
     parts.append(_offsets(uids))
     parts.extend(uids)
     if flags:

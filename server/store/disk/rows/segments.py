@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import operator
 import struct
 from collections.abc import Collection, Sequence
 from typing import NamedTuple
@@ -38,6 +39,7 @@ class Group(NamedTuple):
 
 _SEGMENT = struct.Struct("<BBHQd")  # ROWS, flags, groups, rseq of the first group, completed
 _KEYS_ARE_UIDS = 1  # every group is one member whose uid is its key: no keys stored
+_UID = operator.attrgetter("uid")
 _HAS_FAILED = 2
 
 
@@ -46,26 +48,33 @@ def encode_segment(groups: Sequence[Group], rseq0: int, completed: float) -> byt
     count = len(groups)
     if not 0 < count < 1 << 16:
         raise ValueError(f"a segment holds 1 to 65535 groups, not {count}")
-    keys_are_uids = all(len(g.members) == 1 and g.members[0].uid == g.key for g in groups)
-    failed = [(index, uid, reason) for index, g in enumerate(groups) for uid, reason in g.failed]
+    keys, created, members, priorities, versions, partials, runs = zip(*groups, strict=True)
+    sizes = list(map(len, members))
+    flat = list(itertools.chain.from_iterable(members))
+    keys_are_uids = sizes.count(1) == count and tuple(map(_UID, flat)) == keys
+    failed = [(index, uid, reason) for index, g in enumerate(runs) for uid, reason in g] if any(runs) else []
     flags = (_KEYS_ARE_UIDS if keys_are_uids else 0) | (_HAS_FAILED if failed else 0)
     parts = [
         _SEGMENT.pack(ROWS, flags, count, rseq0, completed),
-        struct.pack(f"<{count}I", *itertools.accumulate(len(g.members) for g in groups)),
-        struct.pack(f"<{count}d", *(g.created for g in groups)),
-        struct.pack(f"<{count}d", *(g.priority for g in groups)),
-        struct.pack(f"<{count}q", *(_NONE_INT if g.version is None else g.version for g in groups)),
-        bytes(_PARTIAL if g.partial else 0 for g in groups),
+        struct.pack(f"<{count}I", *itertools.accumulate(sizes)),
+        struct.pack(f"<{count}d", *created),
+        struct.pack(f"<{count}d", *priorities),
+        struct.pack(f"<{count}q", *(versions if None not in versions else [_stored_version(v) for v in versions])),
+        bytes([_PARTIAL if partial else 0 for partial in partials]) if any(partials) else bytes(count),
     ]
     if not keys_are_uids:
-        keys = [g.key.encode() for g in groups]
-        parts.append(_offsets(keys))
-        parts.extend(keys)
-    parts.append(encode_members([m for g in groups for m in g.members]))
+        encoded = [key.encode() for key in keys]
+        parts.append(_offsets(encoded))
+        parts.extend(encoded)
+    parts.append(encode_members(flat))
     if failed:
         parts.append(struct.pack("<I", len(failed)))
         parts.extend(struct.pack("<H", index) + _pack_str(uid) + _pack_str(reason) for index, uid, reason in failed)
     return b"".join(parts)
+
+
+def _stored_version(version: int | None) -> int:
+    return _NONE_INT if version is None else version
 
 
 class SegmentView:
