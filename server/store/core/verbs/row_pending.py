@@ -18,7 +18,7 @@ from collections.abc import Mapping, Sequence, Set
 from types import MappingProxyType
 from typing import NamedTuple
 
-from ...disk.kinds import Entry
+from ...disk.kinds import Entry, members
 from ...disk.layout import u64
 from ...disk.rows import Member, PendingHead, SegmentView, SegState, directory_entry, encode_member_rows, fragment_key
 from ...disk.rows import uid_hash as _uid_hash
@@ -56,8 +56,11 @@ def stored(
     found: dict[str, PendingGroup | None] = {}
     digests: dict[str, bytes] = {}
     views: dict[int, tuple[SegmentView, SegState]] = {}
-    for gkey, entries in pushed.items():
-        raw = tt.txn.get(tt.key(gkey), db=tt.db["gdir"])
+    txn, gdir, prefix = tt.txn, tt.db["gdir"], tt.prefix
+    raws = [txn.get(prefix + gkey.encode(), db=gdir) for gkey in pushed]
+    if raws.count(None) == len(raws):  # groups the push opens, all of them
+        return found, digests
+    for (gkey, entries), raw in zip(pushed.items(), raws, strict=True):
         if raw is None:
             continue
         entry = directory_entry(raw)
@@ -118,10 +121,9 @@ def open_pending(tt: TableState, gkey: str) -> RowGroup:
 def joined(tt: TableState, by_group: Mapping[str, Sequence[Entry]]) -> dict[str, list[Member]]:
     """New experiences join their groups, in push order: their payloads stored and counted pending
     (payloads.py); their rows by group (for `keep`, or for the group's segment: `view`)."""
-    now, seq = tt.now, tt.counters.next_seq
+    seq = tt.counters.next_seq
     payloads.store(tt, by_group)
-    pushed = itertools.chain.from_iterable(by_group.values())
-    rows = list(map(Entry.member, pushed, itertools.count(seq), itertools.repeat(now)))
+    rows = members(list(itertools.chain.from_iterable(by_group.values())), seq, tt.now)
     found: dict[str, list[Member]] = {}
     at = 0
     for gkey, entries in by_group.items():

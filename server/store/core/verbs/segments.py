@@ -39,12 +39,18 @@ from ..table_state.state import TableState
 from ..table_state.views import RowGroup
 
 _NONE_FAILED: Mapping[str, str] = MappingProxyType({})
-_CREATED = operator.attrgetter("created")
+_MEMBERS, _CREATED = operator.attrgetter("members"), operator.attrgetter("created")
 
 
 def cut(groups: Sequence[Group]) -> list[list[Group]]:
     """Groups in completion order, cut into segments: at most SEGMENT_GROUPS groups and
-    SEGMENT_MEMBERS members each, a larger group alone."""
+    SEGMENT_MEMBERS members each, a larger group alone. Groups all of one size (a push's groups of
+    one, or of its group size) are cut every as many as fit, without a look at each."""
+    sizes = {len(group.members) for group in groups}
+    if len(sizes) == 1:
+        (size,) = sizes
+        step = max(1, min(SEGMENT_GROUPS, SEGMENT_MEMBERS // size)) if size else SEGMENT_GROUPS
+        return [list(groups[at : at + step]) for at in range(0, len(groups), step)]
     segments: list[list[Group]] = []
     members = 0
     for group in groups:
@@ -112,7 +118,7 @@ def write(
             seg = places[at]
         key = prefix + u64(seg)
         segs.append((key, encode_segment(part, seg, tt.now)))
-        members = list(itertools.chain.from_iterable(group.members for group in part))
+        members = list(itertools.chain.from_iterable(map(_MEMBERS, part)))
         row = SegState.new([state] * len(part), len(members))
         for index, count in enumerate(() if times is None else times[done : done + len(part)]):
             row.set_times(index, count)
@@ -184,7 +190,7 @@ def complete_ready(
     together as rows, the counters moved as a records table's are (core/verbs/groups.complete)."""
     counters = tt.counters
     write(tt, groups, READY, places)
-    count = sum(map(len, (group.members for group in groups)))
+    count = sum(map(len, map(_MEMBERS, groups)))
     counters.add(was, -count)
     counters.add(READY, count)
     counters.add_groups(was, -len(groups))
