@@ -83,6 +83,15 @@ class Ending:
         self.closed.append((gkey, grp, recs, indexed))
         return True
 
+    def complete_opened(self, views: Sequence[RowGroup]) -> list[str]:
+        """Groups of a rows table this request opened and completes, none of their runs reported
+        failed, as `complete` takes each (not partial, not indexed), at once; the keys of those the
+        zero-variance filter drops instead."""
+        if self.tt.config.grouping.drop_zero_variance:
+            return [view.key for view in views if not self.complete(view.key, view, partial=False, indexed=False)]
+        self.rows.extend([(view, False, False) for view in views])
+        return []
+
     def _zero_variance(self, gkey: str, grp: GroupView) -> bool:
         """A group the zero-variance filter drops instead of completing it (False, as `complete`)."""
         self.drop(gkey, grp)
@@ -288,7 +297,12 @@ def _put_rows(
     row_pending.opened_by_push(tt, len(by_group) - len(groups))
     make_room(tt, sum(map(len, by_group.values())), sum(e.size for es in by_group.values() for e in es), set())
     ending = Ending(tt)
-    for gkey, new in row_pending.joined(tt, by_group).items():
+    joined = row_pending.joined(tt, by_group)
+    if not groups and min(map(len, joined.values()), default=size) >= size:  # it opens every group and fills each
+        result.completed_groups.extend(joined)
+        result.dropped_groups.extend(ending.complete_opened(row_pending.views_new(tt, joined)))
+        joined = {}
+    for gkey, new in joined.items():
         pending = groups.get(gkey)
         if pending is None:  # opened by this push, none of its runs reported failed
             if size and len(new) < size:

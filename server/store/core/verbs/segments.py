@@ -11,6 +11,7 @@ increasing, so no other counter is kept for segments.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import operator
 from collections.abc import Mapping, Sequence, Set
@@ -40,6 +41,7 @@ from ..table_state.views import RowGroup
 
 _NONE_FAILED: Mapping[str, str] = MappingProxyType({})
 _MEMBERS, _CREATED = operator.attrgetter("members"), operator.attrgetter("created")
+_GROUP = functools.partial(tuple.__new__, Group)  # Group._make less its count: `whole` gives every field
 
 
 def cut(groups: Sequence[Group]) -> list[list[Group]]:
@@ -74,9 +76,9 @@ def whole(
     every member has one) and highest priority, as core/verbs/groups.complete gives a records
     table's."""
     runs = tuple(failed.items()) if failed else ()
-    if len(members) == 1:  # a group of one: its member's own
+    if len(members) == 1:  # a group of one (one a pushed experience, where a table groups none): its member's own
         member = members[0]
-        return Group(gkey, created, members, member.priority, member.version, partial, runs)
+        return _GROUP((gkey, created, members, member.priority, member.version, partial, runs))
     versions = [m.version for m in members if m.version is not None]
     version = min(versions) if versions and len(versions) == len(members) else None
     priority = max([m.priority for m in members], default=0.0)
