@@ -3,6 +3,7 @@ store, the result of a push, a sampled batch, and a computation of advantages to
 
 from __future__ import annotations
 
+import functools
 import operator
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -101,23 +102,32 @@ class Entry:
 
     def record(self, gkey: str, *, seq: int, created: float) -> ItemRecord:
         """The record of this experience as a pending member of group `gkey`: what a rows table's
-        segment keeps of it (`member`), with its group and ids."""
+        segment keeps of it (`members`), with its group and ids."""
         return ItemRecord(
             state=PENDING, group=gkey, tid=self.tid, rid=self.rid, digest=self.digest, size=self.size, seq=seq,
             created=created, step=self.step, response_length=self.response_length, generated=self.generated,
             version=self.version, reward=self.reward, priority=self.priority, segments=self.segments,
         )  # fmt: skip
 
-    def member(self, seq: int, created: float) -> Member:
-        """This experience as a rows table's segment keeps it (disk/rows/), its fields in Member's order."""
-        return Member(
-            self.uid, self.digest, self.size, seq, created, self.step, self.response_length, self.generated,
-            self.version, self.reward, self.priority, None, None, self.segments,
-        )  # fmt: skip
-
     def group_key(self, group_by: str) -> str:
         key: str = getattr(self, GROUP_KEY_OF[group_by])
         return key
+
+
+def members(entries: Sequence[Entry], seq: int, created: float) -> list[Member]:
+    """The experiences as a rows table's segment keeps them (disk/rows/), the first at `seq` in the
+    insertion order, the others after it."""
+    return [
+        _MEMBER((
+            e.uid, e.digest, e.size, at, created, e.step, e.response_length, e.generated, e.version, e.reward,
+            e.priority, None, None, e.segments,
+        ))
+        for at, e in enumerate(entries, seq)
+    ]  # fmt: skip
+
+
+# Member._make less its count of the fields, as a push makes hundreds: `members` gives each of them.
+_MEMBER = functools.partial(tuple.__new__, Member)
 
 
 def group_keys(entries: Iterable[Entry], group_by: str) -> list[str]:

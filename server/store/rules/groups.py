@@ -83,6 +83,15 @@ class Ending:
         self.closed.append((gkey, grp, recs, indexed))
         return True
 
+    def complete_opened(self, views: Sequence[RowGroup]) -> list[str]:
+        """Groups of a rows table this request opened and completes, none of their runs reported
+        failed, as `complete` takes each (not partial, not indexed), at once; the keys of those the
+        zero-variance filter drops instead."""
+        if self.tt.config.grouping.drop_zero_variance:
+            return [view.key for view in views if not self.complete(view.key, view, partial=False, indexed=False)]
+        self.rows.extend([(view, False, False) for view in views])
+        return []
+
     def _zero_variance(self, gkey: str, grp: GroupView) -> bool:
         """A group the zero-variance filter drops instead of completing it (False, as `complete`)."""
         self.drop(gkey, grp)
@@ -284,24 +293,16 @@ def _put_rows(
     table's (`put`), the oldest ready groups evicted where it needs room (make_room). A group the push
     opens is not made a `PendingGroup` unless the push leaves it pending: most complete in their push."""
     size = tt.config.grouping.size
-    groups: dict[str, row_pending.PendingGroup] = {}  # those the table has (pending); not those the push opens
-    for gkey, members in by_group.items():
-        if gkey not in existing:
-            _no_overfill(tt, gkey, 0, {}, len(members))
-            continue
-        if (found := existing[gkey]) is None:
-            state = tt.existing_view(gkey).state
-            raise GroupClosed(f"group {gkey} is already complete ({state}); it takes no more experiences")
-        grp = found
-        if grp.failed:  # a run reported failed, then pushed after all (a retry that worked)
-            pushed = {entry.uid for entry in members}
-            grp = grp._replace(failed={uid: why for uid, why in grp.failed.items() if uid not in pushed})
-        _no_overfill(tt, gkey, grp.size, grp.failed, len(members))
-        groups[gkey] = grp
+    groups = _joining(tt, by_group, existing)
     row_pending.opened_by_push(tt, len(by_group) - len(groups))
     make_room(tt, sum(map(len, by_group.values())), sum(e.size for es in by_group.values() for e in es), set())
     ending = Ending(tt)
-    for gkey, new in row_pending.joined(tt, by_group).items():
+    joined = row_pending.joined(tt, by_group)
+    if not groups and min(map(len, joined.values()), default=size) >= size:  # it opens every group and fills each
+        result.completed_groups.extend(joined)
+        result.dropped_groups.extend(ending.complete_opened(row_pending.views_new(tt, joined)))
+        joined = {}
+    for gkey, new in joined.items():
         pending = groups.get(gkey)
         if pending is None:  # opened by this push, none of its runs reported failed
             if size and len(new) < size:
@@ -325,6 +326,33 @@ def _put_rows(
         else:
             tt.counters.groups_short += bool(pending.failed)
     ending.done(compute=compute, ahead=ahead)
+
+
+def _joining(
+    tt: TableState, by_group: dict[str, list[Entry]], existing: Mapping[str, row_pending.PendingGroup | None]
+) -> dict[str, row_pending.PendingGroup]:
+    """Of the groups a push joins, in push order, the pending ones the table has (`existing`), their
+    runs pushed now no longer failed; one complete refused (GroupClosed), one the push would overfill
+    refused (GroupOverfilled), a group it opens too. Where it opens every group and the table's
+    groups take any number, none is looked at."""
+    size = tt.config.grouping.size
+    groups: dict[str, row_pending.PendingGroup] = {}
+    if not existing and not size:
+        return groups
+    for gkey, members in by_group.items():
+        if gkey not in existing:
+            _no_overfill(tt, gkey, 0, {}, len(members))
+            continue
+        if (found := existing[gkey]) is None:
+            state = tt.existing_view(gkey).state
+            raise GroupClosed(f"group {gkey} is already complete ({state}); it takes no more experiences")
+        grp = found
+        if grp.failed:  # a run reported failed, then pushed after all (a retry that worked)
+            pushed = {entry.uid for entry in members}
+            grp = grp._replace(failed={uid: why for uid, why in grp.failed.items() if uid not in pushed})
+        _no_overfill(tt, gkey, grp.size, grp.failed, len(members))
+        groups[gkey] = grp
+    return groups
 
 
 def _no_overfill(tt: TableState, gkey: str, members: int, failed: Mapping[str, str], adding: int) -> None:

@@ -15,7 +15,7 @@ from ...disk.layout import put_rows
 from ...schema.states import FAILED, State
 from ..table_state.state import TableState
 
-_SIZE, _VERSION = operator.attrgetter("size"), operator.attrgetter("version")
+_SIZE = operator.attrgetter("size")
 
 
 def store(tt: TableState, by_group: Mapping[str, Sequence[Entry]]) -> None:
@@ -32,7 +32,7 @@ def store(tt: TableState, by_group: Mapping[str, Sequence[Entry]]) -> None:
     sharing.close()
     put_rows(tt.txn, tt.db["blobs"], blobs)
     count, nbytes = len(entries), sum(map(_SIZE, entries))
-    versions = [version for version in map(_VERSION, entries) if version is not None]
+    versions = [e.version for e in entries if e.version is not None]
     counters.pending += count
     counters.next_seq += count
     counters.bytes += nbytes

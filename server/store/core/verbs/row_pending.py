@@ -13,12 +13,13 @@ What a member of such a group costs beyond one of a group pushed whole: its row 
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Mapping, Sequence, Set
 from types import MappingProxyType
 from typing import NamedTuple
 
-from ...disk.kinds import Entry
+from ...disk.kinds import Entry, members
 from ...disk.layout import u64
 from ...disk.rows import Member, PendingHead, SegmentView, SegState, directory_entry, encode_member_rows, fragment_key
 from ...disk.rows import uid_hash as _uid_hash
@@ -56,8 +57,11 @@ def stored(
     found: dict[str, PendingGroup | None] = {}
     digests: dict[str, bytes] = {}
     views: dict[int, tuple[SegmentView, SegState]] = {}
-    for gkey, entries in pushed.items():
-        raw = tt.txn.get(tt.key(gkey), db=tt.db["gdir"])
+    txn, gdir, prefix = tt.txn, tt.db["gdir"], tt.prefix
+    raws = [txn.get(prefix + gkey.encode(), db=gdir) for gkey in pushed]
+    if raws.count(None) == len(raws):  # groups the push opens, all of them
+        return found, digests
+    for (gkey, entries), raw in zip(pushed.items(), raws, strict=True):
         if raw is None:
             continue
         entry = directory_entry(raw)
@@ -115,14 +119,13 @@ def open_pending(tt: TableState, gkey: str) -> RowGroup:
     return grp
 
 
-def joined(tt: TableState, by_group: Mapping[str, Sequence[Entry]]) -> dict[str, list[Member]]:
+def joined(tt: TableState, by_group: Mapping[str, Sequence[Entry]]) -> dict[str, tuple[Member, ...]]:
     """New experiences join their groups, in push order: their payloads stored and counted pending
     (payloads.py); their rows by group (for `keep`, or for the group's segment: `view`)."""
-    now, seq = tt.now, tt.counters.next_seq
+    seq = tt.counters.next_seq
     payloads.store(tt, by_group)
-    pushed = itertools.chain.from_iterable(by_group.values())
-    rows = list(map(Entry.member, pushed, itertools.count(seq), itertools.repeat(now)))
-    found: dict[str, list[Member]] = {}
+    rows = tuple(members(list(itertools.chain.from_iterable(by_group.values())), seq, tt.now))  # a view's slices
+    found: dict[str, tuple[Member, ...]] = {}
     at = 0
     for gkey, entries in by_group.items():
         found[gkey] = rows[at : at + len(entries)]
@@ -140,6 +143,15 @@ def view_new(tt: TableState, gkey: str, rows: Sequence[Member]) -> RowGroup:
     """The view of a pending group this request opened (`opening`) with its members, none of its runs
     reported failed: `view`'s, without a `PendingGroup` made first."""
     return RowGroup(gkey, PENDING, tuple(rows), _NONE_FAILED, "", 0, tt.now)  # by position: one made a group
+
+
+def views_new(tt: TableState, joined: Mapping[str, Sequence[Member]]) -> list[RowGroup]:
+    """`view_new`'s of groups this request opened, each with its members (`joined`'s), at once."""
+    now, none = tt.now, frozenset[str]()
+    return [_ROW_GROUP((gkey, PENDING, tuple(rows), _NONE_FAILED, "", 0, now, none)) for gkey, rows in joined.items()]
+
+
+_ROW_GROUP = functools.partial(tuple.__new__, RowGroup)  # RowGroup._make less its count: every field given
 
 
 def keep(tt: TableState, gkey: str, grp: RowGroup | PendingGroup, new: Sequence[Member] = ()) -> None:
@@ -203,6 +215,11 @@ def complete(tt: TableState, groups: Sequence[tuple[RowGroup, bool, bool]], was:
     reported failed) and whether it was written (`keep`; a group opened and filled by one push never
     is). A computing group's head says whether it completed partial, and its place in the ready
     order: the rseq it took when it completed, a records table's group's."""
+    views, partials, writes = zip(*groups, strict=True) if groups else ((), (), ())
+    if was == PENDING and not any(partials) and not any(writes):  # opened and completed by this request
+        whole = [segments.whole(grp.key, grp.created, grp.rows, False, grp.failed) for grp in views]
+        segments.complete_ready(tt, whole, was)
+        return
     whole, places = [], []
     for grp, partial, written in groups:
         entry = _forget(tt, grp.key) if written else None

@@ -11,6 +11,7 @@ increasing, so no other counter is kept for segments.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import operator
 from collections.abc import Mapping, Sequence, Set
@@ -39,12 +40,19 @@ from ..table_state.state import TableState
 from ..table_state.views import RowGroup
 
 _NONE_FAILED: Mapping[str, str] = MappingProxyType({})
-_CREATED = operator.attrgetter("created")
+_MEMBERS, _CREATED = operator.attrgetter("members"), operator.attrgetter("created")
+_GROUP = functools.partial(tuple.__new__, Group)  # Group._make less its count: `whole` gives every field
 
 
 def cut(groups: Sequence[Group]) -> list[list[Group]]:
     """Groups in completion order, cut into segments: at most SEGMENT_GROUPS groups and
-    SEGMENT_MEMBERS members each, a larger group alone."""
+    SEGMENT_MEMBERS members each, a larger group alone. Groups all of one size (a push's groups of
+    one, or of its group size) are cut every as many as fit, without a look at each."""
+    sizes = {len(group.members) for group in groups}
+    if len(sizes) == 1:
+        (size,) = sizes
+        step = max(1, min(SEGMENT_GROUPS, SEGMENT_MEMBERS // size)) if size else SEGMENT_GROUPS
+        return [list(groups[at : at + step]) for at in range(0, len(groups), step)]
     segments: list[list[Group]] = []
     members = 0
     for group in groups:
@@ -68,9 +76,9 @@ def whole(
     every member has one) and highest priority, as core/verbs/groups.complete gives a records
     table's."""
     runs = tuple(failed.items()) if failed else ()
-    if len(members) == 1:  # a group of one: its member's own
+    if len(members) == 1:  # a group of one (one a pushed experience, where a table groups none): its member's own
         member = members[0]
-        return Group(gkey, created, members, member.priority, member.version, partial, runs)
+        return _GROUP((gkey, created, members, member.priority, member.version, partial, runs))
     versions = [m.version for m in members if m.version is not None]
     version = min(versions) if versions and len(versions) == len(members) else None
     priority = max([m.priority for m in members], default=0.0)
@@ -112,7 +120,7 @@ def write(
             seg = places[at]
         key = prefix + u64(seg)
         segs.append((key, encode_segment(part, seg, tt.now)))
-        members = list(itertools.chain.from_iterable(group.members for group in part))
+        members = list(itertools.chain.from_iterable(map(_MEMBERS, part)))
         row = SegState.new([state] * len(part), len(members))
         for index, count in enumerate(() if times is None else times[done : done + len(part)]):
             row.set_times(index, count)
@@ -184,7 +192,7 @@ def complete_ready(
     together as rows, the counters moved as a records table's are (core/verbs/groups.complete)."""
     counters = tt.counters
     write(tt, groups, READY, places)
-    count = sum(map(len, (group.members for group in groups)))
+    count = sum(map(len, map(_MEMBERS, groups)))
     counters.add(was, -count)
     counters.add(READY, count)
     counters.add_groups(was, -len(groups))

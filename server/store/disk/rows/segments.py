@@ -17,7 +17,7 @@ from typing import NamedTuple
 
 from ...schema.states import LIVE, STATES, State
 from ..records import _float_or_none, _opt_float, _pack_str, _unpack_str
-from .members import _NONE_INT, _PARTIAL, ROWS, Member, MemberBlock, _offsets, encode_members
+from .members import _NONE_INT, _PARTIAL, ROWS, Member, MemberBlock, _offsets, _stored, encode_members
 
 SEGMENT_GROUPS = 64
 SEGMENT_MEMBERS = 256
@@ -59,7 +59,7 @@ def encode_segment(groups: Sequence[Group], rseq0: int, completed: float) -> byt
         struct.pack(f"<{count}I", *itertools.accumulate(sizes)),
         struct.pack(f"<{count}d", *created),
         struct.pack(f"<{count}d", *priorities),
-        struct.pack(f"<{count}q", *(versions if None not in versions else [_stored_version(v) for v in versions])),
+        struct.pack(f"<{count}q", *_stored("version", versions)),
         bytes([_PARTIAL if partial else 0 for partial in partials]) if any(partials) else bytes(count),
     ]
     if not keys_are_uids:
@@ -71,10 +71,6 @@ def encode_segment(groups: Sequence[Group], rseq0: int, completed: float) -> byt
         parts.append(struct.pack("<I", len(failed)))
         parts.extend(struct.pack("<H", index) + _pack_str(uid) + _pack_str(reason) for index, uid, reason in failed)
     return b"".join(parts)
-
-
-def _stored_version(version: int | None) -> int:
-    return _NONE_INT if version is None else version
 
 
 class SegmentView:
@@ -189,7 +185,7 @@ class SegState:
         groups = len(states)
         buf = bytearray(cls._HEAD.size + (1 + 4 + cls.LEASE) * groups + members)
         cls._HEAD.pack_into(buf, 0, ROWS, 0, groups, members, math.nan)
-        buf[cls._HEAD.size : cls._HEAD.size + groups] = bytes(_STATE_CODE[state] for state in states)
+        buf[cls._HEAD.size : cls._HEAD.size + groups] = bytes(map(_STATE_CODE.__getitem__, states))
         return cls(buf)
 
     @classmethod
