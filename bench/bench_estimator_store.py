@@ -107,7 +107,7 @@ def latency(groups_per_push: int, pushes: int, rounds: int) -> dict[str, list[fl
     times: dict[str, list[float]] = {"grpo": [], "none": [], "compute_ahead": [], "compute_in_push": []}
     undo = [
         timed(pushed_advantages, "compute_ahead", times["compute_ahead"]),  # called there by the store
-        timed(groups, "compute_in_push", times["compute_in_push"]),  # called by groups.put
+        timed(groups, "compute_in_push", times["compute_in_push"]),  # called by pushes.put
     ]
     try:
         for r in range(rounds):

@@ -41,7 +41,7 @@ STAGES = (
     ("durable commit (LMDB commit, fsync)", "_mdb_txn_commit"),
     ("parse (validate the payload)", ("parse ", "CPyPy_expbuf___client___trxp___parse___parse ")),
     ("pack each experience (Entry.of: repack, XXH3-128)", "Entry.of "),
-    ("store the push (records, indexes, LMDB puts)", "put ("),  # groups.put
+    ("store the push (records, indexes, LMDB puts)", "put ("),  # pushes.put
     ("store: table and counters around the put", "Store.put_entries"),
     ("write loop and hand-offs", "Environment._write_loop"),
     ("ingest processes: hand-off and results", "Ingest."),

@@ -235,7 +235,7 @@ def test_no_hand_written_paragraph_runs_on_past_what_a_reader_scans() -> None:
 
 # A sequence diagram's participants are modules or rooms of the tree ("server/rpc/interceptors/auth.py",
 # "server/store/core/"), or lmdb; a call (a solid arrow) is labelled with the names the receiver
-# holds ("groups.put" in server/store/rules/ is put in rules/groups.py), or "rpc Push" for an RPC.
+# holds ("pushes.put" in server/store/rules/ is put in rules/pushes.py), or "rpc Push" for an RPC.
 MERMAID = re.compile(r"^```mermaid\n(.*?)^```", re.M | re.S)
 PARTICIPANT = re.compile(r"^\s*(?:participant|actor)\s+(\w+)(?:\s+as\s+(.+?))?\s*$", re.M)
 ARROW = re.compile(r"^\s*(\w+)\s*(--?)(?:>>|>|x|\))[+-]?\s*(\w+)\s*:\s*(.*)$", re.M)

@@ -6,7 +6,7 @@ the store's own its settings call for, and the kinds it names), and its services
 (pushing.py), reads (reads.py), sampling (sampling.py), the prompt ledger's claims (claims.py),
 upkeep (upkeep.py), the scrub (scrub.py) and the background builds of the indexes a table lacks
 (index_builds.py). It puts each request through the writer as
-one table's transaction: a table's state (core/table_state/state.py) changed by the rules (groups.py,
+one table's transaction: a table's state (core/table_state/state.py) changed by the rules (pushes.py, groups.py,
 capacity.py, leases.py, limiter.py, admission.py, staleness.py) through the table core's verbs
 (core/: the only code that writes a table's records). Reads are
 answered from read transactions. Nothing lives only in memory but the table list, so a

@@ -7,7 +7,7 @@ Format 4 digests with XXH3-128, some 25 times faster than SHA-256 (with SHA-NI) 
 only the pusher of a uid chooses the content stored under it. Format 3 digested with SHA-256:
 the upgrade gives every stored payload its new digest, and the tombstones it leaves keep their
 old one (their payloads are gone) until they are pruned: a retried push matches either
-(groups.put).
+(pushes.put).
 """
 
 from __future__ import annotations

@@ -11,13 +11,12 @@ bytes and totals are counters written in the same transaction as the records.
 
 from __future__ import annotations
 
-from collections import defaultdict
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Sequence
 
 from expbuf.client.schema.routing import uid_group_key
 
 from ..core.ordering.ready import Row
-from ..core.table_state.events import Inserted, Pushed, Resent
+from ..core.table_state.events import Pushed
 from ..core.table_state.state import TableState
 from ..core.table_state.views import RowGroup
 from ..core.verbs import groups as core_groups
@@ -25,24 +24,19 @@ from ..core.verbs import pieces, row_pending
 from ..core.verbs.compute import store_advantages, store_row_advantages
 from ..core.verbs.groups import Closed
 from ..core.verbs.retire import retire
-from ..disk import digests
-from ..disk.kinds import Ahead, Compute, Entry, FailResult, PutResult, ShapingUpdate, group_keys
+from ..disk.kinds import Ahead, Compute, FailResult, ShapingUpdate
 from ..schema.errors import (
     Conflict,
     GroupClosed,
     GroupOverfilled,
-    InvalidPayload,
     InvalidRequest,
     NotFound,
     clip,
 )
-from ..schema.states import COMPUTING, DROPPED, FAILED, PENDING, RETIRED, State
-from ..schema.table_config import estimator_of
+from ..schema.states import COMPUTING, DROPPED, FAILED, PENDING, State
 from ..schema.views import GroupView, Members
-from .capacity import make_room
 from .pushed_advantages import (
     add_shaping,
-    compute_in_push,
     compute_rows_in_push,
     drop_below_threshold,
     zero_variance,
@@ -137,268 +131,6 @@ class Ending:
         if rows and estimated and compute is not None:  # after the others leave, as put's compute_in_push
             compute_rows_in_push(self.tt, rows, compute, ahead)
         self.closed, self.rows, self.gone, self.lost = [], [], {}, []
-
-
-def put(
-    tt: TableState,
-    entries: Sequence[Entry],
-    *,
-    holder: str,
-    compute: Compute | None = None,
-    ahead: Ahead | None = None,
-) -> PutResult:
-    """Store a push: each new experience joins its group, and each group it fills becomes
-    ready (or computing). Per-item work is done in passes over the whole push: payloads,
-    insertion order and ready indexes are written one database at a time. `holder` is who
-    pushes (kinds.Push.holder: the prompt ledger lets only a prompt's claimant push its group).
-    With `compute` (the table's advantage computation, where the server gives one), the groups
-    it completes get their advantages in its transaction (`ahead`: computed before it;
-    compute_in_push)."""
-    if tt.txn.get(tt.config.name.encode(), db=tt.db["tables"]) is None:
-        raise NotFound(f"table '{tt.config.name}' does not exist")
-    result = PutResult()
-    rows = tt.config.storage.layout == "rows"
-    keys = group_keys(entries, tt.config.grouping.by)
-    existing: dict[str, row_pending.PendingGroup | None] = {}
-    if rows:
-        by_group = _by_group(entries, keys)
-        # the directory entries of this push's groups, and the digests of their members stored
-        existing, stored = row_pending.stored(tt, by_group)
-        fresh = {entry.uid: entry for entry in entries}
-        if stored or len(fresh) < len(entries):  # some may be stored already, or pushed twice
-            fresh, by_group = _screen(tt, entries, keys, stored, result, holder)
-    else:
-        fresh, by_group = _screen(tt, entries, keys, None, result, holder)
-    _check_rewards(tt, fresh.values())
-    _check_eids(tt, fresh.values())
-    if by_group:  # a push of pieces alone, or of copies alone, was heard of as such
-        tt.extensions.on_pushed(tt, Pushed(list(by_group), holder))
-    if rows:
-        _put_rows(tt, by_group, existing, compute, ahead, result)
-        return _stored(tt, result, list(fresh))
-    groups: dict[str, GroupView] = {}
-    opened: set[str] = set()  # groups this push starts: not in the pending index yet
-    size = tt.config.grouping.size
-    for gkey, members in by_group.items():
-        grp = tt.view(gkey)
-        if grp is None:
-            grp = core_groups.new(tt)
-            opened.add(gkey)
-        elif grp.state != PENDING:
-            raise GroupClosed(f"group {gkey} is already complete ({grp.state}); it takes no more experiences")
-        if grp.failed:  # a run reported failed, then pushed after all (a retry that worked)
-            core_groups.forget_failed(grp, [entry.uid for entry in members])
-        _no_overfill(tt, gkey, len(grp.members), grp.failed, len(members))
-        groups[gkey] = grp
-    make_room(tt, len(fresh), sum(e.size for e in fresh.values()), set(groups))
-    core_groups.add_members(tt, by_group, groups)
-    ending = Ending(tt)
-    for gkey, grp in groups.items():
-        if size == 0 or len(grp.members) + len(grp.failed) >= size:
-            if grp.failed and too_short(tt, grp):
-                ending.drop_short(gkey, grp)
-                result.dropped_groups.append(gkey)
-                continue
-            result.completed_groups.append(gkey)
-            if not ending.complete(gkey, grp, partial=bool(grp.failed), indexed=gkey not in opened):
-                result.dropped_groups.append(gkey)
-            else:
-                tt.counters.groups_short += bool(grp.failed)
-        else:
-            if gkey in opened:
-                core_groups.pend(tt, gkey, grp)
-            core_groups.keep(tt, gkey, grp)
-    ready: list[Row] = []
-    computing: list[Members] | None = [] if compute is not None else None
-    ending.done(ready=ready, computing=computing)
-    if computing:
-        compute_in_push(tt, computing, ready, compute, ahead)
-    tt.ready.add_many(ready)
-    return _stored(tt, result, list(fresh))
-
-
-def _stored(tt: TableState, result: PutResult, stored: list[str]) -> PutResult:
-    """A push's end: what it stored counted and heard of, the counters saved."""
-    result.stored = stored
-    tt.counters.pushed += len(stored)
-    tt.counters.duplicates += len(result.duplicates)
-    if stored:
-        tt.extensions.on_inserted(tt, Inserted(stored))
-    tt.save()
-    return result
-
-
-def _by_group(entries: Iterable[Entry], keys: Iterable[str]) -> dict[str, list[Entry]]:
-    """The entries by group, in push order, each entry's group key in `keys`."""
-    found: dict[str, list[Entry]] = defaultdict(list)
-    for entry, gkey in zip(entries, keys, strict=True):
-        found[gkey].append(entry)
-    return found
-
-
-def _screen(
-    tt: TableState,
-    entries: Sequence[Entry],
-    keys: Sequence[str],
-    stored: Mapping[str, bytes] | None,
-    result: PutResult,
-    holder: str,
-) -> tuple[dict[str, Entry], dict[str, list[Entry]]]:
-    """A push's new experiences (uid -> entry), and by group, its copies (the same uid and payload
-    again, or stored already) its duplicates; a uid pushed or stored with another payload refused
-    (Conflict). `stored`: a rows table's stored digests of the push's uids (row_pending.stored); a
-    records table's (None) are read from their records."""
-    fresh: dict[str, Entry] = {}
-    by_group: dict[str, list[Entry]] = defaultdict(list)
-    copies: dict[str, None] = {}  # the groups of the duplicates
-    for entry, gkey in zip(entries, keys, strict=True):
-        known = fresh.get(entry.uid)
-        if known is not None:
-            same = known.digest == entry.digest
-        elif stored is not None:
-            digest = stored.get(entry.uid)
-            if digest is None:
-                fresh[entry.uid] = entry
-                by_group[gkey].append(entry)
-                continue
-            # a tombstone a format-3 directory left keeps the digest of that format through its upgrades
-            same = digest == entry.digest or digest == digests.format_3(entry.blob)
-        else:
-            rec = tt.member(entry.uid)
-            if rec is None:
-                fresh[entry.uid] = entry
-                by_group[gkey].append(entry)
-                continue
-            # A tombstone left by format 3 keeps the digest of that format (its payload is gone).
-            same = rec.digest == entry.digest or (rec.state in RETIRED and rec.digest == digests.format_3(entry.blob))
-        if not same:
-            raise Conflict(f"uid {entry.uid} already exists with different content")
-        result.duplicates.append(entry.uid)
-        copies[gkey] = None
-    if copies:  # a copy is answered as stored only to whoever may push its group
-        tt.extensions.on_resent(tt, Resent(list(copies), holder))
-    return fresh, by_group
-
-
-def _put_rows(
-    tt: TableState,
-    by_group: dict[str, list[Entry]],
-    existing: dict[str, row_pending.PendingGroup | None],
-    compute: Compute | None,
-    ahead: Ahead | None,
-    result: PutResult,
-) -> None:
-    """A push into a table of layout "rows" (issue 64, whose rows land a step at a time): its groups
-    joined, completed (with their advantages, or computing), kept pending or dropped as a records
-    table's (`put`), the oldest ready groups evicted where it needs room (make_room). A group the push
-    opens is not made a `PendingGroup` unless the push leaves it pending: most complete in their push."""
-    size = tt.config.grouping.size
-    groups = _joining(tt, by_group, existing)
-    row_pending.opened_by_push(tt, len(by_group) - len(groups))
-    make_room(tt, sum(map(len, by_group.values())), sum(e.size for es in by_group.values() for e in es), set())
-    ending = Ending(tt)
-    joined = row_pending.joined(tt, by_group)
-    if not groups and min(map(len, joined.values()), default=size) >= size:  # it opens every group and fills each
-        result.completed_groups.extend(joined)
-        result.dropped_groups.extend(ending.complete_opened(row_pending.views_new(tt, joined)))
-        joined = {}
-    for gkey, new in joined.items():
-        pending = groups.get(gkey)
-        if pending is None:  # opened by this push, none of its runs reported failed
-            if size and len(new) < size:
-                row_pending.keep(tt, gkey, row_pending.opening(tt, gkey), new)
-                continue
-            result.completed_groups.append(gkey)
-            if not ending.complete(gkey, row_pending.view_new(tt, gkey, new), partial=False, indexed=False):
-                result.dropped_groups.append(gkey)
-            continue
-        if size and pending.size + len(new) + len(pending.failed) < size:
-            row_pending.keep(tt, gkey, pending, new)
-            continue
-        view = row_pending.view(tt, pending, new)
-        if pending.failed and too_short(tt, view):
-            ending.drop_short(gkey, view)
-            result.dropped_groups.append(gkey)
-            continue
-        result.completed_groups.append(gkey)
-        if not ending.complete(gkey, view, partial=bool(pending.failed), indexed=pending.head is not None):
-            result.dropped_groups.append(gkey)
-        else:
-            tt.counters.groups_short += bool(pending.failed)
-    ending.done(compute=compute, ahead=ahead)
-
-
-def _joining(
-    tt: TableState, by_group: dict[str, list[Entry]], existing: Mapping[str, row_pending.PendingGroup | None]
-) -> dict[str, row_pending.PendingGroup]:
-    """Of the groups a push joins, in push order, the pending ones the table has (`existing`), their
-    runs pushed now no longer failed; one complete refused (GroupClosed), one the push would overfill
-    refused (GroupOverfilled), a group it opens too. Where it opens every group and the table's
-    groups take any number, none is looked at."""
-    size = tt.config.grouping.size
-    groups: dict[str, row_pending.PendingGroup] = {}
-    if not existing and not size:
-        return groups
-    for gkey, members in by_group.items():
-        if gkey not in existing:
-            _no_overfill(tt, gkey, 0, {}, len(members))
-            continue
-        if (found := existing[gkey]) is None:
-            state = tt.existing_view(gkey).state
-            raise GroupClosed(f"group {gkey} is already complete ({state}); it takes no more experiences")
-        grp = found
-        if grp.failed:  # a run reported failed, then pushed after all (a retry that worked)
-            pushed = {entry.uid for entry in members}
-            grp = grp._replace(failed={uid: why for uid, why in grp.failed.items() if uid not in pushed})
-        _no_overfill(tt, gkey, grp.size, grp.failed, len(members))
-        groups[gkey] = grp
-    return groups
-
-
-def _no_overfill(tt: TableState, gkey: str, members: int, failed: Mapping[str, str], adding: int) -> None:
-    """Refuse `adding` more experiences to a group of `members` and `failed` runs that they would
-    overfill (GroupOverfilled)."""
-    size = tt.config.grouping.size
-    if size and members + len(failed) + adding > size:
-        raise GroupOverfilled(
-            f"group {gkey} has {members} of {size} experiences"
-            + (f" and {len(failed)} runs reported failed" if failed else "")
-            + f"; {adding} more would overfill it"
-        )
-
-
-def _check_rewards(tt: TableState, entries: Iterable[Entry]) -> None:
-    estimator = tt.config.advantages.estimator
-    if estimator == "none":  # no reward is needed
-        return
-    needs_reward = estimator_of(tt.config).needs_reward
-    for entry in entries:
-        if entry.reward is not None:
-            continue
-        if needs_reward or not entry.has_token_rewards:
-            raise InvalidRequest(
-                f"uid {entry.uid} has no reward; table '{tt.config.name}' computes advantages "
-                f"with {estimator}, which needs one" + (" (or token_level_reward)" if not needs_reward else "")
-            )
-
-
-# The group key of an eid whose batch and task are both empty (Trinity-RFT's and expbuf's defaults).
-NO_EID = "/"
-
-
-def _check_eids(tt: TableState, entries: Iterable[Entry]) -> None:
-    """A table that groups refuses an experience without an eid: every such experience would
-    join one group, which the first group_size of them complete and the next finds closed."""
-    by = tt.config.grouping.by
-    if by == "none":
-        return
-    for entry in entries:
-        if entry.tid == NO_EID:
-            raise InvalidPayload(
-                f"uid {clip(entry.uid)} has no eid (its batch and task are empty), and table '{tt.config.name}' groups"
-                f" by {by}: give each experience EID(batch=..., task=..., run=...), its group's task and its own run"
-                ' (a table of group_by = "none" takes experiences without one)'
-            )
 
 
 def finish_compute(

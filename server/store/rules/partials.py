@@ -94,7 +94,7 @@ def take(tt: TableState, entries: Sequence[Entry], room: Callable[[int], None], 
     piece came; an entry pushed whole replaces any pieces of its uid. `room(size)` makes room in
     the table for each piece stored (capacity.py), as the rollout it finishes makes for itself; a
     rollout may take `most` bytes (the largest push), and the table's capacity_bytes (`bounded`).
-    `holder` is who pushes (groups.put)."""
+    `holder` is who pushes (pushes.put)."""
     taken = PiecesTaken()
     finished = _heard(tt, [entry.uid for entry in entries if entry.piece is not None], holder)
     for entry in entries:

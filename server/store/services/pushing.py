@@ -46,7 +46,7 @@ from ..core.table_state.state import TableState
 from ..disk import chunk_heads, chunked, layout, zstd_workers
 from ..disk.environment import Environment
 from ..disk.kinds import Ahead, Compute, Entry, MayWait, Push, PutResult
-from ..rules import capacity, groups, limiter, partials, pushed_advantages
+from ..rules import capacity, limiter, partials, pushed_advantages, pushes
 from ..schema.errors import Conflict, InsertLimited, NotFound, TableFull
 from ..schema.table_config import TableConfig
 from ..tables import admission
@@ -360,7 +360,7 @@ class Pushing:
         )
         kept, stale = admission.screen(tt, entries if pieces is None else pieces.entries)
         compute = in_push(tt.config) if in_push is not None else None
-        result = groups.put(tt, kept, holder=holder, compute=compute, ahead=ahead)
+        result = pushes.put(tt, kept, holder=holder, compute=compute, ahead=ahead)
         result.stale = stale
         if pieces is not None:
             result.partial, result.duplicates = pieces.stored, [*pieces.duplicates, *result.duplicates]

@@ -214,7 +214,7 @@ def _digests_to_xxh3(txn: lmdb.Transaction[bytes], dbs: dict[str, lmdb._Database
     """Give every experience whose payload is stored the digest format 4 takes at push: that of the
     payload, or, for a payload kept as format 1 wrote it, of its canonical packing (as Entry.of
     takes it), once the SHA-256 digest has shown it undamaged; a damaged one keeps its digest, for
-    the check at open to name. A tombstone keeps its SHA-256 digest, which groups.put still
+    the check at open to name. A tombstone keeps its SHA-256 digest, which pushes.put still
     recognises, so a retried push of it stays a duplicate until it is pruned. Each record is
     rewritten as the scan passes it, at the same size, so the upgrade holds no list of them."""
     with txn.cursor(db=dbs["items"]) as cur:
