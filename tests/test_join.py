@@ -1,15 +1,19 @@
 """Joining stored experiences into one batch: the exact bytes of the batch header, with and
-without tensors added per item, whatever layout the stored headers have."""
+without tensors added per item, whatever layout the stored headers have; and the same stored
+experiences read as columns."""
 
 from __future__ import annotations
 
 import json
+import math
 import struct
 
 import pytest
 
 from expbuf.client import trxp
-from expbuf.client.trxp.codec.common import HEADER_SIZE
+from expbuf.client.trxp.codec.common import HEADER_SIZE, ITEMSIZE
+from expbuf.client.trxp.stored.columns import column_parts
+from expbuf.client.trxp.stored.pieces import SplitPayload, Stored, realized, section_at
 
 from conftest import payload
 
@@ -130,3 +134,79 @@ def test_dropped_tensors_leave_every_item_and_nothing_else_does(layout: str) -> 
     for item, back in zip(items, got, strict=True):
         assert back.tensors == {n: t for n, t in item.tensors.items() if n not in ("advantages", "returns")}
         assert back.meta == item.meta
+
+
+def with_tensors(item: trxp.RawItem, tensors: dict[str, trxp.RawTensor]) -> trxp.RawItem:
+    return trxp.RawItem(meta=item.meta, tensors=tensors)
+
+
+def trailing(blob: bytes) -> bytes:
+    """The same one-item payload with bytes after its last tensor, in its section."""
+    meta, header, data = sections(blob)
+    text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
+    text += b" " * (-len(text) % 8)
+    data += b"\x07" * 5
+    head = struct.pack("<4sBQQ", b"TRXP", 1, len(meta), 8 + len(text) + len(data))
+    return head + meta + struct.pack("<Q", len(text)) + text + data
+
+
+def in_pieces(blob: bytes) -> SplitPayload:
+    """A one-item payload as a store hands on one kept in chunks: its section in pieces."""
+    start = section_at(blob)
+    cut = start + (len(blob) - start) // 2
+    return SplitPayload(memoryview(blob)[:start], [memoryview(blob)[start:cut], blob[cut:]])
+
+
+def every_header_shape(layout: str) -> tuple[list[trxp.RawItem], list[Stored]]:
+    """Items whose stored headers the splice reads in one pass, and items whose headers it reads
+    otherwise (no tensors, more tensors than one pass reads, names JSON escapes, bytes after the
+    last tensor), stored as `layout`."""
+    base = stored_items()[0]
+    many = {f"multi_modal_inputs:t{i}": trxp.RawTensor("U8", (i, 1), bytes(range(i))) for i in range(15)}
+    escaped = {'multi_modal_inputs:r\u00e9"t\n': trxp.RawTensor("F32", (1,), b"\x02" * 4)}
+    items = [
+        base,
+        with_tensors(base, {}),
+        with_tensors(base, {"logprobs": trxp.RawTensor("F32", (), b"\x01" * 4)}),
+        with_tensors(base, many),
+        with_tensors(base, {**base.tensors, **escaped}),
+        base,
+        with_tensors(base, {**base.tensors, **many}),
+    ]
+    packed = [trxp.pack_item(item) for item in items]
+    packed.insert(3, trailing(trxp.pack_item(base)))
+    items.insert(3, base)
+    blobs: list[Stored] = list(packed)
+    if layout == "memoryview":
+        blobs = [memoryview(blob) for blob in packed]
+    elif layout == "pieces":
+        blobs = [in_pieces(blob) for blob in packed]
+    return items, blobs
+
+
+@pytest.mark.parametrize("layout", ["stored", "memoryview", "pieces"])
+@pytest.mark.parametrize("drop", [(), ("tokens", 'multi_modal_inputs:r\u00e9"t\n')])
+def test_every_header_shape_joins_back_into_its_items(layout: str, drop: tuple[str, ...]) -> None:
+    items, blobs = every_header_shape(layout)
+    got = trxp.parse(b"".join([realized(run) for run in trxp.join_parts(blobs, drop=drop)]), trusted=True)
+    for item, back in zip(items, got, strict=True):
+        assert back.tensors == {name: t for name, t in item.tensors.items() if name not in drop}
+        assert back.meta == item.meta
+
+
+@pytest.mark.parametrize("layout", ["stored", "pieces"])
+def test_every_header_shape_reads_into_its_columns(layout: str) -> None:
+    items, blobs = every_header_shape(layout)
+    fields = ["tokens", "logprobs", 'multi_modal_inputs:r\u00e9"t\n', "multi_modal_inputs:t14", "action_mask"]
+    got: dict[tuple[str, int], trxp.RawTensor] = {}
+    for column in column_parts(blobs, fields):  # a value in pieces comes as several runs
+        shapes, values = iter(column.shapes), b"".join([realized(run) for run in column.values])
+        for index in column.items:
+            shape = tuple(next(shapes) for _ in range(column.ndim))
+            size = math.prod(shape) * ITEMSIZE[column.dtype]
+            got[column.name, index] = trxp.RawTensor(column.dtype, shape, values[:size])
+            values = values[size:]
+    expected = {
+        (name, index): item.tensors[name] for index, item in enumerate(items) for name in fields if name in item.tensors
+    }
+    assert got == expected

@@ -187,7 +187,7 @@ def column_parts(
     wanted = {json_text(name): name for name in fields}  # as the stored headers write them
     computed = bool(extra is not None and set(fields) & set(added))
     tree = _Tree() if PREFIX_FIELDS & set(fields) else None
-    columns: dict[tuple[bytes, bytes, bytes], ColumnParts] = {}
+    columns: dict[tuple[bytes, bytes, int], ColumnParts] = {}
     for index, payload in enumerate(payloads):
         _, header, section, section_len = parts_of(payload)
         found = stored_entries(header, section_len)
@@ -208,11 +208,12 @@ def column_parts(
                 _add(columns, wanted, index, (text, dtype), shape, data)
             else:  # replaced: in the stored one's place
                 _computed(columns, wanted, index, text, tensor, cuts)
-        names = {text for text, *_ in found}
-        for name, tensor in given.items():
-            text = json_text(name)
-            if text in wanted and text not in names:
-                _computed(columns, wanted, index, text, tensor, cuts)
+        if given:
+            names = {text for text, *_ in found}
+            for name, tensor in given.items():
+                text = json_text(name)
+                if text in wanted and text not in names:
+                    _computed(columns, wanted, index, text, tensor, cuts)
         if tree is not None:
             tree.add(columns, wanted, index, found, section, responses[index])
     return in_order(columns.values(), fields)
@@ -230,7 +231,7 @@ class _Tree:
 
     def add(
         self,
-        columns: dict[tuple[bytes, bytes, bytes], ColumnParts],
+        columns: dict[tuple[bytes, bytes, int], ColumnParts],
         wanted: dict[bytes, str],
         index: int,
         found: Sequence[Entry],
@@ -250,7 +251,7 @@ class _Tree:
             if _BRANCH in wanted:
                 _add(columns, wanted, index, (_BRANCH, dtype), (response, *shape[1:]), cut(section, split, end))
             if _PREFIX_OF in wanted:
-                key = (_PREFIX_OF, b"I64", b"0")
+                key = (_PREFIX_OF, b"I64", 0)
                 column = columns.get(key) or columns.setdefault(key, ColumnParts("prefix_of", "I64", 0))
                 column.items.append(index)
                 column.values.append(struct.pack("<q", owner))
@@ -284,7 +285,7 @@ class _Cuts:
 
 
 def _computed(
-    columns: dict[tuple[bytes, bytes, bytes], ColumnParts],
+    columns: dict[tuple[bytes, bytes, int], ColumnParts],
     wanted: dict[bytes, str],
     index: int,
     text: bytes,
@@ -299,7 +300,7 @@ def _computed(
 
 
 def _add(
-    columns: dict[tuple[bytes, bytes, bytes], ColumnParts],
+    columns: dict[tuple[bytes, bytes, int], ColumnParts],
     wanted: dict[bytes, str],
     index: int,
     entry: tuple[bytes, bytes],
@@ -309,7 +310,7 @@ def _add(
     """Item `index`'s tensor (its name and dtype as its header writes them, and the shape of
     what is sent of it) into the column of its field, dtype and rank."""
     text, dtype = entry
-    key = (text, dtype, b"%d" % len(shape))
+    key = (text, dtype, len(shape))
     column = columns.get(key)
     if column is None:
         column = columns[key] = ColumnParts(wanted[text], dtype.decode(), len(shape))

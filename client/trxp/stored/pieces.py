@@ -21,6 +21,8 @@ from typing import Protocol
 
 from ..codec.common import HEADER, HEADER_SIZE, RawTensor
 
+_LENGTH = struct.Struct("<Q")  # a safetensors header's length
+
 Bytes = bytes | memoryview
 
 
@@ -104,21 +106,20 @@ Section = memoryview | list[Run]
 def parts_of(payload: Stored) -> tuple[memoryview, bytes, Section, int]:
     """A stored one-item payload's metadata pickle, safetensors header (its JSON text), tensor
     section and the section's length, read from its framing without a parse."""
+    head = payload.head if isinstance(payload, SplitPayload) else payload
+    view = head if type(head) is memoryview else memoryview(head)
+    _, _, meta_len, _ = HEADER.unpack_from(view)
+    at = HEADER_SIZE + meta_len
+    try:
+        (header_len,) = _LENGTH.unpack_from(view, at)
+    except OverflowError as error:  # past any buffer, as past the end of this one
+        raise struct.error(f"no safetensors header length at {at}") from error
+    start = at + 8 + header_len
+    header = bytes(view[at + 8 : start])
     if isinstance(payload, SplitPayload):
-        head = memoryview(payload.head)
-        section: Section = payload.pieces
-        section_len = sum(map(len, payload.pieces))
-    else:
-        head = memoryview(payload)
-    _, _, meta_len, _ = HEADER.unpack_from(head)
-    meta = head[HEADER_SIZE : HEADER_SIZE + meta_len]
-    blob = head[HEADER_SIZE + meta_len :]
-    (header_len,) = struct.unpack_from("<Q", blob)
-    header = bytes(blob[8 : 8 + header_len])
-    if not isinstance(payload, SplitPayload):
-        section = blob[8 + header_len :]
-        section_len = len(section)
-    return meta, header, section, section_len
+        return view[HEADER_SIZE:at], header, payload.pieces, sum(map(len, payload.pieces))
+    section = view[start:]
+    return view[HEADER_SIZE:at], header, section, len(section)
 
 
 def section_at(payload: Bytes) -> int:

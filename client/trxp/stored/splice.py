@@ -6,14 +6,16 @@ stored items' tensors read from their headers, without a JSON parse, for the col
 
 from __future__ import annotations
 
+import functools
 import json
 import re
+import struct
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 
 from ..codec.build import ENTRY, SPLICE_ONE, SPLICE_TAIL, build, frame, json_text, splice_meta
-from ..codec.common import RawTensor
+from ..codec.common import HEADER_SIZE, RawTensor
 from ..codec.parse import parse
-from .pieces import Run, Section, SectionTensors, Stored, cut, parts_of, realized, whole
+from .pieces import Bytes, Run, Section, SectionTensors, SplitPayload, Stored, cut, parts_of, realized, whole
 
 
 def join(
@@ -40,19 +42,43 @@ def join_parts(
     are left out of every item (the server sends advantages beside a batch this way).
 
     The batch's safetensors header is written entry by entry, the same bytes as json.dumps
-    of it; the stored headers are read by `_stored_tensors`, without a JSON parse."""
+    of it, and no stored header is parsed as JSON where pack_item wrote it. An item that goes
+    as it is stored (nothing added to it or dropped from it, its tensors back to back over its
+    whole section) keeps each entry's text as its header writes it up to the offsets, read in
+    one pass (`_back_to_back`), and only its offsets are written, moved by where its section
+    starts in the batch; any other item's tensors are read by `_stored_tensors`."""
     payloads = list(payloads)
     dropped = {json_text(name) for name in drop}
-    fragments: list[memoryview] = []
+    as_stored = _back_to_back(parts=False, dropped=frozenset(dropped)) if dropped else _AS_STORED
+    fragments: list[Bytes] = []
     entries: list[bytes] = []
     data: list[Run] = []
     base = 0
     for index, payload in enumerate(payloads):
-        meta, header, section, section_len = parts_of(payload)
-        if meta[: len(SPLICE_ONE)] != SPLICE_ONE or meta[-len(SPLICE_TAIL) :] != SPLICE_TAIL:
-            return [_rebuild(payloads, extra, drop)]
-        fragments.append(meta[len(SPLICE_ONE) : -len(SPLICE_TAIL)])
-        stored, whole = _stored_tensors(header, section_len)
+        read = _spliced(payload)
+        if read is None:
+            meta, header, section, section_len = parts_of(payload)
+            if meta[: len(SPLICE_ONE)] != SPLICE_ONE or meta[-len(SPLICE_TAIL) :] != SPLICE_TAIL:
+                return [_rebuild(payloads, extra, drop)]
+            fragments.append(meta[len(SPLICE_ONE) : -len(SPLICE_TAIL)])
+            stored, whole = _stored_tensors(header, section_len)
+        else:
+            fragment, head, header_at, header_end, section, section_len = read
+            fragments.append(fragment)
+            moved = as_stored.fullmatch(head, header_at, header_end) if extra is None else None
+            if moved is not None:  # two texts an entry: up to its start offset, its end offset
+                texts, last = moved.groups(), (moved.lastindex or 0) - 2
+                if texts[last + 1] == b"%d" % section_len:  # its tensors end where its section does
+                    start, at = base, 0  # each entry starts where the one before ends
+                    while at < last:
+                        end = base + int(texts[at + 1])
+                        entries.append(_MOVED % (index, texts[at], start, end))
+                        start, at = end, at + 2
+                    base += section_len
+                    entries.append(_MOVED % (index, texts[last], start, base))
+                    _extend(data, section)
+                    continue
+            stored, whole = _stored_tensors(bytes(memoryview(head)[header_at:header_end]), section_len)
         if dropped and any(t[0] in dropped for t in stored):
             stored = [t for t in stored if t[0] not in dropped]
             whole = False
@@ -87,6 +113,48 @@ def join_parts(
     return [*frame([splice_meta(fragments)], b"{" + b",".join(entries) + b"}", [], data_len=base), *data]
 
 
+# A stored payload's TRXP header then the head of its metadata pickle, and the tail of the pickle
+# then the length of its safetensors header, as pack_item lays them out for splicing.
+_SPLICED_HEAD = struct.Struct(f"<5xQ8x{len(SPLICE_ONE)}s")  # HEADER's metadata length, then the pickle's head
+_SPLICED_TAIL = struct.Struct(f"<{len(SPLICE_TAIL)}sQ")
+_FRAGMENT_AT = HEADER_SIZE + len(SPLICE_ONE)  # where an item's own opcodes start
+
+
+def _spliced(payload: Stored) -> tuple[Bytes, Bytes, int, int, Section, int] | None:
+    """A stored payload laid out for splicing, read from its framing: its own metadata opcodes,
+    its head (its bytes up to its tensor section, or on), where its safetensors header starts and
+    ends in the head, its tensor section and the section's length. None for a payload of another
+    layout or too short to be read so: join_parts reads that one through parts_of."""
+    if isinstance(payload, SplitPayload):
+        head, pieces = payload.head, payload.pieces
+    else:
+        head, pieces = payload, None
+    try:
+        meta_len, first = _SPLICED_HEAD.unpack_from(head)
+        fragment_end = HEADER_SIZE + meta_len - len(SPLICE_TAIL)
+        last, header_len = _SPLICED_TAIL.unpack_from(head, fragment_end)
+    except (struct.error, OverflowError):
+        return None
+    if first != SPLICE_ONE or last != SPLICE_TAIL or fragment_end < _FRAGMENT_AT:
+        return None
+    header_at = fragment_end + len(SPLICE_TAIL) + 8
+    header_end = header_at + header_len
+    if pieces is not None:
+        return head[_FRAGMENT_AT:fragment_end], head, header_at, header_end, pieces, sum(map(len, pieces))
+    section = (head if type(head) is memoryview else memoryview(head))[header_end:]
+    return head[_FRAGMENT_AT:fragment_end], head, header_at, header_end, section, len(section)
+
+
+def _extend(data: list[Run], section: Section) -> None:
+    """A whole section onto a payload's runs: one run, or its pieces."""
+    if isinstance(section, memoryview):
+        data.append(section)
+    else:
+        data.extend(section)
+
+
+# ENTRY as the text of a stored entry from its name to its start offset, then its offsets.
+_MOVED = b'"%d:%b%d,%d]}'
 _INT = rb"(?:0|[1-9][0-9]*)"
 # One entry of a stored header as pack_item writes it (through json.dumps): item index 0.
 _STORED_ENTRY = (
@@ -97,11 +165,60 @@ _STORED_ENTRIES = re.compile(_STORED_ENTRY)
 _STORED_HEADER = re.compile(rb"\{(?:(?:" + _STORED_ENTRY + rb")(?:,(?:" + _STORED_ENTRY + rb"))*)?\} *")
 # A tensor of a stored header: name, dtype and shape as JSON text, start and end offsets.
 _Stored = tuple[bytes, bytes, bytes, int, int]
+_MOST = 12  # the most entries a header is read in one pass with; one of more takes two (_spaced_tensors)
+_OWN_INT = rb"(?:0|[1-9][0-9]*+)"  # _INT, possessive
+# An entry's name, dtype and dimensions, possessive.
+_PARTS = (rb'[^"\\\x00-\x1f]*+', rb"[A-Z0-9_]++", rb"(?:" + _OWN_INT + rb"(?:," + _OWN_INT + rb")*+)?+")
+
+
+@functools.lru_cache(maxsize=8)
+def _back_to_back(parts: bool, dropped: frozenset[bytes] = frozenset()) -> re.Pattern[bytes]:
+    """A stored header of 1 to _MOST entries, of the layout pack_item writes, its tensors back to
+    back from the start of its section and none of them named in `dropped` (as JSON text), in one
+    pass of a regular expression that checks every byte. Of each entry it captures its end offset
+    and before it, with `parts`, its name, dtype and dimensions (as JSON text), else its text from
+    its name to its start offset. An entry's start offset is 0, or the text of the end offset
+    before it. No quantifier could give back what it takes (each is followed by a byte it does not
+    take), so each takes possessively, keeping no place to return to."""
+    name, dtype, dims = (b"(" + text + b")" for text in _PARTS) if parts else _PARTS
+    if dropped:
+        name = rb'(?!(?:%b)")' % b"|".join([re.escape(text) for text in sorted(dropped)]) + name
+    text = name + rb'":\{"dtype":"' + dtype + rb'","shape":\[' + dims + rb'\],"data_offsets":\['
+    text = text if parts else b"(" + text + b")"
+
+    def entry(number: int) -> bytes:
+        start = rb"(?P=end%d)" % (number - 1) if number else rb"0"
+        return rb'"0:' + text + start + rb",(?P<end%d>" % number + _OWN_INT + rb")\]\}"
+
+    def entries_from(number: int) -> bytes:
+        """Entries `number` to _MOST - 1, each there only where the one before is."""
+        return b"" if number == _MOST else rb"(?:," + entry(number) + entries_from(number + 1) + rb")?+"
+
+    return re.compile(rb"\{" + entry(0) + entries_from(1) + rb"\} *+")
+
+
+_AS_STORED = _back_to_back(parts=False)
+_BACK_TO_BACK_PARTS = _back_to_back(parts=True)
 
 
 def _stored_tensors(header: bytes, section_len: int) -> tuple[list[_Stored], bool]:
     """The tensors of one stored item's safetensors header in order, and whether they lie
-    back to back from the start to the end of its tensor section.
+    back to back from the start to the end of its tensor section."""
+    match = _BACK_TO_BACK_PARTS.fullmatch(header)
+    if match is None:
+        return _spaced_tensors(header, section_len)
+    texts, last = match.groups(), match.lastindex or 0
+    found: list[_Stored] = []
+    start = at = 0
+    while at < last:
+        end = int(texts[at + 3])
+        found.append((texts[at], texts[at + 1], texts[at + 2], start, end))
+        start, at = end, at + 4
+    return found, start == section_len
+
+
+def _spaced_tensors(header: bytes, section_len: int) -> tuple[list[_Stored], bool]:
+    """_stored_tensors() of a header `_BACK_TO_BACK_PARTS` does not read.
 
     pack_item writes `{"0:name":{"dtype":..,"shape":[..],"data_offsets":[a,b]},...}` padded
     with spaces: two passes of regular expressions read it, the first checking every byte.
@@ -156,14 +273,6 @@ def _parsed_tensors(header: bytes, section_len: int) -> tuple[list[_Stored], boo
         shape = b",".join([b"%d" % dim for dim in entry["shape"]])
         found.append((json_text(key.partition(":")[2]), json_text(entry["dtype"]), shape, start, stop))
     return found, whole and end == section_len
-
-
-def _extend(data: list[Run], section: Section) -> None:
-    """A whole section onto a payload's runs: one run, or its pieces."""
-    if isinstance(section, memoryview):
-        data.append(section)
-    else:
-        data.extend(section)
 
 
 def _shape(text: bytes) -> tuple[int, ...]:
