@@ -74,14 +74,15 @@ class Case(NamedTuple):
         return experiences * KB["8k"] // KB[self.shape] // BATCH * BATCH
 
 
-# (stage, a function name that puts a sample in it), most specific first.
+# (stage, the names of functions that put a sample in it: a records table's, then a rows table's),
+# most specific first.
 STAGES = (
     ("durable commit (LMDB commit, fsync)", "_mdb_txn_commit"),
-    ("confirm: consume the batch before (Leases.confirm, retire)", "Leases.confirm "),
-    ("take: read payloads and check their digests", "_Payloads.check "),
-    ("take: read member records", "TableState.members "),
-    ("take: select groups (ready index, group records)", "_select "),
-    ("take: leave the ready index", "ReadyIndex.remove_many "),
+    ("confirm: consume the batch before (Leases.confirm, retire)", ("Leases.confirm ", "TableLeases.confirm ")),
+    ("take: read payloads and check their digests", ("_Payloads.check ", "Payloads.check_columns ")),
+    ("take: read member records (a rows table: member columns)", ("TableState.members ", "Spans.column ")),
+    ("take: select groups (ready index, group records; ready runs)", ("_select ", "select ")),
+    ("take: leave the ready index (ready runs)", ("ReadyIndex.remove_many ", "unready ")),
     ("take: the rest (states, records written, lease)", "take "),
     ("reply: splice the batch and frame it", "sample_reply "),
     ("write loop and hand-offs", "Environment._write_loop"),
