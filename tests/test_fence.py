@@ -97,6 +97,13 @@ def lint(root: Path) -> tuple[int, str]:
     return done.returncode, done.stdout + done.stderr
 
 
+def printed(child: str) -> list[str]:
+    """The lines a fresh interpreter running `child` prints (it must succeed)."""
+    done = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stderr
+    return done.stdout.splitlines()
+
+
 def test_importing_every_module_of_the_store_loads_neither_grpc_protobuf_nor_torch() -> None:
     """What the contract says statically, seen in a process: a tool that opens a data directory
     (the store alone) pays for none of the wire's or the estimators' libraries."""
@@ -109,11 +116,26 @@ def test_importing_every_module_of_the_store_loads_neither_grpc_protobuf_nor_tor
         "print(sorted(name for name in sys.modules if name.startswith(heavy)))\n"
         "print(sum(name.startswith('expbuf.server.store.') for name in sys.modules))\n"
     )
-    done = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=120, check=False)
-    assert done.returncode == 0, done.stderr
-    loaded, modules = done.stdout.splitlines()
+    loaded, modules = printed(child)
     assert loaded == "[]"
     assert int(modules) > 40  # every module of the store was imported
+
+
+def test_the_command_line_loads_the_store_only_for_the_commands_that_open_it() -> None:
+    """`expbuf stats`, `table`, `dataset`, `health`: a client's commands read the store's schema
+    (settings, refusals) and nothing else of it; its façade imports each name at its first use, so
+    neither the engine nor LMDB loads for them (they start in about half the time)."""
+    child = (
+        "import sys\n"
+        "import expbuf.server.cli\n"
+        "print(sorted({name.split('.')[3] for name in sys.modules if name.startswith('expbuf.server.store.')}))\n"
+        "print('lmdb' in sys.modules)\n"
+        "from expbuf.server.store import Store, scan_directory\n"
+        "print(Store.__module__, scan_directory.__name__)\n"
+    )
+    rooms, lmdb, loaded = printed(child)
+    assert rooms == "['schema']" and lmdb == "False", (rooms, lmdb)
+    assert loaded == "expbuf.server.store.engine scan", loaded
 
 
 def test_the_tree_as_it_is_keeps_every_contract(tree: Path) -> None:

@@ -30,143 +30,172 @@ batch stage (`Store(batch_stage=...)`, bound to each batch taken and run where t
 built) and the advantages a push computes (`Store.in_push`).
 """
 
-from .core.ordering.indexes import Index, KeyedIndex, ReadyGroup
-from .core.ordering.orders import Order, register, unregister
-from .core.ordering.ready import ReadyIndex
-from .core.table_state.counters import SHAPING_COUNTERS
-from .core.table_state.events import Inserted, Moved, Pushed, Resent, Retired, TableExtension, Taken
-from .core.whole_table.reading import Page
-from .disk.chunk_heads import CHUNK_BYTES
-from .disk.chunked import Staging
-from .disk.environment import Environment
-from .disk.kinds import (
-    Compute,
-    Computed,
-    ComputeJob,
-    Entry,
-    FailResult,
-    MayWait,
-    Push,
-    PutResult,
-    Sampled,
-    ShapingUpdate,
-)
-from .disk.layout import FORMAT, index_databases, u64, version_key
-from .disk.records import ItemRecord
-from .disk.stored_advantages import Advantage, SentApart, StageCounts, send_apart, token_parts, token_record
-from .engine import Store
-from .ledger.claimed import Claimed
-from .ledger.prompt_stats import PASS_BANDS, KeptStats
-from .ledger.records import MAX_SIZE, DatasetRecord, PromptRecord, prompt_eid
-from .ledger.settings import MAX_ATTEMPTS, MAX_EPOCHS
-from .ledger.states import PROMPT_STATES
-from .schema.states import (
-    COMPUTING,
-    CONSUMED,
-    DROPPED,
-    EVICTED,
-    FAILED,
-    LEASED,
-    LIVE,
-    PENDING,
-    QUARANTINED,
-    READY,
-    RETIRED,
-    STATES,
-    IllegalMove,
-    State,
-)
-from .schema.views import GroupView, MemberView
-from .services.claims import MAX_OWNER_BYTES, MAX_PAGE, RecordPage, check_claim, check_refs, shown_owner
-from .services.index_builds import IndexBuild
-from .services.scrub import ScrubStatus
-from .services.staged import StagedShare
-from .tables.admission import RolloutGrant
-from .tables.integrity import older_format
-from .tables.integrity import quarantined as quarantined_by_table
-from .tables.integrity import repair as repair_directory
-from .tables.integrity import scan as scan_directory
+from __future__ import annotations
 
-__all__ = [
-    "CHUNK_BYTES",
-    "COMPUTING",
-    "CONSUMED",
-    "DROPPED",
-    "EVICTED",
-    "FAILED",
-    "FORMAT",
-    "LEASED",
-    "LIVE",
-    "MAX_ATTEMPTS",
-    "MAX_EPOCHS",
-    "MAX_OWNER_BYTES",
-    "MAX_PAGE",
-    "MAX_SIZE",
-    "PASS_BANDS",
-    "PENDING",
-    "PROMPT_STATES",
-    "QUARANTINED",
-    "READY",
-    "RETIRED",
-    "SHAPING_COUNTERS",
-    "STATES",
-    "Advantage",
-    "Claimed",
-    "Compute",
-    "ComputeJob",
-    "Computed",
-    "DatasetRecord",
-    "Entry",
-    "Environment",
-    "FailResult",
-    "GroupView",
-    "IllegalMove",
-    "Index",
-    "IndexBuild",
-    "Inserted",
-    "ItemRecord",
-    "KeptStats",
-    "KeyedIndex",
-    "MayWait",
-    "MemberView",
-    "Moved",
-    "Order",
-    "Page",
-    "PromptRecord",
-    "Push",
-    "Pushed",
-    "PutResult",
-    "ReadyGroup",
-    "ReadyIndex",
-    "RecordPage",
-    "Resent",
-    "Retired",
-    "RolloutGrant",
-    "Sampled",
-    "ScrubStatus",
-    "SentApart",
-    "ShapingUpdate",
-    "StageCounts",
-    "StagedShare",
-    "Staging",
-    "State",
-    "Store",
-    "TableExtension",
-    "Taken",
-    "check_claim",
-    "check_refs",
-    "index_databases",
-    "older_format",
-    "prompt_eid",
-    "quarantined_by_table",
-    "register",
-    "repair_directory",
-    "scan_directory",
-    "send_apart",
-    "shown_owner",
-    "token_parts",
-    "token_record",
-    "u64",
-    "unregister",
-    "version_key",
-]
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .core.ordering.indexes import Index as Index
+    from .core.ordering.indexes import KeyedIndex as KeyedIndex
+    from .core.ordering.indexes import ReadyGroup as ReadyGroup
+    from .core.ordering.orders import Order as Order
+    from .core.ordering.orders import register as register
+    from .core.ordering.orders import unregister as unregister
+    from .core.ordering.ready import ReadyIndex as ReadyIndex
+    from .core.table_state.counters import SHAPING_COUNTERS as SHAPING_COUNTERS
+    from .core.table_state.events import Inserted as Inserted
+    from .core.table_state.events import Moved as Moved
+    from .core.table_state.events import Pushed as Pushed
+    from .core.table_state.events import Resent as Resent
+    from .core.table_state.events import Retired as Retired
+    from .core.table_state.events import TableExtension as TableExtension
+    from .core.table_state.events import Taken as Taken
+    from .core.whole_table.reading import Page as Page
+    from .disk.chunk_heads import CHUNK_BYTES as CHUNK_BYTES
+    from .disk.chunked import Staging as Staging
+    from .disk.environment import Environment as Environment
+    from .disk.kinds import Compute as Compute
+    from .disk.kinds import Computed as Computed
+    from .disk.kinds import ComputeJob as ComputeJob
+    from .disk.kinds import Entry as Entry
+    from .disk.kinds import FailResult as FailResult
+    from .disk.kinds import MayWait as MayWait
+    from .disk.kinds import Push as Push
+    from .disk.kinds import PutResult as PutResult
+    from .disk.kinds import Sampled as Sampled
+    from .disk.kinds import ShapingUpdate as ShapingUpdate
+    from .disk.layout import FORMAT as FORMAT
+    from .disk.layout import index_databases as index_databases
+    from .disk.layout import u64 as u64
+    from .disk.layout import version_key as version_key
+    from .disk.records import ItemRecord as ItemRecord
+    from .disk.stored_advantages import Advantage as Advantage
+    from .disk.stored_advantages import SentApart as SentApart
+    from .disk.stored_advantages import StageCounts as StageCounts
+    from .disk.stored_advantages import send_apart as send_apart
+    from .disk.stored_advantages import token_parts as token_parts
+    from .disk.stored_advantages import token_record as token_record
+    from .engine import Store as Store
+    from .ledger.claimed import Claimed as Claimed
+    from .ledger.prompt_stats import PASS_BANDS as PASS_BANDS
+    from .ledger.prompt_stats import KeptStats as KeptStats
+    from .ledger.records import MAX_SIZE as MAX_SIZE
+    from .ledger.records import DatasetRecord as DatasetRecord
+    from .ledger.records import PromptRecord as PromptRecord
+    from .ledger.records import prompt_eid as prompt_eid
+    from .ledger.settings import MAX_ATTEMPTS as MAX_ATTEMPTS
+    from .ledger.settings import MAX_EPOCHS as MAX_EPOCHS
+    from .ledger.states import PROMPT_STATES as PROMPT_STATES
+    from .schema.states import COMPUTING as COMPUTING
+    from .schema.states import CONSUMED as CONSUMED
+    from .schema.states import DROPPED as DROPPED
+    from .schema.states import EVICTED as EVICTED
+    from .schema.states import FAILED as FAILED
+    from .schema.states import LEASED as LEASED
+    from .schema.states import LIVE as LIVE
+    from .schema.states import PENDING as PENDING
+    from .schema.states import QUARANTINED as QUARANTINED
+    from .schema.states import READY as READY
+    from .schema.states import RETIRED as RETIRED
+    from .schema.states import STATES as STATES
+    from .schema.states import IllegalMove as IllegalMove
+    from .schema.states import State as State
+    from .schema.views import GroupView as GroupView
+    from .schema.views import MemberView as MemberView
+    from .services.claims import MAX_OWNER_BYTES as MAX_OWNER_BYTES
+    from .services.claims import MAX_PAGE as MAX_PAGE
+    from .services.claims import RecordPage as RecordPage
+    from .services.claims import check_claim as check_claim
+    from .services.claims import check_refs as check_refs
+    from .services.claims import shown_owner as shown_owner
+    from .services.index_builds import IndexBuild as IndexBuild
+    from .services.scrub import ScrubStatus as ScrubStatus
+    from .services.staged import StagedShare as StagedShare
+    from .tables import integrity
+    from .tables.admission import RolloutGrant as RolloutGrant
+    from .tables.integrity import older_format as older_format
+
+    quarantined_by_table, repair_directory, scan_directory = integrity.quarantined, integrity.repair, integrity.scan
+
+# Each exported name's module, imported at the name's first use (PEP 562): a command that reads only
+# the store's schema (the command line's client commands, the config) loads none of the rest.
+_HOMES: dict[str, tuple[str | tuple[str, str], ...]] = {
+    ".core.ordering.indexes": ("Index", "KeyedIndex", "ReadyGroup"),
+    ".core.ordering.orders": ("Order", "register", "unregister"),
+    ".core.ordering.ready": ("ReadyIndex",),
+    ".core.table_state.counters": ("SHAPING_COUNTERS",),
+    ".core.table_state.events": ("Inserted", "Moved", "Pushed", "Resent", "Retired", "TableExtension", "Taken"),
+    ".core.whole_table.reading": ("Page",),
+    ".disk.chunk_heads": ("CHUNK_BYTES",),
+    ".disk.chunked": ("Staging",),
+    ".disk.environment": ("Environment",),
+    ".disk.kinds": (
+        "Compute",
+        "Computed",
+        "ComputeJob",
+        "Entry",
+        "FailResult",
+        "MayWait",
+        "Push",
+        "PutResult",
+        "Sampled",
+        "ShapingUpdate",
+    ),
+    ".disk.layout": ("FORMAT", "index_databases", "u64", "version_key"),
+    ".disk.records": ("ItemRecord",),
+    ".disk.stored_advantages": ("Advantage", "SentApart", "StageCounts", "send_apart", "token_parts", "token_record"),
+    ".engine": ("Store",),
+    ".ledger.claimed": ("Claimed",),
+    ".ledger.prompt_stats": ("PASS_BANDS", "KeptStats"),
+    ".ledger.records": ("MAX_SIZE", "DatasetRecord", "PromptRecord", "prompt_eid"),
+    ".ledger.settings": ("MAX_ATTEMPTS", "MAX_EPOCHS"),
+    ".ledger.states": ("PROMPT_STATES",),
+    ".schema.states": (
+        "COMPUTING",
+        "CONSUMED",
+        "DROPPED",
+        "EVICTED",
+        "FAILED",
+        "LEASED",
+        "LIVE",
+        "PENDING",
+        "QUARANTINED",
+        "READY",
+        "RETIRED",
+        "STATES",
+        "IllegalMove",
+        "State",
+    ),
+    ".schema.views": ("GroupView", "MemberView"),
+    ".services.claims": ("MAX_OWNER_BYTES", "MAX_PAGE", "RecordPage", "check_claim", "check_refs", "shown_owner"),
+    ".services.index_builds": ("IndexBuild",),
+    ".services.scrub": ("ScrubStatus",),
+    ".services.staged": ("StagedShare",),
+    ".tables.admission": ("RolloutGrant",),
+    ".tables.integrity": (
+        "older_format",
+        ("quarantined", "quarantined_by_table"),
+        ("repair", "repair_directory"),
+        ("scan", "scan_directory"),
+    ),
+}
+_WHERE = {
+    (name if isinstance(name, str) else name[1]): (module, name if isinstance(name, str) else name[0])
+    for module, names in _HOMES.items()
+    for name in names
+}
+__all__ = sorted(_WHERE)
+
+
+def __getattr__(name: str) -> Any:
+    where = _WHERE.get(name)
+    if where is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(where[0], __name__), where[1])
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return __all__
