@@ -132,10 +132,14 @@ def test_the_command_line_loads_the_store_only_for_the_commands_that_open_it() -
         "print('lmdb' in sys.modules)\n"
         "from expbuf.server.store import Store, scan_directory\n"
         "print(Store.__module__, scan_directory.__name__)\n"
+        "import expbuf.server.store as store\n"
+        "print(store.disk.layout.FORMAT == store.FORMAT, store.schema.states.READY == store.READY)\n"
+        "print(hasattr(store, 'nothing_of_the_store'))\n"
     )
-    rooms, lmdb, loaded = printed(child)
+    rooms, lmdb, loaded, rooms_reached, unknown = printed(child)
     assert rooms == "['schema']" and lmdb == "False", (rooms, lmdb)
     assert loaded == "expbuf.server.store.engine scan", loaded
+    assert rooms_reached == "True True" and unknown == "False", (rooms_reached, unknown)  # as when it loaded all
 
 
 def test_the_tree_as_it_is_keeps_every_contract(tree: Path) -> None:

@@ -189,8 +189,15 @@ __all__ = sorted(_WHERE)
 
 
 def __getattr__(name: str) -> Any:
+    """An exported name, imported from its module; or anything else the package held when it
+    imported every exported name's module at once (a room, `store.disk.layout`), so imported."""
     where = _WHERE.get(name)
     if where is None:
+        if not name.startswith("__"):
+            for module in _HOMES:
+                importlib.import_module(module, __name__)
+        if name in globals():
+            return globals()[name]
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     value = getattr(importlib.import_module(where[0], __name__), where[1])
     globals()[name] = value
