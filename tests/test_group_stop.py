@@ -41,8 +41,8 @@ def push_of(name: str) -> tuple[bytes, list[str]]:
 
 
 def ingest_processes(server: int) -> list[int]:
-    """The pids of the server's ingest processes started so far (its children spawned by
-    multiprocessing; its resource tracker is not one)."""
+    """The pids of the server's ingest processes started so far (its children running
+    ingest_worker.py)."""
     found = []
     for entry in Path("/proc").iterdir():
         try:
@@ -50,7 +50,7 @@ def ingest_processes(server: int) -> list[int]:
             command = (entry / "cmdline").read_bytes()
         except (OSError, ValueError, IndexError):
             continue
-        if parent == server and b"spawn_main" in command:
+        if parent == server and b"ingest_worker" in command:
             found.append(int(entry.name))
     return found
 

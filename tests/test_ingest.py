@@ -21,7 +21,9 @@ from expbuf.client import EID, BufferClient, BufferError, Experience, trxp
 from expbuf.server.app import ExpbufServer
 from expbuf.server.config import ConfigError, ServerConfig, load
 from expbuf.server.rpc.push import ingest as ingest_module
+from expbuf.server.rpc.push import ingest_worker
 from expbuf.server.rpc.push.ingest import Ingest, entries_of
+from expbuf.server.store.schema.errors import InvalidPayload
 
 from conftest import BAD_DIR, MANIFEST, Servers, payload
 
@@ -68,11 +70,11 @@ def test_a_worker_gives_the_entries_and_refusals_of_this_process(ingest: Ingest)
 def test_a_worker_whose_entries_are_laid_out_otherwise_decodes_nothing(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """The server puts an entry together from a worker's fields by their place. A worker spawned
+    """The server puts an entry together from a worker's fields by their place. A worker started
     from other code (expbuf upgraded under a running server) says which fields it makes, in its
     order, when it is ready: where they differ, the server decodes every push itself, and says so."""
-    fields = ingest_module._FIELDS
-    monkeypatch.setattr(ingest_module, "_FIELDS", (fields[1], fields[0], *fields[2:]))  # the server's, here
+    fields = ingest_worker.FIELDS
+    monkeypatch.setattr(ingest_worker, "FIELDS", (fields[1], fields[0], *fields[2:]))  # the server's, here
     pool = Ingest(1)
     try:
         assert "its code is not the server's" in caplog.text
@@ -80,9 +82,9 @@ def test_a_worker_whose_entries_are_laid_out_otherwise_decodes_nothing(
         assert not worker.same
         data = payload("mixed_batch.trxp")
         assert worker.entries(data) is None  # nothing handed to it
-        monkeypatch.setattr(ingest_module, "_FIELDS", fields)
+        monkeypatch.setattr(ingest_worker, "FIELDS", fields)
         assert pool._in_worker(data) == entries_of(data)  # decoded here, whole and right
-        assert pool._workers[0] is worker and worker.process.is_alive()  # kept: a new one would be the same
+        assert pool._workers[0] is worker and worker.process.poll() is None  # kept: a new one would be the same
     finally:
         pool.close()
 
@@ -92,7 +94,7 @@ def test_payloads_larger_than_the_shared_region_grow_it(ingest: Ingest, monkeypa
     the worker for the packed experiences (a little larger); the memory past what a region
     keeps between pushes is given back after each."""
     keep = 4 << 20
-    monkeypatch.setattr(ingest_module, "_KEEP", keep)
+    monkeypatch.setattr(ingest_worker, "_KEEP", keep)
     big = trxp.encode(
         Experience(
             eid=EID(batch=9, task=0, run=run),
@@ -145,8 +147,8 @@ def test_an_idle_worker_that_dies_is_reaped_and_replaced_at_once(ingest: Ingest)
     while ingest._workers[0] is worker and time.monotonic() < deadline:  # no push reaches the pool meanwhile
         time.sleep(0.05)
     replacement = ingest._workers[0]
-    assert replacement is not worker and replacement.process.is_alive()
-    assert worker.process.exitcode == -signal.SIGKILL  # reaped: no zombie is left
+    assert replacement is not worker and replacement.process.poll() is None
+    assert worker.process.returncode == -signal.SIGKILL  # reaped: no zombie is left
     assert not Path(f"/proc/{worker.process.pid}").exists() or "Z" not in _state(worker.process.pid)
     data = payload("grpo_group.trxp")
     assert ingest._in_worker(data) == entries_of(data)
@@ -176,7 +178,7 @@ def test_a_closed_pool_decodes_here() -> None:
     pool = Ingest(1)
     worker = pool._workers[0]
     pool.close()
-    assert not worker.process.is_alive()
+    assert worker.process.returncode is not None  # ended, and reaped
     data = payload("grpo_group.trxp")
     assert pool._in_worker(data) == entries_of(data) and pool.entries(data) == entries_of(data)
 
@@ -191,27 +193,30 @@ def test_a_pool_left_open_at_exit_starts_no_new_process() -> None:
 
 
 START = """
-import os
-if __name__ == "__mp_main__":  # in a worker: the first to get here lives, the other dies before it is ready
-    try:
-        os.close(os.open(os.environ["EXPBUF_TEST_FLAG"], os.O_CREAT | os.O_EXCL))
-    except FileExistsError:
-        os._exit(3)
-if __name__ == "__main__":
-    from expbuf.server.rpc.push.ingest import Ingest
-    Ingest(2)
+import sys
+from expbuf.server.rpc.push.ingest import Ingest
+sys.executable = sys.argv[1]  # what the pool starts its workers with
+Ingest(2)
+"""
+
+# A Python that starts once: the first worker started with it lives, the second exits before it is ready.
+ONCE = """#!/bin/sh
+mkdir "$0.flag" 2>/dev/null || exit 3
+exec {python} "$@"
 """
 
 
 def test_a_pool_that_fails_to_start_ends_the_workers_it_started(tmp_path: Path) -> None:
     """One worker of two dies as it starts: the pool's start fails, and the worker started beside
     it ends, though the failure is the interpreter's last (which keeps the pool referenced) and
-    the worker ignores the SIGTERM multiprocessing ends it with as the interpreter exits."""
-    script = tmp_path / "start.py"
+    the worker ignores the SIGTERM a stop would send it."""
+    script, python = tmp_path / "start.py", tmp_path / "python-once"
     script.write_text(START)
-    env = {**os.environ, "EXPBUF_TEST_FLAG": str(tmp_path / "flag")}
-    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, env=env)
+    python.write_text(ONCE.format(python=sys.executable))
+    python.chmod(0o755)
+    done = subprocess.run([sys.executable, str(script), str(python)], capture_output=True, text=True, timeout=120)
     assert done.returncode == 1 and "Ingest(2)" in done.stderr, done.stderr  # the failure, told by its traceback
+    assert "EOFError" in done.stderr, done.stderr  # the second worker's connection ended before it was ready
 
 
 def test_concurrent_pushes_each_get_their_own_entries(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -250,7 +255,7 @@ def test_an_empty_payload_is_refused_without_losing_the_worker() -> None:
         with pytest.raises(type(here.value)) as there:
             pool._in_worker(b"")
         assert str(there.value) == str(here.value)
-        assert pool._workers[0] is worker and worker.process.is_alive()
+        assert pool._workers[0] is worker and worker.process.poll() is None
     finally:
         pool.close()
 
@@ -277,7 +282,7 @@ def test_an_experience_whose_metadata_passes_max_metadata_bytes_is_refused_namin
     try:
         refusals = []
         for decode in (pool.entries, pool._in_worker):  # here, and in a worker process
-            with pytest.raises(ingest_module.InvalidPayload) as refused:
+            with pytest.raises(InvalidPayload) as refused:
                 decode(data)
             refusals.append(str(refused.value))
     finally:

@@ -3,17 +3,17 @@ staging the large items of a push in chunks as it arrives (`Stager`).
 
 Validation and packing are Python work per experience, so under the GIL they use one
 core however many pushers there are. With `ingest_processes` > 0 (cores - 1 by default) they run
-in that many worker processes (spawned, so no thread of the server is forked) while
-other pushes are being decoded: the server process keeps the storage and the RPCs. A push
-that arrives while no other is being decoded is decoded here, where it costs no hand-off:
-a single pusher is as fast as with no processes; so is a payload below SMALL, whose decode
-is shorter than the hand-off, and one above LARGE, whose cost is copying, which the hand-off
-would double. Every check is the same code either way.
+in that many worker processes (fresh interpreters that import the codec alone:
+ingest_worker.py; no thread of the server is forked) while other pushes are being decoded:
+the server process keeps the storage and the RPCs. A push that arrives while no other is
+being decoded is decoded here, where it costs no hand-off: a single pusher is as fast as with no
+processes; so is a payload below SMALL, whose decode is shorter than the hand-off, and one above
+LARGE, whose cost is copying, which the hand-off would double. Every check is the same code either way.
 
 A payload goes to a worker and its packed experiences come back through shared memory
 (one memfd per worker), the experiences' fields as one pickle of tuples: no per-item
-pickling and no payload-sized pipe transfers. A worker that dies is reaped and replaced at
-once (a thread watches the idle ones), and the push it was decoding is decoded here instead.
+pickling and no payload-sized pipe transfers. A worker that dies is reaped and replaced within
+WATCH_SECONDS (a thread watches the idle ones), and the push it was decoding is decoded here instead.
 
 A stop signal sent to the server's whole process group (a terminal's Ctrl-C, GNU `timeout`,
 systemd's default `KillMode=control-group`, `kill -TERM -PGID`) reaches the workers too: they
@@ -24,26 +24,20 @@ server closes the pool, as it does when it stops (or when its interpreter exits)
 from __future__ import annotations
 
 import collections
-import dataclasses
 import logging
-import mmap
-import multiprocessing
-import multiprocessing.connection
-import operator
 import os
 import pickle
 import signal
-import struct
+import socket
+import subprocess
+import sys
 import tempfile
 import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from multiprocessing import resource_tracker
 from multiprocessing.connection import Connection
-from multiprocessing.reduction import recv_handle, send_handle
 from multiprocessing.util import Finalize
-from typing import Any
 
 from expbuf.client import trxp
 from expbuf.client.trxp.codec import partial
@@ -52,16 +46,11 @@ from expbuf.client.trxp.column_batch import wire as column_wire
 
 from ...config import ServerConfig
 from ...store import CHUNK_BYTES, Entry, StagedShare, Staging, Store
-from ...store.schema.errors import InvalidPayload
+from . import ingest_worker
+from .ingest_worker import entries_of, metadata_limit
 
 log = logging.getLogger("expbuf.ingest")
 
-_FIELDS = tuple(field.name for field in dataclasses.fields(Entry))
-_BLOB = _FIELDS.index("blob")
-_fields_of = operator.attrgetter(*_FIELDS)
-_REQUEST = struct.Struct("<QQ")  # payload length, region size
-_MIN_REGION = 1 << 22
-_KEEP = 64 << 20  # the memory a region keeps between pushes; a larger push's is given back after it
 STAGING = 2  # chunks of a push in chunks waiting for the writer at once
 # Payloads larger than this are decoded here: their cost is copying bytes, which a worker would
 # add to (the payload into the region, the experiences out of it), not Python work per experience.
@@ -70,74 +59,6 @@ LARGE = 16 << 20
 # (8 pushers of 8 x 8 KB experiences pushed 0.84x with one worker what they did with none).
 SMALL = 256 << 10
 WATCH_SECONDS = 0.5  # how often the watch of idle workers looks again at the pool
-# The server's stop signals, which a worker leaves to the server. It is spawned with them blocked
-# (the mask outlives exec), so one sent while its interpreter starts waits, and is discarded once
-# the worker ignores it: there is no earlier moment at which a spawned process could ignore it.
-_STOP_SIGNALS = frozenset({signal.SIGINT, signal.SIGTERM})
-
-
-def metadata_limit(max_bytes: int) -> trxp.MetadataLimit:
-    """The limit of an experience's metadata, as a refusal names its setting."""
-    return trxp.MetadataLimit(
-        max_bytes,
-        f"max_metadata_bytes = {max_bytes} (raise it with EXPBUF_MAX_METADATA_BYTES, or carry large data "
-        "in tensors: multi-modal inputs)",
-    )
-
-
-def entries_of(payload: bytes | memoryview, limit: trxp.MetadataLimit | None = None) -> list[Entry]:
-    """A pushed payload's experiences, validated and packed as the store keeps them; a payload
-    the codec refuses is an InvalidPayload, with the codec's message.
-
-    An experience's metadata is unpickled (or, for a batch of columns, made from them), then
-    pickled in its canonical form: for a moment both are held, so `limit` bounds it; the tensors
-    are copied once, into the packed copy."""
-    try:
-        if column_wire.is_columns(payload):  # each item made as the one before is packed
-            return [Entry.of(item) for item in column_wire.read(payload).items(limit)]
-        items = trxp.parse(payload, limit=limit)
-        items.reverse()
-        entries = []
-        while items:  # each item's metadata is let go as its packed copy is made
-            entries.append(Entry.of(items.pop()))
-        return entries
-    except trxp.TrxpError as exc:
-        raise InvalidPayload(str(exc)) from None
-
-
-class _Region:
-    """A shared file mapped in both processes; either side grows it when a payload or a
-    push's packed experiences need more, and the other remaps when told its new size."""
-
-    def __init__(self, fd: int) -> None:
-        self.fd = fd
-        self.size = 0
-        self.map: mmap.mmap | None = None
-
-    def fit(self, size: int) -> mmap.mmap:
-        """Map at least `size` bytes (the file only grows; it may be larger than asked); return
-        the map. A region is never mapped empty (mmap refuses that): an empty payload still maps one."""
-        if self.map is not None and size <= self.size:
-            return self.map
-        if os.fstat(self.fd).st_size < max(size, 1):
-            os.ftruncate(self.fd, max(size, 2 * self.size, _MIN_REGION))
-        if self.map is not None:
-            self.map.close()
-        self.size = os.fstat(self.fd).st_size
-        self.map = mmap.mmap(self.fd, self.size)
-        return self.map
-
-    def release(self) -> None:
-        """Give back the memory past _KEEP (the file keeps its size, reading zeros there)."""
-        if self.map is not None and self.size > _KEEP and hasattr(mmap, "MADV_REMOVE"):
-            self.map.madvise(mmap.MADV_REMOVE, _KEEP, self.size - _KEEP)
-
-    def close(self) -> None:
-        if self.map is not None:
-            self.map.close()
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
 
 
 def _shared_fd() -> int:
@@ -148,69 +69,33 @@ def _shared_fd() -> int:
         return os.dup(file.fileno())
 
 
-def _serve(conn: Connection, max_metadata_bytes: int) -> None:
-    """A worker process: decode each payload put in the region, write the experiences'
-    bytes back there one after another, and reply with their other fields, or the refusal.
-
-    It ignores the stop signals (_STOP_SIGNALS), which a process group's stop sends it too: the
-    server stops, and closes the pool (the worker ends when its connection does)."""
-    for sig in _STOP_SIGNALS:
-        signal.signal(sig, signal.SIG_IGN)
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOP_SIGNALS)
-    limit = metadata_limit(max_metadata_bytes)
-    region = _Region(recv_handle(conn))
-    conn.send_bytes(pickle.dumps(_FIELDS))  # imported and ready: the entries it makes, field by field
-    while True:
-        try:
-            length, size = _REQUEST.unpack(conn.recv_bytes())
-        except EOFError:  # the server closed the pool
-            return
-        view = region.fit(size)
-        try:
-            reply: Any = _pack(entries_of(view[:length], limit), region)
-        except Exception as exc:
-            reply = exc
-        try:
-            conn.send_bytes(pickle.dumps((reply, region.size), pickle.HIGHEST_PROTOCOL))
-        except Exception:  # a refusal that does not pickle: the server decodes the push itself
-            conn.send_bytes(pickle.dumps((None, region.size), pickle.HIGHEST_PROTOCOL))
-
-
-def _pack(entries: list[Entry], region: _Region) -> list[tuple]:
-    """The entries' blobs written into the region in order; their fields, the blob's length in its place."""
-    view = region.fit(sum(len(entry.blob) for entry in entries))
-    rows, pos = [], 0
-    for entry in entries:
-        row = _fields_of(entry)
-        blob = row[_BLOB]
-        view[pos : pos + len(blob)] = blob
-        pos += len(blob)
-        rows.append((*row[:_BLOB], len(blob), *row[_BLOB + 1 :]))
-    return rows
-
-
 class _Worker:
-    """One ingest process, the connection it takes requests on and its shared region."""
+    """One ingest process (ingest_worker.py), the connection it takes requests on and its shared
+    region."""
 
-    def __init__(self, context: multiprocessing.context.SpawnContext, max_metadata_bytes: int) -> None:
-        self.conn, child = context.Pipe()
-        self.process = context.Process(
-            target=_serve, args=(child, max_metadata_bytes), name="expbuf-ingest", daemon=True
-        )
-        # Blocked in this thread only while the process is spawned: one sent meanwhile reaches
-        # the server once unblocked (or another of its threads at once). multiprocessing's resource
-        # tracker, which the first spawn starts, unblocks them once it has started its own process:
-        # it is started before they are blocked.
-        resource_tracker.ensure_running()
-        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
+    def __init__(self, max_metadata_bytes: int) -> None:
+        ours, theirs = socket.socketpair()
+        self.region = ingest_worker.Region(_shared_fd())
+        command = [sys.executable, "-m", ingest_worker.__name__, str(theirs.fileno()), str(self.region.fd)]
+        # It imports what this process can (its sys.path, as multiprocessing's spawn gives a child):
+        # expbuf may be on it only as a Ray runtime environment or a script put it there.
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(path for path in sys.path if path)}
+        # Blocked in this thread only while the process starts: one sent meanwhile reaches the
+        # server once unblocked (or another of its threads at once).
+        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, ingest_worker.STOP_SIGNALS)
         try:
-            self.process.start()
+            self.process = subprocess.Popen(
+                [*command, str(max_metadata_bytes)], pass_fds=(theirs.fileno(), self.region.fd), env=env
+            )
+        except BaseException:
+            ours.close()
+            self.region.close()
+            raise
         finally:
             signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
-        child.close()
-        self.region = _Region(_shared_fd())
+            theirs.close()
+        self.conn = Connection(ours.detach())
         self.same = False  # whether it makes entries as the server does: known once ready()
-        send_handle(self.conn, self.region.fd, self.process.pid)
 
     def ready(self) -> None:
         """Wait until the process has imported everything (spawned now, not on the first push), and
@@ -219,13 +104,13 @@ class _Worker:
         in place under a running server) may place them otherwise, and would put one field's
         value in another's: such a worker decodes nothing, the server decodes its pushes itself."""
         fields = pickle.loads(self.conn.recv_bytes())
-        self.same = fields == _FIELDS
+        self.same = fields == ingest_worker.FIELDS
         if not self.same:
             log.warning(
                 "an ingest process makes entries of fields %s, the server of %s: its code is not the server's "
                 "(expbuf changed on disk under a running server?); the server decodes pushes itself until it restarts",
                 fields,
-                _FIELDS,
+                ingest_worker.FIELDS,
             )
 
     def entries(self, payload: bytes | memoryview) -> list[Entry] | Exception | None:
@@ -236,7 +121,7 @@ class _Worker:
             return None
         region = self.region
         region.fit(len(payload))[: len(payload)] = payload
-        self.conn.send_bytes(_REQUEST.pack(len(payload), region.size))
+        self.conn.send_bytes(ingest_worker.REQUEST.pack(len(payload), region.size))
         raw = self.conn.recv_bytes()
         try:
             reply, size = pickle.loads(raw)
@@ -248,8 +133,8 @@ class _Worker:
                 return reply
             entries, pos = [], 0
             for row in reply:
-                end = pos + row[_BLOB]
-                entries.append(Entry(*(*row[:_BLOB], view[pos:end], *row[_BLOB + 1 :])))
+                end = pos + row[ingest_worker.BLOB]
+                entries.append(Entry(*(*row[: ingest_worker.BLOB], view[pos:end], *row[ingest_worker.BLOB + 1 :])))
                 pos = end
             return entries
         finally:
@@ -257,10 +142,11 @@ class _Worker:
 
     def close(self) -> None:
         self.conn.close()  # the process ends when its connection does
-        self.process.join(timeout=5)
-        if self.process.is_alive():
+        try:
+            self.process.wait(timeout=5)
+        except subprocess.TimeoutExpired:
             self.process.kill()
-            self.process.join()
+            self.process.wait()
         self.region.close()
 
 
@@ -272,17 +158,16 @@ class Ingest:
         self.processes = processes
         self.max_metadata_bytes = max_metadata_bytes
         self._limit = metadata_limit(max_metadata_bytes)
-        self._context = multiprocessing.get_context("spawn")
         self._free = threading.Condition()  # guards the fields below; notified when a worker is free
         self._decoding = 0  # pushes being decoded, here or in a worker
         self._closed = False
         self._idle: list[_Worker] = []  # every worker, until pushes take them
-        # A pool no one closed is closed as the interpreter exits, before multiprocessing ends
-        # the workers it left with SIGTERM, which they ignore: it would wait for them for ever.
+        # A pool no one closed is closed as the interpreter exits: its workers end (their
+        # connections closed) and are reaped, rather than outlive it for a moment.
         self._at_exit = Finalize(None, self.close, exitpriority=0)
         try:
             for _ in range(processes):
-                self._idle.append(_Worker(self._context, max_metadata_bytes))
+                self._idle.append(_Worker(max_metadata_bytes))
             for worker in self._idle:
                 worker.ready()
         except BaseException:  # those started end now, not with an interpreter that may keep this pool
@@ -293,33 +178,24 @@ class Ingest:
             threading.Thread(target=self._watch, name="expbuf-ingest-watch", daemon=True).start()
 
     def _watch(self) -> None:
-        """Replace an idle worker the moment it dies (reaping it), not at the next push that
-        would reach it. A worker that dies while decoding is replaced by that push."""
+        """Replace an idle worker that died (reaping it) within WATCH_SECONDS, not at the next push
+        that would reach it. A worker that dies while decoding is replaced by that push."""
         while True:
             with self._free:
                 if self._closing():
                     return
-                idle = {worker.process.sentinel: worker for worker in self._idle}
-            for sentinel in multiprocessing.connection.wait(list(idle), timeout=WATCH_SECONDS) if idle else ():
-                if not isinstance(sentinel, int):  # the processes' sentinels come back, as they went in
-                    continue
-                worker = idle[sentinel]
-                with self._free:
-                    if self._closing():
-                        return
-                    if worker not in self._idle:  # taken by a push meanwhile: that push finds it dead
-                        continue
+                dead = [worker for worker in self._idle if worker.process.poll() is not None]
+                for worker in dead:
                     self._idle.remove(worker)
-                log.warning("an ingest process died (exit code %s); starting a new one", worker.process.exitcode)
+            for worker in dead:
+                log.warning("an ingest process died (exit code %s); starting a new one", worker.process.returncode)
                 try:
                     self._give_back(self._replace(worker))
                 except Exception:  # cannot start one now: a push finds the slot empty and decodes here
                     if self._closing():  # closed while the new one started: no push needs it
                         return
                     log.exception("cannot start an ingest process; retrying when a push needs one")
-                    time.sleep(WATCH_SECONDS)
-            if not idle:
-                time.sleep(WATCH_SECONDS)
+            time.sleep(WATCH_SECONDS)
 
     def _closing(self) -> bool:
         """Closed, or the interpreter is exiting (its main thread has ended, and the pool is closed
@@ -363,7 +239,7 @@ class Ingest:
         with self._free:
             if self._closed:
                 return None
-        worker = _Worker(self._context, self.max_metadata_bytes)
+        worker = _Worker(self.max_metadata_bytes)
         worker.ready()
         with self._free:
             self._workers[self._workers.index(broken)] = worker
