@@ -330,6 +330,21 @@ def test_make_serve_installs_no_framework_and_make_test_completes_its_virtualenv
     assert rest[-1] == f"touch {venv}/.expbuf-installed", rest
 
 
+def test_make_serve_and_make_test_write_expbufs_bytecode_before_they_start_python(tmp_path: Path) -> None:
+    """Where PYTHONDONTWRITEBYTECODE is set (containers, CI images), Python compiles each module of
+    expbuf at every start unless its bytecode was written beforehand: a server's start costs nearly
+    twice the CPU, and the suite starts hundreds."""
+    venv = tmp_path / "ready"
+    (venv / "bin").mkdir(parents=True)
+    for stamp in (".expbuf-serve", ".expbuf-native", ".expbuf-installed"):
+        (venv / stamp).touch()
+    for target, first_python in (("serve", "expbuf serve"), ("test", "-m ruff")):
+        lines = make_dry_run(target, venv)
+        compiled = [at for at, line in enumerate(lines) if "-m compileall" in line and "client server proto" in line]
+        started = [at for at, line in enumerate(lines) if first_python in line]
+        assert compiled and started and compiled[0] < started[0], lines
+
+
 # What `pip check` may list after `make setup` (docs/getting-started.md says why): the requirements of the
 # frameworks installed with --no-deps, and the pins no one set of versions meets.
 NO_DEPS = {"trinity-rft", "areal", "verl"}
