@@ -142,6 +142,22 @@ def test_the_command_line_loads_the_store_only_for_the_commands_that_open_it() -
     assert rooms_reached == "True True" and unknown == "False", (rooms_reached, unknown)  # as when it loaded all
 
 
+def test_an_ingest_process_loads_the_decoding_and_nothing_of_the_service() -> None:
+    """A server starts its ingest processes as fresh interpreters running ingest_worker.py (at every
+    start, and again for each that dies): each loads the codec and the store's entry, not the
+    service, the command line, gRPC or torch, which cost a start about twice the CPU."""
+    child = (
+        "import runpy, sys\n"
+        "sys.argv = ['ingest_worker']\n"  # run as the server runs it, short of its file descriptors
+        "runpy.run_module('expbuf.server.rpc.push.ingest_worker', run_name='not_main', alter_sys=True)\n"
+        "heavy = ('expbuf.server.rpc.service', 'expbuf.server.rpc.push.ingest', 'expbuf.server.cli', "
+        "'expbuf.server.app', 'expbuf.server.config', 'expbuf.server.store.engine', 'grpc', 'torch')\n"
+        "print([name for name in heavy if name in sys.modules])\n"
+    )
+    (loaded,) = printed(child)
+    assert loaded == "[]", loaded
+
+
 def test_the_tree_as_it_is_keeps_every_contract(tree: Path) -> None:
     status, out = lint(tree)
     assert status == 0 and f"{FENCE} KEPT" in out and ", 0 broken." in out, out

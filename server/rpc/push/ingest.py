@@ -98,9 +98,9 @@ class _Worker:
         self.same = False  # whether it makes entries as the server does: known once ready()
 
     def ready(self) -> None:
-        """Wait until the process has imported everything (spawned now, not on the first push), and
+        """Wait until the process has imported everything (started now, not at the first push), and
         learn whether it makes entries as the server does. The server puts each entry together
-        from the worker's fields by their place; a worker spawned from other code (expbuf upgraded
+        from the worker's fields by their place; a worker started from other code (expbuf upgraded
         in place under a running server) may place them otherwise, and would put one field's
         value in another's: such a worker decodes nothing, the server decodes its pushes itself."""
         fields = pickle.loads(self.conn.recv_bytes())
