@@ -2,7 +2,7 @@
 in one process (issue 41).
 
     .venv/bin/python bench/bench_take_floor.py [--experiences 16384] [--rounds 3] [--out bench/RESULTS.md]
-        [--ways store,rows,unheld,floor,rows-floor,rows-build] [--order fifo]
+        [--ways store,rows,unheld,floor,rows-floor,rows-packed,rows-build] [--order fifo]
 
 Each round fills three data directories with the same 8 KB experiences (bench_reverb's shape), each
 its own group and in groups of 8, then drains each as a Sample stream's server does, in batches
@@ -22,7 +22,11 @@ of 256, taking a batch held while it confirms (consumes) the one before, in one 
   run's segment state read and its segment viewed from the snapshot, the run's uids and digests
   read from the segment's columns, each payload read and checked, the state rewritten as held,
   one lease row of runs; at the confirm each payload deleted, the state rewritten as consumed, and
-  a retired mark for a segment whose every group is retired.
+  a retired mark for a segment whose every group is retired;
+- the rows floor with payloads per segment (`rows-packed`, issue 64's "payloads per segment"):
+  the same, but a segment's payloads stored as one value, its members' end to end in their order,
+  read once a run (each member's digest checked on its slice) and deleted with the segment's last
+  run, not a value an experience read and deleted each.
 
 `--order` takes the store's drains in another order (the floors are fifo's, and refused with it). A
 records table keeps every order's index from its creation, its pushes writing them (not counted:
@@ -251,10 +255,12 @@ def segments(pushes: list[list[Entry]], group: int) -> list[list[Group]]:
     return found
 
 
-def rows_drain(path: Path, pushes: list[list[Entry]], group: int, order: str = "fifo") -> float:
-    """CPU seconds of the same drain over the rows (disk/rows/) in plain py-lmdb (its fill not counted)."""
+def rows_drain(path: Path, pushes: list[list[Entry]], group: int, order: str = "fifo", packed: bool = False) -> float:
+    """CPU seconds of the same drain over the rows (disk/rows/) in plain py-lmdb (its fill not counted).
+    `packed`: a segment's payloads are one value (`spay`, by segment), its members' end to end in their
+    order, read once a run and deleted with the segment's last run, not one value an experience."""
     env = lmdb.open(str(path), map_size=8 << 30, max_dbs=16, sync=True, metasync=True, readahead=False)
-    names = ("blobs", "segs", "sstate", "gdir", "ready", "retired", "leases")
+    names = ("blobs", "segs", "sstate", "gdir", "ready", "retired", "leases", "spay")
     db = {name: env.open_db(name.encode()) for name in names}
     with env.begin(write=True) as txn:
         blobs = {entry.uid: bytes(entry.blob) for push in pushes for entry in push}
@@ -265,8 +271,11 @@ def rows_drain(path: Path, pushes: list[list[Entry]], group: int, order: str = "
             txn.put(PREFIX + _U64.pack(seg), SegState.new([READY] * len(groups), members).encode(), db=db["sstate"])
             for index, g in enumerate(groups):
                 txn.put(PREFIX + g.key.encode(), GroupRef(seg, index).encode(), db=db["gdir"])
-                for m in g.members:
+                for m in g.members if not packed else ():
                     txn.put(PREFIX + m.uid.encode(), blobs[m.uid], db=db["blobs"])
+            if packed:
+                joined = b"".join(blobs[m.uid] for g in groups for m in g.members)
+                txn.put(PREFIX + _U64.pack(seg), joined, db=db["spay"])
             txn.put(PREFIX + _U64.pack(rseq), RunRow(seg, 0, len(groups)).encode(), db=db["ready"])
             rseq += len(groups)
     start = time.process_time()
@@ -275,7 +284,7 @@ def rows_drain(path: Path, pushes: list[list[Entry]], group: int, order: str = "
     while True:
         with env.begin(write=True) as txn:
             for run, uids in held:  # the confirm: consumed
-                for uid in uids:
+                for uid in uids if not packed else ():
                     txn.delete(PREFIX + uid.encode(), db=db["blobs"])
                 key = PREFIX + _U64.pack(run.seg)
                 state = SegState.decode(txn.get(key, db=db["sstate"]))
@@ -284,6 +293,8 @@ def rows_drain(path: Path, pushes: list[list[Entry]], group: int, order: str = "
                 if run.first + run.length == state.groups:  # drained from the front: the segment's last run
                     state.retired = 1.0
                     txn.put(PREFIX + b"\0" * 8 + _U64.pack(run.seg), b"", db=db["retired"])
+                    if packed:
+                        txn.delete(key, db=db["spay"])
                 txn.put(key, state.encode(), db=db["sstate"])
             held = []
             snapshot = env.begin(buffers=True)
@@ -305,10 +316,18 @@ def rows_drain(path: Path, pushes: list[list[Entry]], group: int, order: str = "
                         break
                     lo, hi = view.span(run.first)[0], view.span(end - 1)[1]
                     uids = view.members.uids(lo, hi)
-                    for uid, digest in zip(uids, view.members.digests(lo, hi), strict=True):
-                        blob = snapshot.get(PREFIX + uid.encode(), db=db["blobs"])
-                        if xxhash.xxh3_128_digest(blob) != digest:
-                            raise AssertionError(f"{uid}: digest")
+                    if packed:
+                        sizes = view.members.column("size", 0, hi)
+                        joined, at = snapshot.get(key, db=db["spay"]), sum(sizes[:lo])
+                        for uid, digest, size in zip(uids, view.members.digests(lo, hi), sizes[lo:], strict=True):
+                            if xxhash.xxh3_128_digest(joined[at : at + size]) != digest:
+                                raise AssertionError(f"{uid}: digest")
+                            at += size
+                    else:
+                        for uid, digest in zip(uids, view.members.digests(lo, hi), strict=True):
+                            blob = snapshot.get(PREFIX + uid.encode(), db=db["blobs"])
+                            if xxhash.xxh3_128_digest(blob) != digest:
+                                raise AssertionError(f"{uid}: digest")
                     txn.put(key, state.encode(), db=db["sstate"])
                     held.append((RunRow(run.seg, run.first, end - run.first), uids))
                     found = cursor.delete()
@@ -375,9 +394,10 @@ WAYS: dict[str, Callable[[Path, list[list[Entry]], int, str], float]] = {
     "unheld": unheld_drain,
     "floor": floor_drain,
     "rows-floor": rows_drain,
+    "rows-packed": lambda path, pushes, group, order: rows_drain(path, pushes, group, order, packed=True),
     "rows-build": rows_build,
 }
-FLOORS = ("floor", "rows-floor")  # fifo's alone
+FLOORS = ("floor", "rows-floor", "rows-packed")  # fifo's alone
 ORDERS = ("fifo", "lifo", "priority", "uniform")
 
 
@@ -405,6 +425,7 @@ COLUMNS = {
     "unheld": "the store's take consuming, no hold",
     "floor": "the same reads and writes in py-lmdb",
     "rows-floor": "the same over rows (disk/rows/) in py-lmdb",
+    "rows-packed": "the same, a segment's payloads one value",
     "rows-build": "a rows table's build of the order's index",
     "decode records": "a take's fields: records decoded",
     "decode rows": "a take's fields: a segment's columns read",
@@ -415,6 +436,7 @@ RATIOS = (
     ("store", "floor"),
     ("unheld", "floor"),
     ("floor", "rows-floor"),
+    ("rows-floor", "rows-packed"),
     ("decode records", "decode rows"),
 )
 
