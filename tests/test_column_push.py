@@ -390,6 +390,7 @@ def test_the_builder_refuses_what_it_cannot_lay_out() -> None:
 
 def test_an_ingest_worker_reads_columns_as_this_process_does() -> None:
     pool = Ingest(1)
+    pool.start()
     try:
         body = batch_of(groups()).payload
         assert pool._in_worker(body) == entries_of(body)

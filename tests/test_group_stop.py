@@ -6,10 +6,7 @@ keeps every push it acknowledged, and logs no traceback and no error."""
 from __future__ import annotations
 
 import copy
-import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -113,14 +110,16 @@ def test_sigterm_to_the_group_with_pushes_in_flight_keeps_what_was_acknowledged(
         with BufferClient(server.target) as client:
             client.create_table("t", group_by="none", estimator="none")
         assert len(push_of("size")[0]) > ingest.SMALL
-        workers = ingest_processes(server.proc.pid)
-        assert len(workers) == 2, "".join(server.log)
-        idle = {pid: cpu_ticks(pid) for pid in workers}
-        pushers = Pushers(server.target, "t")
+        assert ingest_processes(server.proc.pid) == [], "".join(server.log)  # none until pushes overlap
+        pushers = Pushers(server.target, "t")  # they overlap: the server starts its ingest processes
+        seen: dict[int, int] = {}  # each worker's CPU when first seen (it is importing then, or has)
         deadline = time.monotonic() + 120
-        while any(cpu_ticks(pid) < idle[pid] + 20 for pid in workers) or pushers.acknowledged() < PUSHERS:
+        while len(seen) < 2 or any(cpu_ticks(pid) < ticks + 40 for pid, ticks in seen.items()):
             assert time.monotonic() < deadline, "the ingest processes decoded nothing:\n" + "".join(server.log)
+            for pid in ingest_processes(server.proc.pid):
+                seen.setdefault(pid, cpu_ticks(pid))
             time.sleep(0.05)
+        assert pushers.acknowledged() >= PUSHERS, "".join(server.log)
         code = server.stop(signal.SIGTERM, group=True)  # pushes are in flight, in the ingest processes
         pushers.join()
     finally:
@@ -142,25 +141,23 @@ def test_sigterm_to_the_group_with_pushes_in_flight_keeps_what_was_acknowledged(
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
 def test_a_group_signal_while_the_ingest_processes_start_stops_the_server_cleanly(tmp_path: Path, sig: int) -> None:
-    """The signal reaches the ingest processes as they import what they run (they are spawned
-    before the server listens): the server starts, then stops, with no traceback."""
-    serve = ["serve", "--data", str(tmp_path / "data"), "--port", "0", "--metrics-port", "-1", *INGEST]
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "expbuf.server.cli", *serve],
-        stderr=subprocess.PIPE,
-        text=True,
-        process_group=0,
-    )
+    """The signal reaches the ingest processes as they import what they run (the first pushes that
+    overlap start them): the server stops, with no traceback."""
+    server = ServerProcess(str(tmp_path / "data"), *INGEST, own_group=True)
     try:
+        with BufferClient(server.target) as client:
+            client.create_table("t", group_by="none", estimator="none")
+        pushers = Pushers(server.target, "t")
         deadline = time.monotonic() + 60
-        while not ingest_processes(proc.pid):
-            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate(timeout=30)[1]
+        while not ingest_processes(server.proc.pid):
+            assert server.proc.poll() is None and time.monotonic() < deadline, "".join(server.log)
             time.sleep(0.001)
-        os.killpg(proc.pid, sig)
-        _, log = proc.communicate(timeout=120)
+        code = server.stop(sig, group=True)
+        pushers.join()
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(30)
-    assert proc.returncode == 0, log
+        if server.proc.poll() is None:
+            server.proc.kill()
+            server.proc.wait(30)
+    log = "".join(server.log)
+    assert code == 0, log
     clean(log)

@@ -36,6 +36,7 @@ def server(start_server: Servers) -> ExpbufServer:
 @pytest.fixture(scope="module")
 def ingest() -> Iterator[Ingest]:
     pool = Ingest(1)
+    pool.start()
     yield pool
     pool.close()
 
@@ -76,6 +77,7 @@ def test_a_worker_whose_entries_are_laid_out_otherwise_decodes_nothing(
     fields = ingest_worker.FIELDS
     monkeypatch.setattr(ingest_worker, "FIELDS", (fields[1], fields[0], *fields[2:]))  # the server's, here
     pool = Ingest(1)
+    pool.start()
     try:
         assert "its code is not the server's" in caplog.text
         worker = pool._workers[0]
@@ -161,6 +163,7 @@ def _state(pid: int) -> str:
 
 def test_a_worker_that_dies_is_replaced(server: ExpbufServer) -> None:
     ingest = server.service.ingest
+    ingest.start()
     dead = [worker.process.pid for worker in ingest._workers]
     for pid in dead:
         os.kill(pid, signal.SIGKILL)
@@ -174,8 +177,35 @@ def test_a_worker_that_dies_is_replaced(server: ExpbufServer) -> None:
     assert ingest._in_worker(data) == entries_of(data)
 
 
+def test_the_workers_start_at_the_first_push_one_would_take_and_no_push_waits_for_them(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A pool starts no process until a push overlaps another's decode with a payload a worker
+    would take; that push is decoded here while they start in the background, and the pushes after
+    they are ready go to them. A lone push, or one below SMALL, starts nothing."""
+    monkeypatch.setattr(ingest_module, "SMALL", 0)  # the fixtures are small: hand them off all the same
+    pool = Ingest(1)
+    try:
+        data = payload("grpo_group.trxp")
+        assert pool.entries(data) == entries_of(data) and not pool._asked  # alone: decoded here
+        with pool._free:
+            pool._decoding += 1  # another push is being decoded
+        handed: list[bytes | memoryview] = []
+        monkeypatch.setattr(pool, "_in_worker", lambda payload: handed.append(payload) or entries_of(payload))
+        assert pool.entries(data) == entries_of(data) and not handed  # decoded here, while they start
+        deadline = time.monotonic() + 60
+        while not pool._workers and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(pool._workers) == 1 and pool._workers[0].process.poll() is None
+        assert pool.entries(data) == entries_of(data) and handed == [data]  # now to a worker
+    finally:
+        pool.close()
+    assert all(worker.process.returncode is not None for worker in pool._workers)
+
+
 def test_a_closed_pool_decodes_here() -> None:
     pool = Ingest(1)
+    pool.start()
     worker = pool._workers[0]
     pool.close()
     assert worker.process.returncode is not None  # ended, and reaped
@@ -187,7 +217,10 @@ def test_a_pool_left_open_at_exit_starts_no_new_process() -> None:
     """A pool no one closed is closed as the interpreter exits (its workers ignore the SIGTERM
     multiprocessing ends them with then), and its watch must not take that for a death and start
     a process in an interpreter that is exiting."""
-    code = "import logging; logging.basicConfig(); from expbuf.server.rpc.push.ingest import Ingest; pool = Ingest(1)"
+    code = (
+        "import logging; logging.basicConfig(); from expbuf.server.rpc.push.ingest import Ingest; "
+        "pool = Ingest(1); pool.start()"
+    )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and "starting a new one" not in done.stderr, done.stderr
 
@@ -196,7 +229,7 @@ START = """
 import sys
 from expbuf.server.rpc.push.ingest import Ingest
 sys.executable = sys.argv[1]  # what the pool starts its workers with
-Ingest(2)
+Ingest(2).start()
 """
 
 # A Python that starts once: the first worker started with it lives, the second exits before it is ready.
@@ -215,7 +248,9 @@ def test_a_pool_that_fails_to_start_ends_the_workers_it_started(tmp_path: Path) 
     python.write_text(ONCE.format(python=sys.executable))
     python.chmod(0o755)
     done = subprocess.run([sys.executable, str(script), str(python)], capture_output=True, text=True, timeout=120)
-    assert done.returncode == 1 and "Ingest(2)" in done.stderr, done.stderr  # the failure, told by its traceback
+    assert done.returncode == 1 and "Ingest(2).start()" in done.stderr, (
+        done.stderr
+    )  # the failure, told by its traceback
     assert "EOFError" in done.stderr, done.stderr  # the second worker's connection ended before it was ready
 
 
@@ -224,6 +259,7 @@ def test_concurrent_pushes_each_get_their_own_entries(monkeypatch: pytest.Monkey
     monkeypatch.setattr(ingest_module, "SMALL", 0)  # the fixtures are small: hand them off all the same
     names = sorted(MANIFEST["payloads"]) * 6
     pool = Ingest(2)
+    pool.start()
     try:
         with ThreadPoolExecutor(6) as threads:
             got = list(threads.map(lambda name: pool.entries(payload(name)), names))
@@ -248,6 +284,7 @@ def test_an_empty_payload_is_refused_without_losing_the_worker() -> None:
     """The first payload a worker gets may be empty: it is refused as here, and the worker
     (whose region had never been mapped) stays."""
     pool = Ingest(1)
+    pool.start()
     try:
         worker = pool._workers[0]
         with pytest.raises(Exception) as here:
@@ -279,6 +316,7 @@ def test_an_experience_whose_metadata_passes_max_metadata_bytes_is_refused_namin
 ) -> None:
     data = metadata_payload([1000, 300_000])
     pool = Ingest(1, max_metadata_bytes=256 << 10)
+    pool.start()
     try:
         refusals = []
         for decode in (pool.entries, pool._in_worker):  # here, and in a worker process

@@ -9,6 +9,8 @@ the server process keeps the storage and the RPCs. A push that arrives while no 
 being decoded is decoded here, where it costs no hand-off: a single pusher is as fast as with no
 processes; so is a payload below SMALL, whose decode is shorter than the hand-off, and one above
 LARGE, whose cost is copying, which the hand-off would double. Every check is the same code either way.
+The processes start at the first push a worker would take, in the background (that push and those
+beside it are decoded here meanwhile): a server that never decodes two such pushes at once starts none.
 
 A payload goes to a worker and its packed experiences come back through shared memory
 (one memfd per worker), the experiences' fields as one pickle of tuples: no per-item
@@ -59,6 +61,7 @@ LARGE = 16 << 20
 # (8 pushers of 8 x 8 KB experiences pushed 0.84x with one worker what they did with none).
 SMALL = 256 << 10
 WATCH_SECONDS = 0.5  # how often the watch of idle workers looks again at the pool
+RETRY_SECONDS = 60  # after the workers failed to start, how long before a push asks again
 
 
 def _shared_fd() -> int:
@@ -152,7 +155,10 @@ class _Worker:
 
 class Ingest:
     """Turns pushed payloads into entries, here or in `processes` worker processes (0: always here),
-    each experience's metadata within `max_metadata_bytes`."""
+    each experience's metadata within `max_metadata_bytes`. The processes start (in the background)
+    at the first push that another's decode overlaps and a worker would take (`entries`), or at
+    `start()`: a server whose pushes are decoded here alone (a lone pusher, small or large payloads)
+    never starts them, and no push waits for them to start."""
 
     def __init__(self, processes: int = 0, max_metadata_bytes: int = ServerConfig.max_metadata_bytes) -> None:
         self.processes = processes
@@ -161,21 +167,54 @@ class Ingest:
         self._free = threading.Condition()  # guards the fields below; notified when a worker is free
         self._decoding = 0  # pushes being decoded, here or in a worker
         self._closed = False
+        self._asked = False  # the workers are started, or being started
+        self._retry_at = 0.0  # after a failed start, when a push may ask again
+        self._workers: list[_Worker] = []  # every worker, once all are ready
         self._idle: list[_Worker] = []  # every worker, until pushes take them
         # A pool no one closed is closed as the interpreter exits: its workers end (their
         # connections closed) and are reaped, rather than outlive it for a moment.
         self._at_exit = Finalize(None, self.close, exitpriority=0)
+
+    def start(self) -> None:
+        """Start the worker processes and wait until each is ready (a failure ends those started
+        and raises); nothing if they are started, or being started, already."""
+        with self._free:
+            if self._asked or self._closed or not self.processes:
+                return
+            self._asked = True
+        workers: list[_Worker] = []
         try:
-            for _ in range(processes):
-                self._idle.append(_Worker(max_metadata_bytes))
-            for worker in self._idle:
+            for _ in range(self.processes):
+                workers.append(_Worker(self.max_metadata_bytes))
+            for worker in workers:
                 worker.ready()
         except BaseException:  # those started end now, not with an interpreter that may keep this pool
-            self.close()
+            for worker in workers:
+                worker.close()
+            with self._free:
+                self._asked = False
+                self._retry_at = time.monotonic() + RETRY_SECONDS
             raise
-        self._workers = list(self._idle)
-        if processes:
-            threading.Thread(target=self._watch, name="expbuf-ingest-watch", daemon=True).start()
+        with self._free:
+            closed = self._closed
+            if not closed:
+                self._workers, self._idle = list(workers), list(workers)
+                self._free.notify_all()
+        if closed:  # closed while they started: no push needs them
+            for worker in workers:
+                worker.close()
+            return
+        threading.Thread(target=self._watch, name="expbuf-ingest-watch", daemon=True).start()
+
+    def _start_in_background(self) -> None:
+        try:
+            self.start()
+        except Exception:
+            log.exception(
+                "cannot start the ingest processes; pushes are decoded in the server's process, "
+                "and a push tries again in %d s",
+                RETRY_SECONDS,
+            )
 
     def _watch(self) -> None:
         """Replace an idle worker that died (reaping it) within WATCH_SECONDS, not at the next push
@@ -208,8 +247,12 @@ class Ingest:
         with self._free:
             alone = self._decoding == 0
             self._decoding += 1
+            ready = bool(self._workers)
+            ask = not alone and not self._asked and not self._closed and time.monotonic() >= self._retry_at
+        if ask:  # the first push a worker would take: they start while it is decoded here
+            threading.Thread(target=self._start_in_background, name="expbuf-ingest-start", daemon=True).start()
         try:
-            return entries_of(payload, self._limit) if alone else self._in_worker(payload)
+            return self._in_worker(payload) if ready and not alone else entries_of(payload, self._limit)
         finally:
             with self._free:
                 self._decoding -= 1

@@ -116,11 +116,12 @@ def serve(conn: Connection, region: Region, max_metadata_bytes: int) -> None:
         signal.signal(sig, signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
     limit = metadata_limit(max_metadata_bytes)
-    conn.send_bytes(pickle.dumps(FIELDS))  # imported and ready: the entries it makes, field by field
+    message = pickle.dumps(FIELDS)  # imported and ready: the entries it makes, field by field
     while True:
         try:
+            conn.send_bytes(message)
             length, size = REQUEST.unpack(conn.recv_bytes())
-        except EOFError:  # the server closed the pool
+        except (EOFError, OSError):  # the server closed the pool, or ended (even while this one started)
             return
         view = region.fit(size)
         try:
@@ -128,9 +129,9 @@ def serve(conn: Connection, region: Region, max_metadata_bytes: int) -> None:
         except Exception as exc:
             reply = exc
         try:
-            conn.send_bytes(pickle.dumps((reply, region.size), pickle.HIGHEST_PROTOCOL))
+            message = pickle.dumps((reply, region.size), pickle.HIGHEST_PROTOCOL)
         except Exception:  # a refusal that does not pickle: the server decodes the push itself
-            conn.send_bytes(pickle.dumps((None, region.size), pickle.HIGHEST_PROTOCOL))
+            message = pickle.dumps((None, region.size), pickle.HIGHEST_PROTOCOL)
 
 
 def _pack(entries: list[Entry], region: Region) -> list[tuple]:
