@@ -31,13 +31,15 @@ import xxhash
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from results import write_section  # noqa: E402
+import results  # noqa: E402
 
 SIZE = 8723  # the stored one-item payload of bench_reverb's 8 KB experience
 PER_SEGMENT = 256
 CYCLES = 3
 PREFIX = b"\0\0\0\1"
 HEADING = "## Payloads packed several to a value, in py-lmdb (issue 64)"
+COLUMNS = ["payloads a value", "value bytes", "push CPU µs", "push vs", "push bytes written"]
+COLUMNS += ["consume CPU µs", "consume vs", "consume bytes written"]
 
 
 def written() -> int:
@@ -116,27 +118,17 @@ def main() -> None:
             nbytes = statistics.median(run[stage][1] for run in runs[pack])
             cells += [f"{cpu:.2f}", f"**{base[stage] / cpu:.2f}x**", f"{nbytes:,.0f}"]
         rows.append(f"| {pack} | {pack * SIZE:,} | " + " | ".join(cells) + " |")
-    command = "python bench/bench_packed_payloads.py " + " ".join(sys.argv[1:])
-    section = "\n".join(
-        [
-            HEADING,
-            "",
-            f"Command: `{command.strip()}`  ",
-            f"{os.cpu_count()} CPUs, shared; load average {', '.join(f'{x:.2f}' for x in load)} at the start. "
-            f"{args.segments} segments of {PER_SEGMENT} payloads of {SIZE:,} bytes, filled then drained {CYCLES} times "
-            "in one environment, a durable commit a segment each way; CPU µs and bytes written an experience, "
-            f"medians of {args.rounds} rounds; the ratios against a pack of {packs[0]}.",
-            "",
-            "| payloads a value | value bytes | push CPU µs | push vs | push bytes written "
-            "| consume CPU µs | consume vs | consume bytes written |",
-            "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
-            *rows,
-            "",
-        ]
+    section = results.section(
+        HEADING,
+        "python bench/bench_packed_payloads.py " + " ".join(sys.argv[1:]),
+        f"{os.cpu_count()} CPUs, shared; load average {', '.join(f'{x:.2f}' for x in load)} at the start. "
+        f"{args.segments} segments of {PER_SEGMENT} payloads of {SIZE:,} bytes, filled then drained {CYCLES} times "
+        "in one environment, a durable commit a segment each way; CPU µs and bytes written an experience, "
+        f"medians of {args.rounds} rounds; the ratios against a pack of {packs[0]}.",
+        COLUMNS,
+        rows,
     )
-    print(section)
-    if args.out:
-        write_section(args.out, HEADING, section)
+    results.publish(section, HEADING, args.out)
 
 
 if __name__ == "__main__":

@@ -18,3 +18,18 @@ def write_section(path: Path, heading: str, section: str) -> None:
     else:
         text = text.rstrip("\n") + "\n\n" + section
     path.write_text(text)
+
+
+def section(heading: str, command: str, about: str, columns: list[str], rows: list[str]) -> str:
+    """A benchmark's section: its heading, the command that made it, what was measured and how
+    (`about`: machine, load, method), and its table of `columns` and rows (each a written line)."""
+    align = " | ".join("---" if at == 0 else "---:" for at in range(len(columns)))
+    head = [heading, "", f"Command: `{command.strip()}`  ", about, ""]
+    return "\n".join([*head, f"| {' | '.join(columns)} |", f"| {align} |", *rows, ""])
+
+
+def publish(text: str, heading: str, out: Path | None) -> None:
+    """Print a section, and write it into `out` (RESULTS.md) in place of its previous figures."""
+    print(text)
+    if out:
+        write_section(out, heading, text)
