@@ -18,7 +18,6 @@ import sys
 import tempfile
 import time
 import warnings
-from functools import partial
 from pathlib import Path
 
 import torch
@@ -27,7 +26,7 @@ warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from bench_service import PUSHERS, TABLE, Proc, bench_push, make_payloads, run_threads  # noqa: E402
+from bench_service import PUSHERS, TABLE, Proc, bench_push, make_payloads  # noqa: E402
 from results import write_section  # noqa: E402
 
 from expbuf.client import EID, BufferClient, Experience, trxp  # noqa: E402
@@ -56,14 +55,6 @@ WARM_UP = "warm-up"
 WARM_UP_SECONDS = 3.0  # for the ingest processes the warm-up's pushes started to be ready
 
 
-def warm_up(target: str, share: list[bytes]) -> None:
-    """Push `share` into the warm-up table (the server starts its ingest processes at the first
-    pushes that overlap, and the timed pushes are measured with them ready)."""
-    with BufferClient(target, timeout=120) as client:
-        for payload in share:
-            client.push(payload, table=WARM_UP)
-
-
 def measure(processes: int, payloads: list[bytes]) -> float:
     with tempfile.TemporaryDirectory() as data:
         server = Proc(
@@ -75,7 +66,7 @@ def measure(processes: int, payloads: list[bytes]) -> float:
                 client.create_table(TABLE, estimator="none", group_by="none")
                 client.create_table(WARM_UP, estimator="none", group_by="none")
             if processes:  # the pushes that overlap first start the processes: not timed
-                run_threads([[payload] for payload in payloads[:PUSHERS]], partial(warm_up, server.target))
+                bench_push(server.target, payloads[:PUSHERS], table=WARM_UP)
                 time.sleep(WARM_UP_SECONDS)
             return bench_push(server.target, payloads)
         finally:

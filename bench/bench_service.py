@@ -140,13 +140,13 @@ def run_threads(work: list, target) -> float:
     return time.perf_counter() - start
 
 
-def bench_push(target: str, payloads: list[bytes]) -> float:
+def bench_push(target: str, payloads: list[bytes], table: str = TABLE) -> float:
     shares = [payloads[i::PUSHERS] for i in range(PUSHERS)]
 
     def push(share: list[bytes]) -> None:
         with BufferClient(target, timeout=120) as c:
             for payload in share:
-                c.push(payload, table=TABLE)
+                c.push(payload, table=table)
 
     return sum(map(len, payloads)) / run_threads(shares, push) / 1e6
 

@@ -80,6 +80,7 @@ class _Worker:
         ours, theirs = socket.socketpair()
         self.region = ingest_worker.Region(_shared_fd())
         command = [sys.executable, "-m", ingest_worker.__name__, str(theirs.fileno()), str(self.region.fd)]
+        command.append(str(max_metadata_bytes))
         # It imports what this process can (its sys.path, as multiprocessing's spawn gives a child):
         # expbuf may be on it only as a Ray runtime environment or a script put it there.
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(path for path in sys.path if path)}
@@ -87,9 +88,7 @@ class _Worker:
         # server once unblocked (or another of its threads at once).
         blocked = signal.pthread_sigmask(signal.SIG_BLOCK, ingest_worker.STOP_SIGNALS)
         try:
-            self.process = subprocess.Popen(
-                [*command, str(max_metadata_bytes)], pass_fds=(theirs.fileno(), self.region.fd), env=env
-            )
+            self.process = subprocess.Popen(command, pass_fds=(theirs.fileno(), self.region.fd), env=env)
         except BaseException:
             ours.close()
             self.region.close()
@@ -134,10 +133,10 @@ class _Worker:
         try:
             if not isinstance(reply, list):
                 return reply
-            entries, pos = [], 0
+            entries, pos, blob = [], 0, ingest_worker.BLOB
             for row in reply:
-                end = pos + row[ingest_worker.BLOB]
-                entries.append(Entry(*(*row[: ingest_worker.BLOB], view[pos:end], *row[ingest_worker.BLOB + 1 :])))
+                end = pos + row[blob]
+                entries.append(Entry(*(*row[:blob], view[pos:end], *row[blob + 1 :])))
                 pos = end
             return entries
         finally:
