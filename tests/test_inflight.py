@@ -21,7 +21,7 @@ from expbuf.proto.v1 import buffer_pb2 as pb
 from expbuf.proto.v1 import buffer_pb2_grpc as pb_grpc
 from expbuf.server import app
 from expbuf.server.app import ExpbufServer
-from expbuf.server.rpc.push.inflight import InFlight
+from expbuf.server.rpc.push.inflight import TRIM_AFTER, TRIM_IDLE, InFlight
 from expbuf.server.rpc.push.push_memory import PushMemory
 from expbuf.server.rpc.push.push_request import read_push_request
 
@@ -108,6 +108,28 @@ def test_a_stream_waits_for_room_its_own_pushes_hold_without_being_refused() -> 
     assert admitted and admitted[0] is not None and "max_inflight_bytes = 100" in admitted[0]
     other()
     assert inflight.admit(0.05, stream) is None and inflight.held == 0
+
+
+def test_the_heap_is_handed_back_once_pushes_pause_not_between_the_pushes_of_a_stream() -> None:
+    """A lone pusher's pushes hold nothing between them for a moment: a trim there gave its heap
+    back every TRIM_AFTER bytes and each next push faulted its pages in again. The trim waits
+    until no push has held memory for TRIM_IDLE, and comes once."""
+    trims: list[float] = []
+    inflight = InFlight(1 << 40, trim=lambda: trims.append(time.monotonic()))
+    size = TRIM_AFTER // 4
+    began = ended = time.monotonic()
+    while ended - began < 3 * TRIM_IDLE:  # a stream: each push ends before the next begins
+        inflight.hold(size)()
+        ended = time.monotonic()
+        time.sleep(TRIM_IDLE / 20)
+    assert trims == [], "trimmed while the pushes went on"
+    deadline = ended + 10 * TRIM_IDLE
+    while not trims and time.monotonic() < deadline:
+        time.sleep(TRIM_IDLE / 10)
+    assert len(trims) == 1 and trims[0] - ended >= TRIM_IDLE, (trims, ended)
+    inflight.hold(TRIM_AFTER // 2)()  # less than TRIM_AFTER since: no trim due
+    time.sleep(3 * TRIM_IDLE)
+    assert len(trims) == 1
 
 
 def test_pushes_give_back_what_they_held_however_they_end(start_server: Servers) -> None:
