@@ -3,6 +3,7 @@ to 512 MiB against raw durable LMDB puts and a raw gRPC stream of the same bytes
 machine's copy bandwidth (one `bytes` copy of a buffer) as the limit, and the server's memory.
 
     .venv/bin/python bench/bench_big.py [--out bench/RESULTS.md] [--sizes 1,8,64,256,512] [--total 1024]
+        [--before DIR]
 
 Each size pushes `--total` MiB (at least two experiences), one experience a push over the
 client's defaults (chunks of 4 MiB), into an `expbuf serve` child, then consumes them as
@@ -13,7 +14,9 @@ same bytes over a gRPC stream of messages of one batch's bytes, at most PART_BYT
 (bench/raw_grpc_server.py), with nothing decoded. Server memory:
 the peak RSS (VmHWM, reset before each phase) and the peak of its anonymous memory (RssAnon,
 sampled every 5 ms) over its RSS before, in MiB; the consume's RSS counts the stored pages it
-maps, its anonymous memory does not.
+maps, its anonymous memory does not. With --before DIR (an earlier tree of expbuf, `git archive`d,
+its compiled codec built there), that tree's server runs each size too, the trees in turn, which
+goes first alternating from size to size.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ sys.path.insert(0, str(HERE))
 import grpc  # noqa: E402
 import lmdb  # noqa: E402
 import torch  # noqa: E402
+from bench_consume import package  # noqa: E402
 from bench_push_memory import status  # noqa: E402
 from bench_service import Proc  # noqa: E402
 from results import write_section  # noqa: E402
@@ -93,13 +97,16 @@ def batch_groups(size: int) -> int:
     return max(1, BATCH // size)
 
 
-def expbuf_side(sizes: list[int], total: int) -> dict[int, dict[str, float]]:
+def expbuf_side(sizes: list[int], total: int, tree: Path | None = None) -> dict[int, dict[str, float]]:
+    """Each size pushed and consumed through a server of `tree` (None: this one)."""
     out: dict[int, dict[str, float]] = {}
     for size in sizes:
         count = max(2, total // size)
         with tempfile.TemporaryDirectory() as data:
             env = {**os.environ, "EXPBUF_MAX_INFLIGHT_BYTES": str(2 * size + 64 * MB)}
-            argv = ["-m", "expbuf.server.cli", "serve", "--data", data, "--port", "0", "--metrics-port", "-1"]
+            if tree is not None:
+                env["PYTHONPATH"] = str(package(tree, Path(data) / "before"))
+            argv = ["-m", "expbuf.server.cli", "serve", "--data", f"{data}/d", "--port", "0", "--metrics-port", "-1"]
             server = Proc(*argv, env=env)
             try:
                 time.sleep(5)  # torch loads after the server listens
@@ -205,35 +212,43 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--sizes", default="1,8,64,256,512", help="experience sizes in MiB (0.25: 256 KiB)")
     parser.add_argument("--total", type=int, default=1024, help="MiB pushed and consumed per size")
+    parser.add_argument("--before", type=Path, help="an earlier tree of expbuf, its servers run beside this one's")
     args = parser.parse_args()
     sizes = [int(float(s) * MB) for s in args.sizes.split(",")]
     total = args.total * MB
     load = os.getloadavg()
     copy = memcpy()
-    ours = expbuf_side(sizes, total)
+    trees: dict[str, Path | None] = {"now": None} if args.before is None else {"before": args.before, "now": None}
+    ours: dict[str, dict[int, dict[str, float]]] = {name: {} for name in trees}
+    for turn, size in enumerate(sizes):
+        for name in list(trees)[:: 1 if turn % 2 == 0 else -1]:
+            ours[name].update(expbuf_side([size], total, trees[name]))
     lmdb_rates = raw_lmdb(sizes, total)
     stream_rates = raw_stream(sizes, total)
     rows = []
     for size in sizes:
-        f = ours[size]
-        rows.append(
-            f"| {size / MB:g} MiB | {int(f['count'])} | {f['push'] / MB:,.0f} / {lmdb_rates[size] / MB:,.0f} | "
-            f"**{f['push'] / lmdb_rates[size]:.2f}** | {f['consume'] / MB:,.0f} / {stream_rates[size] / MB:,.0f} | "
-            f"**{f['consume'] / stream_rates[size]:.2f}** | {f['push'] / copy:.1%} / {f['consume'] / copy:.1%} | "
-            f"{f['push_peak']:,.0f} / {f['push_anon']:,.0f} | {f['consume_peak']:,.0f} / {f['consume_anon']:,.0f} |"
-        )
+        for name in trees:
+            f = ours[name][size]
+            rows.append(
+                f"| {size / MB:g} MiB |{f' {name} |' if args.before else ''} {int(f['count'])} | "
+                f"{f['push'] / MB:,.0f} / {lmdb_rates[size] / MB:,.0f} | **{f['push'] / lmdb_rates[size]:.2f}** | "
+                f"{f['consume'] / MB:,.0f} / {stream_rates[size] / MB:,.0f} | "
+                f"**{f['consume'] / stream_rates[size]:.2f}** | {f['push'] / copy:.1%} / {f['consume'] / copy:.1%} | "
+                f"{f['push_peak']:,.0f} / {f['push_anon']:,.0f} | {f['consume_peak']:,.0f} / {f['consume_anon']:,.0f} |"
+            )
+    before = f" --before {args.before}" if args.before else ""
     section = "\n".join(
         [
             HEADING,
             "",
-            f"Command: `python bench/bench_big.py --sizes {args.sizes} --total {args.total}`  ",
+            f"Command: `python bench/bench_big.py --sizes {args.sizes} --total {args.total}{before}`  ",
             f"Loopback, 2 cores shared with other work: load average {load[0]:.2f}, {load[1]:.2f}, {load[2]:.2f} "
             f"at the start. One copy of a 256 MiB buffer: {copy / MB:,.0f} MiB/s.",
             "",
-            "| experience | experiences | push MiB/s, expbuf / raw LMDB | push ratio | consume MiB/s, expbuf "
-            "columns / raw stream | consume ratio | push / consume of copy bandwidth | server peak in a push, "
-            "RSS / anonymous (MiB) | server peak in the consume, RSS / anonymous (MiB) |",
-            "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+            f"| experience |{' tree |' if args.before else ''} experiences | push MiB/s, expbuf / raw LMDB | push "
+            "ratio | consume MiB/s, expbuf columns / raw stream | consume ratio | push / consume of copy bandwidth | "
+            "server peak in a push, RSS / anonymous (MiB) | server peak in the consume, RSS / anonymous (MiB) |",
+            "| --- |" + " --- |" * (9 if args.before else 8),
             *rows,
             "",
         ]
