@@ -29,6 +29,9 @@ about 8 KB; kept and topped up by later runs) and, with its server stopped each 
   dropped offline first): its wait, the server's RSS after it, and the waits of one-group
   pushes made meanwhile (p50, p99, max);
 - with --full, a restart with `check_at_open = "full"` to its first sample, for comparison.
+With --before TREE, --restart fills a directory of each tree under DIR instead (`before`, `now`) and
+measures only their restarts to the first sample, with default settings and with the full open
+check, three rounds of the two in turn.
 
 --first-uniform (issue 39) fills DIR the same way to `--groups` ready groups of 4 small experiences
 (kept between runs), makes the table as a release that kept the priority, uniform and version
@@ -228,12 +231,14 @@ class Restarts:
     """A data directory kept between runs (`--data`), its server started with settings of the
     run's own, and the next group number to push."""
 
-    def __init__(self, data: Path, shape: str) -> None:
+    def __init__(self, data: Path, shape: str, tree: Path | None = None) -> None:
         self.data, self.template = data, trxp.from_experience(make_experience(0, 0, 0, **SHAPES[shape]))
         self.per_push = PER_PUSH if shape == "small" else 64
         self.configs = data.parent / f"{data.name}-configs"
         self.configs.mkdir(parents=True, exist_ok=True)
         self.next_group = 0
+        # the servers of another tree (None: this one), run as the expbuf package
+        self.env = None if tree is None else {"PYTHONPATH": str(package(tree, Path(tempfile.mkdtemp())))}
 
     def start(self, name: str, **settings: object) -> tuple[ServerProcess, float]:
         """A server with these settings (TOML values) and the growth table; it and when it was spawned."""
@@ -242,7 +247,7 @@ class Restarts:
         config = self.configs / f"{name}.toml"
         config.write_text("\n".join(lines) + "\n")
         begin = time.perf_counter()
-        server = ServerProcess(str(self.data), "--config", str(config), start_seconds=3600, warm=False)
+        server = ServerProcess(str(self.data), "--config", str(config), env=self.env, start_seconds=3600, warm=False)
         with BufferClient(server.target, timeout=600) as client:
             self.next_group = max(self.next_group, client.stats(TABLE)[TABLE].pushed // GROUP)
         return server, begin
@@ -587,6 +592,75 @@ def restart_row(data: Path, shape: str, size: int, full: bool) -> str:
     return row
 
 
+def first_sample(runs: Restarts, name: str, **settings: object) -> tuple[float, float]:
+    """A start of `runs`' server with these settings: seconds from its spawn to its first one-group
+    batch received, and its RSS (MiB) then."""
+    server, begin = runs.start(name, **settings)
+    try:
+        with BufferClient(server.target, timeout=600) as client:
+            next(client.sample(TABLE, num_groups=1, delivery="consume", max_batches=1, window=1, timeout=600))
+        return time.perf_counter() - begin, rss_mib(server.proc.pid)
+    finally:
+        stopped(server)
+
+
+def restart_pair_section(args: argparse.Namespace) -> str:
+    """--restart --before: a data directory of each tree filled to the size, then restarts of the
+    two in turn (the first alternating), to the first sample: with default settings and with the full
+    open check."""
+    size, rounds = int(args.sizes.split(",")[-1]), 3
+    trees = {"before": Path(args.before).resolve(), "now": None}
+    runs = {name: Restarts(Path(args.data) / name, args.shape, tree) for name, tree in trees.items()}
+    fills: dict[str, str] = {}
+    for name, run in runs.items():
+        step(f"fill {name}")
+        server, _ = run.start("fill", scrub_mb_per_second=0)
+        rate = run.fill(server, size // GROUP)
+        stopped(server)
+        fills[name] = "reused" if not rate else f"{rate:,.0f}"
+    load = os.getloadavg()[0]
+    found: dict[str, dict[str, list[tuple[float, float]]]] = {name: {"quick": [], "full": []} for name in trees}
+    for turn in range(rounds):
+        for name in list(trees)[:: 1 if turn % 2 == 0 else -1]:
+            step(f"round {turn}: {name}")
+            found[name]["quick"].append(first_sample(runs[name], "default"))
+            found[name]["full"].append(first_sample(runs[name], "full", check_at_open="full", scrub_mb_per_second=0))
+
+    def cell(pairs: list[tuple[float, float]]) -> str:
+        seconds, rss = statistics.median(s for s, _ in pairs), statistics.median(r for _, r in pairs)
+        return f"{seconds:.2f} s ({', '.join(f'{s:.2f}' for s, _ in pairs)}), {rss:.0f} MiB"
+
+    rows = []
+    for name, run in runs.items():
+        stored = run.next_group * GROUP
+        data_gb = sum(p.stat().st_blocks * 512 for p in run.data.rglob("*") if p.is_file()) / 1e9
+        rows.append(
+            f"| {name} | {stored:,} | {data_gb:.1f} | {fills[name]} | {cell(found[name]['quick'])} "
+            f"| {cell(found[name]['full'])} |"
+        )
+    return "\n".join(
+        [
+            restart_pair_heading(args.shape),
+            "",
+            f"Command: `.venv/bin/python bench/bench_growth.py --restart --shape {args.shape} --sizes {size} "
+            f"--data DIR --before TREE`  ",
+            f"Machine: {os.cpu_count()} CPU threads, shared; load {load:.1f} before the restarts and "
+            f"{os.getloadavg()[0]:.1f} at the end. Each tree fills a directory of its own (its own format), then "
+            f"{rounds} rounds restart each in turn, the first alternating: from the spawn of `expbuf serve` to its "
+            "first one-group batch consumed, with default settings (a quick open, the scrub at its bound) and with "
+            'the full open check (`check_at_open = "full"`); the median (the rounds) and the server\'s RSS then.',
+            "",
+            "| tree | stored | data GB | fill exp/s | restart to first sample, defaults | the same, full open check |",
+            "| --- | --- | --- | --- | --- | --- |",
+            *rows,
+        ]
+    )
+
+
+def restart_pair_heading(shape: str) -> str:
+    return f"## Restart at 1 M experiences, this tree beside another: {shape} (issue 64)"
+
+
 def restart_heading(shape: str) -> str:
     return f"## Restart at any size: {shape} experiences (issue 29)"
 
@@ -626,7 +700,7 @@ def main() -> None:
     parser.add_argument("--full", action="store_true", help="--restart: also a restart with the full open check")
     parser.add_argument("--first-uniform", action="store_true", help="the first uniform request after an open")
     parser.add_argument("--groups", type=int, default=1_003_520, help="--first-uniform: ready groups to fill to")
-    parser.add_argument("--before", help="--first-uniform: the tree to measure beside this one")
+    parser.add_argument("--before", help="--first-uniform, --restart: the tree to measure beside this one")
     args = parser.parse_args()
     if args.first_uniform:
         if not (args.data and args.before):
@@ -639,10 +713,11 @@ def main() -> None:
     if args.restart:
         if not args.data:
             parser.error("--restart needs --data DIR (filled once, reused by later runs)")
-        section = restart_section(args)
+        section = restart_pair_section(args) if args.before else restart_section(args)
         print(section)
         if args.out:
-            write_section(args.out, restart_heading(args.shape), section)
+            heading = restart_pair_heading if args.before else restart_heading
+            write_section(args.out, heading(args.shape), section)
         return
     rows = run([int(s) for s in args.sizes.split(",")])
     body = "\n".join(
