@@ -78,26 +78,33 @@ class Entry:
         """An item whose payload is `blob` (a head, for one whose section a push staged: its
         payload's `digest`, `size` and `generated` tokens taken as it was staged); no tensor's
         data is read."""
-        eid = item.eid
-        priority = item.meta.get("info", {}).get("priority", 0.0)
+        meta = item.meta
+        try:  # a checked item's eid names its five parts: its ids made here, as EID makes them
+            eid = meta["eid"]
+            batch_task, run, step, suffix = f"{eid['batch']}/{eid['task']}", eid["run"], eid["step"], eid["suffix"]
+        except KeyError:
+            whole = item.eid
+            batch_task, run, step, suffix = whole.tid, whole.run, whole.step, whole.suffix
+        rid = f"{batch_task}/{run}"
+        priority = meta.get("info", {}).get("priority", 0.0)
         return cls(
-            uid=eid.uid,
-            tid=eid.tid,
-            rid=eid.rid,
-            sid=eid.sid,
+            uid=f"{rid}/{step}/{suffix}",
+            tid=batch_task,
+            rid=rid,
+            sid=f"{batch_task}/{step}",
             blob=blob,
             digest=digest,
             size=size,
             version=item.model_version,
-            reward=item.meta.get("reward"),
+            reward=meta.get("reward"),
             priority=float(priority) if isinstance(priority, (int, float)) else 0.0,
             has_token_rewards="token_level_reward" in item.tensors,
-            step=eid.step,
+            step=step,
             response_length=item.response_length,
             generated=generated,
-            prompt_bytes=item.meta.get("prompt_length", 1) * ITEMSIZE[item.tensors["tokens"].dtype],
+            prompt_bytes=meta.get("prompt_length", 1) * ITEMSIZE[item.tensors["tokens"].dtype],
             segments=item.version_segments,
-            piece=None if (mark := partial.mark_of(item.meta)) is None else (mark.offset, mark.more),
+            piece=None if (mark := partial.mark_of(meta)) is None else (mark.offset, mark.more),
         )
 
     def record(self, gkey: str, *, seq: int, created: float) -> ItemRecord:
