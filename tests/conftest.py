@@ -11,6 +11,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -178,19 +179,52 @@ class Servers:
     def __init__(self, data: Path) -> None:
         self.data = data
         self.started: list[ExpbufServer] = []
+        self.held: dict[int, socket.socket] = {}  # ports kept for a server to start on (reserve_port, stop)
 
     def __call__(self, data: Path | str | None = None, **settings: object) -> ExpbufServer:
         settings = {"port": 0, "metrics_port": 0, "ingest_processes": 0, "advantage_worker": "at_start", **settings}
+        port = settings["port"]
+        held = self.held.pop(port, None) if isinstance(port, int) else None
+        if held is not None:
+            held.close()
         server = ExpbufServer(ServerConfig(data=str(self.data if data is None else data), **settings))
         self.started.append(server.start())
         if server.advantages.state != "not_needed":  # advantage_worker="when_needed" asked, and nothing needs it
             assert server.advantages.wait(60), "the advantage worker did not start"
         return server
 
-    def stop_all(self) -> None:
-        """Stop every server started (a second stop of one the test stopped does nothing)."""
+    def reserve_port(self) -> int:
+        """A free port, held until a server is started on it here (`port=`): a client that
+        connects meanwhile is refused as by a server that is down, and no other test's server,
+        started meanwhile on a free port, can take it and answer that client instead."""
+        return self._hold(0)
+
+    def stop(self, server: ExpbufServer, grace: float = 1) -> None:
+        """Stop a server, its port held until one is started on it again here (reserve_port's)."""
+        server.stop(grace=grace)
+        self._hold(server.port)
+
+    def stop_all(self, *, keep_ports: bool = False) -> None:
+        """Stop every server started (a second stop of one the test stopped does nothing); with
+        `keep_ports`, their ports held for the next (as `stop` holds them), else every port held
+        let go."""
         while self.started:
-            self.started.pop().stop(grace=1)
+            server = self.started.pop()
+            server.stop(grace=1)
+            if keep_ports and server.port not in self.held:
+                self._hold(server.port)
+        if not keep_ports:
+            while self.held:
+                self.held.popitem()[1].close()
+
+    def _hold(self, port: int) -> int:
+        """Bind `port` (0: a free one) without listening: nothing else on the machine may bind it."""
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC binds: connections in TIME_WAIT allowed
+        sock.bind(("127.0.0.1", port))
+        port = sock.getsockname()[1]
+        self.held[port] = sock
+        return int(port)
 
 
 @pytest.fixture

@@ -4,7 +4,6 @@ stored and answered as if sent whole, refused as if sent whole, and retried as d
 from __future__ import annotations
 
 import asyncio
-import socket
 import threading
 from collections.abc import Awaitable, Callable, Iterator
 from concurrent import futures
@@ -102,9 +101,7 @@ def test_push_chunk_bytes_0_sends_every_push_whole_and_a_bad_value_is_refused(se
 
 
 def test_a_push_in_chunks_waits_for_a_server_that_starts_late(start_server: Servers) -> None:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = start_server.reserve_port()
     later = threading.Timer(0.5, lambda: start_server(port=port))
     later.start()
     try:

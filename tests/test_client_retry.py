@@ -15,7 +15,6 @@ import contextlib
 import dataclasses
 import itertools
 import queue
-import socket
 import threading
 import time
 from collections import Counter
@@ -355,19 +354,13 @@ def test_retried_and_unretried_calls_share_one_connection(front: Front) -> None:
     assert len(front.calls) == 4 and len({peer for _, peer in front.calls}) == 1, front.calls
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
-
 @pytest.mark.parametrize("kind", KINDS)
 def test_with_wait_for_ready_a_push_and_a_read_wait_for_a_server_that_comes_back_after_the_retries(
     start_server: Servers, kind: str
 ) -> None:
     """The server listens 1.2 s after each call starts: later than 4 retries take (50 ms doubling,
     0.9 s at most with gRPC's jitter), well within the deadline."""
-    port, body = free_port(), group(5)
+    port, body = start_server.reserve_port(), group(5)
     for name, arg, check in (("push", body, "stored"), ("get", uids(body), "missing_uids")):
         later = threading.Timer(1.2, lambda: start_server(port=port))
         later.start()
@@ -376,11 +369,13 @@ def test_with_wait_for_ready_a_push_and_a_read_wait_for_a_server_that_comes_back
         finally:
             later.join()
         assert getattr(result, check) == (uids(body) if name == "push" else [])
-        start_server.stop_all()
+        start_server.stop_all(keep_ports=True)
 
 
-def test_a_server_that_is_down_fails_a_call_unavailable_and_wait_for_ready_waits_only_for_retried_calls() -> None:
-    target = f"127.0.0.1:{free_port()}"  # nothing listens there
+def test_a_server_that_is_down_fails_a_call_unavailable_and_wait_for_ready_waits_only_for_retried_calls(
+    start_server: Servers,
+) -> None:
+    target = f"127.0.0.1:{start_server.reserve_port()}"  # nothing listens there
     for retries in (0, MAX_RETRIES):
         with pytest.raises(UnavailableError):
             call("blocking", target, "push", group(6), retries=retries)
@@ -549,10 +544,10 @@ def test_the_attempts_of_a_push_kept_out_send_it_as_it_was_until_its_deadline() 
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_a_call_that_waited_for_a_server_it_never_reached_names_the_target(kind: str) -> None:
+def test_a_call_that_waited_for_a_server_it_never_reached_names_the_target(start_server: Servers, kind: str) -> None:
     """gRPC's own words are "Deadline Exceeded": the error says where the client looked, and why a
     call may wait out its deadline with wait_for_ready."""
-    target = f"127.0.0.1:{free_port()}"  # nothing listens there
+    target = f"127.0.0.1:{start_server.reserve_port()}"  # nothing listens there
     with pytest.raises(DeadlineExceededError) as info:
         call(kind, target, "stats", "", wait_for_ready=True, timeout=0.5)
     assert target in info.value.details and "wait_for_ready" in info.value.details, info.value.details

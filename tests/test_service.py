@@ -337,11 +337,7 @@ def test_kill_9_during_pushes_loses_no_acknowledged_uid(tmp_path: Path) -> None:
 
 
 def test_a_push_with_wait_for_ready_waits_for_a_server_that_starts_late(start_server: Servers) -> None:
-    import socket
-
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = start_server.reserve_port()
     later = threading.Timer(0.5, lambda: start_server(port=port))
     later.start()
     try:

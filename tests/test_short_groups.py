@@ -189,7 +189,7 @@ def test_over_the_wire_the_reports_survive_a_restart_and_the_metrics_count_them(
         client.push(runs(1, range(1)), table="wire")
         with pytest.raises(AlreadyExistsError, match="was pushed"):
             client.fail_runs([uid(1, 0)], "wire")
-    server.stop(grace=1)
+    start_server.stop(server)
     server = start_server(port=server.port)
     with BufferClient(target) as client:
         done = client.push(runs(0, [2]), table="wire")  # the third member: 3 of 4 with the failure

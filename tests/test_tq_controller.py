@@ -159,7 +159,7 @@ def test_a_controller_that_cannot_journal_answers_nothing_more_and_comes_back_fr
     tq.init(settings)
     try:
         tq.kv_batch_put(keys=["a", "b"], partition_id="train", fields=fields(0, 2))
-        journal.stop(grace=1)
+        start_server.stop(journal)
         with pytest.raises(RuntimeError, match="could not journal"):
             tq.kv_batch_put(keys=["c"], partition_id="train", fields=fields(2, 1))
         journal = start_server(data=tmp_path / "journal", port=journal.port)

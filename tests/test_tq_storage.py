@@ -126,7 +126,7 @@ def test_transfer_queue_stores_every_field_in_expbuf_and_reads_it_after_a_restar
             stored = client.get_values([f"{i}@{f}" for i in range(3) for f in ("input_ids", "score", "text")], "tq")
         assert all(value is not None for value in stored)
 
-        server.stop(grace=1)
+        start_server.stop(server)
         server = start_server(port=server.port)  # the same data and address: the fields are there
         got = tq.kv_batch_get(keys=keys, partition_id="train")
         assert rows(got["input_ids"]) == fields["input_ids"].tolist()
@@ -237,7 +237,7 @@ def test_a_put_waits_out_a_restart_of_the_server(start_server: Servers) -> None:
     port = server.port
     storage = ExpbufStorageClient({"target": f"127.0.0.1:{port}", "table": "tq_wait", "wait_s": 60})
     try:
-        server.stop(grace=1)
+        start_server.stop(server)  # its port held meanwhile: the put must reach no other server
         events: list[str] = []
         later = threading.Timer(6.0, lambda: (start_server(port=port), events.append("restarted")))
         later.start()
