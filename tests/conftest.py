@@ -185,10 +185,12 @@ class Servers:
         settings = {"port": 0, "metrics_port": 0, "ingest_processes": 0, "advantage_worker": "at_start", **settings}
         port = settings["port"]
         held = self.held.pop(port, None) if isinstance(port, int) else None
-        if held is not None:
-            held.close()
-        server = ExpbufServer(ServerConfig(data=str(self.data if data is None else data), **settings))
-        self.started.append(server.start())
+        try:  # a held port is let go once the server listens on it (its bind shares it, as gRPC's does)
+            server = ExpbufServer(ServerConfig(data=str(self.data if data is None else data), **settings))
+            self.started.append(server.start())
+        finally:
+            if held is not None:
+                held.close()
         if server.advantages.state != "not_needed":  # advantage_worker="when_needed" asked, and nothing needs it
             assert server.advantages.wait(60), "the advantage worker did not start"
         return server
@@ -208,20 +210,25 @@ class Servers:
         """Stop every server started (a second stop of one the test stopped does nothing); with
         `keep_ports`, their ports held for the next (as `stop` holds them), else every port held
         let go."""
-        while self.started:
-            server = self.started.pop()
-            server.stop(grace=1)
-            if keep_ports and server.port not in self.held:
-                self._hold(server.port)
-        if not keep_ports:
-            while self.held:
+        try:
+            while self.started:
+                server = self.started.pop()
+                server.stop(grace=1)
+                if keep_ports and server.port not in self.held:
+                    self._hold(server.port)
+        finally:
+            while self.held and not keep_ports:
                 self.held.popitem()[1].close()
 
     def _hold(self, port: int) -> int:
         """Bind `port` (0: a free one) without listening: nothing else on the machine may bind it."""
         sock = socket.socket()
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC binds: connections in TIME_WAIT allowed
-        sock.bind(("127.0.0.1", port))
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC binds: TIME_WAIT allowed
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            sock.close()
+            raise
         port = sock.getsockname()[1]
         self.held[port] = sock
         return int(port)

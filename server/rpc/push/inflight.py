@@ -180,10 +180,15 @@ class InFlight:
         return release
 
     def _arm(self, delay: float) -> None:
-        """Trim after `delay` if no push held memory meanwhile (the lock held)."""
-        self._trimmer = threading.Timer(delay, self._trim_if_quiet)
-        self._trimmer.daemon = True
-        self._trimmer.start()
+        """Trim after `delay` if no push held memory meanwhile (the lock held). Where no thread can
+        start now, the next push's release tries again."""
+        trimmer = threading.Timer(delay, self._trim_if_quiet)
+        trimmer.daemon = True
+        try:
+            trimmer.start()
+        except RuntimeError:  # can't start new thread
+            return
+        self._trimmer = trimmer
 
     def _trim_if_quiet(self) -> None:
         """The heap keeps freed blocks of large pushes for the pushes that follow; once none has

@@ -79,10 +79,12 @@ class Entry:
         payload's `digest`, `size` and `generated` tokens taken as it was staged); no tensor's
         data is read."""
         meta = item.meta
+        eid = meta["eid"]
         try:  # a checked item's eid names its five parts: its ids made here, as EID makes them
-            eid = meta["eid"]
             batch_task, run, step, suffix = f"{eid['batch']}/{eid['task']}", eid["run"], eid["step"], eid["suffix"]
         except KeyError:
+            suffix = None
+        if suffix is None:  # EID fills in what is missing
             whole = item.eid
             batch_task, run, step, suffix = whole.tid, whole.run, whole.step, whole.suffix
         rid = f"{batch_task}/{run}"
