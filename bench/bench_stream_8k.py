@@ -11,7 +11,11 @@ client of the Sample stream (each batch confirmed as it arrives, nothing decoded
 part alone). Beside them, the raw server streams messages of a batch's bytes, RAW_READS times as
 many (a longer, steadier measure: a channel's start is a good part of a short stream). The order
 of the four alternates from round to round; MB/s of payload bytes, medians of the rounds, and
-each process's CPU per experience.
+each process's CPU per experience. The fills are measured too (issue 64's "push of 8 KB experiences
+against raw durable LMDB puts, one synced commit a push"): each push of pre-encoded payloads made
+one after the other by one client, its durable ack awaited, against raw LMDB (py-lmdb, fsync on
+every commit) putting the same experiences as the server stores them, one commit a push, in the
+same round.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import itertools
 import os
 import statistics
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -29,7 +34,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 from bench_reverb import cpu_seconds, make_pushes, restamp  # noqa: E402
-from bench_service import BATCH, Proc, bench_raw_stream, drain, raw_consume, serving  # noqa: E402
+from bench_service import BATCH, Proc, bench_raw_lmdb, bench_raw_stream, drain, raw_consume, serving  # noqa: E402
 from results import write_section  # noqa: E402
 
 from expbuf.client import BufferClient, trxp  # noqa: E402
@@ -38,6 +43,7 @@ from expbuf.client.rpc.sample_spec import SampleSpec  # noqa: E402
 HEADING = "## A consume stream of 8 KB experiences against a raw gRPC stream (issue 41)"
 TABLE = "stream"
 WAYS = ("decoded", "columns", "bytes", "raw stream")
+PUSHES = ("push", "raw lmdb")  # the fills, and raw durable LMDB puts of the same experiences
 # The raw stream sends this many times a drain's batches, so that it too runs for a good part of
 # a second, past its channel's connection and first messages.
 RAW_READS = 8
@@ -66,8 +72,8 @@ def measure(rounds: int, pushes: int) -> tuple[dict[str, list[float]], dict[str,
     batch's bytes."""
     batch = make_pushes("8k", 1)[0]
     batch_bytes = len(trxp.join([trxp.pack_item(item) for item in trxp.parse(trxp.encode(batch))]))
-    rates: dict[str, list[float]] = {way: [] for way in WAYS}
-    cpu: dict[str, list[float]] = {f"{way} {side}": [] for way in WAYS for side in ("client", "server")}
+    rates: dict[str, list[float]] = {way: [] for way in (*WAYS, *PUSHES)}
+    cpu: dict[str, list[float]] = {f"{way} {side}": [] for way in (*WAYS, "push") for side in ("client", "server")}
     serial = itertools.count()
     with serving() as server:
         raw = Proc(str(HERE / "raw_grpc_server.py"))
@@ -80,11 +86,20 @@ def measure(rounds: int, pushes: int) -> tuple[dict[str, list[float]], dict[str,
                 for way in WAYS if round_ % 2 == 0 else WAYS[::-1]:
                     pid = raw.proc.pid if way == "raw stream" else server.proc.pid
                     if way != "raw stream":
-                        payloads = make_pushes("8k", pushes)
-                        restamp(payloads, serial)
+                        made = make_pushes("8k", pushes)
+                        restamp(made, serial)
+                        encoded = [trxp.encode(p) for p in made]
+                        filled = (time.process_time(), cpu_seconds(server.proc.pid), time.perf_counter())
                         with BufferClient(server.target, timeout=120) as client:
-                            for payload in [trxp.encode(p) for p in payloads]:
+                            for payload in encoded:
                                 client.push(payload, table=TABLE)
+                        pushed = (time.process_time(), cpu_seconds(server.proc.pid), time.perf_counter())
+                        count = pushes * BATCH
+                        rates["push"].append(sum(map(len, encoded)) / (pushed[2] - filled[2]) / 1e6)
+                        cpu["push client"].append((pushed[0] - filled[0]) / count * 1e6)
+                        cpu["push server"].append((pushed[1] - filled[1]) / count * 1e6)
+                        with tempfile.TemporaryDirectory() as lmdb_dir:
+                            rates["raw lmdb"].append(bench_raw_lmdb(Path(lmdb_dir), encoded))
                     before = (time.process_time(), cpu_seconds(pid), time.perf_counter())
                     if way == "raw stream":
                         bench_raw_stream(raw.target, batch_bytes, pushes * RAW_READS)
@@ -128,6 +143,19 @@ def report(command: str, load: tuple[str, str], rates: dict, cpu: dict, batch_by
             f"| {label} | {rate:,.0f} | **{rate / raw:.2f}** | {goal} | "
             f"{statistics.median(cpu[f'{way} client']):.1f} | {statistics.median(cpu[f'{way} server']):.1f} |"
         )
+    push, lmdb = statistics.median(rates["push"]), statistics.median(rates["raw lmdb"])
+    lines += [
+        "",
+        f"The fills before the drains: {BATCH} experiences of 8 KB a push, pre-encoded, one client pushing one "
+        "after the other (each durable ack awaited), against raw LMDB putting the same experiences as the "
+        "server stores them (py-lmdb, one synced commit a push) in the same round; MB/s of payload bytes.",
+        "",
+        "| push | MB/s | / raw durable LMDB puts | goal | client CPU µs | server CPU µs |",
+        "| --- | ---: | ---: | --- | ---: | ---: |",
+        f"| `push()`, one pusher | {push:,.0f} | **{push / lmdb:.2f}** | ≥ 1.5 | "
+        f"{statistics.median(cpu['push client']):.1f} | {statistics.median(cpu['push server']):.1f} |",
+        f"| raw durable LMDB puts of the same experiences | {lmdb:,.0f} | | | | |",
+    ]
     return "\n".join(lines) + "\n"
 
 
