@@ -189,7 +189,12 @@ class Growth:
         return time.perf_counter() - begin
 
     def data_bytes(self) -> int:
-        return sum(p.stat().st_blocks * 512 for p in Path(self.data).rglob("*") if p.is_file())
+        return allocated_bytes(Path(self.data))
+
+
+def allocated_bytes(data: Path) -> int:
+    """The bytes a data directory's files take on disk."""
+    return sum(p.stat().st_blocks * 512 for p in data.rglob("*") if p.is_file())
 
 
 def run(sizes: list[int]) -> list[str]:
@@ -251,6 +256,15 @@ class Restarts:
         with BufferClient(server.target, timeout=600) as client:
             self.next_group = max(self.next_group, client.stats(TABLE)[TABLE].pushed // GROUP)
         return server, begin
+
+    def top_up(self, experiences: int) -> float:
+        """A server with no scrub fills the table until it was pushed `experiences`, then stops;
+        experiences per second (0: none pushed)."""
+        server, _ = self.start("fill", scrub_mb_per_second=0)
+        try:
+            return self.fill(server, experiences // GROUP)
+        finally:
+            stopped(server)
 
     def fill(self, server: ServerProcess, total_groups: int) -> float:
         """Push groups until the table was pushed total_groups; experiences per second (0: none pushed)."""
@@ -532,11 +546,9 @@ def restart_row(data: Path, shape: str, size: int, full: bool) -> str:
     """One row of the restart table: fill (or top up) the directory, then each measurement."""
     runs = Restarts(data, shape)
     step("fill")
-    server, _ = runs.start("fill", scrub_mb_per_second=0)
-    rate = runs.fill(server, size // GROUP)
-    stopped(server)
+    rate = runs.top_up(size)
     stored = runs.next_group * GROUP
-    file_gb = sum(p.stat().st_blocks * 512 for p in data.rglob("*") if p.is_file()) / 1e9
+    file_gb = allocated_bytes(data) / 1e9
     step("forget the priority index")
     forget_index(data, "prio")
     step("restart with default settings")
@@ -568,11 +580,8 @@ def restart_row(data: Path, shape: str, size: int, full: bool) -> str:
     full_cell = "-"
     if full:
         step("a restart with the full open check")
-        server, begin = runs.start("full", check_at_open="full", scrub_mb_per_second=0)
-        with BufferClient(server.target, timeout=600) as client:
-            next(client.sample(TABLE, num_groups=1, delivery="consume", max_batches=1, window=1, timeout=600))
-        full_cell = f"{time.perf_counter() - begin:.1f} s, {rss_mib(server.proc.pid):.0f} MiB"
-        stopped(server)
+        seconds, rss = first_sample(runs, "full", check_at_open="full", scrub_mb_per_second=0)
+        full_cell = f"{seconds:.1f} s, {rss:.0f} MiB"
 
     def rate_of(scrub: ScrubInfo) -> str:
         return f"{scrub.last_pass_bytes / 1e6 / max(scrub.last_pass_seconds, 1e-9):.1f}"
@@ -614,9 +623,7 @@ def restart_pair_section(args: argparse.Namespace) -> str:
     fills: dict[str, str] = {}
     for name, run in runs.items():
         step(f"fill {name}")
-        server, _ = run.start("fill", scrub_mb_per_second=0)
-        rate = run.fill(server, size // GROUP)
-        stopped(server)
+        rate = run.top_up(size)
         fills[name] = "reused" if not rate else f"{rate:,.0f}"
     load = os.getloadavg()[0]
     found: dict[str, dict[str, list[tuple[float, float]]]] = {name: {"quick": [], "full": []} for name in trees}
@@ -633,7 +640,7 @@ def restart_pair_section(args: argparse.Namespace) -> str:
     rows = []
     for name, run in runs.items():
         stored = run.next_group * GROUP
-        data_gb = sum(p.stat().st_blocks * 512 for p in run.data.rglob("*") if p.is_file()) / 1e9
+        data_gb = allocated_bytes(run.data) / 1e9
         rows.append(
             f"| {name} | {stored:,} | {data_gb:.1f} | {fills[name]} | {cell(found[name]['quick'])} "
             f"| {cell(found[name]['full'])} |"

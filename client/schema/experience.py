@@ -7,6 +7,7 @@ which the codec reads by attribute name (duck typing).
 from __future__ import annotations
 
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
@@ -114,6 +115,21 @@ class EID:
 
     def __str__(self) -> str:
         return self.uid
+
+
+def ids_of(parts: Mapping[str, Any]) -> tuple[str, str, str, str]:
+    """An eid's uid, tid, rid and sid from its parts as a dict (`EID.to_dict`'s), as EID's properties
+    make them, without an EID made first: a push makes them for every experience. An eid missing a
+    part, or with a suffix of None, is EID's to fill in."""
+    try:
+        task_id, run, step, suffix = f"{parts['batch']}/{parts['task']}", parts["run"], parts["step"], parts["suffix"]
+    except KeyError:
+        suffix = None
+    if suffix is None:
+        eid = EID(**parts)
+        return eid.uid, eid.tid, eid.rid, eid.sid
+    run_id = f"{task_id}/{run}"
+    return f"{run_id}/{step}/{suffix}", task_id, run_id, f"{task_id}/{step}"
 
 
 # An eid's parts in its uid's order: the keys of an eid written as a dict (a payload's metadata,

@@ -9,6 +9,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
 
+from expbuf.client.schema.experience import ids_of
 from expbuf.client.schema.routing import GROUP_KEY_OF
 from expbuf.client.trxp.codec import partial
 from expbuf.client.trxp.codec.build import pack_item
@@ -80,20 +81,13 @@ class Entry:
         data is read."""
         meta = item.meta
         eid = meta["eid"]
-        try:  # a checked item's eid names its five parts: its ids made here, as EID makes them
-            batch_task, run, step, suffix = f"{eid['batch']}/{eid['task']}", eid["run"], eid["step"], eid["suffix"]
-        except KeyError:
-            suffix = None
-        if suffix is None:  # EID fills in what is missing
-            whole = item.eid
-            batch_task, run, step, suffix = whole.tid, whole.run, whole.step, whole.suffix
-        rid = f"{batch_task}/{run}"
+        uid, tid, rid, sid = ids_of(eid)
         priority = meta.get("info", {}).get("priority", 0.0)
         return cls(
-            uid=f"{rid}/{step}/{suffix}",
-            tid=batch_task,
+            uid=uid,
+            tid=tid,
             rid=rid,
-            sid=f"{batch_task}/{step}",
+            sid=sid,
             blob=blob,
             digest=digest,
             size=size,
@@ -101,7 +95,7 @@ class Entry:
             reward=meta.get("reward"),
             priority=float(priority) if isinstance(priority, (int, float)) else 0.0,
             has_token_rewards="token_level_reward" in item.tensors,
-            step=step,
+            step=eid.get("step", 0),
             response_length=item.response_length,
             generated=generated,
             prompt_bytes=meta.get("prompt_length", 1) * ITEMSIZE[item.tensors["tokens"].dtype],
