@@ -307,6 +307,32 @@ def test_a_delete_of_computing_groups_uncounts_them_as_a_records_tables(tmp_path
         clean(store, "g", "g_rows")
 
 
+def test_a_list_shows_computing_groups_as_a_records_tables(tmp_path: Path) -> None:
+    """Groups complete and waiting for the advantage worker (computing) are listed among the live
+    experiences, in insertion order, as a records table's: a rows table's list read only its segments
+    and its pending groups, and left them out."""
+    with Store(tmp_path, clock=Clock()) as store:
+        both(store, "g", estimator="grpo", group_size=2)
+        items = [
+            trxp.from_experience(make_experience(0, task, run, reward=float(run)))
+            for task in range(3)
+            for run in (0, 1)
+        ]
+        for table in ("g", "g_rows"):
+            store.put(table, items[:1] + items[2:5])  # 0/1 computing, 0/0 and 0/2 pending
+            store.put(table, items[1:2])  # 0/0 completes: computing
+        listed = {table: store.list_experiences(table).items for table in ("g", "g_rows")}
+        assert listed["g_rows"] == listed["g"]
+        assert [(e.uid, e.state) for e in listed["g_rows"]] == [
+            (items[0].uid, "computing"), (items[2].uid, "computing"), (items[3].uid, "computing"),
+            (items[4].uid, "pending"), (items[1].uid, "computing"),
+        ]  # fmt: skip
+        for states in (["computing"], ["pending"], ["computing", "ready"]):
+            got = [store.list_experiences(table, states=states, limit=2).items for table in ("g", "g_rows")]
+            assert got[1] == got[0] and got[0], states
+        clean(store, "g", "g_rows")
+
+
 def test_a_delete_writes_per_group_never_a_record_per_experience(tmp_path: Path) -> None:
     """A rows table's delete of groups of 8: their members' flags in their segment's state (one row
     however many), their payloads, their runs cut, their directory entries; of a pending group's

@@ -37,7 +37,7 @@ from ...disk.rows import (
     directory_entry,
 )
 from ...disk.stored_advantages import FinishBatch
-from ...schema.states import FAILED, LEASED, LIVE, PENDING, READY
+from ...schema.states import COMPUTING, FAILED, LEASED, LIVE, PENDING, READY, State
 from ...schema.table_config import TableConfig
 from ...schema.views import GroupView, MemberView
 from ..table_state import oldest_index
@@ -146,7 +146,7 @@ class RowMembers:
             return {}
         if isinstance(entry, PendingHead):
             pending = tuple(pending_rows(self.reader, self.dbs, self.prefix, gkey, entry.refs, self._fragments))
-            return row_members(RowGroup(gkey, PENDING, pending))
+            return row_members(RowGroup(gkey, PENDING if entry.queued is None else COMPUTING, pending))
         if entry.seg not in self._segments:
             key = self.prefix + u64(entry.seg)
             self._segments[entry.seg] = (
@@ -316,7 +316,7 @@ def _row_listings(txn: lmdb.Transaction[memoryview], dbs: Dbs, prefix: bytes, af
     """The first `wanted` live members of a rows table from insertion sequence `after` on, in its
     insertion order: each live segment's insertion numbers read as one column, and passed over whole
     where none of them can be among those found so far (segments are in completion order, mostly the
-    order their members came in); each pending group's fragments read."""
+    order their members came in); each pending and computing group's fragments read."""
     found: list[tuple[int, int, int]] = []  # a heap of (-seq, its source, its index there)
     sources: list[Callable[[int], Listed]] = []  # each one's listing of its member i
 
@@ -343,16 +343,13 @@ def _row_listings(txn: lmdb.Transaction[memoryview], dbs: Dbs, prefix: bytes, af
                 offer(seqs, _live_members(view, state))
             at = cur.next()
     fragments: dict[int, list[Member]] = {}  # each read whole once
-    with txn.cursor(db=dbs["pending"]) as cur:
-        at = cur.set_range(prefix)
-        while at and cur.key()[: len(prefix)] == prefix:
-            gkey = bytes(cur.key()[12:]).decode()
-            head = directory_entry(stored(txn, prefix + gkey.encode(), dbs["gdir"], "pending group"))
-            if isinstance(head, PendingHead):
-                rows = pending_rows(txn, dbs, prefix, gkey, head.refs, fragments)
-                sources.append(functools.partial(_listed_pending, gkey, rows))
-                offer([m.seq for m in rows], range(len(rows)))
-            at = cur.next()
+    for gkey in _heads(txn, dbs, prefix):
+        head = directory_entry(stored(txn, prefix + gkey.encode(), dbs["gdir"], "pending group"))
+        if isinstance(head, PendingHead):
+            rows = pending_rows(txn, dbs, prefix, gkey, head.refs, fragments)
+            now = PENDING if head.queued is None else COMPUTING
+            sources.append(functools.partial(_listed_pending, gkey, now, rows))
+            offer([m.seq for m in rows], range(len(rows)))
     return [(-seq, functools.partial(sources[source], i)) for seq, source, i in sorted(found, reverse=True)]
 
 
@@ -374,10 +371,21 @@ def _listed_row(view: SegmentView, state: SegState, i: int) -> Listed:
     )  # fmt: skip
 
 
-def _listed_pending(gkey: str, rows: Sequence[Member], i: int) -> Listed:
-    """Member i of a pending group, as a page lists it."""
+def _heads(txn: lmdb.Transaction[memoryview], dbs: Dbs, prefix: bytes) -> Iterator[str]:
+    """The keys of a rows table's pending groups (its pending index's) and computing ones (its compute
+    queue's)."""
+    for name in ("pending", "compute"):
+        with txn.cursor(db=dbs[name]) as cur:
+            at = cur.set_range(prefix)
+            while at and cur.key()[: len(prefix)] == prefix:
+                yield bytes(cur.key()[12:] if name == "pending" else cur.value()).decode()
+                at = cur.next()
+
+
+def _listed_pending(gkey: str, state: State, rows: Sequence[Member], i: int) -> Listed:
+    """Member i of a pending or computing group, as a page lists it."""
     m = rows[i]
-    return Listed(m.uid, gkey, PENDING, m.version, m.reward, 0)
+    return Listed(m.uid, gkey, state, m.version, m.reward, 0)
 
 
 def _paged(found: Iterator[Listing], filters: Filters, after: int, limit: int) -> Page:
