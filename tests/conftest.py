@@ -12,6 +12,7 @@ import logging
 import os
 import signal
 import socket
+import sys
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -68,7 +69,13 @@ BAD_README = json.loads((BAD_DIR / "README.json").read_text())
 # The modules whose tests share something outside their process, by what they share: one
 # pytest-xdist worker runs each set (pytest_xdist_make_scheduler).
 SHARED_MODULES = {
-    "ray": ("tests/test_ray.py", "tests/test_verl_buffer.py"),  # the local Ray cluster: one, not one per worker
+    "ray": (  # the local Ray cluster (ray_cluster): one, not one per worker
+        "tests/test_ray.py",
+        "tests/test_verl_buffer.py",
+        "tests/test_tq_controller.py",
+        "tests/test_tq_storage.py",
+        "tests/faults/test_fault_tq.py",
+    ),
     "trinity": (  # Trinity's plugin loader copies the plugin into its installed package
         "tests/test_trinity_plugin.py",
         "tests/test_trinity_jobs.py",
@@ -81,13 +88,11 @@ SHARING = {module: name for name, modules in SHARED_MODULES.items() for module i
 # are handed out first, so that the run does not end with one worker on one of them and the other
 # idle (xdist hands out the others by their number of tests, which says little of their time).
 LONG_FIRST = (
-    "trinity",
     "ray",
-    "tests/faults/test_fault_tq.py",
+    "trinity",
     "tests/test_group_stop.py",
     "tests/test_verl_tq.py",
     "tests/faults/test_fault_push_memory.py",
-    "tests/test_tq_controller.py",
     "tests/faults/test_fault_crash_loop.py",
 )
 
@@ -293,13 +298,30 @@ def child_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerPro
     assert proc.stop(signal.SIGTERM) == 0, "".join(proc.log)
 
 
-@pytest.fixture(scope="session")
-def ray_cluster() -> Iterator[ModuleType]:
-    """A local Ray cluster of two CPUs, started once for every test that needs one (a start
-    takes seconds); `ray` itself. Each test module stops what it started on it."""
+RAY_MODULES: set[Path] = set()  # the modules with a test that needs ray_cluster (pytest_collection_modifyitems)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    RAY_MODULES.update(item.path for item in items if "ray_cluster" in getattr(item, "fixturenames", ()))
+
+
+@pytest.fixture(scope="module")
+def ray_cluster() -> ModuleType:
+    """A local Ray cluster of two CPUs, started for the first module that needs one and kept for
+    the modules after it that need one too (a start takes seconds); `ray` itself. It is stopped
+    when the next test is of a module that needs none (pytest_runtest_teardown), where its daemons
+    would take CPU from every test left on the worker. Each test module stops what it started on it."""
     ray = pytest.importorskip("ray")
-    ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
-    try:
-        yield ray
-    finally:
+    if not ray.is_initialized():
+        ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
+    return ray
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    """After a test's teardown (its module's too, where the module ends): the Ray cluster stopped
+    if the next test runs in a module that needs none, or none follows."""
+    yield
+    ray = sys.modules.get("ray")
+    if ray is not None and ray.is_initialized() and (nextitem is None or nextitem.path not in RAY_MODULES):
         ray.shutdown()
