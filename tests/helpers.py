@@ -29,14 +29,13 @@ from expbuf.client.schema.experience import TENSOR_FIELDS
 from expbuf.proto.v1 import buffer_pb2 as pb
 from expbuf.proto.v1 import buffer_pb2_grpc as pb_grpc
 from expbuf.server.store import Entry, Sampled, Store
-from expbuf.server.store.core.table_state.fragments import pending_rows
-from expbuf.server.store.disk import layout
 from expbuf.server.store.disk.environment import Environment
 from expbuf.server.store.disk.rows import (
     Member,
     PendingHead,
     SegmentView,
     SegState,
+    decode_member_rows,
     directory_entry,
 )
 from expbuf.server.store.schema.estimator_registry import Estimator, register, unregister
@@ -399,12 +398,10 @@ def layouts_reply(batch: Sampled | None) -> tuple[object, ...] | None:
 
 
 def layouts_stats(store: Store, table: str) -> dict[str, object]:
-    """A table's stats, to compare a records and a rows table's, but its oldest group's age,
-    `next_rseq` (a rows table's group dropped while pending takes places in that order too, its
-    segment's id, where a records table's takes none) and `next_fragment` (a records table keeps no
-    fragments)."""
-    skipped = ("oldest_age_seconds", "next_rseq", "next_fragment")
-    return {k: v for k, v in store.stats(table).items() if k not in skipped}
+    """A table's stats, to compare a records and a rows table's, but its oldest group's age and
+    `next_rseq`: a rows table's group dropped while pending takes places in that order too (its
+    segment's id), where a records table's takes none."""
+    return {k: v for k, v in store.stats(table).items() if k not in ("oldest_age_seconds", "next_rseq")}
 
 
 def take_both(store: Store, name: str, **spec: object) -> tuple[object, ...] | None:
@@ -455,33 +452,16 @@ def stored_members(env: Environment) -> dict[bytes, StoredMember]:
                     found[uid] = StoredMember(
                         member, gkey, seg, row.state(g), row.retired, txn.get(uid, db=env.db["blobs"])
                     )
-        for key, raw in txn.cursor(db=env.db["gdir"]):
-            head = directory_entry(raw)
-            if not isinstance(head, PendingHead):
-                continue
-            prefix, gkey = bytes(key[:4]), bytes(key[4:]).decode()
+        for key, raw in txn.cursor(db=env.db["frags"]):
+            prefix, gkey = bytes(key[:4]), bytes(key[4:-5]).decode()
+            entry = txn.get(prefix + gkey.encode(), db=env.db["gdir"])
+            head = None if entry is None else directory_entry(entry)
+            assert isinstance(head, PendingHead), gkey  # a fragment's group is pending
             state = PENDING if head.queued is None else COMPUTING
-            for member in pending_rows(txn, env.db, prefix, gkey, head.refs):
+            for member in decode_member_rows(raw):
                 uid = prefix + member.uid.encode()
                 found[uid] = StoredMember(member, gkey, None, state, None, txn.get(uid, db=env.db["blobs"]))
     return found
-
-
-def checked_after_a_kill(data: Path, delay: float, found: int) -> tuple[list[str], list[str]]:
-    """`expbuf check` of `data` after a start killed `delay` seconds into its open
-    (`killed_while_opening`), asserted to exit 0 with nothing on stderr: the lines it printed, and
-    the line it prints of a directory of format `found` that the next start upgrades."""
-    killed_while_opening(data, delay)
-    checked = subprocess.run(
-        [sys.executable, "-m", "expbuf.server.cli", "check", "--data", str(data)],
-        capture_output=True, text=True, timeout=120, check=False,
-    )  # fmt: skip
-    assert checked.returncode == 0 and not checked.stderr, (delay, checked.stdout, checked.stderr)
-    upgrade = (
-        f"{data}: data directory format {found}, which the next expbuf serve upgrades to format {layout.FORMAT};"
-        " run expbuf check after that to check its tables"
-    )
-    return checked.stdout.splitlines(), [upgrade]
 
 
 def killed_while_opening(data: Path, delay: float) -> None:

@@ -105,7 +105,7 @@ def test_a_computing_rows_group_is_kept_as_its_head_and_fragments_and_answers_as
         with store.environment.read() as txn:
             tt = TableState(txn, store.db, table_id, store.catalog.lookup("t_rows")[1], 0.0, ())
             head = directory_entry(txn.get(tt.key("0/0"), db=store.db["gdir"]))
-            assert isinstance(head, PendingHead) and head.queued is not None and len(head.refs) == 2
+            assert isinstance(head, PendingHead) and head.queued is not None and head.fragments == 2
             assert tt.view("0/0").state == COMPUTING  # type: ignore[union-attr]
             assert txn.get(tt.prefix + head.queued.to_bytes(8, "big"), db=store.db["compute"]) == b"0/0"
         assert put_both(store, "t", group_items(0, 0, 4, reward=3.0)[3:]) == ([], ["0/0/3/0/r3s0"], [], [])

@@ -53,9 +53,8 @@ from ..schema import order_names
 # databases, shared_prompts.py) and keeps keyed values (kv, services/values.py); 8 keeps partial
 # rollouts' pieces (partials, rules/partials.py); 9 takes a chunked payload's head's own digest over
 # its chunk set too (chunk_heads.py, chunked.reseal_heads); 10 keeps every table in rows (issue 64:
-# the databases of ROWS; core/whole_table/to_rows.py); 11 keeps the members a request adds to pending
-# groups in one fragment shared by the groups it reached (core/table_state/fragments.py). See migrate.py.
-FORMAT = 11
+# the databases of ROWS; core/whole_table/to_rows.py). See migrate.py.
+FORMAT = 10
 DIRECTORY = ("meta", "tables", "leases", "lease_exp", "grants", "grant_exp")  # not per table
 OWN = (
     *DIRECTORY, "items", "blobs", "adv", "groups", "order", "pending", "compute", "retired", "counters", "cooling",
@@ -65,9 +64,7 @@ OWN = (
 # writes them): gdir, T + group key -> a complete group's GroupRef or a pending group's head;
 # segs, T + seg -> a segment; sstate, T + seg -> its SegState; runs, T + rseq -> a RunRow of ready
 # groups (the ready order of a rows table, apart from the records' `ready` while both layouts live);
-# frags, T + fragment -> the members a request added to pending groups (a block of members' columns),
-# T + fragment + 0 -> how many ranges of pending heads name it (core/table_state/fragments.py);
-# oldest, T + when + a segment's id or a pending group's key ->
+# frags, a pending group's fragments; oldest, T + when + a segment's id or a pending group's key ->
 # b"", each segment's and pending or computing group's oldest live member (stats' oldest age:
 # core/table_state/oldest_index.py; a directory that has the others without it gets it at its open).
 # Not among OWN: only a directory that has held a rows table has them (Environment.open_rows), so

@@ -198,19 +198,18 @@ def _put_rows(
         result.completed_groups.extend(joined)
         result.dropped_groups.extend(ending.complete_opened(row_pending.views_new(tt, joined)))
         joined = {}
-    kept: list[row_pending.Kept] = []  # groups left pending, their heads written together
     for gkey, new in joined.items():
         pending = groups.get(gkey)
         if pending is None:  # opened by this push, none of its runs reported failed
             if size and len(new) < size:
-                kept.append((gkey, row_pending.opening(tt, gkey), new))
+                row_pending.keep(tt, gkey, row_pending.opening(tt, gkey), new)
                 continue
             result.completed_groups.append(gkey)
             if not ending.complete(gkey, row_pending.view_new(tt, gkey, new), partial=False, indexed=False):
                 result.dropped_groups.append(gkey)
             continue
         if size and pending.size + len(new) + len(pending.failed) < size:
-            kept.append((gkey, pending, new))
+            row_pending.keep(tt, gkey, pending, new)
             continue
         view = row_pending.view(tt, pending, new)
         if pending.failed and too_short(tt, view):
@@ -222,7 +221,6 @@ def _put_rows(
             result.dropped_groups.append(gkey)
         else:
             tt.counters.groups_short += bool(pending.failed)
-    row_pending.keep_all(tt, kept)
     ending.done(compute=compute, ahead=ahead)
 
 

@@ -90,7 +90,6 @@ class Counters:
     # the next insertion and ready sequence numbers
     next_seq: int = 0
     next_rseq: int = 0
-    next_fragment: int = 0  # the number of a rows table's next fragment of pending groups' members (fragments.py)
     min_version: int | None = None
     trainer_version: int | None = None  # the trainer's policy version (set_trainer_version)
     max_version: int | None = None

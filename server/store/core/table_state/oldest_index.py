@@ -9,13 +9,13 @@ and the group's key). The table's oldest live experience is the first key of its
 
 What a segment's oldest live member is (`in_segment`): the least creation time of its members where
 every group is live and no member deleted, else of each live group's first member not deleted (a
-group's members are in push order). A pending or computing group's is the first member its head
-names (the first of its members in push order). A segment's key comes with it, written live
+group's members are in push order). A pending or computing group's is its first fragment's first
+member (the first of its members in push order). A segment's key comes with it, written live
 (core/verbs/segments.write); it moves when its state row is written with another live shape (a
 group leaving the live states, a member deleted: core/verbs/row_select.Segments.save), never for a
 take or a give-back, which move groups between live states, and goes once none of its members is
-live. A group's key comes with its first member, moves when a Delete writes its members again,
-and goes when it leaves pending and computing (core/verbs/row_pending.py).
+live. A group's key comes with its first fragment, moves when a Delete writes its members again,
+and goes with its fragments (core/verbs/row_pending.py).
 
 A directory whose rows tables were written without the database gets it built in its open's
 transaction (`build`, core/whole_table/migrate.py).
@@ -31,8 +31,7 @@ from typing import cast
 import lmdb
 
 from ...disk.layout import put_rows, u64
-from ...disk.rows import PendingHead, SegmentView, SegState, directory_entry
-from .fragments import pending_rows
+from ...disk.rows import PendingHead, SegmentView, SegState, directory_entry, first_created, fragment_key
 from .state import TableState
 
 SEGMENT, HEAD = b"\x00", b"\x01"  # what holds a key's member: a segment (its id follows) or a group (its key)
@@ -131,6 +130,15 @@ def head_changed(tt: TableState, gkey: str, was: float | None, now: float | None
     )
 
 
+def head_first(tt: TableState, gkey: str, head: PendingHead) -> float | None:
+    """When a pending or computing group's first member was pushed, as its first fragment holds it
+    (None: it has none, or none is stored)."""
+    if not head.fragments:
+        return None
+    raw = tt.txn.get(fragment_key(tt.prefix, gkey, 0), db=tt.db["frags"])
+    return None if raw is None else first_created(raw)
+
+
 def build(txn: lmdb.Transaction[bytes], dbs: Mapping[str, lmdb._Database]) -> None:
     """The index of every rows table of the directory, from its segments and pending groups' heads (a
     directory written before it kept one). A row that does not decode is passed over: `verify` and
@@ -147,11 +155,13 @@ def build(txn: lmdb.Transaction[bytes], dbs: Mapping[str, lmdb._Database]) -> No
     for key, raw in txn.cursor(db=dbs["gdir"]):
         try:
             head = directory_entry(raw)
-            if not isinstance(head, PendingHead) or not head.refs:
+            if not isinstance(head, PendingHead) or not head.fragments:
                 continue
             gkey = bytes(key[4:]).decode()
-            first = pending_rows(txn, dbs, bytes(key[:4]), gkey, head.refs[:1])
-            found.append((head_key(bytes(key[:4]), first[0].created, gkey), b""))
+            fragment = txn.get(fragment_key(bytes(key[:4]), gkey, 0), db=dbs["frags"])
+            when = None if fragment is None else first_created(fragment)
         except _DAMAGE:
             continue
+        if when is not None:
+            found.append((head_key(bytes(key[:4]), when, gkey), b""))
     put_rows(txn, dbs["oldest"], sorted(found))

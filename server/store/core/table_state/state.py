@@ -10,7 +10,7 @@ pushes, what computes): those are the arguments of the verbs that need them.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from types import MappingProxyType
 
 import lmdb
@@ -27,7 +27,9 @@ from ...disk.rows import (
     RunRow,
     SegmentView,
     SegState,
+    decode_member_rows,
     directory_entry,
+    fragment_key,
 )
 from ...schema.errors import StoreError, clip
 from ...schema.states import COMPUTING, LEASED, LIVE, PENDING, READY, State, check_move
@@ -37,11 +39,21 @@ from ..ordering.indexes import Index, ReadyGroup, ReadyOrder
 from ..ordering.ready import BuildStep, ReadyIndex
 from .counters import read_counters, write_counters
 from .events import Events, Moved
-from .fragments import Fragments
 from .views import RowGroup, group_record, group_rows, member_record, quarantined, row_members
 
 # A member's record as the cache holds it: absent (None) when the table has no such uid.
 Cached = ItemRecord | None
+
+
+def pending_rows(
+    reader: Reader, dbs: Mapping[str, lmdb._Database], prefix: bytes, gkey: str, head: PendingHead
+) -> list[Member]:
+    """A rows table's pending group's members, in push order, as its fragments hold them, read from
+    `reader` (the table state's transaction, or a reader's such as the scrub's or a Get's)."""
+    found: list[Member] = []
+    for number in range(head.fragments):
+        found.extend(decode_member_rows(stored(reader, fragment_key(prefix, gkey, number), dbs["frags"], "fragment")))
+    return found
 
 
 def stored(reader: Reader, key: bytes, db: lmdb._Database, what: str) -> bytes | memoryview:
@@ -84,7 +96,6 @@ class TableState:
         self.extensions = extensions
         self.prefix = layout.table_prefix(table_id)
         self.counters = read_counters(txn, dbs, self.prefix)
-        self.fragments = Fragments(txn, dbs, self.prefix, self.counters)  # a rows table's pending groups' members
         self.ready = ReadyIndex(dbs, txn, self.prefix, buildable=True, rows=config.storage.layout == "rows")
         # Write-back caches: a record changed several times in one request is encoded and
         # written once, by save().
@@ -99,7 +110,6 @@ class TableState:
         put_rows(self.txn, self.db["groups"], [(self.key(gkey), g.encode()) for gkey, g in self._dirty_groups.items()])
         self._dirty_items.clear()
         self._dirty_groups.clear()
-        self.fragments.save()
         write_counters(self.txn, self.db, self.prefix, self.counters)
 
     # ---- records -----------------------------------------------------------------------
@@ -200,7 +210,7 @@ class TableState:
 
     def pending_rows(self, gkey: str, head: PendingHead) -> list[Member]:
         """A rows table's pending group's members, in push order, as its fragments hold them."""
-        return self.fragments.rows(gkey, head)
+        return pending_rows(self.txn, self.db, self.prefix, gkey, head)
 
     def existing_view(self, gkey: str) -> GroupView:
         """The view of a group an index or a member names, which exists while they do."""

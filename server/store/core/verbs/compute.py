@@ -22,9 +22,8 @@ from ...schema.views import Members, MemberView
 from ..ordering.ready import Row
 from ..table_state import rate_counts
 from ..table_state.counters import read_counters
-from ..table_state.fragments import pending_rows
 from ..table_state.read_check import payload_problem
-from ..table_state.state import TableState, missing, stored
+from ..table_state.state import TableState, missing, pending_rows, stored
 from ..table_state.views import RowGroup, RowMember, group_record, member_record
 from . import row_pending
 
@@ -120,7 +119,7 @@ def _queued_rows(
     if not isinstance(entry, PendingHead):
         raise missing("computing group", gkey.decode())
     key = gkey.decode()
-    rows = pending_rows(txn, dbs, prefix, key, entry.refs)
+    rows = pending_rows(txn, dbs, prefix, key, entry)
     return [row.uid for row in rows], {row.uid: RowMember(row, key, COMPUTING) for row in rows}
 
 

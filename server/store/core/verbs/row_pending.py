@@ -1,16 +1,14 @@
 """A rows table's pending groups (issue 64, 2.8): a group whose runs arrive over many pushes (GRPO's
 rollout workers, each pushing its own runs) keeps its head in the group directory (`PendingHead`:
-when it opened, a hash of each member's uid, the ranges of fragments that hold its members, its
-failed runs) and a row in the pending index (its timeout's, as a records table's). The members a
-push adds to pending groups go into one fragment of that push, shared by the groups it reaches
-(table_state/fragments.py). A group completes into a segment as a group pushed whole does
-(segments.py), its members read from its fragments once, and its ranges let go of them; dropped
-(timed out, too few runs, all rewards equal, its claim ended), it goes into a segment of its own
-retired state, which keeps its members' digests as a consumed group's does, its payloads gone.
+when it opened, a hash of each member's uid, how many fragments it has, its failed runs), one
+fragment a push that added members to it (their rows, disk/rows/members.py) and a row
+in the pending index (its timeout's, as a records table's). It completes into a segment as a group
+pushed whole does (segments.py), its fragments read once and deleted then; dropped (timed out, too
+few runs, all rewards equal, its claim ended), it goes into a segment of its own retired state,
+which keeps its members' digests as a consumed group's does, its payloads gone.
 
-What a member of such a group costs beyond one of a group pushed whole: its columns written once
-more (in its push's fragment) and read back once, and its uid's hash in the head, which each push
-to the group rewrites.
+What a member of such a group costs beyond one of a group pushed whole: its row written once more
+(in its fragment) and its uid's hash in the head, which each push to the group rewrites.
 """
 
 from __future__ import annotations
@@ -22,8 +20,9 @@ from types import MappingProxyType
 from typing import NamedTuple
 
 from ...disk.kinds import Entry, members
-from ...disk.layout import put_rows, u64
-from ...disk.rows import Member, PendingHead, SegmentView, SegState, directory_entry, uid_hashes
+from ...disk.layout import u64
+from ...disk.rows import Member, PendingHead, SegmentView, SegState, directory_entry, encode_member_rows, fragment_key
+from ...disk.rows import uid_hash as _uid_hash
 from ...schema.states import COMPUTING, PENDING, QUARANTINED, State
 from ...schema.views import Groups
 from ..table_state import oldest_index
@@ -68,9 +67,11 @@ def stored(
         entry = directory_entry(raw)
         if isinstance(entry, PendingHead):  # pending, or complete and computing (queued)
             found[gkey] = (
-                None if entry.queued is not None else PendingGroup(gkey, entry, entry.size, entry.failed, entry.created)
+                None
+                if entry.queued is not None
+                else PendingGroup(gkey, entry, len(entry.hashes), entry.failed, entry.created)
             )
-            if entry.may_hold(uid_hashes(pushed.uid for pushed in entries)):
+            if not set(entry.hashes).isdisjoint(_uid_hash(pushed.uid) for pushed in entries):
                 digests.update((member.uid, member.digest) for member in tt.pending_rows(gkey, entry))
             continue
         found[gkey] = None
@@ -155,66 +156,52 @@ _ROW_GROUP = functools.partial(tuple.__new__, RowGroup)  # RowGroup._make less i
 
 def keep(tt: TableState, gkey: str, grp: RowGroup | PendingGroup, new: Sequence[Member] = ()) -> None:
     """A pending group changed (members added: `new`; runs reported failed), or opened (then indexed
-    as pending): its head written, its new members into this request's fragment."""
+    as pending): its head written, its new members as a fragment."""
     entry = grp.head if isinstance(grp, PendingGroup) else head(tt, gkey)
-    tt.txn.put(tt.key(gkey), _kept(tt, gkey, entry, grp, new), db=tt.db["gdir"])
-
-
-Kept = tuple[str, PendingGroup, Sequence[Member]]  # a group a push leaves pending, and its new members
-
-
-def keep_all(tt: TableState, kept: Sequence[Kept]) -> None:
-    """`keep` of the groups a push leaves pending, each with its new members: their heads written in
-    one call."""
-    heads = [(tt.key(gkey), _kept(tt, gkey, grp.head, grp, new)) for gkey, grp, new in kept]
-    heads.sort()
-    put_rows(tt.txn, tt.db["gdir"], heads)
-
-
-def _kept(
-    tt: TableState, gkey: str, entry: PendingHead | None, grp: RowGroup | PendingGroup, new: Sequence[Member]
-) -> bytes:
-    """A pending group's head as `keep` writes it (a new one indexed as pending)."""
     if entry is None:
         entry = PendingHead(created=grp.created)
         tt.txn.put(tt.pending_key(gkey, entry), b"", db=tt.db["pending"])
     entry.failed = dict(grp.failed)
     _add_fragment(tt, gkey, entry, new)
-    return entry.encode()
+    tt.txn.put(tt.key(gkey), entry.encode(), db=tt.db["gdir"])
 
 
 def _add_fragment(tt: TableState, gkey: str, entry: PendingHead, new: Sequence[Member]) -> None:
-    """A pending group's new members (none: nothing) into this request's fragment, their range and
-    hashes in its head (which the caller writes)."""
+    """A pending group's new members (none: nothing) as its next fragment, their hashes in its head
+    (which the caller writes)."""
     if new:
-        if not entry.ranges:  # its first member: the group's key in the index of the oldest
+        if not entry.fragments:  # its first member: the group's key in the index of the oldest
             oldest_index.head_changed(tt, gkey, None, new[0].created)
-        entry.add(tt.fragments.stage(new))
-        entry.hashed += uid_hashes(member.uid for member in new)
+        tt.txn.put(fragment_key(tt.prefix, gkey, entry.fragments), encode_member_rows(new), db=tt.db["frags"])
+        entry.fragments += 1
+        entry.hashes.extend(_uid_hash(member.uid) for member in new)
 
 
 def left(tt: TableState, gkey: str, head: PendingHead, rows: Sequence[Member]) -> None:
     """Members left a pending group (a Delete): those still in it (`rows`, in push order) written again
-    into this request's fragment, its ranges of its fragments let go; with none, its ranges and
-    pending index row go (its directory entry is the caller's)."""
+    as its one fragment under its head; with none, its fragments and pending index row go (its
+    directory entry is the caller's)."""
     if not rows:
         _forget(tt, gkey)
         return
-    oldest_index.head_changed(tt, gkey, tt.fragments.first_created(gkey, head), rows[0].created)
-    tt.fragments.drop(head.refs)
-    head.refs, head.hashed = [tt.fragments.stage(rows)], uid_hashes(member.uid for member in rows)
+    oldest_index.head_changed(tt, gkey, oldest_index.head_first(tt, gkey, head), rows[0].created)
+    for number in range(1, head.fragments):
+        tt.txn.delete(fragment_key(tt.prefix, gkey, number), db=tt.db["frags"])
+    tt.txn.put(fragment_key(tt.prefix, gkey, 0), encode_member_rows(rows), db=tt.db["frags"])
+    head.fragments, head.hashes = 1, [_uid_hash(member.uid) for member in rows]
     tt.txn.put(tt.key(gkey), head.encode(), db=tt.db["gdir"])
 
 
 def _forget(tt: TableState, gkey: str) -> PendingHead | None:
-    """A pending or computing group's ranges of fragments and its row in the pending index or the
-    compute queue go (it completes or leaves); its directory entry is overwritten by its segment's.
-    Returns its head, None for a group never written."""
+    """A pending or computing group's fragments and its row in the pending index or the compute queue
+    go (it completes or leaves); its directory entry is overwritten by its segment's. Returns its
+    head, None for a group never written."""
     entry = head(tt, gkey)
     if entry is None:
         return None  # opened and closed by one request: never written
-    oldest_index.head_changed(tt, gkey, tt.fragments.first_created(gkey, entry), None)
-    tt.fragments.drop(entry.refs)
+    oldest_index.head_changed(tt, gkey, oldest_index.head_first(tt, gkey, entry), None)
+    for number in range(entry.fragments):
+        tt.txn.delete(fragment_key(tt.prefix, gkey, number), db=tt.db["frags"])
     if entry.queued is None:
         tt.txn.delete(tt.pending_key(gkey, entry), db=tt.db["pending"])
     else:
@@ -259,7 +246,7 @@ def queue(tt: TableState, groups: Sequence[tuple[RowGroup, bool, bool]]) -> None
             entry = PendingHead(created=grp.created)
         else:
             tt.txn.delete(tt.pending_key(grp.key, entry), db=tt.db["pending"])
-        _add_fragment(tt, grp.key, entry, grp.rows[entry.size :])
+        _add_fragment(tt, grp.key, entry, grp.rows[len(entry.hashes) :])
         if partial:
             pieces.drop_group(tt, grp.key)  # its runs still in pieces will not join it
         entry.failed, entry.partial, entry.queued = dict(grp.failed), partial, counters.next_rseq

@@ -21,10 +21,7 @@ takes the own digest of a head of a payload stored in chunks over the number of 
 and marks each set with its experience's key (chunked.reseal_heads): each head of a format 6 to 8
 directory that matches its old digest gets the new one and its mark, a damaged one is left for the
 read check to find. Format 10 keeps every table in rows (issue 64): each table of layout records
-is made one of layout rows (to_rows.py). Format 11 keeps the members a request adds to a rows
-table's pending groups in one fragment shared by the groups it reached, where format 10 kept a
-fragment a group and push: each pending or computing group's fragments become one of its own
-(shared_fragments.py; the upgrade to rows writes format 11's as it writes the rows).
+is made one of layout rows (to_rows.py).
 A directory whose rows tables were written before the index of their oldest live experiences
 (core/table_state/oldest_index.py) gets it built from their segments and pending groups, in the
 same transaction; it is no step of the format (a directory without rows tables has no such index,
@@ -62,7 +59,6 @@ from ..ordering.ready import forget_builds, forget_kept, in_use, keeps
 from ..table_state import oldest_index
 from ..table_state.events import TableExtension
 from ..table_state.state import TableState
-from . import shared_fragments
 from .to_rows import to_rows
 
 _KEY = b"format"
@@ -92,8 +88,6 @@ def migrate(txn: lmdb.Transaction[bytes], env: lmdb.Environment, dbs: dict[str, 
         chunked.reseal_heads(txn, dbs)
     if found <= 9:
         to_rows(txn, env, dbs)
-    if found == 10:  # before the index of the oldest is built below: it reads format 11's fragments
-        shared_fragments.upgrade(txn, dbs)
     if raw is None or found != layout.FORMAT:
         txn.put(_KEY, str(layout.FORMAT).encode(), db=dbs["meta"])
     if "gdir" in dbs and "oldest" not in dbs:  # rows tables written before their index of the oldest

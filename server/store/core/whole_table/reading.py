@@ -41,9 +41,8 @@ from ...schema.states import COMPUTING, FAILED, LEASED, LIVE, PENDING, READY, St
 from ...schema.table_config import TableConfig
 from ...schema.views import GroupView, MemberView
 from ..table_state import oldest_index
-from ..table_state.fragments import pending_rows
 from ..table_state.read_check import payload_problem, stored_problem
-from ..table_state.state import TableState, member_state, stored
+from ..table_state.state import TableState, member_state, pending_rows, stored
 from ..table_state.views import RowGroup, RowMember, group_rows, quarantined, row_members
 
 Dbs = Mapping[str, lmdb._Database]
@@ -122,7 +121,6 @@ class RowMembers:
         self.reader, self.dbs, self.prefix, self.group_by = reader, dbs, prefix, group_by
         self._groups: dict[str, dict[str, RowMember]] = {}
         self._segments: dict[int, tuple[SegmentView, SegState]] = {}
-        self._fragments: dict[int, list[Member]] = {}  # pending groups' fragments, each read whole once
 
     def member(self, uid: str) -> RowMember | None:
         """The uid's view, while it is live or its group failed (its payload may be kept, for Get, as a
@@ -145,7 +143,7 @@ class RowMembers:
         if entry is None:
             return {}
         if isinstance(entry, PendingHead):
-            pending = tuple(pending_rows(self.reader, self.dbs, self.prefix, gkey, entry.refs, self._fragments))
+            pending = tuple(pending_rows(self.reader, self.dbs, self.prefix, gkey, entry))
             return row_members(RowGroup(gkey, PENDING if entry.queued is None else COMPUTING, pending))
         if entry.seg not in self._segments:
             key = self.prefix + u64(entry.seg)
@@ -342,11 +340,10 @@ def _row_listings(txn: lmdb.Transaction[memoryview], dbs: Dbs, prefix: bytes, af
                 sources.append(functools.partial(_listed_row, view, state))
                 offer(seqs, _live_members(view, state))
             at = cur.next()
-    fragments: dict[int, list[Member]] = {}  # each read whole once
     for gkey in _heads(txn, dbs, prefix):
-        head = directory_entry(stored(txn, prefix + gkey.encode(), dbs["gdir"], "pending group"))
+        head = directory_entry(stored(txn, prefix + gkey.encode(), dbs["gdir"], "pending or computing group"))
         if isinstance(head, PendingHead):
-            rows = pending_rows(txn, dbs, prefix, gkey, head.refs, fragments)
+            rows = pending_rows(txn, dbs, prefix, gkey, head)
             now = PENDING if head.queued is None else COMPUTING
             sources.append(functools.partial(_listed_pending, gkey, now, rows))
             offer([m.seq for m in rows], range(len(rows)))

@@ -23,14 +23,14 @@ from ...disk.rows import (
     RunRow,
     SegmentView,
     SegState,
-    decode_count,
     decode_lease,
+    decode_member_rows,
     directory_entry,
-    uid_hashes,
+    fragment_key,
+    uid_hash,
 )
 from ...schema.states import COMPUTING, FAILED, LEASED, LIVE, PENDING, QUARANTINED, READY, RETIRED, STATES, State
 from ..table_state import oldest_index
-from ..table_state.fragments import pending_rows
 from ..table_state.read_check import payload_problem, stored_problem
 from ..table_state.state import TableState, member_state
 from ..table_state.views import kept_rows, quarantined
@@ -315,33 +315,31 @@ def rows(tt: TableState) -> list[str]:
 
 def _pending(tt: TableState, heads: dict[str, PendingHead], counts: dict[str, int], oldest: set[bytes]) -> list[str]:
     """The problems of a rows table's pending and computing groups (core/verbs/row_pending.py), their
-    members counted and their keys in the index of the oldest added to `oldest`: the ranges of fragments
-    each head names decode and hold the members its hashes name, in order, each payload present and the
-    one pushed; the pending index names each pending head once, at its creation time, and the compute
-    queue each computing head at its place; each fragment is named by as many ranges as its count row
-    says, numbered below the table's next, and none is of no head."""
+    members counted and their keys in the index of the oldest added to `oldest`: each head's fragments
+    decode and hold the members its hashes name, in order, each payload present and the one pushed;
+    the pending index names each pending head once, at its creation time, and the compute queue each
+    computing head at its place; no fragment is of no head."""
     problems: list[str] = []
-    fragments, counted = _fragments(tt, problems)
-    named: dict[int, int] = defaultdict(int)  # fragment -> the ranges of heads naming it
-    read: dict[int, list[Member]] = {}
+    fragments = {bytes(key): None for key, _ in _rows_of(tt, "frags")}
     indexed = {bytes(key) for key, _ in _rows_of(tt, "pending")}
     queued = {bytes(key): bytes(value).decode(errors="replace") for key, value in _rows_of(tt, "compute")}
     for gkey, head in heads.items():
         state = PENDING if head.queued is None else COMPUTING
         counts["groups_" + state] += 1
-        refs = head.refs
-        for ref in refs:
-            named[ref.fragment] += 1
+        members = []
         try:
-            if any(ref.fragment not in fragments for ref in refs):
-                raise ValueError("it names a fragment not stored")
-            members = pending_rows(tt.txn, tt.db, tt.prefix, gkey, refs, read)
+            for number in range(head.fragments):
+                key = fragment_key(b"", gkey, number)
+                raw = tt.txn.get(tt.prefix + key, db=tt.db["frags"])
+                if fragments.pop(key, False) is not None or raw is None:
+                    raise ValueError(f"its fragment {number} is not stored")
+                members.extend(decode_member_rows(raw))
         except _DAMAGE as exc:
             problems.append(f"pending group {gkey}: {exc}")
             continue
-        if members:  # the first member its head names (no range of a head is empty)
+        if members:  # its first fragment's first member (fragments are never written empty)
             oldest.add(oldest_index.head_key(b"", members[0].created, gkey))
-        if uid_hashes(member.uid for member in members) != head.hashed:
+        if [uid_hash(member.uid) for member in members] != head.hashes:
             problems.append(f"pending group {gkey}: its fragments hold other members than its head names")
         if head.queued is not None and queued.pop(u64(head.queued), None) != gkey:
             problems.append(f"computing group {gkey} is missing from the compute queue")
@@ -356,16 +354,7 @@ def _pending(tt: TableState, heads: dict[str, PendingHead], counts: dict[str, in
             problem = _row_payload(member, state, chunk_reads.read_payload(tt.txn, tt.db, tt.key(member.uid)))
             if problem is not None:
                 problems.append(problem)
-    for fragment in sorted(fragments | counted.keys() | named.keys()):
-        if fragment >= tt.counters.next_fragment:
-            problems.append(f"fragment {fragment} is not below the table's next fragment, {tt.counters.next_fragment}")
-        if fragment in fragments and not named.get(fragment):
-            problems.append(f"fragment {fragment} is of no pending group")
-        elif fragment in named and counted.get(fragment) != named[fragment]:
-            says = counted.get(fragment)
-            problems.append(f"fragment {fragment}'s count row says {says} ranges of heads, {named[fragment]} name it")
-        elif fragment in counted and fragment not in fragments:
-            problems.append(f"fragment {fragment} has a count row but is not stored")
+    problems.extend(f"fragment {key[:80]!r} is of no pending group" for key in fragments)
     problems.extend(f"the pending index names {key[8:80]!r}, which is not pending" for key in indexed)
     problems.extend(f"the compute queue names {gkey[:80]!r}, which is not computing" for gkey in queued.values())
     return problems
@@ -413,24 +402,6 @@ def _lease_holds(state: State, tag: str, named: str | None, cooling: bool) -> bo
     if state == LEASED:
         return named == tag or (cooling and named is None and tag == _NO_TAG)
     return tag == _NO_TAG and (named is None or state in RETIRED)
-
-
-def _fragments(tt: TableState, problems: list[str]) -> tuple[set[int], dict[int, int]]:
-    """A rows table's fragments of pending groups' members, and their count rows (fragment -> its count),
-    each row of the fragments' database of another shape a problem."""
-    fragments: set[int] = set()
-    counted: dict[int, int] = {}
-    for key, value in _rows_of(tt, "frags"):
-        try:
-            if len(key) == 8:
-                fragments.add(int.from_bytes(key, "big"))
-            elif len(key) == 9 and key[8] == 0:
-                counted[int.from_bytes(key[:8], "big")] = decode_count(value)
-            else:
-                raise ValueError("a key of no fragment")
-        except _DAMAGE as exc:
-            problems.append(f"the fragments' row {key[:80]!r} does not decode ({exc})")
-    return fragments, counted
 
 
 def _rows_of(tt: TableState, name: str) -> list[tuple[bytes, bytes]]:

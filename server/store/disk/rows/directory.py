@@ -1,15 +1,11 @@
 """The group directory's entries: a complete group's place in a segment (`GroupRef`) or, while the
-group still takes members, its `PendingHead`. The members a request adds to pending groups wait in
-one fragment of that request (a block of members' columns, members.encode_members), shared by the
-groups it reached: each head names its members' ranges there (`FragmentRef`), and a fragment's
-count row says how many ranges of heads name it, so that it goes with the last of them.
+group still takes members, its `PendingHead`; the members each push added to a pending group wait
+as member rows of their own (a fragment: members.encode_member_rows) until the group completes.
 """
 
 from __future__ import annotations
 
-import functools
 import struct
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -17,45 +13,17 @@ import xxhash
 
 from ..records import _pack_str, _unpack_str
 
-_FRAGMENT = struct.Struct(">Q")
-_COUNT = struct.Struct("<I")
+
+def fragment_key(prefix: bytes, gkey: str, number: int) -> bytes:
+    """A pending group's fragment `number` in the fragments database: its key ends in 5 bytes of its
+    own (a zero, then the number), so no two groups' fragments share a key."""
+    return prefix + gkey.encode() + b"\x00" + number.to_bytes(4, "big")
 
 
-def fragment_key(prefix: bytes, fragment: int) -> bytes:
-    """A table's fragment in the fragments database: T + its number (8 bytes)."""
-    return prefix + _FRAGMENT.pack(fragment)
-
-
-def fragment_count_key(prefix: bytes, fragment: int) -> bytes:
-    """The row counting the ranges of pending heads that name a fragment: its key and a zero byte, so
-    it sorts right after its fragment."""
-    return prefix + _FRAGMENT.pack(fragment) + b"\x00"
-
-
-def encode_count(count: int) -> bytes:
-    return _COUNT.pack(count)
-
-
-def decode_count(data: bytes | memoryview) -> int:
-    (count,) = _COUNT.unpack_from(data)
-    if len(data) != _COUNT.size:
-        raise ValueError(f"a fragment's count row of {len(data)} bytes")
-    return int(count)
-
-
-class FragmentRef(NamedTuple):
-    """Members lo to hi (excluded) of fragment `fragment`: those of a pending group one request added."""
-
-    fragment: int
-    lo: int
-    hi: int
-
-
-def uid_hashes(uids: Iterable[str]) -> bytes:
-    """What a pending group's head keeps of its members' uids, 8 bytes each (XXH3-64's digest): a
-    retried push is screened against them without the group's fragments read."""
-    digest = xxhash.xxh3_64_digest
-    return b"".join([digest(uid.encode()) for uid in uids])
+def uid_hash(uid: str) -> int:
+    """What a pending group's head keeps of a member's uid: a retried push is screened against it
+    without the group's fragments read."""
+    return xxhash.xxh3_64_intdigest(uid.encode())
 
 
 _REF = struct.Struct("<BxHQ")  # REF, group, seg
@@ -82,63 +50,33 @@ def group_refs(seg: int, count: int) -> list[bytes]:
     return [_REF.pack(REF, group, seg) for group in range(count)]
 
 
-_REF_ROW = struct.Struct("<QII")  # a FragmentRef in a head
-_FRAGMENT_REF = functools.partial(tuple.__new__, FragmentRef)  # FragmentRef._make, less its count
-
-
 @dataclass(slots=True, kw_only=True)
 class PendingHead:
     """A group that still takes members, or waits for its advantages: when it was opened, a hash of
-    each member's uid in push order (`uid_hashes`), the ranges of fragments that hold the members in
-    that order (`refs`), and the runs its workers reported failed. A complete group waiting for its
-    advantages (computing) keeps its place in the compute queue (`queued`: its key there) and whether
-    it completed partial, until its advantages are stored and it goes into a segment with them."""
+    each member's uid in push order (`uid_hash`), how many fragments hold the members, and the runs
+    its workers reported failed. A complete group waiting for its advantages (computing) keeps its
+    place in the compute queue (`queued`: its key there) and whether it completed partial, until its
+    advantages are stored and it goes into a segment with them."""
 
     created: float
-    hashed: bytes = b""  # its members' `uid_hashes`, in push order: a push adds its own, reading none
-    ranges: bytes = b""  # its FragmentRefs as stored (`refs`): a push to it adds one, reading none
+    hashes: list[int] = field(default_factory=list)
+    fragments: int = 0
     failed: dict[str, str] = field(default_factory=dict)
     partial: bool = False
     queued: int | None = None
 
-    _HEAD = struct.Struct("<BBIId")  # PENDING, flags, members, refs, created
+    _HEAD = struct.Struct("<BBIId")  # PENDING, flags, members, fragments, created
     _PARTIAL, _FAILED, _QUEUED = 1, 2, 4
 
-    @property
-    def size(self) -> int:
-        """How many members it has."""
-        return len(self.hashed) // 8
-
-    def may_hold(self, hashed: bytes) -> bool:
-        """Whether it may hold a member of any of these uids (`uid_hashes`'s): False only where it holds
-        none (a hash found across two of its own is a false alarm, which a read of its members settles)."""
-        kept = self.hashed
-        if len(hashed) == 8:
-            return hashed in kept
-        return any(hashed[at : at + 8] in kept for at in range(0, len(hashed), 8))
-
-    @property
-    def refs(self) -> list[FragmentRef]:
-        """The ranges of fragments that hold its members, in push order."""
-        return list(map(_FRAGMENT_REF, _REF_ROW.iter_unpack(self.ranges)))
-
-    @refs.setter
-    def refs(self, refs: list[FragmentRef]) -> None:
-        self.ranges = b"".join(_REF_ROW.pack(*ref) for ref in refs)
-
-    def add(self, ref: FragmentRef) -> None:
-        """One more range of a fragment holding its members, after the others."""
-        self.ranges += _REF_ROW.pack(*ref)
-
     def encode(self) -> bytes:
+        count = len(self.hashes)
         flags = (
             (self._PARTIAL if self.partial else 0)
             | (self._FAILED if self.failed else 0)
             | (0 if self.queued is None else self._QUEUED)
         )
-        parts = [self._HEAD.pack(PENDING, flags, self.size, len(self.ranges) // _REF_ROW.size, self.created)]
-        parts.append(self.hashed)
-        parts.append(self.ranges)
+        parts = [self._HEAD.pack(PENDING, flags, count, self.fragments, self.created)]
+        parts.append(struct.pack(f"<{count}Q", *self.hashes))
         if self.failed:
             texts = [text for uid, reason in self.failed.items() for text in (uid, reason)]
             parts.append(struct.pack("<I", len(texts)))
@@ -149,13 +87,10 @@ class PendingHead:
 
     @classmethod
     def decode(cls, data: bytes | memoryview) -> PendingHead:
-        _, flags, count, nrefs, created = cls._HEAD.unpack_from(data)
-        pos = cls._HEAD.size + 8 * count
-        end = pos + _REF_ROW.size * nrefs
-        hashed, ranges = bytes(data[cls._HEAD.size : pos]), bytes(data[pos:end])
-        if not flags:  # (most heads: nothing reported failed, pending)
-            return cls(created=created, hashed=hashed, ranges=ranges)
-        pos = end
+        _, flags, count, fragments, created = cls._HEAD.unpack_from(data)
+        pos = cls._HEAD.size
+        hashes = list(struct.unpack_from(f"<{count}Q", data, pos))
+        pos += 8 * count
         failed = {}
         if flags & cls._FAILED:
             (size,) = struct.unpack_from("<I", data, pos)
@@ -167,7 +102,7 @@ class PendingHead:
             failed = dict(zip(texts[::2], texts[1::2], strict=True))
         queued = struct.unpack_from("<Q", data, pos)[0] if flags & cls._QUEUED else None
         partial = bool(flags & cls._PARTIAL)
-        return cls(created=created, hashed=hashed, ranges=ranges, failed=failed, partial=partial, queued=queued)
+        return cls(created=created, hashes=hashes, fragments=fragments, failed=failed, partial=partial, queued=queued)
 
 
 def directory_entry(data: bytes | memoryview) -> GroupRef | PendingHead:

@@ -1,7 +1,7 @@
-"""A block of members' columns (`encode_members`, read by `MemberBlock`), which a segment and a
-pending groups' fragment hold: each member's small fields (`Member`), each column contiguous, so that
-a run of members reads a column with one struct call on a memoryview of the map; and format 10's
-fragments' members as rows (`decode_member_rows`), which its upgrade reads.
+"""A block of members' columns (`encode_members`, read by `MemberBlock`), which a segment holds: each
+member's small fields (`Member`), each column contiguous, so that a run of members reads a column
+with one struct call on a memoryview of the map; and members as rows (`encode_member_rows`), which a
+pending group's fragment holds, read whole once when the group completes.
 
 Absent numbers are stored as in records.py: an absent version as -2^63, an absent float as NaN.
 """
@@ -214,15 +214,37 @@ class MemberBlock:
         return Member._make(row)
 
 
-# A member as one row, as format 10's fragments held a pending group's members (one fragment a group
-# and push): digest, the fixed-width fields (absent numbers as in a block), its uid's and segments'
-# lengths; then its uid and its segments. Read by that format's upgrade alone (whole_table/migrate.py).
+# A member as one row (a pending group's fragment holds its members so, one after the other: read
+# whole, and written a few at a time, where a block's columns cost a call a column): digest, the
+# fixed-width fields (absent numbers as in a block), its uid's and segments' lengths; then its uid
+# and its segments.
 _ROW = struct.Struct("<16sQQdqIIqddddHI")
 _COUNT = struct.Struct("<I")
 
 
+def _row(m: Member, uid: bytes) -> bytes:
+    version = _NONE_INT if m.version is None else m.version
+    reward = math.nan if m.reward is None else m.reward
+    advantage = math.nan if m.advantage is None else m.advantage
+    shaped = math.nan if m.shaped_reward is None else m.shaped_reward
+    fixed = (m.size, m.seq, m.created, m.step, m.response_length, m.generated, version, reward, m.priority)
+    return _ROW.pack(m.digest, *fixed, advantage, shaped, len(uid), len(m.segments))
+
+
+def encode_member_rows(members: Sequence[Member]) -> bytes:
+    """Members as rows (a fragment's value): a count, then each member's row, uid and segments."""
+    parts = [_COUNT.pack(len(members))]
+    for member in members:
+        uid = member.uid.encode()
+        parts.append(_row(member, uid))
+        parts.append(uid)
+        if member.segments:
+            parts.append(struct.pack(f"<{len(member.segments)}q", *member.segments))
+    return b"".join(parts)
+
+
 def decode_member_rows(data: bytes | memoryview) -> list[Member]:
-    """The members of a format-10 fragment, in their order."""
+    """The members of `encode_member_rows`, in their order."""
     (count,) = _COUNT.unpack_from(data)
     pos, found = _COUNT.size, []
     for _ in range(count):
@@ -245,3 +267,15 @@ def decode_member_rows(data: bytes | memoryview) -> list[Member]:
     if pos != len(data):
         raise ValueError(f"member rows of {len(data)} bytes, {pos} read")
     return found
+
+
+_CREATED_FIELD = 3  # of a row's fields as _ROW reads them: digest, size, seq, created
+
+
+def first_created(data: bytes | memoryview) -> float | None:
+    """When the first member of `encode_member_rows` was pushed (None: it holds none), its row alone read."""
+    (count,) = _COUNT.unpack_from(data)
+    if not count:
+        return None
+    created: float = _ROW.unpack_from(data, _COUNT.size)[_CREATED_FIELD]
+    return created
