@@ -58,8 +58,10 @@ PURE_TESTS ?= tests/faults/test_fault_hostile.py tests/faults/test_fault_fuzz.py
 # pytest's workers (pytest-xdist): each module's tests run on one worker, the Ray tests and the
 # Trinity plugin's on one too (tests/conftest.py groups them). Three on two cores: the suite mostly
 # waits (on the servers and trainers it starts and kills, leases, fsyncs), and a third worker fills
-# those waits (496 s on 2 cores against 601-640 s with two). PYTEST_WORKERS=0 runs the suite in
-# this process, PYTEST_WORKERS=auto on as many workers as the machine has cores.
+# those waits (496 s on 2 cores against 601-640 s with two). Four were not shown faster: 543 s
+# against 621 s with three back to back in a working tree, but 616 s against 581 s in two clean-clone
+# runs. PYTEST_WORKERS=0 runs the suite in this process, PYTEST_WORKERS=auto on as many workers as
+# the machine has cores.
 PYTEST_WORKERS ?= 3
 # mermaid, which draws the docs' diagrams, shipped with the site: its npm package (pinned, and
 # checked against this digest of its script) unpacked by `make docs-js` with the machine's npm.
