@@ -32,7 +32,7 @@ from ...disk.rows import (
     fragment_key,
 )
 from ...schema.errors import StoreError, clip
-from ...schema.states import COMPUTING, LEASED, LIVE, PENDING, READY, State, check_move
+from ...schema.states import COMPUTING, LEASED, LIVE, READY, State, check_move
 from ...schema.table_config import TableConfig
 from ...schema.views import GroupView, Members, MemberView
 from ..ordering.indexes import Index, ReadyGroup, ReadyOrder
@@ -197,7 +197,7 @@ class TableState:
         ref = directory_entry(raw)
         if isinstance(ref, PendingHead):
             rows = tuple(self.pending_rows(gkey, ref))
-            now = PENDING if ref.queued is None else COMPUTING
+            now = ref.state
             return RowGroup(gkey, now, rows, MappingProxyType(dict(ref.failed)), created=ref.created)
         key = self.prefix + u64(ref.seg)
         view = SegmentView(stored(self.txn, key, self.db["segs"], "segment"))

@@ -23,7 +23,7 @@ from expbuf.client.schema.routing import uid_group_key
 from ...disk import chunked
 from ...disk.records import DELETED
 from ...disk.rows import PendingHead, SegState
-from ...schema.states import COMPUTING, DROPPED, LIVE, PENDING, QUARANTINED, READY, RETIRED
+from ...schema.states import DROPPED, LIVE, QUARANTINED, READY, RETIRED
 from ..table_state import rate_counts
 from ..table_state.events import Retired
 from ..table_state.picks import Picked
@@ -117,7 +117,7 @@ def _read(tt: TableState, segments: Segments, gkey: str) -> _Touched | None:
     head = row_pending.head(tt, gkey)
     if head is not None:
         rows = tuple(tt.pending_rows(gkey, head))
-        now = PENDING if head.queued is None else COMPUTING  # a computing one waits for the worker
+        now = head.state  # a computing one waits for the worker
         group = RowGroup(gkey, now, rows, dict(head.failed), created=head.created)
         return _Touched(group, row_members(group), head=head)
     picked = row_select.complete_groups(tt, segments, [gkey])

@@ -37,7 +37,7 @@ from ...disk.rows import (
     directory_entry,
 )
 from ...disk.stored_advantages import FinishBatch
-from ...schema.states import COMPUTING, FAILED, LEASED, LIVE, PENDING, READY, State
+from ...schema.states import FAILED, LEASED, LIVE, READY, State
 from ...schema.table_config import TableConfig
 from ...schema.views import GroupView, MemberView
 from ..table_state import oldest_index
@@ -144,7 +144,7 @@ class RowMembers:
             return {}
         if isinstance(entry, PendingHead):
             pending = tuple(pending_rows(self.reader, self.dbs, self.prefix, gkey, entry))
-            return row_members(RowGroup(gkey, PENDING if entry.queued is None else COMPUTING, pending))
+            return row_members(RowGroup(gkey, entry.state, pending))
         if entry.seg not in self._segments:
             key = self.prefix + u64(entry.seg)
             self._segments[entry.seg] = (
@@ -344,8 +344,7 @@ def _row_listings(txn: lmdb.Transaction[memoryview], dbs: Dbs, prefix: bytes, af
         head = directory_entry(stored(txn, prefix + gkey.encode(), dbs["gdir"], "pending or computing group"))
         if isinstance(head, PendingHead):
             rows = pending_rows(txn, dbs, prefix, gkey, head)
-            now = PENDING if head.queued is None else COMPUTING
-            sources.append(functools.partial(_listed_pending, gkey, now, rows))
+            sources.append(functools.partial(_listed_pending, gkey, head.state, rows))
             offer([m.seq for m in rows], range(len(rows)))
     return [(-seq, functools.partial(sources[source], i)) for seq, source, i in sorted(found, reverse=True)]
 

@@ -324,7 +324,7 @@ def _pending(tt: TableState, heads: dict[str, PendingHead], counts: dict[str, in
     indexed = {bytes(key) for key, _ in _rows_of(tt, "pending")}
     queued = {bytes(key): bytes(value).decode(errors="replace") for key, value in _rows_of(tt, "compute")}
     for gkey, head in heads.items():
-        state = PENDING if head.queued is None else COMPUTING
+        state = head.state
         counts["groups_" + state] += 1
         members = []
         try:

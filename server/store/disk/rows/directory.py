@@ -11,6 +11,8 @@ from typing import NamedTuple
 
 import xxhash
 
+from ...schema.states import COMPUTING, State
+from ...schema.states import PENDING as PENDING_STATE
 from ..records import _pack_str, _unpack_str
 
 
@@ -67,6 +69,11 @@ class PendingHead:
 
     _HEAD = struct.Struct("<BBIId")  # PENDING, flags, members, fragments, created
     _PARTIAL, _FAILED, _QUEUED = 1, 2, 4
+
+    @property
+    def state(self) -> State:
+        """Its group's state: pending, or computing once it waits in the compute queue."""
+        return PENDING_STATE if self.queued is None else COMPUTING
 
     def encode(self) -> bytes:
         count = len(self.hashes)
