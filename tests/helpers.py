@@ -29,13 +29,14 @@ from expbuf.client.schema.experience import TENSOR_FIELDS
 from expbuf.proto.v1 import buffer_pb2 as pb
 from expbuf.proto.v1 import buffer_pb2_grpc as pb_grpc
 from expbuf.server.store import Entry, Sampled, Store
+from expbuf.server.store.core.table_state.state import pending_rows
+from expbuf.server.store.disk import layout
 from expbuf.server.store.disk.environment import Environment
 from expbuf.server.store.disk.rows import (
     Member,
     PendingHead,
     SegmentView,
     SegState,
-    decode_member_rows,
     directory_entry,
 )
 from expbuf.server.store.schema.estimator_registry import Estimator, register, unregister
@@ -437,7 +438,8 @@ class StoredMember(NamedTuple):
 def stored_members(env: Environment) -> dict[bytes, StoredMember]:
     """Every member every rows table of `env` keeps, by its key (table prefix + uid, as a records
     table's item record was): each segment's members with their group's state (a deleted member left
-    out) and each pending group's members from its fragments, each with its payload in blobs."""
+    out) and each pending group's members from its fragments and head (every fragment of a pending
+    head), each with its payload in blobs."""
     found: dict[bytes, StoredMember] = {}
     with env.read() as txn:
         for key, raw in txn.cursor(db=env.db["segs"]):
@@ -452,13 +454,17 @@ def stored_members(env: Environment) -> dict[bytes, StoredMember]:
                     found[uid] = StoredMember(
                         member, gkey, seg, row.state(g), row.retired, txn.get(uid, db=env.db["blobs"])
                     )
-        for key, raw in txn.cursor(db=env.db["frags"]):
+        for key in txn.cursor(db=env.db["frags"]).iternext(values=False):
             prefix, gkey = bytes(key[:4]), bytes(key[4:-5]).decode()
             entry = txn.get(prefix + gkey.encode(), db=env.db["gdir"])
-            head = None if entry is None else directory_entry(entry)
-            assert isinstance(head, PendingHead), gkey  # a fragment's group is pending
+            assert isinstance(None if entry is None else directory_entry(entry), PendingHead), gkey  # of a pending head
+        for key, raw in txn.cursor(db=env.db["gdir"]):
+            head = directory_entry(raw)
+            if not isinstance(head, PendingHead):
+                continue
+            prefix, gkey = bytes(key[:4]), bytes(key[4:]).decode()
             state = PENDING if head.queued is None else COMPUTING
-            for member in decode_member_rows(raw):
+            for member in pending_rows(txn, env.db, prefix, gkey, head):
                 uid = prefix + member.uid.encode()
                 found[uid] = StoredMember(member, gkey, None, state, None, txn.get(uid, db=env.db["blobs"]))
     return found
@@ -476,3 +482,22 @@ def killed_while_opening(data: Path, delay: float) -> None:
     finally:
         child.kill()
         child.wait(30)
+
+
+def checked_after_a_kill(data: Path, delay: float, format_found: int) -> list[str]:
+    """`expbuf check`'s lines on `data` after a start killed `delay` seconds into its open
+    (killed_while_opening), asserted clean: the directory as it found it (of `format_found`, which
+    the next start upgrades), or all of it upgraded, each table's "ok"."""
+    killed_while_opening(data, delay)
+    checked = subprocess.run(
+        [sys.executable, "-m", "expbuf.server.cli", "check", "--data", str(data)],
+        capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert checked.returncode == 0 and not checked.stderr, (delay, checked.stdout, checked.stderr)
+    lines = checked.stdout.splitlines()
+    upgrade = (
+        f"{data}: data directory format {format_found}, which the next expbuf serve upgrades to format "
+        f"{layout.FORMAT}; run expbuf check after that to check its tables"
+    )
+    assert lines == [upgrade] or (lines and all(line.endswith(": ok") for line in lines)), (delay, lines)
+    return lines

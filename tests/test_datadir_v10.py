@@ -1,8 +1,9 @@
 """A data directory written by format 10 with rows tables whose groups' runs arrived over several pushes
 (pending and computing groups, each with a fragment a push: tests/fixtures/datadir_v10, made by its
-make.py at 4c65a9a) opens with every table, group, payload and pending member where that release left
-them, its groups complete with their last runs, and a retried push of what it holds is a duplicate:
-what the next format's upgrade of such a directory is tested against."""
+make.py at 4c65a9a) opens, upgraded to format 11 (whose heads keep their latest members' rows) also
+where a start was killed during its open, with every table, group, payload and pending member where
+that release left them; its groups complete with their last runs, those a format 10 fragment holds
+and those a format 11 head does together, and a retried push of what it holds is a duplicate."""
 
 from __future__ import annotations
 
@@ -19,8 +20,10 @@ from test_rows_pending import heads
 
 from expbuf.server.advantages.worker import AdvantageWorker
 from expbuf.server.store import Store
+from expbuf.server.store.disk import layout
 
 from conftest import FIXTURES
+from helpers import checked_after_a_kill
 
 V10 = FIXTURES / "datadir_v10"
 MANIFEST = json.loads((V10 / "manifest.json").read_text())
@@ -52,6 +55,9 @@ def _stats(store: Store, table: str) -> dict[str, Any]:
 
 def test_format_10_opens_with_every_table_group_and_payload_in_place(v10: Path) -> None:
     with Store(v10, clock=lambda: NOW) as store:
+        with store.environment.read() as txn:
+            assert txn.get(b"format", db=store.db["meta"]) == str(layout.FORMAT).encode() == b"11"
+        assert all(not head.inline and head.fragments for head in heads(store, "spread").values())
         for table in TABLES:
             want = {k: v for k, v in MANIFEST["stats"][table].items() if k != "staged_bytes"}
             assert _stats(store, table) == want, table
@@ -72,7 +78,15 @@ def test_format_10_s_pending_groups_complete_with_their_last_runs_and_take_no_re
         for gkey in sorted(pending):
             task = int(gkey.split("/")[1])
             last += [MAKE.run(1, task, number) for number in range(1 + task % 5, 4)]
-        assert sorted(store.put("spread", last).completed_groups) == sorted(pending)
+        first, last = last[::2], last[1::2]
+        put = store.put("spread", first)  # the runs before: in their heads, or completing a group
+        assert len(put.stored) == len(first) and put.completed_groups
+        joined = {gkey for gkey, head in heads(store, "spread").items() if head.inline}
+        assert joined and all(heads(store, "spread")[gkey].fragments for gkey in joined)  # format 10's, and 11's
+        assert store.verify("spread") == []
+        assert store.put("spread", first).duplicates == [item.uid for item in first]
+        completed = put.completed_groups + store.put("spread", last).completed_groups
+        assert sorted(completed) == sorted(pending)
         assert set(heads(store, "spread")) == {"1/1", "1/7"}
         assert store.verify("spread") == []
         assert AdvantageWorker(store).run_once() > 0  # grpo's computing groups, their members from fragments
@@ -80,3 +94,20 @@ def test_format_10_s_pending_groups_complete_with_their_last_runs_and_take_no_re
         assert store.verify("grpo") == []
     with Store(v10, clock=lambda: NOW) as store:  # and after a restart
         assert all(store.verify(table) == [] for table in TABLES)
+
+
+def test_a_start_killed_while_it_opens_format_10_leaves_it_whole(tmp_path: Path) -> None:
+    """`expbuf serve` killed with SIGKILL at moments of its open of a format 10 directory (its upgrade
+    is the format's record alone, in the open's transaction): `expbuf check` finds it whole, of format
+    10 or 11, and it opens with every table as format 10 left it."""
+    for trial, delay in enumerate((0.0, 0.05, 0.2, 0.6)):
+        data = tmp_path / f"copy{trial}"
+        data.mkdir()
+        shutil.copy(V10 / "data.mdb", data / "data.mdb")
+        lines = checked_after_a_kill(data, delay, 10)
+        assert len(lines) == 1 or lines == [f"{table}: ok" for table in sorted((*TABLES, "default"))], (trial, lines)
+        with Store(data, clock=lambda: NOW) as store:
+            for table in TABLES:
+                want = {k: v for k, v in MANIFEST["stats"][table].items() if k != "staged_bytes"}
+                assert _stats(store, table) == want, (trial, table)
+                assert store.verify(table) == [], (trial, table)

@@ -21,7 +21,7 @@ from expbuf.server.advantages.worker import AdvantageWorker, computed_in_push
 from expbuf.server.store import Store
 from expbuf.server.store.core.table_state.state import TableState
 from expbuf.server.store.disk import layout
-from expbuf.server.store.disk.rows import PendingHead, directory_entry
+from expbuf.server.store.disk.rows import PendingHead, decode_member_rows, directory_entry
 from expbuf.server.store.schema.errors import StoreError
 from expbuf.server.store.schema.estimator_registry import ESTIMATORS
 from expbuf.server.store.schema.sample_spec import TakeSpec
@@ -87,12 +87,12 @@ def test_every_estimator_gives_a_rows_table_the_values_a_records_table_gets(
         assert drain(store) == 54
 
 
-def test_a_computing_rows_group_is_kept_as_its_head_and_fragments_and_answers_as_a_records_one(
+def test_a_computing_rows_group_is_kept_as_its_head_and_answers_as_a_records_one(
     tmp_path: Path,
 ) -> None:
     """A group completed without the server's computation at hand (a worker's job) waits computing:
-    its head (now naming its place in the compute queue, out of the pending index) and its fragments,
-    no segment and no record; pushes, failed runs and seals meet it complete, a retried push is a
+    its head (now naming its place in the compute queue, out of the pending index) with its members'
+    rows, no segment and no record; pushes, failed runs and seals meet it complete, a retried push is a
     duplicate; it survives a restart and becomes ready, at the place it took when it completed, with
     the values a records table's gets."""
     with Store(tmp_path, clock=Clock(), batch_stage=finish_batch) as store:
@@ -105,7 +105,8 @@ def test_a_computing_rows_group_is_kept_as_its_head_and_fragments_and_answers_as
         with store.environment.read() as txn:
             tt = TableState(txn, store.db, table_id, store.catalog.lookup("t_rows")[1], 0.0, ())
             head = directory_entry(txn.get(tt.key("0/0"), db=store.db["gdir"]))
-            assert isinstance(head, PendingHead) and head.queued is not None and head.fragments == 2
+            assert isinstance(head, PendingHead) and head.queued is not None and head.fragments == 0
+            assert len(decode_member_rows(head.inline)) == 4  # its members' rows, in its head
             assert tt.view("0/0").state == COMPUTING  # type: ignore[union-attr]
             assert txn.get(tt.prefix + head.queued.to_bytes(8, "big"), db=store.db["compute"]) == b"0/0"
         assert put_both(store, "t", group_items(0, 0, 4, reward=3.0)[3:]) == ([], ["0/0/3/0/r3s0"], [], [])

@@ -22,7 +22,8 @@ from expbuf.server.advantages.worker import AdvantageWorker
 from expbuf.server.store import Entry, Moved, Push, Retired, Store, TableExtension
 from expbuf.server.store.core.table_state.state import TableState
 from expbuf.server.store.disk import layout
-from expbuf.server.store.disk.rows import PendingHead, directory_entry
+from expbuf.server.store.disk.rows import PendingHead, decode_member_rows, directory_entry
+from expbuf.server.store.disk.rows.directory import SPILL_BYTES
 from expbuf.server.store.ledger.records import DatasetRecord
 from expbuf.server.store.schema.errors import Conflict, StoreError
 from expbuf.server.store.schema.sample_spec import TakeSpec
@@ -259,39 +260,94 @@ def test_an_extension_hears_pending_groups_complete_and_drop_as_a_records_tables
     assert [gkey for gkey, _, _ in heard["t"][0][-1]] == ["0/2", "0/0"] and heard["t"][1][-1] == dropped
 
 
-def test_a_push_to_a_pending_group_writes_a_fragment_and_its_head(tmp_path: Path) -> None:
-    """The rows a push to a pending group writes: its payloads, one fragment a group and its head;
-    the group's completion writes its segment and deletes its fragments; no records."""
+def counted(store: Store, table: str) -> dict[str, int]:
+    """How many rows each database of a rows table's holds (and none in a records table's)."""
+    prefix = layout.table_prefix(store.catalog.lookup(table)[0])
+    found = {}
+    with store.environment.read() as txn:
+        for name in ("frags", "gdir", "segs", "pending", "blobs", "items", "groups"):
+            with txn.cursor(db=store.db[name]) as cur:
+                n, at = 0, cur.set_range(prefix)
+                while at and cur.key().startswith(prefix):
+                    n, at = n + 1, cur.next()
+            found[name] = n
+    return found
+
+
+def test_a_push_to_a_pending_group_writes_its_head_with_its_members_rows(tmp_path: Path) -> None:
+    """The rows a push to a pending group writes: its payloads and its head, which holds the group's
+    members' rows (no fragment, for a group of 8 such runs); the group's completion writes its
+    segment; no records."""
     with Store(tmp_path, clock=Clock()) as store:
         both(store, "t", **EIGHTS)
-        prefix = layout.table_prefix(store.catalog.lookup("t_rows")[0])
-
-        def counted() -> dict[str, int]:
-            found = {}
-            with store.environment.read() as txn:
-                for name in ("frags", "gdir", "segs", "pending", "blobs", "items", "groups"):
-                    with txn.cursor(db=store.db[name]) as cur:
-                        n, at = 0, cur.set_range(prefix)
-                        while at and cur.key().startswith(prefix):
-                            n, at = n + 1, cur.next()
-                    found[name] = n
-            return found
-
         store.put("t_rows", [run(task, n) for task in range(3) for n in range(2)])
-        assert counted() == {"frags": 3, "gdir": 3, "segs": 0, "pending": 3, "blobs": 6, "items": 0, "groups": 0}
+        assert counted(store, "t_rows") == {
+            "frags": 0, "gdir": 3, "segs": 0, "pending": 3, "blobs": 6, "items": 0, "groups": 0,
+        }  # fmt: skip
         store.put("t_rows", [run(task, n) for task in range(3) for n in range(2, 5)])
-        assert counted() == {"frags": 6, "gdir": 3, "segs": 0, "pending": 3, "blobs": 15, "items": 0, "groups": 0}
-        assert [len(head.hashes) for head in heads(store, "t_rows").values()] == [5, 5, 5]
+        assert counted(store, "t_rows") == {
+            "frags": 0, "gdir": 3, "segs": 0, "pending": 3, "blobs": 15, "items": 0, "groups": 0,
+        }  # fmt: skip
+        for task, head in enumerate(heads(store, "t_rows").values()):
+            assert head.fragments == 0 and len(head.hashes) == 5
+            assert [member.uid for member in decode_member_rows(head.inline)] == [uid(task, n) for n in range(5)]
         store.put("t_rows", [run(task, n) for task in range(3) for n in range(5, 8)])
-        assert counted() == {"frags": 0, "gdir": 3, "segs": 1, "pending": 0, "blobs": 24, "items": 0, "groups": 0}
+        assert counted(store, "t_rows") == {
+            "frags": 0, "gdir": 3, "segs": 1, "pending": 0, "blobs": 24, "items": 0, "groups": 0,
+        }  # fmt: skip
+
+
+LARGE = {**EIGHTS, "group_size": 40}
+
+
+def test_a_large_pending_groups_rows_spill_from_its_head_into_fragments(tmp_path: Path) -> None:
+    """A pending group's members' rows past SPILL_BYTES go from its head into a fragment, and the
+    ones after wait in its head again: each push rewrites a few rows, not all. Its members stay in
+    push order through a Delete (which writes those left in its head again) and its completion, and
+    it answers as a records table's does."""
+    with Store(tmp_path, clock=Clock()) as store:
+        both(store, "t", **LARGE)
+        for at in range(0, 31, 3):  # 31 runs a group
+            put_both(store, "t", [run(task, n) for task in range(2) for n in range(at, min(at + 3, 31))])
+        pending = heads(store, "t_rows")
+        assert list(pending) == ["0/0", "0/1"]
+        for task, head in enumerate(pending.values()):
+            assert head.fragments >= 2 and 0 < len(head.inline) <= SPILL_BYTES and len(head.hashes) == 31
+            with store.environment.read() as txn:
+                tt = TableState(
+                    txn, store.db, store.catalog.lookup("t_rows")[0], store.catalog.lookup("t_rows")[1], 0.0, ()
+                )
+                assert [member.uid for member in tt.pending_rows(f"0/{task}", head)] == [
+                    uid(task, n) for n in range(31)
+                ]
+        assert counted(store, "t_rows")["frags"] == sum(head.fragments for head in pending.values())
+        clean(store, "t", "t_rows")
+        gone = [uid(0, n) for n in (0, 7, 30)]
+        assert [store.delete(table, gone) for table in ("t", "t_rows")] == [3, 3]
+        assert stats(store, "t_rows") == stats(store, "t")
+        head = heads(store, "t_rows")["0/0"]
+        assert head.fragments == 1 and not head.inline and len(head.hashes) == 28  # 28 rows pass SPILL_BYTES
+        clean(store, "t", "t_rows")
+        put_both(store, "t", [run(task, n) for task in range(2) for n in range(31, 40)])
+        head = heads(store, "t_rows")["0/0"]  # 37 of 40: still pending
+        assert list(heads(store, "t_rows")) == ["0/0"] and len(head.hashes) == 37
+        got = take_both(store, "t", num_groups=1)
+        assert got is not None and got[0] == [uid(1, n) for n in range(40)]
+        for table in ("t", "t_rows"):
+            store.seal(table, "0/0")
+        assert heads(store, "t_rows") == {} and counted(store, "t_rows")["frags"] == 0
+        got = take_both(store, "t", num_groups=1)
+        assert got is not None and got[0] == [uid(0, n) for n in range(40) if uid(0, n) not in gone]
+        clean(store, "t", "t_rows")
 
 
 def test_verify_names_a_pending_groups_damaged_rows(tmp_path: Path) -> None:
     with Store(tmp_path, clock=Clock()) as store:
-        both(store, "t", **EIGHTS)
-        store.put("t_rows", [run(0, n) for n in range(3)])
-        store.put("t_rows", [run(0, n) for n in range(3, 5)])
+        both(store, "t", **LARGE)
+        for at in range(0, 30, 3):
+            store.put("t_rows", [run(0, n) for n in range(at, at + 3)])
         store.put("t_rows", [run(1, n) for n in range(2)])
+        store.put("t_rows", [run(2, n) for n in range(2)])
         prefix = layout.table_prefix(store.catalog.lookup("t_rows")[0])
         env: lmdb.Environment = store.environment.env
         with env.begin(write=True) as txn:
@@ -304,11 +360,14 @@ def test_verify_names_a_pending_groups_damaged_rows(tmp_path: Path) -> None:
                 while not cur.key().endswith(b"0/1"):
                     cur.next()
                 cur.delete()
+            raw = txn.get(prefix + b"0/2", db=store.db["gdir"])
+            txn.put(prefix + b"0/2", raw[:-3], db=store.db["gdir"])  # its head's last row cut short
         problems = store.verify("t_rows")
         assert "pending group 0/0: its fragment 1 is not stored" in problems
         assert "pending group 0/1 is not in the pending index" in problems
+        assert any(p.startswith("pending group 0/2: ") for p in problems), problems
         assert any("fragment" in p and "0/7" in p and "of no pending group" in p for p in problems), problems
-        assert "counter pending is 7 but 2 were found" in problems
+        assert any(p.startswith("counter pending is 34 but ") for p in problems), problems
 
 
 def attempt_runs(epoch: int, index: int, attempt: int, runs: range) -> list[trxp.RawItem]:

@@ -53,8 +53,10 @@ from ..schema import order_names
 # databases, shared_prompts.py) and keeps keyed values (kv, services/values.py); 8 keeps partial
 # rollouts' pieces (partials, rules/partials.py); 9 takes a chunked payload's head's own digest over
 # its chunk set too (chunk_heads.py, chunked.reseal_heads); 10 keeps every table in rows (issue 64:
-# the databases of ROWS; core/whole_table/to_rows.py). See migrate.py.
-FORMAT = 10
+# the databases of ROWS; core/whole_table/to_rows.py); 11 keeps a pending group's latest members'
+# rows in its head (disk/rows/directory.PendingHead.inline), where 10 wrote a fragment a push. See
+# migrate.py.
+FORMAT = 11
 DIRECTORY = ("meta", "tables", "leases", "lease_exp", "grants", "grant_exp")  # not per table
 OWN = (
     *DIRECTORY, "items", "blobs", "adv", "groups", "order", "pending", "compute", "retired", "counters", "cooling",

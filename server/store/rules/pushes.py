@@ -198,18 +198,19 @@ def _put_rows(
         result.completed_groups.extend(joined)
         result.dropped_groups.extend(ending.complete_opened(row_pending.views_new(tt, joined)))
         joined = {}
+    kept: list[row_pending.Kept] = []  # the groups left pending: row_pending.keep_all
     for gkey, new in joined.items():
         pending = groups.get(gkey)
         if pending is None:  # opened by this push, none of its runs reported failed
             if size and len(new) < size:
-                row_pending.keep(tt, gkey, row_pending.opening(tt, gkey), new)
+                kept.append((row_pending.opening(tt, gkey), new))
                 continue
             result.completed_groups.append(gkey)
             if not ending.complete(gkey, row_pending.view_new(tt, gkey, new), partial=False, indexed=False):
                 result.dropped_groups.append(gkey)
             continue
         if size and pending.size + len(new) + len(pending.failed) < size:
-            row_pending.keep(tt, gkey, pending, new)
+            kept.append((pending, new))
             continue
         view = row_pending.view(tt, pending, new)
         if pending.failed and too_short(tt, view):
@@ -221,6 +222,7 @@ def _put_rows(
             result.dropped_groups.append(gkey)
         else:
             tt.counters.groups_short += bool(pending.failed)
+    row_pending.keep_all(tt, kept)
     ending.done(compute=compute, ahead=ahead)
 
 

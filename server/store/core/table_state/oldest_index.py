@@ -3,19 +3,19 @@ expbuf_oldest_age_seconds), kept as it changes so that a stats call reads one ke
 segment (issue 64).
 
 The `oldest` database holds one key for each segment of the table with a live member, and one for
-each pending or computing group with a fragment: T + when its oldest live member was pushed
+each pending or computing group with a member: T + when its oldest live member was pushed
 (`stamp`: 8 bytes that sort as the times do) + what holds it (SEGMENT and the segment's id, or HEAD
 and the group's key). The table's oldest live experience is the first key of its range (`oldest`).
 
 What a segment's oldest live member is (`in_segment`): the least creation time of its members where
 every group is live and no member deleted, else of each live group's first member not deleted (a
-group's members are in push order). A pending or computing group's is its first fragment's first
-member (the first of its members in push order). A segment's key comes with it, written live
+group's members are in push order). A pending or computing group's is its first member in push order
+(its first fragment's first, or its head's where it has no fragment). A segment's key comes with it, written live
 (core/verbs/segments.write); it moves when its state row is written with another live shape (a
 group leaving the live states, a member deleted: core/verbs/row_select.Segments.save), never for a
 take or a give-back, which move groups between live states, and goes once none of its members is
-live. A group's key comes with its first fragment, moves when a Delete writes its members again,
-and goes with its fragments (core/verbs/row_pending.py).
+live. A group's key comes with its first member, moves when a Delete writes its members again,
+and goes with its head (core/verbs/row_pending.py).
 
 A directory whose rows tables were written without the database gets it built in its open's
 transaction (`build`, core/whole_table/migrate.py).
@@ -131,11 +131,17 @@ def head_changed(tt: TableState, gkey: str, was: float | None, now: float | None
 
 
 def head_first(tt: TableState, gkey: str, head: PendingHead) -> float | None:
-    """When a pending or computing group's first member was pushed, as its first fragment holds it
-    (None: it has none, or none is stored)."""
+    """When a pending or computing group's first member was pushed, as its first fragment holds it,
+    or its head where it has none (None: it has no member, or its fragment is not stored)."""
+    return _first(tt.txn, tt.db, tt.prefix, gkey, head)
+
+
+def _first(
+    txn: lmdb.Transaction[bytes], dbs: Mapping[str, lmdb._Database], prefix: bytes, gkey: str, head: PendingHead
+) -> float | None:
     if not head.fragments:
-        return None
-    raw = tt.txn.get(fragment_key(tt.prefix, gkey, 0), db=tt.db["frags"])
+        return first_created(head.inline) if head.inline else None
+    raw = txn.get(fragment_key(prefix, gkey, 0), db=dbs["frags"])
     return None if raw is None else first_created(raw)
 
 
@@ -155,11 +161,10 @@ def build(txn: lmdb.Transaction[bytes], dbs: Mapping[str, lmdb._Database]) -> No
     for key, raw in txn.cursor(db=dbs["gdir"]):
         try:
             head = directory_entry(raw)
-            if not isinstance(head, PendingHead) or not head.fragments:
+            if not isinstance(head, PendingHead):
                 continue
             gkey = bytes(key[4:]).decode()
-            fragment = txn.get(fragment_key(bytes(key[:4]), gkey, 0), db=dbs["frags"])
-            when = None if fragment is None else first_created(fragment)
+            when = _first(txn, dbs, bytes(key[:4]), gkey, head)
         except _DAMAGE:
             continue
         if when is not None:

@@ -48,11 +48,14 @@ Cached = ItemRecord | None
 def pending_rows(
     reader: Reader, dbs: Mapping[str, lmdb._Database], prefix: bytes, gkey: str, head: PendingHead
 ) -> list[Member]:
-    """A rows table's pending group's members, in push order, as its fragments hold them, read from
-    `reader` (the table state's transaction, or a reader's such as the scrub's or a Get's)."""
+    """A rows table's pending group's members, in push order, as its fragments and then its head hold
+    them, read from `reader` (the table state's transaction, or a reader's such as the scrub's or a
+    Get's)."""
     found: list[Member] = []
     for number in range(head.fragments):
         found.extend(decode_member_rows(stored(reader, fragment_key(prefix, gkey, number), dbs["frags"], "fragment")))
+    if head.inline:
+        found.extend(decode_member_rows(head.inline))
     return found
 
 
@@ -209,7 +212,7 @@ class TableState:
         return RowGroup(gkey, now, rows, view.failed(ref.group), lease, times, quarantined=found)
 
     def pending_rows(self, gkey: str, head: PendingHead) -> list[Member]:
-        """A rows table's pending group's members, in push order, as its fragments hold them."""
+        """A rows table's pending group's members, in push order, as its fragments and head hold them."""
         return pending_rows(self.txn, self.db, self.prefix, gkey, head)
 
     def existing_view(self, gkey: str) -> GroupView:

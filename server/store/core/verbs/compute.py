@@ -44,7 +44,7 @@ def backlog(
     Payloads are read only for estimators that need token-level data, each checked against its
     digest: a group with a damaged one is left out, its damaged members' uids listed by table in
     `damaged` (for the caller to quarantine); the others work from the item records (a rows table's
-    from its computing groups' fragments: row_pending.queue). A group with
+    from its computing groups' heads and fragments: row_pending.queue). A group with
     a member whose record the directory lost is left out too, its key listed by table in `lost`
     (for the caller to fail). `table_of` names a table id's table, None for a dropped one."""
     jobs: list[ComputeJob] = []
@@ -114,7 +114,7 @@ def _queued_records(
 def _queued_rows(
     txn: lmdb.Transaction[bytes], dbs: dict[str, lmdb._Database], prefix: bytes, gkey: bytes
 ) -> tuple[list[str], dict[str, MemberView]]:
-    """A rows table's computing group's members' uids and views, from its head's fragments."""
+    """A rows table's computing group's members' uids and views, from its fragments and head."""
     entry = directory_entry(stored(txn, prefix + gkey, dbs["gdir"], "group"))
     if not isinstance(entry, PendingHead):
         raise missing("computing group", gkey.decode())

@@ -10,7 +10,7 @@ members are flagged in their segment's state (`SegState.DELETED`: never served, 
 duplicate again), and a group deleted whole also leaves its run (or lease: a lease of runs goes on
 without it) and its directory entry, its state byte retired (dropped: it counts no member), so that
 its segment retires and is forgotten in time as one whose groups all retired; a pending group's
-members left are written again as its one fragment (row_pending.left).
+members left are written again in its head (row_pending.left).
 """
 
 from __future__ import annotations

@@ -1,14 +1,15 @@
 """A rows table's pending groups (issue 64, 2.8): a group whose runs arrive over many pushes (GRPO's
 rollout workers, each pushing its own runs) keeps its head in the group directory (`PendingHead`:
-when it opened, a hash of each member's uid, how many fragments it has, its failed runs), one
-fragment a push that added members to it (their rows, disk/rows/members.py) and a row
+when it opened, a hash of each member's uid, its failed runs, and its latest members' rows), the
+rows that spilled from its head as fragments (disk/rows/directory.SPILL_BYTES, members.py) and a row
 in the pending index (its timeout's, as a records table's). It completes into a segment as a group
 pushed whole does (segments.py), its fragments read once and deleted then; dropped (timed out, too
 few runs, all rewards equal, its claim ended), it goes into a segment of its own retired state,
 which keeps its members' digests as a consumed group's does, its payloads gone.
 
-What a member of such a group costs beyond one of a group pushed whole: its row written once more
-(in its fragment) and its uid's hash in the head, which each push to the group rewrites.
+What a member of such a group costs beyond one of a group pushed whole: its row written in the
+heads each push to the group rewrites (and once more where it spills into a fragment) and its uid's
+hash in the head. The heads a push changes are written together, in key order (`keep_all`).
 """
 
 from __future__ import annotations
@@ -20,8 +21,8 @@ from types import MappingProxyType
 from typing import NamedTuple
 
 from ...disk.kinds import Entry, members
-from ...disk.layout import u64
-from ...disk.rows import Member, PendingHead, SegmentView, SegState, directory_entry, encode_member_rows, fragment_key
+from ...disk.layout import put_rows, u64
+from ...disk.rows import Member, PendingHead, SegmentView, SegState, directory_entry, fragment_key
 from ...disk.rows import uid_hash as _uid_hash
 from ...schema.states import COMPUTING, PENDING, QUARANTINED, State
 from ...schema.views import Groups
@@ -35,8 +36,8 @@ _NONE_FAILED: Mapping[str, str] = MappingProxyType({})
 
 
 class PendingGroup(NamedTuple):
-    """A rows table's pending group as a push meets it, its fragments unread (they are read once, when
-    it completes or leaves: `view`): its head as stored (None: opened by this request), its members
+    """A rows table's pending group as a push meets it, its members' rows unread (they are read once,
+    when it completes or leaves: `view`): its head as stored (None: opened by this request), its members
     so far, its failed runs (uid -> reason) and when it opened."""
 
     key: str
@@ -52,7 +53,7 @@ def stored(
     """Of these groups (each with the entries a push brings it), those the table has: pending (a
     `PendingGroup`) or complete (None; computing too); and the stored digests of their members (uid ->
     digest), for a retried push's duplicates (a deleted member's is not): one directory read a group,
-    one segment and its state read a segment, and a pending or computing group's fragments read only
+    one segment and its state read a segment, and a pending or computing group's rows read only
     where one of the entries' uids' hashes is among its head's."""
     found: dict[str, PendingGroup | None] = {}
     digests: dict[str, bytes] = {}
@@ -134,7 +135,7 @@ def joined(tt: TableState, by_group: Mapping[str, Sequence[Entry]]) -> dict[str,
 
 
 def view(tt: TableState, grp: PendingGroup, new: Sequence[Member]) -> RowGroup:
-    """A pending group's view with its new members: its earlier ones read from its fragments."""
+    """A pending group's view with its new members: its earlier ones read from its fragments and head."""
     rows = [*(tt.pending_rows(grp.key, grp.head) if grp.head is not None else ()), *new]
     return RowGroup(grp.key, PENDING, tuple(rows), MappingProxyType(dict(grp.failed)), created=grp.created)
 
@@ -156,39 +157,57 @@ _ROW_GROUP = functools.partial(tuple.__new__, RowGroup)  # RowGroup._make less i
 
 def keep(tt: TableState, gkey: str, grp: RowGroup | PendingGroup, new: Sequence[Member] = ()) -> None:
     """A pending group changed (members added: `new`; runs reported failed), or opened (then indexed
-    as pending): its head written, its new members as a fragment."""
-    entry = grp.head if isinstance(grp, PendingGroup) else head(tt, gkey)
-    if entry is None:
-        entry = PendingHead(created=grp.created)
-        tt.txn.put(tt.pending_key(gkey, entry), b"", db=tt.db["pending"])
-    entry.failed = dict(grp.failed)
-    _add_fragment(tt, gkey, entry, new)
-    tt.txn.put(tt.key(gkey), entry.encode(), db=tt.db["gdir"])
+    as pending): its head written, with its new members' rows."""
+    if not isinstance(grp, PendingGroup):
+        grp = PendingGroup(gkey, head(tt, gkey), len(grp.rows), grp.failed, grp.created)
+    keep_all(tt, [(grp, new)])
 
 
-def _add_fragment(tt: TableState, gkey: str, entry: PendingHead, new: Sequence[Member]) -> None:
-    """A pending group's new members (none: nothing) as its next fragment, their hashes in its head
-    (which the caller writes)."""
-    if new:
-        if not entry.fragments:  # its first member: the group's key in the index of the oldest
-            oldest_index.head_changed(tt, gkey, None, new[0].created)
-        tt.txn.put(fragment_key(tt.prefix, gkey, entry.fragments), encode_member_rows(new), db=tt.db["frags"])
-        entry.fragments += 1
-        entry.hashes.extend(_uid_hash(member.uid) for member in new)
+# A pending group a request changed, and the members it brings it (none: its failed runs changed).
+Kept = tuple[PendingGroup, Sequence[Member]]
+
+
+def keep_all(tt: TableState, changed: Sequence[Kept]) -> None:
+    """`keep`'s of the pending groups one request changed (a GRPO worker's push reaches hundreds, a
+    run each): each head, and each new fragment, put in key order in one call a database."""
+    heads, fragments, indexed = [], [], []
+    for grp, new in changed:
+        entry = grp.head
+        if entry is None:
+            entry = PendingHead(created=grp.created)
+            indexed.append((tt.pending_key(grp.key, entry), b""))
+        entry.failed = dict(grp.failed)
+        if new and (spilled := _add(tt, grp.key, entry, new)) is not None:
+            fragments.append(spilled)
+        heads.append((tt.key(grp.key), entry.encode()))
+    db = tt.db
+    for rows, into in ((indexed, db["pending"]), (fragments, db["frags"]), (heads, db["gdir"])):
+        rows.sort()
+        put_rows(tt.txn, into, rows)
+
+
+def _add(tt: TableState, gkey: str, entry: PendingHead, new: Sequence[Member]) -> tuple[bytes, bytes] | None:
+    """New members (some) join a pending group's head (which the caller writes): its next fragment's
+    row where they spill from it (PendingHead.add), for the caller to put with it."""
+    if not entry.hashes:  # its first member: the group's key in the index of the oldest
+        oldest_index.head_changed(tt, gkey, None, new[0].created)
+    spilled = entry.add(new)
+    return None if spilled is None else (fragment_key(tt.prefix, gkey, entry.fragments - 1), spilled)
 
 
 def left(tt: TableState, gkey: str, head: PendingHead, rows: Sequence[Member]) -> None:
     """Members left a pending group (a Delete): those still in it (`rows`, in push order) written again
-    as its one fragment under its head; with none, its fragments and pending index row go (its
-    directory entry is the caller's)."""
+    in its head, as a group's first members are (PendingHead.add: in its first fragment where they
+    spill); with none, its fragments and pending index row go (its directory entry is the caller's)."""
     if not rows:
         _forget(tt, gkey)
         return
     oldest_index.head_changed(tt, gkey, oldest_index.head_first(tt, gkey, head), rows[0].created)
-    for number in range(1, head.fragments):
+    for number in range(head.fragments):
         tt.txn.delete(fragment_key(tt.prefix, gkey, number), db=tt.db["frags"])
-    tt.txn.put(fragment_key(tt.prefix, gkey, 0), encode_member_rows(rows), db=tt.db["frags"])
-    head.fragments, head.hashes = 1, [_uid_hash(member.uid) for member in rows]
+    head.fragments, head.hashes, head.inline = 0, [], b""
+    if (spilled := head.add(rows)) is not None:
+        tt.txn.put(fragment_key(tt.prefix, gkey, 0), spilled, db=tt.db["frags"])
     tt.txn.put(tt.key(gkey), head.encode(), db=tt.db["gdir"])
 
 
@@ -235,8 +254,8 @@ def complete(tt: TableState, groups: Sequence[tuple[RowGroup, bool, bool]], was:
 def queue(tt: TableState, groups: Sequence[tuple[RowGroup, bool, bool]]) -> None:
     """Pending groups complete and wait for their advantages (computing), in the compute queue's next
     places: each keeps its head, now naming its place there (its key in the compute queue, out of the
-    pending index: it times out no more) and whether it completed partial, and its members in its
-    fragments, the ones this request brought in one more. `complete` (from computing) writes it into
+    pending index: it times out no more) and whether it completed partial, and its members' rows
+    (with the ones this request brought). `complete` (from computing) writes it into
     a segment with its advantages."""
     counters = tt.counters
     moved: list[tuple[str, RowGroup]] = []
@@ -246,7 +265,8 @@ def queue(tt: TableState, groups: Sequence[tuple[RowGroup, bool, bool]]) -> None
             entry = PendingHead(created=grp.created)
         else:
             tt.txn.delete(tt.pending_key(grp.key, entry), db=tt.db["pending"])
-        _add_fragment(tt, grp.key, entry, grp.rows[len(entry.hashes) :])
+        if (new := grp.rows[len(entry.hashes) :]) and (spilled := _add(tt, grp.key, entry, new)) is not None:
+            tt.txn.put(*spilled, db=tt.db["frags"])
         if partial:
             pieces.drop_group(tt, grp.key)  # its runs still in pieces will not join it
         entry.failed, entry.partial, entry.queued = dict(grp.failed), partial, counters.next_rseq

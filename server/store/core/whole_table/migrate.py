@@ -21,7 +21,10 @@ takes the own digest of a head of a payload stored in chunks over the number of 
 and marks each set with its experience's key (chunked.reseal_heads): each head of a format 6 to 8
 directory that matches its old digest gets the new one and its mark, a damaged one is left for the
 read check to find. Format 10 keeps every table in rows (issue 64): each table of layout records
-is made one of layout rows (to_rows.py).
+is made one of layout rows (to_rows.py). Format 11 keeps a pending group's latest members in its
+head rather than in a fragment of their own: a format 10 head (its members all in fragments) is a
+format 11 head as it is, so the step writes the format alone, and an older expbuf, which would not
+read the members a head keeps, refuses the directory.
 A directory whose rows tables were written before the index of their oldest live experiences
 (core/table_state/oldest_index.py) gets it built from their segments and pending groups, in the
 same transaction; it is no step of the format (a directory without rows tables has no such index,

@@ -114,7 +114,7 @@ def payload_mismatch(uid: str, raw: Value, blob: Stored | tuple[bytes, int]) -> 
 class RowMembers:
     """A rows table's live and failed members by uid (`member`, as views; `of`, their digests and sizes, for the
     scrub's walk over its payloads), read from `reader` (a transaction, or a snapshot while it is
-    read): each group read once (from its segment, or a pending group's fragments), each segment's
+    read): each group read once (from its segment, or a pending group's fragments and head), each segment's
     rows once."""
 
     def __init__(self, reader: Reader, dbs: Dbs, prefix: bytes, group_by: str) -> None:
@@ -314,7 +314,7 @@ def _row_listings(txn: lmdb.Transaction[memoryview], dbs: Dbs, prefix: bytes, af
     """The first `wanted` live members of a rows table from insertion sequence `after` on, in its
     insertion order: each live segment's insertion numbers read as one column, and passed over whole
     where none of them can be among those found so far (segments are in completion order, mostly the
-    order their members came in); each pending and computing group's fragments read."""
+    order their members came in); each pending and computing group's rows read."""
     found: list[tuple[int, int, int]] = []  # a heap of (-seq, its source, its index there)
     sources: list[Callable[[int], Listed]] = []  # each one's listing of its member i
 

@@ -8,8 +8,9 @@ their rows, and nothing changes of what the table serves or counts:
   groups at consecutive places share segments, as a push's do), a ready one in a run, a leased one
   with its lease's tag, a cooling one leased to no one with its new priority in its cooling row;
   each lease of groups becomes a lease of runs naming the same groups in the same order;
-- a pending group keeps its row in the pending index, with a head in the group directory and its
-  members in one fragment; a computing one keeps its row in the compute queue, its head naming it;
+- a pending group keeps its row in the pending index, with a head in the group directory holding its
+  members' rows (in one fragment where they pass SPILL_BYTES); a computing one keeps its row in the
+  compute queue, its head naming it;
 - a retired group (its members' tombstones, or a failed group's kept records) goes into a retired
   segment at a new place, retired when it was (the retired index names the segment then), which
   keeps its members' digests for a retried push, a quarantined member flagged so in its state.
@@ -177,8 +178,8 @@ def _placed(tt: TableState, groups: list[tuple[str, GroupRecord]]) -> dict[str, 
 
 
 def _pending(tt: TableState, gkey: str, grp: GroupRecord) -> None:
-    """A pending or computing group as a head and one fragment, in the pending index or the compute
-    queue where its record was."""
+    """A pending or computing group as a head with its members' rows (row_pending.keep), in the pending
+    index or the compute queue where its record was."""
     members = [m for m, _ in _members(tt, grp)]
     row_pending.keep(tt, gkey, row_pending.PendingGroup(gkey, None, 0, grp.failed, grp.created), members)
     if grp.state == COMPUTING:

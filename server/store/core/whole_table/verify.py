@@ -316,7 +316,7 @@ def rows(tt: TableState) -> list[str]:
 def _pending(tt: TableState, heads: dict[str, PendingHead], counts: dict[str, int], oldest: set[bytes]) -> list[str]:
     """The problems of a rows table's pending and computing groups (core/verbs/row_pending.py), their
     members counted and their keys in the index of the oldest added to `oldest`: each head's fragments
-    decode and hold the members its hashes name, in order, each payload present and the one pushed;
+    and its own rows decode and hold the members its hashes name, in order, each payload present and the one pushed;
     the pending index names each pending head once, at its creation time, and the compute queue each
     computing head at its place; no fragment is of no head."""
     problems: list[str] = []
@@ -334,13 +334,15 @@ def _pending(tt: TableState, heads: dict[str, PendingHead], counts: dict[str, in
                 if fragments.pop(key, False) is not None or raw is None:
                     raise ValueError(f"its fragment {number} is not stored")
                 members.extend(decode_member_rows(raw))
+            if head.inline:
+                members.extend(decode_member_rows(head.inline))
         except _DAMAGE as exc:
             problems.append(f"pending group {gkey}: {exc}")
             continue
-        if members:  # its first fragment's first member (fragments are never written empty)
+        if members:  # its first member (fragments are never written empty)
             oldest.add(oldest_index.head_key(b"", members[0].created, gkey))
         if [uid_hash(member.uid) for member in members] != head.hashes:
-            problems.append(f"pending group {gkey}: its fragments hold other members than its head names")
+            problems.append(f"pending group {gkey}: its fragments and head hold other members than its head names")
         if head.queued is not None and queued.pop(u64(head.queued), None) != gkey:
             problems.append(f"computing group {gkey} is missing from the compute queue")
         if head.queued is None:  # a computing group's row there would be of no pending group

@@ -1,9 +1,9 @@
-"""The rows a table keeps per batch of groups, not per experience (issue 64, format 10): written and
+"""The rows a table keeps per batch of groups, not per experience (issue 64, formats 10 and 11): written and
 read only by the table core (core/), the one owner of a table's records.
 
 - members.py: a block of members' columns (`Member`, `encode_members`, `MemberBlock`), which a
   segment holds, and members as rows (`encode_member_rows`, the first one's time alone:
-  `first_created`), which a pending group's fragment holds;
+  `first_created`), which a pending group's head and fragments hold;
 - segments.py: a segment of completed groups (`Group`, `encode_segment`, `SegmentView`) and what
   changes of it (`SegState`);
 - directory.py: the group directory's entries (`GroupRef`, encoded a segment's at once: `group_refs`;

@@ -1,11 +1,13 @@
 """The group directory's entries: a complete group's place in a segment (`GroupRef`) or, while the
-group still takes members, its `PendingHead`; the members each push added to a pending group wait
-as member rows of their own (a fragment: members.encode_member_rows) until the group completes.
+group still takes members, its `PendingHead`, which keeps its latest members' rows itself (`inline`)
+until they pass SPILL_BYTES; then they wait as member rows of their own (a fragment:
+members.encode_member_rows) until the group completes.
 """
 
 from __future__ import annotations
 
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -14,6 +16,7 @@ import xxhash
 from ...schema.states import COMPUTING, State
 from ...schema.states import PENDING as PENDING_STATE
 from ..records import _pack_str, _unpack_str
+from .members import Member, encode_member_rows
 
 
 def fragment_key(prefix: bytes, gkey: str, number: int) -> bytes:
@@ -27,6 +30,13 @@ def uid_hash(uid: str) -> int:
     without the group's fragments read."""
     return xxhash.xxh3_64_intdigest(uid.encode())
 
+
+# A pending head's members kept in it (its `inline` rows) are written as its next fragment once they
+# pass this: with its hashes, the head of a group of up to about 50 runs stays a value that fits in
+# its B-tree page (LMDB moves a value over about 2 KB of a 4 KB page to pages of its own), and a push
+# to a large group rewrites a few of its rows, not all of them. A group of 8 runs whose uids take up
+# to 80 bytes keeps every member in its head.
+SPILL_BYTES = 1536
 
 _REF = struct.Struct("<BxHQ")  # REF, group, seg
 REF, PENDING = 1, 2  # the kinds of a group directory's entries, their first byte
@@ -55,10 +65,11 @@ def group_refs(seg: int, count: int) -> list[bytes]:
 @dataclass(slots=True, kw_only=True)
 class PendingHead:
     """A group that still takes members, or waits for its advantages: when it was opened, a hash of
-    each member's uid in push order (`uid_hash`), how many fragments hold the members, and the runs
-    its workers reported failed. A complete group waiting for its advantages (computing) keeps its
-    place in the compute queue (`queued`: its key there) and whether it completed partial, until its
-    advantages are stored and it goes into a segment with them."""
+    each member's uid in push order (`uid_hash`), how many fragments hold its first members, the rows
+    of the members after those (`inline`: encode_member_rows'), and the runs its workers reported
+    failed. A complete group waiting for its advantages (computing) keeps its place in the compute
+    queue (`queued`: its key there) and whether it completed partial, until its advantages are
+    stored and it goes into a segment with them."""
 
     created: float
     hashes: list[int] = field(default_factory=list)
@@ -66,9 +77,10 @@ class PendingHead:
     failed: dict[str, str] = field(default_factory=dict)
     partial: bool = False
     queued: int | None = None
+    inline: bytes = b""
 
     _HEAD = struct.Struct("<BBIId")  # PENDING, flags, members, fragments, created
-    _PARTIAL, _FAILED, _QUEUED = 1, 2, 4
+    _PARTIAL, _FAILED, _QUEUED, _INLINE = 1, 2, 4, 8
 
     @property
     def state(self) -> State:
@@ -81,6 +93,7 @@ class PendingHead:
             (self._PARTIAL if self.partial else 0)
             | (self._FAILED if self.failed else 0)
             | (0 if self.queued is None else self._QUEUED)
+            | (self._INLINE if self.inline else 0)
         )
         parts = [self._HEAD.pack(PENDING, flags, count, self.fragments, self.created)]
         parts.append(struct.pack(f"<{count}Q", *self.hashes))
@@ -90,6 +103,7 @@ class PendingHead:
             parts.extend(map(_pack_str, texts))
         if self.queued is not None:
             parts.append(struct.pack("<Q", self.queued))
+        parts.append(self.inline)
         return b"".join(parts)
 
     @classmethod
@@ -107,9 +121,28 @@ class PendingHead:
                 text, pos = _unpack_str(data, pos)
                 texts.append(text)
             failed = dict(zip(texts[::2], texts[1::2], strict=True))
-        queued = struct.unpack_from("<Q", data, pos)[0] if flags & cls._QUEUED else None
-        partial = bool(flags & cls._PARTIAL)
-        return cls(created=created, hashes=hashes, fragments=fragments, failed=failed, partial=partial, queued=queued)
+        queued = None
+        if flags & cls._QUEUED:
+            (queued,) = struct.unpack_from("<Q", data, pos)
+            pos += 8
+        inline = bytes(data[pos:]) if flags & cls._INLINE else b""
+        if not inline and pos != len(data):
+            raise ValueError(f"a pending head of {len(data)} bytes, {pos} read")
+        return cls(
+            created=created, hashes=hashes, fragments=fragments, failed=failed, partial=bool(flags & cls._PARTIAL),
+            queued=queued, inline=inline,
+        )  # fmt: skip
+
+    def add(self, members: Sequence[Member]) -> bytes | None:
+        """New members (some) join the head: their hashes, and their rows inline; the rows inline
+        then (its next fragment's value) where they pass SPILL_BYTES, which the caller writes."""
+        self.hashes.extend([uid_hash(member.uid) for member in members])
+        self.inline = encode_member_rows(members, onto=self.inline)
+        if len(self.inline) <= SPILL_BYTES:
+            return None
+        spilled, self.inline = self.inline, b""
+        self.fragments += 1
+        return spilled
 
 
 def directory_entry(data: bytes | memoryview) -> GroupRef | PendingHead:

@@ -231,9 +231,10 @@ def _row(m: Member, uid: bytes) -> bytes:
     return _ROW.pack(m.digest, *fixed, advantage, shaped, len(uid), len(m.segments))
 
 
-def encode_member_rows(members: Sequence[Member]) -> bytes:
-    """Members as rows (a fragment's value): a count, then each member's row, uid and segments."""
-    parts = [_COUNT.pack(len(members))]
+def encode_member_rows(members: Sequence[Member], onto: bytes = b"") -> bytes:
+    """Members as rows (a fragment's value, or a pending head's latest members): a count, then each
+    member's row, uid and segments; after those `onto` holds (rows of this form) where it is given."""
+    parts = [_COUNT.pack(len(members) + (_COUNT.unpack_from(onto)[0] if onto else 0)), onto[_COUNT.size :]]
     for member in members:
         uid = member.uid.encode()
         parts.append(_row(member, uid))
