@@ -1,6 +1,7 @@
 """A Delete of a rows table's experiences (issue 64, 2.9), as core/verbs/retire.delete takes a records
 table's out: a live member leaves its group (its payload gone, uncounted from its state and from the
-rate limiter's count), a retired one's tombstone is forgotten (its uid is no duplicate any more), and
+rate limiter's count), a retired one's tombstone is forgotten (its uid is no duplicate any more; a
+failed one's payload kept for Get goes with it, as a records table's: retire.forget_tombstone), and
 a group left without members goes: the extensions hear a live one leave as DELETED, and its key may
 be pushed again. What the others of a group see is a records table's: the group stays as it was
 (ready, leased, pending, retired), one member short.
@@ -23,7 +24,7 @@ from expbuf.client.schema.routing import uid_group_key
 from ...disk import chunked
 from ...disk.records import DELETED
 from ...disk.rows import PendingHead, SegState
-from ...schema.states import DROPPED, LIVE, QUARANTINED, READY, RETIRED
+from ...schema.states import DROPPED, FAILED, LIVE, QUARANTINED, READY, RETIRED
 from ..table_state import rate_counts
 from ..table_state.events import Retired
 from ..table_state.picks import Picked
@@ -73,7 +74,7 @@ def delete(tt: TableState, uids: Sequence[str], group_ids: Sequence[str]) -> int
         grp = touched(gkey)
         if grp is not None:
             targets.extend(grp.members)
-    by, deleted = tt.config.grouping.by, 0
+    by, deleted, freed = tt.config.grouping.by, 0, 0  # freed: the live bytes deleted
     emptied: list[_Touched] = []  # the live groups left without members, in the order they were
     keys: list[bytes] = []
     sizes: list[int] = []
@@ -88,10 +89,12 @@ def delete(tt: TableState, uids: Sequence[str], group_ids: Sequence[str]) -> int
         if state in LIVE:
             rate_counts.forget(tt, grp.group, [member])
             deleted += 1
+            freed += member.size
+        if state in LIVE or state == FAILED:  # a failed group's payload kept for Get goes with its tombstone
             keys.append(tt.key(uid))
             sizes.append(member.size)
-            if grp.emptied:
-                emptied.append(grp)
+        if state in LIVE and grp.emptied:
+            emptied.append(grp)
     changed = [grp for grp in found.values() if grp is not None and grp.gone]
     for grp in changed:
         if grp.picked is not None:
@@ -108,7 +111,7 @@ def delete(tt: TableState, uids: Sequence[str], group_ids: Sequence[str]) -> int
         tt.extensions.on_retired(tt, Retired(groups, DELETED))
     order = sorted(range(len(keys)), key=keys.__getitem__)
     chunked.delete(tt.txn, tt.db, [keys[at] for at in order], [sizes[at] for at in order])
-    tt.counters.bytes -= sum(sizes)
+    tt.counters.bytes -= freed
     return deleted
 
 

@@ -132,6 +132,6 @@ def back(tt: TableState, segments: Segments, picked: Sequence[Picked], *, sample
     put_rows(tt.txn, tt.db["runs"], sorted(rows))
     if picked and tt.ready.indexing():
         tt.ready.add_many(placed(picked))
-    if tt.extensions.hears("on_moved"):
+    if picked and tt.extensions.hears("on_moved"):  # a lease whose every group was deleted moves none
         groups = Views(picked, lambda p: moved_view(p, READY, times=p.times + sampled))
         tt.extensions.on_moved(tt, Moved(LEASED, READY, groups))

@@ -244,17 +244,19 @@ def complete(tt: TableState, groups: Sequence[tuple[RowGroup, bool, bool]], was:
         entry = _forget(tt, grp.key) if written else None
         if partial:
             pieces.drop_group(tt, grp.key)  # its runs still in pieces will not join it
+        placed = None
         if entry is not None and entry.queued is not None:
-            partial = entry.partial
+            partial, placed = entry.partial, entry.placed
             places.append(entry.queued)
-        whole.append(segments.whole(grp.key, grp.created, grp.rows, partial, grp.failed))
+        whole.append(segments.whole(grp.key, grp.created, grp.rows, partial, grp.failed, placed))
     segments.complete_ready(tt, whole, was, places if was == COMPUTING else None)
 
 
 def queue(tt: TableState, groups: Sequence[tuple[RowGroup, bool, bool]]) -> None:
     """Pending groups complete and wait for their advantages (computing), in the compute queue's next
     places: each keeps its head, now naming its place there (its key in the compute queue, out of the
-    pending index: it times out no more) and whether it completed partial, and its members' rows
+    pending index: it times out no more), whether it completed partial and its priority and version
+    (which a member deleted while it computes leaves as they are), and its members' rows
     (with the ones this request brought). `complete` (from computing) writes it into
     a segment with its advantages."""
     counters = tt.counters
@@ -270,6 +272,7 @@ def queue(tt: TableState, groups: Sequence[tuple[RowGroup, bool, bool]]) -> None
         if partial:
             pieces.drop_group(tt, grp.key)  # its runs still in pieces will not join it
         entry.failed, entry.partial, entry.queued = dict(grp.failed), partial, counters.next_rseq
+        entry.placed = segments.placed_by(grp.rows)
         counters.next_rseq += 1
         tt.txn.put(tt.queued_key(entry), grp.key.encode(), db=tt.db["compute"])
         tt.txn.put(tt.key(grp.key), entry.encode(), db=tt.db["gdir"])

@@ -71,18 +71,24 @@ def whole(
     members: Sequence[Member],
     partial: bool = False,
     failed: Mapping[str, str] = _NONE_FAILED,
+    placed: tuple[float, int | None] | None = None,
 ) -> Group:
-    """A group as its segment keeps it once complete, with its members' lowest version (None unless
-    every member has one) and highest priority, as core/verbs/groups.complete gives a records
-    table's."""
+    """A group as its segment keeps it once complete, with its priority and version as they were
+    `placed` when it completed (a computing group's head keeps them), or else its members' (`placed_by`)."""
     runs = tuple(failed.items()) if failed else ()
-    if len(members) == 1:  # a group of one (one a pushed experience, where a table groups none): its member's own
+    if placed is None and len(members) == 1:  # a group of one (one a pushed experience, where a table groups none)
         member = members[0]
         return _GROUP((gkey, created, members, member.priority, member.version, partial, runs))
+    priority, version = placed_by(members) if placed is None else placed
+    return Group(gkey, created, members, priority, version, partial, runs)
+
+
+def placed_by(members: Sequence[Member]) -> tuple[float, int | None]:
+    """A complete group's priority and version: its members' highest priority and lowest version (None
+    unless every member has one), as core/verbs/groups.complete gives a records table's."""
     versions = [m.version for m in members if m.version is not None]
     version = min(versions) if versions and len(versions) == len(members) else None
-    priority = max([m.priority for m in members], default=0.0)
-    return Group(gkey, created, members, priority, version, partial, runs)
+    return max([m.priority for m in members], default=0.0), version
 
 
 def write(
@@ -173,9 +179,10 @@ def prune(tt: TableState, retired_before: float, limit: int = 10_000) -> int:
                 tt.counters.add(QUARANTINED, -flagged)
                 forgotten += len(members)
                 if state.state(g) == FAILED:  # its payloads, kept for Get (payloads.kept), go with it
-                    uids = view.members.uids(lo, hi)
+                    uids = view.members.uids(lo, hi)  # but a deleted member's, gone (its uid maybe pushed again)
                     sizes = view.members.column("size", lo, hi)
-                    chunked.delete(tt.txn, tt.db, [tt.key(uid) for uid in uids], [int(size or 0) for size in sizes])
+                    kept = [i - lo for i in members]
+                    chunked.delete(tt.txn, tt.db, [tt.key(uids[i]) for i in kept], [int(sizes[i] or 0) for i in kept])
                 entry = tt.txn.get(tt.key(gkey), db=tt.db["gdir"])
                 if entry is not None and directory_entry(entry) == GroupRef(seg, g):
                     tt.txn.delete(tt.key(gkey), db=tt.db["gdir"])

@@ -186,7 +186,7 @@ def _pending(tt: TableState, gkey: str, grp: GroupRecord) -> None:
         head = row_pending.head(tt, gkey)
         assert head is not None
         tt.txn.delete(tt.pending_key(gkey, head), db=tt.db["pending"])
-        head.queued, head.partial = grp.ready_seq, grp.partial
+        head.queued, head.partial, head.placed = grp.ready_seq, grp.partial, (grp.priority, grp.version)
         tt.txn.put(tt.key(gkey), head.encode(), db=tt.db["gdir"])
 
 

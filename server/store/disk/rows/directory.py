@@ -16,7 +16,7 @@ import xxhash
 from ...schema.states import COMPUTING, State
 from ...schema.states import PENDING as PENDING_STATE
 from ..records import _pack_str, _unpack_str
-from .members import Member, encode_member_rows
+from .members import _NONE_INT, Member, encode_member_rows
 
 
 def fragment_key(prefix: bytes, gkey: str, number: int) -> bytes:
@@ -68,8 +68,10 @@ class PendingHead:
     each member's uid in push order (`uid_hash`), how many fragments hold its first members, the rows
     of the members after those (`inline`: encode_member_rows'), and the runs its workers reported
     failed. A complete group waiting for its advantages (computing) keeps its place in the compute
-    queue (`queued`: its key there) and whether it completed partial, until its advantages are
-    stored and it goes into a segment with them."""
+    queue (`queued`: its key there), whether it completed partial, and its priority and version as
+    they were when it completed (`placed`: a member deleted meanwhile changes neither, as a records
+    table's group record keeps them; None in a head written before format 11), until its advantages
+    are stored and it goes into a segment with them."""
 
     created: float
     hashes: list[int] = field(default_factory=list)
@@ -77,10 +79,12 @@ class PendingHead:
     failed: dict[str, str] = field(default_factory=dict)
     partial: bool = False
     queued: int | None = None
+    placed: tuple[float, int | None] | None = None  # a computing group's priority and version
     inline: bytes = b""
 
     _HEAD = struct.Struct("<BBIId")  # PENDING, flags, members, fragments, created
-    _PARTIAL, _FAILED, _QUEUED, _INLINE = 1, 2, 4, 8
+    _PARTIAL, _FAILED, _QUEUED, _INLINE, _PLACED = 1, 2, 4, 8, 16
+    _PLACE = struct.Struct("<dq")  # priority, version (_NONE_INT: unknown)
 
     @property
     def state(self) -> State:
@@ -94,6 +98,7 @@ class PendingHead:
             | (self._FAILED if self.failed else 0)
             | (0 if self.queued is None else self._QUEUED)
             | (self._INLINE if self.inline else 0)
+            | (0 if self.placed is None else self._PLACED)
         )
         parts = [self._HEAD.pack(PENDING, flags, count, self.fragments, self.created)]
         parts.append(struct.pack(f"<{count}Q", *self.hashes))
@@ -103,6 +108,9 @@ class PendingHead:
             parts.extend(map(_pack_str, texts))
         if self.queued is not None:
             parts.append(struct.pack("<Q", self.queued))
+        if self.placed is not None:
+            priority, version = self.placed
+            parts.append(self._PLACE.pack(priority, _NONE_INT if version is None else version))
         parts.append(self.inline)
         return b"".join(parts)
 
@@ -125,12 +133,16 @@ class PendingHead:
         if flags & cls._QUEUED:
             (queued,) = struct.unpack_from("<Q", data, pos)
             pos += 8
+        placed = None
+        if flags & cls._PLACED:
+            priority, version = cls._PLACE.unpack_from(data, pos)
+            placed, pos = (priority, None if version == _NONE_INT else version), pos + cls._PLACE.size
         inline = bytes(data[pos:]) if flags & cls._INLINE else b""
         if not inline and pos != len(data):
             raise ValueError(f"a pending head of {len(data)} bytes, {pos} read")
         return cls(
             created=created, hashes=hashes, fragments=fragments, failed=failed, partial=bool(flags & cls._PARTIAL),
-            queued=queued, inline=inline,
+            queued=queued, placed=placed, inline=inline,
         )  # fmt: skip
 
     def add(self, members: Sequence[Member]) -> bytes | None:
