@@ -531,7 +531,8 @@ class RandomSteps:
     versions reported, restarts and takes (consumed, held and confirmed or given back, leased and
     acked or nacked, replayed with reuse where the settings have it, in one step or held; fifo, lifo
     and priority, and from a lowest version in those and uniform order, whose shuffle of the fresh
-    groups is the same for both from the same random state, as a priority's noise is). After every
+    groups is the same for both from the same random state, as a priority's noise is), Deletes of
+    runs and of whole groups in any state, and Gets and pages of the live experiences. After every
     step each reply or error (type and message), each batch, the stats (the oldest live experience's
     age too) and what an extension heard are the same, and `verify` finds nothing wrong in either."""
 
@@ -720,6 +721,25 @@ class RandomSteps:
         self.both(f"end {kind} {'confirmed' if good else 'given back'}", call)
         self.leases = {}
 
+    def delete(self) -> None:
+        """A Delete of a few runs, and now and then of a whole group, of the tasks in play."""
+        rng, tasks = self.rng, range(self.low, self.low + 8)
+        uids = [uid(rng.choice(tasks), rng.randrange(self.size + 2)) for _ in range(rng.randint(0, 3))]
+        groups = [f"0/{rng.choice(tasks)}"] if rng.random() < 0.25 else []
+        self.both(f"delete {uids} {groups}", lambda table: self.store.delete(table, uids, groups))
+
+    def read(self) -> None:
+        """A Get of a few runs of the tasks in play, and a page of the live experiences."""
+        tasks = range(self.low, self.low + 8)
+        uids = [uid(self.rng.choice(tasks), self.rng.randrange(self.size + 2)) for _ in range(6)]
+
+        def call(table: str) -> object:
+            page = self.store.reads.page(table, limit=1000)
+            listed = [(e.uid, e.group, e.state, e.version, e.reward, e.times_sampled) for e in page.items]
+            return sorted(self.store.reads.get(table, uids).items()), sorted(listed)
+
+        self.both("read", call)
+
     def report(self) -> None:
         """A trainer's version (with evict_stale, the groups it leaves stale are dropped)."""
         version = self.rng.randint(0, 5)
@@ -729,7 +749,7 @@ class RandomSteps:
         steps: list[tuple[Callable[[], None], float]] = [
             (self.push, 10), (self.push_in_order, 1), (self.fail, 2), (self.seal, 1), (self.tick, 3),
             (self.take, 6 if self.replays else 3), (self.restart, 0.3), (self.end, 2 if self.held else 0),
-            (self.report, 0.5), (self.compute, 2 if self.computes else 0),
+            (self.report, 0.5), (self.compute, 2 if self.computes else 0), (self.delete, 1), (self.read, 0.5),
         ]  # fmt: skip
         if self.rng.random() < 0.08:
             self.low += 1
