@@ -13,10 +13,11 @@ pushes them into a fresh data directory, BATCH a push, two ways:
   pending groups, the worst case for a group kept pending.
 
 CPU microseconds an experience of the pushes (`Store.put_entries`, this process: the writer's thread
-included), medians of the rounds; which goes first turns. The drain is not measured. With
-`--estimator`, the tables compute that estimator's advantages in the pushes that complete their
-groups, as a server's do (AdvantageWorker.in_push, on the CPU), and the worker those a push leaves
-(one completing more than IN_PUSH_LIMIT experiences): its CPU is counted with the pushes'.
+included) and bytes they wrote to storage (/proc/self/io), medians of the rounds; which goes first
+turns. The drain is not measured. With `--estimator`, the tables compute that estimator's advantages
+in the pushes that complete their groups, as a server's do (AdvantageWorker.in_push, on the CPU), and
+the worker those a push leaves (one completing more than IN_PUSH_LIMIT experiences): its CPU is
+counted with the pushes'.
 """
 
 from __future__ import annotations
@@ -66,8 +67,15 @@ def pushes(made: list[Entry], group: int, spread: bool) -> list[list[Entry]]:
     return found
 
 
-def push_all(path: Path, layout: str, group: int, batches: list[list[Entry]], estimator: str) -> float:
-    """CPU seconds of the pushes into a fresh table of `layout`; every group ready after them."""
+def written() -> int:
+    """Bytes this process has had written to storage (/proc/self/io), the commits' pages and fsyncs."""
+    with open("/proc/self/io") as io:
+        return next(int(line.split()[1]) for line in io if line.startswith("write_bytes"))
+
+
+def push_all(path: Path, layout: str, group: int, batches: list[list[Entry]], estimator: str) -> tuple[float, int]:
+    """CPU seconds of the pushes into a fresh table of `layout`, and the bytes they wrote; every group
+    ready after them."""
     config = TableConfig.of(name="t", estimator=estimator, group_by="task", group_size=group, device="cpu")
     config = dataclasses.replace(config, storage=dataclasses.replace(config.storage, layout=layout))
     with Store(path, map_size=8 << 30) as store:
@@ -78,38 +86,45 @@ def push_all(path: Path, layout: str, group: int, batches: list[list[Entry]], es
             worker = AdvantageWorker(store)
             store.in_push = worker.in_push
         store.create_table(config)
-        start = time.process_time()
+        start, wrote = time.process_time(), written()
         for batch in batches:
             store.put_entries("t", batch)
         while worker is not None and worker.run_once():  # what the pushes left to the worker
             pass
-        spent = time.process_time() - start
+        spent, wrote = time.process_time() - start, written() - wrote
         stats = store.stats("t")
         assert stats["ready"] == sum(map(len, batches)) and stats["groups_pending"] == 0, stats
-    return spent
+    return spent, wrote
 
 
-def measure(count: int, rounds: int, groups: list[int], estimator: str) -> dict[int, dict[str, list[float]]]:
-    results: dict[int, dict[str, list[float]]] = {}
+Found = dict[int, dict[str, list[float]]]  # group size -> way -> a value a round
+
+
+def measure(count: int, rounds: int, groups: list[int], estimator: str) -> tuple[Found, Found]:
+    """CPU µs and bytes written an experience, by group size and way, a value a round."""
+    results: Found = {}
+    wrote: Found = {}
     tasks = itertools.count(step=count)
     for group in groups:
         found: dict[str, list[float]] = {way: [] for way in WAYS}
+        written_by: dict[str, list[float]] = {way: [] for way in WAYS}
         for round_ in range(rounds):
             made = experiences(count, group, next(tasks))
             for way in WAYS[round_ % len(WAYS) :] + WAYS[: round_ % len(WAYS)]:
                 layout, how = way.split()
                 with tempfile.TemporaryDirectory(prefix="expbuf-groups-") as data:
-                    spent = push_all(Path(data), layout, group, pushes(made, group, how == "spread"), estimator)
+                    spent, nbytes = push_all(Path(data), layout, group, pushes(made, group, how == "spread"), estimator)
                 found[way].append(spent / count * 1e6)
-        results[group] = found
+                written_by[way].append(nbytes / count)
+        results[group], wrote[group] = found, written_by
         print(group, {way: [f"{value:.1f}" for value in values] for way, values in found.items()})
-    return results
+    return results, wrote
 
 
 RATIOS = (("records spread", "records whole"), ("rows spread", "rows whole"), ("records spread", "rows spread"))
 
 
-def report(command: str, load: str, count: int, results: dict[int, dict[str, list[float]]], heading: str) -> str:
+def report(command: str, load: str, count: int, results: Found, wrote: Found, heading: str) -> str:
     lines = [
         heading,
         "",
@@ -124,6 +139,10 @@ def report(command: str, load: str, count: int, results: dict[int, dict[str, lis
         median = {way: statistics.median(found[way]) for way in WAYS}
         cells = [f"{median[way]:.1f}" for way in WAYS] + [f"**{median[a] / median[b]:.2f}x**" for a, b in RATIOS]
         lines.append(f"| {group} | " + " | ".join(cells) + " |")
+    lines += ["", "Bytes written to storage an experience (/proc/self/io), medians of the rounds:", ""]
+    lines += ["| groups of | " + " | ".join(WAYS) + " |", "| ---: |" + " ---: |" * len(WAYS)]
+    for group, found in wrote.items():
+        lines.append(f"| {group} | " + " | ".join(f"{statistics.median(found[way]):,.0f}" for way in WAYS) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -141,8 +160,8 @@ def main() -> None:
     command = ("python bench/bench_group_pushes.py " + " ".join(sys.argv[1:])).strip()
     load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
     heading = HEADING if args.estimator == "none" else f"{HEADING}, {args.estimator} computed in the pushes"
-    results = measure(args.experiences, args.rounds, groups, args.estimator)
-    section = report(command, load, args.experiences, results, heading)
+    results, wrote = measure(args.experiences, args.rounds, groups, args.estimator)
+    section = report(command, load, args.experiences, results, wrote, heading)
     print(section)
     write_section(Path(args.out), heading, section)
 
