@@ -173,6 +173,38 @@ def test_a_pending_head_reads_back_from_the_directory(
     assert directory_entry(memoryview(head.encode())) == head
 
 
+@given(
+    number,
+    st.lists(members, min_size=1, max_size=12),
+    st.lists(members, min_size=1, max_size=3),
+    u32,
+    st.dictionaries(text, text, max_size=2),
+    st.none() | u64,
+)
+def test_a_push_adds_to_a_plain_head_as_it_adds_to_a_decoded_one(
+    created: float,
+    there: list[Member],
+    new: list[Member],
+    fragments: int,
+    failed: dict[str, str],
+    queued: int | None,
+) -> None:
+    """PendingHead.added makes the bytes of a head decoded, added to and encoded again (`add`), where
+    the head is plain (members, no failed runs, no place in the compute queue) and the new rows stay
+    in it; `plain` reads its count, time and hashes; any other head is not plain."""
+    head = PendingHead(created=created, fragments=fragments, failed=failed, queued=queued)
+    head.add(there)
+    raw = head.encode()
+    plain = PendingHead.plain(raw)
+    if failed or queued is not None:
+        assert plain is None
+        return
+    assert plain == (len(there), created, tuple(head.hashes))
+    spilled = head.add(new)
+    assert PendingHead.added(raw, new) == (None if spilled is not None else head.encode())
+    assert PendingHead.plain(PendingHead(created=created).encode()) is None  # no member
+
+
 def test_a_directory_entry_of_an_unknown_kind_is_refused() -> None:
     with pytest.raises(ValueError, match="kind 9"):
         directory_entry(b"\x09" + bytes(11))

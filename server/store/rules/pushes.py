@@ -218,7 +218,7 @@ def _put_rows(
             result.dropped_groups.append(gkey)
             continue
         result.completed_groups.append(gkey)
-        if not ending.complete(gkey, view, partial=bool(pending.failed), indexed=pending.head is not None):
+        if not ending.complete(gkey, view, partial=bool(pending.failed), indexed=pending.raw is not None):
             result.dropped_groups.append(gkey)
         else:
             tt.counters.groups_short += bool(pending.failed)

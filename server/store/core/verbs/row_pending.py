@@ -22,6 +22,7 @@ from typing import NamedTuple
 
 from ...disk.kinds import Entry, members
 from ...disk.layout import put_rows, u64
+from ...disk.rows import PENDING as PENDING_ENTRY
 from ...disk.rows import Member, PendingHead, SegmentView, SegState, directory_entry, fragment_key
 from ...disk.rows import uid_hash as _uid_hash
 from ...schema.states import COMPUTING, PENDING, QUARANTINED, State
@@ -37,14 +38,25 @@ _NONE_FAILED: Mapping[str, str] = MappingProxyType({})
 
 class PendingGroup(NamedTuple):
     """A rows table's pending group as a push meets it, its members' rows unread (they are read once,
-    when it completes or leaves: `view`): its head as stored (None: opened by this request), its members
-    so far, its failed runs (uid -> reason) and when it opened."""
+    when it completes or leaves: `view`): its head as stored (None: opened by this request, or not
+    decoded: `raw`), its members so far, its failed runs (uid -> reason), when it opened, and its
+    head's encoding as a push read it (`stored`; None: opened by this request), which `keep_all`
+    adds to where it is PendingHead.plain."""
 
     key: str
     head: PendingHead | None
     size: int  # its members so far
     failed: Mapping[str, str]
     created: float
+    raw: bytes | None = None
+
+    def decoded(self) -> PendingHead | None:
+        """Its head, decoded from `raw` where it was not; None: opened by this request."""
+        if self.head is None and self.raw is not None:
+            entry = directory_entry(self.raw)
+            assert isinstance(entry, PendingHead)
+            return entry
+        return self.head
 
 
 def stored(
@@ -62,15 +74,24 @@ def stored(
     raws = [txn.get(prefix + gkey.encode(), db=gdir) for gkey in pushed]
     if raws.count(None) == len(raws):  # groups the push opens, all of them
         return found, digests
+    size = tt.config.grouping.size
     for (gkey, entries), raw in zip(pushed.items(), raws, strict=True):
         if raw is None:
+            continue
+        plain = PendingHead.plain(raw) if raw[0] == PENDING_ENTRY else None
+        if plain is not None and (not size or plain[0] + len(entries) < size):  # stays pending: not decoded
+            count, created, hashes = plain
+            found[gkey] = PendingGroup(gkey, None, count, _NONE_FAILED, created, raw)
+            if not set(hashes).isdisjoint([_uid_hash(pushed.uid) for pushed in entries]):
+                rows = tt.pending_rows(gkey, PendingHead.decode(raw))
+                digests.update((member.uid, member.digest) for member in rows)
             continue
         entry = directory_entry(raw)
         if isinstance(entry, PendingHead):  # pending, or complete and computing (queued)
             found[gkey] = (
                 None
                 if entry.queued is not None
-                else PendingGroup(gkey, entry, len(entry.hashes), entry.failed, entry.created)
+                else PendingGroup(gkey, entry, len(entry.hashes), entry.failed, entry.created, raw)
             )
             if not set(entry.hashes).isdisjoint(_uid_hash(pushed.uid) for pushed in entries):
                 digests.update((member.uid, member.digest) for member in tt.pending_rows(gkey, entry))
@@ -136,7 +157,8 @@ def joined(tt: TableState, by_group: Mapping[str, Sequence[Entry]]) -> dict[str,
 
 def view(tt: TableState, grp: PendingGroup, new: Sequence[Member]) -> RowGroup:
     """A pending group's view with its new members: its earlier ones read from its fragments and head."""
-    rows = [*(tt.pending_rows(grp.key, grp.head) if grp.head is not None else ()), *new]
+    entry = grp.decoded()
+    rows = [*(tt.pending_rows(grp.key, entry) if entry is not None else ()), *new]
     return RowGroup(grp.key, PENDING, tuple(rows), MappingProxyType(dict(grp.failed)), created=grp.created)
 
 
@@ -172,7 +194,12 @@ def keep_all(tt: TableState, changed: Sequence[Kept]) -> None:
     run each): each head, and each new fragment, put in key order in one call a database."""
     heads, fragments, indexed = [], [], []
     for grp, new in changed:
-        entry = grp.head
+        if grp.head is None and grp.raw is not None and new and not grp.failed:
+            added = PendingHead.added(grp.raw, new)  # a plain head's: as the rest do it, not decoded
+            if added is not None:
+                heads.append((tt.key(grp.key), added))
+                continue
+        entry = grp.decoded()
         if entry is None:
             entry = PendingHead(created=grp.created)
             indexed.append((tt.pending_key(grp.key, entry), b""))

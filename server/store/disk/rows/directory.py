@@ -145,6 +145,30 @@ class PendingHead:
             queued=queued, placed=placed, inline=inline,
         )  # fmt: skip
 
+    @classmethod
+    def plain(cls, data: bytes) -> tuple[int, float, tuple[int, ...]] | None:
+        """Of a head with members, none of its runs reported failed and no place in the compute queue
+        (what a push meets most), its members' count, when it opened and their uids' hashes, the rest
+        of it not decoded (`added` adds to it as it is); None for any other head."""
+        _, flags, count, _, created = cls._HEAD.unpack_from(data)
+        if flags & ~cls._INLINE or not count:
+            return None
+        return count, created, struct.unpack_from(f"<{count}Q", data, cls._HEAD.size)
+
+    @classmethod
+    def added(cls, data: bytes, members: Sequence[Member]) -> bytes | None:
+        """A `plain` head's encoding with `members` added, the bytes decode(data), add(members) and
+        encode() make, without the head decoded: a push adds a run to hundreds of them. None where
+        their rows would spill from it (`add` writes its fragment then)."""
+        _, flags, count, fragments, created = cls._HEAD.unpack_from(data)
+        end = cls._HEAD.size + 8 * count
+        rows = encode_member_rows(members, onto=data[end:] if flags & cls._INLINE else b"")
+        if len(rows) > SPILL_BYTES:
+            return None
+        hashes = struct.pack(f"<{len(members)}Q", *[uid_hash(member.uid) for member in members])
+        head = cls._HEAD.pack(PENDING, cls._INLINE, count + len(members), fragments, created)
+        return b"".join([head, data[cls._HEAD.size : end], hashes, rows])
+
     def add(self, members: Sequence[Member]) -> bytes | None:
         """New members (some) join the head: their hashes, and their rows inline; the rows inline
         then (its next fragment's value) where they pass SPILL_BYTES, which the caller writes."""
