@@ -54,7 +54,9 @@ def test_settings_come_from_the_backend_and_the_controller_s_own() -> None:
 
 def test_the_journal_keeps_entries_and_snapshots_and_ends_a_cut_clean_up(start_server: Servers) -> None:
     server = start_server()
-    with BufferClient(f"127.0.0.1:{server.port}") as client:
+    # A journal's part is half the client's message (as test_tq_storage's values): 8 MiB makes
+    # three parts of 4 MiB, the path of three of 128 MiB at the default without writing 256 MiB.
+    with BufferClient(f"127.0.0.1:{server.port}", max_message_bytes=8 << 20) as client:
         client.create_table("j")
         journal = Journal(client, "j", snapshot_every=3)
         assert journal.load() == (None, [])
