@@ -3,16 +3,27 @@ loaders do; the packages named after it are refused as if they were not installe
 
     python tests/import_adapter.py expbuf.client.verl [trinity,areal,...]
 
-`make check-extras` runs it in a virtualenv holding only the adapter's extra; tests/test_extras.py
-in the test environment, refusing the other adapters' frameworks. It prints how many modules it
-imported; a module that cannot be imported fails it with the import's traceback.
+`make check-extras` runs it in a virtualenv holding only the adapter's extra. It prints how many
+modules it imported; a module that cannot be imported fails it with the import's traceback.
+
+    python tests/import_adapter.py --each expbuf.client.verl=trinity,areal,... expbuf.client.trl=verl,...
+
+tests/test_extras.py imports every adapter in the test environment, each refusing the other
+adapters' frameworks: torch (expbuf's own requirement, which every adapter imports, some 3 s of a
+child's start) is imported once, then each adapter is imported in a process forked from that one,
+and a JSON object says what each printed and how it exited. No framework is loaded before the fork
+(it checks), so each is still refused in every child where it is named.
 """
 
 from __future__ import annotations
 
 import importlib
+import json
+import os
 import pkgutil
 import sys
+import tempfile
+import traceback
 from collections.abc import Sequence
 from importlib.abc import MetaPathFinder
 from importlib.machinery import ModuleSpec
@@ -44,11 +55,52 @@ def import_all(adapter: str) -> list[str]:
 
 
 def main(argv: list[str]) -> int:
+    if argv[1] == "--each":
+        print(json.dumps(import_each(dict(arg.split("=", 1) for arg in argv[2:]))))
+        return 0
     refused = {name for name in (argv[2] if len(argv) > 2 else "").split(",") if name}
     sys.meta_path.insert(0, NotInstalled(refused))
     names = import_all(argv[1])
     print(f"{argv[1]}: {len(names)} modules imported")
     return 0
+
+
+def import_each(adapters: dict[str, str]) -> dict[str, dict[str, object]]:
+    """Each adapter (module name to the frameworks it refuses, comma-separated) imported in a child
+    forked from this process once torch is loaded, one after another: each child's exit status,
+    and what it printed."""
+    import torch  # noqa: F401  (what every child would load first)
+
+    frameworks = {name for refused in adapters.values() for name in refused.split(",") if name}
+    loaded = sorted(frameworks & {name.partition(".")[0] for name in sys.modules})
+    if loaded:
+        raise SystemExit(f"loaded before the fork, so never refused: {', '.join(loaded)}")
+    results: dict[str, dict[str, object]] = {}
+    for adapter, refused in adapters.items():
+        with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+            sys.stdout.flush()
+            pid = os.fork()
+            if pid == 0:
+                os.dup2(out.fileno(), 1)
+                os.dup2(err.fileno(), 2)
+                code = 1
+                try:
+                    code = main([sys.argv[0], adapter, refused])
+                except BaseException:
+                    traceback.print_exc()
+                finally:
+                    sys.stdout.flush()
+                    sys.stderr.flush()
+                    os._exit(code)
+            _, status = os.waitpid(pid, 0)
+            out.seek(0)
+            err.seek(0)
+            results[adapter] = {
+                "returncode": os.waitstatus_to_exitcode(status),
+                "stdout": out.read(),
+                "stderr": err.read(),
+            }
+    return results
 
 
 if __name__ == "__main__":

@@ -4,7 +4,8 @@
 `make setup` installs every framework, so an import of another adapter's framework would pass
 every other test. Here each adapter, every module of it, is imported in a child whose import
 system refuses the other adapters' frameworks as an environment without them would
-(ModuleNotFoundError; tests/import_adapter.py). `make check-extras` imports each in a real
+(ModuleNotFoundError; tests/import_adapter.py), each child forked from one process that has loaded
+torch and no framework, so that torch is loaded once, not six times. `make check-extras` imports each in a real
 virtualenv per extra.
 """
 
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import importlib.util
+import json
 import re
 import subprocess
 import sys
@@ -36,23 +38,38 @@ EVERY = sorted({name for names in FRAMEWORKS.values() for name in names})
 IMPORT = Path(__file__).parent / "import_adapter.py"
 
 
-@pytest.mark.parametrize("adapter", sorted(FRAMEWORKS))
-def test_an_adapter_imports_without_the_other_frameworks(adapter: str) -> None:
-    own = FRAMEWORKS[adapter]
-    missing = [name for name in own if importlib.util.find_spec(name) is None]
-    if missing:
-        pytest.skip(f"{', '.join(missing)} not installed here (make setup installs it)")
-    refused = [name for name in EVERY if name not in own]
+def refused_by(adapter: str) -> list[str]:
+    return [name for name in EVERY if name not in FRAMEWORKS[adapter]]
+
+
+def installed(adapter: str) -> bool:
+    return all(importlib.util.find_spec(name) is not None for name in FRAMEWORKS[adapter])
+
+
+@pytest.fixture(scope="module")
+def imports() -> dict[str, dict[str, object]]:
+    """Every installed adapter imported by one child, each in a process of its own forked from it
+    (import_adapter.py --each): what each printed and how it exited, by adapter module."""
+    asked = [f"expbuf.client.{a}={','.join(refused_by(a))}" for a in sorted(FRAMEWORKS) if installed(a)]
     done = subprocess.run(
-        [sys.executable, str(IMPORT), f"expbuf.client.{adapter}", ",".join(refused)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
+        [sys.executable, str(IMPORT), "--each", *asked], capture_output=True, text=True, timeout=600, check=False
     )
-    assert done.returncode == 0, f"expbuf.client.{adapter} without {', '.join(refused)}:\n{done.stderr[-3000:]}"
-    imported = re.fullmatch(rf"expbuf\.client\.{adapter}: (\d+) modules imported\n", done.stdout)
-    assert imported and int(imported.group(1)) > 1, done.stdout
+    assert done.returncode == 0, done.stderr[-3000:]
+    results: dict[str, dict[str, object]] = json.loads(done.stdout)
+    return results
+
+
+@pytest.mark.parametrize("adapter", sorted(FRAMEWORKS))
+def test_an_adapter_imports_without_the_other_frameworks(adapter: str, imports: dict[str, dict[str, object]]) -> None:
+    if not installed(adapter):
+        missing = [name for name in FRAMEWORKS[adapter] if importlib.util.find_spec(name) is None]
+        pytest.skip(f"{', '.join(missing)} not installed here (make setup installs it)")
+    done = imports[f"expbuf.client.{adapter}"]
+    stdout, stderr = str(done["stdout"]), str(done["stderr"])
+    refused = ", ".join(refused_by(adapter))
+    assert done["returncode"] == 0, f"expbuf.client.{adapter} without {refused}:\n{stderr[-3000:]}"
+    imported = re.fullmatch(rf"expbuf\.client\.{adapter}: (\d+) modules imported\n", stdout)
+    assert imported and int(imported.group(1)) > 1, stdout
 
 
 def test_the_verl_extra_pins_the_tensordict_verl_runs_with_in_the_tests() -> None:
