@@ -1,7 +1,8 @@
 """A verl V1 trainer's loop around ExpbufReplayBuffer in mirror mode, run as a child process on the
 test's Ray cluster and TransferQueue, so that the crash test can kill it with SIGKILL.
 
-usage: verl_trainer_child.py GCS_ADDRESS TARGET TABLE FIRST_STEP LAST_STEP DISPATCH_UNTIL LOG [DIE_AT]
+tests/test_verl_buffer.py runs `run` in processes forked by multiprocessing's forkserver, which has
+imported verl, Ray and TransferQueue once (some 8 s), not at each start.
 
 Each step dispatches two prompts while the step is at most DISPATCH_UNTIL (verl's prepare_step),
 samples two groups through the buffer, "trains" them (a `trained UID` line in LOG, fsynced) and
@@ -13,7 +14,6 @@ dies with them), writes `ready` and waits to be killed.
 from __future__ import annotations
 
 import os
-import sys
 import time
 
 import ray
@@ -26,9 +26,13 @@ from test_verl import dispatch
 from test_verl_buffer import build, group_rows
 
 
-def main() -> None:
-    gcs, target, table, first, last, dispatch_until, log_path, *die = sys.argv[1:]
-    die_at = int(die[0]) if die else None
+def run(gcs: str, target: str, table: str, steps: tuple[int, ...], log_path: str, err_path: str) -> None:
+    """The trainer: steps are FIRST_STEP, LAST_STEP, DISPATCH_UNTIL and DIE_AT if it is to die;
+    what it writes to stderr goes to `err_path`."""
+    with open(err_path, "a") as err:  # a file: a full pipe would stall the child
+        os.dup2(err.fileno(), 2)
+    first, last, dispatch_until, *die = steps
+    die_at = die[0] if die else None
     ray.init(address=gcs, logging_level="ERROR", log_to_driver=False)
     tq.init()
     buffer = build(target, table, threshold=None)
@@ -39,8 +43,8 @@ def main() -> None:
             log.flush()
             os.fsync(log.fileno())
 
-        for step in range(int(first), int(last) + 1):
-            uids = [dispatch(step), dispatch(step)] if step <= int(dispatch_until) else []
+        for step in range(first, last + 1):
+            uids = [dispatch(step), dispatch(step)] if step <= dispatch_until else []
             if step == die_at:
                 eids = [e.eid.uid for uid in uids for e in from_verl(group_rows(uid))]
                 while client.get(eids, table).missing_uids:
@@ -57,7 +61,4 @@ def main() -> None:
                 note(f"trained {uid}")
             tq.kv_clear(keys=meta.keys, partition_id=meta.partition_id)
     buffer.close()
-
-
-if __name__ == "__main__":
-    main()
+    ray.shutdown()  # what the interpreter's exit did when this ran as a script: a forked child skips it
