@@ -10,6 +10,7 @@ import queue
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -20,6 +21,7 @@ from expbuf.client import trxp
 from expbuf.proto.v1 import buffer_pb2 as pb
 from expbuf.proto.v1 import buffer_pb2_grpc as pb_grpc
 from expbuf.server.rpc.interceptors.metrics import Metrics
+from expbuf.server.rpc.push.inflight import TRIM_IDLE
 from expbuf.server.rpc.service import ExperienceBufferService
 from expbuf.server.store import Store
 
@@ -196,3 +198,20 @@ def reset_peak_rss(pid: int) -> int:
 def peak_rss_bytes(pid: int) -> int:
     """The most resident memory a process has held since the last reset_peak_rss."""
     return _status_bytes(pid, "VmHWM")
+
+
+def trimmed(pid: int, at_most: float) -> None:
+    """Wait until a server child has handed back what the pushes that just ended freed: it trims its
+    heap once no push has held memory for TRIM_IDLE (server/rpc/push/inflight.py). Done once its
+    anonymous memory has fallen 8 MiB or more since the call, no sooner than TRIM_IDLE, and held
+    within 1 MiB for 0.2 s; else after `at_most` seconds (the fixed wait that was here before)."""
+    began = time.monotonic()
+    start = last = _status_bytes(pid, "RssAnon")
+    steady_from = began
+    while time.monotonic() - began < at_most:
+        time.sleep(0.05)
+        anon, now = _status_bytes(pid, "RssAnon"), time.monotonic()
+        if abs(anon - last) > 1 << 20:
+            last, steady_from = anon, now
+        if start - anon >= 8 << 20 and now - began >= TRIM_IDLE and now - steady_from >= 0.2:
+            return

@@ -21,7 +21,7 @@ import pytest
 from expbuf.client import BufferClient, trxp
 from expbuf.proto.v1 import buffer_pb2 as pb
 
-from faultkit import _status_bytes, channel, peak_rss_bytes, reset_peak_rss, stub
+from faultkit import _status_bytes, channel, peak_rss_bytes, reset_peak_rss, stub, trimmed
 from helpers import ServerProcess, make_experience
 
 pytestmark = pytest.mark.faults
@@ -94,7 +94,7 @@ def test_concurrent_large_pushes_memory_is_bounded_and_returned(
     with channel(server.target) as chan:
         buffer = stub(chan)
         buffer.Push(pb.PushRequest(payload=large_payload("warm", 1, 16)), timeout=30)
-        time.sleep(1.0)
+        trimmed(pid, 1.0)
         base = reset_peak_rss(pid)
         errors: list[Exception] = []
 
@@ -110,7 +110,7 @@ def test_concurrent_large_pushes_memory_is_bounded_and_returned(
         for thread in threads:
             thread.join()
         assert not errors, errors
-        time.sleep(2.0)
+        trimmed(pid, 2.0)
         peak, after = peak_rss_bytes(pid), _status_bytes(pid, "VmRSS")
     print(
         f"\n4 concurrent pushes of {in_flight // 4 // MB} MiB ({in_flight // MB} MiB in flight): server RSS "
@@ -135,11 +135,11 @@ def test_an_experience_past_max_metadata_bytes_is_refused_naming_it_and_its_memo
         buffer = stub(chan)
         with pytest.raises(grpc.RpcError):
             buffer.Push(pb.PushRequest(payload=body), timeout=120)
-        time.sleep(1.0)
+        trimmed(pid, 1.0)
         base, base_anon = reset_peak_rss(pid), _status_bytes(pid, "RssAnon")
         with pytest.raises(grpc.RpcError) as refused:
             buffer.Push(pb.PushRequest(payload=body), timeout=120)
-        time.sleep(2.0)
+        trimmed(pid, 2.0)
         peak, after = peak_rss_bytes(pid), _status_bytes(pid, "RssAnon")
         assert buffer.Stats(pb.StatsRequest(table="default"), timeout=10).tables[0].pushed == 0
         assert buffer.Push(pb.PushRequest(payload=metadata_payload("small", 2, MB)), timeout=30).stored_uids
@@ -177,21 +177,21 @@ def test_a_large_push_in_chunks_holds_about_twice_its_size_and_keeps_none_of_it(
     data = body("measured")
     with BufferClient(server.target, timeout=120) as client:
         client.push(large_payload("warm", 2, 1 << 20))  # 18 MiB, in chunks
-        time.sleep(1.0)
+        trimmed(pid, 1.0)
         base, base_anon = reset_peak_rss(pid), _status_bytes(pid, "RssAnon")
         stored = client.push(data).stored
-        time.sleep(2.0)
+        trimmed(pid, 2.0)
         peak, after = peak_rss_bytes(pid), _status_bytes(pid, "RssAnon")
         for again in range(3):  # the same size, new uids
             assert len(client.push(body(f"again{again}")).stored) == len(stored)
-        time.sleep(2.0)
+        trimmed(pid, 2.0)
         later = _status_bytes(pid, "RssAnon")
         base_again = reset_peak_rss(pid)  # a second measured push: the peak of the better of the two
         for again in range(3, 6):  # and three more: a push that kept its memory would add 3 sizes
             assert len(client.push(body(f"again{again}")).stored) == len(stored)
             if again == 3:
                 peak_again = peak_rss_bytes(pid)
-        time.sleep(2.0)
+        trimmed(pid, 2.0)
         latest = _status_bytes(pid, "RssAnon")
     print(
         f"\none push of {name} ({len(data) // MB} MiB) in chunks: server RSS {base // MB} MiB before, "
