@@ -22,10 +22,10 @@ from expbuf.server.store.disk.rows import (
     RunRow,
     SegmentView,
     SegState,
+    decode_member_rows,
     directory_entry,
     encode_members,
     encode_segment,
-    uid_hash,
 )
 from expbuf.server.store.schema.states import STATES
 
@@ -34,6 +34,7 @@ u64 = st.integers(0, 2**64 - 1)
 i64 = st.integers(-(2**63) + 1, 2**63 - 1)  # -2^63 stands for an absent version
 number = st.floats(allow_nan=False)
 text = st.text(max_size=12)
+fragments_counts = st.integers(0, 2**20)  # a head's fragments, which a spill adds one to
 
 members = st.builds(
     Member,
@@ -164,20 +165,39 @@ def test_a_group_ref_reads_back_from_the_directory(seg: int, index: int) -> None
     assert directory_entry(memoryview(encoded)) == GroupRef(seg, index)
 
 
-@given(number, st.lists(text, max_size=10), u32, st.dictionaries(text, text, max_size=3))
+@given(
+    number,
+    st.lists(members, max_size=10),
+    fragments_counts,
+    st.dictionaries(text, text, max_size=3),
+    st.booleans(),
+    st.none() | u64,
+    st.none() | st.tuples(number, st.none() | i64),
+)
 def test_a_pending_head_reads_back_from_the_directory(
-    created: float, uids: list[str], fragments: int, failed: dict[str, str]
+    created: float,
+    rows: list[Member],
+    fragments: int,
+    failed: dict[str, str],
+    partial: bool,
+    queued: int | None,
+    placed: tuple[float, int | None] | None,
 ) -> None:
-    head = PendingHead(created=created, hashes=[uid_hash(u) for u in uids], fragments=fragments)
-    head.failed = failed
+    """Every part of a head (its rows kept in it or spilled to a fragment, failed runs, partial, its
+    place in the compute queue, its priority and version) reads back as it was."""
+    head = PendingHead(created=created, fragments=fragments, failed=failed, partial=partial, queued=queued)
+    head.placed = placed
+    spilled = head.add(rows)
     assert directory_entry(memoryview(head.encode())) == head
+    inline = decode_member_rows(head.inline) if head.inline else []
+    assert (decode_member_rows(spilled) if spilled is not None else []) + inline == rows
 
 
 @given(
     number,
     st.lists(members, min_size=1, max_size=12),
     st.lists(members, min_size=1, max_size=3),
-    u32,
+    fragments_counts,
     st.dictionaries(text, text, max_size=2),
     st.none() | u64,
 )

@@ -22,7 +22,7 @@ from expbuf.server.advantages.worker import AdvantageWorker
 from expbuf.server.store import Entry, Moved, Push, Retired, Store, TableExtension
 from expbuf.server.store.core.table_state.state import TableState
 from expbuf.server.store.disk import layout
-from expbuf.server.store.disk.rows import PendingHead, decode_member_rows, directory_entry
+from expbuf.server.store.disk.rows import PendingHead, decode_member_rows, directory, directory_entry
 from expbuf.server.store.disk.rows.directory import SPILL_BYTES
 from expbuf.server.store.ledger.records import DatasetRecord
 from expbuf.server.store.schema.errors import Conflict, StoreError
@@ -800,6 +800,29 @@ class RandomSteps:
 def test_random_steps_leave_a_rows_table_as_a_records_tables(
     tmp_path: Path, settings: dict[str, object], seed: int
 ) -> None:
+    steps = RandomSteps(tmp_path, settings, seed)
+    try:
+        for _ in range(250):
+            steps.step()
+    finally:
+        steps.store.close()
+
+
+@pytest.mark.parametrize(
+    ("settings", "seed"),
+    [
+        ({"group_size": 8, "group_timeout_seconds": 10, "min_group_size": 3, "drop_zero_variance": True}, 21),
+        ({"group_size": 8, "estimator": "grpo", "min_group_size": 2, "group_timeout_seconds": 10}, 22),
+        ({"group_size": 8, "capacity_experiences": 40, "min_group_size": 4}, 23),
+    ],
+)
+def test_random_steps_with_heads_that_spill_leave_a_rows_table_as_a_records_tables(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, settings: dict[str, object], seed: int
+) -> None:
+    """The random steps where a pending head keeps 150 bytes of rows, one or two members: its rows
+    spill into fragments at most pushes, through failed runs, Deletes, timeouts, computing groups and
+    restarts (a head of this shape is what a group of many runs, or of long uids, keeps)."""
+    monkeypatch.setattr(directory, "SPILL_BYTES", 150)
     steps = RandomSteps(tmp_path, settings, seed)
     try:
         for _ in range(250):

@@ -79,7 +79,7 @@ def stored(
         if raw is None:
             continue
         plain = PendingHead.plain(raw) if raw[0] == PENDING_ENTRY else None
-        if plain is not None and (not size or plain[0] + len(entries) < size):  # stays pending: not decoded
+        if plain is not None and plain[0] + len(entries) < size:  # pending after the push: not decoded
             count, created, hashes = plain
             found[gkey] = PendingGroup(gkey, None, count, _NONE_FAILED, created, raw)
             if not set(hashes).isdisjoint([_uid_hash(pushed.uid) for pushed in entries]):
