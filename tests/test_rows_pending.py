@@ -757,6 +757,16 @@ class RandomSteps:
         self.check()
 
 
+def walk(root: Path, settings: dict[str, object], seed: int, steps: int = 250) -> None:
+    """`steps` of RandomSteps over tables of `settings` in `root`."""
+    walker = RandomSteps(root, settings, seed)
+    try:
+        for _ in range(steps):
+            walker.step()
+    finally:
+        walker.store.close()
+
+
 @pytest.mark.parametrize(
     ("settings", "seed"),
     [
@@ -800,12 +810,7 @@ class RandomSteps:
 def test_random_steps_leave_a_rows_table_as_a_records_tables(
     tmp_path: Path, settings: dict[str, object], seed: int
 ) -> None:
-    steps = RandomSteps(tmp_path, settings, seed)
-    try:
-        for _ in range(250):
-            steps.step()
-    finally:
-        steps.store.close()
+    walk(tmp_path, settings, seed)
 
 
 @pytest.mark.parametrize(
@@ -823,12 +828,7 @@ def test_random_steps_with_heads_that_spill_leave_a_rows_table_as_a_records_tabl
     spill into fragments at most pushes, through failed runs, Deletes, timeouts, computing groups and
     restarts (a head of this shape is what a group of many runs, or of long uids, keeps)."""
     monkeypatch.setattr(directory, "SPILL_BYTES", 150)
-    steps = RandomSteps(tmp_path, settings, seed)
-    try:
-        for _ in range(250):
-            steps.step()
-    finally:
-        steps.store.close()
+    walk(tmp_path, settings, seed)
 
 
 def test_tombstones_are_forgotten_after_tombstone_seconds_as_a_records_tables(tmp_path: Path) -> None:
