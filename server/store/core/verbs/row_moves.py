@@ -165,7 +165,7 @@ def fail(tt: TableState, groups: Groups, damaged: Set[str]) -> None:
     complete = [gkey for gkey, grp in groups if grp.state not in (PENDING, COMPUTING)]
     picked = [p for p in complete_groups(tt, segments, complete) if p.state in (READY, LEASED)]
     unready(tt, [p for p in picked if p.state == READY])
-    _leave(tt, segments, [p.moved(lease="") for p in picked], FAILED, damaged)
+    _leave(tt, segments, picked, FAILED, damaged)  # a leased one under its lease: its sample forgotten too
     row_pending.leave(tt, [(gkey, grp) for gkey, grp in groups if grp.state in (PENDING, COMPUTING)], FAILED, damaged)
 
 

@@ -46,6 +46,11 @@ class Segments:
             view = self._views[seg] = SegmentView(self._read(seg, "segs", "segment"))
         return view
 
+    def stored(self, seg: int) -> bool:
+        """Whether a segment is there: one whose groups all retired is forgotten tombstone_seconds
+        later (segments.prune), while a lease its groups left before they retired may name it still."""
+        return seg in self._states or self.tt.txn.get(self.tt.prefix + u64(seg), db=self.tt.db["sstate"]) is not None
+
     def state(self, seg: int) -> SegState:
         state = self._states.get(seg)
         if state is None:
