@@ -674,7 +674,8 @@ class RandomSteps:
         self.store.close()
         self.store = Store(self.root, clock=self.clock, extensions={"watched": Watched})
         self.worker = self.attach()
-        self.held = [h for h in self.held if h[0] == "lease"]  # a start gives held batches back
+        self.log.append(f"released {self.store.release_holds()}")  # as a server's start gives held batches back
+        self.held = [h for h in self.held if h[0] == "lease"]
         self.log.append("restart")
 
     def take(self) -> None:
