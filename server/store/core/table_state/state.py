@@ -54,8 +54,7 @@ def pending_rows(
     found: list[Member] = []
     for number in range(head.fragments):
         found.extend(decode_member_rows(stored(reader, fragment_key(prefix, gkey, number), dbs["frags"], "fragment")))
-    if head.inline:
-        found.extend(decode_member_rows(head.inline))
+    found.extend(head.inline_rows())
     return found
 
 

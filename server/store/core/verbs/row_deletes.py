@@ -86,15 +86,15 @@ def delete(tt: TableState, uids: Sequence[str], group_ids: Sequence[str]) -> int
         state = grp.group.state
         tt.counters.add(QUARANTINED if uid in grp.group.quarantined else state, -1)
         grp.gone.append(uid)
+        if state in LIVE or state == FAILED:  # a failed group's payload kept for Get goes with its tombstone
+            keys.append(tt.key(uid))
+            sizes.append(member.size)
         if state in LIVE:
             rate_counts.forget(tt, grp.group, [member])
             deleted += 1
             freed += member.size
-        if state in LIVE or state == FAILED:  # a failed group's payload kept for Get goes with its tombstone
-            keys.append(tt.key(uid))
-            sizes.append(member.size)
-        if state in LIVE and grp.emptied:
-            emptied.append(grp)
+            if grp.emptied:
+                emptied.append(grp)
     changed = [grp for grp in found.values() if grp is not None and grp.gone]
     for grp in changed:
         if grp.picked is not None:

@@ -68,11 +68,10 @@ def leased(tt: TableState, segments: Segments, lease_id: str, lease: RowLease, *
     tag, lease_tag = bytes.fromhex(lease_id), "" if ending else lease_id
     under: dict[int, list[int]] = {}  # by segment, each read once
     for run in lease.runs:
-        if not segments.stored(run.seg):  # its groups left the lease and retired, and it was forgotten
+        state = segments.found(run.seg)
+        if state is None:  # its groups left the lease and retired, and it was forgotten
             continue
-        under.setdefault(run.seg, []).extend(
-            segments.state(run.seg).under(run.first, run.first + run.length, LEASED, tag)
-        )
+        under.setdefault(run.seg, []).extend(state.under(run.first, run.first + run.length, LEASED, tag))
     found = Picks.joined(
         picks(segments.view(seg), segments.state(seg), seg, places, LEASED, lease_tag) for seg, places in under.items()
     )

@@ -16,14 +16,14 @@ from __future__ import annotations
 
 import functools
 import itertools
-from collections.abc import Mapping, Sequence, Set
+from collections.abc import Iterator, Mapping, Sequence, Set
 from types import MappingProxyType
 from typing import NamedTuple
 
 from ...disk.kinds import Entry, members
 from ...disk.layout import put_rows, u64
 from ...disk.rows import PENDING as PENDING_ENTRY
-from ...disk.rows import Member, PendingHead, SegmentView, SegState, directory_entry, fragment_key
+from ...disk.rows import GroupRef, Member, PendingHead, SegmentView, SegState, directory_entry, fragment_key
 from ...disk.rows import uid_hash as _uid_hash
 from ...schema.states import COMPUTING, PENDING, QUARANTINED, State
 from ...schema.views import Groups
@@ -79,35 +79,43 @@ def stored(
         if raw is None:
             continue
         plain = PendingHead.plain(raw) if raw[0] == PENDING_ENTRY else None
+        entry: PendingHead | None = None
+        hashes: Sequence[int]
         if plain is not None and plain[0] + len(entries) < size:  # pending after the push: not decoded
             count, created, hashes = plain
             found[gkey] = PendingGroup(gkey, None, count, _NONE_FAILED, created, raw)
-            if not set(hashes).isdisjoint([_uid_hash(pushed.uid) for pushed in entries]):
-                rows = tt.pending_rows(gkey, PendingHead.decode(raw))
-                digests.update((member.uid, member.digest) for member in rows)
-            continue
-        entry = directory_entry(raw)
-        if isinstance(entry, PendingHead):  # pending, or complete and computing (queued)
+        else:
+            read = directory_entry(raw)
+            if not isinstance(read, PendingHead):
+                found[gkey] = None
+                digests.update(_segment_digests(tt, views, gkey, read))
+                continue
+            entry, hashes = read, read.hashes  # pending, or complete and computing (queued)
             found[gkey] = (
                 None
                 if entry.queued is not None
-                else PendingGroup(gkey, entry, len(entry.hashes), entry.failed, entry.created, raw)
+                else PendingGroup(gkey, entry, len(hashes), entry.failed, entry.created, raw)
             )
-            if not set(entry.hashes).isdisjoint(_uid_hash(pushed.uid) for pushed in entries):
-                digests.update((member.uid, member.digest) for member in tt.pending_rows(gkey, entry))
-            continue
-        found[gkey] = None
-        if entry.seg not in views:
-            key = tt.prefix + u64(entry.seg)
-            raw, raw_state = tt.txn.get(key, db=tt.db["segs"]), tt.txn.get(key, db=tt.db["sstate"])
-            if raw is None or raw_state is None:
-                raise missing("segment", f"{entry.seg} of group {gkey}")
-            views[entry.seg] = SegmentView(raw), SegState.decode(raw_state)
-        view, state = views[entry.seg]
-        lo, hi = view.span(entry.group)
-        uids_there, digests_there = view.members.uids(lo, hi), view.members.digests(lo, hi)
-        digests.update((uids_there[i - lo], digests_there[i - lo]) for i in state.kept(lo, hi))
+        if not set(hashes).isdisjoint([_uid_hash(pushed.uid) for pushed in entries]):
+            rows = tt.pending_rows(gkey, entry if entry is not None else PendingHead.decode(raw))
+            digests.update((member.uid, member.digest) for member in rows)
     return found, digests
+
+
+def _segment_digests(
+    tt: TableState, views: dict[int, tuple[SegmentView, SegState]], gkey: str, ref: GroupRef
+) -> Iterator[tuple[str, bytes]]:
+    """A complete group's kept members' uids and digests, its segment read once a request (`views`)."""
+    if ref.seg not in views:
+        key = tt.prefix + u64(ref.seg)
+        raw, raw_state = tt.txn.get(key, db=tt.db["segs"]), tt.txn.get(key, db=tt.db["sstate"])
+        if raw is None or raw_state is None:
+            raise missing("segment", f"{ref.seg} of group {gkey}")
+        views[ref.seg] = SegmentView(raw), SegState.decode(raw_state)
+    view, state = views[ref.seg]
+    lo, hi = view.span(ref.group)
+    uids_there, digests_there = view.members.uids(lo, hi), view.members.digests(lo, hi)
+    return ((uids_there[i - lo], digests_there[i - lo]) for i in state.kept(lo, hi))
 
 
 def head(tt: TableState, gkey: str) -> PendingHead | None:

@@ -46,16 +46,22 @@ class Segments:
             view = self._views[seg] = SegmentView(self._read(seg, "segs", "segment"))
         return view
 
-    def stored(self, seg: int) -> bool:
-        """Whether a segment is there: one whose groups all retired is forgotten tombstone_seconds
-        later (segments.prune), while a lease its groups left before they retired may name it still."""
-        return seg in self._states or self.tt.txn.get(self.tt.prefix + u64(seg), db=self.tt.db["sstate"]) is not None
-
-    def state(self, seg: int) -> SegState:
+    def found(self, seg: int) -> SegState | None:
+        """A segment's state, None where it is not there: one whose groups all retired is forgotten
+        tombstone_seconds later (segments.prune), while a lease its groups left may name it still."""
         state = self._states.get(seg)
         if state is None:
-            raw = self._stored[seg] = self._read(seg, "sstate", "segment state")
+            raw = self.tt.txn.get(self.tt.prefix + u64(seg), db=self.tt.db["sstate"])
+            if raw is None:
+                return None
+            self._stored[seg] = raw
             state = self._states[seg] = SegState.decode(raw)
+        return state
+
+    def state(self, seg: int) -> SegState:
+        state = self.found(seg)
+        if state is None:
+            raise missing("segment state", str(seg))
         return state
 
     def _read(self, seg: int, db: str, what: str) -> bytes:

@@ -336,8 +336,7 @@ def _pending(tt: TableState, heads: dict[str, PendingHead], counts: dict[str, in
                 if fragments.pop(key, False) is not None or raw is None:
                     raise ValueError(f"its fragment {number} is not stored")
                 members.extend(decode_member_rows(raw))
-            if head.inline:
-                members.extend(decode_member_rows(head.inline))
+            members.extend(head.inline_rows())
         except _DAMAGE as exc:
             problems.append(f"pending group {gkey}: {exc}")
             continue

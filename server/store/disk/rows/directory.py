@@ -16,7 +16,7 @@ import xxhash
 from ...schema.states import COMPUTING, State
 from ...schema.states import PENDING as PENDING_STATE
 from ..records import _pack_str, _unpack_str
-from .members import _NONE_INT, Member, encode_member_rows
+from .members import _NONE_INT, Member, decode_member_rows, encode_member_rows
 
 
 def fragment_key(prefix: bytes, gkey: str, number: int) -> bytes:
@@ -168,6 +168,10 @@ class PendingHead:
         hashes = struct.pack(f"<{len(members)}Q", *[uid_hash(member.uid) for member in members])
         head = cls._HEAD.pack(PENDING, cls._INLINE, count + len(members), fragments, created)
         return b"".join([head, data[cls._HEAD.size : end], hashes, rows])
+
+    def inline_rows(self) -> list[Member]:
+        """The members its head keeps (`inline`), after those of its fragments in push order."""
+        return decode_member_rows(self.inline) if self.inline else []
 
     def add(self, members: Sequence[Member]) -> bytes | None:
         """New members (some) join the head: their hashes, and their rows inline; the rows inline
