@@ -6,7 +6,9 @@ round by round; and `expbuf check` of one data directory run both ways (EXPBUF_P
 
 Operations: trxp.parse of bench_reverb's 8 KB and 40 KB pushes and of the Trinity-RFT payloads of
 tests/fixtures/trxp (the server's parse of a push, and the open check's reading of each stored
-payload). Figures are µs of this process's CPU per experience: the fastest round, then the
+payload); pack_item of each of their experiences (the server's canonical packing of a pushed
+experience, the payload it stores); build of the 8 KB and 40 KB pushes' items (a client's encode of a push, less
+reading its experiences). Figures are µs of this process's CPU per experience: the fastest round, then the
 median, and the ratio of pure Python to compiled on the fastest rounds; `expbuf check` in
 seconds of wall time.
 """
@@ -32,6 +34,7 @@ from bench_open import fill  # noqa: E402
 from bench_reverb import make_pushes  # noqa: E402
 
 from expbuf.client import native, trxp  # noqa: E402
+from expbuf.client.trxp.codec import build  # noqa: E402
 
 FIXTURES = HERE.parent / "tests" / "fixtures" / "trxp"
 
@@ -83,6 +86,7 @@ def main() -> None:
     if not native.compiled("expbuf.client.trxp.codec.parse"):
         raise SystemExit("the compiled modules are not in use: run `make setup` (and unset EXPBUF_PURE_PYTHON)")
     parsers = {"compiled": trxp.parse, "pure": native.source_module("expbuf.client.trxp.codec.parse").parse}
+    pure_build = native.source_module("expbuf.client.trxp.codec.build")
     shapes = {shape: [trxp.encode(push) for push in make_pushes(shape, 8)] for shape in ("8k", "40k")}
     shapes["trinity fixtures"] = [path.read_bytes() for path in sorted(FIXTURES.glob("*.trxp"))]
     print(f"load average {os.getloadavg()[0]:.2f} {os.getloadavg()[1]:.2f}")
@@ -95,6 +99,20 @@ def main() -> None:
             for name, parse in parsers.items()
         }
         print(row(f"parse, {shape}", side_by_side(runs, count, args.rounds)))
+    for shape, payloads in shapes.items():
+        items = [item for payload in payloads for item in trxp.parse(payload)]
+        runs = {
+            name: (lambda pack=pack, items=items: [pack(item) for item in items])
+            for name, pack in (("compiled", build.pack_item), ("pure", pure_build.pack_item))
+        }
+        print(row(f"pack each experience, {shape}", side_by_side(runs, len(items), args.rounds)))
+    for shape in ("8k", "40k"):
+        pushes = [trxp.parse(payload) for payload in shapes[shape]]
+        runs = {
+            name: (lambda make=make, pushes=pushes: [make(push) for push in pushes])
+            for name, make in (("compiled", build.build), ("pure", pure_build.build))
+        }
+        print(row(f"build a push's payload, {shape}", side_by_side(runs, sum(map(len, pushes)), args.rounds)))
     if args.groups:
         print("\n".join(check_both_ways(args.groups, max(3, args.rounds // 5))))
     print(f"load average {os.getloadavg()[0]:.2f} {os.getloadavg()[1]:.2f}")

@@ -2,7 +2,8 @@
 and current, never when stale or when EXPBUF_PURE_PYTHON=1, and held to the same verdicts as
 their source. The fuzzers run the compiled parse and scan side by side with the same
 source executed as Python (native.source_module), on the fuzz suite's payloads, hostile
-pickles included: the same items, or the same error class and message, and the same work.
+pickles included: the same items, or the same error class and message, and the same work; and the
+compiled packing makes the same bytes as its source.
 """
 
 from __future__ import annotations
@@ -25,17 +26,19 @@ from test_trxp_fuzz import FUZZ, OPCODES, payloads, shared_levels, tensor_blob, 
 from test_trxp_scan import batch
 
 from expbuf.client import native
+from expbuf.client.trxp.codec import build as compiled_build
 from expbuf.client.trxp.codec import common as compiled_common
 from expbuf.client.trxp.codec import pickles as compiled_pickles
 
 ROOT = Path(__file__).resolve().parent.parent
 # package folder -> the modules client/native_build.py compiles there
-COMPILED = {"client/trxp/codec": ("checks", "common", "parse", "pickles")}
+COMPILED = {"client/trxp/codec": ("build", "checks", "common", "parse", "pickles")}
 PACKAGES = {"client/trxp/codec": "expbuf.client.trxp.codec"}
 
 compiled_parse = sys.modules["expbuf.client.trxp.codec.parse"]
 source_parse = native.source_module("expbuf.client.trxp.codec.parse")
 source_pickles = native.source_module("expbuf.client.trxp.codec.pickles")
+source_build = native.source_module("expbuf.client.trxp.codec.build")
 in_use = native.compiled("expbuf.client.trxp.codec.parse")
 side_by_side = pytest.mark.skipif(not in_use, reason="the compiled modules are not in use (not built, or pure Python)")
 
@@ -194,3 +197,18 @@ def test_batches_the_scan_replays_get_the_same_verdict(count: int, memo: bool, p
     at = position % len(meta)
     same_scan(meta)
     same_scan(meta[:at] + edit + meta[at + len(edit) :])
+
+
+@side_by_side
+@given(payloads())
+@FUZZ
+def test_the_packing_makes_the_same_bytes(data: bytes) -> None:
+    """What the server stores of each pushed experience (pack_item) and a client's payload (build)
+    are byte for byte the same, compiled or not: a digest that differed would make a retried push
+    a conflict."""
+    try:
+        items = compiled_parse.parse(data)
+    except Exception:
+        return
+    assert [compiled_build.pack_item(item) for item in items] == [source_build.pack_item(item) for item in items]
+    assert compiled_build.build(items) == source_build.build(items)

@@ -101,11 +101,13 @@ SPLICE_TAIL = b"eu."
 SPLICE_ONE = _SPLICE_HEAD + struct.pack("<i", 1) + _SPLICE_ITEMS
 
 
-class _Runs(list[bytes | memoryview]):
+class _Runs:
     """A pickler's output as the runs of bytes it writes: its opcodes, and each str or bytes
     value of 64 KiB or more as it is (the pickler hands those over without buffering them)."""
 
-    write = list.append
+    def __init__(self) -> None:
+        self.runs: list[bytes | memoryview] = []
+        self.write = self.runs.append
 
 
 _picklers = threading.local()  # per thread: a pickler and its output, reused for every item
@@ -125,12 +127,12 @@ def fragment(meta: dict[str, Any]) -> list[bytes | memoryview]:
         _picklers.one = runs, pickler
     try:
         pickler.dump(_canonical(meta))
-        out = runs[:]
+        out = runs.runs[:]
     except BaseException:
         del _picklers.one  # not reused after a failure midway
         raise
     finally:
-        runs.clear()
+        runs.runs.clear()
     if len(out) == 1:
         return [memoryview(out[0])[2:-1]]
     return [memoryview(out[0])[2:], *out[1:-1], memoryview(out[-1])[:-1]]
