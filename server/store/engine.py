@@ -489,9 +489,15 @@ class Store(ServiceCalls):
         dropped: Sequence[str] = (),
         failed: dict[str, str] | None = None,
         shaping: ShapingUpdate | None = None,
+        members: Mapping[str, bytes] | None = None,
     ) -> None:
         """Store computed advantages and release their groups; drop or fail the others.
         Groups deleted or evicted meanwhile are left alone. What reward shaping did (its
-        counts and running moments) is saved in the same transaction."""
+        counts and running moments) is saved in the same transaction. `members`: the digest of each
+        member the computation read, by uid (`ComputeJob.digests`): a group with a member that is
+        not among them, or of other content, was deleted and pushed again meanwhile, and stays
+        computing for the worker's next pass."""
 
-        self._in_table(table, lambda tt: groups.finish_compute(tt, advantages, ready, dropped, failed or {}, shaping))
+        self._in_table(
+            table, lambda tt: groups.finish_compute(tt, advantages, ready, dropped, failed or {}, shaping, members)
+        )

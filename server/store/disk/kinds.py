@@ -307,6 +307,11 @@ class ComputeJob:
     blobs: dict[str, bytes]  # the stored experiences, only for estimators that read tokens
     moments: list[float] | None = None  # the table's running reward moments (counters' reward_moments)
 
+    def digests(self) -> dict[str, bytes]:
+        """The digest of each member it read, by uid: what finish_compute's `members` checks a group
+        against, so that values computed for a group deleted and pushed again meanwhile stay out."""
+        return {uid: record.digest for uid, record in self.records.items()}
+
     def split(self) -> list[ComputeJob]:
         """One job per group, to find which group a failed computation cannot take."""
         return [

@@ -6,7 +6,7 @@ advantage workers read it (`backlog`), table by table in turns."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import lmdb
 
@@ -18,7 +18,7 @@ from ...disk.records import GroupRecord, ItemRecord
 from ...disk.rows import PendingHead, directory_entry
 from ...schema.states import COMPUTING, READY, State
 from ...schema.table_config import TableConfig, estimator_of
-from ...schema.views import Members, MemberView
+from ...schema.views import GroupView, Members, MemberView
 from ..ordering.ready import Row
 from ..table_state import rate_counts
 from ..table_state.counters import read_counters
@@ -154,6 +154,16 @@ def store_advantages(
     rate_counts.became_ready(tt, sum(len(recs) for _, _, recs in groups))
     placed = [(gkey, group_record(grp)) for gkey, grp, _ in groups]
     return [(gkey.encode(), grp.ready_seq, grp.priority, grp.version) for gkey, grp in placed]
+
+
+def computed_from(tt: TableState, grp: GroupView, members: Mapping[str, bytes]) -> bool:
+    """Whether a computing group is the one a computation read: each member it has now among the
+    `members` read (uid -> digest), of the same content. One deleted and pushed again meanwhile has
+    another run, or a run of other content: values computed for the group it was are not its own."""
+    if isinstance(grp, RowGroup):
+        return all(members.get(member.uid) == member.digest for member in grp.rows)
+    views = [(uid, tt.item(uid)) for uid in grp.members]
+    return all(uid in members if view is None else members.get(uid) == view.digest for uid, view in views)
 
 
 def _values(
