@@ -22,6 +22,7 @@ from expbuf.server.store.disk.rows import (
     RunRow,
     SegmentView,
     SegState,
+    append_groups,
     decode_member_rows,
     directory_entry,
     encode_members,
@@ -100,6 +101,23 @@ def test_a_segment_reads_back_group_by_group_and_run_by_run(found: list[Group], 
     assert list(view.priorities(0, len(found))) == [g.priority for g in found]
     assert view.versions(0, len(found)) == [g.version for g in found]
     assert view.members.members() == [m for g in found for m in g.members]
+
+
+@given(
+    st.lists(groups, min_size=1, max_size=4) | st.lists(singles, min_size=1, max_size=8),
+    st.lists(groups, min_size=1, max_size=4) | st.lists(singles, min_size=1, max_size=8),
+    u64,
+    number,
+)
+@settings(max_examples=120, deadline=None)
+def test_groups_appended_to_a_segment_make_the_segment_of_them_all(
+    first: list[Group], then: list[Group], rseq0: int, completed: float
+) -> None:
+    """A segment grown by the groups after it (a fresh tail segment and a push's groups) holds the
+    bytes of one segment of them all, whatever each side keeps: keys or none, failed runs, version
+    segments, absent values."""
+    view = SegmentView(memoryview(encode_segment(first, rseq0, completed)))
+    assert append_groups(view, then) == encode_segment([*first, *then], rseq0, completed)
 
 
 def test_a_segment_of_groups_of_one_keeps_no_keys_beside_the_uids() -> None:

@@ -841,8 +841,9 @@ def test_tombstones_are_forgotten_after_tombstone_seconds_as_a_records_tables(tm
     with Store(tmp_path, clock=clock) as store:
         both(store, "t", **EIGHTS, tombstone_seconds=60, group_timeout_seconds=10, on_group_timeout="drop")
         put_both(store, "t", [run(task, n) for task in range(3) for n in range(8)])  # one segment of 3 groups
-        put_both(store, "t", [run(3, n) for n in range(8)] + [run(4, n) for n in range(8)] + [run(5, 0)])
         take_both(store, "t", num_groups=3)  # the first segment retires whole
+        # a segment of their own (the newest is not untouched: no group joins it)
+        put_both(store, "t", [run(3, n) for n in range(8)] + [run(4, n) for n in range(8)] + [run(5, 0)])
         take_both(store, "t", num_groups=1)  # group 0/3 retires; 0/4 keeps its segment live
         clock.now += 11
         store.tick()  # group 0/5 times out: dropped into a retired segment of its own

@@ -361,3 +361,55 @@ def test_a_rows_table_evicts_in_the_order_its_groups_completed(tmp_path: Path) -
             ["0/0", "0/0", "0/2", "0/2"],
         ]
         assert store.verify("t") == [] and store.verify("t_rows") == []
+
+
+def test_pushes_of_a_few_groups_fill_the_newest_segment_while_no_group_of_it_moved(tmp_path: Path) -> None:
+    """Pushes of fewer than GROW_BELOW groups (a rollout worker's trajectory at a time) go into the
+    table's newest segment, 64 groups at most, its run growing over them, where each push made a
+    segment of its own; once a take moved one of its groups the next push starts a segment. Takes,
+    stats and the check are a records table's."""
+    clock = Clock()
+    with Store(tmp_path, clock=clock) as store:
+        both(store, "t", **ONES)
+        items = [trxp.from_experience(make_experience(0, task, 0, reward=float(task % 3))) for task in range(150)]
+        for item in items[:100]:
+            clock.now += 1
+            for table in ("t", "t_rows"):
+                assert store.put(table, [item]).stored == [item.uid]
+        found = rows_of(store, "t_rows")
+        views = [SegmentView(value) for value in found["segs"].values()]
+        assert [view.groups for view in views] == [SEGMENT_GROUPS, 100 - SEGMENT_GROUPS]
+        assert [RunRow.decode(value) for value in found["runs"].values()] == [
+            RunRow(view.rseq0, 0, view.groups) for view in views
+        ]
+        assert [m.uid for view in views for m in view.members.members()] == [item.uid for item in items[:100]]
+        assert take_both(store, "t", num_groups=SEGMENT_GROUPS + 6) is not None  # the newest's first 6 among them
+        for item in items[100:103]:
+            for table in ("t", "t_rows"):
+                store.put(table, [item])
+        assert len(rows_of(store, "t_rows")["segs"]) == 3  # the newest had moved: a segment of their own
+        assert layouts_stats(store, "t_rows") == layouts_stats(store, "t")
+        while take_both(store, "t", num_groups=7, allow_partial=True) is not None:
+            pass
+        assert store.stats("t_rows")["consumed"] == 103
+        assert store.verify("t_rows") == [] and store.verify("t") == []
+
+
+def test_a_group_completed_into_the_newest_segment_moves_its_oldest_member(tmp_path: Path) -> None:
+    """A group whose first run came before the newest segment's oldest member, completed into that
+    segment, becomes the segment's oldest: the table's oldest live experience is its first run's."""
+    clock = Clock()
+    with Store(tmp_path, clock=clock) as store:
+        both(store, "t", **EIGHTS)
+        early = group_items(1, 0, 8)
+        for table in ("t", "t_rows"):
+            store.put(table, early[:7])  # pending from time 0
+        clock.now += 50
+        for table in ("t", "t_rows"):
+            store.put(table, group_items(1, 1, 8))  # a segment of its own, the newest, from time 50
+        clock.now += 50
+        for table in ("t", "t_rows"):
+            store.put(table, early[7:])  # completes group 1/0 into it
+        assert len(rows_of(store, "t_rows")["segs"]) == 1
+        assert store.stats("t_rows")["oldest_age_seconds"] == store.stats("t")["oldest_age_seconds"] == 100
+        assert store.verify("t_rows") == [] and store.verify("t") == []

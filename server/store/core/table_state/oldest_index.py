@@ -114,6 +114,12 @@ def segment_saved(tt: TableState, seg: int, was: SegState, now: SegState, view: 
     )
 
 
+def segment_grown(tt: TableState, seg: int, was: float, now: float) -> None:
+    """A live segment grown by groups after its own (segments._grow_tail): its key moved where one of
+    them was pushed before its oldest member (a group completed now whose first run came long ago)."""
+    _moved(tt, segment_key(tt.prefix, was, seg), segment_key(tt.prefix, now, seg))
+
+
 def segments_written(tt: TableState, written: Sequence[tuple[int, float]]) -> None:
     """New live segments, each (its id, its oldest member's time): their keys."""
     put_rows(tt.txn, tt.db["oldest"], [(segment_key(tt.prefix, when, seg), b"") for seg, when in written])

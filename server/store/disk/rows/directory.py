@@ -57,9 +57,10 @@ class GroupRef(NamedTuple):
         return cls(seg, group)
 
 
-def group_refs(seg: int, count: int) -> list[bytes]:
-    """The directory entries of segment `seg`'s `count` groups, encoded: each its `GroupRef`'s."""
-    return [_REF.pack(REF, group, seg) for group in range(count)]
+def group_refs(seg: int, count: int, first: int = 0) -> list[bytes]:
+    """The directory entries of segment `seg`'s `count` groups from group `first`, encoded: each its
+    `GroupRef`'s."""
+    return [_REF.pack(REF, group, seg) for group in range(first, first + count)]
 
 
 @dataclass(slots=True, kw_only=True)

@@ -103,6 +103,39 @@ def encode_members(members: Sequence[Member]) -> bytes:
     return b"".join(parts)
 
 
+def join_members(first: MemberBlock, then: MemberBlock) -> bytes:
+    """encode_members of `first`'s members, then `then`'s: the two blocks' columns end to end, no
+    member read (a segment grown by the groups after it: segments.append_groups)."""
+    count = first.count + then.count
+    blocks = (first, then)
+    has_segments = any(block._segments >= 0 for block in blocks)
+    parts: list[bytes | memoryview] = [_BLOCK.pack(count, _HAS_SEGMENTS if has_segments else 0)]
+    parts.extend(block.data[block._digests : block._digests + _DIGEST * block.count] for block in blocks)
+    for name, _ in _COLUMNS:
+        for block in blocks:
+            pos, _, width = block._columns[name]
+            parts.append(block.data[pos : pos + width * block.count])
+    ends = [struct.unpack_from(f"<{block.count + 1}I", block.data, block._uids) for block in blocks]
+    parts.append(struct.pack(f"<{count + 1}I", *ends[0], *(end + ends[0][-1] for end in ends[1][1:])))
+    parts.extend(
+        block.data[block._uid_bytes : block._uid_bytes + end[-1]] for block, end in zip(blocks, ends, strict=True)
+    )
+    if has_segments:
+        offsets = [
+            struct.unpack_from(f"<{block.count + 1}I", block.data, block._segments)
+            if block._segments >= 0
+            else (0,) * (block.count + 1)
+            for block in blocks
+        ]
+        parts.append(struct.pack(f"<{count + 1}I", *offsets[0], *(end + offsets[0][-1] for end in offsets[1][1:])))
+        parts.extend(
+            block.data[block._segment_values : block._segment_values + 8 * offset[-1]]
+            for block, offset in zip(blocks, offsets, strict=True)
+            if block._segments >= 0
+        )
+    return b"".join(parts)
+
+
 class MemberBlock:
     """A view of a block of members' columns (`encode_members`) at `pos` in `data`, a segment's or
     a fragment's value: each read unpacks only the columns and members it asks for."""

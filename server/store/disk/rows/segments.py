@@ -3,7 +3,8 @@ completion order, at most SEGMENT_GROUPS groups and SEGMENT_MEMBERS members (a l
 the groups' keys, creation times, priorities and lowest versions as group columns, and their
 members' as a member block. It is not rewritten when a group moves: what moves is its `SegState`,
 a row of its own of a few bytes a group (state, times sampled, the lease holding it) and one a
-member (its flags).
+member (its flags). It is rewritten only to grow: the table's newest segment, while none of its
+groups has moved, takes the groups completed after it (`append_groups`).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import NamedTuple
 
 from ...schema.states import LIVE, STATES, State
 from ..records import _float_or_none, _opt_float, _pack_str, _unpack_str
-from .members import _NONE_INT, _PARTIAL, ROWS, Member, MemberBlock, _offsets, _stored, encode_members
+from .members import _NONE_INT, _PARTIAL, ROWS, Member, MemberBlock, _offsets, _stored, encode_members, join_members
 
 SEGMENT_GROUPS = 64
 SEGMENT_MEMBERS = 256
@@ -43,33 +44,90 @@ _UID = operator.attrgetter("uid")
 _HAS_FAILED = 2
 
 
-def encode_segment(groups: Sequence[Group], rseq0: int, completed: float) -> bytes:
-    """The segment of `groups`, the first at `rseq0` in the ready order, completed at `completed`."""
+class _Columns(NamedTuple):
+    """Groups' columns as a segment keeps them (`_columns`): what encode_segment writes and
+    append_groups writes after a segment's own."""
+
+    sizes: list[int]  # each group's members
+    members: list[Member]  # every group's, in order
+    keys: tuple[str, ...]
+    keys_are_uids: bool  # each group one member whose uid is its key: no keys stored
+    numbers: list[bytes]  # created, priorities, versions (8 bytes a group each), then a flags byte a group
+    failed: list[tuple[int, str, str]]  # (group index, uid, reason)
+
+
+def _columns(groups: Sequence[Group]) -> _Columns:
     count = len(groups)
-    if not 0 < count < 1 << 16:
-        raise ValueError(f"a segment holds 1 to 65535 groups, not {count}")
     keys, created, members, priorities, versions, partials, runs = zip(*groups, strict=True)
     sizes = list(map(len, members))
     flat = list(itertools.chain.from_iterable(members))
     keys_are_uids = sizes.count(1) == count and tuple(map(_UID, flat)) == keys
     failed = [(index, uid, reason) for index, g in enumerate(runs) for uid, reason in g] if any(runs) else []
-    flags = (_KEYS_ARE_UIDS if keys_are_uids else 0) | (_HAS_FAILED if failed else 0)
-    parts = [
-        _SEGMENT.pack(ROWS, flags, count, rseq0, completed),
-        struct.pack(f"<{count}I", *itertools.accumulate(sizes)),
+    numbers = [
         struct.pack(f"<{count}d", *created),
         struct.pack(f"<{count}d", *priorities),
         struct.pack(f"<{count}q", *_stored("version", versions)),
         bytes([_PARTIAL if partial else 0 for partial in partials]) if any(partials) else bytes(count),
     ]
-    if not keys_are_uids:
-        encoded = [key.encode() for key in keys]
+    return _Columns(sizes, flat, keys, keys_are_uids, numbers, failed)
+
+
+def _failed_runs(failed: Sequence[tuple[int, str, str]]) -> list[bytes]:
+    """A segment's runs reported failed, as it ends with them (none: nothing)."""
+    if not failed:
+        return []
+    runs = [struct.pack("<H", index) + _pack_str(uid) + _pack_str(reason) for index, uid, reason in failed]
+    return [struct.pack("<I", len(failed)), *runs]
+
+
+def encode_segment(groups: Sequence[Group], rseq0: int, completed: float) -> bytes:
+    """The segment of `groups`, the first at `rseq0` in the ready order, completed at `completed`."""
+    count = len(groups)
+    if not 0 < count < 1 << 16:
+        raise ValueError(f"a segment holds 1 to 65535 groups, not {count}")
+    made = _columns(groups)
+    flags = (_KEYS_ARE_UIDS if made.keys_are_uids else 0) | (_HAS_FAILED if made.failed else 0)
+    parts = [
+        _SEGMENT.pack(ROWS, flags, count, rseq0, completed),
+        struct.pack(f"<{count}I", *itertools.accumulate(made.sizes)),
+        *made.numbers,
+    ]
+    if not made.keys_are_uids:
+        encoded = [key.encode() for key in made.keys]
         parts.append(_offsets(encoded))
         parts.extend(encoded)
-    parts.append(encode_members(flat))
-    if failed:
-        parts.append(struct.pack("<I", len(failed)))
-        parts.extend(struct.pack("<H", index) + _pack_str(uid) + _pack_str(reason) for index, uid, reason in failed)
+    parts.append(encode_members(made.members))
+    parts.extend(_failed_runs(made.failed))
+    return b"".join(parts)
+
+
+def append_groups(view: SegmentView, groups: Sequence[Group]) -> bytes:
+    """The segment of `view`'s groups then `groups`, at its rseq and completion time: encode_segment's
+    bytes of them all, made of `view`'s columns and the new groups' end to end, none of its groups
+    read (a table's newest segment, untouched since it was written, grown by the groups completed
+    after it: core/verbs/segments.py)."""
+    made, held = _columns(groups), view.groups
+    count = held + len(groups)
+    if count >= 1 << 16:
+        raise ValueError(f"a segment holds 1 to 65535 groups, not {count}")
+    keys_are_uids = made.keys_are_uids and bool(view._flags & _KEYS_ARE_UIDS)
+    failed = view.runs() + [(index + held, uid, reason) for index, uid, reason in made.failed]
+    flags = (_KEYS_ARE_UIDS if keys_are_uids else 0) | (_HAS_FAILED if failed else 0)
+    ends = itertools.accumulate(made.sizes, initial=view.members.count)
+    parts: list[bytes | memoryview] = [
+        _SEGMENT.pack(ROWS, flags, count, view.rseq0, view.completed),
+        struct.pack(f"<{count}I", *view.ends, *itertools.islice(ends, 1, None)),
+    ]
+    data, at = view.data, view._created
+    for width, column in zip((8, 8, 8, 1), made.numbers, strict=True):  # each of its columns, then the new
+        parts += [data[at : at + width * held], column]
+        at += width * held
+    if not keys_are_uids:
+        encoded = [key.encode() for key in (*view.keys(0, held), *made.keys)]
+        parts.append(_offsets(encoded))
+        parts.extend(encoded)
+    parts.append(join_members(view.members, MemberBlock(encode_members(made.members))))
+    parts.extend(_failed_runs(failed))
     return b"".join(parts)
 
 
@@ -128,7 +186,11 @@ class SegmentView:
 
     def failed(self, g: int) -> dict[str, str]:
         """The runs group g's workers reported failed: uid -> reason."""
-        found: dict[str, str] = {}
+        return {uid: reason for index, uid, reason in self.runs() if index == g}
+
+    def runs(self) -> list[tuple[int, str, str]]:
+        """Every run its groups' workers reported failed: (group index, uid, reason), in group order."""
+        found: list[tuple[int, str, str]] = []
         if self._failed < 0:
             return found
         (count,) = struct.unpack_from("<I", self.data, self._failed)
@@ -137,8 +199,7 @@ class SegmentView:
             (index,) = struct.unpack_from("<H", self.data, pos)
             uid, pos = _unpack_str(self.data, pos + 2)
             reason, pos = _unpack_str(self.data, pos)
-            if index == g:
-                found[uid] = reason
+            found.append((index, uid, reason))
         return found
 
     def group(self, g: int) -> Group:
