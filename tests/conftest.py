@@ -94,6 +94,7 @@ LONG_FIRST = (
     "tests/test_verl_tq.py",
     "tests/faults/test_fault_push_memory.py",
     "tests/faults/test_fault_crash_loop.py",
+    "tests/faults/test_fault_crash_loop_pending.py",
 )
 
 
