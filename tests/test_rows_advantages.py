@@ -16,6 +16,7 @@ from test_advantages import exploding  # noqa: F401 (a fixture)
 from test_advantages_in_push import pushes
 from test_rows_pending import Watched, put_both
 
+from expbuf.client import decode
 from expbuf.server.advantages.batch_stage import finish_batch
 from expbuf.server.advantages.worker import AdvantageWorker, computed_in_push
 from expbuf.server.store import Store
@@ -306,4 +307,28 @@ def test_groups_a_quarantine_fails_are_heard_of_in_one_event_as_a_records_tables
         assert len(heard[0]) == 1 and heard[1] == heard[0]
         rows = store.stats("t_rows")
         assert (rows["groups_failed"], rows["groups_ready"], rows["leased"]) == (4, 1, 0)
+        clean(store, "t", "t_rows")
+
+
+@pytest.mark.parametrize("name", ["reinforceplusplus", "reinforce++_baseline"])
+def test_read_fields_of_experiences_none_computed_yet_of_a_token_level_table_returns_them(
+    tmp_path: Path, name: str
+) -> None:
+    """ReadFields (a client's get(): ReadFields without fields) of only pending and computing
+    experiences of a table whose batch stage finishes its advantages returns them without advantages,
+    as it does with a computed one among them (test_advantages' Get), on either layout. A token-valued
+    estimator's stage was run on an empty batch and failed (torch.cat of no tensors): a client's get()
+    of a pending group's runs was an internal error."""
+    with Store(tmp_path, clock=Clock(), batch_stage=finish_batch) as store:
+        both(store, "t", estimator=name, group_size=3, device="cpu")
+        put_both(store, "t", group_items(7, 0, 3)[:2] + group_items(7, 1, 3))  # 7/0 pending, 7/1 computing
+        uids = [f"7/{task}/{run}/0/r{run}s0" for task, run in ((0, 0), (0, 1), (1, 2))]
+        got = []
+        for table in ("t", "t_rows"):
+            batch, missing = store.read_fields(table, uids, whole=True)
+            try:
+                got.append((list(batch.uids), missing, [e.advantages for e in decode(batch.payload)]))
+            finally:
+                batch.release()
+        assert got[1] == got[0] == (uids, [], [None, None, None])
         clean(store, "t", "t_rows")

@@ -57,6 +57,8 @@ def _finish(
     if any(a is None for a in stored):  # experiences not computed yet (Get): finish the others
         done = [i for i, a in enumerate(stored) if a is not None]
         out = list(stored)
+        if not done:  # none computed: nothing to finish (a token-valued stage cannot run on no tokens)
+            return out
         finished = _finish(config, [records[i] for i in done], [stored[i] for i in done], report)
         for i, value in zip(done, finished, strict=True):
             out[i] = value
