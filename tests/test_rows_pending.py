@@ -544,7 +544,7 @@ class RandomSteps:
         self.computes = settings.get("estimator", "none") != "none"
         reuse = ("priority_decay", "reuse_cooldown_seconds", "max_times_sampled")
         self.replays = any(name in settings for name in reuse)  # its takes replay too
-        self.store = Store(root, clock=self.clock, extensions={"watched": Watched})
+        self.store = self.open()
         self.worker = self.attach()
         both(self.store, "t", group_by="task", extensions=["watched"], **{"estimator": "none", **settings})
         self.low = 0  # pushes go to tasks low..low+7, mostly to those whose groups are open
@@ -554,16 +554,20 @@ class RandomSteps:
         self.leases: dict[str, str] = {}  # the lease id of each table a call names
         self.log: list[str] = []
 
+    def open(self) -> Store:
+        """The store over `root`, at the start and at each restart."""
+        return Store(self.root, clock=self.clock, extensions={"watched": Watched})
+
     def both(self, what: str, call: Callable[[str], object]) -> object:
-        """`call` on each table: its result, or the error it raised (the table's name and lease ids
-        in its message made alike), asserted equal."""
+        """`call` on each table: its result, or the error it raised (the table's name, quoted or in a
+        hint's command line, and lease ids in its message made alike), asserted equal."""
         got: list[object] = []
         for table in ("t", "t_rows"):
             try:
                 got.append(call(table))
             except StoreError as exc:
-                message = str(exc).replace("'t_rows'", "'t'").replace(self.leases.get(table, "\0"), "<lease>")
-                got.append((type(exc).__name__, message))
+                message = str(exc).replace("'t_rows'", "'t'").replace(" t_rows ", " t ")
+                got.append((type(exc).__name__, message.replace(self.leases.get(table, "\0"), "<lease>")))
         self.log.append(f"{what} -> {got[0]!r}"[:300])
         assert got[1] == got[0], "\n".join(self.log[-25:])
         return got[0]
@@ -672,7 +676,7 @@ class RandomSteps:
 
     def restart(self) -> None:
         self.store.close()
-        self.store = Store(self.root, clock=self.clock, extensions={"watched": Watched})
+        self.store = self.open()
         self.worker = self.attach()
         self.log.append(f"released {self.store.release_holds()}")  # as a server's start gives held batches back
         self.held = [h for h in self.held if h[0] == "lease"]
@@ -746,12 +750,16 @@ class RandomSteps:
         version = self.rng.randint(0, 5)
         self.both(f"version {version}", lambda table: self.store.set_trainer_version(table, version))
 
-    def step(self) -> None:
-        steps: list[tuple[Callable[[], None], float]] = [
+    def steps(self) -> list[tuple[Callable[[], None], float]]:
+        """The steps to choose from, with their weights (a subclass adds its own)."""
+        return [
             (self.push, 10), (self.push_in_order, 1), (self.fail, 2), (self.seal, 1), (self.tick, 3),
             (self.take, 6 if self.replays else 3), (self.restart, 0.3), (self.end, 2 if self.held else 0),
             (self.report, 0.5), (self.compute, 2 if self.computes else 0), (self.delete, 1), (self.read, 0.5),
         ]  # fmt: skip
+
+    def step(self) -> None:
+        steps = self.steps()
         if self.rng.random() < 0.08:
             self.low += 1
         self.rng.choices([s for s, _ in steps], [w for _, w in steps])[0]()
