@@ -26,7 +26,7 @@ from expbuf.server.store.disk.rows import PendingHead, decode_member_rows, direc
 from expbuf.server.store.schema.errors import StoreError
 from expbuf.server.store.schema.estimator_registry import ESTIMATORS
 from expbuf.server.store.schema.sample_spec import TakeSpec
-from expbuf.server.store.schema.states import COMPUTING, READY
+from expbuf.server.store.schema.states import COMPUTING, DROPPED, READY
 from expbuf.server.store.schema.table_config import TableConfig
 
 from helpers import StoppedClock as Clock
@@ -332,3 +332,23 @@ def test_read_fields_of_experiences_none_computed_yet_of_a_token_level_table_ret
                 batch.release()
         assert got[1] == got[0] == (uids, [], [None, None, None])
         clean(store, "t", "t_rows")
+
+
+@pytest.mark.parametrize("group_size", [0, 2])
+def test_a_push_whose_groups_all_fall_under_the_std_threshold_is_heard_as_a_records_tables(
+    tmp_path: Path, group_size: int
+) -> None:
+    """A push computed in the push whose completed groups the estimator's std_threshold all drops: an
+    extension hears them dropped, one Retired event, as from a records table. A rows table told it
+    of a Moved event from pending to ready of no groups first."""
+    with Store(tmp_path, clock=Clock(), extensions={"watched": Watched}) as store:
+        worker = AdvantageWorker(store)
+        store.in_push = worker.in_push
+        params = {"std_threshold": 0.3}
+        both(store, "t", estimator="grpo", estimator_params=params, group_size=group_size, extensions=["watched"])
+        put_both(store, "t", group_items(3, 0, 2, reward=1.0) + group_items(3, 1, 2, reward=0.0))
+        heard = [next(e for e in store.extensions_of(t) if isinstance(e, Watched)).events for t in ("t", "t_rows")]
+        assert heard[1] == heard[0]
+        assert [event[:2] for event in heard[0]] == [("retired", DROPPED)] and len(heard[0][0][-1]) == 2
+        assert store.stats("t_rows")["dropped_std_threshold"] == 2
+        alike(store)

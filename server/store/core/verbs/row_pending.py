@@ -268,8 +268,11 @@ def complete(tt: TableState, groups: Sequence[tuple[RowGroup, bool, bool]], was:
     as groups pushed whole do: each with whether it completes partial (sealed, timed out, runs
     reported failed) and whether it was written (`keep`; a group opened and filled by one push never
     is). A computing group's head says whether it completed partial, and its place in the ready
-    order: the rseq it took when it completed, a records table's group's."""
-    views, partials, writes = zip(*groups, strict=True) if groups else ((), (), ())
+    order: the rseq it took when it completed, a records table's group's. No groups (those a push
+    completed all dropped by its computation): nothing moves, and an extension hears of nothing."""
+    if not groups:
+        return
+    views, partials, writes = zip(*groups, strict=True)
     if was == PENDING and not any(partials) and not any(writes):  # opened and completed by this request
         whole = [segments.whole(grp.key, grp.created, grp.rows, False, grp.failed) for grp in views]
         segments.complete_ready(tt, whole, was)
