@@ -1,11 +1,12 @@
 """More random steps for a rows table against a records table (test_rows_pending's RandomSteps): the
 calls and data a user has that RandomSteps leaves out. Damaged payloads found by quarantine, a Get,
-ReadFields or a take; Retire; reset_offpolicy; lease renewals, a rank's part of a lease, a Sample
-stream's confirms, a held group's runs damaged, deleted or failed meanwhile, and the clock past the
-leases' ends; reads of rollouts held in pieces; runs sharing a long prompt, and runs stored in
-chunks; tables of group_size 0; the prompt ledger's claims and their groups; token-level estimators
-with their batch stage; and `scan_directory` after every step. A walk with short tombstones or
-eviction checks each table on its own (there the layouts differ by design: docs/internals/storage.md).
+ReadFields or a take; ListExperiences' pages; Retire; reset_offpolicy; lease renewals, a rank's part
+of a lease, a Sample stream's confirms, a held group's runs damaged, deleted or failed meanwhile, and
+the clock past the leases' ends; reads of rollouts held in pieces; runs sharing a long prompt, and
+runs stored in chunks; tables of group_size 0; the prompt ledger's claims and their groups;
+token-level estimators with their batch stage; and `scan_directory` after every step. A walk with
+short tombstones or eviction checks each table on its own (there the layouts differ by design:
+docs/internals/storage.md), and that it holds no more than its capacity.
 
 EXPBUF_SOAK_SCALE (a whole number, default 1) runs each walk at that many seeds."""
 
@@ -151,6 +152,26 @@ class MoreSteps(RandomSteps):
         self.both("payload", lambda t: self.store.reads.payload(t, uids))
         self.both("partials", lambda t: self.store.reads.partials(t, tids))
 
+    def pages(self) -> None:
+        """ListExperiences page by page, of some states and versions, a few experiences a page: a rows
+        table lists from its segments' columns and pending heads, and must page as a records table."""
+        rng = self.rng
+        states = rng.choice([(), ("ready",), ("pending",), ("leased", "ready"), ("computing", "pending")])
+        low, high, limit = rng.choice([None, None, 1, 2]), rng.choice([None, None, 2, 3]), rng.randint(1, 7)
+
+        def call(table: str) -> object:
+            pages, after, done = [], 0, False
+            while not done:
+                page = self.store.reads.page(
+                    table, states=states, min_version=low, max_version=high, after=after, limit=limit
+                )
+                listed = [(e.uid, e.group, e.state, e.version, e.reward, e.times_sampled) for e in page.items]
+                pages.append((listed, page.next))
+                after, done = page.next, page.done
+            return pages
+
+        self.both(f"pages of {states} from {low} to {high}, {limit} a page", call)
+
     def retire(self) -> None:
         """Retire (a trainer's groups trained outside a lease) of a group or two, in whatever state."""
         groups = [f"0/{self.rng.randrange(self.low, self.low + 8)}" for _ in range(self.rng.randint(1, 2))]
@@ -280,9 +301,9 @@ class MoreSteps(RandomSteps):
         held, holds, claimed = bool(self.held), any(h[0] == "hold" for h in self.held), bool(self.claimed)
         return [
             *super().steps(),
-            (self.damage, 0.7), (self.retire, 0.7), (self.reset, 0.2), (self.fields, 0.5), (self.long_tick, 0.3),
-            (self.renew, 1 if held else 0), (self.part, 0.5 if held else 0), (self.stream, 1.5 if holds else 0),
-            (self.held_change, 1 if held else 0), (self.restart, 0.4),
+            (self.damage, 0.7), (self.retire, 0.7), (self.reset, 0.2), (self.fields, 0.5), (self.pages, 0.5),
+            (self.long_tick, 0.3), (self.restart, 0.4), (self.renew, 1 if held else 0),
+            (self.part, 0.5 if held else 0), (self.stream, 1.5 if holds else 0), (self.held_change, 1 if held else 0),
             (self.claim, 1.5 if self.ledger else 0), (self.claimed_push, 4 if claimed else 0),
             (self.claim_end, 1 if claimed else 0),
         ]  # fmt: skip
@@ -309,9 +330,16 @@ class AloneSteps(MoreSteps):
         self.held = [h for h in self.held if len(h[1]) == 2]  # a take that only one table served is let go
         return super().steps()
 
+    def __init__(self, root: Path, settings: dict[str, object], seed: int) -> None:
+        self.capacity = int(settings.get("capacity_experiences", 0))  # type: ignore[call-overload]
+        super().__init__(root, settings, seed)
+
     def check(self) -> None:
         for table in ("t", "t_rows"):
             assert self.store.verify(table) == [], (table, "\n".join(self.log[-25:]))
+            counts = self.store.stats(table)
+            live = sum(counts[state] for state in ("pending", "computing", "ready", "leased"))
+            assert live <= (self.capacity or live), (table, live, "\n".join(self.log[-25:]))
         for table in ("t", "t_rows"):
             for extension in self.store.extensions_of(table):
                 if isinstance(extension, Watched):
@@ -334,7 +362,17 @@ WALKS = [
     ({"group_size": 4, "shared": True, "chunked": True}, 2),
     ({"group_size": 8, "capacity_experiences": 30, "min_group_size": 4, "shared": True}, 5),
     ({"group_size": 4, "priority_decay": 1.0, "reuse_cooldown_seconds": 5, "max_times_sampled": 4}, 8),
-    ({"group_size": 0, "group_timeout_seconds": 6, "shared": True, "estimator": "grpo", "in_push": True}, 12),
+    (
+        {
+            "group_size": 0,
+            "group_timeout_seconds": 6,
+            "shared": True,
+            "estimator": "grpo",
+            "estimator_params": {"std_threshold": 0.3},
+            "in_push": True,
+        },
+        12,
+    ),
     ({"group_size": 4, "ledger": True, "group_timeout_seconds": 6, "min_group_size": 2}, 22),
     ({"group_size": 4, "estimator": "reinforceplusplus", "stage": True, "evict_stale": True, "max_staleness": 1}, 31),
 ]
