@@ -735,6 +735,37 @@ def test_trained_groups_retire_and_a_lease_is_read_in_parts_as_a_records_tables(
         assert counts["consumed"] == 6 * 8 and counts["ready"] == 6 * 8  # type: ignore[index]
 
 
+@pytest.mark.parametrize("order", ["lifo", "priority"])
+@pytest.mark.parametrize("hold", [False, True])
+def test_a_lease_taken_out_of_its_groups_places_order_is_read_in_parts_in_the_batchs_order(
+    tmp_path: Path, order: str, hold: bool
+) -> None:
+    """A lifo or priority take's lease (or held batch) of a table that does not reuse: its rank parts
+    list its groups in the order the batch gave them, as a records table's do and as the client's
+    `batch.rank_parts` splits them (docs/concepts/sampling.md: "the very parts read_part serves"). A
+    rows table kept such a lease as ranges of places and read its parts in the places' order: one
+    rank's part was all of the batch reordered, two ranks' parts were swapped."""
+    with Store(tmp_path, clock=Clock()) as store:
+        both(store, "t", estimator="none", group_by="task", group_size=2)
+        found: dict[str, tuple[object, ...]] = {}
+        for table in ("t", "t_rows"):
+            items = [make_experience(0, task, n, priority=float(task)) for task in range(3) for n in range(2)]
+            store.put(table, [trxp.from_experience(exp) for exp in items])
+            spec = TakeSpec(table=table, num_groups=2, order=order, delivery="consume" if hold else "lease")
+            batch = store.sample(spec, hold=hold)
+            assert batch is not None
+            parts = [
+                store.lease_part(table, batch.lease_id, rank, ranks, "tokens")
+                for ranks in (1, 2)
+                for rank in range(ranks)
+            ]
+            found[table] = (list(batch.uids), parts)
+        assert found["t_rows"] == found["t"]
+        uids, parts = found["t"]
+        assert parts[0] == uids and parts[1:] == [uids[:2], uids[2:]]  # type: ignore[index]
+        assert uids[0].startswith("0/2/")  # type: ignore[index]
+
+
 @pytest.mark.parametrize("hold", [False, True])
 def test_replayed_batches_are_a_records_tables(tmp_path: Path, hold: bool) -> None:
     """Replay keeps the groups ready where they are, their deliveries counted, until

@@ -19,7 +19,7 @@ from ..table_state.events import Moved
 from ..table_state.picks import Picked, Picks, Views, moved_view, picks, views
 from ..table_state.state import TableState
 from .row_moves import count_moved, mark, retire
-from .row_select import NO_LEASE, Segments, placed, ranges, run_key, taken
+from .row_select import NO_LEASE, Segments, placed, run_key, taken
 
 
 def hold(tt: TableState, segments: Segments, picked: Sequence[Picked], lease_id: str) -> list[tuple[int, int, int]]:
@@ -31,18 +31,16 @@ def hold(tt: TableState, segments: Segments, picked: Sequence[Picked], lease_id:
     segments.save()
     if tt.extensions.hears("on_moved"):
         tt.extensions.on_moved(tt, Moved(READY, LEASED, views(picked, LEASED, lease_id)))
-    reuse = tt.config.reuse
-    return _lease_runs(picked, taken=reuse.priority_decay > 0 or reuse.cooldown_seconds > 0)
+    return _lease_runs(picked)
 
 
-def _lease_runs(picked: Sequence[Picked], *, taken: bool = False) -> list[tuple[int, int, int]]:
-    """Picked groups as runs (segment, first group, groups) of consecutive ones; with `taken`, in the
-    order picked (a table that reuses replayed groups requeues a held batch's in the order it was
-    taken, as a records table's lease names them: row_requeue.py)."""
+def _lease_runs(picked: Sequence[Picked]) -> list[tuple[int, int, int]]:
+    """Picked groups as runs (segment, first group, groups) of consecutive ones, in the order picked,
+    as a records table's lease names its groups: a lease's rank parts are read in the batch's order
+    (reading.lease_groups; the client's batch.rank_parts splits the batch so), and a table that
+    reuses requeues a held batch's replayed groups in the order they were taken (row_requeue.py). A
+    lifo or priority take that reaches groups out of their places' order keeps a run for each."""
     picked = Picks.of(picked)
-    if not taken:
-        places = picked.by_segment()
-        return [(seg, first, n) for seg, indexes in places.items() for first, n in ranges(indexes)]
     runs: list[tuple[int, int, int]] = []
     for run in picked.runs:
         for g in run.places:
