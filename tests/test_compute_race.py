@@ -40,7 +40,7 @@ def test_values_of_a_group_pushed_again_while_computed_are_not_stored_in_it(tmp_
         assert store.delete("t", group_ids=["1/0"]) == 2
         repushed = {0: 1.0, 2: 0.0} if again == "other runs" else {0: 0.0, 1: 1.0}
         store.put("t", runs(0, repushed))
-        store.finish_compute(job.table, *computed, members=job.digests())
+        store.finish_compute(job.table, *computed, places=job.queued())
         assert store.stats("t")["groups_computing"] == 1 and store.stats("t")["groups_ready"] == 1
         assert store.verify("t") == []
         assert AdvantageWorker(store).run_once() == 1
@@ -51,6 +51,26 @@ def test_values_of_a_group_pushed_again_while_computed_are_not_stored_in_it(tmp_
         for prefix, sign in (first, second):
             (value,) = [value for uid, value in got.items() if uid.startswith(prefix)]
             assert value == pytest.approx(sign * 0.7071, abs=1e-3)
+        assert store.verify("t") == []
+
+
+@pytest.mark.usefixtures("table_layout")
+def test_values_of_a_group_pushed_again_with_some_of_its_runs_are_not_stored_in_it(tmp_path: Path) -> None:
+    """Pushed again with some of the same runs, unchanged, the rest reported failed: the group's
+    members were all read, of the same content, but the values were computed for the group of four."""
+    with Store(tmp_path) as store:
+        store.create_table(TableConfig.of(name="t", group_by="task", group_size=4, min_group_size=2))
+        store.put("t", runs(0, {0: 1.0, 1: 0.0, 2: 1.0, 3: 1.0}))
+        (job,) = store.compute_backlog()
+        computed = compute(job)
+        store.delete("t", group_ids=["1/0"])
+        store.put("t", runs(0, {0: 1.0, 1: 0.0}))
+        store.fail_runs("t", ["1/0/2/0/r2s0", "1/0/3/0/r3s0"], ["oom", "oom"])
+        store.finish_compute(job.table, *computed, places=job.queued())
+        assert store.stats("t")["groups_computing"] == 1
+        assert AdvantageWorker(store).run_once() == 1
+        got = advantages_of(store, "t", 1)
+        assert sorted(got.values()) == pytest.approx([-0.7071, 0.7071], abs=1e-3)  # the group of two's
         assert store.verify("t") == []
 
 

@@ -302,7 +302,7 @@ class AdvantageWorker:
 
     def _finish(self, job: ComputeJob, result: tuple) -> list[float] | None:
         values, ready, dropped, failed, update = result
-        self.store.finish_compute(job.table, values, ready, dropped, failed, update, members=job.digests())
+        self.store.finish_compute(job.table, values, ready, dropped, failed, update, places=job.queued())
         for gkey in job.groups:
             self._tries.pop((job.table, gkey), None)
         for gkey, reason in failed.items():
@@ -321,7 +321,7 @@ class AdvantageWorker:
         for gkey, reason in reasons.items():
             self._tries.pop((job.table, gkey), None)
             log.error("advantages failed for group %s of table %s: %s", clip(gkey), job.table, reason)
-        self.store.finish_compute(job.table, {}, [], failed=reasons, members=job.digests())
+        self.store.finish_compute(job.table, {}, [], failed=reasons, places=job.queued())
         self._failed(job, "failed", len(errors))
 
     def _failed(self, job: ComputeJob, outcome: str, groups: int) -> None:

@@ -489,15 +489,14 @@ class Store(ServiceCalls):
         dropped: Sequence[str] = (),
         failed: dict[str, str] | None = None,
         shaping: ShapingUpdate | None = None,
-        members: Mapping[str, bytes] | None = None,
+        places: Mapping[str, int] | None = None,
     ) -> None:
         """Store computed advantages and release their groups; drop or fail the others.
         Groups deleted or evicted meanwhile are left alone. What reward shaping did (its
-        counts and running moments) is saved in the same transaction. `members`: the digest of each
-        member the computation read, by uid (`ComputeJob.digests`): a group with a member that is
-        not among them, or of other content, was deleted and pushed again meanwhile, and stays
-        computing for the worker's next pass."""
+        counts and running moments) is saved in the same transaction. `places`: each group's place
+        in the compute queue as the computation read it (`ComputeJob.queued`): a group no longer
+        there was deleted and pushed again meanwhile, and stays computing for the worker's next pass."""
 
         self._in_table(
-            table, lambda tt: groups.finish_compute(tt, advantages, ready, dropped, failed or {}, shaping, members)
+            table, lambda tt: groups.finish_compute(tt, advantages, ready, dropped, failed or {}, shaping, places)
         )

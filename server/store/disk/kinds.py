@@ -306,11 +306,13 @@ class ComputeJob:
     records: dict[str, MemberView]  # by uid: reward, ids, step, lengths
     blobs: dict[str, bytes]  # the stored experiences, only for estimators that read tokens
     moments: list[float] | None = None  # the table's running reward moments (counters' reward_moments)
+    places: list[int] = field(default_factory=list)  # each group's place in the compute queue, as read
 
-    def digests(self) -> dict[str, bytes]:
-        """The digest of each member it read, by uid: what finish_compute's `members` checks a group
-        against, so that values computed for a group deleted and pushed again meanwhile stay out."""
-        return {uid: record.digest for uid, record in self.records.items()}
+    def queued(self) -> dict[str, int]:
+        """Each group's place in the compute queue as the job read it (the rseq it took when it
+        completed), by key: what finish_compute's `places` checks, so that values computed for a group
+        deleted and pushed again meanwhile (which completed again, at another place) stay out."""
+        return dict(zip(self.groups, self.places, strict=True))
 
     def split(self) -> list[ComputeJob]:
         """One job per group, to find which group a failed computation cannot take."""
@@ -323,8 +325,9 @@ class ComputeJob:
                 records={uid: self.records[uid] for uid in members},
                 blobs={uid: self.blobs[uid] for uid in members if uid in self.blobs},
                 moments=self.moments,
+                places=[place],
             )
-            for gkey, members in zip(self.groups, self.members, strict=True)
+            for gkey, members, place in zip(self.groups, self.members, self.places, strict=True)
         ]
 
 

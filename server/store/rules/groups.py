@@ -21,7 +21,7 @@ from ..core.table_state.state import TableState
 from ..core.table_state.views import RowGroup
 from ..core.verbs import groups as core_groups
 from ..core.verbs import pieces, row_pending
-from ..core.verbs.compute import computed_from, store_advantages, store_row_advantages
+from ..core.verbs.compute import still_queued, store_advantages, store_row_advantages
 from ..core.verbs.groups import Closed
 from ..core.verbs.retire import retire
 from ..disk.kinds import Ahead, Compute, FailResult, ShapingUpdate
@@ -140,15 +140,15 @@ def finish_compute(
     dropped: Sequence[str],
     failed: dict[str, str],
     shaping: ShapingUpdate | None = None,
-    members: Mapping[str, bytes] | None = None,
+    places: Mapping[str, int] | None = None,
 ) -> None:
     """One value per experience goes into its record (rewritten anyway to become ready),
     with its shaped reward where the batch stage needs it; token-level advantages, being
     larger, into the adv database. What reward shaping did (its counts and running
     moments) is saved with them. Groups deleted or evicted meanwhile are left alone; one with a
-    member whose record the directory lost fails instead (the quarantine rule). Given the
-    computation's `members` (uid -> digest), a group that is not the one computed (deleted and
-    pushed again: a member not among them, or of other content) is left alone too, computing."""
+    member whose record the directory lost fails instead (the quarantine rule). Given each group's
+    place in the compute queue as the computation read it (`places`), a group that is no longer
+    there (deleted and pushed again, it completed again elsewhere) is left alone too, computing."""
     if shaping is not None:
         add_shaping(tt, shaping)
     ending = Ending(tt)
@@ -157,7 +157,7 @@ def finish_compute(
     rows: list[tuple[RowGroup, bool, bool]] = []  # a rows table's: completing as row_pending.complete has it
     for gkey in dict.fromkeys([*ready, *dropped, *failed]):
         grp = tt.view(gkey)
-        if grp is None or grp.state != COMPUTING or not (members is None or computed_from(tt, grp, members)):
+        if grp is None or grp.state != COMPUTING or not (places is None or still_queued(tt, gkey, places.get(gkey))):
             continue
         if gkey in failed:
             ending.fail(gkey, grp, failed[gkey])

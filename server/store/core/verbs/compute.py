@@ -6,7 +6,7 @@ advantage workers read it (`backlog`), table by table in turns."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 
 import lmdb
 
@@ -18,7 +18,7 @@ from ...disk.records import GroupRecord, ItemRecord
 from ...disk.rows import PendingHead, directory_entry
 from ...schema.states import COMPUTING, READY, State
 from ...schema.table_config import TableConfig, estimator_of
-from ...schema.views import GroupView, Members, MemberView
+from ...schema.views import Members, MemberView
 from ..ordering.ready import Row
 from ..table_state import rate_counts
 from ..table_state.counters import read_counters
@@ -84,6 +84,7 @@ def backlog(
                         damaged.setdefault(name, []).extend(bad)
                     elif whole_group:
                         job.groups.append(gkey.decode())
+                        job.places.append(int.from_bytes(cur.key()[len(prefix) :], "big"))
                         job.members.append(uids)
                         job.records |= records
                         job.blobs |= {uid: bytes(whole(blob)) for uid, blob in blobs.items()}
@@ -156,14 +157,12 @@ def store_advantages(
     return [(gkey.encode(), grp.ready_seq, grp.priority, grp.version) for gkey, grp in placed]
 
 
-def computed_from(tt: TableState, grp: GroupView, members: Mapping[str, bytes]) -> bool:
-    """Whether a computing group is the one a computation read: each member it has now among the
-    `members` read (uid -> digest), of the same content. One deleted and pushed again meanwhile has
-    another run, or a run of other content: values computed for the group it was are not its own."""
-    if isinstance(grp, RowGroup):
-        return all(members.get(member.uid) == member.digest for member in grp.rows)
-    views = [(uid, tt.item(uid)) for uid in grp.members]
-    return all(uid in members if view is None else members.get(uid) == view.digest for uid, view in views)
+def still_queued(tt: TableState, gkey: str, place: int | None) -> bool:
+    """Whether a computing group is the one a computation read: still at the `place` in the compute
+    queue where it was read. A group deleted and pushed again meanwhile completed again, at another
+    place: values computed for the group it was are not its own (whatever runs it has now), while one
+    that only lost a member since is the same group."""
+    return place is not None and tt.txn.get(tt.prefix + layout.u64(place), db=tt.db["compute"]) == gkey.encode()
 
 
 def _values(
