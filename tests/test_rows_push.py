@@ -413,3 +413,34 @@ def test_a_group_completed_into_the_newest_segment_moves_its_oldest_member(tmp_p
         assert len(rows_of(store, "t_rows")["segs"]) == 1
         assert store.stats("t_rows")["oldest_age_seconds"] == store.stats("t")["oldest_age_seconds"] == 100
         assert store.verify("t_rows") == [] and store.verify("t") == []
+
+
+@pytest.mark.parametrize("order", ["fifo", "lifo", "priority", "uniform"])
+def test_a_newest_segment_held_and_given_back_whole_grows_as_one_never_held(tmp_path: Path, order: str) -> None:
+    """The newest segment's groups held by a take in any order and given back: where that leaves its
+    state and run as they were written (a fifo take's one run), the next pushes' groups join it;
+    else they start a segment of their own. Either way the table stays a records table's twin."""
+    clock = Clock()
+    with Store(tmp_path, clock=clock) as store:
+        both(store, "t", **ONES)
+        items = [trxp.from_experience(make_experience(0, task, 0, reward=float(task % 3))) for task in range(10)]
+
+        def push(part: list[trxp.RawItem]) -> None:
+            for item in part:
+                clock.now += 1
+                for table in ("t", "t_rows"):
+                    store.put(table, [item])
+
+        push(items[:5])
+        for table in ("t", "t_rows"):
+            held = store.sample(TakeSpec(table, num_groups=5, wait_seconds=0, order=order), hold=True)
+            assert held is not None
+            store.give_back(held.lease_id, table)
+        push(items[5:])
+        groups = [SegmentView(value).groups for value in rows_of(store, "t_rows")["segs"].values()]
+        assert (groups == [10]) if order == "fifo" else (sum(groups) == 10)
+        assert layouts_stats(store, "t_rows") == layouts_stats(store, "t")
+        while take_both(store, "t", num_groups=3, allow_partial=True) is not None:
+            pass
+        assert store.stats("t_rows")["consumed"] == 10
+        assert store.verify("t_rows") == [] and store.verify("t") == []
