@@ -766,9 +766,11 @@ class RandomSteps:
         self.check()
 
 
-def walk(root: Path, settings: dict[str, object], seed: int, steps: int = 250) -> None:
-    """`steps` of RandomSteps over tables of `settings` in `root`."""
-    walker = RandomSteps(root, settings, seed)
+def walk(
+    root: Path, settings: dict[str, object], seed: int, steps: int = 250, kind: type[RandomSteps] = RandomSteps
+) -> None:
+    """`steps` of RandomSteps (or of its `kind`) over tables of `settings` in `root`."""
+    walker = kind(root, settings, seed)
     try:
         for _ in range(steps):
             walker.step()

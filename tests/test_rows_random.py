@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_rows_pending import RandomSteps, Watched, reply, uid
+from test_rows_pending import RandomSteps, Watched, reply, uid, walk
 
 from expbuf.client import trxp
 from expbuf.client.schema.experience import EID, Experience
@@ -349,15 +349,6 @@ class AloneSteps(MoreSteps):
         assert not any(report.values()), (report, "\n".join(self.log[-25:]))
 
 
-def walk(kind: type[MoreSteps], root: Path, settings: dict[str, object], seed: int, steps: int) -> None:
-    walker = kind(root, settings, seed)
-    try:
-        for _ in range(steps):
-            walker.step()
-    finally:
-        walker.store.close()
-
-
 WALKS = [
     ({"group_size": 4, "shared": True, "chunked": True}, 2),
     ({"group_size": 8, "capacity_experiences": 30, "min_group_size": 4, "shared": True}, 5),
@@ -386,7 +377,7 @@ ALONE = [
 def test_more_random_steps_leave_a_rows_table_as_a_records_tables(
     tmp_path: Path, settings: dict[str, object], seed: int, round: int
 ) -> None:
-    walk(MoreSteps, tmp_path, settings, seed + 1000 * round, 150)
+    walk(tmp_path, settings, seed + 1000 * round, 150, kind=MoreSteps)
 
 
 @pytest.mark.parametrize("round", range(SCALE))
@@ -394,4 +385,4 @@ def test_more_random_steps_leave_a_rows_table_as_a_records_tables(
 def test_random_steps_where_the_layouts_differ_leave_each_table_sound(
     tmp_path: Path, settings: dict[str, object], seed: int, round: int
 ) -> None:
-    walk(AloneSteps, tmp_path, settings, seed + 1000 * round, 150)
+    walk(tmp_path, settings, seed + 1000 * round, 150, kind=AloneSteps)

@@ -12,6 +12,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
@@ -29,6 +30,7 @@ from helpers import group_items, serving, wait_for
 from helpers import servers as servers  # the fault modules that start children in a `with` block import it here
 
 SCALE = int(os.environ.get("EXPBUF_SOAK_SCALE", "1"))
+GONE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED)  # cut by a kill
 SERVICE = "expbuf.v1.ExperienceBuffer"
 MAX_MESSAGE = 256 << 20
 
@@ -215,3 +217,123 @@ def trimmed(pid: int, at_most: float) -> None:
             last, steady_from = anon, now
         if start - anon >= 8 << 20 and now - began >= TRIM_IDLE and now - steady_from >= 0.2:
             return
+
+
+# ---- a crash loop's clients ------------------------------------------------------------------
+
+
+@dataclass
+class ClientLedger:
+    """What a crash loop's clients were told, in the order they were told it: the uids acknowledged,
+    those consumed for sure and those maybe consumed (a reply or a stream cut by a kill), and the
+    rules broken (`violations`). A crash loop's own ledger adds its pushes' checks."""
+
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    acked: set[str] = field(default_factory=set)
+    consumed: dict[str, str] = field(default_factory=dict)  # consumed for sure: uid -> how
+    uncertain: set[str] = field(default_factory=set)  # maybe consumed: the reply or the stream was cut
+    violations: list[str] = field(default_factory=list)
+
+    def deliver(self, uids: list[str], gids: list[str], how: str) -> None:
+        """A batch received (its uids and their groups'): nothing in it consumed before."""
+        with self.lock:
+            self.delivered_again(uids, how)
+
+    def delivered_again(self, uids: list[str], how: str) -> None:
+        """Under the lock: a violation where a batch holds uids consumed before."""
+        again = sorted(self.consumed.keys() & set(uids))
+        if again:
+            self.violations.append(
+                f"{how} delivered {len(again)} uid(s) again that were consumed ({self.consumed[again[0]]}), "
+                f"e.g. {again[:2]}"
+            )
+
+    def consume(self, uids: list[str], how: str) -> None:
+        with self.lock:
+            self.consumed.update(dict.fromkeys(uids, how))
+
+    def maybe_consumed(self, uids: list[str]) -> None:
+        with self.lock:
+            self.uncertain.update(uids)
+
+    def unexpected(self, what: str, exc: grpc.RpcError) -> None:
+        with self.lock:
+            self.violations.append(f"{what}: {exc.code().name}: {exc.details()}")
+
+
+def _of(what: str, table: str) -> str:
+    return f"{what} of {table}" if table else what
+
+
+def lease_sampler(
+    target: str, stop: threading.Event, ledger: ClientLedger, table: str = "", lease_seconds: float = 2.0
+) -> None:
+    """Leases batches of two groups of `table`; acks every other one and leaves the rest to expire."""
+    with channel(target) as chan:
+        buffer = stub(chan)
+        count = 0
+        while not stop.is_set():
+            request = pb.SampleRequest(
+                table=table, num_groups=2, delivery=pb.DELIVERY_LEASE, lease_seconds=lease_seconds, wait_seconds=0.5
+            )
+            stream = SampleStream(buffer, request, timeout=30)
+            try:
+                for reply in stream:
+                    uids = list(reply.uids)
+                    ledger.deliver(uids, list(reply.group_ids), "a lease")
+                    count += 1
+                    if count % 2 == 0:
+                        try:
+                            buffer.Ack(pb.AckRequest(table=table, lease_id=reply.lease_id), timeout=10)
+                            ledger.consume(uids, "acked under a lease")
+                        except grpc.RpcError as exc:
+                            if exc.code() != grpc.StatusCode.NOT_FOUND:  # NOT_FOUND: expired first, it is back
+                                ledger.maybe_consumed(uids)
+                                raise
+                    if stop.is_set():
+                        stream.stop()
+                        break
+            except grpc.RpcError as exc:
+                if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:  # nothing ready in time: ask again
+                    continue
+                if exc.code() not in GONE:
+                    ledger.unexpected(_of("a lease sampler", table), exc)
+                return
+
+
+def consume_sampler(
+    target: str, stop: threading.Event, ledger: ClientLedger, table: str = "", window: int = 1, num_groups: int = 2
+) -> None:
+    """Raw DELIVERY_CONSUME streams of up to 4 batches of `table`, `window` ahead. A batch is consumed
+    for sure once the server has sent the one `window` after it (it takes that only in the commit
+    that consumes the confirmed ones) or ended the stream normally; the last `window` batches of a
+    cut stream may come back."""
+    with channel(target) as chan:
+        buffer = stub(chan)
+        while not stop.is_set():
+            request = pb.SampleRequest(
+                table=table,
+                num_groups=num_groups,
+                delivery=pb.DELIVERY_CONSUME,
+                wait_seconds=0.5,
+                max_batches=4,
+                window=window,
+            )
+            recent: list[list[str]] = []  # the batches that may not be consumed yet, oldest first
+            try:
+                for reply in SampleStream(buffer, request, timeout=30):
+                    uids = list(reply.uids)
+                    ledger.deliver(uids, list(reply.group_ids), "a consume stream")
+                    recent.append(uids)
+                    if len(recent) > window:
+                        ledger.consume(recent.pop(0), "a consume stream moved a window past it")
+                for uids in recent:
+                    ledger.consume(uids, "a batch of a consume stream that ended normally")
+            except grpc.RpcError as exc:
+                for uids in recent:
+                    ledger.maybe_consumed(uids)
+                if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:  # nothing ready in time: ask again
+                    continue
+                if exc.code() not in GONE:
+                    ledger.unexpected(_of("a consume sampler", table), exc)
+                return

@@ -17,7 +17,6 @@ import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
@@ -26,7 +25,21 @@ import pytest
 from expbuf.proto.v1 import buffer_pb2 as pb
 from expbuf.proto.v1 import buffer_pb2_grpc as pb_grpc
 
-from faultkit import SampleStream, channel, check_data, computed, payload, sample_all, scaled, stats, stub
+from faultkit import (
+    GONE,
+    ClientLedger,
+    SampleStream,
+    channel,
+    check_data,
+    computed,
+    consume_sampler,
+    lease_sampler,
+    payload,
+    sample_all,
+    scaled,
+    stats,
+    stub,
+)
 from helpers import ServerProcess, wait_for
 
 pytestmark = pytest.mark.faults
@@ -35,18 +48,10 @@ pytestmark = pytest.mark.faults
 ROUNDS = scaled(2)  # a kill, a restart on the killed data, a second kill; more with EXPBUF_SOAK_SCALE
 PROMPT = 300  # int32 tokens: every group's runs refer to one shared prompt, counted through the kills
 LEASE_SECONDS = 2.0
-GONE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED)
 
 
-@dataclass
-class Ledger:
+class Ledger(ClientLedger):
     """What the clients were told, in the order they were told it."""
-
-    lock: threading.Lock = field(default_factory=threading.Lock)
-    acked: set[str] = field(default_factory=set)
-    consumed: dict[str, str] = field(default_factory=dict)  # consumed for sure: uid -> how
-    uncertain: set[str] = field(default_factory=set)  # maybe consumed: the reply or the stream was cut
-    violations: list[str] = field(default_factory=list)
 
     def pushed(self, sent: list[str], reply: pb.PushReply) -> None:
         answered = set(reply.stored_uids) | set(reply.duplicate_uids)
@@ -54,27 +59,6 @@ class Ledger:
             if answered != set(sent):
                 self.violations.append(f"a push of {sorted(sent)} was answered for {sorted(answered)}")
             self.acked |= answered
-
-    def deliver(self, uids: list[str], how: str) -> None:
-        with self.lock:
-            again = sorted(self.consumed.keys() & set(uids))
-            if again:
-                self.violations.append(
-                    f"{how} delivered {len(again)} uid(s) again that were consumed ({self.consumed[again[0]]}), "
-                    f"e.g. {again[:2]}"
-                )
-
-    def consume(self, uids: list[str], how: str) -> None:
-        with self.lock:
-            self.consumed.update(dict.fromkeys(uids, how))
-
-    def maybe_consumed(self, uids: list[str]) -> None:
-        with self.lock:
-            self.uncertain.update(uids)
-
-    def unexpected(self, what: str, exc: grpc.RpcError) -> None:
-        with self.lock:
-            self.violations.append(f"{what}: {exc.code().name}: {exc.details()}")
 
 
 class Pusher:
@@ -146,77 +130,15 @@ class StreamPusher(Pusher):
                 ended.set()
 
 
-def lease_sampler(target: str, stop: threading.Event, ledger: Ledger) -> None:
-    """Leases batches of two groups; acks every other one and leaves the rest to expire."""
-    with channel(target) as chan:
-        buffer = stub(chan)
-        count = 0
-        while not stop.is_set():
-            request = pb.SampleRequest(
-                num_groups=2, delivery=pb.DELIVERY_LEASE, lease_seconds=LEASE_SECONDS, wait_seconds=0.5
-            )
-            stream = SampleStream(buffer, request, timeout=30)
-            try:
-                for reply in stream:
-                    uids = list(reply.uids)
-                    ledger.deliver(uids, "a lease")
-                    count += 1
-                    if count % 2 == 0:
-                        try:
-                            buffer.Ack(pb.AckRequest(lease_id=reply.lease_id), timeout=10)
-                            ledger.consume(uids, "acked under a lease")
-                        except grpc.RpcError as exc:
-                            if exc.code() != grpc.StatusCode.NOT_FOUND:  # NOT_FOUND: expired first, it is back
-                                ledger.maybe_consumed(uids)
-                                raise
-                    if stop.is_set():
-                        stream.stop()
-                        break
-            except grpc.RpcError as exc:
-                if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:  # nothing ready in time: ask again
-                    continue
-                if exc.code() not in GONE:
-                    ledger.unexpected("a lease sampler", exc)
-                return
-
-
-def consume_sampler(target: str, stop: threading.Event, ledger: Ledger, window: int = 1) -> None:
-    """Raw DELIVERY_CONSUME streams of up to 4 batches, `window` ahead. A batch is consumed for
-    sure once the server has sent the one `window` after it (it takes that only in the commit
-    that consumes the confirmed ones) or ended the stream normally; the last `window` batches
-    of a cut stream may come back."""
-    with channel(target) as chan:
-        buffer = stub(chan)
-        while not stop.is_set():
-            request = pb.SampleRequest(
-                num_groups=2, delivery=pb.DELIVERY_CONSUME, wait_seconds=0.5, max_batches=4, window=window
-            )
-            recent: list[list[str]] = []  # the batches that may not be consumed yet, oldest first
-            try:
-                for reply in SampleStream(buffer, request, timeout=30):
-                    uids = list(reply.uids)
-                    ledger.deliver(uids, "a consume stream")
-                    recent.append(uids)
-                    if len(recent) > window:
-                        ledger.consume(recent.pop(0), "a consume stream moved a window past it")
-                for uids in recent:
-                    ledger.consume(uids, "a batch of a consume stream that ended normally")
-            except grpc.RpcError as exc:
-                for uids in recent:
-                    ledger.maybe_consumed(uids)
-                if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:  # nothing ready in time: ask again
-                    continue
-                if exc.code() not in GONE:
-                    ledger.unexpected("a consume sampler", exc)
-                return
-
-
 def run_load(target: str, seconds: float, pushers: list[Pusher], ledger: Ledger, before_stop: Callable[[], None]):
     """Run every worker for `seconds`, then call before_stop (a kill, or nothing) and stop them."""
     stop = threading.Event()
     workers = [threading.Thread(target=p.run, args=(target, stop)) for p in pushers]
-    workers += [threading.Thread(target=fn, args=(target, stop, ledger)) for fn in (lease_sampler, consume_sampler)]
-    workers.append(threading.Thread(target=consume_sampler, args=(target, stop, ledger, 3)))
+    workers += [
+        threading.Thread(target=lease_sampler, args=(target, stop, ledger), kwargs={"lease_seconds": LEASE_SECONDS}),
+        threading.Thread(target=consume_sampler, args=(target, stop, ledger)),
+        threading.Thread(target=consume_sampler, args=(target, stop, ledger), kwargs={"window": 3}),
+    ]
     for worker in workers:
         worker.start()
     time.sleep(seconds)
@@ -238,7 +160,7 @@ def drain(target: str, ledger: Ledger) -> set[str]:
         while True:
             before = len(got)
             for reply in SampleStream(buffer, request):
-                ledger.deliver(list(reply.uids), "the final drain")
+                ledger.deliver(list(reply.uids), list(reply.group_ids), "the final drain")
                 buffer.Ack(pb.AckRequest(lease_id=reply.lease_id), timeout=30)
                 ledger.consume(list(reply.uids), "acked by the final drain")
                 got.update(reply.uids)

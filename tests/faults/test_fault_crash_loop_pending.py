@@ -38,7 +38,18 @@ from expbuf.client import trxp
 from expbuf.proto.v1 import buffer_pb2 as pb
 from expbuf.proto.v1 import buffer_pb2_grpc as pb_grpc
 
-from faultkit import SampleStream, channel, check_data, scaled, stats, stub
+from faultkit import (
+    GONE,
+    ClientLedger,
+    SampleStream,
+    channel,
+    check_data,
+    consume_sampler,
+    lease_sampler,
+    scaled,
+    stats,
+    stub,
+)
 from helpers import ServerProcess, group_items, wait_for
 
 pytestmark = pytest.mark.faults
@@ -47,7 +58,6 @@ ROUNDS = scaled(2)  # kills, each followed by a restart on the killed data; more
 SEED = int(os.environ.get("EXPBUF_CRASH_SEED", "11"))  # another seed, to hunt with
 PROMPT = 300  # int32 tokens: every run refers to one shared prompt, counted through the kills
 LEASE_SECONDS = 2.0
-GONE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED)
 WHOLE, SEALED, PENDING, PENDING_SEALED = "whole", "sealed", "pending", "pending then sealed"
 FATES = (WHOLE,) * 5 + (SEALED,) * 2 + (PENDING,) * 2 + (PENDING_SEALED,)
 
@@ -117,19 +127,14 @@ Chunk = tuple[Group, list[int]]
 
 
 @dataclass
-class Ledger:
+class Ledger(ClientLedger):
     """What the clients were told, and the plan of every group."""
 
-    lock: threading.Lock = field(default_factory=threading.Lock)
     groups: dict[str, Group] = field(default_factory=dict)
     uid_of: dict[str, tuple[Group, int]] = field(default_factory=dict)
-    acked: set[str] = field(default_factory=set)
     stored: set[str] = field(default_factory=set)  # answered as stored (never twice)
-    consumed: dict[str, str] = field(default_factory=dict)  # consumed for sure: uid -> how
-    uncertain: set[str] = field(default_factory=set)  # maybe consumed: the reply or the stream was cut
     delivered_groups: set[str] = field(default_factory=set)
     to_seal: queue.SimpleQueue[Group] = field(default_factory=queue.SimpleQueue)
-    violations: list[str] = field(default_factory=list)
 
     def plan(self, group: Group) -> None:
         with self.lock:
@@ -163,12 +168,7 @@ class Ledger:
     def deliver(self, uids: list[str], gids: list[str], how: str) -> None:
         """A batch received: nothing in it consumed before, each of its groups whole and due."""
         with self.lock:
-            again = sorted(self.consumed.keys() & set(uids))
-            if again:
-                self.violations.append(
-                    f"{how} delivered {len(again)} uid(s) again that were consumed ({self.consumed[again[0]]}), "
-                    f"e.g. {again[:2]}"
-                )
+            self.delivered_again(uids, how)
             runs: dict[str, list[int]] = {}
             for uid, gid in zip(uids, gids, strict=True):
                 group, number = self.uid_of[uid]
@@ -182,18 +182,6 @@ class Ledger:
                 if (group.later and not group.released) or (group.sealed and not group.seal_sent):
                     self.violations.append(f"{how} delivered {gid} ({group.fate}) before it could complete")
             self.delivered_groups |= runs.keys()
-
-    def consume(self, uids: list[str], how: str) -> None:
-        with self.lock:
-            self.consumed.update(dict.fromkeys(uids, how))
-
-    def maybe_consumed(self, uids: list[str]) -> None:
-        with self.lock:
-            self.uncertain.update(uids)
-
-    def unexpected(self, what: str, exc: grpc.RpcError) -> None:
-        with self.lock:
-            self.violations.append(f"{what}: {exc.code().name}: {exc.details()}")
 
 
 class Planner:
@@ -387,73 +375,6 @@ def sealer(target: str, stop: threading.Event, ledger: Ledger, cut: list[Group])
                     ledger.violations.append(f"a seal of {group.gid} answered {size} of {group.members}")
 
 
-def lease_sampler(target: str, stop: threading.Event, ledger: Ledger, table: Table) -> None:
-    """Leases batches of two groups; acks every other one and leaves the rest to expire."""
-    with channel(target) as chan:
-        buffer = stub(chan)
-        count = 0
-        while not stop.is_set():
-            request = pb.SampleRequest(
-                table=table.name,
-                num_groups=2,
-                delivery=pb.DELIVERY_LEASE,
-                lease_seconds=LEASE_SECONDS,
-                wait_seconds=0.5,
-            )
-            stream = SampleStream(buffer, request, timeout=30)
-            try:
-                for reply in stream:
-                    uids = list(reply.uids)
-                    ledger.deliver(uids, list(reply.group_ids), "a lease")
-                    count += 1
-                    if count % 2 == 0:
-                        try:
-                            buffer.Ack(pb.AckRequest(table=table.name, lease_id=reply.lease_id), timeout=10)
-                            ledger.consume(uids, "acked under a lease")
-                        except grpc.RpcError as exc:
-                            if exc.code() != grpc.StatusCode.NOT_FOUND:  # NOT_FOUND: expired first, it is back
-                                ledger.maybe_consumed(uids)
-                                raise
-                    if stop.is_set():
-                        stream.stop()
-                        break
-            except grpc.RpcError as exc:
-                if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:  # nothing ready in time: ask again
-                    continue
-                if exc.code() not in GONE:
-                    ledger.unexpected(f"a lease sampler of {table.name}", exc)
-                return
-
-
-def consume_sampler(target: str, stop: threading.Event, ledger: Ledger, table: Table) -> None:
-    """Raw DELIVERY_CONSUME streams of up to 4 batches, one ahead: a batch is consumed for sure
-    once the server sent the next or ended the stream normally; the last of a cut stream may come back."""
-    with channel(target) as chan:
-        buffer = stub(chan)
-        while not stop.is_set():
-            request = pb.SampleRequest(
-                table=table.name, num_groups=1, delivery=pb.DELIVERY_CONSUME, wait_seconds=0.5, max_batches=4
-            )
-            recent: list[list[str]] = []
-            try:
-                for reply in SampleStream(buffer, request, timeout=30):
-                    uids = list(reply.uids)
-                    ledger.deliver(uids, list(reply.group_ids), "a consume stream")
-                    recent.append(uids)
-                    if len(recent) > 1:
-                        ledger.consume(recent.pop(0), "a consume stream moved past it")
-                for uids in recent:
-                    ledger.consume(uids, "a batch of a consume stream that ended normally")
-            except grpc.RpcError as exc:
-                for uids in recent:
-                    ledger.maybe_consumed(uids)
-                if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
-                    continue
-                if exc.code() not in GONE:
-                    ledger.unexpected(f"a consume sampler of {table.name}", exc)
-                return
-
-
 def alive(server: ServerProcess) -> None:
     """Fail at once, with its log, where the child died unbidden."""
     if server.proc.poll() is not None:
@@ -485,7 +406,10 @@ def run_load(
     workers.append(threading.Thread(target=sealer, args=(target, stop, ledger, cut_seals)))
     for table in TABLES:
         workers += [
-            threading.Thread(target=fn, args=(target, stop, ledger, table)) for fn in (lease_sampler, consume_sampler)
+            threading.Thread(
+                target=lease_sampler, args=(target, stop, ledger, table.name), kwargs={"lease_seconds": LEASE_SECONDS}
+            ),
+            threading.Thread(target=consume_sampler, args=(target, stop, ledger, table.name), kwargs={"num_groups": 1}),
         ]
     for worker in workers:
         worker.start()
