@@ -339,15 +339,17 @@ def by_thread(cases: list[Case], runs: dict[str, list[dict[Case, Any]]]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def writes_per_experience(groups: list[int]) -> str:
+def writes_per_experience(groups: list[int], layouts: list[str]) -> str:
     """The LMDB writes per consumed experience of a consume stream (bench_writes.py's count, the
-    Store alone: each batch held when taken, delivered in the next take's commit)."""
+    Store alone: each batch held when taken, delivered in the next take's commit), for a table of
+    each layout measured."""
     cells = []
-    for group in groups:
-        stream = counts(512, group)["stream"]
-        puts = sum(v for k, v in stream.items() if k.startswith("put "))
-        deletes = sum(v for k, v in stream.items() if k.startswith("del "))
-        cells.append(f"groups of {group}: {puts:.2f} puts and {deletes:.2f} deletes")
+    for layout in layouts:
+        for group in groups:
+            stream = counts(512, group, layout)["stream"]
+            puts = sum(v for k, v in stream.items() if k.startswith("put "))
+            deletes = sum(v for k, v in stream.items() if k.startswith("del "))
+            cells.append(f"{layout}, groups of {group}: {puts:.2f} puts and {deletes:.2f} deletes")
     return (
         "\nLMDB writes per consumed experience of the stream (`bench_writes.py`'s stream stage, batches "
         "of 64): " + "; ".join(cells) + ".\n"
@@ -425,7 +427,7 @@ def main() -> None:
     section = report(command, cases, runs, (start, _uptime()), args.cycles)
     if args.threads:
         section += by_thread(cases, runs)
-    section += writes_per_experience(groups)
+    section += writes_per_experience(groups, layouts)
     if args.profile:
         section += profile_shares(args.profile, cases)
     print(section)

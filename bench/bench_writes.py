@@ -171,13 +171,14 @@ def stream(store: Store, batches: int) -> None:
     store.confirm(held, spec)
 
 
-def counts(n: int, group: int) -> dict[str, dict[str, float]]:
+def counts(n: int, group: int, layout: str = "records") -> dict[str, dict[str, float]]:
     """The writes per experience of a push, a consume, a consume stream's takes (each batch
-    held, then delivered in the next take's commit), and a lease and its ack, by database."""
+    held, then delivered in the next take's commit), and a lease and its ack, by database, of a
+    table of `layout`."""
     stages: dict[str, Counts] = {}
     with tempfile.TemporaryDirectory() as tmp:
         store = Store(Path(tmp) / "d")
-        store.create_table(_table(group))
+        store.create_table(_table(group, layout))
         counted: Counts = collections.Counter()
         counting(store, counted)
         for at in range(0, 3 * n, 64):
