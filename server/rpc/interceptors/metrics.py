@@ -132,6 +132,13 @@ class StoreCollector(Collector):
         yield GaugeMetricFamily(
             "expbuf_lmdb_map_used_ratio", "Used part of the LMDB map.", value=storage["map_used_ratio"]
         )
+        room = (
+            ("expbuf_lmdb_map_max_bytes", "The most the LMDB map may grow to (max_map_size).", "max_map_size"),
+            ("expbuf_disk_size_bytes", "Size of the data directory's disk (-1: unreadable).", "disk_bytes"),
+            ("expbuf_disk_free_bytes", "Free bytes on the data directory's disk (-1: unreadable).", "disk_free_bytes"),
+        )
+        for name, text, key in room:
+            yield GaugeMetricFamily(name, text, value=storage[key])
         shared = (
             ("expbuf_shared_prompts", "Prompts stored once for the runs that share them.", "shared_prompts"),
             ("expbuf_shared_prompt_bytes", "Bytes of the pages the shared prompts take.", "shared_prompt_bytes"),

@@ -417,9 +417,11 @@ class Environment:
             self._changed.notify_all()
 
     def storage_info(self) -> dict[str, float]:
-        """The map's size and use, and the prompts stored once for the runs that share them
-        (shared_prompts.py): how many, and the bytes of their pages."""
+        """The map's size, its bound (max_map_size) and use, the room on the data directory's disk
+        (both bound what the store can hold: an operator's alerts read them), and the prompts stored
+        once for the runs that share them (shared_prompts.py): how many, and the bytes of their pages."""
         info, stat = self.env.info(), self.env.stat()
+        disk_bytes, disk_free = _disk_usage(self.path)
         used = (info["last_pgno"] + 1) * stat["psize"]
         prompts = prompt_bytes = 0
         if "shared" in self.db:
@@ -429,8 +431,11 @@ class Environment:
             prompt_bytes = (shared["branch_pages"] + shared["leaf_pages"] + shared["overflow_pages"]) * shared["psize"]
         return {
             "map_size": info["map_size"],
+            "max_map_size": self.max_map_size,
             "used_bytes": used,
             "map_used_ratio": used / info["map_size"],
+            "disk_bytes": disk_bytes,
+            "disk_free_bytes": disk_free,
             "shared_prompts": prompts,
             "shared_prompt_bytes": prompt_bytes,
         }
@@ -451,8 +456,14 @@ def _lock(data: Path, shared: bool) -> int:
     return fd
 
 
-def _free_bytes(path: Path) -> int:
+def _disk_usage(path: Path) -> tuple[int, int]:
+    """The size and free bytes of the data directory's disk; -1 each where they cannot be read."""
     try:
-        return shutil.disk_usage(path).free
+        usage = shutil.disk_usage(path)
     except OSError:
-        return -1
+        return -1, -1
+    return usage.total, usage.free
+
+
+def _free_bytes(path: Path) -> int:
+    return _disk_usage(path)[1]
