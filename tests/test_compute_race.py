@@ -10,11 +10,14 @@ from pathlib import Path
 import pytest
 
 from expbuf.client import decode, trxp
+from expbuf.server.advantages import estimators
+from expbuf.server.advantages.batch_stage import finish_batch
 from expbuf.server.advantages.worker import AdvantageWorker, compute
 from expbuf.server.store import Store
+from expbuf.server.store.schema.estimator_registry import Estimator
 from expbuf.server.store.schema.table_config import TableConfig
 
-from helpers import make_experience, take
+from helpers import make_experience, registered, take
 
 
 def runs(task: int, rewards: dict[int, float]) -> list[trxp.RawItem]:
@@ -90,3 +93,76 @@ def test_the_worker_fails_no_group_pushed_again_while_it_computed(tmp_path: Path
         assert (stats["groups_failed"], stats["groups_ready"], stats["groups_computing"]) == (0, 1, 1)
         assert worker.run_once() == 1
         assert store.stats("t")["groups_ready"] == 2 and store.verify("t") == []
+
+
+SHAPED = {"reward_running_norm": True, "reward_clip": 0.5}
+
+
+def shaped_outcome(store: Store, groups: int) -> tuple[dict[str, object], dict[str, list[float]]]:
+    """What shaping counted and kept of a table `t`, and the advantages it serves, by uid."""
+    stats = store.stats("t")
+    batch = take(store, "t", num_groups=groups)
+    assert batch is not None
+    got = {exp.eid.uid: exp.advantages.tolist() for exp in decode(batch.payload)}
+    return {k: stats[k] for k in ("rewards_seen", "rewards_clipped", "reward_moments", "groups_ready")}, got
+
+
+@pytest.mark.usefixtures("table_layout")
+@pytest.mark.parametrize("estimator", ["grpo", "reinforce", "reinforceplusplus"])
+def test_shaping_takes_in_a_group_pushed_again_while_computed_once(tmp_path: Path, estimator: str) -> None:
+    """Reward shaping's counts and running moments take in each group stored, once, in completion
+    order: a computation that read a group since deleted and pushed again stores nothing, so its
+    moments and counts (which took the old group in) are not kept, and the next pass computes the
+    groups as they are. The same as a table that never held the old group, for a group step
+    (grpo), the rewards (reinforce) and a batch stage (reinforceplusplus)."""
+    config = TableConfig.of(name="t", group_by="task", group_size=2, estimator=estimator, shaping=SHAPED)
+    with Store(tmp_path / "race", batch_stage=finish_batch) as store:
+        store.create_table(config)
+        store.put("t", runs(0, {0: 1.0, 1: 0.0}) + runs(1, {0: 3.0, 1: 0.0}))
+        (job,) = store.compute_backlog()
+        computed = compute(job)
+        store.delete("t", group_ids=["1/0"])
+        store.put("t", runs(0, {0: 0.0, 1: 2.0}))
+        store.finish_compute(job.table, *computed, places=job.queued())
+        assert AdvantageWorker(store).run_once() == 2
+        got = shaped_outcome(store, 2)
+    with Store(tmp_path / "once", batch_stage=finish_batch) as store:
+        store.create_table(config)
+        store.put("t", runs(1, {0: 3.0, 1: 0.0}))
+        store.put("t", runs(0, {0: 0.0, 1: 2.0}))
+        assert AdvantageWorker(store).run_once() == 2
+        want = shaped_outcome(store, 2)
+    assert got[0]["rewards_seen"] == 4 and got[0]["reward_moments"][2] == pytest.approx(4)
+    assert got == want
+
+
+@pytest.mark.usefixtures("table_layout")
+def test_shaping_moments_tried_group_by_group_skip_a_group_pushed_again(tmp_path: Path) -> None:
+    """A computation that fails together is tried group by group, each group starting from the
+    moments the one before left: a group deleted and pushed again meanwhile leaves none, its values
+    not stored."""
+
+    def apart(batch: estimators.FlatBatch) -> estimators.Advantages:
+        if batch.num_groups > 1:
+            raise ValueError("one group at a time")
+        return estimators.reinforce(batch)
+
+    with registered(Estimator("apart", ingest=apart)) as name:
+        config = TableConfig.of(name="t", group_by="task", group_size=2, estimator=name, shaping=SHAPED)
+        with Store(tmp_path / "race") as store:
+            store.create_table(config)
+            store.put("t", runs(0, {0: 1.0, 1: 0.0}) + runs(1, {0: 3.0, 1: 0.0}) + runs(2, {0: -2.0, 1: 1.0}))
+            (job,) = store.compute_backlog()
+            store.delete("t", group_ids=["1/0"])
+            store.put("t", runs(0, {0: 0.0, 1: 2.0}))
+            worker = AdvantageWorker(store)
+            worker._compute(job)  # the job read before the group was pushed again
+            assert worker.run_once() == 1
+            got = shaped_outcome(store, 3)
+        with Store(tmp_path / "once") as store:
+            store.create_table(config)
+            store.put("t", runs(1, {0: 3.0, 1: 0.0}) + runs(2, {0: -2.0, 1: 1.0}))
+            store.put("t", runs(0, {0: 0.0, 1: 2.0}))
+            assert AdvantageWorker(store).run_once() == 3
+            want = shaped_outcome(store, 3)
+    assert got == want

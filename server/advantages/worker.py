@@ -301,8 +301,11 @@ class AdvantageWorker:
         self._failed(job, "retried", len(errors))
 
     def _finish(self, job: ComputeJob, result: tuple) -> list[float] | None:
+        """Store a computation; returns the running moments it leaves (the job's own where the
+        store did not take it: a group of it was pushed again meanwhile)."""
         values, ready, dropped, failed, update = result
-        self.store.finish_compute(job.table, values, ready, dropped, failed, update, places=job.queued())
+        if not self.store.finish_compute(job.table, values, ready, dropped, failed, update, places=job.queued()):
+            return job.moments
         for gkey in job.groups:
             self._tries.pop((job.table, gkey), None)
         for gkey, reason in failed.items():

@@ -490,13 +490,15 @@ class Store(ServiceCalls):
         failed: dict[str, str] | None = None,
         shaping: ShapingUpdate | None = None,
         places: Mapping[str, int] | None = None,
-    ) -> None:
+    ) -> bool:
         """Store computed advantages and release their groups; drop or fail the others.
         Groups deleted or evicted meanwhile are left alone. What reward shaping did (its
         counts and running moments) is saved in the same transaction. `places`: each group's place
         in the compute queue as the computation read it (`ComputeJob.queued`): a group no longer
-        there was deleted and pushed again meanwhile, and stays computing for the worker's next pass."""
+        there was deleted and pushed again meanwhile, and stays computing for the worker's next pass.
+        Returns whether the computation was stored: one whose shaping took in such a group is not
+        (its groups stay computing), so that no group is counted twice."""
 
-        self._in_table(
+        return self._in_table(
             table, lambda tt: groups.finish_compute(tt, advantages, ready, dropped, failed or {}, shaping, places)
         )

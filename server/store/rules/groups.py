@@ -141,15 +141,20 @@ def finish_compute(
     failed: dict[str, str],
     shaping: ShapingUpdate | None = None,
     places: Mapping[str, int] | None = None,
-) -> None:
+) -> bool:
     """One value per experience goes into its record (rewritten anyway to become ready),
     with its shaped reward where the batch stage needs it; token-level advantages, being
     larger, into the adv database. What reward shaping did (its counts and running
     moments) is saved with them. Groups deleted or evicted meanwhile are left alone; one with a
     member whose record the directory lost fails instead (the quarantine rule). Given each group's
     place in the compute queue as the computation read it (`places`), a group that is no longer
-    there (deleted and pushed again, it completed again elsewhere) is left alone too, computing."""
+    there (deleted and pushed again, it completed again elsewhere) is left alone too, computing.
+    Where shaping counted or took in such a group, nothing is stored (returns False): its counts
+    and moments hold a group whose values are not kept, which the one pushed again would add a
+    second time; the groups stay computing, for the worker's next pass."""
     if shaping is not None:
+        if places is not None and _shaped(tt, shaping) and not all(still_queued(tt, *at) for at in places.items()):
+            return False
         add_shaping(tt, shaping)
     ending = Ending(tt)
     below: list[tuple[str, GroupView]] = []
@@ -175,6 +180,12 @@ def finish_compute(
     drop_below_threshold(tt, below)
     ending.done()
     tt.save()
+    return True
+
+
+def _shaped(tt: TableState, shaping: ShapingUpdate) -> bool:
+    """Whether a computation's shaping update changes the table's counts or running moments."""
+    return any(shaping.counts.values()) or shaping.moments != tt.counters.reward_moments
 
 
 def expire_groups(tt: TableState, created_before: float) -> int:
