@@ -423,3 +423,18 @@ def test_step_wise_grpo_takes_the_highest_step_as_the_last() -> None:
     mean, std = statistics.fmean(rewards.values()), statistics.stdev(rewards.values())
     for e in exps:
         assert float(got[e.uid][0][0]) == pytest.approx((rewards[e.run] - mean) / (std + 1e-6), abs=1e-6)
+
+
+@pytest.mark.parametrize("name", ["grpo", "step_wise_grpo"])
+@pytest.mark.parametrize("reward", [0.1, 0.7, 1 / 3])
+def test_equal_rewards_have_zero_std_whatever_their_rounding(name: str, reward: float) -> None:
+    """Rewards all equal have a std of exactly 0 and a mean of that reward, though their float sum
+    rounds (0.1 * 3): std_threshold 0 drops the group, as Trinity-RFT's own function does, and
+    without a threshold its advantages are 0."""
+    equal = [Exp(0, r, 0, reward, [True, True]) for r in range(3)]
+    spread = [Exp(1, r, 0, float(r), [True]) for r in range(2)]
+    got = ours(name, {"std_threshold": 0.0}, equal + spread)
+    assert sorted(got) == sorted(e.uid for e in spread)
+    assert_same(got, theirs(name, {"std_threshold": 0.0}, equal + spread))
+    nine = [Exp(2, r, 0, reward, [True, True]) for r in range(9)]  # a float32 mean rounds too: Trinity's std is not 0
+    assert {uid: a.tolist() for uid, (a, _) in ours(name, {}, nine).items()} == {e.uid: [0.0, 0.0] for e in nine}

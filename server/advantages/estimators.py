@@ -152,9 +152,14 @@ def _segment_sum(values: Tensor, index: Tensor, size: int) -> Tensor:
 
 
 def _group_mean_std(values: Tensor, index: Tensor, size: int, unbiased: bool = True) -> tuple[Tensor, Tensor, Tensor]:
-    """Per-group count, mean and std (unbiased: torch.std's default), as flat segment sums."""
+    """Per-group count, mean and std (unbiased: torch.std's default), as flat segment sums. A
+    group whose values are all equal has that value as its mean and a std of exactly 0, which
+    their rounded sum would miss (0.1 three times): std_threshold 0 drops it, as documented."""
     count = _segment_sum(torch.ones_like(values), index, size)
     mean = _segment_sum(values, index, size) / count.clamp(min=1)
+    low = mean.scatter_reduce(0, index, values, reduce="amin", include_self=False)
+    high = mean.scatter_reduce(0, index, values, reduce="amax", include_self=False)
+    mean = torch.where(low == high, high, mean)
     centred = values - mean[index]
     var = _segment_sum(centred * centred, index, size) / ((count - 1) if unbiased else count).clamp(min=1)
     return count, mean, var.sqrt()
