@@ -109,13 +109,13 @@ def test_bad_splits_are_refused_by_name() -> None:
     assert parts([], 3) == [[], [], []]
 
 
-def rollout(task: int, run: int, response: int) -> Experience:
+def rollout(task: int, run: int, response: int, reward: float | None = None) -> Experience:
     return Experience(
         eid=EID(batch=0, task=task, run=run),
         tokens=torch.arange(4 + response, dtype=torch.int32),
         prompt_length=4,
         logprobs=torch.full((response,), -0.5),
-        reward=float(run),
+        reward=float(run) if reward is None else reward,
     )
 
 
@@ -291,3 +291,34 @@ def test_with_tokens_on_only_the_token_that_leased_a_step_reads_its_parts(start_
         mine = [a.read_part(batch.lease_id, rank, 2, ["tokens"], table="o") for rank in range(2)]
         assert sorted(uid for read in mine for uid in read.uids) == sorted(batch.uids)
         assert batch.ack() == 32
+
+
+BATCH_STAGES = [
+    ("reinforceplusplus", {}, {}),
+    ("grpo", {"std_cal_level": "batch"}, {}),
+    ("reinforce++_baseline", {}, {}),
+    ("reinforce", {}, {"advantages_norm": True}),
+]
+
+
+@pytest.mark.parametrize(("estimator", "params", "shaping"), BATCH_STAGES)
+def test_a_rank_gets_the_advantages_its_step_was_sampled_with(
+    client: BufferClient, estimator: str, params: dict, shaping: dict
+) -> None:
+    """An estimator whose statistics are over the sampled batch (whitening, the batch's std)
+    finishes a rank's part over the whole leased step, as the step was sampled and as a trainer
+    computes them before it spreads the batch over its ranks, not over the rank's part alone."""
+    table = f"stage-{estimator}-{len(params)}".replace("+", "p")
+    client.create_table(table, group_size=4, estimator=estimator, estimator_params=params, shaping=shaping)
+    rng = random.Random(1)
+    made = [rollout(task, run, rng.randint(4, 30), reward=rng.uniform(-2, 2)) for task in range(6) for run in range(4)]
+    client.push(trxp.encode(made), table=table)
+    (batch,) = client.sample(table, num_groups=6, delivery="lease", max_batches=1, timeout=10)
+    sampled = {exp.eid.uid: exp.advantages for exp in batch.experiences}
+    for rank in range(2):
+        read = client.read_part(batch.lease_id, rank, 2, ["advantages"], table=table)
+        for uid, got in zip(read.uids, read.columns["advantages"].tensors, strict=True):
+            assert torch.allclose(got, sampled[uid], atol=1e-6), (rank, uid)
+        for exp in client.get_part(batch.lease_id, rank, 2, table=table):
+            assert torch.allclose(exp.advantages, sampled[exp.eid.uid], atol=1e-6), (rank, exp.eid.uid)
+    assert batch.ack() == 24

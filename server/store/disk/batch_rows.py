@@ -42,6 +42,8 @@ class BatchRows:
         self.records: list[MemberView] = []
         self.advantages: list[Advantage] = []
         self.nbytes = 0  # the payloads' bytes, as their records say
+        self.beside: list[MemberView] = []  # the rest of the batch these rows are part of (add_beside)
+        self.beside_advantages: list[Advantage] = []
 
     def add(self, key: bytes, rec: MemberView, blob: Stored | Deferred) -> None:
         """One experience: its payload (as read), its record and its stored advantage (the
@@ -50,6 +52,13 @@ class BatchRows:
         self.records.append(rec)
         self.nbytes += rec.size
         self.advantages.append(self._advantage(key, rec.advantage, rec.response_length))
+
+    def add_beside(self, key: bytes, rec: MemberView) -> None:
+        """An experience of the batch these rows are part of (a leased step, of which they are a
+        rank's part), not read: the batch stage finishes the rows over the whole batch, as it was
+        sampled, not over the part alone."""
+        self.beside.append(rec)
+        self.beside_advantages.append(self._advantage(key, rec.advantage, rec.response_length))
 
     def add_columns(
         self,
@@ -92,4 +101,7 @@ class BatchRows:
                 "and this store was given no batch stage (Store(batch_stage=...))"
             )
         finish, config, records = self.finish, self.config, self.records
-        return lambda stored: finish(config, records, stored, counts)
+        if not self.beside:
+            return lambda stored: finish(config, records, stored, counts)
+        beside, beside_stored = self.beside, self.beside_advantages
+        return lambda stored: finish(config, [*records, *beside], [*stored, *beside_stored], counts)[: len(stored)]

@@ -34,6 +34,7 @@ from ..ledger.claimants import check_reader
 from ..rules import partials
 from ..rules.staleness import masked_tokens, token_bound
 from ..schema.errors import Busy, Forbidden, NotFound, TooLarge, clip
+from ..schema.table_config import batch_stage
 from ..tables.catalog import TableCatalog
 
 _FRAMING = 64 << 10  # what a GetReply adds to its payload and names, and more
@@ -193,18 +194,26 @@ class Reads:
         return payload, missing
 
     def fields(
-        self, table: str, uids: Sequence[str], shares: Shares | None = None, *, whole: bool = False
+        self,
+        table: str,
+        uids: Sequence[str],
+        shares: Shares | None = None,
+        *,
+        whole: bool = False,
+        step: Sequence[str] = (),
     ) -> tuple[Sampled, list[str]]:
         """The servable experiences among uids (in their order) as a batch to read some fields of
         (ReadFields; `shares` of their tokens, if given), or `whole` (its payload), and the missing
         uids. The payloads are views of a snapshot, off the writer, until the batch is released;
         one stored in chunks and read for some fields is read, and checked, where the reply is
         built, for only what the reply reads (chunk_reads.Deferred), the others here, and a damaged
-        one quarantined and listed as missing, as Get lists it."""
+        one quarantined and listed as missing, as Get lists it. `step`: the uids of the batch that
+        uids are part of (a leased step, of which they are a rank's part), over which a table's
+        batch stage finishes their advantages, as the step was sampled."""
         for _ in range(OPEN_TRIES):
             snapshot = self.environment.snapshot()  # on this thread: a read needs no writer's turn
             try:
-                read = self._fields_from(snapshot, table, uids, shares, whole)
+                read = self._fields_from(snapshot, table, uids, shares, whole, step)
             except BaseException:
                 snapshot.release()
                 raise
@@ -219,7 +228,13 @@ class Reads:
         )
 
     def _fields_from(
-        self, snapshot: Snapshot, table: str, uids: Sequence[str], shares: Shares | None, whole: bool
+        self,
+        snapshot: Snapshot,
+        table: str,
+        uids: Sequence[str],
+        shares: Shares | None,
+        whole: bool,
+        step: Sequence[str] = (),
     ) -> tuple[Sampled, list[str], list[str]] | None:
         """`fields` read from one snapshot, and the damaged uids; None if the snapshot was ended
         (detached by the writer, as too many were open) before this began to read it."""
@@ -278,6 +293,12 @@ class Reads:
                 batch.segments.append(rec.segments)
                 if bound is not None:
                     batch.masked.append(masked_tokens(rec, bound))
+            if batch_stage(config):  # the rest of the step, which its batch stage finishes these over
+                read = set(uids)
+                for uid in step:
+                    rec = None if uid in read else member(uid)
+                    if rec is not None:
+                        rows.add_beside(prefix + uid.encode(), rec)
             batch.blobs, batch.advantages, batch.stage = rows.blobs, rows.advantages, rows.stage(None)
         return batch, missing, damaged
 
@@ -297,6 +318,22 @@ class Reads:
         rank with `equal`), in the lease's order; NotFound when the table holds no such lease,
         Forbidden when another token than `owner`'s took it (with tokens on, as Ack and Renew
         check it)."""
+        return self.step_part(table, lease_id, rank, ranks, balance, model, owner, equal)[0]
+
+    def step_part(
+        self,
+        table: str,
+        lease_id: str,
+        rank: int,
+        ranks: int,
+        balance: str,
+        model: ModelShape | None = None,
+        owner: str = "",
+        equal: bool = False,
+    ) -> tuple[list[str], list[str]]:
+        """`part`'s uids, and those of the whole step (the groups still held under the lease, in
+        its order), over which a table's batch stage finishes the part's advantages (`fields`'s
+        `step`)."""
         table_id, _ = self.catalog.lookup(table)
         prefix = layout.table_prefix(table_id)
         db = self.environment.db
@@ -323,7 +360,8 @@ class Reads:
                     self._splits[key] = split
                     while len(self._splits) > MAX_SPLITS:
                         self._splits.pop(next(iter(self._splits)))
-        return [uid for gkey in split[rank] if gkey in held for uid in held[gkey]]
+        part = [uid for gkey in split[rank] if gkey in held for uid in held[gkey]]
+        return part, [uid for members in held.values() for uid in members]
 
 
 def _servable(table: str, call: str, problem: Unservable | None, missing: list[str], damaged: list[str]) -> bool:
