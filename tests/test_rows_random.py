@@ -195,7 +195,7 @@ class MoreSteps(RandomSteps):
         ranks = self.rng.randint(1, 3)
         rank = self.rng.randrange(ranks)
         self.leases = ids
-        self.both(f"part {kind} {rank}/{ranks}", lambda t: self.store.reads.part(t, ids[t], rank, ranks, "tokens"))
+        self.both(f"part {kind} {rank}/{ranks}", lambda t: self.store.reads.part(t, ids[t], rank, ranks, "tokens")[0])
         self.leases = {}
 
     def stream(self) -> None:
@@ -223,7 +223,7 @@ class MoreSteps(RandomSteps):
         the lease goes on without its group (or its run)."""
         _, ids, _ = self.rng.choice(self.held)
         try:
-            held = self.store.reads.part("t", ids["t"], 0, 1, "tokens")
+            held = self.store.reads.part("t", ids["t"], 0, 1, "tokens")[0]
         except StoreError:  # ended (expired) meanwhile
             return
         if not held:

@@ -718,10 +718,10 @@ def test_trained_groups_retire_and_a_lease_is_read_in_parts_as_a_records_tables(
         for table in ("t", "t_rows"):
             lease = store.sample(TakeSpec(table=table, num_groups=4, delivery="lease"))
             assert lease is not None
-            parts = [store.lease_part(table, lease.lease_id, rank, 2, "tokens") for rank in range(2)]
+            parts = [store.lease_part(table, lease.lease_id, rank, 2, "tokens")[0] for rank in range(2)]
             retired = store.retire(table, ["0/1", "0/9", "0/10", "0/99"])  # leased, ready, ready, absent
             again = store.retire(table, ["0/1", "0/9"])  # a retried call changes nothing
-            after = [store.lease_part(table, lease.lease_id, rank, 2, "tokens") for rank in range(2)]
+            after = [store.lease_part(table, lease.lease_id, rank, 2, "tokens")[0] for rank in range(2)]
             acked = store.ack(lease.lease_id, table)  # what the lease still holds
             found[table] = (parts, retired, again, after, acked, stats(store, table))
             assert store.verify(table) == []
@@ -755,7 +755,7 @@ def test_a_lease_taken_out_of_its_groups_places_order_is_read_in_parts_in_the_ba
             batch = store.sample(spec, hold=hold)
             assert batch is not None
             parts = [
-                store.lease_part(table, batch.lease_id, rank, ranks, "tokens")
+                store.lease_part(table, batch.lease_id, rank, ranks, "tokens")[0]
                 for ranks in (1, 2)
                 for rank in range(ranks)
             ]

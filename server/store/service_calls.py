@@ -35,7 +35,6 @@ class ServiceCalls:
     get_partials = Forwarded("reads", Reads.partials)
     read_fields = Forwarded("reads", Reads.fields)
     lease_part = Forwarded("reads", Reads.part)
-    lease_step_part = Forwarded("reads", Reads.step_part)
 
     put_values = Forwarded("values", Values.put)
     get_values = Forwarded("values", Values.get)

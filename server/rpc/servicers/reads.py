@@ -158,7 +158,7 @@ class ReadServicer(ServicerBase):
         if balance == "flops" and model is None:
             raise InvalidRequest("ReadFieldsRequest: balance 'flops' needs the model's shape (params, layers, hidden)")
         owner = self._owner(context)
-        uids, step = self.store.lease_step_part(
+        uids, step = self.store.lease_part(
             table, request.lease_id, request.rank, request.ranks, balance, model, owner, request.equal
         )
         cost = COSTS[balance]

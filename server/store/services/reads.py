@@ -312,28 +312,13 @@ class Reads:
         model: ModelShape | None = None,
         owner: str = "",
         equal: bool = False,
-    ) -> list[str]:
+    ) -> tuple[list[str], list[str]]:
         """The uids of rank `rank`'s part of the groups still held under `lease_id`, spread whole
         over `ranks` ranks by `balance` (schema/balance.py; `model` for "flops"; as many groups a
-        rank with `equal`), in the lease's order; NotFound when the table holds no such lease,
-        Forbidden when another token than `owner`'s took it (with tokens on, as Ack and Renew
-        check it)."""
-        return self.step_part(table, lease_id, rank, ranks, balance, model, owner, equal)[0]
-
-    def step_part(
-        self,
-        table: str,
-        lease_id: str,
-        rank: int,
-        ranks: int,
-        balance: str,
-        model: ModelShape | None = None,
-        owner: str = "",
-        equal: bool = False,
-    ) -> tuple[list[str], list[str]]:
-        """`part`'s uids, and those of the whole step (the groups still held under the lease, in
-        its order), over which a table's batch stage finishes the part's advantages (`fields`'s
-        `step`)."""
+        rank with `equal`), in the lease's order, and those of the whole step (every group still
+        held under it, in its order), over which a table's batch stage finishes the part's
+        advantages (`fields`'s `step`); NotFound when the table holds no such lease, Forbidden
+        when another token than `owner`'s took it (with tokens on, as Ack and Renew check it)."""
         table_id, _ = self.catalog.lookup(table)
         prefix = layout.table_prefix(table_id)
         db = self.environment.db
