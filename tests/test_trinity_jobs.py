@@ -48,6 +48,7 @@ from expbuf.client.trinity import plugin_dir  # noqa: E402
 from expbuf.server.app import ExpbufServer  # noqa: E402
 
 from conftest import Servers  # noqa: E402
+from helpers import scrape  # noqa: E402
 from pages import code_blocks, page  # noqa: E402
 from test_trinity_plugin import plugin  # noqa: E402, F401 - loads the plugin as Trinity does, for this module too
 
@@ -414,6 +415,35 @@ def test_trinitys_priority_queue_newest_version_first_at_capacity(server: Expbuf
     assert {e.info["use_count"] for e in got} == {1}
     with pytest.raises(StopAsyncIteration):  # read once each: no reuse
         asyncio.run(reader.read())
+
+
+def test_a_write_into_an_evicting_table_full_of_leased_groups_waits_without_hammering_the_server(
+    server: ExpbufServer, table: Table
+) -> None:
+    """An evicting table whose every group is leased refuses a push at once (nothing to evict):
+    the write waits for the trainer's ack, pausing between its tries rather than sending its
+    payload again in a tight loop, and is stored once the ack makes room."""
+    table(group_by="none", estimator="none", capacity_experiences=4, when_full="evict")
+    replay = ReplayBufferConfig(enable=True, priority_fn="linear_decay", priority_fn_args={"decay": 2.0})
+    config = buffer_config(server, 4, capacity=4, replay_buffer=replay)
+    write(config, *[single_turn(v, [1.0], version=v) for v in range(4)])
+    reader = trinity.buffer.get_buffer_reader(config)
+    assert len(asyncio.run(reader.read())) == 4  # leased until the next read
+    writer = trinity.buffer.get_buffer_writer(config)
+    fifth = threading.Thread(target=lambda: asyncio.run(writer.write(single_turn(9, [1.0], version=9))))
+    fifth.start()
+    fifth.join(timeout=2)
+    assert fifth.is_alive(), "the write did not wait for room"
+    refused = sum(
+        value
+        for (name, labels), value in scrape(server.metrics_port).items()
+        if name == "expbuf_rpc_duration_seconds_count"
+        and dict(labels) == {"method": "Push", "code": "RESOURCE_EXHAUSTED"}
+    )
+    assert 1 <= refused <= 40, f"{refused:.0f} pushes refused in 2 s: the writer retries a full table in a tight loop"
+    assert [e.info["model_version"] for e in asyncio.run(reader.read(batch_size=1))] == [9]  # the ack made room
+    fifth.join(timeout=30)
+    assert not fifth.is_alive()
 
 
 def test_what_a_table_cannot_run_of_trinitys_priority_queue_is_refused_by_name(

@@ -30,6 +30,7 @@ from expbuf.client.client import Batch, BufferError, PushResult
 from expbuf.client.kit.batches import take_one
 from expbuf.client.kit.lease_keeper import RENEWALS_PER_LEASE, LeaseKeeper
 from expbuf.client.kit.location import connect, parse
+from expbuf.client.kit.retry import Retry
 from expbuf.client.schema.reasons import Reason
 from expbuf.client.schema.routing import GROUP_KEY_OF
 
@@ -162,14 +163,19 @@ class ExpbufWriter(BufferWriter):
 
     def _store(self, data: list[Experience]) -> PushResult:
         payload = Experience.serialize_many(data)
+        full = Retry()  # no bound: a full table blocks the writer, as Trinity's queue does
         while True:
             try:
                 result = self._client.push(payload, self.location.table)
                 break
             except BufferError as exc:
                 if exc.reason == Reason.TABLE_FULL:
+                    # A table that evicts refuses at once when it has nothing to evict (every group
+                    # pending or leased), as does a server with no thread left to wait in: pause
+                    # between tries, or the payload goes again in a tight loop until the trainer acks.
                     log.info("expbuf: table '%s' is full; the write waits for room", self.location.table)
-                    continue  # a full table blocks the writer, as Trinity's queue does
+                    time.sleep(full.pause() or 0.0)
+                    continue
                 if exc.reason == Reason.GROUP_OVERFILLED:
                     raise ValueError(self._overfill(exc.details)) from exc
                 if exc.reason == Reason.GROUP_CLOSED:
