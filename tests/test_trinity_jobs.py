@@ -426,7 +426,9 @@ def test_a_write_into_an_evicting_table_full_of_leased_groups_waits_without_hamm
     table(group_by="none", estimator="none", capacity_experiences=4, when_full="evict")
     replay = ReplayBufferConfig(enable=True, priority_fn="linear_decay", priority_fn_args={"decay": 2.0})
     config = buffer_config(server, 4, capacity=4, replay_buffer=replay)
-    write(config, *[single_turn(v, [1.0], version=v) for v in range(4)])
+    # The writer stays open, as a job's rollout workers do: a reader that finds the table empty
+    # once its writers are done ends, where this one waits for the fifth write.
+    write(config, *[single_turn(v, [1.0], version=v) for v in range(4)], release=False)
     reader = trinity.buffer.get_buffer_reader(config)
     assert len(asyncio.run(reader.read())) == 4  # leased until the next read
     writer = trinity.buffer.get_buffer_writer(config)
