@@ -13,6 +13,7 @@ from pathlib import Path
 import grpc
 import lmdb
 import pytest
+import torch
 
 from expbuf.client import BufferClient, BufferError, trxp
 from expbuf.client.rpc.wire import WireError
@@ -327,3 +328,18 @@ def test_the_streams_of_one_table_are_capped(start_server: Servers) -> None:
             time.sleep(0.02)
         client.push(trxp.build(group_items(1, 1, 2)), table="a")
         assert len(next(client.sample("a", num_groups=1, max_batches=1, timeout=5, delivery="consume")).uids) == 2
+
+
+def test_a_push_whose_token_rewards_are_not_finite_stores_nothing(start_server: Servers) -> None:
+    """A push whose token-level rewards hold NaN is refused invalid_payload naming the field, stores
+    none of its experiences (its good ones neither), and the server takes the next push."""
+    server = start_server()
+    items = group_items(1, 0, 2)
+    nan = trxp.raw_of(torch.tensor([0.0, float("nan"), 1.0, 0.0]))  # make_experience's 4 response tokens
+    items[1].tensors["token_level_reward"] = nan
+    with BufferClient(f"127.0.0.1:{server.port}", timeout=20) as client:
+        with pytest.raises(BufferError, match=r"item 1 .*field 'token_level_reward' holds NaN or infinity") as info:
+            client.push(trxp.build(items))
+        assert info.value.reason == "invalid_payload"
+        assert client.stats()["default"].pushed == 0
+        assert len(client.push(trxp.build(group_items(1, 0, 2))).stored) == 2

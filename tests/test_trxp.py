@@ -306,3 +306,55 @@ def test_an_action_mask_counts_its_generated_tokens_as_torch_does_without_torch(
         mask[0] = -0.0  # zero, with its sign bit set
     raw = trxp.raw_of(mask)
     assert count_nonzero(raw) == int((mask != 0).sum()) == 4
+
+
+NON_FINITE_DTYPES = (
+    torch.float64,
+    torch.float32,
+    torch.bfloat16,
+    torch.float16,
+    torch.float8_e5m2,
+    torch.float8_e4m3fn,
+)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    st.sampled_from(NON_FINITE_DTYPES),
+    st.binary(min_size=0, max_size=64),
+    st.sampled_from(["as drawn", "a NaN in it", "an infinity in it", "the largest finite"]),
+)
+def test_not_finite_reads_nan_and_infinity_as_torch_does(dtype: torch.dtype, bits: bytes, plant: str) -> None:
+    """The push's check of token-level rewards reads NaN and infinity from the bytes of each float
+    dtype as torch.isfinite tells them, for any bits (a value with every exponent bit set, or just
+    below)."""
+    size = torch.empty(0, dtype=dtype).element_size()
+    values = torch.frombuffer(bytearray(bits[: len(bits) // size * size]) or bytearray(size), dtype=dtype).clone()
+    if plant == "a NaN in it":
+        values[len(values) // 2] = float("nan")
+    elif plant == "an infinity in it" and dtype != torch.float8_e4m3fn:  # e4m3fn has no infinity
+        values[0] = float("-inf")
+    elif plant == "the largest finite":
+        values[-1] = torch.finfo(dtype).max
+    raw = trxp.raw_of(values)
+    assert trxp.codec.checks.not_finite(raw) == (not bool(torch.isfinite(values.double()).all()))
+
+
+def test_a_push_with_nan_or_infinite_token_rewards_is_refused_naming_the_field() -> None:
+    """Token-level rewards are rewards: NaN or infinity in them is refused at the decode, naming the
+    item and the field, as a scalar reward's is, where the advantage worker found it only as a
+    group's non-finite advantage."""
+    for dtype in (torch.float32, torch.bfloat16, torch.float64):
+        for bad in (float("nan"), float("inf")):
+            rewards = torch.tensor([0.0, 1.0, bad, 0.5], dtype=dtype)
+            exp = Experience(eid=EID(batch=0, task=0, run=0), tokens=list(range(7)), prompt_length=3)
+            item = trxp.from_experience(exp)
+            item.tensors["token_level_reward"] = trxp.raw_of(rewards)
+            with pytest.raises(TrxpError, match=r"field 'token_level_reward' holds NaN or infinity"):
+                decode(trxp.build([item]))
+    rewards = torch.tensor([0.0, 1.0, torch.finfo(torch.float32).max, -0.5])
+    exp = Experience(
+        eid=EID(batch=0, task=0, run=0), tokens=list(range(7)), prompt_length=3, token_level_reward=rewards
+    )
+    (back,) = decode(encode([exp]))
+    assert torch.equal(back.token_level_reward, rewards)

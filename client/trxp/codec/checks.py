@@ -30,6 +30,7 @@ from .common import (
     SCALARS,
     MetadataLimit,
     RawItem,
+    RawTensor,
     TrxpError,
     Work,
 )
@@ -431,8 +432,44 @@ def check_tensors(index: int, item: RawItem, work: Work) -> None:
             )
         if name in FLOAT_FIELDS and tensor.dtype not in FLOAT_CODES:
             raise TrxpError(f"{_where(index, item)}: field '{name}' must be floating point, got {tensor.dtype}")
+        if name == "token_level_reward" and not_finite(tensor):
+            raise TrxpError(
+                f"{_where(index, item)}: field 'token_level_reward' holds NaN or infinity; a reward is a finite number"
+            )
         if name == "action_mask" and tensor.dtype != "BOOL" and tensor.dtype not in INTEGER_CODES:
             raise TrxpError(f"{_where(index, item)}: field 'action_mask' must be bool or integer, got {tensor.dtype}")
+
+
+# Of each float dtype: its size, the byte holding its exponent's high bits and their mask there, and
+# the byte and mask of the rest of its exponent (mask 0: none). A value is NaN or infinite where
+# every bit of both masks is set (F8_E4M3, the "fn" kind, has NaN only and no infinity).
+_EXPONENT = {
+    "F64": (8, 7, 0x7F, 6, 0xF0),
+    "F32": (4, 3, 0x7F, 2, 0x80),
+    "BF16": (2, 1, 0x7F, 0, 0x80),
+    "F16": (2, 1, 0x7C, 0, 0),
+    "F8_E5M2": (1, 0, 0x7C, 0, 0),
+    "F8_E4M3": (1, 0, 0x7F, 0, 0),
+}
+# For each mask: a byte -> 1 where it has every bit of the mask set, else 0 (bytes.translate's table).
+_ALL_SET = {mask: bytes(int(b & mask == mask) for b in range(256)) for mask in (0x7F, 0xF0, 0x80, 0x7C)}
+
+
+def not_finite(tensor: RawTensor) -> bool:
+    """Whether a float tensor holds NaN or infinity, read from its exponents' bytes a byte column
+    at a time (C loops: a few µs for thousands of values). False for one whose data is not there
+    (a payload read as it arrives, parse_head's empty views)."""
+    size, high, high_mask, low, low_mask = _EXPONENT[tensor.dtype]
+    data = memoryview(tensor.data).cast("B")
+    if len(data) != tensor.numel * size:
+        return False
+    flagged = bytes(data[high::size]).translate(_ALL_SET[high_mask])
+    if 1 not in flagged:
+        return False
+    if not low_mask:
+        return True
+    rest = bytes(data[low::size]).translate(_ALL_SET[low_mask])
+    return int.from_bytes(flagged, "little") & int.from_bytes(rest, "little") != 0
 
 
 def _where(index: int, item: RawItem) -> str:
