@@ -14,7 +14,7 @@ import queue
 import threading
 import time
 from collections.abc import Generator
-from typing import TypeVar, Unpack
+from typing import Any, TypeVar, Unpack, cast
 
 import grpc
 
@@ -65,6 +65,11 @@ __all__ = [
     "TableStats",
     "Tls",
 ]
+
+
+def _as_read(reply: SampleReplyParts) -> SampleReplyParts:
+    """A reply read ahead with prefetch=0, handed on to be decoded on the caller's thread."""
+    return reply
 
 
 class SampleRequests:
@@ -195,7 +200,7 @@ class BufferClient(ServerCalls, Blocking, ClientBase):
         requests = SampleRequests(spec.request(self.max_message_bytes))
         confirmed = time.monotonic()  # the last confirmation sent (the request, before the first)
         stream = self._sample(requests, metadata=self._metadata)
-        outcomes: queue.SimpleQueue[Outcome] = queue.SimpleQueue()
+        outcomes: queue.SimpleQueue[Outcome[Any]] = queue.SimpleQueue()
         parts = Parts()
 
         def read() -> SampleReplyParts | None:
@@ -209,14 +214,20 @@ class BufferClient(ServerCalls, Blocking, ClientBase):
             return calls.batch(reply, table, self, Batch, columnar=bool(spec.fields))
 
         def next_batch() -> Batch | None:
-            if ahead is not None:
-                return ahead.take(outcomes.get())
-            reply = read()
+            if ahead is None:
+                reply = read()
+            elif spec.ahead:
+                return cast(Batch | None, ahead.take(outcomes.get()))
+            else:
+                reply = ahead.take(outcomes.get())
             return None if reply is None else decode(reply)
 
-        ahead = None
+        ahead: Prefetcher[Any] | None = None
         if spec.ahead:
             ahead = Prefetcher(read, decode, spec.ahead, outcomes.put)
+        elif spec.window > 1 and spec.max_batches != 1:  # replies come ahead: read them as they come (prefetch.py)
+            ahead = Prefetcher(read, _as_read, 0, outcomes.put)
+        if ahead is not None:
             stream.add_done_callback(ahead.call_done)
         received, seconds = 0, 0.0  # seconds: the server's confirm bound, as its replies say
         try:

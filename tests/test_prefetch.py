@@ -17,11 +17,11 @@ import grpc
 import pytest
 
 from expbuf.client import AsyncBufferClient, BufferClient, DataLossError, DeadlineExceededError, trxp
-from expbuf.client.prefetch import THREAD_NAME
+from expbuf.client.prefetch import READER_NAME, THREAD_NAME
 from expbuf.proto.v1 import buffer_pb2 as pb
 from expbuf.proto.v1 import buffer_pb2_grpc as pb_grpc
 
-from helpers import Decodes, fill, group_items, settle
+from helpers import Decodes, fill, group_items, settle, wait_for
 
 
 @pytest.fixture
@@ -38,6 +38,10 @@ def decodes(monkeypatch: pytest.MonkeyPatch) -> Decodes:
 
 def prefetch_threads() -> list[threading.Thread]:
     return [thread for thread in threading.enumerate() if thread.name == THREAD_NAME]
+
+
+def reader_threads() -> list[threading.Thread]:
+    return [thread for thread in threading.enumerate() if thread.name == READER_NAME]
 
 
 def test_the_next_batch_is_decoded_while_the_caller_holds_one_and_comes_back_untaken(
@@ -166,6 +170,34 @@ def test_a_stream_that_ended_hands_over_no_batch_decoded_ahead(
             next(batches)
     stats = settle(client, lambda s: s.leased == 0)
     assert (stats.consumed, stats.ready) == (2, 2)
+
+
+@pytest.mark.parametrize("partial", [False, True], ids=["deadline", "allow_partial"])
+@pytest.mark.parametrize(("window", "prefetch", "groups"), [(2, 0, 2), (4, 1, 4)], ids=["prefetch0", "window4"])
+def test_a_stream_that_ended_hands_over_no_batch_it_sent_ahead(
+    client: BufferClient, partial: bool, window: int, prefetch: int, groups: int
+) -> None:
+    """While the caller holds batch 1, the server sends what its window lets ahead, undecoded in
+    gRPC's buffers (prefetch=0) or beyond the one decoded ahead (window 4), then finds no more in
+    `timeout`, ends the stream and gives those batches back. Asked for once the stream's end has
+    come, the iterator gives the end or the error, not them: handed over, they would be trained
+    and sampled again."""
+    fill(client, groups)
+    batches = client.sample(
+        "t", num_groups=1, delivery="consume", timeout=1, allow_partial=partial, window=window, prefetch=prefetch
+    )
+    first = next(batches)
+    stats = settle(client, lambda s: s.leased == 0 and s.ready == 2 * (groups - 1))
+    assert (stats.consumed, stats.leased) == (2, 0)
+    wait_for(lambda: not reader_threads(), "the stream's end read")
+    if partial:
+        assert list(batches) == []
+    else:
+        with pytest.raises(DeadlineExceededError):
+            next(batches)
+    stats = settle(client, lambda s: s.leased == 0)
+    assert (stats.consumed, stats.ready) == (2, 2 * (groups - 1))
+    assert client.get(first.uids, table="t") == []
 
 
 def test_every_way_of_leaving_the_loop_ends_the_thread(target: str, client: BufferClient, decodes: Decodes) -> None:
