@@ -15,6 +15,7 @@ import json
 import logging
 import logging.handlers
 import os
+import queue
 import re
 import select
 import signal
@@ -48,7 +49,7 @@ from expbuf.server.rpc.interceptors.limits import CallLimits, call_limits
 from expbuf.server.store.schema.table_config import ConfigError
 
 from conftest import BAD_DIR, Servers, payload
-from helpers import ServerProcess, group_items, scrape
+from helpers import ServerProcess, group_items, scrape, wait_for
 from pages import page
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -1020,3 +1021,25 @@ def test_an_ipv6_host_serves_grpc_and_metrics(start_server: Servers, caplog: pyt
     text = urllib.request.urlopen(f"http://[::1]:{server.metrics_port}/metrics", timeout=10).read().decode()
     assert "expbuf_tables" in text
     assert any(f"listening on [::1]:{server.port} (metrics [::1]:{server.metrics_port}" in m for m in caplog.messages)
+
+
+def test_a_sample_stream_that_never_sends_its_request_is_ended_naming_the_bound(start_server: Servers) -> None:
+    """A Sample stream opened and silent (a raw client waiting for the server to speak first, a
+    writer that hung) holds a worker and one of max_sample_streams: it is ended DEADLINE_EXCEEDED
+    after max_wait_seconds, naming it, as a silent PushStream is, not kept until its client's
+    deadline (or for ever, without one); its slot then serves a trainer."""
+    server = start_server(max_wait_seconds=1, max_sample_streams=1)
+    silent: queue.SimpleQueue[pb.SampleRequest | None] = queue.SimpleQueue()
+    with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        stub = pb_grpc.ExperienceBufferStub(channel)
+        call = stub.Sample(iter(silent.get, None), timeout=60)
+        with pytest.raises(grpc.RpcError) as ended:
+            next(call)
+        reading = "expbuf-sample-first"  # the server's read of the first message, which ends with its call
+        wait_for(lambda: reading not in {t.name for t in threading.enumerate()}, "the first message's read to end")
+        silent.put(None)
+        assert ended.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert "sent no SampleRequest" in ended.value.details()
+        assert "max_wait_seconds = 1" in ended.value.details()
+        request = pb.SampleRequest(table="default", num_groups=1, wait_seconds=0.1, allow_partial=True)
+        assert list(stub.Sample(iter([request]), timeout=30)) == []  # the slot is free again

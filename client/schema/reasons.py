@@ -43,7 +43,7 @@ class Reason(StrEnum):
     SHUTTING_DOWN = "shutting_down"  # the server is stopping; another replica, or this one restarted, takes the call
     NOT_READY = "not_ready"  # a Sample did not find enough ready groups within its wait
     UNCONFIRMED = "unconfirmed"  # a Sample stream's batch was not confirmed within max_confirm_seconds
-    IDLE = "idle"  # a PushStream sent nothing for push_stream_idle_seconds
+    IDLE = "idle"  # a PushStream sent nothing for push_stream_idle_seconds, a Sample stream no request
     TOO_SLOW = "too_slow"  # a push in chunks came slower than push_min_mb_per_second
     INFLIGHT_FULL = "inflight_full"  # pushes and PutValues in progress held max_inflight_bytes the whole wait
     STREAMS_FULL = "streams_full"  # max_table_streams Sample streams are open on the table

@@ -7,6 +7,7 @@ TRXP payloads through the codec, and refusals to gRPC status codes.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import asdict, replace
@@ -97,6 +98,30 @@ def sample_spec(request: pb.SampleRequest) -> TakeSpec:
         compact_advantages=request.compact_advantages,
         fields=tuple(request.fields),
     )
+
+
+def first_request(requests: Iterator[pb.SampleRequest], seconds: float) -> pb.SampleRequest | None:
+    """The first message of a Sample stream, None if its client closed its side first; TimeoutError
+    if it sent none within `seconds` (read by a thread of its own: gRPC's reads have no timeout,
+    and it ends with the call)."""
+    read: list[pb.SampleRequest | Exception | None] = []
+    came = threading.Event()
+
+    def take() -> None:
+        try:
+            read.append(next(requests, None))
+        except Exception as exc:  # a cancel (grpc.RpcError): raised where the call reads it
+            read.append(exc)
+        finally:
+            came.set()
+
+    threading.Thread(target=take, name="expbuf-sample-first", daemon=True).start()
+    if not came.wait(seconds):
+        raise TimeoutError
+    (first,) = read
+    if isinstance(first, Exception):
+        raise first
+    return first
 
 
 def request_order(request: pb.SampleRequest) -> str:
@@ -203,11 +228,22 @@ class ExperienceBufferService(LedgerServicer, ReadServicer, ValuesServicer, pb_g
 
     @refusals
     def Sample(self, requests: Iterator[pb.SampleRequest], context: grpc.ServicerContext) -> Iterator[bytes]:
-        """Batches sent as the client asks for them (see rpc/sample/sample_stream.py)."""
+        """Batches sent as the client asks for them (see rpc/sample/sample_stream.py). A stream
+        whose first message does not come within max_wait_seconds ends DEADLINE_EXCEEDED naming
+        it: it holds a worker and one of max_sample_streams while it waits."""
         try:
-            first = next(requests, None)
+            first = first_request(requests, remaining(context, self.max_wait_seconds))
         except grpc.RpcError:  # cancelled before it asked for anything
             return
+        except TimeoutError:
+            refuse(
+                context,
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+                "the Sample stream sent no SampleRequest within the server's max_wait_seconds = "
+                f"{self.max_wait_seconds:g} (EXPBUF_MAX_WAIT_SECONDS): a stream's first message asks for its "
+                "batches, and the server waits for it no longer; open a new stream and send it at once",
+                Reason.IDLE,
+            )
         if first is None:
             return
         CALL_TABLE.set(first.table or "default")
