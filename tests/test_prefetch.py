@@ -150,6 +150,15 @@ def test_a_batch_that_cannot_be_decoded_raises_in_its_place(asynchronous: bool, 
         grpc_server.stop(0)
 
 
+def ends(batches: Iterator[object], partial: bool) -> None:
+    """The stream gives its end (allow_partial) or the error that ended it, no batch."""
+    if partial:
+        assert list(batches) == []
+    else:
+        with pytest.raises(DeadlineExceededError):
+            next(batches)
+
+
 @pytest.mark.parametrize("partial", [False, True], ids=["deadline", "allow_partial"])
 def test_a_stream_that_ended_hands_over_no_batch_decoded_ahead(
     client: BufferClient, decodes: Decodes, partial: bool
@@ -163,11 +172,7 @@ def test_a_stream_that_ended_hands_over_no_batch_decoded_ahead(
     (thread,) = prefetch_threads()
     thread.join(20)  # it ends with the stream
     assert not thread.is_alive() and decodes.wait(2)
-    if partial:
-        assert list(batches) == []
-    else:
-        with pytest.raises(DeadlineExceededError):
-            next(batches)
+    ends(batches, partial)
     stats = settle(client, lambda s: s.leased == 0)
     assert (stats.consumed, stats.ready) == (2, 2)
 
@@ -190,11 +195,7 @@ def test_a_stream_that_ended_hands_over_no_batch_it_sent_ahead(
     stats = settle(client, lambda s: s.leased == 0 and s.ready == 2 * (groups - 1))
     assert (stats.consumed, stats.leased) == (2, 0)
     wait_for(lambda: not reader_threads(), "the stream's end read")
-    if partial:
-        assert list(batches) == []
-    else:
-        with pytest.raises(DeadlineExceededError):
-            next(batches)
+    ends(batches, partial)
     stats = settle(client, lambda s: s.leased == 0)
     assert (stats.consumed, stats.ready) == (2, 2 * (groups - 1))
     assert client.get(first.uids, table="t") == []
