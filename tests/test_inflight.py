@@ -794,3 +794,37 @@ def test_an_idle_pusher_holds_its_next_message_until_the_idle_timeout_ends_its_s
             time.sleep(0.02)
         assert held_drops_to_zero(server), f"{server.inflight.held} bytes held past push_stream_idle_seconds"
         assert len(pusher.push(second).result(timeout=30).stored) == 1
+
+
+@pytest.mark.parametrize("method", ["Push", "PutValues"])
+def test_a_unary_call_whose_message_never_comes_gives_its_room_back(start_server: Servers, method: str) -> None:
+    """A client that opens a Push (or a PutValues) declaring a 1 MiB message and never sends it held
+    that reservation of max_inflight_bytes, and a worker, for as long as it kept the call open: a
+    few such calls, and every push waited. The read is bounded as a push in chunks is
+    (push_stream_idle_seconds, and its size at push_min_mb_per_second): past it the call ends, the
+    room comes back, and the next push is stored."""
+    server = start_server(push_stream_idle_seconds=1, push_min_mb_per_second=10)
+    release = threading.Event()
+
+    def nothing() -> Iterator[bytes]:
+        release.wait(60)  # the client's side stays open, sending nothing
+        return
+        yield
+
+    with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        call = channel.stream_unary(f"/expbuf.v1.ExperienceBuffer/{method}").future(
+            nothing(), metadata=((MESSAGE_BYTES, str(1 << 20)),), timeout=60
+        )
+        try:
+            deadline = time.monotonic() + 10
+            while not server.inflight.held and time.monotonic() < deadline:
+                time.sleep(0.02)
+            assert server.inflight.held == 1 << 20, "the read reserved the declared size"
+            with pytest.raises(grpc.RpcError) as ended:
+                call.result(timeout=20)  # 1 s + 1 MiB at 10 MB/s, looked at once a second
+            assert ended.value.code() in (grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED)
+            assert held_drops_to_zero(server)
+        finally:
+            release.set()
+        stub = pb_grpc.ExperienceBufferStub(channel)
+        assert stub.Push(pb.PushRequest(payload=trxp.build(group_items(0, 0, 2))), timeout=10).stored_uids

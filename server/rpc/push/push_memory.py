@@ -68,6 +68,7 @@ from ..interceptors.limits import MAY_WAIT, PROGRESS
 from .inflight import InFlight
 from .ingest import StagedPush, Stager
 from .push_request import PushMessage, Refusal, read_push_request
+from .slow_reads import SlowReads
 
 T = TypeVar("T")
 
@@ -125,6 +126,7 @@ class PushMemory(ServiceInterceptor):
         max_message_bytes: int = 256 << 20,
     ) -> None:
         self.inflight, self.stager, self.max_push_bytes = inflight, stager, max_push_bytes
+        self.slow_reads = SlowReads()  # a unary call's read, ended where its message does not come
         self.max_message_bytes = max_message_bytes  # the most a declared message's read reserves
         self.stream_wait = stream_wait  # below a PushStream's idle timeout, so the refusal says why
         # A push in chunks brings min_mb_per_second over every `grace` (push_stream_idle_seconds) after its first.
@@ -142,7 +144,8 @@ class PushMemory(ServiceInterceptor):
         `owner`: a stream); None at the end of the client's messages."""
         reading = self._admit(context, declared, most, owner)
         try:
-            request = next(requests, None)
+            # A Push's message must come in time (a stream's are read by IdleMessages).
+            request = self._read_unary(requests, context, declared, "Push") if owner is None else next(requests, None)
             if request is not None:  # its own size held before the read's reservation goes
                 request.held.append(self.inflight.hold(len(request.payload), owner))
         finally:
@@ -161,6 +164,28 @@ class PushMemory(ServiceInterceptor):
                 Reason.INVALID_REQUEST,
             )
         return request
+
+    def _read_unary(
+        self, requests: Iterator[T], context: grpc.ServicerContext, declared: int | None, what: str
+    ) -> T | None:
+        """A unary call's message, which must come within push_stream_idle_seconds and the time
+        its size takes at push_min_mb_per_second (its declaration, else max_message_bytes): the
+        bound a push in chunks has. Past it the call ends DEADLINE_EXCEEDED, reason idle."""
+        size = declared if declared is not None else self.max_message_bytes
+        seconds = self.grace + size / (self.min_mb_per_second * 1e6)
+        with self.slow_reads.bounded(context, seconds) as key:
+            try:
+                return next(requests, None)
+            except grpc.RpcError:
+                if not self.slow_reads.expired(key):
+                    raise  # the client's cancel
+        raise Refusal(
+            grpc.StatusCode.DEADLINE_EXCEEDED,
+            f"{what}: its message did not come within {seconds:g}s (push_stream_idle_seconds = {self.grace:g}, and "
+            f"its {size} bytes at push_min_mb_per_second = {self.min_mb_per_second:g}); the call was ended, and the "
+            "room its read held was given back",
+            Reason.IDLE,
+        )
 
     def _admit(
         self, context: grpc.ServicerContext, declared: int | None, most: float = 3600.0, owner: object = None
@@ -404,8 +429,10 @@ class PushMemory(ServiceInterceptor):
             except Refusal as refusal:
                 refusal.abort(context)
             try:
-                request = next(requests, None)
+                request = self._read_unary(requests, context, size, "PutValues")
                 release = self.inflight.hold(0 if request is None else sum(map(len, request[1].values)))
+            except Refusal as refusal:
+                refusal.abort(context)
             finally:
                 reading()
             try:
