@@ -567,6 +567,28 @@ def test_push_to_a_missing_table_or_bad_payload_names_the_problem(shards: Shards
             ShardedBufferClient("127.0.0.1:1")
 
 
+def test_a_sample_of_a_table_the_shards_refuse_fails_naming_them(shards: Shards) -> None:
+    """A table no shard holds is NOT_FOUND at once, from every shard, as from one server: not
+    a wait for the whole timeout ending UNAVAILABLE as if no shard had answered."""
+    with (
+        ShardedBufferClient(shards.targets()) as client,
+        pytest.raises(ShardError, match="table 'absent' does not exist") as blocking,
+    ):
+        list(client.sample("absent", num_groups=1, timeout=2))
+
+    async def run() -> ShardError:
+        async with AsyncShardedBufferClient(shards.targets()) as aio:
+            with pytest.raises(ShardError) as awaited:
+                async for _ in aio.sample("absent", num_groups=1, timeout=2, allow_partial=True):
+                    pass
+            return awaited.value
+
+    for error in (blocking.value, asyncio.run(run())):
+        assert error.code == grpc.StatusCode.NOT_FOUND
+        assert sorted(error.shards) == sorted(NAMES)
+        assert all(f"shard {name} (" in str(error) for name in NAMES)
+
+
 def test_async_client_pushes_samples_and_acks_across_shards(shards: Shards) -> None:
     async def run() -> None:
         async with AsyncShardedBufferClient(shards.targets()) as client:

@@ -437,9 +437,14 @@ class Planned(Sharded):
                 return
 
     def _ready(self, table: str, key: str) -> Plan[dict[str, int]]:
-        """Each answering shard's ready count (a probe each: shards that fail it are left out)."""
+        """Each answering shard's ready count (a probe each: shards that do not answer are left out).
+        A shard that refuses (the table missing there) fails the sample naming it, as one server's
+        refusal does, rather than waiting out the timeout as if it were down."""
         calls = [Call(shard, "stats", (table,), quick=True) for shard in self.clients]
-        results, _ = self._sort(calls, (yield from self._exchange(calls)))
+        results, errors = self._sort(calls, (yield from self._exchange(calls)))
+        refused = {shard: exc for shard, exc in errors.items() if not is_down(exc)}
+        if refused:
+            raise shard_error(refused, self.shard_map.targets)
         return {shard: getattr(stats[table], key) for shard, stats in results.items() if table in stats}
 
     def _fetch(self, spec: SampleSpec, want: Mapping[str, int], late: bool) -> Plan[list[tuple[str, Batch]]]:
