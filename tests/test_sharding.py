@@ -686,6 +686,35 @@ def test_a_refused_push_of_a_sharded_pusher_fails_alone_naming_its_shard_and_uid
             assert isinstance(stored, PushResult) and sorted(stored.stored) == sorted(e.eid.uid for e in pushes[index])
 
 
+@pytest.mark.parametrize("kind", ["blocking", "asyncio"])
+def test_an_empty_push_of_a_sharded_pusher_completes_and_holds_up_none_after_it(shards: Shards, kind: str) -> None:
+    """A push of nothing (a step whose rollouts all failed) has no part for any shard: it completes
+    at once, stored nothing, as one server's pusher's does, and the pushes after it complete too.
+    (The waits are bounds for a push that would never complete, not timings.)"""
+    table = f"piped-empty-{kind}"
+    later = groups(0, range(2), range(2))
+    with ShardedBufferClient(shards.targets()) as client:
+        client.create_table(table, group_size=2)
+        if kind == "blocking":
+            pusher = client.pusher(table)
+            futures = [pusher.push([]), pusher.push(later)]
+            outcomes = [future.result(timeout=30) for future in futures]
+            pusher.close()
+        else:
+
+            async def run() -> list[PushResult]:
+                async with AsyncShardedBufferClient(shards.targets()) as aio:
+                    pusher = aio.pusher(table)
+                    futures = [await pusher.push([]), await pusher.push(later)]
+                    done = [await asyncio.wait_for(future, 30) for future in futures]
+                    await pusher.close()
+                    return done
+
+            outcomes = asyncio.run(run())
+    assert outcomes[0] == PushResult([], [], [])
+    assert sorted(outcomes[1].stored) == sorted(e.eid.uid for e in later)
+
+
 def test_metrics_carry_the_shard_label(shards: Shards) -> None:
     with BufferClient(shards.procs["s2"].target) as direct:
         direct.stats()

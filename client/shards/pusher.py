@@ -76,6 +76,8 @@ class ShardWindow(Ordered[ShardPush]):
             )
         else:
             push = ShardPush(number, {shard: targets[shard] for shard in parts})
+            if not parts:  # nothing to store: no shard would answer it, and the pushes after it wait
+                push.outcome = merge_push([])
         self.pushes.append(push)
         return push
 
