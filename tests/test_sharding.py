@@ -589,6 +589,19 @@ def test_a_sample_of_a_table_the_shards_refuse_fails_naming_them(shards: Shards)
         assert all(f"shard {name} (" in str(error) for name in NAMES)
 
 
+def test_a_sample_leaves_out_a_shard_without_the_table_where_another_holds_it(shards: Shards) -> None:
+    """A shard that lacks a table others hold (created there by another client while it was down)
+    refuses its probe NOT_FOUND: the sample is served by the shards that hold it, as by shards
+    that do not answer, and fails only where none holds the table."""
+    first = next(iter(NAMES))
+    with BufferClient(shards.targets()[first]) as one:
+        one.create_table("on_one", estimator="none", group_by="none")
+        one.push(trxp.encode([make_experience(0, 0, 0)]), table="on_one")
+    with ShardedBufferClient(shards.targets()) as client:
+        (batch,) = client.sample("on_one", num_groups=1, max_batches=1, timeout=10)
+        assert batch.uids == [make_experience(0, 0, 0).eid.uid]
+
+
 def test_async_client_pushes_samples_and_acks_across_shards(shards: Shards) -> None:
     async def run() -> None:
         async with AsyncShardedBufferClient(shards.targets()) as client:

@@ -437,15 +437,17 @@ class Planned(Sharded):
                 return
 
     def _ready(self, table: str, key: str) -> Plan[dict[str, int]]:
-        """Each answering shard's ready count (a probe each: shards that do not answer are left out).
-        A shard that refuses (the table missing there) fails the sample naming it, as one server's
-        refusal does, rather than waiting out the timeout as if it were down."""
+        """Each answering shard's ready count (a probe each: shards that do not answer, or refuse
+        while others hold the table, are left out). Where no shard holds it and some refuse (the
+        table missing there), the sample fails naming them, as one server's refusal does, rather
+        than waiting out the timeout as if they were down."""
         calls = [Call(shard, "stats", (table,), quick=True) for shard in self.clients]
         results, errors = self._sort(calls, (yield from self._exchange(calls)))
+        counts = {shard: getattr(stats[table], key) for shard, stats in results.items() if table in stats}
         refused = {shard: exc for shard, exc in errors.items() if not is_down(exc)}
-        if refused:
+        if refused and not counts:
             raise shard_error(refused, self.shard_map.targets)
-        return {shard: getattr(stats[table], key) for shard, stats in results.items() if table in stats}
+        return counts
 
     def _fetch(self, spec: SampleSpec, want: Mapping[str, int], late: bool) -> Plan[list[tuple[str, Batch]]]:
         """One batch of each shard's part, in parallel; a shard that cannot give it now gives nothing
