@@ -209,8 +209,7 @@ class Scrub:
                     uid = bytes(key[4:]).decode()
                     if rows is not None:
                         nbytes += length
-                        row = rows.of(uid)
-                        damaged = row is not None and reading.row_payload_mismatch(uid, row, blob)
+                        damaged = self._row_damaged(uid, rows, blob)
                     else:
                         raw = reading.record_raw(txn, db, bytes(key))
                         nbytes += length + (0 if raw is None else len(raw))
@@ -230,6 +229,17 @@ class Scrub:
         except Exception as exc:  # a record a damaged page made undecodable: structure, for `expbuf check`
             self._report(f"the record of {bytes(key[4:])[:80]!r} does not decode ({type(exc).__name__}: {exc})")
             return False
+
+    def _row_damaged(self, uid: str, rows: reading.RowMembers, blob: Stored | tuple[bytes, int]) -> bool:
+        """Whether a rows table's payload is not the one its member's row names; a segment, state row or
+        directory entry a damaged page made undecodable is structure, for `expbuf check`, as a records
+        table's record is (`_damaged`): the pass goes on to the payloads after it."""
+        try:
+            row = rows.of(uid)
+        except Exception as exc:
+            self._report(f"the row of {uid[:80]!r} does not decode ({type(exc).__name__}: {exc})")
+            return False
+        return row is not None and reading.row_payload_mismatch(uid, row, blob)
 
     def _report(self, problem: str) -> None:
         if problem not in self._reported:
