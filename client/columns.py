@@ -237,8 +237,9 @@ def _jagged(shapes: list[tuple[int, ...]]) -> bool:
 
 
 def _rows(flat: torch.Tensor, shapes: list[tuple[int, ...]]) -> torch.Tensor:
-    """Flat values as rows: their first dimension joined, the trailing ones kept."""
-    return flat.reshape(-1, *shapes[0][1:]) if shapes and shapes[0] else flat
+    """Flat values as rows: their first dimension joined, the trailing ones kept (the rows
+    counted, not inferred: trailing dimensions of 0 leave -1 nothing to infer from)."""
+    return flat.reshape(sum(shape[0] for shape in shapes), *shapes[0][1:]) if shapes and shapes[0] else flat
 
 
 def _offsets(shapes: list[tuple[int, ...]]) -> torch.Tensor:

@@ -259,3 +259,21 @@ def test_each_experiences_length_and_prompt_length_come_from_its_header(client: 
     assert prompts == [made[uid].prompt_length for uid in batch.uids]
     read = client.read_fields(batch.uids, ["tokens", "length"], table="l")  # beside a tensor, by ReadFields
     assert read.columns["length"].values.tolist() == lengths
+
+
+def test_a_field_with_a_trailing_dimension_of_zero_reads_as_its_decoded_tensors(client: BufferClient) -> None:
+    """Routing ids of a dense model, [tokens, 0]: a column of no values, whose rows are counted
+    from its shapes (no -1 can be inferred from no values), equal to the decoded tensors."""
+    made = [rollout(0, run, 3 + run) for run in range(3)]
+    for exp in made:
+        exp.routed_experts = torch.zeros(exp.tokens.numel(), 0, dtype=torch.uint8)
+    client.create_table("z", group_size=3, estimator="none")
+    client.push(trxp.encode(made), table="z")
+    kw = {"num_groups": 1, "delivery": "replay", "max_batches": 1, "timeout": 10}
+    (whole,) = client.sample("z", **kw)
+    (columnar,) = client.sample("z", **kw, fields=["routed_experts"])
+    routed = columnar.columns["routed_experts"]
+    assert routed.values is not None and routed.values.shape == (sum(exp.tokens.numel() for exp in made), 0)
+    for got, exp in zip(routed.tensors, whole.experiences, strict=True):
+        assert got.dtype == torch.uint8 and got.shape == exp.routed_experts.shape
+    assert routed.nested().size(0) == len(made)
