@@ -367,3 +367,21 @@ def test_the_page_s_first_put_and_get_runs_as_written(
     assert read == "[4, 5, 6, 7] ['3+3?']"
     values, size = map(int, counted.split())
     assert values >= 4 and size > 4 * len("0@input_ids")  # the 4 fields, and the controller's entries
+
+
+def test_a_clear_of_samples_with_other_fields_each_clears_every_field_stored(
+    ray_cluster: ModuleType, start_server: Servers
+) -> None:
+    """TransferQueue clears a batch of keys by the fields all of them hold; a field only some of
+    them hold is cleared too, or its values would count against the table's capacity for ever."""
+    server = start_server()
+    target = f"127.0.0.1:{server.port}"
+    tq.init(OmegaConf.create({"backend": {"storage_backend": "Expbuf", "Expbuf": {"target": target, "table": "tq"}}}))
+    try:
+        tq.kv_batch_put(keys=["a", "b"], partition_id="train", fields=TensorDict({"x": torch.ones(2, 3)}, batch_size=2))
+        tq.kv_put(key="a", partition_id="train", fields=TensorDict({"y": torch.zeros(1, 2)}, batch_size=1))
+        tq.kv_clear(keys=["a", "b"], partition_id="train")
+        with BufferClient(target) as client:
+            assert client.get_values(["0@x", "1@x", "0@y"], "tq") == [None] * 3
+    finally:
+        tq.close()

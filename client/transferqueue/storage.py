@@ -25,6 +25,7 @@ Puts and gets are cut to stay under the client's message size. TransferQueue's c
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import json
 import math
@@ -36,9 +37,11 @@ from typing import Any
 
 import grpc
 import torch
+from transfer_queue.metadata import BatchMeta
 from transfer_queue.storage.bootstrap.provider import StorageBootstrapProvider
 from transfer_queue.storage.clients.base import StorageClientFactory, StorageKVClient
 from transfer_queue.storage.managers.base import KVStorageManager, StorageManagerFactory
+from transfer_queue.utils.zmq_utils import ZMQMessage, ZMQRequestType
 
 from ..client import BufferClient
 from ..errors import ExpbufError, PermissionDeniedError, UnavailableError
@@ -57,6 +60,7 @@ IN_FLIGHT = 4  # puts or gets of one call under way at once: encoding, sending a
 PLACEMENT = "expbuf/placement"
 PARTS_META = "expbuf_parts"  # what a value stored in parts reports to TransferQueue: its parts' count
 PROBE_SECONDS = 5.0  # the start's first look at each server, before any call waits for one
+ASK_SECONDS = 60.0  # how long a clear waits for the controller's answer on the fields its samples hold
 _LEN = struct.Struct("<I")
 
 
@@ -405,6 +409,50 @@ class ExpbufStorageManager(KVStorageManager):
         if config.get("client_name") not in (None, CLIENT):
             raise ValueError(f"the {BACKEND} backend's client is {CLIENT}, not {config.get('client_name')}")
         super().__init__(controller_info, {**config, "client_name": CLIENT}, zmq_context=zmq_context)
+
+    async def clear_data(self, metadata: BatchMeta) -> None:
+        """Clear every field the samples hold. TransferQueue's kv_clear names only the fields all
+        of a batch's samples hold; a field some of them hold alone would stay stored (and count
+        against the table's capacity) for ever, so the partition's fields are asked for, with
+        their parts' counts, and each sample's key of each is cleared (clearing a key not stored
+        clears nothing)."""
+        names: set[str] = set(metadata.field_names)
+        metas: dict[int, dict[str, Any]] = {}
+        for partition_id in dict.fromkeys(metadata.partition_ids):
+            whole = await self._partition_meta(partition_id)
+            if whole is None:
+                continue
+            names.update(whole.field_names)
+            metas.update(zip(whole.global_indexes, whole._custom_backend_meta, strict=True))
+        if not names:
+            raise RuntimeError("nothing to clear: the batch names no field and its partitions hold none")
+        for at, index in enumerate(metadata.global_indexes):
+            metas.setdefault(index, metadata._custom_backend_meta[at])
+        fields = sorted(names)
+        keys = self._generate_keys(fields, metadata.global_indexes)
+        backend = [metas[index].get(name) for name in fields for index in metadata.global_indexes]
+        self.storage_client.clear(keys=keys, custom_backend_meta=backend)
+
+    async def _partition_meta(self, partition_id: str) -> BatchMeta | None:
+        """The controller's metadata of a whole partition (every field, every sample's parts'
+        counts), asked on the manager's own connection to it; None for a partition it lacks."""
+        request = ZMQMessage.create(
+            request_type=ZMQRequestType.GET_PARTITION_META,
+            sender_id=self.storage_manager_id,
+            body={"partition_id": partition_id},
+        ).serialize()
+
+        async def ask() -> BatchMeta | None:
+            async with self.notify_pool.alease(self.controller_info) as sock:
+                await sock.send_multipart(request)
+                reply = ZMQMessage.deserialize(await asyncio.wait_for(sock.recv_multipart(copy=False), ASK_SECONDS))
+            if reply.request_type != ZMQRequestType.GET_PARTITION_META_RESPONSE:
+                raise RuntimeError(
+                    f"the controller did not say which fields partition {partition_id!r} holds: {reply.body}"
+                )
+            return reply.body["metadata"]
+
+        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(ask(), self._notify_loop))
 
     def close(self) -> None:
         super().close()
