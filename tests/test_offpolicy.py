@@ -16,7 +16,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from expbuf.client import AsyncBufferClient, BufferClient, BufferError, trxp
+from expbuf.client import AsyncBufferClient, BufferClient, BufferError, PermissionDeniedError, trxp
 from expbuf.client.rpc import declare
 from expbuf.client.torch import ExperienceDataset
 from expbuf.proto.v1 import buffer_pb2 as pb
@@ -245,6 +245,22 @@ def test_grants_of_a_killed_worker_come_back(start_server: Servers) -> None:
         with pytest.raises(BufferError) as bad:
             c.admit("t", 1, grant_seconds=-1)
         assert bad.value.code == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_with_tokens_a_grant_is_finished_only_by_the_token_that_took_it(start_server: Servers) -> None:
+    """A grant is bound to the token whose Admit took it, as a lease is: another token's finish
+    is refused and gives no room back, so one job cannot end another's rollouts' admission."""
+    scopes = frozenset({"push", "sample", "admin"})
+    server = start_server(tokens={"a": scopes, "b": scopes})
+    target = f"127.0.0.1:{server.port}"
+    with BufferClient(target, token="a", timeout=20) as a, BufferClient(target, token="b", timeout=20) as b:
+        a.create_table("t", estimator="none", max_staleness=0, batch_size=2)
+        grant = a.admit("t", 2)
+        assert grant.count == 2
+        with pytest.raises(PermissionDeniedError, match="another token"):
+            b.finish_grant(grant, accepted=0)
+        assert b.admit("t", 1).count == 0  # a's grant still holds its room
+        assert a.finish_grant(grant, accepted=0) == 2
 
 
 # Long enough that the admission right after the worker's kill finds its grant held on a loaded

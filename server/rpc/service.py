@@ -389,14 +389,16 @@ class ExperienceBufferService(LedgerServicer, ReadServicer, ValuesServicer, pb_g
         table = request.table or "default"
         asked = min(request.wait_seconds, self.max_wait_seconds)  # a waiting Admit holds a worker thread
         wait = remaining(context, asked) if request.wait_seconds > 0 else 0.0
-        grant = self.store.admit(table, request.count, wait=wait, grant_seconds=request.grant_seconds or 300.0)
+        seconds = request.grant_seconds or 300.0
+        grant = self.store.admit(table, request.count, wait=wait, grant_seconds=seconds, holder=self._owner(context))
         self.metrics.admission.labels(table, "granted" if grant.count else "no_room").inc()
         return pb.AdmitReply(granted=grant.count, grant_id=grant.grant_id, expires_unix=grant.expires)
 
     @refusals
     def FinishGrant(self, request: pb.FinishGrantRequest, context: grpc.ServicerContext) -> pb.FinishGrantReply:
         accepted = request.accepted if request.HasField("accepted") else None
-        returned = self.store.finish_grant(request.table or "default", request.grant_id, accepted)
+        table, holder = request.table or "default", self._owner(context)
+        returned = self.store.finish_grant(table, request.grant_id, accepted, holder)
         return pb.FinishGrantReply(returned=returned)
 
     @refusals

@@ -268,26 +268,29 @@ class Store(ServiceCalls):
     # ---- admission -----------------------------------------------------------------------
 
     def admit(
-        self, table: str, count: int, *, wait: float = 0.0, grant_seconds: float = 300.0
+        self, table: str, count: int, *, wait: float = 0.0, grant_seconds: float = 300.0, holder: str = ""
     ) -> admission.RolloutGrant:
         """How many of `count` rollouts may start now (admission.py), under a grant that
-        expires after grant_seconds unless finished; waits up to `wait` for room."""
+        expires after grant_seconds unless finished (by `holder` alone: the caller's token
+        fingerprint with tokens on); waits up to `wait` for room."""
         deadline = time.monotonic() + wait
         while True:
             generation = self.environment.generation
-            granted = self._in_table(table, lambda tt: admission.grant(tt, count, grant_seconds))
+            granted = self._in_table(table, lambda tt: admission.grant(tt, count, grant_seconds, holder))
             if granted.count or time.monotonic() >= deadline:
                 return granted
             self.environment.wait_for_change(generation, deadline)
 
-    def finish_grant(self, table: str, grant_id: str, accepted: int | None = None) -> int:
-        """End a grant: `accepted` rollouts stay counted (None: all); returns those given back."""
+    def finish_grant(self, table: str, grant_id: str, accepted: int | None = None, holder: str = "") -> int:
+        """End a grant: `accepted` rollouts stay counted (None: all); returns those given back.
+        Forbidden when another token than `holder`'s took it."""
         table_id, _ = self.catalog.lookup(table)
 
         def op(tt: TableState) -> int:
             record = admission.read_grant(tt.txn, self.db, grant_id)
             if record is None or record["t"] != table_id:
                 raise admission.unknown_grant(grant_id, table)
+            admission.check_owner(record, grant_id, holder)
             return admission.finish(tt, grant_id, record, accepted)
 
         return self._in_table(table, op)

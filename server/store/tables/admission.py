@@ -18,14 +18,14 @@ import json
 import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TypedDict
+from typing import NotRequired, TypedDict
 
 import lmdb
 
 from ..core.table_state.state import TableState
 from ..disk import layout
 from ..disk.kinds import Entry
-from ..schema.errors import InvalidRequest, NotFound, StaleExperience, clip
+from ..schema.errors import Forbidden, InvalidRequest, NotFound, StaleExperience, clip
 from ..schema.sample_spec import MAX_COUNT
 
 # A grant older than a day is a lost worker, not a long rollout.
@@ -33,11 +33,13 @@ MAX_GRANT_SECONDS = 86400.0
 
 
 class GrantRecord(TypedDict):
-    """A grant as stored (JSON): its table id, its rollouts and when it expires."""
+    """A grant as stored (JSON): its table id, its rollouts, when it expires and, with tokens on,
+    the fingerprint of the token that took it (a grant stored before grants had one is anyone's)."""
 
     t: int
     n: int
     e: float
+    o: NotRequired[str]
 
 
 @dataclass(frozen=True)
@@ -58,8 +60,9 @@ def capacity(tt: TableState) -> int | None:
     return max(0, (cfg.staleness.max_staleness + version + 1) * cfg.staleness.batch_size - tt.counters.submitted)
 
 
-def grant(tt: TableState, count: int, seconds: float) -> RolloutGrant:
-    """RolloutGrant up to `count` rollouts under a lease of `seconds`."""
+def grant(tt: TableState, count: int, seconds: float, owner: str = "") -> RolloutGrant:
+    """RolloutGrant up to `count` rollouts under a lease of `seconds`, bound to `owner` (the
+    caller's token fingerprint with tokens on), who alone finishes it."""
     if not isinstance(count, int) or isinstance(count, bool) or not 1 <= count <= MAX_COUNT:
         raise InvalidRequest(f"count must be an integer from 1 to {MAX_COUNT}, got {clip(count)}")
     if not isinstance(seconds, (int, float)) or not 0 < seconds <= MAX_GRANT_SECONDS:
@@ -70,6 +73,8 @@ def grant(tt: TableState, count: int, seconds: float) -> RolloutGrant:
         return RolloutGrant(0)
     grant_id, expires = secrets.token_hex(8), tt.now + seconds
     record: GrantRecord = {"t": tt.table_id, "n": granted, "e": expires}
+    if owner:
+        record["o"] = owner
     tt.txn.put(grant_id.encode(), json.dumps(record).encode(), db=tt.db["grants"])
     tt.txn.put(layout.expiry_key(expires, grant_id), b"", db=tt.db["grant_exp"])
     tt.counters.submitted += granted
@@ -117,6 +122,13 @@ def reset(tt: TableState) -> int:
     tt.counters.submitted = held
     tt.save()
     return held
+
+
+def check_owner(record: GrantRecord, grant_id: str, holder: str) -> None:
+    """Refuse a finish of a grant taken with another token than `holder`'s, as a lease's ack is."""
+    owner = record.get("o", "")
+    if owner and owner != holder:
+        raise Forbidden(f"grant '{clip(grant_id)}' was taken with another token; finish it with that one")
 
 
 def unknown_grant(grant_id: str, table: str) -> NotFound:
