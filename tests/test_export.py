@@ -122,6 +122,22 @@ def test_export_trxp_reads_back_as_stored(child_server: ServerProcess, tmp_path:
     assert refused.returncode == 2 and "--out" in refused.stderr
 
 
+def test_export_mistakes_are_one_line(child_server: ServerProcess, tmp_path: Path) -> None:
+    """A file that cannot be written, or a page size below 0: exit code 2, one line naming it, no
+    traceback."""
+    with BufferClient(child_server.target) as client:
+        fill(client, "t5")
+    nowhere = tmp_path / "no-such-dir" / "t"
+    for args in (("--out", str(nowhere)), ("--format", "trxp", "--out", str(nowhere)), ("--page", "-1")):
+        done = subprocess.run(
+            [sys.executable, "-m", "expbuf.server.cli", "export", "t5", "--target", child_server.target, *args],
+            capture_output=True, text=True, timeout=60, check=False,
+        )  # fmt: skip
+        lines = [line for line in done.stderr.splitlines() if line.strip()]
+        assert done.returncode == 2 and len(lines) == 1 and "Traceback" not in done.stderr, (args, done.stderr)
+        assert (str(nowhere) if "--out" in args else "--page -1") in lines[0] and not done.stdout
+
+
 def test_export_goes_past_a_damaged_experience(tmp_path: Path) -> None:
     """A payload damaged on disk (no scrub, so the export's Get is the first read to meet it):
     the export leaves it out, says so, writes every other experience, and the experience is

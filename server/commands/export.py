@@ -11,13 +11,13 @@ a look with `jq` or pandas; TRXP is what Trinity-RFT's `Experience.deserialize_m
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import sys
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, fields
-from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, BinaryIO, TextIO, cast
 
 from expbuf.client import BufferClient, BufferError, Experience, Tls, encode
 from expbuf.client.client import ListedExperience
@@ -70,18 +70,22 @@ def pages(
         after = page.next
 
 
-def _export(client: BufferClient, args: argparse.Namespace, out: TextIO | None) -> int:
+def _export(client: BufferClient, args: argparse.Namespace, out: TextIO | BinaryIO) -> int:
+    """Write the pages to `out`: JSON lines as they come, or, for a TRXP file (binary), one batch
+    at the end."""
     count = skipped = 0
     collected: list[Experience] = []
     for listed, experiences, left_out in pages(client, args):
         count += len(experiences)
         skipped += left_out
-        if out is not None:
-            out.writelines(json_line(item, exp) + "\n" for item, exp in zip(listed, experiences, strict=True))
+        if args.format == "jsonl":
+            cast(TextIO, out).writelines(
+                json_line(item, exp) + "\n" for item, exp in zip(listed, experiences, strict=True)
+            )
         else:
             collected += experiences
-    if out is None:
-        Path(args.out).write_bytes(encode(collected))
+    if args.format == "trxp":
+        cast(BinaryIO, out).write(encode(collected))
     note = f" ({skipped} listed but not returned: retired meanwhile, or quarantined as damaged)" if skipped else ""
     print(f"exported {count} experiences of {args.table}{note}", file=sys.stderr)
     return 0
@@ -108,18 +112,30 @@ def add_export_command(
 
 
 def run_export(args: argparse.Namespace, tls: Tls | None) -> int:
-    """Export; a refusal by the server is its status and message, exit code 1."""
+    """Export; a refusal by the server is its status and message, exit code 1, and a mistake in
+    what was asked (no --out for TRXP, a page below 0, a file that cannot be written) one line,
+    exit code 2, found before the table is read."""
     if args.format == "trxp" and not args.out:
         print("expbuf export: a TRXP export needs --out FILE (it is binary)", file=sys.stderr)
         return 2
-    with BufferClient(args.target, token=args.token, tls=tls, timeout=60) as client:
+    if args.page < 0:
+        print(
+            f"expbuf export: --page {args.page}: experiences per request, 0 (the server's 1000) or more",
+            file=sys.stderr,
+        )
+        return 2
+    with contextlib.ExitStack() as stack:
         try:
             if args.format == "trxp":
-                return _export(client, args, None)
-            if args.out:
-                with open(args.out, "w", encoding="utf-8") as out:
-                    return _export(client, args, out)
-            return _export(client, args, sys.stdout)
+                out: TextIO | BinaryIO = stack.enter_context(open(args.out, "wb"))
+            else:
+                out = stack.enter_context(open(args.out, "w", encoding="utf-8")) if args.out else sys.stdout
+        except OSError as exc:
+            print(f"expbuf export: --out {args.out}: {exc.strerror or exc}", file=sys.stderr)
+            return 2
+        client = stack.enter_context(BufferClient(args.target, token=args.token, tls=tls, timeout=60))
+        try:
+            return _export(client, args, out)
         except BufferError as exc:
             print(f"expbuf export: {exc.code.name}: {exc.details}", file=sys.stderr)
             return 1
