@@ -198,6 +198,13 @@ def test_dataset_create_takes_settings_anywhere_and_refusals_name_the_setting(
     one_line_error(cli("dataset", "create", "t", "x", "-2", *target), 2, "size is -2")
     one_line_error(cli("dataset", "create", "t", "x", "2", "epoch=3", *target), 2, "unknown setting", "epoch")
     one_line_error(cli("dataset", "create", "t", "x", "2", "epochs", *target), 2, "KEY=VALUE")
+    for setting, where in (
+        ("table=u", "TABLE"),
+        ("name=y", "NAME"),
+        ("size=3", "SIZE"),
+        ("exist_ok=true", "--exist-ok"),
+    ):
+        one_line_error(cli("dataset", "create", "t", "x", "2", setting, *target), 2, setting, where)
     assert [d.name for d in client.datasets("t")] == ["math"]  # nothing refused was made
 
 

@@ -843,6 +843,10 @@ def test_table_commands(child_server: ServerProcess) -> None:
     one_line_error(cli("table", "create", "x", "group_size=-1", *target), "group_size", "-1")
     one_line_error(cli("table", "create", "x", "gruop_size=4", *target), "unknown table setting", "gruop_size")
     one_line_error(cli("table", "create", "x", "estimator_params=5", *target), "estimator_params", "5")
+    # The command's own arguments as settings: named, with the argument or option to use.
+    one_line_error(cli("table", "create", "x", "name=y", *target), "name=y", "NAME")
+    one_line_error(cli("table", "create", "x", "exist_ok=true", *target), "exist_ok=true", "--exist-ok")
+    one_line_error(cli("table", "create", "x", "preset=queue", *target), "preset=queue", "--preset")
     listing = cli("table", "list", *target).stdout.splitlines()
     assert listing[0].split() == ["table", "group_by", "group_size", "estimator", "ready", "leased", "pending"]
     assert any(line.split()[:4] == ["grpo4", "task", "8", "rloo"] for line in listing[1:])

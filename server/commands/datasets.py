@@ -20,7 +20,7 @@ from pathlib import Path
 from expbuf.client import BufferClient
 from expbuf.client.schema.prompts import STATES, DatasetInfo, Prompt
 
-from .tables import columns, parse_setting, toml_value
+from .tables import columns, parse_setting, parse_settings, toml_value
 
 PAGE = 1000  # prompt records a ListPrompts call reads
 
@@ -56,7 +56,9 @@ def _cursor(info: DatasetInfo, short: bool) -> str:
 
 
 def _create(args: argparse.Namespace, client: BufferClient) -> int:
-    settings = dict(parse_setting(s) for s in args.settings)  # a SettingError is a ValueError: exit code 2
+    own = {"table": "the TABLE argument", "name": "the NAME argument", "size": "the SIZE argument"}
+    own["exist_ok"] = "--exist-ok"
+    settings = parse_settings(args.settings, own)  # a SettingError is a ValueError: exit code 2
     size = parse_setting(f"size={args.size}")[1]
     info = client.create_dataset(args.table, args.name, size, exist_ok=args.exist_ok, **settings)
     shown = " ".join(f"{key}={toml_value(value)}" for key, value in _settings(info).items() if value is not None)

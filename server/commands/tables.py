@@ -35,6 +35,19 @@ def parse_setting(text: str) -> tuple[str, Any]:
         return key.strip(), value
 
 
+def parse_settings(texts: list[str], own: dict[str, str]) -> dict[str, Any]:
+    """`KEY=VALUE` arguments as settings; a key that is one of the command's own arguments
+    (`own`: the key -> the argument or option that gives it) is refused naming that argument,
+    where it would reach the call twice."""
+    settings: dict[str, Any] = {}
+    for text in texts:
+        key, value = parse_setting(text)
+        if key in own:
+            raise SettingError(f"{text!r}: not a setting; {key} is given as {own[key]}")
+        settings[key] = value
+    return settings
+
+
 def toml_value(value: Any) -> str:
     """A value as TOML writes it: strings quoted, booleans in lower case, tables inline."""
     if isinstance(value, bool):
@@ -63,7 +76,8 @@ def columns(rows: list[tuple[str, ...]]) -> str:
 
 
 def _create(args: argparse.Namespace, client: BufferClient) -> int:
-    settings = dict(parse_setting(s) for s in args.settings)  # a SettingError is a ValueError: exit code 2
+    own = {"name": "the NAME argument", "exist_ok": "--exist-ok", "preset": "--preset NAME"}
+    settings = parse_settings(args.settings, own)  # a SettingError is a ValueError: exit code 2
     created = client.create_table(args.name, exist_ok=args.exist_ok, preset=args.preset, **settings)
     print(describe_text(created.settings(), {}).split("\n\n")[0])
     return 0
