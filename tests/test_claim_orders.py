@@ -315,6 +315,12 @@ def test_expbuf_dataset_export_writes_each_prompt_with_its_statistics(server: Ex
         assert row["stats"]["runs"] == RUNS and row["stats"]["passes"] == passes(prompt.index)
         assert row["stats"]["pass_rate"] == passes(prompt.index) / RUNS
         assert row["stats"]["last_mean"] == prompt.stats.last_mean and row["stats"]["trained"] == 0
+    nowhere = tmp_path / "no-such-dir" / "prompts.jsonl"  # a file that cannot be written: one line, exit code 2
+    done = subprocess.run(
+        [*command[:-1], str(nowhere), "--target", f"127.0.0.1:{server.port}"], capture_output=True, text=True
+    )
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert done.returncode == 2 and len(lines) == 1 and str(nowhere) in lines[0], done.stderr
 
 
 def test_prompts_trained_outside_expbuf_are_reported_with_their_rewards(client: BufferClient) -> None:

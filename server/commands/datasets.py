@@ -146,10 +146,15 @@ def _row(prompt: Prompt) -> tuple[str, ...]:
 
 def _export(args: argparse.Namespace, client: BufferClient) -> int:
     """Every prompt handed out, one JSON object a line: where it stands and its statistics (the
-    prompt's over its epochs, on each epoch's line; NaN as null)."""
+    prompt's over its epochs, on each epoch's line; NaN as null). A file that cannot be written is
+    one line, exit code 2."""
     page = client.list_prompts(args.table, args.name, limit=PAGE)  # an unknown dataset: no file is left behind
     with contextlib.ExitStack() as stack:
-        out = stack.enter_context(Path(args.out).open("w")) if args.out else sys.stdout
+        try:
+            out = stack.enter_context(Path(args.out).open("w")) if args.out else sys.stdout
+        except OSError as exc:
+            print(f"expbuf dataset export: --out {args.out}: {exc.strerror or exc}", file=sys.stderr)
+            return 2
         written = 0
         while True:
             for prompt in page.prompts:
