@@ -136,6 +136,14 @@ def test_export_mistakes_are_one_line(child_server: ServerProcess, tmp_path: Pat
         lines = [line for line in done.stderr.splitlines() if line.strip()]
         assert done.returncode == 2 and len(lines) == 1 and "Traceback" not in done.stderr, (args, done.stderr)
         assert (str(nowhere) if "--out" in args else "--page -1") in lines[0] and not done.stdout
+    # A TRXP export the server refuses (no such table) leaves no file: it is written at the end.
+    out = tmp_path / "refused.trxp"
+    done = subprocess.run(
+        [sys.executable, "-m", "expbuf.server.cli", "export", "absent", "--target", child_server.target,
+         "--format", "trxp", "--out", str(out)],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert done.returncode == 1 and "NOT_FOUND" in done.stderr and not out.exists(), done.stderr
 
 
 def test_export_goes_past_a_damaged_experience(tmp_path: Path) -> None:

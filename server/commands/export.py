@@ -17,6 +17,7 @@ import math
 import sys
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, fields
+from pathlib import Path
 from typing import Any, BinaryIO, TextIO, cast
 
 from expbuf.client import BufferClient, BufferError, Experience, Tls, encode
@@ -138,4 +139,7 @@ def run_export(args: argparse.Namespace, tls: Tls | None) -> int:
             return _export(client, args, out)
         except BufferError as exc:
             print(f"expbuf export: {exc.code.name}: {exc.details}", file=sys.stderr)
+            if args.format == "trxp":  # written only at the end: an empty file is no export
+                stack.close()
+                Path(args.out).unlink(missing_ok=True)
             return 1
