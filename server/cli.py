@@ -396,6 +396,9 @@ def main(argv: list[str] | None = None) -> int:
     except CommandError as exc:
         print(f"expbuf {args.command}: {exc}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # its output's reader left (`expbuf export t | head`): nothing to say
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the exit's flush writes nowhere
+        return 1
 
 
 if __name__ == "__main__":

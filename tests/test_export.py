@@ -146,6 +146,24 @@ def test_export_mistakes_are_one_line(child_server: ServerProcess, tmp_path: Pat
     assert done.returncode == 1 and "NOT_FOUND" in done.stderr and not out.exists(), done.stderr
 
 
+def test_an_export_whose_reader_leaves_ends_without_a_traceback(child_server: ServerProcess) -> None:
+    """`expbuf export t | head -1`: the reader leaves after its first line, the export's next write
+    finds the pipe closed, and it ends (exit code 1) with nothing on stderr, not BrokenPipeError's
+    traceback."""
+    with BufferClient(child_server.target) as client:
+        client.create_table("wide", estimator="none", group_by="none")
+        client.push([make_experience(0, task, 0, response=4000) for task in range(12)], table="wide")  # ~25 KB a line
+    export = subprocess.Popen(
+        [sys.executable, "-m", "expbuf.server.cli", "export", "wide", "--target", child_server.target, "--page", "1"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    )  # fmt: skip
+    assert export.stdout is not None and export.stderr is not None
+    assert json.loads(export.stdout.readline())["eid"]
+    export.stdout.close()  # as head does, past the pipe's 64 KiB
+    assert export.wait(60) == 1
+    assert export.stderr.read() == b""
+
+
 def test_export_goes_past_a_damaged_experience(tmp_path: Path) -> None:
     """A payload damaged on disk (no scrub, so the export's Get is the first read to meet it):
     the export leaves it out, says so, writes every other experience, and the experience is
