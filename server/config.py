@@ -122,7 +122,7 @@ class ServerConfig:
     push_stream_window: int = 8
     # A push in chunks must bring this many MB (10^6 bytes) a second over every push_stream_idle_seconds
     # after its first, or it is ended: it holds a worker, the room it announced and what it staged
-    # (rpc/push/push_memory.py).
+    # (rpc/push/push_chunks.py).
     push_min_mb_per_second: float = 0.1
     # The longest a Sample batch, a waiting Admit or Claim, or a push waiting for room waits.
     max_wait_seconds: float = 600.0

@@ -1,13 +1,8 @@
 """What pushes hold in memory: their payloads read without a copy (push_request.py), counted
 against `max_inflight_bytes` (inflight.py) while they are decoded and stored, and given back after.
 
-A payload sent in chunks over PushStream (total_bytes) is read chunk by chunk: gRPC's copies are
-then of one chunk at a time, and `max_message_bytes` bounds a chunk, not the payload. One with an
-experience whose tensor data is larger than the store's chunk (store/disk/chunked.py), whose head
-comes whole in its first chunk, is staged as it arrives (ingest.Stager): each such experience's
-data goes to the store a chunk at a time, and the push holds its head, its other experiences'
-data and a chunk of each large one, whatever its size. Any other is put together here in memory
-of its own size.
+A payload sent in chunks over PushStream (total_bytes) is admitted by its first chunk and
+read, staged and paced by push_chunks.ChunkReader, whose docstring says how.
 
 A message's size is known only once gRPC has received all of it, and a read, once begun, takes
 in the whole message. So a call whose client declared the most a message of it will be (call
@@ -22,23 +17,8 @@ that declared nothing (a raw gRPC client, an older one) begins its read while wh
 below the cap, so such calls that arrive together may pass it by a message each. Either waits, up
 to its deadline, then is refused RESOURCE_EXHAUSTED naming the setting. The server takes in no
 more of a call's messages unasked than its gRPC options let (inflight.receive_window). A push sent
-whole that is larger than the cap still goes through when nothing else is in flight.
-
-A payload in chunks announces its size in its first chunk (total_bytes): it is admitted by what it
-will hold (all of it, or its staging) and a chunk as large as its first on its way (a later chunk
-larger than its first is refused), reserving that once it fits beside what is held (waiting, and
-refused, as above), and refused at once, naming both, when that is larger than the cap; its
-reservation, and what it staged that its push did not store, is given back however the push ends.
-One larger than `max_push_bytes` is refused at its first chunk: a staged push writes all of itself
-to disk before its commit, whatever it holds in memory. For the same reason what a staged push
-stages must fit in its table's capacity_bytes, beside what the table's other staged pushes
-announced, before any of it is staged (store/services/staged.py: refused at once, or after a wait
-for room, naming the setting). After its first `push_stream_idle_seconds` it must bring
-`push_min_mb_per_second` over every `push_stream_idle_seconds`, or be refused (`Pace`): a chunk per
-idle period would otherwise hold a worker, its reservation and what it staged for ever, and an
-allowance from the size it announced would let a push that drips after most of its bytes keep them
-for hours. When the last push in flight ends, memory freed by large pushes is handed back to the
-system.
+whole that is larger than the cap still goes through when nothing else is in flight. When the
+last push in flight ends, memory freed by large pushes is handed back to the system.
 
 A PushStream reads its next messages while its earlier pushes are stored (rpc/push/push_stream.py): each
 message carries what it holds, given back once its push is stored or refused, and the stream's
@@ -49,11 +29,8 @@ replies of the pushes before it.
 
 from __future__ import annotations
 
-import collections
-import mmap
 import re
-import time
-from collections.abc import Callable, Generator, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, TypeVar
 
 import grpc
@@ -61,12 +38,11 @@ import grpc
 from expbuf.client.rpc.wire import MESSAGE_BYTES
 from expbuf.client.schema.reasons import Reason
 
-from ...store import Entry
-from ...store.schema.errors import StoreError
 from ..interceptors.base import ServiceInterceptor, refuse
-from ..interceptors.limits import MAY_WAIT, PROGRESS
+from ..interceptors.limits import MAY_WAIT
 from .inflight import InFlight
-from .ingest import StagedPush, Stager
+from .ingest import Stager
+from .push_chunks import ChunkReader, remaining
 from .push_request import PushMessage, Refusal, read_push_request
 from .slow_reads import SlowReads
 
@@ -103,12 +79,6 @@ def _larger(what: str, size: int, declared: int) -> Refusal:
     )
 
 
-def _remaining(context: grpc.ServicerContext) -> float:
-    """How long a push may wait to be read: its deadline, less the time to send a refusal."""
-    left = context.time_remaining()
-    return 3600.0 if left is None else max(0.0, left - min(1.0, 0.1 * left))
-
-
 class PushMemory(ServiceInterceptor):
     """Push and PushStream read their messages with read_push_request, once InFlight admits them;
     PushStream puts the chunks of a payload together before the servicer sees it. A message that
@@ -125,7 +95,8 @@ class PushMemory(ServiceInterceptor):
         max_push_bytes: int = 16 << 30,
         max_message_bytes: int = 256 << 20,
     ) -> None:
-        self.inflight, self.stager, self.max_push_bytes = inflight, stager, max_push_bytes
+        self.inflight = inflight
+        self.chunks = ChunkReader(inflight, stager, stream_wait, min_mb_per_second, grace, max_push_bytes)
         self.slow_reads = SlowReads()  # a unary call's read, ended where its message does not come
         self.max_message_bytes = max_message_bytes  # the most a declared message's read reserves
         self.stream_wait = stream_wait  # below a PushStream's idle timeout, so the refusal says why
@@ -209,7 +180,7 @@ class PushMemory(ServiceInterceptor):
                 f"message, and it may not wait for room: {busy}",
                 Reason.BUSY,
             )
-        wait = min(most, _remaining(context))
+        wait = min(most, remaining(context))
         if expect is None:
             refused = inflight.admit(wait, owner)
             if refused is not None:
@@ -219,136 +190,6 @@ class PushMemory(ServiceInterceptor):
         if isinstance(held, str):
             raise Refusal(grpc.StatusCode.RESOURCE_EXHAUSTED, held, Reason.INFLIGHT_FULL)
         return held
-
-    def _reserve(self, first: PushMessage, context: grpc.ServicerContext, owner: object, size: int) -> None:
-        """Hold what a push in chunks will hold at most (`size`: what it announces, total_bytes, or
-        what staging it holds, and a chunk on its way) in place of its first chunk, once it fits
-        beside what pushes in progress hold (waiting as a message's read does); refused at once
-        when larger than the cap, which it could never fit under."""
-        total, limit = first.total_bytes, self.inflight.limit
-        first.release()
-        if size > limit:
-            raise Refusal(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"PushRequest: a payload in chunks of total_bytes = {total} holds {size} bytes as it is read, "
-                f"more than max_inflight_bytes = {limit}, the payload bytes pushes in progress may hold together "
-                "(raise it with EXPBUF_MAX_INFLIGHT_BYTES or in the config file, or push less at once)",
-                Reason.TOO_LARGE,
-            )
-        what = f"a push in chunks of total_bytes = {total} waited for room: "
-        held = self.inflight.reserve(size, min(self.stream_wait, _remaining(context)), owner, what)
-        if isinstance(held, str):
-            raise Refusal(grpc.StatusCode.RESOURCE_EXHAUSTED, held, Reason.INFLIGHT_FULL)
-        first.held.append(held)
-
-    def _chunks(
-        self, first: PushMessage, requests: Iterator[Any], context: grpc.ServicerContext, owner: object
-    ) -> Generator[Any, None, PushMessage]:
-        """The payload whose first chunk is `first`, reserved (`_reserve`) and read from the chunks
-        that follow it: staged as it comes where the stager takes it (its message then carries its
-        experiences, ingest.Stager), else put together in memory of its own and returned as one
-        message; PROGRESS after each chunk but the last, so that the stream is not taken for idle. A
-        staged push that does not fit in its table's capacity_bytes is refused before it stages
-        anything. A stream that ends before the last chunk, or whose chunks come slower than
-        min_mb_per_second over a grace's time once the grace is over (`Pace`), is refused:
-        nothing of the push is stored, and what it reserved and staged is given back."""
-        total = first.total_bytes
-        if total > self.max_push_bytes:
-            first.release()
-            raise Refusal(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"PushRequest: a payload in chunks of total_bytes = {total} is larger than max_push_bytes = "
-                f"{self.max_push_bytes}, the largest push this server takes (raise it with EXPBUF_MAX_PUSH_BYTES "
-                "or in the config file, or push fewer experiences at once): nothing of it is stored",
-                Reason.TOO_LARGE,
-            )
-        staged = None if self.stager is None else self.stager.open(first.table or "default", first.payload, total)
-        try:
-            if staged is not None:
-                wait = min(self.stream_wait, _remaining(context))
-                _refused_by_store(lambda: staged.open(wait))  # what it stages, within capacity_bytes
-            chunk = len(first.payload)  # the largest chunk of the push: one is on its way while it is read
-            self._reserve(first, context, owner, (total if staged is None else staged.holds) + chunk)
-        except BaseException:
-            first.release()
-            if staged is not None:
-                staged.drop()  # nothing staged yet: its share of the table's staging alone
-            raise
-        message = PushMessage(first.table, memoryview(b""), first.seq, held=first.held)
-        try:
-            if staged is None:
-                whole = memoryview(mmap.mmap(-1, total, mmap.MAP_PRIVATE))  # anonymous: given back whole once let go
-                message.payload = whole
-                del whole  # the message alone holds the payload, which the servicer lets go once decoded
-                take = _into(message)
-            else:
-                message.held.append(staged.drop)
-                take = _staging(staged)
-            yield from self._read_chunks(first, requests, take)
-            if staged is not None:
-                message.entries = _staged(staged)
-        except BaseException:
-            message.release()  # what the message holds: first's list
-            raise
-        return message
-
-    def _read_chunks(
-        self, first: PushMessage, requests: Iterator[Any], take: Callable[[int, memoryview], None]
-    ) -> Generator[Any, None, None]:
-        """Hand each chunk of the push whose first chunk is `first` to `take` (where it starts in
-        the payload, its bytes), checked as _chunks says; PROGRESS between chunks."""
-        total, got = first.total_bytes, len(first.payload)
-        largest = got  # the first chunk's size bounds the others: its reservation holds one on its way
-        where = f"the push of seq {first.seq} in chunks (total_bytes = {total})"
-        pace = Pace(self.grace, time.monotonic())
-        take(0, first.payload)
-        first.drop_payload()
-        while got < total:
-            yield PROGRESS
-            chunk = next(requests, None)
-            if chunk is None:
-                raise Refusal(
-                    grpc.StatusCode.INVALID_ARGUMENT,
-                    f"PushStream ended {got} bytes into {where}: nothing of it is stored",
-                    Reason.INVALID_REQUEST,
-                )
-            if chunk.table or chunk.seq or chunk.total_bytes or not chunk.payload:
-                raise Refusal(
-                    grpc.StatusCode.INVALID_ARGUMENT,
-                    f"PushRequest {got} bytes into {where}: a chunk after the first carries a payload and "
-                    "nothing else (table, seq and total_bytes unset)",
-                    Reason.INVALID_REQUEST,
-                )
-            if len(chunk.payload) > largest:
-                raise Refusal(
-                    grpc.StatusCode.INVALID_ARGUMENT,
-                    f"PushRequest {got} bytes into {where}: a chunk of {len(chunk.payload)} bytes, larger than the "
-                    f"push's first ({largest} bytes), which no later chunk may pass (max_inflight_bytes holds room "
-                    "for one of its size on its way)",
-                    Reason.INVALID_REQUEST,
-                )
-            end = got + len(chunk.payload)
-            if end > total:
-                raise Refusal(
-                    grpc.StatusCode.INVALID_ARGUMENT,
-                    f"PushRequest {got} bytes into {where}: its chunks add up to {end} bytes, past total_bytes",
-                    Reason.INVALID_REQUEST,
-                )
-            now = time.monotonic()
-            recent, needed = pace.recent(now, end), self.min_mb_per_second * 1e6 * self.grace
-            if end < total and now - pace.started > self.grace and recent < needed:
-                raise Refusal(
-                    grpc.StatusCode.DEADLINE_EXCEEDED,
-                    f"PushStream {end} bytes into {where} after {now - pace.started:.1f}s: a push in chunks must "
-                    f"bring push_min_mb_per_second = {self.min_mb_per_second:g} over every "
-                    f"push_stream_idle_seconds = {self.grace:g} after its first, {needed:.0f} bytes, and it "
-                    f"brought {recent} in its last {self.grace:g}s (EXPBUF_PUSH_MIN_MB_PER_SECOND): "
-                    "nothing of it is stored",
-                    Reason.TOO_SLOW,
-                )
-            take(got, chunk.payload)
-            chunk.drop_payload()
-            got = end
 
     def wrap(
         self, method: str, handler: grpc.RpcMethodHandler, details: grpc.HandlerCallDetails
@@ -396,7 +237,7 @@ class PushMemory(ServiceInterceptor):
                     if request is None:
                         return
                     if request.total_bytes > len(request.payload):
-                        request = yield from self._chunks(request, requests, context, owner)
+                        request = yield from self.chunks.read(request, requests, context, owner)
                     yield request
 
             def push_stream(requests: Iterator[Any], context: grpc.ServicerContext) -> Iterator[Any]:
@@ -464,57 +305,3 @@ def _given(declared: int | Refusal | None) -> int | None:
 
 def _nothing() -> None:
     """What an undeclared message's read gives back: it reserved nothing."""
-
-
-class Pace:
-    """What a push in chunks brought in its last `window` seconds: the bytes received since a
-    mark at least `window` old (at most MARKS marks a window, so a push of many tiny chunks keeps
-    few), so a push that slows to a drip after most of its bytes is ended a window later, whatever
-    it announced."""
-
-    MARKS = 16
-
-    def __init__(self, window: float, started: float) -> None:
-        self.window, self.started = window, started
-        self._marks: collections.deque[tuple[float, int]] = collections.deque([(started, 0)])
-
-    def recent(self, now: float, got: int) -> int:
-        """The bytes received since the newest mark at least a window before `now`, `got` (all it
-        received) counted at `now`."""
-        while len(self._marks) > 1 and self._marks[1][0] <= now - self.window:
-            self._marks.popleft()
-        if now - self._marks[-1][0] >= self.window / self.MARKS:
-            self._marks.append((now, got))
-        return got - self._marks[0][1]
-
-
-def _into(message: PushMessage) -> Callable[[int, memoryview], None]:
-    """What puts a push's chunks together in its message's payload."""
-
-    def take(at: int, data: memoryview) -> None:
-        message.payload[at : at + len(data)] = data
-
-    return take
-
-
-def _staging(staged: StagedPush) -> Callable[[int, memoryview], None]:
-    """What takes a staged push's chunks: its bytes after its head, each refusal of the store's
-    (a table gone, a full disk) the push's, as the stream's status."""
-
-    def take(at: int, data: memoryview) -> None:
-        skip = max(0, staged.payload.head_length - at)
-        if skip < len(data):
-            _refused_by_store(lambda: staged.feed(data[skip:]))
-
-    return take
-
-
-def _staged(staged: StagedPush) -> list[Entry]:
-    return _refused_by_store(staged.entries)
-
-
-def _refused_by_store(fn: Callable[[], T]) -> T:
-    try:
-        return fn()
-    except StoreError as exc:
-        raise Refusal(getattr(grpc.StatusCode, exc.status), str(exc), exc.reason) from None
