@@ -57,7 +57,11 @@ from expbuf.client.shards.blocking import (
 from expbuf.client.shards.ledger import bounds, merge_pages, spread
 from expbuf.client.shards.plans import Owed
 from expbuf.client.shards.poll import POLL_SECONDS, Wait
+from expbuf.proto.v1 import buffer_pb2 as pb
+from expbuf.proto.v1 import buffer_pb2_grpc as pb_grpc
+from expbuf.server.app import ExpbufServer
 
+from conftest import Servers
 from helpers import ServerProcess, make_experience, scrape
 
 NAMES = ("s0", "s1", "s2")
@@ -600,6 +604,52 @@ def test_a_sample_leaves_out_a_shard_without_the_table_where_another_holds_it(sh
     with ShardedBufferClient(shards.targets()) as client:
         (batch,) = client.sample("on_one", num_groups=1, max_batches=1, timeout=10)
         assert batch.uids == [make_experience(0, 0, 0).eid.uid]
+
+
+def in_process_shards(start_server: Servers, root: Path, **full: object) -> tuple[dict[str, str], ExpbufServer]:
+    """Two in-process shards, "free" and "full" (started with the settings `full`), and the second."""
+    free, second = start_server(root / "free"), start_server(root / "full", **full)
+    return {"free": f"127.0.0.1:{free.port}", "full": f"127.0.0.1:{second.port}"}, second
+
+
+def test_a_shards_refusal_of_its_part_fails_the_sample_at_once_and_gives_the_other_parts_back(
+    start_server: Servers, tmp_path: Path
+) -> None:
+    """A shard that refuses its part (its table's one stream taken: STREAMS_FULL) fails the sample
+    with that refusal, naming it, as one server's would, and does not wait out the sample's
+    timeout to send the other shards' parts as a partial batch; those parts go back to their
+    buffer, leased or consumed, ready to be sampled again (the asyncio client alike)."""
+    targets, full = in_process_shards(start_server, tmp_path, workers=8, max_table_streams=1)
+    with ShardedBufferClient(targets) as client, grpc.insecure_channel(targets["full"]) as channel:
+        client.create_table("t", group_size=2, estimator="none")
+        client.push(groups(0, range(8), range(2)), table="t")
+        ready = {shard: stats["t"].ready for shard, stats in client.shard_stats("t").items()}
+        assert ready["free"] and ready["full"]
+        waiting = pb_grpc.ExperienceBufferStub(channel).Sample(
+            iter([pb.SampleRequest(table="t", num_groups=100, wait_seconds=60)]), timeout=60
+        )
+        wait_for(lambda: full.service.table_streams._open.get("t", 0) == 1, "the full shard's one stream")
+
+        async def sample_async() -> None:
+            async with AsyncShardedBufferClient(targets) as aio:
+                async for _ in aio.sample("t", num_groups=8, timeout=10, delivery="consume"):
+                    pass
+
+        for delivery in ("lease", "consume", "async"):
+            with pytest.raises(ShardError) as refused:
+                if delivery == "async":
+                    asyncio.run(sample_async())
+                else:
+                    list(client.sample("t", num_groups=8, timeout=10, delivery=delivery))
+            error = refused.value
+            assert error.code == grpc.StatusCode.RESOURCE_EXHAUSTED and error.reason == "streams_full", error
+            assert error.shards == ["full"] and "max_table_streams = 1" in str(error)
+            stats = client.shard_stats("t")["free"]["t"]
+            assert (stats.ready, stats.leased, stats.consumed) == (ready["free"], 0, 0), delivery
+        waiting.cancel()
+        with BufferClient(targets["free"]) as free:
+            (again,) = free.sample("t", num_groups=ready["free"] // 2, max_batches=1, timeout=10, delivery="consume")
+        assert len(again.uids) == ready["free"]
 
 
 def test_async_client_pushes_samples_and_acks_across_shards(shards: Shards) -> None:

@@ -25,6 +25,8 @@ MAX_REWARDS = 65_536  # rewards of one prompt a ReportPrompts gives (its runs')
 # The most batches a sample stream may have sent ahead of its client's confirmations: what the
 # server prepares ahead of its client, whatever gRPC's flow-control window would hold.
 MAX_WINDOW = 8
+# A lease longer than a week is a forgotten batch, not a long training step.
+MAX_LEASE_SECONDS = 7 * 86400.0
 
 
 def in_parts(names: Sequence[T], most: int) -> list[Sequence[T]]:

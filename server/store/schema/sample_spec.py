@@ -13,15 +13,13 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from expbuf.client.schema.call_limits import MAX_WINDOW
+from expbuf.client.schema.call_limits import MAX_LEASE_SECONDS, MAX_WINDOW
 from expbuf.client.trxp.stored.columns import unknown_field
 
 from . import order_names
 from .errors import SpecError, clip
 
 DELIVERIES = ("consume", "lease", "replay")
-# A lease longer than a week is a forgotten batch, not a long training step.
-MAX_LEASE_SECONDS = 7 * 86400.0
 MAX_WAIT_SECONDS = float(2**31)  # a request's wait; the server bounds it further (max_wait_seconds)
 # Counts travel as uint32; anything at or above 2**31 is a negative number sent unsigned.
 MAX_COUNT = 2**31 - 1

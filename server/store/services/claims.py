@@ -16,7 +16,7 @@ from typing import TypeVar
 
 import lmdb
 
-from expbuf.client.schema.call_limits import MAX_REWARDS
+from expbuf.client.schema.call_limits import MAX_LEASE_SECONDS, MAX_REWARDS
 from expbuf.client.schema.prompts import MAX_PROMPTS_PER_CALL
 
 from ..core.table_state.state import TableState
@@ -37,7 +37,7 @@ from ..ledger.settings import check, no_dataset
 from ..ledger.shards import count_part, count_parts
 from ..ledger.states import PROMPT_STATES
 from ..schema.errors import Cancelled, InvalidRequest, check_names, clip
-from ..schema.sample_spec import MAX_LEASE_SECONDS, MAX_WAIT_SECONDS, check_seconds
+from ..schema.sample_spec import MAX_WAIT_SECONDS, check_seconds
 from ..tables.catalog import TableCatalog
 
 T = TypeVar("T")

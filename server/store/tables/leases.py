@@ -25,12 +25,14 @@ import random
 
 import lmdb
 
+from expbuf.client.schema.call_limits import MAX_LEASE_SECONDS
+
 from ..core.verbs import leases
 from ..disk.kinds import Sampled
 from ..rules import reuse
 from ..rules.quarantine import quarantine_lost
 from ..schema.errors import Forbidden, InvalidRequest, NotFound, clip
-from ..schema.sample_spec import MAX_LEASE_SECONDS, TakeSpec, check_seconds
+from ..schema.sample_spec import TakeSpec, check_seconds
 from .catalog import TableCatalog
 
 
