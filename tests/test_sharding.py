@@ -652,6 +652,43 @@ def test_a_shards_refusal_of_its_part_fails_the_sample_at_once_and_gives_the_oth
         assert len(again.uids) == ready["free"]
 
 
+def test_an_ack_made_again_after_a_shard_failed_it_ends_only_the_rest(start_server: Servers, tmp_path: Path) -> None:
+    """An ack of a batch from two shards that one shard fails (down) is made again once it is back:
+    the retry acks that shard's part alone, the other's counted as acked, not refused as a lease
+    that shard no longer knows; a nack of a part acked already is refused naming it."""
+    targets, second = in_process_shards(start_server, tmp_path)
+    with ShardedBufferClient(targets, timeout=5.0, retries=0, wait_for_ready=False) as client:
+        client.create_table("t", group_size=2, estimator="none")
+        client.push(groups(0, range(8), range(2)), table="t")
+        (first,) = client.sample("t", num_groups=8, delivery="lease", max_batches=1, timeout=10)
+        assert sorted(first.shards) == sorted(targets)
+        on_free = sum(1 for group in first.group_ids if client.shard_map.owner(group) == "free")
+        start_server.stop(second)
+        with pytest.raises(ShardError) as failed:
+            first.ack()
+        assert failed.value.shards == ["full"] and failed.value.code == grpc.StatusCode.UNAVAILABLE
+        assert failed.value.result == on_free
+
+        def again() -> int | None:
+            try:
+                return first.ack()
+            except ShardError as exc:
+                assert exc.shards == ["full"] and exc.code == grpc.StatusCode.UNAVAILABLE, exc
+                assert exc.result == on_free
+                return None
+
+        assert again() is None  # the shard still down: its part alone fails
+        with pytest.raises(ShardError) as nacked:
+            client.nack(first.lease_id, table="t")
+        assert nacked.value.shards == ["free", "full"] and "was acked already by this client" in str(nacked.value)
+        start_server(tmp_path / "full", port=second.port)
+        acked: list[int | None] = []
+        wait_for(lambda: acked.append(again()) or acked[-1] is not None, "the ack made again")
+        assert acked[-1] == len(first.uids)
+        stats = client.stats("t")["t"]
+        assert (stats.consumed, stats.leased, stats.ready) == (16, 0, 0)
+
+
 def test_async_client_pushes_samples_and_acks_across_shards(shards: Shards) -> None:
     async def run() -> None:
         async with AsyncShardedBufferClient(shards.targets()) as client:

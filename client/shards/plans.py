@@ -30,6 +30,7 @@ from ..rpc import calls
 from ..rpc.sample_spec import SampleSpec
 from ..schema.call_limits import MAX_LEASE_SECONDS
 from ..schema.experience import Experience
+from ..schema.reasons import Reason
 from ..schema.routing import uid_group_key
 from ..schema.table_presets import with_preset
 from .common import LiveResult, ShardBatch, Sharded, merge_push, shard_error
@@ -40,6 +41,8 @@ _log = logging.getLogger("expbuf.client")
 
 # The codes of a shard that is down or cut off, rather than one that refused the call.
 DOWN_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
+# The leases whose parts a client keeps after an ack or a nack that failed on some of its shards.
+MAX_ENDED = 4096
 
 
 @dataclass(frozen=True)
@@ -161,12 +164,39 @@ class Owed:
             return {shard: calls for shard, calls in owed.items() if calls}
 
 
+class Ended:
+    """The parts of leases this client acked or nacked where another part of the same lease
+    failed (lease id: shard: (method, experiences)), so that the call made again ends only the
+    rest. The newest MAX_ENDED leases are kept: a lease never ended again is forgotten in time."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._parts: dict[str, dict[str, tuple[str, int]]] = {}
+
+    def of(self, lease_id: str) -> dict[str, tuple[str, int]]:
+        with self._lock:
+            return dict(self._parts.get(lease_id, {}))
+
+    def keep(self, lease_id: str, parts: dict[str, tuple[str, int]]) -> None:
+        with self._lock:
+            self._parts.pop(lease_id, None)
+            if parts:
+                self._parts[lease_id] = parts
+            while len(self._parts) > MAX_ENDED:
+                del self._parts[next(iter(self._parts))]
+
+    def forget(self, lease_id: str) -> None:
+        with self._lock:
+            self._parts.pop(lease_id, None)
+
+
 class Planned(Sharded):
     """The plans of every sharded call; a driver runs them (`_run`, and its sample loop)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._owed = Owed()
+        self._ended = Ended()
         self._down: set[str] = set()
 
     @property
@@ -395,13 +425,32 @@ class Planned(Sharded):
         return min(outcomes)
 
     def _end(self, lease_id: str, method: str, table: str) -> Plan[int]:
-        """Ack or nack each part of a batch's lease on the shard that granted it."""
-        calls = [Call(shard, method, (lease, table)) for shard, lease in self._leases(lease_id)]
-        outcomes = yield from self._exchange(calls)
-        errors = {c.shard: o for c, o in zip(calls, outcomes, strict=True) if isinstance(o, BufferError)}
-        done = sum(o for o in outcomes if not isinstance(o, BufferError))
+        """Ack or nack each part of a batch's lease on the shard that granted it; the experiences
+        of every part. Where some shards failed theirs (ShardError, `result` what the others
+        did), the parts the others ended are kept (`Ended`): the call made again ends only the
+        rest, as a shard refuses a lease it ended already, and counts them with it."""
+        pairs = self._leases(lease_id)
+        before, errors = self._ended.of(lease_id), {}
+        for shard, lease in pairs:
+            if shard in before and before[shard][0] != method:
+                errors[shard] = BufferError(
+                    grpc.StatusCode.NOT_FOUND,
+                    f"its part of the lease (lease {lease!r}) was {before[shard][0]}ed already by this client",
+                    Reason.NOT_FOUND,
+                )
+        calls = [Call(shard, method, (lease, table)) for shard, lease in pairs if shard not in before]
+        outcomes = (yield from self._exchange(calls)) if calls else []
+        ended = {shard: how for shard, how in before.items() if how[0] == method}
+        for call, outcome in zip(calls, outcomes, strict=True):
+            if isinstance(outcome, BufferError):
+                errors[call.shard] = outcome
+            else:
+                ended[call.shard] = (method, outcome)
+        done = sum(count for _, count in ended.values())
         if errors:
+            self._ended.keep(lease_id, {**before, **ended})
             raise shard_error(errors, self.shard_map.targets, done)
+        self._ended.forget(lease_id)
         return done
 
     def _admit(self, table: str, count: int, wait: float, grant_seconds: float) -> Plan[Grant]:
