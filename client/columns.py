@@ -164,11 +164,12 @@ def _shapes(column: Any, items: int) -> list[tuple[int, ...]]:
     return [tuple(dims[k * ndim : (k + 1) * ndim]) for k in range(items)]
 
 
-def join_columns(parts: list[tuple[Sequence[int | None], Mapping[str, Column]]]) -> Columns:
+def join_columns(parts: list[tuple[Sequence[int | None], Mapping[str, Column]]], fields: Sequence[str]) -> Columns:
     """The columns of batches joined into one (a sharded client's parts): each part's experience
     k at the position `places[k]` (None: left out) of its part's (places, columns). A column of
-    batch positions (`prefix_of`) has its values moved with the experiences they name. A field
-    is missing from the whole where every part misses it."""
+    batch positions (`prefix_of`) has its values moved with the experiences they name. The
+    columns come in the order of `fields`, the fields asked, as one batch's do, whichever part
+    holds each; a field asked is missing from the whole where no part has it."""
     import torch
 
     pieces: dict[str, list[_Piece]] = {}
@@ -182,9 +183,9 @@ def join_columns(parts: list[tuple[Sequence[int | None], Mapping[str, Column]]])
                 for item, shape, tensor in zip(column.items, column.shapes, tensors, strict=True)
                 if (place := places[item]) is not None
             )
-    asked = dict.fromkeys(name for _, columns in parts for name in missing_fields(columns))
-    missing = [name for name in asked if name not in pieces]
-    return Columns({name: _column(name, found) for name, found in pieces.items()}, missing)
+    order = dict.fromkeys([*fields, *pieces])
+    missing = [name for name in order if name not in pieces]
+    return Columns({name: _column(name, pieces[name]) for name in order if name in pieces}, missing)
 
 
 POSITIONS = frozenset({"prefix_of"})  # columns whose values are batch positions

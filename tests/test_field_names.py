@@ -121,13 +121,13 @@ def test_a_batch_says_which_fields_asked_for_it_lacks(client: BufferClient, targ
 
 
 def test_batches_joined_lack_a_field_only_where_every_part_lacks_it() -> None:
-    """A sharded client's batch, or a read in parts, joins its parts' columns: a field is missing
-    from the whole only where no part has it."""
+    """A sharded client's batch, or a read in parts, joins its parts' columns in the order the
+    fields were asked: a field is missing from the whole only where no part has it."""
     from expbuf.client.columns import Column, Columns, join_columns
 
     tokens = Column("tokens", [0], [(2,)], torch.arange(2), torch.tensor([0, 2]))
     teacher = Column("teacher_logprobs", [0], [(2,)], torch.zeros(2), torch.tensor([0, 2]))
     one = Columns({"tokens": tokens}, missing=["teacher_logprobs", "logprobs"])
     two = Columns({"tokens": tokens, "teacher_logprobs": teacher}, missing=["logprobs"])
-    joined = join_columns([(range(0, 1), one), (range(1, 2), two)])
-    assert list(joined) == ["tokens", "teacher_logprobs"] and joined.missing == ("logprobs",)
+    joined = join_columns([(range(0, 1), one), (range(1, 2), two)], ["teacher_logprobs", "tokens", "logprobs"])
+    assert list(joined) == ["teacher_logprobs", "tokens"] and joined.missing == ("logprobs",)

@@ -321,6 +321,30 @@ def test_a_columnar_batch_from_several_shards_is_their_columns_in_batch_order(sh
                 assert torch.equal(got, getattr(by_uid[uid], name)), (name, uid)
 
 
+def test_the_columns_joined_from_several_shards_come_in_the_order_asked(start_server: Servers, tmp_path: Path) -> None:
+    """A field that the first shard's part lacks (its experiences were pushed without it) comes
+    where it was asked among the columns of a sampled batch or a read, not after the others."""
+    targets, _ = in_process_shards(start_server, tmp_path)
+    fields = ["tokens", "teacher_logprobs", "logprobs"]
+    with ShardedBufferClient(targets) as client:
+        client.create_table("t", group_size=2, estimator="none")
+        made = groups(0, range(8), range(2))
+        first = next(iter(client.clients))
+        for exp in made:
+            if client.shard_map.owner(group_key(exp.eid, "task")) != first:
+                exp.teacher_logprobs = torch.full((4,), -0.25)
+        client.push(made, table="t")
+        (batch,) = client.sample("t", num_groups=8, max_batches=1, timeout=10, fields=fields)
+        uids = sorted(
+            (exp.eid.uid for exp in made),
+            key=lambda uid: client.shard_map.owner(str(uid_group_key(uid, "task"))) != first,
+        )
+        read = client.read_fields(uids, fields, table="t")
+    assert batch.shards[0] == first and len(batch.shards) == 2
+    assert list(batch.columns) == fields and list(read.columns) == fields
+    assert len(batch.columns["teacher_logprobs"].items) == len(read.columns["teacher_logprobs"].items) < 16
+
+
 def test_fields_read_from_several_shards_come_in_request_order(shards: Shards) -> None:
     """read_fields asks each uid of the shard that owns its group and puts the columns together in
     the order asked, the uids no shard holds in missing_uids; the asyncio client alike."""

@@ -237,8 +237,10 @@ class Sharded:
         return [(shard, lease) for shard, _, lease in pairs]
 
     @staticmethod
-    def _merge(parts: list[tuple[str, Batch]], partial: bool, leases: Leases, kind: type[ShardBatch]) -> ShardBatch:
-        """One batch of the parts drawn from several shards; its lease id names each part's shard."""
+    def _merge(
+        parts: list[tuple[str, Batch]], spec: SampleSpec, partial: bool, leases: Leases, kind: type[ShardBatch]
+    ) -> ShardBatch:
+        """One batch of the parts drawn from several shards for `spec`; its lease id names each part's shard."""
         columns = parts[0][1].columns
         if len(parts) == 1 or parts[0][1].columnar:
             payload = parts[0][1].payload
@@ -250,7 +252,8 @@ class Sharded:
                 [
                     (range(base, base + len(part.uids)), part.columns)
                     for base, (_, part) in zip(bases, parts, strict=True)
-                ]
+                ],
+                spec.fields or (),
             )
         return kind(
             payload=payload,

@@ -499,7 +499,7 @@ class Planned(Sharded):
                 parts, lost = yield from self._consume(parts, spec.table)
                 partial = partial or lost
             sent += 1
-            yield Emit(self._merge(parts, partial, leases, kind))
+            yield Emit(self._merge(parts, spec, partial, leases, kind))
             if step.partial:
                 return
 

@@ -51,7 +51,8 @@ class ReadPlans(Planned):
         place = {id(found[uid][0]): found[uid][0] for uid in order}
         position = {(id(found[uid][0]), found[uid][1]): at for at, uid in enumerate(order)}
         columns = join_columns(
-            [([position.get((key, at)) for at in range(len(read.uids))], read.columns) for key, read in place.items()]
+            [([position.get((key, at)) for at in range(len(read.uids))], read.columns) for key, read in place.items()],
+            fields,
         )
         groups = [found[uid][0].group_ids[found[uid][1]] for uid in order]
         result = FieldBatch(order, groups, [uid for uid in uids if uid not in found], columns, table)

@@ -25,13 +25,14 @@ from ..declare import ClientSettings, Plan, Several, Steps, Unary, declare
 from ..sample_reply import SampleReplyParts
 
 
-def _joined_fields(parts: list[FieldBatch]) -> FieldBatch:
-    """FieldBatches of uids read in parts, as one read of them all."""
+def _joined_fields(parts: list[FieldBatch], fields: list[str]) -> FieldBatch:
+    """FieldBatches of uids read in parts, as one read of them all (of `fields`, in that order)."""
     if len(parts) == 1:
         return parts[0]
     starts = itertools.accumulate((len(part.uids) for part in parts), initial=0)
     columns = join_columns(
-        [(range(start, start + len(part.uids)), part.columns) for start, part in zip(starts, parts, strict=False)]
+        [(range(start, start + len(part.uids)), part.columns) for start, part in zip(starts, parts, strict=False)],
+        fields,
     )
     return FieldBatch(
         [uid for part in parts for uid in part.uids],
@@ -200,7 +201,7 @@ class ExperienceReads(ClientSettings):
             )
             for part in in_parts(uids, MAX_READ_UIDS)
         ]
-        return Several(calls, _joined_fields)
+        return Several(calls, lambda parts: _joined_fields(parts, fields))
 
     @declare(shards=lambda s: s._read_part)
     def read_part(
