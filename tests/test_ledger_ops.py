@@ -205,6 +205,7 @@ def test_dataset_create_takes_settings_anywhere_and_refusals_name_the_setting(
         ("exist_ok=true", "--exist-ok"),
     ):
         one_line_error(cli("dataset", "create", "t", "x", "2", setting, *target), 2, setting, where)
+    one_line_error(cli("dataset", "create", "t", "x", "2", "epochs=2", "epochs=3", *target), 2, "epochs", "twice")
     assert [d.name for d in client.datasets("t")] == ["math"]  # nothing refused was made
 
 

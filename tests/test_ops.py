@@ -847,6 +847,8 @@ def test_table_commands(child_server: ServerProcess) -> None:
     one_line_error(cli("table", "create", "x", "name=y", *target), "name=y", "NAME")
     one_line_error(cli("table", "create", "x", "exist_ok=true", *target), "exist_ok=true", "--exist-ok")
     one_line_error(cli("table", "create", "x", "preset=queue", *target), "preset=queue", "--preset")
+    # A setting given twice: named, not the last one taken silently.
+    one_line_error(cli("table", "create", "x", "group_size=4", "group_size=8", *target), "group_size", "twice")
     listing = cli("table", "list", *target).stdout.splitlines()
     assert listing[0].split() == ["table", "group_by", "group_size", "estimator", "ready", "leased", "pending"]
     assert any(line.split()[:4] == ["grpo4", "task", "8", "rloo"] for line in listing[1:])
@@ -860,6 +862,8 @@ def test_table_commands(child_server: ServerProcess) -> None:
     assert dropped.returncode == 0 and dropped.stdout.startswith("dropped grpo4: ")
     missing = cli("table", "describe", "grpo4", *target)
     assert missing.returncode == 1 and "no table 'grpo4'" in missing.stderr
+    with BufferClient(child_server.target) as c:
+        assert "x" not in {t.name for t in c.list_tables()}  # nothing refused was made
 
 
 def test_limits_on_waiting_calls_come_from_defaults_file_environment_and_flags(

@@ -38,13 +38,18 @@ def parse_setting(text: str) -> tuple[str, Any]:
 def parse_settings(texts: list[str], own: dict[str, str]) -> dict[str, Any]:
     """`KEY=VALUE` arguments as settings; a key that is one of the command's own arguments
     (`own`: the key -> the argument or option that gives it) is refused naming that argument,
-    where it would reach the call twice."""
+    where it would reach the call twice, and a key given twice naming both, where the last
+    would be taken without a word."""
     settings: dict[str, Any] = {}
+    given: dict[str, str] = {}
     for text in texts:
         key, value = parse_setting(text)
         if key in own:
             raise SettingError(f"{text!r}: not a setting; {key} is given as {own[key]}")
+        if key in given:
+            raise SettingError(f"{key} is given twice ({given[key]!r} and {text!r}); give it once")
         settings[key] = value
+        given[key] = text
     return settings
 
 
