@@ -323,6 +323,34 @@ def test_expbuf_dataset_export_writes_each_prompt_with_its_statistics(server: Ex
     assert done.returncode == 2 and len(lines) == 1 and str(nowhere) in lines[0], done.stderr
 
 
+def strict_json(line: str) -> dict[str, object]:
+    """A line as a strict JSON parser reads it: NaN, Infinity and -Infinity are not JSON."""
+
+    def refuse(name: str) -> None:
+        raise ValueError(f"{name} is not JSON")
+
+    return json.loads(line, parse_constant=refuse)
+
+
+def test_expbuf_dataset_export_is_strict_json_where_a_statistic_is_infinite(server: ExpbufServer) -> None:
+    """Reported rewards whose mean or variance is past float's range give infinite statistics:
+    exported as "inf" and "-inf" (as `expbuf export` writes them), NaN as null (none yet)."""
+    with BufferClient(f"127.0.0.1:{server.port}") as client:
+        client.create_table("t", group_size=RUNS, estimator="none")
+        client.create_dataset("t", "d", 4)
+        high, low, spread, unreported = sorted(client.claim("t", "d", 4).prompts, key=lambda p: p.index)
+        huge = sys.float_info.max
+        client.report_prompts({high: [huge, huge], low: [-huge, -huge], spread: [1e200, -1e200]})
+    command = [sys.executable, "-m", "expbuf.server.cli", "dataset", "export", "t", "d"]
+    done = subprocess.run([*command, "--target", f"127.0.0.1:{server.port}"], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    stats = {row["index"]: row["stats"] for row in map(strict_json, done.stdout.splitlines())}
+    assert (stats[high.index]["last_mean"], stats[high.index]["last_var"]) == ("inf", "inf")
+    assert (stats[low.index]["last_mean"], stats[low.index]["last_var"]) == ("-inf", "inf")
+    assert (stats[spread.index]["last_mean"], stats[spread.index]["last_var"]) == (0.0, "inf")
+    assert (stats[unreported.index]["last_mean"], stats[unreported.index]["pass_rate"]) == (None, None)
+
+
 def test_prompts_trained_outside_expbuf_are_reported_with_their_rewards(client: BufferClient) -> None:
     """A framework whose own queue held a prompt's runs reports their rewards: the prompt is
     trained, its statistics take them, and a pass-rate order draws by them in the next epoch."""

@@ -146,8 +146,8 @@ def _row(prompt: Prompt) -> tuple[str, ...]:
 
 def _export(args: argparse.Namespace, client: BufferClient) -> int:
     """Every prompt handed out, one JSON object a line: where it stands and its statistics (the
-    prompt's over its epochs, on each epoch's line; NaN as null). A file that cannot be written is
-    one line, exit code 2."""
+    prompt's over its epochs, on each epoch's line; NaN as null, infinities as "inf" and "-inf").
+    A file that cannot be written is one line, exit code 2."""
     page = client.list_prompts(args.table, args.name, limit=PAGE)  # an unknown dataset: no file is left behind
     with contextlib.ExitStack() as stack:
         try:
@@ -158,7 +158,7 @@ def _export(args: argparse.Namespace, client: BufferClient) -> int:
         written = 0
         while True:
             for prompt in page.prompts:
-                out.write(json.dumps(_exported(prompt)) + "\n")
+                out.write(json.dumps(_exported(prompt), allow_nan=False) + "\n")
                 written += 1
             if page.done:
                 break
@@ -168,11 +168,20 @@ def _export(args: argparse.Namespace, client: BufferClient) -> int:
 
 
 def _exported(prompt: Prompt) -> dict[str, object]:
-    row: dict[str, object] = {key: value for key, value in asdict(prompt).items() if key != "stats"}
+    row: dict[str, object] = {key: _number(value) for key, value in asdict(prompt).items() if key != "stats"}
     if prompt.stats is not None:
         stats = {**asdict(prompt.stats), "pass_rate": prompt.stats.pass_rate}
-        row["stats"] = {key: None if isinstance(v, float) and math.isnan(v) else v for key, v in stats.items()}
+        row["stats"] = {key: _number(value) for key, value in stats.items()}
     return row
+
+
+def _number(value: object) -> object:
+    """A value as strict JSON holds it: NaN (no value yet) as null, an infinity (a mean or
+    variance of rewards past float's range) as "inf" or "-inf", as `expbuf export` writes it;
+    json.dumps would write NaN and Infinity, which a strict parser refuses."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None if math.isnan(value) else str(value)
+    return value
 
 
 def add_dataset_commands(
