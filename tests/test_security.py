@@ -14,7 +14,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from expbuf.client import AsyncBufferClient, BufferClient, BufferError, Tls
+from expbuf.client import AsyncBufferClient, BufferClient, BufferError, PermissionDeniedError, Tls
 from expbuf.proto.v1 import buffer_pb2 as pb
 from expbuf.proto.v1 import buffer_pb2_grpc as pb_grpc
 from expbuf.server.config import ServerConfig, TlsConfig, load, parse_tokens
@@ -174,6 +174,46 @@ def test_authorization_header_must_be_one_well_formed_bearer(start_server: Serve
     metrics = urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=10).read()
     refused_count = 'expbuf_rpc_duration_seconds_count{code="UNAUTHENTICATED",method="Push"} 2.0'
     assert refused_count in metrics.decode()  # refusals are still timed and counted by code
+
+
+def test_a_restart_that_turns_tokens_off_or_on_names_it_where_it_refuses_what_was_taken_before(
+    start_server: Servers,
+) -> None:
+    """A lease, grant or claim taken with a token is that token's: a server restarted with tokens
+    off refuses to ack, renew or finish it (no caller can be that token), and one restarted with
+    tokens on refuses a lease or claim taken with them off. The refusal says so, and what to do,
+    where it said "another token", which the caller could not find."""
+    ops = frozenset({"push", "sample", "admin"})
+    server = start_server(tokens={"ops": ops})
+    with BufferClient(f"127.0.0.1:{server.port}", token="ops", timeout=20) as c:
+        c.push(payload("grpo_group.trxp"))
+        batch = next(c.sample(num_groups=1, lease_seconds=600))
+        c.create_table("t", estimator="none", max_staleness=0, batch_size=4)
+        grant = c.admit("t", 2)
+        c.create_table("p", group_size=2, estimator="none")
+        c.create_dataset("p", "d", 2)
+        (prompt,) = c.claim("p", "d", 1).prompts
+    start_server.stop_all()
+    server = start_server(tokens={})
+    with BufferClient(f"127.0.0.1:{server.port}", timeout=20, retries=0) as c:
+        for call in (
+            lambda: c.ack(batch.lease_id),
+            lambda: c.renew(batch.lease_id, 60),
+            lambda: c.finish_grant(grant, accepted=0),
+            lambda: c.renew_claims([prompt], 60),
+        ):
+            with pytest.raises(PermissionDeniedError, match="while this server had tokens on, which are off now"):
+                call()
+        c.push(payload("single_turn.trxp"))
+        batch = next(c.sample(num_groups=1, lease_seconds=600))  # a group leased with tokens off
+    start_server.stop_all()
+    server = start_server(tokens={"ops": ops})
+    turned_on = "no token while this server had tokens off, which are on now"
+    with BufferClient(f"127.0.0.1:{server.port}", token="ops", timeout=20, retries=0) as c:
+        with pytest.raises(PermissionDeniedError, match=turned_on):
+            c.ack(batch.lease_id)
+        with pytest.raises(PermissionDeniedError, match=turned_on):
+            c.retire(batch.groups)
 
 
 def _peak_rss_kib(pid: int) -> int:

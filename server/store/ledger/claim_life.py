@@ -16,7 +16,7 @@ from ..core.table_state.state import TableState
 from ..core.verbs.retire import retire
 from ..disk import layout
 from ..rules import partials
-from ..schema.errors import Forbidden
+from ..schema.errors import Forbidden, taken_with
 from ..schema.states import DROPPED as GROUP_DROPPED
 from ..schema.states import PENDING as GROUP_PENDING
 from ..schema.views import GroupView
@@ -165,7 +165,7 @@ def held(tt: TableState, name: str, epoch: int, index: int, attempt: int, holder
     if rec is None or rec.state != CLAIMED or rec.attempt != attempt:
         return None
     if rec.holder != holder:
-        raise Forbidden(f"prompt {name}/{epoch}/{index} was claimed with another token")
+        raise Forbidden(f"prompt {name}/{epoch}/{index} was claimed with {taken_with(rec.holder, holder)}")
     return rec
 
 

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 from ..core.table_state.events import Pushed, Resent
 from ..core.table_state.state import TableState
-from ..schema.errors import Forbidden, StaleAttempt, clip
+from ..schema.errors import Forbidden, StaleAttempt, clip, taken_with
 from .claim_life import entry
 from .datasets import DatasetRules
 from .hand_out import prompt_of
@@ -68,8 +68,8 @@ def _same_holder(gkey: str, found: tuple[tuple[str, int, int, int], PromptRecord
     (name, epoch, index, attempt), rec = found
     if rec.holder != event.holder:
         raise Forbidden(
-            f"group {clip(gkey)} is attempt {attempt} of prompt {name}/{epoch}/{index}, claimed with another token: "
-            f"{_unchanged(event.call)}"
+            f"group {clip(gkey)} is attempt {attempt} of prompt {name}/{epoch}/{index}, claimed with "
+            f"{taken_with(rec.holder, event.holder)}: {_unchanged(event.call)}"
         )
 
 
@@ -89,7 +89,7 @@ def check_reader(tt: TableState, tids: Sequence[str], holder: str) -> None:
         if rec is not None and rec.state == CLAIMED and rec.attempt == attempt:
             if rec.holder == holder:
                 continue
-            why = "claimed with another token"
+            why = f"claimed with {taken_with(rec.holder, holder)}"
         else:
             why = "which no claim holds"
         raise Forbidden(

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from ..core.table_state.state import TableState
 from ..core.verbs import leases, row_moves
 from ..core.verbs.retire import consume
-from ..schema.errors import Forbidden, GroupIncomplete, clip
+from ..schema.errors import Forbidden, GroupIncomplete, clip, taken_with
 from ..schema.states import LEASED, READY, RETIRED
 from ..schema.views import GroupView
 
@@ -33,7 +33,7 @@ def retire_trained(tt: TableState, group_ids: Sequence[str], owner: str = "") ->
         if grp.under_lease:
             held = leases.owner_of(tt, grp.lease)
             if held is not None and held != owner:
-                raise Forbidden(f"group {clip(gkey)} is leased with another token")
+                raise Forbidden(f"group {clip(gkey)} is leased with {taken_with(held, owner)}")
         found[gkey] = grp
     groups = list(found.items())
     if tt.config.storage.layout == "rows":

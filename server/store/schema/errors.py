@@ -89,6 +89,20 @@ class Forbidden(StoreError):
     reason = Reason.FORBIDDEN
 
 
+def taken_with(taken: str, caller: str) -> str:
+    """Whose a lease, grant or claim is, that `caller` may not use: `taken` and `caller` are
+    fingerprints of tokens, "" where the server had tokens off. Where the server's tokens were
+    turned off or on since (a restart), it says so: no token the caller could find would do."""
+    if taken and not caller:
+        return (
+            "a token while this server had tokens on, which are off now: turn them on again to use it"
+            " with that token, or let it expire"
+        )
+    if caller and not taken:
+        return "no token while this server had tokens off, which are on now: no token can use it; let it expire"
+    return "another token"
+
+
 class GroupClosed(StoreError):
     """The group's or table's state refuses it now: a push into a complete group."""
 

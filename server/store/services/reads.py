@@ -33,7 +33,7 @@ from ..disk.stored_advantages import FinishBatch, batch_payload
 from ..ledger.claimants import check_reader
 from ..rules import partials
 from ..rules.staleness import masked_tokens, token_bound
-from ..schema.errors import Busy, Forbidden, NotFound, TooLarge, clip
+from ..schema.errors import Busy, Forbidden, NotFound, TooLarge, clip, taken_with
 from ..schema.table_config import batch_stage
 from ..tables.catalog import TableCatalog
 
@@ -331,7 +331,9 @@ class Reads:
                     "taken; sample the step again"
                 )
             if lease.owner != owner:
-                raise Forbidden(f"lease {clip(lease_id)!r} was taken with another token; read its parts with that one")
+                whose = taken_with(lease.owner, owner)
+                also = "; read its parts with that one" if whose == "another token" else ""
+                raise Forbidden(f"lease {clip(lease_id)!r} was taken with {whose}{also}")
             held = reading.lease_groups(txn, db, prefix, lease_id, lease)  # its groups still held, and their runs
             with self._lock:
                 split = self._splits.get(key)

@@ -25,7 +25,7 @@ import lmdb
 from ..core.table_state.state import TableState
 from ..disk import layout
 from ..disk.kinds import Entry
-from ..schema.errors import Forbidden, InvalidRequest, NotFound, StaleExperience, clip
+from ..schema.errors import Forbidden, InvalidRequest, NotFound, StaleExperience, clip, taken_with
 from ..schema.sample_spec import MAX_COUNT
 
 # A grant older than a day is a lost worker, not a long rollout.
@@ -128,7 +128,9 @@ def check_owner(record: GrantRecord, grant_id: str, holder: str) -> None:
     """Refuse a finish of a grant taken with another token than `holder`'s, as a lease's ack is."""
     owner = record.get("o", "")
     if owner and owner != holder:
-        raise Forbidden(f"grant '{clip(grant_id)}' was taken with another token; finish it with that one")
+        whose = taken_with(owner, holder)
+        also = "; finish it with that one" if whose == "another token" else ""
+        raise Forbidden(f"grant '{clip(grant_id)}' was taken with {whose}{also}")
 
 
 def unknown_grant(grant_id: str, table: str) -> NotFound:

@@ -31,7 +31,7 @@ from ..core.verbs import leases
 from ..disk.kinds import Sampled
 from ..rules import reuse
 from ..rules.quarantine import quarantine_lost
-from ..schema.errors import Forbidden, InvalidRequest, NotFound, clip
+from ..schema.errors import Forbidden, InvalidRequest, NotFound, clip, taken_with
 from ..schema.sample_spec import TakeSpec, check_seconds
 from .catalog import TableCatalog
 
@@ -60,7 +60,7 @@ class TableLeases:
             if lease.table_id != table_id:
                 raise NotFound(f"lease '{clip(lease_id)}' is not a lease of table '{clip(table)}'")
             if lease.owner != owner:
-                raise Forbidden(f"lease '{clip(lease_id)}' was taken with another token")
+                raise Forbidden(f"lease '{clip(lease_id)}' was taken with {taken_with(lease.owner, owner)}")
         return lease
 
     def renew(
