@@ -306,6 +306,46 @@ def test_source_leases_last_while_the_trainer_lives_and_go_back_when_it_closes(
     assert (after.groups_leased, after.groups_ready, after.leases_expired) == (0, 2, 0)
 
 
+def test_source_gives_each_group_of_a_table_grouped_finer_than_by_task_its_own_uid(
+    server: ServerProcess, client: BufferClient
+) -> None:
+    """A table grouped by step holds one group per step of a task (its runs at that step): verl's
+    GRPO groups by uid, so each leased group is one uid, and a group leased while another of its
+    task is still in TransferQueue neither joins it nor overwrites its keys."""
+    client.create_table("verl_steps", group_by="step", group_size=2, estimator="grpo")
+    for task in ("a", "b"):
+        client.push(
+            [
+                Experience(
+                    tokens=torch.tensor([5, 6, 7, 8 + run, 9]), eid=EID("explore", task, run, step, "0"),
+                    prompt_length=2, reward=float(run == step), info={"model_version": 1},
+                )
+                for step in (0, 1) for run in (0, 1)
+            ],
+            "verl_steps",
+        )  # fmt: skip
+    buffer = build(server.target, "verl_steps", threshold=None, mode="source")
+    both, _ = buffer.sample(global_steps=1, partition_id=TRAIN, batch_size=2)
+    first, _ = buffer.sample(global_steps=1, partition_id=TRAIN, batch_size=1)
+    second, _ = buffer.sample(global_steps=1, partition_id=TRAIN, batch_size=1)
+    metas, back = (both, first, second), []
+    assert len({key for meta in metas for key in meta.keys}) == 8  # no key written twice
+    assert len(tq.kv_list(TRAIN)[TRAIN]) == 8
+    for meta in metas:
+        rows = rows_of(TRAIN, meta.keys, dict(zip(meta.keys, meta.tags, strict=True)))
+        groups: dict[str, set[str]] = {}
+        for row in rows:
+            groups.setdefault(row.fields["uid"], set()).add(row.fields["expbuf"]["eid"]["step"])
+        assert len(groups) == len(meta.keys) // 2 and all(len(steps) == 1 for steps in groups.values()), groups
+        assert all(len([r for r in rows if r.fields["uid"] == uid]) == 2 for uid in groups)
+        back.extend(exp.eid.uid for exp in from_verl(rows))
+    assert sorted(back) == sorted(f"explore/{t}/{run}/{step}/0" for t in "ab" for run in (0, 1) for step in (0, 1))
+    for meta in metas:
+        step_end(meta)
+    wait_for(lambda: stats(client, "verl_steps").consumed == 8, "every lease acked after its step")
+    buffer.close()
+
+
 def test_a_missing_table_or_a_mirror_table_that_groups_otherwise_is_refused(
     server: ServerProcess, client: BufferClient, tmp_path: Path
 ) -> None:

@@ -27,11 +27,15 @@ rows with multi-modal inputs are refused; chosen/rejected (DPO pairs) have no V1
 An experience that did not come from verl (a Trinity explorer's, say) keeps its own eid
 and the fields verl has no name for in the row's `expbuf` field, so that it comes back
 exactly; its verl uid is its task id with '%' and '_' escaped (verl splits keys at '_').
+Rows of a sampled batch take its group ids: a table that groups finer than by task (by run,
+step or experience) holds several groups of one task, and each is a uid of its own, as verl's
+GRPO groups by uid and keys are unique by uid.
 """
 
 from __future__ import annotations
 
 import copy
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -68,11 +72,18 @@ class Row:
     fields: dict[str, Any] = field(default_factory=dict)
 
 
-def verl_uid(eid: EID) -> str:
-    """The verl prompt uid of an experience's group (no '_': verl splits keys there)."""
+def verl_uid(eid: EID, group_id: str | None = None) -> str:
+    """The verl prompt uid of an experience's group (no '_': verl splits keys there): its task's,
+    or the group's own where the table groups finer than by task (`group_id` is not the task id)."""
+    if group_id is not None and group_id != eid.tid:
+        return _escape(group_id)
     if str(eid.batch) == VERL_BATCH:
         return str(eid.task)
-    return eid.tid.replace("%", "%25").replace("_", "%5F")
+    return _escape(eid.tid)
+
+
+def _escape(name: str) -> str:
+    return name.replace("%", "%25").replace("_", "%5F")
 
 
 def parse_key(key: str) -> tuple[str, int, int]:
@@ -151,14 +162,18 @@ def _experience(row: Row) -> Experience:
     return exp
 
 
-def to_verl(experiences: list[Experience]) -> list[Row]:
+def to_verl(experiences: list[Experience], group_ids: Sequence[str] | None = None) -> list[Row]:
     """verl trajectory rows of experiences; indexes within a session follow the input order
-    for experiences that did not come from verl."""
+    for experiences that did not come from verl. `group_ids` (a sampled batch's, one per
+    experience) make each group of the table one verl uid."""
+    if group_ids is not None and len(group_ids) != len(experiences):
+        raise ValueError(f"{len(group_ids)} group ids for {len(experiences)} experiences; expected one each")
     next_index: dict[tuple[str, int], int] = {}
-    return [_row(exp, next_index) for exp in experiences]
+    groups = group_ids if group_ids is not None else [None] * len(experiences)
+    return [_row(exp, next_index, group) for exp, group in zip(experiences, groups, strict=True)]
 
 
-def _row(exp: Experience, next_index: dict[tuple[str, int], int]) -> Row:
+def _row(exp: Experience, next_index: dict[tuple[str, int], int], group_id: str | None = None) -> Row:
     for name in ("chosen", "rejected"):
         if getattr(exp, name, None) is not None:
             raise ValueError(f"experience {exp.eid.uid}: {name} (a DPO pair) has no field in verl's V1 trainer")
@@ -169,8 +184,8 @@ def _row(exp: Experience, next_index: dict[tuple[str, int], int]) -> Row:
     info = dict(exp.info or {})
     eid = exp.eid
     own: dict[str, Any] = {}
-    uid = verl_uid(eid)
-    if str(eid.batch) == VERL_BATCH and eid.suffix == SUFFIX:
+    uid = verl_uid(eid, group_id)
+    if str(eid.batch) == VERL_BATCH and eid.suffix == SUFFIX and uid == str(eid.task):
         session, index = int(eid.run), int(eid.step)
     else:
         session = int(eid.run)

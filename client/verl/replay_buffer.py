@@ -149,7 +149,7 @@ class ExpbufReplayBuffer(ReplayBufferAsync):
                 if exc.code != grpc.StatusCode.DEADLINE_EXCEEDED:
                     raise
                 logger.info("expbuf table %s: waiting for %d groups of version >= %s", self.table, batch_size, floor)
-        rows = to_verl(batch.experiences)
+        rows = to_verl(batch.experiences, batch.group_ids)  # one uid a group, whatever the table groups by
         for row in rows:
             _stamp(row, global_steps)
         put_rows(TRAIN, rows)
