@@ -7,6 +7,7 @@ each kill -9 are the ones a run without kills reads (skipped where trinity-rft i
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Callable
 from pathlib import Path
 
@@ -119,10 +120,23 @@ def test_a_selector_without_its_dataset_named_is_refused() -> None:
         trinity.buffer.selector.SELECTORS.get("expbuf")(None, config)
 
 
+def report(tasks: TasksetScheduler, indices: list[int], failed: set[int]) -> None:
+    """A step's feedback as Trinity's pass_rate_calculator gives it from the step's experiences (two
+    runs a task): it merges a step's tasks by index; a task whose runs all failed gives none."""
+    runs = [
+        Experience(tokens=torch.arange(4), prompt_length=2, reward=value(i) + 0.25 * run,
+                   info={"task_index": {"index": i, "taskset_id": 0}})
+        for i in indices if i not in failed for run in (0, 1)
+    ]  # fmt: skip
+    _, metrics = PassRateCalculator().process(runs)
+    tasks.feedback(metrics)
+
+
 def test_a_step_across_epochs_and_a_task_without_experiences_leave_no_claim_behind(tmp_path: Path) -> None:
     """Trinity's own pass_rate_calculator merges a step's tasks by index (a step that crosses an
     epoch holds an index twice); a task whose runs all failed gives no feedback. Each step's
-    feedback trains the prompts it names and releases the one it does not: nothing stays claimed."""
+    feedback trains the prompts it names and releases the one it does not: nothing stays claimed,
+    and the released prompt goes out again on top of the next step, so the run's steps train all."""
     source = rows(tmp_path, rows=6)
     with servers() as start:
         server = start(str(tmp_path / "data"))
@@ -137,22 +151,51 @@ def test_a_step_across_epochs_and_a_task_without_experiences_leave_no_claim_behi
                 once = [i for i in indices if indices.count(i) == 1]
                 failed = once[0] if step == 1 else None  # every run of one task failed: no experience
                 lost = failed if failed is not None else lost
-                runs = [
-                    Experience(tokens=torch.arange(4), prompt_length=2, reward=value(i) + 0.25 * run,
-                               info={"task_index": {"index": i, "taskset_id": 0}})
-                    for i in indices if i != failed for run in (0, 1)
-                ]  # fmt: skip
-                _, metrics = PassRateCalculator().process(runs)
-                tasks.feedback(metrics)
+                report(tasks, indices, {failed} if failed is not None else set())
+            with pytest.raises(StopAsyncIteration):
+                asyncio.run(tasks.read())  # the scheduler's 3 steps are done
             with BufferClient(server.target) as admin:
                 info = admin.ledger("grpo", "math")
                 listed = admin.list_prompts("grpo", "math", limit=100).prompts
         finally:
             server.proc.kill()
             server.proc.wait(30)
-    assert info.total("claimed") == 0 and info.total("trained") == 11 and info.total("pending") == 1
+    assert info.done and info.total("claimed") == 0 and info.total("trained") == 12
     (again,) = [p for p in listed if p.attempt == 1]  # released: it went out again, first in the next step
-    assert again.state == "trained" and again.index == lost and read[2][0] == lost
+    assert again.state == "trained" and again.index == lost and read[2][0] == lost and len(read[2]) == BATCH + 1
+
+
+def test_a_prompt_released_goes_out_again_before_the_run_ends_or_is_named_at_its_end(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Trinity's scheduler reads rows x epochs / batch_size steps and gives a step's feedback after
+    its next read, the last steps' after its last read, as its explorer does. A prompt released by
+    a step's feedback goes out again on top of a later step, and every other prompt still goes out
+    in the steps left; one released after the last read cannot, and the end names it."""
+    source = rows(tmp_path, rows=12)
+    with servers() as start:
+        server = start(str(tmp_path / "data"))
+        try:
+            with BufferClient(server.target) as admin:
+                admin.create_table("grpo", group_size=0, estimator="none")
+            tasks = scheduler(server.target, source, {}, epochs=1)
+            read = [[task.index["index"] for task in asyncio.run(tasks.read())] for _ in range(2)]
+            report(tasks, read[0], {read[0][0]})  # every run of its first task failed
+            read.append([task.index["index"] for task in asyncio.run(tasks.read())])
+            report(tasks, read[1], {read[1][0]})
+            with pytest.raises(StopAsyncIteration):
+                asyncio.run(tasks.read())  # the scheduler's 3 steps are done
+            with caplog.at_level(logging.WARNING, logger="expbuf.client.trinity.selector"):
+                report(tasks, read[2], set())  # the last step's feedback: the explorer finishes its steps
+            with BufferClient(server.target) as admin:
+                info = admin.ledger("grpo", "math")
+        finally:
+            server.proc.kill()
+            server.proc.wait(30)
+    assert read[2][0] == read[0][0] and len(read[2]) == BATCH + 1  # released, out again on top of a step
+    assert sorted(i for step in read for i in step) == sorted([*range(12), read[0][0]])  # every prompt went out
+    assert (info.total("trained"), info.total("pending"), info.total("claimed")) == (11, 1, 0)
+    assert f"prompts not trained in this run: 1 (epoch/index: 0/{read[1][0]})" in caplog.text
 
 
 def test_a_max_in_flight_the_explorers_unreported_steps_fill_is_refused_by_name(tmp_path: Path) -> None:

@@ -8,9 +8,13 @@ prompt's durable statistics, and reports the feedback Trinity's experience pipel
 task's mean reward, the `pass_rate_calculator` operator's) as the prompt's outcome, one run whose
 reward is that mean, which trains it and updates its statistics in the same transaction. Each
 feedback is matched to the oldest step it names; a task of that step it does not name (every run
-failed, no experience) is released, to go out again. Trinity's TasksetScheduler drives it; the
-dataset keeps every state, so `state_dict` is empty. The claims are renewed while the explorer
-lives and end when it dies, their prompts going out again.
+failed, no experience) is released, to go out again. Trinity's TasksetScheduler drives it and
+reads buffer.total_epochs x rows / batch_size steps, no more, so a released prompt goes out again
+on top of a later step (one task more than batch_size for each): in the place of another, that
+other would never go out. One released after the last read cannot, and the last feedback names
+it. The dataset keeps the cursor, the claims and the statistics; `state_dict` holds the counts of
+the tasks asked for and owed. The claims are renewed while the explorer lives and end when it
+dies, their prompts going out again.
 
 ```yaml
 buffer:
@@ -38,7 +42,7 @@ from trinity.buffer.selector.selector import BaseSelector
 
 from expbuf.client.errors import BufferError, NotFoundError, PermissionDeniedError
 from expbuf.client.kit.location import connect, is_expbuf_path, parse
-from expbuf.client.schema.prompts import Prompt
+from expbuf.client.schema.prompts import MAX_PROMPTS_PER_CALL, Prompt
 
 from .claims import RENEWALS_PER_CLAIM, ClaimKeeper
 from .taskset import OWNER_PREFIX, POLL_SECONDS
@@ -78,6 +82,11 @@ class ExpbufSelector(BaseSelector):
         self._keeper = ClaimKeeper(keeper, self.location.lease_seconds, self.location.hold_seconds)
         weakref.finalize(self, self._keeper.close)
         self._steps: deque[list[Prompt]] = deque()  # the steps handed out awaiting feedback, oldest first
+        self._last: list[Prompt] | None = None  # the step handed out last
+        self._total = data_source.total_samples  # the tasks Trinity's scheduler asks for over the run
+        self._asked = 0  # those it asked for so far
+        self._owed = 0  # the prompts released (or whose claims end) not yet handed out again
+        self._stopped = False  # the dataset had no prompt left to hand out
 
     def _prepare(self, data_source: Any, seed: int, kwargs: dict[str, Any]) -> None:
         """The dataset, one prompt per row and an epoch per pass Trinity makes: made with the
@@ -108,21 +117,31 @@ class ExpbufSelector(BaseSelector):
                 raise ValueError(f"{where}: it has {key} {have!r}, the kwargs {want!r}")
 
     def get_indices(self, batch_size: int, return_extra_info: bool = False) -> Any:
-        """The indices of up to `batch_size` prompts claimed now, waiting for one; StopIteration
-        once the dataset has none left to hand out but this explorer's own."""
+        """The indices of up to `batch_size` prompts claimed now, and of as many more as went back
+        from earlier steps (the ledger hands those first), waiting for one; StopIteration once the
+        dataset has none left to hand out but this explorer's own."""
         location = self.location
+        self._asked += batch_size
+        count = min(batch_size + self._owed, MAX_PROMPTS_PER_CALL)
         while True:
             claim = self._client.claim(
-                location.table, self.dataset, batch_size, lease_seconds=location.lease_seconds,
+                location.table, self.dataset, count, lease_seconds=location.lease_seconds,
                 owner=self._owner, wait=POLL_SECONDS,
             )  # fmt: skip
             if claim.prompts:
                 break
             if claim.done or self._only_mine_left(batch_size):
+                self._stopped = True
                 raise StopIteration(f"expbuf dataset '{self.dataset}': no prompt left to hand out")
+        self._owed -= max(0, len(claim.prompts) - batch_size)
         self._keeper.hold(claim.prompts)
-        self._steps.append(list(claim.prompts))
+        self._last = list(claim.prompts)
+        self._steps.append(self._last)
         indices = [prompt.index for prompt in claim.prompts]
+        # Trinity's reader counts each task read against rows x epochs and ends the run at a step
+        # that would pass it: the prompts handed out again go on top of that count.
+        reader = self.data_source
+        reader.total_samples = max(reader.total_samples, reader.current_offset + len(indices))
         if return_extra_info:
             return indices, {"indices": indices, "attempts": [p.attempt for p in claim.prompts]}
         return indices
@@ -148,9 +167,10 @@ class ExpbufSelector(BaseSelector):
         """A step's feedback (each task's mean reward) reported as its prompts' outcomes, one run
         whose reward is the value: the prompts are trained, their statistics taking it. The step
         is the oldest one handed out that holds every index named; its tasks not named (no
-        experience came of them) are released, to go out again. A value that is not a finite
-        number leaves its prompt out; a report the server does not take is logged, its claims
-        ending with their lease."""
+        experience came of them) are released, to go out again, on top of a later step. A value that
+        is not a finite number leaves its prompt out; a report the server does not take is logged,
+        its claims ending with their lease. The last step's feedback ends the run: the prompts it
+        could not hand out again are named."""
         named = {int(index): float(value) for index, value in zip(indices, values, strict=True)}
         step = next((s for s in self._steps if set(named) <= {p.index for p in s}), None)
         if step is None:
@@ -159,17 +179,44 @@ class ExpbufSelector(BaseSelector):
         self._steps.remove(step)
         outcomes = {p: [named[p.index]] for p in step if p.index in named and math.isfinite(named[p.index])}
         left = [p for p in step if p not in outcomes]
+        unsettled = step  # prompts that go out again: released, or whose claims end
         try:
             if outcomes:
                 self._client.report_prompts(outcomes)
+                unsettled = left
             if left:
                 self._client.release_claims(left)
         except BufferError as exc:
             log.warning("expbuf: the outcomes of %d prompts were not reported (%s); their claims end", len(step), exc)
+        self._owed += len(unsettled)
+        if step is self._last and (self._stopped or self._asked >= self._total):
+            self._say_untrained()
+
+    def _say_untrained(self) -> None:
+        """At the run's end (Trinity's scheduler reads no more steps) the prompts still to go out
+        are named: this run does not train them."""
+        table, dataset = self.location.table, self.dataset
+        try:
+            pending = self._client.ledger(table, dataset).total("pending")
+            page = self._client.list_prompts(table, dataset, states=["pending"], limit=20) if pending else None
+        except BufferError:
+            pending, page = self._owed, None
+        if not pending:
+            return
+        named = ", ".join(f"{p.epoch}/{p.index}" for p in page.prompts) if page and page.prompts else "not listed"
+        log.warning(
+            "expbuf: dataset '%s' of table '%s': prompts not trained in this run: %d (epoch/index: %s), released"
+            " (every run of their task failed) or their claims ended after Trinity's scheduler read its last step"
+            " (buffer.total_epochs x rows / batch_size steps); they stay pending in the dataset",
+            dataset, table, pending, named,
+        )  # fmt: skip
 
     def state_dict(self) -> dict:
-        """Nothing: the dataset holds the cursor, the claims and the statistics, durably."""
-        return {}
+        """What the steps asked for and still owe; the dataset holds the cursor, the claims and the
+        statistics, durably."""
+        return {"asked": self._asked, "owed": self._owed}
 
     def load_state_dict(self, state_dict: dict) -> None:
-        """Nothing to restore (`state_dict`)."""
+        """The counts of `state_dict` (none in a state saved without them)."""
+        self._asked = int(state_dict.get("asked", 0))
+        self._owed = int(state_dict.get("owed", 0))
