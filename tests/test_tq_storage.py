@@ -21,6 +21,7 @@ import torch  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 from tensordict import NonTensorStack, TensorDict  # noqa: E402
 from test_tq_controller import Hostile  # noqa: E402
+from test_values import held  # noqa: E402
 
 from expbuf.client import BufferClient, BufferError  # noqa: E402
 from expbuf.client.errors import PermissionDeniedError, UnavailableError  # noqa: E402
@@ -385,3 +386,27 @@ def test_a_clear_of_samples_with_other_fields_each_clears_every_field_stored(
             assert client.get_values(["0@x", "1@x", "0@y"], "tq") == [None] * 3
     finally:
         tq.close()
+
+
+def test_a_key_put_again_keeps_no_part_of_its_earlier_value(start_server: Servers) -> None:
+    """A key stored in parts and put again, whole (beside another key's value in parts, in the
+    same put) or in fewer parts, reads back as the new value and keeps none of the earlier parts:
+    they took the table's capacity for ever, since a clear clears only the latest put's parts."""
+    server = start_server()
+    target = f"127.0.0.1:{server.port}"
+    storage = ExpbufStorageClient({"target": target, "table": "tq", "max_message_bytes": 4 << 20})  # parts of 2 MiB
+    three, four = torch.arange(1_500_000, dtype=torch.int32), torch.arange(1_000_000, dtype=torch.int64)  # 6, 8 MB
+    small = torch.tensor([1.5])
+    try:
+        assert storage.put(["0@x", "1@x"], [three, small]) == [{"expbuf_parts": 3}, None]
+        assert storage.put(["0@x", "1@x"], [small, three]) == [None, {"expbuf_parts": 3}]
+        assert storage.put(["2@x"], [torch.arange(2_500_000, dtype=torch.int32)]) == [{"expbuf_parts": 5}]
+        assert storage.put(["2@x"], [four]) == [{"expbuf_parts": 4}]
+        got = storage.get(["0@x", "1@x", "2@x"])
+        assert [torch.equal(value, want) for value, want in zip(got, [small, three, four], strict=True)] == [True] * 3
+        with BufferClient(target) as client:
+            earlier = ["0@x#0", "0@x#1", "0@x#2", "2@x#4"]
+            assert [value is None for value in client.get_values(earlier, "tq")] == [True] * len(earlier)
+            assert held(client, "tq")[0] == 3 + 3 + 4  # the keys, 1@x's parts and 2@x's
+    finally:
+        storage.close()

@@ -280,8 +280,9 @@ class ExpbufStorageClient(StorageKVClient):
     def put(self, keys: list[str], values: list[Any]) -> list[Any] | None:
         """Store each value under its key. A value of more than half a message is stored in parts
         (`{key}#{n}`), then its key names how many; TransferQueue keeps that count as the field's
-        custom_backend_meta and hands it back to `clear`. The values go in puts of about `BATCH`
-        bytes, `IN_FLIGHT` at once, each encoded while the ones before it are sent."""
+        custom_backend_meta and hands it back to `clear`; a key put again keeps no part of its
+        earlier value. The values go in puts of about `BATCH` bytes, `IN_FLIGHT` at once, each
+        encoded while the ones before it are sent."""
         if len(keys) != len(values):
             raise ValueError(f"{len(keys)} keys for {len(values)} values")
         metas: list[dict[str, int] | None] = [None] * len(keys)
@@ -307,7 +308,24 @@ class ExpbufStorageClient(StorageKVClient):
             wait(sent)  # every piece ended before the call does, failed or not: none lands after a retry
         for future in sent:
             future.result()
+        self._clear_earlier_parts(keys, [meta[PARTS_META] if meta else 0 for meta in metas])
         return metas if any(metas) else None
+
+    def _clear_earlier_parts(self, keys: Sequence[str], counts: Sequence[int]) -> None:
+        """Clear the parts an earlier value of each key left past its new value's `count` (all of
+        them for a value stored whole), once the keys hold their new values: nothing else clears
+        them (TransferQueue hands `clear` the latest put's count) and they count against the
+        table's capacity. A value's parts are stored from #0 up, and cleared from the last down,
+        so those left are a run from the new count up: each round clears the next names of every
+        key, twice as many as the round before, until one clears none (most puts: one round of
+        one name a key)."""
+        start, width = 0, 1
+        while True:
+            ahead = range(start, start + width)
+            names = [f"{key}#{count + n}" for key, count in zip(keys, counts, strict=True) for n in ahead]
+            if not self.client.clear_values(names, self.table):
+                return
+            start, width = start + width, 2 * width
 
     def _put_parts(self, key: str, blob: bytes) -> bytes:
         """Store a value too large for one put in parts, durable before the key names them; what
@@ -363,7 +381,7 @@ class ExpbufStorageClient(StorageKVClient):
         names = list(keys)
         for key, meta in zip(keys, custom_backend_meta or [], strict=False):
             if isinstance(meta, dict) and meta.get(PARTS_META):
-                names += part_keys(key, int(meta[PARTS_META]))
+                names += reversed(part_keys(key, int(meta[PARTS_META])))  # a clear cut short leaves a run from #0
         for start in range(0, len(names), 4096):
             self.client.clear_values(names[start : start + 4096], self.table)
 
