@@ -13,6 +13,7 @@ from typing import Any
 
 import grpc
 import pytest
+from test_push_stream import wait_until, writer_held
 
 from expbuf.client import (
     AlreadyExistsError,
@@ -23,6 +24,7 @@ from expbuf.client import (
     PushResult,
     trxp,
 )
+from expbuf.client.rpc import calls, frames
 from expbuf.client.rpc.wire import reason_of
 from expbuf.client.schema.reasons import Reason
 
@@ -40,10 +42,16 @@ def uids(items: Sequence[Any]) -> list[str]:
     return [item.eid.uid for item in items]
 
 
-def push_sync(target: str, table: str, pushes: Sequence[Any], window: int) -> tuple[list[Outcome], list[int]]:
-    """Each push's outcome, and the order in which their futures completed."""
+def push_sync(
+    target: str, table: str, pushes: Sequence[Any], window: int, timeout: float | None = None
+) -> tuple[list[Outcome], list[int]]:
+    """Each push's outcome, and the order in which their futures completed (each push with
+    `timeout`, the client's by default)."""
     done: list[int] = []
-    with BufferClient(target, push_chunk_bytes=1 << 16) as client, client.pusher(table, window=window) as pusher:
+    with (
+        BufferClient(target, push_chunk_bytes=1 << 16) as client,
+        client.pusher(table, window=window, timeout=timeout) as pusher,
+    ):
         pending = []
         for index, items in enumerate(pushes):
             future = pusher.push(items)
@@ -54,11 +62,13 @@ def push_sync(target: str, table: str, pushes: Sequence[Any], window: int) -> tu
     return [f.exception() or f.result() for f in pending], done  # type: ignore[misc]
 
 
-def push_async(target: str, table: str, pushes: Sequence[Any], window: int) -> tuple[list[Outcome], list[int]]:
+def push_async(
+    target: str, table: str, pushes: Sequence[Any], window: int, timeout: float | None = None
+) -> tuple[list[Outcome], list[int]]:
     async def body() -> tuple[list[Outcome], list[int]]:
         done: list[int] = []
         async with AsyncBufferClient(target, push_chunk_bytes=1 << 16) as client:
-            async with client.pusher(table, window=window) as pusher:
+            async with client.pusher(table, window=window, timeout=timeout) as pusher:
                 pending = []
                 for index, items in enumerate(pushes):
                     future = await pusher.push(items)
@@ -71,7 +81,7 @@ def push_async(target: str, table: str, pushes: Sequence[Any], window: int) -> t
     return asyncio.run(body())
 
 
-PUSHERS: dict[str, Callable[[str, str, Sequence[Any], int], tuple[list[Outcome], list[int]]]] = {
+PUSHERS: dict[str, Callable[..., tuple[list[Outcome], list[int]]]] = {
     "blocking": push_sync,
     "asyncio": push_async,
 }
@@ -292,3 +302,49 @@ def test_a_push_sent_as_the_server_ends_an_idle_stream_goes_again_on_a_new_one(
     assert outcome.stored == uids(second) and outcome.duplicates == []
     with BufferClient(target) as client:
         assert client.get(uids(first) + uids(second), table="g4").missing_uids == []
+
+
+@pytest.mark.parametrize("kind", sorted(PUSHERS))
+def test_pushes_unanswered_at_the_pusher_s_deadline_are_reported_as_the_server_holds_them(
+    start_server: Servers, kind: str
+) -> None:
+    """The server reads a window of pushes while its writer is held, stores the first, and the
+    others wait for the writer again (a slow disk) until the pusher's stream is past its deadline
+    (the pusher's `timeout`); the writer then stores them. A push reported stored is held, one
+    reported not stored is not (its caller pushes it again), and of any other the report says
+    that whether it was stored is unknown: the pushes after the oldest unanswered one were
+    reported not stored, and were held."""
+    server = start_server()
+    target = f"127.0.0.1:{server.port}"
+    with BufferClient(target) as client:
+        client.create_table("g4", group_size=4)
+    groups = [group(kind, task) for task in range(4)]
+    pushes = [calls.payload(items) for items in groups]
+    # What the server holds once it has read them: each push's bytes, and the room it keeps for
+    # the next message, as large as the pusher declares its messages (chunks of 64 KiB).
+    read = sum(map(len, pushes)) + frames.most_push_request(1 << 16, "g4")
+    outcomes: list[Outcome] = []
+    release = threading.Event()
+    held_again = threading.Thread(
+        target=server.store.environment.submit, args=(lambda _: release.wait(60),), kwargs={"background": True}
+    )
+    pusher = threading.Thread(target=lambda: outcomes.extend(PUSHERS[kind](target, "g4", pushes, 4, timeout=0.5)[0]))
+    with writer_held(server):
+        held_again.start()  # the writer's next commit, then this, alone
+        pusher.start()
+        wait_until(lambda: server.inflight.held == read, "the server did not read the pushes")
+    pusher.join(30)
+    release.set()
+    held_again.join(30)
+    wait_until(lambda: server.inflight.held == 0, "the server did not store or let go of what it read")
+    with BufferClient(target) as client:
+        missing = set(client.get([uid for items in groups for uid in uids(items)], table="g4").missing_uids)
+    assert len(outcomes) == len(pushes)
+    for items, outcome in zip(groups, outcomes, strict=True):
+        held = [uid for uid in uids(items) if uid not in missing]
+        if isinstance(outcome, PushResult):
+            assert held == outcome.stored == uids(items)
+        elif "not stored" in outcome.details:
+            assert held == [], outcome
+        else:
+            assert "whether it was stored is unknown" in outcome.details, outcome

@@ -14,7 +14,11 @@ answer: every push unanswered on the stream goes again after a pause, until its 
 push alone does (calls.Attempts). When a stream breaks (UNAVAILABLE: the server went away), the push it was on
 may or may not be stored: every push unanswered on it goes again (a push is idempotent; what was
 stored comes back as duplicates) while the client's retries and the push's deadline last, then
-fails UNAVAILABLE naming its uids. Futures complete in push order.
+fails UNAVAILABLE naming its uids. A stream that reaches its deadline (DEADLINE_EXCEEDED with no
+reason of the server's: the client's own, or a proxy's) is no push's refusal: the server may
+have read and stored any push unanswered on it, and go on storing them after the call ended, so
+each goes again while its deadline lasts and then fails saying that whether it was stored is
+unknown, never that it was not. Futures complete in push order.
 
 Both resends are made here, by hand. gRPC's retry policy retries a stream only until its first
 reply, and sends again everything the stream carried: a pusher's stream has answered pushes
@@ -211,6 +215,8 @@ class PushWindow(Ordered[Pending]):
         reason = reason_of(exc.trailing_metadata())
         if code == grpc.StatusCode.DEADLINE_EXCEEDED and reason == Reason.IDLE:
             return self._in_time(sent, code, details), 0.0  # pushes sent as the server ended the idle stream
+        if code == grpc.StatusCode.DEADLINE_EXCEEDED and reason is None:  # the call's deadline, no refusal
+            return self._in_time(sent, code, details, read=True), 0.0
         if code != grpc.StatusCode.UNAVAILABLE and busy(exc):
             return self._kept_out(sent, code, details, reason)
         if code != grpc.StatusCode.UNAVAILABLE:
@@ -248,11 +254,22 @@ class PushWindow(Ordered[Pending]):
                 again.append(pending)
         return again, pause
 
-    def _in_time(self, pushes: list[Pending], code: grpc.StatusCode, details: str) -> list[Pending]:
-        """Of pushes the server did not read, those with time left; the others fail, not stored."""
+    def _in_time(self, pushes: list[Pending], code: grpc.StatusCode, details: str, read: bool = False) -> list[Pending]:
+        """Of pushes the server did not read, those with time left; the others fail, not stored.
+        With `read`, pushes the server may have read and stored, unanswered when the stream's
+        deadline ended it: those with time left go again (a push is idempotent), and the others
+        fail saying that whether they were stored is unknown."""
         now = time.monotonic()
         for pending in pushes:
-            if now >= pending.deadline:
+            if now < pending.deadline:
+                continue
+            if read:
+                pending.fail(
+                    grpc.StatusCode.DEADLINE_EXCEEDED,
+                    f"not answered in time: the stream it was on reached its deadline ({code.name}: {details})",
+                    ": whether it was stored is unknown, and pushing it again is safe",
+                )
+            else:
                 pending.fail(
                     grpc.StatusCode.DEADLINE_EXCEEDED,
                     f"not sent in time: the stream it was on ended ({code.name}: {details})",
