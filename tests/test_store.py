@@ -22,7 +22,7 @@ from expbuf.server.store.schema.errors import (
 from expbuf.server.store.schema.table_config import ConfigError, TableConfig
 
 from conftest import payload
-from helpers import group_items, take
+from helpers import both_layouts, group_items, take, take_both
 
 # Most tests are about storage, not advantages: their table stores groups as pushed.
 PLAIN = TableConfig.of(name="plain", estimator="none")
@@ -185,6 +185,18 @@ def test_orders(store: Store) -> None:
     assert set(picks) == {"9/0", "9/1", "9/2", "9/3"} and min(picks.values()) > 50
     taken = [take(store, "plain", num_groups=1, order="priority").group_ids[0] for _ in range(4)]
     assert taken == ["9/1", "9/3", "9/2", "9/0"]
+
+
+def test_a_priority_of_minus_zero_ties_with_zero_in_fifo_order(tmp_path: Path) -> None:
+    """-0.0 == 0.0 (a priority made as -loss of a loss of 0): the group pushed first is taken first."""
+    with Store(tmp_path / "data", clock=Clock()) as store:
+        both_layouts(store, "zero", estimator="none")
+        for table in ("zero", "zero_rows"):
+            store.put(table, group_items(1, "a", 1, priority=-0.0))
+            store.put(table, group_items(1, "b", 1, priority=0.0))
+        assert take_both(store, "zero", num_groups=2, order="priority", delivery="replay")[1] == ["1/a", "1/b"]
+        assert take_both(store, "zero", num_groups=1, order="priority", min_model_version=1)[1] == ["1/a"]
+        assert store.verify("zero") == store.verify("zero_rows") == []
 
 
 def test_uniform_consume_takes_each_group_once(store: Store) -> None:

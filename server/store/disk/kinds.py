@@ -93,7 +93,8 @@ class Entry:
             size=size,
             version=item.model_version,
             reward=meta.get("reward"),
-            priority=float(priority) if isinstance(priority, (int, float)) else 0.0,
+            # + 0.0 makes -0.0 the 0.0 it equals: the priority index orders keys by their bits
+            priority=float(priority) + 0.0 if isinstance(priority, (int, float)) else 0.0,
             has_token_rewards="token_level_reward" in item.tensors,
             step=eid.get("step", 0),
             response_length=item.response_length,
