@@ -521,6 +521,29 @@ def test_stale_groups_stay_without_evict_stale_and_go_when_the_trainer_advances(
         TableConfig.of(name="t", evict_stale="yes")  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize("layout", ["records", "rows"])
+def test_a_group_back_ready_below_the_bound_is_never_taken(tmp_path: Path, layout: str) -> None:
+    """A leased group the version passed while it was out, nacked, and a pending group that
+    completes with a member below the bound: ready and stale before any upkeep, and a take
+    drops them rather than serve them."""
+    with Store(tmp_path) as store:
+        made = TableConfig.of(name="t", estimator="none", group_size=2, max_staleness=1, evict_stale=True)
+        store.create_table(replace(made, storage=replace(made.storage, layout=layout)))
+        store.set_trainer_version("t", 1)
+        store.put("t", group_items(1, "leased", 2, version=1))
+        store.put("t", group_items(1, "pending", 2, version=1)[:1])
+        out = store.sample(TakeSpec("t", num_groups=1, delivery="lease"))
+        store.set_trainer_version("t", 3)  # bound 2
+        store.put("t", group_items(1, "pending", 2, version=3)[1:])
+        store.put("t", group_items(1, "fresh", 2, version=3))
+        store.nack(out.lease_id, "t")
+        batch = store.sample(TakeSpec("t", num_groups=3, allow_partial=True))
+        assert batch.group_ids == ["1/fresh", "1/fresh"]
+        stats = store.stats("t")
+        assert (stats["dropped_stale"], stats["groups_ready"], stats["ready"]) == (2, 0, 0)
+        assert store.verify("t") == []
+
+
 def test_evict_stale_over_grpc_and_the_stale_drop_metric(start_server: Servers) -> None:
     server = start_server()
     with BufferClient(f"127.0.0.1:{server.port}", timeout=20) as c:

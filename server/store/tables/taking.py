@@ -33,7 +33,7 @@ from ..disk.stored_advantages import FinishBatch, StageCounts
 from ..rules import reuse
 from ..rules.limiter import sample_limit
 from ..rules.quarantine import counted, fail_lost_groups, quarantine_groups, quarantine_lost
-from ..rules.staleness import masked_tokens, report, token_bound
+from ..rules.staleness import evict_stale, masked_tokens, report, token_bound
 from ..schema.errors import SampleLimited
 from ..schema.sample_spec import TakeSpec
 from ..schema.states import CONSUMED, FAILED, LEASED
@@ -88,6 +88,9 @@ def take(
     core/verbs/take.Payloads). The batch carries its stored advantages; a table's batch stage is left to
     run where the reply is built (`Sampled.stage`: `finish`, the server's, its clip counted in
     `counts`)."""
+    # groups ready again below the bound since it moved (a lease nacked or expired, a group that a
+    # late member completed) go before the upkeep's next pass would take them: none is served
+    evict_stale(tt)
     report(tt, spec.trainer_version)  # before selection: a stale group is not taken in the same step
     payloads = Payloads(tt, snapshot, defer=hold)
     segments = row_select.Segments(tt) if tt.config.storage.layout == "rows" else None
