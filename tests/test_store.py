@@ -330,6 +330,25 @@ def test_one_push_fills_opens_extends_and_drops_groups(store: Store, clock: Cloc
     assert store.tick()["groups_timed_out"] == 1  # the group left pending is in the timeout index
 
 
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        ({"group_size": 4, "capacity_experiences": 3}, "capacity_experiences 3 is below group_size 4"),
+        ({"capacity_experiences": 2, "min_size_to_sample": 3}, "min_size_to_sample 3 is above capacity_experiences 2"),
+    ],
+)
+def test_a_table_that_could_never_serve_is_refused_at_its_creation(store: Store, settings: dict, message: str) -> None:
+    """A table whose groups could never complete (pending ones are never evicted, and a push past
+    the capacity is refused), or whose sampling could never start (it never holds as many as
+    min_size_to_sample), stalled its pushers and trainers for good; it is refused, stores nothing."""
+    for when_full in ("block", "evict"):
+        with pytest.raises(ConfigError, match=message):
+            store.create_table(TableConfig.of(name="never", estimator="none", when_full=when_full, **settings))
+        assert "never" not in [table.name for table in store.list_tables()]
+    edge = TableConfig.of(name="edge", estimator="none", group_size=4, capacity_experiences=4, min_size_to_sample=4)
+    assert store.create_table(edge)
+
+
 def test_capacity_block_and_evict(store: Store) -> None:
     store.create_table(TableConfig.of(name="full", estimator="none", capacity_experiences=4))
     store.put("full", group_items(1, 0, 4))

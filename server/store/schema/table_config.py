@@ -97,6 +97,27 @@ def group_step_first(config: TableConfig) -> bool:
     return not (estimator.group_step_in_batch and estimator.has_batch_stage(estimator_args(config)))
 
 
+def never_serves(config: TableConfig) -> str | None:
+    """Why a table of these settings could never serve a trainer (a new one is refused: its
+    pushers and samplers would wait for good); None when it may. A pending group is never evicted
+    and a push past the capacity is refused, so a group larger than the capacity never completes;
+    the rate limiter counts only what the table can still serve, so one that never holds
+    min_size_to_sample experiences never lets a sample start."""
+    most, size = config.capacity.experiences, config.grouping.size
+    if most and size > most:
+        return (
+            f"table '{config.name}': capacity_experiences {most} is below group_size {size}: no group could "
+            "complete (a pending group is never evicted, and a push past the capacity is refused)"
+        )
+    least = config.rate_limiter.min_size_to_sample
+    if most and least > most:
+        return (
+            f"table '{config.name}': min_size_to_sample {least} is above capacity_experiences {most}: the table "
+            "never holds that many, so no sample could start"
+        )
+    return None
+
+
 def _check_name(name: object) -> str:
     if not isinstance(name, str) or not _NAME.match(name):
         raise ConfigError(f"table name {clip(name)!r} must be 1-64 letters, digits, '_', '.' or '-'")

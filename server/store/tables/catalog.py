@@ -22,7 +22,7 @@ from ..ledger.rules import Ledger
 from ..rules.extensions import ExtensionKinds, Extensions, warn_earlier
 from ..rules.staleness import StaleEviction
 from ..schema.errors import ConfigError, Conflict, NotFound, StoreError, clip
-from ..schema.table_config import CONFIG_VERSION, TableConfig, differences
+from ..schema.table_config import CONFIG_VERSION, TableConfig, differences, never_serves
 
 _NO_EXTENSIONS = Extensions()
 E = TypeVar("E", bound=TableExtension)
@@ -137,12 +137,15 @@ class TableCatalog:
         table naming an extension kind not registered is refused (ConfigError)."""
         if self.kinds.unknown(config.extensions):
             raise ConfigError(self.kinds.refusal(config.name, config.extensions))
+        never = never_serves(config)
         if config.storage.layout == "rows":
             self.environment.open_rows()
         db = self.db
 
         def op(txn: lmdb.Transaction[bytes]) -> tuple[bool, int]:
             raw = txn.get(config.name.encode(), db=db["tables"])
+            if raw is None and never is not None:  # one made before this check is left as it is
+                raise ConfigError(never)
             if raw is not None:
                 record = json.loads(raw)
                 if not exist_ok:
