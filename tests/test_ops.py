@@ -129,6 +129,35 @@ def test_metrics_after_a_known_workload(start_server: Servers) -> None:
         assert value(again, name, **labels) == value(m, name, **labels)
 
 
+def test_a_dropped_table_leaves_no_series_and_a_new_one_of_its_name_starts_from_zero(start_server: Servers) -> None:
+    """Every per-table series goes with its table: those the server counts itself (refusals,
+    admissions, staleness, advantage time) as those read from the store. Else a scrape grows with
+    every table ever made (one per run), and a table made again under the name inherits the old one's."""
+    server = start_server()
+
+    def series() -> set[tuple[str, tuple[tuple[str, str], ...]]]:
+        return {key for key in scrape(server.metrics_port) if ("table", "run1") in key[1]}
+
+    with BufferClient(f"127.0.0.1:{server.port}", timeout=20) as c:
+        c.create_table("run1", group_size=4)
+        c.push(trxp.build(group_items(1, 0, 4)), table="run1")
+        wait_until(lambda: c.stats()["run1"].ready == 4)
+        next(c.sample(num_groups=1, max_batches=1, table="run1", delivery="consume", timeout=10))
+        c.admit("run1", 1)
+        with pytest.raises(BufferError):
+            c.push((BAD_DIR / "bad_magic.bin").read_bytes(), table="run1")
+        names = {name for name, _ in series()}
+        assert {"expbuf_refused_total", "expbuf_admit_requests_total", "expbuf_advantage_seconds_count",
+                "expbuf_sample_staleness_versions_count", "expbuf_experiences_pushed_total"} <= names  # fmt: skip
+        c.drop_table("run1")
+        assert series() == set()
+        c.create_table("run1", estimator="none", group_size=4)
+        c.push(trxp.build(group_items(2, 0, 4)), table="run1")
+        m = scrape(server.metrics_port)
+    assert value(m, "expbuf_experiences_pushed_total", table="run1") == 4
+    assert not {name for name, _ in series()} & {"expbuf_refused_total", "expbuf_advantage_seconds_count"}
+
+
 def test_dashboard_queries_use_exported_metrics(start_server: Servers) -> None:
     server = start_server()
     with BufferClient(f"127.0.0.1:{server.port}") as c:

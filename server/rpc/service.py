@@ -468,6 +468,7 @@ class ExperienceBufferService(LedgerServicer, ReadServicer, ValuesServicer, pb_g
             )
         dropped = self.store.drop_table(request.name)
         self.writers.forget(request.name)
+        self.metrics.forget_table(request.name)
         log.info("table dropped: %s (%d live experiences)", request.name, dropped)
         return pb.DropTableReply(dropped_experiences=dropped)
 

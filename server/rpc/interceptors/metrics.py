@@ -10,6 +10,7 @@ staleness of sampled experiences) is measured here. Each server has its own regi
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -316,10 +317,33 @@ class Metrics:
             buckets=(0, 1, 2, 3, 4, 6, 8, 12, 16, 32, 64),
             registry=self.registry,
         )
+        # what the server counts itself by table, with each one's label names: a dropped table's go with it
+        self._by_table: tuple[tuple[Counter | Histogram, tuple[str, ...]], ...] = (
+            (self.refused, ("table", "reason")),
+            (self.advantage_seconds, ("table", "estimator")),
+            (self.advantage_failures, ("table", "estimator", "outcome")),
+            (self.admission, ("table", "outcome")),
+            (self.staleness, ("table",)),
+        )
         self.exported = self.registry
         if shard:
             self.exported = CollectorRegistry()
             self.exported.register(ShardLabel(self.registry, shard))
+
+    def forget_table(self, table: str) -> None:
+        """Remove a dropped table's series of what the server counts itself, as its store's go with
+        it: else every table ever made stays in each scrape, and one made again under the name
+        goes on from the old one's counts."""
+        for metric, labels in self._by_table:
+            children = {
+                tuple(sample.labels[name] for name in labels)
+                for family in metric.collect()
+                for sample in family.samples
+                if sample.labels.get("table") == table
+            }
+            for values in children:
+                with contextlib.suppress(KeyError):  # a concurrent drop of the same table removed it
+                    metric.remove(*values)
 
 
 class RpcMetrics(ServiceInterceptor):
