@@ -46,7 +46,9 @@ from expbuf.server.cli import build_parser
 from expbuf.server.commands.stats import COLUMNS, render
 from expbuf.server.config import ServerConfig, load
 from expbuf.server.rpc.interceptors.limits import CallLimits, call_limits
-from expbuf.server.store.schema.table_config import ConfigError
+from expbuf.server.rpc.interceptors.metrics import StoreCollector
+from expbuf.server.store import Store
+from expbuf.server.store.schema.table_config import ConfigError, TableConfig
 
 from conftest import BAD_DIR, Servers, payload
 from helpers import ServerProcess, group_items, scrape, wait_for
@@ -156,6 +158,22 @@ def test_a_dropped_table_leaves_no_series_and_a_new_one_of_its_name_starts_from_
         m = scrape(server.metrics_port)
     assert value(m, "expbuf_experiences_pushed_total", table="run1") == 4
     assert not {name for name, _ in series()} & {"expbuf_refused_total", "expbuf_advantage_seconds_count"}
+
+
+def test_a_scrape_during_which_a_table_is_dropped_leaves_it_out(tmp_path: Path) -> None:
+    """The collector lists the tables, then reads each: a table dropped between the two (a job's
+    end while Prometheus scrapes) is left out of that scrape, which answered HTTP 500 instead."""
+    with Store(tmp_path / "data") as store:
+        for name in ("kept", "gone"):
+            store.create_table(TableConfig.of(name=name, estimator="none", group_size=1))
+            store.put(name, group_items(name, 0, 1))
+        collected = StoreCollector(store).collect()
+        assert next(collected).name == "expbuf_tables"  # the tables are listed
+        store.drop_table("gone")
+        pushed = {
+            s.labels["table"]: s.value for m in collected if m.name == "expbuf_experiences_pushed" for s in m.samples
+        }
+    assert pushed == {"default": 0, "kept": 1}
 
 
 def test_dashboard_queries_use_exported_metrics(start_server: Servers) -> None:

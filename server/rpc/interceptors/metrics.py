@@ -22,6 +22,7 @@ from prometheus_client.registry import Collector
 
 from ...advantages.moments import RunningMoments
 from ...store import LIVE, PASS_BANDS, PROMPT_STATES, DatasetRecord, IndexBuild, ScrubStatus, Store
+from ...store.schema.errors import NotFound
 from .base import ServiceInterceptor
 
 GROUP_STATES = LIVE
@@ -70,7 +71,9 @@ class StoreCollector(Collector):
         # scrape's size and cost grow with the tables in use, not with all tables. The default
         # table always is exported, so that every server has its series (a dashboard's list of
         # shards is read from them).
-        tables = {name: stats for name in names if any((stats := self.store.stats(name)).values()) or name == "default"}
+        tables = {
+            name: stats for name in names if (stats := self._stats(name)) and (any(stats.values()) or name == "default")
+        }
         experiences = GaugeMetricFamily("expbuf_buffer_experiences", "Experiences by state.", labels=["table", "state"])
         groups = GaugeMetricFamily("expbuf_groups", "Groups by state.", labels=["table", "state"])
         for table, stats in tables.items():
@@ -125,7 +128,7 @@ class StoreCollector(Collector):
         yield oldest
         yield from _scrub_metrics(self.store.scrub_status())
         yield from _build_metrics(self.store.index_builds())
-        yield from _ledger_metrics({name: self.store.datasets(name, by_epoch=False) for name in names})
+        yield from _ledger_metrics({name: self._datasets(name) for name in names})
         storage = self.store.storage_info()
         yield GaugeMetricFamily(
             "expbuf_storage_bytes", "Bytes of the LMDB data file in use.", value=storage["used_bytes"]
@@ -146,6 +149,20 @@ class StoreCollector(Collector):
         )
         for name, text, key in shared:
             yield GaugeMetricFamily(name, text, value=storage[key])
+
+    def _stats(self, table: str) -> dict[str, Any] | None:
+        """A listed table's stats; None where it was dropped since the scrape listed it."""
+        try:
+            return self.store.stats(table)
+        except NotFound:
+            return None
+
+    def _datasets(self, table: str) -> list[DatasetRecord]:
+        """A listed table's datasets; none where it was dropped since the scrape listed it."""
+        try:
+            return self.store.datasets(table, by_epoch=False)
+        except NotFound:
+            return []
 
 
 def _scrub_metrics(scrub: ScrubStatus) -> Iterator[Metric]:
