@@ -30,6 +30,7 @@ import tomllib
 import urllib.error
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -46,7 +47,8 @@ from expbuf.server.cli import build_parser
 from expbuf.server.commands.stats import COLUMNS, render
 from expbuf.server.config import ServerConfig, load
 from expbuf.server.rpc.interceptors.limits import CallLimits, call_limits
-from expbuf.server.rpc.interceptors.metrics import StoreCollector
+from expbuf.server.rpc.interceptors.metrics import Metrics, StoreCollector
+from expbuf.server.rpc.service import ExperienceBufferService
 from expbuf.server.store import Store
 from expbuf.server.store.schema.table_config import ConfigError, TableConfig
 
@@ -174,6 +176,29 @@ def test_a_scrape_during_which_a_table_is_dropped_leaves_it_out(tmp_path: Path) 
             s.labels["table"]: s.value for m in collected if m.name == "expbuf_experiences_pushed" for s in m.samples
         }
     assert pushed == {"default": 0, "kept": 1}
+
+
+def test_stats_of_every_table_leaves_out_one_dropped_while_it_reads(tmp_path: Path) -> None:
+    """The Stats call without a table (`expbuf stats --watch`) lists the tables, then reads each: a
+    table dropped between the two is left out, where the call was refused NOT_FOUND for a table
+    its caller never named, ending the watch."""
+
+    class DroppedAfterListing(Store):
+        def list_tables(self) -> list[Any]:
+            listed = super().list_tables()
+            if any(table.name == "gone" for table in listed):
+                self.drop_table("gone")
+            return listed
+
+    with DroppedAfterListing(tmp_path / "data") as store:
+        for name in ("kept", "gone"):
+            store.create_table(TableConfig.of(name=name, estimator="none", group_size=1))
+            store.put(name, group_items(name, 0, 1))
+        service = ExperienceBufferService(store, metrics=Metrics(store), max_message_bytes=1 << 20,
+                                          advantage_device="cpu")  # fmt: skip
+        reply = service.Stats(pb.StatsRequest(), None)
+        assert not store.has_table("gone")
+    assert {t.name: t.ready for t in reply.tables} == {"default": 0, "kept": 1}
 
 
 def test_dashboard_queries_use_exported_metrics(start_server: Servers) -> None:

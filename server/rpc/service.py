@@ -33,6 +33,7 @@ from ..store.schema.errors import (
     DamagedPayload,
     InsertLimited,
     InvalidRequest,
+    NotFound,
     SpecError,
     TableFull,
     check_names,
@@ -360,8 +361,18 @@ class ExperienceBufferService(LedgerServicer, ReadServicer, ValuesServicer, pb_g
 
     @refusals
     def Stats(self, request: pb.StatsRequest, context: grpc.ServicerContext) -> pb.StatsReply:
-        names = [request.table] if request.table else [t.name for t in self.store.list_tables()]
-        return pb.StatsReply(tables=[self._table_stats(name) for name in names])
+        if request.table:
+            return pb.StatsReply(tables=[self._table_stats(request.table)])
+        listed = (self._listed_stats(table.name) for table in self.store.list_tables())
+        return pb.StatsReply(tables=[stats for stats in listed if stats is not None])
+
+    def _listed_stats(self, name: str) -> pb.TableStats | None:
+        """A listed table's TableStats; None where it was dropped since it was listed (a job's
+        end while `expbuf stats --watch` reads every table), which is left out, not the call refused."""
+        try:
+            return self._table_stats(name)
+        except NotFound:
+            return None
 
     def _table_stats(self, name: str) -> pb.TableStats:
         """A table's counters as a TableStats: each field from the counter of its name, the
