@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
 import random
 from collections.abc import Callable
 from pathlib import Path
@@ -368,6 +369,92 @@ def test_verify_names_a_pending_groups_damaged_rows(tmp_path: Path) -> None:
         assert any(p.startswith("pending group 0/2: ") for p in problems), problems
         assert any("fragment" in p and "0/7" in p and "of no pending group" in p for p in problems), problems
         assert any(p.startswith("counter pending is 34 but ") for p in problems), problems
+
+
+def lose_first_fragment(store: Store, how: str, gkey: str = "0/0") -> list[str]:
+    """A group's first fragment in table t_rows lost (`how`: "lost") or cut short so that it no longer
+    decodes ("cut"), as damage would, and the records of the same members lost in table t: the uids."""
+    key = layout.table_prefix(store.catalog.lookup("t_rows")[0]) + directory.fragment_key(b"", gkey, 0)
+    with store.environment.read() as txn:
+        raw = bytes(txn.get(key, db=store.db["frags"]))
+    uids = [member.uid for member in decode_member_rows(raw)]
+    records = layout.table_prefix(store.catalog.lookup("t")[0])
+
+    def hurt(txn: lmdb.Transaction) -> None:
+        txn.put(key, raw[: len(raw) // 2], db=store.db["frags"]) if how == "cut" else txn.delete(
+            key, db=store.db["frags"]
+        )
+        for lost in uids:
+            txn.delete(records + lost.encode(), db=store.db["items"])
+
+    store.environment.submit(hurt)
+    return uids
+
+
+@pytest.mark.parametrize(("end", "how"), [("push", "cut"), ("seal", "lost"), ("release", "cut"), ("drop", "lost")])
+def test_a_pending_group_whose_rows_are_damaged_ends_as_a_records_tables_with_lost_records(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, end: str, how: str
+) -> None:
+    """A pending group's fragment lost or undecodable: pushes to the group go on, and where it ends (its
+    last runs, a seal, a timeout that releases or drops it) it fails or is dropped as a records table's
+    group whose members' records are lost is, the group pushed beside it completing: the members whose
+    rows were lost quarantined (found by their payloads, which go), each logged once, the others kept
+    as failed; a retried push of one is a duplicate, and both tables check clean."""
+    caplog.set_level(logging.ERROR, "expbuf.store")
+    clock = Clock()
+    by = "step" if end == "drop" else "task"  # a step's uids are found by their batch and task
+    gkeys = ["0/0/0", "0/1/0"] if by == "step" else ["0/0", "0/1"]
+    with Store(tmp_path, clock=clock) as store:
+        timeout = {"group_timeout_seconds": 60, "on_group_timeout": "drop" if end == "drop" else "release"}
+        both(store, "t", **{**LARGE, "group_by": by}, **timeout)
+        for at in range(0, 33, 3):
+            put_both(store, "t", [run(task, n) for task in range(2) for n in range(at, at + 3)])
+        lost = lose_first_fragment(store, how, gkeys[0])
+
+        def push(items: list[trxp.RawItem]) -> tuple[list[str], list[str], list[str]]:
+            got = [(r.stored, r.duplicates, r.completed_groups) for r in (store.put(t, items) for t in ("t", "t_rows"))]
+            assert got[1] == got[0]
+            return got[1]
+
+        push([run(task, n) for task in range(2) for n in range(33, 36)])  # it stays pending
+        if end == "push":
+            assert push([run(task, n) for task in range(2) for n in range(36, 40)])[2] == gkeys
+        elif end == "seal":
+            for table, gkey in itertools.product(("t", "t_rows"), gkeys):
+                store.seal(table, gkey)
+        else:
+            clock.now += 61
+            assert store.tick()["failed"] == 0
+        got = {k: v for k, v in stats(store, "t_rows").items() if k != "last_failure"}
+        assert got == {k: v for k, v in stats(store, "t").items() if k != "last_failure"}
+        ready = int(end != "drop")
+        assert (got["groups_failed"], got["groups_ready"], got["pending"]) == (ready, ready, 0)
+        assert got["quarantined"] == got["damaged"] == len(lost) > 0
+        failures = [str(store.stats(table)["last_failure"]).rsplit(": ", 1) for table in ("t", "t_rows")]
+        assert failures[1][0] == failures[0][0] and failures[1][0].startswith(f"group {gkeys[0]}: experience")
+        assert all(sum(uid in r.getMessage() for r in caplog.records) == 2 for uid in lost)  # once a table
+        assert store.get_payload("t_rows", lost[:1])[1] == lost[:1]
+        assert push([run(0, 0)])[1] == [uid(0, 0)]  # a duplicate
+        served = take_both(store, "t", num_groups=2, allow_partial=True)
+        assert (served and set(served[1])) == (None if end == "drop" else {gkeys[1]})  # type: ignore[arg-type]
+        clean(store, "t", "t_rows")
+
+
+def test_a_computing_group_whose_rows_are_damaged_fails_as_a_records_tables_with_lost_records(tmp_path: Path) -> None:
+    """A group waiting for its advantages whose fragment is lost: the advantage worker's pass fails it
+    (the members whose rows were lost quarantined) as a records table's whose members' records are
+    lost, and computes the others, where it stopped at the group before."""
+    with Store(tmp_path, clock=Clock()) as store:
+        both(store, "t", **{**LARGE, "estimator": "grpo", "drop_zero_variance": False})
+        for at in range(0, 40, 4):
+            put_both(store, "t", [run(task, n) for task in range(2) for n in range(at, at + 4)])
+        assert store.stats("t_rows")["groups_computing"] == 2
+        lost = lose_first_fragment(store, "lost")
+        assert AdvantageWorker(store).run_once() == 2  # a table's group each
+        got = {k: v for k, v in stats(store, "t_rows").items() if k != "last_failure"}
+        assert got == {k: v for k, v in stats(store, "t").items() if k != "last_failure"}
+        assert (got["groups_failed"], got["groups_ready"], got["quarantined"]) == (1, 1, len(lost))
+        clean(store, "t", "t_rows")
 
 
 def attempt_runs(epoch: int, index: int, attempt: int, runs: range) -> list[trxp.RawItem]:

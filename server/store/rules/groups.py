@@ -61,9 +61,12 @@ class Ending:
         drops it instead. `indexed`: the group is in the pending index (a group opened and
         filled by one push never is; of a rows table's: its head is written). One with a member
         whose record the directory lost is to fail instead (the quarantine rule), since it can never
-        be served whole."""
+        be served whole; so is a rows table's some of whose rows damage lost (TableState.pending_members)."""
         tt = self.tt
-        if isinstance(grp, RowGroup):  # its members are its rows, which it cannot lose apart
+        if isinstance(grp, RowGroup) and (grp.quarantined or grp.lost):  # damage lost some of its rows
+            self.lost.append((gkey, grp))
+            return True
+        if isinstance(grp, RowGroup):
             if tt.config.grouping.drop_zero_variance and zero_variance([member.reward for member in grp.rows]):
                 return self._zero_variance(gkey, grp)
             self.rows.append((grp, partial, indexed))
@@ -168,9 +171,9 @@ def finish_compute(
             ending.fail(gkey, grp, failed[gkey])
         elif gkey in dropped:
             below.append((gkey, grp))
-        elif isinstance(grp, RowGroup):  # its members are its rows, which it cannot lose apart
+        elif isinstance(grp, RowGroup) and not (grp.quarantined or grp.lost):
             rows.append((grp, False, True))
-        elif any(tt.member(uid) is None for uid in grp.members):  # never to be served whole
+        elif isinstance(grp, RowGroup) or any(tt.member(uid) is None for uid in grp.members):  # never served whole
             ending.lost.append((gkey, grp))
         else:
             computed.append((gkey, grp, tt.members(grp)))

@@ -22,7 +22,9 @@ record remade from its members' (core/verbs/groups.remade), their payloads kept 
 
 A rows table's (issue 64) group with a damaged member fails as a records table's does, the damaged
 member's payload gone and the others' kept, the damaged member flagged quarantined in its segment's
-state (disk/rows/segments.SegState) and counted so until its segment is forgotten.
+state (disk/rows/segments.SegState) and counted so until its segment is forgotten. Its pending or
+computing group some of whose rows damage lost fails where a records table's with a lost record
+does (`quarantine_lost`), the members whose rows are lost quarantined.
 """
 
 from __future__ import annotations
@@ -32,10 +34,12 @@ from collections.abc import Iterable, Sequence
 
 from ..core.table_state.read_check import payload_problem
 from ..core.table_state.state import TableState
+from ..core.table_state.views import RowGroup
 from ..core.verbs import retire, row_moves
 from ..core.verbs.groups import remade
+from ..core.verbs.row_pending import LOST_ROW
 from ..disk import chunk_reads
-from ..schema.states import FAILED, LIVE
+from ..schema.states import COMPUTING, FAILED, LIVE, PENDING
 from ..schema.views import GroupView, MemberView
 
 log = logging.getLogger("expbuf.store")
@@ -65,8 +69,9 @@ def counted(tt: TableState, groups: Sequence[tuple[str, GroupView, dict[str, str
             )  # fmt: skip
         quarantined |= damaged.keys()
         tt.counters.groups_failed += 1
-        uid, why = next(iter(damaged.items()))
-        tt.counters.last_failure = f"group {gkey}: experience {uid} quarantined: {why}"
+        if damaged:  # none: a rows table's group whose members' rows and payloads are lost alike
+            uid, why = next(iter(damaged.items()))
+            tt.counters.last_failure = f"group {gkey}: experience {uid} quarantined: {why}"
     tt.counters.damaged += len(quarantined)
     return quarantined
 
@@ -75,7 +80,11 @@ def quarantine_lost(tt: TableState, groups: Sequence[tuple[str, GroupView]]) -> 
     """The live `groups` with a member whose record the directory lost fail, as a sample fails
     them (quarantine_groups): a lease that puts its groups back in the buffer, a cooldown that
     ends, a pending group's completion and its advantages ask first, since such a group can
-    never be served whole again."""
+    never be served whole again. A rows table's group some of whose rows damage lost (its members
+    made from their payloads named quarantined in its view: TableState.pending_members) fails alike."""
+    if tt.config.storage.layout == "rows":
+        _quarantine_damaged_rows(tt, groups)
+        return
     damaged = []
     for gkey, grp in groups:
         lost = {uid: "its record is not stored" for uid in grp.members if tt.member(uid) is None}
@@ -83,6 +92,20 @@ def quarantine_lost(tt: TableState, groups: Sequence[tuple[str, GroupView]]) -> 
             damaged.append((gkey, grp, lost))
     if damaged:
         quarantine_groups(tt, damaged)
+
+
+def _quarantine_damaged_rows(tt: TableState, groups: Sequence[tuple[str, GroupView]]) -> None:
+    """A rows table's pending or computing `groups` some of whose rows damage lost fail, the members
+    made from their payloads quarantined (row_pending.leave counts and logs those whose payloads are
+    lost too)."""
+    failing = [
+        (gkey, grp)
+        for gkey, grp in groups
+        if isinstance(grp, RowGroup) and grp.state in (PENDING, COMPUTING) and (grp.quarantined or grp.lost)
+    ]
+    if failing:
+        named = [(gkey, grp, {uid: LOST_ROW for uid in grp.members if uid in grp.quarantined}) for gkey, grp in failing]
+        row_moves.fail(tt, failing, counted(tt, named))
 
 
 def fail_lost_groups(tt: TableState, gkeys: Sequence[str]) -> None:

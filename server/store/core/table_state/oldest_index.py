@@ -136,6 +136,27 @@ def head_changed(tt: TableState, gkey: str, was: float | None, now: float | None
     )
 
 
+def head_gone(tt: TableState, gkey: str, head: PendingHead) -> None:
+    """A pending or computing group's head gone (it completed or left): its key goes, found by the
+    group's key among the table's where damage left its first member unreadable."""
+    try:
+        first = head_first(tt, gkey, head)
+    except _DAMAGE:
+        first = None
+    if first is not None and tt.txn.delete(head_key(tt.prefix, first, gkey), db=tt.db["oldest"]):
+        return
+    if not head.hashes:  # no member: no key
+        return
+    held = HEAD + gkey.encode()
+    with tt.txn.cursor(db=tt.db["oldest"]) as cur:
+        more = cur.set_range(tt.prefix)
+        while more and cur.key()[: len(tt.prefix)] == tt.prefix:
+            if cur.key()[len(tt.prefix) + 8 :] == held:
+                cur.delete()
+                return
+            more = cur.next()
+
+
 def head_first(tt: TableState, gkey: str, head: PendingHead) -> float | None:
     """When a pending or computing group's first member was pushed, as its first fragment holds it,
     or its head where it has none (None: it has no member, or its fragment is not stored)."""

@@ -17,7 +17,7 @@ import lmdb
 
 from expbuf.client.schema.routing import uid_group_key
 
-from ...disk import layout
+from ...disk import chunk_reads, digests, layout
 from ...disk.batch_rows import Reader
 from ...disk.layout import put_rows, u64
 from ...disk.records import GroupRecord, ItemRecord
@@ -30,6 +30,7 @@ from ...disk.rows import (
     decode_member_rows,
     directory_entry,
     fragment_key,
+    uid_hash,
 )
 from ...schema.errors import StoreError, clip
 from ...schema.states import COMPUTING, LEASED, LIVE, READY, State, check_move
@@ -43,6 +44,17 @@ from .views import RowGroup, group_record, group_rows, member_record, quarantine
 
 # A member's record as the cache holds it: absent (None) when the table has no such uid.
 Cached = ItemRecord | None
+# A damaged page can make LMDB or a row's decoder raise almost anything: every exception is damage.
+_DAMAGE = Exception
+
+
+def _uids_begin(gkey: str, by: str) -> str:
+    """What every uid of group `gkey` of a table grouped `by` begins with: its key and a '/' where it is
+    keyed by task or run, its batch and task where keyed by step (the step comes after the run in a
+    uid), the one uid where each experience is its own group."""
+    if by == "step":
+        return gkey.rsplit("/", 1)[0] + "/"
+    return gkey + "/" if by in ("task", "run") else gkey
 
 
 def pending_rows(
@@ -198,9 +210,9 @@ class TableState:
             return None
         ref = directory_entry(raw)
         if isinstance(ref, PendingHead):
-            rows = tuple(self.pending_rows(gkey, ref))
-            now = ref.state
-            return RowGroup(gkey, now, rows, MappingProxyType(dict(ref.failed)), created=ref.created)
+            rows, damaged, lost = self.pending_members(gkey, ref)
+            failed = MappingProxyType(dict(ref.failed))
+            return RowGroup(gkey, ref.state, rows, failed, created=ref.created, quarantined=damaged, lost=lost)
         key = self.prefix + u64(ref.seg)
         view = SegmentView(stored(self.txn, key, self.db["segs"], "segment"))
         state = SegState.decode(stored(self.txn, key, self.db["sstate"], "segment state"))
@@ -213,6 +225,53 @@ class TableState:
     def pending_rows(self, gkey: str, head: PendingHead) -> list[Member]:
         """A rows table's pending group's members, in push order, as its fragments and head hold them."""
         return pending_rows(self.txn, self.db, self.prefix, gkey, head)
+
+    def pending_members(self, gkey: str, head: PendingHead) -> tuple[tuple[Member, ...], frozenset[str], int]:
+        """A pending or computing group's members, in push order, as `pending_rows` has them; where
+        damage lost some of their rows (a fragment not stored or not decoding, the head's own rows not
+        decoding), the rows that read, and each other member its head names made from its payload,
+        found among the group's payloads by its uid's hash (the payload's digest and size as stored,
+        the rest unknown): such a group is never served, it fails with those members quarantined
+        (rules/quarantine.quarantine_lost), as a records table's whose member's record is lost does.
+        Returns the rows, the uids of those made from payloads, and how many members its head names
+        whose payloads are not stored either."""
+        try:
+            return tuple(self.pending_rows(gkey, head)), frozenset(), 0
+        except _DAMAGE:
+            pass
+        read: dict[int, Member] = {}
+        for number in range(head.fragments + 1):  # each fragment, then the head's own rows
+            try:
+                if number == head.fragments:
+                    rows = head.inline_rows()
+                else:
+                    key = fragment_key(self.prefix, gkey, number)
+                    rows = decode_member_rows(stored(self.txn, key, self.db["frags"], "fragment"))
+            except _DAMAGE:
+                continue
+            read.update((uid_hash(row.uid), row) for row in rows)
+        made = self._from_payloads(gkey, set(head.hashes) - read.keys(), head.created)
+        found = tuple(row for h in head.hashes if (row := read.get(h) or made.get(h)) is not None)
+        return found, frozenset(row.uid for row in made.values()), len(head.hashes) - len(found)
+
+    def _from_payloads(self, gkey: str, hashes: set[int], created: float) -> dict[int, Member]:
+        """The members of group `gkey` whose uids' hashes are among `hashes`, by hash, made from what is
+        left of them: their payloads (a digest of zeros and a size of 0 where one does not read)."""
+        by, made = self.config.grouping.by, {}
+        begin = self.key(_uids_begin(gkey, by))
+        with self.txn.cursor(db=self.db["blobs"]) as cur:
+            more = bool(hashes) and cur.set_range(begin)
+            while more and cur.key()[: len(begin)] == begin:
+                uid = bytes(cur.key()[len(self.prefix) :]).decode(errors="replace")
+                if (h := uid_hash(uid)) in hashes and (uid if by == "none" else uid_group_key(uid, by)) == gkey:
+                    try:
+                        blob = chunk_reads.read_payload(self.txn, self.db, self.key(uid))
+                    except _DAMAGE:
+                        blob = None
+                    digest, size = (bytes(16), 0) if blob is None else (digests.of(blob), len(blob))
+                    made[h] = Member(uid, digest, size, 0, created, 0, 0, 0)
+                more = cur.next()
+        return made
 
     def existing_view(self, gkey: str) -> GroupView:
         """The view of a group an index or a member names, which exists while they do."""

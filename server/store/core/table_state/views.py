@@ -44,7 +44,10 @@ class RowGroup(NamedTuple):
     lease: str = ""
     times: int = 0  # its members' deliveries (a group's members are delivered together)
     created: float = 0.0  # when a pending group opened (its timeout's); 0 once it is complete
-    quarantined: frozenset[str] = frozenset()  # a failed group's members found damaged (SegState.QUARANTINED)
+    # a failed group's members found damaged (SegState.QUARANTINED); a pending or computing group's
+    # whose rows damage lost, made from their payloads (TableState.pending_members)
+    quarantined: frozenset[str] = frozenset()
+    lost: int = 0  # a pending or computing group's members whose rows and payloads damage lost alike
 
     @property
     def under_lease(self) -> bool:

@@ -115,12 +115,18 @@ def _queued_records(
 def _queued_rows(
     txn: lmdb.Transaction[bytes], dbs: dict[str, lmdb._Database], prefix: bytes, gkey: bytes
 ) -> tuple[list[str], dict[str, MemberView]]:
-    """A rows table's computing group's members' uids and views, from its fragments and head."""
+    """A rows table's computing group's members' uids and views, from its fragments and head; one some
+    of whose rows damage lost (a fragment not stored or not decoding) has no views, so that the caller
+    lists it as lost (its uids' hashes, as text, stand for its uids: a view of it in the writer's
+    transaction names its members: TableState.pending_members)."""
     entry = directory_entry(stored(txn, prefix + gkey, dbs["gdir"], "group"))
     if not isinstance(entry, PendingHead):
         raise missing("computing group", gkey.decode())
     key = gkey.decode()
-    rows = pending_rows(txn, dbs, prefix, key, entry)
+    try:
+        rows = pending_rows(txn, dbs, prefix, key, entry)
+    except Exception:  # a damaged page can make a row's decoder raise almost anything
+        return [str(value) for value in entry.hashes], {}
     return [row.uid for row in rows], {row.uid: RowMember(row, key, COMPUTING) for row in rows}
 
 

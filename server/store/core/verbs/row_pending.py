@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import logging
 from collections.abc import Iterator, Mapping, Sequence, Set
 from types import MappingProxyType
 from typing import NamedTuple
@@ -34,6 +35,8 @@ from ..table_state.views import RowGroup
 from . import payloads, pieces, segments
 
 _NONE_FAILED: Mapping[str, str] = MappingProxyType({})
+LOST_ROW = "its row is damaged"  # why a member whose row damage lost is quarantined
+log = logging.getLogger("expbuf.store")
 
 
 class PendingGroup(NamedTuple):
@@ -97,7 +100,7 @@ def stored(
                 else PendingGroup(gkey, entry, len(hashes), entry.failed, entry.created, raw)
             )
         if not set(hashes).isdisjoint([_uid_hash(pushed.uid) for pushed in entries]):
-            rows = tt.pending_rows(gkey, entry if entry is not None else PendingHead.decode(raw))
+            rows, _, _ = tt.pending_members(gkey, entry if entry is not None else PendingHead.decode(raw))
             digests.update((member.uid, member.digest) for member in rows)
     return found, digests
 
@@ -164,10 +167,12 @@ def joined(tt: TableState, by_group: Mapping[str, Sequence[Entry]]) -> dict[str,
 
 
 def view(tt: TableState, grp: PendingGroup, new: Sequence[Member]) -> RowGroup:
-    """A pending group's view with its new members: its earlier ones read from its fragments and head."""
+    """A pending group's view with its new members: its earlier ones read from its fragments and head
+    (those whose rows damage lost, as TableState.pending_members has them)."""
     entry = grp.decoded()
-    rows = [*(tt.pending_rows(grp.key, entry) if entry is not None else ()), *new]
-    return RowGroup(grp.key, PENDING, tuple(rows), MappingProxyType(dict(grp.failed)), created=grp.created)
+    rows, damaged, lost = ((), frozenset[str](), 0) if entry is None else tt.pending_members(grp.key, entry)
+    failed = MappingProxyType(dict(grp.failed))
+    return RowGroup(grp.key, PENDING, (*rows, *new), failed, created=grp.created, quarantined=damaged, lost=lost)
 
 
 def view_new(tt: TableState, gkey: str, rows: Sequence[Member]) -> RowGroup:
@@ -179,7 +184,9 @@ def view_new(tt: TableState, gkey: str, rows: Sequence[Member]) -> RowGroup:
 def views_new(tt: TableState, joined: Mapping[str, Sequence[Member]]) -> list[RowGroup]:
     """`view_new`'s of groups this request opened, each with its members (`joined`'s), at once."""
     now, none = tt.now, frozenset[str]()
-    return [_ROW_GROUP((gkey, PENDING, tuple(rows), _NONE_FAILED, "", 0, now, none)) for gkey, rows in joined.items()]
+    return [
+        _ROW_GROUP((gkey, PENDING, tuple(rows), _NONE_FAILED, "", 0, now, none, 0)) for gkey, rows in joined.items()
+    ]
 
 
 _ROW_GROUP = functools.partial(tuple.__new__, RowGroup)  # RowGroup._make less its count: every field given
@@ -253,7 +260,7 @@ def _forget(tt: TableState, gkey: str) -> PendingHead | None:
     entry = head(tt, gkey)
     if entry is None:
         return None  # opened and closed by one request: never written
-    oldest_index.head_changed(tt, gkey, oldest_index.head_first(tt, gkey, entry), None)
+    oldest_index.head_gone(tt, gkey, entry)
     for number in range(entry.fragments):
         tt.txn.delete(fragment_key(tt.prefix, gkey, number), db=tt.db["frags"])
     if entry.queued is None:
@@ -334,8 +341,11 @@ def leave(tt: TableState, groups: Groups, state: State, damaged: Set[str] = froz
     (`retire`): their rows go into segments of that state, which keep their members' digests (a
     retried push of one is a duplicate), their fragments and rows in the pending index or the
     compute queue go, and their payloads (a failed group's stay, as payloads.kept says: all but the
-    `damaged` members')."""
+    `damaged` members'). Their members whose rows damage lost (TableState.pending_members) are
+    quarantined too, counted damaged and logged where the caller did not name them (as a records
+    table's retirement buries a member whose record is lost)."""
     views = [_pending(gkey, grp) for gkey, grp in groups]
+    damaged = _found_damaged(tt, views, damaged, state)
     for grp in views:
         pieces.drop_group(tt, grp.key)
         _forget(tt, grp.key)
@@ -343,7 +353,7 @@ def leave(tt: TableState, groups: Groups, state: State, damaged: Set[str] = froz
     segments.write(tt, whole, state, quarantined=damaged)
     counters = tt.counters
     for grp in views:
-        counters.add(grp.state, -len(grp.rows))
+        counters.add(grp.state, -len(grp.rows) - grp.lost)
         counters.add_groups(grp.state, -1)
     members = [member for grp in views for member in grp.rows]
     flagged = sum(member.uid in damaged for member in members)
@@ -351,6 +361,27 @@ def leave(tt: TableState, groups: Groups, state: State, damaged: Set[str] = froz
     counters.add(QUARANTINED, flagged)
     keys = [tt.key(member.uid) for member in members]
     payloads.drop(tt, keys, [member.size for member in members], keep=payloads.kept(tt, state, damaged))
+
+
+def _found_damaged(tt: TableState, views: Sequence[RowGroup], damaged: Set[str], state: State) -> Set[str]:
+    """`damaged` with the members of `views` whose rows damage lost, those not among them counted
+    damaged and logged once each, as are the members neither a row nor a payload holds."""
+    found = [(grp.key, uid) for grp in views for uid in grp.members if uid in grp.quarantined and uid not in damaged]
+    for gkey, uid in found:
+        log.error(
+            "table %s: experience %s quarantined (%s): never served; its group %s left as %s",
+            tt.config.name, uid, LOST_ROW, gkey, state,
+        )  # fmt: skip
+        tt.counters.last_failure = f"group {gkey}: experience {uid} quarantined: {LOST_ROW}"
+    for grp in views:
+        if grp.lost:
+            log.error(
+                "table %s: %d experience(s) of group %s lost with their rows and payloads; the group left as %s",
+                tt.config.name, grp.lost, grp.key, state,
+            )  # fmt: skip
+            tt.counters.last_failure = f"group {grp.key}: {grp.lost} experience(s) lost with their rows and payloads"
+    tt.counters.damaged += len(found) + sum(grp.lost for grp in views)
+    return {*damaged, *(uid for _, uid in found)} if found else damaged
 
 
 def _pending(gkey: str, grp: object) -> RowGroup:
