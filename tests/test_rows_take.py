@@ -10,6 +10,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import itertools
+import logging
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -27,6 +28,7 @@ from expbuf.server.store.disk.rows import RunRow, SegmentView, SegState
 from expbuf.server.store.ledger.records import DatasetRecord
 from expbuf.server.store.schema.sample_spec import TakeSpec
 from expbuf.server.store.schema.states import READY
+from expbuf.server.store.schema.table_config import TableConfig
 from expbuf.server.store.schema.views import Groups
 
 from helpers import StoppedClock as Clock
@@ -548,6 +550,35 @@ def test_a_damaged_payload_fails_its_group_and_the_others_are_served(tmp_path: P
         assert counts["quarantined"] == 1
         assert "group 0/1: " in str(counts["last_failure"]) and counts["ready"] == 8
         runs_cover_the_ready_groups(store, "t_rows")
+
+
+@pytest.mark.parametrize(("db", "order"), [("segs", "fifo"), ("sstate", "lifo"), ("segs", "priority")])
+def test_a_sample_passes_over_a_segment_that_does_not_decode_and_serves_the_others(  # type: ignore[no-untyped-def]
+    start_server, caplog: pytest.LogCaptureFixture, db: str, order: str
+) -> None:
+    """A segment (its rows, or its state row) a damaged page left undecodable: a sample over gRPC, in
+    the runs' order or an index's (built by that sample), passes over its groups, logged once naming
+    it and `expbuf check` (the table's last failure), and serves the others, where it failed with an
+    internal error."""
+    caplog.set_level(logging.ERROR, "expbuf.store")
+    server = start_server()
+    store = server.store
+    store.create_table(TableConfig.of("t", layout="rows", **EIGHTS))
+    store.put("t", items(40, 8))  # 320 members: a segment of 32 groups (256 members), one of 8
+    prefix = layout.table_prefix(store.catalog.lookup("t")[0])
+    with store.environment.read() as txn:
+        segs = [int.from_bytes(key[4:], "big") for key, _ in _rows(txn, store.db["segs"], prefix)]
+    assert segs == [0, 32]
+    damaged = segs[1] if order == "lifo" else segs[0]  # the one a take reaches first
+    key = prefix + layout.u64(damaged)
+    store.environment.submit(lambda txn: txn.put(key, b"\x07" + txn.get(key, db=store.db[db])[1:], db=store.db[db]))
+    served = set(range(32, 40)) if damaged == 0 else set(range(32))
+    with BufferClient(f"127.0.0.1:{server.port}", timeout=10) as client:
+        for _ in range(2):
+            batch = next(iter(client.sample("t", num_groups=4, order=order, max_batches=1, timeout=5)))
+            assert len(batch.uids) == 32 and {int(gkey[2:]) for gkey in batch.group_ids} <= served
+    assert sum(f"segment {damaged}" in r.getMessage() and "expbuf check" in r.getMessage() for r in caplog.records) == 1
+    assert str(store.stats("t")["last_failure"]).startswith(f"segment {damaged} does not decode")
 
 
 def test_a_sample_stream_over_grpc_serves_a_rows_table_as_a_records_one(start_server) -> None:  # type: ignore[no-untyped-def]

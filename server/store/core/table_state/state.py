@@ -10,6 +10,7 @@ pushes, what computes): those are the arguments of the verbs that need them.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping, Sequence
 from types import MappingProxyType
 
@@ -46,6 +47,7 @@ from .views import RowGroup, group_record, group_rows, member_record, quarantine
 Cached = ItemRecord | None
 # A damaged page can make LMDB or a row's decoder raise almost anything: every exception is damage.
 _DAMAGE = Exception
+log = logging.getLogger("expbuf.store")
 
 
 def _uids_begin(gkey: str, by: str) -> str:
@@ -332,17 +334,39 @@ class TableState:
             while more and cur.key().startswith(p):
                 run = RunRow.decode(cur.value())
                 lo, hi = max(run.first, start - run.seg), run.first + run.length
-                if lo < hi:
-                    view = SegmentView(stored(self.txn, p + u64(run.seg), self.db["segs"], "segment"))
-                    keys = view.keys(lo, hi)
-                    priorities = view.priorities(lo, hi) if columns else (0.0,) * (hi - lo)
-                    versions = view.versions(lo, hi) if columns else [None] * (hi - lo)
+                read = self._ready_columns(run.seg, lo, hi, columns) if lo < hi else None
+                if read is not None:
+                    keys, priorities, versions = read
                     for at, g in enumerate(range(lo, hi)):
                         if len(found) == limit:
                             return found, run.seg + g
                         found.append(ReadyGroup(keys[at].encode(), run.seg + g, priorities[at], versions[at]))
                 more = cur.next()
         return found, None
+
+    def _ready_columns(
+        self, seg: int, lo: int, hi: int, columns: bool
+    ) -> tuple[list[str], Sequence[float], Sequence[int | None]] | None:
+        """The keys, priorities and versions (without `columns`: 0 and none) of segment `seg`'s groups
+        lo to hi; None where its rows do not decode: an index build leaves them out, as a take passes
+        them over (`passed_over`)."""
+        try:
+            view = SegmentView(stored(self.txn, self.prefix + u64(seg), self.db["segs"], "segment"))
+            if not columns:
+                return view.keys(lo, hi), (0.0,) * (hi - lo), [None] * (hi - lo)
+            return view.keys(lo, hi), view.priorities(lo, hi), view.versions(lo, hi)
+        except _DAMAGE as exc:
+            self.passed_over(seg, exc)
+            return None
+
+    def passed_over(self, seg: int, exc: Exception) -> None:
+        """A segment whose rows or state do not decode (a damaged page): a take or an index build
+        passes over its groups, which nothing can name (their keys and members are its rows), and
+        leaves them to `expbuf check`; logged where it is not already the table's last failure."""
+        failure = f"segment {seg} does not decode ({type(exc).__name__}: {clip(str(exc), 200)}); its groups passed over"
+        if self.counters.last_failure != failure:
+            log.error("table %s: %s: run `expbuf check` on a copy of the data directory", self.config.name, failure)
+            self.counters.last_failure = failure
 
     def members(self, grp: GroupView) -> dict[str, MemberView]:
         """The group's members' views (uid -> view), in push order."""

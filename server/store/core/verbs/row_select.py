@@ -27,6 +27,8 @@ from ..table_state.picks import Picked, Picks, picks
 from ..table_state.state import TableState, missing
 
 NO_LEASE = bytes(SegState.LEASE)
+# A damaged page can make LMDB or a row's decoder raise almost anything: every exception is damage.
+_DAMAGE = Exception
 
 
 class Segments:
@@ -45,6 +47,22 @@ class Segments:
         if view is None:
             view = self._views[seg] = SegmentView(self._read(seg, "segs", "segment"))
         return view
+
+    def readable(self, seg: int) -> bool:
+        """Whether a segment's rows and state decode and agree: a take passes over the groups of one
+        that does not (TableState.passed_over), and serves the others."""
+        if seg in self._views and seg in self._states:
+            return True
+        try:
+            view, state = self.view(seg), self.state(seg)
+            if (state.groups, state.members) != (view.groups, view.members.count):
+                raise ValueError(f"its state is of {state.groups} groups and {state.members} members")
+        except _DAMAGE as exc:
+            self._views.pop(seg, None)
+            self._states.pop(seg, None)
+            self.tt.passed_over(seg, exc)
+            return False
+        return True
 
     def found(self, seg: int) -> SegState | None:
         """A segment's state, None where it is not there: one whose groups all retired is forgotten
@@ -137,6 +155,8 @@ def _indexed(tt: TableState, spec: TakeSpec, segments: Segments, rng: random.Ran
         for raw in candidates:
             entry = tt.txn.get(tt.prefix + raw, db=tt.db["gdir"])
             ref = None if entry is None else directory_entry(entry)
+            if isinstance(ref, GroupRef) and not segments.readable(ref.seg):
+                continue
             if not isinstance(ref, GroupRef) or segments.state(ref.seg).state(ref.group) != READY:
                 raise missing("ready group", raw.decode(errors="replace"))
             places.append(ref)
@@ -158,6 +178,8 @@ def _from_runs(tt: TableState, spec: TakeSpec, segments: Segments) -> tuple[Pick
     newest = spec.order == "lifo"
     with contextlib.closing(ready_runs(tt, newest)) as runs:
         for _, run in runs:
+            if not segments.readable(run.seg):
+                continue
             view, state = segments.view(run.seg), segments.state(run.seg)
             places = range(run.first, run.first + run.length)
             if newest:
