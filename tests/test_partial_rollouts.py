@@ -299,6 +299,22 @@ def test_a_sealed_group_drops_its_runs_in_pieces(tmp_path: Path) -> None:
         assert store.stats("t")["partials"] == 0 and store.get_partials("t", ["0/0"]) == (trxp.build([]), [])
 
 
+@pytest.mark.parametrize("storage", ["rows", "records"])
+def test_a_deleted_group_takes_its_runs_in_pieces(tmp_path: Path, storage: str) -> None:
+    """A pending group deleted (by its id, or with its last member) leaves the table, and its runs
+    in pieces with it: they stayed, counted against the capacity, with no group left to time out."""
+    with Store(tmp_path / "data", map_size=1 << 24) as store:
+        store.create_table(TableConfig.of("t", estimator="none", group_size=3, layout=storage))
+        for task in (0, 1):
+            first = trxp.from_experience(split(rollout(task=task, run=2), [4, 8])[0])
+            store.put("t", [trxp.from_experience(rollout(task=task, run=0)), first])
+        assert store.delete("t", group_ids=["0/0"]) == 1
+        assert store.delete("t", uids=["0/1/0/0/r"]) == 1
+        stats = store.stats("t")
+        assert (stats["partials"], stats["partial_bytes"], stats["groups_pending"]) == (0, 0, 0)
+        assert store.get_partials("t", ["0/0", "0/1"]) == (trxp.build([]), [])
+
+
 def test_rollouts_a_reply_cannot_hold_come_in_more_replies(start_server: Servers) -> None:
     server = start_server()
     target = f"127.0.0.1:{server.port}"

@@ -210,7 +210,8 @@ def prune_tombstones(tt: TableState, retired_before: float, limit: int = 10_000)
 def delete(tt: TableState, uids: Sequence[str], group_ids: Sequence[str]) -> int:
     """Experiences `uids` and the members of groups `group_ids` removed, tombstones included (their
     uids may be pushed again); a group goes with its last member (the extensions hear a live one leave
-    as DELETED); a rows table's as row_deletes.py has it. Returns how many were live."""
+    as DELETED), and its runs held in pieces with it; a rows table's as row_deletes.py has it. Returns
+    how many were live."""
     if tt.config.storage.layout == "rows":
         return row_deletes.delete(tt, uids, group_ids)
     targets = list(uids)
@@ -242,6 +243,7 @@ def delete(tt: TableState, uids: Sequence[str], group_ids: Sequence[str]) -> int
     if live:
         tt.extensions.on_retired(tt, Retired(live, DELETED))
     for gkey, grp in emptied:
+        pieces.drop_group(tt, gkey)  # its runs still in pieces leave with it
         leave_indexes(tt, gkey, grp)
         if grp.state in LIVE:
             tt.counters.add_groups(grp.state, -1)

@@ -30,7 +30,7 @@ from ..table_state.events import Retired
 from ..table_state.picks import Picked
 from ..table_state.state import TableState
 from ..table_state.views import RowGroup, RowMember, quarantined, row_members
-from . import row_moves, row_pending, row_select
+from . import pieces, row_moves, row_pending, row_select
 from .row_select import NO_LEASE, Segments
 from .segments import retired
 
@@ -136,11 +136,12 @@ def _read(tt: TableState, segments: Segments, gkey: str) -> _Touched | None:
 def _gone(tt: TableState, segments: Segments, groups: Sequence[_Touched]) -> None:
     """Groups left without members go: a complete one's directory entry, and a live one's run (its
     state byte retired, no lease's), its segment retired with its last live group; a pending one's
-    head, fragments and pending index row."""
+    head, fragments and pending index row; the runs any of them holds in pieces."""
     row_moves.unready(tt, [grp.picked for grp in groups if grp.picked is not None and grp.group.state == READY])
     ended: set[int] = set()
     for grp in groups:
         gkey, state = grp.group.key, grp.group.state
+        pieces.drop_group(tt, gkey)  # its runs still in pieces leave with it
         if state in LIVE:
             tt.counters.add_groups(state, -1)
         if grp.picked is not None and state in LIVE:
