@@ -33,7 +33,7 @@ from expbuf.proto.v1 import buffer_pb2_grpc as pb_grpc
 from expbuf.server.store import Store
 from expbuf.server.store.disk import chunked, layout
 from expbuf.server.store.disk.kinds import Entry, Push
-from expbuf.server.store.schema.errors import Conflict
+from expbuf.server.store.schema.errors import Conflict, GroupClosed
 from expbuf.server.store.schema.table_config import TableConfig
 
 from conftest import Servers
@@ -297,6 +297,8 @@ def test_a_sealed_group_drops_its_runs_in_pieces(tmp_path: Path) -> None:
         store.put("t", [trxp.from_experience(rollout(run=0)), first])
         assert store.seal("t", "0/0") == 1
         assert store.stats("t")["partials"] == 0 and store.get_partials("t", ["0/0"]) == (trxp.build([]), [])
+        with pytest.raises(GroupClosed, match="already complete"):  # not: the buffer holds 0 of its tokens
+            store.put("t", [trxp.from_experience(split(rollout(run=2), [4, 8])[1])])
 
 
 @pytest.mark.parametrize("storage", ["rows", "records"])

@@ -114,14 +114,14 @@ def take(tt: TableState, entries: Sequence[Entry], room: Callable[[int], None], 
         if head is not None and offset < held and (offset, piece.digest.hex(), piece.size) in head.pieces:
             taken.duplicates.append(entry.uid)
             continue
+        if tt.config.grouping.size:  # a group complete without it says so, not the tokens it does not hold
+            _open_group(tt, gkey)
         if offset != held:
             raise Conflict(
                 f"a piece of rollout {clip(entry.uid)} continues at token {offset}, but the buffer holds "
                 f"{held} of its tokens: each piece continues at the tokens held (get_partials() says how many)"
             )
         bounded(tt, entry.uid, (0 if head is None else piece_rows.size(head)) + piece.size, most)
-        if tt.config.grouping.size:
-            _open_group(tt, gkey)
         (item,) = parse(piece.blob, trusted=True)
         if more:
             room(piece.size)
