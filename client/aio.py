@@ -93,6 +93,7 @@ class AsyncBufferClient(ServerCalls, Awaiting, ClientBase):
         """Close the channels; calls in flight are cancelled."""
         await self._channel.close()
         await self._unretried_channel.close()
+        await self._chunks_channel.close()
 
     async def __aenter__(self) -> AsyncBufferClient:
         return self
@@ -107,7 +108,7 @@ class AsyncBufferClient(ServerCalls, Awaiting, ClientBase):
 
     async def _run(self, call: declare.Unary[R] | declare.Chunked[R]) -> R:
         """`call`'s result; made again after a pause where calls.Attempts says so."""
-        attempts = calls.Attempts(call, self.timeout)
+        attempts = calls.Attempts(call, self.timeout, self.retries)
         while True:
             try:
                 return await self._attempt(attempts.call)

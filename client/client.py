@@ -115,6 +115,7 @@ class BufferClient(ServerCalls, Blocking, ClientBase):
         """Close the channels; calls in flight are cancelled."""
         self._channel.close()
         self._unretried_channel.close()
+        self._chunks_channel.close()
 
     @functools.cached_property
     def _orders(self) -> calls.Orders:
@@ -129,7 +130,7 @@ class BufferClient(ServerCalls, Blocking, ClientBase):
 
     def _run(self, call: declare.Unary[R] | declare.Chunked[R]) -> R:
         """`call`'s result; made again after a pause where calls.Attempts says so."""
-        attempts = calls.Attempts(call, self.timeout)
+        attempts = calls.Attempts(call, self.timeout, self.retries)
         while True:
             try:
                 return self._attempt(attempts.call)

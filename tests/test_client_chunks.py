@@ -14,6 +14,7 @@ import grpc
 import pytest
 
 from expbuf.client import AsyncBufferClient, BufferClient, InvalidArgumentError, PushResult, trxp
+from expbuf.client.rpc.calls import push_calls
 from expbuf.client.rpc.connection import DEFAULT_PUSH_CHUNK_BYTES
 from expbuf.client.shards.blocking import AsyncShardedBufferClient, ShardedBufferClient
 from expbuf.proto.v1 import buffer_pb2_grpc as pb_grpc
@@ -109,6 +110,50 @@ def test_a_push_in_chunks_waits_for_a_server_that_starts_late(start_server: Serv
             assert len(client.push(large("retried")).stored) == 2
     finally:
         later.join()
+
+
+BIG_CHUNK = 1 << 18
+RESTARTED_CLIENTS = {
+    "blocking": run_sync(lambda target: BufferClient(target, wait_for_ready=True, push_chunk_bytes=BIG_CHUNK)),
+    "asyncio": run_async(lambda target: AsyncBufferClient(target, wait_for_ready=True, push_chunk_bytes=BIG_CHUNK)),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(RESTARTED_CLIENTS))
+def test_a_push_in_chunks_that_a_stop_cuts_goes_again_whole_to_the_restarted_server(
+    start_server: Servers, monkeypatch: pytest.MonkeyPatch, kind: str
+) -> None:
+    """A server that stops while a push in chunks is on its way ends it UNAVAILABLE, having stored
+    nothing of it; the client sends it again, from its first chunk, to the server restarted on the
+    port, which stores it once. The stop comes between two of its chunks (its chunks' iterator
+    stops the server there, once, and starts it again on a thread of its own), so that the client
+    has chunks still to send when the restarted server takes the push again: a replay of the
+    chunks sent that let one of the later ones go unsent would reach that server cut short
+    (INVALID_ARGUMENT, 'PushStream ended ... bytes into')."""
+    server = start_server()
+    port, made = server.port, push_calls.push_requests
+    items = [trxp.from_experience(make_experience(kind, 0, run, response=600_000)) for run in range(2)]
+    body = trxp.build(items)  # about 10.8 MB: 42 chunks of 256 KiB
+    restart = threading.Thread(target=start_server, kwargs={"port": port})
+
+    def chunks(*args: Any, **kwargs: Any) -> Iterator[bytes]:
+        for index, message in enumerate(made(*args, **kwargs)):
+            if index == 32 and restart.ident is None:
+                start_server.stop(server)
+                restart.start()
+            yield message
+
+    monkeypatch.setattr(push_calls, "push_requests", chunks)
+    try:
+        pushed: PushResult = RESTARTED_CLIENTS[kind](f"127.0.0.1:{port}", lambda client: client.push(body))
+    finally:
+        if restart.ident is not None:
+            restart.join()
+    assert restart.ident is not None
+    assert sorted(pushed.stored) == sorted(item.uid for item in items) and pushed.duplicates == []
+    with BufferClient(f"127.0.0.1:{port}") as client:
+        stats = client.stats("default")["default"]
+    assert (stats.pushed, stats.duplicates) == (2, 0)
 
 
 @pytest.fixture

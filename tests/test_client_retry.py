@@ -1,4 +1,5 @@
-"""Both clients retry by gRPC's own retry policy (the channel's service config, connection.py).
+"""Both clients retry by gRPC's own retry policy (the channel's service config, connection.py),
+and make a push in chunks again themselves, as the policy would (calls.Attempts).
 
 A gRPC proxy stands in front of a real server, as a load balancer does, and answers UNAVAILABLE
 to the calls a test tells it to, as such a proxy does while its server is away; it counts every
@@ -232,6 +233,20 @@ def test_the_attempts_of_a_call_are_bounded_by_the_clients_retries(front: Front,
     with pytest.raises(UnavailableError, match="the front's server is away"):
         call("blocking", front.target, "stats", "", retries=retries)
     assert front.attempts("Stats") == retries + 1
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("retries", [0, 2])
+def test_the_attempts_of_a_push_in_chunks_are_bounded_by_the_clients_retries(
+    front: Front, kind: str, retries: int
+) -> None:
+    """A push in chunks is made again by the client (gRPC's retries are off on its channel), as
+    the retry policy makes the other calls again: after UNAVAILABLE, up to `retries` times."""
+    body = trxp.build([trxp.from_experience(make_experience("bounded", 0, run, response=20_000)) for run in range(2)])
+    front.refuse("PushStream", 100, read=None)
+    with pytest.raises(UnavailableError, match="the front's server is away"):
+        call(kind, front.target, "push", body, retries=retries, push_chunk_bytes=1 << 16)
+    assert front.attempts("PushStream") == retries + 1
 
 
 def test_retries_beyond_grpcs_limit_are_its_limit_with_a_warning(front: Front) -> None:

@@ -4,8 +4,10 @@ A push is idempotent on the server (a retried payload is reported as duplicates)
 and reads are retried by gRPC's own retry policy (the channel's service config) while the
 server is UNAVAILABLE; every call has a deadline that covers all its attempts. gRPC has no
 switch for one call: a call of a method under the policy that must not be made twice (calls/)
-goes over a second channel without it. The blocking client (client.py) and the asyncio one
-(aio.py) differ only in how they wait.
+goes over a second channel without it. A push in chunks goes over a third, without gRPC's
+retries at all, and the client makes it again itself (calls.Attempts): gRPC's replay of a
+stream's messages can leave one of them unsent. The blocking client (client.py) and the asyncio
+one (aio.py) differ only in how they wait.
 """
 
 from __future__ import annotations
@@ -60,11 +62,13 @@ SERVICE = "expbuf.v1.ExperienceBuffer"
 # policy only when it is (a call of one whose `retry` is False, calls/, goes over the channel
 # without it). Not here: Sample (a trainer's stream that breaks raises its error, as it always has),
 # nor any call whose repetition would act twice (Ack, Nack, Admit, FinishGrant, Claim, Delete,
-# Seal, CreateTable, DropTable).
+# Seal, CreateTable, DropTable), nor PushStream: gRPC's retry filter replays a stream's messages
+# sent before its retry, and reports a message the caller sends meanwhile as sent when a replayed
+# one is (it tells them apart by kind only), so that message never goes: the server gets the push
+# cut short. A push in chunks is made again by the client, whole (calls.Attempts).
 RETRIED_METHODS = frozenset(
     {
         "Push",
-        "PushStream",
         "Retire",
         "Renew",
         "SetTrainerVersion",
@@ -105,8 +109,9 @@ RECONNECT = (
 )
 # gRPC keeps what a call sent until the call is answered, so that a retry can send it again;
 # past this many bytes it commits the call to its attempt, unretried. Its default (256 KiB)
-# would leave every larger push unretried: with the most it takes, a push of any size (whole,
-# or in chunks) is retried whole, and gRPC holds a copy of it until it is answered.
+# would leave every larger push unretried: with the most it takes, a push sent whole is retried
+# whatever its size, and gRPC holds a copy of it until it is answered (a push in chunks goes
+# over a channel without retries, where gRPC keeps none: ClientBase._chunks_channel).
 RETRY_BUFFER = (("grpc.per_rpc_retry_buffer_size", 2**31 - 1),)
 
 
@@ -336,6 +341,12 @@ class ClientBase:
         # connection; with TLS, each its own (it tells credentials apart by identity, and grpcio
         # makes them anew for each channel), opened on the first call that needs it.
         self._unretried_channel = self._open(target, credentials, service_config(0))
+        # A push in chunks, made again by the client itself (RETRIED_METHODS says why): gRPC's
+        # retries off, whose replay of a stream can leave a chunk unsent, and which would hold a
+        # copy of every chunk sent until the push is answered. Its options differ, so it has a
+        # connection of its own, opened on the first push in chunks.
+        self._chunks_channel = self._open(target, credentials, service_config(0), retries=False)
+        self._push_chunks = framed_method(self._chunks_channel, "PushStream")
         self._stub = pb_grpc.ExperienceBufferStub(self._channel)
         self._unretried = pb_grpc.ExperienceBufferStub(self._unretried_channel)
         self._sample = sample_method(self._channel)  # replies read with one copy of their payload
@@ -355,13 +366,15 @@ class ClientBase:
         channels, `changes` applied: a background thread's, with a deadline of its own."""
         return type(self)(**{**self._settings, **changes})
 
-    def _open(self, target: str, credentials: grpc.ChannelCredentials | None, config: str) -> Any:
+    def _open(self, target: str, credentials: grpc.ChannelCredentials | None, config: str, retries: bool = True) -> Any:
+        """A channel to `target` with `config` for its service config; without `retries`, one
+        without gRPC's retries, transparent ones included (its calls are made again by the client)."""
         options = [
             ("grpc.max_send_message_length", self.max_message_bytes),
             ("grpc.max_receive_message_length", self.max_message_bytes),
             *RECONNECT,
             *RETRY_BUFFER,
-            ("grpc.enable_retries", 1),
+            ("grpc.enable_retries", int(retries)),
             ("grpc.service_config_disable_resolution", 1),  # the policy is this one, never a DNS record's
             ("grpc.service_config", config),
         ]
@@ -396,14 +409,18 @@ class ClientBase:
     def _method(self, call: CallShape) -> tuple[Any, dict[str, Any]]:
         """The stub method that makes `call`, and its keywords. A call of a method under the retry
         policy that may not be retried (opening a writer, creating a dataset without exist_ok) goes
-        over the channel without the policy: gRPC has no switch for one call. Only a call that may
-        be retried waits for the server with wait_for_ready."""
+        over the channel without the policy: gRPC has no switch for one call. A push in chunks (the
+        one PushStream made here: a pusher's streams are push_stream's) goes over the channel
+        without gRPC's retries. Only a call that may be retried waits for the server with
+        wait_for_ready."""
         retried = call.retry or call.method not in RETRIED_METHODS
         keywords = {
             "timeout": call.timeout or self.timeout,
             "metadata": self._declaring(call.message_bytes),
             "wait_for_ready": call.retry and self.wait_for_ready,
         }
+        if call.method == "PushStream":
+            return self._push_chunks, keywords
         if call.method in PARTS_METHODS:  # its replies read as Sample's are (sample_reply.py)
             return self._parts_methods[call.method, retried], keywords
         if call.method in FRAMED_METHODS:  # its requests written by hand (frames.py)

@@ -1,5 +1,6 @@
 """How a client makes a call again: after a refusal that did nothing (the server's calls that wait
-were as many as it lets), or as the call an older server answers instead (`Attempts`); and the
+were as many as it lets), a push in chunks after UNAVAILABLE, or as the call an older server
+answers instead (`Attempts`); and the
 one reply of a call answered over a stream (`one_reply`). Both clients' runners use them
 (client.py, aio.py)."""
 
@@ -29,15 +30,22 @@ class Attempts(Generic[R]):
     for the rate limit (or, as a PutValues does, for max_inflight_bytes), is made as it was: it
     stored nothing, and is stored once however often it is sent. No attempt ends past the first
     one's deadline (the call's timeout, else the client's `timeout`); the refusal that comes when
-    none may start before it is the caller's."""
+    none may start before it is the caller's.
 
-    def __init__(self, call: Unary[R] | Chunked[R], timeout: float) -> None:
+    A push in chunks goes over a channel without gRPC's retries (connection.RETRIED_METHODS says
+    why), so it is made again here after UNAVAILABLE (the server stopped, or went away, while it
+    was on its way), whole from its first chunk, as the retry policy would: up to the client's
+    `retries` times, after its pauses. The server stores nothing of a push in chunks it did not
+    read to its end, and one it stored comes back as duplicates."""
+
+    def __init__(self, call: Unary[R] | Chunked[R], timeout: float, retries: int = 0) -> None:
         self.call = call
         start = time.monotonic()
         self._pushes = isinstance(call, Chunked) or call.method in ("Push", "PutValues")
         self._waits_until = start + _wait(call)
         self._deadline = start + (call.timeout or timeout)
         self._made = 0  # attempts made again
+        self._resends = retries if isinstance(call, Chunked) and call.retry else 0  # after UNAVAILABLE, left
 
     def after(self, error: ExpbufError) -> float | None:
         """The pause before the call is made again (`call` is then that attempt), or None when
@@ -47,11 +55,14 @@ class Attempts(Generic[R]):
             self.call = replace(call.fallback, timeout=call.timeout)
             return 0.0
         waits = _wait(call) > 0  # not once it is made without waiting
-        if not (error.busy and (waits or self._pushes)):
+        resend = error.code == grpc.StatusCode.UNAVAILABLE and self._resends > 0
+        if not (error.busy and (waits or self._pushes)) and not resend:
             return None
         now = time.monotonic()
         pause = BACKOFF.pause(self._made)
         self._made += 1
+        if resend:
+            self._resends -= 1
         if waits:
             pause = max(0.0, min(pause, self._waits_until - now))
         start = now + pause
