@@ -1,8 +1,7 @@
 """How a client makes a call again: after a refusal that did nothing (the server's calls that wait
 were as many as it lets), a push in chunks after UNAVAILABLE, or as the call an older server
-answers instead (`Attempts`); and the
-one reply of a call answered over a stream (`one_reply`). Both clients' runners use them
-(client.py, aio.py)."""
+answers instead (`Attempts`); and the one reply of a call answered over a stream (`one_reply`).
+Both clients' runners use them (client.py, aio.py)."""
 
 from __future__ import annotations
 
