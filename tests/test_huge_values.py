@@ -28,6 +28,7 @@ pytestmark = pytest.mark.client_timeout(20)
 
 # In this order: each leaves the groups ready for the next.
 DELIVERIES = {"replay": pb.DELIVERY_REPLAY, "lease": pb.DELIVERY_LEASE, "consume": pb.DELIVERY_CONSUME}
+WAIT = 0.2  # a sample's wait for its second group: a partial batch after it where one failed
 
 
 def group(task: int, rewards: list[float], batch: int = 1) -> bytes:
@@ -77,7 +78,9 @@ def test_a_group_an_estimator_cannot_compute_in_float32_fails_alone(
     with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
         stub = pb_grpc.ExperienceBufferStub(channel)
         for name, delivery in DELIVERIES.items():
-            request = pb.SampleRequest(table="t", num_groups=2, delivery=delivery, wait_seconds=1, allow_partial=True)
+            request = pb.SampleRequest(
+                table="t", num_groups=2, delivery=delivery, wait_seconds=WAIT, allow_partial=True
+            )
             request.lease_seconds = 60
             replies = list(stub.Sample(iter([request]), timeout=20))
             assert replies and all(trxp.decode_reply(r.payload) for r in replies), name
@@ -85,7 +88,7 @@ def test_a_group_an_estimator_cannot_compute_in_float32_fails_alone(
                 for reply in replies:
                     client.nack(reply.lease_id, table="t")
             if name == "replay":
-                for batch in client.sample("t", num_groups=2, delivery="replay", timeout=1, allow_partial=True):
+                for batch in client.sample("t", num_groups=2, delivery="replay", timeout=WAIT, allow_partial=True):
                     finite = [e.advantages is None or bool(e.advantages.isfinite().all()) for e in batch.experiences]
                     assert all(finite)
                     break
