@@ -264,8 +264,8 @@ def test_state_dict_says_where_the_data_is_and_a_checkpoint_acknowledges_its_ste
         assert set(state["_sampler"]) == {"lease_id"} and state["_sampler"]["lease_id"]
         rb.dumps(tmp_path / "rb")
         rb.sampler._keeper.close()  # the trainer dies right after its checkpoint
-        restored = ReplayBuffer(
-            storage=ExpbufStorage("127.0.0.1:1", "elsewhere"), sampler=ExpbufSampler(timeout=5), batch_size=2
+        restored = ReplayBuffer(  # a wait of 1 s: its last sample waits it out, a longer one shows nothing more
+            storage=ExpbufStorage("127.0.0.1:1", "elsewhere"), sampler=ExpbufSampler(timeout=1), batch_size=2
         )
         restored.loads(tmp_path / "rb")
         assert (restored.storage.target, restored.storage.table) == (target, "ckpt")
