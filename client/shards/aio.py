@@ -16,10 +16,10 @@ from ..rpc.api import ShardCalls
 from ..rpc.declare import AwaitingShards, Turns
 from ..rpc.sample_spec import SampleOptions, SampleSpec
 from .common import AsyncShardBatch, ShardBatch
-from .plans import Call, Emit, Plan, T
 from .poll import Wait
 from .pusher import AsyncShardedPusher
 from .routes import ShardPlans
+from .steps import Call, Emit, Plan, T
 
 
 class AsyncShardedBufferClient(ShardPlans, AwaitingShards, ShardCalls):

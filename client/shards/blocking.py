@@ -29,10 +29,10 @@ from ..rpc.sample_spec import SampleOptions, SampleSpec
 from ..schema.routing import ShardMap
 from .aio import AsyncShardedBufferClient
 from .common import LiveResult, ShardBatch, ShardError, allocate, dns_targets
-from .plans import Call, Emit, Plan, T
 from .poll import Wait
 from .pusher import ShardedPusher
 from .routes import ShardPlans
+from .steps import Call, Emit, Plan, T
 
 
 class ShardedBufferClient(ShardPlans, BlockingShards, ShardCalls):

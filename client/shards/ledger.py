@@ -28,8 +28,9 @@ from ..errors import BufferError
 from ..rpc.calls.ledger_calls import Outcomes, outcomes_by_dataset
 from ..schema.prompts import Claim, DatasetInfo, Prompt, PromptPage
 from .common import shard_error
-from .plans import Call, Plan, Planned, is_down
+from .plans import Planned
 from .poll import POLL_SECONDS, Wait
+from .steps import Call, Plan, is_down
 
 # A waiting claim asks again this often, in turn, so that a prompt freed on a shard the slice did
 # not ask goes out within a few slices.

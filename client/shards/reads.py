@@ -15,7 +15,8 @@ from ..rpc.calls.read_calls import PartOptions, ReadPartOptions, check_part, spl
 from ..schema.balance import COSTS, ModelShape, split_runs
 from ..schema.routing import uid_group_key
 from .common import shard_error
-from .plans import Call, Plan, Planned, T, is_down
+from .plans import Planned
+from .steps import Call, Plan, T, is_down
 
 
 class ReadPlans(Planned):

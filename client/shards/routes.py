@@ -6,9 +6,11 @@ from __future__ import annotations
 
 from .ledger import LedgerPlans
 from .reads import ReadPlans
+from .sampling import SamplePlans
 from .values import ValuePlans
 
 
-class ShardPlans(LedgerPlans, ReadPlans, ValuePlans):
+class ShardPlans(LedgerPlans, ReadPlans, SamplePlans, ValuePlans):
     """The plans of every call over shards: the tables, pushes, leases and admin (plans.py), the
-    reads (reads.py), the keyed values (values.py) and the prompt ledger (ledger.py)."""
+    sample (sampling.py), the reads (reads.py), the keyed values (values.py) and the prompt ledger
+    (ledger.py)."""

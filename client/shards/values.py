@@ -9,7 +9,8 @@ from collections.abc import Sequence
 
 from ..schema.routing import owners
 from .common import shard_error
-from .plans import Call, Plan, Planned
+from .plans import Planned
+from .steps import Call, Plan
 
 
 class ValuePlans(Planned):
