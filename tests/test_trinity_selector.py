@@ -7,8 +7,9 @@ each kill -9 are the ones a run without kills reads (skipped where trinity-rft i
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -132,34 +133,40 @@ def report(tasks: TasksetScheduler, indices: list[int], failed: set[int]) -> Non
     tasks.feedback(metrics)
 
 
-def test_a_step_across_epochs_and_a_task_without_experiences_leave_no_claim_behind(tmp_path: Path) -> None:
-    """Trinity's own pass_rate_calculator merges a step's tasks by index (a step that crosses an
-    epoch holds an index twice); a task whose runs all failed gives no feedback. Each step's
-    feedback trains the prompts it names and releases the one it does not: nothing stays claimed,
-    and the released prompt goes out again on top of the next step, so the run's steps train all."""
-    source = rows(tmp_path, rows=6)
+@contextlib.contextmanager
+def served(tmp_path: Path, source: Path, **settings: object) -> Iterator[tuple[str, TasksetScheduler]]:
+    """A server of table `grpo`, and Trinity's scheduler of `source` on it (`scheduler`'s
+    settings); the server killed at the end."""
     with servers() as start:
         server = start(str(tmp_path / "data"))
         try:
             with BufferClient(server.target) as admin:
                 admin.create_table("grpo", group_size=0, estimator="none")
-            tasks = scheduler(server.target, source, {}, epochs=2)
-            read, lost = [], -1
-            for step in range(3):  # 12 tasks: 2 epochs of 6 rows, 4 a step
-                indices = [task.index["index"] for task in asyncio.run(tasks.read())]
-                read.append(indices)
-                once = [i for i in indices if indices.count(i) == 1]
-                failed = once[0] if step == 1 else None  # every run of one task failed: no experience
-                lost = failed if failed is not None else lost
-                report(tasks, indices, {failed} if failed is not None else set())
-            with pytest.raises(StopAsyncIteration):
-                asyncio.run(tasks.read())  # the scheduler's 3 steps are done
-            with BufferClient(server.target) as admin:
-                info = admin.ledger("grpo", "math")
-                listed = admin.list_prompts("grpo", "math", limit=100).prompts
+            yield server.target, scheduler(server.target, source, {}, **settings)
         finally:
             server.proc.kill()
             server.proc.wait(30)
+
+
+def test_a_step_across_epochs_and_a_task_without_experiences_leave_no_claim_behind(tmp_path: Path) -> None:
+    """Trinity's own pass_rate_calculator merges a step's tasks by index (a step that crosses an
+    epoch holds an index twice); a task whose runs all failed gives no feedback. Each step's
+    feedback trains the prompts it names and releases the one it does not: nothing stays claimed,
+    and the released prompt goes out again on top of the next step, so the run's steps train all."""
+    with served(tmp_path, rows(tmp_path, rows=6), epochs=2) as (target, tasks):
+        read, lost = [], -1
+        for step in range(3):  # 12 tasks: 2 epochs of 6 rows, 4 a step
+            indices = [task.index["index"] for task in asyncio.run(tasks.read())]
+            read.append(indices)
+            once = [i for i in indices if indices.count(i) == 1]
+            failed = once[0] if step == 1 else None  # every run of one task failed: no experience
+            lost = failed if failed is not None else lost
+            report(tasks, indices, {failed} if failed is not None else set())
+        with pytest.raises(StopAsyncIteration):
+            asyncio.run(tasks.read())  # the scheduler's 3 steps are done
+        with BufferClient(target) as admin:
+            info = admin.ledger("grpo", "math")
+            listed = admin.list_prompts("grpo", "math", limit=100).prompts
     assert info.done and info.total("claimed") == 0 and info.total("trained") == 12
     (again,) = [p for p in listed if p.attempt == 1]  # released: it went out again, first in the next step
     assert again.state == "trained" and again.index == lost and read[2][0] == lost and len(read[2]) == BATCH + 1
@@ -172,26 +179,17 @@ def test_a_prompt_released_goes_out_again_before_the_run_ends_or_is_named_at_its
     its next read, the last steps' after its last read, as its explorer does. A prompt released by
     a step's feedback goes out again on top of a later step, and every other prompt still goes out
     in the steps left; one released after the last read cannot, and the end names it."""
-    source = rows(tmp_path, rows=12)
-    with servers() as start:
-        server = start(str(tmp_path / "data"))
-        try:
-            with BufferClient(server.target) as admin:
-                admin.create_table("grpo", group_size=0, estimator="none")
-            tasks = scheduler(server.target, source, {}, epochs=1)
-            read = [[task.index["index"] for task in asyncio.run(tasks.read())] for _ in range(2)]
-            report(tasks, read[0], {read[0][0]})  # every run of its first task failed
-            read.append([task.index["index"] for task in asyncio.run(tasks.read())])
-            report(tasks, read[1], {read[1][0]})
-            with pytest.raises(StopAsyncIteration):
-                asyncio.run(tasks.read())  # the scheduler's 3 steps are done
-            with caplog.at_level(logging.WARNING, logger="expbuf.client.trinity.selector"):
-                report(tasks, read[2], set())  # the last step's feedback: the explorer finishes its steps
-            with BufferClient(server.target) as admin:
-                info = admin.ledger("grpo", "math")
-        finally:
-            server.proc.kill()
-            server.proc.wait(30)
+    with served(tmp_path, rows(tmp_path, rows=12), epochs=1) as (target, tasks):
+        read = [[task.index["index"] for task in asyncio.run(tasks.read())] for _ in range(2)]
+        report(tasks, read[0], {read[0][0]})  # every run of its first task failed
+        read.append([task.index["index"] for task in asyncio.run(tasks.read())])
+        report(tasks, read[1], {read[1][0]})
+        with pytest.raises(StopAsyncIteration):
+            asyncio.run(tasks.read())  # the scheduler's 3 steps are done
+        with caplog.at_level(logging.WARNING, logger="expbuf.client.trinity.selector"):
+            report(tasks, read[2], set())  # the last step's feedback: the explorer finishes its steps
+        with BufferClient(target) as admin:
+            info = admin.ledger("grpo", "math")
     assert read[2][0] == read[0][0] and len(read[2]) == BATCH + 1  # released, out again on top of a step
     assert sorted(i for step in read for i in step) == sorted([*range(12), read[0][0]])  # every prompt went out
     assert (info.total("trained"), info.total("pending"), info.total("claimed")) == (11, 1, 0)
@@ -199,16 +197,7 @@ def test_a_prompt_released_goes_out_again_before_the_run_ends_or_is_named_at_its
 
 
 def test_a_max_in_flight_the_explorers_unreported_steps_fill_is_refused_by_name(tmp_path: Path) -> None:
-    source = rows(tmp_path, rows=SIZE)
-    with servers() as start:
-        server = start(str(tmp_path / "data"))
-        try:
-            with BufferClient(server.target) as admin:
-                admin.create_table("grpo", group_size=0, estimator="none")
-            tasks = scheduler(server.target, source, {}, max_in_flight=BATCH)
-            assert len(asyncio.run(tasks.read())) == BATCH
-            with pytest.raises(ValueError, match=r"max_in_flight=4 and this explorer holds all 4 of its claims"):
-                asyncio.run(tasks.read())  # its feedback comes only after this read: it would wait for ever
-        finally:
-            server.proc.kill()
-            server.proc.wait(30)
+    with served(tmp_path, rows(tmp_path, rows=SIZE), max_in_flight=BATCH) as (_, tasks):
+        assert len(asyncio.run(tasks.read())) == BATCH
+        with pytest.raises(ValueError, match=r"max_in_flight=4 and this explorer holds all 4 of its claims"):
+            asyncio.run(tasks.read())  # its feedback comes only after this read: it would wait for ever
