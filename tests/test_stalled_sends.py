@@ -358,12 +358,16 @@ def test_a_reply_waiting_in_grpcs_send_lets_its_read_snapshot_go_long_before_the
         buffer_client(server) as client,
     ):
         stub = pb_grpc.ExperienceBufferStub(channel)
+        # Each Sample call's messages in a queue of its own: a call that ends before gRPC has read
+        # its end (None) from its queue leaves it there, which would end the next call at once.
         requests: queue.SimpleQueue[pb.SampleRequest | None] = queue.SimpleQueue()
 
         def open_call() -> Any:
+            nonlocal requests
             if method == "ReadFields":
                 read = pb.ReadFieldsRequest(table="t", uids=uids, fields=fields, max_reply_bytes=LIMIT)
                 return stub.ReadFields(read)
+            requests = queue.SimpleQueue()
             requests.put(first_request)
             return stub.Sample(iter(requests.get, None))
 
