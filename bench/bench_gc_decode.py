@@ -1,22 +1,34 @@
-"""What the garbage collector costs a trainer's decode, and what `gc.freeze()` gives back (issue 32).
+"""What the garbage collector costs a trainer's decode, and what `gc.freeze()` gives back (issues 32, 64).
 
-    .venv/bin/python bench/bench_gc_decode.py [--rounds 5] [--batches 60] [--out bench/RESULTS.md]
+    .venv/bin/python bench/bench_gc_decode.py [--rounds 5] [--batches 60] [--stream-pushes 64]
+        [--out bench/RESULTS.md]
 
 One sampled reply of 256 x 8 KB experiences (bench_reverb's shape, built in this process: no
 server, the decode alone) is decoded `--batches` times with every experience's tensors read, as
 `Batch.experiences` does for a trainer, in this process's CPU time per experience:
 - with the collector as it runs by default, in a process holding torch and the bench's pushes
-  (about 280 k tracked objects, fewer than a trainer with its model and framework loaded);
+  (about 280 k tracked objects, fewer than a trainer with its model and framework loaded): the
+  decode holds the collector's passes off while it runs (client/trxp/codec/gc_pause.py);
+- the same decode without that pause (its parse and its experiences made as `decode_reply`
+  makes them), the decode as it was before it;
 - the same after `gc.freeze()` (what the process holds is left out of every collection);
 - the same with the collector off (the floor).
 The time each generation's collections took is read from `gc.callbacks` in the default run.
-Medians of the rounds, the three in alternating order within each round.
+Medians of the rounds, the four in alternating order within each round.
+
+Then a trainer's consume stream end to end: a real `expbuf serve` filled with `--stream-pushes`
+pushes of 256 x 8 KB experiences, drained by one consume stream of batches of 256 read as
+`Batch.experiences` (prefetch 1, the client's default), with the decode's pause and without it,
+alternating round by round; this process's CPU per experience and the drain's rate.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
+import itertools
+import resource
 import statistics
 import sys
 import time
@@ -28,11 +40,16 @@ warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from bench_reverb import make_pushes, uptime  # noqa: E402
+from bench_reverb import make_pushes, restamp, uptime  # noqa: E402
+from bench_service import drain, serving  # noqa: E402
 from results import write_section  # noqa: E402
 
-from expbuf.client import trxp  # noqa: E402
+from expbuf.client import BufferClient, trxp  # noqa: E402
+from expbuf.client.trxp.codec import convert  # noqa: E402
+from expbuf.client.trxp.codec.checks import Shape  # noqa: E402
+from expbuf.client.trxp.codec.common import UNBOUNDED, Work  # noqa: E402
 from expbuf.client.trxp.codec.convert import decode_reply  # noqa: E402
+from expbuf.client.trxp.codec.parse import parse  # noqa: E402
 
 HEADING = "## A trainer's garbage collector and the decode (issue 32)"
 
@@ -51,12 +68,20 @@ class Collections:
             self.spent[info["generation"]] += time.perf_counter() - self._start
 
 
-def decode_us(payload: bytes, batches: int) -> float:
+def unpaused(payload: bytes) -> list:
+    """`decode_reply` without its pause of the collector."""
+    view = memoryview(payload)
+    work = Work.for_payload(len(view))
+    shape = Shape(work, UNBOUNDED, check_keys=False, containers_of=convert._WALKED)
+    return convert._experiences(parse(view, work=work, shape=shape), view)
+
+
+def decode_us(payload: bytes, batches: int, decode: Callable[[bytes], list] = decode_reply) -> float:
     """CPU µs per experience of decoding `payload` `batches` times, each experience's tensors read."""
     start = time.process_time()
     count = 0
     for _ in range(batches):
-        for exp in decode_reply(payload):
+        for exp in decode(payload):
             count += exp.tokens.numel() > 0
     return (time.process_time() - start) / count * 1e6
 
@@ -77,10 +102,43 @@ def collector_off(run: Callable[[], float]) -> float:
         gc.enable()
 
 
+def stream(pushes: list, rounds: int) -> dict[str, tuple[float, float]]:
+    """Client CPU µs per experience and experiences a second of a decoded consume stream, with
+    the decode's pause of the collector and without it (medians of the rounds, alternating)."""
+    serial = itertools.count()
+    results: dict[str, list[tuple[float, float]]] = {"paused": [], "unpaused": []}
+    with serving() as server, BufferClient(server.target, timeout=120) as client:
+        client.create_table("stream", group_by="none", estimator="none")
+        for r in range(2 * rounds + 1):  # the first drain warms up (torch's import, the connection)
+            name = ("paused", "unpaused")[r % 2]
+            restamp(pushes, serial)
+            for exps in pushes:
+                client.push(trxp.encode(exps), table="stream")
+            kept = convert.collector_paused
+            if name == "unpaused":
+                convert.collector_paused = contextlib.nullcontext
+            try:
+                usage = resource.getrusage(resource.RUSAGE_SELF)
+                start = time.perf_counter()
+                got = drain(client, "stream", len(pushes))
+                seconds = time.perf_counter() - start
+                after = resource.getrusage(resource.RUSAGE_SELF)
+            finally:
+                convert.collector_paused = kept
+            cpu = after.ru_utime - usage.ru_utime + after.ru_stime - usage.ru_stime
+            if r:
+                results[name].append((cpu / got * 1e6, got / seconds))
+    return {
+        name: (statistics.median(c for c, _ in runs), statistics.median(rate for _, rate in runs))
+        for name, runs in results.items()
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--batches", type=int, default=60)
+    parser.add_argument("--stream-pushes", type=int, default=64, help="pushes of 256 a drain, at most 64 (0: none)")
     parser.add_argument("--out", default=str(HERE / "RESULTS.md"))
     args = parser.parse_args()
     command = ("python bench/bench_gc_decode.py " + " ".join(sys.argv[1:])).strip()
@@ -94,22 +152,30 @@ def main() -> None:
 
     kinds: dict[str, Callable[[], float]] = {
         "default": run,
+        "unpaused": lambda: decode_us(payload, args.batches, unpaused),
         "frozen": lambda: frozen(run),
         "off": lambda: collector_off(run),
     }
     results: dict[str, list[float]] = {name: [] for name in kinds}
-    watch = Collections()
+    watches = {name: Collections() for name in kinds}
     for r in range(args.rounds):
-        for name in list(kinds)[r % 3 :] + list(kinds)[: r % 3]:
-            if name == "default":
-                gc.callbacks.append(watch)
+        for name in list(kinds)[r % len(kinds) :] + list(kinds)[: r % len(kinds)]:
+            watch = watches[name]
+            gc.callbacks.append(watch)
             try:
                 results[name].append(kinds[name]())
             finally:
-                if name == "default":
-                    gc.callbacks.remove(watch)
+                gc.callbacks.remove(watch)
     med = {name: statistics.median(values) for name, values in results.items()}
-    per_exp = [s / (args.rounds * args.batches * 256) * 1e6 for s in watch.spent]
+    streamed = stream(held[: min(args.stream_pushes, 64)], args.rounds) if args.stream_pushes else {}
+    per_exp = {
+        name: ", ".join(
+            f"{generation} {s / (args.rounds * args.batches * 256) * 1e6:.1f}"
+            for generation, s in zip(("young", "middle", "full"), watch.spent, strict=True)
+        )
+        for name, watch in watches.items()
+        if name in ("default", "unpaused")
+    }
     section = "\n".join(
         [
             HEADING,
@@ -122,18 +188,38 @@ def main() -> None:
             "",
             "| collector | decode, µs per experience | against the default |",
             "| --- | ---: | ---: |",
-            f"| on, as by default | {med['default']:.1f} | 1.00 |",
+            f"| on, as by default (the decode holds its passes off) | {med['default']:.1f} | 1.00 |",
+            f"| on, the decode without that pause (as before it) | {med['unpaused']:.1f} "
+            f"| {med['unpaused'] / med['default']:.2f} |",
             f"| on, after `gc.freeze()` | {med['frozen']:.1f} | {med['frozen'] / med['default']:.2f} |",
             f"| off (the floor) | {med['off']:.1f} | {med['off'] / med['default']:.2f} |",
             "",
-            "Collections during the default runs, µs per experience decoded, by generation: "
-            f"young {per_exp[0]:.1f}, middle {per_exp[1]:.1f}, full {per_exp[2]:.1f}. A decoded batch's "
+            "Collections, µs per experience decoded, by generation: by default "
+            f"{per_exp['default']}; without the pause {per_exp['unpaused']}. Without it, a decoded batch's "
             "objects live through the young collections its own decode brings on, so they reach the oldest "
             "generation, and every few batches that triggers a full collection, which walks everything the "
-            "process holds.",
+            "process holds; with it, the decode's passing objects are gone before any pass runs.",
             "",
         ]
     )
+    if streamed:
+        held_off, ran = streamed["paused"], streamed["unpaused"]
+        section += "\n".join(
+            [
+                "",
+                f"A consume stream of {args.stream_pushes * 256:,} experiences of 8 KB from a real `expbuf serve`, "
+                "batches of 256 read as `Batch.experiences` (prefetch 1), the decode's pause and none in "
+                f"alternating rounds; medians of {args.rounds} rounds each:",
+                "",
+                "| decode | client CPU µs per experience | experiences a second |",
+                "| --- | ---: | ---: |",
+                f"| with the pause | {held_off[0]:.1f} | {held_off[1]:,.0f} |",
+                f"| without it | {ran[0]:.1f} | {ran[1]:,.0f} |",
+                f"| without / with | **{ran[0] / held_off[0]:.2f}** "
+                f"| **{held_off[1] / ran[1]:.2f}** (with / without) |",
+                "",
+            ]
+        )
     print(section)
     write_section(Path(args.out), HEADING, section)
 

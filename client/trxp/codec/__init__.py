@@ -4,7 +4,8 @@ pickles.py (the metadata pickle's scan), unpickler.py, checks.py (validation), b
 as Trinity-RFT writes it, an item as the store keeps it), stream.py (a payload read as it
 arrives), convert.py (Experience objects and torch tensors), advantages.py (advantages of one
 value per experience as tensors, on either side of a sample), segments.py (per-token policy
-versions) and partial.py (rollouts pushed in pieces). No protobuf; torch only in convert.py,
+versions), partial.py (rollouts pushed in pieces) and gc_pause.py (the garbage collector held off
+while a batch decodes). No protobuf; torch only in convert.py,
 only when tensors are made.
 """
 

@@ -17,6 +17,7 @@ from ...schema.experience import EID, META_FIELDS, TENSOR_FIELDS, Experience
 from .build import build
 from .checks import EID_KEYS, Shape, check_meta, check_tensors, show
 from .common import ITEMSIZE, MM_PREFIX, UNBOUNDED, RawItem, RawTensor, TrxpError, Work
+from .gc_pause import collector_paused
 from .parse import parse
 
 # For a batch the server sent: only the nesting of the non-empty containers among the fields
@@ -37,10 +38,11 @@ def decode(payload: bytes | bytearray | memoryview) -> list[Experience]:
     caller's bytes. A writable buffer (a bytearray, or a memoryview of one) is handed over
     as it is: its tensors are views of it where their bytes are aligned to their element
     size (copies where not), so writing to it changes them. A view keeps its whole buffer
-    alive.
+    alive. The garbage collector's passes wait until it returns (gc_pause.py).
     """
     view = memoryview(payload)
-    return _experiences(parse(view), view)
+    with collector_paused():
+        return _experiences(parse(view), view)
 
 
 def decode_reply(payload: bytes | bytearray | memoryview) -> list[Experience]:
@@ -49,12 +51,14 @@ def decode_reply(payload: bytes | bytearray | memoryview) -> list[Experience]:
     unpickler, each item's eid, fields, tensors and lengths. What it leaves out is the
     store's own bound, the size of each item's metadata written out in full: the server
     measured that when the item was pushed, and a reader never writes it out. A malformed
-    reply is refused with a TrxpError that names the problem, as a malformed push is."""
+    reply is refused with a TrxpError that names the problem, as a malformed push is. The
+    garbage collector's passes wait until it returns (gc_pause.py)."""
     view = memoryview(payload)
     work = Work.for_payload(len(view))
-    return _experiences(
-        parse(view, work=work, shape=Shape(work, UNBOUNDED, check_keys=False, containers_of=_WALKED)), view
-    )
+    with collector_paused():
+        return _experiences(
+            parse(view, work=work, shape=Shape(work, UNBOUNDED, check_keys=False, containers_of=_WALKED)), view
+        )
 
 
 def _experiences(items: list[RawItem], view: memoryview) -> list[Experience]:

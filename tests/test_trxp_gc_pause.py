@@ -1,0 +1,108 @@
+"""A batch decoded without the garbage collector's passes (client/trxp/codec/gc_pause.py): none
+runs while a batch decodes, whatever it allocates; the collector is left as the caller had it
+(running, or disabled by the caller), after a refused payload too; nested and concurrent decodes
+hold it off until the last one ends."""
+
+from __future__ import annotations
+
+import gc
+import threading
+from collections.abc import Iterator
+
+import pytest
+
+from expbuf.client import TrxpError, trxp
+from expbuf.client.trxp.codec.gc_pause import collector_paused
+
+from helpers import make_experience
+
+ITEMS = 512  # a dozen tracked objects an item: many times the threshold set below
+
+
+@pytest.fixture
+def collections() -> Iterator[list[int]]:
+    """The generation of each collection that starts while the test runs, with the collector
+    running and its first threshold low (so a decode that let it run would bring on several)."""
+    started: list[int] = []
+
+    def seen(phase: str, info: dict) -> None:
+        if phase == "start":
+            started.append(info["generation"])
+
+    thresholds, enabled = gc.get_threshold(), gc.isenabled()
+    gc.set_threshold(100, 10, 10)
+    gc.enable()
+    gc.callbacks.append(seen)
+    try:
+        yield started
+    finally:
+        gc.callbacks.remove(seen)
+        gc.set_threshold(*thresholds)
+        (gc.enable if enabled else gc.disable)()
+
+
+@pytest.fixture(scope="module")
+def reply() -> bytes:
+    """A batch as a sample's reply carries it: the stored items spliced."""
+    items = trxp.parse(trxp.encode([make_experience(0, task, 0) for task in range(ITEMS)]))
+    return trxp.join([trxp.pack_item(item) for item in items])
+
+
+def test_no_collection_runs_while_a_batch_decodes(collections: list[int], reply: bytes) -> None:
+    """A decode's thousands of tracked objects would bring on dozens of passes at this threshold;
+    at most one runs, the one due when the collector runs again (at the decode's last allocation,
+    or the caller's next)."""
+    made = trxp.decode_reply(reply)
+    during = len(collections)  # read without allocating a tracked object, which could start a pass
+    assert len(made) == ITEMS
+    assert during <= 1
+    assert gc.isenabled()
+    before = len(collections)
+    trxp.decode(reply)
+    during = len(collections) - before
+    assert during <= 1
+    assert gc.isenabled()
+    before = len(collections)
+    objects = [[] for _ in range(1000)]  # the collector runs again: tracked allocations bring on passes
+    assert len(collections) > before and objects
+
+
+def test_a_collector_the_caller_disabled_stays_disabled(collections: list[int], reply: bytes) -> None:
+    gc.disable()
+    trxp.decode_reply(reply)
+    assert not gc.isenabled()
+    with collector_paused():
+        assert not gc.isenabled()
+    assert not gc.isenabled()
+
+
+def test_a_refused_payload_leaves_the_collector_running(collections: list[int], reply: bytes) -> None:
+    damaged = bytearray(reply)
+    damaged[:4] = b"XXXX"
+    with pytest.raises(TrxpError, match="magic"):
+        trxp.decode_reply(bytes(damaged))
+    assert gc.isenabled()
+
+
+def test_nested_and_concurrent_decodes_hold_it_off_until_the_last_ends(collections: list[int]) -> None:
+    inside, leave = threading.Event(), threading.Event()
+
+    def other_decode() -> None:
+        with collector_paused():
+            inside.set()
+            leave.wait(30)
+
+    thread = threading.Thread(target=other_decode)
+    with collector_paused():
+        with collector_paused():
+            assert not gc.isenabled()
+        assert not gc.isenabled()  # the outer one still runs
+        thread.start()
+        assert inside.wait(30)
+    assert not gc.isenabled()  # the other thread's decode still runs
+    before = len(collections)
+    objects = [[] for _ in range(1000)]
+    assert len(collections) == before and objects
+    leave.set()
+    thread.join(30)
+    assert gc.isenabled()
