@@ -86,6 +86,22 @@ def decode_us(payload: bytes, batches: int, decode: Callable[[bytes], list] = de
     return (time.process_time() - start) / count * 1e6
 
 
+def trinity_decode() -> Callable[[bytes], list] | None:
+    """Trinity-RFT's `Experience.deserialize_many`, which expbuf's Trinity reader decodes with, if
+    trinity-rft is installed."""
+    try:
+        from trinity.common.experience import Experience
+    except ImportError:
+        return None
+    return Experience.deserialize_many
+
+
+def paused(decode: Callable[[bytes], list], payload: bytes) -> list:
+    """`decode` of `payload` under the pause the Trinity reader holds its decode in."""
+    with convert.collector_paused():
+        return decode(payload)
+
+
 def frozen(run: Callable[[], float]) -> float:
     gc.freeze()
     try:
@@ -156,6 +172,10 @@ def main() -> None:
         "frozen": lambda: frozen(run),
         "off": lambda: collector_off(run),
     }
+    trinity = trinity_decode()
+    if trinity is not None:  # the Trinity reader's decode, Trinity-RFT's own, with its pause and without
+        kinds["trinity"] = lambda: decode_us(payload, args.batches, lambda p: paused(trinity, p))
+        kinds["trinity unpaused"] = lambda: decode_us(payload, args.batches, trinity)
     results: dict[str, list[float]] = {name: [] for name in kinds}
     watches = {name: Collections() for name in kinds}
     for r in range(args.rounds):
@@ -193,6 +213,16 @@ def main() -> None:
             f"| {med['unpaused'] / med['default']:.2f} |",
             f"| on, after `gc.freeze()` | {med['frozen']:.1f} | {med['frozen'] / med['default']:.2f} |",
             f"| off (the floor) | {med['off']:.1f} | {med['off'] / med['default']:.2f} |",
+            *(
+                [
+                    f"| Trinity-RFT's `Experience.deserialize_many` (the Trinity reader's decode), paused | "
+                    f"{med['trinity']:.1f} | {med['trinity'] / med['default']:.2f} |",
+                    f"| Trinity-RFT's `Experience.deserialize_many`, without the pause | "
+                    f"{med['trinity unpaused']:.1f} | {med['trinity unpaused'] / med['default']:.2f} |",
+                ]
+                if "trinity" in med
+                else []
+            ),
             "",
             "Collections, µs per experience decoded, by generation: by default "
             f"{per_exp['default']}; without the pause {per_exp['unpaused']}. Without it, a decoded batch's "

@@ -233,6 +233,39 @@ def test_reader_restarts_from_its_state_dict(start_server: Servers) -> None:
     assert restarted.state_dict()["current_index"] == 12
 
 
+def test_reader_decodes_a_batch_without_the_collectors_passes(start_server: Servers) -> None:
+    """Trinity's decode of a batch (Experience.deserialize_many) makes and drops a dozen objects an
+    experience: the reader holds the collector's passes off while it runs (gc_pause.py), so none
+    starts inside it, where at this threshold dozens would."""
+    server = start_server()
+    with BufferClient(f"127.0.0.1:{server.port}") as admin:
+        admin.create_table(TABLE, group_size=4, estimator="grpo")
+        admin.push(
+            Experience.serialize_many([exp for task in range(128) for exp in group(task, [0.0, 1.0, 2.0, 3.0])]), TABLE
+        )
+    reader = trinity.buffer.get_buffer_reader(buffer_config(server.port, batch_size=512))
+    inside: list[bool] = []
+
+    def seen(phase: str, info: dict) -> None:
+        if phase == "start":  # a pass runs on the thread whose allocation brought it on
+            frame, decoding = sys._getframe(1), False
+            while frame is not None and not decoding:
+                decoding = frame.f_code.co_name == "deserialize_many"
+                frame = frame.f_back
+            inside.append(decoding)
+
+    thresholds = gc.get_threshold()
+    gc.set_threshold(100, 10, 10)
+    gc.callbacks.append(seen)
+    try:
+        read = asyncio.run(reader.read())
+    finally:
+        gc.callbacks.remove(seen)
+        gc.set_threshold(*thresholds)
+    assert len(read) == 512 and gc.isenabled()
+    assert inside and not any(inside)  # passes ran (the threshold is low), none inside the decode
+
+
 def until(condition: Callable[[], bool], seconds: float = 60.0) -> bool:
     """Whether `condition` holds within `seconds` (a bound for a broken run, not a timing)."""
     deadline = time.monotonic() + seconds

@@ -23,6 +23,7 @@ from expbuf.client.client import Batch, BufferError
 from expbuf.client.kit.batches import take_one
 from expbuf.client.kit.lease_keeper import RENEWALS_PER_LEASE, LeaseKeeper
 from expbuf.client.kit.location import connect, parse
+from expbuf.client.trxp.codec.gc_pause import collector_paused
 
 from . import settings
 
@@ -143,7 +144,8 @@ class ExpbufReader(BufferReader):
             raise StopAsyncIteration(f"expbuf table '{self.location.table}': its writers are done and it is empty")
         experiences = []
         for batch in batches:
-            read = Experience.deserialize_many(batch.payload)
+            with collector_paused():  # Trinity's decode makes and drops objects as expbuf's does
+                read = Experience.deserialize_many(batch.payload)
             if self._replay is not None:
                 _count_uses(read, batch.times_sampled)
             experiences += read
