@@ -1,11 +1,12 @@
 """A batch decoded without the garbage collector's passes (client/trxp/codec/gc_pause.py): none
 runs while a batch decodes, whatever it allocates; the collector is left as the caller had it
 (running, or disabled by the caller), after a refused payload too; nested and concurrent decodes
-hold it off until the last one ends."""
+hold it off until the last one ends; a process forked during a decode runs its collector."""
 
 from __future__ import annotations
 
 import gc
+import os
 import threading
 from collections.abc import Iterator
 
@@ -103,6 +104,41 @@ def test_nested_and_concurrent_decodes_hold_it_off_until_the_last_ends(collectio
     before = len(collections)
     objects = [[] for _ in range(1000)]
     assert len(collections) == before and objects
+    leave.set()
+    thread.join(30)
+    assert gc.isenabled()
+
+
+def test_a_process_forked_during_a_decode_runs_its_collector(collections: list[int]) -> None:
+    """A decode on another thread when a process forks (a DataLoader's workers) is not copied into
+    the child: its collector must not stay held off for good, nor its next decode wait on a lock
+    the decoding thread held."""
+    inside, leave = threading.Event(), threading.Event()
+
+    def decoding() -> None:
+        with collector_paused():
+            inside.set()
+            leave.wait(30)
+
+    thread = threading.Thread(target=decoding)
+    thread.start()
+    assert inside.wait(30) and not gc.isenabled()
+    read, write = os.pipe()
+    child = os.fork()
+    if child == 0:  # the child: report, then leave without running the parent's handlers
+        try:
+            running = gc.isenabled()
+            with collector_paused():
+                held = not gc.isenabled()
+            os.write(write, b"%d%d%d" % (running, held, gc.isenabled()))
+        finally:
+            os._exit(0)
+    os.close(write)
+    with os.fdopen(read, "rb") as pipe:
+        reported = pipe.read()
+    os.waitpid(child, 0)
+    assert reported == b"111"  # running after the fork, held off by its own decode, running again
+    assert not gc.isenabled()  # the parent's decode still runs
     leave.set()
     thread.join(30)
     assert gc.isenabled()

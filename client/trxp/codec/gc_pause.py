@@ -11,13 +11,16 @@ sees them; the passes due meanwhile run at the next allocation after, on what is
 
 Process-wide, as the collector is: nested and concurrent decodes hold it off together, and the
 last to end lets it run again, only where it was running when the first began. A `gc.disable()`
-made by another thread while a decode runs is undone when the decode ends.
+made by another thread while a decode runs is undone when the decode ends. A process forked while
+a decode runs on another thread (a DataLoader's workers, say) has no such decode: its collector
+runs there as it ran before the decode began.
 """
 
 from __future__ import annotations
 
 import contextlib
 import gc
+import os
 import threading
 from collections.abc import Iterator
 
@@ -42,3 +45,17 @@ def collector_paused() -> Iterator[None]:
             _holding -= 1
             if not _holding and _resume:
                 gc.enable()
+
+
+def _forked() -> None:
+    """In a child forked while decodes ran: none runs here (their threads were not copied), so the
+    collector runs again if it ran before them, and the lock, which one of them may have held, is new."""
+    global _lock, _holding
+    _lock = threading.Lock()
+    if _holding:
+        _holding = 0
+        if _resume:
+            gc.enable()
+
+
+os.register_at_fork(after_in_child=_forked)
