@@ -304,17 +304,24 @@ def test_a_sealed_group_drops_its_runs_in_pieces(tmp_path: Path) -> None:
 @pytest.mark.parametrize("storage", ["rows", "records"])
 def test_a_deleted_group_takes_its_runs_in_pieces(tmp_path: Path, storage: str) -> None:
     """A pending group deleted (by its id, or with its last member) leaves the table, and its runs
-    in pieces with it: they stayed, counted against the capacity, with no group left to time out."""
+    in pieces with it: they stayed, counted against the capacity, with no group left to time out.
+    A group of runs in pieces alone, no member stored yet, goes when its id is named too."""
     with Store(tmp_path / "data", map_size=1 << 24) as store:
         store.create_table(TableConfig.of("t", estimator="none", group_size=3, layout=storage))
         for task in (0, 1):
             first = trxp.from_experience(split(rollout(task=task, run=2), [4, 8])[0])
             store.put("t", [trxp.from_experience(rollout(task=task, run=0)), first])
+        only = trxp.from_experience(split(rollout(task=2, run=1), [4, 8])[0])  # a group of pieces alone
+        store.put("t", [only])
         assert store.delete("t", group_ids=["0/0"]) == 1
         assert store.delete("t", uids=["0/1/0/0/r"]) == 1
+        assert store.delete("t", group_ids=["0/2"]) == 0  # no experience in it, but it goes all the same
         stats = store.stats("t")
         assert (stats["partials"], stats["partial_bytes"], stats["groups_pending"]) == (0, 0, 0)
-        assert store.get_partials("t", ["0/0", "0/1"]) == (trxp.build([]), [])
+        assert store.get_partials("t", ["0/0", "0/1", "0/2"]) == (trxp.build([]), [])
+        assert store.verify("t") == []
+        assert store.put("t", [only]).partial == [only.uid]  # its key and uid may be pushed again
+        assert (store.stats("t")["partials"], store.stats("t")["groups_pending"]) == (1, 1)
 
 
 def test_rollouts_a_reply_cannot_hold_come_in_more_replies(start_server: Servers) -> None:

@@ -209,18 +209,20 @@ def prune_tombstones(tt: TableState, retired_before: float, limit: int = 10_000)
 
 def delete(tt: TableState, uids: Sequence[str], group_ids: Sequence[str]) -> int:
     """Experiences `uids` and the members of groups `group_ids` removed, tombstones included (their
-    uids may be pushed again); a group goes with its last member (the extensions hear a live one leave
-    as DELETED), and its runs held in pieces with it; a rows table's as row_deletes.py has it. Returns
-    how many were live."""
+    uids may be pushed again); a group goes with its last member, or named while pending with none (its
+    runs in pieces or reported failed alone); the extensions hear a live one leave as DELETED, and its
+    runs held in pieces go with it; a rows table's as row_deletes.py has it. Returns how many were live."""
     if tt.config.storage.layout == "rows":
         return row_deletes.delete(tt, uids, group_ids)
     targets = list(uids)
-    for gkey in group_ids:
+    emptied: list[tuple[str, GroupRecord]] = []  # groups whose last member went: they go after the loop
+    for gkey in dict.fromkeys(group_ids):
         grp = tt.group(gkey)
         if grp is not None:
             targets.extend(grp.members)
+            if not grp.members and grp.state in LIVE:  # a pending group of runs in pieces or failed alone
+                emptied.append((gkey, grp))
     deleted = 0
-    emptied: list[tuple[str, GroupRecord]] = []  # groups whose last member went: they go after the loop
     for uid in dict.fromkeys(targets):
         rec = tt.item(uid)
         if rec is None:

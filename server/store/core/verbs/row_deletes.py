@@ -2,8 +2,9 @@
 table's out: a live member leaves its group (its payload gone, uncounted from its state and from the
 rate limiter's count), a retired one's tombstone is forgotten (its uid is no duplicate any more; a
 failed one's payload kept for Get goes with it, as a records table's: retire.forget_tombstone), and
-a group left without members goes: the extensions hear a live one leave as DELETED, and its key may
-be pushed again. What the others of a group see is a records table's: the group stays as it was
+a group left without members goes, as does a pending one named that has none (its runs in pieces or
+reported failed alone): the extensions hear a live one leave as DELETED, and its key may be pushed
+again. What the others of a group see is a records table's: the group stays as it was
 (ready, leased, pending, retired), one member short.
 
 What is written is per group touched, never a record per experience: a complete group's deleted
@@ -70,10 +71,13 @@ def delete(tt: TableState, uids: Sequence[str], group_ids: Sequence[str]) -> int
         return found[gkey]
 
     targets = list(uids)
+    bare: dict[str, _Touched] = {}  # pending groups named that hold no member (runs in pieces, failed runs)
     for gkey in group_ids:
         grp = touched(gkey)
         if grp is not None:
             targets.extend(grp.members)
+            if not grp.members and grp.group.state in LIVE:
+                bare[gkey] = grp
     by, deleted, freed = tt.config.grouping.by, 0, 0  # freed: the live bytes deleted
     emptied: list[_Touched] = []  # the live groups left without members, in the order they were
     keys: list[bytes] = []
@@ -95,7 +99,8 @@ def delete(tt: TableState, uids: Sequence[str], group_ids: Sequence[str]) -> int
             freed += member.size
             if grp.emptied:
                 emptied.append(grp)
-    changed = [grp for grp in found.values() if grp is not None and grp.gone]
+    emptied.extend(bare.values())
+    changed = [grp for grp in found.values() if grp is not None and (grp.gone or grp.group.key in bare)]
     for grp in changed:
         if grp.picked is not None:
             row = segments.changed(grp.picked.seg)
