@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import grpc
+import lmdb
 import pytest
 import torch
 
@@ -31,9 +32,10 @@ from expbuf.client.rollout_pieces import continuation, split
 from expbuf.proto.v1 import buffer_pb2 as pb
 from expbuf.proto.v1 import buffer_pb2_grpc as pb_grpc
 from expbuf.server.store import Store
+from expbuf.server.store.core.table_state.counters import read_counters, write_counters
 from expbuf.server.store.disk import chunked, layout
 from expbuf.server.store.disk.kinds import Entry, Push
-from expbuf.server.store.schema.errors import Conflict, GroupClosed
+from expbuf.server.store.schema.errors import Conflict, Damaged, GroupClosed
 from expbuf.server.store.schema.table_config import TableConfig
 
 from conftest import Servers
@@ -322,6 +324,99 @@ def test_a_deleted_group_takes_its_runs_in_pieces(tmp_path: Path, storage: str) 
         assert store.verify("t") == []
         assert store.put("t", [only]).partial == [only.uid]  # its key and uid may be pushed again
         assert (store.stats("t")["partials"], store.stats("t")["groups_pending"]) == (1, 1)
+
+
+HELD = "0/0/1/0/r"  # the rollout of two pieces the check's tests damage
+
+
+def held_in_pieces(store: Store) -> tuple[bytes, int, int]:
+    """Table t holding two rollouts in pieces (another in one piece, then HELD in two): the key of
+    HELD's head in the partials database, the other's bytes and the bytes of both."""
+    store.create_table(TableConfig.of("t", estimator="none", group_size=3))
+    store.put("t", [trxp.from_experience(split(rollout(run=2), [4, 8])[0])])
+    other = store.stats("t")["partial_bytes"]
+    first, second, _ = split(rollout(run=1), [4, 8])
+    store.put("t", [trxp.from_experience(first)])
+    store.put("t", [trxp.from_experience(second)])
+    assert store.verify("t") == []
+    prefix = layout.table_prefix(store.catalog.lookup("t")[0])
+    return prefix + HELD.encode() + b"\0", other, store.stats("t")["partial_bytes"]
+
+
+def piece_key(head: bytes, number: int) -> bytes:
+    return head + number.to_bytes(4, "big")
+
+
+@pytest.mark.parametrize(
+    "damage", ["piece lost", "piece damaged", "head lost", "head damaged", "piece past its head", "counters"]
+)
+def test_the_check_reads_the_rollouts_held_in_pieces(tmp_path: Path, damage: str) -> None:
+    """verify() (and so `expbuf check` and a full check at open) reads each rollout held in pieces as
+    it reads a pending group's head and fragments: each piece its head names stored and the one
+    pushed, no piece its head does not name, the counters of them right; each named in its words."""
+    with Store(tmp_path / "data", map_size=1 << 24) as store:
+        head, other, total = held_in_pieces(store)
+        db = store.db["partials"]
+
+        def hurt(txn: lmdb.Transaction) -> None:
+            if damage == "piece lost":
+                txn.delete(piece_key(head, 1), db=db)
+            elif damage == "piece damaged":
+                blob = bytearray(txn.get(piece_key(head, 0), db=db))
+                blob[-1] ^= 0xFF
+                txn.put(piece_key(head, 0), bytes(blob), db=db)
+            elif damage == "head lost":
+                txn.delete(head, db=db)
+            elif damage == "head damaged":
+                txn.put(head, txn.get(head, db=db)[:-3], db=db)  # cut short
+            elif damage == "piece past its head":
+                txn.put(piece_key(head, 5), b"x", db=db)
+            else:
+                counters = read_counters(txn, store.db, head[:4])
+                counters.partials, counters.partial_bytes = 5, 7
+                write_counters(txn, store.db, head[:4], counters)
+
+        store.environment.submit(hurt)
+        problems = store.verify("t")
+        if damage == "head damaged":
+            (problem,) = problems
+            assert problem.startswith(f"the head of partial rollout {HELD} does not decode ("), problem
+            return
+        counters = "counters partials and partial_bytes are"
+        want = {
+            "piece lost": [f"partial rollout {HELD}: its piece 1 is not stored"],
+            "piece damaged": [f"partial rollout {HELD}, piece 0: its payload does not match its digest"],
+            "head lost": [
+                f"partial rollout {HELD}: 2 piece(s) are stored but not its head",
+                f"{counters} 2 and {total} but 1 rollout(s) of {other} bytes were found",
+            ],
+            "piece past its head": [f"partial rollout {HELD}: its piece 5 is stored, but its head names 2"],
+            "counters": [f"{counters} 5 and 7 but 2 rollout(s) of {total} bytes were found"],
+        }
+        assert problems == want[damage]
+
+
+def test_expbuf_check_and_a_full_open_name_a_damaged_piece(tmp_path: Path) -> None:
+    """A piece damaged on disk is damage as an experience's payload is: `expbuf check` names it (exit
+    1) and a start that checks everything refuses the directory naming it; a quick start serves it,
+    and with the piece put back the check finds nothing."""
+    data = tmp_path / "data"
+    with Store(data, map_size=1 << 24) as store:
+        head, _, _ = held_in_pieces(store)
+        db = store.db["partials"]
+        blob = store.environment.submit(lambda txn: bytes(txn.get(piece_key(head, 1), db=db)))
+        store.environment.submit(lambda txn: txn.put(piece_key(head, 1), blob[:-1], db=db))
+    command = [sys.executable, "-m", "expbuf.server.cli", "check", "--data", str(data)]
+    checked = subprocess.run(command, capture_output=True, text=True, timeout=120, check=False)
+    said = f"partial rollout {HELD}, piece 1: its payload is {len(blob) - 1} bytes, its record says {len(blob)}"
+    lines = checked.stdout.splitlines()
+    assert checked.returncode == 1 and lines == ["default: ok", "t: 1 problem(s)", f"  {said}"], checked
+    with pytest.raises(Damaged, match=re.escape(f"table t: {said}")):
+        Store(data, map_size=1 << 24, check_at_open="full")
+    with Store(data, map_size=1 << 24) as store:
+        store.environment.submit(lambda txn: txn.put(piece_key(head, 1), blob, db=store.db["partials"]))
+    checked = subprocess.run(command, capture_output=True, text=True, timeout=120, check=False)
+    assert checked.returncode == 0 and checked.stdout.splitlines() == ["default: ok", "t: ok"], checked
 
 
 def test_rollouts_a_reply_cannot_hold_come_in_more_replies(start_server: Servers) -> None:

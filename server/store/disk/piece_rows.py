@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import struct
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
 import lmdb
@@ -104,6 +104,27 @@ def heads_under(
                 rows.append((uid, bytes(cur.value())))
             found = cur.next()
     return rows
+
+
+def rows(
+    txn: lmdb.Transaction[Value], dbs: Mapping[str, lmdb._Database], prefix: bytes
+) -> Iterator[tuple[str | None, int | None, Value]]:
+    """Every row of a table's rollouts held in pieces, in key order, so each rollout's head comes
+    before its pieces: the rollout's uid (None: a key that is neither a head's nor a piece's), the
+    piece's number (None: the head) and the value, read only until the next row is."""
+    with txn.cursor(db=dbs["partials"]) as cur:
+        found = cur.set_range(prefix)
+        while found and bytes(cur.key()).startswith(prefix):
+            rest = bytes(cur.key())[len(prefix) :]
+            end = rest.find(b"\0")
+            tail = len(rest) - end - 1
+            try:
+                uid = rest[:end].decode() if end >= 0 and tail in (0, _PIECE.size) else None
+            except UnicodeDecodeError:
+                uid = None
+            number = _PIECE.unpack(rest[end + 1 :])[0] if uid is not None and tail else None
+            yield uid, number, cur.value()
+            found = cur.next()
 
 
 def _head_of(key: bytes, prefix: bytes) -> str | None:

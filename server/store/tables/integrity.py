@@ -2,7 +2,8 @@
 
 `verify` checks one table: every record decodes, every stored payload matches its digest
 (taken at push, when the payload was checked), every index, group and counter agrees with
-the items, and its datasets of prompts agree with their prompts (ledger_check.py). `scan`
+the items, its rollouts held in pieces agree with their heads and counters (core/verbs/pieces.py),
+and its datasets of prompts agree with their prompts (ledger_check.py). `scan`
 checks the whole directory (its format record, the catalogue of tables, their counters, the leases
 and grants, then `verify` on each table), turning whatever a damaged page makes LMDB or
 a decoder raise into a problem naming where it is: `expbuf check` prints them. `at_open`
@@ -21,7 +22,7 @@ import lmdb
 
 from ..core.table_state.counters import read_counters
 from ..core.table_state.state import TableState
-from ..core.verbs import leases
+from ..core.verbs import leases, pieces
 from ..core.whole_table.verify import records
 from ..disk import chunked, layout, shared_prompts
 from ..ledger.check import verify_ledger
@@ -164,7 +165,7 @@ def verify(tt: TableState, *, strays: bool = True) -> list[str]:
     """The problems found in one table; [] when consistent. `strays` also counts its chunk sets
     that nothing reads (stray_sets), which at_open leaves out as it does the entries of no table."""
     problems = records(tt) + _check_chunk_sets(tt, strays=strays)
-    problems += value_records.verify(tt)
+    problems += pieces.verify(tt) + value_records.verify(tt)
     return problems + shared_prompts.check(tt.txn, tt.db, tt.prefix) + verify_ledger(tt)
 
 

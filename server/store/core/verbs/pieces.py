@@ -1,6 +1,7 @@
 """A table's rollouts held in pieces as the table core keeps them: their rows (disk/piece_rows.py)
-with the table's counters of them (partials, partial_bytes) changed beside the rows. What a piece
-is, when one is stored and when a rollout is put together is rules/partials.py's.
+with the table's counters of them (partials, partial_bytes) changed beside the rows, and the check
+of the two (`verify`). What a piece is, when one is stored and when a rollout is put together is
+rules/partials.py's.
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ from collections.abc import Callable, Iterable, Iterator
 
 from expbuf.client.schema.routing import uid_group_key
 
-from ...disk import piece_rows
+from ...disk import digests, piece_rows
 from ...disk.piece_rows import PieceHead, Value
 from ..table_state.state import TableState, missing
 
@@ -90,3 +91,60 @@ def carry(tt: TableState, uid: str, head: PieceHead, target: str) -> None:
     tt.counters.partials += 1
     tt.counters.partial_bytes += piece_rows.size(head)
     drop(tt, uid)
+
+
+def verify(tt: TableState) -> list[str]:
+    """The problems of a table's rollouts held in pieces, as verify() and `expbuf check` read a
+    pending group's head and fragments: each head decodes, each piece it names is stored and the one
+    pushed (its size and digest), no piece is stored that no head names, and the counters count the
+    heads and their pieces' bytes. A head that does not decode is one problem, its pieces none."""
+    problems: list[str] = []
+    heads, total, undecoded = 0, 0, False
+    uid: str | None = None  # the rollout whose rows are being read
+    head: PieceHead | None = None
+    seen: set[int] = set()
+    headless: dict[str, int] = {}  # the pieces stored of each rollout whose head is not
+
+    def ended() -> None:
+        if uid is not None and head is not None:
+            problems.extend(
+                f"partial rollout {uid}: its piece {number} is not stored"
+                for number in range(len(head.pieces))
+                if number not in seen
+            )
+
+    for row_uid, number, value in piece_rows.rows(tt.txn, tt.db, tt.prefix):
+        if row_uid is None:
+            problems.append("a row of the partials database is neither a rollout's head nor a piece")
+        elif number is None:
+            ended()
+            uid, head, seen, heads = row_uid, None, set(), heads + 1
+            try:
+                head = PieceHead.decode(value)
+            except Exception as exc:  # a damaged page can make the decoder raise almost anything
+                problems.append(f"the head of partial rollout {uid} does not decode ({type(exc).__name__}: {exc})")
+                undecoded = True
+                continue
+            total += piece_rows.size(head)
+        elif row_uid != uid:
+            headless[row_uid] = headless.get(row_uid, 0) + 1
+        elif head is not None and number >= len(head.pieces):
+            names = len(head.pieces)
+            problems.append(f"partial rollout {uid}: its piece {number} is stored, but its head names {names}")
+        elif head is not None:
+            seen.add(number)
+            _, digest, size = head.pieces[number]
+            problem = digests.mismatch(value, size, bytes.fromhex(digest))
+            if problem is not None:
+                problems.append(f"partial rollout {uid}, piece {number}: {problem}")
+    ended()
+    problems.extend(f"partial rollout {key}: {n} piece(s) are stored but not its head" for key, n in headless.items())
+    counted = (tt.counters.partials, tt.counters.partial_bytes)
+    if undecoded and counted[0] != heads:
+        problems.append(f"counter partials is {counted[0]} but {heads} rollout(s) held in pieces were found")
+    elif not undecoded and counted != (heads, total):
+        problems.append(
+            f"counters partials and partial_bytes are {counted[0]} and {counted[1]} but {heads} rollout(s) of "
+            f"{total} bytes were found"
+        )
+    return problems

@@ -2,8 +2,8 @@
 group and item record decodes and is where its state puts it (a live one's payload present, a
 compact tombstone in tombs), every member is its group's, the pending, compute, retired and ready
 indexes and the insertion order hold exactly what the records say, and the counters count what is
-there. tables/integrity.py adds the directory's own checks and the other rooms' (chunk sets, keyed
-values, shared prompts, the prompt ledger).
+there. tables/integrity.py adds the directory's own checks and the other rooms' (chunk sets, rollouts
+held in pieces, keyed values, shared prompts, the prompt ledger).
 """
 
 from __future__ import annotations
