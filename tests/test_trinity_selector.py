@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -194,6 +195,33 @@ def test_a_prompt_released_goes_out_again_before_the_run_ends_or_is_named_at_its
     assert sorted(i for step in read for i in step) == sorted([*range(12), read[0][0]])  # every prompt went out
     assert (info.total("trained"), info.total("pending"), info.total("claimed")) == (11, 1, 0)
     assert f"prompts not trained in this run: 1 (epoch/index: 0/{read[1][0]})" in caplog.text
+
+
+def test_a_step_whose_every_task_failed_releases_its_prompts_as_a_step_with_one_failed_does(tmp_path: Path) -> None:
+    """A step none of whose tasks made an experience gets feedback naming no task from Trinity's
+    scheduler: the pipeline ran on nothing (its pass_rate_calculator names no taskset), or had no
+    payload to run on (no selector metric at all). Its prompts are released, as a step's tasks it
+    does not name are, and go out again on top of the next steps: the run trains every prompt."""
+    with served(tmp_path, rows(tmp_path, rows=16), epochs=1) as (target, tasks):
+        read = [[task.index["index"] for task in asyncio.run(tasks.read())] for _ in range(2)]
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # numpy's mean of the step's no pass rates
+            report(tasks, read[0], set(read[0]))  # every run of every task failed
+        with BufferClient(target) as admin:
+            claimed = admin.ledger("grpo", "math").total("claimed")
+        read.append([task.index["index"] for task in asyncio.run(tasks.read())])
+        tasks.feedback({"experience_pipeline/experience_count": 0.0})  # step 1: no payload reached the pipeline
+        read.append([task.index["index"] for task in asyncio.run(tasks.read())])
+        for step in read[2:]:
+            report(tasks, step, set())
+        with pytest.raises(StopAsyncIteration):
+            asyncio.run(tasks.read())  # the scheduler's 4 steps are done
+        with BufferClient(target) as admin:
+            info = admin.ledger("grpo", "math")
+    assert claimed == BATCH  # step 1's, awaiting its feedback; step 0's were released
+    assert read[2][:BATCH] == read[0] and read[3][:BATCH] == read[1]  # out again, on top of the next steps
+    assert sorted(i for step in read[2:] for i in step) == list(range(16))
+    assert (info.total("trained"), info.total("pending"), info.total("claimed")) == (16, 0, 0)
 
 
 def test_a_max_in_flight_the_explorers_unreported_steps_fill_is_refused_by_name(tmp_path: Path) -> None:

@@ -6,7 +6,8 @@ ExpbufReader for a buffer whose path is `expbuf://HOST:PORT/TABLE`, ExpbufTaskse
 taskset whose path names a dataset of prompts (`?dataset=NAME&source=PATH`), and Trinity's
 for any other path; the advantage function `expbuf` takes the buffer's advantages as they
 are, the sample strategy `expbuf` tells the buffer the trainer's policy version, and the data
-selector `expbuf` picks a file taskset's tasks by an expbuf dataset's claim order.
+selector `expbuf` picks a file taskset's tasks by an expbuf dataset's claim order (Trinity's
+TasksetScheduler wrapped so that each step's feedback reaches it: scheduler.py).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import Any
 
 from expbuf.client.kit.location import Location, is_expbuf_path, parse
 
+from . import scheduler
 from .advantage import ExpbufAdvantageFn
 from .buffer import ExpbufReader, ExpbufWriter
 from .sample_strategy import ExpbufSampleStrategy
@@ -68,7 +70,8 @@ def _routed(original: Callable[[Any], Any], expbuf_cls: type, taskset_cls: type 
 
 def install() -> None:
     """Route Trinity's buffer factories to expbuf for expbuf:// paths and register `expbuf`
-    (an advantage function, a sample strategy and a taskset's data selector).
+    (an advantage function, a sample strategy and a taskset's data selector), whose feedback
+    Trinity's TasksetScheduler gives at every step (scheduler.install).
 
     Trinity picks a writer by storage type in `get_buffer_writer` (no registry), and its
     modules hold the factories under their own names, often imported before plugins load;
@@ -87,6 +90,7 @@ def install() -> None:
         SAMPLE_STRATEGY.register_module(SAMPLE_STRATEGY_NAME, ExpbufSampleStrategy)
     if SELECTOR_NAME not in SELECTORS.modules:
         SELECTORS.register_module(SELECTOR_NAME, ExpbufSelector)
+    scheduler.install()
     replace = {}
     for name, expbuf_cls, taskset_cls in (
         ("get_buffer_writer", ExpbufWriter, None),

@@ -166,8 +166,9 @@ class ExpbufSelector(BaseSelector):
     def feedback(self, indices: list[int], values: list[float]) -> None:
         """A step's feedback (each task's mean reward) reported as its prompts' outcomes, one run
         whose reward is the value: the prompts are trained, their statistics taking it. The step
-        is the oldest one handed out that holds every index named; its tasks not named (no
-        experience came of them) are released, to go out again, on top of a later step. A value that
+        is the oldest one handed out that holds every index named (one naming none, of a step whose
+        every task failed, the oldest: scheduler.py gives it); its tasks not named (no experience came
+        of them) are released, to go out again, on top of a later step. A value that
         is not a finite number leaves its prompt out; a report the server does not take is logged,
         its claims ending with their lease. The last step's feedback ends the run: the prompts it
         could not hand out again are named."""
