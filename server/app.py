@@ -230,10 +230,14 @@ class ExpbufServer:
         self._metrics_http: WSGIServer | None = None
 
     def _advantages_computed(self, table: str, estimator: str, seconds: float) -> None:
-        self.metrics.advantage_seconds.labels(table, estimator).observe(seconds)
+        timed = self.metrics.of_table(self.metrics.advantage_seconds, table, estimator)
+        if timed is not None:  # else dropped while it computed
+            timed.observe(seconds)
 
     def _advantages_failed(self, table: str, estimator: str, outcome: str, groups: int) -> None:
-        self.metrics.advantage_failures.labels(table, estimator, outcome).inc(groups)
+        failures = self.metrics.of_table(self.metrics.advantage_failures, table, estimator, outcome)
+        if failures is not None:  # else dropped while it computed
+            failures.inc(groups)
 
     def _advantage_state(self, state: str, detail: str) -> None:
         """What ServerInfo says of the advantage worker: its state, with the device it computes

@@ -42,6 +42,7 @@ from expbuf.client.client import GetResult
 from expbuf.proto.v1 import buffer_pb2 as pb
 from expbuf.proto.v1 import buffer_pb2_grpc as pb_grpc
 from expbuf.server import logs
+from expbuf.server.advantages.worker import estimators
 from expbuf.server.app import _summary
 from expbuf.server.cli import build_parser
 from expbuf.server.commands.stats import COLUMNS, render
@@ -50,10 +51,11 @@ from expbuf.server.rpc.interceptors.limits import CallLimits, call_limits
 from expbuf.server.rpc.interceptors.metrics import Metrics, StoreCollector
 from expbuf.server.rpc.service import ExperienceBufferService
 from expbuf.server.store import Store
+from expbuf.server.store.schema.estimator_registry import Estimator
 from expbuf.server.store.schema.table_config import ConfigError, TableConfig
 
 from conftest import BAD_DIR, Servers, payload
-from helpers import ServerProcess, group_items, scrape, wait_for
+from helpers import ServerProcess, group_items, registered, scrape, wait_for
 from pages import page
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -160,6 +162,36 @@ def test_a_dropped_table_leaves_no_series_and_a_new_one_of_its_name_starts_from_
         m = scrape(server.metrics_port)
     assert value(m, "expbuf_experiences_pushed_total", table="run1") == 4
     assert not {name for name, _ in series()} & {"expbuf_refused_total", "expbuf_advantage_seconds_count"}
+
+
+def test_a_computation_in_flight_as_its_table_is_dropped_brings_back_none_of_its_series(
+    start_server: Servers,
+) -> None:
+    """A push's groups whose advantages the worker still computed as their table was dropped
+    timed the computation, and counted its failure to store them, for the dropped table after
+    the drop had removed its series: they came back in every scrape until a restart (and went on
+    under a table made again of the name). What a call in flight records for a table dropped
+    meanwhile is left out."""
+    computing, dropped = threading.Event(), threading.Event()
+
+    def held(b: estimators.FlatBatch) -> estimators.Advantages:
+        computing.set()
+        assert dropped.wait(60)  # the test's drop is done
+        return estimators.Advantages(scalar=b.rewards - b.rewards)
+
+    server = start_server()
+    slow = Estimator("held_until_dropped", ingest=held, token_level=True)  # the worker's, never a push's
+    with registered(slow) as name, BufferClient(f"127.0.0.1:{server.port}", timeout=20) as c:
+        for table in ("run1", "run2"):
+            c.create_table(table, group_size=2, estimator=name)
+        c.push(trxp.build(group_items(1, 0, 2)), table="run1")
+        assert computing.wait(60)
+        c.drop_table("run1")
+        dropped.set()
+        c.push(trxp.build(group_items(2, 0, 2)), table="run2")
+        wait_for(lambda: c.stats("run2")["run2"].ready == 2, "run2's group computed, after run1's")
+        left = {key for key in scrape(server.metrics_port) if ("table", "run1") in key[1]}
+    assert left == set()
 
 
 def test_a_scrape_during_which_a_table_is_dropped_leaves_it_out(tmp_path: Path) -> None:

@@ -77,7 +77,6 @@ def refusals(method: Callable) -> Callable:
         if context.code() is not None:  # type: ignore[attr-defined]  # the method aborted with its own status
             raise exc
         table = CALL_TABLE.get()
-        label = table if self.store.has_table(table) else "unknown"
         if isinstance(exc, StoreError):
             code, reason = grpc.StatusCode[exc.status], exc.reason
             self.refusal_log(logging.INFO, "refused %s on table %s: %s (%s): %s", method.__name__, clip(table),
@@ -86,7 +85,8 @@ def refusals(method: Callable) -> Callable:
             code, reason = grpc.StatusCode.INTERNAL, Reason.INTERNAL
             self.refusal_log(logging.ERROR, "%s on table %s failed", method.__name__, clip(table), exc_info=True)
             exc = RuntimeError(f"internal error in {method.__name__}: {type(exc).__name__}: {clip(str(exc), 300)}")
-        self.metrics.refused.labels(label, reason).inc()
+        refused = self.metrics.refused
+        (self.metrics.of_table(refused, table, reason) or refused.labels("unknown", reason)).inc()
         refuse(context, code, clip(str(exc), 1000), reason)
 
     if inspect.isgeneratorfunction(method):  # a stream's reply: its refusals come as it is iterated

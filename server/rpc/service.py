@@ -308,7 +308,9 @@ class ExperienceBufferService(LedgerServicer, ReadServicer, ValuesServicer, pb_g
         latest = batch.trainer_version if batch.trainer_version is not None else batch.newest_version
         if latest is None:
             return
-        histogram = self.metrics.staleness.labels(table)
+        histogram = self.metrics.of_table(self.metrics.staleness, table)
+        if histogram is None:  # dropped since the take
+            return
         for version in batch.versions:
             if version is not None:
                 histogram.observe(max(0, latest - version))
@@ -402,7 +404,9 @@ class ExperienceBufferService(LedgerServicer, ReadServicer, ValuesServicer, pb_g
         wait = remaining(context, asked) if request.wait_seconds > 0 else 0.0
         seconds = request.grant_seconds or 300.0
         grant = self.store.admit(table, request.count, wait=wait, grant_seconds=seconds, holder=self._owner(context))
-        self.metrics.admission.labels(table, "granted" if grant.count else "no_room").inc()
+        admitted = self.metrics.of_table(self.metrics.admission, table, "granted" if grant.count else "no_room")
+        if admitted is not None:  # else dropped since
+            admitted.inc()
         return pb.AdmitReply(granted=grant.count, grant_id=grant.grant_id, expires_unix=grant.expires)
 
     @refusals

@@ -11,9 +11,10 @@ staleness of sampled experiences) is measured here. Each server has its own regi
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -56,6 +57,7 @@ _STORE_COUNTERS = (
 )
 _DROP_REASONS = ("zero_variance", "timeout", "std_threshold", "stale", "short")
 _CLIP_STEPS = ("reward", "advantage")  # the shaping steps that clip: counters {step}s_seen and {step}s_clipped
+TableMetric = TypeVar("TableMetric", Counter, Histogram)
 
 
 class StoreCollector(Collector):
@@ -288,6 +290,8 @@ class Metrics:
     """
 
     def __init__(self, store: Store, shard: str = "") -> None:
+        self._store = store
+        self._tables = threading.Lock()  # a table's series made (of_table) or removed (forget_table)
         self.registry = CollectorRegistry()
         self.registry.register(StoreCollector(store))
         self.rpc_duration = Histogram(
@@ -347,20 +351,31 @@ class Metrics:
             self.exported = CollectorRegistry()
             self.exported.register(ShardLabel(self.registry, shard))
 
+    def of_table(self, metric: TableMetric, table: str, *labels: str) -> TableMetric | None:
+        """The table's series of `metric` (its other labels `labels`) to count in, or None where the
+        table is gone. A call or a computation still under way as its table is dropped records after
+        the drop: its series is made under the lock that forget_table holds once the store has
+        dropped the table, so it is made before and removed with the others, or not made at all;
+        never made after, to stay in every scrape until a restart. A count into a series removed
+        meanwhile goes nowhere."""
+        with self._tables:
+            return metric.labels(table, *labels) if self._store.has_table(table) else None
+
     def forget_table(self, table: str) -> None:
         """Remove a dropped table's series of what the server counts itself, as its store's go with
         it: else every table ever made stays in each scrape, and one made again under the name
-        goes on from the old one's counts."""
-        for metric, labels in self._by_table:
-            children = {
-                tuple(sample.labels[name] for name in labels)
-                for family in metric.collect()
-                for sample in family.samples
-                if sample.labels.get("table") == table
-            }
-            for values in children:
-                with contextlib.suppress(KeyError):  # a concurrent drop of the same table removed it
-                    metric.remove(*values)
+        goes on from the old one's counts. Called once the store has dropped it (of_table)."""
+        with self._tables:
+            for metric, labels in self._by_table:
+                children = {
+                    tuple(sample.labels[name] for name in labels)
+                    for family in metric.collect()
+                    for sample in family.samples
+                    if sample.labels.get("table") == table
+                }
+                for values in children:
+                    with contextlib.suppress(KeyError):  # a concurrent drop of the same table removed it
+                        metric.remove(*values)
 
 
 class RpcMetrics(ServiceInterceptor):
