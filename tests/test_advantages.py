@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import threading
 import time
 from collections.abc import Iterator
@@ -324,3 +325,35 @@ def test_a_stop_wakes_the_worker_waiting_for_groups(tmp_path: Path) -> None:
             store.wake()
             waiter.join(0.05)
         assert woke == [False]
+
+
+def test_a_table_dropped_while_its_groups_compute_leaves_nothing_behind(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A table dropped while the worker computed its groups made the result's store fail: the worker
+    took that for a passing failure of every group, logged it as one, and kept the table's tries and
+    its wait before the next; a table made again under the name then waited that long (here a
+    minute) for its first computation, its groups counted as tried before. The result now goes
+    nowhere, quietly, and nothing of the dropped table is kept."""
+    from expbuf.server.advantages.worker import estimators
+
+    with Store(tmp_path) as store:
+        drop = [True]
+
+        def drops_its_table(batch: estimators.FlatBatch) -> estimators.Advantages:
+            if drop.pop() if drop else False:
+                store.drop_table("t")  # as a client's drop between the worker's read and its store
+            return estimators.Advantages(scalar=batch.rewards - batch.rewards)
+
+        estimator = Estimator("drops_its_table", ingest=drops_its_table, token_level=True)
+        with registered(estimator) as name, caplog.at_level("INFO", logger="expbuf"):
+            store.create_table(TableConfig.of("t", estimator=name, group_size=3))
+            store.put("t", group_items(1, 0, 3))
+            worker = AdvantageWorker(store, retry_delays=(60.0, 60.0))
+            assert worker.run_once() == 1
+            store.create_table(TableConfig.of("t", estimator=name, group_size=3))
+            store.put("t", group_items(2, 0, 3))
+            assert worker.run_once() == 1
+            assert store.stats("t")["groups_ready"] == 1
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
+    assert any("was dropped" in r.getMessage() for r in caplog.records)

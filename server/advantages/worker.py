@@ -31,7 +31,7 @@ from expbuf.client import trxp
 from expbuf.client.trxp.codec.convert import flat_tensor
 
 from ..store import SHAPING_COUNTERS, Compute, Computed, ComputeJob, MemberView, ShapingUpdate, Store, token_record
-from ..store.schema.errors import clip
+from ..store.schema.errors import NotFound, clip
 from ..store.schema.table_config import TableConfig, batch_stage, estimator_args, estimator_of, group_step_first
 from . import estimators, shaping
 from .moments import RunningMoments
@@ -269,6 +269,9 @@ class AdvantageWorker:
         try:
             self._finish(job, compute(job))
             return
+        except NotFound:
+            self._gone(job)
+            return
         except Exception as exc:
             errors = {job.groups[0]: exc} if len(job.groups) == 1 else {}
             if not errors:
@@ -281,6 +284,9 @@ class AdvantageWorker:
             single.moments = moments
             try:
                 moments = self._finish(single, compute(single))
+            except NotFound:
+                self._gone(job)
+                return
             except Exception as exc:
                 errors[single.groups[0]] = exc
         if len(errors) < len(job.groups):  # the others went through: these groups are the cause
@@ -324,8 +330,21 @@ class AdvantageWorker:
         for gkey, reason in reasons.items():
             self._tries.pop((job.table, gkey), None)
             log.error("advantages failed for group %s of table %s: %s", clip(gkey), job.table, reason)
-        self.store.finish_compute(job.table, {}, [], failed=reasons, places=job.queued())
+        try:
+            self.store.finish_compute(job.table, {}, [], failed=reasons, places=job.queued())
+        except NotFound:
+            self._gone(job)
+            return
         self._failed(job, "failed", len(errors))
+
+    def _gone(self, job: ComputeJob) -> None:
+        """The job's table was dropped while its groups were computed: what was computed goes nowhere,
+        and nothing of the table is kept (its tries and its wait would hold back a table made again
+        under its name)."""
+        self._not_before.pop(job.table, None)
+        for key in [key for key in self._tries if key[0] == job.table]:
+            del self._tries[key]
+        log.info("table %s was dropped while advantages were computed for %d of its groups", job.table, len(job.groups))
 
     def _failed(self, job: ComputeJob, outcome: str, groups: int) -> None:
         if self.on_failed is not None:
