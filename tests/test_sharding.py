@@ -713,6 +713,51 @@ def test_an_ack_made_again_after_a_shard_failed_it_ends_only_the_rest(start_serv
         assert (stats.consumed, stats.leased, stats.ready) == (16, 0, 0)
 
 
+def test_a_renewal_of_a_lease_partly_acked_renews_the_parts_still_leased(start_server: Servers, tmp_path: Path) -> None:
+    """A batch from two shards whose ack one shard failed (down) keeps that shard's part leased: a
+    renewal once the shard is back renews that part, not refused NOT_FOUND for the part acked
+    already, and the ack made again ends it; a renewal of a lease whose parts this client has all
+    ended (one acked, one nacked) is refused NOT_FOUND naming them."""
+    targets, second = in_process_shards(start_server, tmp_path)
+    with ShardedBufferClient(targets, timeout=5.0, retries=0, wait_for_ready=False) as client:
+        client.create_table("t", group_size=2, estimator="none")
+        client.push(groups(0, range(16), range(2)), table="t")
+        batches = [
+            batch
+            for _ in range(2)
+            for batch in client.sample("t", num_groups=8, delivery="lease", lease_seconds=30, max_batches=1, timeout=10)
+        ]
+        assert all(sorted(batch.shards) == sorted(targets) for batch in batches)
+        start_server.stop(second)
+        for batch in batches:
+            with pytest.raises(ShardError) as failed:
+                batch.ack()
+            assert failed.value.shards == ["full"] and failed.value.code == grpc.StatusCode.UNAVAILABLE
+        start_server(tmp_path / "full", port=second.port)
+        first, ended = batches
+        before = time.time()
+        renewed: list[float] = []
+
+        def renew() -> bool:
+            try:
+                renewed.append(first.renew(3600))
+            except ShardError as exc:
+                assert exc.shards == ["full"] and exc.code == grpc.StatusCode.UNAVAILABLE, exc
+                return False
+            return True
+
+        wait_for(renew, "the renewal once the shard is back")
+        assert renewed[-1] >= before + 3600
+        assert first.ack() == len(first.uids)
+        with pytest.raises(ShardError) as nacked:
+            ended.nack()
+        assert nacked.value.shards == ["free"] and "was acked already by this client" in str(nacked.value)
+        with pytest.raises(ShardError) as refused:
+            ended.renew(60)
+        assert refused.value.code == grpc.StatusCode.NOT_FOUND and refused.value.shards == ["free", "full"]
+        assert "was acked already by this client" in str(refused.value) and "was nacked already" in str(refused.value)
+
+
 def test_async_client_pushes_samples_and_acks_across_shards(shards: Shards) -> None:
     async def run() -> None:
         async with AsyncShardedBufferClient(shards.targets()) as client:

@@ -382,8 +382,16 @@ class Planned(Sharded):
         return min(results.values(), default=version)
 
     def _renew(self, lease_id: str, seconds: float, table: str) -> Plan[float]:
-        """Renew each part of a batch's lease on the shard that granted it; the earliest end."""
-        calls = [Call(shard, "renew", (lease, seconds, table)) for shard, lease in self._leases(lease_id)]
+        """Renew each part of a batch's lease on the shard that granted it; the earliest end. The
+        parts this client acked or nacked already (`Ended`: an ack or a nack that failed on
+        another part) are left out, as their shards no longer know them; a lease whose parts
+        were all ended so is refused NOT_FOUND naming them."""
+        pairs, ended = self._leases(lease_id), self._ended.of(lease_id)
+        calls = [Call(shard, "renew", (lease, seconds, table)) for shard, lease in pairs if shard not in ended]
+        if not calls:
+            raise shard_error(
+                {shard: self._ended_already(lease, ended[shard][0]) for shard, lease in pairs}, self.shard_map.targets
+            )
         outcomes = yield from self._exchange(calls)
         errors = {c.shard: o for c, o in zip(calls, outcomes, strict=True) if isinstance(o, BufferError)}
         if errors:
@@ -399,11 +407,7 @@ class Planned(Sharded):
         before, errors = self._ended.of(lease_id), {}
         for shard, lease in pairs:
             if shard in before and before[shard][0] != method:
-                errors[shard] = BufferError(
-                    grpc.StatusCode.NOT_FOUND,
-                    f"its part of the lease (lease {lease!r}) was {before[shard][0]}ed already by this client",
-                    Reason.NOT_FOUND,
-                )
+                errors[shard] = self._ended_already(lease, before[shard][0])
         calls = [Call(shard, method, (lease, table)) for shard, lease in pairs if shard not in before]
         outcomes = (yield from self._exchange(calls)) if calls else []
         ended = {shard: how for shard, how in before.items() if how[0] == method}
@@ -418,6 +422,15 @@ class Planned(Sharded):
             raise shard_error(errors, self.shard_map.targets, done)
         self._ended.forget(lease_id)
         return done
+
+    @staticmethod
+    def _ended_already(lease: str, method: str) -> BufferError:
+        """The refusal of a call on a lease's part that this client acked or nacked (`method`) already."""
+        return BufferError(
+            grpc.StatusCode.NOT_FOUND,
+            f"its part of the lease (lease {lease!r}) was {method}ed already by this client",
+            Reason.NOT_FOUND,
+        )
 
     def _admit(self, table: str, count: int, wait: float, grant_seconds: float) -> Plan[Grant]:
         shard = self.admission_shard(table)
