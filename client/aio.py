@@ -1,7 +1,8 @@
 """AsyncBufferClient: the asyncio client of one expbuf server, with BufferClient's methods as coroutines.
 
 It runs the calls declared once (rpc/api.py), as BufferClient (client.py) does, awaiting each;
-its own here: the Sample stream and the pipelined pusher. How a stream it writes to ended is the
+its own here: the Sample stream (and its one batch held unconfirmed for a sharded client,
+AsyncHeldBatch) and the pipelined pusher. How a stream it writes to ended is the
 stream's own status (aio_status.py), never a failed write's.
 """
 
@@ -73,6 +74,52 @@ def _deliverer(outcomes: asyncio.Queue[Outcome], loop: asyncio.AbstractEventLoop
             loop.call_soon_threadsafe(outcomes.put_nowait, outcome)
 
     return deliver
+
+
+async def _stop(call: grpc.aio.StreamStreamCall) -> None:
+    """End a Sample stream whose batch the client has not confirmed: the batch returns to the
+    buffer as if never taken (a stream that does not end within STOP_SECONDS is cancelled)."""
+    with contextlib.suppress(grpc.RpcError, asyncio.TimeoutError, asyncio.InvalidStateError):
+        await call.write(calls.confirmation(0, stop=True))
+        await asyncio.wait_for(_drain(call), calls.STOP_SECONDS)
+    call.cancel()
+
+
+class AsyncHeldBatch:
+    """The one batch of a Sample stream (`AsyncBufferClient._hold`), held unconfirmed: BufferClient's
+    HeldBatch, whose `deliver` and `give_back` are coroutine functions."""
+
+    def __init__(
+        self,
+        client: AsyncBufferClient,
+        spec: SampleSpec,
+        since: float,
+        stream: tuple[grpc.aio.StreamStreamCall, aio_status.StreamStatus],
+        batch: Batch,
+    ) -> None:
+        """`since`: when the stream's request went (time.monotonic()), which the batch's
+        confirm_seconds counts from; `stream`: the call and how it ends, made with it."""
+        self.batch, (self._call, self._status) = batch, stream
+        self._client, self._lease_seconds, self._since = client, spec.lease_seconds, since
+
+    async def deliver(self) -> Batch:
+        """As HeldBatch.deliver: the batch, confirmed and delivered once its stream ended."""
+        try:
+            batch = calls.handed(self.batch, self._lease_seconds, self._since)
+        except ExpbufError:
+            await self.give_back()
+            raise
+        with contextlib.suppress(grpc.RpcError):  # how it ended is read below
+            await self._call.write(calls.confirmation(1))
+            await _drain(self._call)  # nothing more comes: the stream ends once the batch is delivered
+        error = await self._status.error()
+        if error is not None:
+            raise self._client._error(error)
+        return batch
+
+    async def give_back(self) -> None:
+        """End the stream unconfirmed: the batch returns to the buffer, not counted as sampled."""
+        await _stop(self._call)
 
 
 class AsyncBufferClient(ServerCalls, Awaiting, ClientBase):
@@ -210,3 +257,32 @@ class AsyncBufferClient(ServerCalls, Awaiting, ClientBase):
             if ahead is not None:  # its thread reads the stream to its end
                 await passed()
                 ahead.join()
+
+    async def _hold(self, spec: SampleSpec) -> AsyncHeldBatch | None:
+        """As BufferClient._hold: the one batch of `spec` held unconfirmed (AsyncHeldBatch); None
+        where the stream ended without one."""
+        order = self._orders.check(spec.order)
+        if order is not None:
+            await self._run(order)
+        since = time.monotonic()
+        call = self._sample(metadata=self._metadata)
+        status = aio_status.StreamStatus(call)
+        try:
+            await call.write(spec.request(self.max_message_bytes))
+            reply = await _read_whole(call, Parts())
+        except grpc.RpcError:  # the stream ended: by its own status
+            error = await status.error()
+            if error is None:
+                return None
+            raise self._error(error) from None
+        except ExpbufError:
+            await _stop(call)
+            raise
+        if reply is None:
+            return None
+        try:
+            batch = calls.batch(reply, spec.table, self, AsyncBatch, columnar=bool(spec.fields))
+        except ExpbufError:
+            await _stop(call)
+            raise
+        return AsyncHeldBatch(self, spec, since, (call, status), batch)

@@ -2,8 +2,9 @@
 
 Each call is declared once (rpc/api.py: its parameters, docstring, request and reply) and run
 here, waiting in the calling thread; AsyncBufferClient (aio.py) runs the same declarations under
-asyncio. Its own here: the Sample stream and the pipelined pusher. Errors are raised as
-ExpbufError (errors.py), of the subclass of their gRPC status code.
+asyncio. Its own here: the Sample stream (and its one batch held unconfirmed for a sharded
+client, HeldBatch) and the pipelined pusher. Errors are raised as ExpbufError (errors.py), of the
+subclass of their gRPC status code.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import functools
 import queue
 import threading
 import time
+import weakref
 from collections.abc import Generator
 from typing import Any, TypeVar, Unpack, cast
 
@@ -94,6 +96,60 @@ class SampleRequests:
 
     def close(self) -> None:
         self._queue.put(None)
+
+
+def _stop(stream: Any, requests: SampleRequests) -> None:
+    """End a Sample stream whose batch the client has not confirmed: the batch returns to the
+    buffer as if never taken (a stream that does not end within STOP_SECONDS is cancelled)."""
+    timer = threading.Timer(calls.STOP_SECONDS, stream.cancel)
+    requests.confirm(0, stop=True)
+    timer.start()
+    with contextlib.suppress(grpc.RpcError):
+        for _ in stream:
+            pass
+    timer.cancel()
+    requests.close()
+
+
+class HeldBatch:
+    """The one batch of a Sample stream (`BufferClient._hold`), received and decoded but not
+    confirmed: the server holds it, neither consumed, leased nor counted as replayed, until
+    `deliver` confirms it, or `give_back` ends the stream and it returns to the buffer uncounted.
+    A sharded client holds each shard's part so until the whole batch is in hand."""
+
+    def __init__(
+        self, client: BufferClient, spec: SampleSpec, since: float, stream: Any, requests: SampleRequests, batch: Batch
+    ) -> None:
+        """`since`: when the stream's request went (time.monotonic()), which the batch's
+        confirm_seconds counts from."""
+        self.batch, self._stream, self._requests = batch, stream, requests
+        self._client, self._lease_seconds, self._since = client, spec.lease_seconds, since
+        weakref.finalize(self, requests.close)  # one dropped unended (its caller interrupted) frees gRPC's reader
+
+    def deliver(self) -> Batch:
+        """The batch, confirmed and, once its stream ended, delivered as the stream asked
+        (consumed, its lease's clock started, or its replay counted). Raises the error the stream
+        ended with where it did not deliver it (the server ended it first, or went away), and
+        DeadlineExceededError where the confirmation would reach the server too late for its
+        max_confirm_seconds (`calls.handed`; the batch given back)."""
+        try:
+            batch = calls.handed(self.batch, self._lease_seconds, self._since)
+        except ExpbufError:
+            self.give_back()
+            raise
+        self._requests.confirm(1)
+        try:
+            for _ in self._stream:  # nothing more comes: the stream ends once the batch is delivered
+                pass
+        except grpc.RpcError as exc:
+            raise self._client._error(exc) from None
+        finally:
+            self._requests.close()
+        return batch
+
+    def give_back(self) -> None:
+        """End the stream unconfirmed: the batch returns to the buffer, not counted as sampled."""
+        _stop(self._stream, self._requests)
 
 
 class BufferClient(ServerCalls, Blocking, ClientBase):
@@ -258,3 +314,30 @@ class BufferClient(ServerCalls, Blocking, ClientBase):
                 ahead.join()
             timer.cancel()
             requests.close()
+
+    def _hold(self, spec: SampleSpec) -> HeldBatch | None:
+        """The one batch of `spec` (`max_batches=1`: a sharded client's part), held unconfirmed
+        (HeldBatch); None where the stream ended without one (allow_partial, none ready). A batch
+        that cannot be decoded raises DataLossError and goes back to the buffer uncounted."""
+        order = self._orders.check(spec.order)
+        if order is not None:
+            self._run(order)
+        requests = SampleRequests(spec.request(self.max_message_bytes))
+        since = time.monotonic()
+        stream = self._sample(requests, metadata=self._metadata)
+        parts, reply = Parts(), None
+        try:
+            while reply is None and (message := next(stream, None)) is not None:
+                reply = parts.add(message)
+            if reply is None:
+                parts.end()
+                requests.close()
+                return None
+            batch = calls.batch(reply, spec.table, self, Batch, columnar=bool(spec.fields))
+            return HeldBatch(self, spec, since, stream, requests, batch)
+        except grpc.RpcError as exc:
+            requests.close()
+            raise self._error(exc) from None
+        except ExpbufError:
+            _stop(stream, requests)
+            raise

@@ -642,10 +642,12 @@ def test_a_shards_refusal_of_its_part_fails_the_sample_at_once_and_gives_the_oth
     """A shard that refuses its part (its table's one stream taken: STREAMS_FULL) fails the sample
     with that refusal, naming it, as one server's would, and does not wait out the sample's
     timeout to send the other shards' parts as a partial batch; those parts go back to their
-    buffer, leased or consumed, ready to be sampled again (the asyncio client alike)."""
+    buffer, leased, consumed or replayed, ready to be sampled again and not counted as sampled,
+    as the caller never had them: a replayed part is not retired by max_times_sampled = 1 (the
+    asyncio client alike)."""
     targets, full = in_process_shards(start_server, tmp_path, workers=8, max_table_streams=1)
     with ShardedBufferClient(targets) as client, grpc.insecure_channel(targets["full"]) as channel:
-        client.create_table("t", group_size=2, estimator="none")
+        client.create_table("t", group_size=2, estimator="none", max_times_sampled=1)
         client.push(groups(0, range(8), range(2)), table="t")
         ready = {shard: stats["t"].ready for shard, stats in client.shard_stats("t").items()}
         assert ready["free"] and ready["full"]
@@ -654,26 +656,26 @@ def test_a_shards_refusal_of_its_part_fails_the_sample_at_once_and_gives_the_oth
         )
         wait_for(lambda: full.service.table_streams._open.get("t", 0) == 1, "the full shard's one stream")
 
-        async def sample_async() -> None:
+        async def sample_async(delivery: str) -> None:
             async with AsyncShardedBufferClient(targets) as aio:
-                async for _ in aio.sample("t", num_groups=8, timeout=10, delivery="consume"):
+                async for _ in aio.sample("t", num_groups=8, timeout=10, delivery=delivery):
                     pass
 
-        for delivery in ("lease", "consume", "async"):
+        for delivery in ("lease", "consume", "replay", "async consume", "async replay"):
             with pytest.raises(ShardError) as refused:
-                if delivery == "async":
-                    asyncio.run(sample_async())
+                if delivery.startswith("async "):
+                    asyncio.run(sample_async(delivery.removeprefix("async ")))
                 else:
                     list(client.sample("t", num_groups=8, timeout=10, delivery=delivery))
             error = refused.value
             assert error.code == grpc.StatusCode.RESOURCE_EXHAUSTED and error.reason == "streams_full", error
             assert error.shards == ["full"] and "max_table_streams = 1" in str(error)
             stats = client.shard_stats("t")["free"]["t"]
-            assert (stats.ready, stats.leased, stats.consumed) == (ready["free"], 0, 0), delivery
+            assert (stats.ready, stats.leased, stats.consumed, stats.sampled) == (ready["free"], 0, 0, 0), delivery
         waiting.cancel()
         with BufferClient(targets["free"]) as free:
             (again,) = free.sample("t", num_groups=ready["free"] // 2, max_batches=1, timeout=10, delivery="consume")
-        assert len(again.uids) == ready["free"]
+        assert len(again.uids) == ready["free"] and again.times_sampled == [1] * ready["free"]
 
 
 def test_an_ack_made_again_after_a_shard_failed_it_ends_only_the_rest(start_server: Servers, tmp_path: Path) -> None:

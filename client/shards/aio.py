@@ -41,10 +41,8 @@ class AsyncShardedBufferClient(ShardPlans, AwaitingShards, ShardCalls):
     # ---- the driver --------------------------------------------------------------------------
 
     async def _call(self, call: Call) -> Any:
-        client = (self._probes if call.quick else self.clients)[call.shard]
+        client = call.on or (self._probes if call.quick else self.clients)[call.shard]
         try:
-            if call.method == "sample":
-                return [batch async for batch in client.sample(*call.args, **call.kwargs)]
             return await getattr(client, call.method)(*call.args, **call.kwargs)
         except BufferError as exc:
             return exc

@@ -59,10 +59,9 @@ class ShardedBufferClient(ShardPlans, BlockingShards, ShardCalls):
     # ---- the driver --------------------------------------------------------------------------
 
     def _call(self, call: Call) -> Any:
-        client = (self._probes if call.quick else self.clients)[call.shard]
+        client = call.on or (self._probes if call.quick else self.clients)[call.shard]
         try:
-            result = getattr(client, call.method)(*call.args, **call.kwargs)
-            return list(result) if call.method == "sample" else result
+            return getattr(client, call.method)(*call.args, **call.kwargs)
         except BufferError as exc:
             return exc
 

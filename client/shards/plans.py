@@ -189,10 +189,7 @@ class Planned(Sharded):
 
     def _direct(self, calls: list[Call]) -> Plan[list[Any]]:
         """Make the calls as they are, and learn from them which shards are down."""
-        outcomes = yield [
-            Call(c.shard, c.method, c.args, c.kwargs, c.shard in self._down if c.quick is None else c.quick)
-            for c in calls
-        ]
+        outcomes = yield [replace(c, quick=c.shard in self._down if c.quick is None else c.quick) for c in calls]
         for call, outcome in zip(calls, outcomes, strict=True):
             if is_down(outcome):
                 self._down.add(call.shard)

@@ -22,7 +22,8 @@ DOWN_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EX
 
 @dataclass(frozen=True)
 class Call:
-    """One call of a shard's client: `method(*args, **kwargs)`.
+    """One call of a shard's client: `method(*args, **kwargs)`, or of `on` where set (a part of a
+    sample the shard's client holds for the batch: sampling.py).
 
     `quick` asks with the shard's probe client (one attempt, a short deadline); None does so
     only while the shard is believed down, for the small calls that may degrade.
@@ -33,6 +34,7 @@ class Call:
     args: tuple[Any, ...] = ()
     kwargs: Mapping[str, Any] = field(default_factory=dict)
     quick: bool | None = False
+    on: Any = None
 
 
 @dataclass(frozen=True)
