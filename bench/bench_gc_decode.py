@@ -81,8 +81,9 @@ def decode_us(payload: bytes, batches: int, decode: Callable[[bytes], list] = de
     start = time.process_time()
     count = 0
     for _ in range(batches):
-        for exp in decode(payload):
-            count += exp.tokens.numel() > 0
+        for exp in decode(payload):  # an experience's tokens read (a TensorDict's are left as made)
+            tokens = getattr(exp, "tokens", None)
+            count += 1 if tokens is None else tokens.numel() > 0
     return (time.process_time() - start) / count * 1e6
 
 
@@ -94,6 +95,24 @@ def trinity_decode() -> Callable[[bytes], list] | None:
     except ImportError:
         return None
     return Experience.deserialize_many
+
+
+def torchrl_elements() -> Callable[[bytes], list] | None:
+    """The TorchRL storage's decode of a drawn batch: its experiences, then a TensorDict each
+    (`convert.to_elements`, which ExpbufStorage.hold makes under the pause), if torchrl is installed."""
+    try:
+        from tensordict import set_list_to_stack
+
+        from expbuf.client.torchrl import convert as torchrl_convert
+    except ImportError:
+        return None
+
+    def elements(payload: bytes) -> list:
+        experiences = decode_reply(payload)
+        with set_list_to_stack(True):
+            return torchrl_convert.to_elements(experiences, "query")
+
+    return elements
 
 
 def paused(decode: Callable[[bytes], list], payload: bytes) -> list:
@@ -176,6 +195,10 @@ def main() -> None:
     if trinity is not None:  # the Trinity reader's decode, Trinity-RFT's own, with its pause and without
         kinds["trinity"] = lambda: decode_us(payload, args.batches, lambda p: paused(trinity, p))
         kinds["trinity unpaused"] = lambda: decode_us(payload, args.batches, trinity)
+    torchrl = torchrl_elements()
+    if torchrl is not None:  # fewer batches: a TensorDict an experience costs ten times a decode
+        kinds["torchrl"] = lambda: decode_us(payload, args.batches // 6 or 1, lambda p: paused(torchrl, p))
+        kinds["torchrl unpaused"] = lambda: decode_us(payload, args.batches // 6 or 1, torchrl)
     results: dict[str, list[float]] = {name: [] for name in kinds}
     watches = {name: Collections() for name in kinds}
     for r in range(args.rounds):
@@ -221,6 +244,16 @@ def main() -> None:
                     f"{med['trinity unpaused']:.1f} | {med['trinity unpaused'] / med['default']:.2f} |",
                 ]
                 if "trinity" in med
+                else []
+            ),
+            *(
+                [
+                    "| TorchRL's elements of the batch (decoded, then `to_elements` as ExpbufStorage makes them), "
+                    f"paused | {med['torchrl']:.1f} | {med['torchrl'] / med['default']:.2f} |",
+                    "| TorchRL's elements of the batch, without the pause | "
+                    f"{med['torchrl unpaused']:.1f} | {med['torchrl unpaused'] / med['default']:.2f} |",
+                ]
+                if "torchrl" in med
                 else []
             ),
             "",

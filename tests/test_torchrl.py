@@ -12,7 +12,9 @@ wrappers and its Ray collectors need CUDA and are not run; nothing else of the p
 
 from __future__ import annotations
 
+import gc
 import pickle
+import sys
 import threading
 from collections import Counter
 from collections.abc import Iterator
@@ -137,6 +139,35 @@ def test_a_sampled_element_holds_what_was_extended_under_torchrls_keys(target) -
         assert int(back["policy_version"]) == 7
         full = back["log_probs", "full"]
         assert bool(full[:3].isnan().all()) and torch.equal(full[3:], td["log_probs", "response"])
+
+
+def test_a_drawn_batchs_elements_are_made_without_the_collectors_passes(target) -> None:
+    """The storage makes a drawn batch's TensorDicts (convert.to_element) with the collector's passes
+    held off, as a batch is decoded: none starts inside, where at this threshold dozens would."""
+    with BufferClient(target) as admin:
+        admin.create_table("made", group_size=2, estimator="grpo")
+    rb = buffer(target, "made", 128)
+    rb.extend(groups([f"q{i}" for i in range(64)], 2))
+    inside: list[bool] = []
+
+    def seen(phase: str, info: dict) -> None:
+        if phase == "start":  # a pass runs on the thread whose allocation brought it on
+            frame, making = sys._getframe(1), False
+            while frame is not None and not making:
+                making = frame.f_code.co_name == "to_element"
+                frame = frame.f_back
+            inside.append(making)
+
+    thresholds = gc.get_threshold()
+    gc.set_threshold(100, 10, 10)
+    gc.callbacks.append(seen)
+    try:
+        batch = rb.sample()
+    finally:
+        gc.callbacks.remove(seen)
+        gc.set_threshold(*thresholds)
+    assert len(rows(batch)) == 128 and gc.isenabled()
+    assert inside and not any(inside)  # passes ran (the threshold is low), none inside the making
 
 
 def test_a_tensordict_replay_buffer_takes_them_too(target) -> None:

@@ -39,6 +39,7 @@ from expbuf.client.kit.tables import table_info
 from expbuf.client.results import Batch, TableInfo
 from expbuf.client.schema.experience import EID, Experience
 from expbuf.client.schema.reasons import Reason
+from expbuf.client.trxp.codec.gc_pause import collector_paused
 
 from . import convert
 
@@ -235,8 +236,13 @@ class ExpbufStorage(LazyStackStorage):
     # ------------------------------------------------------------------ reading
 
     def hold(self, batch: Batch) -> int:
-        """Keep a drawn batch's elements for `get`; returns how many there are."""
-        self._storage = convert.to_elements(batch.experiences, self.group_key)
+        """Keep a drawn batch's elements for `get`; returns how many there are. Its TensorDicts are
+        made without the garbage collector's passes, as a batch is decoded (gc_pause.py): they make
+        and drop a few dozen objects an element, which the passes moved into the collector's oldest
+        generation (1.6x the CPU of making them without it, bench/RESULTS.md)."""
+        experiences = batch.experiences
+        with collector_paused():
+            self._storage = convert.to_elements(experiences, self.group_key)
         self._bump_mutation_revision()
         return len(self._storage)
 
