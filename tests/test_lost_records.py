@@ -156,6 +156,47 @@ def test_a_sample_stream_past_a_lost_group_record_is_served_and_the_server_stays
     assert server.store.verify("t") == []
 
 
+def garble(store: Store, table: str, name: str, db: str, keep: int | None = None) -> None:
+    """Cut a uid's record (items) or a group's (groups) to its first `keep` bytes (None: half), as a
+    damaged page would leave it: stored, and no longer decoding."""
+    key, where = layout.table_prefix(store.catalog.lookup(table)[0]) + name.encode(), store.db[db]
+
+    def cut(txn) -> None:  # type: ignore[no-untyped-def]
+        raw = bytes(txn.get(key, db=where))
+        txn.put(key, raw[: len(raw) // 2 if keep is None else keep], db=where)
+
+    store.environment.submit(cut)
+
+
+@pytest.mark.parametrize("db", ["items", "groups"])
+@pytest.mark.parametrize("order", ["fifo", "lifo", "priority"])  # each reaches 0/1 before its batch is full
+def test_a_sample_fails_a_group_whose_record_does_not_decode_and_serves_the_others(
+    start_server: Servers, caplog: pytest.LogCaptureFixture, db: str, order: str
+) -> None:
+    """A record a damaged page left undecodable, a member's or its group's: a sample over gRPC fails
+    its group as one whose record is lost (the member quarantined, or the group's members kept for
+    Get), named in the log and as the table's last failure, and serves the others; the table checks
+    clean after it. The sample was refused INTERNAL (struct.error) every time it reached the group."""
+    caplog.set_level(logging.ERROR, "expbuf.store")
+    server = start_server()
+    store = server.store
+    store.create_table(TableConfig.of("t", estimator="none", group_size=4))
+    for task in range(3):
+        store.put("t", group_items(0, task, 4, reward=float(task), priority=5.0 if task == 1 else 1.0))
+    garble(store, "t", uids(1)[2] if db == "items" else "0/1", db)
+    with BufferClient(f"127.0.0.1:{server.port}", timeout=10) as client:
+        batch = next(iter(client.sample("t", num_groups=2, order=order, max_batches=1, timeout=5)))
+        assert sorted(set(batch.group_ids)) == ["0/0", "0/2"]
+    quarantined = int(db == "items")
+    assert {name: n for name, n in counted(store).items() if name not in ("ready", "leased")} == {
+        "failed": 4 - quarantined, "quarantined": quarantined, "damaged": quarantined, "groups_failed": 1,
+    }  # fmt: skip
+    assert "group 0/1" in store.stats("t")["last_failure"]
+    assert any("0/1" in r.getMessage() and "does not decode" in r.getMessage() for r in caplog.records)
+    assert store.get("t", uids(1)).keys() == set(uids(1)) - ({uids(1)[2]} if quarantined else set())
+    assert store.verify("t") == []
+
+
 # ---- a member's record lost under a group that is evicted or whose lease ends ------------------
 
 
@@ -448,7 +489,7 @@ def test_a_claimed_prompt_s_group_leaving_with_a_member_s_record_lost_moves_its_
     [("priority", None, "prio"), ("fifo", 1, "byver"), ("uniform", None, "slots")],
     ids=["priority", "min-version", "uniform"],
 )
-@pytest.mark.parametrize("lost", ["group", "member"])
+@pytest.mark.parametrize("lost", ["group", "member", "garbled-group"])
 @pytest.mark.parametrize("when", ["request", "open"])
 def test_an_index_built_over_a_lost_record_is_built_and_the_sample_serves_the_others(
     tmp_path: Path, caplog: pytest.LogCaptureFixture, order: str, fresh: int | None, index: str, lost: str, when: str
@@ -459,20 +500,24 @@ def test_an_index_built_over_a_lost_record_is_built_and_the_sample_serves_the_ot
     build completes, and the sample is served the other groups. The build of the priority or the
     version index read each ready group's record and failed at the lost one ("group 0/1 is named
     but not stored"): the request waiting for it was refused INTERNAL, and each request after it
-    tried the build again and was refused alike, the order never served."""
+    tried the build again and was refused alike, the order never served. A group record cut inside
+    its head (garbled-group) is met as a lost one: the build failed at it with a struct.error."""
     caplog.set_level(logging.ERROR, "expbuf.store")
     store = Store(tmp_path)
     store.create_table(TableConfig.of("t", estimator="none", group_size=4))
     made_before(store)
     for task in range(4):
         store.put("t", group_items(0, task, 4, reward=float(task), priority=5.0 if task == 1 else 1.0, version=1))
-    lose(store, "t", "0/1" if lost == "group" else uids(1)[2], "groups" if lost == "group" else "items")
+    if lost == "garbled-group":
+        garble(store, "t", "0/1", "groups", keep=16)
+    else:
+        lose(store, "t", "0/1" if lost == "group" else uids(1)[2], "groups" if lost == "group" else "items")
     assert index not in (kept_by(store) or set())
     if when == "open":  # the next open builds every index the table lacks, no request asking
         store.close()
         store = Store(tmp_path)
         wait_for(lambda: store.index_builds() == [], "the builds from the open", seconds=30)
-        assert store.stats("t")["groups_failed"] == (lost == "group")  # the build met the lost group
+        assert store.stats("t")["groups_failed"] == (lost != "member")  # the build met the lost group
     with store:
         spec = TakeSpec("t", num_groups=3, wait_seconds=30, order=order, min_model_version=fresh)
         batch = store.sample(spec, hold=False)

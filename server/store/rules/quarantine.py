@@ -18,7 +18,8 @@ payload is, so that a retried push of it is still a duplicate), its payload and 
 insertion order, found by its uid, go, and the table's bytes are recounted from its records (the
 lost record's size, counted in them, is known nowhere else). A ready group whose own record is
 lost fails when a sample passes it over or an index build reads past it (`fail_lost_groups`), its
-record remade from its members' (core/verbs/groups.remade), their payloads kept for Get.
+record remade from its members' (core/verbs/groups.remade), their payloads kept for Get. A record
+that does not decode (a damaged page) is read as lost (TableState.item, .group) and met alike.
 
 A rows table's (issue 64) group with a damaged member fails as a records table's does, the damaged
 member's payload gone and the others' kept, the damaged member flagged quarantined in its segment's
@@ -87,7 +88,7 @@ def quarantine_lost(tt: TableState, groups: Sequence[tuple[str, GroupView]]) -> 
         return
     damaged = []
     for gkey, grp in groups:
-        lost = {uid: "its record is not stored" for uid in grp.members if tt.member(uid) is None}
+        lost = {uid: tt.lost_why(uid) for uid in grp.members if tt.member(uid) is None}
         if lost:
             damaged.append((gkey, grp, lost))
     if damaged:
@@ -122,12 +123,13 @@ def fail_lost_groups(tt: TableState, gkeys: Sequence[str]) -> None:
                 tt.config.name, gkey,
             )  # fmt: skip
             continue
+        why = tt.lost_why(gkey)
         log.error(
-            "table %s: group %s failed (its record is not stored): never served; its %d experience(s) kept for Get",
-            tt.config.name, gkey, len(grp.members),
+            "table %s: group %s failed (%s): never served; its %d experience(s) kept for Get",
+            tt.config.name, gkey, why, len(grp.members),
         )  # fmt: skip
         tt.counters.groups_failed += 1
-        tt.counters.last_failure = f"group {gkey}: its record is not stored"
+        tt.counters.last_failure = f"group {gkey}: {why}"
         failed.append((gkey, grp))
     retire.retire(tt, failed, FAILED, keep_payloads=True)
 

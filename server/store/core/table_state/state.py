@@ -11,8 +11,9 @@ pushes, what computes): those are the arguments of the verbs that need them.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from types import MappingProxyType
+from typing import TypeVar
 
 import lmdb
 
@@ -48,6 +49,7 @@ Cached = ItemRecord | None
 # A damaged page can make LMDB or a row's decoder raise almost anything: every exception is damage.
 _DAMAGE = Exception
 log = logging.getLogger("expbuf.store")
+R = TypeVar("R", ItemRecord, GroupRecord)
 
 
 def _uids_begin(gkey: str, by: str) -> str:
@@ -119,6 +121,7 @@ class TableState:
         self._groups: dict[str, GroupRecord | None] = {}
         self._dirty_items: dict[str, ItemRecord] = {}
         self._dirty_groups: dict[str, GroupRecord] = {}
+        self._undecodable: set[str] = set()  # uids and group keys whose records do not decode (lost_why)
 
     def save(self) -> None:
         """Write changed records and the counters; every changing request ends with it."""
@@ -141,7 +144,7 @@ class TableState:
             raw = self.txn.get(key, db=self.db["items"])
             if raw is None:
                 raw = self.txn.get(key, db=self.db["tombs"])
-            self._items[uid] = None if raw is None else ItemRecord.decode(raw)
+            self._items[uid] = None if raw is None else self._decoded(ItemRecord.decode, raw, "experience", uid)
         return self._items[uid]
 
     def existing_item(self, uid: str) -> ItemRecord:
@@ -188,8 +191,29 @@ class TableState:
         """The group's record; a view of it to code outside the core (`view`)."""
         if gkey not in self._groups:
             raw = self.txn.get(self.key(gkey), db=self.db["groups"])
-            self._groups[gkey] = None if raw is None else GroupRecord.decode(raw)
+            self._groups[gkey] = None if raw is None else self._decoded(GroupRecord.decode, raw, "group", gkey)
         return self._groups[gkey]
+
+    def _decoded(
+        self, decode: Callable[[bytes | memoryview], R], raw: bytes | memoryview, what: str, name: str
+    ) -> R | None:
+        """A record decoded; None where a damaged page left it undecodable: read as lost, as a record
+        not stored is, which the verbs that meet it quarantine or fail (rules/quarantine.py) and the
+        retirement replaces (retire.bury_lost, quarantine.fail_lost_groups); logged where it is not
+        already the table's last failure."""
+        try:
+            return decode(raw)
+        except _DAMAGE as exc:
+            self._undecodable.add(name)
+            failure = f"the record of {what} {clip(name)} does not decode ({type(exc).__name__}: {clip(str(exc), 200)})"
+            if self.counters.last_failure != failure:
+                log.error("table %s: %s: read as lost; run `expbuf check`", self.config.name, failure)
+                self.counters.last_failure = failure
+            return None
+
+    def lost_why(self, name: str) -> str:
+        """Why the record of an experience or group `name` that `item` or `group` read as None is lost."""
+        return "its record does not decode" if name in self._undecodable else "its record is not stored"
 
     def existing_group(self, gkey: str) -> GroupRecord:
         """The record of a group an index or a member names, which exists while they do."""
@@ -314,10 +338,15 @@ class TableState:
         db, found, lost = self.db["groups"], [], []
         for _, gkey in rows:
             raw = self.txn.get(self.prefix + gkey, db=db)
-            if raw is None:
+            try:
+                placed = None if raw is None else GroupRecord.placed(raw)
+            except _DAMAGE:  # its head damaged: lost, as `group` reads it (logged, and named by lost_why)
+                placed = None
+                self.group(gkey.decode())
+            if placed is None:
                 lost.append(gkey.decode())
             else:
-                found.append(ReadyGroup(gkey, *GroupRecord.placed(raw)))
+                found.append(ReadyGroup(gkey, *placed))
         return found, after, lost
 
     def _ready_places(self, start: int, limit: int, columns: bool) -> tuple[list[ReadyGroup], int | None]:

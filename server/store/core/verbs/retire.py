@@ -124,11 +124,12 @@ def _found_lost(tt: TableState, lost: Sequence[tuple[str, str]], state: State) -
     """Members of groups retired as `state` whose records are lost, found by the retirement
     itself: counted damaged and logged, once each, as the quarantine rule does those it names."""
     for gkey, uid in lost:
+        why = tt.lost_why(uid)
         log.error(
-            "table %s: experience %s quarantined (its record is not stored): never served; its group %s left as %s",
-            tt.config.name, uid, gkey, state,
+            "table %s: experience %s quarantined (%s): never served; its group %s left as %s",
+            tt.config.name, uid, why, gkey, state,
         )  # fmt: skip
-        tt.counters.last_failure = f"group {gkey}: experience {uid} quarantined: its record is not stored"
+        tt.counters.last_failure = f"group {gkey}: experience {uid} quarantined: {why}"
     tt.counters.damaged += len(lost)
 
 
@@ -268,6 +269,7 @@ def bury_lost(tt: TableState, lost: Sequence[tuple[str, State, str]]) -> None:
             state=QUARANTINED, group=gkey, seq=0, digest=bytes(16) if blob is None else digests.of(blob), size=0,
             created=tt.now, tid="", rid="", step=0, response_length=0, generated=0, retired=tt.now,
         )  # fmt: skip
+        tt.txn.delete(key, db=tt.db["items"])  # a record that did not decode (TableState.item)
         tt.txn.put(key, rec.tombstone(), db=tt.db["tombs"])
         tt.settle_item(uid, rec)
         tt.counters.add(state, -1)

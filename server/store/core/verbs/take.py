@@ -138,7 +138,7 @@ class Payloads:
         """Read the payloads of a group's members (`recs`, those whose records are stored); the
         members that cannot be served (a deferred one: its advantage alone), a member whose record
         or payload is not stored as damaged (the directory lost it)."""
-        problems = [Unservable(uid, "its record is not stored", damaged=True) for uid in grp.members if uid not in recs]
+        problems = [Unservable(uid, self.tt.lost_why(uid), damaged=True) for uid in grp.members if uid not in recs]
         for uid, rec in recs.items():
             problem = self._check(uid, self.tt.key(uid), rec.seq, rec.digest, rec.size, rec.advantage)
             if problem is not None:
