@@ -19,6 +19,7 @@ import lmdb
 import pytest
 
 from expbuf.client import BufferClient, trxp
+from expbuf.client.errors import NotFoundError
 from expbuf.server.store import Moved, Retired, Store, TableExtension, Taken
 from expbuf.server.store.core.ordering.ready import BUILD_CHUNK
 from expbuf.server.store.core.table_state.state import TableState
@@ -552,6 +553,13 @@ def test_a_damaged_payload_fails_its_group_and_the_others_are_served(tmp_path: P
         runs_cover_the_ready_groups(store, "t_rows")
 
 
+def garble_segment(store: Store, table: str, seg: int, db: str) -> None:
+    """A segment's rows (segs) or state row (sstate) left undecodable, as a damaged page would: its
+    first byte, the row's kind, changed."""
+    key = layout.table_prefix(store.catalog.lookup(table)[0]) + layout.u64(seg)
+    store.environment.submit(lambda txn: txn.put(key, b"\x07" + txn.get(key, db=store.db[db])[1:], db=store.db[db]))
+
+
 @pytest.mark.parametrize(("db", "order"), [("segs", "fifo"), ("sstate", "lifo"), ("segs", "priority")])
 def test_a_sample_passes_over_a_segment_that_does_not_decode_and_serves_the_others(  # type: ignore[no-untyped-def]
     start_server, caplog: pytest.LogCaptureFixture, db: str, order: str
@@ -570,8 +578,7 @@ def test_a_sample_passes_over_a_segment_that_does_not_decode_and_serves_the_othe
         segs = [int.from_bytes(key[4:], "big") for key, _ in _rows(txn, store.db["segs"], prefix)]
     assert segs == [0, 32]
     damaged = segs[1] if order == "lifo" else segs[0]  # the one a take reaches first
-    key = prefix + layout.u64(damaged)
-    store.environment.submit(lambda txn: txn.put(key, b"\x07" + txn.get(key, db=store.db[db])[1:], db=store.db[db]))
+    garble_segment(store, "t", damaged, db)
     served = set(range(32, 40)) if damaged == 0 else set(range(32))
     with BufferClient(f"127.0.0.1:{server.port}", timeout=10) as client:
         for _ in range(2):
@@ -579,6 +586,86 @@ def test_a_sample_passes_over_a_segment_that_does_not_decode_and_serves_the_othe
             assert len(batch.uids) == 32 and {int(gkey[2:]) for gkey in batch.group_ids} <= served
     assert sum(f"segment {damaged}" in r.getMessage() and "expbuf check" in r.getMessage() for r in caplog.records) == 1
     assert str(store.stats("t")["last_failure"]).startswith(f"segment {damaged} does not decode")
+
+
+def passed_over_once(caplog: pytest.LogCaptureFixture, store: Store, seg: int) -> None:
+    """The segment named once in an error log line, with `expbuf check`, and as the table's last failure."""
+    assert sum(f"segment {seg}" in r.getMessage() and "expbuf check" in r.getMessage() for r in caplog.records) == 1
+    assert str(store.stats("t")["last_failure"]).startswith(f"segment {seg} does not decode")
+
+
+@pytest.mark.parametrize("db", ["segs", "sstate"])
+@pytest.mark.parametrize("end", ["ack", "nack"])
+def test_a_lease_in_part_in_a_segment_that_does_not_decode_ends_for_the_rest(  # type: ignore[no-untyped-def]
+    start_server, caplog: pytest.LogCaptureFixture, db: str, end: str
+) -> None:
+    """A lease of groups of two segments, one of which a damaged page left undecodable: its ack over
+    gRPC consumes the groups of the other, its nack puts them back, and the lease is gone; the damaged
+    segment's groups, which nothing can name apart from it, are passed over, the segment named once,
+    for `expbuf check`. Both were refused INTERNAL (ValueError), the lease left as it was."""
+    caplog.set_level(logging.ERROR, "expbuf.store")
+    server = start_server()
+    store = server.store
+    store.create_table(TableConfig.of("t", layout="rows", **EIGHTS))
+    store.put("t", items(40, 8))  # segment 0 of 32 groups, segment 32 of 8
+    with BufferClient(f"127.0.0.1:{server.port}", timeout=10) as client:
+        stream = client.sample("t", num_groups=36, delivery="lease", window=1, prefetch=0)
+        batch = next(stream)
+        stream.close()  # the batch handed over stays leased: segment 0's groups and 4 of segment 32's
+        garble_segment(store, "t", 0, db)
+        assert (batch.ack() if end == "ack" else batch.nack()) == 32
+        stats = client.stats("t").tables["t"]
+        assert (stats.consumed, stats.ready, stats.leased) == ((32, 32, 256) if end == "ack" else (0, 64, 256))
+        with pytest.raises(NotFoundError):
+            batch.ack()
+        served = next(iter(client.sample("t", num_groups=4, max_batches=1, timeout=5)))
+        assert {int(gkey[2:]) for gkey in served.group_ids} <= set(range(32, 40))
+    passed_over_once(caplog, store, 0)
+
+
+@pytest.mark.parametrize("db", ["segs", "sstate"])
+def test_an_expired_lease_in_part_in_a_segment_that_does_not_decode_ends_for_the_rest(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, db: str
+) -> None:
+    """The upkeep's expiry of such a lease puts the other segment's groups back and ends it, the
+    damaged segment named once: the upkeep failed at the lease at every pass, which never ended."""
+    caplog.set_level(logging.ERROR, "expbuf.store")
+    clock = Clock()
+    with Store(tmp_path, clock=clock) as store:
+        store.create_table(TableConfig.of("t", layout="rows", **EIGHTS))
+        store.put("t", items(40, 8))
+        spec = TakeSpec("t", num_groups=36, delivery="lease", lease_seconds=10, wait_seconds=0)
+        assert store.sample(spec, hold=False) is not None
+        garble_segment(store, "t", 0, db)
+        clock.now += 11
+        done = store.tick()
+        assert (done["failed"], done["leases_expired"], done["requeued"]) == (0, 1, 32)
+        assert store.tick()["failed"] == 0
+        assert (store.stats("t")["ready"], store.stats("t")["leases_expired"]) == (64, 1)
+        passed_over_once(caplog, store, 0)
+
+
+@pytest.mark.parametrize("db", ["segs", "sstate"])
+def test_an_eviction_passes_over_a_segment_that_does_not_decode_and_evicts_the_next(  # type: ignore[no-untyped-def]
+    start_server, caplog: pytest.LogCaptureFixture, db: str
+) -> None:
+    """A push over gRPC into a full table (when_full=evict) whose oldest segment a damaged page left
+    undecodable evicts the oldest group of the next and is stored, the damaged segment named once,
+    and so do the pushes after it. It was refused INTERNAL (ValueError)."""
+    caplog.set_level(logging.ERROR, "expbuf.store")
+    server = start_server()
+    store = server.store
+    store.create_table(TableConfig.of("t", layout="rows", capacity_experiences=320, when_full="evict", **EIGHTS))
+    store.put("t", items(40, 8))
+    garble_segment(store, "t", 0, db)
+    with BufferClient(f"127.0.0.1:{server.port}", timeout=10) as client:
+        assert len(client.push(trxp.build(items(1, 8, first=40)), "t").stored) == 8
+        assert client.stats("t").tables["t"].evicted == 8
+        for first in range(41, 48):  # the rest of segment 32, then the new groups
+            client.push(trxp.build(items(1, 8, first=first)), "t")
+        served = next(iter(client.sample("t", num_groups=8, max_batches=1, timeout=5)))
+        assert {int(gkey[2:]) for gkey in served.group_ids} == set(range(40, 48))
+    passed_over_once(caplog, store, 0)
 
 
 def test_a_sample_stream_over_grpc_serves_a_rows_table_as_a_records_one(start_server) -> None:  # type: ignore[no-untyped-def]

@@ -66,8 +66,8 @@ def leased(tt: TableState, segments: Segments, lease_id: str, lease: RowLease, *
     tag, lease_tag = bytes.fromhex(lease_id), "" if ending else lease_id
     under: dict[int, list[int]] = {}  # by segment, each read once
     for run in lease.runs:
-        state = segments.found(run.seg)
-        if state is None:  # its groups left the lease and retired, and it was forgotten
+        state = segments.found_readable(run.seg)
+        if state is None:  # its groups left the lease and retired, and it was forgotten; or damage
             continue
         under.setdefault(run.seg, []).extend(state.under(run.first, run.first + run.length, LEASED, tag))
     found = Picks.joined(

@@ -200,6 +200,8 @@ def evict(tt: TableState, over: Callable[[int, int], bool], live: int, held: int
     picked: list[Picked] = []
     with contextlib.closing(ready_runs(tt, False)) as runs:
         for _, run in runs:
+            if not segments.readable(run.seg):  # damage: its groups passed over, the next ones evicted
+                continue
             view, state = segments.view(run.seg), segments.state(run.seg)
             for g in range(run.first, run.first + run.length):
                 p = picks(view, state, run.seg, [g], READY, "")[0]

@@ -76,6 +76,14 @@ class Segments:
             state = self._states[seg] = SegState.decode(raw)
         return state
 
+    def found_readable(self, seg: int) -> SegState | None:
+        """`found`'s state where the segment's rows and state decode too: None also where they do not,
+        its groups passed over as a take passes them (`readable`), so that a verb that names groups
+        of it (a lease's end, an eviction) acts on the others."""
+        if seg not in self._states and self.tt.txn.get(self.tt.prefix + u64(seg), db=self.tt.db["sstate"]) is None:
+            return None
+        return self._states[seg] if self.readable(seg) else None
+
     def state(self, seg: int) -> SegState:
         state = self.found(seg)
         if state is None:
