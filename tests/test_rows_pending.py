@@ -440,6 +440,43 @@ def test_a_pending_group_whose_rows_are_damaged_ends_as_a_records_tables_with_lo
         clean(store, "t", "t_rows")
 
 
+@pytest.mark.parametrize("how", ["lost", "cut"])
+def test_a_pending_group_whose_rows_are_damaged_is_read_and_deleted_as_a_records_tables_with_lost_records(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, how: str
+) -> None:
+    """A pending group's fragment lost or undecodable: Get, its raw read and ReadFields serve its members
+    whose rows read and list the others as missing, logged, and a Delete of those (one by uid, then the
+    group) takes them out, as a records table's group whose members' records are lost: the group is
+    left with its lost members, and a seal then fails it with them quarantined. Each was refused
+    (StoreError "fragment ... is named but not stored", or INTERNAL: struct.error)."""
+    caplog.set_level(logging.ERROR, "expbuf.store")
+    with Store(tmp_path, clock=Clock()) as store:
+        both(store, "t", **LARGE)
+        for at in range(0, 33, 3):
+            put_both(store, "t", [run(task, n) for task in range(2) for n in range(at, at + 3)])
+        lost = lose_first_fragment(store, how)
+        kept = [uid(0, n) for n in range(33) if uid(0, n) not in lost]
+        for table in ("t", "t_rows"):
+            assert store.get(table, [*lost, *kept]).keys() == set(kept)
+            assert store.get_payload(table, [*lost, *kept])[1] == lost
+            batch, missing = store.read_fields(table, [*lost, *kept])
+            try:
+                assert (batch.uids, missing) == (kept, lost)
+            finally:
+                batch.release()
+        assert all(sum(u in r.getMessage() for r in caplog.records) >= 2 for u in lost)  # logged for each table
+        assert [store.delete(table, uids=[kept[0], lost[0]]) for table in ("t", "t_rows")] == [1, 1]
+        assert [store.delete(table, group_ids=["0/0"]) for table in ("t", "t_rows")] == [len(kept) - 1] * 2
+        assert stats(store, "t_rows") == stats(store, "t")
+        assert store.get("t_rows", kept) == {}
+        for table in ("t", "t_rows"):
+            store.seal(table, "0/0")
+        got = {k: v for k, v in stats(store, "t_rows").items() if k != "last_failure"}
+        assert got == {k: v for k, v in stats(store, "t").items() if k != "last_failure"}
+        assert (got["groups_failed"], got["quarantined"], got["pending"]) == (1, len(lost), 33)
+        clean(store, "t", "t_rows")
+
+
 def test_a_computing_group_whose_rows_are_damaged_fails_as_a_records_tables_with_lost_records(tmp_path: Path) -> None:
     """A group waiting for its advantages whose fragment is lost: the advantage worker's pass fails it
     (the members whose rows were lost quarantined) as a records table's whose members' records are

@@ -74,6 +74,26 @@ def pending_rows(
     return found
 
 
+def readable_rows(
+    reader: Reader, dbs: Mapping[str, lmdb._Database], prefix: bytes, gkey: str, head: PendingHead
+) -> list[Member]:
+    """`pending_rows`, less those damage lost (a fragment not stored or not decoding, the head's own rows
+    not decoding): what a Get serves and a Delete takes out, as a records table's reads pass over a
+    member whose record is lost; the members its head names whose rows are not among them stay its,
+    for its end to fail it with (TableState.pending_members)."""
+    found: list[Member] = []
+    for number in range(head.fragments + 1):  # each fragment, then the head's own rows
+        try:
+            if number == head.fragments:
+                found.extend(head.inline_rows())
+            else:
+                key = fragment_key(prefix, gkey, number)
+                found.extend(decode_member_rows(stored(reader, key, dbs["frags"], "fragment")))
+        except _DAMAGE:
+            continue
+    return found
+
+
 def stored(reader: Reader, key: bytes, db: lmdb._Database, what: str) -> bytes | memoryview:
     """The value of a table's key (its id, then a name) that an index or a record names, so
     it is stored: one that is not is damage, refused by name rather than read as nothing."""
@@ -262,20 +282,12 @@ class TableState:
         Returns the rows, the uids of those made from payloads, and how many members its head names
         whose payloads are not stored either."""
         try:
-            return tuple(self.pending_rows(gkey, head)), frozenset(), 0
+            rows = self.pending_rows(gkey, head)
+            if len(rows) == len(head.hashes):  # else a Delete left the hashes of those lost (row_pending.left)
+                return tuple(rows), frozenset(), 0
         except _DAMAGE:
             pass
-        read: dict[int, Member] = {}
-        for number in range(head.fragments + 1):  # each fragment, then the head's own rows
-            try:
-                if number == head.fragments:
-                    rows = head.inline_rows()
-                else:
-                    key = fragment_key(self.prefix, gkey, number)
-                    rows = decode_member_rows(stored(self.txn, key, self.db["frags"], "fragment"))
-            except _DAMAGE:
-                continue
-            read.update((uid_hash(row.uid), row) for row in rows)
+        read = {uid_hash(row.uid): row for row in readable_rows(self.txn, self.db, self.prefix, gkey, head)}
         made = self._from_payloads(gkey, set(head.hashes) - read.keys(), head.created)
         found = tuple(row for h in head.hashes if (row := read.get(h) or made.get(h)) is not None)
         return found, frozenset(row.uid for row in made.values()), len(head.hashes) - len(found)

@@ -24,12 +24,12 @@ from expbuf.client.schema.routing import uid_group_key
 
 from ...disk import chunked
 from ...disk.records import DELETED
-from ...disk.rows import PendingHead, SegState
+from ...disk.rows import PendingHead, SegState, uid_hash
 from ...schema.states import DROPPED, FAILED, LIVE, QUARANTINED, READY, RETIRED
 from ..table_state import rate_counts
 from ..table_state.events import Retired
 from ..table_state.picks import Picked
-from ..table_state.state import TableState
+from ..table_state.state import TableState, readable_rows
 from ..table_state.views import RowGroup, RowMember, quarantined, row_members
 from . import pieces, row_moves, row_pending, row_select
 from .row_select import NO_LEASE, Segments
@@ -42,19 +42,22 @@ EMPTIED = DROPPED
 @dataclass(slots=True)
 class _Touched:
     """A group a delete meets, as it stood: its view and its members' views; of a complete group, its
-    place (`picked`) and each member's index in its segment; of a pending one, its head. `gone`: the
-    members this delete takes out, in the order it takes them."""
+    place (`picked`) and each member's index in its segment; of a pending one, its head, and the hashes
+    of the members its head names whose rows damage lost (`lost`: not among its views, as a records
+    table's member whose record is lost is not deleted, and kept in its head). `gone`: the members this
+    delete takes out, in the order it takes them."""
 
     group: RowGroup
     members: dict[str, RowMember]
     picked: Picked | None = None
     places: dict[str, int] = field(default_factory=dict)
     head: PendingHead | None = None
+    lost: list[int] = field(default_factory=list)
     gone: list[str] = field(default_factory=list)
 
     @property
     def emptied(self) -> bool:
-        return len(self.gone) == len(self.members)
+        return len(self.gone) == len(self.members) and not self.lost
 
 
 def delete(tt: TableState, uids: Sequence[str], group_ids: Sequence[str]) -> int:
@@ -108,7 +111,8 @@ def delete(tt: TableState, uids: Sequence[str], group_ids: Sequence[str]) -> int
                 row.flag(grp.places[uid], SegState.DELETED)
         elif not grp.emptied:
             assert grp.head is not None
-            row_pending.left(tt, grp.group.key, grp.head, [m for m in grp.group.rows if m.uid not in grp.gone])
+            rows = [m for m in grp.group.rows if m.uid not in grp.gone]
+            row_pending.left(tt, grp.group.key, grp.head, rows, grp.lost)
     _gone(tt, segments, [grp for grp in changed if grp.emptied])
     segments.save()
     if emptied:  # as a records table's: each group as it stood, without members
@@ -124,10 +128,11 @@ def _read(tt: TableState, segments: Segments, gkey: str) -> _Touched | None:
     """The group of this key as a delete meets it; None: the table has none."""
     head = row_pending.head(tt, gkey)
     if head is not None:
-        rows = tuple(tt.pending_rows(gkey, head))
+        rows = tuple(readable_rows(tt.txn, tt.db, tt.prefix, gkey, head))
         now = head.state  # a computing one waits for the worker
         group = RowGroup(gkey, now, rows, dict(head.failed), created=head.created)
-        return _Touched(group, row_members(group), head=head)
+        read = {uid_hash(row.uid) for row in rows}
+        return _Touched(group, row_members(group), head=head, lost=[h for h in head.hashes if h not in read])
     picked = row_select.complete_groups(tt, segments, [gkey])
     if not picked:
         return None

@@ -237,19 +237,27 @@ def _add(tt: TableState, gkey: str, entry: PendingHead, new: Sequence[Member]) -
     return None if spilled is None else (fragment_key(tt.prefix, gkey, entry.fragments - 1), spilled)
 
 
-def left(tt: TableState, gkey: str, head: PendingHead, rows: Sequence[Member]) -> None:
+def left(tt: TableState, gkey: str, head: PendingHead, rows: Sequence[Member], lost: Sequence[int] = ()) -> None:
     """Members left a pending group (a Delete): those still in it (`rows`, in push order) written again
     in its head, as a group's first members are (PendingHead.add: in its first fragment where they
-    spill); with none, its fragments and pending index row go (its directory entry is the caller's)."""
-    if not rows:
+    spill), and the hashes of those whose rows damage lost (`lost`) after them, so that its end still
+    fails it with them (TableState.pending_members); with neither, its fragments and pending index row
+    go (its directory entry is the caller's)."""
+    if not rows and not lost:
         _forget(tt, gkey)
         return
-    oldest_index.head_changed(tt, gkey, oldest_index.head_first(tt, gkey, head), rows[0].created)
+    now = rows[0].created if rows else None
+    if lost:  # its first member's row may be one damage lost: its key found by the group's
+        oldest_index.head_gone(tt, gkey, head)
+        oldest_index.head_changed(tt, gkey, None, now)
+    else:
+        oldest_index.head_changed(tt, gkey, oldest_index.head_first(tt, gkey, head), now)
     for number in range(head.fragments):
         tt.txn.delete(fragment_key(tt.prefix, gkey, number), db=tt.db["frags"])
     head.fragments, head.hashes, head.inline = 0, [], b""
     if (spilled := head.add(rows)) is not None:
         tt.txn.put(fragment_key(tt.prefix, gkey, 0), spilled, db=tt.db["frags"])
+    head.hashes.extend(lost)
     tt.txn.put(tt.key(gkey), head.encode(), db=tt.db["gdir"])
 
 

@@ -42,7 +42,7 @@ from ...schema.table_config import TableConfig
 from ...schema.views import GroupView, MemberView
 from ..table_state import oldest_index
 from ..table_state.read_check import payload_problem, stored_problem
-from ..table_state.state import TableState, member_state, pending_rows, stored
+from ..table_state.state import TableState, member_state, pending_rows, readable_rows, stored
 from ..table_state.views import RowGroup, RowMember, group_rows, quarantined, row_members
 
 Dbs = Mapping[str, lmdb._Database]
@@ -142,8 +142,8 @@ class RowMembers:
         entry = None if raw is None else directory_entry(raw)
         if entry is None:
             return {}
-        if isinstance(entry, PendingHead):
-            pending = tuple(pending_rows(self.reader, self.dbs, self.prefix, gkey, entry))
+        if isinstance(entry, PendingHead):  # its members whose rows damage lost are not among them
+            pending = tuple(readable_rows(self.reader, self.dbs, self.prefix, gkey, entry))
             return row_members(RowGroup(gkey, entry.state, pending))
         if entry.seg not in self._segments:
             key = self.prefix + u64(entry.seg)
