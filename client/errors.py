@@ -111,7 +111,10 @@ class PermissionDeniedError(ExpbufError):
 
 class DataLossError(ExpbufError):
     """A sampled batch this client could not decode. It was not confirmed: it goes back to the
-    buffer (a leased one is not leased, a consumed one not consumed) and the message names it."""
+    buffer (a leased one is not leased, a consumed one not consumed) and the message names it.
+    Also damage the server found on disk (reason `damaged`), naming what it found: a stored
+    experience (quarantined), or a piece of a rollout held in pieces, whose last piece's push is
+    refused so, its pieces dropped: push the rollout again from its first piece."""
 
     status = grpc.StatusCode.DATA_LOSS
 

@@ -6,6 +6,7 @@ pieces to the prompt's next claimant, who continues them, and the group trains o
 from __future__ import annotations
 
 import asyncio
+import logging
 import re
 import signal
 import subprocess
@@ -19,10 +20,12 @@ import grpc
 import lmdb
 import pytest
 import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from expbuf.client import EID, AsyncBufferClient, BufferClient, Experience, InvalidArgumentError, TrxpError, trxp
 from expbuf.client.errors import (
     AlreadyExistsError,
+    DataLossError,
     DeadlineExceededError,
     FailedPreconditionError,
     PermissionDeniedError,
@@ -35,7 +38,7 @@ from expbuf.server.store import Store
 from expbuf.server.store.core.table_state.counters import read_counters, write_counters
 from expbuf.server.store.disk import chunked, layout
 from expbuf.server.store.disk.kinds import Entry, Push
-from expbuf.server.store.schema.errors import Conflict, Damaged, GroupClosed
+from expbuf.server.store.schema.errors import Conflict, Damaged, DamagedPiece, GroupClosed
 from expbuf.server.store.schema.table_config import TableConfig
 
 from conftest import Servers
@@ -417,6 +420,125 @@ def test_expbuf_check_and_a_full_open_name_a_damaged_piece(tmp_path: Path) -> No
         store.environment.submit(lambda txn: txn.put(piece_key(head, 1), blob, db=store.db["partials"]))
     checked = subprocess.run(command, capture_output=True, text=True, timeout=120, check=False)
     assert checked.returncode == 0 and checked.stdout.splitlines() == ["default: ok", "t: ok"], checked
+
+
+def hurt_piece(store: Store, table: str, uid: str, number: int, how: str = "flipped") -> None:
+    """Damage piece `number` of the uid's rollout held in pieces, in LMDB: its last byte flipped (its
+    size unchanged, in its last tensor's data), or the piece lost."""
+    key = piece_key(layout.table_prefix(store.catalog.lookup(table)[0]) + uid.encode() + b"\0", number)
+    db = store.db["partials"]
+
+    def hurt(txn: lmdb.Transaction) -> None:
+        if how == "lost":
+            assert txn.delete(key, db=db)
+            return
+        blob = bytearray(txn.get(key, db=db))
+        blob[-1] ^= 0xFF
+        txn.put(key, bytes(blob), db=db)
+
+    store.environment.submit(hurt)
+
+
+@pytest.mark.parametrize("how", ["flipped", "lost"])
+@pytest.mark.parametrize("where", ["in the writer", "off the writer"])
+def test_a_last_piece_over_a_damaged_piece_stores_nothing_and_the_rollout_starts_over(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, where: str, how: str
+) -> None:
+    """A piece damaged on disk was put together into its rollout by the last piece's push and stored
+    under a fresh digest (no check met it again); a lost one was refused INTERNAL, or, in a rollout
+    put together off the writer, Conflict after every try. Each piece is checked against the size and
+    digest its head took at its push: the last piece is refused DamagedPiece (DATA_LOSS) naming the
+    rollout and the piece, nothing of it stored, the rollout's pieces dropped and counted as damage
+    found, so that its worker pushes it again from its first piece, which stores it whole."""
+    caplog.set_level(logging.ERROR, "expbuf.store")
+    large = where == "off the writer"
+    whole = long_rollout(run=1) if large else rollout(run=1)
+    cuts = [3000, 6000, 8191] if large else [4, 8]
+    pieces = [trxp.from_experience(p) for p in split(whole, cuts)]
+    uid = whole.eid.uid
+    with Store(tmp_path / "data", map_size=1 << 28) as store:
+        store.create_table(TableConfig.of("t", estimator="none", group_size=1))
+        for piece in pieces[:-1]:
+            assert store.put("t", [piece]).partial == [uid]
+        hurt_piece(store, "t", uid, 1, how)
+        why = "it is not stored" if how == "lost" else "its payload does not match its digest"
+        with pytest.raises(DamagedPiece, match=re.escape(f"partial rollout {uid}, piece 1: {why}")) as refused:
+            store.put("t", pieces[-1:])
+        assert refused.value.status == "DATA_LOSS"
+        assert "push the rollout again from its first piece" in str(refused.value)
+        stats = store.stats("t")
+        assert (stats["pushed"], stats["ready"], stats["partials"], stats["partial_bytes"]) == (0, 0, 0, 0)
+        assert stats["damaged"] == 1 and stats["last_failure"].startswith(f"partial rollout {uid}, piece 1: {why}")
+        assert store.get("t", [uid]) == {}
+        assert any(uid in r.getMessage() and "dropped" in r.getMessage() for r in caplog.records)
+        with store.environment.read() as txn:
+            assert chunked.staged_sets(txn, store.environment.db) == 0
+        assert store.verify("t") == []
+        for piece in pieces[:-1]:  # the worker starts the rollout over
+            assert store.put("t", [piece]).partial == [uid]
+        assert store.put("t", pieces[-1:]).stored == [uid]
+        same(read_back(store, "t", uid), whole)
+        assert store.verify("t") == []
+
+
+def test_a_damaged_piece_refuses_its_push_data_loss_and_leaves_the_server_healthy(start_server: Servers) -> None:
+    """Through the server: the push of a last piece over a damaged piece is refused DATA_LOSS (reason
+    damaged) naming the rollout and the piece, nothing of the push stored (not its partner either),
+    the damage in Stats and expbuf_damaged_total; the health check says SERVING, and the rollout
+    pushed again from its first piece is stored with its group."""
+    server = start_server()
+    target = f"127.0.0.1:{server.port}"
+    whole, partner = rollout(run=1), rollout(run=0, reward=0.0)
+    pieces = split(whole, [4, 8])
+    with BufferClient(target, timeout=20) as client:
+        client.create_table("t", group_size=2, estimator="none")
+        for piece in pieces[:-1]:
+            assert client.push([piece], table="t").partial == [whole.eid.uid]
+        hurt_piece(server.store, "t", whole.eid.uid, 0)
+        with pytest.raises(DataLossError, match=re.escape(f"partial rollout {whole.eid.uid}, piece 0: ")) as refused:
+            client.push([pieces[-1], partner], table="t")
+        assert refused.value.reason == "damaged"
+        stats = client.stats("t")["t"]
+        assert (stats.pushed, stats.pending, stats.damaged) == (0, 0, 1)
+        assert stats.last_failure.startswith(f"partial rollout {whole.eid.uid}, piece 0")
+        assert client.get_partials(["0/0"], table="t") == []
+        metrics = scrape(server.metrics_port)
+        assert metrics[("expbuf_damaged_total", (("table", "t"),))] == 1
+        assert metrics[("expbuf_partials", (("table", "t"),))] == 0
+        with grpc.insecure_channel(target) as channel:
+            health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
+        assert health.status == health_pb2.HealthCheckResponse.SERVING
+        for piece in pieces[:-1]:
+            assert client.push([piece], table="t").partial == [whole.eid.uid]
+        done = client.push([pieces[-1], partner], table="t")
+        assert (done.stored, done.completed_groups) == ([whole.eid.uid, partner.eid.uid], ["0/0"])
+        (got,) = client.get([whole.eid.uid], table="t")
+    same(got, whole)
+    assert server.store.verify("t") == []
+
+
+def test_get_partials_leaves_out_a_rollout_with_a_damaged_piece_and_drops_it(start_server: Servers) -> None:
+    """get_partials served a rollout put together with a damaged piece, which its worker then
+    continued. The rollout is left out of the reply (the others of its task are served), its pieces
+    dropped and counted as damage found, so its worker, finding nothing held, starts it over."""
+    server = start_server()
+    damaged, intact = rollout(run=1), rollout(run=2)
+    with BufferClient(f"127.0.0.1:{server.port}", timeout=20) as client:
+        client.create_table("t", group_size=3, estimator="none")
+        for whole in (damaged, intact):
+            client.push(split(whole, [4, 8])[:2], table="t")
+        hurt_piece(server.store, "t", damaged.eid.uid, 1)
+        with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:  # the unary call, by uid
+            request = pb.GetPartialsRequest(table="t", uids=[damaged.eid.uid, intact.eid.uid])
+            reply = pb_grpc.ExperienceBufferStub(channel).GetPartials(request, timeout=20)
+        assert [exp.eid.uid for exp in trxp.decode(reply.payload)] == [intact.eid.uid]
+        (held,) = client.get_partials(["0/0"], table="t")
+        assert held.eid.uid == intact.eid.uid and held.tokens.numel() == PROMPT + 8
+        stats = client.stats("t")["t"]
+        assert stats.damaged == 1 and stats.last_failure.startswith(f"partial rollout {damaged.eid.uid}, piece 1")
+        first = split(damaged, [4, 8])[0]
+        assert client.push([first], table="t").partial == [damaged.eid.uid]  # started over
+    assert server.store.verify("t") == []
 
 
 def test_rollouts_a_reply_cannot_hold_come_in_more_replies(start_server: Servers) -> None:

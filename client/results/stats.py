@@ -42,7 +42,8 @@ class TableStats:
     duplicates: int
     sampled: int
     leases_expired: int
-    damaged: int  # experiences found damaged on disk (by a read or the scrub) and quarantined; their groups failed
+    damaged: int  # experiences found damaged on disk (by a read or the scrub) and quarantined, their groups failed;
+    # and rollouts held in pieces with a piece found damaged, dropped
     quarantined: int  # quarantined experiences the table holds: never served (forgotten after tombstone_seconds)
     # Keyed values (put_values) the table holds, and their bytes (each key's and value's), which
     # count against capacity_bytes with the experiences' bytes.

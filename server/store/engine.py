@@ -42,7 +42,7 @@ from .disk.kinds import Compute, ComputeJob, Entry, FailResult, PutResult, Shapi
 from .disk.stored_advantages import FinishBatch
 from .forward import Forwarded
 from .ledger.rules import Ledger
-from .rules import groups, staleness
+from .rules import groups, partials, staleness
 from .rules.extensions import ExtensionKinds
 from .rules.quarantine import quarantine_found, quarantine_lost
 from .rules.trained import retire_trained
@@ -129,7 +129,9 @@ class Store(ServiceCalls):
         self.sampling = Sampling(self.environment, self.catalog, random.Random(seed), batch_stage, self.builds)
         self.upkeep = Upkeep(self.environment.env, self.catalog)
         self.claims = Claims(self.environment, self.catalog, self.ledger, self.upkeep.mark)
-        self.pushing = Pushing(self.environment, self.catalog, self._state_in, self.builds, max_push_bytes)
+        self.pushing = Pushing(
+            self.environment, self.catalog, self._state_in, self.builds, self._quarantine_found, max_push_bytes
+        )
         self.reads = Reads(self.environment, self.catalog, self.quarantine, batch_stage)
         self.values = Values(self.environment, self.catalog)
         self._last_computed = 0  # the table whose backlog was read last (tables take turns)
@@ -320,11 +322,12 @@ class Store(ServiceCalls):
     # ---- admin (reads of named experiences and keyed values: reading.py) ----------------
 
     def quarantine(self, table: str, uids: Sequence[str]) -> int:
-        """Quarantine those of uids whose stored payload is damaged, checked again in the
-        writer's transaction (quarantine.py); returns how many were."""
+        """Quarantine those of uids whose stored payload is damaged, and drop those held in pieces
+        one of whose pieces is, each checked again in the writer's transaction (quarantine.py,
+        partials.drop_damaged); returns how many were."""
 
         def op(tt: TableState) -> int:
-            count = quarantine_found(tt, uids)
+            count = quarantine_found(tt, uids) + partials.drop_damaged(tt, uids)
             if count:
                 tt.save()
             return count

@@ -51,7 +51,8 @@ _STORE_COUNTERS = (
     ),
     (
         "expbuf_damaged",
-        "Experiences found damaged on disk by a read or the scrub, and quarantined: never served, their groups failed.",
+        "Experiences found damaged on disk by a read or the scrub, and quarantined: never served, their groups failed; "
+        "and rollouts held in pieces found with a piece lost or damaged, their pieces dropped.",
         "damaged",
     ),
 )

@@ -18,7 +18,11 @@ import lmdb
 
 from expbuf.client.trxp.codec import partial
 
+from ..schema.errors import DamagedPiece
+from . import digests
+
 _PIECE = struct.Struct(">I")
+LOST = "it is not stored"  # why a piece its head names and the database does not hold is damage
 Value = bytes | memoryview
 
 
@@ -70,6 +74,27 @@ def head(txn: lmdb.Transaction[Value], dbs: Mapping[str, lmdb._Database], key: b
 def piece(txn: lmdb.Transaction[Value], dbs: Mapping[str, lmdb._Database], key: bytes, number: int) -> Value | None:
     """Piece `number` of the rollout whose head is under `key` (None: not stored)."""
     return txn.get(key + _PIECE.pack(number), db=dbs["partials"])
+
+
+def checked(
+    txn: lmdb.Transaction[Value], dbs: Mapping[str, lmdb._Database], key: bytes, uid: str, head: PieceHead, number: int
+) -> Value:
+    """Piece `number` of the rollout `uid` whose head is under `key`, checked against the size and
+    digest its head took at its push: DamagedPiece where it is lost or not the one pushed."""
+    raw = piece(txn, dbs, key, number)
+    if raw is None:
+        raise DamagedPiece(uid, number, LOST)
+    why = problem(head, number, raw)
+    if why is not None:
+        raise DamagedPiece(uid, number, why)
+    return raw
+
+
+def problem(head: PieceHead, number: int, raw: Value) -> str | None:
+    """Why piece `number` as stored is not the one its rollout's head took at its push (its size
+    and digest), or None."""
+    _, digest, size = head.pieces[number]
+    return digests.mismatch(raw, size, bytes.fromhex(digest))
 
 
 def put_piece(

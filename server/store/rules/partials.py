@@ -28,6 +28,13 @@ without it or leaves the table, and with the prompt ledger: a claim that ends be
 complete hands the rollouts of its attempt to the prompt's next attempt (`carry`: the pieces move
 under the next attempt's uids as they are), so whoever claims the prompt next gets them back
 (`read`) and continues them; a prompt dropped takes them with it.
+
+Each piece read to put its rollout together (in the writer, or off it: `plan`) or to return it
+(`so_far`) is checked against the size and digest its head took at its push (piece_rows.checked):
+one lost or damaged raises DamagedPiece, so no experience is stored, and no rollout returned, with
+it. Such a rollout can never be put together as pushed: its pieces go, in a write of their own
+after the refusal (`drop_damaged`, through the store's `quarantine`, as a read's damaged
+experience is quarantined), so that its worker pushes it again from its first piece.
 """
 
 from __future__ import annotations
@@ -35,6 +42,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import itertools
+import logging
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -58,6 +66,8 @@ from ..disk.piece_rows import PieceHead
 from ..schema.errors import Conflict, GroupClosed, InvalidPayload, TooLarge, clip
 from ..schema.states import PENDING
 
+log = logging.getLogger("expbuf.store")
+
 # A rollout whose pieces take more is put together off the writer, as a staged chunk set: its
 # section is stored in chunks anyway (chunked.py), and a copy of it would hold the writer.
 LARGE = CHUNK_BYTES
@@ -75,7 +85,7 @@ class PiecesTaken:
 
 
 def _items(tt: TableState, uid: str, head: PieceHead) -> list[RawItem]:
-    """A rollout's pieces, parsed."""
+    """A rollout's pieces, parsed, each checked against its head first (DamagedPiece)."""
     return [item for raw in pieces.blobs(tt, uid, head) for item in parse(bytes(raw), trusted=True)]
 
 
@@ -280,21 +290,21 @@ def plan(
     """How to put together the rollout that the last piece `last` finishes, its head under `key`,
     after this push's `earlier` entries of the same uid (pieces the writer stores before it), from
     a read transaction: pieces' heads parsed, their tensors' data left where it is (`read(size)`
-    hears of each stored piece read, for its pages in the map). None where the
-    rollout is not as the writer will find it (gone, or not at the last piece's offset: the writer
-    says why); InvalidPayload where the rollout put together is refused."""
+    hears of each stored piece read, for its pages in the map), each stored piece checked against
+    its head (DamagedPiece where one is lost or damaged). None where the rollout is not as the
+    writer will find it (gone, or not at the last piece's offset: the writer says why);
+    InvalidPayload where the rollout put together is refused."""
     raw = piece_rows.head_raw(txn, dbs, key)
     head_raw = b"" if raw is None else bytes(raw)  # none stored: its first piece is the push's
     head = None if raw is None else PieceHead.decode(head_raw)
     sources: list[tuple[int | Bytes, int, dict[str, tuple[int, int]]]] = []  # (piece, data start, spans)
     hollow: list[RawItem] = []
     masked = 0
-    for number in range(0 if head is None else len(head.pieces)):
-        blob = piece_rows.piece(txn, dbs, key, number)
-        if blob is None:
-            return None
-        masked += _hollow(number, blob, sources, hollow)
-        read(len(blob))
+    if head is not None:
+        for number in range(len(head.pieces)):
+            blob = piece_rows.checked(txn, dbs, key, last.uid, head, number)
+            masked += _hollow(number, blob, sources, hollow)
+            read(len(blob))
     for piece in [*earlier, last]:
         if piece.piece is None:  # pushed whole before it: the pieces it replaces are gone
             return None
@@ -421,6 +431,30 @@ def _so_far(uid: str, pieces: Sequence[RawItem]) -> RawItem:
         batch, task, run, step, suffix = uid.rsplit("/", 4)
         item.meta["eid"] = {"batch": batch, "task": task, "run": int(run), "step": int(step), "suffix": suffix}
     return item
+
+
+def drop_damaged(tt: TableState, uids: Iterable[str]) -> int:
+    """Drop the rollouts among `uids` held in pieces one of whose pieces, read again here in the
+    writer's transaction, is lost or damaged (a push of its last piece, a read of it or the scrub
+    found it): it can never be put together, so its worker pushes it again from its first piece.
+    Each is logged, counted in `damaged` and named in `last_failure`, as a quarantined experience
+    is; those intact or gone since they were found are left alone. Returns how many were dropped."""
+    if not tt.counters.partials:
+        return 0
+    dropped = 0
+    for uid in dict.fromkeys(uids):
+        head = pieces.head(tt, uid)
+        damage = None if head is None else pieces.damage(tt, uid, head)
+        if damage is None:
+            continue
+        log.error(
+            "table %s: partial rollout %s dropped (piece %d: %s): its worker pushes it again from its first piece",
+            tt.config.name, uid, damage.number, damage.why,
+        )  # fmt: skip
+        tt.counters.damaged += 1
+        tt.counters.last_failure = f"partial rollout {uid}, piece {damage.number}: {damage.why}: its pieces dropped"
+        dropped += pieces.drop(tt, uid)
+    return dropped
 
 
 def drop_task(tt: TableState, tid: str) -> int:

@@ -25,7 +25,9 @@ not heard of.
 
 A last piece of a large rollout held in pieces has its rollout put together off the writer when
 the writer asks for it (partials.OffWriter: services/assembly.py), and its push tried again; a
-rollout may take `max_push_bytes` at most (the largest push: the server's).
+rollout may take `max_push_bytes` at most (the largest push: the server's). A last piece whose
+rollout holds a piece lost or damaged on disk is refused (DamagedPiece), nothing of its push kept,
+once the rollout's pieces are dropped in a write of their own, as a read quarantines what it finds.
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ from ..disk import chunk_heads, chunked, layout, zstd_workers
 from ..disk.environment import Environment
 from ..disk.kinds import Ahead, Compute, Entry, MayWait, Push, PutResult
 from ..rules import capacity, limiter, partials, pushed_advantages, pushes
-from ..schema.errors import Conflict, InsertLimited, NotFound, TableFull
+from ..schema.errors import Conflict, DamagedPiece, InsertLimited, NotFound, TableFull
 from ..schema.table_config import TableConfig
 from ..tables import admission
 from ..tables.catalog import TableCatalog
@@ -82,9 +84,11 @@ class Pushing:
         catalog: TableCatalog,
         state_in: StateIn,
         builds: IndexBuilds,
+        quarantine: Callable[[str, list[str]], int],
         max_push_bytes: int = 16 << 30,
     ) -> None:
         self.environment, self.catalog, self._state_in, self.builds = environment, catalog, state_in, builds
+        self.quarantine = quarantine  # Store.quarantine: a rollout whose piece is found damaged dropped
         self.in_push: Callable[[TableConfig], Compute | None] | None = None
         self.on_stored: Callable[[TableConfig], None] | None = None
         self.max_push_bytes = max_push_bytes  # the largest push; a rollout in pieces takes no more (the server's)
@@ -168,8 +172,13 @@ class Pushing:
                         f"rollout {stop.uid}'s pieces changed each time its last piece's rollout was put together; "
                         "push the last piece again"
                     )
-                self._together(todo[0], stop.uid, staged)
+                try:
+                    self._together(todo[0], stop.uid, staged)
+                except DamagedPiece as exc:
+                    raise self._dropped(todo[0], exc) from None
                 continue
+            if isinstance(stop, DamagedPiece):
+                raise self._dropped(todo[0], stop)
             if isinstance(stop, TableFull):
                 if todo[0].config.capacity.when_full != "block" or final:
                     raise stop
@@ -185,6 +194,13 @@ class Pushing:
                     raise type(stop)(f"{stop}; the push may not wait: {refused}")
                 may_wait = None
             self.environment.wait_for_change(generation, deadline)
+
+    def _dropped(self, ready: _Ready, damaged: DamagedPiece) -> DamagedPiece:
+        """The refusal of a push that met a damaged piece (nothing of it kept), once the rollout's
+        pieces are dropped, checked again in the writer (Store.quarantine): its worker may push it
+        again from its first piece."""
+        self.quarantine(ready.push.table, [damaged.uid])
+        return damaged
 
     def _together(self, ready: _Ready, uid: str, staged: dict[str, list[int]]) -> None:
         """Put together off the writer the rollout that the last piece of `uid` in a push finishes

@@ -33,7 +33,7 @@ from ..disk.stored_advantages import FinishBatch, batch_payload
 from ..ledger.claimants import check_reader
 from ..rules import partials
 from ..rules.staleness import masked_tokens, token_bound
-from ..schema.errors import Busy, Forbidden, NotFound, TooLarge, clip, taken_with
+from ..schema.errors import Busy, DamagedPiece, Forbidden, NotFound, TooLarge, clip, taken_with
 from ..schema.table_config import batch_stage
 from ..tables.catalog import TableCatalog
 
@@ -101,8 +101,11 @@ class Reads:
         writer; with `limit`, as many as a reply of that many bytes holds with the names of the
         others, which are returned to ask for again. A first one too large for the reply comes
         `alone` (for a reply in parts), or is refused, TooLarge. With tokens on, `holder` reads a
-        prompt's only while it holds the prompt's claim (ledger.check_reader)."""
+        prompt's only while it holds the prompt's claim (ledger.check_reader). A rollout one of whose
+        pieces is lost or damaged is left out and its pieces dropped (Store.quarantine), as a Get
+        leaves out a damaged experience: its worker, finding nothing held, starts it over."""
         table_id, config = self.catalog.lookup(table)
+        damaged: list[str] = []
         with self.environment.read() as txn:
             tt = self.catalog.state(txn, table_id, config)
             check_reader(tt, [*tids, *(uid_group_key(uid, "task") or uid for uid in uids)], holder)
@@ -114,15 +117,21 @@ class Reads:
                 if limit and (rest or size > budget) and (items or not alone):
                     rest.append(uid)
                     continue
-                items.append(partials.so_far(tt, uid))
+                try:
+                    items.append(partials.so_far(tt, uid))
+                except DamagedPiece:
+                    damaged.append(uid)
+                    continue
                 budget -= size - len(uid.encode()) - 4
-            if rest and not items:
-                raise TooLarge(
-                    f"rollout {clip(rest[0])} held in pieces takes more than a reply of {limit} bytes carries; "
-                    "raise max_message_bytes on the server and the client, or read it with a client that takes "
-                    "replies in parts (get_partials of this release: ReadPartials with max_reply_bytes)"
-                )
-            return build(items), rest
+        if damaged:
+            self._quarantine(table, damaged)
+        if rest and not items:
+            raise TooLarge(
+                f"rollout {clip(rest[0])} held in pieces takes more than a reply of {limit} bytes carries; "
+                "raise max_message_bytes on the server and the client, or read it with a client that takes "
+                "replies in parts (get_partials of this release: ReadPartials with max_reply_bytes)"
+            )
+        return build(items), rest
 
     def page(
         self,

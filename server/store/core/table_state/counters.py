@@ -52,7 +52,8 @@ class Counters:
     duplicates: int = 0
     sampled: int = 0
     leases_expired: int = 0
-    damaged: int = 0  # experiences ever quarantined (their tombstones are forgotten in time, this total is not)
+    damaged: int = 0  # experiences ever quarantined (their tombstones are forgotten in time, this total is not),
+    # and rollouts held in pieces dropped for a piece lost or damaged (partials.drop_damaged)
     # monotonic totals for the metrics
     bytes_pushed: int = 0
     bytes_sampled: int = 0

@@ -1,7 +1,8 @@
 """A table's rollouts held in pieces as the table core keeps them: their rows (disk/piece_rows.py)
 with the table's counters of them (partials, partial_bytes) changed beside the rows, and the check
-of the two (`verify`). What a piece is, when one is stored and when a rollout is put together is
-rules/partials.py's.
+of the two (`verify`). A rollout's pieces read to be put together or returned are each checked
+against the size and digest its head took at its push (`blobs`). What a piece is, when one is
+stored and when a rollout is put together is rules/partials.py's.
 """
 
 from __future__ import annotations
@@ -10,8 +11,9 @@ from collections.abc import Callable, Iterable, Iterator
 
 from expbuf.client.schema.routing import uid_group_key
 
-from ...disk import digests, piece_rows
+from ...disk import piece_rows
 from ...disk.piece_rows import PieceHead, Value
+from ...schema.errors import DamagedPiece
 from ..table_state.state import TableState, missing
 
 
@@ -22,13 +24,22 @@ def head(tt: TableState, uid: str) -> PieceHead | None:
 
 def blobs(tt: TableState, uid: str, head: PieceHead) -> Iterator[Value]:
     """The pieces of a rollout, in order, each as stored, read one at a time (a rollout's pieces
-    may take the largest push); one its head names and not stored is damage."""
+    may take the largest push) and checked against the size and digest its head took at its push:
+    one lost or damaged raises DamagedPiece, so that no rollout is put together, or read, with it."""
     key = piece_rows.head_key(tt.prefix, uid)
     for number in range(len(head.pieces)):
-        raw = piece_rows.piece(tt.txn, tt.db, key, number)
-        if raw is None:
-            raise missing(f"piece {number} of the partial rollout", uid)
-        yield raw
+        yield piece_rows.checked(tt.txn, tt.db, key, uid, head, number)
+
+
+def damage(tt: TableState, uid: str, head: PieceHead) -> DamagedPiece | None:
+    """The first of a rollout's pieces that is lost or damaged, as the refusal that names it; None
+    where every piece is the one pushed."""
+    try:
+        for _ in blobs(tt, uid, head):
+            pass
+    except DamagedPiece as exc:
+        return exc
+    return None
 
 
 def write(tt: TableState, uid: str, head: PieceHead, number: int, blob: bytes) -> None:
@@ -84,8 +95,11 @@ def carry(tt: TableState, uid: str, head: PieceHead, target: str) -> None:
     """The pieces of the uid's rollout moved as they are under the uid `target` (which holds none),
     counted there; those under `uid` dropped."""
     drop(tt, target)  # none there, but never two heads counted for one rollout
-    to = piece_rows.head_key(tt.prefix, target)
-    for number, raw in enumerate(blobs(tt, uid, head)):
+    key, to = piece_rows.head_key(tt.prefix, uid), piece_rows.head_key(tt.prefix, target)
+    for number in range(len(head.pieces)):  # as stored: a damaged one stays as its head's digest tells
+        raw = piece_rows.piece(tt.txn, tt.db, key, number)
+        if raw is None:
+            raise missing(f"piece {number} of the partial rollout", uid)
         piece_rows.put_piece(tt.txn, tt.db, to, number, bytes(raw))
     piece_rows.put_head(tt.txn, tt.db, to, head)
     tt.counters.partials += 1
@@ -133,8 +147,7 @@ def verify(tt: TableState) -> list[str]:
             problems.append(f"partial rollout {uid}: its piece {number} is stored, but its head names {names}")
         elif head is not None:
             seen.add(number)
-            _, digest, size = head.pieces[number]
-            problem = digests.mismatch(value, size, bytes.fromhex(digest))
+            problem = piece_rows.problem(head, number, value)
             if problem is not None:
                 problems.append(f"partial rollout {uid}, piece {number}: {problem}")
     ended()
