@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from expbuf.client import BufferClient
+from expbuf.client import BufferClient, trxp
+from expbuf.client.rollout_pieces import split
 from expbuf.server.store import Store
 from expbuf.server.store.disk import layout
 from expbuf.server.store.schema.sample_spec import TakeSpec
@@ -24,6 +25,7 @@ from expbuf.server.store.schema.table_config import TableConfig
 from expbuf.server.store.services import scrub
 
 from helpers import ServerProcess, group_items, scrape
+from test_partial_rollouts import hurt_piece, piece_key, rollout
 from test_quarantine import damage, uids
 
 
@@ -130,6 +132,42 @@ def test_a_server_scrubs_after_its_start_and_shows_it(tmp_path: Path, table_layo
         assert "; last complete pass " in shown and ", 1 found)" in shown
     finally:
         assert server.stop(signal.SIGTERM) == 0
+
+
+def test_a_pass_reads_the_rollouts_held_in_pieces_and_drops_a_damaged_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, table_layout: str
+) -> None:
+    """The scrub read no piece of a rollout held in pieces: one damaged on disk waited for the
+    rollout's last piece to be put together into it. A pass checks each piece against the size and
+    digest its rollout's head took at its push (in chunks that may cut a rollout's pieces), and drops
+    the rollouts with a piece damaged or lost, counted as damage found and logged, as a read of them
+    would; the intact one stays, and the next pass finds nothing."""
+    caplog.set_level(logging.ERROR, "expbuf.store")
+    monkeypatch.setattr(scrub, "CHUNK_ITEMS", 3)
+    with filled(tmp_path, groups=2) as store:
+        held = [rollout(task=50, run=run) for run in range(3)]
+        for whole in held:
+            for piece in split(whole, [4, 8])[:2]:
+                assert store.put("t", [trxp.from_experience(piece)]).partial == [whole.eid.uid]
+        head = layout.table_prefix(store.catalog.lookup("t")[0]) + held[2].eid.uid.encode() + b"\0"
+        with store.environment.read() as txn:
+            unread = sum(len(txn.get(piece_key(head, n), db=store.db["partials"])) for n in (0, 1))
+        hurt_piece(store, "t", held[1].eid.uid, 1)
+        hurt_piece(store, "t", held[2].eid.uid, 0, "lost")
+        before = store.stats("t")
+        assert store.scrub.run_pass() == 2
+        status = store.scrub_status()
+        assert (status.found, status.checked, status.last_pass_found) == (2, 8, 2)
+        assert status.pass_total_bytes == before["bytes"] + before["partial_bytes"]
+        assert status.pass_checked_bytes == status.pass_total_bytes - unread  # run 2's: lost, then not read on
+        stats = store.stats("t")
+        assert (stats["partials"], stats["damaged"], stats["quarantined"]) == (1, 2, 0)
+        assert stats["last_failure"].startswith(f"partial rollout {held[2].eid.uid}, piece 0: it is not stored")
+        assert sum("scrub" not in r.getMessage() and "dropped" in r.getMessage() for r in caplog.records) == 2
+        (left,) = trxp.decode(store.get_partials("t", ["0/50"])[0])
+        assert left.eid.uid == held[0].eid.uid
+        assert store.verify("t") == []
+        assert store.scrub.run_pass() == 0
 
 
 @pytest.mark.parametrize("value", ["-1", "100001", "x"])

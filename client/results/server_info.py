@@ -11,19 +11,19 @@ from typing import Any
 
 @dataclass(frozen=True)
 class ScrubInfo:
-    """The server's background scrub: every stored payload checked against its digest at a
-    bounded rate, after the start and again every `interval_seconds`. Bytes count payloads and
-    their records."""
+    """The server's background scrub: every stored payload checked against its digest, and every
+    piece of a rollout held in pieces against its rollout's head, at a bounded rate, after the
+    start and again every `interval_seconds`. Bytes count payloads and pieces."""
 
     mb_per_second: float = 0.0  # the bound; 0: no background scrub
     interval_seconds: float = 0.0
     running: bool = False  # a pass is under way
     pass_checked_bytes: int = 0  # of the pass under way, else of the last one
-    pass_total_bytes: int = 0  # the payload bytes stored when that pass began
+    pass_total_bytes: int = 0  # the payload and piece bytes stored when that pass began
     passes: int = 0  # complete passes since the server started
     checked_bytes: int = 0  # since the server started
     checked: int = 0  # experiences checked since the server started
-    found: int = 0  # damaged experiences it quarantined since the server started
+    found: int = 0  # damaged experiences it quarantined (and rollouts in pieces dropped) since the server started
     last_pass_end_unix: float = 0.0  # when the last complete pass ended (kept across restarts); 0: never
     last_pass_seconds: float = 0.0
     last_pass_bytes: int = 0

@@ -184,10 +184,14 @@ def _scrub_metrics(scrub: ScrubStatus) -> Iterator[Metric]:
     for name, text, value in gauges:
         yield GaugeMetricFamily(name, text, value=value)
     counters = (
-        ("expbuf_scrub_checked_bytes", "Payload bytes the scrub checked.", scrub.checked_bytes),
+        ("expbuf_scrub_checked_bytes", "Payload and piece bytes the scrub checked.", scrub.checked_bytes),
         ("expbuf_scrub_checked_experiences", "Experiences the scrub checked.", scrub.checked),
         ("expbuf_scrub_passes", "Complete scrub passes.", scrub.passes),
-        ("expbuf_scrub_found", "Damaged experiences the scrub found and quarantined.", scrub.found),
+        (
+            "expbuf_scrub_found",
+            "Damaged experiences the scrub found and quarantined, and rollouts in pieces it found damaged and dropped.",
+            scrub.found,
+        ),
     )
     for name, text, value in counters:
         yield CounterMetricFamily(name, text, value=value)

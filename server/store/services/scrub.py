@@ -1,17 +1,20 @@
-"""The background scrub: every stored payload compared with the digest taken at its push, at a
-bounded rate, after the store opens and again every `interval_seconds`, as ZFS and Ceph scrub.
+"""The background scrub: every stored payload compared with the digest taken at its push, and
+every piece of a rollout held in pieces with the size and digest its rollout's head took at its
+push, at a bounded rate, after the store opens and again every `interval_seconds`, as ZFS and Ceph
+scrub.
 
 A start checks only the directory's structure (integrity.at_open, quick), and every read checks
 the payloads it serves (read_check.py); the scrub finds the damage no read has met yet, and
-quarantines it as a read would (quarantine.py, through the store's `quarantine`), so the next
-sample does not have to. It never holds the writer: it reads in read transactions of at most
-CHUNK_BYTES or CHUNK_ITEMS (short, so the file's old pages are not held either), sleeps between
-them so that it reads at most `mb_per_second` (payloads and their records; the counts it reports
-are of payload bytes, those a table's `bytes` counts), and quarantines what it
-finds in a short write transaction of its own. The map pages it read are given back every
-RELEASE_BYTES (residency.py), so RSS does not grow with the file. The last complete pass is
-kept in the directory (`meta` database, key `scrub`), so a restart still says when the data was
-last checked whole.
+quarantines it as a read would (quarantine.py, through the store's `quarantine`: a rollout with a
+piece lost or damaged has its pieces dropped, partials.drop_damaged), so the next sample, or the
+rollout's last piece, does not have to. It never holds the writer: it reads in read transactions
+of at most CHUNK_BYTES or CHUNK_ITEMS (short, so the file's old pages are not held either), sleeps
+between them so that it reads at most `mb_per_second` (payloads and their records, and pieces; the
+counts it reports are of payload and piece bytes, those a table's `bytes` and `partial_bytes`
+count), and quarantines what it finds in a short write transaction of its own. The map pages it
+read are given back every RELEASE_BYTES (residency.py), so RSS does not grow with the file. The
+last complete pass is kept in the directory (`meta` database, key `scrub`), so a restart still
+says when the data was last checked whole.
 """
 
 from __future__ import annotations
@@ -29,8 +32,9 @@ from expbuf.client.trxp.stored.pieces import Stored
 
 from ..core.table_state.counters import read_counters
 from ..core.whole_table import reading
-from ..disk import chunk_reads, layout, residency
+from ..disk import chunk_reads, layout, piece_rows, residency
 from ..disk.environment import Environment
+from ..disk.piece_rows import PieceHead
 from ..tables.catalog import TableCatalog
 
 log = logging.getLogger("expbuf.store")
@@ -48,12 +52,12 @@ class ScrubStatus:
     mb_per_second: float = 0.0  # the bound; 0: no background scrub
     interval_seconds: float = 0.0
     running: bool = False
-    pass_checked_bytes: int = 0  # payload bytes, as every byte count here
-    pass_total_bytes: int = 0  # the live payload bytes stored when the pass started
+    pass_checked_bytes: int = 0  # payload bytes (and pieces'), as every byte count here
+    pass_total_bytes: int = 0  # the live payload bytes and pieces' stored when the pass started
     passes: int = 0  # complete passes since the store opened
     checked_bytes: int = 0  # since the store opened
     checked: int = 0  # experiences, since the store opened
-    found: int = 0  # experiences quarantined by the scrub since the store opened
+    found: int = 0  # experiences quarantined, and rollouts held in pieces dropped, by the scrub since the store opened
     last_pass_end_unix: float = 0.0  # 0: never
     last_pass_seconds: float = 0.0
     last_pass_bytes: int = 0
@@ -129,12 +133,14 @@ class Scrub:
             )
 
     def run_pass(self) -> int:
-        """Check every stored payload once, at the rate bound (none when it is 0), quarantining
-        the damaged; returns how many were. A stop ends it early, not counted as a pass."""
+        """Check every stored payload and piece once, at the rate bound (none when it is 0),
+        quarantining the damaged (a rollout held in pieces: dropped); returns how many were. A stop
+        ends it early, not counted as a pass."""
         rate = self.mb_per_second * 1e6
         tables = self.catalog.entries()
         with self.environment.read() as txn:
-            total = sum(read_counters(txn, self.db, layout.table_prefix(t)).bytes for t, _ in tables)
+            counted = [read_counters(txn, self.db, layout.table_prefix(t)) for t, _ in tables]
+        total = sum(counters.bytes + counters.partial_bytes for counters in counted)
         began, started = self.clock(), time.monotonic()
         self._running(True, total)
         checked_bytes = found = 0
@@ -146,11 +152,21 @@ class Scrub:
                 while after is not None and not self._stop.is_set():
                     chunk_started = time.monotonic()
                     bad, after, payloads, nbytes, count = self._chunk(prefix, after, group_by)
-                    table = self.catalog.by_id(table_id)
-                    newly = self.quarantine(table[0], bad) if bad and table is not None else 0
+                    newly = self._found(table_id, bad)
                     found += newly
                     checked_bytes += payloads
                     self._counted(payloads, nbytes, count, newly)
+                    if rate > 0:
+                        self._stop.wait(max(0.0, nbytes / rate - (time.monotonic() - chunk_started)))
+                held = self._held(prefix)
+                at: tuple[int, int] | None = (0, 0)
+                while at is not None and not self._stop.is_set():
+                    chunk_started = time.monotonic()
+                    bad, at, nbytes = self._pieces_chunk(prefix, held, at)
+                    newly = self._found(table_id, bad)
+                    found += newly
+                    checked_bytes += nbytes
+                    self._counted(nbytes, nbytes, 0, newly)
                     if rate > 0:
                         self._stop.wait(max(0.0, nbytes / rate - (time.monotonic() - chunk_started)))
             if self._stop.is_set():
@@ -221,6 +237,63 @@ class Scrub:
             self._report(f"table {layout.table_of(prefix)}: reading its payloads raised {type(exc).__name__}: {exc}")
         return bad, None, payloads, nbytes, count
 
+    def _found(self, table_id: int, bad: list[str]) -> int:
+        """Those of `bad` found damaged again in the writer quarantined, or dropped where they are
+        rollouts held in pieces (Store.quarantine); how many were. A table dropped meanwhile has none."""
+        table = self.catalog.by_id(table_id)
+        return self.quarantine(table[0], bad) if bad and table is not None else 0
+
+    def _held(self, prefix: bytes) -> list[str]:
+        """The uids of the table's rollouts held in pieces as the pass reaches them."""
+        try:
+            with self.environment.read() as txn:
+                return [uid for uid, _ in piece_rows.heads_under(txn, self.db, prefix, prefix)]
+        except lmdb.Error as exc:
+            table = layout.table_of(prefix)
+            self._report(f"table {table}: reading its rollouts held in pieces raised {type(exc).__name__}: {exc}")
+            return []
+
+    def _pieces_chunk(
+        self, prefix: bytes, held: list[str], at: tuple[int, int]
+    ) -> tuple[list[str], tuple[int, int] | None, int]:
+        """Check the pieces of the rollouts `held` from `at` on (a rollout's index there, a piece's
+        number) against the sizes and digests their heads took at their pushes, up to CHUNK_BYTES or
+        CHUNK_ITEMS pieces, in one read transaction (each head read again in it: a rollout finished
+        since is not there, one grown since has its new pieces checked): the uids found with a piece
+        lost or damaged, where the next chunk starts (None: the end), and the bytes read."""
+        bad: list[str] = []
+        nbytes = count = 0
+        index, number = at
+        db = self.db
+        try:
+            with self.environment.read(buffers=True) as txn:
+                while index < len(held):
+                    uid = held[index]
+                    key = piece_rows.head_key(prefix, uid)
+                    head = self._piece_head(txn, key, uid)
+                    while head is not None and number < len(head.pieces):
+                        if nbytes >= CHUNK_BYTES or count >= CHUNK_ITEMS:
+                            return bad, (index, number), nbytes
+                        raw = piece_rows.piece(txn, db, key, number)
+                        nbytes, count = nbytes + (0 if raw is None else len(raw)), count + 1
+                        if raw is None or piece_rows.problem(head, number, raw) is not None:
+                            bad.append(uid)
+                            break
+                        number += 1
+                    index, number = index + 1, 0
+        except lmdb.Error as exc:
+            self._report(f"table {layout.table_of(prefix)}: reading its pieces raised {type(exc).__name__}: {exc}")
+        return bad, None, nbytes
+
+    def _piece_head(self, txn: lmdb.Transaction[memoryview], key: bytes, uid: str) -> PieceHead | None:
+        """A rollout's head, None where it is gone; one a damaged page made undecodable is structure,
+        for `expbuf check`, as a record is (`_damaged`): reported, and the pass goes on."""
+        try:
+            return piece_rows.head(txn, self.db, key)
+        except Exception as exc:
+            self._report(f"the head of partial rollout {uid[:80]!r} does not decode ({type(exc).__name__}: {exc})")
+            return None
+
     def _damaged(self, key: memoryview, raw: bytes | memoryview, blob: Stored | tuple[bytes, int]) -> bool:
         """Whether the payload (or its digest and length, chunk_reads.streamed) is not the one its
         record's digest names."""
@@ -256,7 +329,7 @@ class Scrub:
             self._status = self._with_last_pass(replace(self._status, passes=self._status.passes + 1))
         log.log(
             logging.WARNING if found else logging.DEBUG,  # a clean pass is in the metrics and `expbuf stats`
-            "scrub pass done: %.0f MB checked in %.0f s (%.1f MB/s), %d damaged experience(s) quarantined",
+            "scrub pass done: %.0f MB checked in %.0f s (%.1f MB/s), %d damaged experience(s) or rollout(s) found",
             nbytes / 1e6, seconds, nbytes / 1e6 / max(seconds, 1e-9), found,
         )  # fmt: skip
 
