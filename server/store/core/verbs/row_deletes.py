@@ -82,7 +82,9 @@ def delete(tt: TableState, uids: Sequence[str], group_ids: Sequence[str]) -> int
             if not grp.members and grp.group.state in LIVE:
                 bare[gkey] = grp
     by, deleted, freed = tt.config.grouping.by, 0, 0  # freed: the live bytes deleted
-    emptied: list[_Touched] = []  # the live groups left without members, in the order they were
+    # the live groups left without members: those named bare first, then in the order they were
+    # emptied, as a records table's extensions hear them
+    emptied: list[_Touched] = list(bare.values())
     keys: list[bytes] = []
     sizes: list[int] = []
     for uid in dict.fromkeys(targets):
@@ -102,7 +104,6 @@ def delete(tt: TableState, uids: Sequence[str], group_ids: Sequence[str]) -> int
             freed += member.size
             if grp.emptied:
                 emptied.append(grp)
-    emptied.extend(bare.values())
     changed = [grp for grp in found.values() if grp is not None and (grp.gone or grp.group.key in bare)]
     for grp in changed:
         if grp.picked is not None:
