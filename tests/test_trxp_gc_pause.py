@@ -22,12 +22,15 @@ ITEMS = 512  # a dozen tracked objects an item: many times the threshold set bel
 
 @pytest.fixture
 def collections() -> Iterator[list[int]]:
-    """The generation of each collection that starts while the test runs, with the collector
-    running and its first threshold low (so a decode that let it run would bring on several)."""
+    """The generation of each collection that starts on the test's thread while the test runs (a
+    pass runs on the thread whose allocation brought it on: pytest's own threads' are left out),
+    with the collector running and its first threshold low (so a decode that let it run would
+    bring on several)."""
     started: list[int] = []
+    ours = threading.get_ident()
 
     def seen(phase: str, info: dict) -> None:
-        if phase == "start":
+        if phase == "start" and threading.get_ident() == ours:
             started.append(info["generation"])
 
     thresholds, enabled = gc.get_threshold(), gc.isenabled()
