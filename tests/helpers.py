@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import hashlib
 import importlib.util
 import os
@@ -221,6 +222,34 @@ class Decodes:
 def take(store: Store, table: str, **spec: object) -> Sampled | None:
     """One batch straight from the store (consumed unless the spec says otherwise)."""
     return store.sample(TakeSpec(table, **spec))
+
+
+@contextlib.contextmanager
+def passes_started(inside: str = "", thread: int | None = None) -> Iterator[list[bool]]:
+    """For each garbage collector pass that starts in the block (only those `thread` brings on, if
+    given: a pass runs on the thread whose allocation brought it on), whether that thread was inside
+    a function named `inside`; with the collector running and its first threshold low, so that work
+    a pause did not cover would bring on many."""
+    started: list[bool] = []
+
+    def seen(phase: str, info: dict) -> None:
+        if phase == "start" and thread in (None, threading.get_ident()):
+            frame, found = sys._getframe(1), False
+            while frame is not None and inside and not found:
+                found = frame.f_code.co_name == inside
+                frame = frame.f_back
+            started.append(found)
+
+    thresholds, enabled = gc.get_threshold(), gc.isenabled()
+    gc.set_threshold(100, 10, 10)
+    gc.enable()
+    gc.callbacks.append(seen)
+    try:
+        yield started
+    finally:
+        gc.callbacks.remove(seen)
+        gc.set_threshold(*thresholds)
+        (gc.enable if enabled else gc.disable)()
 
 
 @contextlib.contextmanager

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import gc
 import pickle
-import sys
 import threading
 from collections import Counter
 from collections.abc import Iterator
@@ -32,6 +31,7 @@ from torchrl.objectives.llm import MCAdvantage  # noqa: E402
 from expbuf.client import BufferClient, DeadlineExceededError  # noqa: E402
 from expbuf.client.torchrl import ExpbufSampler, ExpbufStorage  # noqa: E402
 
+from helpers import passes_started  # noqa: E402
 from pages import code_blocks, page  # noqa: E402
 
 PROMPT = torch.tensor([5, 6, 7])
@@ -148,24 +148,8 @@ def test_a_drawn_batchs_elements_are_made_without_the_collectors_passes(target) 
         admin.create_table("made", group_size=2, estimator="grpo")
     rb = buffer(target, "made", 128)
     rb.extend(groups([f"q{i}" for i in range(64)], 2))
-    inside: list[bool] = []
-
-    def seen(phase: str, info: dict) -> None:
-        if phase == "start":  # a pass runs on the thread whose allocation brought it on
-            frame, making = sys._getframe(1), False
-            while frame is not None and not making:
-                making = frame.f_code.co_name == "to_element"
-                frame = frame.f_back
-            inside.append(making)
-
-    thresholds = gc.get_threshold()
-    gc.set_threshold(100, 10, 10)
-    gc.callbacks.append(seen)
-    try:
+    with passes_started(inside="to_element") as inside:
         batch = rb.sample()
-    finally:
-        gc.callbacks.remove(seen)
-        gc.set_threshold(*thresholds)
     assert len(rows(batch)) == 128 and gc.isenabled()
     assert inside and not any(inside)  # passes ran (the threshold is low), none inside the making
 

@@ -38,6 +38,7 @@ from expbuf.client.trinity import ExpbufAdvantageFn, ExpbufReader, ExpbufWriter,
 from expbuf.server.config import TlsConfig  # noqa: E402
 
 from conftest import Servers  # noqa: E402
+from helpers import passes_started  # noqa: E402
 
 TABLE = "grpo4"
 
@@ -244,24 +245,8 @@ def test_reader_decodes_a_batch_without_the_collectors_passes(start_server: Serv
             Experience.serialize_many([exp for task in range(128) for exp in group(task, [0.0, 1.0, 2.0, 3.0])]), TABLE
         )
     reader = trinity.buffer.get_buffer_reader(buffer_config(server.port, batch_size=512))
-    inside: list[bool] = []
-
-    def seen(phase: str, info: dict) -> None:
-        if phase == "start":  # a pass runs on the thread whose allocation brought it on
-            frame, decoding = sys._getframe(1), False
-            while frame is not None and not decoding:
-                decoding = frame.f_code.co_name == "deserialize_many"
-                frame = frame.f_back
-            inside.append(decoding)
-
-    thresholds = gc.get_threshold()
-    gc.set_threshold(100, 10, 10)
-    gc.callbacks.append(seen)
-    try:
+    with passes_started(inside="deserialize_many") as inside:
         read = asyncio.run(reader.read())
-    finally:
-        gc.callbacks.remove(seen)
-        gc.set_threshold(*thresholds)
     assert len(read) == 512 and gc.isenabled()
     assert inside and not any(inside)  # passes ran (the threshold is low), none inside the decode
 
