@@ -410,3 +410,23 @@ def test_a_key_put_again_keeps_no_part_of_its_earlier_value(start_server: Server
             assert held(client, "tq")[0] == 3 + 3 + 4  # the keys, 1@x's parts and 2@x's
     finally:
         storage.close()
+
+
+def test_a_put_again_cut_short_part_way_is_refused_at_the_get_not_read_as_a_mix(start_server: Servers) -> None:
+    """A key stored in parts and put again with a value of the same size, the put dying after its
+    first part (the key still naming the earlier value's parts): a get must not hand back the new
+    first part joined to the earlier value's others, which has the size the key names."""
+    server = start_server()
+    target = f"127.0.0.1:{server.port}"
+    storage = ExpbufStorageClient({"target": target, "table": "tq", "max_message_bytes": 4 << 20})  # parts of 2 MiB
+    earlier, later = torch.arange(1_500_000, dtype=torch.int32), torch.arange(1_500_000, dtype=torch.int32).flip(0)
+    try:
+        assert storage.put(["0@x"], [earlier]) == [{"expbuf_parts": 3}]
+        with BufferClient(target) as client:
+            client.put_values(["0@x#0"], [encode(later)[: storage.limit]], "tq")  # what the cut-short put left
+        with pytest.raises(ValueError, match=r"0@x.*put of it was cut short"):
+            storage.get(["0@x"])
+        storage.put(["0@x"], [later])  # put again whole: it reads back
+        assert torch.equal(storage.get(["0@x"])[0], later)
+    finally:
+        storage.close()

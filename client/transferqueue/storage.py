@@ -37,6 +37,7 @@ from typing import Any
 
 import grpc
 import torch
+import xxhash
 from transfer_queue.metadata import BatchMeta
 from transfer_queue.storage.bootstrap.provider import StorageBootstrapProvider
 from transfer_queue.storage.clients.base import StorageClientFactory, StorageKVClient
@@ -329,11 +330,14 @@ class ExpbufStorageClient(StorageKVClient):
 
     def _put_parts(self, key: str, blob: bytes) -> bytes:
         """Store a value too large for one put in parts, durable before the key names them; what
-        the key then holds."""
+        the key then holds: their count, the value's size and its digest, which a get checks (a put
+        of the key again that dies part way leaves its first parts under the earlier value's name)."""
         count = (len(blob) + self.limit - 1) // self.limit
         for part, name in enumerate(part_keys(key, count)):
             self.client.put_values([name], [blob[part * self.limit : (part + 1) * self.limit]], self.table)
-        return PARTS + json.dumps({"parts": count, "bytes": len(blob)}).encode()
+        return (
+            PARTS + json.dumps({"parts": count, "bytes": len(blob), "xxh3": xxhash.xxh3_128_hexdigest(blob)}).encode()
+        )
 
     def get(
         self, keys: list[str], shapes: Any = None, dtypes: Any = None, custom_backend_meta: Any = None
@@ -370,9 +374,12 @@ class ExpbufStorageClient(StorageKVClient):
                 raise KeyError(f"expbuf table {self.table!r} lacks {name}, a part of the value of {key}")
             parts.append(part)
         whole = b"".join(parts)
-        if len(whole) != manifest["bytes"]:  # a part left by another put of the key, of another size
+        digest = manifest.get("xxh3")  # a value stored before the digest has none
+        if len(whole) != manifest["bytes"] or (digest is not None and xxhash.xxh3_128_hexdigest(whole) != digest):
             raise ValueError(
-                f"the value of {key} in expbuf table {self.table!r} is {len(whole)} bytes, not {manifest['bytes']}"
+                f"the value of {key} in expbuf table {self.table!r} is not the one its key names ({len(whole)} bytes of"
+                f" {manifest['bytes']}, its digest checked): a put of it was cut short part way, its parts left from"
+                " two puts; put it again"
             )
         return whole
 
