@@ -26,7 +26,7 @@ from expbuf.server.store.schema.table_config import TableConfig
 
 from conftest import Servers
 from helpers import group_items, make_experience, wait_for
-from test_quarantine import lose, quarantine_logs, uids
+from test_quarantine import garble, hurt, lose, quarantine_logs, uids
 
 # A records table's records lost apart from its payloads; a rows table keeps none to lose (its
 # members are its segments' rows).
@@ -156,18 +156,6 @@ def test_a_sample_stream_past_a_lost_group_record_is_served_and_the_server_stays
     assert server.store.verify("t") == []
 
 
-def garble(store: Store, table: str, name: str, db: str, keep: int | None = None) -> None:
-    """Cut a uid's record (items) or a group's (groups) to its first `keep` bytes (None: half), as a
-    damaged page would leave it: stored, and no longer decoding."""
-    key, where = layout.table_prefix(store.catalog.lookup(table)[0]) + name.encode(), store.db[db]
-
-    def cut(txn) -> None:  # type: ignore[no-untyped-def]
-        raw = bytes(txn.get(key, db=where))
-        txn.put(key, raw[: len(raw) // 2 if keep is None else keep], db=where)
-
-    store.environment.submit(cut)
-
-
 @pytest.mark.parametrize("db", ["items", "groups"])
 @pytest.mark.parametrize("order", ["fifo", "lifo", "priority"])  # each reaches 0/1 before its batch is full
 def test_a_sample_fails_a_group_whose_record_does_not_decode_and_serves_the_others(
@@ -243,35 +231,41 @@ def test_a_stale_group_dropped_buries_a_member_whose_record_is_lost(tmp_path: Pa
         assert store.verify("t") == []
 
 
-def leased_with_a_lost_member(store: Store, delivery: str, *, hold: bool) -> tuple[str, TakeSpec]:
-    """Group 0/0 taken under a lease (held for a stream with `hold`), then a member's record lost."""
+def leased_with_a_lost_member(store: Store, delivery: str, *, hold: bool, how: str = "lost") -> tuple[str, TakeSpec]:
+    """Group 0/0 taken under a lease (held for a stream with `hold`), then a member's record lost (or
+    cut so that it no longer decodes: `how`, test_quarantine.hurt)."""
     store.create_table(TableConfig.of("t", estimator="none", group_size=4))
     for task in range(3):
         store.put("t", group_items(0, task, 4, reward=float(task)))
     spec = TakeSpec("t", num_groups=1, wait_seconds=0, delivery=delivery, lease_seconds=10)
     batch = store.sample(spec, hold=hold)
     assert batch is not None and batch.lease_id and set(batch.group_ids) == {"0/0"}
-    lose(store, "t", uids(0)[1], "items")
+    hurt(store, "t", uids(0)[1], how)
     return batch.lease_id, spec
 
 
+@pytest.mark.parametrize("how", ["lost", "cut"])
 @pytest.mark.parametrize("call", ["ack", "confirm"])
 def test_a_lease_consumed_buries_a_member_whose_record_is_lost_and_consumes_the_rest(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture, call: str
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, call: str, how: str
 ) -> None:
     """An ack of a lease, or a stream's confirmation of a consumed batch, whose group lost a
     member's record: that member is quarantined, the others consumed. The lost member stayed
     counted leased, its bytes and its place in the insertion order kept, and Stats of the table
-    then failed INTERNAL on the place."""
+    then failed INTERNAL on the place. A record a damaged page cut (`cut`) is met as a lost one,
+    named as the table's last failure: both were refused INTERNAL (struct.error), the lease left
+    as it was."""
     caplog.set_level(logging.ERROR, "expbuf.store")
     with Store(tmp_path) as store:
         delivery = "lease" if call == "ack" else "consume"
-        lease_id, spec = leased_with_a_lost_member(store, delivery, hold=call == "confirm")
+        lease_id, spec = leased_with_a_lost_member(store, delivery, hold=call == "confirm", how=how)
         assert (store.ack(lease_id) if call == "ack" else store.confirm(lease_id, spec)) == 4
         stats = store.stats("t")
         assert (stats["consumed"], stats["quarantined"], stats["damaged"], stats["leased"]) == (3, 1, 1, 0)
         assert stats["bytes"] == stored_bytes(store, [1, 2])
         assert quarantine_logs(caplog, uids(0)[1]) == 1
+        why = "its record does not decode" if how == "cut" else "its record is not stored"
+        assert stats["last_failure"] == f"group 0/0: experience {uids(0)[1]} quarantined: {why}"
         assert store.verify("t") == []
 
 
@@ -307,9 +301,14 @@ def test_a_lease_ended_back_fails_a_group_whose_member_s_record_is_lost(
         assert batch is not None and sorted(set(batch.group_ids)) == ["0/1", "0/2"]
 
 
-def test_through_the_server_an_evicting_push_and_an_ack_over_lost_records_succeed(start_server: Servers) -> None:
+@pytest.mark.parametrize("how", ["lost", "cut"])
+def test_through_the_server_an_evicting_push_and_an_ack_over_lost_records_succeed(
+    start_server: Servers, how: str
+) -> None:
     """Through the server: the push that evicts a group with a lost member is stored, and the ack
-    of a lease whose group lost one is answered, neither INTERNAL; Stats counts the quarantined."""
+    of a lease whose group lost one is answered, neither INTERNAL; Stats counts the quarantined.
+    So too where the records are cut so that they no longer decode: the ack was refused INTERNAL
+    (struct.error), and every ack of the lease after it."""
     server = start_server()
     with BufferClient(f"127.0.0.1:{server.port}", timeout=10) as client:
         client.create_table("t", estimator="none", group_size=4, capacity_experiences=12, when_full="evict")
@@ -319,8 +318,8 @@ def test_through_the_server_an_evicting_push_and_an_ack_over_lost_records_succee
         batch = next(stream)
         stream.close()  # the batch handed over stays leased
         assert set(batch.group_ids) == {"0/2"}
-        lose(server.store, "t", uids(0)[0], "items")
-        lose(server.store, "t", uids(2)[3], "items")
+        hurt(server.store, "t", uids(0)[0], how)
+        hurt(server.store, "t", uids(2)[3], how)
         assert client.push([make_experience(0, 3, run) for run in range(4)], "t").stored == uids(3)
         assert batch.ack() == 4
         stats = client.stats("t").tables["t"]

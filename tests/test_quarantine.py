@@ -142,6 +142,26 @@ def lose(store: Store, table: str, uid: str, db: str) -> None:
     store.environment.submit(lambda txn: txn.delete(key, db=store.db[db]))
 
 
+def garble(store: Store, table: str, name: str, db: str, keep: int | None = None) -> None:
+    """Cut a uid's record (items) or a group's (groups) to its first `keep` bytes (None: half), as a
+    damaged page would leave it: stored, and no longer decoding."""
+    key, where = layout.table_prefix(store.catalog.lookup(table)[0]) + name.encode(), store.db[db]
+
+    def cut(txn) -> None:  # type: ignore[no-untyped-def]
+        raw = bytes(txn.get(key, db=where))
+        txn.put(key, raw[: len(raw) // 2 if keep is None else keep], db=where)
+
+    store.environment.submit(cut)
+
+
+def hurt(store: Store, table: str, uid: str, how: str) -> None:
+    """The uid's record lost (`how`: "lost") or cut so that it no longer decodes ("cut"), as damage would."""
+    if how == "lost":
+        lose(store, table, uid, "items")
+    else:
+        garble(store, table, uid, "items")
+
+
 @pytest.mark.parametrize(("db", "table_layout"), LOST, indirect=["table_layout"])
 @pytest.mark.parametrize("hold", [False, True])
 def test_a_sample_quarantines_a_group_whose_member_is_lost_and_serves_the_others(

@@ -26,6 +26,8 @@ from ..table_state.views import RowGroup, RowMember, group_record, member_record
 from . import payloads, pieces, row_deletes, row_moves, row_pending, segments
 
 log = logging.getLogger("expbuf.store")
+# A damaged page can make a record's decoder raise almost anything: every exception is damage.
+_DAMAGE = Exception
 
 
 def _delete_rows(txn: lmdb.Transaction[bytes], db: lmdb._Database, keys: Iterable[bytes]) -> None:
@@ -46,7 +48,8 @@ def retire(
     quarantined tombstones, their payloads gone, and so does a member whose record is lost
     (bury_lost), counted damaged and logged where the caller did not name it among them. Done
     in passes, one per database, over all the groups; a record not read yet in this transaction
-    becomes a tombstone without being decoded. The table's extensions hear of it first
+    becomes a tombstone without being decoded (one a damaged page cut short is lost, as `item`
+    reads it). The table's extensions hear of it first
     (`Retired`). A rows table's pending groups leave as row_pending.retire has it."""
     if groups and isinstance(groups[0][1], RowGroup):
         row_pending.retire(tt, groups, state, quarantined)
@@ -89,14 +92,17 @@ def retire(
                     tombstones.append((key, rec.tombstone()))
             else:
                 raw = tt.txn.get(key, db=tt.db["items"])
-                if raw is None:
+                undecoded = None if raw is None else _retired_as(raw, became, now, kept=kept)
+                if undecoded is None:
+                    if raw is not None:  # a damaged page left it undecodable: lost, as `item` reads it (logged)
+                        tt.item(uid)
                     lost.append((gkey, grp.state, uid))
                     continue
-                _, seq, size = ItemRecord.place(raw)
+                seq, size, row = undecoded
                 if kept:
-                    full.append((key, ItemRecord.retired_as(raw, became, now)))
+                    full.append((key, row))
                 else:
-                    tombstones.append((key, ItemRecord.tombstone_of(raw, became, now)))
+                    tombstones.append((key, row))
             counters.add(grp.state, -1)  # the members' state (the group's, while it is live)
             counters.add(became, 1)
             keys.append(key)
@@ -118,6 +124,17 @@ def retire(
         put_rows(tt.txn, db, rows)
     _found_lost(tt, [(gkey, uid) for gkey, _, uid in lost if uid not in quarantined], state)
     bury_lost(tt, lost)
+
+
+def _retired_as(raw: bytes, state: State, now: float, *, kept: bool) -> tuple[int, int, bytes] | None:
+    """A live record retired as `state` without being decoded: its insertion sequence, its size and
+    what it becomes (its full record where its payload is `kept`, else its compact tombstone); None
+    where a damaged page cut it short of what these read."""
+    try:
+        _, seq, size = ItemRecord.place(raw)
+        return seq, size, ItemRecord.retired_as(raw, state, now) if kept else ItemRecord.tombstone_of(raw, state, now)
+    except _DAMAGE:
+        return None
 
 
 def _found_lost(tt: TableState, lost: Sequence[tuple[str, str]], state: State) -> None:
