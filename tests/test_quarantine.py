@@ -210,17 +210,21 @@ def test_a_sample_stream_of_a_table_with_a_lost_member_is_served_the_others(
     assert metrics[("expbuf_buffer_experiences", (("state", "quarantined"), ("table", "t")))] == 1
 
 
+@pytest.mark.parametrize("how", ["lost", "cut"])
 def test_a_read_by_uid_lists_a_member_whose_record_is_lost_as_missing(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture, records_layout: None
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, records_layout: None, how: str
 ) -> None:
     """Get, its raw read and ReadFields (whole or by field) serve the others and list a payload
-    whose record is lost as missing, logged with its uid, where they refused the whole read."""
+    whose record is lost as missing, logged with its uid, where they refused the whole read; and
+    ListExperiences lists the others, logged, where it refused the page ("experience ... is named
+    but not stored"). A record a damaged page cut so that it no longer decodes (`cut`) is read as a
+    lost one: each of these was refused INTERNAL (struct.error)."""
     caplog.set_level(logging.ERROR, "expbuf.store")
     with Store(tmp_path) as store:
         store.create_table(TableConfig.of("t", estimator="none", group_size=4))
         store.put("t", group_items(0, 0, 4))
         lost, others = uids(0)[1], [uid for uid in uids(0) if uid != uids(0)[1]]
-        lose(store, "t", lost, "items")
+        hurt(store, "t", lost, how)
         assert store.get("t", uids(0)).keys() == set(others)
         payload, missing = store.get_payload("t", uids(0))
         assert missing == [lost] and [e.eid.uid for e in decode(payload)] == others
@@ -231,6 +235,31 @@ def test_a_read_by_uid_lists_a_member_whose_record_is_lost_as_missing(
             finally:
                 batch.release()
         assert any(lost in r.getMessage() and "its record is not" in r.getMessage() for r in caplog.records)
+        caplog.clear()
+        assert [listed.uid for listed in store.list_experiences("t").items] == others
+        assert any(f"ListExperiences passed over experience {lost}" in r.getMessage() for r in caplog.records)
+        assert store.stats("t")["ready"] == 4  # reads change nothing: a sample meets it
+
+
+@pytest.mark.parametrize("how", ["lost", "cut"])
+def test_a_group_whose_record_is_lost_is_listed_and_its_lease_s_parts_are_the_other_groups(
+    tmp_path: Path, records_layout: None, how: str
+) -> None:
+    """A group record lost (or cut so that it no longer decodes) under a lease: ListExperiences lists
+    its members as their records say (ready, not leased) and the others' members as leased, and a
+    rank's part of the lease is the other group's members, as a lost group is no longer the lease's.
+    The page was refused ("group ... is named but not stored", or INTERNAL: struct.error), and so
+    was the part of a cut one."""
+    with Store(tmp_path) as store:
+        store.create_table(TableConfig.of("t", estimator="none", group_size=4))
+        for task in range(2):
+            store.put("t", group_items(0, task, 4, reward=float(task)))
+        batch = store.sample(TakeSpec("t", num_groups=2, wait_seconds=0, delivery="lease"), hold=False)
+        assert batch is not None and batch.lease_id
+        (lose if how == "lost" else garble)(store, "t", "0/0", "groups")
+        listed = {item.uid: item.state for item in store.list_experiences("t").items}
+        assert listed == {uid: "ready" for uid in uids(0)} | {uid: "leased" for uid in uids(1)}
+        assert store.lease_part("t", batch.lease_id, 0, 1, "tokens") == (uids(1), uids(1))
 
 
 @pytest.mark.parametrize(

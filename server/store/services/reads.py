@@ -151,7 +151,7 @@ class Reads:
             with self.environment.read(buffers=True) as views:  # its segments' columns read in place
                 return reading.row_page(views, db, prefix, filters, after=after, limit=limit)
         with self.environment.read() as txn:
-            return reading.page(txn, db, prefix, filters, after=after, limit=limit)
+            return reading.page(txn, db, prefix, filters, after=after, limit=limit, table=table)
 
     def payload(self, table: str, uids: Sequence[str], limit: int | None = None) -> tuple[bytes, list[str]]:
         """A TRXP batch of the stored experiences among uids (in their order), and the missing
@@ -374,9 +374,12 @@ def _servable(table: str, call: str, problem: Unservable | None, missing: list[s
 
 
 def _lost(uid: str) -> Unservable:
-    """A payload whose record the directory lost: not served (nothing says what it should be),
-    and left for a sample of its group to quarantine (quarantine.py), which knows the group."""
-    return Unservable(uid, "its payload is stored but its record is not: run `expbuf check`", damaged=False)
+    """A payload whose record the directory lost, or a damaged page left undecodable: not served
+    (nothing says what it should be), and left for a sample of its group to quarantine
+    (quarantine.py), which knows the group."""
+    return Unservable(
+        uid, "its payload is stored but its record is not stored or does not decode: run `expbuf check`", damaged=False
+    )
 
 
 def _tokens_of(value: bytes | memoryview | None) -> int:

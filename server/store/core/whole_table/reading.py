@@ -6,6 +6,10 @@ its payload's stored value by key, from a read transaction or a snapshot; the ro
 A page is read-only and bounded per call: it reads at most `SCAN_PER_ITEM` index entries per
 experience it may return, so filters that match little cost a few short pages, never one long
 read transaction that holds the map's old pages.
+
+A record a damaged page left undecodable is read as lost, as `TableState.item` and `.group` read it:
+the reads here serve around it (a Get lists it missing, a page passes over it, logged) and leave it
+to the sample that meets it, which fails its group (rules/quarantine.py).
 """
 
 from __future__ import annotations
@@ -14,10 +18,11 @@ import bisect
 import contextlib
 import functools
 import heapq
+import logging
 import struct
 from collections.abc import Callable, Collection, Generator, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import cast
+from typing import TypeVar, cast
 
 import lmdb
 
@@ -37,6 +42,7 @@ from ...disk.rows import (
     directory_entry,
 )
 from ...disk.stored_advantages import FinishBatch
+from ...schema.errors import clip
 from ...schema.states import FAILED, LEASED, LIVE, READY, State
 from ...schema.table_config import TableConfig
 from ...schema.views import GroupView, MemberView
@@ -50,6 +56,10 @@ Value = bytes | memoryview
 
 SCAN_PER_ITEM = 10
 _SEQ = struct.Struct(">Q")
+# A damaged page can make a record's decoder raise almost anything: every exception is damage.
+_DAMAGE = Exception
+R = TypeVar("R", ItemRecord, GroupRecord)
+log = logging.getLogger("expbuf.store")
 
 
 def record_raw(reader: Reader, dbs: Dbs, key: bytes) -> Value | None:
@@ -58,15 +68,25 @@ def record_raw(reader: Reader, dbs: Dbs, key: bytes) -> Value | None:
 
 
 def record(reader: Reader, dbs: Dbs, key: bytes) -> MemberView | None:
-    """A live experience's view by its key (T + uid); None: the table holds no live one."""
-    raw = record_raw(reader, dbs, key)
-    return None if raw is None else ItemRecord.decode(raw)
+    """A live experience's view by its key (T + uid); None: the table holds no live one, or its
+    record is lost to damage (`_readable`)."""
+    return _readable(ItemRecord.decode, record_raw(reader, dbs, key))
 
 
 def group(reader: Reader, dbs: Dbs, key: bytes) -> GroupView | None:
-    """A group's view by its key (T + group key); None: no such group."""
-    raw = reader.get(key, db=dbs["groups"])
-    return None if raw is None else GroupRecord.decode(raw)
+    """A group's view by its key (T + group key); None: no such group, or its record is lost to
+    damage (`_readable`)."""
+    return _readable(GroupRecord.decode, reader.get(key, db=dbs["groups"]))
+
+
+def _readable(decode: Callable[[Value], R], raw: Value | None) -> R | None:
+    """A stored record decoded; None where it is not stored, or a damaged page left it undecodable."""
+    if raw is None:
+        return None
+    try:
+        return decode(raw)
+    except _DAMAGE:
+        return None
 
 
 def lease_groups(
@@ -248,7 +268,8 @@ class Page:
     done: bool  # nothing live lies past this page
 
 
-Listing = tuple[int, Callable[[], Listed]]  # an experience's insertion sequence, and its listing read when paged
+# An experience's insertion sequence, and its listing read when paged (None: its record is lost, passed over).
+Listing = tuple[int, Callable[[], Listed | None]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -270,27 +291,38 @@ class Filters:
         return version is not None and (low is None or version >= low) and (high is None or version <= high)
 
 
-def page(txn: lmdb.Transaction[bytes], dbs: Dbs, prefix: bytes, filters: Filters, *, after: int, limit: int) -> Page:
-    """Live experiences from insertion sequence `after` on that pass the filters, at most `limit`."""
-    with contextlib.closing(_in_order(txn, dbs, prefix, after)) as found:
+def page(
+    txn: lmdb.Transaction[bytes], dbs: Dbs, prefix: bytes, filters: Filters, *, after: int, limit: int, table: str
+) -> Page:
+    """Live experiences from insertion sequence `after` on that pass the filters, at most `limit`; one
+    whose record is lost is passed over, logged naming `table` (the table's name)."""
+    with contextlib.closing(_in_order(txn, dbs, prefix, after, table)) as found:
         return _paged(found, filters, after, limit)
 
 
-def _in_order(txn: lmdb.Transaction[bytes], dbs: Dbs, prefix: bytes, after: int) -> Generator[Listing]:
+def _in_order(txn: lmdb.Transaction[bytes], dbs: Dbs, prefix: bytes, after: int, table: str) -> Generator[Listing]:
     """A records table's live experiences from insertion sequence `after` on, in its insertion order."""
     with txn.cursor(db=dbs["order"]) as cur:
         found = cur.set_range(prefix + u64(after))
         while found and cur.key().startswith(prefix):
             seq = _SEQ.unpack(cur.key()[len(prefix) :])[0]
-            yield seq, functools.partial(_listed_record, txn, dbs, prefix, cur.value())
+            yield seq, functools.partial(_listed_record, txn, dbs, prefix, cur.value(), table)
             found = cur.next()
 
 
-def _listed_record(txn: lmdb.Transaction[bytes], dbs: Dbs, prefix: bytes, uid: bytes) -> Listed:
-    rec = ItemRecord.decode(stored(txn, prefix + uid, dbs["items"], "experience"))
-    state = rec.state
-    if state == READY:  # or leased, as its group says
-        state = member_state(rec, GroupRecord.decode(stored(txn, prefix + rec.group.encode(), dbs["groups"], "group")))
+def _listed_record(txn: lmdb.Transaction[bytes], dbs: Dbs, prefix: bytes, uid: bytes, table: str) -> Listed | None:
+    """An experience as a page lists it; None where its record is lost (passed over, logged, as a Get
+    lists it missing). One whose group's record is lost is listed in its own record's state."""
+    rec = record(txn, dbs, prefix + uid)
+    if rec is None:
+        log.error(
+            "table %s: ListExperiences passed over experience %s: its record is not stored or does not decode; "
+            "run `expbuf check`",
+            table, clip(uid.decode(errors="replace")),
+        )  # fmt: skip
+        return None
+    # ready, or leased as its group says
+    state = member_state(rec, group(txn, dbs, prefix + rec.group.encode())) if rec.state == READY else rec.state
     return Listed(uid.decode(), rec.group, state, rec.version, rec.reward, rec.times_sampled)
 
 
@@ -394,7 +426,7 @@ def _paged(found: Iterator[Listing], filters: Filters, after: int, limit: int) -
             return Page(items, seq, False)
         budget -= 1
         listed = listing()
-        if filters.passes(listed):
+        if listed is not None and filters.passes(listed):
             items.append(listed)
         after = seq + 1
     return Page(items, after, True)
