@@ -445,8 +445,9 @@ def test_a_pending_group_whose_rows_are_damaged_is_read_and_deleted_as_a_records
     tmp_path: Path, caplog: pytest.LogCaptureFixture, how: str
 ) -> None:
     """A pending group's fragment lost or undecodable: Get, its raw read and ReadFields serve its members
-    whose rows read and list the others as missing, logged, and a Delete of those (one by uid, then the
-    group) takes them out, as a records table's group whose members' records are lost: the group is
+    whose rows read and list the others as missing, logged, ListExperiences lists those (logged) as a
+    records table's passes over a member whose record is lost, and a Delete of those (one by uid, then
+    the group) takes them out, as a records table's group whose members' records are lost: the group is
     left with its lost members, and a seal then fails it with them quarantined. Each was refused
     (StoreError "fragment ... is named but not stored", or INTERNAL: struct.error)."""
     caplog.set_level(logging.ERROR, "expbuf.store")
@@ -465,6 +466,9 @@ def test_a_pending_group_whose_rows_are_damaged_is_read_and_deleted_as_a_records
             finally:
                 batch.release()
         assert all(sum(u in r.getMessage() for r in caplog.records) >= 2 for u in lost)  # logged for each table
+        listed = [store.list_experiences(table).items for table in ("t", "t_rows")]
+        assert listed[1] == listed[0] and {item.uid for item in listed[1] if item.group == "0/0"} == set(kept)
+        assert any(f"passed over {len(lost)} member(s) of group 0/0" in r.getMessage() for r in caplog.records)
         assert [store.delete(table, uids=[kept[0], lost[0]]) for table in ("t", "t_rows")] == [1, 1]
         assert [store.delete(table, group_ids=["0/0"]) for table in ("t", "t_rows")] == [len(kept) - 1] * 2
         assert stats(store, "t_rows") == stats(store, "t")

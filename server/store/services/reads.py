@@ -149,7 +149,7 @@ class Reads:
         filters = reading.Filters(set(states), min_version, max_version)
         if config.storage.layout == "rows":
             with self.environment.read(buffers=True) as views:  # its segments' columns read in place
-                return reading.row_page(views, db, prefix, filters, after=after, limit=limit)
+                return reading.row_page(views, db, prefix, filters, after=after, limit=limit, table=table)
         with self.environment.read() as txn:
             return reading.page(txn, db, prefix, filters, after=after, limit=limit, table=table)
 

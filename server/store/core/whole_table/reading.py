@@ -48,7 +48,7 @@ from ...schema.table_config import TableConfig
 from ...schema.views import GroupView, MemberView
 from ..table_state import oldest_index
 from ..table_state.read_check import payload_problem, stored_problem
-from ..table_state.state import TableState, member_state, pending_rows, readable_rows, stored
+from ..table_state.state import TableState, member_state, readable_rows, stored
 from ..table_state.views import RowGroup, RowMember, group_rows, quarantined, row_members
 
 Dbs = Mapping[str, lmdb._Database]
@@ -327,7 +327,7 @@ def _listed_record(txn: lmdb.Transaction[bytes], dbs: Dbs, prefix: bytes, uid: b
 
 
 def row_page(
-    txn: lmdb.Transaction[memoryview], dbs: Dbs, prefix: bytes, filters: Filters, *, after: int, limit: int
+    txn: lmdb.Transaction[memoryview], dbs: Dbs, prefix: bytes, filters: Filters, *, after: int, limit: int, table: str
 ) -> Page:
     """`page` of a rows table, read from a transaction with buffers: the same page, its experiences read
     from its live segments and pending groups (it keeps no insertion order), the first in insertion
@@ -335,18 +335,21 @@ def row_page(
     more while filters leave it short, up to as many as a records table's page would read."""
     most, wanted = limit * SCAN_PER_ITEM + 1, limit + 1
     while True:
-        found = _row_listings(txn, dbs, prefix, after, wanted)
+        found = _row_listings(txn, dbs, prefix, after, wanted, table)
         page = _paged(iter(found), filters, after, limit)
         if not page.done or len(found) < wanted or wanted == most:
             return page
         wanted = min(most, 4 * wanted)
 
 
-def _row_listings(txn: lmdb.Transaction[memoryview], dbs: Dbs, prefix: bytes, after: int, wanted: int) -> list[Listing]:
+def _row_listings(
+    txn: lmdb.Transaction[memoryview], dbs: Dbs, prefix: bytes, after: int, wanted: int, table: str
+) -> list[Listing]:
     """The first `wanted` live members of a rows table from insertion sequence `after` on, in its
     insertion order: each live segment's insertion numbers read as one column, and passed over whole
     where none of them can be among those found so far (segments are in completion order, mostly the
-    order their members came in); each pending and computing group's rows read."""
+    order their members came in); each pending and computing group's rows that read (those damage
+    lost passed over, logged, as a records table's page passes over a member whose record is lost)."""
     found: list[tuple[int, int, int]] = []  # a heap of (-seq, its source, its index there)
     sources: list[Callable[[int], Listed]] = []  # each one's listing of its member i
 
@@ -375,7 +378,13 @@ def _row_listings(txn: lmdb.Transaction[memoryview], dbs: Dbs, prefix: bytes, af
     for gkey in _heads(txn, dbs, prefix):
         head = directory_entry(stored(txn, prefix + gkey.encode(), dbs["gdir"], "pending or computing group"))
         if isinstance(head, PendingHead):
-            rows = pending_rows(txn, dbs, prefix, gkey, head)
+            rows = readable_rows(txn, dbs, prefix, gkey, head)
+            if len(rows) < len(head.hashes):
+                log.error(
+                    "table %s: ListExperiences passed over %d member(s) of group %s: their rows do not read; "
+                    "run `expbuf check`",
+                    table, len(head.hashes) - len(rows), clip(gkey),
+                )  # fmt: skip
             sources.append(functools.partial(_listed_pending, gkey, head.state, rows))
             offer([m.seq for m in rows], range(len(rows)))
     return [(-seq, functools.partial(sources[source], i)) for seq, source, i in sorted(found, reverse=True)]
