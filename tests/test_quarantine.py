@@ -242,6 +242,22 @@ def test_a_read_by_uid_lists_a_member_whose_record_is_lost_as_missing(
 
 
 @pytest.mark.parametrize("how", ["lost", "cut"])
+def test_stats_and_the_metrics_pass_over_an_oldest_experience_whose_record_is_lost(
+    start_server: Servers, records_layout: None, how: str
+) -> None:
+    """The table's oldest live experience's record lost, or cut so that it no longer decodes: Stats and a
+    scrape of the metrics give the age of the oldest whose record reads. A cut one made Stats refused
+    INTERNAL (struct.error), and every scrape of the metrics, every table's, failed with it."""
+    server = start_server()
+    server.store.create_table(TableConfig.of("t", estimator="none", group_size=4))
+    server.store.put("t", group_items(0, 0, 4))
+    hurt(server.store, "t", uids(0)[0], how)
+    with BufferClient(f"127.0.0.1:{server.port}", timeout=10) as client:
+        assert 0 < client.stats("t").tables["t"].oldest_age_seconds < 60
+    assert 0 < scrape(server.metrics_port)[("expbuf_oldest_age_seconds", (("table", "t"),))] < 60
+
+
+@pytest.mark.parametrize("how", ["lost", "cut"])
 def test_a_group_whose_record_is_lost_is_listed_and_its_lease_s_parts_are_the_other_groups(
     tmp_path: Path, records_layout: None, how: str
 ) -> None:

@@ -236,14 +236,14 @@ def oldest_groups(tt: TableState) -> Iterator[str]:
 
 def oldest_age(txn: lmdb.Transaction[bytes], dbs: Dbs, prefix: bytes, now: float) -> float:
     """How long ago a table's oldest live experience was pushed (0: it holds none): a records table's
-    first in its insertion order (one whose record is lost is passed over), a rows table's first in
+    first in its insertion order (one whose record is lost, or does not decode, is passed over), a rows table's first in
     its index of the oldest (core/table_state/oldest_index.py; it keeps no insertion order)."""
     with txn.cursor(db=dbs["order"]) as cur:
         found = cur.set_range(prefix)
         while found and cur.key().startswith(prefix):
-            raw = txn.get(prefix + cur.value(), db=dbs["items"])
-            if raw is not None:
-                return max(0.0, now - ItemRecord.decode(raw).created)
+            rec = _readable(ItemRecord.decode, txn.get(prefix + cur.value(), db=dbs["items"]))
+            if rec is not None:
+                return max(0.0, now - rec.created)
             found = cur.next()
     created = oldest_index.oldest(txn, dbs, prefix) if "oldest" in dbs else None
     return 0.0 if created is None else max(0.0, now - created)
