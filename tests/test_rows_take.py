@@ -37,6 +37,7 @@ from helpers import both_layouts as both
 from helpers import group_items, make_experience, take_both
 from helpers import layouts_reply as reply
 from helpers import layouts_stats as stats
+from test_quarantine import uids
 
 ONES = {"estimator": "none", "group_by": "none"}
 EIGHTS = {"estimator": "none", "group_by": "task", "group_size": 8}
@@ -666,6 +667,37 @@ def test_an_eviction_passes_over_a_segment_that_does_not_decode_and_evicts_the_n
         served = next(iter(client.sample("t", num_groups=8, max_batches=1, timeout=5)))
         assert {int(gkey[2:]) for gkey in served.group_ids} == set(range(40, 48))
     passed_over_once(caplog, store, 0)
+
+
+@pytest.mark.parametrize("db", ["segs", "sstate"])
+def test_reads_pass_over_a_segment_that_does_not_decode_and_serve_the_others(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, db: str
+) -> None:
+    """Get, its raw read, ReadFields, ListExperiences and a rank's part of a lease, of a rows table one
+    of whose segments a damaged page left undecodable: Get and ReadFields list its members as missing
+    and serve the others, ListExperiences lists the others' and names the segment in the log, and the
+    part is the lease's groups of the other segment, as a sample passes over such a segment. Each was
+    refused INTERNAL (ValueError), the whole read with it."""
+    caplog.set_level(logging.ERROR, "expbuf.store")
+    with Store(tmp_path) as store:
+        store.create_table(TableConfig.of("t", layout="rows", **EIGHTS))
+        store.put("t", items(40, 8))  # segment 0 of 32 groups, segment 32 of 8
+        batch = store.sample(TakeSpec("t", num_groups=36, delivery="lease", wait_seconds=0), hold=False)
+        assert batch is not None and batch.lease_id
+        garble_segment(store, "t", 0, db)
+        damaged, others = uids(0, 8), uids(32, 8)
+        assert store.get("t", damaged + others).keys() == set(others)
+        assert store.get_payload("t", damaged + others)[1] == damaged
+        fields, missing = store.read_fields("t", damaged + others)
+        try:
+            assert (fields.uids, missing) == (others, damaged)
+        finally:
+            fields.release()
+        listed = store.list_experiences("t").items
+        assert {item.group for item in listed} == {f"0/{task}" for task in range(32, 40)}
+        assert any("ListExperiences passed over segment 0" in r.getMessage() for r in caplog.records)
+        part, step = store.lease_part("t", batch.lease_id, 0, 1, "tokens")
+        assert part == step == [uid for task in range(32, 36) for uid in uids(task, 8)]
 
 
 def test_a_sample_stream_over_grpc_serves_a_rows_table_as_a_records_one(start_server) -> None:  # type: ignore[no-untyped-def]

@@ -94,7 +94,8 @@ def lease_groups(
 ) -> dict[str, Sequence[str]]:
     """The groups still held under a lease of the table (of `prefix`), each with its members' uids,
     in the lease's order (a lease of runs: the ready order): a group deleted, consumed or given back
-    meanwhile is not."""
+    meanwhile is not, nor one whose record or segment damage left undecodable (the lease's end passes
+    over it)."""
     held: dict[str, Sequence[str]] = {}
     if isinstance(lease, Lease):
         for gkey in lease.groups:
@@ -104,17 +105,31 @@ def lease_groups(
         return held
     tag = bytes.fromhex(lease_id)
     for run in lease.runs:
-        key = prefix + u64(run.seg)
-        raw, raw_state = reader.get(key, db=dbs["segs"]), reader.get(key, db=dbs["sstate"])
-        if raw is None or raw_state is None:
+        try:
+            view, state = segment(reader, dbs, prefix + u64(run.seg))
+        except _DAMAGE:  # forgotten once its groups left the lease and retired; or damage, passed over
             continue
-        view, state = SegmentView(raw), SegState.decode(raw_state)
         for g in range(run.first, run.first + run.length):
             if state.state(g) == LEASED and state.lease(g) == tag:
                 lo, hi = view.span(g)
                 uids = view.members.uids(lo, hi)
                 held[view.keys(g, g + 1)[0]] = [uids[i - lo] for i in state.kept(lo, hi)]
     return held
+
+
+def segment(reader: Reader, dbs: Dbs, key: bytes) -> tuple[SegmentView, SegState]:
+    """A rows table's segment, by its key (T + its id): its rows and its state, which agree. Raises where
+    either is not stored or damage left it undecodable (StoreError, ValueError, ...), as a take finds it
+    (row_select.Segments.readable), for a read to pass over its groups as a take does."""
+    view = SegmentView(stored(reader, key, dbs["segs"], "segment"))
+    return _agreeing(view, SegState.decode(stored(reader, key, dbs["sstate"], "segment state")))
+
+
+def _agreeing(view: SegmentView, state: SegState) -> tuple[SegmentView, SegState]:
+    """A segment's rows and state; ValueError where they do not agree (damage)."""
+    if (state.groups, state.members) != (view.groups, view.members.count):
+        raise ValueError(f"its state is of {state.groups} groups and {state.members} members")
+    return view, state
 
 
 def payload_mismatch(uid: str, raw: Value, blob: Stored | tuple[bytes, int]) -> bool:
@@ -166,11 +181,7 @@ class RowMembers:
             pending = tuple(readable_rows(self.reader, self.dbs, self.prefix, gkey, entry))
             return row_members(RowGroup(gkey, entry.state, pending))
         if entry.seg not in self._segments:
-            key = self.prefix + u64(entry.seg)
-            self._segments[entry.seg] = (
-                SegmentView(stored(self.reader, key, self.dbs["segs"], "segment")),
-                SegState.decode(stored(self.reader, key, self.dbs["sstate"], "segment state")),
-            )
+            self._segments[entry.seg] = segment(self.reader, self.dbs, self.prefix + u64(entry.seg))
         view, state = self._segments[entry.seg]
         now = state.state(entry.group)
         if now not in LIVE and now != FAILED:  # a failed group's payloads may be kept, for Get
@@ -182,10 +193,19 @@ class RowMembers:
 
 def members_of(reader: Reader, dbs: Dbs, prefix: bytes, config: TableConfig) -> Callable[[str], MemberView | None]:
     """A table's live experiences' views by uid, read from `reader`: a records table's records (a
-    failed one's whose payload is kept among them), or a rows table's members (`RowMembers`)."""
+    failed one's whose payload is kept among them), or a rows table's members (`RowMembers`). One
+    whose record, or segment, damage left undecodable has none: lost, as a sample reads it."""
     if config.storage.layout == "rows":
-        return RowMembers(reader, dbs, prefix, config.grouping.by).member
+        return functools.partial(_row_member, RowMembers(reader, dbs, prefix, config.grouping.by))
     return lambda uid: record(reader, dbs, prefix + uid.encode())
+
+
+def _row_member(rows: RowMembers, uid: str) -> RowMember | None:
+    """`rows.member`, None where the uid's segment (or its pending group's head) does not decode."""
+    try:
+        return rows.member(uid)
+    except _DAMAGE:
+        return None
 
 
 def row_payload_mismatch(uid: str, found: tuple[bytes, int], blob: Stored | tuple[bytes, int]) -> bool:
@@ -367,13 +387,12 @@ def _row_listings(
     with txn.cursor(db=dbs["segs"]) as cur:
         at = cur.set_range(prefix)
         while at and cur.key()[: len(prefix)] == prefix:
-            state = SegState.decode(stored(txn, bytes(cur.key()), dbs["sstate"], "segment state"))
-            view = SegmentView(cur.value()) if state.retired is None else None
-            seqs = () if view is None else cast(Sequence[int], view.members.column("seq", 0, view.members.count))
-            if seqs and max(seqs) >= after and not (len(found) == wanted and min(seqs) > -found[0][0]):
-                assert view is not None
-                sources.append(functools.partial(_listed_row, view, state))
-                offer(seqs, _live_members(view, state))
+            read = _listed_segment(txn, dbs, bytes(cur.key()), cur.value(), table)
+            if read is not None:
+                view, state, seqs = read
+                if seqs and max(seqs) >= after and not (len(found) == wanted and min(seqs) > -found[0][0]):
+                    sources.append(functools.partial(_listed_row, view, state))
+                    offer(seqs, _live_members(view, state))
             at = cur.next()
     for gkey in _heads(txn, dbs, prefix):
         head = directory_entry(stored(txn, prefix + gkey.encode(), dbs["gdir"], "pending or computing group"))
@@ -388,6 +407,26 @@ def _row_listings(
             sources.append(functools.partial(_listed_pending, gkey, head.state, rows))
             offer([m.seq for m in rows], range(len(rows)))
     return [(-seq, functools.partial(sources[source], i)) for seq, source, i in sorted(found, reverse=True)]
+
+
+def _listed_segment(
+    txn: lmdb.Transaction[memoryview], dbs: Dbs, key: bytes, raw: Value, table: str
+) -> tuple[SegmentView, SegState, Sequence[int]] | None:
+    """A segment a page may list members of (its rows `raw`), with its state and its members' insertion
+    numbers; None where its groups have all retired, or where it does not decode (passed over, logged,
+    as a take passes over it)."""
+    try:
+        state = SegState.decode(stored(txn, key, dbs["sstate"], "segment state"))
+        if state.retired is not None:
+            return None
+        view, _ = _agreeing(SegmentView(raw), state)
+        return view, state, cast(Sequence[int], view.members.column("seq", 0, view.members.count))
+    except _DAMAGE as exc:
+        log.error(
+            "table %s: ListExperiences passed over segment %d: it does not decode (%s: %s); run `expbuf check`",
+            table, _SEQ.unpack(key[-8:])[0], type(exc).__name__, clip(str(exc), 200),
+        )  # fmt: skip
+        return None
 
 
 def _live_members(view: SegmentView, state: SegState) -> Iterable[int]:
