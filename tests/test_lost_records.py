@@ -401,16 +401,18 @@ def test_a_pending_group_completed_with_a_member_s_record_lost_fails_and_the_cal
         assert batch is not None and set(batch.group_ids) == {"0/1"}
 
 
+@pytest.mark.parametrize("how", ["lost", "cut"])
 @pytest.mark.parametrize("when", ["before-backlog", "before-finish"])
 def test_a_computing_group_with_a_member_s_record_lost_fails_and_the_others_are_computed(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture, when: str
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, when: str, how: str
 ) -> None:
     """A group waiting for its advantages (estimator grpo) one of whose members' records is lost,
     found by the advantage worker's read of the backlog or by the store of its advantages: the
     group fails, the member quarantined, the others kept for Get, and the other group is computed
     and ready. The read of the backlog was refused ("experience ... is named but not stored") at
     each of the worker's passes, every table's advantages held up; the store of the advantages
-    alike, the group left computing."""
+    alike, the group left computing. A record cut so that it no longer decodes (`cut`) is met as a
+    lost one: the read of the backlog failed at it (struct.error) at every pass alike."""
     caplog.set_level(logging.ERROR, "expbuf.store")
     with Store(tmp_path) as store:
         store.create_table(TableConfig.of("t", estimator="grpo", group_size=4))
@@ -418,11 +420,11 @@ def test_a_computing_group_with_a_member_s_record_lost_fails_and_the_others_are_
             store.put("t", group_items(0, task, 4, reward=float(task)))
         lost = uids(0)[1]
         if when == "before-backlog":
-            lose(store, "t", lost, "items")
+            hurt(store, "t", lost, how)
         (job,) = store.compute_backlog()
         if when == "before-finish":
             assert job.groups == ["0/0", "0/1"]
-            lose(store, "t", lost, "items")
+            hurt(store, "t", lost, how)
         else:
             assert job.groups == ["0/1"]
         store.finish_compute("t", dict.fromkeys(job.records, 0.5), ready=job.groups)

@@ -27,6 +27,9 @@ from ..table_state.state import TableState, missing, pending_rows, stored
 from ..table_state.views import RowGroup, RowMember, group_record, member_record
 from . import row_pending
 
+# A damaged page can make a record's decoder raise almost anything: every exception is damage.
+_DAMAGE = Exception
+
 
 def backlog(
     txn: lmdb.Transaction[bytes],
@@ -101,14 +104,18 @@ def _queued_records(
     txn: lmdb.Transaction[bytes], dbs: dict[str, lmdb._Database], prefix: bytes, gkey: bytes
 ) -> tuple[list[str], dict[str, MemberView]]:
     """A records table's computing group's members' uids and their records (one whose record the
-    directory lost is left out: those after it are not read)."""
+    directory lost, or a damaged page left undecodable, is left out: those after it are not read)."""
     grp = GroupRecord.decode(stored(txn, prefix + gkey, dbs["groups"], "group"))
     records: dict[str, MemberView] = {}
     for uid in grp.members:
         raw = txn.get(prefix + uid.encode(), db=dbs["items"])
-        if raw is None:
+        try:
+            rec = None if raw is None else ItemRecord.decode(raw)
+        except _DAMAGE:  # lost, as TableState.item reads it where the writer fails the group
+            rec = None
+        if rec is None:
             break
-        records[uid] = ItemRecord.decode(raw)
+        records[uid] = rec
     return grp.members, records
 
 
