@@ -29,6 +29,7 @@ from expbuf.server.store.ledger.records import DatasetRecord
 from expbuf.server.store.schema.errors import Conflict, StoreError
 from expbuf.server.store.schema.sample_spec import TakeSpec
 from expbuf.server.store.schema.states import DROPPED, LEASED, PENDING, READY
+from expbuf.server.store.schema.table_config import TableConfig
 from expbuf.server.store.schema.views import Groups
 
 from helpers import StoppedClock as Clock
@@ -479,6 +480,24 @@ def test_a_pending_group_whose_rows_are_damaged_is_read_and_deleted_as_a_records
         assert got == {k: v for k, v in stats(store, "t").items() if k != "last_failure"}
         assert (got["groups_failed"], got["quarantined"], got["pending"]) == (1, len(lost), 33)
         clean(store, "t", "t_rows")
+
+
+def test_a_page_passes_over_a_pending_group_whose_head_does_not_decode(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A pending group's head (its directory entry) cut so that it no longer decodes: ListExperiences
+    lists the other groups' members and names the group in an error log, and a Get lists its members
+    as missing. The page was refused INTERNAL (struct.error)."""
+    caplog.set_level(logging.ERROR, "expbuf.store")
+    with Store(tmp_path) as store:
+        store.create_table(TableConfig.of("t", layout="rows", **EIGHTS))
+        store.put("t", [run(0, n) for n in range(8)] + [run(1, n) for n in range(3)])  # 0/0 complete, 0/1 pending
+        key, gdir = layout.table_prefix(store.catalog.lookup("t")[0]) + b"0/1", store.db["gdir"]
+        store.environment.submit(lambda txn: txn.put(key, bytes(txn.get(key, db=gdir))[:5], db=gdir))
+        complete, pending = [uid(0, n) for n in range(8)], [uid(1, n) for n in range(3)]
+        assert [item.uid for item in store.list_experiences("t").items] == complete
+        assert any("ListExperiences passed over pending group 0/1" in r.getMessage() for r in caplog.records)
+        assert store.get("t", complete + pending).keys() == set(complete)
 
 
 def test_a_computing_group_whose_rows_are_damaged_fails_as_a_records_tables_with_lost_records(tmp_path: Path) -> None:

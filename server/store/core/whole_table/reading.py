@@ -395,16 +395,10 @@ def _row_listings(
                     offer(seqs, _live_members(view, state))
             at = cur.next()
     for gkey in _heads(txn, dbs, prefix):
-        head = directory_entry(stored(txn, prefix + gkey.encode(), dbs["gdir"], "pending or computing group"))
-        if isinstance(head, PendingHead):
-            rows = readable_rows(txn, dbs, prefix, gkey, head)
-            if len(rows) < len(head.hashes):
-                log.error(
-                    "table %s: ListExperiences passed over %d member(s) of group %s: their rows do not read; "
-                    "run `expbuf check`",
-                    table, len(head.hashes) - len(rows), clip(gkey),
-                )  # fmt: skip
-            sources.append(functools.partial(_listed_pending, gkey, head.state, rows))
+        pending = _listed_head(txn, dbs, prefix, gkey, table)
+        if pending is not None:
+            now, rows = pending
+            sources.append(functools.partial(_listed_pending, gkey, now, rows))
             offer([m.seq for m in rows], range(len(rows)))
     return [(-seq, functools.partial(sources[source], i)) for seq, source, i in sorted(found, reverse=True)]
 
@@ -427,6 +421,33 @@ def _listed_segment(
             table, _SEQ.unpack(key[-8:])[0], type(exc).__name__, clip(str(exc), 200),
         )  # fmt: skip
         return None
+
+
+def _listed_head(
+    txn: lmdb.Transaction[memoryview], dbs: Dbs, prefix: bytes, gkey: str, table: str
+) -> tuple[State, list[Member]] | None:
+    """A pending or computing group's state and its rows that read, as a page lists them; those damage
+    lost are passed over, logged, as a records table's page passes over a member whose record is lost.
+    None where the group is no longer pending, or its head does not decode (passed over, logged)."""
+    try:
+        head = directory_entry(stored(txn, prefix + gkey.encode(), dbs["gdir"], "pending or computing group"))
+    except _DAMAGE as exc:
+        log.error(
+            "table %s: ListExperiences passed over pending group %s: its head does not decode (%s: %s); "
+            "run `expbuf check`",
+            table, clip(gkey), type(exc).__name__, clip(str(exc), 200),
+        )  # fmt: skip
+        return None
+    if not isinstance(head, PendingHead):
+        return None
+    rows = readable_rows(txn, dbs, prefix, gkey, head)
+    if len(rows) < len(head.hashes):
+        log.error(
+            "table %s: ListExperiences passed over %d member(s) of group %s: their rows do not read; "
+            "run `expbuf check`",
+            table, len(head.hashes) - len(rows), clip(gkey),
+        )  # fmt: skip
+    return head.state, rows
 
 
 def _live_members(view: SegmentView, state: SegState) -> Iterable[int]:
