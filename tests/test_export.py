@@ -14,7 +14,7 @@ from test_ops import ServerProcess
 
 from expbuf.client import BufferClient, BufferError, decode, trxp
 from expbuf.server.store import Store
-from expbuf.server.store.core.whole_table.reading import SCAN_PER_ITEM
+from expbuf.server.store.core.whole_table.pages import SCAN_PER_ITEM
 from expbuf.server.store.schema.table_config import TableConfig
 
 from helpers import group_items, make_experience, wait_ready

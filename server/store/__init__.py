@@ -51,7 +51,7 @@ if TYPE_CHECKING:
     from .core.table_state.events import Retired as Retired
     from .core.table_state.events import TableExtension as TableExtension
     from .core.table_state.events import Taken as Taken
-    from .core.whole_table.reading import Page as Page
+    from .core.whole_table.pages import Page as Page
     from .disk.chunk_heads import CHUNK_BYTES as CHUNK_BYTES
     from .disk.chunked import Staging as Staging
     from .disk.environment import Environment as Environment
@@ -126,7 +126,7 @@ _HOMES: dict[str, tuple[str | tuple[str, str], ...]] = {
     ".core.ordering.ready": ("ReadyIndex",),
     ".core.table_state.counters": ("SHAPING_COUNTERS",),
     ".core.table_state.events": ("Inserted", "Moved", "Pushed", "Resent", "Retired", "TableExtension", "Taken"),
-    ".core.whole_table.reading": ("Page",),
+    ".core.whole_table.pages": ("Page",),
     ".disk.chunk_heads": ("CHUNK_BYTES",),
     ".disk.chunked": ("Staging",),
     ".disk.environment": ("Environment",),

@@ -23,7 +23,7 @@ from expbuf.client.trxp.varints import field_bytes
 from ..core.table_state.counters import read_counters
 from ..core.table_state.read_check import Unservable, payload_problem, serve_problem
 from ..core.verbs.leases import lease_of
-from ..core.whole_table import reading
+from ..core.whole_table import pages, reading
 from ..disk import chunk_reads, digests, layout
 from ..disk.chunk_reads import checked, read_payload
 from ..disk.environment import Environment
@@ -142,16 +142,16 @@ class Reads:
         max_version: int | None = None,
         after: int = 0,
         limit: int = 1000,
-    ) -> reading.Page:
-        """A page of the table's live experiences in insertion order (core/whole_table/reading.py)."""
+    ) -> pages.Page:
+        """A page of the table's live experiences in insertion order (core/whole_table/pages.py)."""
         table_id, config = self.catalog.lookup(table)
         prefix, db = layout.table_prefix(table_id), self.environment.db
-        filters = reading.Filters(set(states), min_version, max_version)
+        filters = pages.Filters(set(states), min_version, max_version)
         if config.storage.layout == "rows":
             with self.environment.read(buffers=True) as views:  # its segments' columns read in place
-                return reading.row_page(views, db, prefix, filters, after=after, limit=limit, table=table)
+                return pages.row_page(views, db, prefix, filters, after=after, limit=limit, table=table)
         with self.environment.read() as txn:
-            return reading.page(txn, db, prefix, filters, after=after, limit=limit, table=table)
+            return pages.page(txn, db, prefix, filters, after=after, limit=limit, table=table)
 
     def payload(self, table: str, uids: Sequence[str], limit: int | None = None) -> tuple[bytes, list[str]]:
         """A TRXP batch of the stored experiences among uids (in their order), and the missing
