@@ -1,0 +1,125 @@
+"""A sharded sample's parts, each held on a Sample stream of its own until the whole batch is in
+hand: what a part its shard cannot give, or whose confirmation fails (its shard stopped, its table
+dropped, past max_confirm_seconds), does to the batch the trainer gets and to what the client
+believes of the shard. Two in-process shards on loopback, real LMDB; the plan alone where its
+outcomes are answered here."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+
+from expbuf.client import ExpbufError
+from expbuf.client.rpc.calls.sample_stream import late
+from expbuf.client.schema.reasons import Reason
+from expbuf.client.shards.blocking import AsyncShardedBufferClient, ShardedBufferClient, ShardError
+
+from conftest import Servers
+from helpers import make_experience
+from test_sharding import in_process_shards
+
+Sharded = ShardedBufferClient | AsyncShardedBufferClient
+KINDS = [ShardedBufferClient, AsyncShardedBufferClient]
+
+
+def samples(
+    kind: type[Sharded],
+    targets: dict[str, str],
+    asks: list[dict[str, Any]],
+    before_delivery: Callable[[], None] = lambda: None,
+) -> list[tuple[Any, set[str]]]:
+    """Each sample asked in turn of one client of `kind` (the asyncio one's on a loop of its own),
+    `before_delivery` run as each batch's held parts are about to be confirmed: its batches, as a
+    list, or the ShardError it raised; and the shards the client then believes down."""
+
+    def delivering(step: Any) -> bool:
+        return isinstance(step, list) and any(call.method == "deliver" for call in step)
+
+    if kind is ShardedBufferClient:
+        with ShardedBufferClient(targets, timeout=5.0) as client:
+            blocking = client._step
+
+            def step_of(step: Any) -> Any:
+                if delivering(step):
+                    before_delivery()
+                return blocking(step)
+
+            client._step = step_of  # type: ignore[method-assign]
+            return [(outcome(client, ask), set(client._down)) for ask in asks]
+
+    async def gather() -> list[tuple[Any, set[str]]]:
+        async with AsyncShardedBufferClient(targets, timeout=5.0) as client:
+            driven = client._step
+
+            async def step(step: Any) -> Any:
+                if delivering(step):
+                    before_delivery()
+                return await driven(step)
+
+            client._step = step  # type: ignore[method-assign]
+            out = []
+            for ask in asks:
+                try:
+                    got: Any = [batch async for batch in client.sample("t", **ask)]
+                except ShardError as exc:
+                    got = exc
+                out.append((got, set(client._down)))
+            return out
+
+    return asyncio.run(gather())
+
+
+def outcome(client: ShardedBufferClient, ask: dict[str, Any]) -> Any:
+    """The batches of a sample of table t, as a list, or the ShardError it raised."""
+    try:
+        return list(client.sample("t", **ask))
+    except ShardError as exc:
+        return exc
+
+
+def versioned(client: ShardedBufferClient, batch: int, versions: dict[str, int]) -> list:
+    """One group of two on each shard named, of the model version given for it."""
+    owner = client.shard_map.owner
+    tasks = {shard: next(t for t in range(1000) if owner(f"{batch}/{t}") == shard) for shard in versions}
+    return [make_experience(batch, tasks[shard], run, version=v) for shard, v in versions.items() for run in range(2)]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_shard_whose_part_ran_out_of_its_wait_is_not_believed_down(
+    start_server: Servers, tmp_path: Path, kind: type[Sharded]
+) -> None:
+    """A part its shard could not fill within its wait (its groups older than min_model_version:
+    DEADLINE_EXCEEDED, reason not_ready) is the shard's answer: the sample leaves the shard
+    believed up, so that its next calls go as to a live shard (the client's deadline and
+    retries), not as probes of one down (one short try)."""
+    targets, _ = in_process_shards(start_server, tmp_path)
+    with ShardedBufferClient(targets) as setup:
+        setup.create_table("t", group_size=2, estimator="none")
+        setup.push(versioned(setup, 0, {"free": 0, "full": 5}), table="t")
+    ((batches, down),) = samples(kind, targets, [{"batch_size": 2, "min_model_version": 5, "max_batches": 1}])
+    assert [batch.shards for batch in batches] == [["full"]]
+    assert down == set()
+
+
+def test_a_held_part_confirmed_too_late_leaves_its_shard_believed_up() -> None:
+    """The delivery plan alone, each part's outcome answered here: a part the client found too late
+    to confirm for its shard's max_confirm_seconds (HeldBatch.deliver's error), or that its shard
+    ended so (unconfirmed), is left out with its shard believed up: the shard handed it over. A
+    part whose shard went away (UNAVAILABLE) leaves it believed down."""
+    too_late = late("t", 0.2, time.monotonic() - 1.0)
+    unconfirmed = ExpbufError(grpc.StatusCode.DEADLINE_EXCEEDED, "not confirmed in time", Reason.UNCONFIRMED)
+    gone = ExpbufError(grpc.StatusCode.UNAVAILABLE, "shutting down", Reason.SHUTTING_DOWN)
+    with ShardedBufferClient({"s0": "127.0.0.1:1", "s1": "127.0.0.1:2", "s2": "127.0.0.1:3"}) as client:
+        plan = client._deliver([(shard, object()) for shard in ("s0", "s1", "s2")])
+        assert [(call.shard, call.method) for call in next(plan)] == [(s, "deliver") for s in ("s0", "s1", "s2")]
+        assert too_late is not None
+        with pytest.raises(ShardError) as none_delivered:
+            plan.send([too_late, unconfirmed, gone])
+        assert none_delivered.value.shards == ["s0", "s1", "s2"]
+        assert client._down == {"s2"}
