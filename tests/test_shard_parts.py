@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -15,14 +16,14 @@ from typing import Any
 import grpc
 import pytest
 
-from expbuf.client import ExpbufError
+from expbuf.client import BufferClient, ExpbufError
 from expbuf.client.rpc.calls.sample_stream import late
 from expbuf.client.schema.reasons import Reason
 from expbuf.client.shards.blocking import AsyncShardedBufferClient, ShardedBufferClient, ShardError
 
 from conftest import Servers
 from helpers import make_experience
-from test_sharding import in_process_shards
+from test_sharding import drain, groups, in_process_shards
 
 Sharded = ShardedBufferClient | AsyncShardedBufferClient
 KINDS = [ShardedBufferClient, AsyncShardedBufferClient]
@@ -123,3 +124,63 @@ def test_a_held_part_confirmed_too_late_leaves_its_shard_believed_up() -> None:
             plan.send([too_late, unconfirmed, gone])
         assert none_delivered.value.shards == ["s0", "s1", "s2"]
         assert client._down == {"s2"}
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_part_held_past_its_shards_max_confirm_seconds_is_left_out_and_taken_again(
+    start_server: Servers, tmp_path: Path, kind: type[Sharded]
+) -> None:
+    """A part held while the poll waits for more, past its shard's max_confirm_seconds, went back
+    to its buffer: it is left out of the batch, not handed over as well as the same groups taken
+    again once back, and not counted as sampled; the trainer gets each experience once."""
+    targets, _ = in_process_shards(start_server, tmp_path, max_confirm_seconds=0.2)
+    with ShardedBufferClient(targets) as setup:
+        setup.create_table("t", group_size=2, estimator="none")
+        setup.push(versioned(setup, 0, {"free": 0, "full": 5}), table="t")
+    # free's part never comes (its group too old); full's, held meanwhile, outlasts its 0.2 s
+    ask = {"batch_size": 4, "min_model_version": 5, "max_batches": 1, "delivery": "consume", "timeout": 1.0}
+    (([batch], down),) = samples(kind, targets, [ask])
+    assert batch.shards == ["full"] and batch.partial and len(batch.uids) == len(set(batch.uids)) == 2
+    assert down == set()
+    with ShardedBufferClient(targets) as after:
+        stats = after.shard_stats("t")["full"]["t"]
+        assert (stats.ready, stats.consumed, stats.sampled) == (0, 2, 2)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("fault", ["stopped", "dropped"])
+def test_a_part_whose_shard_fails_its_confirmation_is_left_out_and_not_counted(
+    start_server: Servers, tmp_path: Path, kind: type[Sharded], fault: str
+) -> None:
+    """Between a batch's parts held and their confirmation, one shard stops (or its table is dropped
+    and made again): the trainer gets the other shard's part alone, `partial` set; the stopped
+    shard's part went back to its buffer, not counted as sampled, and comes once when it is back
+    (the table made again holds nothing of the old one's part): no experience lost or twice."""
+    targets, full = in_process_shards(start_server, tmp_path)
+    with ShardedBufferClient(targets) as setup:
+        setup.create_table("t", group_size=2, estimator="none")
+        setup.push(groups(0, range(8), range(2)), table="t")
+        on = {shard: stats["t"].ready for shard, stats in setup.shard_stats("t").items()}
+    assert on["free"] and on["full"]
+
+    def fail() -> None:
+        if fault == "stopped":
+            start_server.stop(full)
+        else:
+            with BufferClient(targets["full"]) as one:
+                one.drop_table("t")
+                one.create_table("t", group_size=2, estimator="none")
+
+    ask = {"num_groups": 8, "max_batches": 1, "delivery": "consume", "timeout": 5.0}
+    (([batch], down),) = samples(kind, targets, [ask], fail)
+    assert batch.shards == ["free"] and batch.partial and len(batch.uids) == on["free"]
+    assert down == ({"full"} if fault == "stopped" else set())
+    if fault == "stopped":
+        start_server(tmp_path / "full", port=full.port)
+    with ShardedBufferClient(targets, timeout=10.0) as after:
+        stats = after.shard_stats("t")["full"]["t"]
+        held = on["full"] if fault == "stopped" else 0
+        assert (stats.ready, stats.consumed, stats.sampled) == (held, 0, 0)
+        rest = [uid for more in drain(after, "t", num_groups=8) for uid in more.uids]
+    assert Counter([*batch.uids, *rest]) == Counter({uid: 1 for uid in [*batch.uids, *rest]})
+    assert len(rest) == held
