@@ -6,7 +6,7 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import grpc
@@ -357,3 +357,52 @@ def test_a_table_dropped_while_its_groups_compute_leaves_nothing_behind(
             assert store.stats("t")["groups_ready"] == 1
     assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
     assert any("was dropped" in r.getMessage() for r in caplog.records)
+
+
+def made_again(store: Store, name: str, rewards: list[float]) -> Callable[[], None]:
+    """What a client does between the worker's read of table t's groups and its store: t dropped,
+    made again, and the same group pushed to it anew with these rewards."""
+
+    def drop_and_make() -> None:
+        store.drop_table("t")
+        store.create_table(TableConfig.of("t", estimator=name, group_size=3))
+        store.put("t", [trxp.from_experience(make_experience(1, 0, run, reward=r)) for run, r in enumerate(rewards)])
+
+    return drop_and_make
+
+
+@pytest.mark.parametrize("outcome", ["stored", "raised"])
+def test_a_computation_of_a_dropped_table_goes_nowhere_in_one_made_again_under_its_name(
+    tmp_path: Path, outcome: str
+) -> None:
+    """Table t dropped and made again, with the same group pushed anew, while the worker computed the
+    old t's groups: the late result was stored in the new t by name, at the place in its compute
+    queue the old group had (its queue also starts at 0), so the new group was ready with the old
+    group's values (here its old rewards) and never computed; a computation that raised held the new
+    t back by the retry's wait (here a minute). Now the late result, or failure, is the old table's:
+    the new group is computed at the worker's next pass, from its own rewards."""
+    from expbuf.server.advantages.worker import estimators
+
+    with Store(tmp_path) as store:
+        before: list[Callable[[], None]] = []
+
+        def rewards_as_values(batch: estimators.FlatBatch) -> estimators.Advantages:
+            if before:
+                before.pop()()
+                if outcome == "raised":
+                    raise RuntimeError("a fault that may pass")
+            return estimators.Advantages(scalar=batch.rewards.clone())
+
+        estimator = Estimator("rewards_as_values", ingest=rewards_as_values, token_level=True)
+        with registered(estimator) as name:
+            store.create_table(TableConfig.of("t", estimator=name, group_size=3))
+            store.put(
+                "t", [trxp.from_experience(make_experience(1, 0, run, reward=r)) for run, r in enumerate([0, 1, 2])]
+            )
+            before.append(made_again(store, name, [5.0, 6.0, 7.0]))
+            worker = AdvantageWorker(store, retry_delays=(60.0, 60.0))
+            assert worker.run_once() == 1
+            assert worker.run_once() == 1  # the new t's group, computed now
+            batch = take(store, "t", num_groups=1)
+            assert batch is not None
+            assert sorted(exp.advantages[0].item() for exp in decode(batch.payload)) == [5.0, 6.0, 7.0]

@@ -225,7 +225,8 @@ class AdvantageStart:
             try:
                 for job in self._store.compute_backlog():
                     log.error("table %s: %d groups failed: %s", job.table, len(job.groups), why)
-                    self._store.finish_compute(job.table, {}, [], failed=dict.fromkeys(job.groups, why))
+                    failed = dict.fromkeys(job.groups, why)
+                    self._store.finish_compute(job.table, {}, [], failed=failed, table_id=job.table_id)
                     self._on_failed(job.table, job.config.advantages.estimator, "failed", len(job.groups))
             except Exception:  # a table dropped meanwhile, say: the next pass finds what is left
                 log.exception("failing the groups computing failed; retrying")

@@ -220,8 +220,9 @@ class AdvantageWorker:
         self.on_failed = on_failed  # (table, estimator, "retried" or "failed", groups), for the metrics
         self.on_ended = on_ended  # what ended its thread before a stop, on that thread
         self.retry_delays = tuple(retry_delays)
-        self._tries: dict[tuple[str, str], int] = {}  # (table, group) -> failed tries so far
-        self._not_before: dict[str, float] = {}  # table -> monotonic time of its next try
+        # by the table's id, not its name: a table made again under the name starts afresh
+        self._tries: dict[tuple[int | None, str], int] = {}  # (table id, group) -> failed tries so far
+        self._not_before: dict[int | None, float] = {}  # table id -> monotonic time of its next try
         self._cuda = torch.cuda.is_available()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="expbuf-advantages", daemon=True)
@@ -254,7 +255,7 @@ class AdvantageWorker:
         handled = 0
         now = time.monotonic()
         for job in self.store.compute_backlog(self.batch_limit):
-            if self._not_before.get(job.table, 0.0) > now:
+            if self._not_before.get(job.table_id, 0.0) > now:
                 continue
             started = time.perf_counter()
             self._compute(job)
@@ -292,14 +293,14 @@ class AdvantageWorker:
         if len(errors) < len(job.groups):  # the others went through: these groups are the cause
             self._fail(job, errors)
             return
-        tries = max(self._tries.get((job.table, gkey), 0) for gkey in errors) + 1
+        tries = max(self._tries.get((job.table_id, gkey), 0) for gkey in errors) + 1
         if tries > len(self.retry_delays):
             self._fail(job, errors)
             return
         for gkey in errors:
-            self._tries[(job.table, gkey)] = tries
+            self._tries[(job.table_id, gkey)] = tries
         delay = self.retry_delays[tries - 1]
-        self._not_before[job.table] = time.monotonic() + delay
+        self._not_before[job.table_id] = time.monotonic() + delay
         log.warning(
             "advantages failed for every group of table %s tried (%s); trying again in %gs (try %d of %d)",
             job.table, clip(str(next(iter(errors.values()))), 300), delay, tries, len(self.retry_delays) + 1,
@@ -310,10 +311,12 @@ class AdvantageWorker:
         """Store a computation; returns the running moments it leaves (the job's own where the
         store did not take it: a group of it was pushed again meanwhile)."""
         values, ready, dropped, failed, update = result
-        if not self.store.finish_compute(job.table, values, ready, dropped, failed, update, places=job.queued()):
+        if not self.store.finish_compute(
+            job.table, values, ready, dropped, failed, update, places=job.queued(), table_id=job.table_id
+        ):
             return job.moments
         for gkey in job.groups:
-            self._tries.pop((job.table, gkey), None)
+            self._tries.pop((job.table_id, gkey), None)
         for gkey, reason in failed.items():
             log.warning("group failed: table %s, group %s: %s", job.table, gkey, reason)
         for gkey in dropped:
@@ -328,21 +331,20 @@ class AdvantageWorker:
             for gkey, exc in errors.items()
         }
         for gkey, reason in reasons.items():
-            self._tries.pop((job.table, gkey), None)
+            self._tries.pop((job.table_id, gkey), None)
             log.error("advantages failed for group %s of table %s: %s", clip(gkey), job.table, reason)
         try:
-            self.store.finish_compute(job.table, {}, [], failed=reasons, places=job.queued())
+            self.store.finish_compute(job.table, {}, [], failed=reasons, places=job.queued(), table_id=job.table_id)
         except NotFound:
             self._gone(job)
             return
         self._failed(job, "failed", len(errors))
 
     def _gone(self, job: ComputeJob) -> None:
-        """The job's table was dropped while its groups were computed: what was computed goes nowhere,
-        and nothing of the table is kept (its tries and its wait would hold back a table made again
-        under its name)."""
-        self._not_before.pop(job.table, None)
-        for key in [key for key in self._tries if key[0] == job.table]:
+        """The job's table was dropped while its groups were computed (a table made again under its
+        name since is another): what was computed goes nowhere, and its tries and its wait go too."""
+        self._not_before.pop(job.table_id, None)
+        for key in [key for key in self._tries if key[0] == job.table_id]:
             del self._tries[key]
         log.info("table %s was dropped while advantages were computed for %d of its groups", job.table, len(job.groups))
 

@@ -496,15 +496,22 @@ class Store(ServiceCalls):
         failed: dict[str, str] | None = None,
         shaping: ShapingUpdate | None = None,
         places: Mapping[str, int] | None = None,
+        table_id: int | None = None,
     ) -> bool:
         """Store computed advantages and release their groups; drop or fail the others.
         Groups deleted or evicted meanwhile are left alone. What reward shaping did (its
         counts and running moments) is saved in the same transaction. `places`: each group's place
         in the compute queue as the computation read it (`ComputeJob.queued`): a group no longer
         there was deleted and pushed again meanwhile, and stays computing for the worker's next pass.
-        Returns whether the computation was stored: one whose shaping took in such a group is not
-        (its groups stay computing), so that no group is counted twice."""
+        `table_id`: the table the computation read (`ComputeJob.table_id`); where the table of that
+        name is another by the write (the one read dropped, one made again under its name: its queue
+        starts over, and the same group at the same place would take values not its own), NotFound,
+        as for a table dropped. Returns whether the computation was stored: one whose shaping took
+        in such a group is not (its groups stay computing), so that no group is counted twice."""
 
-        return self._in_table(
-            table, lambda tt: groups.finish_compute(tt, advantages, ready, dropped, failed or {}, shaping, places)
-        )
+        def op(tt: TableState) -> bool:
+            if table_id is not None and self.catalog.stored_id(tt.txn, table) != table_id:
+                raise NotFound(f"table '{table}' was dropped (and made again) while its groups were computed")
+            return groups.finish_compute(tt, advantages, ready, dropped, failed or {}, shaping, places)
+
+        return self._in_table(table, op)

@@ -308,6 +308,9 @@ class ComputeJob:
     blobs: dict[str, bytes]  # the stored experiences, only for estimators that read tokens
     moments: list[float] | None = None  # the table's running reward moments (counters' reward_moments)
     places: list[int] = field(default_factory=list)  # each group's place in the compute queue, as read
+    # The table the worker read the groups from: one made again under its name since is another,
+    # which its result and failures must not reach. None for a push's own, computed in its write.
+    table_id: int | None = None
 
     def queued(self) -> dict[str, int]:
         """Each group's place in the compute queue as the job read it (the rseq it took when it
@@ -327,6 +330,7 @@ class ComputeJob:
                 blobs={uid: self.blobs[uid] for uid in members if uid in self.blobs},
                 moments=self.moments,
                 places=[place],
+                table_id=self.table_id,
             )
             for gkey, members, place in zip(self.groups, self.members, self.places, strict=True)
         ]

@@ -66,7 +66,14 @@ def backlog(
                 name, config = table
                 moments = read_counters(txn, dbs, prefix).reward_moments
                 job = ComputeJob(
-                    table=name, config=config, groups=[], members=[], records={}, blobs={}, moments=moments
+                    table=name,
+                    config=config,
+                    groups=[],
+                    members=[],
+                    records={},
+                    blobs={},
+                    moments=moments,
+                    table_id=table_id,
                 )
                 token_level = estimator_of(config).token_level
                 rows = config.storage.layout == "rows"
