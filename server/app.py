@@ -45,7 +45,7 @@ from .rpc.sample.replies import PassBytes, keep_reply_memory
 from .rpc.sample.sample_stream import Confirmations
 from .rpc.sample.stalled_sends import StalledSends
 from .rpc.service import ExperienceBufferService
-from .store import Store, TableExtension
+from .store import ComputeJob, Store, TableExtension
 from .store.schema.errors import ConfigError, Conflict, StoreError
 
 log = logging.getLogger("expbuf")
@@ -229,13 +229,17 @@ class ExpbufServer:
         self.metrics_port = 0
         self._metrics_http: WSGIServer | None = None
 
-    def _advantages_computed(self, table: str, estimator: str, seconds: float) -> None:
-        timed = self.metrics.of_table(self.metrics.advantage_seconds, table, estimator)
+    def _advantages_computed(self, job: ComputeJob, seconds: float) -> None:
+        estimator = job.config.advantages.estimator
+        timed = self.metrics.of_table(self.metrics.advantage_seconds, job.table, estimator, table_id=job.table_id)
         if timed is not None:  # else dropped while it computed
             timed.observe(seconds)
 
-    def _advantages_failed(self, table: str, estimator: str, outcome: str, groups: int) -> None:
-        failures = self.metrics.of_table(self.metrics.advantage_failures, table, estimator, outcome)
+    def _advantages_failed(self, job: ComputeJob, outcome: str, groups: int) -> None:
+        estimator = job.config.advantages.estimator
+        failures = self.metrics.of_table(
+            self.metrics.advantage_failures, job.table, estimator, outcome, table_id=job.table_id
+        )
         if failures is not None:  # else dropped while it computed
             failures.inc(groups)
 

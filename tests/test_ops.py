@@ -194,6 +194,47 @@ def test_a_computation_in_flight_as_its_table_is_dropped_brings_back_none_of_its
     assert left == set()
 
 
+@pytest.mark.parametrize("outcome", ["computed", "raised"])
+def test_a_computation_in_flight_as_its_table_is_made_again_counts_nothing_for_the_new_one(
+    start_server: Servers, outcome: str
+) -> None:
+    """A table dropped and made again under its name while the worker computed the old one's group:
+    the late computation's time, or its failure, was counted for the new table, which the drop had
+    left with no series: `expbuf_advantage_seconds_count` said two computations where it had one,
+    and `expbuf_advantage_failures_total` a failure of a group it never held. What the worker
+    records is now its table's, by the table's id, not its name."""
+    computing, made_again = threading.Event(), threading.Event()
+    old = [True]
+
+    def held(b: estimators.FlatBatch) -> estimators.Advantages:
+        if old.pop() if old else False:
+            computing.set()
+            assert made_again.wait(60)
+            if outcome == "raised":
+                raise RuntimeError("a fault that may pass")
+        return estimators.Advantages(scalar=b.rewards - b.rewards)
+
+    server = start_server()
+    slow = Estimator("held_until_made_again", ingest=held, token_level=True)  # the worker's, never a push's
+    with registered(slow) as name, BufferClient(f"127.0.0.1:{server.port}", timeout=20) as c:
+        c.create_table("run1", group_size=2, estimator=name)
+        c.push(trxp.build(group_items(1, 0, 2)), table="run1")
+        assert computing.wait(60)
+        c.drop_table("run1")
+        c.create_table("run1", group_size=2, estimator=name)
+        made_again.set()
+        c.push(trxp.build(group_items(2, 0, 2)), table="run1")
+        wait_for(lambda: c.stats("run1")["run1"].ready == 2, "the new run1's group computed, after the old one")
+        m = scrape(server.metrics_port)
+    counted = {
+        key[0]: got
+        for key, got in m.items()
+        if ("table", "run1") in key[1]
+        and key[0] in ("expbuf_advantage_seconds_count", "expbuf_advantage_failures_total")
+    }
+    assert counted == {"expbuf_advantage_seconds_count": 1}
+
+
 def test_a_scrape_during_which_a_table_is_dropped_leaves_it_out(tmp_path: Path) -> None:
     """The collector lists the tables, then reads each: a table dropped between the two (a job's
     end while Prometheus scrapes) is left out of that scrape, which answered HTTP 500 instead."""

@@ -41,7 +41,7 @@ import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from ..store import Compute, Store
+from ..store import Compute, ComputeJob, Store
 from ..store.schema.errors import AdvantagesUnavailable
 from ..store.schema.table_config import TableConfig
 
@@ -77,8 +77,8 @@ class AdvantageStart:
         *,
         torch_threads: int,
         at_start: bool = False,
-        on_computed: Callable[[str, str, float], None],
-        on_failed: Callable[[str, str, str, int], None],
+        on_computed: Callable[[ComputeJob, float], None],
+        on_failed: Callable[[ComputeJob, str, int], None],
         on_state: Callable[[str, str], None],
     ) -> None:
         self._store, self._torch_threads, self._at_start = store, torch_threads, at_start
@@ -227,7 +227,7 @@ class AdvantageStart:
                     log.error("table %s: %d groups failed: %s", job.table, len(job.groups), why)
                     failed = dict.fromkeys(job.groups, why)
                     self._store.finish_compute(job.table, {}, [], failed=failed, table_id=job.table_id)
-                    self._on_failed(job.table, job.config.advantages.estimator, "failed", len(job.groups))
+                    self._on_failed(job, "failed", len(job.groups))
             except Exception:  # a table dropped meanwhile, say: the next pass finds what is left
                 log.exception("failing the groups computing failed; retrying")
             self._store.wait_for_change(generation, 0.5)

@@ -209,15 +209,15 @@ class AdvantageWorker:
         store: Store,
         *,
         batch_limit: int = 8192,
-        on_computed: Callable[[str, str, float], None] | None = None,
-        on_failed: Callable[[str, str, str, int], None] | None = None,
+        on_computed: Callable[[ComputeJob, float], None] | None = None,
+        on_failed: Callable[[ComputeJob, str, int], None] | None = None,
         on_ended: Callable[[BaseException], None] | None = None,
         retry_delays: Sequence[float] = (1.0, 4.0),
     ) -> None:
         self.store = store
         self.batch_limit = batch_limit
-        self.on_computed = on_computed  # (table, estimator, seconds), for the metrics
-        self.on_failed = on_failed  # (table, estimator, "retried" or "failed", groups), for the metrics
+        self.on_computed = on_computed  # (job, seconds), for the metrics
+        self.on_failed = on_failed  # (job, "retried" or "failed", groups), for the metrics
         self.on_ended = on_ended  # what ended its thread before a stop, on that thread
         self.retry_delays = tuple(retry_delays)
         # by the table's id, not its name: a table made again under the name starts afresh
@@ -237,7 +237,7 @@ class AdvantageWorker:
         started = time.perf_counter()
         result = compute(job)
         if self.on_computed is not None:
-            self.on_computed(job.table, job.config.advantages.estimator, time.perf_counter() - started)
+            self.on_computed(job, time.perf_counter() - started)
         return result
 
     def start(self) -> AdvantageWorker:
@@ -261,7 +261,7 @@ class AdvantageWorker:
             self._compute(job)
             handled += len(job.groups)
             if self.on_computed is not None:
-                self.on_computed(job.table, job.config.advantages.estimator, time.perf_counter() - started)
+                self.on_computed(job, time.perf_counter() - started)
         return handled
 
     def _compute(self, job: ComputeJob) -> None:
@@ -350,7 +350,7 @@ class AdvantageWorker:
 
     def _failed(self, job: ComputeJob, outcome: str, groups: int) -> None:
         if self.on_failed is not None:
-            self.on_failed(job.table, job.config.advantages.estimator, outcome, groups)
+            self.on_failed(job, outcome, groups)
 
     def _run(self) -> None:
         try:

@@ -356,15 +356,19 @@ class Metrics:
             self.exported = CollectorRegistry()
             self.exported.register(ShardLabel(self.registry, shard))
 
-    def of_table(self, metric: TableMetric, table: str, *labels: str) -> TableMetric | None:
+    def of_table(
+        self, metric: TableMetric, table: str, *labels: str, table_id: int | None = None
+    ) -> TableMetric | None:
         """The table's series of `metric` (its other labels `labels`) to count in, or None where the
         table is gone. A call or a computation still under way as its table is dropped records after
         the drop: its series is made under the lock that forget_table holds once the store has
         dropped the table, so it is made before and removed with the others, or not made at all;
         never made after, to stay in every scrape until a restart. A count into a series removed
-        meanwhile goes nowhere."""
+        meanwhile goes nowhere. `table_id`: the table a computation read its groups from, which a
+        table made again under the name since is not: it gets none of the old one's counts (a
+        call's records go by the name it named, as the store serves it)."""
         with self._tables:
-            return metric.labels(table, *labels) if self._store.has_table(table) else None
+            return metric.labels(table, *labels) if self._store.has_table(table, table_id) else None
 
     def forget_table(self, table: str) -> None:
         """Remove a dropped table's series of what the server counts itself, as its store's go with

@@ -99,9 +99,11 @@ class TableCatalog:
         raw = txn.get(name.encode(), db=self.db["tables"])
         return None if raw is None else int(json.loads(raw)["id"])
 
-    def has(self, name: str) -> bool:
-        """Whether a table of that name exists."""
-        return name in self._tables
+    def has(self, name: str, table_id: int | None = None) -> bool:
+        """Whether a table of that name exists (with id `table_id`, where given: not one made again
+        under the name since)."""
+        found = self._tables.get(name)
+        return found is not None and table_id in (None, found[0])
 
     def configs(self) -> list[TableConfig]:
         """Every table's configuration, in the order they were created."""
