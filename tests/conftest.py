@@ -7,6 +7,9 @@ A module that needs a server of other settings defines its own `server`; the `ta
 
 from __future__ import annotations
 
+import importlib.abc
+import importlib.machinery
+import importlib.util
 import json
 import logging
 import os
@@ -14,7 +17,7 @@ import signal
 import socket
 import sys
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from types import ModuleType
 
@@ -33,22 +36,19 @@ from helpers import ServerProcess, servers
 warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
 
 
-def _keep_one_logging_tree() -> None:
+AREAL_LOGGING = "areal.utils.logging"
+
+
+def _keep_one_logging_tree(areal_logging: ModuleType) -> None:
     """AReaL 1.0.4's `areal.utils.logging.getLogger` replaces the logging module's manager and
     root at every call (to undo another library's configuration). Loggers made after such a call,
     expbuf's among them, hang off a root that no handler reads, and pytest's log capture then sets
     the level of one logger object while records go through another. Each call keeps its own
     loggers; the process's manager and root are put back afterwards."""
-    manager, root = logging.Logger.manager, logging.Logger.root
-    try:
-        from areal.utils import logging as areal_logging
-    except ImportError:
-        return
-    finally:
-        logging.Logger.manager, logging.Logger.root = manager, root  # areal's import calls it too
     make = areal_logging.getLogger
 
     def get_logger(*args: object, **kwargs: object) -> logging.Logger:
+        manager, root = logging.Logger.manager, logging.Logger.root
         try:
             return make(*args, **kwargs)
         finally:
@@ -57,7 +57,39 @@ def _keep_one_logging_tree() -> None:
     areal_logging.getLogger = get_logger
 
 
-_keep_one_logging_tree()
+class _ArealLoggingFinder(importlib.abc.MetaPathFinder):
+    """Applies _keep_one_logging_tree as `areal.utils.logging` is imported, before any other module
+    of AReaL can call its getLogger, rather than importing AReaL here: its import takes 8 s of CPU
+    (it loads transformers and more), which every pytest process paid at its start, the xdist
+    controller and the workers of a run that holds no AReaL test among them."""
+
+    def find_spec(
+        self, name: str, path: Sequence[str] | None, target: ModuleType | None = None
+    ) -> importlib.machinery.ModuleSpec | None:
+        if name != AREAL_LOGGING:
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
+        if spec is None or spec.loader is None:
+            return spec
+        run = spec.loader.exec_module
+
+        def exec_module(module: ModuleType) -> None:
+            manager, root = logging.Logger.manager, logging.Logger.root
+            try:
+                run(module)
+            finally:
+                logging.Logger.manager, logging.Logger.root = manager, root
+            _keep_one_logging_tree(module)
+
+        spec.loader.exec_module = exec_module  # type: ignore[method-assign]
+        return spec
+
+
+if AREAL_LOGGING in sys.modules:
+    _keep_one_logging_tree(sys.modules[AREAL_LOGGING])
+else:
+    sys.meta_path.insert(0, _ArealLoggingFinder())
 
 FIXTURES = Path(__file__).parent / "fixtures"
 TRXP_DIR = FIXTURES / "trxp"
