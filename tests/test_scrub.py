@@ -26,6 +26,7 @@ from expbuf.server.store.services import scrub
 
 from helpers import ServerProcess, group_items, scrape
 from test_partial_rollouts import hurt_piece, piece_key, rollout
+from test_piece_heads import hurt_head
 from test_quarantine import damage, uids
 
 
@@ -166,6 +167,23 @@ def test_a_pass_reads_the_rollouts_held_in_pieces_and_drops_a_damaged_one(
         assert sum("scrub" not in r.getMessage() and "dropped" in r.getMessage() for r in caplog.records) == 2
         (left,) = trxp.decode(store.get_partials("t", ["0/50"])[0])
         assert left.eid.uid == held[0].eid.uid
+        assert store.verify("t") == []
+        assert store.scrub.run_pass() == 0
+
+
+def test_a_pass_drops_a_rollout_held_in_pieces_whose_head_does_not_decode(tmp_path: Path) -> None:
+    """The scrub logged a rollout's head that a damaged page left undecodable, pass after pass, and
+    left its pieces held, counted against the capacity, for a push or a read of it to meet. It drops
+    the rollout as they now do, counted as damage found; the task's other rollout stays."""
+    with filled(tmp_path, groups=1) as store:
+        damaged, intact = rollout(task=50, run=1), rollout(task=50, run=0)
+        for whole in (intact, damaged):
+            store.put("t", [trxp.from_experience(split(whole, [4, 8])[0])])
+        hurt_head(store, "t", damaged.eid.uid)
+        assert store.scrub.run_pass() == 1
+        stats = store.stats("t")
+        assert (stats["partials"], stats["damaged"]) == (1, 1)
+        assert stats["last_failure"].startswith(f"partial rollout {damaged.eid.uid}: its head does not decode (")
         assert store.verify("t") == []
         assert store.scrub.run_pass() == 0
 

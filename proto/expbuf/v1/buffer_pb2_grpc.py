@@ -322,8 +322,8 @@ class ExperienceBufferServicer:
         its next piece at info["partial_offset"] = its tokens. A prompt's next claimant gets those of
         the attempt whose claim ended under its own task. The reply's missing_uids are rollouts held
         that did not fit in it; a rollout larger than one message alone is refused. A rollout with a
-        piece lost or damaged on disk is left out, its pieces dropped (counted in TableStats.damaged):
-        its worker starts it over.
+        piece lost or damaged on disk, or a head that no longer decodes, is left out, its pieces
+        dropped (counted in TableStats.damaged): its worker starts it over.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

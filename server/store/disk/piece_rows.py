@@ -23,6 +23,7 @@ from . import digests
 
 _PIECE = struct.Struct(">I")
 LOST = "it is not stored"  # why a piece its head names and the database does not hold is damage
+UNDECODED = "its head does not decode"  # why a rollout whose head a damaged page left so is damage
 Value = bytes | memoryview
 
 
@@ -45,9 +46,13 @@ class PieceHead:
 
     @classmethod
     def decode(cls, raw: bytes | memoryview) -> PieceHead:
+        """A head as stored; ValueError, or the decoder's error, where it is not one a push wrote."""
         data = json.loads(bytes(raw))
         layout = {name: (dtype, tuple(inner)) for name, (dtype, inner) in data["l"].items()}
         pieces = [(offset, digest, size) for offset, digest, size in data["p"]]
+        numbers = [data["t"], data["r"], *(n for offset, _, size in pieces for n in (offset, size))]
+        if not all(type(n) is int for n in numbers) or not all(len(bytes.fromhex(d)) == 16 for _, d, _ in pieces):
+            raise ValueError("a count, an offset, a size or a digest is not one a push wrote")
         return cls(data["t"], data["r"], pieces, layout, partial.Versions(*data["v"]))
 
 
@@ -66,9 +71,20 @@ def head_raw(txn: lmdb.Transaction[Value], dbs: Mapping[str, lmdb._Database], ke
     return txn.get(key, db=dbs["partials"])
 
 
-def head(txn: lmdb.Transaction[Value], dbs: Mapping[str, lmdb._Database], key: bytes) -> PieceHead | None:
+def head(txn: lmdb.Transaction[Value], dbs: Mapping[str, lmdb._Database], key: bytes, uid: str) -> PieceHead | None:
+    """The head of the rollout `uid` under `key`, decoded (None: no rollout); DamagedPiece where it
+    does not decode."""
     raw = head_raw(txn, dbs, key)
-    return None if raw is None else PieceHead.decode(raw)
+    return None if raw is None else decoded(raw, uid)
+
+
+def decoded(raw: Value, uid: str) -> PieceHead:
+    """The rollout `uid`'s head as stored, decoded: DamagedPiece where a damaged page left it
+    undecodable, so that the rollout is refused and dropped as one with a damaged piece is."""
+    try:
+        return PieceHead.decode(raw)
+    except Exception as exc:  # a damaged page can make the decoder raise almost anything
+        raise DamagedPiece(uid, None, f"{UNDECODED} ({type(exc).__name__}: {exc})") from None
 
 
 def piece(txn: lmdb.Transaction[Value], dbs: Mapping[str, lmdb._Database], key: bytes, number: int) -> Value | None:
@@ -109,10 +125,23 @@ def put_head(txn: lmdb.Transaction[bytes], dbs: Mapping[str, lmdb._Database], ke
 
 
 def delete(txn: lmdb.Transaction[bytes], dbs: Mapping[str, lmdb._Database], key: bytes, head: PieceHead) -> None:
-    """A rollout's pieces and head."""
+    """A rollout's pieces and head (the pieces' values are not read: a large rollout's pages stay
+    out of the writer's memory)."""
     for number in range(len(head.pieces)):
         txn.delete(key + _PIECE.pack(number), db=dbs["partials"])
     txn.delete(key, db=dbs["partials"])
+
+
+def delete_under(txn: lmdb.Transaction[bytes], dbs: Mapping[str, lmdb._Database], key: bytes) -> int:
+    """A rollout's head and every piece stored under it, where its head no longer decodes to name
+    them; returns the bytes of the pieces."""
+    freed = 0
+    with txn.cursor(db=dbs["partials"]) as cur:
+        found = cur.set_range(key)
+        while found and cur.key().startswith(key):
+            freed += len(cur.value()) if len(cur.key()) > len(key) else 0
+            found = cur.delete()
+    return freed
 
 
 def heads_under(

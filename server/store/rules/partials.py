@@ -32,7 +32,8 @@ under the next attempt's uids as they are), so whoever claims the prompt next ge
 Each piece read to put its rollout together (in the writer, or off it: `plan`) or to return it
 (`so_far`) is checked against the size and digest its head took at its push (piece_rows.checked):
 one lost or damaged raises DamagedPiece, so no experience is stored, and no rollout returned, with
-it. Such a rollout can never be put together as pushed: its pieces go, in a write of their own
+it; so does a head that no longer decodes (piece_rows.decoded). Such a rollout can never be put
+together as pushed: its pieces go, in a write of their own
 after the refusal (`drop_damaged`, through the store's `quarantine`, as a read's damaged
 experience is quarantined), so that its worker pushes it again from its first piece.
 """
@@ -63,7 +64,7 @@ from ..disk import digests, piece_rows
 from ..disk.chunk_heads import CHUNK_BYTES
 from ..disk.kinds import Entry
 from ..disk.piece_rows import PieceHead
-from ..schema.errors import Conflict, GroupClosed, InvalidPayload, TooLarge, clip
+from ..schema.errors import Conflict, DamagedPiece, GroupClosed, InvalidPayload, TooLarge, clip
 from ..schema.states import PENDING
 
 log = logging.getLogger("expbuf.store")
@@ -296,7 +297,7 @@ def plan(
     InvalidPayload where the rollout put together is refused."""
     raw = piece_rows.head_raw(txn, dbs, key)
     head_raw = b"" if raw is None else bytes(raw)  # none stored: its first piece is the push's
-    head = None if raw is None else PieceHead.decode(head_raw)
+    head = None if raw is None else piece_rows.decoded(head_raw, last.uid)
     sources: list[tuple[int | Bytes, int, dict[str, tuple[int, int]]]] = []  # (piece, data start, spans)
     hollow: list[RawItem] = []
     masked = 0
@@ -401,13 +402,14 @@ def read_section(
 
 def held(tt: TableState, tids: Sequence[str], uids: Sequence[str] = ()) -> list[tuple[str, int]]:
     """The rollouts held in pieces of these tasks (tid: batch/task) and of these uids, each once,
-    with the bytes of their pieces."""
+    with the bytes of their pieces (0 for one whose head no longer decodes: `so_far` refuses it)."""
     found: dict[str, int] = {}
-    for tid in tids:
-        for uid, head in pieces.of_task(tt, tid):
-            found[uid] = piece_rows.size(head)
-    for uid in uids:
-        named = pieces.head(tt, uid)
+    for uid in [*(uid for tid in tids for uid in pieces.of_task(tt, tid)), *uids]:
+        try:
+            named = pieces.head(tt, uid)
+        except DamagedPiece:
+            found[uid] = 0
+            continue
         if named is not None:
             found[uid] = piece_rows.size(named)
     return list(found.items())
@@ -415,7 +417,7 @@ def held(tt: TableState, tids: Sequence[str], uids: Sequence[str] = ()) -> list[
 
 def so_far(tt: TableState, uid: str) -> RawItem:
     """A rollout held in pieces put together as it stands, marked partial: what a worker continues
-    from (its next piece continues at its tokens)."""
+    from (its next piece continues at its tokens). DamagedPiece where its head or a piece is."""
     head = pieces.head(tt, uid)
     if head is None:
         raise missing("partial rollout", uid)
@@ -438,21 +440,21 @@ def drop_damaged(tt: TableState, uids: Iterable[str]) -> int:
     writer's transaction, is lost or damaged (a push of its last piece, a read of it or the scrub
     found it): it can never be put together, so its worker pushes it again from its first piece.
     Each is logged, counted in `damaged` and named in `last_failure`, as a quarantined experience
-    is; those intact or gone since they were found are left alone. Returns how many were dropped."""
+    is; those intact or gone since they were found are left alone. A rollout whose head no longer
+    decodes is dropped so too. Returns how many were dropped."""
     if not tt.counters.partials:
         return 0
     dropped = 0
     for uid in dict.fromkeys(uids):
-        head = pieces.head(tt, uid)
-        damage = None if head is None else pieces.damage(tt, uid, head)
+        damage = pieces.damage(tt, uid)
         if damage is None:
             continue
         log.error(
-            "table %s: partial rollout %s dropped (piece %d: %s): its worker pushes it again from its first piece",
-            tt.config.name, uid, damage.number, damage.why,
+            "table %s: partial rollout %s%s dropped (%s): its worker pushes it again from its first piece",
+            tt.config.name, uid, damage.piece, damage.why,
         )  # fmt: skip
         tt.counters.damaged += 1
-        tt.counters.last_failure = f"partial rollout {uid}, piece {damage.number}: {damage.why}: its pieces dropped"
+        tt.counters.last_failure = f"partial rollout {uid}{damage.piece}: {damage.why}: its pieces dropped"
         dropped += pieces.drop(tt, uid)
     return dropped
 
@@ -460,7 +462,7 @@ def drop_damaged(tt: TableState, uids: Iterable[str]) -> int:
 def drop_task(tt: TableState, tid: str) -> int:
     """Drop the rollouts held in pieces of task `tid`, whatever the table's grouping (a prompt's
     attempt the ledger drops); returns how many."""
-    return sum(pieces.drop(tt, uid) for uid, _ in pieces.of_task(tt, tid))
+    return sum(pieces.drop(tt, uid) for uid in pieces.of_task(tt, tid))
 
 
 def carry(tt: TableState, old: str, new: tuple[str, str]) -> int:
@@ -469,7 +471,9 @@ def carry(tt: TableState, old: str, new: tuple[str, str]) -> int:
     move as they are (the last piece, pushed under the new uid, gives the rollout its eid);
     returns how many."""
     moved = 0
-    for uid, head in pieces.of_task(tt, old):
+    for uid in pieces.of_task(tt, old):
+        head = pieces.head(tt, uid)
+        assert head is not None, "of_task lists the rollouts held"
         _, _, run, step, suffix = uid.rsplit("/", 4)
         pieces.carry(tt, uid, head, f"{new[0]}/{new[1]}/{run}/{step}/{suffix}")
         moved += 1

@@ -222,15 +222,17 @@ class DamagedPayload(StoreError):
 
 class DamagedPiece(StoreError):
     """A piece of a rollout held in pieces lost, or not the one pushed (its size and digest, taken at
-    its push, are in its rollout's head), found as the rollout was put together: the rollout cannot
-    be finished from its pieces, which the store drops (rules/partials.drop_damaged)."""
+    its push, are in its rollout's head), or that head no longer decoding (`number` None), found as
+    the rollout was read: the rollout cannot be finished from its pieces, which the store drops
+    (rules/partials.drop_damaged)."""
 
     status = "DATA_LOSS"
     reason = Reason.DAMAGED
 
-    def __init__(self, uid: str, number: int, why: str) -> None:
+    def __init__(self, uid: str, number: int | None, why: str) -> None:
+        self.piece = "" if number is None else f", piece {number}"  # what of the rollout is damaged
         super().__init__(
-            f"partial rollout {clip(uid)}, piece {number}: {why} (damaged on disk): nothing of this push is "
+            f"partial rollout {clip(uid)}{self.piece}: {why} (damaged on disk): nothing of this push is "
             "stored, and the rollout's pieces are dropped; push the rollout again from its first piece"
         )
         self.uid, self.number, self.why = uid, number, why

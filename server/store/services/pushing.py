@@ -26,8 +26,9 @@ not heard of.
 A last piece of a large rollout held in pieces has its rollout put together off the writer when
 the writer asks for it (partials.OffWriter: services/assembly.py), and its push tried again; a
 rollout may take `max_push_bytes` at most (the largest push: the server's). A last piece whose
-rollout holds a piece lost or damaged on disk is refused (DamagedPiece), nothing of its push kept,
-once the rollout's pieces are dropped in a write of their own, as a read quarantines what it finds.
+rollout holds a piece lost or damaged on disk (or a head that no longer decodes: any piece's
+push) is refused (DamagedPiece), nothing of its push kept, once the rollout's pieces are dropped
+in a write of their own, as a read quarantines what it finds.
 """
 
 from __future__ import annotations

@@ -6,15 +6,15 @@ scrub.
 A start checks only the directory's structure (integrity.at_open, quick), and every read checks
 the payloads it serves (read_check.py); the scrub finds the damage no read has met yet, and
 quarantines it as a read would (quarantine.py, through the store's `quarantine`: a rollout with a
-piece lost or damaged has its pieces dropped, partials.drop_damaged), so the next sample, or the
-rollout's last piece, does not have to. It never holds the writer: it reads in read transactions
-of at most CHUNK_BYTES or CHUNK_ITEMS (short, so the file's old pages are not held either), sleeps
-between them so that it reads at most `mb_per_second` (payloads and their records, and pieces; the
-counts it reports are of payload and piece bytes, those a table's `bytes` and `partial_bytes`
-count), and quarantines what it finds in a short write transaction of its own. The map pages it
-read are given back every RELEASE_BYTES (residency.py), so RSS does not grow with the file. The
-last complete pass is kept in the directory (`meta` database, key `scrub`), so a restart still
-says when the data was last checked whole.
+piece lost or damaged, or whose head no longer decodes, has its pieces dropped,
+partials.drop_damaged), so the next sample, or the rollout's last piece, does not have to. It
+never holds the writer: it reads in read transactions of at most CHUNK_BYTES or CHUNK_ITEMS (short,
+so the file's old pages are not held either), sleeps between them so that it reads at most
+`mb_per_second` (payloads and their records, and pieces; the counts it reports are of payload and
+piece bytes, those a table's `bytes` and `partial_bytes` count), and quarantines what it finds in
+a short write transaction of its own. The map pages it read are given back every RELEASE_BYTES
+(residency.py), so RSS does not grow with the file. The last complete pass is kept in the directory
+(`meta` database, key `scrub`), so a restart still says when the data was last checked whole.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from ..core.table_state.counters import read_counters
 from ..core.whole_table import reading
 from ..disk import chunk_reads, layout, piece_rows, residency
 from ..disk.environment import Environment
-from ..disk.piece_rows import PieceHead
+from ..schema.errors import DamagedPiece
 from ..tables.catalog import TableCatalog
 
 log = logging.getLogger("expbuf.store")
@@ -260,7 +260,8 @@ class Scrub:
         number) against the sizes and digests their heads took at their pushes, up to CHUNK_BYTES or
         CHUNK_ITEMS pieces, in one read transaction (each head read again in it: a rollout finished
         since is not there, one grown since has its new pieces checked): the uids found with a piece
-        lost or damaged, where the next chunk starts (None: the end), and the bytes read."""
+        lost or damaged (or their head undecodable), where the next chunk starts (None: the end), and
+        the bytes read."""
         bad: list[str] = []
         nbytes = count = 0
         index, number = at
@@ -270,7 +271,11 @@ class Scrub:
                 while index < len(held):
                     uid = held[index]
                     key = piece_rows.head_key(prefix, uid)
-                    head = self._piece_head(txn, key, uid)
+                    try:
+                        head = piece_rows.head(txn, db, key, uid)
+                    except DamagedPiece:  # its head no longer decodes: dropped as a read drops it
+                        bad.append(uid)
+                        head = None
                     while head is not None and number < len(head.pieces):
                         if nbytes >= CHUNK_BYTES or count >= CHUNK_ITEMS:
                             return bad, (index, number), nbytes
@@ -284,15 +289,6 @@ class Scrub:
         except lmdb.Error as exc:
             self._report(f"table {layout.table_of(prefix)}: reading its pieces raised {type(exc).__name__}: {exc}")
         return bad, None, nbytes
-
-    def _piece_head(self, txn: lmdb.Transaction[memoryview], key: bytes, uid: str) -> PieceHead | None:
-        """A rollout's head, None where it is gone; one a damaged page made undecodable is structure,
-        for `expbuf check`, as a record is (`_damaged`): reported, and the pass goes on."""
-        try:
-            return piece_rows.head(txn, self.db, key)
-        except Exception as exc:
-            self._report(f"the head of partial rollout {uid[:80]!r} does not decode ({type(exc).__name__}: {exc})")
-            return None
 
     def _damaged(self, key: memoryview, raw: bytes | memoryview, blob: Stored | tuple[bytes, int]) -> bool:
         """Whether the payload (or its digest and length, chunk_reads.streamed) is not the one its

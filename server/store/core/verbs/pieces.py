@@ -18,8 +18,9 @@ from ..table_state.state import TableState, missing
 
 
 def head(tt: TableState, uid: str) -> PieceHead | None:
-    """The head of the uid's rollout held in pieces; None: it holds none."""
-    return piece_rows.head(tt.txn, tt.db, piece_rows.head_key(tt.prefix, uid))
+    """The head of the uid's rollout held in pieces; None: it holds none. DamagedPiece where it no
+    longer decodes."""
+    return piece_rows.head(tt.txn, tt.db, piece_rows.head_key(tt.prefix, uid), uid)
 
 
 def blobs(tt: TableState, uid: str, head: PieceHead) -> Iterator[Value]:
@@ -31,11 +32,13 @@ def blobs(tt: TableState, uid: str, head: PieceHead) -> Iterator[Value]:
         yield piece_rows.checked(tt.txn, tt.db, key, uid, head, number)
 
 
-def damage(tt: TableState, uid: str, head: PieceHead) -> DamagedPiece | None:
-    """The first of a rollout's pieces that is lost or damaged, as the refusal that names it; None
-    where every piece is the one pushed."""
+def damage(tt: TableState, uid: str) -> DamagedPiece | None:
+    """The damage of the uid's rollout held in pieces, as the refusal that names it: its head that
+    no longer decodes, or the first of its pieces lost or damaged; None where it holds none, or
+    every piece is the one pushed."""
     try:
-        for _ in blobs(tt, uid, head):
+        found = head(tt, uid)
+        for _ in () if found is None else blobs(tt, uid, found):
             pass
     except DamagedPiece as exc:
         return exc
@@ -50,20 +53,28 @@ def write(tt: TableState, uid: str, head: PieceHead, number: int, blob: bytes) -
 
 
 def drop(tt: TableState, uid: str) -> bool:
-    """Drop a rollout's pieces; whether it had any."""
-    found = head(tt, uid)
-    if found is None:
+    """Drop a rollout's pieces; whether it had any. One whose head no longer decodes goes too, the
+    bytes of the pieces stored under it uncounted."""
+    key = piece_rows.head_key(tt.prefix, uid)
+    raw = piece_rows.head_raw(tt.txn, tt.db, key)
+    if raw is None:
         return False
-    piece_rows.delete(tt.txn, tt.db, piece_rows.head_key(tt.prefix, uid), found)
+    try:
+        found = piece_rows.decoded(raw, uid)
+    except DamagedPiece:
+        freed = piece_rows.delete_under(tt.txn, tt.db, key)
+    else:
+        piece_rows.delete(tt.txn, tt.db, key, found)
+        freed = piece_rows.size(found)
     tt.counters.partials -= 1
-    tt.counters.partial_bytes = max(0, tt.counters.partial_bytes - piece_rows.size(found))
+    tt.counters.partial_bytes = max(0, tt.counters.partial_bytes - freed)
     return True
 
 
-def of_task(tt: TableState, tid: str) -> list[tuple[str, PieceHead]]:
-    """The rollouts held in pieces under task `tid`, with their heads."""
+def of_task(tt: TableState, tid: str) -> list[str]:
+    """The uids of the rollouts held in pieces under task `tid`."""
     rows = piece_rows.heads_under(tt.txn, tt.db, tt.key(tid + "/"), tt.prefix)
-    return [(uid, PieceHead.decode(raw)) for uid, raw in rows if uid_group_key(uid, "task") == tid]
+    return [uid for uid, _ in rows if uid_group_key(uid, "task") == tid]
 
 
 def drop_group(tt: TableState, gkey: str) -> int:
