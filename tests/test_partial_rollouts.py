@@ -329,6 +329,22 @@ def test_a_deleted_group_takes_its_runs_in_pieces(tmp_path: Path, storage: str) 
         assert (store.stats("t")["partials"], store.stats("t")["groups_pending"]) == (1, 1)
 
 
+@pytest.mark.parametrize("group_size", [0, 3])
+def test_a_rollout_pushed_whole_replaces_its_pieces(tmp_path: Path, group_size: int) -> None:
+    """A rollout pushed whole in a push of no piece left its pieces held (only a push with a piece in
+    it replaced them), counted against capacity_bytes; with group_size 0 nothing else would take
+    them. They go as the rollout is stored."""
+    whole = rollout(run=1)
+    with Store(tmp_path / "data", map_size=1 << 24) as store:
+        store.create_table(TableConfig.of("t", estimator="none", group_size=group_size))
+        store.put("t", [trxp.from_experience(split(whole, [4, 8])[0])])
+        assert store.put("t", [trxp.from_experience(whole)]).stored == [whole.eid.uid]
+        stats = store.stats("t")
+        assert (stats["partials"], stats["partial_bytes"]) == (0, 0)
+        same(read_back(store, "t", whole.eid.uid), whole)
+        assert store.verify("t") == []
+
+
 HELD = "0/0/1/0/r"  # the rollout of two pieces the check's tests damage
 
 

@@ -111,11 +111,11 @@ def test_get_partials_leaves_out_a_rollout_whose_head_does_not_decode_and_drops_
         assert store.verify("t") == []
 
 
-@pytest.mark.parametrize("end", ["seal", "timeout", "delete", "fail_runs"])
+@pytest.mark.parametrize("end", ["seal", "timeout", "delete", "fail_runs", "pushed whole"])
 def test_a_rollout_whose_head_does_not_decode_goes_where_its_pieces_would(tmp_path: Path, end: str) -> None:
-    """A group's end (its seal, its timeout, a Delete of it) and its run reported failed each drop a
-    rollout's pieces by reading its head: one that no longer decoded failed them (the upkeep's tick
-    at every pass, for a timeout). Its pieces go all the same."""
+    """A group's end (its seal, its timeout, a Delete of it), its run reported failed or pushed whole
+    each drop a rollout's pieces by reading its head: one that no longer decoded failed them (the
+    upkeep's tick at every pass, for a timeout). Its pieces go all the same."""
     damaged, clock = rollout(run=1), Clock()
     with Store(tmp_path / "data", map_size=1 << 24, clock=clock) as store:
         store.create_table(TableConfig.of("t", estimator="none", group_size=3, group_timeout_seconds=5))
@@ -129,8 +129,10 @@ def test_a_rollout_whose_head_does_not_decode_goes_where_its_pieces_would(tmp_pa
             assert store.tick()["groups_timed_out"] == 1
         elif end == "delete":
             assert store.delete("t", group_ids=["0/0"]) == 1
-        else:
+        elif end == "fail_runs":
             assert store.fail_runs("t", [damaged.eid.uid], ["died"]).recorded == [damaged.eid.uid]
+        else:
+            assert store.put("t", [trxp.from_experience(damaged)]).stored == [damaged.eid.uid]
         stats = store.stats("t")
         assert (stats["partials"], stats["partial_bytes"]) == (0, 0)
         assert store.verify("t") == []

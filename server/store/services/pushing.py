@@ -370,9 +370,9 @@ class Pushing:
             tt.save()
         if held is not None:
             return held
-        pieces = (
+        pieces = (  # with none, a rollout pushed whole still replaces the pieces held of it
             partials.take(tt, entries, lambda size: capacity.make_room(tt, 0, size, set()), most, holder)
-            if has_pieces
+            if has_pieces or tt.counters.partials
             else None
         )
         kept, stale = admission.screen(tt, entries if pieces is None else pieces.entries)
