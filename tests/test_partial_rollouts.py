@@ -329,6 +329,27 @@ def test_a_deleted_group_takes_its_runs_in_pieces(tmp_path: Path, storage: str) 
         assert (store.stats("t")["partials"], store.stats("t")["groups_pending"]) == (1, 1)
 
 
+@pytest.mark.parametrize("storage", ["rows", "records"])
+def test_a_delete_of_a_group_takes_its_runs_in_pieces_in_a_table_whose_groups_do_not_wait(
+    tmp_path: Path, storage: str
+) -> None:
+    """With group_size 0 a Delete of a group left its runs in pieces held, counted in expbuf_partials
+    and against capacity_bytes, with no timeout, seal or report of a failed run to reach them. A
+    Delete naming a group takes them, whether the group holds experiences or none yet; another
+    task's stay."""
+    with Store(tmp_path / "data", map_size=1 << 24) as store:
+        store.create_table(TableConfig.of("t", estimator="none", group_size=0, layout=storage))
+        store.put("t", [trxp.from_experience(rollout(task=0, run=0))])
+        for task in (0, 1, 2):
+            store.put("t", [trxp.from_experience(split(rollout(task=task, run=1), [4, 8])[0])])
+        kept = store.stats("t")["partial_bytes"] // 3
+        assert store.delete("t", group_ids=["0/0", "0/1"]) == 1
+        stats = store.stats("t")
+        assert (stats["partials"], stats["partial_bytes"]) == (1, kept)
+        assert store.get_partials("t", ["0/0", "0/1"]) == (trxp.build([]), [])
+        assert store.verify("t") == []
+
+
 @pytest.mark.parametrize("group_size", [0, 3])
 def test_a_rollout_pushed_whole_replaces_its_pieces(tmp_path: Path, group_size: int) -> None:
     """A rollout pushed whole in a push of no piece left its pieces held (only a push with a piece in

@@ -292,8 +292,9 @@ class ExperienceBufferServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Delete(self, request, context):
-        """Admin: remove experiences by uid and whole groups by id, so that they may be pushed again.
-        At most 4,096 uids and 4,096 group ids a call (more: INVALID_ARGUMENT; the clients split).
+        """Admin: remove experiences by uid and whole groups by id, so that they may be pushed again; a
+        group's rollouts held in pieces go with it. At most 4,096 uids and 4,096 group ids a call
+        (more: INVALID_ARGUMENT; the clients split).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

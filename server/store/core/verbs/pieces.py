@@ -81,8 +81,18 @@ def drop_group(tt: TableState, gkey: str) -> int:
     """Drop the rollouts held in pieces of a group that completes without them (sealed, timed out)
     or leaves the table; returns how many. A table whose groups complete with each push (group_size
     0) has no runs to wait for: its rollouts in pieces join whichever group their task has then."""
-    if not _droppable(tt):
-        return 0
+    return _drop_of(tt, gkey) if _droppable(tt) else 0
+
+
+def drop_named(tt: TableState, gkeys: Iterable[str]) -> int:
+    """Drop the rollouts held in pieces of the groups a Delete names, whatever the table's
+    group_size: in a table whose groups complete with each push (group_size 0) no timeout, seal or
+    report of a failed run reaches them, and a Delete of their group is how they go. Returns how many."""
+    return sum(_drop_of(tt, gkey) for gkey in dict.fromkeys(gkeys)) if tt.counters.partials else 0
+
+
+def _drop_of(tt: TableState, gkey: str) -> int:
+    """Drop the rollouts held in pieces whose uids fall in group `gkey`; returns how many."""
     by = tt.config.grouping.by
     if by == "none":
         return int(drop(tt, gkey))
