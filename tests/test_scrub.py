@@ -26,7 +26,7 @@ from expbuf.server.store.services import scrub
 
 from helpers import ServerProcess, group_items, scrape
 from test_partial_rollouts import hurt_piece, piece_key, rollout
-from test_piece_heads import hurt_head
+from test_piece_damage import hurt_head
 from test_quarantine import damage, uids
 
 

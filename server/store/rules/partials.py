@@ -26,8 +26,9 @@ together is checked as a push checks an experience before it is stored.
 A rollout's pieces go when it finishes, when its run is reported failed, when its group completes
 without it or leaves the table, and with the prompt ledger: a claim that ends before its group is
 complete hands the rollouts of its attempt to the prompt's next attempt (`carry`: the pieces move
-under the next attempt's uids as they are), so whoever claims the prompt next gets them back
-(`read`) and continues them; a prompt dropped takes them with it.
+under the next attempt's uids as they are, each rollout checked first, a damaged one dropped), so
+whoever claims the prompt next gets them back (`read`) and continues them; a prompt dropped takes
+them with it.
 
 Each piece read to put its rollout together (in the writer, or off it: `plan`) or to return it
 (`so_far`) is checked against the size and digest its head took at its push (piece_rows.checked):
@@ -444,19 +445,21 @@ def drop_damaged(tt: TableState, uids: Iterable[str]) -> int:
     decodes is dropped so too. Returns how many were dropped."""
     if not tt.counters.partials:
         return 0
-    dropped = 0
-    for uid in dict.fromkeys(uids):
-        damage = pieces.damage(tt, uid)
-        if damage is None:
-            continue
-        log.error(
-            "table %s: partial rollout %s%s dropped (%s): its worker pushes it again from its first piece",
-            tt.config.name, uid, damage.piece, damage.why,
-        )  # fmt: skip
-        tt.counters.damaged += 1
-        tt.counters.last_failure = f"partial rollout {uid}{damage.piece}: {damage.why}: its pieces dropped"
-        dropped += pieces.drop(tt, uid)
-    return dropped
+    return sum(_dropped_if_damaged(tt, uid) for uid in dict.fromkeys(uids))
+
+
+def _dropped_if_damaged(tt: TableState, uid: str) -> bool:
+    """drop_damaged of one rollout: whether it was damaged, and dropped."""
+    damage = pieces.damage(tt, uid)
+    if damage is None:
+        return False
+    log.error(
+        "table %s: partial rollout %s%s dropped (%s): its worker pushes it again from its first piece",
+        tt.config.name, uid, damage.piece, damage.why,
+    )  # fmt: skip
+    tt.counters.damaged += 1
+    tt.counters.last_failure = f"partial rollout {uid}{damage.piece}: {damage.why}: its pieces dropped"
+    return pieces.drop(tt, uid)
 
 
 def drop_task(tt: TableState, tid: str) -> int:
@@ -468,13 +471,14 @@ def drop_task(tt: TableState, tid: str) -> int:
 def carry(tt: TableState, old: str, new: tuple[str, str]) -> int:
     """Hand the rollouts held in pieces of task `old` (a prompt's attempt whose claim ended) to the
     task `new` (batch, task: its next attempt), under the same run, step and suffix: the pieces
-    move as they are (the last piece, pushed under the new uid, gives the rollout its eid);
-    returns how many."""
+    move as they are (the last piece, pushed under the new uid, gives the rollout its eid). Each
+    rollout is checked first: one with a piece lost or damaged, or a head that no longer decodes,
+    is dropped as drop_damaged drops it (logged, counted in `damaged`) rather than handed on, and
+    the next claimant starts it over. Returns how many were handed on."""
     moved = 0
     for uid in pieces.of_task(tt, old):
-        head = pieces.head(tt, uid)
-        assert head is not None, "of_task lists the rollouts held"
+        if _dropped_if_damaged(tt, uid):
+            continue
         _, _, run, step, suffix = uid.rsplit("/", 4)
-        pieces.carry(tt, uid, head, f"{new[0]}/{new[1]}/{run}/{step}/{suffix}")
-        moved += 1
+        moved += pieces.carry(tt, uid, f"{new[0]}/{new[1]}/{run}/{step}/{suffix}")
     return moved

@@ -14,7 +14,7 @@ from expbuf.client.schema.routing import uid_group_key
 from ...disk import piece_rows
 from ...disk.piece_rows import PieceHead, Value
 from ...schema.errors import DamagedPiece
-from ..table_state.state import TableState, missing
+from ..table_state.state import TableState
 
 
 def head(tt: TableState, uid: str) -> PieceHead | None:
@@ -112,20 +112,21 @@ def _droppable(tt: TableState) -> bool:
     return bool(tt.counters.partials) and bool(tt.config.grouping.size)
 
 
-def carry(tt: TableState, uid: str, head: PieceHead, target: str) -> None:
+def carry(tt: TableState, uid: str, target: str) -> bool:
     """The pieces of the uid's rollout moved as they are under the uid `target` (which holds none),
-    counted there; those under `uid` dropped."""
+    counted there, each read checked (`blobs`: the caller dropped a damaged rollout first); those
+    under `uid` dropped. Whether it held any."""
+    found = head(tt, uid)
+    if found is None:
+        return False
     drop(tt, target)  # none there, but never two heads counted for one rollout
-    key, to = piece_rows.head_key(tt.prefix, uid), piece_rows.head_key(tt.prefix, target)
-    for number in range(len(head.pieces)):  # as stored: a damaged one stays as its head's digest tells
-        raw = piece_rows.piece(tt.txn, tt.db, key, number)
-        if raw is None:
-            raise missing(f"piece {number} of the partial rollout", uid)
+    to = piece_rows.head_key(tt.prefix, target)
+    for number, raw in enumerate(blobs(tt, uid, found)):
         piece_rows.put_piece(tt.txn, tt.db, to, number, bytes(raw))
-    piece_rows.put_head(tt.txn, tt.db, to, head)
+    piece_rows.put_head(tt.txn, tt.db, to, found)
     tt.counters.partials += 1
-    tt.counters.partial_bytes += piece_rows.size(head)
-    drop(tt, uid)
+    tt.counters.partial_bytes += piece_rows.size(found)
+    return drop(tt, uid)
 
 
 def verify(tt: TableState) -> list[str]:

@@ -1,7 +1,8 @@
-"""A rollout held in pieces whose head (the record naming its pieces, their sizes and digests) a
-damaged page left undecodable: met as a damaged piece is (test_partial_rollouts.py), refused
-DATA_LOSS naming the rollout, its pieces dropped so that its worker starts it over, never an
-internal error."""
+"""Damage of a rollout held in pieces beyond what test_partial_rollouts.py covers: a head (the
+record naming its pieces, their sizes and digests) that a damaged page left undecodable, met as a
+damaged piece is (refused DATA_LOSS naming the rollout, its pieces dropped so that its worker
+starts it over, never an internal error), and a damaged rollout that a prompt's claim hands to its
+next attempt, dropped rather than handed on."""
 
 from __future__ import annotations
 
@@ -18,12 +19,13 @@ from expbuf.client.errors import DataLossError
 from expbuf.client.rollout_pieces import split
 from expbuf.server.store import Store
 from expbuf.server.store.disk import layout
+from expbuf.server.store.ledger.records import DatasetRecord
 from expbuf.server.store.schema.errors import DamagedPiece
 from expbuf.server.store.schema.table_config import TableConfig
 
 from conftest import Servers
 from helpers import scrape
-from test_partial_rollouts import long_rollout, read_back, rollout, same
+from test_partial_rollouts import hurt_piece, long_rollout, read_back, rollout, same
 from test_store import Clock
 
 UNDECODED = "its head does not decode"
@@ -171,3 +173,47 @@ def test_a_head_that_does_not_decode_refuses_its_push_data_loss_and_leaves_the_s
         (got,) = client.get([whole.eid.uid], table="t")
     same(got, whole)
     assert server.store.verify("t") == []
+
+
+@pytest.mark.parametrize(
+    ("damage", "end"),
+    [("piece flipped", "release"), ("piece lost", "release"), ("head", "release"), ("head", "expiry")],
+)
+def test_a_claim_that_ends_drops_a_damaged_rollout_rather_than_hand_it_to_the_next_attempt(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, damage: str, end: str
+) -> None:
+    """A claim that ends before its group is complete hands its attempt's rollouts in pieces to the
+    prompt's next attempt. A damaged one was copied as stored, for the next claimant's push to be
+    refused over; with a piece lost, or its head undecodable, the claim's end failed (INTERNAL, or
+    DATA_LOSS; the table's upkeep at every pass, at its expiry), so the prompt never went back.
+    Each rollout is checked as it is handed over: a damaged one is dropped, logged and counted as
+    damage found, the others handed on, and the next claimant starts it over."""
+    caplog.set_level(logging.ERROR, "expbuf.store")
+    clock = Clock()
+    with Store(tmp_path / "data", map_size=1 << 24, clock=clock) as store:
+        store.create_table(TableConfig.of("t", estimator="none", group_size=2))
+        store.claims.create("t", DatasetRecord("math", size=1))
+        (first,), _ = store.claim("t", "math", 1, seconds=60)
+        batch, task = f"math/{first.epoch}", f"{first.index}@{first.attempt}"
+        intact, damaged = rollout(task, 0, batch), rollout(task, 1, batch)
+        for whole in (intact, damaged):
+            store.put("t", [trxp.from_experience(split(whole, [4, 8])[0])])
+        if damage == "head":
+            hurt_head(store, "t", damaged.eid.uid)
+        else:
+            hurt_piece(store, "t", damaged.eid.uid, 0, "lost" if damage == "piece lost" else "flipped")
+        if end == "release":
+            assert store.release_claims("t", "math", [(first.epoch, first.index, first.attempt)]) == 1
+        else:
+            clock.now += 61
+            assert store.tick()["failed"] == 0
+        stats = store.stats("t")
+        assert (stats["partials"], stats["damaged"]) == (1, 1)
+        assert stats["last_failure"].startswith(f"partial rollout {damaged.eid.uid}")
+        assert any(damaged.eid.uid in r.getMessage() and "dropped" in r.getMessage() for r in caplog.records)
+        assert store.verify("t") == []
+        (second,), _ = store.claim("t", "math", 1, seconds=60)
+        assert second.attempt == first.attempt + 1
+        payload, _ = store.get_partials("t", [f"{batch}/{second.index}@{second.attempt}"])
+        (held,) = trxp.decode(payload)
+        assert held.eid.run == 0 and held.tokens.numel() == len(split(intact, [4, 8])[0].tokens)
