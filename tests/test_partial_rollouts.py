@@ -366,6 +366,61 @@ def test_a_rollout_pushed_whole_replaces_its_pieces(tmp_path: Path, group_size: 
         assert store.verify("t") == []
 
 
+@pytest.mark.parametrize("storage", ["rows", "records"])
+@pytest.mark.parametrize("how", ["after", "in its push", "computing"])
+def test_a_group_complete_with_all_its_runs_drops_the_runs_in_pieces_that_did_not_join(
+    tmp_path: Path, storage: str, how: str
+) -> None:
+    """A group of 2 that completed with two runs pushed whole kept a third run's pieces held: no
+    piece of it could be pushed any more (GroupClosed), nor the run whole, yet they stayed counted
+    against capacity_bytes while the group lived (for good in a table that replays its groups), and
+    the check said nothing. A group's completion drops them, as a sealed or timed out one's does."""
+    estimator = "grpo" if how == "computing" else "none"
+    with Store(tmp_path / "data", map_size=1 << 24) as store:
+        store.create_table(TableConfig.of("t", estimator=estimator, group_size=2, layout=storage))
+        stray = trxp.from_experience(split(rollout(run=5), [4, 8])[0])
+        runs = [trxp.from_experience(rollout(run=run, reward=float(run))) for run in (0, 1)]
+        if how == "in its push":
+            assert store.put("t", [stray, *runs]).completed_groups == ["0/0"]
+        else:
+            assert store.put("t", [stray]).partial == [stray.uid]
+            assert store.put("t", runs).completed_groups == ["0/0"]
+        stats = store.stats("t")
+        assert (stats["partials"], stats["partial_bytes"]) == (0, 0)
+        assert stats["computing" if how == "computing" else "ready"] == 2
+        assert store.get_partials("t", ["0/0"]) == (trxp.build([]), [])
+        assert store.verify("t") == []
+
+
+def test_the_check_names_runs_in_pieces_whose_group_is_complete(tmp_path: Path) -> None:
+    """Pieces whose group is complete (as a group complete with all its runs left them) can never
+    join it: verify() and `expbuf check` passed over them. They are named, as what nothing reads
+    (a full check at a start leaves them, as it does stray chunk sets); pieces of a group not
+    stored (a prompt's next attempt, handed the pieces of the last) are not. A Delete of the
+    group takes them."""
+    with Store(tmp_path / "data", map_size=1 << 24) as store:
+        store.create_table(TableConfig.of("t", estimator="none", group_size=2))
+        store.put("t", [trxp.from_experience(rollout(run=run)) for run in (0, 1)])
+        for task in (1, 2):
+            store.put("t", [trxp.from_experience(split(rollout(task=task, run=5), [4, 8])[0])])
+        prefix = layout.table_prefix(store.catalog.lookup("t")[0])
+        db = store.db["partials"]
+
+        def moved(txn: lmdb.Transaction) -> None:  # task 1's pieces under task 0's group, task 2's under task 3
+            for old, new in ((b"0/1/", b"0/0/"), (b"0/2/", b"0/3/")):
+                for number in (None, 0):
+                    key = prefix + old + b"5/0/r\0" + (b"" if number is None else number.to_bytes(4, "big"))
+                    value = txn.get(key, db=db)
+                    txn.delete(key, db=db)
+                    txn.put(key.replace(old, new, 1), value, db=db)
+
+        store.environment.submit(moved)
+        (problem,) = store.verify("t")
+        assert problem.startswith("partial rollout 0/0/5/0/r: its group 0/0 is complete (ready), so its pieces never")
+    with Store(tmp_path / "data", map_size=1 << 24, check_at_open="full") as store:
+        assert store.delete("t", group_ids=["0/0"]) == 2 and store.verify("t") == []
+
+
 HELD = "0/0/1/0/r"  # the rollout of two pieces the check's tests damage
 
 
@@ -388,7 +443,8 @@ def piece_key(head: bytes, number: int) -> bytes:
 
 
 @pytest.mark.parametrize(
-    "damage", ["piece lost", "piece damaged", "head lost", "head damaged", "piece past its head", "counters"]
+    "damage",
+    ["piece lost", "piece damaged", "head lost", "head damaged", "piece past its head", "counters", "a stray key"],
 )
 def test_the_check_reads_the_rollouts_held_in_pieces(tmp_path: Path, damage: str) -> None:
     """verify() (and so `expbuf check` and a full check at open) reads each rollout held in pieces as
@@ -411,6 +467,8 @@ def test_the_check_reads_the_rollouts_held_in_pieces(tmp_path: Path, damage: str
                 txn.put(head, txn.get(head, db=db)[:-3], db=db)  # cut short
             elif damage == "piece past its head":
                 txn.put(piece_key(head, 5), b"x", db=db)
+            elif damage == "a stray key":
+                txn.put(head[:4] + b"0/0/\xff", b"x", db=db)
             else:
                 counters = read_counters(txn, store.db, head[:4])
                 counters.partials, counters.partial_bytes = 5, 7
@@ -431,6 +489,7 @@ def test_the_check_reads_the_rollouts_held_in_pieces(tmp_path: Path, damage: str
                 f"{counters} 2 and {total} but 1 rollout(s) of {other} bytes were found",
             ],
             "piece past its head": [f"partial rollout {HELD}: its piece 5 is stored, but its head names 2"],
+            "a stray key": ["a row of the partials database is neither a rollout's head nor a piece"],
             "counters": [f"{counters} 5 and 7 but 2 rollout(s) of {total} bytes were found"],
         }
         assert problems == want[damage]

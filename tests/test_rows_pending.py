@@ -607,13 +607,15 @@ def test_a_finished_rollouts_last_piece_sent_again_is_a_duplicate_as_a_records_t
 
 @pytest.mark.parametrize("delivery", ["consume", "lease"])
 def test_a_consumed_groups_rollouts_in_pieces_are_dropped_as_a_records_tables(tmp_path: Path, delivery: str) -> None:
-    """A rollout in pieces whose group filled without it: the group's take (consumed, or leased
-    and acked) drops it, as a records table's retire does, and the table counts no pieces."""
+    """A rollout in pieces whose group filled without it: dropped as the group completes (it takes
+    no more pieces), as a records table's is; the group's take (consumed, or leased and acked) then
+    finds none, and the table counts no pieces."""
     with Store(tmp_path, clock=Clock()) as store:
         both(store, "t", estimator="none", group_size=2)
         first = trxp.from_experience(split(rollout(run=2), [4, 8])[0])
         put_both(store, "t", [first, trxp.from_experience(rollout(run=0)), run(0, 1)])
-        assert store.stats("t_rows")["partials"] == 1 and store.stats("t_rows")["ready"] == 2
+        assert store.stats("t_rows")["partials"] == 0 and store.stats("t_rows")["ready"] == 2
+        assert stats(store, "t_rows") == stats(store, "t")
         for table in ("t", "t_rows"):
             batch = store.sample(TakeSpec(table=table, num_groups=1, delivery=delivery))
             assert batch is not None

@@ -182,6 +182,10 @@ def rows(
 
 
 def _head_of(key: bytes, prefix: bytes) -> str | None:
-    """The uid of a rollout's head key (T + uid + NUL); None for a piece's (a uid holds no NUL)."""
-    end = key.index(b"\0", len(prefix))
-    return key[len(prefix) : end].decode() if end == len(key) - 1 else None
+    """The uid of a rollout's head key (T + uid + NUL); None for a piece's (a uid holds no NUL), and
+    for a key a damaged page left neither."""
+    end = key.find(b"\0", len(prefix))
+    try:
+        return key[len(prefix) : end].decode() if end == len(key) - 1 else None
+    except UnicodeDecodeError:
+        return None

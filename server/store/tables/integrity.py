@@ -162,10 +162,11 @@ def _strays(
 
 
 def verify(tt: TableState, *, strays: bool = True) -> list[str]:
-    """The problems found in one table; [] when consistent. `strays` also counts its chunk sets
-    that nothing reads (stray_sets), which at_open leaves out as it does the entries of no table."""
+    """The problems found in one table; [] when consistent. `strays` also counts what nothing reads,
+    which at_open leaves out as it does the entries of no table: its chunk sets of no payload
+    (stray_sets), and its rollouts held in pieces whose group is complete (pieces.stranded)."""
     problems = records(tt) + _check_chunk_sets(tt, strays=strays)
-    problems += pieces.verify(tt) + value_records.verify(tt)
+    problems += pieces.verify(tt) + (pieces.stranded(tt) if strays else []) + value_records.verify(tt)
     return problems + shared_prompts.check(tt.txn, tt.db, tt.prefix) + verify_ledger(tt)
 
 

@@ -104,12 +104,12 @@ def add_members(tt: TableState, by_group: dict[str, list[Entry]], groups: dict[s
 
 def closing(tt: TableState, gkey: str, grp: GroupView, *, partial: bool) -> dict[str, MemberView]:
     """A pending group about to complete (or to be dropped as it does): flagged partial (sealed,
-    timed out, runs reported failed), its runs still in pieces dropped then, as they will not
-    join it; its members' views."""
+    timed out, runs reported failed); its runs still in pieces dropped, as they will not join it
+    (complete, it takes no more pieces: even with all its runs, a run past them may hold some);
+    its members' views."""
     recs = tt.members(grp)
     group_record(grp).partial = partial
-    if partial:
-        pieces.drop_group(tt, gkey)
+    pieces.drop_group(tt, gkey)
     return recs
 
 

@@ -14,6 +14,7 @@ from expbuf.client.schema.routing import uid_group_key
 from ...disk import piece_rows
 from ...disk.piece_rows import PieceHead, Value
 from ...schema.errors import DamagedPiece
+from ...schema.states import PENDING, State
 from ..table_state.state import TableState
 
 
@@ -182,4 +183,31 @@ def verify(tt: TableState) -> list[str]:
             f"counters partials and partial_bytes are {counted[0]} and {counted[1]} but {heads} rollout(s) of "
             f"{total} bytes were found"
         )
+    return problems
+
+
+def stranded(tt: TableState) -> list[str]:
+    """The rollouts held in pieces whose group is complete, as problems: it takes no more pieces,
+    so nothing reads them, and they stay counted against the capacity until it leaves the table
+    (a group's completion drops them; an earlier release left them). In a table of group_size 0 a
+    task's runs in pieces outlive its groups, and a group not stored is none (a prompt's next
+    attempt holds the pieces handed it before it is claimed)."""
+    if not tt.config.grouping.size:
+        return []
+    problems: list[str] = []
+    states: dict[str, State | None] = {}
+    for uid, _ in piece_rows.heads_under(tt.txn, tt.db, tt.prefix, tt.prefix):
+        gkey = uid_group_key(uid, tt.config.grouping.by) or uid
+        if gkey not in states:
+            try:
+                grp = tt.view(gkey)
+            except Exception:  # a group record a damaged page left undecodable: the group's check names it
+                grp = None
+            states[gkey] = None if grp is None else grp.state
+        state = states[gkey]
+        if state is not None and state != PENDING:
+            problems.append(
+                f"partial rollout {uid}: its group {gkey} is complete ({state}), so its pieces never join it; "
+                "they go when the group leaves the table, or with a Delete of it"
+            )
     return problems

@@ -288,6 +288,8 @@ def complete(tt: TableState, groups: Sequence[tuple[RowGroup, bool, bool]], was:
     if not groups:
         return
     views, partials, writes = zip(*groups, strict=True)
+    if was == PENDING:  # their runs still in pieces will not join them
+        pieces.drop_groups(tt, lambda: [grp.key for grp in views])
     if was == PENDING and not any(partials) and not any(writes):  # opened and completed by this request
         whole = [segments.whole(grp.key, grp.created, grp.rows, False, grp.failed) for grp in views]
         segments.complete_ready(tt, whole, was)
@@ -295,8 +297,6 @@ def complete(tt: TableState, groups: Sequence[tuple[RowGroup, bool, bool]], was:
     whole, places = [], []
     for grp, partial, written in groups:
         entry = _forget(tt, grp.key) if written else None
-        if partial:
-            pieces.drop_group(tt, grp.key)  # its runs still in pieces will not join it
         placed = None
         if entry is not None and entry.queued is not None:
             partial, placed = entry.partial, entry.placed
@@ -322,8 +322,7 @@ def queue(tt: TableState, groups: Sequence[tuple[RowGroup, bool, bool]]) -> None
             tt.txn.delete(tt.pending_key(grp.key, entry), db=tt.db["pending"])
         if (new := grp.rows[len(entry.hashes) :]) and (spilled := _add(tt, grp.key, entry, new)) is not None:
             tt.txn.put(*spilled, db=tt.db["frags"])
-        if partial:
-            pieces.drop_group(tt, grp.key)  # its runs still in pieces will not join it
+        pieces.drop_group(tt, grp.key)  # its runs still in pieces will not join it
         entry.failed, entry.partial, entry.queued = dict(grp.failed), partial, counters.next_rseq
         entry.placed = segments.placed_by(grp.rows)
         counters.next_rseq += 1
