@@ -24,19 +24,19 @@ refused, Conflict), carry what the rollout appends to, and its segments follow. 
 together is checked as a push checks an experience before it is stored.
 
 A rollout's pieces go when it finishes, when its run is reported failed, when its group completes
-without it or leaves the table, and with the prompt ledger: a claim that ends before its group is
-complete hands the rollouts of its attempt to the prompt's next attempt (`carry`: the pieces move
-under the next attempt's uids as they are, each rollout checked first, a damaged one dropped), so
-whoever claims the prompt next gets them back (`read`) and continues them; a prompt dropped takes
-them with it.
+without it or leaves the table, when a Delete names its group, and with the prompt ledger: a
+claim that ends before its group is complete hands the rollouts of its attempt to the prompt's
+next attempt (`carry`: the pieces move under the next attempt's uids as they are, each rollout
+checked first, a damaged one dropped), so whoever claims the prompt next gets them back (`read`)
+and continues them; a prompt dropped takes them with it.
 
 Each piece read to put its rollout together (in the writer, or off it: `plan`) or to return it
 (`so_far`) is checked against the size and digest its head took at its push (piece_rows.checked):
 one lost or damaged raises DamagedPiece, so no experience is stored, and no rollout returned, with
 it; so does a head that no longer decodes (piece_rows.decoded). Such a rollout can never be put
-together as pushed: its pieces go, in a write of their own
-after the refusal (`drop_damaged`, through the store's `quarantine`, as a read's damaged
-experience is quarantined), so that its worker pushes it again from its first piece.
+together as pushed: its pieces go, in a write of their own after the refusal (`drop_damaged`,
+through the store's `quarantine`, as a read's damaged experience is quarantined), so that its
+worker pushes it again from its first piece.
 """
 
 from __future__ import annotations

@@ -79,8 +79,8 @@ def of_task(tt: TableState, tid: str) -> list[str]:
 
 
 def drop_group(tt: TableState, gkey: str) -> int:
-    """Drop the rollouts held in pieces of a group that completes without them (sealed, timed out)
-    or leaves the table; returns how many. A table whose groups complete with each push (group_size
+    """Drop the rollouts held in pieces of a group that completes without them (with all its runs,
+    sealed, timed out) or leaves the table; returns how many. A table whose groups complete with each push (group_size
     0) has no runs to wait for: its rollouts in pieces join whichever group their task has then."""
     return _drop_of(tt, gkey) if _droppable(tt) else 0
 
