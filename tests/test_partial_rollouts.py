@@ -34,6 +34,7 @@ from expbuf.client.errors import (
 from expbuf.client.rollout_pieces import continuation, split
 from expbuf.proto.v1 import buffer_pb2 as pb
 from expbuf.proto.v1 import buffer_pb2_grpc as pb_grpc
+from expbuf.server.app import ExpbufServer
 from expbuf.server.store import Store
 from expbuf.server.store.core.table_state.counters import read_counters, write_counters
 from expbuf.server.store.disk import chunked, layout
@@ -577,6 +578,27 @@ def test_a_last_piece_over_a_damaged_piece_stores_nothing_and_the_rollout_starts
         assert store.verify("t") == []
 
 
+def pushed_again_whole(
+    server: ExpbufServer, client: BufferClient, whole: Experience, pieces: list[Experience], partner: Experience
+) -> Experience:
+    """After `whole`, a rollout in pieces of group 0/0 of table t (`partner` its group's other run),
+    was refused as damaged: nothing of it is held or counted, the server still serves, and its
+    worker's `pieces` pushed again from the first complete the group; the rollout as read back."""
+    assert client.get_partials(["0/0"], table="t") == []
+    metrics = scrape(server.metrics_port)
+    assert metrics[("expbuf_damaged_total", (("table", "t"),))] == 1
+    assert metrics[("expbuf_partials", (("table", "t"),))] == 0
+    with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
+    assert health.status == health_pb2.HealthCheckResponse.SERVING
+    for piece in pieces[:-1]:
+        assert client.push([piece], table="t").partial == [whole.eid.uid]
+    done = client.push([pieces[-1], partner], table="t")
+    assert (done.stored, done.completed_groups) == ([whole.eid.uid, partner.eid.uid], ["0/0"])
+    (got,) = client.get([whole.eid.uid], table="t")
+    return got
+
+
 def test_a_damaged_piece_refuses_its_push_data_loss_and_leaves_the_server_healthy(start_server: Servers) -> None:
     """Through the server: the push of a last piece over a damaged piece is refused DATA_LOSS (reason
     damaged) naming the rollout and the piece, nothing of the push stored (not its partner either),
@@ -597,18 +619,7 @@ def test_a_damaged_piece_refuses_its_push_data_loss_and_leaves_the_server_health
         stats = client.stats("t")["t"]
         assert (stats.pushed, stats.pending, stats.damaged) == (0, 0, 1)
         assert stats.last_failure.startswith(f"partial rollout {whole.eid.uid}, piece 0")
-        assert client.get_partials(["0/0"], table="t") == []
-        metrics = scrape(server.metrics_port)
-        assert metrics[("expbuf_damaged_total", (("table", "t"),))] == 1
-        assert metrics[("expbuf_partials", (("table", "t"),))] == 0
-        with grpc.insecure_channel(target) as channel:
-            health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
-        assert health.status == health_pb2.HealthCheckResponse.SERVING
-        for piece in pieces[:-1]:
-            assert client.push([piece], table="t").partial == [whole.eid.uid]
-        done = client.push([pieces[-1], partner], table="t")
-        assert (done.stored, done.completed_groups) == ([whole.eid.uid, partner.eid.uid], ["0/0"])
-        (got,) = client.get([whole.eid.uid], table="t")
+        got = pushed_again_whole(server, client, whole, pieces, partner)
     same(got, whole)
     assert server.store.verify("t") == []
 

@@ -10,9 +10,7 @@ import logging
 import re
 from pathlib import Path
 
-import grpc
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from expbuf.client import BufferClient, trxp
 from expbuf.client.errors import DataLossError
@@ -24,8 +22,7 @@ from expbuf.server.store.schema.errors import DamagedPiece
 from expbuf.server.store.schema.table_config import TableConfig
 
 from conftest import Servers
-from helpers import scrape
-from test_partial_rollouts import hurt_piece, long_rollout, read_back, rollout, same
+from test_partial_rollouts import hurt_piece, long_rollout, pushed_again_whole, read_back, rollout, same
 from test_store import Clock
 
 UNDECODED = "its head does not decode"
@@ -159,18 +156,7 @@ def test_a_head_that_does_not_decode_refuses_its_push_data_loss_and_leaves_the_s
         assert refused.value.reason == "damaged"
         stats = client.stats("t")["t"]
         assert (stats.pushed, stats.damaged) == (0, 1)
-        assert client.get_partials(["0/0"], table="t") == []
-        metrics = scrape(server.metrics_port)
-        assert metrics[("expbuf_damaged_total", (("table", "t"),))] == 1
-        assert metrics[("expbuf_partials", (("table", "t"),))] == 0
-        with grpc.insecure_channel(target) as channel:
-            health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
-        assert health.status == health_pb2.HealthCheckResponse.SERVING
-        for piece in pieces[:-1]:
-            assert client.push([piece], table="t").partial == [whole.eid.uid]
-        done = client.push([pieces[-1], partner], table="t")
-        assert (done.stored, done.completed_groups) == ([whole.eid.uid, partner.eid.uid], ["0/0"])
-        (got,) = client.get([whole.eid.uid], table="t")
+        got = pushed_again_whole(server, client, whole, pieces, partner)
     same(got, whole)
     assert server.store.verify("t") == []
 
