@@ -7,6 +7,7 @@ tests/test_quarantine.py makes it: a row deleted from one database, as a lost pa
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 from pathlib import Path
@@ -592,3 +593,41 @@ def test_an_experience_whose_head_is_lost_takes_its_chunks_when_it_leaves(
         # group; the deleted experience's group and the others, whole.
         assert len(sets(store)) == {"sample": 1, "record-and-head": 1, "ack": 4, "delete": 5}[how]
         assert store.verify("t") == []
+
+
+@pytest.mark.parametrize(
+    ("table_layout", "db", "how"),
+    [("records", "groups", "lost"), ("records", "groups", "cut"), ("rows", "gdir", "lost")],
+)  # a rows head cut in half keeps its hashes: its group fails with its members (test_rows_pending)
+def test_a_computing_group_whose_own_record_is_lost_is_passed_over_and_every_other_group_computed(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, how: str, table_layout: str, db: str
+) -> None:
+    """A group waiting for its advantages whose group record (a rows table's: its head) is lost, or
+    cut so that it no longer decodes: the advantage worker's read of the backlog raised at it
+    ("group ... is named but not stored", struct.error) at every pass, so no table's advantages were
+    computed again. It passes over it, logged once (it is left to `expbuf check`), and the table's
+    other group and another table's groups are computed."""
+    caplog.set_level(logging.ERROR, "expbuf.store")
+    with Store(tmp_path) as store:
+        for table in ("t", "u"):
+            config = TableConfig.of(table, estimator="grpo", group_size=4)
+            store.create_table(
+                dataclasses.replace(config, storage=dataclasses.replace(config.storage, layout=table_layout))
+            )
+            for task in range(2):
+                store.put(table, group_items(0, task, 4, reward=float(task)))
+        if how == "lost":
+            lose(store, "t", "0/0", db)
+        else:
+            garble(store, "t", "0/0", db)
+        for _ in range(2):
+            jobs = store.compute_backlog()
+            assert {job.table: job.groups for job in jobs} == {"t": ["0/1"], "u": ["0/0", "0/1"]}
+        logged = [
+            r.getMessage() for r in caplog.records if "0/0" in r.getMessage() and "expbuf check" in r.getMessage()
+        ]
+        assert len(logged) == 1 and "table t" in logged[0]
+        for job in jobs:
+            store.finish_compute(job.table, dict.fromkeys(job.records, 0.5), ready=job.groups)
+        assert (store.stats("t")["ready"], store.stats("u")["ready"]) == (4, 8)
+        assert {job.table: job.groups for job in store.compute_backlog()} == {}

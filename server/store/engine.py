@@ -135,6 +135,7 @@ class Store(ServiceCalls):
         self.reads = Reads(self.environment, self.catalog, self.quarantine, batch_stage)
         self.values = Values(self.environment, self.catalog)
         self._last_computed = 0  # the table whose backlog was read last (tables take turns)
+        self._unreadable: set[tuple[str, str]] = set()  # computing groups the backlog passed over, logged
         if not self.catalog.has("default"):
             self.create_table(default_table(), exist_ok=True)
         self._recount()
@@ -341,6 +342,18 @@ class Store(ServiceCalls):
         except NotFound:
             return 0
 
+    def _passed_over(self, table: str, whys: dict[str, str]) -> None:
+        """Computing groups the backlog could not read (their own record lost or undecodable: it
+        names no member to fail), logged once each: the worker passes over them at every pass."""
+        for gkey, why in whys.items():
+            if (table, gkey) not in self._unreadable:
+                self._unreadable.add((table, gkey))
+                log.error(
+                    "table %s: computing group %s cannot be read (%s): its advantages are not computed; "
+                    "run `expbuf check` on the data directory",
+                    table, gkey, why,
+                )  # fmt: skip
+
     def _fail_lost(self, table: str, gkeys: list[str]) -> None:
         """Computing groups the backlog found a member's record lost of fail (quarantine.py), so
         that the advantage worker's next pass does not meet them again; a table dropped meanwhile
@@ -471,16 +484,22 @@ class Store(ServiceCalls):
         from table to table with a backlog, never over the tables without one. Payloads are read
         only for estimators that need token-level data, each checked against its digest: a group
         with a damaged one is not computed, its damaged members are quarantined (quarantine.py),
-        and one with a member whose record is lost fails alike; the others work from the item
-        records."""
+        and one with a member whose record is lost fails alike; one whose own record is lost or
+        does not decode is passed over (logged once), so that it holds up no other group or
+        table; the others work from the item records."""
 
         def table_of(table_id: int) -> tuple[str, TableConfig] | None:
             return self.catalog.by_id(table_id)
 
         damaged: dict[str, list[str]] = {}
         lost: dict[str, list[str]] = {}
+        unreadable: dict[str, dict[str, str]] = {}
         with self.environment.read() as txn:
-            jobs, self._last_computed = backlog(txn, self.db, table_of, self._last_computed, limit, damaged, lost)
+            jobs, self._last_computed = backlog(
+                txn, self.db, table_of, self._last_computed, limit, damaged, lost, unreadable
+            )
+        for table, whys in unreadable.items():
+            self._passed_over(table, whys)
         for table, uids in damaged.items():
             self._quarantine_found(table, uids)
         for table, gkeys in lost.items():

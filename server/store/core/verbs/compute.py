@@ -39,6 +39,7 @@ def backlog(
     limit: int,
     damaged: dict[str, list[str]],
     lost: dict[str, list[str]],
+    unreadable: dict[str, dict[str, str]],
 ) -> tuple[list[ComputeJob], int]:
     """Queued groups, oldest first within each table, up to about `limit` experiences, as one
     job per table, starting with the first table with a backlog after table id `after` (the
@@ -49,7 +50,10 @@ def backlog(
     `damaged` (for the caller to quarantine); the others work from the item records (a rows table's
     from its computing groups' heads and fragments: row_pending.queue). A group with
     a member whose record the directory lost is left out too, its key listed by table in `lost`
-    (for the caller to fail). `table_of` names a table id's table, None for a dropped one."""
+    (for the caller to fail); one whose own record (a rows table's: its head) is lost or does not
+    decode is passed over, listed by table in `unreadable` with why (for the caller to log: it
+    names none of its members, and is left to `expbuf check`), so that it holds up no other group
+    or table. `table_of` names a table id's table, None for a dropped one."""
     jobs: list[ComputeJob] = []
     count = 0
     seen: set[int] = set()
@@ -79,7 +83,12 @@ def backlog(
                 rows = config.storage.layout == "rows"
                 while found and cur.key().startswith(prefix) and count < limit:
                     gkey = cur.value()
-                    uids, records = (_queued_rows if rows else _queued_records)(txn, dbs, prefix, bytes(gkey))
+                    try:
+                        uids, records = (_queued_rows if rows else _queued_records)(txn, dbs, prefix, bytes(gkey))
+                    except _DAMAGE as exc:
+                        unreadable.setdefault(name, {})[bytes(gkey).decode(errors="replace")] = str(exc)
+                        found = cur.next()
+                        continue
                     whole_group = len(records) == len(uids)  # else a record is lost
                     if not whole_group:
                         lost.setdefault(name, []).append(gkey.decode())
