@@ -37,6 +37,12 @@ def check_names(names: Sized, what: str, call: str, most: int) -> None:
         )
 
 
+# What a read of stored bytes that a damaged page may have changed catches as damage: LMDB, a record's
+# or row's decoder, the TRXP parser can raise almost anything then (lmdb.Error, ValueError,
+# struct.error, KeyError, ...), so every exception is.
+DAMAGE = Exception
+
+
 class StoreError(Exception):
     """A refused request: `status` names the gRPC status code it maps to, `reason` its label on
     the refusals metric. Raised as it is, a fault of the server rather than of the request."""

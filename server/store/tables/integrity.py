@@ -28,12 +28,9 @@ from ..disk import chunked, layout, shared_prompts
 from ..ledger.check import verify_ledger
 from ..rules import value_records
 from ..rules.extensions import Extensions
-from ..schema.errors import Damaged
+from ..schema.errors import DAMAGE, Damaged
 from ..schema.table_config import TableConfig
 
-# A damaged page can make LMDB, a record's decoder or the TRXP parser raise almost anything
-# (lmdb.Error, ValueError, struct.error, KeyError, ...): here every exception is damage to report.
-_DAMAGE = Exception
 _SHOWN = 20  # problems shown per table at most; the count says how many more
 REPAIR = "expbuf repair"  # the command that drops what nothing reads (stray_sets)
 
@@ -76,12 +73,12 @@ def scan(
         _directory(txn, dbs, catalogue, report[""])
         if strays:
             report[""] += _strays(txn, dbs, catalogue)
-    except _DAMAGE as exc:
+    except DAMAGE as exc:
         report[""].append(f"LMDB or a record raised {type(exc).__name__}: {exc}")
     for name, (table_id, config) in catalogue.items() if tables else ():
         try:
             problems = verify(TableState(txn, dbs, table_id, config, now, Extensions()), strays=strays)
-        except _DAMAGE as exc:
+        except DAMAGE as exc:
             problems = [f"reading it raised {type(exc).__name__}: {exc}"]
         report[name] = problems[:_SHOWN] + (
             [f"... and {len(problems) - _SHOWN} more"] if len(problems) > _SHOWN else []
@@ -98,7 +95,7 @@ def quarantined(txn: lmdb.Transaction[bytes], dbs: dict[str, lmdb._Database]) ->
         try:
             prefix = layout.table_prefix(int(json.loads(value)["id"]))
             known[bytes(key).decode()] = read_counters(txn, dbs, prefix).quarantined
-        except _DAMAGE:
+        except DAMAGE:
             continue
     return known
 

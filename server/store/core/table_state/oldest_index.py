@@ -32,13 +32,12 @@ import lmdb
 
 from ...disk.layout import put_rows, u64
 from ...disk.rows import PendingHead, SegmentView, SegState, directory_entry, first_created, fragment_key
+from ...schema.errors import DAMAGE
 from .state import TableState
 
 SEGMENT, HEAD = b"\x00", b"\x01"  # what holds a key's member: a segment (its id follows) or a group (its key)
 _F64, _U64 = struct.Struct(">d"), struct.Struct(">Q")
 _SIGN = 1 << 63
-# A damaged page can make LMDB or a row's decoder raise almost anything: every exception is damage.
-_DAMAGE = Exception
 
 
 def stamp(when: float) -> bytes:
@@ -141,7 +140,7 @@ def head_gone(tt: TableState, gkey: str, head: PendingHead) -> None:
     group's key among the table's where damage left its first member unreadable."""
     try:
         first = head_first(tt, gkey, head)
-    except _DAMAGE:
+    except DAMAGE:
         first = None
     if first is not None and tt.txn.delete(head_key(tt.prefix, first, gkey), db=tt.db["oldest"]):
         return
@@ -181,7 +180,7 @@ def build(txn: lmdb.Transaction[bytes], dbs: Mapping[str, lmdb._Database]) -> No
         try:
             raw_state = txn.get(key, db=dbs["sstate"])
             when = None if raw_state is None else in_segment(SegmentView(raw), SegState.decode(raw_state))
-        except _DAMAGE:
+        except DAMAGE:
             continue
         if when is not None:
             found.append((segment_key(bytes(key[:4]), when, int.from_bytes(key[4:], "big")), b""))
@@ -192,7 +191,7 @@ def build(txn: lmdb.Transaction[bytes], dbs: Mapping[str, lmdb._Database]) -> No
                 continue
             gkey = bytes(key[4:]).decode()
             when = _first(txn, dbs, bytes(key[:4]), gkey, head)
-        except _DAMAGE:
+        except DAMAGE:
             continue
         if when is not None:
             found.append((head_key(bytes(key[:4]), when, gkey), b""))

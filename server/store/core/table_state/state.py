@@ -10,8 +10,9 @@ pushes, what computes): those are the arguments of the verbs that need them.
 
 from __future__ import annotations
 
+import functools
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from types import MappingProxyType
 from typing import TypeVar
 
@@ -34,7 +35,7 @@ from ...disk.rows import (
     fragment_key,
     uid_hash,
 )
-from ...schema.errors import StoreError, clip
+from ...schema.errors import DAMAGE, StoreError, clip
 from ...schema.states import COMPUTING, LEASED, LIVE, READY, State, check_move
 from ...schema.table_config import TableConfig
 from ...schema.views import GroupView, Members, MemberView
@@ -46,8 +47,6 @@ from .views import RowGroup, group_record, group_rows, member_record, quarantine
 
 # A member's record as the cache holds it: absent (None) when the table has no such uid.
 Cached = ItemRecord | None
-# A damaged page can make LMDB or a row's decoder raise almost anything: every exception is damage.
-_DAMAGE = Exception
 log = logging.getLogger("expbuf.store")
 R = TypeVar("R", ItemRecord, GroupRecord)
 
@@ -61,17 +60,27 @@ def _uids_begin(gkey: str, by: str) -> str:
     return gkey + "/" if by in ("task", "run") else gkey
 
 
+def _row_parts(
+    reader: Reader, dbs: Mapping[str, lmdb._Database], prefix: bytes, gkey: str, head: PendingHead
+) -> Iterator[Callable[[], list[Member]]]:
+    """A rows table's pending group's rows in push order, part by part: each fragment's, then its
+    head's own, each read when called (raising where damage lost or changed it)."""
+    for number in range(head.fragments):
+        yield functools.partial(_fragment_rows, reader, dbs["frags"], fragment_key(prefix, gkey, number))
+    yield head.inline_rows
+
+
+def _fragment_rows(reader: Reader, frags: lmdb._Database, key: bytes) -> list[Member]:
+    return decode_member_rows(stored(reader, key, frags, "fragment"))
+
+
 def pending_rows(
     reader: Reader, dbs: Mapping[str, lmdb._Database], prefix: bytes, gkey: str, head: PendingHead
 ) -> list[Member]:
     """A rows table's pending group's members, in push order, as its fragments and then its head hold
     them, read from `reader` (the table state's transaction, or a reader's such as the scrub's or a
     Get's)."""
-    found: list[Member] = []
-    for number in range(head.fragments):
-        found.extend(decode_member_rows(stored(reader, fragment_key(prefix, gkey, number), dbs["frags"], "fragment")))
-    found.extend(head.inline_rows())
-    return found
+    return [row for part in _row_parts(reader, dbs, prefix, gkey, head) for row in part()]
 
 
 def readable_rows(
@@ -82,14 +91,10 @@ def readable_rows(
     member whose record is lost; the members its head names whose rows are not among them stay its,
     for its end to fail it with (TableState.pending_members)."""
     found: list[Member] = []
-    for number in range(head.fragments + 1):  # each fragment, then the head's own rows
+    for part in _row_parts(reader, dbs, prefix, gkey, head):
         try:
-            if number == head.fragments:
-                found.extend(head.inline_rows())
-            else:
-                key = fragment_key(prefix, gkey, number)
-                found.extend(decode_member_rows(stored(reader, key, dbs["frags"], "fragment")))
-        except _DAMAGE:
+            found.extend(part())
+        except DAMAGE:
             continue
     return found
 
@@ -223,7 +228,7 @@ class TableState:
         already the table's last failure."""
         try:
             return decode(raw)
-        except _DAMAGE as exc:
+        except DAMAGE as exc:
             self._undecodable.add(name)
             failure = f"the record of {what} {clip(name)} does not decode ({type(exc).__name__}: {clip(str(exc), 200)})"
             if self.counters.last_failure != failure:
@@ -285,7 +290,7 @@ class TableState:
             rows = self.pending_rows(gkey, head)
             if len(rows) == len(head.hashes):  # else a Delete left the hashes of those lost (row_pending.left)
                 return tuple(rows), frozenset(), 0
-        except _DAMAGE:
+        except DAMAGE:
             pass
         read = {uid_hash(row.uid): row for row in readable_rows(self.txn, self.db, self.prefix, gkey, head)}
         made = self._from_payloads(gkey, set(head.hashes) - read.keys(), head.created)
@@ -304,7 +309,7 @@ class TableState:
                 if (h := uid_hash(uid)) in hashes and (uid if by == "none" else uid_group_key(uid, by)) == gkey:
                     try:
                         blob = chunk_reads.read_payload(self.txn, self.db, self.key(uid))
-                    except _DAMAGE:
+                    except DAMAGE:
                         blob = None
                     digest, size = (bytes(16), 0) if blob is None else (digests.of(blob), len(blob))
                     made[h] = Member(uid, digest, size, 0, created, 0, 0, 0)
@@ -352,7 +357,7 @@ class TableState:
             raw = self.txn.get(self.prefix + gkey, db=db)
             try:
                 placed = None if raw is None else GroupRecord.placed(raw)
-            except _DAMAGE:  # its head damaged: lost, as `group` reads it (logged, and named by lost_why)
+            except DAMAGE:  # its head damaged: lost, as `group` reads it (logged, and named by lost_why)
                 placed = None
                 self.group(gkey.decode())
             if placed is None:
@@ -396,7 +401,7 @@ class TableState:
             if not columns:
                 return view.keys(lo, hi), (0.0,) * (hi - lo), [None] * (hi - lo)
             return view.keys(lo, hi), view.priorities(lo, hi), view.versions(lo, hi)
-        except _DAMAGE as exc:
+        except DAMAGE as exc:
             self.passed_over(seg, exc)
             return None
 

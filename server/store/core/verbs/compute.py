@@ -16,6 +16,7 @@ from ...disk import chunk_reads, layout
 from ...disk.kinds import ComputeJob, ShapingUpdate
 from ...disk.records import GroupRecord, ItemRecord
 from ...disk.rows import PendingHead, directory_entry
+from ...schema.errors import DAMAGE
 from ...schema.states import COMPUTING, READY, State
 from ...schema.table_config import TableConfig, estimator_of
 from ...schema.views import Members, MemberView
@@ -26,9 +27,6 @@ from ..table_state.read_check import payload_problem
 from ..table_state.state import TableState, missing, pending_rows, stored
 from ..table_state.views import RowGroup, RowMember, group_record, member_record
 from . import row_pending
-
-# A damaged page can make a record's decoder raise almost anything: every exception is damage.
-_DAMAGE = Exception
 
 
 def backlog(
@@ -85,7 +83,7 @@ def backlog(
                     gkey = cur.value()
                     try:
                         uids, records = (_queued_rows if rows else _queued_records)(txn, dbs, prefix, bytes(gkey))
-                    except _DAMAGE as exc:
+                    except DAMAGE as exc:
                         unreadable.setdefault(name, {})[bytes(gkey).decode(errors="replace")] = str(exc)
                         found = cur.next()
                         continue
@@ -127,7 +125,7 @@ def _queued_records(
         raw = txn.get(prefix + uid.encode(), db=dbs["items"])
         try:
             rec = None if raw is None else ItemRecord.decode(raw)
-        except _DAMAGE:  # lost, as TableState.item reads it where the writer fails the group
+        except DAMAGE:  # lost, as TableState.item reads it where the writer fails the group
             rec = None
         if rec is None:
             break

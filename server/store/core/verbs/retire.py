@@ -17,6 +17,7 @@ import lmdb
 from ...disk import chunk_reads, chunked, digests, layout
 from ...disk.layout import put_rows, u64
 from ...disk.records import DELETED, GroupRecord, ItemRecord
+from ...schema.errors import DAMAGE
 from ...schema.states import COMPUTING, CONSUMED, FAILED, LIVE, PENDING, QUARANTINED, READY, RETIRED, State
 from ...schema.views import Groups, MemberView
 from ..table_state import rate_counts
@@ -26,8 +27,6 @@ from ..table_state.views import RowGroup, RowMember, group_record, member_record
 from . import payloads, pieces, row_deletes, row_moves, row_pending, segments
 
 log = logging.getLogger("expbuf.store")
-# A damaged page can make a record's decoder raise almost anything: every exception is damage.
-_DAMAGE = Exception
 
 
 def _delete_rows(txn: lmdb.Transaction[bytes], db: lmdb._Database, keys: Iterable[bytes]) -> None:
@@ -133,7 +132,7 @@ def _retired_as(raw: bytes, state: State, now: float, *, kept: bool) -> tuple[in
     try:
         _, seq, size = ItemRecord.place(raw)
         return seq, size, ItemRecord.retired_as(raw, state, now) if kept else ItemRecord.tombstone_of(raw, state, now)
-    except _DAMAGE:
+    except DAMAGE:
         return None
 
 

@@ -15,8 +15,9 @@ import random
 from collections.abc import Generator, Iterable, Sequence
 
 from ...disk.layout import next_prefix, put_rows, u64
-from ...disk.rows import GroupRef, RunRow, SegmentView, SegState, directory_entry
+from ...disk.rows import GroupRef, RunRow, SegmentView, SegState, agreeing, directory_entry
 from ...disk.snapshot import Snapshot
+from ...schema.errors import DAMAGE
 from ...schema.sample_spec import TakeSpec
 from ...schema.states import READY, State
 from ...schema.views import Members
@@ -27,8 +28,6 @@ from ..table_state.picks import Picked, Picks, picks
 from ..table_state.state import TableState, missing
 
 NO_LEASE = bytes(SegState.LEASE)
-# A damaged page can make LMDB or a row's decoder raise almost anything: every exception is damage.
-_DAMAGE = Exception
 
 
 class Segments:
@@ -54,10 +53,8 @@ class Segments:
         if seg in self._views and seg in self._states:
             return True
         try:
-            view, state = self.view(seg), self.state(seg)
-            if (state.groups, state.members) != (view.groups, view.members.count):
-                raise ValueError(f"its state is of {state.groups} groups and {state.members} members")
-        except _DAMAGE as exc:
+            agreeing(self.view(seg), self.state(seg))
+        except DAMAGE as exc:
             self._views.pop(seg, None)
             self._states.pop(seg, None)
             self.tt.passed_over(seg, exc)

@@ -24,16 +24,14 @@ from typing import cast
 import lmdb
 
 from ...disk.layout import u64
-from ...disk.rows import Member, PendingHead, SegmentView, SegState, directory_entry
-from ...schema.errors import clip
+from ...disk.rows import Member, PendingHead, SegmentView, SegState, agreeing, directory_entry
+from ...schema.errors import DAMAGE, clip
 from ...schema.states import LIVE, READY, State
 from ..table_state.state import member_state, readable_rows, stored
-from .reading import Dbs, Value, agreeing, group, record
+from .reading import Dbs, Value, group, record
 
 SCAN_PER_ITEM = 10
 _SEQ = struct.Struct(">Q")
-# A damaged page can make a row's decoder raise almost anything: every exception is damage.
-_DAMAGE = Exception
 log = logging.getLogger("expbuf.store")
 
 
@@ -183,7 +181,7 @@ def _listed_segment(
             return None
         view, _ = agreeing(SegmentView(raw), state)
         return view, state, cast(Sequence[int], view.members.column("seq", 0, view.members.count))
-    except _DAMAGE as exc:
+    except DAMAGE as exc:
         log.error(
             "table %s: ListExperiences passed over segment %d: it does not decode (%s: %s); run `expbuf check`",
             table, _SEQ.unpack(key[-8:])[0], type(exc).__name__, clip(str(exc), 200),
@@ -199,7 +197,7 @@ def _listed_head(
     None where the group is no longer pending, or its head does not decode (passed over, logged)."""
     try:
         head = directory_entry(stored(txn, prefix + gkey.encode(), dbs["gdir"], "pending or computing group"))
-    except _DAMAGE as exc:
+    except DAMAGE as exc:
         log.error(
             "table %s: ListExperiences passed over pending group %s: its head does not decode (%s: %s); "
             "run `expbuf check`",

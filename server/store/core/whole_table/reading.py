@@ -28,9 +28,11 @@ from ...disk.rows import (
     RowLease,
     SegmentView,
     SegState,
+    agreeing,
     directory_entry,
 )
 from ...disk.stored_advantages import FinishBatch
+from ...schema.errors import DAMAGE
 from ...schema.states import FAILED, LEASED, LIVE
 from ...schema.table_config import TableConfig
 from ...schema.views import GroupView, MemberView
@@ -42,8 +44,6 @@ from ..table_state.views import RowGroup, RowMember, group_rows, quarantined, ro
 Dbs = Mapping[str, lmdb._Database]
 Value = bytes | memoryview
 
-# A damaged page can make a record's decoder raise almost anything: every exception is damage.
-_DAMAGE = Exception
 R = TypeVar("R", ItemRecord, GroupRecord)
 
 
@@ -70,7 +70,7 @@ def _readable(decode: Callable[[Value], R], raw: Value | None) -> R | None:
         return None
     try:
         return decode(raw)
-    except _DAMAGE:
+    except DAMAGE:
         return None
 
 
@@ -92,7 +92,7 @@ def lease_groups(
     for run in lease.runs:
         try:
             view, state = segment(reader, dbs, prefix + u64(run.seg))
-        except _DAMAGE:  # forgotten once its groups left the lease and retired; or damage, passed over
+        except DAMAGE:  # forgotten once its groups left the lease and retired; or damage, passed over
             continue
         for g in range(run.first, run.first + run.length):
             if state.state(g) == LEASED and state.lease(g) == tag:
@@ -108,13 +108,6 @@ def segment(reader: Reader, dbs: Dbs, key: bytes) -> tuple[SegmentView, SegState
     (row_select.Segments.readable), for a read to pass over its groups as a take does."""
     view = SegmentView(stored(reader, key, dbs["segs"], "segment"))
     return agreeing(view, SegState.decode(stored(reader, key, dbs["sstate"], "segment state")))
-
-
-def agreeing(view: SegmentView, state: SegState) -> tuple[SegmentView, SegState]:
-    """A segment's rows and state; ValueError where they do not agree (damage)."""
-    if (state.groups, state.members) != (view.groups, view.members.count):
-        raise ValueError(f"its state is of {state.groups} groups and {state.members} members")
-    return view, state
 
 
 def payload_mismatch(uid: str, raw: Value, blob: Stored | tuple[bytes, int]) -> bool:
@@ -189,7 +182,7 @@ def _row_member(rows: RowMembers, uid: str) -> RowMember | None:
     """`rows.member`, None where the uid's segment (or its pending group's head) does not decode."""
     try:
         return rows.member(uid)
-    except _DAMAGE:
+    except DAMAGE:
         return None
 
 

@@ -23,12 +23,14 @@ from ...disk.rows import (
     RunRow,
     SegmentView,
     SegState,
+    agreeing,
     decode_lease,
     decode_member_rows,
     directory_entry,
     fragment_key,
     uid_hash,
 )
+from ...schema.errors import DAMAGE
 from ...schema.states import COMPUTING, FAILED, LEASED, LIVE, PENDING, QUARANTINED, READY, RETIRED, STATES, State
 from ..table_state import oldest_index
 from ..table_state.read_check import payload_problem, stored_problem
@@ -36,9 +38,6 @@ from ..table_state.state import TableState, member_state
 from ..table_state.views import kept_rows, quarantined
 
 _NO_TAG = "00" * SegState.LEASE  # a rows table's group under no lease
-
-# A damaged page can make LMDB or a record's decoder raise almost anything: every exception is damage.
-_DAMAGE = Exception
 
 
 def records(tt: TableState) -> list[str]:
@@ -55,7 +54,7 @@ def records(tt: TableState) -> list[str]:
         while found and cur.key().startswith(p):
             try:
                 groups[cur.key()[4:].decode()] = GroupRecord.decode(cur.value())
-            except _DAMAGE as exc:
+            except DAMAGE as exc:
                 problems.append(f"group record {bytes(cur.key()[4:])[:80]!r} does not decode ({exc})")
             found = cur.next()
     for name in ("items", "tombs"):
@@ -64,7 +63,7 @@ def records(tt: TableState) -> list[str]:
             while found and cur.key().startswith(p):
                 try:
                     uid, rec = cur.key()[4:].decode(), ItemRecord.decode(cur.value())
-                except _DAMAGE as exc:
+                except DAMAGE as exc:
                     problems.append(f"item record {bytes(cur.key()[4:])[:80]!r} does not decode ({exc})")
                 else:
                     problems.extend(_check_form(tt, uid, rec, name, ItemRecord.compact(cur.value())))
@@ -192,7 +191,7 @@ def rows(tt: TableState) -> list[str]:
     for key, value in _rows_of(tt, "gdir"):
         try:
             entry = directory_entry(value)
-        except _DAMAGE as exc:
+        except DAMAGE as exc:
             problems.append(f"group directory entry {key[:80]!r} does not decode ({exc})")
             continue
         if isinstance(entry, PendingHead):
@@ -205,7 +204,7 @@ def rows(tt: TableState) -> list[str]:
         place = int.from_bytes(key, "big")
         try:
             run = RunRow.decode(value)
-        except _DAMAGE as exc:
+        except DAMAGE as exc:
             problems.append(f"ready run {place} does not decode ({exc})")
             continue
         if place != run.seg + run.first:  # a take looks for a group's run by its place
@@ -219,7 +218,7 @@ def rows(tt: TableState) -> list[str]:
     for key, value in tt.txn.cursor(db=tt.db["leases"]):
         try:
             lease = decode_lease(value)
-        except _DAMAGE:
+        except DAMAGE:
             continue  # the directory's own check reports it (leases.undecodable)
         if isinstance(lease, RowLease) and lease.table_id == tt.table_id:
             leased.update(
@@ -244,10 +243,8 @@ def rows(tt: TableState) -> list[str]:
             view = SegmentView(value)
             if raw_state is None:
                 raise ValueError("it has no state row")
-            state = SegState.decode(raw_state)
-            if (state.groups, state.members) != (view.groups, view.members.count):
-                raise ValueError(f"its state is of {state.groups} groups and {state.members} members")
-        except _DAMAGE as exc:
+            view, state = agreeing(view, SegState.decode(raw_state))
+        except DAMAGE as exc:
             problems.append(f"segment {seg} does not decode ({exc})")
             continue
         when = oldest_index.in_segment(view, state)
@@ -337,7 +334,7 @@ def _pending(tt: TableState, heads: dict[str, PendingHead], counts: dict[str, in
                     raise ValueError(f"its fragment {number} is not stored")
                 members.extend(decode_member_rows(raw))
             members.extend(head.inline_rows())
-        except _DAMAGE as exc:
+        except DAMAGE as exc:
             problems.append(f"pending group {gkey}: {exc}")
             continue
         if members:  # its first member (fragments are never written empty)

@@ -17,11 +17,20 @@ May import the disk room's records (their numbers and strings, a lease's head) a
 from .directory import PENDING, REF, GroupRef, PendingHead, directory_entry, fragment_key, group_refs, uid_hash
 from .members import ROWS, Member, MemberBlock, decode_member_rows, encode_member_rows, encode_members, first_created
 from .runs import RowLease, RunRow, decode_lease
-from .segments import SEGMENT_GROUPS, SEGMENT_MEMBERS, Group, SegmentView, SegState, append_groups, encode_segment
+from .segments import (
+    SEGMENT_GROUPS,
+    SEGMENT_MEMBERS,
+    Group,
+    SegmentView,
+    SegState,
+    agreeing,
+    append_groups,
+    encode_segment,
+)
 
 __all__ = [
     "PENDING", "REF", "ROWS", "SEGMENT_GROUPS", "SEGMENT_MEMBERS", "Group", "GroupRef", "Member", "MemberBlock",
-    "PendingHead", "RowLease", "RunRow", "SegState", "SegmentView", "append_groups", "decode_lease",
+    "PendingHead", "RowLease", "RunRow", "SegState", "SegmentView", "agreeing", "append_groups", "decode_lease",
     "decode_member_rows", "directory_entry", "encode_member_rows", "encode_members", "encode_segment",
     "first_created", "fragment_key", "group_refs", "uid_hash",
 ]  # fmt: skip

@@ -361,3 +361,11 @@ class SegState:
     @retired.setter
     def retired(self, when: float | None) -> None:
         struct.pack_into("<d", self.buf, self._HEAD.size - 8, _opt_float(when))
+
+
+def agreeing(view: SegmentView, state: SegState) -> tuple[SegmentView, SegState]:
+    """A segment's rows and state; ValueError where they do not agree (damage: a take, a read and the
+    check pass over or report such a segment)."""
+    if (state.groups, state.members) != (view.groups, view.members.count):
+        raise ValueError(f"its state is of {state.groups} groups and {state.members} members")
+    return view, state
