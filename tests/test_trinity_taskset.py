@@ -429,6 +429,53 @@ def test_a_step_written_after_one_of_its_claims_ended_keeps_the_other_groups(
     taskset.close()
 
 
+def test_a_task_whose_runs_all_failed_goes_out_again_once_its_steps_feedback_comes(
+    server: ExpbufServer, admin: BufferClient, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Trinity's scheduler of one taskset (SimpleTasksetScheduler, whose own feedback does nothing)
+    reads a step of two tasks; one makes its group, the other's every run failed, so its step's write
+    holds nothing of it. Once the step's feedback comes (its experiences written), that prompt's claim
+    is released and the next read hands it out again, at its next attempt, where its claim was kept
+    for `hold_seconds` (6 hours by default) and, at the run's end, the prompt went untrained."""
+    from trinity.buffer.task_scheduler import SimpleTasksetScheduler, get_taskset_scheduler
+
+    admin.create_dataset(TABLE, DATASET, SIZE, epochs=EPOCHS)
+    tasks = get_taskset_scheduler({}, loaded(job(server, tmp_path)))
+    assert isinstance(tasks, SimpleTasksetScheduler)
+    first = asyncio.run(tasks.read())
+    made, failed = (task.index["expbuf"] for task in first)
+    writer = trinity.buffer.get_buffer_writer(
+        ExperienceBufferConfig(name="experiences", path=f"expbuf://127.0.0.1:{server.port}/{TABLE}")
+    )
+    step = [
+        Experience(
+            eid=EID(batch=1, task=0, run=run),
+            tokens=torch.tensor([1, 2, 3, 4]),
+            prompt_length=3,
+            reward=float(run),
+            info={"task_index": first[0].index},
+        )
+        for run in range(2)
+    ]
+    asyncio.run(writer.write(step))
+    second = asyncio.run(tasks.read())  # Trinity reads the next step before it writes this one
+    claimed = {f"{p.batch}/{p.task}" for p in admin.list_prompts(TABLE, DATASET, states=["claimed"]).prompts}
+    assert f"{failed['batch']}/{failed['task']}" in claimed
+    with caplog.at_level(logging.WARNING):
+        tasks.feedback({})  # the explorer's, once the step's experiences are written
+    assert f"{failed['batch']}/{failed['task']}" in caplog.text and "made no complete group" in caplog.text
+    listed = admin.list_prompts(TABLE, DATASET, states=["claimed"]).prompts
+    assert {f"{p.batch}/{p.task}" for p in listed} == {
+        f"{t.index['expbuf']['batch']}/{t.index['expbuf']['task']}" for t in second
+    }  # the next step's claims stay: its feedback has not come
+    again = asyncio.run(tasks.read())[0].index["expbuf"]
+    assert again["batch"] == failed["batch"] and again["task"].split("@") == [failed["task"].split("@")[0], "1"]
+    assert made["task"] not in {t.index["expbuf"]["task"] for t in [*second]}
+    info = admin.ledger(TABLE, DATASET)
+    assert (info.total("generated"), info.reissued) == (1, 1)
+    tasks.reader.close()
+
+
 def test_claims_are_let_go_once_held_too_long(server: ExpbufServer, admin: BufferClient) -> None:
     """A task that never made a group (every run failed) holds its claim at most `hold` seconds."""
     admin.create_dataset(TABLE, DATASET, SIZE)

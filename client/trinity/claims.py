@@ -48,6 +48,12 @@ class ClaimKeeper(Renewer[_Key, tuple[Prompt, float]]):
         until = self._clock() + self._hold
         self._keep({_key(prompt): (prompt, until) for prompt in prompts})
 
+    def let_go(self, prompts: Iterable[Prompt]) -> None:
+        """Renew these claims no more (their prompts were released)."""
+        with self._lock:
+            for prompt in prompts:
+                self._held.pop(_key(prompt), None)
+
     def held(self) -> list[Prompt]:
         """The claims still held, renewed now: those whose group is complete, or that ended, are
         dropped first."""

@@ -8,6 +8,10 @@ claimed until `hold_seconds` and did not count them as owed, so one prompt a tas
 at the run's end, unnamed. The explorer gives each step's feedback once, oldest step first, so the
 scheduler's read and feedback are wrapped: a read records the tasksets it drew from, and a step's
 feedback gives each expbuf selector among them that it does not name a feedback naming no task.
+
+A job of one expbuf:// taskset (ExpbufTaskset) gets Trinity's SimpleTasksetScheduler, whose
+feedback does nothing: it is wrapped too, so that a step's feedback tells the taskset its step is
+written, and the taskset releases the claims of the step's tasks that made no complete group.
 """
 
 from __future__ import annotations
@@ -16,10 +20,11 @@ from collections import deque
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from trinity.buffer.task_scheduler import TasksetScheduler
+from trinity.buffer.task_scheduler import SimpleTasksetScheduler, TasksetScheduler
 from trinity.common.constants import SELECTOR_METRIC
 
 from .selector import ExpbufSelector
+from .taskset import ExpbufTaskset
 
 _STEPS = "_expbuf_steps"  # the scheduler's attribute: the tasksets each step awaiting feedback read
 
@@ -54,11 +59,28 @@ def _feedback(original: Callable[[TasksetScheduler, dict], None]) -> Callable[[T
     return feedback
 
 
+Feedback = Callable[[SimpleTasksetScheduler, dict], None]
+
+
+def _written(original: Feedback) -> Feedback:
+    def feedback(self: SimpleTasksetScheduler, pipeline_metrics: dict) -> None:
+        original(self, pipeline_metrics)
+        reader = getattr(self, "reader", None)
+        if isinstance(reader, ExpbufTaskset):
+            reader.step_written()
+
+    return feedback
+
+
 def install() -> None:
-    """Wrap TasksetScheduler's read and feedback (once)."""
+    """Wrap TasksetScheduler's read and feedback, and SimpleTasksetScheduler's feedback (once)."""
     cls: Any = TasksetScheduler
-    if hasattr(cls.feedback, "__expbuf_original__"):
-        return
-    read, feedback = _read(cls.read), _feedback(cls.feedback)
-    read.__expbuf_original__, feedback.__expbuf_original__ = cls.read, cls.feedback  # type: ignore[attr-defined]
-    cls.read, cls.feedback = read, feedback
+    if not hasattr(cls.feedback, "__expbuf_original__"):
+        read, feedback = _read(cls.read), _feedback(cls.feedback)
+        read.__expbuf_original__, feedback.__expbuf_original__ = cls.read, cls.feedback  # type: ignore[attr-defined]
+        cls.read, cls.feedback = read, feedback
+    simple: Any = SimpleTasksetScheduler
+    if not hasattr(simple.feedback, "__expbuf_original__"):
+        written = _written(simple.feedback)
+        written.__expbuf_original__ = simple.feedback  # type: ignore[attr-defined]
+        simple.feedback = written

@@ -27,6 +27,7 @@ import os
 import socket
 import uuid
 import weakref
+from collections import deque
 from typing import Any
 
 from trinity.buffer.buffer_reader import BufferReader
@@ -34,7 +35,7 @@ from trinity.buffer.reader.file_reader import TaskFileReader
 from trinity.common.config import StorageConfig
 from trinity.common.constants import StorageType
 
-from expbuf.client.errors import NotFoundError, PermissionDeniedError
+from expbuf.client.errors import BufferError, NotFoundError, PermissionDeniedError
 from expbuf.client.kit.location import connect, parse
 from expbuf.client.schema.prompts import Prompt
 
@@ -45,6 +46,7 @@ TASK_INDEX_KEY = "expbuf"  # task.index[TASK_INDEX_KEY] = {"batch": ..., "task":
 # How long one claim waits for a prompt before the reader asks whether it should stop.
 POLL_SECONDS = 1.0
 OWNER_PREFIX = "trinity-explorer-"  # the owner of an explorer's claims: its host, pid, a nonce
+STEPS_KEPT = 64  # steps read awaiting feedback: Trinity's explorer has a few in flight
 
 
 def prompt_eid(info: Any) -> tuple[str, str] | None:
@@ -84,6 +86,8 @@ class ExpbufTaskset(BufferReader):
         weakref.finalize(self, self._keeper.close)  # a reader dropped unclosed renews nothing more
         self._sees_ledger = True  # False once the token proved unable to read it (no sample scope)
         self._tasks_read = 0
+        # the prompts of each step read, awaiting its feedback (a driver that gives none keeps the last few)
+        self._steps: deque[list[Prompt]] = deque(maxlen=STEPS_KEPT)
 
     def _check_config(self, config: StorageConfig) -> None:
         where = f"taskset '{self.name}' ({self.location.table}?dataset={self.location.dataset})"
@@ -142,7 +146,29 @@ class ExpbufTaskset(BufferReader):
             raise StopAsyncIteration(f"expbuf dataset '{self.location.dataset}': no prompt left to generate")
         tasks = [self._task(prompt) for prompt in prompts]
         self._tasks_read += len(tasks)
+        self._steps.append(prompts)
         return tasks
+
+    def step_written(self) -> None:
+        """The oldest step read has its feedback: its experiences are written. A prompt of it whose
+        claim is still held made no complete group (every run failed): it is released, to go out
+        again at its next attempt at the next read, rather than held for `hold_seconds` (and, at the
+        run's end, left untrained). Trinity's scheduler of one taskset gives it (scheduler.py)."""
+        if not self._steps:
+            return
+        step = {(p.epoch, p.index, p.attempt): p for p in self._steps.popleft()}
+        left = [p for p in self._keeper.held() if (p.epoch, p.index, p.attempt) in step]
+        if not left:
+            return
+        log.warning(
+            "expbuf: %d tasks of a step made no complete group, their runs failed (%s); their prompts go out again",
+            len(left), ", ".join(f"{p.batch}/{p.task}" for p in left),
+        )  # fmt: skip
+        self._keeper.let_go(left)
+        try:
+            self._client.release_claims(left)
+        except BufferError as exc:
+            log.warning("expbuf: %d claims not released (%s); they end within a claim", len(left), exc)
 
     def _claim(self, size: int) -> list[Prompt] | None:
         location = self.location
