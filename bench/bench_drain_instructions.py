@@ -1,0 +1,118 @@
+"""Instructions a rows table's drain costs (valgrind's callgrind: every thread, counted around the
+drain alone): a count that a busy machine does not move, where CPU time moves 1.5x from run to run,
+so that a step of a few percent in the store's take and confirm shows (issue 64).
+
+    .venv/bin/python bench/bench_drain_instructions.py [--groups 1,8] [--before TREE] [--out bench/RESULTS.md]
+
+A rows table is filled with 2,048 experiences of 8 KB (bench_take_floor's `entries` and `filled`:
+bench_reverb's shape, its own group or groups of 8), then drained as a Sample stream's server
+drains it: held takes of 256, each confirming the one before, one durable commit each. The first
+take (its imports, the first transaction) is not counted; the rest, the last confirm included, are.
+`--before TREE` counts another checkout's store beside this one's (its `server/` and `client/`
+imported in place of these, with this tree's benchmark and interpreter). Needs valgrind
+(`apt install valgrind`). PYTHONHASHSEED is fixed, so a tree's count repeats to 0.1 %.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+import bench_take_floor as floor  # noqa: E402
+import results  # noqa: E402
+
+COUNT = 2048
+HEADING = "## Instructions of a rows table's drain (issue 64)"
+
+
+def child(group: int) -> None:
+    """Under callgrind, collection off: the drain counted with it on (callgrind_control)."""
+    from expbuf.server.store import Store
+
+    pushes = floor.entries(COUNT, group, itertools.count())
+    with tempfile.TemporaryDirectory() as data, Store(Path(data), map_size=8 << 30) as store:
+        floor.filled(store, pushes, group, "rows")
+        spec = floor.TakeSpec("t", batch_size=floor.BATCH, delivery="consume", order="fifo")
+        batch = store.sample(spec, hold=True, confirm="")
+        assert batch is not None
+        taken, held = len(batch.uids), batch.lease_id
+        batch.release()
+        toggle = ["callgrind_control", "-i"]
+        subprocess.run([*toggle, "on", str(os.getpid())], check=True, capture_output=True)
+        while taken < COUNT:
+            batch = store.sample(spec, hold=True, confirm=held)
+            assert batch is not None
+            taken += len(batch.uids)
+            held = batch.lease_id
+            batch.release()
+        store.confirm(held, spec)
+        subprocess.run([*toggle, "off", str(os.getpid())], check=True, capture_output=True)
+
+
+def instructions(group: int, tree: Path | None) -> float:
+    """Instructions an experience counted of the drain, this tree's store or `tree`'s."""
+    with tempfile.TemporaryDirectory() as out:
+        env = {**os.environ, "PYTHONHASHSEED": "0"}
+        if tree is not None:  # its packages first on the path: a namespace of links to its own
+            package = Path(out) / "pkg" / "expbuf"
+            package.mkdir(parents=True)
+            for name in ("server", "client"):
+                (package / name).symlink_to(tree.resolve() / name)
+            env["PYTHONPATH"] = str(package.parent)
+        done = subprocess.run(
+            [
+                "valgrind", "--tool=callgrind", "--instr-atstart=no", f"--callgrind-out-file={out}/cg.%p",
+                sys.executable, __file__, "--child", str(group),
+            ],
+            capture_output=True, env=env,
+        )  # fmt: skip
+        if done.returncode:
+            raise SystemExit(done.stderr.decode(errors="replace")[-3000:])
+        total = 0
+        for path in Path(out).glob("cg.*"):
+            found = re.search(rb"^totals: (\d+)", path.read_bytes(), re.MULTILINE)
+            total += int(found.group(1)) if found else 0
+        return total / (COUNT - floor.BATCH)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--groups", default="1,8")
+    parser.add_argument("--before", type=Path, help="another checkout whose store is counted beside this one's")
+    parser.add_argument("--out", type=Path)
+    parser.add_argument("--child", type=int, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        child(args.child)
+        return
+    rows = []
+    for group in map(int, args.groups.split(",")):
+        now = instructions(group, None)
+        if args.before is None:
+            rows.append(f"| {group} | {now:,.0f} |")
+            continue
+        before = instructions(group, args.before)
+        rows.append(f"| {group} | {before:,.0f} | {now:,.0f} | **{before / now:.3f}x** |")
+        print(rows[-1], flush=True)
+    columns = ["groups of", "instructions an experience"]
+    if args.before is not None:
+        columns = ["groups of", f"before ({args.before.name})", "now", "before / now"]
+    about = (
+        f"callgrind, every thread; {COUNT:,} experiences of 8 KB in a rows table, drained by held takes of "
+        "256 each confirming the one before, the first take not counted."
+    )
+    command = "python bench/bench_drain_instructions.py " + " ".join(sys.argv[1:])
+    results.publish(results.section(HEADING, command, about, columns, rows), HEADING, args.out)
+
+
+if __name__ == "__main__":
+    main()
