@@ -31,7 +31,7 @@ from ..schema.reasons import Reason
 from ..schema.routing import uid_group_key
 from ..schema.table_presets import with_preset
 from .common import LiveResult, Sharded, merge_push, shard_error
-from .steps import Call, Plan, is_down, unanswered
+from .steps import Call, Plan, is_down, shows_down
 
 _log = logging.getLogger("expbuf.client")
 
@@ -191,9 +191,10 @@ class Planned(Sharded):
         """Make the calls as they are, and learn from them which shards are down."""
         outcomes = yield [replace(c, quick=c.shard in self._down if c.quick is None else c.quick) for c in calls]
         for call, outcome in zip(calls, outcomes, strict=True):
-            if unanswered(call, outcome):
+            down = shows_down(call, outcome)
+            if down:
                 self._down.add(call.shard)
-            else:  # an answer, even a refusal, shows the shard is up
+            elif down is not None:
                 self._down.discard(call.shard)
         return outcomes
 

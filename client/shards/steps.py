@@ -50,11 +50,17 @@ def is_down(outcome: Any) -> bool:
     return isinstance(outcome, BufferError) and outcome.code in DOWN_CODES
 
 
-def unanswered(call: Call, outcome: Any) -> bool:
-    """Whether `call`'s outcome shows its shard down: UNAVAILABLE, or the call's own deadline passed
-    with no answer. A DEADLINE_EXCEEDED the shard sent is its answer, with its reason (its wait for
-    data ran out, not_ready; a part held past its max_confirm_seconds, unconfirmed), and so is a
-    held part's (`on`) that the client found too late to confirm: the shard handed it over."""
+def shows_down(call: Call, outcome: Any) -> bool | None:
+    """Whether `call`'s outcome shows its shard down (True: UNAVAILABLE, or the client's deadline
+    passed with no answer), up (False: an answer, even a refusal), or neither (None: a deadline its
+    caller chose, push's `timeout`, passed with no answer; the shard had only the time it was given).
+    A DEADLINE_EXCEEDED the shard sent is its answer, with its reason (its wait for data ran out,
+    not_ready; a part held past its max_confirm_seconds, unconfirmed), and so is a held part's
+    (`on`) that the client found too late to confirm: the shard handed it over."""
     if not is_down(outcome):
         return False
-    return outcome.code == grpc.StatusCode.UNAVAILABLE or (outcome.reason is None and call.on is None)
+    if outcome.code == grpc.StatusCode.UNAVAILABLE:
+        return True
+    if outcome.reason is not None or call.on is not None:
+        return False
+    return None if call.kwargs.get("timeout") is not None else True
