@@ -6,6 +6,8 @@ the window are stored (checked by Get)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import itertools
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from concurrent import futures
@@ -22,10 +24,12 @@ from expbuf.client import (
     ExpbufError,
     InvalidArgumentError,
     PushResult,
+    UnavailableError,
     trxp,
 )
 from expbuf.client.rpc import calls, frames
-from expbuf.client.rpc.wire import reason_of
+from expbuf.client.rpc.connection import SERVICE
+from expbuf.client.rpc.wire import MESSAGE_BYTES, reason_of
 from expbuf.client.schema.reasons import Reason
 
 from conftest import Servers
@@ -348,3 +352,83 @@ def test_pushes_unanswered_at_the_pusher_s_deadline_are_reported_as_the_server_h
             assert held == [], outcome
         else:
             assert "whether it was stored is unknown" in outcome.details, outcome
+
+
+@contextlib.contextmanager
+def dropping(target: str, lost: int) -> Iterator[str]:
+    """The address of a front of the server at `target`: a gRPC server on loopback that passes
+    each PushStream through to it, message by message as bytes, and its replies back, but drops
+    the `lost`-th message of all it reads, as gRPC's transparent retry can drop a message it
+    reports sent (connection.RETRIED_METHODS): the server never gets that push, and answers the
+    others of the stream."""
+    messages = itertools.count(1)
+    channel = grpc.insecure_channel(target)
+    forward = channel.stream_stream(f"/{SERVICE}/PushStream")
+
+    def push_stream(requests: Iterator[bytes], context: grpc.ServicerContext) -> Iterator[bytes]:
+        declared = [(key, value) for key, value in context.invocation_metadata() if key == MESSAGE_BYTES]
+        passed = (message for message in requests if next(messages) != lost)
+        call = forward(passed, metadata=declared, timeout=context.time_remaining())
+        context.add_callback(call.cancel)
+        try:
+            yield from call
+        except grpc.RpcError as exc:
+            context.set_trailing_metadata(exc.trailing_metadata())
+            context.abort(exc.code(), exc.details())
+
+    handler = grpc.stream_stream_rpc_method_handler(push_stream)
+    front = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
+    front.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, {"PushStream": handler}),))
+    port = front.add_insecure_port("127.0.0.1:0")
+    front.start()
+    try:
+        yield f"127.0.0.1:{port}"
+    finally:
+        front.stop(None)
+        channel.close()
+
+
+@pytest.mark.parametrize("kind", sorted(PUSHERS))
+def test_a_push_the_server_never_got_goes_again_on_a_new_stream(start_server: Servers, kind: str) -> None:
+    """The third push's message is lost on its way (`dropping`), and the server answers the
+    pushes before and after it: the answers skip its seq, so the pusher sends it again, on a new
+    stream, and every push is stored once, each future with its own result, in order. (It failed
+    INTERNAL "PushStream answered seq 4, not 3", and every push after it on the stream failed,
+    each answer then taken for the push before its own.)"""
+    server = start_server()
+    target = f"127.0.0.1:{server.port}"
+    with BufferClient(target) as client:
+        client.create_table("g4", group_size=4)
+    pushes = [group(kind, task) for task in range(6)]
+    with dropping(target, 3) as front:
+        outcomes, order = PUSHERS[kind](front, "g4", pushes, 4)
+    assert order == list(range(len(pushes)))
+    for items, outcome in zip(pushes, outcomes, strict=True):
+        assert isinstance(outcome, PushResult), repr(outcome)
+        assert outcome.stored == uids(items) and outcome.duplicates == []
+    assert stream_calls(server.metrics_port) == 2
+    with BufferClient(target) as client:
+        assert client.get([u for items in pushes for u in uids(items)], table="g4").missing_uids == []
+
+
+def test_a_push_the_server_never_got_fails_not_stored_once_the_retries_are_spent(start_server: Servers) -> None:
+    """As above, from a client with no retries (`retries=0`): the push the answers skip fails
+    UnavailableError saying it was not stored, and was not; the pushes after it keep their own
+    answers."""
+    server = start_server()
+    target = f"127.0.0.1:{server.port}"
+    with BufferClient(target) as client:
+        client.create_table("g4", group_size=4)
+    pushes = [group("spent", task) for task in range(5)]
+    with dropping(target, 3) as front, BufferClient(front, retries=0) as client, client.pusher("g4") as pusher:
+        pending = [pusher.push(items) for items in pushes]
+        outcomes = [future.exception(timeout=30) or future.result() for future in pending]
+    lost = outcomes.pop(2)
+    assert isinstance(lost, UnavailableError), repr(lost)
+    assert "never got this push" in lost.details and "not stored" in lost.details
+    assert list(lost.uids) == uids(pushes[2])
+    for items, outcome in zip(pushes[:2] + pushes[3:], outcomes, strict=True):
+        assert isinstance(outcome, PushResult), repr(outcome)
+        assert outcome.stored == uids(items)
+    with BufferClient(target) as client:
+        assert client.get([u for items in pushes for u in uids(items)], table="g4").missing_uids == uids(pushes[2])

@@ -151,8 +151,12 @@ class AsyncPusher(AsyncOrderedFutures[PushWindow]):
     async def _read(self, stream: _Open) -> None:
         with contextlib.suppress(grpc.RpcError):  # how the stream ended is read below
             while (reply := await stream.call.read()) is not grpc.aio.EOF:
-                self._window.answered(stream.state, reply)
+                again = self._window.answered(stream.state, reply)
                 self._settle()
+                if again:  # on a new stream: this one answers what it has, then ends
+                    async with self._writing:
+                        await self._end(stream)
+                    await self._send(again)
         stream.closed = True
         again, pause = self._window.ended(stream.state, await stream.status.error())
         if self._stream is stream:

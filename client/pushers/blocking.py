@@ -134,8 +134,7 @@ class Pusher(OrderedFutures[PushWindow]):
         self.flush()
         with self._changed:
             if self._stream is not None:
-                self._stream.requests.close()
-                self._stream = None
+                self._end(self._stream)
             readers, self._readers = self._readers, []
         for reader in readers:
             reader.join()
@@ -146,11 +145,17 @@ class Pusher(OrderedFutures[PushWindow]):
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    def _end(self, stream: _Open) -> None:
+        """No more pushes on `stream`: it answers what it has, then ends (under the lock)."""
+        stream.requests.close()
+        if self._stream is stream:
+            self._stream = None
+
     def _send(self, pushes: list[Pending]) -> None:
         """Send pushes on the current stream, a new one if it takes no more (under the lock)."""
         if self._stream is None or not self._window.takes(self._stream.state):
             if self._stream is not None:
-                self._stream.requests.close()  # answers what it has, then ends
+                self._end(self._stream)
             self._stream = _Open(self._window, self._client)
             reader = threading.Thread(target=self._read, args=(self._stream,), name="expbuf-pusher", daemon=True)
             self._readers = [r for r in self._readers if r.is_alive()] + [reader]
@@ -164,7 +169,10 @@ class Pusher(OrderedFutures[PushWindow]):
         try:
             for reply in stream.replies:
                 with self._changed:
-                    self._window.answered(stream.state, reply)
+                    again = self._window.answered(stream.state, reply)
+                    if again:  # on a new stream: this one answers what it has, then ends
+                        self._end(stream)
+                        self._send(again)
                 self._settle()
         except grpc.RpcError as exc:
             error = exc

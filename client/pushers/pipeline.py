@@ -18,7 +18,11 @@ fails UNAVAILABLE naming its uids. A stream that reaches its deadline (DEADLINE_
 reason of the server's: the client's own, or a proxy's) is no push's refusal: the server may
 have read and stored any push unanswered on it, and go on storing them after the call ended, so
 each goes again while its deadline lasts and then fails saying that whether it was stored is
-unknown, never that it was not. Futures complete in push order.
+unknown, never that it was not. The server answers a stream's pushes in order, so an answer to a
+later push than the oldest unanswered says the server never got those before it: their messages
+were lost on the way (gRPC's transparent retry can report a message sent that never went:
+connection.RETRIED_METHODS). They go again at once on a new stream, while the client's retries and
+their deadlines last, then fail UNAVAILABLE, not stored. Futures complete in push order.
 
 Both resends are made here, by hand. gRPC's retry policy retries a stream only until its first
 reply, and sends again everything the stream carried: a pusher's stream has answered pushes
@@ -31,7 +35,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Generic, Protocol, TypeVar
 
@@ -65,7 +69,7 @@ class Pending:
     table: str
     body: bytes
     deadline: float  # monotonic: no retry starts after it
-    attempts: int = 0  # sends after the first, of a push whose stream broke
+    attempts: int = 0  # sends after the first, of a push whose stream broke or that the server never got
     kept_out: int = 0  # sends after the first, of a push the server refused as having done nothing
     outcome: PushResult | ExpbufError | None = None
 
@@ -186,16 +190,24 @@ class PushWindow(Ordered[Pending]):
         self.pushes.append(pending)
         return pending
 
-    def answered(self, stream: Stream, reply: pb.PushReply) -> None:
-        """The server answered the oldest push unanswered on `stream`: it is durable."""
+    def answered(self, stream: Stream, reply: pb.PushReply) -> list[Pending]:
+        """The server answered a push unanswered on `stream`: it is durable. It answers them in
+        order, so an answer to a later push than the oldest says the server never got those before
+        it (their messages lost on the way): they are returned, to go again on a new stream at once
+        while the pusher's retries and their deadlines last; the others fail, not stored."""
+        numbers = [pending.number for pending in stream.sent]
+        skipped = numbers.index(reply.seq) if reply.seq in numbers else 0
+        lost = [stream.sent.popleft() for _ in range(skipped)]
         if not stream.sent:
-            return
+            return []
         pending = stream.sent.popleft()
         if reply.seq != pending.number:
             pending.fail(grpc.StatusCode.INTERNAL, f"PushStream answered seq {reply.seq}, not {pending.number}")
         else:
             pending.outcome = calls.push_result(reply)
             pending.body = b""
+        details = f"PushStream answered seq {reply.seq} first: the server never got this push"
+        return self._retried(lost, 0.0, lambda push: push.fail(grpc.StatusCode.UNAVAILABLE, details, ", not stored"))
 
     def ended(self, stream: Stream, exc: grpc.RpcError | None) -> tuple[list[Pending], float]:
         """`stream` ended (with `exc`, or without an error): the pushes to send again, in order,
@@ -223,19 +235,24 @@ class PushWindow(Ordered[Pending]):
             sent.pop(0).fail(code, details, reason=reason)
             return self._in_time(sent, code, details), 0.0
         pause = BACKOFF.pause(max(pending.attempts for pending in sent))
+
+        def fail(push: Pending) -> None:
+            why = f", not answered after {push.attempts - 1} retries: whether it was stored is unknown"
+            push.fail(code, details, f"{why}, and pushing it again is safe")
+
+        return self._retried(sent, pause, fail), pause
+
+    def _retried(self, pushes: list[Pending], pause: float, fail: Callable[[Pending], None]) -> list[Pending]:
+        """Of pushes to go again after `pause`, those within the pusher's retries and their
+        deadlines; each of the others fails (`fail`)."""
         again = []
-        for pending in sent:
+        for pending in pushes:
             pending.attempts += 1
             if pending.attempts > self.retries or time.monotonic() + pause >= pending.deadline:
-                pending.fail(
-                    code,
-                    details,
-                    f", not answered after {pending.attempts - 1} retries: whether it was stored is unknown, "
-                    "and pushing it again is safe",
-                )
+                fail(pending)
             else:
                 again.append(pending)
-        return again, pause
+        return again
 
     def _kept_out(
         self, pushes: list[Pending], code: grpc.StatusCode, details: str, reason: str | None
