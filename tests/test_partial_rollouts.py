@@ -351,6 +351,30 @@ def test_a_delete_of_a_group_takes_its_runs_in_pieces_in_a_table_whose_groups_do
         assert store.verify("t") == []
 
 
+@pytest.mark.usefixtures("table_layout")
+@pytest.mark.parametrize("group_size", [0, 3])
+def test_a_delete_of_a_uid_held_in_pieces_takes_its_pieces(start_server: Servers, group_size: int) -> None:
+    """Delete by the uid of a rollout held in pieces deleted nothing: its pieces stayed, counted in
+    expbuf_partials and against capacity_bytes. They go, counted as a Delete of their group counts
+    them (no experience removed); another run's pieces and experiences stay. A group that held
+    nothing else goes with them, as one named bare by a Delete does."""
+    server = start_server()
+    alone, held, whole = rollout(task=1, run=0), rollout(run=1), rollout(run=0)
+    with BufferClient(f"127.0.0.1:{server.port}", timeout=20) as client:
+        client.create_table("t", group_size=group_size, estimator="none")
+        client.push([whole, split(held, [4, 8])[0], split(rollout(run=2), [4, 8])[0]], table="t")
+        client.push([split(alone, [4, 8])[0]], table="t")
+        kept = server.store.stats("t")["partial_bytes"] // 3
+        assert client.delete([held.eid.uid, alone.eid.uid], table="t") == 0
+        assert [exp.eid.uid for exp in client.get_partials(["0/0", "0/1"], table="t")] == ["0/0/2/0/r"]
+        assert scrape(server.metrics_port)[("expbuf_partials", (("table", "t"),))] == 1
+        assert server.store.stats("t")["partial_bytes"] == kept
+        stats = client.stats("t")["t"]
+        assert (stats.live, stats.groups_pending) == (1, 1 if group_size else 0)
+        assert client.push([split(held, [4, 8])[0]], table="t").partial == [held.eid.uid]  # pushed again
+    assert server.store.verify("t") == []
+
+
 @pytest.mark.parametrize("group_size", [0, 3])
 def test_a_rollout_pushed_whole_replaces_its_pieces(tmp_path: Path, group_size: int) -> None:
     """A rollout pushed whole in a push of no piece left its pieces held (only a push with a piece in

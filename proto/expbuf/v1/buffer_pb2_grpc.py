@@ -293,8 +293,8 @@ class ExperienceBufferServicer:
 
     def Delete(self, request, context):
         """Admin: remove experiences by uid and whole groups by id, so that they may be pushed again; a
-        group's rollouts held in pieces go with it. At most 4,096 uids and 4,096 group ids a call
-        (more: INVALID_ARGUMENT; the clients split).
+        rollout held in pieces goes when its uid or its group is named (not counted in `deleted`). At
+        most 4,096 uids and 4,096 group ids a call (more: INVALID_ARGUMENT; the clients split).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

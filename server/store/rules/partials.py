@@ -24,7 +24,7 @@ refused, Conflict), carry what the rollout appends to, and its segments follow. 
 together is checked as a push checks an experience before it is stored.
 
 A rollout's pieces go when it finishes, when its run is reported failed, when its group completes
-without it or leaves the table, when a Delete names its group, and with the prompt ledger: a
+without it or leaves the table, when a Delete names it or its group, and with the prompt ledger: a
 claim that ends before its group is complete hands the rollouts of its attempt to the prompt's
 next attempt (`carry`: the pieces move under the next attempt's uids as they are, each rollout
 checked first, a damaged one dropped), so whoever claims the prompt next gets them back (`read`)

@@ -92,14 +92,37 @@ def drop_named(tt: TableState, gkeys: Iterable[str]) -> int:
     return sum(_drop_of(tt, gkey) for gkey in dict.fromkeys(gkeys)) if tt.counters.partials else 0
 
 
+def drop_deleted(tt: TableState, uids: Iterable[str]) -> list[str]:
+    """Drop the rollouts held in pieces under the uids a Delete names, as their group's Delete drops
+    them: a user deleting a uid means it gone, whole or in pieces. Returns the keys of the pending
+    groups they leave holding nothing (no member, no run in pieces or reported failed), to go as
+    groups a Delete names bare do."""
+    if not tt.counters.partials:
+        return []
+    by = tt.config.grouping.by
+    gkeys = dict.fromkeys(uid_group_key(uid, by) or uid for uid in dict.fromkeys(uids) if drop(tt, uid))
+    return [gkey for gkey in gkeys if tt.config.grouping.size and _bare(tt, gkey)]
+
+
+def _bare(tt: TableState, gkey: str) -> bool:
+    """Whether group `gkey` is pending and holds nothing: no member, no run in pieces or reported failed."""
+    grp = tt.view(gkey)
+    return grp is not None and grp.state == PENDING and not grp.members and not grp.failed and not _held_in(tt, gkey)
+
+
 def _drop_of(tt: TableState, gkey: str) -> int:
     """Drop the rollouts held in pieces whose uids fall in group `gkey`; returns how many."""
+    return sum(drop(tt, uid) for uid in _held_in(tt, gkey))
+
+
+def _held_in(tt: TableState, gkey: str) -> list[str]:
+    """The uids of the rollouts held in pieces whose uids fall in group `gkey`."""
     by = tt.config.grouping.by
     if by == "none":
-        return int(drop(tt, gkey))
+        return [gkey] if piece_rows.head_raw(tt.txn, tt.db, piece_rows.head_key(tt.prefix, gkey)) is not None else []
     start = (gkey.rsplit("/", 1)[0] if by == "step" else gkey) + "/"
     rows = piece_rows.heads_under(tt.txn, tt.db, tt.key(start), tt.prefix)
-    return sum(drop(tt, uid) for uid, _ in rows if uid_group_key(uid, by) == gkey)
+    return [uid for uid, _ in rows if uid_group_key(uid, by) == gkey]
 
 
 def drop_groups(tt: TableState, gkeys: Callable[[], Iterable[str]]) -> int:

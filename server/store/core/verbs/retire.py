@@ -229,8 +229,10 @@ def delete(tt: TableState, uids: Sequence[str], group_ids: Sequence[str]) -> int
     uids may be pushed again); a group goes with its last member, or named while pending with none (its
     runs in pieces or reported failed alone); the extensions hear a live one leave as DELETED, and its
     runs held in pieces go with it; a rows table's as row_deletes.py has it. The runs held in pieces
-    of every group named go too, whatever its state or the table's group_size (pieces.drop_named).
-    Returns how many were live."""
+    of every group named go too, whatever its state or the table's group_size (pieces.drop_named),
+    and so do those of every uid named, their group with them where it is left holding nothing
+    (pieces.drop_deleted). Returns how many were live."""
+    group_ids = [*group_ids, *pieces.drop_deleted(tt, uids)]
     pieces.drop_named(tt, group_ids)
     if tt.config.storage.layout == "rows":
         return row_deletes.delete(tt, uids, group_ids)
