@@ -17,6 +17,7 @@ from expbuf.client import BufferClient, decode
 from expbuf.server.advantages.worker import AdvantageWorker
 from expbuf.server.store import Store
 from expbuf.server.store.disk import layout
+from expbuf.server.store.disk.records import ItemRecord
 from expbuf.server.store.schema.sample_spec import TakeSpec
 from expbuf.server.store.schema.table_config import TableConfig
 
@@ -154,12 +155,17 @@ def garble(store: Store, table: str, name: str, db: str, keep: int | None = None
     store.environment.submit(cut)
 
 
+# Where `hurt` cuts a record: at half, one byte into its group's name (after its fixed head and the
+# name's length), one byte short of its end (inside its run id, the last of its strings).
+CUTS = {"cut": None, "cut in its group": ItemRecord._HEAD.size + 3, "cut in its run id": -1}
+
+
 def hurt(store: Store, table: str, uid: str, how: str) -> None:
-    """The uid's record lost (`how`: "lost") or cut so that it no longer decodes ("cut"), as damage would."""
+    """The uid's record lost (`how`: "lost") or cut so that it no longer decodes (one of CUTS), as damage would."""
     if how == "lost":
         lose(store, table, uid, "items")
     else:
-        garble(store, table, uid, "items")
+        garble(store, table, uid, "items", CUTS[how])
 
 
 @pytest.mark.parametrize(("db", "table_layout"), LOST, indirect=["table_layout"])
@@ -210,7 +216,7 @@ def test_a_sample_stream_of_a_table_with_a_lost_member_is_served_the_others(
     assert metrics[("expbuf_buffer_experiences", (("state", "quarantined"), ("table", "t")))] == 1
 
 
-@pytest.mark.parametrize("how", ["lost", "cut"])
+@pytest.mark.parametrize("how", ["lost", "cut", "cut in its run id"])
 def test_a_read_by_uid_lists_a_member_whose_record_is_lost_as_missing(
     tmp_path: Path, caplog: pytest.LogCaptureFixture, records_layout: None, how: str
 ) -> None:
@@ -218,7 +224,8 @@ def test_a_read_by_uid_lists_a_member_whose_record_is_lost_as_missing(
     whose record is lost as missing, logged with its uid, where they refused the whole read; and
     ListExperiences lists the others, logged, where it refused the page ("experience ... is named
     but not stored"). A record a damaged page cut so that it no longer decodes (`cut`) is read as a
-    lost one: each of these was refused INTERNAL (struct.error)."""
+    lost one: each of these was refused INTERNAL (struct.error). So is one cut inside its last
+    string, which decoded with that string cut short and was served."""
     caplog.set_level(logging.ERROR, "expbuf.store")
     with Store(tmp_path) as store:
         store.create_table(TableConfig.of("t", estimator="none", group_size=4))

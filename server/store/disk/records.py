@@ -35,8 +35,16 @@ def _pack_str(value: str) -> bytes:
 
 def _unpack_str(data: bytes | memoryview, pos: int) -> tuple[str, int]:
     (size,) = _U16.unpack_from(data, pos)
-    end = pos + 2 + size
+    end = _within(data, pos + 2 + size)
     return str(data[pos + 2 : end], "utf-8"), end  # from a view too, without a copy of its bytes
+
+
+def _within(data: bytes | memoryview, end: int) -> int:
+    """`end`, where the record holds that many bytes: a slice past its end would read a string a
+    damaged page cut short as a shorter one."""
+    if end > len(data):
+        raise ValueError(f"a string runs to byte {end} of a record of {len(data)} bytes: it is cut short")
+    return end
 
 
 def _pack_strs(values: list[str]) -> bytes:
@@ -57,7 +65,7 @@ def _unpack_strs(data: bytes | memoryview, pos: int) -> tuple[list[str], int]:
         end = pos + 2 + size
         values.append(str(data[pos + 2 : end], "utf-8"))
         pos = end
-    return values, pos
+    return values, _within(data, pos)  # a string cut short can only be the last: the next length read fails
 
 
 def _pack_segments(segments: tuple[int, ...]) -> bytes:
@@ -175,9 +183,9 @@ class ItemRecord:
     @classmethod
     def tombstone_of(cls, data: bytes | memoryview, state: State, when: float) -> bytes:
         """An encoded live record as the compact tombstone it becomes, retired in `state` at
-        `when`, without building the record."""
+        `when`, without building the record; ValueError where it is cut short of its group."""
         (size,) = _U16.unpack_from(data, cls._HEAD.size)
-        group = bytes(data[cls._HEAD.size : cls._HEAD.size + 2 + size])
+        group = bytes(data[cls._HEAD.size : _within(data, cls._HEAD.size + 2 + size)])
         return cls._TOMB.pack(cls._COMPACT | _STATE_CODE[state], bytes(data[9:25]), when) + group
 
     @classmethod
