@@ -270,6 +270,42 @@ def test_a_lease_consumed_buries_a_member_whose_record_is_lost_and_consumes_the_
         assert store.verify("t") == []
 
 
+@pytest.mark.parametrize("met_by", ["ack", "a sample"])
+def test_what_reads_every_record_passes_over_one_cut_elsewhere(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, met_by: str
+) -> None:
+    """Two reads go through every record of the table: the recount of its bytes after a member's
+    record was lost (an ack), and the members of a ready group whose own record was lost, remade
+    (a sample). A record of another group cut short of the size's bytes (33) made either raise
+    struct.error: the ack refused INTERNAL at every try, the sample alike. They pass over it, its
+    bytes counted as a lost record's (none), and the sample that reaches its group meets it as
+    lost: the member quarantined, the others served or kept as that meeting has them."""
+    caplog.set_level(logging.ERROR, "expbuf.store")
+    cut = uids(2)[0]
+    with Store(tmp_path) as store:
+        if met_by == "ack":
+            lease_id, _ = leased_with_a_lost_member(store, "lease", hold=False)
+        else:
+            store.create_table(TableConfig.of("t", estimator="none", group_size=4))
+            for task in range(3):
+                store.put("t", group_items(0, task, 4, reward=float(task)))
+            lose(store, "t", "0/0", "groups")
+        kept = stored_bytes(store, [1, 2]) - len(store.get("t", [cut])[cut])
+        garble(store, "t", cut, "items", keep=20)
+        if met_by == "ack":
+            assert store.ack(lease_id) == 4
+            assert store.stats("t")["bytes"] == kept
+        else:
+            batch = store.sample(TakeSpec("t", num_groups=1, wait_seconds=0), hold=False)
+            assert batch is not None and set(batch.group_ids) == {"0/1"}
+        batch = store.sample(TakeSpec("t", num_groups=2, wait_seconds=0, allow_partial=True), hold=False)
+        assert (batch and set(batch.group_ids)) == ({"0/1"} if met_by == "ack" else None)  # 0/2 fails
+        stats = store.stats("t")
+        assert (stats["groups_failed"], stats["quarantined"]) == (1 + (met_by != "ack"), 1 + (met_by == "ack"))
+        assert quarantine_logs(caplog, cut) == 1
+        assert store.verify("t") == []
+
+
 @pytest.mark.parametrize("call", ["nack", "expiry", "give-back", "replay"])
 def test_a_lease_ended_back_fails_a_group_whose_member_s_record_is_lost(
     tmp_path: Path, caplog: pytest.LogCaptureFixture, call: str

@@ -14,7 +14,7 @@ from ...disk import layout
 from ...disk.kinds import Entry
 from ...disk.layout import put_rows, u64
 from ...disk.records import GroupRecord, ItemRecord
-from ...schema.errors import clip
+from ...schema.errors import DAMAGE, clip
 from ...schema.states import COMPUTING, PENDING, READY
 from ...schema.views import GroupView, Members, MemberView
 from ..ordering.ready import Row
@@ -165,17 +165,26 @@ def _placed_by(recs: Mapping[str, MemberView]) -> tuple[int | None, float]:
     return version, max((rec.priority for rec in recs.values()), default=0.0)
 
 
+def _group_of(raw: bytes | memoryview) -> str | None:
+    """The group an item record names; None where it is cut short of it."""
+    try:
+        return ItemRecord.group_of(raw)
+    except DAMAGE:
+        return None
+
+
 def remade(tt: TableState, gkey: str) -> GroupView | None:
     """The record of a ready group that the directory lost, remade from what is left so that the
     group can leave as any other does: its members are the ready experiences whose records name
     it, in push order, found by reading every record of the table (damage is rare, and the request
     that meets it pays for it); its place and priority, as the ready indexes hold them
-    (ReadyIndex.lost). None: the ready order does not name it."""
+    (ReadyIndex.lost). None: the ready order does not name it. A record cut short of its group
+    names none: it is its own reader's to meet as lost."""
     uids = []
     with tt.txn.cursor(db=tt.db["items"]) as cur:
         found = cur.set_range(tt.prefix)
         while found and cur.key().startswith(tt.prefix):
-            if ItemRecord.group_of(cur.value()) == gkey:
+            if _group_of(cur.value()) == gkey:
                 uids.append(bytes(cur.key()[len(tt.prefix) :]).decode())
             found = cur.next()
     recs = {uid: rec for uid in uids if (rec := tt.item(uid)) is not None and rec.state == READY}

@@ -319,12 +319,16 @@ def _live_bytes(tt: TableState, lost: Set[str]) -> tuple[int, list[bytes]]:
 
 
 def _size(tt: TableState, uid: str) -> int:
-    """The size its record gives a live experience's payload (0: its record is not stored)."""
+    """The size its record gives a live experience's payload (0: its record is not stored, or cut
+    short of its size: a lost one, which the request that reaches it buries, recounting then)."""
     cached, rec = tt.cached_item(uid)
     if cached:
         return 0 if rec is None else rec.size
     raw = tt.txn.get(tt.key(uid), db=tt.db["items"])
-    return 0 if raw is None else ItemRecord.place(raw)[2]
+    try:
+        return 0 if raw is None else ItemRecord.place(raw)[2]
+    except DAMAGE:
+        return 0
 
 
 def quarantine_kept(tt: TableState, uid: str, view: MemberView) -> None:
