@@ -65,6 +65,7 @@ EXPECTED = {
     errors.Cancelled: ("CANCELLED", "cancelled"),
     errors.Damaged: ("DATA_LOSS", "damaged"),
     errors.DamagedPayload: ("DATA_LOSS", "damaged"),
+    errors.DamagedGroup: ("DATA_LOSS", "damaged"),
     errors.DamagedPiece: ("DATA_LOSS", "damaged"),
     errors.StoreClosed: ("UNAVAILABLE", "closed"),
     errors.AdvantagesUnavailable: ("INTERNAL", "advantages_unavailable"),

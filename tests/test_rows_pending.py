@@ -11,13 +11,17 @@ import dataclasses
 import itertools
 import logging
 import random
+import re
 from collections.abc import Callable
 from pathlib import Path
 
+import grpc
 import lmdb
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from expbuf.client import trxp
+from expbuf.client import BufferClient, trxp
+from expbuf.client.errors import DataLossError
 from expbuf.client.rollout_pieces import split
 from expbuf.server.advantages.worker import AdvantageWorker
 from expbuf.server.store import Entry, Moved, Push, Retired, Store, TableExtension
@@ -26,12 +30,13 @@ from expbuf.server.store.disk import layout
 from expbuf.server.store.disk.rows import PendingHead, decode_member_rows, directory, directory_entry
 from expbuf.server.store.disk.rows.directory import SPILL_BYTES
 from expbuf.server.store.ledger.records import DatasetRecord
-from expbuf.server.store.schema.errors import Conflict, StoreError
+from expbuf.server.store.schema.errors import Conflict, DamagedGroup, StoreError
 from expbuf.server.store.schema.sample_spec import TakeSpec
 from expbuf.server.store.schema.states import DROPPED, LEASED, PENDING, READY
 from expbuf.server.store.schema.table_config import TableConfig
 from expbuf.server.store.schema.views import Groups
 
+from conftest import Servers
 from helpers import StoppedClock as Clock
 from helpers import both_layouts as both
 from helpers import layouts_reply as reply
@@ -482,6 +487,88 @@ def test_a_pending_group_whose_rows_are_damaged_is_read_and_deleted_as_a_records
         clean(store, "t", "t_rows")
 
 
+def cut_head(store: Store, table: str, gkey: str) -> None:
+    """Cut a pending group's head (its directory entry) to 5 bytes, as a damaged page leaves a value
+    that no longer decodes."""
+    key, gdir = layout.table_prefix(store.catalog.lookup(table)[0]) + gkey.encode(), store.db["gdir"]
+    store.environment.submit(lambda txn: txn.put(key, bytes(txn.get(key, db=gdir))[:5], db=gdir))
+
+
+UNDECODED = "group 0/1: its record does not decode ("
+
+
+@pytest.mark.parametrize("met_by", ["push", "seal", "fail_runs", "delete"])
+def test_a_request_that_changes_a_pending_group_whose_head_does_not_decode_is_refused_data_loss(
+    tmp_path: Path, met_by: str
+) -> None:
+    """A push to a pending group whose head no longer decodes, its seal, a report of its runs failed
+    and a Delete of it were refused INTERNAL (struct.error) at every try. Each is refused DATA_LOSS
+    naming the group, nothing of the request stored (the push's runs of another group neither), and
+    the table's other groups take runs and complete."""
+    with Store(tmp_path, clock=Clock()) as store:
+        store.create_table(TableConfig.of("t", layout="rows", **EIGHTS))
+        store.put("t", [run(1, n) for n in range(3)] + [run(2, n) for n in range(3)])
+        cut_head(store, "t", "0/1")
+        before = store.stats("t")
+        with pytest.raises(DamagedGroup, match=re.escape(UNDECODED)) as refused:
+            if met_by == "push":
+                store.put("t", [run(2, 3), run(1, 3)])
+            elif met_by == "seal":
+                store.seal("t", "0/1")
+            elif met_by == "fail_runs":
+                store.fail_runs("t", [uid(1, 5)], ["died"])
+            else:
+                store.delete("t", group_ids=["0/1"])
+        assert (refused.value.status, refused.value.reason) == ("DATA_LOSS", "damaged")
+        assert "run `expbuf check`" in str(refused.value)
+        assert store.stats("t") == before
+        assert store.put("t", [run(2, n) for n in range(3, 8)]).completed_groups == ["0/2"]
+        assert store.stats("t")["groups_ready"] == 1
+
+
+@pytest.mark.parametrize("table_layout", ["rows"], indirect=True)
+@pytest.mark.usefixtures("table_layout")
+def test_through_the_server_a_push_to_a_pending_group_whose_head_does_not_decode_is_data_loss(
+    start_server: Servers,
+) -> None:
+    """Through the server: the push was refused INTERNAL. It is refused DATA_LOSS (reason damaged)
+    naming the group, the health check says SERVING, and another table and group take pushes."""
+    server = start_server()
+    with BufferClient(f"127.0.0.1:{server.port}", timeout=20) as client:
+        for table in ("t", "other"):
+            client.create_table(table, group_size=8, estimator="none")
+            client.push([make_experience(0, 1, n) for n in range(3)], table)
+        cut_head(server.store, "t", "0/1")
+        with pytest.raises(DataLossError, match=re.escape(UNDECODED)) as refused:
+            client.push([make_experience(0, 1, 3)], "t")
+        assert refused.value.reason == "damaged"
+        with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+            health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
+        assert health.status == health_pb2.HealthCheckResponse.SERVING
+        assert client.push([make_experience(0, 2, n) for n in range(8)], "t").completed_groups == ["0/2"]
+        assert client.push([make_experience(0, 1, n) for n in range(3, 8)], "other").completed_groups == ["0/1"]
+
+
+def test_the_timeout_passes_over_a_pending_group_whose_head_does_not_decode(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The table's upkeep failed at every pass over a pending group whose head no longer decodes, and
+    timed out none of its other groups. It passes over that group, named once in an error log and
+    left to `expbuf check`, and times out the others."""
+    caplog.set_level(logging.ERROR, "expbuf.store")
+    clock = Clock()
+    with Store(tmp_path, clock=clock) as store:
+        store.create_table(TableConfig.of("t", layout="rows", group_timeout_seconds=5, **EIGHTS))
+        store.put("t", [run(1, n) for n in range(3)] + [run(2, n) for n in range(3)])
+        cut_head(store, "t", "0/1")
+        clock.now += 6
+        assert [(done["groups_timed_out"], done["failed"]) for done in (store.tick(), store.tick())] == [(1, 0), (0, 0)]
+        assert sum("pending group 0/1" in r.getMessage() for r in caplog.records) == 1
+        stats = store.stats("t")
+        assert (stats["groups_pending"], stats["groups_ready"], stats["ready"]) == (1, 1, 3)
+        assert any("0/1" in problem and "does not decode" in problem for problem in store.verify("t"))
+
+
 def test_a_page_passes_over_a_pending_group_whose_head_does_not_decode(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -492,8 +579,7 @@ def test_a_page_passes_over_a_pending_group_whose_head_does_not_decode(
     with Store(tmp_path) as store:
         store.create_table(TableConfig.of("t", layout="rows", **EIGHTS))
         store.put("t", [run(0, n) for n in range(8)] + [run(1, n) for n in range(3)])  # 0/0 complete, 0/1 pending
-        key, gdir = layout.table_prefix(store.catalog.lookup("t")[0]) + b"0/1", store.db["gdir"]
-        store.environment.submit(lambda txn: txn.put(key, bytes(txn.get(key, db=gdir))[:5], db=gdir))
+        cut_head(store, "t", "0/1")
         complete, pending = [uid(0, n) for n in range(8)], [uid(1, n) for n in range(3)]
         assert [item.uid for item in store.list_experiences("t").items] == complete
         assert any("ListExperiences passed over pending group 0/1" in r.getMessage() for r in caplog.records)

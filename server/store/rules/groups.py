@@ -11,6 +11,7 @@ bytes and totals are counters written in the same transaction as the records.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping, Sequence
 
 from expbuf.client.schema.routing import uid_group_key
@@ -27,6 +28,7 @@ from ..core.verbs.retire import retire
 from ..disk.kinds import Ahead, Compute, FailResult, ShapingUpdate
 from ..schema.errors import (
     Conflict,
+    DamagedGroup,
     GroupClosed,
     GroupOverfilled,
     InvalidRequest,
@@ -42,6 +44,8 @@ from .pushed_advantages import (
     zero_variance,
 )
 from .quarantine import quarantine_lost
+
+log = logging.getLogger("expbuf.store")
 
 
 class Ending:
@@ -192,11 +196,23 @@ def _shaped(tt: TableState, shaping: ShapingUpdate) -> bool:
 
 
 def expire_groups(tt: TableState, created_before: float) -> int:
-    """Release (flagged partial) or drop incomplete groups created before the cutoff."""
-    expired = core_groups.expired(tt, created_before)
+    """Release (flagged partial) or drop incomplete groups created before the cutoff; returns how many.
+    A rows table's whose head does not decode cannot be ended from what is stored: it leaves the
+    pending index, so that the upkeep meets it once and times out the others, logged, and is left to
+    `expbuf check`."""
     ending = Ending(tt)
-    for gkey in expired:
-        grp = tt.existing_view(gkey)
+    timed_out = 0
+    for gkey, key in core_groups.expired(tt, created_before):
+        try:
+            grp = tt.existing_view(gkey)
+        except DamagedGroup as exc:
+            tt.txn.delete(key, db=tt.db["pending"])
+            log.error(
+                "table %s: pending group %s passed over by its timeout (%s): run `expbuf check` on the data directory",
+                tt.config.name, gkey, exc.why,
+            )  # fmt: skip
+            continue
+        timed_out += 1
         if tt.config.grouping.on_timeout == "drop":
             ending.drop(gkey, grp)
             tt.counters.dropped_timeout += 1
@@ -205,7 +221,7 @@ def expire_groups(tt: TableState, created_before: float) -> int:
         elif ending.complete(gkey, grp, partial=True):
             tt.counters.groups_short += len(grp.members) < tt.config.grouping.size
     ending.done()
-    return len(expired)
+    return timed_out
 
 
 def fail_runs(tt: TableState, failures: Sequence[tuple[str, str]], holder: str) -> FailResult:

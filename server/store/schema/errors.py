@@ -226,6 +226,22 @@ class DamagedPayload(StoreError):
         self.uid = uid
 
 
+class DamagedGroup(StoreError):
+    """A rows table's pending or computing group whose head (its directory entry) no longer decodes,
+    met by a request that changes or ends it: what it holds cannot be read, so nothing of the
+    request is stored, and `expbuf check` names the group."""
+
+    status = "DATA_LOSS"
+    reason = Reason.DAMAGED
+
+    def __init__(self, gkey: str, why: str) -> None:
+        super().__init__(
+            f"group {clip(gkey)}: its record does not decode ({why}; damaged on disk): nothing of this request "
+            "is stored; run `expbuf check` on the data directory"
+        )
+        self.gkey, self.why = gkey, why
+
+
 class DamagedPiece(StoreError):
     """A piece of a rollout held in pieces lost, or not the one pushed (its size and digest, taken at
     its push, are in its rollout's head), or that head no longer decoding (`number` None), found as

@@ -31,8 +31,8 @@ from ...disk.rows import (
     SegmentView,
     SegState,
     decode_member_rows,
-    directory_entry,
     fragment_key,
+    group_entry,
     uid_hash,
 )
 from ...schema.errors import DAMAGE, StoreError, clip
@@ -259,7 +259,7 @@ class TableState:
         raw = self.txn.get(self.key(gkey), db=self.db["gdir"])
         if raw is None:
             return None
-        ref = directory_entry(raw)
+        ref = group_entry(gkey, raw)
         if isinstance(ref, PendingHead):
             rows, damaged, lost = self.pending_members(gkey, ref)
             failed = MappingProxyType(dict(ref.failed))

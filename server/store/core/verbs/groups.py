@@ -69,14 +69,14 @@ def forget_failed(grp: GroupView, uids: Sequence[str]) -> None:
         failed.pop(uid, None)
 
 
-def expired(tt: TableState, created_before: float) -> list[str]:
-    """The pending groups created before the cutoff, oldest first."""
+def expired(tt: TableState, created_before: float) -> list[tuple[str, bytes]]:
+    """The pending groups created before the cutoff, oldest first, each with its key in the pending index."""
     found = []
     cutoff = layout.micros(created_before)
     with tt.txn.cursor(db=tt.db["pending"]) as cur:
         at = cur.set_range(tt.prefix)
         while at and cur.key().startswith(tt.prefix) and cur.key()[4:12] <= cutoff:
-            found.append(cur.key()[12:].decode())
+            found.append((cur.key()[12:].decode(), bytes(cur.key())))
             at = cur.next()
     return found
 

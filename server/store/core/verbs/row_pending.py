@@ -24,7 +24,7 @@ from typing import NamedTuple
 from ...disk.kinds import Entry, members
 from ...disk.layout import put_rows, u64
 from ...disk.rows import PENDING as PENDING_ENTRY
-from ...disk.rows import GroupRef, Member, PendingHead, SegmentView, SegState, directory_entry, fragment_key
+from ...disk.rows import GroupRef, Member, PendingHead, SegmentView, SegState, fragment_key, group_entry
 from ...disk.rows import uid_hash as _uid_hash
 from ...schema.states import COMPUTING, PENDING, QUARANTINED, State
 from ...schema.views import Groups
@@ -56,7 +56,7 @@ class PendingGroup(NamedTuple):
     def decoded(self) -> PendingHead | None:
         """Its head, decoded from `raw` where it was not; None: opened by this request."""
         if self.head is None and self.raw is not None:
-            entry = directory_entry(self.raw)
+            entry = group_entry(self.key, self.raw)
             assert isinstance(entry, PendingHead)
             return entry
         return self.head
@@ -88,7 +88,7 @@ def stored(
             count, created, hashes = plain
             found[gkey] = PendingGroup(gkey, None, count, _NONE_FAILED, created, raw)
         else:
-            read = directory_entry(raw)
+            read = group_entry(gkey, raw)
             if not isinstance(read, PendingHead):
                 found[gkey] = None
                 digests.update(_segment_digests(tt, views, gkey, read))
@@ -122,9 +122,10 @@ def _segment_digests(
 
 
 def head(tt: TableState, gkey: str) -> PendingHead | None:
-    """A pending or computing group's head; None: the group is neither (in a segment, or not there)."""
+    """A pending or computing group's head; None: the group is neither (in a segment, or not there).
+    DamagedGroup where its directory entry does not decode."""
     raw = tt.txn.get(tt.key(gkey), db=tt.db["gdir"])
-    entry = None if raw is None else directory_entry(raw)
+    entry = None if raw is None else group_entry(gkey, raw)
     return entry if isinstance(entry, PendingHead) else None
 
 

@@ -8,13 +8,24 @@ read only by the table core (core/), the one owner of a table's records.
   the groups completed after it while none of its own moved: `append_groups`) and what changes of
   it (`SegState`);
 - directory.py: the group directory's entries (`GroupRef`, encoded a segment's at once: `group_refs`;
-  `PendingHead`, `directory_entry`, `uid_hash`) and a pending group's fragments' keys (`fragment_key`);
+  `PendingHead`, `directory_entry`, one group's: `group_entry`, `uid_hash`) and a pending group's
+  fragments' keys (`fragment_key`);
 - runs.py: the runs the ready orders keep (`RunRow`) and a lease of runs (`RowLease`).
 
 May import the disk room's records (their numbers and strings, a lease's head) and the schema.
 """
 
-from .directory import PENDING, REF, GroupRef, PendingHead, directory_entry, fragment_key, group_refs, uid_hash
+from .directory import (
+    PENDING,
+    REF,
+    GroupRef,
+    PendingHead,
+    directory_entry,
+    fragment_key,
+    group_entry,
+    group_refs,
+    uid_hash,
+)
 from .members import ROWS, Member, MemberBlock, decode_member_rows, encode_member_rows, encode_members, first_created
 from .runs import RowLease, RunRow, decode_lease
 from .segments import (
@@ -32,5 +43,5 @@ __all__ = [
     "PENDING", "REF", "ROWS", "SEGMENT_GROUPS", "SEGMENT_MEMBERS", "Group", "GroupRef", "Member", "MemberBlock",
     "PendingHead", "RowLease", "RunRow", "SegState", "SegmentView", "agreeing", "append_groups", "decode_lease",
     "decode_member_rows", "directory_entry", "encode_member_rows", "encode_members", "encode_segment",
-    "first_created", "fragment_key", "group_refs", "uid_hash",
+    "first_created", "fragment_key", "group_entry", "group_refs", "uid_hash",
 ]  # fmt: skip

@@ -13,6 +13,7 @@ from typing import NamedTuple
 
 import xxhash
 
+from ...schema.errors import DAMAGE, DamagedGroup
 from ...schema.states import COMPUTING, State
 from ...schema.states import PENDING as PENDING_STATE
 from ..records import _pack_str, _unpack_str
@@ -150,9 +151,12 @@ class PendingHead:
     def plain(cls, data: bytes) -> tuple[int, float, tuple[int, ...]] | None:
         """Of a head with members, none of its runs reported failed and no place in the compute queue
         (what a push meets most), its members' count, when it opened and their uids' hashes, the rest
-        of it not decoded (`added` adds to it as it is); None for any other head."""
+        of it not decoded (`added` adds to it as it is); None for any other head, and for one cut short
+        of its hashes (decoding it names the damage)."""
+        if len(data) < cls._HEAD.size:
+            return None
         _, flags, count, _, created = cls._HEAD.unpack_from(data)
-        if flags & ~cls._INLINE or not count:
+        if flags & ~cls._INLINE or not count or len(data) < cls._HEAD.size + 8 * count:
             return None
         return count, created, struct.unpack_from(f"<{count}Q", data, cls._HEAD.size)
 
@@ -184,6 +188,15 @@ class PendingHead:
         spilled, self.inline = self.inline, b""
         self.fragments += 1
         return spilled
+
+
+def group_entry(gkey: str, data: bytes | memoryview) -> GroupRef | PendingHead:
+    """Group `gkey`'s directory entry, as `directory_entry` reads it; DamagedGroup where it does not
+    decode, so that a request that changes or ends the group is refused by name."""
+    try:
+        return directory_entry(data)
+    except DAMAGE as exc:
+        raise DamagedGroup(gkey, f"{type(exc).__name__}: {exc}") from None
 
 
 def directory_entry(data: bytes | memoryview) -> GroupRef | PendingHead:
