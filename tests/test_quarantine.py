@@ -225,7 +225,8 @@ def test_a_read_by_uid_lists_a_member_whose_record_is_lost_as_missing(
     ListExperiences lists the others, logged, where it refused the page ("experience ... is named
     but not stored"). A record a damaged page cut so that it no longer decodes (`cut`) is read as a
     lost one: each of these was refused INTERNAL (struct.error). So is one cut inside its last
-    string, which decoded with that string cut short and was served."""
+    string, which decoded with that string cut short and was served. It is logged once, not by
+    every read that meets it."""
     caplog.set_level(logging.ERROR, "expbuf.store")
     with Store(tmp_path) as store:
         store.create_table(TableConfig.of("t", estimator="none", group_size=4))
@@ -242,9 +243,8 @@ def test_a_read_by_uid_lists_a_member_whose_record_is_lost_as_missing(
             finally:
                 batch.release()
         assert any(lost in r.getMessage() and "its record is not" in r.getMessage() for r in caplog.records)
-        caplog.clear()
         assert [listed.uid for listed in store.list_experiences("t").items] == others
-        assert any(f"ListExperiences passed over experience {lost}" in r.getMessage() for r in caplog.records)
+        assert sum(lost in r.getMessage() for r in caplog.records) == 1  # by the first read that met it
         assert store.stats("t")["ready"] == 4  # reads change nothing: a sample meets it
 
 

@@ -26,6 +26,7 @@ from expbuf.client.rollout_pieces import split
 from expbuf.server.advantages.worker import AdvantageWorker
 from expbuf.server.store import Entry, Moved, Push, Retired, Store, TableExtension
 from expbuf.server.store.core.table_state.state import TableState
+from expbuf.server.store.core.whole_table.pages import Reported
 from expbuf.server.store.disk import layout
 from expbuf.server.store.disk.rows import PendingHead, decode_member_rows, directory, directory_entry
 from expbuf.server.store.disk.rows.directory import SPILL_BYTES
@@ -584,6 +585,41 @@ def test_a_page_passes_over_a_pending_group_whose_head_does_not_decode(
         assert [item.uid for item in store.list_experiences("t").items] == complete
         assert any("ListExperiences passed over pending group 0/1" in r.getMessage() for r in caplog.records)
         assert store.get("t", complete + pending).keys() == set(complete)
+
+
+def test_reads_log_each_damaged_thing_once(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """ListExperiences and Get logged an ERROR for each damaged thing they passed over at every call,
+    so a table listed again and again filled the operator's log. Each is logged once a store: a
+    segment that does not decode, a pending group's head that does not decode, one whose rows do not
+    read, and each member Get could not serve for it."""
+    caplog.set_level(logging.ERROR, "expbuf.store")
+    with Store(tmp_path) as store:
+        store.create_table(TableConfig.of("t", layout="rows", **EIGHTS))
+        store.put("t", [run(task, n) for task in range(3) for n in range(8 if task == 0 else 3)])
+        prefix = layout.table_prefix(store.catalog.lookup("t")[0])
+        cut_head(store, "t", "0/1")
+        for key, db, keep in ((prefix + bytes(8), "segs", 9), (prefix + b"0/2", "gdir", 18 + 8 * 3 + 3)):
+            store.environment.submit(
+                lambda txn, key=key, db=store.db[db], keep=keep: txn.put(key, bytes(txn.get(key, db=db))[:keep], db=db)
+            )  # segment 0 (group 0/0) cut short; 0/2's rows in its head cut short after its hashes
+        pending = [uid(task, n) for task in (1, 2) for n in range(3)]
+        for _ in range(3):
+            assert store.list_experiences("t").items == []
+            assert store.get("t", pending) == {}
+        logged = [r.getMessage() for r in caplog.records]
+        for what in ("segment 0:", "pending group 0/1:", "of group 0/2:", *pending):
+            assert sum(what in message for message in logged) == 1, what
+
+
+def test_the_memory_of_the_damage_logged_is_bounded() -> None:
+    """The reads' memory of the damage they logged keeps at most Reported.MOST things, the oldest
+    forgotten first: met again, it is logged again. A table's is apart from another's."""
+    reported = Reported()
+    firsts = [reported.first(b"t", "0/1"), reported.first(b"t", "0/1"), reported.first(b"u", "0/1")]
+    assert firsts == [True, False, True]
+    for n in range(Reported.MOST - 1):
+        reported.first(b"t", str(n))
+    assert [reported.first(b"t", "0/1"), reported.first(b"t", "0")] == [True, False]
 
 
 def test_a_computing_group_whose_rows_are_damaged_fails_as_a_records_tables_with_lost_records(tmp_path: Path) -> None:

@@ -59,12 +59,18 @@ class Reads:
         self.environment, self.catalog, self._quarantine, self.finish = environment, catalog, quarantine, finish
         self._lock = threading.Lock()
         self._splits: dict[SplitKey, list[list[str]]] = {}  # the latest leases' splits, by group
+        self._reported = pages.Reported()  # the damage its reads logged: each once
+
+    def _told(self, table: str, prefix: bytes) -> pages.Told:
+        """Where a read of `table` (its key prefix) tells of the damage it passes over, once each."""
+        return pages.Told(table, prefix, self._reported)
 
     def get(self, table: str, uids: Sequence[str]) -> dict[str, bytes]:
         """Stored payloads among uids (live experiences', and failed ones' kept for Get), each
         checked against its digest first: a damaged one is quarantined (quarantine.py), not returned."""
         table_id, config = self.catalog.lookup(table)
         prefix = layout.table_prefix(table_id)
+        told = self._told(table, prefix)
         found: dict[str, bytes] = {}
         damaged: list[str] = []
         with self.environment.read() as txn:
@@ -76,7 +82,7 @@ class Reads:
                     continue
                 rec = member(uid)
                 if rec is None:
-                    _servable(table, "Get", _lost(uid), [], damaged)
+                    _servable(told, "Get", _lost(uid), [], damaged)
                     continue
                 if payload_problem(uid, rec, blob) is None:
                     found[uid] = bytes(whole(blob))
@@ -146,12 +152,12 @@ class Reads:
         """A page of the table's live experiences in insertion order (core/whole_table/pages.py)."""
         table_id, config = self.catalog.lookup(table)
         prefix, db = layout.table_prefix(table_id), self.environment.db
-        filters = pages.Filters(set(states), min_version, max_version)
+        filters, told = pages.Filters(set(states), min_version, max_version), self._told(table, prefix)
         if config.storage.layout == "rows":
             with self.environment.read(buffers=True) as views:  # its segments' columns read in place
-                return pages.row_page(views, db, prefix, filters, after=after, limit=limit, table=table)
+                return pages.row_page(views, db, prefix, filters, after=after, limit=limit, told=told)
         with self.environment.read() as txn:
-            return pages.page(txn, db, prefix, filters, after=after, limit=limit, table=table)
+            return pages.page(txn, db, prefix, filters, after=after, limit=limit, told=told)
 
     def payload(self, table: str, uids: Sequence[str], limit: int | None = None) -> tuple[bytes, list[str]]:
         """A TRXP batch of the stored experiences among uids (in their order), and the missing
@@ -160,6 +166,7 @@ class Reads:
         TooLarge as soon as the experiences read pass `limit` bytes, before the batch is made."""
         table_id, config = self.catalog.lookup(table)
         prefix = layout.table_prefix(table_id)
+        told = self._told(table, prefix)
         missing: list[str] = []
         damaged: list[str] = []
         size = 0
@@ -174,9 +181,9 @@ class Reads:
                     continue
                 rec = member(uid)
                 if rec is None:
-                    _servable(table, "Get", _lost(uid), missing, damaged)
+                    _servable(told, "Get", _lost(uid), missing, damaged)
                     continue
-                if not _servable(table, "Get", serve_problem(uid, rec, blob), missing, damaged):
+                if not _servable(told, "Get", serve_problem(uid, rec, blob), missing, damaged):
                     continue
                 size += rec.size
                 if limit is not None and size > limit:
@@ -249,6 +256,7 @@ class Reads:
         (detached by the writer, as too many were open) before this began to read it."""
         table_id, config = self.catalog.lookup(table)
         prefix = layout.table_prefix(table_id)
+        told = self._told(table, prefix)
         db = self.environment.db
         batch = Sampled(uids=[], group_ids=[], blobs=[], snapshot=snapshot, shares=shares)
         missing: list[str] = []
@@ -273,7 +281,7 @@ class Reads:
                     continue
                 rec = member(uid)
                 if rec is None:
-                    _servable(table, "ReadFields", _lost(uid), missing, damaged)
+                    _servable(told, "ReadFields", _lost(uid), missing, damaged)
                     continue
                 chunk = chunk_reads.reader(snapshot, db)
                 streamed = chunk_reads.streamed(value, key, chunk) if whole else None
@@ -291,7 +299,7 @@ class Reads:
                     else:
                         blob = chunk_reads.taken(uid, value, key, rec.digest, rec.size, chunk)
                     problem = serve_problem(uid, rec, None if isinstance(blob, chunk_reads.Deferred) else blob)
-                if not _servable(table, "ReadFields", problem, missing, damaged):
+                if not _servable(told, "ReadFields", problem, missing, damaged):
                     continue
                 rows.add(key, rec, blob)
                 batch.uids.append(uid)
@@ -360,15 +368,15 @@ class Reads:
         return part, [uid for members in held.values() for uid in members]
 
 
-def _servable(table: str, call: str, problem: Unservable | None, missing: list[str], damaged: list[str]) -> bool:
+def _servable(told: pages.Told, call: str, problem: Unservable | None, missing: list[str], damaged: list[str]) -> bool:
     """Whether a read experience can be served; one that cannot is listed as missing, and also as
-    damaged (to quarantine) or logged, as a reason of its own keeps it from being served."""
+    damaged (to quarantine) or logged (once: `told`), as a reason of its own keeps it from being served."""
     if problem is None:
         return True
     if problem.damaged:
         damaged.append(problem.uid)
     else:
-        log.error("table %s: %s found %s; it is not served", table, call, problem)
+        told.error(problem.uid, "%s found %s; it is not served", call, problem)
     missing.append(problem.uid)
     return False
 

@@ -5,8 +5,8 @@ pending groups, which keep none (`row_page`).
 A page is read-only and bounded per call: it reads at most `SCAN_PER_ITEM` index entries per
 experience it may return, so filters that match little cost a few short pages, never one long
 read transaction that holds the map's old pages. What damage left unreadable (a record, a segment, a
-pending group's head or rows) is passed over, logged naming the table, as a Get lists it missing:
-the sample that meets it fails its group.
+pending group's head or rows) is passed over, logged naming the table once a store (`Told`), as a
+Get lists it missing: the sample that meets it fails its group.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import functools
 import heapq
 import logging
 import struct
+import threading
 from collections.abc import Callable, Collection, Generator, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import cast
@@ -54,6 +55,45 @@ class Page:
     done: bool  # nothing live lies past this page
 
 
+class Reported:
+    """The damage a store's reads logged, by table (its key prefix: a table made again under its name
+    is another) and what they met (an experience, a segment, a group), so that a table read again and
+    again (listed page after page, its uids polled with Get) logs each once: at most MOST remembered,
+    the oldest forgotten first (logged again if met again)."""
+
+    MOST = 10_000
+
+    def __init__(self) -> None:
+        self._seen: dict[tuple[bytes, str], None] = {}  # in the order first met
+        self._lock = threading.Lock()  # reads run on many threads
+
+    def first(self, prefix: bytes, what: str) -> bool:
+        """Whether `what` of the table under `prefix` is met for the first time (remembered from now)."""
+        key = (prefix, what)
+        with self._lock:
+            if key in self._seen:
+                return False
+            self._seen[key] = None
+            if len(self._seen) > self.MOST:
+                del self._seen[next(iter(self._seen))]
+            return True
+
+
+@dataclass(frozen=True, slots=True)
+class Told:
+    """Where a read tells of the damage it passes over: its table's name and key prefix, and what the
+    store's reads told already (`Reported`)."""
+
+    table: str
+    prefix: bytes
+    reported: Reported
+
+    def error(self, what: str, message: str, *args: object) -> None:
+        """Log `message` (after "table <name>: ") unless `what` of this table was logged before."""
+        if self.reported.first(self.prefix, what):
+            log.error("table %s: " + message, self.table, *args)
+
+
 # An experience's insertion sequence, and its listing read when paged (None: its record is lost, passed over).
 Listing = tuple[int, Callable[[], Listed | None]]
 
@@ -78,34 +118,36 @@ class Filters:
 
 
 def page(
-    txn: lmdb.Transaction[bytes], dbs: Dbs, prefix: bytes, filters: Filters, *, after: int, limit: int, table: str
+    txn: lmdb.Transaction[bytes], dbs: Dbs, prefix: bytes, filters: Filters, *, after: int, limit: int, told: Told
 ) -> Page:
     """Live experiences from insertion sequence `after` on that pass the filters, at most `limit`; one
-    whose record is lost is passed over, logged naming `table` (the table's name)."""
-    with contextlib.closing(_in_order(txn, dbs, prefix, after, table)) as found:
+    whose record is lost is passed over, logged once (`told`)."""
+    with contextlib.closing(_in_order(txn, dbs, prefix, after, told)) as found:
         return _paged(found, filters, after, limit)
 
 
-def _in_order(txn: lmdb.Transaction[bytes], dbs: Dbs, prefix: bytes, after: int, table: str) -> Generator[Listing]:
+def _in_order(txn: lmdb.Transaction[bytes], dbs: Dbs, prefix: bytes, after: int, told: Told) -> Generator[Listing]:
     """A records table's live experiences from insertion sequence `after` on, in its insertion order."""
     with txn.cursor(db=dbs["order"]) as cur:
         found = cur.set_range(prefix + u64(after))
         while found and cur.key().startswith(prefix):
             seq = _SEQ.unpack(cur.key()[len(prefix) :])[0]
-            yield seq, functools.partial(_listed_record, txn, dbs, prefix, cur.value(), table)
+            yield seq, functools.partial(_listed_record, txn, dbs, prefix, cur.value(), told)
             found = cur.next()
 
 
-def _listed_record(txn: lmdb.Transaction[bytes], dbs: Dbs, prefix: bytes, uid: bytes, table: str) -> Listed | None:
+def _listed_record(txn: lmdb.Transaction[bytes], dbs: Dbs, prefix: bytes, uid: bytes, told: Told) -> Listed | None:
     """An experience as a page lists it; None where its record is lost (passed over, logged, as a Get
     lists it missing). One whose group's record is lost is listed in its own record's state."""
     rec = record(txn, dbs, prefix + uid)
     if rec is None:
-        log.error(
-            "table %s: ListExperiences passed over experience %s: its record is not stored or does not decode; "
+        name = uid.decode(errors="replace")
+        told.error(
+            name,
+            "ListExperiences passed over experience %s: its record is not stored or does not decode; "
             "run `expbuf check`",
-            table, clip(uid.decode(errors="replace")),
-        )  # fmt: skip
+            clip(name),
+        )
         return None
     # ready, or leased as its group says
     state = member_state(rec, group(txn, dbs, prefix + rec.group.encode())) if rec.state == READY else rec.state
@@ -113,7 +155,7 @@ def _listed_record(txn: lmdb.Transaction[bytes], dbs: Dbs, prefix: bytes, uid: b
 
 
 def row_page(
-    txn: lmdb.Transaction[memoryview], dbs: Dbs, prefix: bytes, filters: Filters, *, after: int, limit: int, table: str
+    txn: lmdb.Transaction[memoryview], dbs: Dbs, prefix: bytes, filters: Filters, *, after: int, limit: int, told: Told
 ) -> Page:
     """`page` of a rows table, read from a transaction with buffers: the same page, its experiences read
     from its live segments and pending groups (it keeps no insertion order), the first in insertion
@@ -121,7 +163,7 @@ def row_page(
     more while filters leave it short, up to as many as a records table's page would read."""
     most, wanted = limit * SCAN_PER_ITEM + 1, limit + 1
     while True:
-        found = _row_listings(txn, dbs, prefix, after, wanted, table)
+        found = _row_listings(txn, dbs, prefix, after, wanted, told)
         page = _paged(iter(found), filters, after, limit)
         if not page.done or len(found) < wanted or wanted == most:
             return page
@@ -129,7 +171,7 @@ def row_page(
 
 
 def _row_listings(
-    txn: lmdb.Transaction[memoryview], dbs: Dbs, prefix: bytes, after: int, wanted: int, table: str
+    txn: lmdb.Transaction[memoryview], dbs: Dbs, prefix: bytes, after: int, wanted: int, told: Told
 ) -> list[Listing]:
     """The first `wanted` live members of a rows table from insertion sequence `after` on, in its
     insertion order: each live segment's insertion numbers read as one column, and passed over whole
@@ -153,7 +195,7 @@ def _row_listings(
     with txn.cursor(db=dbs["segs"]) as cur:
         at = cur.set_range(prefix)
         while at and cur.key()[: len(prefix)] == prefix:
-            read = _listed_segment(txn, dbs, bytes(cur.key()), cur.value(), table)
+            read = _listed_segment(txn, dbs, bytes(cur.key()), cur.value(), told)
             if read is not None:
                 view, state, seqs = read
                 if seqs and max(seqs) >= after and not (len(found) == wanted and min(seqs) > -found[0][0]):
@@ -161,7 +203,7 @@ def _row_listings(
                     offer(seqs, _live_members(view, state))
             at = cur.next()
     for gkey in _heads(txn, dbs, prefix):
-        pending = _listed_head(txn, dbs, prefix, gkey, table)
+        pending = _listed_head(txn, dbs, prefix, gkey, told)
         if pending is not None:
             now, rows = pending
             sources.append(functools.partial(_listed_pending, gkey, now, rows))
@@ -170,7 +212,7 @@ def _row_listings(
 
 
 def _listed_segment(
-    txn: lmdb.Transaction[memoryview], dbs: Dbs, key: bytes, raw: Value, table: str
+    txn: lmdb.Transaction[memoryview], dbs: Dbs, key: bytes, raw: Value, told: Told
 ) -> tuple[SegmentView, SegState, Sequence[int]] | None:
     """A segment a page may list members of (its rows `raw`), with its state and its members' insertion
     numbers; None where its groups have all retired, or where it does not decode (passed over, logged,
@@ -182,15 +224,17 @@ def _listed_segment(
         view, _ = agreeing(SegmentView(raw), state)
         return view, state, cast(Sequence[int], view.members.column("seq", 0, view.members.count))
     except DAMAGE as exc:
-        log.error(
-            "table %s: ListExperiences passed over segment %d: it does not decode (%s: %s); run `expbuf check`",
-            table, _SEQ.unpack(key[-8:])[0], type(exc).__name__, clip(str(exc), 200),
+        seg = _SEQ.unpack(key[-8:])[0]
+        told.error(
+            f"segment {seg}",
+            "ListExperiences passed over segment %d: it does not decode (%s: %s); run `expbuf check`",
+            seg, type(exc).__name__, clip(str(exc), 200),
         )  # fmt: skip
         return None
 
 
 def _listed_head(
-    txn: lmdb.Transaction[memoryview], dbs: Dbs, prefix: bytes, gkey: str, table: str
+    txn: lmdb.Transaction[memoryview], dbs: Dbs, prefix: bytes, gkey: str, told: Told
 ) -> tuple[State, list[Member]] | None:
     """A pending or computing group's state and its rows that read, as a page lists them; those damage
     lost are passed over, logged, as a records table's page passes over a member whose record is lost.
@@ -198,20 +242,20 @@ def _listed_head(
     try:
         head = directory_entry(stored(txn, prefix + gkey.encode(), dbs["gdir"], "pending or computing group"))
     except DAMAGE as exc:
-        log.error(
-            "table %s: ListExperiences passed over pending group %s: its head does not decode (%s: %s); "
-            "run `expbuf check`",
-            table, clip(gkey), type(exc).__name__, clip(str(exc), 200),
+        told.error(
+            f"group {gkey}",
+            "ListExperiences passed over pending group %s: its head does not decode (%s: %s); run `expbuf check`",
+            clip(gkey), type(exc).__name__, clip(str(exc), 200),
         )  # fmt: skip
         return None
     if not isinstance(head, PendingHead):
         return None
     rows = readable_rows(txn, dbs, prefix, gkey, head)
     if len(rows) < len(head.hashes):
-        log.error(
-            "table %s: ListExperiences passed over %d member(s) of group %s: their rows do not read; "
-            "run `expbuf check`",
-            table, len(head.hashes) - len(rows), clip(gkey),
+        told.error(
+            f"rows of group {gkey}",
+            "ListExperiences passed over %d member(s) of group %s: their rows do not read; run `expbuf check`",
+            len(head.hashes) - len(rows), clip(gkey),
         )  # fmt: skip
     return head.state, rows
 
