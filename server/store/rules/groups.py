@@ -206,7 +206,7 @@ def expire_groups(tt: TableState, created_before: float) -> int:
         try:
             grp = tt.existing_view(gkey)
         except DamagedGroup as exc:
-            tt.txn.delete(key, db=tt.db["pending"])
+            core_groups.unlist_pending(tt, key)
             log.error(
                 "table %s: pending group %s passed over by its timeout (%s): run `expbuf check` on the data directory",
                 tt.config.name, gkey, exc.why,

@@ -69,6 +69,12 @@ def forget_failed(grp: GroupView, uids: Sequence[str]) -> None:
         failed.pop(uid, None)
 
 
+def unlist_pending(tt: TableState, key: bytes) -> None:
+    """A pending group leaves the pending index (its key there, from `expired`): one whose head does
+    not decode, which its timeout cannot end, is met once, not at every pass."""
+    tt.txn.delete(key, db=tt.db["pending"])
+
+
 def expired(tt: TableState, created_before: float) -> list[tuple[str, bytes]]:
     """The pending groups created before the cutoff, oldest first, each with its key in the pending index."""
     found = []
