@@ -44,7 +44,8 @@ STAMP := $(VENV)/.expbuf-installed
 # rebuilt whenever one of them or the build changes. Without a compiler, or if the build fails,
 # it says so in one line and expbuf runs as pure Python. A compiled module is used only while it
 # matches its source (expbuf.client.native checks at import), so a stale one never shadows an edit.
-NATIVE_SOURCES := client/native_build.py client/trxp/codec/build.py client/trxp/codec/checks.py \
+NATIVE_SOURCES := client/native_build.py client/trxp/codec/build.py client/trxp/codec/canonical.py \
+	client/trxp/codec/checks.py \
 	client/trxp/codec/common.py client/trxp/codec/parse.py client/trxp/codec/pickles.py
 NATIVE_STAMP := $(VENV)/.expbuf-native
 # What `make test` runs a second time as pure Python (EXPBUF_PURE_PYTHON=1) where the compiled

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ...schema.experience import TENSOR_FIELDS
+from . import canonical
 from .common import (
     CONTAINERS,
     DTYPE_RANK,
@@ -116,6 +117,9 @@ _picklers = threading.local()  # per thread: a pickler and its output, reused fo
 def fragment(meta: dict[str, Any]) -> list[bytes | memoryview]:
     """An item's metadata as the opcodes of its canonical pickle, without PROTO and STOP, in
     runs of bytes: large values are not copied, so the runs are read while `meta` lives."""
+    written = canonical.opcodes(meta)  # most metadata, without the pickler
+    if written is not None:
+        return [written]
     runs: _Runs
     pickler: pickle.Pickler
     try:
