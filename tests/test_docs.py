@@ -313,11 +313,11 @@ def test_every_name_a_sequence_diagram_gives_is_in_the_code() -> None:
 
 
 def test_the_docs_build_fails_on_what_it_warns_of() -> None:
-    """`make test` builds the site with --strict, which fails on a warning (a broken link, an
-    anchor no page has). MkDocs counts the warnings it logs, and --quiet keeps it from logging
-    them: with both, a broken link built without a word."""
+    """The tests build the site with --strict (tests/test_site.py), as `make docs-look` does, which
+    fails on a warning (a broken link, an anchor no page has). MkDocs counts the warnings it logs,
+    and --quiet keeps it from logging them: with both, a broken link built without a word."""
     builds = [line for line in (ROOT / "Makefile").read_text().splitlines() if "mkdocs build" in line]
-    assert len(builds) >= 2
+    assert len(builds) >= 1
     assert [line.strip() for line in builds if "--strict" not in line or "--quiet" in line] == []
-    site = (ROOT / "tests" / "test_site.py").read_text()  # the site the tests build, as make test does
+    site = (ROOT / "tests" / "test_site.py").read_text()  # the build `make test` runs
     assert '"build", "--strict",' in site and '"--quiet"' not in site
