@@ -1,0 +1,119 @@
+"""Instructions the server's ingest of a push costs an experience (valgrind's callgrind, counted
+around each part alone): the parse of a pushed payload (`trxp.parse`: every check on untrusted
+bytes), the packing of each experience as the store keeps it (`pack_item`: its canonical metadata
+pickle, header and frame) and the entry made of it (`Entry.staged`), which together are most of what
+a push of small experiences costs the server (issue 64).
+
+    .venv/bin/python bench/bench_ingest_instructions.py [--shapes 8k,40k] [--before TREE] [--out bench/RESULTS.md]
+
+bench_reverb's experiences, 256 of 8 KB or 64 of 40 KB a push, eight pushes encoded by the client
+beforehand. `--before TREE` counts another checkout's codec and store beside this one's (its
+`server/` and `client/` imported in place of these, its compiled modules where it has them built).
+Needs valgrind. PYTHONHASHSEED is fixed, so a tree's count repeats to 0.1 %.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+import results  # noqa: E402
+
+PARTS = ("parse", "pack", "entry")
+HEADING = "## Instructions of a push's ingest (issue 64)"
+
+
+def child(part: str, shape: str) -> None:
+    """Under callgrind, collection off: `part` over every experience counted with it on."""
+    from bench_reverb import make_pushes
+
+    from expbuf.client import trxp
+    from expbuf.client.trxp.codec.build import pack_item
+    from expbuf.server.store import Entry
+
+    payloads = [trxp.encode(push) for push in make_pushes(shape, 8)]
+    items = [item for payload in payloads for item in trxp.parse(payload)]
+    blobs = [pack_item(item) for item in items]
+    toggle = ["callgrind_control", "-i"]
+    subprocess.run([*toggle, "on", str(os.getpid())], check=True, capture_output=True)
+    if part == "parse":
+        for payload in payloads:
+            trxp.parse(payload)
+    elif part == "pack":
+        for item in items:
+            pack_item(item)
+    else:
+        for item, blob in zip(items, blobs, strict=True):
+            Entry.staged(item, blob, b"", len(blob), 0)
+    subprocess.run([*toggle, "off", str(os.getpid())], check=True, capture_output=True)
+    print(f"experiences {len(items)}", file=sys.stderr)
+
+
+def instructions(part: str, shape: str, tree: Path | None) -> float:
+    """Instructions an experience of `part`, this tree's or `tree`'s."""
+    with tempfile.TemporaryDirectory() as out:
+        env = {**os.environ, "PYTHONHASHSEED": "0"}
+        if tree is not None:  # its packages first on the path: a namespace of links to its own
+            package = Path(out) / "pkg" / "expbuf"
+            package.mkdir(parents=True)
+            for name in ("server", "client"):
+                (package / name).symlink_to(tree.resolve() / name)
+            env["PYTHONPATH"] = str(package.parent)
+        done = subprocess.run(
+            [
+                "valgrind", "--tool=callgrind", "--instr-atstart=no", f"--callgrind-out-file={out}/cg.%p",
+                sys.executable, __file__, "--child", part, "--shapes", shape,
+            ],
+            capture_output=True, env=env,
+        )  # fmt: skip
+        stderr = done.stderr.decode(errors="replace")
+        counted = re.search(r"^experiences (\d+)$", stderr, re.MULTILINE)
+        if done.returncode or counted is None:
+            raise SystemExit(stderr[-3000:])
+        total = 0
+        for path in Path(out).glob("cg.*"):
+            found = re.search(rb"^totals: (\d+)", path.read_bytes(), re.MULTILINE)
+            total += int(found.group(1)) if found else 0
+        return total / int(counted.group(1))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shapes", default="8k,40k")
+    parser.add_argument("--before", type=Path, help="another checkout counted beside this one")
+    parser.add_argument("--out", type=Path)
+    parser.add_argument("--child", choices=PARTS, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        child(args.child, args.shapes)
+        return
+    rows = []
+    for shape in args.shapes.split(","):
+        now = {part: instructions(part, shape, None) for part in PARTS}
+        before = {part: instructions(part, shape, args.before) for part in PARTS} if args.before else None
+        for part in (*PARTS, "together"):
+            after = sum(now.values()) if part == "together" else now[part]
+            if before is None:
+                rows.append(f"| {shape} | {part} | {after:,.0f} |")
+                continue
+            was = sum(before.values()) if part == "together" else before[part]
+            rows.append(f"| {shape} | {part} | {was:,.0f} | {after:,.0f} | **{was / after:.3f}x** |")
+        print("\n".join(rows[-4:]), flush=True)
+    columns = ["shape", "part", "instructions an experience"]
+    if args.before is not None:
+        columns = ["shape", "part", f"before ({args.before.name})", "now", "before / now"]
+    about = "callgrind, every thread; eight pushes of bench_reverb's experiences, each part counted alone."
+    command = "python bench/bench_ingest_instructions.py " + " ".join(sys.argv[1:])
+    results.publish(results.section(HEADING, command, about, columns, rows), HEADING, args.out)
+
+
+if __name__ == "__main__":
+    main()
