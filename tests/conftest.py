@@ -23,6 +23,7 @@ from types import ModuleType
 
 import grpc
 import pytest
+from hypothesis import settings
 
 from expbuf.client import BufferClient
 from expbuf.proto.v1 import buffer_pb2_grpc as pb_grpc
@@ -34,6 +35,11 @@ from helpers import ServerProcess, servers
 
 # torch warns at import when NumPy is absent; expbuf does not use NumPy.
 warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
+
+# No property test has a deadline: a generated example that ran slowly on a busy machine failed its
+# test (hypothesis's 200 ms), and timing belongs in the benchmarks, not in a test's verdict.
+settings.register_profile("expbuf", deadline=None)
+settings.load_profile("expbuf")
 
 
 AREAL_LOGGING = "areal.utils.logging"
