@@ -10,16 +10,13 @@ drains it: held takes of 256, each confirming the one before, one durable commit
 take (its imports, the first transaction) is not counted; the rest, the last confirm included, are.
 `--before TREE` counts another checkout's store beside this one's (its `server/` and `client/`
 imported in place of these, with this tree's benchmark and interpreter). Needs valgrind
-(`apt install valgrind`). PYTHONHASHSEED is fixed, so a tree's count repeats to 0.1 %.
+(callgrind.py).
 """
 
 from __future__ import annotations
 
 import argparse
 import itertools
-import os
-import re
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -28,6 +25,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import bench_take_floor as floor  # noqa: E402
+import callgrind  # noqa: E402
 import results  # noqa: E402
 
 COUNT = 2048
@@ -46,42 +44,20 @@ def child(group: int) -> None:
         assert batch is not None
         taken, held = len(batch.uids), batch.lease_id
         batch.release()
-        toggle = ["callgrind_control", "-i"]
-        subprocess.run([*toggle, "on", str(os.getpid())], check=True, capture_output=True)
-        while taken < COUNT:
-            batch = store.sample(spec, hold=True, confirm=held)
-            assert batch is not None
-            taken += len(batch.uids)
-            held = batch.lease_id
-            batch.release()
-        store.confirm(held, spec)
-        subprocess.run([*toggle, "off", str(os.getpid())], check=True, capture_output=True)
+        with callgrind.counted():
+            while taken < COUNT:
+                batch = store.sample(spec, hold=True, confirm=held)
+                assert batch is not None
+                taken += len(batch.uids)
+                held = batch.lease_id
+                batch.release()
+            store.confirm(held, spec)
 
 
 def instructions(group: int, tree: Path | None) -> float:
     """Instructions an experience counted of the drain, this tree's store or `tree`'s."""
-    with tempfile.TemporaryDirectory() as out:
-        env = {**os.environ, "PYTHONHASHSEED": "0"}
-        if tree is not None:  # its packages first on the path: a namespace of links to its own
-            package = Path(out) / "pkg" / "expbuf"
-            package.mkdir(parents=True)
-            for name in ("server", "client"):
-                (package / name).symlink_to(tree.resolve() / name)
-            env["PYTHONPATH"] = str(package.parent)
-        done = subprocess.run(
-            [
-                "valgrind", "--tool=callgrind", "--instr-atstart=no", f"--callgrind-out-file={out}/cg.%p",
-                sys.executable, __file__, "--child", str(group),
-            ],
-            capture_output=True, env=env,
-        )  # fmt: skip
-        if done.returncode:
-            raise SystemExit(done.stderr.decode(errors="replace")[-3000:])
-        total = 0
-        for path in Path(out).glob("cg.*"):
-            found = re.search(rb"^totals: (\d+)", path.read_bytes(), re.MULTILINE)
-            total += int(found.group(1)) if found else 0
-        return total / (COUNT - floor.BATCH)
+    total, _ = callgrind.run(__file__, ["--child", str(group)], tree)
+    return total / (COUNT - floor.BATCH)
 
 
 def main() -> None:

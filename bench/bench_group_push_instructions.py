@@ -16,9 +16,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
-import re
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -27,6 +24,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import bench_group_pushes as pushes_bench  # noqa: E402
+import callgrind  # noqa: E402
 
 from expbuf.server.store import Entry, Store  # noqa: E402
 from expbuf.server.store.schema.table_config import TableConfig  # noqa: E402
@@ -57,27 +55,14 @@ def child(group: int, way: str) -> None:
         if not before:  # the first push's imports and first transaction, not counted
             store.put_entries("t", measured[0][:1])
             measured[0] = measured[0][1:]
-        toggle = ["callgrind_control", "-i"]
-        subprocess.run([*toggle, "on", str(os.getpid())], check=True, capture_output=True)
-        for batch in measured:
-            store.put_entries("t", batch)
-        subprocess.run([*toggle, "off", str(os.getpid())], check=True, capture_output=True)
+        with callgrind.counted():
+            for batch in measured:
+                store.put_entries("t", batch)
 
 
 def instructions(group: int, way: str) -> int:
-    with tempfile.TemporaryDirectory() as out:
-        subprocess.run(
-            [
-                "valgrind", "--tool=callgrind", "--instr-atstart=no", f"--callgrind-out-file={out}/cg.%p",
-                sys.executable, __file__, "--child", way, "--group", str(group),
-            ],
-            check=True, capture_output=True, env={**os.environ, "PYTHONHASHSEED": "0"},
-        )  # fmt: skip
-        total = 0
-        for path in Path(out).glob("cg.*"):
-            found = re.search(rb"^totals: (\d+)", path.read_bytes(), re.MULTILINE)
-            total += int(found.group(1)) if found else 0
-        return total
+    total, _ = callgrind.run(__file__, ["--child", way, "--group", str(group)])
+    return total
 
 
 def main() -> None:

@@ -9,22 +9,20 @@ a push of small experiences costs the server (issue 64).
 bench_reverb's experiences, 256 of 8 KB or 64 of 40 KB a push, eight pushes encoded by the client
 beforehand. `--before TREE` counts another checkout's codec and store beside this one's (its
 `server/` and `client/` imported in place of these, its compiled modules where it has them built).
-Needs valgrind. PYTHONHASHSEED is fixed, so a tree's count repeats to 0.1 %.
+Needs valgrind (callgrind.py).
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import re
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
+import callgrind  # noqa: E402
 import results  # noqa: E402
 
 PARTS = ("parse", "pack", "entry")
@@ -42,47 +40,26 @@ def child(part: str, shape: str) -> None:
     payloads = [trxp.encode(push) for push in make_pushes(shape, 8)]
     items = [item for payload in payloads for item in trxp.parse(payload)]
     blobs = [pack_item(item) for item in items]
-    toggle = ["callgrind_control", "-i"]
-    subprocess.run([*toggle, "on", str(os.getpid())], check=True, capture_output=True)
-    if part == "parse":
-        for payload in payloads:
-            trxp.parse(payload)
-    elif part == "pack":
-        for item in items:
-            pack_item(item)
-    else:
-        for item, blob in zip(items, blobs, strict=True):
-            Entry.staged(item, blob, b"", len(blob), 0)
-    subprocess.run([*toggle, "off", str(os.getpid())], check=True, capture_output=True)
+    with callgrind.counted():
+        if part == "parse":
+            for payload in payloads:
+                trxp.parse(payload)
+        elif part == "pack":
+            for item in items:
+                pack_item(item)
+        else:
+            for item, blob in zip(items, blobs, strict=True):
+                Entry.staged(item, blob, b"", len(blob), 0)
     print(f"experiences {len(items)}", file=sys.stderr)
 
 
 def instructions(part: str, shape: str, tree: Path | None) -> float:
     """Instructions an experience of `part`, this tree's or `tree`'s."""
-    with tempfile.TemporaryDirectory() as out:
-        env = {**os.environ, "PYTHONHASHSEED": "0"}
-        if tree is not None:  # its packages first on the path: a namespace of links to its own
-            package = Path(out) / "pkg" / "expbuf"
-            package.mkdir(parents=True)
-            for name in ("server", "client"):
-                (package / name).symlink_to(tree.resolve() / name)
-            env["PYTHONPATH"] = str(package.parent)
-        done = subprocess.run(
-            [
-                "valgrind", "--tool=callgrind", "--instr-atstart=no", f"--callgrind-out-file={out}/cg.%p",
-                sys.executable, __file__, "--child", part, "--shapes", shape,
-            ],
-            capture_output=True, env=env,
-        )  # fmt: skip
-        stderr = done.stderr.decode(errors="replace")
-        counted = re.search(r"^experiences (\d+)$", stderr, re.MULTILINE)
-        if done.returncode or counted is None:
-            raise SystemExit(stderr[-3000:])
-        total = 0
-        for path in Path(out).glob("cg.*"):
-            found = re.search(rb"^totals: (\d+)", path.read_bytes(), re.MULTILINE)
-            total += int(found.group(1)) if found else 0
-        return total / int(counted.group(1))
+    total, stderr = callgrind.run(__file__, ["--child", part, "--shapes", shape], tree)
+    counted = re.search(r"^experiences (\d+)$", stderr, re.MULTILINE)
+    if counted is None:
+        raise SystemExit(stderr[-3000:])
+    return total / int(counted.group(1))
 
 
 def main() -> None:

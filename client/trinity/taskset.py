@@ -156,8 +156,8 @@ class ExpbufTaskset(BufferReader):
         run's end, left untrained). Trinity's scheduler of one taskset gives it (scheduler.py)."""
         if not self._steps:
             return
-        step = {(p.epoch, p.index, p.attempt): p for p in self._steps.popleft()}
-        left = [p for p in self._keeper.held() if (p.epoch, p.index, p.attempt) in step]
+        step = set(self._steps.popleft())  # the prompts the keeper holds, as it was given them
+        left = [p for p in self._keeper.held() if p in step]
         if not left:
             return
         log.warning(

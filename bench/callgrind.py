@@ -1,0 +1,54 @@
+"""Instructions counted with valgrind's callgrind, every thread, around what a benchmark's child
+turns counting on for: a count a busy machine does not move, where CPU time moves 1.5x from run to
+run (issue 64). Needs valgrind (`apt install valgrind`); PYTHONHASHSEED is fixed, so a tree's count
+repeats to 0.1 %.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+
+@contextlib.contextmanager
+def counted() -> Iterator[None]:
+    """In a child `run` started: count the instructions of what runs inside."""
+    toggle = ["callgrind_control", "-i"]
+    subprocess.run([*toggle, "on", str(os.getpid())], check=True, capture_output=True)
+    yield
+    subprocess.run([*toggle, "off", str(os.getpid())], check=True, capture_output=True)
+
+
+def run(script: str, args: list[str], tree: Path | None = None) -> tuple[int, str]:
+    """The instructions `script` run with `args` counted (where it turned counting on: `counted`),
+    and its stderr. With `tree`, another checkout's `server/` and `client/` are imported in place of
+    these (its compiled modules where it has them built), with this tree's interpreter."""
+    with tempfile.TemporaryDirectory() as out:
+        env = {**os.environ, "PYTHONHASHSEED": "0"}
+        if tree is not None:  # its packages first on the path: a namespace of links to its own
+            package = Path(out) / "pkg" / "expbuf"
+            package.mkdir(parents=True)
+            for name in ("server", "client"):
+                (package / name).symlink_to(tree.resolve() / name)
+            env["PYTHONPATH"] = str(package.parent)
+        done = subprocess.run(
+            [
+                "valgrind", "--tool=callgrind", "--instr-atstart=no", f"--callgrind-out-file={out}/cg.%p",
+                sys.executable, script, *args,
+            ],
+            capture_output=True, env=env,
+        )  # fmt: skip
+        stderr = done.stderr.decode(errors="replace")
+        if done.returncode:
+            raise SystemExit(stderr[-3000:])
+        total = 0
+        for path in Path(out).glob("cg.*"):
+            found = re.search(rb"^totals: (\d+)", path.read_bytes(), re.MULTILINE)
+            total += int(found.group(1)) if found else 0
+        return total, stderr
