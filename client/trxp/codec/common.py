@@ -16,6 +16,7 @@ VERSION = 1
 HEADER = struct.Struct("<4sBQQ")
 HEADER_SIZE = HEADER.size  # 21
 MM_PREFIX = "multi_modal_inputs:"
+SEGMENTS_KEY = "version_segments"  # where an experience's info carries its per-token versions (segments.py)
 # LMDB keys hold table id + uid; keep uids well inside its 511-byte limit.
 MAX_UID_BYTES = 400
 MAX_NESTING = 32
@@ -156,16 +157,12 @@ class RawItem:
     def model_version(self) -> int | None:
         """The policy version of the experience: its oldest token's where it carries version
         segments (segments.py), else info["model_version"]."""
-        info = self.meta.get("info", {})
-        segments = info.get("version_segments")
-        version: int | None = segments[0][0] if segments else info.get("model_version")
-        return version
+        return versions(self.meta.get("info", {}))[0]
 
     @property
     def version_segments(self) -> tuple[int, ...]:
         """The version segments of a checked item, flattened (version, offset, ...); () without."""
-        segments = self.meta.get("info", {}).get("version_segments")
-        return tuple([number for pair in segments for number in pair]) if segments else ()
+        return versions(self.meta.get("info", {}))[1]
 
     @property
     def response_length(self) -> int:
@@ -179,6 +176,16 @@ class RawItem:
         if mask is None:
             return self.response_length
         return count_nonzero(mask)
+
+
+def versions(info: dict[str, Any]) -> tuple[int | None, tuple[int, ...]]:
+    """A checked experience's `model_version` and `version_segments` (RawItem's), its info read
+    once: a push's entry asks for both of every experience."""
+    segments = info.get(SEGMENTS_KEY)
+    if not segments:
+        version: int | None = info.get("model_version")
+        return version, ()
+    return segments[0][0], tuple([number for pair in segments for number in pair])
 
 
 def count_nonzero(raw: RawTensor) -> int:

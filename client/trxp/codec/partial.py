@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from ...schema.experience import RESPONSE_TENSOR_FIELDS
 from .common import INT64_MAX, RawItem, RawTensor, TrxpError
@@ -40,8 +40,7 @@ TOKEN_LAID = ("tokens", "routed_experts")  # appended along the tokens; RESPONSE
 Layout = dict[str, tuple[str, tuple[int, ...]]]
 
 
-@dataclass(frozen=True, slots=True)
-class Mark:
+class Mark(NamedTuple):
     """A piece's place in its rollout: the tokens held before it, and whether more pieces follow."""
 
     offset: int
@@ -50,7 +49,11 @@ class Mark:
 
 def mark_of(meta: Mapping[str, Any]) -> Mark | None:
     """The piece marks of a checked experience's metadata; None for an experience pushed whole."""
-    info = meta.get("info") or {}
+    return marks_in(meta.get("info") or {})
+
+
+def marks_in(info: Mapping[str, Any]) -> Mark | None:
+    """`mark_of` from the experience's info, where the caller has it already."""
     more, offset = info.get(PARTIAL) is True, info.get(OFFSET) or 0
     return Mark(offset, more) if more or offset else None
 

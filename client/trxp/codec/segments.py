@@ -17,9 +17,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from .common import INT64_MAX, ITEMSIZE, RawTensor, TrxpError
+from .common import INT64_MAX, ITEMSIZE, SEGMENTS_KEY, RawTensor, TrxpError
 
-KEY = "version_segments"  # where an experience's info carries them
+KEY = SEGMENTS_KEY  # where an experience's info carries them
 
 # Segments flattened as the store keeps them: version, offset, version, offset, ...
 Flat = tuple[int, ...]

@@ -13,7 +13,7 @@ from expbuf.client.schema.experience import ids_of
 from expbuf.client.schema.routing import GROUP_KEY_OF
 from expbuf.client.trxp.codec import partial
 from expbuf.client.trxp.codec.build import pack_item
-from expbuf.client.trxp.codec.common import ITEMSIZE, RawItem
+from expbuf.client.trxp.codec.common import ITEMSIZE, RawItem, versions
 from expbuf.client.trxp.stored.columns import (
     PREFIX_FIELDS,
     SCALARS,
@@ -37,6 +37,8 @@ from .snapshot import Snapshot
 from .stored_advantages import Advantage, Masks, Stage, batch_columns, batch_parts
 
 T = TypeVar("T")
+
+_NO_INFO: dict[str, object] = {}
 
 # Whether pushes may wait for room now (asked before they first would): None if they may, else why not.
 MayWait = Callable[[], str | None]
@@ -65,7 +67,7 @@ class Entry:
     generated: int  # response tokens under the action mask
     prompt_bytes: int  # the bytes of its prompt tokens: a store keeps only a long one once (shared_prompts.py)
     segments: tuple[int, ...] = ()  # per-token policy versions, flattened (client/trxp/codec/segments.py)
-    piece: tuple[int, bool] | None = None  # a piece of a partial rollout: its offset, more to come (partial.py)
+    piece: partial.Mark | None = None  # a piece of a partial rollout: its offset, more to come
     chunks: tuple[bytes, ...] = ()  # with a head for blob: its chunks, compressed off the writer (chunked.compressed)
     together: PutTogether | None = None  # a last piece's rollout, put together off the writer (rules/partials.py)
 
@@ -82,27 +84,22 @@ class Entry:
         meta = item.meta
         eid = meta["eid"]
         uid, tid, rid, sid = ids_of(eid)
-        priority = meta.get("info", {}).get("priority", 0.0)
-        return cls(
-            uid=uid,
-            tid=tid,
-            rid=rid,
-            sid=sid,
-            blob=blob,
-            digest=digest,
-            size=size,
-            version=item.model_version,
-            reward=meta.get("reward"),
+        info = meta.get("info") or _NO_INFO  # a checked item's info is a dict where it has one
+        priority = info.get("priority", 0.0)
+        version, segments = versions(info)
+        return cls(  # positional, in the fields' order: a push makes an entry of every experience
+            uid, tid, rid, sid, blob, digest, size, version,
+            meta.get("reward"),
             # + 0.0 makes -0.0 the 0.0 it equals: the priority index orders keys by their bits
-            priority=float(priority) + 0.0 if isinstance(priority, (int, float)) else 0.0,
-            has_token_rewards="token_level_reward" in item.tensors,
-            step=eid.get("step", 0),
-            response_length=item.response_length,
-            generated=generated,
-            prompt_bytes=meta.get("prompt_length", 1) * ITEMSIZE[item.tensors["tokens"].dtype],
-            segments=item.version_segments,
-            piece=None if (mark := partial.mark_of(meta)) is None else (mark.offset, mark.more),
-        )
+            float(priority) + 0.0 if isinstance(priority, (int, float)) else 0.0,
+            "token_level_reward" in item.tensors,
+            eid.get("step", 0),
+            item.response_length,
+            generated,
+            meta.get("prompt_length", 1) * ITEMSIZE[item.tensors["tokens"].dtype],
+            segments,
+            partial.marks_in(info),
+        )  # fmt: skip
 
     def record(self, gkey: str, *, seq: int, created: float) -> ItemRecord:
         """The record of this experience as a pending member of group `gkey`: what a rows table's
