@@ -101,6 +101,7 @@ class AsyncHeldBatch:
         confirm_seconds counts from; `stream`: the call and how it ends, made with it."""
         self.batch, (self._call, self._status) = batch, stream
         self._client, self._lease_seconds, self._since = client, spec.lease_seconds, since
+        self.due = calls.confirm_by(batch.confirm_seconds, since)  # past it, `deliver` gives it back
 
     async def deliver(self) -> Batch:
         """As HeldBatch.deliver: the batch, confirmed and delivered once its stream ended."""

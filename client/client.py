@@ -124,6 +124,7 @@ class HeldBatch:
         confirm_seconds counts from."""
         self.batch, self._stream, self._requests = batch, stream, requests
         self._client, self._lease_seconds, self._since = client, spec.lease_seconds, since
+        self.due = calls.confirm_by(batch.confirm_seconds, since)  # past it, `deliver` gives it back
         weakref.finalize(self, requests.close)  # one dropped unended (its caller interrupted) frees gRPC's reader
 
     def deliver(self) -> Batch:

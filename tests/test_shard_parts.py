@@ -20,6 +20,7 @@ from expbuf.client import BufferClient, ExpbufError
 from expbuf.client.rpc.calls.sample_stream import late
 from expbuf.client.schema.reasons import Reason
 from expbuf.client.shards.blocking import AsyncShardedBufferClient, ShardedBufferClient, ShardError
+from expbuf.client.shards.poll import Wait
 
 from conftest import Servers
 from helpers import make_experience
@@ -29,26 +30,31 @@ Sharded = ShardedBufferClient | AsyncShardedBufferClient
 KINDS = [ShardedBufferClient, AsyncShardedBufferClient]
 
 
+def delivering(step: Any) -> bool:
+    """Whether `step` confirms a batch's held parts."""
+    return isinstance(step, list) and any(call.method == "deliver" for call in step)
+
+
+def before_delivery(act: Callable[[], None]) -> Callable[[Any], None]:
+    """A hook for `samples` that runs `act` as each batch's held parts are about to be confirmed."""
+    return lambda step: act() if delivering(step) else None
+
+
 def samples(
     kind: type[Sharded],
     targets: dict[str, str],
     asks: list[dict[str, Any]],
-    before_delivery: Callable[[], None] = lambda: None,
+    before: Callable[[Any], None] = lambda step: None,
 ) -> list[tuple[Any, set[str]]]:
     """Each sample asked in turn of one client of `kind` (the asyncio one's on a loop of its own),
-    `before_delivery` run as each batch's held parts are about to be confirmed: its batches, as a
-    list, or the ShardError it raised; and the shards the client then believes down."""
-
-    def delivering(step: Any) -> bool:
-        return isinstance(step, list) and any(call.method == "deliver" for call in step)
-
+    `before` called with each step of its plan (shard calls, a pause) before it is made: its
+    batches, as a list, or the ShardError it raised; and the shards the client then believes down."""
     if kind is ShardedBufferClient:
         with ShardedBufferClient(targets, timeout=5.0) as client:
             blocking = client._step
 
             def step_of(step: Any) -> Any:
-                if delivering(step):
-                    before_delivery()
+                before(step)
                 return blocking(step)
 
             client._step = step_of  # type: ignore[method-assign]
@@ -59,8 +65,7 @@ def samples(
             driven = client._step
 
             async def step(step: Any) -> Any:
-                if delivering(step):
-                    before_delivery()
+                before(step)
                 return await driven(step)
 
             client._step = step  # type: ignore[method-assign]
@@ -130,9 +135,9 @@ def test_a_held_part_confirmed_too_late_leaves_its_shard_believed_up() -> None:
 def test_a_part_held_past_its_shards_max_confirm_seconds_is_left_out_and_taken_again(
     start_server: Servers, tmp_path: Path, kind: type[Sharded]
 ) -> None:
-    """A part held while the poll waits for more, past its shard's max_confirm_seconds, went back
-    to its buffer: it is left out of the batch, not handed over as well as the same groups taken
-    again once back, and not counted as sampled; the trainer gets each experience once."""
+    """A part held while the poll waits for more goes back to its buffer before its shard's
+    max_confirm_seconds, and is taken again: the batch that goes out at the sample's timeout holds
+    it once, not as well as an older part of the same groups, and the shard counts it sampled once."""
     targets, _ = in_process_shards(start_server, tmp_path, max_confirm_seconds=0.2)
     with ShardedBufferClient(targets) as setup:
         setup.create_table("t", group_size=2, estimator="none")
@@ -145,6 +150,45 @@ def test_a_part_held_past_its_shards_max_confirm_seconds_is_left_out_and_taken_a
     with ShardedBufferClient(targets) as after:
         stats = after.shard_stats("t")["full"]["t"]
         assert (stats.ready, stats.consumed, stats.sampled) == (0, 2, 2)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_part_held_while_the_poll_waits_goes_back_before_its_shards_limit_and_the_batch_comes_whole(
+    start_server: Servers, tmp_path: Path, kind: type[Sharded]
+) -> None:
+    """A sample's timeout (30 s) far above a shard's max_confirm_seconds (0.3 s): that shard's part,
+    held while the poll waits for the other shard's, goes back to its buffer before its limit, and
+    is taken again once the other shard has its part, so the trainer gets the whole batch it asked
+    for, not partial, each experience once, and the shard counts each delivered once."""
+    targets, _ = in_process_shards(start_server, tmp_path, max_confirm_seconds=0.3)
+    with ShardedBufferClient(targets) as setup:
+        setup.create_table("t", group_size=2, estimator="none")
+        setup.push(versioned(setup, 0, {"free": 0, "full": 5}), table="t")
+        fresh = versioned(setup, 1, {"free": 5})
+        stale = sorted({f"{item.eid.batch}/{item.eid.task}" for item in versioned(setup, 0, {"free": 0})})
+    waits: list[float] = []
+    fresh_pushed: list[bool] = []
+
+    def meanwhile(step: Any) -> None:
+        """Once the poll has waited past the limit three times over, free's part becomes there:
+        its too-old group replaced by one of version 5."""
+        if not isinstance(step, Wait):
+            return
+        waits.append(time.monotonic())
+        if waits[-1] - waits[0] >= 1.0 and not fresh_pushed:
+            with BufferClient(targets["free"]) as free:
+                free.delete(table="t", groups=stale)
+                free.push(fresh, table="t")
+            fresh_pushed.append(True)
+
+    ask = {"batch_size": 4, "min_model_version": 5, "max_batches": 1, "delivery": "consume", "timeout": 30.0}
+    (([batch], down),) = samples(kind, targets, [ask], meanwhile)
+    assert fresh_pushed, "the sample ended before free's part was there"
+    assert sorted(batch.shards) == ["free", "full"] and not batch.partial
+    assert len(batch.uids) == len(set(batch.uids)) == 4 and down == set()
+    with ShardedBufferClient(targets) as after:
+        for shard, stats in after.shard_stats("t").items():
+            assert (stats["t"].ready, stats["t"].consumed, stats["t"].sampled) == (0, 2, 2), shard
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -172,7 +216,7 @@ def test_a_part_whose_shard_fails_its_confirmation_is_left_out_and_not_counted(
                 one.create_table("t", group_size=2, estimator="none")
 
     ask = {"num_groups": 8, "max_batches": 1, "delivery": "consume", "timeout": 5.0}
-    (([batch], down),) = samples(kind, targets, [ask], fail)
+    (([batch], down),) = samples(kind, targets, [ask], before_delivery(fail))
     assert batch.shards == ["free"] and batch.partial and len(batch.uids) == on["free"]
     assert down == ({"full"} if fault == "stopped" else set())
     if fault == "stopped":

@@ -54,6 +54,25 @@ def test_a_part_taken_by_another_trainer_meanwhile_is_asked_again() -> None:
     assert poll.took([2], now=0.3) == Done(partial=False)
 
 
+def test_a_part_given_back_unused_is_asked_for_again_or_the_batch_goes_without_it_once_late() -> None:
+    """A part held too long to be confirmed in time goes back to its shard: the poll counts it no
+    more, and asks for what it held again while the wait lasts; once late, the batch goes out with
+    the parts still held (partial), or, with none, not at all."""
+    poll = Poll(SampleSpec("t", num_groups=4, timeout=5), ["a", "b"], now=0.0)
+    assert poll.look({"a": 2, "b": 2}, now=0.0) == Ask({"a": 2, "b": 2}, late=False)
+    assert isinstance(poll.took([2], now=0.1), Wait)  # b's part did not come
+    assert isinstance(poll.returned([2], now=0.2), Wait)  # a's went back before its shard's limit
+    assert poll.look({"a": 2, "b": 2}, now=0.3) == Ask({"a": 2, "b": 2}, late=False)
+    assert poll.took([2, 2], now=0.4) == Done(partial=False)
+
+    late = Poll(SampleSpec("t", num_groups=4, timeout=1.0), ["a", "b"], now=0.0)
+    assert late.look({"a": 2, "b": 2}, now=1.0) == Ask({"a": 2, "b": 2}, late=True)
+    assert late.took([2, 2], now=1.0) == Done(partial=False)
+    assert late.returned([2], now=1.1) == Done(partial=True)
+    step = late.returned([2], now=1.2)
+    assert isinstance(step, GiveUp) and isinstance(step.error, DeadlineExceededError)
+
+
 def test_nothing_in_time_gives_up_with_why() -> None:
     late = Poll(SampleSpec("t", num_groups=2, timeout=1.0), ["a"], now=0.0)
     step = late.look({"a": 0}, now=1.0)

@@ -1,7 +1,7 @@
 """How a sharded client gathers one batch: which shards to ask for how much, how long to wait, when to give up.
 
 Pure logic, with no calls and no clock: `Poll` is told the time, the shards' ready counts and
-what each fetch brought, and answers with the next thing to do (`Ask`, `Wait`, `Done` or
+what each fetch brought (and what went back unused), and answers with the next thing to do (`Ask`, `Wait`, `Done` or
 `GiveUp`). The sample plan (plans.py) makes the calls it asks for, and the blocking and
 asyncio drivers run that plan, so the poll algorithm exists once.
 """
@@ -79,9 +79,17 @@ class Poll:
 
     def took(self, sizes: Iterable[int], now: float) -> Next:
         """What to do after an Ask brought parts of these sizes (groups or experiences, as asked)."""
+        return self._count(sizes, 1, now)
+
+    def returned(self, sizes: Iterable[int], now: float) -> Next:
+        """What to do after parts of these sizes went back to their shards unused (held too long
+        to be confirmed in time): what they held is asked for again, as if never brought."""
+        return self._count(sizes, -1, now)
+
+    def _count(self, sizes: Iterable[int], sign: int, now: float) -> Next:
         for size in sizes:
-            self._got += size
-            self._parts += 1
+            self._got += sign * size
+            self._parts += sign
         return self._after(now)
 
     def _after(self, now: float) -> Next:

@@ -15,7 +15,7 @@ from ..results import Batch, Leases
 from ..rpc.sample_spec import SampleSpec
 from .common import ShardBatch, shard_error
 from .plans import Planned
-from .poll import Ask, GiveUp, Poll, Wait
+from .poll import Ask, Done, GiveUp, Poll, Wait
 from .steps import Call, Emit, Plan, is_down
 
 _log = logging.getLogger("expbuf.client")
@@ -26,6 +26,7 @@ class Held(Protocol):
     and AsyncHeldBatch): its shard holds it, counted nowhere, until its `deliver` or `give_back`."""
 
     batch: Batch
+    due: float  # the last moment (time.monotonic()) its confirmation may go (calls.confirm_by)
 
 
 Parts = list[tuple[str, Held]]
@@ -48,19 +49,10 @@ class SamplePlans(Planned):
             yield from self._set_trainer_version(spec.trainer_version, spec.table, need_answer=False)
         sent = 0
         while not spec.max_batches or sent < spec.max_batches:
-            poll, parts = Poll(spec, self.clients, time.monotonic()), []
+            poll = Poll(spec, self.clients, time.monotonic())
+            parts: Parts = []
             try:
-                step = poll.look((yield from self._ready(spec.table, poll.key)), time.monotonic())
-                while isinstance(step, (Ask, Wait)):
-                    if isinstance(step, Ask):
-                        fetched, refused = yield from self._fetch(spec, step.parts, step.late)
-                        parts += fetched
-                        if refused:
-                            raise shard_error(refused, self.shard_map.targets)
-                        step = poll.took((self._size(spec, held.batch) for _, held in fetched), time.monotonic())
-                    else:
-                        yield step
-                        step = poll.look((yield from self._ready(spec.table, poll.key)), time.monotonic())
+                step = yield from self._gather(spec, poll, parts)
             except BufferError:
                 yield from self._give_back(parts)
                 raise
@@ -73,6 +65,38 @@ class SamplePlans(Planned):
             yield Emit(self._merge(delivered, spec, step.partial or lost, leases, kind))
             if step.partial:
                 return
+
+    def _gather(self, spec: SampleSpec, poll: Poll, parts: Parts) -> Plan[Done | GiveUp]:
+        """One batch's parts, taken into `parts` as `poll` asks, until it has them all (Done) or
+        gives up. A part the poll would hold past the last moment its shard takes its
+        confirmation (`Held.due`: its max_confirm_seconds, which a sample's timeout may far
+        outlast), through a pause or to the delivery, goes back to its buffer uncounted first
+        and is asked for again: left held, its shard would give it back, and the batch would go
+        out short of it."""
+        step = poll.look((yield from self._ready(spec.table, poll.key)), time.monotonic())
+        while True:
+            if isinstance(step, Ask):
+                fetched, refused = yield from self._fetch(spec, step.parts, step.late)
+                parts += fetched
+                if refused:
+                    raise shard_error(refused, self.shard_map.targets)
+                step = poll.took((self._size(spec, held.batch) for _, held in fetched), time.monotonic())
+            elif isinstance(step, GiveUp):
+                return step
+            elif overdue := [part for part in parts if part[1].due <= time.monotonic() + self._pause(step)]:
+                parts[:] = [part for part in parts if part not in overdue]
+                yield from self._give_back(overdue)
+                step = poll.returned((self._size(spec, held.batch) for _, held in overdue), time.monotonic())
+            elif isinstance(step, Wait):
+                yield step
+                step = poll.look((yield from self._ready(spec.table, poll.key)), time.monotonic())
+            else:
+                return step
+
+    @staticmethod
+    def _pause(step: Wait | Done) -> float:
+        """How long the parts in hand wait before the next step: the pause, or none before delivery."""
+        return step.seconds if isinstance(step, Wait) else 0.0
 
     def _ready(self, table: str, key: str) -> Plan[dict[str, int]]:
         """Each answering shard's ready count (a probe each: shards that do not answer, or refuse

@@ -14,7 +14,7 @@ and the Sample stream's pieces (`sample_stream.py`).
 
 from .attempts import Attempts, one_reply
 from .push_calls import Items, payload, payload_uids, push, push_requests, push_result
-from .sample_stream import STOP_SECONDS, Orders, batch, confirmation, ended_late, handed
+from .sample_stream import STOP_SECONDS, Orders, batch, confirm_by, confirmation, ended_late, handed
 
 __all__ = [
     "STOP_SECONDS",
@@ -22,6 +22,7 @@ __all__ = [
     "Items",
     "Orders",
     "batch",
+    "confirm_by",
     "confirmation",
     "ended_late",
     "handed",

@@ -4,6 +4,7 @@ batch decoded from its reply, and handed to the caller unless asked for too late
 
 from __future__ import annotations
 
+import math
 import time
 from typing import TypeVar
 
@@ -104,13 +105,22 @@ def batch(reply: SampleReplyParts, table: str, leases: Leases | None, kind: type
     return made
 
 
+def confirm_by(seconds: float, since: float) -> float:
+    """The last moment (time.monotonic()) a client may confirm a batch whose server waits `seconds`
+    (a reply's confirm_seconds; 0: unknown, no bound) for its confirmation, counted from the
+    confirmation before it, sent at `since`: a tenth of `seconds` (at most CONFIRM_MARGIN) before
+    the server's bound, kept for the confirmation's way to the server."""
+    return since + seconds - min(seconds / 10, CONFIRM_MARGIN) if seconds else math.inf
+
+
 def late(table: str, seconds: float, since: float) -> DeadlineExceededError | None:
     """The error of a batch asked for too late for a server that waits `seconds` (a reply's
     confirm_seconds; 0: unknown) for its confirmation, counted from the confirmation before it, sent
-    at `since` (see `handed`); None in time."""
-    waited = time.monotonic() - since
-    if not seconds or waited <= seconds - min(seconds / 10, CONFIRM_MARGIN):
+    at `since` (see `handed`); None in time (`confirm_by`)."""
+    now = time.monotonic()
+    if now <= confirm_by(seconds, since):
         return None
+    waited = now - since
     return DeadlineExceededError(
         grpc.StatusCode.DEADLINE_EXCEEDED,
         f"a batch of table '{table}' was asked for {waited:.1f}s after the batch before it (or the stream's "
