@@ -163,7 +163,7 @@ class AsyncBufferClient(ServerCalls, Awaiting, ClientBase):
             except ExpbufError as exc:
                 pause = attempts.after(exc)
                 if pause is None:
-                    raise
+                    raise attempts.answer(exc) from None
                 await asyncio.sleep(pause)
 
     async def _perform(self, plan: Plan[T]) -> T:

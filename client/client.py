@@ -194,7 +194,7 @@ class BufferClient(ServerCalls, Blocking, ClientBase):
             except ExpbufError as exc:
                 pause = attempts.after(exc)
                 if pause is None:
-                    raise
+                    raise attempts.answer(exc) from None
                 time.sleep(pause)
 
     def _perform(self, plan: Plan[T]) -> T:

@@ -65,6 +65,7 @@ class Front:
         self.calls: list[tuple[str, str]] = []
         self._refused: Counter[str] = Counter()
         self._lost: Counter[str] = Counter()
+        self._forwarded: dict[str, int] = {}  # of a held method, the calls still to forward
         self._delay, self._read = 0.0, 0
         self._lock = threading.Lock()
         self._backend = grpc.insecure_channel(backend, options=MESSAGE_OPTIONS)
@@ -84,6 +85,11 @@ class Front:
     def lose(self, method: str, times: int) -> None:
         self._lost[method] = times
 
+    def hold(self, method: str, after: int) -> None:
+        """Forward the next `after` calls of `method`, and hold each one after them unanswered
+        until its caller's deadline ends it, as a server too loaded to answer in time would."""
+        self._forwarded[method] = after
+
     def attempts(self, method: str) -> int:
         return sum(1 for name, _ in self.calls if name == method)
 
@@ -95,6 +101,14 @@ class Front:
             lost = not refused and self._lost[method] > 0
             self._refused[method] -= refused
             self._lost[method] -= lost
+            held = self._forwarded.get(method) == 0
+            if method in self._forwarded and not held:
+                self._forwarded[method] -= 1
+        if held:
+            ended = threading.Event()
+            if context.add_callback(ended.set):
+                ended.wait()
+            context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "the front held the call")
         if refused:
             if self._read != 0:
                 for _ in itertools.islice(request, self._read):
@@ -113,7 +127,7 @@ class Front:
             try:
                 reply = forward(request, timeout=context.time_remaining())
             except grpc.RpcError as exc:
-                context.abort(exc.code(), exc.details())
+                abort(context, exc)
             if lost:
                 context.abort(grpc.StatusCode.UNAVAILABLE, "the front lost the reply")
             return reply
@@ -123,10 +137,17 @@ class Front:
             try:
                 yield from forward(request, timeout=context.time_remaining())
             except grpc.RpcError as exc:
-                context.abort(exc.code(), exc.details())
+                abort(context, exc)
 
         make = getattr(grpc, f"{kind}_rpc_method_handler")
         return make(relay if method.server_streaming else run)
+
+
+def abort(context: grpc.ServicerContext, exc: grpc.RpcError) -> None:
+    """End a forwarded call as the server ended it: its status, and the trailers that say why
+    (the reason, and whether it did nothing: wire.BUSY), as a proxy passes them on."""
+    context.set_trailing_metadata(exc.trailing_metadata() or ())
+    context.abort(exc.code(), exc.details())
 
 
 @pytest.fixture
@@ -558,6 +579,27 @@ def test_the_attempts_of_a_push_kept_out_send_it_as_it_was_until_its_deadline() 
         assert other.after(ResourceExhaustedError(grpc.StatusCode.RESOURCE_EXHAUSTED, "table full")) is None
 
 
+def test_a_call_kept_out_then_unanswered_by_its_deadline_is_answered_with_what_kept_it_out() -> None:
+    """The error a caller gets: the refusal that kept the call out when an attempt made again after
+    it reached the call's deadline unanswered (not busy: whether it got in is unknown); any other
+    error as it came, a DEADLINE_EXCEEDED the server answered (its reason set) among them, and
+    the client's own deadline on a call never kept out."""
+    busy = ResourceExhaustedError(grpc.StatusCode.RESOURCE_EXHAUSTED, "table 't' is full", "table_full")
+    busy.busy = True
+    unanswered = DeadlineExceededError(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
+    answered = DeadlineExceededError(grpc.StatusCode.DEADLINE_EXCEEDED, "not ready", "not_ready")
+    first = calls_module.push(one_run("answer"), "t", 30.0, 0)
+    never = calls_module.Attempts(first, timeout=30.0)
+    assert never.after(unanswered) is None and never.answer(unanswered) is unanswered
+    attempts = calls_module.Attempts(first, timeout=30.0)
+    assert attempts.after(busy) is not None
+    assert attempts.after(unanswered) is None
+    got = attempts.answer(unanswered)
+    assert isinstance(got, ResourceExhaustedError) and (got.reason, got.busy) == ("table_full", False)
+    assert got.details.startswith("table 't' is full") and "not answered" in got.details, got.details
+    assert attempts.answer(answered) is answered
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_a_call_that_waited_for_a_server_it_never_reached_names_the_target(start_server: Servers, kind: str) -> None:
     """gRPC's own words are "Deadline Exceeded": the error says where the client looked, and why a
@@ -668,32 +710,74 @@ def test_pushes_kept_out_of_a_full_table_are_made_again_until_a_trainer_makes_ro
     assert sorted(consumed) == sorted(held + [uid for data in bodies for uid in uids(data)])
 
 
+@contextlib.contextmanager
+def push_places_taken(server: ExpbufServer, count: int) -> Iterator[None]:
+    """`count` idle PushStreams open on `server`, each holding one of the places push-scope calls
+    wait in, until the block ends."""
+    holds: list[Any] = []
+    with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        stub = buffer_pb2_grpc.ExperienceBufferStub(channel)
+        for _ in range(count):
+            hold: Any = queue.SimpleQueue()
+            holds.append((hold, stub.PushStream(iter(hold.get, None), timeout=60)))
+        try:
+            wait_for(lambda: server.call_limits.in_progress("push_stream") == count, "the PushStreams did not open")
+            yield
+        finally:
+            for hold, stream in holds:
+                hold.put(None)
+                stream.cancel()
+
+
+def kept_out_limit(kind: str) -> str:
+    """What the refusal of a push of `kind` kept out of the full table names."""
+    return "max_push_streams = 5" if pushed_by(kind) == "PushStream" else "table 't' is full"
+
+
 @pytest.mark.parametrize("kind", PUSH_KINDS)
 def test_a_push_kept_out_past_its_deadline_is_refused_naming_the_limit(start_server: Servers, kind: str) -> None:
     """Idle PushStreams take every place the server lets push-scope calls wait in: a push into the
     full table is kept out (a push alone, as it would wait for room; a PushStream, at
     max_push_streams), made again while its deadline lasts, and then refused RESOURCE_EXHAUSTED
-    naming what kept it out. Nothing of it is stored."""
+    naming what kept it out, however little of its deadline its last attempt had. Nothing of it
+    is stored."""
     server = start_server(workers=8, max_push_streams=5)  # 8 - reserved_workers 1 - sample_scope_workers 2
     target = f"127.0.0.1:{server.port}"
     full_table(target)
     data = one_run("late")
-    holds: list[Any] = []
-    with grpc.insecure_channel(target) as channel:
-        stub = buffer_pb2_grpc.ExperienceBufferStub(channel)
-        for _ in range(5):
-            hold: Any = queue.SimpleQueue()
-            holds.append((hold, stub.PushStream(iter(hold.get, None), timeout=60)))
-        try:
-            wait_for(lambda: server.call_limits.in_progress("push_stream") == 5, "the idle PushStreams did not open")
-            (outcome,) = pushes_at_once(kind, target, [data], 3)
-        finally:
-            for hold, stream in holds:
-                hold.put(None)
-                stream.cancel()
+    with push_places_taken(server, 5):
+        (outcome,) = pushes_at_once(kind, target, [data], 3)
     assert isinstance(outcome, ExpbufError) and outcome.code == grpc.StatusCode.RESOURCE_EXHAUSTED, outcome
-    limit = "max_push_streams = 5" if pushed_by(kind) == "PushStream" else "table 't' is full"
-    assert limit in outcome.details, outcome.details
+    assert kept_out_limit(kind) in outcome.details, outcome.details
     assert refused(server, pushed_by(kind)) >= 2  # kept out, and made again
+    with BufferClient(target) as admin:
+        assert admin.get(uids(data), table="t").missing_uids == uids(data)
+
+
+@pytest.mark.parametrize("kind", [kind for kind in PUSH_KINDS if "pusher" not in kind])
+def test_a_push_kept_out_whose_last_attempt_is_not_answered_by_its_deadline_is_refused_naming_the_limit(
+    start_server: Servers, kind: str
+) -> None:
+    """A push made again after the server kept it out has what is left of its deadline, which may
+    be too little for the answer to come back (the pauses fall close to it, a machine under load):
+    here a proxy forwards the first attempt and holds every one after it until its deadline. Its
+    caller gets the refusal that kept it out all the same, RESOURCE_EXHAUSTED naming the limit and
+    saying that the last attempt went unanswered, not a bare DEADLINE_EXCEEDED. Nothing is stored.
+    (A pusher's push made again has a deadline of its own, the client's timeout: not here.)"""
+    server = start_server(workers=8, max_push_streams=5)
+    target = f"127.0.0.1:{server.port}"
+    full_table(target)
+    data = one_run("held")
+    proxy = Front(target)
+    try:
+        with push_places_taken(server, 5):
+            proxy.hold(pushed_by(kind), after=1)
+            (outcome,) = pushes_at_once(kind, proxy.target, [data], 1)
+        assert proxy.attempts(pushed_by(kind)) >= 2  # kept out, and made again
+    finally:
+        proxy.close()
+    assert isinstance(outcome, ExpbufError) and outcome.code == grpc.StatusCode.RESOURCE_EXHAUSTED, outcome
+    assert kept_out_limit(kind) in outcome.details and "not answered" in outcome.details, outcome.details
+    assert refused(server, pushed_by(kind)) == 1
     with BufferClient(target) as admin:
         assert admin.get(uids(data), table="t").missing_uids == uids(data)

@@ -29,7 +29,8 @@ class Attempts(Generic[R]):
     for the rate limit (or, as a PutValues does, for max_inflight_bytes), is made as it was: it
     stored nothing, and is stored once however often it is sent. No attempt ends past the first
     one's deadline (the call's timeout, else the client's `timeout`); the refusal that comes when
-    none may start before it is the caller's.
+    none may start before it is the caller's, and so it is when the last one started has too
+    little of that deadline left for its answer to come back (`answer`).
 
     A push in chunks goes over a channel without gRPC's retries (connection.RETRIED_METHODS says
     why), so it is made again here after UNAVAILABLE (the server stopped, or went away, while it
@@ -44,6 +45,7 @@ class Attempts(Generic[R]):
         self._waits_until = start + _wait(call)
         self._deadline = start + (call.timeout or timeout)
         self._made = 0  # attempts made again
+        self._kept_out: ExpbufError | None = None  # the last refusal that kept the call out
         self._resends = retries if isinstance(call, Chunked) and call.retry else 0  # after UNAVAILABLE, left
 
     def after(self, error: ExpbufError) -> float | None:
@@ -57,6 +59,8 @@ class Attempts(Generic[R]):
         resend = error.code == grpc.StatusCode.UNAVAILABLE and self._resends > 0
         if not (error.busy and (waits or self._pushes)) and not resend:
             return None
+        if error.busy:
+            self._kept_out = error
         now = time.monotonic()
         pause = BACKOFF.pause(self._made)
         self._made += 1
@@ -74,6 +78,24 @@ class Attempts(Generic[R]):
             call = replace(call, request=request)
         self.call = replace(call, timeout=self._deadline - start)
         return pause
+
+    def answer(self, error: ExpbufError) -> ExpbufError:
+        """What the caller gets when `error` ends the call (`after` returned None): `error`, but
+        for an attempt made again after the server kept the call out that reached the call's
+        deadline unanswered (DEADLINE_EXCEEDED with no reason of the server's: the client's own).
+        How much of the deadline that attempt had is down to where the pauses fell and to how
+        loaded the machines are, so the caller gets what kept the call out, whatever it was, with
+        the refusal's code and reason, saying that the last attempt went unanswered. Not `busy`:
+        whether that attempt got in is unknown (a push made again is stored once)."""
+        kept_out = self._kept_out
+        if kept_out is None or error.code != grpc.StatusCode.DEADLINE_EXCEEDED or error.reason is not None:
+            return error
+        return ExpbufError(
+            kept_out.code,
+            f"{kept_out.details} (made again until its deadline; the last attempt was not answered by then, "
+            "so whether it got in is unknown)",
+            kept_out.reason,
+        )
 
 
 def _wait(call: Unary[Any] | Chunked[Any]) -> float:
