@@ -1,9 +1,9 @@
 """How a sharded client gathers one batch: which shards to ask for how much, how long to wait, when to give up.
 
-Pure logic, with no calls and no clock: `Poll` is told the time, the shards' ready counts and
-what each fetch brought (and what went back unused), and answers with the next thing to do (`Ask`, `Wait`, `Done` or
-`GiveUp`). The sample plan (plans.py) makes the calls it asks for, and the blocking and
-asyncio drivers run that plan, so the poll algorithm exists once.
+Pure logic, with no calls and no clock: `Poll` is told the time, the shards' ready counts, what
+each fetch brought and what went back unused, and answers with the next thing to do (`Ask`,
+`Wait`, `Done` or `GiveUp`). The sample plan (sampling.py) makes the calls it asks for, and the
+blocking and asyncio drivers run that plan, so the poll algorithm exists once.
 """
 
 from __future__ import annotations
