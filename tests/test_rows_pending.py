@@ -503,9 +503,9 @@ def test_a_request_that_changes_a_pending_group_whose_head_does_not_decode_is_re
     tmp_path: Path, met_by: str
 ) -> None:
     """A push to a pending group whose head no longer decodes, its seal, a report of its runs failed
-    and a Delete of it were refused INTERNAL (struct.error) at every try. Each is refused DATA_LOSS
-    naming the group, nothing of the request stored (the push's runs of another group neither), and
-    the table's other groups take runs and complete."""
+    and a Delete of one of its members were refused INTERNAL (struct.error) at every try. Each is
+    refused DATA_LOSS naming the group and the way out, nothing of the request stored (the push's runs
+    of another group neither), and the table's other groups take runs and complete."""
     with Store(tmp_path, clock=Clock()) as store:
         store.create_table(TableConfig.of("t", layout="rows", **EIGHTS))
         store.put("t", [run(1, n) for n in range(3)] + [run(2, n) for n in range(3)])
@@ -518,10 +518,10 @@ def test_a_request_that_changes_a_pending_group_whose_head_does_not_decode_is_re
                 store.seal("t", "0/1")
             elif met_by == "fail_runs":
                 store.fail_runs("t", [uid(1, 5)], ["died"])
-            else:
-                store.delete("t", group_ids=["0/1"])
+            else:  # a Delete naming the group removes it (test_damaged_group_delete.py)
+                store.delete("t", [uid(1, 0)])
         assert (refused.value.status, refused.value.reason) == ("DATA_LOSS", "damaged")
-        assert "run `expbuf check`" in str(refused.value)
+        assert "run `expbuf check`" in str(refused.value) and "Delete the group by its id" in str(refused.value)
         assert store.stats("t") == before
         assert store.put("t", [run(2, n) for n in range(3, 8)]).completed_groups == ["0/2"]
         assert store.stats("t")["groups_ready"] == 1

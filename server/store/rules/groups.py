@@ -27,6 +27,7 @@ from ..core.verbs.groups import Closed
 from ..core.verbs.retire import retire
 from ..disk.kinds import Ahead, Compute, FailResult, ShapingUpdate
 from ..schema.errors import (
+    DROP_DAMAGED_GROUP,
     Conflict,
     DamagedGroup,
     GroupClosed,
@@ -199,7 +200,7 @@ def expire_groups(tt: TableState, created_before: float) -> int:
     """Release (flagged partial) or drop incomplete groups created before the cutoff; returns how many.
     A rows table's whose head does not decode cannot be ended from what is stored: it leaves the
     pending index, so that the upkeep meets it once and times out the others, logged, and is left to
-    `expbuf check`."""
+    `expbuf check` and a Delete naming it (core/verbs/row_damaged.py)."""
     ending = Ending(tt)
     timed_out = 0
     for gkey, key in core_groups.expired(tt, created_before):
@@ -208,8 +209,8 @@ def expire_groups(tt: TableState, created_before: float) -> int:
         except DamagedGroup as exc:
             core_groups.unlist_pending(tt, key)
             log.error(
-                "table %s: pending group %s passed over by its timeout (%s): run `expbuf check` on the data directory",
-                tt.config.name, gkey, exc.why,
+                "table %s: pending group %s passed over by its timeout (%s): %s",
+                tt.config.name, gkey, exc.why, DROP_DAMAGED_GROUP,
             )  # fmt: skip
             continue
         timed_out += 1

@@ -226,10 +226,17 @@ class DamagedPayload(StoreError):
         self.uid = uid
 
 
+# The way out of a group whose record does not decode, which its refusals and logs name.
+DROP_DAMAGED_GROUP = (
+    "run `expbuf check` on the data directory; Delete the group by its id to remove it with its experiences"
+)
+
+
 class DamagedGroup(StoreError):
     """A rows table's pending or computing group whose head (its directory entry) no longer decodes,
     met by a request that changes or ends it: what it holds cannot be read, so nothing of the
-    request is stored, and `expbuf check` names the group."""
+    request is stored, and `expbuf check` names the group. A Delete naming the group by its id
+    removes it whole (core/verbs/row_damaged.py), which the refusal says."""
 
     status = "DATA_LOSS"
     reason = Reason.DAMAGED
@@ -237,7 +244,7 @@ class DamagedGroup(StoreError):
     def __init__(self, gkey: str, why: str) -> None:
         super().__init__(
             f"group {clip(gkey)}: its record does not decode ({why}; damaged on disk): nothing of this request "
-            "is stored; run `expbuf check` on the data directory"
+            f"is stored; {DROP_DAMAGED_GROUP}"
         )
         self.gkey, self.why = gkey, why
 

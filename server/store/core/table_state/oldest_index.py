@@ -144,8 +144,13 @@ def head_gone(tt: TableState, gkey: str, head: PendingHead) -> None:
         first = None
     if first is not None and tt.txn.delete(head_key(tt.prefix, first, gkey), db=tt.db["oldest"]):
         return
-    if not head.hashes:  # no member: no key
-        return
+    if head.hashes:  # else no member: no key
+        group_gone(tt, gkey)
+
+
+def group_gone(tt: TableState, gkey: str) -> None:
+    """A pending or computing group gone whose first member's time is not known: its key, if any,
+    found by the group's key among the table's."""
     held = HEAD + gkey.encode()
     with tt.txn.cursor(db=tt.db["oldest"]) as cur:
         more = cur.set_range(tt.prefix)

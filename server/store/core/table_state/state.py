@@ -300,21 +300,34 @@ class TableState:
     def _from_payloads(self, gkey: str, hashes: set[int], created: float) -> dict[int, Member]:
         """The members of group `gkey` whose uids' hashes are among `hashes`, by hash, made from what is
         left of them: their payloads (a digest of zeros and a size of 0 where one does not read)."""
-        by, made = self.config.grouping.by, {}
+        made = {}
+        for uid in self.payload_uids(gkey) if hashes else ():
+            if (h := uid_hash(uid)) in hashes:
+                made[h] = self.member_from_payload(uid, created)
+        return made
+
+    def payload_uids(self, gkey: str) -> list[str]:
+        """The uids of group `gkey`'s stored payloads, found by what its uids begin with (a read of the
+        group's own payloads' keys): what is left of its members where no row names them."""
+        by, found = self.config.grouping.by, []
         begin = self.key(_uids_begin(gkey, by))
         with self.txn.cursor(db=self.db["blobs"]) as cur:
-            more = bool(hashes) and cur.set_range(begin)
+            more = cur.set_range(begin)
             while more and cur.key()[: len(begin)] == begin:
                 uid = bytes(cur.key()[len(self.prefix) :]).decode(errors="replace")
-                if (h := uid_hash(uid)) in hashes and (uid if by == "none" else uid_group_key(uid, by)) == gkey:
-                    try:
-                        blob = chunk_reads.read_payload(self.txn, self.db, self.key(uid))
-                    except DAMAGE:
-                        blob = None
-                    digest, size = (bytes(16), 0) if blob is None else (digests.of(blob), len(blob))
-                    made[h] = Member(uid, digest, size, 0, created, 0, 0, 0)
+                if (uid if by == "none" else uid_group_key(uid, by)) == gkey:
+                    found.append(uid)
                 more = cur.next()
-        return made
+        return found
+
+    def member_from_payload(self, uid: str, created: float) -> Member:
+        """A member made from its payload alone (a digest of zeros and a size of 0 where it does not read)."""
+        try:
+            blob = chunk_reads.read_payload(self.txn, self.db, self.key(uid))
+        except DAMAGE:
+            blob = None
+        digest, size = (bytes(16), 0) if blob is None else (digests.of(blob), len(blob))
+        return Member(uid, digest, size, 0, created, 0, 0, 0)
 
     def existing_view(self, gkey: str) -> GroupView:
         """The view of a group an index or a member names, which exists while they do."""
@@ -446,6 +459,19 @@ class TableState:
         if head.queued is None:
             raise StoreError("a pending group has no place in the compute queue")
         return self.prefix + u64(head.queued)
+
+    def queued_place(self, gkey: str) -> int | None:
+        """Where the compute queue holds a computing group, found by the group's key among the table's
+        (a read as long as its backlog): for a group whose own record, which names the place, is lost
+        or does not decode. None: the queue does not hold it."""
+        name = gkey.encode()
+        with self.txn.cursor(db=self.db["compute"]) as cur:
+            more = cur.set_range(self.prefix)
+            while more and cur.key()[: len(self.prefix)] == self.prefix:
+                if cur.value() == name:
+                    return int.from_bytes(cur.key()[len(self.prefix) :], "big")
+                more = cur.next()
+        return None
 
     # ---- states and their counts ---------------------------------------------------------
 

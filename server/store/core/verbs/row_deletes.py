@@ -12,7 +12,9 @@ members are flagged in their segment's state (`SegState.DELETED`: never served, 
 duplicate again), and a group deleted whole also leaves its run (or lease: a lease of runs goes on
 without it) and its directory entry, its state byte retired (dropped: it counts no member), so that
 its segment retires and is forgotten in time as one whose groups all retired; a pending group's
-members left are written again in its head (row_pending.left).
+members left are written again in its head (row_pending.left). A pending or computing group named
+whose head does not decode is removed whole (row_damaged.py); one of its members named alone is
+refused (DamagedGroup), as what else of its group is stored cannot be read.
 """
 
 from __future__ import annotations
@@ -25,13 +27,14 @@ from expbuf.client.schema.routing import uid_group_key
 from ...disk import chunked
 from ...disk.records import DELETED
 from ...disk.rows import PendingHead, SegState, uid_hash
+from ...schema.errors import DamagedGroup
 from ...schema.states import DROPPED, FAILED, LIVE, QUARANTINED, READY, RETIRED
 from ..table_state import rate_counts
 from ..table_state.events import Retired
 from ..table_state.picks import Picked
 from ..table_state.state import TableState, readable_rows
 from ..table_state.views import RowGroup, RowMember, quarantined, row_members
-from . import pieces, row_moves, row_pending, row_select
+from . import pieces, row_damaged, row_moves, row_pending, row_select
 from .row_select import NO_LEASE, Segments
 from .segments import retired
 
@@ -75,13 +78,21 @@ def delete(tt: TableState, uids: Sequence[str], group_ids: Sequence[str]) -> int
 
     targets = list(uids)
     bare: dict[str, _Touched] = {}  # pending groups named that hold no member (runs in pieces, failed runs)
+    deleted = 0
     for gkey in group_ids:
-        grp = touched(gkey)
+        try:
+            grp = touched(gkey)
+        except DamagedGroup:
+            removed = row_damaged.remove(tt, gkey)
+            if removed is None:
+                raise
+            deleted += removed
+            continue
         if grp is not None:
             targets.extend(grp.members)
             if not grp.members and grp.group.state in LIVE:
                 bare[gkey] = grp
-    by, deleted, freed = tt.config.grouping.by, 0, 0  # freed: the live bytes deleted
+    by, freed = tt.config.grouping.by, 0  # freed: the live bytes deleted
     # the live groups left without members: those named bare first, then in the order they were
     # emptied, as a records table's extensions hear them
     emptied: list[_Touched] = list(bare.values())

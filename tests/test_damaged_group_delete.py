@@ -1,0 +1,123 @@
+"""A rows table's pending or computing group whose head (its directory entry) no longer decodes: a
+Delete naming the group removes it whole (its head, fragments, index rows, payloads and counts), so
+that the table checks clean and the group's key takes pushes again, through the store and through
+a server that stays up."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from test_rows_pending import LARGE, cut_head, run, uid
+
+from expbuf.client import BufferClient
+from expbuf.client.errors import DataLossError
+from expbuf.server.store import Entry, Store
+from expbuf.server.store.disk import layout
+from expbuf.server.store.schema.errors import DamagedGroup
+from expbuf.server.store.schema.table_config import TableConfig
+
+from conftest import Servers
+from helpers import StoppedClock as Clock
+from helpers import make_experience
+
+COUNTED = ("pending", "computing", "bytes", "groups_pending", "groups_computing", "groups_ready", "ready")
+HELD = ("gdir", "frags", "pending", "compute", "oldest", "blobs", "adv")  # what the group holds, by database
+
+
+def held(store: Store, table: str, gkey: str) -> dict[str, int]:
+    """How many keys (or, in the compute queue, values) of each database name group `gkey`."""
+    prefix = layout.table_prefix(store.catalog.lookup(table)[0])
+    found = dict.fromkeys(HELD, 0)
+    with store.environment.read() as txn:
+        for name in HELD:
+            with txn.cursor(db=store.db[name]) as cur:
+                at = cur.set_range(prefix)
+                while at and cur.key().startswith(prefix):
+                    key, value = bytes(cur.key()[len(prefix) :]), bytes(cur.value())
+                    found[name] += gkey.encode() in (value if name == "compute" else key)
+                    at = cur.next()
+    return found
+
+
+@pytest.mark.parametrize(("state", "timed_out"), [("pending", False), ("pending", True), ("computing", False)])
+def test_a_delete_naming_a_group_whose_head_does_not_decode_removes_it_whole(
+    tmp_path: Path, state: str, timed_out: bool
+) -> None:
+    """Nothing could remove a pending or computing group whose head no longer decodes: a Delete of it
+    was refused DATA_LOSS, and it stayed counted, its payloads and fragments kept, for good. A Delete
+    naming it removes all of it and uncounts its members and bytes, also once its timeout passed over
+    it (out of the pending index); the table checks clean, its other groups take runs, and a fresh
+    group of the same key is pushed and completes."""
+    computing = state == "computing"
+    settings = {**LARGE, "estimator": "grpo", "drop_zero_variance": False} if computing else LARGE
+    runs = 40 if computing else 31  # over pushes of 4: rows spilled into fragments, and some in the head
+    clock = Clock()
+    with Store(tmp_path, clock=clock) as store:
+        store.create_table(TableConfig.of("t", layout="rows", group_timeout_seconds=60, **settings))
+        for at in range(0, runs, 4):
+            store.put("t", [run(1, n) for n in range(at, min(at + 4, runs))])
+        store.put("t", [run(2, n) for n in range(3)] + [run(3, n) for n in range(40)])
+        assert store.stats("t")["groups_" + state] == 2  # 0/1 and 0/2 pending, or 0/1 and 0/3 computing
+        assert held(store, "t", "0/1")["frags"] >= 2
+        cut_head(store, "t", "0/1")
+        if timed_out:  # the timeout passes over it (out of the pending index) and releases 0/2
+            clock.now += 61
+            assert store.tick()["groups_timed_out"] == 1
+        before = store.stats("t")
+        with pytest.raises(DamagedGroup, match="Delete the group by its id"):
+            store.delete("t", [uid(1, 0)])
+        assert store.delete("t", group_ids=["0/1"]) == runs
+        after = store.stats("t")
+        freed = sum(Entry.of(run(1, n)).size for n in range(runs))
+        assert {name: after[name] for name in COUNTED} == {
+            **{name: before[name] for name in COUNTED},
+            state: before[state] - runs,
+            "groups_" + state: before["groups_" + state] - 1,
+            "bytes": before["bytes"] - freed,
+        }
+        assert held(store, "t", "0/1") == dict.fromkeys(HELD, 0)
+        assert store.verify("t") == []
+        assert store.get("t", [uid(1, n) for n in range(runs)]) == {}
+        assert store.delete("t", group_ids=["0/1"]) == 0
+        if not timed_out:
+            assert store.put("t", [run(2, n) for n in range(3, 40)]).completed_groups == ["0/2"]
+        assert store.put("t", [run(1, n) for n in range(40)]).completed_groups == ["0/1"]
+        assert sum(store.stats("t")[f"groups_{now}"] for now in ("pending", "computing", "ready")) == 3
+        assert store.verify("t") == []
+
+
+@pytest.mark.parametrize("table_layout", ["rows"], indirect=True)
+@pytest.mark.usefixtures("table_layout")
+def test_through_the_server_a_delete_removes_a_pending_group_whose_head_does_not_decode(
+    start_server: Servers, tmp_path: Path
+) -> None:
+    """Through a server that stays up: a push to the damaged group is refused DATA_LOSS naming the way
+    out, a Delete naming the group removes it, the health check says SERVING, the group's key takes a
+    fresh group, and `expbuf check` finds the directory clean after the server stops."""
+    server = start_server()
+    with BufferClient(f"127.0.0.1:{server.port}", timeout=20) as client:
+        client.create_table("t", group_size=8, estimator="none")
+        client.push([make_experience(0, task, n) for task in (1, 2) for n in range(3)], "t")
+        cut_head(server.store, "t", "0/1")
+        with pytest.raises(DataLossError, match=re.escape("Delete the group by its id")):
+            client.push([make_experience(0, 1, 3)], "t")
+        assert client.delete(table="t", groups=["0/1"]) == 3
+        with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+            health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
+        assert health.status == health_pb2.HealthCheckResponse.SERVING
+        assert client.push([make_experience(0, 1, n) for n in range(8)], "t").completed_groups == ["0/1"]
+        stats = client.stats("t")["t"]
+        assert (stats.groups_pending, stats.pending, stats.groups_ready, stats.ready) == (1, 3, 1, 8)
+    server.stop()
+    checked = subprocess.run(
+        [sys.executable, "-m", "expbuf.server.cli", "check", "--data", str(tmp_path / "data")],
+        capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    lines = checked.stdout.splitlines()
+    assert checked.returncode == 0 and "t: ok" in lines and all(line.endswith(": ok") for line in lines), lines
