@@ -631,18 +631,16 @@ def test_an_experience_whose_head_is_lost_takes_its_chunks_when_it_leaves(
         assert store.verify("t") == []
 
 
-@pytest.mark.parametrize(
-    ("table_layout", "db", "how"),
-    [("records", "groups", "lost"), ("records", "groups", "cut"), ("rows", "gdir", "lost")],
-)  # a rows head cut in half keeps its hashes: its group fails with its members (test_rows_pending)
+@pytest.mark.parametrize(("table_layout", "db", "how"), [("rows", "gdir", "lost")])
+# a rows head cut in half keeps its hashes: its group fails with its members (test_rows_pending); a
+# records table's group fails (test_a_computing_group_whose_own_record_is_lost_fails_...)
 def test_a_computing_group_whose_own_record_is_lost_is_passed_over_and_every_other_group_computed(
     tmp_path: Path, caplog: pytest.LogCaptureFixture, how: str, table_layout: str, db: str
 ) -> None:
-    """A group waiting for its advantages whose group record (a rows table's: its head) is lost, or
-    cut so that it no longer decodes: the advantage worker's read of the backlog raised at it
-    ("group ... is named but not stored", struct.error) at every pass, so no table's advantages were
-    computed again. It passes over it, logged once (it is left to `expbuf check`), and the table's
-    other group and another table's groups are computed."""
+    """A group waiting for its advantages whose head (a rows table's group record) is lost: the
+    advantage worker's read of the backlog raised at it ("group ... is named but not stored") at
+    every pass, so no table's advantages were computed again. It passes over it, logged once (it is
+    left to `expbuf check`), and the table's other group and another table's groups are computed."""
     caplog.set_level(logging.ERROR, "expbuf.store")
     with Store(tmp_path) as store:
         for table in ("t", "u"):
@@ -667,3 +665,42 @@ def test_a_computing_group_whose_own_record_is_lost_is_passed_over_and_every_oth
             store.finish_compute(job.table, dict.fromkeys(job.records, 0.5), ready=job.groups)
         assert (store.stats("t")["ready"], store.stats("u")["ready"]) == (4, 8)
         assert {job.table: job.groups for job in store.compute_backlog()} == {}
+
+
+@pytest.mark.parametrize("how", ["lost", "cut"])
+def test_a_computing_group_whose_own_record_is_lost_fails_its_members_kept_for_get(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, how: str
+) -> None:
+    """A records table's group waiting for its advantages whose own record is lost, or cut so that it
+    no longer decodes, stayed computing for good: the advantage worker passed over it at every pass,
+    its members never ready nor failed, counted computing. It fails at the worker's first pass, its
+    record remade from its members' (their payloads kept for Get, a retried push of one a duplicate),
+    logged once and counted failed; values computed for it before the damage are not stored; the
+    table's other groups are computed, and it checks clean."""
+    caplog.set_level(logging.ERROR, "expbuf.store")
+    with Store(tmp_path) as store:
+        store.create_table(TableConfig.of("t", estimator="grpo", group_size=4))
+        for task in range(3):
+            store.put("t", group_items(0, task, 4, reward=float(task)))
+        (before,) = store.compute_backlog()  # read before the damage
+        assert before.groups == ["0/0", "0/1", "0/2"]
+        (lose if how == "lost" else garble)(store, "t", "0/0", "groups")
+        for _ in range(2):
+            (job,) = store.compute_backlog()
+            assert job.groups == ["0/1", "0/2"]
+        assert store.stats("t")["groups_computing"] == 2
+        stale = dict.fromkeys(before.records, 0.5)
+        store.finish_compute("t", stale, ready=before.groups, places=before.queued(), table_id=before.table_id)
+        stats = store.stats("t")
+        names = ("computing", "ready", "failed", "groups_computing", "groups_failed")
+        assert {name: stats[name] for name in names} == {
+            "computing": 0, "ready": 8, "failed": 4, "groups_computing": 0, "groups_failed": 1,
+        }  # fmt: skip
+        assert "group 0/0: its record" in stats["last_failure"]
+        logged = [r.getMessage() for r in caplog.records if "group 0/0 failed" in r.getMessage()]
+        assert len(logged) == 1 and "kept for Get" in logged[0], logged
+        assert store.get("t", uids(0)).keys() == set(uids(0))
+        assert store.stats("t")["bytes"] == stored_bytes(store, [1, 2])
+        assert store.compute_backlog() == []
+        assert store.put("t", group_items(0, 0, 4, reward=0.0)).duplicates == uids(0)
+        assert store.verify("t") == []

@@ -44,7 +44,7 @@ from .forward import Forwarded
 from .ledger.rules import Ledger
 from .rules import groups, partials, staleness
 from .rules.extensions import ExtensionKinds
-from .rules.quarantine import quarantine_found, quarantine_lost
+from .rules.quarantine import fail_lost_computing, quarantine_found, quarantine_lost
 from .rules.trained import retire_trained
 from .schema.errors import InvalidRequest, NotFound, check_names
 from .schema.sample_spec import check_version
@@ -343,8 +343,24 @@ class Store(ServiceCalls):
             return 0
 
     def _passed_over(self, table: str, whys: dict[str, str]) -> None:
-        """Computing groups the backlog could not read (their own record lost or undecodable: it
-        names no member to fail), logged once each: the worker passes over them at every pass."""
+        """Computing groups the backlog could not read (their own record lost or undecodable): a
+        records table's fail, their records remade from their members' (quarantine.py); a rows
+        table's head names no member to fail, so each is logged once (the worker passes over it at
+        every pass) and left to `expbuf check` and, where it does not decode, to a Delete naming it
+        (core/verbs/row_damaged.py)."""
+
+        def fail(tt: TableState) -> bool:
+            if tt.config.storage.layout == "rows":
+                return False
+            if fail_lost_computing(tt, list(whys)):
+                tt.save()
+            return True
+
+        try:
+            if self._in_table(table, fail):
+                return
+        except NotFound:
+            return
         for gkey, why in whys.items():
             if (table, gkey) not in self._unreadable:
                 self._unreadable.add((table, gkey))
@@ -485,8 +501,8 @@ class Store(ServiceCalls):
         only for estimators that need token-level data, each checked against its digest: a group
         with a damaged one is not computed, its damaged members are quarantined (quarantine.py),
         and one with a member whose record is lost fails alike; one whose own record is lost or
-        does not decode is passed over (logged once), so that it holds up no other group or
-        table; the others work from the item records."""
+        does not decode is passed over, so that it holds up no other group or table, and fails (a
+        records table's) or is logged once (a rows table's); the others work from the item records."""
 
         def table_of(table_id: int) -> tuple[str, TableConfig] | None:
             return self.catalog.by_id(table_id)

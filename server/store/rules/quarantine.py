@@ -18,7 +18,9 @@ payload is, so that a retried push of it is still a duplicate), its payload and 
 insertion order, found by its uid, go, and the table's bytes are recounted from its records (the
 lost record's size, counted in them, is known nowhere else). A ready group whose own record is
 lost fails when a sample passes it over or an index build reads past it (`fail_lost_groups`), its
-record remade from its members' (core/verbs/groups.remade), their payloads kept for Get. A record
+record remade from its members' (core/verbs/groups.remade), their payloads kept for Get; a computing
+group whose own record is lost fails alike when the advantage worker's read of its backlog passes it
+over (`fail_lost_computing`). A record
 that does not decode (a damaged page) is read as lost (TableState.item, .group) and met alike.
 
 A rows table's (issue 64) group with a damaged member fails as a records table's does, the damaged
@@ -37,7 +39,7 @@ from ..core.table_state.read_check import payload_problem
 from ..core.table_state.state import TableState
 from ..core.table_state.views import RowGroup
 from ..core.verbs import retire, row_moves
-from ..core.verbs.groups import remade
+from ..core.verbs.groups import remade, remade_computing
 from ..core.verbs.row_pending import LOST_ROW
 from ..disk import chunk_reads
 from ..schema.states import COMPUTING, FAILED, LIVE, PENDING
@@ -114,7 +116,7 @@ def fail_lost_groups(tt: TableState, gkeys: Sequence[str]) -> None:
     their members, whose records and payloads are stored, kept for Get as a group failed for
     damage keeps them; each logged once. A group the ready order does not name cannot be
     remade, and is left to `expbuf check`, logged."""
-    failed = []
+    found = []
     for gkey in gkeys:
         grp = remade(tt, gkey)
         if grp is None:
@@ -123,15 +125,39 @@ def fail_lost_groups(tt: TableState, gkeys: Sequence[str]) -> None:
                 tt.config.name, gkey,
             )  # fmt: skip
             continue
+        found.append((gkey, grp))
+    _fail_remade(tt, found)
+
+
+def fail_lost_computing(tt: TableState, gkeys: Sequence[str]) -> int:
+    """A records table's computing groups whose own records are lost or do not decode (the advantage
+    worker's read of its backlog passed them over) fail as `fail_lost_groups` fails a ready one, their
+    records remade from their members' at the place the compute queue holds them
+    (TableState.queued_place): left computing, they would never be computed nor served. A group
+    found again meanwhile (its record stored, or out of the queue) is left as it is. Returns how many
+    failed."""
+    found = []
+    for gkey in gkeys:
+        place = tt.queued_place(gkey)
+        if place is not None and tt.group(gkey) is None:
+            found.append((gkey, remade_computing(tt, gkey, place)))
+    _fail_remade(tt, found)
+    return len(found)
+
+
+def _fail_remade(tt: TableState, groups: Sequence[tuple[str, GroupView]]) -> None:
+    """Live groups whose records were lost, remade from their members', fail: their members, whose
+    records and payloads are stored, kept for Get as a group failed for damage keeps them, each
+    group logged once with why its record was lost, counted and named in `last_failure`."""
+    for gkey, grp in groups:
         why = tt.lost_why(gkey)
         log.error(
-            "table %s: group %s failed (%s): never served; its %d experience(s) kept for Get",
-            tt.config.name, gkey, why, len(grp.members),
+            "table %s: %s group %s failed (%s): never served; its %d experience(s) kept for Get",
+            tt.config.name, grp.state, gkey, why, len(grp.members),
         )  # fmt: skip
         tt.counters.groups_failed += 1
         tt.counters.last_failure = f"group {gkey}: {why}"
-        failed.append((gkey, grp))
-    retire.retire(tt, failed, FAILED, keep_payloads=True)
+    retire.retire(tt, groups, FAILED, keep_payloads=True)
 
 
 def quarantine_kept(tt: TableState, uid: str, rec: MemberView, why: str) -> None:

@@ -15,7 +15,7 @@ from ...disk.kinds import Entry
 from ...disk.layout import put_rows, u64
 from ...disk.records import GroupRecord, ItemRecord
 from ...schema.errors import DAMAGE, clip
-from ...schema.states import COMPUTING, PENDING, READY
+from ...schema.states import COMPUTING, PENDING, READY, State
 from ...schema.views import GroupView, Members, MemberView
 from ..ordering.ready import Row
 from ..table_state import rate_counts
@@ -186,6 +186,25 @@ def remade(tt: TableState, gkey: str) -> GroupView | None:
     that meets it pays for it); its place and priority, as the ready indexes hold them
     (ReadyIndex.lost). None: the ready order does not name it. A record cut short of its group
     names none: it is its own reader's to meet as lost."""
+    recs = _naming(tt, gkey, READY)
+    version, priority = _placed_by(recs)
+    placed = tt.ready.lost(gkey.encode(), version, priority)
+    if placed is None:
+        return None
+    return _remade(tt, gkey, READY, recs, placed.rseq, placed.priority)
+
+
+def remade_computing(tt: TableState, gkey: str, place: int) -> GroupRecord:
+    """The record of a computing group that the directory lost (or that does not decode), remade as
+    `remade` makes a ready one's, so that it can fail: its members the computing experiences whose
+    records name it, its place the one the compute queue holds it at (TableState.queued_place)."""
+    recs = _naming(tt, gkey, COMPUTING)
+    return _remade(tt, gkey, COMPUTING, recs, place, _placed_by(recs)[1])
+
+
+def _naming(tt: TableState, gkey: str, state: State) -> dict[str, ItemRecord]:
+    """The experiences in `state` whose records name group `gkey`, found by reading every record of
+    the table (damage is rare, and the request that meets it pays for it)."""
     uids = []
     with tt.txn.cursor(db=tt.db["items"]) as cur:
         found = cur.set_range(tt.prefix)
@@ -193,18 +212,20 @@ def remade(tt: TableState, gkey: str) -> GroupView | None:
             if _group_of(cur.value()) == gkey:
                 uids.append(bytes(cur.key()[len(tt.prefix) :]).decode())
             found = cur.next()
-    recs = {uid: rec for uid in uids if (rec := tt.item(uid)) is not None and rec.state == READY}
-    version, priority = _placed_by(recs)
-    placed = tt.ready.lost(gkey.encode(), version, priority)
-    if placed is None:
-        return None
+    return {uid: rec for uid in uids if (rec := tt.item(uid)) is not None and rec.state == state}
+
+
+def _remade(
+    tt: TableState, gkey: str, state: State, recs: Mapping[str, ItemRecord], rseq: int, priority: float
+) -> GroupRecord:
+    """A lost group's record remade from its members' (in push order) at its place, and stored."""
     grp = GroupRecord(
-        state=READY,
+        state=state,
         created=min((rec.created for rec in recs.values()), default=tt.now),
         members=sorted(recs, key=lambda uid: recs[uid].seq),
-        rseq=placed.rseq,
-        priority=placed.priority,
-        version=version,
+        rseq=rseq,
+        priority=priority,
+        version=_placed_by(recs)[0],
     )
     tt.put_group(gkey, grp)
     return grp
