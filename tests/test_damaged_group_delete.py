@@ -121,3 +121,19 @@ def test_through_the_server_a_delete_removes_a_pending_group_whose_head_does_not
     )  # fmt: skip
     lines = checked.stdout.splitlines()
     assert checked.returncode == 0 and "t: ok" in lines and all(line.endswith(": ok") for line in lines), lines
+
+
+def test_a_complete_groups_directory_entry_that_does_not_decode_is_not_removed(tmp_path: Path) -> None:
+    """A complete group's directory entry (its place in a segment, which still holds the group) that
+    no longer decodes is no pending group to remove: a Delete naming it is refused DATA_LOSS as
+    before, its refusal naming `expbuf check` and no Delete, and nothing changes."""
+    with Store(tmp_path, clock=Clock()) as store:
+        store.create_table(TableConfig.of("t", layout="rows", **LARGE))
+        store.put("t", [run(1, n) for n in range(40)])
+        cut_head(store, "t", "0/1")
+        before = store.stats("t")
+        with pytest.raises(DamagedGroup, match=re.escape("run `expbuf check`")) as refused:
+            store.delete("t", group_ids=["0/1"])
+        assert "Delete the group" not in str(refused.value)
+        assert store.stats("t") == before
+        assert held(store, "t", "0/1")["gdir"] == 1

@@ -192,11 +192,13 @@ class PendingHead:
 
 def group_entry(gkey: str, data: bytes | memoryview) -> GroupRef | PendingHead:
     """Group `gkey`'s directory entry, as `directory_entry` reads it; DamagedGroup where it does not
-    decode, so that a request that changes or ends the group is refused by name."""
+    decode, so that a request that changes or ends the group is refused by name (and told the way
+    out of a pending or computing group's: its first byte says so)."""
     try:
         return directory_entry(data)
     except DAMAGE as exc:
-        raise DamagedGroup(gkey, f"{type(exc).__name__}: {exc}") from None
+        pending = bytes(data[:1]) == bytes([PENDING])
+        raise DamagedGroup(gkey, f"{type(exc).__name__}: {exc}", pending=pending) from None
 
 
 def directory_entry(data: bytes | memoryview) -> GroupRef | PendingHead:
