@@ -189,9 +189,11 @@ def _check(args: argparse.Namespace) -> int:
 
 def _repair(args: argparse.Namespace) -> int:
     """Drop what nothing reads, which `expbuf check` names with this command: chunk sets of no
-    stored payload (expbuf.server.store.repair_directory). It changes nothing else: a directory a release before this
-    one wrote is left to `expbuf serve` to bring up to date first; one whose own records (format,
-    databases, catalogue, counters, leases, grants) are damaged, and a running server's, are refused."""
+    stored payload, and remove what nothing can end: a rows table's pending or computing groups
+    whose heads do not decode (expbuf.server.store.repair_directory). It changes nothing else: a
+    directory a release before this one wrote is left to `expbuf serve` to bring up to date first;
+    one whose own records (format, databases, catalogue, counters, leases, grants) are damaged, and
+    a running server's, are refused."""
     _holds_data(args.data, "repair")
     import time
 
@@ -223,14 +225,15 @@ def _repair(args: argparse.Namespace) -> int:
             raise CommandError(f"{args.data}: damaged ({damage[0]}): {_CHECK}")
         environment = Environment(args.data, migrate=current_only)
         try:
-            dropped = environment.submit(lambda txn: repair_directory(txn, environment.db, time.time()))
+            repaired = environment.submit(lambda txn: repair_directory(txn, environment.db, time.time()))
         finally:
             environment.close()
     except (StoreError, lmdb.Error) as exc:
         raise CommandError(f"{args.data}: {exc}") from None
-    for name, count in dropped.items():
-        print(f"{name}: dropped {count} stray chunk set(s)")
-    if not dropped:
+    for name, lines in repaired.items():
+        for line in lines:
+            print(f"{name}: {line}")
+    if not repaired:
         print("no stray chunk sets")
     return 0
 
@@ -375,7 +378,10 @@ def build_parser() -> argparse.ArgumentParser:
     check = sub.add_parser("check", help="verify a data directory (the server must be stopped)")
     check.add_argument("--data", default="./expbuf-data", help="the data directory to verify (default %(default)s)")
     check.set_defaults(func=_check)
-    repair = sub.add_parser("repair", help="drop the stray chunk sets expbuf check names (the server must be stopped)")
+    repair = sub.add_parser(
+        "repair",
+        help="drop the stray chunk sets and damaged pending groups expbuf check names (the server must be stopped)",
+    )
     repair.add_argument("--data", default="./expbuf-data", help="the data directory (default %(default)s)")
     repair.set_defaults(func=_repair)
     return parser

@@ -137,3 +137,37 @@ def test_a_complete_groups_directory_entry_that_does_not_decode_is_not_removed(t
         assert "Delete the group" not in str(refused.value)
         assert store.stats("t") == before
         assert held(store, "t", "0/1")["gdir"] == 1
+
+
+def cli(command: str, data: Path) -> tuple[int, list[str]]:
+    done = subprocess.run(
+        [sys.executable, "-m", "expbuf.server.cli", command, "--data", str(data)],
+        capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    return done.returncode, done.stdout.splitlines()
+
+
+def test_expbuf_repair_removes_a_pending_group_whose_head_does_not_decode(tmp_path: Path) -> None:
+    """With the server stopped: `expbuf check` names the group's entry and the way out, `expbuf repair`
+    (which refused nothing of it but left it) removes the group whole, its experiences and bytes
+    uncounted, and the directory checks clean; the next open serves the table, and the group's key
+    takes a fresh group."""
+    with Store(tmp_path, clock=Clock()) as store:
+        store.create_table(TableConfig.of("t", layout="rows", **LARGE))
+        for at in range(0, 31, 4):
+            store.put("t", [run(1, n) for n in range(at, min(at + 4, 31))])
+        store.put("t", [run(2, n) for n in range(3)])
+        cut_head(store, "t", "0/1")
+        before = store.stats("t")
+    code, lines = cli("check", tmp_path)
+    assert code == 1 and any("'0/1' does not decode" in line and "expbuf repair" in line for line in lines), lines
+    assert cli("repair", tmp_path) == (0, ["t: removed group 0/1, whose record did not decode, with 31 experience(s)"])
+    assert cli("check", tmp_path) == (0, ["default: ok", "t: ok"])
+    assert cli("repair", tmp_path) == (0, ["no stray chunk sets"])
+    with Store(tmp_path, clock=Clock()) as store:
+        after = store.stats("t")
+        freed = sum(Entry.of(run(1, n)).size for n in range(31))
+        assert (after["pending"], after["groups_pending"], after["bytes"]) == (3, 1, before["bytes"] - freed)
+        assert held(store, "t", "0/1") == dict.fromkeys(HELD, 0)
+        assert store.put("t", [run(1, n) for n in range(40)]).completed_groups == ["0/1"]
+        assert store.verify("t") == []

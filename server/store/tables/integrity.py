@@ -8,7 +8,8 @@ checks the whole directory (its format record, the catalogue of tables, their co
 and grants, then `verify` on each table), turning whatever a damaged page makes LMDB or
 a decoder raise into a problem naming where it is: `expbuf check` prints them. `at_open`
 is what a server checks before it serves a directory: all of `scan` but the entries of no
-table and the chunk sets of no payload (which nothing reads: `expbuf repair` drops the sets),
+table and the chunk sets of no payload (which nothing reads: `expbuf repair` drops the sets, and
+removes a rows table's pending groups whose heads do not decode),
 since a damaged record or payload it let through would come back to a trainer as an error or,
 worse, as wrong data; it raises Damaged naming the first problem and `expbuf check`.
 """
@@ -22,7 +23,7 @@ import lmdb
 
 from ..core.table_state.counters import read_counters
 from ..core.table_state.state import TableState
-from ..core.verbs import leases, pieces
+from ..core.verbs import leases, pieces, row_damaged
 from ..core.whole_table.verify import records
 from ..disk import chunked, layout, shared_prompts
 from ..ledger.check import verify_ledger
@@ -178,21 +179,31 @@ def _check_chunk_sets(tt: TableState, *, strays: bool) -> list[str]:
     return problems
 
 
-def repair(txn: lmdb.Transaction[bytes], dbs: dict[str, lmdb._Database], now: float) -> dict[str, int]:
+def repair(txn: lmdb.Transaction[bytes], dbs: dict[str, lmdb._Database], now: float) -> dict[str, list[str]]:
     """What `expbuf repair` does: drop every table's stray chunk sets (stray_sets), which nothing
-    reads; how many went, by table. Tables whose catalogue entry or counters do not decode are
+    reads, and remove a rows table's pending or computing groups whose heads do not decode
+    (row_damaged.remove_undecodable), which nothing can end, as a Delete naming them does (its
+    extensions not loaded: a prompt claimed for such a group waits for its claim to end). What
+    it did, by table, a line each. Tables whose catalogue entry or counters do not decode are
     left alone (`scan` reports them)."""
     catalogue: dict[str, tuple[int, TableConfig]] = {}
     _directory(txn, dbs, catalogue, [])
-    dropped = {}
+    repaired = {}
     for name, (table_id, config) in catalogue.items():
         tt = TableState(txn, dbs, table_id, config, now, Extensions())
         strays = stray_sets(tt)
         for set_id in sorted(strays):
             chunked.drop_set(txn, dbs, tt.prefix, set_id)
-        if strays:
-            dropped[name] = len(strays)
-    return dropped
+        done = [f"dropped {len(strays)} stray chunk set(s)"] if strays else []
+        removed = row_damaged.remove_undecodable(tt) if config.storage.layout == "rows" else []
+        if removed:
+            tt.save()
+        done += [
+            f"removed group {gkey}, whose record did not decode, with {count} experience(s)" for gkey, count in removed
+        ]
+        if done:
+            repaired[name] = done
+    return repaired
 
 
 def stray_sets(tt: TableState) -> set[int]:

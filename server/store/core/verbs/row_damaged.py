@@ -1,6 +1,6 @@
 """A rows table's pending or computing group whose head (its directory entry) no longer decodes,
-removed whole by a Delete naming it (row_deletes.py): nothing else can end such a group, since what
-it holds cannot be read, and an operator must be able to clear it without stopping the server.
+removed whole by a Delete naming it (row_deletes.py), or by `expbuf repair` with the server stopped
+(tables/integrity.repair): nothing else can end such a group, since what it holds cannot be read.
 
 Its head named its members, its fragments' count, its creation time (its key in the pending index)
 and its place in the compute queue; without it each is found by the group's key: its fragments
@@ -36,13 +36,7 @@ def remove(tt: TableState, gkey: str) -> int | None:
     does not decode: returns how many members it had; None where it is no such group (a complete
     group's place that does not decode is not removed: its segment still holds the group)."""
     raw = tt.txn.get(tt.key(gkey), db=tt.db["gdir"])
-    if raw is None or raw[0] == REF:
-        return None
-    try:
-        directory_entry(raw)
-    except DAMAGE:
-        pass
-    else:
+    if raw is None or raw[0] == REF or _decodes(raw):
         return None
     listed = _listed(tt, gkey)
     if listed is None and raw[0] != PENDING_ENTRY:
@@ -62,6 +56,28 @@ def remove(tt: TableState, gkey: str) -> int | None:
         tt.config.name, state, gkey, len(rows),
     )  # fmt: skip
     return len(rows)
+
+
+def remove_undecodable(tt: TableState) -> list[tuple[str, int]]:
+    """Every pending or computing group of the table whose head does not decode removed whole
+    (`remove`), as `expbuf repair` does with the server stopped: each group's key and how many
+    members it had. Its directory is read whole, entry by entry."""
+    found, prefix, ref = [], tt.prefix, bytes([REF])
+    with tt.txn.cursor(db=tt.db["gdir"]) as cur:
+        more = cur.set_range(prefix)
+        while more and cur.key()[: len(prefix)] == prefix:
+            if cur.value()[:1] != ref and not _decodes(cur.value()):
+                found.append(bytes(cur.key()[len(prefix) :]).decode(errors="replace"))
+            more = cur.next()
+    return [(gkey, count) for gkey in found if (count := remove(tt, gkey)) is not None]
+
+
+def _decodes(raw: bytes) -> bool:
+    try:
+        directory_entry(raw)
+    except DAMAGE:
+        return False
+    return True
 
 
 def _listed(tt: TableState, gkey: str) -> tuple[State, float] | None:

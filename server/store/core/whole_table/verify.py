@@ -16,6 +16,7 @@ from ...disk import chunk_reads, layout
 from ...disk.layout import u64
 from ...disk.records import GroupRecord, ItemRecord
 from ...disk.rows import (
+    REF,
     GroupRef,
     Member,
     PendingHead,
@@ -175,6 +176,10 @@ def _prefix_count(tt: TableState, name: str) -> int:
 RECORDS_ONLY = ("items", "tombs", "groups", "order")
 
 
+# How a pending or computing group whose head does not decode is removed (core/verbs/row_damaged.py).
+REMOVE_DAMAGED = "a pending group's: `expbuf repair`, or a Delete naming the group, removes it"
+
+
 def rows(tt: TableState) -> list[str]:
     """The problems of a rows table's rows (issue 64): every segment decodes with its state, each of
     its groups has the directory entry that names it (but a group deleted whole, which none names) and
@@ -192,7 +197,8 @@ def rows(tt: TableState) -> list[str]:
         try:
             entry = directory_entry(value)
         except DAMAGE as exc:
-            problems.append(f"group directory entry {key[:80]!r} does not decode ({exc})")
+            way_out = "" if value[:1] == bytes([REF]) else f"; {REMOVE_DAMAGED}"
+            problems.append(f"group directory entry {key[:80]!r} does not decode ({exc}){way_out}")
             continue
         if isinstance(entry, PendingHead):
             heads[key.decode(errors="replace")] = entry
