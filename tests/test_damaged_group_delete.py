@@ -13,12 +13,14 @@ from pathlib import Path
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from test_rows_pending import LARGE, cut_head, run, uid
+from test_rows_pending import LARGE, attempt_runs, cut_head, run, uid
 
 from expbuf.client import BufferClient
 from expbuf.client.errors import DataLossError
+from expbuf.client.schema.routing import uid_group_key
 from expbuf.server.store import Entry, Store
 from expbuf.server.store.disk import layout
+from expbuf.server.store.ledger.records import DatasetRecord
 from expbuf.server.store.schema.errors import DamagedGroup
 from expbuf.server.store.schema.table_config import TableConfig
 
@@ -170,4 +172,29 @@ def test_expbuf_repair_removes_a_pending_group_whose_head_does_not_decode(tmp_pa
         assert (after["pending"], after["groups_pending"], after["bytes"]) == (3, 1, before["bytes"] - freed)
         assert held(store, "t", "0/1") == dict.fromkeys(HELD, 0)
         assert store.put("t", [run(1, n) for n in range(40)]).completed_groups == ["0/1"]
+        assert store.verify("t") == []
+
+
+@pytest.mark.parametrize("removed_by", ["delete", "repair"])
+def test_a_claimed_prompts_group_removed_leaves_the_prompt_ledger_consistent(tmp_path: Path, removed_by: str) -> None:
+    """The damaged group of a claimed prompt removed by a Delete (the prompt ledger hears it leave,
+    as of a group deleted whole) or by `expbuf repair` (the claim left to end): the table, its
+    ledger included, checks clean, and the other prompt's group completes."""
+    clock = Clock()
+    with Store(tmp_path, clock=clock) as store:
+        store.create_table(TableConfig.of("t", layout="rows", group_by="task", group_size=4, estimator="none"))
+        store.claims.create("t", DatasetRecord("math", size=8))
+        prompts, _ = store.claims.claim("t", "math", 2, seconds=300, owner="w")
+        runs = [attempt_runs(p.epoch, p.index, p.attempt, range(4)) for p in prompts]
+        for items in runs:
+            store.put("t", items[:2])
+        gkey = uid_group_key(Entry.of(runs[0][0]).uid, "task")
+        cut_head(store, "t", gkey)
+        if removed_by == "delete":
+            assert store.delete("t", group_ids=[gkey]) == 2
+    if removed_by == "repair":
+        assert cli("repair", tmp_path)[0] == 0
+    with Store(tmp_path, clock=clock) as store:
+        assert store.verify("t") == []
+        assert store.put("t", runs[1][2:]).completed_groups == [uid_group_key(Entry.of(runs[1][0]).uid, "task")]
         assert store.verify("t") == []
