@@ -73,6 +73,7 @@ def remove_undecodable(tt: TableState) -> list[tuple[str, int]]:
 
 
 def _decodes(raw: bytes) -> bool:
+    """Whether a directory entry decodes: one that does is the group's to end as any other."""
     try:
         directory_entry(raw)
     except DAMAGE:
