@@ -39,7 +39,7 @@ from expbuf.server.store import Store
 from expbuf.server.store.core.table_state.counters import read_counters, write_counters
 from expbuf.server.store.disk import chunked, layout
 from expbuf.server.store.disk.kinds import Entry, Push
-from expbuf.server.store.schema.errors import Conflict, Damaged, DamagedPiece, GroupClosed
+from expbuf.server.store.schema.errors import Conflict, Damaged, DamagedPiece, GroupClosed, GroupOverfilled
 from expbuf.server.store.schema.table_config import TableConfig
 
 from conftest import Servers
@@ -172,6 +172,38 @@ def test_a_group_that_completes_without_a_rollout_in_pieces_drops_it(client: Buf
     assert client.stats("t")["t"].ready == 2
     with pytest.raises(FailedPreconditionError, match="already complete"):
         client.push([split(rollout(run=2), [4, 8])[0]], table="t")
+
+
+@pytest.mark.usefixtures("table_layout")
+def test_a_push_that_completes_a_group_refuses_a_piece_of_a_run_past_it(start_server: Servers) -> None:
+    """A push that finished a group's last run and carried a first piece of another run of that
+    group answered the piece in `partial` (durable) and dropped it in the same commit, as a
+    group's completion drops its runs in pieces: the worker's next piece was refused GroupClosed,
+    and get_partials had nothing of it. Such a push is refused GROUP_OVERFILLED naming the group
+    and the rollout, nothing of it stored; a piece of another group's run in a push that completes
+    a group is held."""
+    server = start_server()
+    first, second, _ = split(rollout(run=2), [4, 8])
+    elsewhere = split(rollout(task=1, run=0), [4, 8])[0]
+    with BufferClient(f"127.0.0.1:{server.port}", timeout=20) as client:
+        client.create_table("t", group_size=2, estimator="none")
+        client.push([rollout(run=0)], table="t")
+        with pytest.raises(FailedPreconditionError, match="0/0/2/0/r") as refused:
+            client.push([rollout(run=1), first], table="t")
+        assert refused.value.reason == "group_overfilled"
+        assert "group 0/0" in refused.value.details and "nothing of this push is stored" in refused.value.details
+        stats = client.stats("t")["t"]
+        assert (stats.live, stats.groups_pending) == (1, 1)
+        assert client.get_partials(["0/0"], table="t") == []
+        result = client.push([rollout(run=1), elsewhere], table="t")
+        assert (result.stored, result.partial, result.completed_groups) == (["0/0/1/0/r"], ["0/1/0/0/r"], ["0/0"])
+        assert [exp.eid.uid for exp in client.get_partials(["0/1"], table="t")] == ["0/1/0/0/r"]
+        with pytest.raises(FailedPreconditionError, match="already complete"):
+            client.push([first], table="t")
+        with pytest.raises(FailedPreconditionError, match="already complete"):
+            client.push([second], table="t")
+        assert scrape(server.metrics_port)[("expbuf_partials", (("table", "t"),))] == 1
+    assert server.store.verify("t") == []
 
 
 WORKER = textwrap.dedent(
@@ -399,17 +431,20 @@ def test_a_group_complete_with_all_its_runs_drops_the_runs_in_pieces_that_did_no
     """A group of 2 that completed with two runs pushed whole kept a third run's pieces held: no
     piece of it could be pushed any more (GroupClosed), nor the run whole, yet they stayed counted
     against capacity_bytes while the group lived (for good in a table that replays its groups), and
-    the check said nothing. A group's completion drops them, as a sealed or timed out one's does."""
+    the check said nothing. A group's completion drops them, as a sealed or timed out one's does;
+    a push that completes it and carries such a piece is refused, nothing of it stored."""
     estimator = "grpo" if how == "computing" else "none"
     with Store(tmp_path / "data", map_size=1 << 24) as store:
         store.create_table(TableConfig.of("t", estimator=estimator, group_size=2, layout=storage))
         stray = trxp.from_experience(split(rollout(run=5), [4, 8])[0])
         runs = [trxp.from_experience(rollout(run=run, reward=float(run))) for run in (0, 1)]
-        if how == "in its push":
-            assert store.put("t", [stray, *runs]).completed_groups == ["0/0"]
+        if how == "in its push":  # the piece would be answered stored and dropped in one commit
+            with pytest.raises(GroupOverfilled, match="could never join it"):
+                store.put("t", [stray, *runs])
+            assert (store.stats("t")["pushed"], store.stats("t")["partials"]) == (0, 0)
         else:
             assert store.put("t", [stray]).partial == [stray.uid]
-            assert store.put("t", runs).completed_groups == ["0/0"]
+        assert store.put("t", runs).completed_groups == ["0/0"]
         stats = store.stats("t")
         assert (stats["partials"], stats["partial_bytes"]) == (0, 0)
         assert stats["computing" if how == "computing" else "ready"] == 2

@@ -735,7 +735,8 @@ def test_a_consumed_groups_rollouts_in_pieces_are_dropped_as_a_records_tables(tm
     with Store(tmp_path, clock=Clock()) as store:
         both(store, "t", estimator="none", group_size=2)
         first = trxp.from_experience(split(rollout(run=2), [4, 8])[0])
-        put_both(store, "t", [first, trxp.from_experience(rollout(run=0)), run(0, 1)])
+        put_both(store, "t", [first])  # a push that completes the group with it is refused
+        put_both(store, "t", [trxp.from_experience(rollout(run=0)), run(0, 1)])
         assert store.stats("t_rows")["partials"] == 0 and store.stats("t_rows")["ready"] == 2
         assert stats(store, "t_rows") == stats(store, "t")
         for table in ("t", "t_rows"):

@@ -45,7 +45,7 @@ import bisect
 import dataclasses
 import itertools
 import logging
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import lmdb
@@ -65,7 +65,7 @@ from ..disk import digests, piece_rows
 from ..disk.chunk_heads import CHUNK_BYTES
 from ..disk.kinds import Entry
 from ..disk.piece_rows import PieceHead
-from ..schema.errors import Conflict, DamagedPiece, GroupClosed, InvalidPayload, TooLarge, clip
+from ..schema.errors import Conflict, DamagedPiece, GroupClosed, GroupOverfilled, InvalidPayload, TooLarge, clip
 from ..schema.states import PENDING
 
 log = logging.getLogger("expbuf.store")
@@ -143,6 +143,22 @@ def take(tt: TableState, entries: Sequence[Entry], room: Callable[[int], None], 
         else:
             taken.entries.append(whole)
     return taken
+
+
+def still_held(tt: TableState, stored: Sequence[str], answered: Collection[str]) -> None:
+    """Refuse (GroupOverfilled) a push that stored a piece its own push then dropped: a group the
+    push ends (with its last run, or dropped) drops its runs held in pieces, which will not join
+    it (core/verbs/pieces.drop_group), so the piece would be answered durable and be gone in the
+    same commit. A piece whose rollout the push also answers otherwise (`answered`: stored whole,
+    put together, a duplicate, stale) was replaced, not lost."""
+    for uid in stored:
+        if uid not in answered and pieces.head(tt, uid) is None:
+            gkey = uid_group_key(uid, tt.config.grouping.by) or uid
+            raise GroupOverfilled(
+                f"this push ends group {clip(gkey)} (its runs complete it, group_size = {tt.config.grouping.size}) "
+                f"and carries a piece of rollout {clip(uid)}, a run past them that could never join it: nothing of "
+                "this push is stored; push the group's runs without it"
+            )
 
 
 def _heard(tt: TableState, uids: Sequence[str], holder: str) -> set[str]:

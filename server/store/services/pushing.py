@@ -380,5 +380,6 @@ class Pushing:
         result = pushes.put(tt, kept, holder=holder, compute=compute, ahead=ahead)
         result.stale = stale
         if pieces is not None:
+            partials.still_held(tt, pieces.stored, {*result.stored, *result.duplicates, *result.stale})
             result.partial, result.duplicates = pieces.stored, [*pieces.duplicates, *result.duplicates]
         return result
