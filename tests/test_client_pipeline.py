@@ -11,6 +11,7 @@ import itertools
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from concurrent import futures
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -388,19 +389,53 @@ def dropping(target: str, lost: int) -> Iterator[str]:
         channel.close()
 
 
+def large(batch: str, task: int) -> list[Any]:
+    """A group of 4 whose payload goes in about 5 chunks of push_sync's and push_async's 64 KiB."""
+    return [make_experience(batch, task, run, response=8_000) for run in range(4)]
+
+
+@dataclass(frozen=True)
+class Loss:
+    """A message lost on its way to the server (`dropping`): the pushes made, which message of
+    all the front reads is lost, the push it belongs to, and what the server's answer says of it."""
+
+    pushes: Callable[[str, int], list[Any]]
+    message: int
+    push: int
+    says: str
+
+
+LOSSES = {
+    # the third push, sent whole: the server answers the fourth first
+    "a push": Loss(group, 3, 2, "never got this push"),
+    # the second chunk of the first push in chunks: the server reads the second push's first message
+    # before its last chunk, and refuses it as cut short
+    "a chunk": Loss(large, 2, 0, "never came"),
+}
+
+
+def loss_table(target: str) -> None:
+    with BufferClient(target) as client:
+        client.create_table("g4", group_size=4, estimator="none")
+
+
+@pytest.mark.parametrize("lost", sorted(LOSSES))
 @pytest.mark.parametrize("kind", sorted(PUSHERS))
-def test_a_push_the_server_never_got_goes_again_on_a_new_stream(start_server: Servers, kind: str) -> None:
-    """The third push's message is lost on its way (`dropping`), and the server answers the
-    pushes before and after it: the answers skip its seq, so the pusher sends it again, on a new
-    stream, and every push is stored once, each future with its own result, in order. (It failed
-    INTERNAL "PushStream answered seq 4, not 3", and every push after it on the stream failed,
-    each answer then taken for the push before its own.)"""
+def test_a_push_the_server_never_got_goes_again_on_a_new_stream(start_server: Servers, kind: str, lost: str) -> None:
+    """A message is lost on its way (`dropping`): a push's, which the server's answers skip, or a
+    chunk of a push in chunks, which the server refuses as cut short (reason cut_short), nothing of
+    it stored. The pusher sends that push again, on a new stream, with any after it that the
+    server did not read, and every push is stored once, read back as pushed, each future with its
+    own result, in order. (The push failed INTERNAL "PushStream answered seq 4, not 3", and every
+    push after it on the stream failed, each answer then taken for the push before its own; the
+    push in chunks failed INVALID_ARGUMENT "a chunk after the first carries a payload and nothing
+    else", though it was well formed.)"""
     server = start_server()
     target = f"127.0.0.1:{server.port}"
-    with BufferClient(target) as client:
-        client.create_table("g4", group_size=4)
-    pushes = [group(kind, task) for task in range(6)]
-    with dropping(target, 3) as front:
+    loss = LOSSES[lost]
+    loss_table(target)
+    pushes = [loss.pushes(kind, task) for task in range(6)]
+    with dropping(target, loss.message) as front:
         outcomes, order = PUSHERS[kind](front, "g4", pushes, 4)
     assert order == list(range(len(pushes)))
     for items, outcome in zip(pushes, outcomes, strict=True):
@@ -408,27 +443,39 @@ def test_a_push_the_server_never_got_goes_again_on_a_new_stream(start_server: Se
         assert outcome.stored == uids(items) and outcome.duplicates == []
     assert stream_calls(server.metrics_port) == 2
     with BufferClient(target) as client:
-        assert client.get([u for items in pushes for u in uids(items)], table="g4").missing_uids == []
+        got = client.get([u for items in pushes for u in uids(items)], table="g4")
+        assert got.missing_uids == []
+        assert [trxp.encode([exp]) for exp in got] == [trxp.encode([item]) for items in pushes for item in items]
+        stats = client.stats("g4")["g4"]
+    assert (stats.pushed, stats.duplicates) == (24, 0)
 
 
-def test_a_push_the_server_never_got_fails_not_stored_once_the_retries_are_spent(start_server: Servers) -> None:
-    """As above, from a client with no retries (`retries=0`): the push the answers skip fails
-    UnavailableError saying it was not stored, and was not; the pushes after it keep their own
-    answers."""
+@pytest.mark.parametrize("lost", sorted(LOSSES))
+def test_a_push_the_server_never_got_fails_not_stored_once_the_retries_are_spent(
+    start_server: Servers, lost: str
+) -> None:
+    """As above, from a client with no retries (`retries=0`): the push the server never got whole
+    fails UnavailableError saying it was not stored, and was not; the pushes after it keep their
+    own answers."""
     server = start_server()
     target = f"127.0.0.1:{server.port}"
-    with BufferClient(target) as client:
-        client.create_table("g4", group_size=4)
-    pushes = [group("spent", task) for task in range(5)]
-    with dropping(target, 3) as front, BufferClient(front, retries=0) as client, client.pusher("g4") as pusher:
+    loss = LOSSES[lost]
+    loss_table(target)
+    pushes = [loss.pushes("spent", task) for task in range(5)]
+    with (
+        dropping(target, loss.message) as front,
+        BufferClient(front, retries=0, push_chunk_bytes=1 << 16) as client,
+        client.pusher("g4") as pusher,
+    ):
         pending = [pusher.push(items) for items in pushes]
         outcomes = [future.exception(timeout=30) or future.result() for future in pending]
-    lost = outcomes.pop(2)
-    assert isinstance(lost, UnavailableError), repr(lost)
-    assert "never got this push" in lost.details and "not stored" in lost.details
-    assert list(lost.uids) == uids(pushes[2])
-    for items, outcome in zip(pushes[:2] + pushes[3:], outcomes, strict=True):
+    failed = outcomes.pop(loss.push)
+    assert isinstance(failed, UnavailableError), repr(failed)
+    assert loss.says in failed.details and "not stored" in failed.details
+    assert list(failed.uids) == uids(pushes[loss.push])
+    for items, outcome in zip(pushes[: loss.push] + pushes[loss.push + 1 :], outcomes, strict=True):
         assert isinstance(outcome, PushResult), repr(outcome)
         assert outcome.stored == uids(items)
     with BufferClient(target) as client:
-        assert client.get([u for items in pushes for u in uids(items)], table="g4").missing_uids == uids(pushes[2])
+        missing = client.get([u for items in pushes for u in uids(items)], table="g4").missing_uids
+    assert missing == uids(pushes[loss.push])

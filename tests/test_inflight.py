@@ -16,6 +16,8 @@ import pytest
 from google.protobuf.message import DecodeError
 
 from expbuf.client import AsyncBufferClient, BufferClient, trxp
+from expbuf.client.rpc.wire import reason_of
+from expbuf.client.schema.reasons import Reason
 from expbuf.client.shards.blocking import ShardedBufferClient
 from expbuf.proto.v1 import buffer_pb2 as pb
 from expbuf.proto.v1 import buffer_pb2_grpc as pb_grpc
@@ -207,10 +209,18 @@ def test_chunks_that_do_not_make_their_push_are_refused_naming_why_and_store_not
             f"PushStream ended {200 * (len(parted) - 1)} bytes into the push of seq 5 in chunks "
             f"(total_bytes = {len(body)}): nothing of it is stored"
         )
-        stray = pb.PushRequest(table="default", payload=body[200:400])
-        assert (
-            "a chunk after the first carries a payload and nothing else" in refusal(stub, [parted[0], stray]).details()
+        assert reason_of(ended.trailing_metadata()) == Reason.CUT_SHORT
+        # the next push began before the last chunk: one of its chunks never came
+        cut = refusal(stub, [*parted[:2], *parted[3:], pb.PushRequest(table="t", seq=6, payload=body)])
+        assert (cut.code(), reason_of(cut.trailing_metadata())) == (grpc.StatusCode.INVALID_ARGUMENT, Reason.CUT_SHORT)
+        assert cut.details() == (
+            f"PushRequest {len(body) - 200} bytes into the push of seq 5 in chunks (total_bytes = {len(body)}): the "
+            "next push began (seq 6), so a chunk of this one never came: nothing of it is stored"
         )
+        stray = pb.PushRequest(table="default", payload=body[200:400])
+        misfit = refusal(stub, [parted[0], stray])
+        assert "a chunk after the first carries a payload and nothing else" in misfit.details()
+        assert reason_of(misfit.trailing_metadata()) == Reason.INVALID_REQUEST
         tail = parted[-1].payload
         assert len(tail) < 200
         assert "past total_bytes" in refusal(stub, [*parted[:-1], pb.PushRequest(payload=tail + b"x")]).details()

@@ -21,8 +21,10 @@ each goes again while its deadline lasts and then fails saying that whether it w
 unknown, never that it was not. The server answers a stream's pushes in order, so an answer to a
 later push than the oldest unanswered says the server never got those before it: their messages
 were lost on the way (gRPC's transparent retry can report a message sent that never went:
-connection.RETRIED_METHODS). They go again at once on a new stream, while the client's retries and
-their deadlines last, then fail UNAVAILABLE, not stored. Futures complete in push order.
+connection.RETRIED_METHODS). So was a chunk of a push in chunks that the server refuses as cut
+short (Reason.CUT_SHORT: it read the push's next push, or the stream's end, before its last chunk).
+They go again at once on a new stream, while the client's retries and their deadlines last, then
+fail UNAVAILABLE, not stored. Futures complete in push order.
 
 Both resends are made here, by hand. gRPC's retry policy retries a stream only until its first
 reply, and sends again everything the stream carried: a pusher's stream has answered pushes
@@ -206,8 +208,7 @@ class PushWindow(Ordered[Pending]):
         else:
             pending.outcome = calls.push_result(reply)
             pending.body = b""
-        details = f"PushStream answered seq {reply.seq} first: the server never got this push"
-        return self._retried(lost, 0.0, lambda push: push.fail(grpc.StatusCode.UNAVAILABLE, details, ", not stored"))
+        return self._lost(lost, f"PushStream answered seq {reply.seq} first: the server never got this push")
 
     def ended(self, stream: Stream, exc: grpc.RpcError | None) -> tuple[list[Pending], float]:
         """`stream` ended (with `exc`, or without an error): the pushes to send again, in order,
@@ -231,6 +232,8 @@ class PushWindow(Ordered[Pending]):
             return self._in_time(sent, code, details, read=True), 0.0
         if code != grpc.StatusCode.UNAVAILABLE and busy(exc):
             return self._kept_out(sent, code, details, reason)
+        if reason == Reason.CUT_SHORT:  # a chunk of the oldest lost on its way; none after it read
+            return self._lost(sent[:1], details) + self._in_time(sent[1:], code, details), 0.0
         if code != grpc.StatusCode.UNAVAILABLE:
             sent.pop(0).fail(code, details, reason=reason)
             return self._in_time(sent, code, details), 0.0
@@ -241,6 +244,12 @@ class PushWindow(Ordered[Pending]):
             push.fail(code, details, f"{why}, and pushing it again is safe")
 
         return self._retried(sent, pause, fail), pause
+
+    def _lost(self, pushes: list[Pending], details: str) -> list[Pending]:
+        """Pushes the server never got whole (their messages, or a chunk of one, lost on the way):
+        those to go again at once on a new stream, within the pusher's retries and their deadlines;
+        each of the others fails UNAVAILABLE, not stored."""
+        return self._retried(pushes, 0.0, lambda push: push.fail(grpc.StatusCode.UNAVAILABLE, details, ", not stored"))
 
     def _retried(self, pushes: list[Pending], pause: float, fail: Callable[[Pending], None]) -> list[Pending]:
         """Of pushes to go again after `pause`, those within the pusher's retries and their

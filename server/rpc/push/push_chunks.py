@@ -76,9 +76,11 @@ class ChunkReader:
         experiences, ingest.Stager), else put together in memory of its own and returned as one
         message; PROGRESS after each chunk but the last, so that the stream is not taken for idle. A
         staged push that does not fit in its table's capacity_bytes is refused before it stages
-        anything. A stream that ends before the last chunk, or whose chunks come slower than
-        min_mb_per_second over a grace's time once the grace is over (`Pace`), is refused:
-        nothing of the push is stored, and what it reserved and staged is given back."""
+        anything. A stream that ends before the last chunk or begins its next push there (cut short,
+        Reason.CUT_SHORT: a chunk lost on its way, which the client sends again, pushers/pipeline.py),
+        or whose chunks come slower than min_mb_per_second over a grace's time once the grace is over
+        (`Pace`), is refused: nothing of the push is stored, and what it reserved and staged is given
+        back."""
         total = first.total_bytes
         if total > self.max_push_bytes:
             first.release()
@@ -158,9 +160,16 @@ class ChunkReader:
                 raise Refusal(
                     grpc.StatusCode.INVALID_ARGUMENT,
                     f"PushStream ended {got} bytes into {where}: nothing of it is stored",
-                    Reason.INVALID_REQUEST,
+                    Reason.CUT_SHORT,
                 )
-            if chunk.table or chunk.seq or chunk.total_bytes or not chunk.payload:
+            if chunk.seq or chunk.total_bytes:  # the first message of the next push
+                raise Refusal(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"PushRequest {got} bytes into {where}: the next push began (seq {chunk.seq}), so a chunk of "
+                    "this one never came: nothing of it is stored",
+                    Reason.CUT_SHORT,
+                )
+            if chunk.table or not chunk.payload:
                 raise Refusal(
                     grpc.StatusCode.INVALID_ARGUMENT,
                     f"PushRequest {got} bytes into {where}: a chunk after the first carries a payload and "
