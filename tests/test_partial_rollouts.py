@@ -175,33 +175,40 @@ def test_a_group_that_completes_without_a_rollout_in_pieces_drops_it(client: Buf
 
 
 @pytest.mark.usefixtures("table_layout")
-def test_a_push_that_completes_a_group_refuses_a_piece_of_a_run_past_it(start_server: Servers) -> None:
+@pytest.mark.parametrize(("group_size", "reason"), [(2, "group_overfilled"), (0, "group_closed")])
+def test_a_push_that_completes_a_group_refuses_a_piece_of_a_run_past_it(
+    start_server: Servers, group_size: int, reason: str
+) -> None:
     """A push that finished a group's last run and carried a first piece of another run of that
     group answered the piece in `partial` (durable) and dropped it in the same commit, as a
     group's completion drops its runs in pieces: the worker's next piece was refused GroupClosed,
-    and get_partials had nothing of it. Such a push is refused GROUP_OVERFILLED naming the group
-    and the rollout, nothing of it stored; a piece of another group's run in a push that completes
-    a group is held."""
+    and get_partials had nothing of it. With group_size 0 the piece was held, and so were its
+    next pieces, but its last piece was refused GroupClosed: the rollout could never be stored.
+    Such a push is refused naming the group and the rollout, nothing of it stored, and so is a
+    later piece of a run of a complete group; a piece of another group's run in a push that
+    completes a group is held."""
     server = start_server()
-    first, second, _ = split(rollout(run=2), [4, 8])
+    first, second, last = split(rollout(run=2), [4, 8])
     elsewhere = split(rollout(task=1, run=0), [4, 8])[0]
+    rest = [rollout(run=1)] if group_size else [rollout(run=0), rollout(run=1)]
     with BufferClient(f"127.0.0.1:{server.port}", timeout=20) as client:
-        client.create_table("t", group_size=2, estimator="none")
-        client.push([rollout(run=0)], table="t")
+        client.create_table("t", group_size=group_size, estimator="none")
+        if group_size:
+            client.push([rollout(run=0)], table="t")
         with pytest.raises(FailedPreconditionError, match="0/0/2/0/r") as refused:
-            client.push([rollout(run=1), first], table="t")
-        assert refused.value.reason == "group_overfilled"
+            client.push([*rest, first], table="t")
+        assert refused.value.reason == reason
         assert "group 0/0" in refused.value.details and "nothing of this push is stored" in refused.value.details
         stats = client.stats("t")["t"]
-        assert (stats.live, stats.groups_pending) == (1, 1)
+        assert (stats.live, stats.groups_pending) == ((1, 1) if group_size else (0, 0))
         assert client.get_partials(["0/0"], table="t") == []
-        result = client.push([rollout(run=1), elsewhere], table="t")
-        assert (result.stored, result.partial, result.completed_groups) == (["0/0/1/0/r"], ["0/1/0/0/r"], ["0/0"])
+        result = client.push([*rest, elsewhere], table="t")
+        assert (result.stored, result.partial) == ([exp.eid.uid for exp in rest], ["0/1/0/0/r"])
+        assert result.completed_groups == ["0/0"]
         assert [exp.eid.uid for exp in client.get_partials(["0/1"], table="t")] == ["0/1/0/0/r"]
-        with pytest.raises(FailedPreconditionError, match="already complete"):
-            client.push([first], table="t")
-        with pytest.raises(FailedPreconditionError, match="already complete"):
-            client.push([second], table="t")
+        for piece in (first, second, last):
+            with pytest.raises(FailedPreconditionError, match="already complete"):
+                client.push([piece], table="t")
         assert scrape(server.metrics_port)[("expbuf_partials", (("table", "t"),))] == 1
     assert server.store.verify("t") == []
 
@@ -372,9 +379,9 @@ def test_a_delete_of_a_group_takes_its_runs_in_pieces_in_a_table_whose_groups_do
     task's stay."""
     with Store(tmp_path / "data", map_size=1 << 24) as store:
         store.create_table(TableConfig.of("t", estimator="none", group_size=0, layout=storage))
-        store.put("t", [trxp.from_experience(rollout(task=0, run=0))])
         for task in (0, 1, 2):
             store.put("t", [trxp.from_experience(split(rollout(task=task, run=1), [4, 8])[0])])
+        store.put("t", [trxp.from_experience(rollout(task=0, run=0))])  # completes 0/0 without them
         kept = store.stats("t")["partial_bytes"] // 3
         assert store.delete("t", group_ids=["0/0", "0/1"]) == 1
         stats = store.stats("t")
@@ -394,7 +401,8 @@ def test_a_delete_of_a_uid_held_in_pieces_takes_its_pieces(start_server: Servers
     alone, held, whole = rollout(task=1, run=0), rollout(run=1), rollout(run=0)
     with BufferClient(f"127.0.0.1:{server.port}", timeout=20) as client:
         client.create_table("t", group_size=group_size, estimator="none")
-        client.push([whole, split(held, [4, 8])[0], split(rollout(run=2), [4, 8])[0]], table="t")
+        client.push([split(held, [4, 8])[0], split(rollout(run=2), [4, 8])[0]], table="t")
+        client.push([whole], table="t")  # with group_size 0 it completes the group without them
         client.push([split(alone, [4, 8])[0]], table="t")
         kept = server.store.stats("t")["partial_bytes"] // 3
         assert client.delete([held.eid.uid, alone.eid.uid], table="t") == 0
@@ -403,7 +411,11 @@ def test_a_delete_of_a_uid_held_in_pieces_takes_its_pieces(start_server: Servers
         assert server.store.stats("t")["partial_bytes"] == kept
         stats = client.stats("t")["t"]
         assert (stats.live, stats.groups_pending) == (1, 1 if group_size else 0)
-        assert client.push([split(held, [4, 8])[0]], table="t").partial == [held.eid.uid]  # pushed again
+        if group_size:  # pushed again
+            assert client.push([split(held, [4, 8])[0]], table="t").partial == [held.eid.uid]
+        else:  # a piece of a run of a complete group: it could never join it
+            with pytest.raises(FailedPreconditionError, match="already complete"):
+                client.push([split(held, [4, 8])[0]], table="t")
     assert server.store.verify("t") == []
 
 
@@ -439,7 +451,7 @@ def test_a_group_complete_with_all_its_runs_drops_the_runs_in_pieces_that_did_no
         stray = trxp.from_experience(split(rollout(run=5), [4, 8])[0])
         runs = [trxp.from_experience(rollout(run=run, reward=float(run))) for run in (0, 1)]
         if how == "in its push":  # the piece would be answered stored and dropped in one commit
-            with pytest.raises(GroupOverfilled, match="could never join it"):
+            with pytest.raises(GroupOverfilled, match="could then never join it"):
                 store.put("t", [stray, *runs])
             assert (store.stats("t")["pushed"], store.stats("t")["partials"]) == (0, 0)
         else:

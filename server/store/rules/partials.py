@@ -126,8 +126,7 @@ def take(tt: TableState, entries: Sequence[Entry], room: Callable[[int], None], 
         if head is not None and offset < held and (offset, piece.digest.hex(), piece.size) in head.pieces:
             taken.duplicates.append(entry.uid)
             continue
-        if tt.config.grouping.size:  # a group complete without it says so, not the tokens it does not hold
-            _open_group(tt, gkey)
+        _open_group(tt, gkey)  # a group complete without it says so, not the tokens it does not hold
         if offset != held:
             raise Conflict(
                 f"a piece of rollout {clip(entry.uid)} continues at token {offset}, but the buffer holds "
@@ -145,19 +144,25 @@ def take(tt: TableState, entries: Sequence[Entry], room: Callable[[int], None], 
     return taken
 
 
-def still_held(tt: TableState, stored: Sequence[str], answered: Collection[str]) -> None:
-    """Refuse (GroupOverfilled) a push that stored a piece its own push then dropped: a group the
-    push ends (with its last run, or dropped) drops its runs held in pieces, which will not join
-    it (core/verbs/pieces.drop_group), so the piece would be answered durable and be gone in the
-    same commit. A piece whose rollout the push also answers otherwise (`answered`: stored whole,
-    put together, a duplicate, stale) was replaced, not lost."""
+def joinable(tt: TableState, stored: Sequence[str], answered: Collection[str], ended: Collection[str]) -> None:
+    """Refuse a push that stores a piece of a run of a group it ends (`ended`: completes or drops),
+    which the run could then never join: a group that ends drops its runs held in pieces
+    (core/verbs/pieces.drop_group), so the piece would be answered durable and be gone in the same
+    commit, and with group_size 0, which keeps them, the rollout's last piece would be refused
+    GroupClosed. GroupOverfilled (the run is one past group_size), GroupClosed with group_size 0
+    (the push completes its groups). A piece whose rollout the push also answers otherwise
+    (`answered`: stored whole, put together, a duplicate, stale) was replaced, not left out."""
+    if not ended:
+        return
+    size = tt.config.grouping.size
     for uid in stored:
-        if uid not in answered and pieces.head(tt, uid) is None:
-            gkey = uid_group_key(uid, tt.config.grouping.by) or uid
-            raise GroupOverfilled(
-                f"this push ends group {clip(gkey)} (its runs complete it, group_size = {tt.config.grouping.size}) "
-                f"and carries a piece of rollout {clip(uid)}, a run past them that could never join it: nothing of "
-                "this push is stored; push the group's runs without it"
+        gkey = uid_group_key(uid, tt.config.grouping.by) or uid
+        if gkey in ended and uid not in answered:
+            ends = f"its runs complete it, group_size = {size}" if size else "group_size 0: a push completes its groups"
+            refusal = GroupOverfilled if size else GroupClosed
+            raise refusal(
+                f"this push ends group {clip(gkey)} ({ends}) and carries a piece of rollout {clip(uid)}, a run of it "
+                "that could then never join it: nothing of this push is stored; push the group's runs without it"
             )
 
 
@@ -198,8 +203,12 @@ def bounded(tt: TableState, uid: str, size: int, most: int) -> None:
 def _open_group(tt: TableState, gkey: str) -> None:
     """The pending group a piece's rollout is to join, opened if none of its runs arrived (as a
     report of a failed run opens it), so that its timeout, a seal and the ledger's end of a claim
-    reach the rollouts held in pieces; a complete group takes no more pieces."""
+    reach the rollouts held in pieces; a complete group takes no more pieces. With group_size 0
+    no group waits: none is opened, and one that exists is complete (its rollout's last piece
+    would be refused)."""
     grp = tt.view(gkey)
+    if grp is None and not tt.config.grouping.size:
+        return
     if grp is None and tt.config.storage.layout == "rows":
         row_pending.open_pending(tt, gkey)
     elif grp is None:

@@ -380,6 +380,7 @@ class Pushing:
         result = pushes.put(tt, kept, holder=holder, compute=compute, ahead=ahead)
         result.stale = stale
         if pieces is not None:
-            partials.still_held(tt, pieces.stored, {*result.stored, *result.duplicates, *result.stale})
+            answered = {*result.stored, *result.duplicates, *result.stale}
+            partials.joinable(tt, pieces.stored, answered, {*result.completed_groups, *result.dropped_groups})
             result.partial, result.duplicates = pieces.stored, [*pieces.duplicates, *result.duplicates]
         return result
