@@ -411,6 +411,9 @@ LOSSES = {
     # the second chunk of the first push in chunks: the server reads the second push's first message
     # before its last chunk, and refuses it as cut short
     "a chunk": Loss(large, 2, 0, "never came"),
+    # the first chunk of the second push in chunks (each takes 5 messages): the server reads its second
+    # chunk after the first push, with neither table nor seq, and refuses it as cut short
+    "a first chunk": Loss(large, 6, 1, "never came"),
 }
 
 

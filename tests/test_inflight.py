@@ -247,6 +247,29 @@ def test_chunks_that_do_not_make_their_push_are_refused_naming_why_and_store_not
     assert held_drops_to_zero(server)
 
 
+def test_a_chunk_with_no_first_message_after_a_numbered_push_is_refused_as_cut_short(start_server: Servers) -> None:
+    """A push in chunks whose first message never came (lost on its way) reached the servicer as
+    a push of its second chunk, refused as not a TRXP payload. After a push numbered by seq, a
+    message with neither table, seq nor total_bytes is refused cut_short, nothing of it stored; the
+    push before it is stored."""
+    server = start_server()
+    body = trxp.build(group_items("o", 0, 2))
+    with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        stub = pb_grpc.ExperienceBufferStub(channel)
+        whole = pb.PushRequest(table="default", seq=4, payload=trxp.build(group_items("o", 1, 2)))
+        orphan = refusal(stub, [whole, *chunks(body, 200, seq=5)[1:]])
+        assert (orphan.code(), reason_of(orphan.trailing_metadata())) == (
+            grpc.StatusCode.INVALID_ARGUMENT,
+            Reason.CUT_SHORT,
+        )
+        assert orphan.details() == (
+            "PushRequest after the push of seq 4: a message with neither table, seq nor total_bytes, so a chunk "
+            "of the next push, whose first message never came: nothing of it is stored"
+        )
+        assert stub.Stats(pb.StatsRequest(table="default"), timeout=10).tables[0].pushed == 2
+    assert held_drops_to_zero(server)
+
+
 def test_a_stream_broken_between_chunks_stores_nothing_of_that_push(start_server: Servers) -> None:
     server = start_server()
     body = trxp.build(group_items("broken", 0, 2))

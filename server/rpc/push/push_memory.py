@@ -68,6 +68,18 @@ def declared_bytes(metadata: Iterable[tuple[str, Any]] | None) -> int | Refusal 
     )
 
 
+def _orphan(last: int) -> Refusal:
+    """The refusal of a message with neither table, seq nor total_bytes after a push of seq `last`:
+    a stream that numbers its pushes numbers each, so it is a chunk of the next push, whose first
+    message never came (lost on its way), and the client sends that push again."""
+    return Refusal(
+        grpc.StatusCode.INVALID_ARGUMENT,
+        f"PushRequest after the push of seq {last}: a message with neither table, seq nor total_bytes, so a "
+        "chunk of the next push, whose first message never came: nothing of it is stored",
+        Reason.CUT_SHORT,
+    )
+
+
 def _larger(what: str, size: int, declared: int) -> Refusal:
     """The refusal of a message of `size` bytes whose call declared at most `declared`."""
     return Refusal(
@@ -232,10 +244,15 @@ class PushMemory(ServiceInterceptor):
                 """The stream's messages, each holding its memory until the servicer releases it."""
                 owner = object()  # this stream, whose own pushes in progress free the room it waits for
                 size = _given(declared)
+                last = 0  # the seq of the stream's last push
                 while True:
                     request = self._read(requests, context, size, self.stream_wait, owner)
                     if request is None:
                         return
+                    if last and not (request.seq or request.table or request.total_bytes):
+                        request.release()
+                        raise _orphan(last)
+                    last = request.seq
                     if request.total_bytes > len(request.payload):
                         request = yield from self.chunks.read(request, requests, context, owner)
                     yield request
