@@ -881,7 +881,9 @@ class RandomSteps:
         """The tasks whose groups a reply says are complete or dropped."""
         assert isinstance(got, tuple)
         if got[0] == "GroupClosed":
-            self.closed.add(int(str(got[1]).split()[1].split("/")[1]))
+            named = str(got[1]).split()[1]  # "group T/t is complete ...", or a push refused whole: none closed
+            if "/" in named:
+                self.closed.add(int(named.split("/")[1]))
         elif not isinstance(got[0], str):
             self.closed.update(int(g.split("/")[1]) for gkeys in got[-3:] for g in gkeys)  # type: ignore[attr-defined]
 

@@ -347,7 +347,7 @@ class Store(ServiceCalls):
         records table's fail, their records remade from their members' (quarantine.py); a rows
         table's head names no member to fail, so each is logged once (the worker passes over it at
         every pass) and left to `expbuf check` and, where it does not decode, to a Delete naming it
-        (core/verbs/row_damaged.py)."""
+        (core/verbs/row_deletes.py)."""
 
         def fail(tt: TableState) -> bool:
             if tt.config.storage.layout == "rows":

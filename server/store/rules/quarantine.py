@@ -136,11 +136,7 @@ def fail_lost_computing(tt: TableState, gkeys: Sequence[str]) -> int:
     (TableState.queued_place): left computing, they would never be computed nor served. A group
     found again meanwhile (its record stored, or out of the queue) is left as it is. Returns how many
     failed."""
-    found = []
-    for gkey in gkeys:
-        place = tt.queued_place(gkey)
-        if place is not None and tt.group(gkey) is None:
-            found.append((gkey, remade_computing(tt, gkey, place)))
+    found = [(gkey, grp) for gkey in gkeys if (grp := remade_computing(tt, gkey)) is not None]
     _fail_remade(tt, found)
     return len(found)
 

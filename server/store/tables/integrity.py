@@ -23,7 +23,7 @@ import lmdb
 
 from ..core.table_state.counters import read_counters
 from ..core.table_state.state import TableState
-from ..core.verbs import leases, pieces, row_damaged
+from ..core.verbs import leases, pieces, row_deletes
 from ..core.whole_table.verify import records
 from ..disk import chunked, layout, shared_prompts
 from ..ledger.check import verify_ledger
@@ -182,7 +182,7 @@ def _check_chunk_sets(tt: TableState, *, strays: bool) -> list[str]:
 def repair(txn: lmdb.Transaction[bytes], dbs: dict[str, lmdb._Database], now: float) -> dict[str, list[str]]:
     """What `expbuf repair` does: drop every table's stray chunk sets (stray_sets), which nothing
     reads, and remove a rows table's pending or computing groups whose heads do not decode
-    (row_damaged.remove_undecodable), which nothing can end, as a Delete naming them does (its
+    (row_deletes.remove_undecodable), which nothing can end, as a Delete naming them does (its
     extensions not loaded: a prompt claimed for such a group waits for its claim to end). What
     it did, by table, a line each. Tables whose catalogue entry or counters do not decode are
     left alone (`scan` reports them)."""
@@ -195,7 +195,7 @@ def repair(txn: lmdb.Transaction[bytes], dbs: dict[str, lmdb._Database], now: fl
         for set_id in sorted(strays):
             chunked.drop_set(txn, dbs, tt.prefix, set_id)
         done = [f"dropped {len(strays)} stray chunk set(s)"] if strays else []
-        removed = row_damaged.remove_undecodable(tt) if config.storage.layout == "rows" else []
+        removed = row_deletes.remove_undecodable(tt) if config.storage.layout == "rows" else []
         if removed:
             tt.save()
         done += [

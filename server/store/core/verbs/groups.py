@@ -194,10 +194,14 @@ def remade(tt: TableState, gkey: str) -> GroupView | None:
     return _remade(tt, gkey, READY, recs, placed.rseq, placed.priority)
 
 
-def remade_computing(tt: TableState, gkey: str, place: int) -> GroupRecord:
+def remade_computing(tt: TableState, gkey: str) -> GroupRecord | None:
     """The record of a computing group that the directory lost (or that does not decode), remade as
     `remade` makes a ready one's, so that it can fail: its members the computing experiences whose
-    records name it, its place the one the compute queue holds it at (TableState.queued_place)."""
+    records name it, its place the one the compute queue holds it at (TableState.queued_place).
+    None: its record is there (stored again meanwhile), or the queue no longer holds it."""
+    place = tt.queued_place(gkey)
+    if place is None or tt.group(gkey) is not None:
+        return None
     recs = _naming(tt, gkey, COMPUTING)
     return _remade(tt, gkey, COMPUTING, recs, place, _placed_by(recs)[1])
 

@@ -176,7 +176,7 @@ def _prefix_count(tt: TableState, name: str) -> int:
 RECORDS_ONLY = ("items", "tombs", "groups", "order")
 
 
-# How a pending or computing group whose head does not decode is removed (core/verbs/row_damaged.py).
+# How a pending or computing group whose head does not decode is removed (core/verbs/row_deletes.py).
 REMOVE_DAMAGED = "a pending group's: `expbuf repair`, or a Delete naming the group, removes it"
 
 
