@@ -250,9 +250,12 @@ def _plain_uid(eid: Any) -> str | None:
     """The uid of an eid that plainly passes _check_eid (parts of their exact types, ints well
     inside its bounds, an ASCII uid without NUL whose only '/' are its four separators, short),
     made as EID.uid makes it; None to leave the eid to _check_eid's detailed checks."""
-    if type(eid) is not dict or eid.keys() != EID_KEYS:
+    if type(eid) is not dict or len(eid) != len(EID_KEYS):  # five keys, and (below) each of EID_KEYS
         return None
-    batch, task, run, step, suffix = eid["batch"], eid["task"], eid["run"], eid["step"], eid["suffix"]
+    try:
+        batch, task, run, step, suffix = eid["batch"], eid["task"], eid["run"], eid["step"], eid["suffix"]
+    except KeyError:
+        return None
     if not (
         type(run) is int
         and 0 <= run <= INT64_MAX
