@@ -227,7 +227,7 @@ def remove_damaged(tt: TableState, gkey: str) -> int | None:
 
 def remove_undecodable(tt: TableState) -> list[tuple[str, int]]:
     """Every pending or computing group of the table whose head does not decode removed whole
-    (`remove`), as `expbuf repair` does with the server stopped: each group's key and how many
+    (`remove_damaged`), as `expbuf repair` does with the server stopped: each group's key and how many
     members it had. Its directory is read whole, entry by entry."""
     found, prefix, ref = [], tt.prefix, bytes([REF])
     with tt.txn.cursor(db=tt.db["gdir"]) as cur:
