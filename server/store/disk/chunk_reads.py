@@ -47,17 +47,26 @@ if TYPE_CHECKING:
 
 # The first bytes of a stored value that is not the payload itself: a head of chunks, a reference.
 _NOT_WHOLE = (HEAD_MAGIC, ZSTD_MAGIC, shared_prompts.REF_MAGIC)
+# Their fourth bytes, which differ from a payload's (TRXP): a value whose fourth byte is none of
+# these is whole without its first four compared (a view's slice compared with bytes costs a take
+# about 2,000 instructions an experience).
+_NOT_WHOLE_FOURTH = frozenset(magic[3] for magic in _NOT_WHOLE)
 
 
 def whole(value: Bytes) -> bool:
     """Whether a stored value is the payload itself, stored whole (most are): neither a head of
     chunks nor a reference to a shared prompt, it is what `resolve` and `taken` read it as."""
-    return value[:4] not in _NOT_WHOLE
+    return len(value) < 4 or value[3] not in _NOT_WHOLE_FOURTH or bytes(value[:4]) not in _NOT_WHOLE
 
 
 def all_whole(values: Iterable[Bytes | None]) -> list[bool]:
-    """`whole` of each of a batch's stored values (False where none is stored)."""
-    return [value is not None and value[:4] not in _NOT_WHOLE for value in values]
+    """`whole` of each of a batch's stored values (False where none is stored), its rule written
+    inline: a take asks it of every experience."""
+    fourth, magics = _NOT_WHOLE_FOURTH, _NOT_WHOLE
+    return [
+        value is not None and (len(value) < 4 or value[3] not in fourth or bytes(value[:4]) not in magics)
+        for value in values
+    ]
 
 
 def resolve(value: Bytes, key: bytes | memoryview, read: Read) -> Stored:

@@ -52,10 +52,13 @@ class Snapshot:
         return self._txn.get(key, db=db)
 
     def get_all(self, keys: Iterable[bytes], db: lmdb._Database) -> list[memoryview | None]:
-        """`get` of each key, in one call (a take reads hundreds)."""
+        """`get` of each key, in one call (a take reads hundreds): through one cursor, which finds a
+        key on the page it is on without a search from the root, and whose calls take no keyword.
+        Its views stay valid while the snapshot is open, as `get`'s do."""
         assert self._txn is not None
-        get = self._txn.get
-        return [get(key, db=db) for key in keys]
+        with self._txn.cursor(db=db) as cur:
+            found, value = cur.set_key, cur.value
+            return [value() if found(key) else None for key in keys]
 
     def last_key(self, prefix: bytes, db: lmdb._Database) -> bytes | None:
         """The greatest key that starts with prefix, or None."""
