@@ -43,7 +43,7 @@ from .chunk_heads import (
     set_prefix,
 )
 from .chunk_reads import reader, stored_chunks
-from .layout import micros
+from .layout import delete_rows, micros
 from .records import ItemRecord
 from .zstd_workers import COMPRESSING, compress
 
@@ -323,11 +323,7 @@ def delete(
         elif _set_unnamed(value, None if sizes is None else sizes[at]):
             for set_id in _sets_of(txn, dbs, key):
                 drop_set(txn, dbs, bytes(key[:4]), set_id)
-    with txn.cursor(db=blobs) as cur:  # a consume deletes hundreds, mostly side by side: see Snapshot.get_all
-        found, drop = cur.set_key, cur.delete
-        for key in keys:
-            if found(key):
-                drop()
+    delete_rows(txn, blobs, keys)
 
 
 def _looked(

@@ -11,7 +11,7 @@ from collections.abc import Callable, Mapping, Sequence, Set
 
 from ...disk import chunked, shared_prompts
 from ...disk.kinds import Entry
-from ...disk.layout import put_rows
+from ...disk.layout import delete_rows, put_rows
 from ...schema.states import FAILED, State
 from ..table_state.state import TableState
 
@@ -75,8 +75,7 @@ def drop(
         gone = [at for at, key in enumerate(keys) if not keeps(key)]
         chunked.delete(txn, tt.db, [keys[at] for at in gone], [sizes[at] for at in gone])
     if keys and _has_advantages(tt):
-        for key in keys:
-            txn.delete(key, db=tt.db["adv"])
+        delete_rows(txn, tt.db["adv"], keys)
     tt.counters.bytes -= sum(sizes)
 
 
