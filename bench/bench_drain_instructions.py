@@ -26,7 +26,6 @@ sys.path.insert(0, str(HERE))
 
 import bench_take_floor as floor  # noqa: E402
 import callgrind  # noqa: E402
-import results  # noqa: E402
 
 COUNT = 2048
 HEADING = "## Instructions of a rows table's drain (issue 64)"
@@ -54,9 +53,9 @@ def child(group: int) -> None:
             store.confirm(held, spec)
 
 
-def instructions(group: int, tree: Path | None) -> float:
+def instructions(group: str, tree: Path | None) -> float:
     """Instructions an experience counted of the drain, this tree's store or `tree`'s."""
-    total, _ = callgrind.run(__file__, ["--child", str(group)], tree)
+    total, _ = callgrind.run(__file__, ["--child", group], tree)
     return total / (COUNT - floor.BATCH)
 
 
@@ -70,24 +69,11 @@ def main() -> None:
     if args.child:
         child(args.child)
         return
-    rows = []
-    for group in map(int, args.groups.split(",")):
-        now = instructions(group, None)
-        if args.before is None:
-            rows.append(f"| {group} | {now:,.0f} |")
-            continue
-        before = instructions(group, args.before)
-        rows.append(f"| {group} | {before:,.0f} | {now:,.0f} | **{before / now:.3f}x** |")
-        print(rows[-1], flush=True)
-    columns = ["groups of", "instructions an experience"]
-    if args.before is not None:
-        columns = ["groups of", f"before ({args.before.name})", "now", "before / now"]
     about = (
         f"callgrind, every thread; {COUNT:,} experiences of 8 KB in a rows table, drained by held takes of "
         "256 each confirming the one before, the first take not counted."
     )
-    command = "python bench/bench_drain_instructions.py " + " ".join(sys.argv[1:])
-    results.publish(results.section(HEADING, command, about, columns, rows), HEADING, args.out)
+    callgrind.compare(HEADING, about, "groups of", args.groups.split(","), instructions, args.before, args.out)
 
 
 if __name__ == "__main__":

@@ -12,8 +12,10 @@ import re
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+
+import results
 
 
 @contextlib.contextmanager
@@ -52,3 +54,30 @@ def run(script: str, args: list[str], tree: Path | None = None) -> tuple[int, st
             found = re.search(rb"^totals: (\d+)", path.read_bytes(), re.MULTILINE)
             total += int(found.group(1)) if found else 0
         return total, stderr
+
+
+def compare(
+    heading: str,
+    about: str,
+    key: str,
+    cases: Sequence[str],
+    count: Callable[[str, Path | None], float],
+    before: Path | None,
+    out: Path | None,
+) -> None:
+    """Each case's instructions an experience (`count(case, tree)`, this tree's with None), beside
+    `before`'s where it names another checkout: printed as counted, and published under `heading`."""
+    rows = []
+    for case in cases:
+        now = count(case, None)
+        if before is None:
+            rows.append(f"| {case} | {now:,.0f} |")
+        else:
+            was = count(case, before)
+            rows.append(f"| {case} | {was:,.0f} | {now:,.0f} | **{was / now:.3f}x** |")
+        print(rows[-1], flush=True)
+    columns = [key, "instructions an experience"]
+    if before is not None:
+        columns = [key, f"before ({before.name})", "now", "before / now"]
+    command = " ".join(["python", f"bench/{Path(sys.argv[0]).name}", *sys.argv[1:]])
+    results.publish(results.section(heading, command, about, columns, rows), heading, out)

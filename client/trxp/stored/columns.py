@@ -2,8 +2,8 @@
 experiences that have it, back to back in batch order, with each one's shape.
 
 Each stored experience's tensors are found through its safetensors header, read as join() reads
-it (splice.stored_entries: no parse of the metadata pickle, no JSON parse of a header pack_item
-wrote), and handed on as views of the stored bytes (the pieces a tensor spans, for a section
+it (splice.HeaderReads, once a batch for each header: no parse of the metadata pickle, no JSON
+parse of a header pack_item wrote), and handed on as views of the stored bytes (the pieces a tensor spans, for a section
 stored in pieces: pieces.py): the caller that frames the reply copies each byte once. A field
 stored with several dtypes or ranks in one batch makes one column for each (Trinity-RFT lets a
 client send log-probs as float32 in one experience and bfloat16 in another); the client merges
@@ -26,7 +26,7 @@ from ..codec import segments as version_segments
 from ..codec.build import json_text
 from ..codec.common import MM_PREFIX, RawTensor
 from .pieces import Run, Section, Stored, cut, joined, parts_of
-from .splice import stored_entries, stored_tensors
+from .splice import HeaderReads
 
 # Columns of one value per experience, by name, with their dtype: what the server keeps beside each
 # experience's payload (in its record), and its tokens and prompt's (its stored header's tokens,
@@ -188,14 +188,16 @@ def column_parts(
     computed = bool(extra is not None and set(fields) & set(added))
     tree = _Tree() if PREFIX_FIELDS & set(fields) else None
     columns: dict[tuple[bytes, bytes, int], ColumnParts] = {}
+    headers = HeaderReads()
     for index, payload in enumerate(payloads):
         _, header, section, section_len = parts_of(payload)
-        found = stored_entries(header, section_len)
+        read = headers.read(header, section_len)
+        found = read.found
         cuts = _Cuts(shares, token_count(found), responses[index]) if shares is not None else None
         given: Mapping[str, RawTensor] = {}
         if computed:
             assert extra is not None
-            given = extra(index, stored_tensors(found, section))
+            given = extra(index, read.tensors(section))
         for text, dtype, dims, start, end in found:
             if text not in wanted:
                 continue

@@ -11,6 +11,7 @@ import json
 import re
 import struct
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from typing import NamedTuple
 
 from ..codec.build import ENTRY, SPLICE_ONE, SPLICE_TAIL, build, frame, json_text, splice_meta
 from ..codec.common import HEADER_SIZE, RawTensor
@@ -54,6 +55,8 @@ def join_parts(
     entries: list[bytes] = []
     data: list[Run] = []
     base = 0
+    read_before: dict[bytes, _Moved | None] = {}  # the items of a batch mostly share one header's bytes
+    headers = HeaderReads()
     for index, payload in enumerate(payloads):
         read = _spliced(payload)
         if read is None:
@@ -61,24 +64,26 @@ def join_parts(
             if meta[: len(SPLICE_ONE)] != SPLICE_ONE or meta[-len(SPLICE_TAIL) :] != SPLICE_TAIL:
                 return [_rebuild(payloads, extra, drop)]
             fragments.append(meta[len(SPLICE_ONE) : -len(SPLICE_TAIL)])
-            stored, whole = _stored_tensors(header, section_len)
+            read_once = headers.read(header, section_len)
         else:
             fragment, head, header_at, header_end, section, section_len = read
             fragments.append(fragment)
-            moved = as_stored.fullmatch(head, header_at, header_end) if extra is None else None
-            if moved is not None:  # two texts an entry: up to its start offset, its end offset
-                texts, last = moved.groups(), (moved.lastindex or 0) - 2
-                if texts[last + 1] == b"%d" % section_len:  # its tensors end where its section does
-                    start, at = base, 0  # each entry starts where the one before ends
-                    while at < last:
-                        end = base + int(texts[at + 1])
-                        entries.append(_MOVED % (index, texts[at], start, end))
-                        start, at = end, at + 2
+            header = bytes(head[header_at:header_end])
+            if extra is None:
+                moved = read_before.get(header, _UNREAD)
+                if moved is _UNREAD:
+                    moved = read_before[header] = _moved(as_stored, header)
+                if moved is not None and moved[-1][1] == section_len:  # its tensors end where its section does
+                    start = base  # each entry starts where the one before ends
+                    for text, end in moved:
+                        end += base
+                        entries.append(_MOVED % (index, text, start, end))
+                        start = end
                     base += section_len
-                    entries.append(_MOVED % (index, texts[last], start, base))
                     _extend(data, section)
                     continue
-            stored, whole = _stored_tensors(bytes(memoryview(head)[header_at:header_end]), section_len)
+            read_once = headers.read(header, section_len)
+        stored, whole = read_once.found, read_once.whole
         if dropped and any(t[0] in dropped for t in stored):
             stored = [t for t in stored if t[0] not in dropped]
             whole = False
@@ -91,7 +96,9 @@ def join_parts(
             continue
         added: dict[str, RawTensor] = {}
         if extra is not None:
-            added = extra(index, stored_tensors(stored, section))
+            added = extra(
+                index, read_once.tensors(section) if stored is read_once.found else stored_tensors(stored, section)
+            )
         kept = [t for t in stored if _json_name(t[0]) not in added] if added else stored
         # Tensors kept whole are copied as one run of bytes; a replaced one leaves a gap.
         if whole and len(kept) == len(stored):
@@ -155,6 +162,23 @@ def _extend(data: list[Run], section: Section) -> None:
 
 # ENTRY as the text of a stored entry from its name to its start offset, then its offsets.
 _MOVED = b'"%d:%b%d,%d]}'
+# A stored header read by `_back_to_back(parts=False)`: each entry's text up to its start offset,
+# and its end offset.
+_Moved = tuple[tuple[bytes, int], ...]
+_UNREAD: _Moved = ()  # a header join_parts has not read yet
+
+
+def _moved(pattern: re.Pattern[bytes], header: bytes) -> _Moved | None:
+    """A stored header's entries as `pattern` (`_back_to_back(parts=False)`) reads them; None for a
+    header of another layout."""
+    found = pattern.fullmatch(header)
+    if found is None:
+        return None
+    texts = found.groups()
+    last = (found.lastindex or 0) - 1  # two groups an entry
+    return tuple((texts[at], int(texts[at + 1])) for at in range(0, last, 2))
+
+
 _INT = rb"(?:0|[1-9][0-9]*)"
 # One entry of a stored header as pack_item writes it (through json.dumps): item index 0.
 _STORED_ENTRY = (
@@ -245,18 +269,63 @@ def stored_entries(header: bytes, section_len: int) -> list[tuple[bytes, bytes, 
 def stored_tensors(found: list[_Stored], section: Section) -> Mapping[str, RawTensor]:
     """One stored item's tensors (its `stored_entries`) by name, as views of its tensor section,
     or, for a section in pieces, made as each is looked up (pieces.SectionTensors)."""
+    return _tensors(_named(found), section)
+
+
+# One stored item's tensors as `stored_tensors` makes them: name, dtype, shape, start and end.
+_Named = list[tuple[str, str, tuple[int, ...], int, int]]
+
+
+class HeaderRead(NamedTuple):
+    """A stored header as a batch's items read it (`HeaderReads`): its tensors (`stored_entries`),
+    whether they lie back to back over the whole section, and the same tensors read back (names
+    and dtypes as text, shapes as ints)."""
+
+    found: list[_Stored]
+    whole: bool
+    named: _Named
+
+    def tensors(self, section: Section) -> Mapping[str, RawTensor]:
+        """`stored_tensors` of an item with this header and `section`."""
+        return _tensors(self.named, section)
+
+
+class HeaderReads:
+    """The stored headers of one batch, each read once: a batch's items mostly share one header's
+    bytes (the same fields, dtypes and shapes), which a regular expression and the reads of its
+    names and shapes would otherwise go over again for each item."""
+
+    __slots__ = ("_read",)
+
+    def __init__(self) -> None:
+        self._read: dict[tuple[bytes, int], HeaderRead] = {}
+
+    def read(self, header: bytes, section_len: int) -> HeaderRead:
+        """The header of an item whose tensor section is `section_len` bytes."""
+        key = (header, section_len)
+        known = self._read.get(key)
+        if known is None:
+            found, whole = _stored_tensors(header, section_len)
+            known = self._read[key] = HeaderRead(found, whole, _named(found))
+        return known
+
+
+def _named(found: list[_Stored]) -> _Named:
+    return [(_json_name(name), dtype.decode(), _shape(shape), a, b) for name, dtype, shape, a, b in found]
+
+
+def _tensors(named: _Named, section: Section) -> Mapping[str, RawTensor]:
     if isinstance(section, memoryview):
-        return {
-            _json_name(name): RawTensor(dtype.decode(), _shape(shape), section[start:end])
-            for name, dtype, shape, start, end in found
-        }
-    entries = {_json_name(name): (dtype.decode(), _shape(shape), a, b) for name, dtype, shape, a, b in found}
-    return SectionTensors(entries, section)
+        return {name: RawTensor(dtype, shape, section[a:b]) for name, dtype, shape, a, b in named}
+    return SectionTensors({name: (dtype, shape, a, b) for name, dtype, shape, a, b in named}, section)
+
+
+_BACKSLASH = ord("\\")  # asked as an int: `bytes in bytes` first fails to read it as one, at some 1,800 instructions
 
 
 def _json_name(text: bytes) -> str:
     """A name as the contents of a JSON string, read back."""
-    return json.loads(b'"' + text + b'"') if b"\\" in text else text.decode()
+    return json.loads(b'"' + text + b'"') if _BACKSLASH in text else text.decode()
 
 
 def _parsed_tensors(header: bytes, section_len: int) -> tuple[list[_Stored], bool]:
