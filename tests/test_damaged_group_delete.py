@@ -1,7 +1,7 @@
-"""A rows table's pending or computing group whose head (its directory entry) no longer decodes: a
-Delete naming the group removes it whole (its head, fragments, index rows, payloads and counts), so
-that the table checks clean and the group's key takes pushes again, through the store and through
-a server that stays up."""
+"""A rows table's pending or computing group whose head (its directory entry) no longer decodes, or is
+lost: a Delete naming the group removes it whole (its head, fragments, index rows, payloads and
+counts), so that the table checks clean and the group's key takes pushes again,
+through the store and through a server that stays up."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from pathlib import Path
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from test_rows_pending import LARGE, attempt_runs, cut_head, run, uid
+from test_rows_pending import EIGHTS, LARGE, attempt_runs, cut_head, run, uid
 
 from expbuf.client import BufferClient
 from expbuf.client.errors import DataLossError
@@ -27,9 +27,18 @@ from expbuf.server.store.schema.table_config import TableConfig
 from conftest import Servers
 from helpers import StoppedClock as Clock
 from helpers import make_experience
+from test_quarantine import lose
 
 COUNTED = ("pending", "computing", "bytes", "groups_pending", "groups_computing", "groups_ready", "ready")
 HELD = ("gdir", "frags", "pending", "compute", "oldest", "blobs", "adv")  # what the group holds, by database
+
+
+def damage(store: Store, table: str, gkey: str, how: str) -> None:
+    """A pending group's head cut so that it no longer decodes, or lost (its directory entry deleted)."""
+    if how == "cut":
+        cut_head(store, table, gkey)
+    else:
+        lose(store, table, gkey, "gdir")
 
 
 def held(store: Store, table: str, gkey: str) -> dict[str, int]:
@@ -47,15 +56,18 @@ def held(store: Store, table: str, gkey: str) -> dict[str, int]:
     return found
 
 
+@pytest.mark.parametrize("how", ["cut", "lost"])
 @pytest.mark.parametrize(("state", "timed_out"), [("pending", False), ("pending", True), ("computing", False)])
 def test_a_delete_naming_a_group_whose_head_does_not_decode_removes_it_whole(
-    tmp_path: Path, state: str, timed_out: bool
+    tmp_path: Path, state: str, timed_out: bool, how: str
 ) -> None:
     """Nothing could remove a pending or computing group whose head no longer decodes: a Delete of it
-    was refused DATA_LOSS, and it stayed counted, its payloads and fragments kept, for good. A Delete
-    naming it removes all of it and uncounts its members and bytes, also once its timeout passed over
-    it (out of the pending index); the table checks clean, its other groups take runs, and a fresh
-    group of the same key is pushed and completes."""
+    was refused DATA_LOSS, and it stayed counted, its payloads and fragments kept, for good. One whose
+    head was lost was not even refused: a Delete naming it found nothing, and its timeout failed the
+    table's upkeep at every pass (no other group of the table timed out). A Delete naming it removes
+    all of it and uncounts its members and bytes, also once its timeout passed over it (out of the
+    pending index); the table checks clean, its other groups take runs, and a
+    fresh group of the same key is pushed and completes."""
     computing = state == "computing"
     settings = {**LARGE, "estimator": "grpo", "drop_zero_variance": False} if computing else LARGE
     runs = 40 if computing else 31  # over pushes of 4: rows spilled into fragments, and some in the head
@@ -67,13 +79,14 @@ def test_a_delete_naming_a_group_whose_head_does_not_decode_removes_it_whole(
         store.put("t", [run(2, n) for n in range(3)] + [run(3, n) for n in range(40)])
         assert store.stats("t")["groups_" + state] == 2  # 0/1 and 0/2 pending, or 0/1 and 0/3 computing
         assert held(store, "t", "0/1")["frags"] >= 2
-        cut_head(store, "t", "0/1")
+        damage(store, "t", "0/1", how)
         if timed_out:  # the timeout passes over it (out of the pending index) and releases 0/2
             clock.now += 61
-            assert store.tick()["groups_timed_out"] == 1
+            assert [store.tick()["groups_timed_out"] for _ in range(2)] == [1, 0]
         before = store.stats("t")
-        with pytest.raises(DamagedGroup, match="Delete the group by its id"):
-            store.delete("t", [uid(1, 0)])
+        if how == "cut":
+            with pytest.raises(DamagedGroup, match="Delete the group by its id"):
+                store.delete("t", [uid(1, 0)])
         assert store.delete("t", group_ids=["0/1"]) == runs
         after = store.stats("t")
         freed = sum(Entry.of(run(1, n)).size for n in range(runs))
@@ -92,6 +105,19 @@ def test_a_delete_naming_a_group_whose_head_does_not_decode_removes_it_whole(
         assert store.put("t", [run(1, n) for n in range(40)]).completed_groups == ["0/1"]
         assert sum(store.stats("t")[f"groups_{now}"] for now in ("pending", "computing", "ready")) == 3
         assert store.verify("t") == []
+
+
+def test_a_delete_naming_a_group_gone_or_complete_whose_entry_is_lost_removes_nothing(tmp_path: Path) -> None:
+    """A Delete naming a group the table does not hold, or a complete group whose directory entry
+    (its place, which its segment still holds) is lost, removes nothing and counts no damage."""
+    with Store(tmp_path, clock=Clock()) as store:
+        store.create_table(TableConfig.of("t", layout="rows", **EIGHTS))
+        store.put("t", [run(1, n) for n in range(8)] + [run(2, n) for n in range(3)])
+        lose(store, "t", "0/1", "gdir")
+        before = store.stats("t")
+        assert store.delete("t", group_ids=["0/1", "0/9"]) == 0
+        assert store.stats("t") == before
+        assert held(store, "t", "0/1")["blobs"] == 8
 
 
 @pytest.mark.parametrize("table_layout", ["rows"], indirect=True)
@@ -149,21 +175,26 @@ def cli(command: str, data: Path) -> tuple[int, list[str]]:
     return done.returncode, done.stdout.splitlines()
 
 
-def test_expbuf_repair_removes_a_pending_group_whose_head_does_not_decode(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("how", "named", "why"), [("cut", "'0/1' does not decode", "did not decode"), ("lost", "0/1", "was lost")]
+)
+def test_expbuf_repair_removes_a_pending_group_whose_head_does_not_decode(
+    tmp_path: Path, how: str, named: str, why: str
+) -> None:
     """With the server stopped: `expbuf check` names the group's entry and the way out, `expbuf repair`
     (which refused nothing of it but left it) removes the group whole, its experiences and bytes
-    uncounted, and the directory checks clean; the next open serves the table, and the group's key
-    takes a fresh group."""
+    uncounted, and the directory checks clean; the next open serves the table, and
+    the group's key takes a fresh group. A group whose head is lost was not named, nor removed."""
     with Store(tmp_path, clock=Clock()) as store:
         store.create_table(TableConfig.of("t", layout="rows", **LARGE))
         for at in range(0, 31, 4):
             store.put("t", [run(1, n) for n in range(at, min(at + 4, 31))])
         store.put("t", [run(2, n) for n in range(3)])
-        cut_head(store, "t", "0/1")
+        damage(store, "t", "0/1", how)
         before = store.stats("t")
     code, lines = cli("check", tmp_path)
-    assert code == 1 and any("'0/1' does not decode" in line and "expbuf repair" in line for line in lines), lines
-    assert cli("repair", tmp_path) == (0, ["t: removed group 0/1, whose record did not decode, with 31 experience(s)"])
+    assert code == 1 and any(named in line and "expbuf repair" in line for line in lines), lines
+    assert cli("repair", tmp_path) == (0, [f"t: removed group 0/1, whose record {why}, with 31 experience(s)"])
     assert cli("check", tmp_path) == (0, ["default: ok", "t: ok"])
     assert cli("repair", tmp_path) == (0, ["no stray chunk sets"])
     with Store(tmp_path, clock=Clock()) as store:

@@ -124,6 +124,18 @@ def delete_rows(txn: lmdb.Transaction, db: lmdb._Database, keys: Iterable[bytes]
                 drop()
 
 
+def rows_under(txn: lmdb.Transaction[bytes], db: lmdb._Database, prefix: bytes) -> list[tuple[bytes, bytes]]:
+    """The (key, value) rows of one database whose keys begin with `prefix` (a table's), the prefix
+    taken off their keys: what reads a table's whole index or directory (a check, a repair) reads."""
+    found = []
+    with txn.cursor(db=db) as cur:
+        at = cur.set_range(prefix)
+        while at and cur.key().startswith(prefix):
+            found.append((bytes(cur.key()[len(prefix) :]), bytes(cur.value())))
+            at = cur.next()
+    return found
+
+
 def next_prefix(prefix: bytes) -> bytes | None:
     """The smallest key greater than every key that starts with prefix."""
     stripped = prefix.rstrip(b"\xff")

@@ -198,8 +198,8 @@ def _shaped(tt: TableState, shaping: ShapingUpdate) -> bool:
 
 def expire_groups(tt: TableState, created_before: float) -> int:
     """Release (flagged partial) or drop incomplete groups created before the cutoff; returns how many.
-    A rows table's whose head does not decode cannot be ended from what is stored: it leaves the
-    pending index, so that the upkeep meets it once and times out the others, logged, and is left to
+    A rows table's whose head does not decode, or is lost, cannot be ended from what is stored: it
+    leaves the pending index, so that the upkeep meets it once and times out the others, logged, and is left to
     `expbuf check` and a Delete naming it (core/verbs/row_deletes.py)."""
     ending = Ending(tt)
     timed_out = 0

@@ -234,18 +234,20 @@ DROP_DAMAGED_GROUP = (
 
 class DamagedGroup(StoreError):
     """A rows table's pending or computing group whose head (its directory entry) no longer decodes,
-    met by a request that changes or ends it: what it holds cannot be read, so nothing of the
-    request is stored, and `expbuf check` names the group. A Delete naming such a group by its id
-    removes it whole (core/verbs/row_deletes.py), which the refusal says where the entry is a pending
-    or computing group's (`pending`), not a complete group's place, which its segment still holds."""
+    or is lost (`lost`: an index still names the group), met by a request that changes or ends it:
+    what it holds cannot be read, so nothing of the request is stored, and `expbuf check` names the
+    group. A Delete naming such a group by its id removes it whole (core/verbs/row_deletes.py), which
+    the refusal says where the entry is a pending or computing group's (`pending`), not a complete
+    group's place, which its segment still holds."""
 
     status = "DATA_LOSS"
     reason = Reason.DAMAGED
 
-    def __init__(self, gkey: str, why: str, *, pending: bool = True) -> None:
+    def __init__(self, gkey: str, why: str, *, pending: bool = True, lost: bool = False) -> None:
         way_out = DROP_DAMAGED_GROUP if pending else "run `expbuf check` on the data directory"
+        what = "is not stored" if lost else "does not decode"
         super().__init__(
-            f"group {clip(gkey)}: its record does not decode ({why}; damaged on disk): nothing of this request "
+            f"group {clip(gkey)}: its record {what} ({why}; damaged on disk): nothing of this request "
             f"is stored; {way_out}"
         )
         self.gkey, self.why = gkey, why

@@ -181,8 +181,8 @@ def _check_chunk_sets(tt: TableState, *, strays: bool) -> list[str]:
 
 def repair(txn: lmdb.Transaction[bytes], dbs: dict[str, lmdb._Database], now: float) -> dict[str, list[str]]:
     """What `expbuf repair` does: drop every table's stray chunk sets (stray_sets), which nothing
-    reads, and remove a rows table's pending or computing groups whose heads do not decode
-    (row_deletes.remove_undecodable), which nothing can end, as a Delete naming them does (its
+    reads, and remove a rows table's pending or computing groups whose heads do not decode or are
+    lost (row_deletes.remove_damaged_groups), which nothing can end, as a Delete naming them does (its
     extensions not loaded: a prompt claimed for such a group waits for its claim to end). What
     it did, by table, a line each. Tables whose catalogue entry or counters do not decode are
     left alone (`scan` reports them)."""
@@ -195,11 +195,11 @@ def repair(txn: lmdb.Transaction[bytes], dbs: dict[str, lmdb._Database], now: fl
         for set_id in sorted(strays):
             chunked.drop_set(txn, dbs, tt.prefix, set_id)
         done = [f"dropped {len(strays)} stray chunk set(s)"] if strays else []
-        removed = row_deletes.remove_undecodable(tt) if config.storage.layout == "rows" else []
+        removed = row_deletes.remove_damaged_groups(tt) if config.storage.layout == "rows" else []
         if removed:
             tt.save()
         done += [
-            f"removed group {gkey}, whose record did not decode, with {count} experience(s)" for gkey, count in removed
+            f"removed group {gkey}, whose record {why}, with {count} experience(s)" for gkey, count, why in removed
         ]
         if done:
             repaired[name] = done

@@ -61,6 +61,12 @@ def head_key(prefix: bytes, when: float, gkey: str) -> bytes:
     return prefix + stamp(when) + HEAD + gkey.encode()
 
 
+def group_of(key: bytes) -> bytes:
+    """The key of the group a key of the index (its table's prefix taken off) is of; empty where it is
+    a segment's."""
+    return key[9:] if key[8:9] == HEAD else b""
+
+
 def oldest(txn: lmdb.Transaction[bytes], dbs: Mapping[str, lmdb._Database], prefix: bytes) -> float | None:
     """When a rows table's oldest live experience was pushed (None: it holds none): its first key."""
     with txn.cursor(db=dbs["oldest"]) as cur:
@@ -148,17 +154,18 @@ def head_gone(tt: TableState, gkey: str, head: PendingHead) -> None:
         group_gone(tt, gkey)
 
 
-def group_gone(tt: TableState, gkey: str) -> None:
+def group_gone(tt: TableState, gkey: str) -> bool:
     """A pending or computing group gone whose first member's time is not known: its key, if any,
-    found by the group's key among the table's."""
+    found by the group's key among the table's; whether there was one."""
     held = HEAD + gkey.encode()
     with tt.txn.cursor(db=tt.db["oldest"]) as cur:
         more = cur.set_range(tt.prefix)
         while more and cur.key()[: len(tt.prefix)] == tt.prefix:
             if cur.key()[len(tt.prefix) + 8 :] == held:
                 cur.delete()
-                return
+                return True
             more = cur.next()
+    return False
 
 
 def head_first(tt: TableState, gkey: str, head: PendingHead) -> float | None:

@@ -35,7 +35,7 @@ from ...disk.rows import (
     group_entry,
     uid_hash,
 )
-from ...schema.errors import DAMAGE, StoreError, clip
+from ...schema.errors import DAMAGE, DamagedGroup, StoreError, clip
 from ...schema.states import COMPUTING, LEASED, LIVE, READY, State, check_move
 from ...schema.table_config import TableConfig
 from ...schema.views import GroupView, Members, MemberView
@@ -330,11 +330,13 @@ class TableState:
         return Member(uid, digest, size, 0, created, 0, 0, 0)
 
     def existing_view(self, gkey: str) -> GroupView:
-        """The view of a group an index or a member names, which exists while they do."""
+        """The view of a group an index or a member names, which exists while they do. A rows table's
+        whose directory entry is lost is refused as one whose entry does not decode (DamagedGroup): a
+        Delete naming it removes it (core/verbs/row_deletes.py)."""
         if self.config.storage.layout == "rows":
             grp = self._row_group(gkey)
             if grp is None:
-                raise missing("group", gkey)
+                raise DamagedGroup(gkey, "its directory entry is lost", lost=True)
             return grp
         return self.existing_group(gkey)
 

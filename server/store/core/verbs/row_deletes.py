@@ -16,9 +16,11 @@ members left are written again in its head (row_pending.left). A pending or comp
 whose head does not decode is removed whole (below); one of its members named alone is
 refused (DamagedGroup), as what else of its group is stored cannot be read.
 
-Such a group (its head, its directory entry, no longer decodes) is removed whole by a Delete naming
-it (`remove_damaged`), or by `expbuf repair` with the server stopped (tables/integrity.repair):
-nothing else can end it, since what it holds cannot be read.
+Such a group (its head, its directory entry, no longer decodes, or is lost) is removed whole by a
+Delete naming it (`remove_damaged`), or by `expbuf repair` with the server stopped
+(tables/integrity.repair): nothing else can end it, since what it holds cannot be read. A group
+whose head is lost is told from one the table does not hold by what is left of it: its payloads or
+fragments, then its rows in the indexes below.
 
 Its head named its members, its fragments' count, its creation time (its key in the pending index)
 and its place in the compute queue; without it each is found by the group's key: its fragments
@@ -39,7 +41,7 @@ from dataclasses import dataclass, field
 from expbuf.client.schema.routing import uid_group_key
 
 from ...disk import chunked
-from ...disk.layout import u64
+from ...disk.layout import rows_under, u64
 from ...disk.records import DELETED
 from ...disk.rows import PENDING as PENDING_ENTRY
 from ...disk.rows import REF, Member, PendingHead, SegState, decode_member_rows, directory_entry, fragment_key, uid_hash
@@ -106,7 +108,9 @@ def delete(tt: TableState, uids: Sequence[str], group_ids: Sequence[str]) -> int
                 raise
             deleted += removed
             continue
-        if grp is not None:
+        if grp is None:  # none, or one whose head is lost
+            deleted += remove_damaged(tt, gkey) or 0
+        else:
             targets.extend(grp.members)
             if not grp.members and grp.group.state in LIVE:
                 bare[gkey] = grp
@@ -200,18 +204,22 @@ def _gone(tt: TableState, segments: Segments, groups: Sequence[_Touched]) -> Non
 
 def remove_damaged(tt: TableState, gkey: str) -> int | None:
     """Group `gkey` removed whole where its directory entry is a pending or computing group's that
-    does not decode: returns how many members it had; None where it is no such group (a complete
-    group's place that does not decode is not removed: its segment still holds the group)."""
+    does not decode, or is lost while what is left of the group (its payloads or fragments, then its
+    rows in the pending index, the compute queue or the index of the oldest) says it was pending or
+    computing: returns how many members it had. None where it is no such group
+    (a complete group's place that does not decode, or is lost, is not removed: its segment still
+    holds the group; a group the table does not hold costs a read of its payloads' and fragments' keys)."""
     raw = tt.txn.get(tt.key(gkey), db=tt.db["gdir"])
-    if raw is None or raw[0] == REF or _decodes(raw):
+    if raw is not None and (raw[0] == REF or _decodes(raw)):
         return None
-    listed = _listed(tt, gkey)
-    if listed is None and raw[0] != PENDING_ENTRY:
+    uids = tt.payload_uids(gkey)
+    was = _was_pending(tt, gkey, raw, bool(uids))
+    if was is None:
         return None
-    state, created = listed or (PENDING, tt.now)
+    state, created = was
     rows = _fragments(tt, gkey)
     found = {row.uid for row in rows}
-    rows += [tt.member_from_payload(uid, created) for uid in tt.payload_uids(gkey) if uid not in found]
+    rows += [tt.member_from_payload(uid, created) for uid in uids if uid not in found]
     oldest_index.group_gone(tt, gkey)
     tt.txn.delete(tt.key(gkey), db=tt.db["gdir"])
     tt.counters.add(state, -len(rows))
@@ -219,24 +227,68 @@ def remove_damaged(tt: TableState, gkey: str) -> int | None:
     payloads.drop(tt, [tt.key(row.uid) for row in rows], [row.size for row in rows])
     tt.extensions.on_retired(tt, Retired([(gkey, RowGroup(gkey, state, (), created=created))], DELETED))
     log.warning(
-        "table %s: %s group %s, whose record did not decode, deleted whole: %d experience(s)",
-        tt.config.name, state, gkey, len(rows),
+        "table %s: %s group %s, whose record %s, deleted whole: %d experience(s)",
+        tt.config.name, state, gkey, damage_of(raw), len(rows),
     )  # fmt: skip
     return len(rows)
 
 
-def remove_undecodable(tt: TableState) -> list[tuple[str, int]]:
-    """Every pending or computing group of the table whose head does not decode removed whole
-    (`remove_damaged`), as `expbuf repair` does with the server stopped: each group's key and how many
-    members it had. Its directory is read whole, entry by entry."""
-    found, prefix, ref = [], tt.prefix, bytes([REF])
+def _was_pending(tt: TableState, gkey: str, raw: bytes | None, payloads: bool) -> tuple[State, float] | None:
+    """Whether group `gkey`, whose directory entry (`raw`; None: lost) does not decode, was pending
+    (with its creation time where the pending index still names it) or computing; None: neither. Its
+    rows in the pending index or the compute queue are deleted as they are found. One whose entry is
+    lost and of which neither payloads nor fragments are stored is none (the table does not hold it,
+    or it held no member: its timeout passes over its row in the pending index)."""
+    fragments = raw is None and _has_fragments(tt, gkey)
+    if raw is None and not (payloads or fragments):
+        return None
+    listed = _listed(tt, gkey)
+    if listed is not None:
+        return listed
+    if raw is not None:
+        return (PENDING, tt.now) if raw[0] == PENDING_ENTRY else None
+    # a complete group's members are its segment's, never under the group's key in the index of the oldest
+    return (PENDING, tt.now) if fragments or oldest_index.group_gone(tt, gkey) else None
+
+
+def damage_of(raw: bytes | None) -> str:
+    """What damage left of a damaged group's directory entry, as its removal tells it."""
+    return "was lost" if raw is None else "did not decode"
+
+
+def remove_damaged_groups(tt: TableState) -> list[tuple[str, int, str]]:
+    """Every pending or computing group of the table whose head does not decode, or is lost (an index
+    or a fragment names a group the directory does not), removed whole (`remove_damaged`), as `expbuf
+    repair` does with the server stopped: each group's key, how many members it had and what damage
+    left of its head (`damage_of`). Its directory, pending index, compute queue, fragments and index of
+    the oldest are read whole."""
+    prefix, ref = tt.prefix, bytes([REF])
+    found: dict[str, bytes | None] = {}
     with tt.txn.cursor(db=tt.db["gdir"]) as cur:
         more = cur.set_range(prefix)
         while more and cur.key()[: len(prefix)] == prefix:
             if cur.value()[:1] != ref and not _decodes(cur.value()):
-                found.append(bytes(cur.key()[len(prefix) :]).decode(errors="replace"))
+                found[bytes(cur.key()[len(prefix) :]).decode(errors="replace")] = bytes(cur.value())
             more = cur.next()
-    return [(gkey, count) for gkey in found if (count := remove_damaged(tt, gkey)) is not None]
+    for gkey in _named_elsewhere(tt):
+        if gkey not in found and tt.txn.get(tt.key(gkey), db=tt.db["gdir"]) is None:
+            found[gkey] = None
+    return [
+        (gkey, count, damage_of(raw)) for gkey, raw in found.items() if (count := remove_damaged(tt, gkey)) is not None
+    ]
+
+
+def _named_elsewhere(tt: TableState) -> set[str]:
+    """The keys of the pending and computing groups the pending index, the compute queue, the fragments
+    and the index of the oldest name."""
+
+    def rows(name: str) -> list[tuple[bytes, bytes]]:
+        return rows_under(tt.txn, tt.db[name], tt.prefix)
+
+    names = {key[8:] for key, _ in rows("pending")} | {value for _, value in rows("compute")}
+    names |= {key[:-5] for key, _ in rows("frags")}  # a zero and its number follow the key (fragment_key)
+    names |= {name for key, _ in rows("oldest") if (name := oldest_index.group_of(key))}
+    return {name.decode(errors="replace") for name in names}
 
 
 def _decodes(raw: bytes) -> bool:
@@ -265,6 +317,18 @@ def _listed(tt: TableState, gkey: str) -> tuple[State, float] | None:
         return None
     tt.txn.delete(prefix + u64(place), db=tt.db["compute"])
     return COMPUTING, tt.now
+
+
+def _has_fragments(tt: TableState, gkey: str) -> bool:
+    """Whether a fragment of the group is stored (one seek)."""
+    begin = fragment_key(tt.prefix, gkey, 0)[:-4]
+    with tt.txn.cursor(db=tt.db["frags"]) as cur:
+        more = cur.set_range(begin)
+        while more and cur.key()[: len(begin)] == begin:
+            if len(cur.key()) == len(begin) + 4:  # else another group's, whose key goes on after this one's
+                return True
+            more = cur.next()
+    return False
 
 
 def _fragments(tt: TableState, gkey: str) -> list[Member]:

@@ -360,10 +360,34 @@ def _pending(tt: TableState, heads: dict[str, PendingHead], counts: dict[str, in
             problem = _row_payload(member, state, chunk_reads.read_payload(tt.txn, tt.db, tt.key(member.uid)))
             if problem is not None:
                 problems.append(problem)
-    problems.extend(f"fragment {key[:80]!r} is of no pending group" for key in fragments)
-    problems.extend(f"the pending index names {key[8:80]!r}, which is not pending" for key in indexed)
-    problems.extend(f"the compute queue names {gkey[:80]!r}, which is not computing" for gkey in queued.values())
+    named = {"its fragments": [key[:-5] for key in fragments], "the pending index": [key[8:] for key in indexed]}
+    named["the compute queue"] = [gkey.encode() for gkey in queued.values()]
+    headless = _headless(tt, named)
+    problems.extend(f"fragment {key[:80]!r} is of no pending group" for key in fragments if key[:-5] not in headless)
+    problems.extend(
+        f"the pending index names {key[8:80]!r}, which is not pending" for key in indexed if key[8:] not in headless
+    )
+    problems.extend(
+        f"the compute queue names {gkey[:80]!r}, which is not computing"
+        for gkey in queued.values()
+        if gkey.encode() not in headless
+    )
+    problems.extend(
+        f"pending or computing group {gkey[:80]!r}: its head is lost, {' and '.join(whats)} naming it; {REMOVE_DAMAGED}"
+        for gkey, whats in headless.items()
+    )
     return problems
+
+
+def _headless(tt: TableState, named: dict[str, list[bytes]]) -> dict[bytes, list[str]]:
+    """The groups that what is left of a pending or computing group (`named`: by what holds their
+    keys) names without a directory entry at all, each with what names it: its head is lost."""
+    found: dict[bytes, list[str]] = {}
+    for what, gkeys in named.items():
+        for gkey in dict.fromkeys(gkeys):
+            if tt.txn.get(tt.prefix + gkey, db=tt.db["gdir"]) is None:
+                found.setdefault(gkey, []).append(what)
+    return found
 
 
 def _oldest(tt: TableState, expected: set[bytes]) -> list[str]:
@@ -412,10 +436,4 @@ def _lease_holds(state: State, tag: str, named: str | None, cooling: bool) -> bo
 
 def _rows_of(tt: TableState, name: str) -> list[tuple[bytes, bytes]]:
     """A table's rows in one of the rows' databases, the table's prefix taken off their keys."""
-    found = []
-    with tt.txn.cursor(db=tt.db[name]) as cur:
-        at = cur.set_range(tt.prefix)
-        while at and cur.key().startswith(tt.prefix):
-            found.append((bytes(cur.key()[len(tt.prefix) :]), bytes(cur.value())))
-            at = cur.next()
-    return found
+    return layout.rows_under(tt.txn, tt.db[name], tt.prefix)
