@@ -1,6 +1,6 @@
 """A rows table's pending or computing group whose head (its directory entry) no longer decodes, or is
 lost: a Delete naming the group removes it whole (its head, fragments, index rows, payloads and
-counts), so that the table checks clean and the group's key takes pushes again,
+counts), counted damaged, so that the table checks clean and the group's key takes pushes again,
 through the store and through a server that stays up."""
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from expbuf.server.store.schema.table_config import TableConfig
 
 from conftest import Servers
 from helpers import StoppedClock as Clock
-from helpers import make_experience
+from helpers import make_experience, scrape
 from test_quarantine import lose
 
 COUNTED = ("pending", "computing", "bytes", "groups_pending", "groups_computing", "groups_ready", "ready")
@@ -66,7 +66,7 @@ def test_a_delete_naming_a_group_whose_head_does_not_decode_removes_it_whole(
     head was lost was not even refused: a Delete naming it found nothing, and its timeout failed the
     table's upkeep at every pass (no other group of the table timed out). A Delete naming it removes
     all of it and uncounts its members and bytes, also once its timeout passed over it (out of the
-    pending index); the table checks clean, its other groups take runs, and a
+    pending index), and counts them damaged; the table checks clean, its other groups take runs, and a
     fresh group of the same key is pushed and completes."""
     computing = state == "computing"
     settings = {**LARGE, "estimator": "grpo", "drop_zero_variance": False} if computing else LARGE
@@ -96,10 +96,13 @@ def test_a_delete_naming_a_group_whose_head_does_not_decode_removes_it_whole(
             "groups_" + state: before["groups_" + state] - 1,
             "bytes": before["bytes"] - freed,
         }
+        assert after["damaged"] == before["damaged"] + runs
+        assert "group 0/1" in after["last_failure"] and "removed" in after["last_failure"]
         assert held(store, "t", "0/1") == dict.fromkeys(HELD, 0)
         assert store.verify("t") == []
         assert store.get("t", [uid(1, n) for n in range(runs)]) == {}
         assert store.delete("t", group_ids=["0/1"]) == 0
+        assert store.stats("t")["damaged"] == after["damaged"]
         if not timed_out:
             assert store.put("t", [run(2, n) for n in range(3, 40)]).completed_groups == ["0/2"]
         assert store.put("t", [run(1, n) for n in range(40)]).completed_groups == ["0/1"]
@@ -126,8 +129,9 @@ def test_through_the_server_a_delete_removes_a_pending_group_whose_head_does_not
     start_server: Servers, tmp_path: Path
 ) -> None:
     """Through a server that stays up: a push to the damaged group is refused DATA_LOSS naming the way
-    out, a Delete naming the group removes it, the health check says SERVING, the group's key takes a
-    fresh group, and `expbuf check` finds the directory clean after the server stops."""
+    out, a Delete naming the group removes it, counted damaged in Stats and expbuf_damaged_total (it
+    was counted nowhere), the health check says SERVING, the group's key takes a fresh group, and
+    `expbuf check` finds the directory clean after the server stops."""
     server = start_server()
     with BufferClient(f"127.0.0.1:{server.port}", timeout=20) as client:
         client.create_table("t", group_size=8, estimator="none")
@@ -136,6 +140,8 @@ def test_through_the_server_a_delete_removes_a_pending_group_whose_head_does_not
         with pytest.raises(DataLossError, match=re.escape("Delete the group by its id")):
             client.push([make_experience(0, 1, 3)], "t")
         assert client.delete(table="t", groups=["0/1"]) == 3
+        assert client.stats("t")["t"].damaged == 3
+        assert scrape(server.metrics_port)[("expbuf_damaged_total", (("table", "t"),))] == 3
         with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
             health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
         assert health.status == health_pb2.HealthCheckResponse.SERVING
@@ -183,7 +189,7 @@ def test_expbuf_repair_removes_a_pending_group_whose_head_does_not_decode(
 ) -> None:
     """With the server stopped: `expbuf check` names the group's entry and the way out, `expbuf repair`
     (which refused nothing of it but left it) removes the group whole, its experiences and bytes
-    uncounted, and the directory checks clean; the next open serves the table, and
+    uncounted and counted damaged, and the directory checks clean; the next open serves the table, and
     the group's key takes a fresh group. A group whose head is lost was not named, nor removed."""
     with Store(tmp_path, clock=Clock()) as store:
         store.create_table(TableConfig.of("t", layout="rows", **LARGE))
@@ -201,6 +207,7 @@ def test_expbuf_repair_removes_a_pending_group_whose_head_does_not_decode(
         after = store.stats("t")
         freed = sum(Entry.of(run(1, n)).size for n in range(31))
         assert (after["pending"], after["groups_pending"], after["bytes"]) == (3, 1, before["bytes"] - freed)
+        assert after["damaged"] == before["damaged"] + 31
         assert held(store, "t", "0/1") == dict.fromkeys(HELD, 0)
         assert store.put("t", [run(1, n) for n in range(40)]).completed_groups == ["0/1"]
         assert store.verify("t") == []

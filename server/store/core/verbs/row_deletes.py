@@ -18,9 +18,10 @@ refused (DamagedGroup), as what else of its group is stored cannot be read.
 
 Such a group (its head, its directory entry, no longer decodes, or is lost) is removed whole by a
 Delete naming it (`remove_damaged`), or by `expbuf repair` with the server stopped
-(tables/integrity.repair): nothing else can end it, since what it holds cannot be read. A group
-whose head is lost is told from one the table does not hold by what is left of it: its payloads or
-fragments, then its rows in the indexes below.
+(tables/integrity.repair): nothing else can end it, since what it holds cannot be read. Its members
+removed are counted damaged (the table's `damaged`, as a quarantined experience is), and the group
+named in its last failure. A group whose head is lost is told from one the table does not hold by
+what is left of it: its payloads or fragments, then its rows in the indexes below.
 
 Its head named its members, its fragments' count, its creation time (its key in the pending index)
 and its place in the compute queue; without it each is found by the group's key: its fragments
@@ -206,7 +207,7 @@ def remove_damaged(tt: TableState, gkey: str) -> int | None:
     """Group `gkey` removed whole where its directory entry is a pending or computing group's that
     does not decode, or is lost while what is left of the group (its payloads or fragments, then its
     rows in the pending index, the compute queue or the index of the oldest) says it was pending or
-    computing: returns how many members it had. None where it is no such group
+    computing: returns how many members it had, each counted damaged. None where it is no such group
     (a complete group's place that does not decode, or is lost, is not removed: its segment still
     holds the group; a group the table does not hold costs a read of its payloads' and fragments' keys)."""
     raw = tt.txn.get(tt.key(gkey), db=tt.db["gdir"])
@@ -226,9 +227,12 @@ def remove_damaged(tt: TableState, gkey: str) -> int | None:
     tt.counters.add_groups(state, -1)
     payloads.drop(tt, [tt.key(row.uid) for row in rows], [row.size for row in rows])
     tt.extensions.on_retired(tt, Retired([(gkey, RowGroup(gkey, state, (), created=created))], DELETED))
+    why = damage_of(raw)
+    tt.counters.damaged += len(rows)
+    tt.counters.last_failure = f"group {gkey}: its record {why}; removed whole with {len(rows)} experience(s)"
     log.warning(
         "table %s: %s group %s, whose record %s, deleted whole: %d experience(s)",
-        tt.config.name, state, gkey, damage_of(raw), len(rows),
+        tt.config.name, state, gkey, why, len(rows),
     )  # fmt: skip
     return len(rows)
 
