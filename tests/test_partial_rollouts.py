@@ -375,14 +375,15 @@ def test_a_delete_of_a_group_takes_its_runs_in_pieces_in_a_table_whose_groups_do
 ) -> None:
     """With group_size 0 a Delete of a group left its runs in pieces held, counted in expbuf_partials
     and against capacity_bytes, with no timeout, seal or report of a failed run to reach them. A
-    Delete naming a group takes them, whether the group holds experiences or none yet; another
-    task's stay."""
+    Delete naming a group takes them, whether the group holds experiences (its runs held in pieces
+    before it completed went then) or none yet; another task's stay."""
     with Store(tmp_path / "data", map_size=1 << 24) as store:
         store.create_table(TableConfig.of("t", estimator="none", group_size=0, layout=storage))
         for task in (0, 1, 2):
             store.put("t", [trxp.from_experience(split(rollout(task=task, run=1), [4, 8])[0])])
-        store.put("t", [trxp.from_experience(rollout(task=0, run=0))])  # completes 0/0 without them
         kept = store.stats("t")["partial_bytes"] // 3
+        store.put("t", [trxp.from_experience(rollout(task=0, run=0))])  # completes 0/0, dropping its run 1
+        assert (store.stats("t")["partials"], store.stats("t")["partial_bytes"]) == (2, 2 * kept)
         assert store.delete("t", group_ids=["0/0", "0/1"]) == 1
         stats = store.stats("t")
         assert (stats["partials"], stats["partial_bytes"]) == (1, kept)
@@ -395,20 +396,22 @@ def test_a_delete_of_a_group_takes_its_runs_in_pieces_in_a_table_whose_groups_do
 def test_a_delete_of_a_uid_held_in_pieces_takes_its_pieces(start_server: Servers, group_size: int) -> None:
     """Delete by the uid of a rollout held in pieces deleted nothing: its pieces stayed, counted in
     expbuf_partials and against capacity_bytes. They go, counted as a Delete of their group counts
-    them (no experience removed); another run's pieces and experiences stay. A group that held
-    nothing else goes with them, as one named bare by a Delete does."""
+    them (no experience removed); another run's pieces and experiences stay (with group_size 0, the
+    push that completed their group took its runs in pieces). A group that held nothing else goes
+    with them, as one named bare by a Delete does."""
     server = start_server()
     alone, held, whole = rollout(task=1, run=0), rollout(run=1), rollout(run=0)
     with BufferClient(f"127.0.0.1:{server.port}", timeout=20) as client:
         client.create_table("t", group_size=group_size, estimator="none")
         client.push([split(held, [4, 8])[0], split(rollout(run=2), [4, 8])[0]], table="t")
-        client.push([whole], table="t")  # with group_size 0 it completes the group without them
+        one = server.store.stats("t")["partial_bytes"] // 2
+        client.push([whole], table="t")  # with group_size 0 it completes the group, its runs in pieces dropped
         client.push([split(alone, [4, 8])[0]], table="t")
-        kept = server.store.stats("t")["partial_bytes"] // 3
         assert client.delete([held.eid.uid, alone.eid.uid], table="t") == 0
-        assert [exp.eid.uid for exp in client.get_partials(["0/0", "0/1"], table="t")] == ["0/0/2/0/r"]
-        assert scrape(server.metrics_port)[("expbuf_partials", (("table", "t"),))] == 1
-        assert server.store.stats("t")["partial_bytes"] == kept
+        left = ["0/0/2/0/r"] if group_size else []
+        assert [exp.eid.uid for exp in client.get_partials(["0/0", "0/1"], table="t")] == left
+        assert scrape(server.metrics_port)[("expbuf_partials", (("table", "t"),))] == len(left)
+        assert server.store.stats("t")["partial_bytes"] == one * len(left)
         stats = client.stats("t")["t"]
         assert (stats.live, stats.groups_pending) == (1, 1 if group_size else 0)
         if group_size:  # pushed again
@@ -464,14 +467,48 @@ def test_a_group_complete_with_all_its_runs_drops_the_runs_in_pieces_that_did_no
         assert store.verify("t") == []
 
 
-def test_the_check_names_runs_in_pieces_whose_group_is_complete(tmp_path: Path) -> None:
-    """Pieces whose group is complete (as a group complete with all its runs left them) can never
-    join it: verify() and `expbuf check` passed over them. They are named, as what nothing reads
-    (a full check at a start leaves them, as it does stray chunk sets); pieces of a group not
-    stored (a prompt's next attempt, handed the pieces of the last) are not. A Delete of the
-    group takes them."""
+@pytest.mark.parametrize("storage", ["rows", "records"])
+@pytest.mark.parametrize("estimator", ["none", "grpo"])
+def test_a_group_complete_with_its_push_drops_the_runs_in_pieces_held_before_it(
+    tmp_path: Path, storage: str, estimator: str
+) -> None:
+    """With group_size 0, runs of a task held in pieces before any of its runs was pushed whole stayed
+    held once a push completed the task's group without them: no piece of them could be pushed any
+    more (GroupClosed), nor their last, yet they stayed counted in expbuf_partials and against
+    capacity_bytes until a Delete named them or their group. The group's completion drops them, as a
+    group of group_size runs drops its runs in pieces; another task's run in pieces stays, and a
+    later piece of a run dropped is refused GroupClosed, nothing of it stored."""
     with Store(tmp_path / "data", map_size=1 << 24) as store:
-        store.create_table(TableConfig.of("t", estimator="none", group_size=2))
+        store.create_table(TableConfig.of("t", estimator=estimator, group_size=0, layout=storage))
+        elsewhere = trxp.from_experience(split(rollout(task=1, run=5), [4, 8])[0])
+        assert store.put("t", [elsewhere]).partial == [elsewhere.uid]
+        kept = store.stats("t")["partial_bytes"]
+        strays = [split(rollout(run=run), [4, 8]) for run in (5, 6)]
+        assert store.put("t", [trxp.from_experience(pieces[0]) for pieces in strays]).partial == [
+            "0/0/5/0/r", "0/0/6/0/r",
+        ]  # fmt: skip
+        runs = [trxp.from_experience(rollout(run=run, reward=float(run))) for run in (0, 1)]
+        assert store.put("t", runs).completed_groups == ["0/0"]
+        stats = store.stats("t")
+        assert (stats["partials"], stats["partial_bytes"]) == (1, kept)
+        assert stats["computing" if estimator == "grpo" else "ready"] == 2
+        assert store.get_partials("t", ["0/0"]) == (trxp.build([]), [])
+        assert store.get_partials("t", ["0/1"]) != (trxp.build([]), [])
+        with pytest.raises(GroupClosed, match="already complete"):
+            store.put("t", [trxp.from_experience(strays[0][1])])
+        assert (store.stats("t")["partials"], store.stats("t")["partial_bytes"]) == (1, kept)
+        assert store.verify("t") == []
+
+
+@pytest.mark.parametrize("group_size", [2, 0])
+def test_the_check_names_runs_in_pieces_whose_group_is_complete(tmp_path: Path, group_size: int) -> None:
+    """Pieces whose group is complete (as a group complete with all its runs left them, or with
+    group_size 0 one completed by a push after them) can never join it: verify() and `expbuf check`
+    passed over them. They are named, as what nothing reads (a full check at a start leaves them, as
+    it does stray chunk sets); pieces of a group not stored (a prompt's next attempt, handed the
+    pieces of the last) are not. A Delete of the group takes them."""
+    with Store(tmp_path / "data", map_size=1 << 24) as store:
+        store.create_table(TableConfig.of("t", estimator="none", group_size=group_size))
         store.put("t", [trxp.from_experience(rollout(run=run)) for run in (0, 1)])
         for task in (1, 2):
             store.put("t", [trxp.from_experience(split(rollout(task=task, run=5), [4, 8])[0])])

@@ -148,8 +148,7 @@ def joinable(tt: TableState, stored: Sequence[str], answered: Collection[str], e
     """Refuse a push that stores a piece of a run of a group it ends (`ended`: completes or drops),
     which the run could then never join: a group that ends drops its runs held in pieces
     (core/verbs/pieces.drop_group), so the piece would be answered durable and be gone in the same
-    commit, and with group_size 0, which keeps them, the rollout's last piece would be refused
-    GroupClosed. GroupOverfilled (the run is one past group_size), GroupClosed with group_size 0
+    commit. GroupOverfilled (the run is one past group_size), GroupClosed with group_size 0
     (the push completes its groups). A piece whose rollout the push also answers otherwise
     (`answered`: stored whole, put together, a duplicate, stale) was replaced, not left out."""
     if not ended:

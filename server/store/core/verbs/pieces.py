@@ -80,8 +80,9 @@ def of_task(tt: TableState, tid: str) -> list[str]:
 
 def drop_group(tt: TableState, gkey: str) -> int:
     """Drop the rollouts held in pieces of a group that completes without them (with all its runs,
-    sealed, timed out) or leaves the table; returns how many. A table whose groups complete with each push (group_size
-    0) has no runs to wait for: its rollouts in pieces join whichever group their task has then."""
+    sealed, timed out; with group_size 0, by the push that carries it, which they held pieces before)
+    or leaves the table; returns how many. A complete group takes no more pieces, nor a run's last:
+    kept, they could never finish, and would stay counted against the capacity."""
     return _drop_of(tt, gkey) if _droppable(tt) else 0
 
 
@@ -133,7 +134,7 @@ def drop_groups(tt: TableState, gkeys: Callable[[], Iterable[str]]) -> int:
 
 def _droppable(tt: TableState) -> bool:
     """Whether the table may hold rollouts in pieces that a group's end drops."""
-    return bool(tt.counters.partials) and bool(tt.config.grouping.size)
+    return bool(tt.counters.partials)
 
 
 def carry(tt: TableState, uid: str, target: str) -> bool:
@@ -212,11 +213,9 @@ def verify(tt: TableState) -> list[str]:
 def stranded(tt: TableState) -> list[str]:
     """The rollouts held in pieces whose group is complete, as problems: it takes no more pieces,
     so nothing reads them, and they stay counted against the capacity until it leaves the table
-    (a group's completion drops them; an earlier release left them). In a table of group_size 0 a
-    task's runs in pieces outlive its groups, and a group not stored is none (a prompt's next
-    attempt holds the pieces handed it before it is claimed)."""
-    if not tt.config.grouping.size:
-        return []
+    (a group's completion drops them; an earlier release left them, in a table of group_size 0 for
+    good). A group not stored is none (a prompt's next attempt holds the pieces handed it before it
+    is claimed)."""
     problems: list[str] = []
     states: dict[str, State | None] = {}
     for uid, _ in piece_rows.heads_under(tt.txn, tt.db, tt.prefix, tt.prefix):
