@@ -110,6 +110,30 @@ def test_a_delete_naming_a_group_whose_head_does_not_decode_removes_it_whole(
         assert store.verify("t") == []
 
 
+def test_a_small_pending_group_whose_head_is_lost_is_removed_after_its_timeout_passed_over_it(
+    tmp_path: Path,
+) -> None:
+    """A pending group of a few runs keeps them all in its head (no fragment): once its head is lost
+    and its timeout passed over it (out of the pending index), only its payloads and its key in the
+    index of the oldest are left of it. A Delete naming it removes it, counted damaged, and the table
+    checks clean; the group's other runs pushed again make a fresh group."""
+    clock = Clock()
+    with Store(tmp_path, clock=clock) as store:
+        store.create_table(TableConfig.of("t", layout="rows", group_timeout_seconds=60, **EIGHTS))
+        store.put("t", [run(task, n) for task in (1, 2) for n in range(3)])
+        lose(store, "t", "0/1", "gdir")
+        assert held(store, "t", "0/1") == {**dict.fromkeys(HELD, 0), "pending": 1, "oldest": 1, "blobs": 3}
+        clock.now += 61
+        assert store.tick()["groups_timed_out"] == 1  # 0/2, released
+        assert store.delete("t", group_ids=["0/1"]) == 3
+        stats = store.stats("t")
+        assert (stats["pending"], stats["groups_pending"], stats["damaged"], stats["ready"]) == (0, 0, 3, 3)
+        assert held(store, "t", "0/1") == dict.fromkeys(HELD, 0)
+        assert store.verify("t") == []
+        assert store.put("t", [run(1, n) for n in range(8)]).completed_groups == ["0/1"]
+        assert store.verify("t") == []
+
+
 def test_a_delete_naming_a_group_gone_or_complete_whose_entry_is_lost_removes_nothing(tmp_path: Path) -> None:
     """A Delete naming a group the table does not hold, or a complete group whose directory entry
     (its place, which its segment still holds) is lost, removes nothing and counts no damage."""
