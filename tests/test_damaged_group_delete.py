@@ -125,6 +125,7 @@ def test_a_small_pending_group_whose_head_is_lost_is_removed_after_its_timeout_p
         assert held(store, "t", "0/1") == {**dict.fromkeys(HELD, 0), "pending": 1, "oldest": 1, "blobs": 3}
         clock.now += 61
         assert store.tick()["groups_timed_out"] == 1  # 0/2, released
+        assert any("'0/1': its head is lost" in p and "expbuf repair" in p for p in store.verify("t"))
         assert store.delete("t", group_ids=["0/1"]) == 3
         stats = store.stats("t")
         assert (stats["pending"], stats["groups_pending"], stats["damaged"], stats["ready"]) == (0, 0, 3, 3)
@@ -235,6 +236,23 @@ def test_expbuf_repair_removes_a_pending_group_whose_head_does_not_decode(
         assert held(store, "t", "0/1") == dict.fromkeys(HELD, 0)
         assert store.put("t", [run(1, n) for n in range(40)]).completed_groups == ["0/1"]
         assert store.verify("t") == []
+
+
+def test_expbuf_repair_removes_a_group_that_holds_no_member_whose_head_is_lost(tmp_path: Path) -> None:
+    """A pending group holding only a run reported failed, its head lost: its row in the pending index
+    is all that is left of it. `expbuf check` names it and the way out, `expbuf repair` removes it, and
+    the table checks clean, its other group still pending."""
+    with Store(tmp_path, clock=Clock()) as store:
+        store.create_table(TableConfig.of("t", layout="rows", **EIGHTS))
+        store.fail_runs("t", [uid(1, 0)], ["died"])
+        store.put("t", [run(2, n) for n in range(3)])
+        lose(store, "t", "0/1", "gdir")
+    code, lines = cli("check", tmp_path)
+    assert code == 1 and any("'0/1': its head is lost" in line and "expbuf repair" in line for line in lines), lines
+    assert cli("repair", tmp_path) == (0, ["t: removed group 0/1, whose record was lost, with 0 experience(s)"])
+    assert cli("check", tmp_path) == (0, ["default: ok", "t: ok"])
+    with Store(tmp_path, clock=Clock()) as store:
+        assert (store.stats("t")["groups_pending"], store.stats("t")["pending"]) == (1, 3)
 
 
 @pytest.mark.parametrize("removed_by", ["delete", "repair"])

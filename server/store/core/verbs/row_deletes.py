@@ -203,18 +203,19 @@ def _gone(tt: TableState, segments: Segments, groups: Sequence[_Touched]) -> Non
             retired(tt, seg, row)
 
 
-def remove_damaged(tt: TableState, gkey: str) -> int | None:
+def remove_damaged(tt: TableState, gkey: str, *, named: bool = False) -> int | None:
     """Group `gkey` removed whole where its directory entry is a pending or computing group's that
     does not decode, or is lost while what is left of the group (its payloads or fragments, then its
     rows in the pending index, the compute queue or the index of the oldest) says it was pending or
     computing: returns how many members it had, each counted damaged. None where it is no such group
     (a complete group's place that does not decode, or is lost, is not removed: its segment still
-    holds the group; a group the table does not hold costs a read of its payloads' and fragments' keys)."""
+    holds the group; a group the table does not hold costs a read of its payloads' and fragments' keys,
+    then the indexes' where some are stored or the caller found it `named` in one)."""
     raw = tt.txn.get(tt.key(gkey), db=tt.db["gdir"])
     if raw is not None and (raw[0] == REF or _decodes(raw)):
         return None
     uids = tt.payload_uids(gkey)
-    was = _was_pending(tt, gkey, raw, bool(uids))
+    was = _was_pending(tt, gkey, raw, bool(uids) or named)
     if was is None:
         return None
     state, created = was
@@ -237,14 +238,15 @@ def remove_damaged(tt: TableState, gkey: str) -> int | None:
     return len(rows)
 
 
-def _was_pending(tt: TableState, gkey: str, raw: bytes | None, payloads: bool) -> tuple[State, float] | None:
+def _was_pending(tt: TableState, gkey: str, raw: bytes | None, traces: bool) -> tuple[State, float] | None:
     """Whether group `gkey`, whose directory entry (`raw`; None: lost) does not decode, was pending
     (with its creation time where the pending index still names it) or computing; None: neither. Its
     rows in the pending index or the compute queue are deleted as they are found. One whose entry is
-    lost and of which neither payloads nor fragments are stored is none (the table does not hold it,
-    or it held no member: its timeout passes over its row in the pending index)."""
+    lost is looked for in the indexes only where something of it is left (`traces`: its payloads, or
+    an index the caller read names it) or its fragments are: a Delete naming a group the table does
+    not hold reads no index."""
     fragments = raw is None and _has_fragments(tt, gkey)
-    if raw is None and not (payloads or fragments):
+    if raw is None and not (traces or fragments):
         return None
     listed = _listed(tt, gkey)
     if listed is not None:
@@ -277,9 +279,8 @@ def remove_damaged_groups(tt: TableState) -> list[tuple[str, int, str]]:
     for gkey in _named_elsewhere(tt):
         if gkey not in found and tt.txn.get(tt.key(gkey), db=tt.db["gdir"]) is None:
             found[gkey] = None
-    return [
-        (gkey, count, damage_of(raw)) for gkey, raw in found.items() if (count := remove_damaged(tt, gkey)) is not None
-    ]
+    removed = ((gkey, remove_damaged(tt, gkey, named=True), damage_of(raw)) for gkey, raw in found.items())
+    return [(gkey, count, why) for gkey, count, why in removed if count is not None]
 
 
 def _named_elsewhere(tt: TableState) -> set[str]:

@@ -362,6 +362,7 @@ def _pending(tt: TableState, heads: dict[str, PendingHead], counts: dict[str, in
                 problems.append(problem)
     named = {"its fragments": [key[:-5] for key in fragments], "the pending index": [key[8:] for key in indexed]}
     named["the compute queue"] = [gkey.encode() for gkey in queued.values()]
+    named["the index of the oldest"] = [oldest_index.group_of(key) for key, _ in _rows_of(tt, "oldest")]
     headless = _headless(tt, named)
     problems.extend(f"fragment {key[:80]!r} is of no pending group" for key in fragments if key[:-5] not in headless)
     problems.extend(
@@ -385,7 +386,7 @@ def _headless(tt: TableState, named: dict[str, list[bytes]]) -> dict[bytes, list
     found: dict[bytes, list[str]] = {}
     for what, gkeys in named.items():
         for gkey in dict.fromkeys(gkeys):
-            if tt.txn.get(tt.prefix + gkey, db=tt.db["gdir"]) is None:
+            if gkey and tt.txn.get(tt.prefix + gkey, db=tt.db["gdir"]) is None:
                 found.setdefault(gkey, []).append(what)
     return found
 
