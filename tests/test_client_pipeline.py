@@ -414,6 +414,9 @@ LOSSES = {
     # the first chunk of the second push in chunks (each takes 5 messages): the server reads its second
     # chunk after the first push, with neither table nor seq, and refuses it as cut short
     "a first chunk": Loss(large, 6, 1, "never came"),
+    # the first chunk of the stream's first push: the server's first message is its second chunk,
+    # which says where in a payload it starts, and refuses it as cut short
+    "the stream's first chunk": Loss(large, 1, 0, "never came"),
 }
 
 

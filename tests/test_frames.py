@@ -19,11 +19,12 @@ TEXT = st.text(max_size=40)
 
 
 @settings(max_examples=300, deadline=None)
-@given(payload=st.binary(max_size=3000), table=TEXT, seq=U64, total=U64)
-def test_a_push_request_is_protobufs_own_bytes(payload: bytes, table: str, seq: int, total: int) -> None:
-    message = pb.PushRequest(table=table, payload=payload, seq=seq, total_bytes=total)
-    assert frames.push_request(payload, table, seq=seq, total_bytes=total) == message.SerializeToString()
-    assert frames.push_request(memoryview(payload), table, seq=seq, total_bytes=total) == message.SerializeToString()
+@given(payload=st.binary(max_size=3000), table=TEXT, seq=U64, total=U64, offset=U64)
+def test_a_push_request_is_protobufs_own_bytes(payload: bytes, table: str, seq: int, total: int, offset: int) -> None:
+    message = pb.PushRequest(table=table, payload=payload, seq=seq, total_bytes=total, offset=offset)
+    wire = message.SerializeToString()
+    assert frames.push_request(payload, table, seq=seq, total_bytes=total, offset=offset) == wire
+    assert frames.push_request(memoryview(payload), table, seq=seq, total_bytes=total, offset=offset) == wire
 
 
 @settings(max_examples=300, deadline=None)

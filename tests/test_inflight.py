@@ -44,7 +44,9 @@ UNKNOWN_FIELDS = (
     "message",
     [
         pb.PushRequest(),
-        pb.PushRequest(table="grpo8", payload=b"TRXP" + bytes(range(256)) * 40, seq=2**64 - 1, total_bytes=2**40),
+        pb.PushRequest(
+            table="grpo8", payload=b"TRXP" + bytes(range(256)) * 40, seq=2**64 - 1, total_bytes=2**40, offset=2**33
+        ),
         pb.PushRequest(table="tâble", payload=b"x"),
     ],
     ids=["empty", "full", "utf8"],
@@ -56,11 +58,12 @@ def test_reads_what_protobuf_reads(message: pb.PushRequest, extra: bytes) -> Non
     data = message.SerializeToString() + extra
     want = pb.PushRequest.FromString(data)
     got = read_push_request(data)
-    assert (got.table, bytes(got.payload), got.seq, got.total_bytes) == (
+    assert (got.table, bytes(got.payload), got.seq, got.total_bytes, got.offset) == (
         want.table,
         want.payload,
         want.seq,
         want.total_bytes,
+        want.offset,
     )
 
 
@@ -266,6 +269,52 @@ def test_a_chunk_with_no_first_message_after_a_numbered_push_is_refused_as_cut_s
             "PushRequest after the push of seq 4: a message with neither table, seq nor total_bytes, so a chunk "
             "of the next push, whose first message never came: nothing of it is stored"
         )
+        assert stub.Stats(pb.StatsRequest(table="default"), timeout=10).tables[0].pushed == 2
+    assert held_drops_to_zero(server)
+
+
+def test_a_chunk_whose_offset_says_a_chunk_before_it_never_came_is_refused_as_cut_short(
+    start_server: Servers,
+) -> None:
+    """A chunk after a push's first carries its offset: one read as the stream's first message (the
+    first chunk of the stream's first push lost on its way), or past where the chunks read end (one
+    before it lost), is refused cut_short, nothing of the push stored, so a pusher sends it again;
+    the first failed INVALID_ARGUMENT as a payload that is not TRXP, which the pusher could not tell
+    from a malformed push. A chunk inside those read, an offset beside table, seq or total_bytes, or
+    a first message of a raw client that is no payload at all are refused as malformed, naming why.
+    None of it is stored, and the server stores the next push."""
+    server = start_server()
+    body = trxp.build(group_items("off", 0, 2))
+    parted = chunks(body, 200, seq=5)
+    at = [pb.PushRequest(payload=body[start : start + 200], offset=start) for start in range(0, len(body), 200)]
+    with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        stub = pb_grpc.ExperienceBufferStub(channel)
+        cut_short = (grpc.StatusCode.INVALID_ARGUMENT, Reason.CUT_SHORT)
+        first_lost = refusal(stub, at[1:])
+        assert (first_lost.code(), reason_of(first_lost.trailing_metadata())) == cut_short
+        assert first_lost.details() == (
+            "PushRequest as the first message of the stream: a chunk at offset 200 of the next push, whose first "
+            "message never came: nothing of it is stored"
+        )
+        skipped = refusal(stub, [parted[0], *at[2:]])
+        assert (skipped.code(), reason_of(skipped.trailing_metadata())) == cut_short
+        assert skipped.details() == (
+            f"PushRequest 200 bytes into the push of seq 5 in chunks (total_bytes = {len(body)}): a chunk at offset "
+            "400, so the chunk at offset 200 never came: nothing of it is stored"
+        )
+        again = refusal(stub, [parted[0], at[1], at[1]])
+        assert reason_of(again.trailing_metadata()) == Reason.INVALID_REQUEST
+        assert "a chunk at offset 200, inside the chunks before it" in again.details()
+        numbered = refusal(stub, [pb.PushRequest(payload=body[:200], seq=5, offset=200)])
+        assert numbered.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert reason_of(numbered.trailing_metadata()) == Reason.INVALID_REQUEST
+        assert numbered.details().startswith("PushRequest: offset = 200 marks a chunk after a push's first")
+        garbage = refusal(stub, [pb.PushRequest(payload=body[200:400])])
+        assert garbage.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert reason_of(garbage.trailing_metadata()) != Reason.CUT_SHORT
+        assert "TRXP" in garbage.details(), garbage.details()
+        assert stub.Stats(pb.StatsRequest(table="default"), timeout=10).tables[0].pushed == 0
+        assert [reply.seq for reply in stub.PushStream(iter(parted), timeout=30)] == [5]
         assert stub.Stats(pb.StatsRequest(table="default"), timeout=10).tables[0].pushed == 2
     assert held_drops_to_zero(server)
 

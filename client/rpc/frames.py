@@ -34,18 +34,19 @@ def _number(number: int, value: int) -> bytes:
     return varint(number << 3) + varint(value) if value else b""
 
 
-def push_request(payload: Bytes, table: str = "", *, seq: int = 0, total_bytes: int = 0) -> bytes:
-    """PushRequest(table=table, payload=payload, seq=seq, total_bytes=total_bytes), serialised."""
+def push_request(payload: Bytes, table: str = "", *, seq: int = 0, total_bytes: int = 0, offset: int = 0) -> bytes:
+    """PushRequest(table=table, payload=payload, seq=seq, total_bytes=total_bytes, offset=offset), serialised."""
     runs = _field(1, table.encode()) if table else []
     if len(payload):
         runs += _field(2, payload)
-    runs += [_number(3, seq), _number(4, total_bytes)]
+    runs += [_number(3, seq), _number(4, total_bytes), _number(5, offset)]
     return b"".join(runs)
 
 
 def most_push_request(payload_bytes: int, table: str) -> int:
     """The most bytes a PushRequest for `table` with a payload of `payload_bytes` takes, whatever its
-    seq and total_bytes: what a PushStream of such messages declares (wire.MESSAGE_BYTES)."""
+    seq and total_bytes: what a PushStream of such messages declares (wire.MESSAGE_BYTES). A chunk
+    after a push's first sets its offset alone, no larger than the first's total_bytes."""
     return len(push_request(b"", table, seq=_MOST, total_bytes=_MOST)) + len(_head(2, payload_bytes)) + payload_bytes
 
 

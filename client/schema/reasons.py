@@ -45,6 +45,6 @@ class Reason(StrEnum):
     UNCONFIRMED = "unconfirmed"  # a Sample stream's batch was not confirmed within max_confirm_seconds
     IDLE = "idle"  # a PushStream sent nothing for push_stream_idle_seconds, a Sample stream no request
     TOO_SLOW = "too_slow"  # a push in chunks came slower than push_min_mb_per_second
-    CUT_SHORT = "cut_short"  # a push in chunks ended short of its total_bytes: a chunk of it never came
+    CUT_SHORT = "cut_short"  # a push in chunks ended short of its total_bytes, or skipped an offset: a chunk never came
     INFLIGHT_FULL = "inflight_full"  # pushes and PutValues in progress held max_inflight_bytes the whole wait
     STREAMS_FULL = "streams_full"  # max_table_streams Sample streams are open on the table

@@ -75,14 +75,15 @@ def push_result(reply: pb.PushReply) -> PushResult:
 
 def push_requests(body: bytes, table: str, size: int, seq: int = 0) -> Iterator[bytes]:
     """The PushStream messages of one push, serialised (frames.py): whole, or in chunks of `size`
-    (0: whole) when larger, each copied once, from the payload into its message."""
+    (0: whole) when larger, each copied once, from the payload into its message, each chunk after
+    the first with its offset, so that a server that never got the chunks before it knows it."""
     if not 0 < size < len(body):
         yield frames.push_request(body, table, seq=seq)
         return
     view = memoryview(body)
     yield frames.push_request(view[:size], table, seq=seq, total_bytes=len(body))
     for start in range(size, len(body), size):
-        yield frames.push_request(view[start : start + size])
+        yield frames.push_request(view[start : start + size], offset=start)
 
 
 class PushCalls(ClientSettings):

@@ -193,16 +193,18 @@ class TableConfig(_message.Message):
     def __init__(self, name: _Optional[str] = ..., group_by: _Optional[_Union[GroupBy, str]] = ..., group_size: _Optional[int] = ..., group_timeout_seconds: _Optional[float] = ..., on_group_timeout: _Optional[_Union[OnGroupTimeout, str]] = ..., estimator: _Optional[_Union[Estimator, _Mapping]] = ..., capacity_experiences: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., when_full: _Optional[_Union[WhenFull, str]] = ..., max_times_sampled: _Optional[int] = ..., drop_zero_variance: _Optional[bool] = ..., tombstone_seconds: _Optional[float] = ..., keep_failed: _Optional[bool] = ..., shaping: _Optional[_Union[Shaping, _Mapping]] = ..., max_staleness: _Optional[int] = ..., batch_size: _Optional[int] = ..., on_stale: _Optional[_Union[OnStale, str]] = ..., min_size_to_sample: _Optional[int] = ..., samples_per_insert: _Optional[float] = ..., samples_per_insert_error: _Optional[float] = ..., evict_stale: _Optional[bool] = ..., priority_decay: _Optional[float] = ..., reuse_cooldown_seconds: _Optional[float] = ..., priority_noise: _Optional[float] = ..., extensions: _Optional[_Iterable[str]] = ..., min_group_size: _Optional[int] = ..., max_token_staleness: _Optional[int] = ..., on_token_stale: _Optional[_Union[OnTokenStale, str]] = ..., compression: _Optional[_Union[Compression, str]] = ..., compression_level: _Optional[int] = ...) -> None: ...
 
 class PushRequest(_message.Message):
-    __slots__ = ("table", "payload", "seq", "total_bytes")
+    __slots__ = ("table", "payload", "seq", "total_bytes", "offset")
     TABLE_FIELD_NUMBER: _ClassVar[int]
     PAYLOAD_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
     table: str
     payload: bytes
     seq: int
     total_bytes: int
-    def __init__(self, table: _Optional[str] = ..., payload: _Optional[bytes] = ..., seq: _Optional[int] = ..., total_bytes: _Optional[int] = ...) -> None: ...
+    offset: int
+    def __init__(self, table: _Optional[str] = ..., payload: _Optional[bytes] = ..., seq: _Optional[int] = ..., total_bytes: _Optional[int] = ..., offset: _Optional[int] = ...) -> None: ...
 
 class ColumnBatch(_message.Message):
     __slots__ = ("batches", "tasks", "runs", "steps", "suffixes", "int_batches", "int_tasks", "columns", "multi_modal_keys")

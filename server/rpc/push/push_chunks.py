@@ -76,8 +76,9 @@ class ChunkReader:
         experiences, ingest.Stager), else put together in memory of its own and returned as one
         message; PROGRESS after each chunk but the last, so that the stream is not taken for idle. A
         staged push that does not fit in its table's capacity_bytes is refused before it stages
-        anything. A stream that ends before the last chunk or begins its next push there (cut short,
-        Reason.CUT_SHORT: a chunk lost on its way, which the client sends again, pushers/pipeline.py),
+        anything. A stream that ends before the last chunk, begins its next push there, or sends a
+        chunk whose offset is past the chunks read (cut short, Reason.CUT_SHORT: a chunk lost on its
+        way, which the client sends again, pushers/pipeline.py),
         or whose chunks come slower than min_mb_per_second over a grace's time once the grace is over
         (`Pace`), is refused: nothing of the push is stored, and what it reserved and staged is given
         back."""
@@ -176,6 +177,8 @@ class ChunkReader:
                     "nothing else (table, seq and total_bytes unset)",
                     Reason.INVALID_REQUEST,
                 )
+            if chunk.offset and chunk.offset != got:
+                raise _misplaced(chunk.offset, got, where)
             if len(chunk.payload) > largest:
                 raise Refusal(
                     grpc.StatusCode.INVALID_ARGUMENT,
@@ -206,6 +209,24 @@ class ChunkReader:
             take(got, chunk.payload)
             chunk.drop_payload()
             got = end
+
+
+def _misplaced(offset: int, got: int, where: str) -> Refusal:
+    """The refusal of a chunk whose offset is not where the chunks read end: past it, a chunk
+    before it never came (cut short, and the client sends the push again); before it, the
+    chunks overlap."""
+    if offset > got:
+        return Refusal(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"PushRequest {got} bytes into {where}: a chunk at offset {offset}, so the chunk at offset {got} never "
+            "came: nothing of it is stored",
+            Reason.CUT_SHORT,
+        )
+    return Refusal(
+        grpc.StatusCode.INVALID_ARGUMENT,
+        f"PushRequest {got} bytes into {where}: a chunk at offset {offset}, inside the chunks before it",
+        Reason.INVALID_REQUEST,
+    )
 
 
 class Pace:

@@ -68,14 +68,16 @@ def declared_bytes(metadata: Iterable[tuple[str, Any]] | None) -> int | Refusal 
     )
 
 
-def _orphan(last: int) -> Refusal:
-    """The refusal of a message with neither table, seq nor total_bytes after a push of seq `last`:
-    a stream that numbers its pushes numbers each, so it is a chunk of the next push, whose first
-    message never came (lost on its way), and the client sends that push again."""
+def _orphan(last: int, offset: int) -> Refusal:
+    """The refusal of a chunk of a push whose first message never came (lost on its way): one
+    whose offset says so (a chunk's `offset`, past 0), or, after a push of seq `last`, a message
+    with neither table, seq nor total_bytes, as a stream that numbers its pushes numbers each.
+    The client sends that push again."""
+    after = f"after the push of seq {last}" if last else "as the first message of the stream"
+    what = f"a chunk at offset {offset}" if offset else "a message with neither table, seq nor total_bytes, so a chunk"
     return Refusal(
         grpc.StatusCode.INVALID_ARGUMENT,
-        f"PushRequest after the push of seq {last}: a message with neither table, seq nor total_bytes, so a "
-        "chunk of the next push, whose first message never came: nothing of it is stored",
+        f"PushRequest {after}: {what} of the next push, whose first message never came: nothing of it is stored",
         Reason.CUT_SHORT,
     )
 
@@ -144,6 +146,14 @@ class PushMemory(ServiceInterceptor):
             raise Refusal(
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"PushRequest: total_bytes = {request.total_bytes} is less than the {size} bytes of its payload",
+                Reason.INVALID_REQUEST,
+            )
+        if request.offset and (request.table or request.seq or request.total_bytes or not size):
+            request.release()
+            raise Refusal(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"PushRequest: offset = {request.offset} marks a chunk after a push's first, which carries a payload "
+                "and nothing else (table, seq and total_bytes unset)",
                 Reason.INVALID_REQUEST,
             )
         return request
@@ -223,12 +233,12 @@ class PushMemory(ServiceInterceptor):
                         Reason.INVALID_REQUEST,
                     )
                 try:
-                    if request.total_bytes > len(request.payload):
+                    if request.total_bytes > len(request.payload) or request.offset:
                         refuse(
                             context,
                             grpc.StatusCode.INVALID_ARGUMENT,
-                            f"Push: total_bytes = {request.total_bytes} but the payload is {len(request.payload)} "
-                            "bytes: a payload in chunks goes over PushStream",
+                            f"Push: total_bytes = {request.total_bytes} and offset = {request.offset} with a payload "
+                            f"of {len(request.payload)} bytes: a payload in chunks goes over PushStream",
                             Reason.INVALID_REQUEST,
                         )
                     return behavior(request, context)
@@ -249,9 +259,9 @@ class PushMemory(ServiceInterceptor):
                     request = self._read(requests, context, size, self.stream_wait, owner)
                     if request is None:
                         return
-                    if last and not (request.seq or request.table or request.total_bytes):
+                    if request.offset or (last and not (request.seq or request.table or request.total_bytes)):
                         request.release()
-                        raise _orphan(last)
+                        raise _orphan(last, request.offset)
                     last = request.seq
                     if request.total_bytes > len(request.payload):
                         request = yield from self.chunks.read(request, requests, context, owner)

@@ -36,6 +36,7 @@ class PushMessage:
     held: list[Callable[[], None]] = field(default_factory=list)  # what it holds of max_inflight_bytes
     entries: list[Entry] | None = None  # a push in chunks staged as it came: its experiences (ingest.Stager)
     wire_bytes: int = 0  # the size of the message it was read from, which its call's declaration bounds
+    offset: int = 0  # a chunk after a push's first: where it starts in the payload (0: unset)
 
     def drop_payload(self) -> None:
         """Let the received bytes go (once decoded), before the store copies the packed experiences."""
@@ -65,10 +66,10 @@ def _varint(data: bytes, pos: int) -> tuple[int, int]:
 
 
 def read_push_request(data: bytes) -> PushMessage:
-    """PushRequest's wire form (table = 1, payload = 2, seq = 3, total_bytes = 4; other fields
-    skipped, the last of a repeated field wins, as protobuf reads them), the payload uncopied."""
+    """PushRequest's wire form (table = 1, payload = 2, seq = 3, total_bytes = 4, offset = 5; other
+    fields skipped, the last of a repeated field wins, as protobuf reads them), the payload uncopied."""
     view = memoryview(data)
-    table, payload, seq, total = b"", view[:0], 0, 0
+    table, payload, seq, total, offset = b"", view[:0], 0, 0, 0
     pos = 0
     while pos < len(data):
         key, pos = _varint(data, pos)
@@ -79,6 +80,8 @@ def read_push_request(data: bytes) -> PushMessage:
                 seq = value
             elif number == 4:
                 total = value
+            elif number == 5:
+                offset = value
         elif kind == 2:
             length, pos = _varint(data, pos)
             if pos + length > len(data):
@@ -94,7 +97,7 @@ def read_push_request(data: bytes) -> PushMessage:
             raise ValueError(f"PushRequest: field {number} has wire type {kind}, which no field of it has")
         if number == 0 or pos > len(data):
             raise ValueError("PushRequest: malformed message")
-    return PushMessage(table.decode(), payload, seq, total, wire_bytes=len(data))
+    return PushMessage(table.decode(), payload, seq, total, wire_bytes=len(data), offset=offset)
 
 
 def _release(held: list[Callable[[], None]]) -> None:
