@@ -32,6 +32,8 @@ from expbuf.client.rpc import calls, frames
 from expbuf.client.rpc.connection import SERVICE
 from expbuf.client.rpc.wire import MESSAGE_BYTES, reason_of
 from expbuf.client.schema.reasons import Reason
+from expbuf.client.shards.aio import AsyncShardedBufferClient
+from expbuf.client.shards.blocking import ShardedBufferClient
 
 from conftest import Servers
 from helpers import make_experience, scrape
@@ -325,9 +327,12 @@ def test_pushes_unanswered_at_the_pusher_s_deadline_are_reported_as_the_server_h
         client.create_table("g4", group_size=4)
     groups = [group(kind, task) for task in range(4)]
     pushes = [calls.payload(items) for items in groups]
-    # What the server holds once it has read them: each push's bytes, and the room it keeps for
-    # the next message, as large as the pusher declares its messages (chunks of 64 KiB).
-    read = sum(map(len, pushes)) + frames.most_push_request(1 << 16, "g4")
+    # What the server holds once it has read them: each push's bytes, and, while the stream is
+    # open, the room it keeps for the next message, as large as the pusher declares its messages
+    # (chunks of 64 KiB). The asyncio pusher's close() ends the stream at once (nothing follows its
+    # pushes), the blocking one's after push_sync's wait for the futures.
+    read = sum(map(len, pushes))
+    held = (read, read + frames.most_push_request(1 << 16, "g4"))
     outcomes: list[Outcome] = []
     release = threading.Event()
     held_again = threading.Thread(
@@ -337,7 +342,7 @@ def test_pushes_unanswered_at_the_pusher_s_deadline_are_reported_as_the_server_h
     with writer_held(server):
         held_again.start()  # the writer's next commit, then this, alone
         pusher.start()
-        wait_until(lambda: server.inflight.held == read, "the server did not read the pushes")
+        wait_until(lambda: server.inflight.held in held, "the server did not read the pushes")
     pusher.join(30)
     release.set()
     held_again.join(30)
@@ -361,10 +366,22 @@ def dropping(target: str, lost: int) -> Iterator[str]:
     each PushStream through to it, message by message as bytes, and its replies back, but drops
     the `lost`-th message of all it reads, as gRPC's transparent retry can drop a message it
     reports sent (connection.RETRIED_METHODS): the server never gets that push, and answers the
-    others of the stream."""
+    others of the stream. Unary calls (a sharded client's questions) it passes through whole."""
     messages = itertools.count(1)
     channel = grpc.insecure_channel(target)
     forward = channel.stream_stream(f"/{SERVICE}/PushStream")
+
+    def unary(method: str) -> grpc.RpcMethodHandler:
+        call = channel.unary_unary(method)
+
+        def passed(request: bytes, context: grpc.ServicerContext) -> bytes:
+            try:
+                return call(request, metadata=context.invocation_metadata(), timeout=context.time_remaining())
+            except grpc.RpcError as exc:
+                context.set_trailing_metadata(exc.trailing_metadata())
+                context.abort(exc.code(), exc.details())
+
+        return grpc.unary_unary_rpc_method_handler(passed)
 
     def push_stream(requests: Iterator[bytes], context: grpc.ServicerContext) -> Iterator[bytes]:
         declared = [(key, value) for key, value in context.invocation_metadata() if key == MESSAGE_BYTES]
@@ -377,9 +394,15 @@ def dropping(target: str, lost: int) -> Iterator[str]:
             context.set_trailing_metadata(exc.trailing_metadata())
             context.abort(exc.code(), exc.details())
 
-    handler = grpc.stream_stream_rpc_method_handler(push_stream)
+    class Front(grpc.GenericRpcHandler):
+        def service(self, details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler:
+            method: str = details.method  # type: ignore[attr-defined]
+            if method == f"/{SERVICE}/PushStream":
+                return grpc.stream_stream_rpc_method_handler(push_stream)
+            return unary(method)
+
     front = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
-    front.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, {"PushStream": handler}),))
+    front.add_generic_rpc_handlers((Front(),))
     port = front.add_insecure_port("127.0.0.1:0")
     front.start()
     try:
@@ -444,16 +467,22 @@ def test_a_push_the_server_never_got_goes_again_on_a_new_stream(start_server: Se
     with dropping(target, loss.message) as front:
         outcomes, order = PUSHERS[kind](front, "g4", pushes, 4)
     assert order == list(range(len(pushes)))
+    stored_once(target, pushes, outcomes)
+    assert stream_calls(server.metrics_port) == 2
+
+
+def stored_once(target: str, pushes: Sequence[Any], outcomes: Sequence[Outcome]) -> None:
+    """Each push answered with its own uids stored, and every experience stored once, read back
+    as pushed."""
     for items, outcome in zip(pushes, outcomes, strict=True):
         assert isinstance(outcome, PushResult), repr(outcome)
         assert outcome.stored == uids(items) and outcome.duplicates == []
-    assert stream_calls(server.metrics_port) == 2
     with BufferClient(target) as client:
         got = client.get([u for items in pushes for u in uids(items)], table="g4")
         assert got.missing_uids == []
         assert [trxp.encode([exp]) for exp in got] == [trxp.encode([item]) for items in pushes for item in items]
         stats = client.stats("g4")["g4"]
-    assert (stats.pushed, stats.duplicates) == (24, 0)
+    assert (stats.pushed, stats.duplicates) == (sum(map(len, pushes)), 0)
 
 
 @pytest.mark.parametrize("lost", sorted(LOSSES))
@@ -485,3 +514,108 @@ def test_a_push_the_server_never_got_fails_not_stored_once_the_retries_are_spent
     with BufferClient(target) as client:
         missing = client.get([u for items in pushes for u in uids(items)], table="g4").missing_uids
     assert missing == uids(pushes[loss.push])
+
+
+def messages_of(pushes: Sequence[Any]) -> int:
+    """How many messages the pushes take on a stream of push_sync's and push_async's (chunks of 64 KiB)."""
+    return sum(len(list(calls.push_requests(calls.payload(items), "g4", 1 << 16))) for items in pushes)
+
+
+LAST_LOSSES = {
+    # the last chunk of the last push: no message follows it
+    "its last chunk": (large, 0),
+    # a chunk in the middle of the last push
+    "a chunk": (large, 2),
+    # the last push, sent whole
+    "all of it": (group, 0),
+}
+
+
+def push_then_wait(kind: str, target: str, pushes: Sequence[Any], wait: str, timeout: float) -> list[Outcome]:
+    """Each push's outcome, from a pusher that pushes them all and then waits for them with
+    `wait`, flush() or close(), before it looks at a future."""
+
+    def blocking() -> list[Outcome]:
+        with BufferClient(target, push_chunk_bytes=1 << 16) as client:
+            pusher = client.pusher("g4", window=4, timeout=timeout)
+            pending = [pusher.push(items) for items in pushes]
+            (pusher.flush if wait == "flush" else pusher.close)()
+            assert all(future.done() for future in pending)
+            outcomes = [future.exception() or future.result() for future in pending]
+            pusher.close()
+        return outcomes  # type: ignore[return-value]
+
+    async def asyncio_() -> list[Outcome]:
+        async with AsyncBufferClient(target, push_chunk_bytes=1 << 16) as client:
+            pusher = client.pusher("g4", window=4, timeout=timeout)
+            pending = [await pusher.push(items) for items in pushes]
+            await (pusher.flush if wait == "flush" else pusher.close)()
+            assert all(future.done() for future in pending)
+            outcomes = list(await asyncio.gather(*pending, return_exceptions=True))
+            await pusher.close()
+        return outcomes
+
+    return blocking() if kind == "blocking" else asyncio.run(asyncio_())
+
+
+@pytest.mark.parametrize("wait", ["flush", "close"])
+@pytest.mark.parametrize("lost", sorted(LAST_LOSSES))
+@pytest.mark.parametrize("kind", sorted(PUSHERS))
+def test_a_loss_in_the_last_push_on_a_stream_goes_again_when_the_pusher_waits(
+    start_server: Servers, kind: str, lost: str, wait: str
+) -> None:
+    """A message of the last push is lost on its way (`dropping`), and no push follows it: the
+    pusher ends its stream before it waits in flush() or close(), so the server refuses a push
+    in chunks as cut short, or ends the stream having never got a push sent whole, and the
+    pusher sends that push again at once. Every push is stored once. (The pusher waited for the
+    stream's deadline, twice its timeout, and the push failed DEADLINE_EXCEEDED, whether it was
+    stored unknown: with a timeout of 10 s, the push's own deadline had passed by then.)"""
+    server = start_server()
+    target = f"127.0.0.1:{server.port}"
+    loss_table(target)
+    make, from_end = LAST_LOSSES[lost]
+    pushes = [make(f"{kind}-{wait}", task) for task in range(3)]
+    with dropping(target, messages_of(pushes) - from_end) as front:
+        outcomes = push_then_wait(kind, front, pushes, wait, timeout=10)
+    stored_once(target, pushes, outcomes)
+
+
+@pytest.mark.parametrize("window", [4, 1])
+@pytest.mark.parametrize("kind", sorted(PUSHERS))
+def test_a_loss_in_the_last_push_of_a_sharded_pusher_goes_again_when_it_waits(
+    start_server: Servers, kind: str, window: int
+) -> None:
+    """As above, through a sharded pusher (of one shard): its flush() makes each shard's pusher end
+    its stream, and in a window of 1 its push() waits for room as a flush does, so the last chunk
+    of the last push sent (of all three, or of the first), lost on its way, is sent again at once,
+    and every push is stored once."""
+    server = start_server()
+    target = f"127.0.0.1:{server.port}"
+    loss_table(target)
+    pushes = [large(f"sharded-{kind}", task) for task in range(3)]
+    with dropping(target, messages_of(pushes if window > 1 else pushes[:1])) as front:
+        outcomes = sharded_push_then_flush(kind, front, pushes, window)
+    stored_once(target, pushes, outcomes)
+
+
+def sharded_push_then_flush(kind: str, target: str, pushes: Sequence[Any], window: int) -> list[Outcome]:
+    """Each push's outcome, from a sharded pusher of the one shard at `target` that pushes them all
+    (with `window`) and then flushes, before it looks at a future."""
+    settings: dict[str, Any] = {"push_chunk_bytes": 1 << 16, "timeout": 10}
+
+    def blocking() -> list[Outcome]:
+        with ShardedBufferClient({"a": target}, **settings) as client, client.pusher("g4", window=window) as pusher:
+            pending = [pusher.push(items) for items in pushes]
+            pusher.flush()
+            assert all(future.done() for future in pending)
+            return [future.exception() or future.result() for future in pending]  # type: ignore[misc]
+
+    async def asyncio_() -> list[Outcome]:
+        async with AsyncShardedBufferClient({"a": target}, **settings) as client:
+            async with client.pusher("g4", window=window) as pusher:
+                pending = [await pusher.push(items) for items in pushes]
+                await pusher.flush()
+                assert all(future.done() for future in pending)
+            return list(await asyncio.gather(*pending, return_exceptions=True))
+
+    return blocking() if kind == "blocking" else asyncio.run(asyncio_())

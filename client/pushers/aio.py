@@ -97,7 +97,7 @@ class AsyncPusher(AsyncOrderedFutures[PushWindow]):
 
     async def push_part(self, body: bytes, number: int | None = None) -> asyncio.Future[PushResult]:
         """Push TRXP bytes as push `number`, as Pusher.push_part."""
-        await self._room()
+        await self._wait(until_empty=False)
         pending = self._window.add(body, number)
         future: asyncio.Future[PushResult] = asyncio.get_running_loop().create_future()
         self._futures[pending.number] = future
@@ -105,6 +105,10 @@ class AsyncPusher(AsyncOrderedFutures[PushWindow]):
             await self._send([pending])
         self._settle()
         return future
+
+    async def flush(self) -> None:
+        """Wait until every push made so far is durable or has failed."""
+        await self._wait(until_empty=True)
 
     async def close(self) -> None:
         """Wait for every push, then end the stream."""
@@ -120,6 +124,19 @@ class AsyncPusher(AsyncOrderedFutures[PushWindow]):
 
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
+
+    async def _wait(self, until_empty: bool) -> None:
+        """Wait until no push is in flight (`until_empty`), or until the window has room; the
+        stream ends first where the wait drains it (PushWindow.drains)."""
+        wait = super().flush if until_empty else self._room
+        if not self._window.drains(until_empty):
+            await wait()
+            return
+        with self._window.draining():
+            async with self._writing:
+                if self._stream is not None:
+                    await self._end(self._stream)
+            await wait()
 
     async def _end(self, stream: _Open) -> None:
         """No more pushes on `stream`: it answers those it has, then ends (under `_writing`)."""
@@ -147,6 +164,8 @@ class AsyncPusher(AsyncOrderedFutures[PushWindow]):
                         await stream.call.write(request)
             except (grpc.RpcError, asyncio.InvalidStateError):  # the stream ended: its reader decides
                 pass
+            if self._window.ends_streams:
+                await self._end(stream)
 
     async def _read(self, stream: _Open) -> None:
         with contextlib.suppress(grpc.RpcError):  # how the stream ended is read below

@@ -22,9 +22,17 @@ unknown, never that it was not. The server answers a stream's pushes in order, s
 later push than the oldest unanswered says the server never got those before it: their messages
 were lost on the way (gRPC's transparent retry can report a message sent that never went:
 connection.RETRIED_METHODS). So was a chunk of a push in chunks that the server refuses as cut
-short (Reason.CUT_SHORT: it read the push's next push, or the stream's end, before its last chunk).
-They go again at once on a new stream, while the client's retries and their deadlines last, then
-fail UNAVAILABLE, not stored. Futures complete in push order.
+short (Reason.CUT_SHORT: it read the push's next push, or the stream's end, before its last chunk,
+or a chunk whose offset says one before it never came). So were the pushes unanswered on a stream
+the server ended without an error: it ends one so only once the pusher ended its side, and answers
+every push it read first. They go again at once on a new stream, while the client's retries and
+their deadlines last, then fail UNAVAILABLE, not stored. Futures complete in push order.
+
+The server learns that a stream's last push was cut short, or never came, only from what follows
+it: the next push, or the stream's end. So a pusher that waits for its pushes with no push to
+send after them (flush(), close(), or a wait for room in a window of 1) ends its stream first, and
+each stream opened while it waits (to send a push again) once its pushes are sent: a loss there is
+known at once, not at the stream's deadline.
 
 Both resends are made here, by hand. gRPC's retry policy retries a stream only until its first
 reply, and sends again everything the stream carried: a pusher's stream has answered pushes
@@ -35,6 +43,7 @@ the client's `retries` and the policy's backoff (connection.BACKOFF).
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -128,6 +137,13 @@ class Ordered(Generic[P]):
         self._numbers = self._numbers + 1 if given is None else given
         return self._numbers
 
+    def drains(self, until_empty: bool) -> bool:
+        """Whether a wait for pushes to be answered (`until_empty`: for all of them, flush() and
+        close(); else for room, which in a window of 1 is the same) must end the streams they are
+        on: the server learns that a push was cut short only from the message after it, or from
+        the stream's end, and none follows the last push sent while the pusher waits."""
+        return bool(self.pushes) and (until_empty or (self.full and self.size == 1))
+
     def finished(self) -> list[P]:
         """The pushes handed back now: those with an outcome with none unfinished before them."""
         done = []
@@ -160,6 +176,7 @@ class PushWindow(Ordered[Pending]):
         self.max_message_bytes: int = client.max_message_bytes
         self.timeout: float = timeout or client.timeout
         self.retries: int = client.retries
+        self._waiting = 0  # callers waiting for every push sent to be answered (`draining`)
 
     @property
     def message_bytes(self) -> int | None:
@@ -173,6 +190,20 @@ class PushWindow(Ordered[Pending]):
         """A stream's deadline: a push joins one only in its first `timeout` seconds, so each
         push has at least the client's timeout, as a push alone has."""
         return 2 * self.timeout
+
+    @contextlib.contextmanager
+    def draining(self) -> Iterator[None]:
+        """While a caller waits as `drains` says: each stream ends once its pushes are sent
+        (`ends_streams`), so that one sent again meanwhile, on a new stream, is not left waiting."""
+        self._waiting += 1
+        try:
+            yield
+        finally:
+            self._waiting -= 1
+
+    @property
+    def ends_streams(self) -> bool:
+        return self._waiting > 0
 
     def takes(self, stream: Stream | None) -> bool:
         """Whether a new push may go on `stream`."""
@@ -216,10 +247,8 @@ class PushWindow(Ordered[Pending]):
         sent, stream.sent = list(stream.sent), deque()
         if not sent:
             return [], 0.0
-        if exc is None:
-            for pending in sent:
-                pending.fail(grpc.StatusCode.INTERNAL, "PushStream ended without answering it")
-            return [], 0.0
+        if exc is None:  # the server answers every push it read before it ends a stream ended by the pusher
+            return self._lost(sent, "PushStream ended without answering it: the server never got this push"), 0.0
         code, details = exc.code(), exc.details() or ""
         if code == grpc.StatusCode.CANCELLED:  # on this side: the channel closed
             for pending in sent:

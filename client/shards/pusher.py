@@ -148,6 +148,8 @@ class ShardedPusher(ShardPushers[Pusher], OrderedFutures[ShardWindow]):
         parts = split(self._client, items, self._group_by)
         future: Future[PushResult] = Future()
         with self._sending:
+            if self._window.drains(until_empty=False):
+                self.flush()
             with self._changed:
                 self._changed.wait_for(lambda: not self._window.full)
                 push = self._window.add(parts, self._client.shard_map.targets)
@@ -157,6 +159,15 @@ class ShardedPusher(ShardPushers[Pusher], OrderedFutures[ShardWindow]):
                 sent.add_done_callback(functools.partial(self._answered, push, shard))
         self._settle()
         return future
+
+    def flush(self) -> None:
+        """Wait until every push made so far is durable or has failed: each shard's pusher waits
+        for its parts first, which ends its stream (Pusher.flush)."""
+        with self._sending:
+            pushers = self._all()
+        for pusher in pushers:
+            pusher.flush()
+        super().flush()
 
     def close(self) -> None:
         """Wait for every push, then end each shard's stream."""
@@ -195,6 +206,8 @@ class AsyncShardedPusher(ShardPushers[AsyncPusher], AsyncOrderedFutures[ShardWin
         parts = split(self._client, items, self._group_by)
         future: asyncio.Future[PushResult] = asyncio.get_running_loop().create_future()
         async with self._sending:
+            if self._window.drains(until_empty=False):
+                await self.flush()
             await self._room()
             push = self._window.add(parts, self._client.shard_map.targets)
             self._futures[push.number] = future
@@ -203,6 +216,13 @@ class AsyncShardedPusher(ShardPushers[AsyncPusher], AsyncOrderedFutures[ShardWin
                 sent.add_done_callback(functools.partial(self._answered, push, shard))
         self._settle()
         return future
+
+    async def flush(self) -> None:
+        """Wait until every push made so far is durable or has failed: each shard's pusher waits
+        for its parts first, which ends its stream (AsyncPusher.flush)."""
+        for pusher in self._all():
+            await pusher.flush()
+        await super().flush()
 
     async def close(self) -> None:
         """Wait for every push, then end each shard's stream."""
