@@ -533,14 +533,15 @@ LAST_LOSSES = {
 
 def push_then_wait(kind: str, target: str, pushes: Sequence[Any], wait: str, timeout: float) -> list[Outcome]:
     """Each push's outcome, from a pusher that pushes them all and then waits for them with
-    `wait`, flush() or close(), before it looks at a future."""
+    `wait`: flush() or close() before it looks at a future, or each future's result."""
 
     def blocking() -> list[Outcome]:
         with BufferClient(target, push_chunk_bytes=1 << 16) as client:
             pusher = client.pusher("g4", window=4, timeout=timeout)
             pending = [pusher.push(items) for items in pushes]
-            (pusher.flush if wait == "flush" else pusher.close)()
-            assert all(future.done() for future in pending)
+            if wait != "result":
+                (pusher.flush if wait == "flush" else pusher.close)()
+                assert all(future.done() for future in pending)
             outcomes = [future.exception() or future.result() for future in pending]
             pusher.close()
         return outcomes  # type: ignore[return-value]
@@ -549,8 +550,9 @@ def push_then_wait(kind: str, target: str, pushes: Sequence[Any], wait: str, tim
         async with AsyncBufferClient(target, push_chunk_bytes=1 << 16) as client:
             pusher = client.pusher("g4", window=4, timeout=timeout)
             pending = [await pusher.push(items) for items in pushes]
-            await (pusher.flush if wait == "flush" else pusher.close)()
-            assert all(future.done() for future in pending)
+            if wait != "result":
+                await (pusher.flush if wait == "flush" else pusher.close)()
+                assert all(future.done() for future in pending)
             outcomes = list(await asyncio.gather(*pending, return_exceptions=True))
             await pusher.close()
         return outcomes
@@ -558,18 +560,19 @@ def push_then_wait(kind: str, target: str, pushes: Sequence[Any], wait: str, tim
     return blocking() if kind == "blocking" else asyncio.run(asyncio_())
 
 
-@pytest.mark.parametrize("wait", ["flush", "close"])
+@pytest.mark.parametrize("wait", ["flush", "close", "result"])
 @pytest.mark.parametrize("lost", sorted(LAST_LOSSES))
 @pytest.mark.parametrize("kind", sorted(PUSHERS))
 def test_a_loss_in_the_last_push_on_a_stream_goes_again_when_the_pusher_waits(
     start_server: Servers, kind: str, lost: str, wait: str
 ) -> None:
     """A message of the last push is lost on its way (`dropping`), and no push follows it: the
-    pusher ends its stream before it waits in flush() or close(), so the server refuses a push
-    in chunks as cut short, or ends the stream having never got a push sent whole, and the
-    pusher sends that push again at once. Every push is stored once. (The pusher waited for the
-    stream's deadline, twice its timeout, and the push failed DEADLINE_EXCEEDED, whether it was
-    stored unknown: with a timeout of 10 s, the push's own deadline had passed by then.)"""
+    pusher ends its stream before it waits in flush() or close(), or once no push went on it for
+    a while (pipeline.QUIET) as its caller waits for a future's result, so the server refuses a
+    push in chunks as cut short, or ends the stream having never got a push sent whole, and the
+    pusher sends that push again. Every push is stored once. (The pusher waited for the stream's
+    deadline, twice its timeout, and the push failed DEADLINE_EXCEEDED, whether it was stored
+    unknown: with a timeout of 10 s, the push's own deadline had passed by then.)"""
     server = start_server()
     target = f"127.0.0.1:{server.port}"
     loss_table(target)

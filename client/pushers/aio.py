@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
+from collections.abc import Coroutine
 from typing import Any, Generic, TypeVar
 
 import grpc
@@ -26,6 +28,7 @@ class _Open:
         self.call = client.push_stream(window.stream_seconds, message_bytes=window.message_bytes)
         self.status = StreamStatus(self.call)
         self.closed = False
+        self.watch: asyncio.TimerHandle | None = None  # the look at whether it has gone quiet (Stream.quiet)
 
 
 W = TypeVar("W", bound=Ordered[Any])
@@ -140,6 +143,9 @@ class AsyncPusher(AsyncOrderedFutures[PushWindow]):
 
     async def _end(self, stream: _Open) -> None:
         """No more pushes on `stream`: it answers those it has, then ends (under `_writing`)."""
+        if stream.watch is not None:
+            stream.watch.cancel()
+            stream.watch = None
         if not stream.closed:
             stream.closed = True
             with contextlib.suppress(grpc.RpcError, asyncio.InvalidStateError):  # it has ended already
@@ -154,9 +160,7 @@ class AsyncPusher(AsyncOrderedFutures[PushWindow]):
                 if stream is not None:
                     await self._end(stream)
                 stream = self._stream = _Open(self._window, self._client)
-                task = asyncio.create_task(self._read(stream))
-                self._tasks.add(task)
-                task.add_done_callback(self._tasks.discard)
+                self._spawn(self._read(stream))
             stream.state.sent.extend(pushes)
             try:
                 for pending in pushes:
@@ -164,8 +168,36 @@ class AsyncPusher(AsyncOrderedFutures[PushWindow]):
                         await stream.call.write(request)
             except (grpc.RpcError, asyncio.InvalidStateError):  # the stream ended: its reader decides
                 pass
+            stream.state.last_sent = time.monotonic()
             if self._window.ends_streams:
                 await self._end(stream)
+            else:
+                self._watch(stream)
+
+    def _watch(self, stream: _Open) -> None:
+        """End `stream` once it has gone quiet with pushes unanswered (Stream.quiet), looking
+        again as long as pushes go on it."""
+        delay = stream.state.quiet()
+        if delay is None or self._stream is not stream or stream.closed:
+            return
+        if delay == 0:
+            self._spawn(self._end_quiet(stream))
+        elif stream.watch is None:
+            stream.watch = asyncio.get_running_loop().call_later(delay, self._look, stream)
+
+    def _look(self, stream: _Open) -> None:
+        stream.watch = None
+        self._watch(stream)
+
+    async def _end_quiet(self, stream: _Open) -> None:
+        async with self._writing:
+            await self._end(stream)
+
+    def _spawn(self, work: Coroutine[Any, Any, None]) -> None:
+        """Run `work` as a task of the pusher's, which close() waits for."""
+        task = asyncio.create_task(work)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     async def _read(self, stream: _Open) -> None:
         with contextlib.suppress(grpc.RpcError):  # how the stream ended is read below

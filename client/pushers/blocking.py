@@ -45,6 +45,7 @@ class _Open:
         self.state = Stream()
         self.requests = _Requests(window.chunk_bytes)
         self.replies = client.push_stream(window.stream_seconds, iter(self.requests), window.message_bytes)
+        self.watch: threading.Timer | None = None  # the look at whether it has gone quiet (Stream.quiet)
 
 
 W = TypeVar("W", bound=Ordered[Any])
@@ -166,8 +167,34 @@ class Pusher(OrderedFutures[PushWindow]):
     def _end(self, stream: _Open) -> None:
         """No more pushes on `stream`: it answers what it has, then ends (under the lock)."""
         stream.requests.close()
+        if stream.watch is not None:
+            stream.watch.cancel()
+            stream.watch = None
         if self._stream is stream:
             self._stream = None
+
+    def _watch(self, stream: _Open) -> None:
+        """End `stream` once it has gone quiet with pushes unanswered (Stream.quiet), looking
+        again as long as pushes go on it (under the lock)."""
+        delay = stream.state.quiet()
+        if delay is None or self._stream is not stream:
+            return
+        if delay == 0:
+            self._end(stream)
+            return
+        if stream.watch is None:
+            watch = threading.Timer(delay, self._look, (stream,))
+            watch.daemon = True
+            try:
+                watch.start()
+            except RuntimeError:  # can't start new thread: the next push looks again
+                return
+            stream.watch = watch
+
+    def _look(self, stream: _Open) -> None:
+        with self._changed:
+            stream.watch = None
+            self._watch(stream)
 
     def _send(self, pushes: list[Pending]) -> None:
         """Send pushes on the current stream, a new one if it takes no more (under the lock)."""
@@ -181,8 +208,11 @@ class Pusher(OrderedFutures[PushWindow]):
         for pending in pushes:
             self._stream.state.sent.append(pending)
             self._stream.requests.send(pending)
+        self._stream.state.last_sent = time.monotonic()
         if self._window.ends_streams:
             self._end(self._stream)
+        else:
+            self._watch(self._stream)
 
     def _read(self, stream: _Open) -> None:
         error: grpc.RpcError | None = None

@@ -32,7 +32,8 @@ The server learns that a stream's last push was cut short, or never came, only f
 it: the next push, or the stream's end. So a pusher that waits for its pushes with no push to
 send after them (flush(), close(), or a wait for room in a window of 1) ends its stream first, and
 each stream opened while it waits (to send a push again) once its pushes are sent: a loss there is
-known at once, not at the stream's deadline.
+known at once, not at the stream's deadline. A caller may wait otherwise (a future's result), so a
+stream on which no push went for QUIET while some are unanswered ends too (Stream.quiet).
 
 Both resends are made here, by hand. gRPC's retry policy retries a stream only until its first
 reply, and sends again everything the stream carried: a pusher's stream has answered pushes
@@ -63,6 +64,10 @@ from ..rpc.wire import reason_of
 from ..schema.reasons import Reason
 
 MAX_PUSHES_AHEAD = 64  # the most pushes a pipeline keeps in flight (its window)
+# How long a stream may go with no push sent on it while some are unanswered before the pusher
+# ends it (Stream.quiet): an answer comes in milliseconds, and the next push after it opens a
+# stream of its own, which costs it about a round trip.
+QUIET = 1.0
 NAMED_UIDS = 32  # the uids an error names; past them, how many more
 
 
@@ -105,10 +110,21 @@ class Pending:
 
 @dataclass(eq=False)
 class Stream:
-    """One PushStream's bookkeeping: when it opened and its pushes not yet answered, oldest first."""
+    """One PushStream's bookkeeping: when it opened, when a push last went on it, and its pushes
+    not yet answered, oldest first."""
 
     opened: float = field(default_factory=time.monotonic)
     sent: deque[Pending] = field(default_factory=deque)
+    last_sent: float = 0.0  # monotonic
+
+    def quiet(self) -> float | None:
+        """How long until the stream has had no push sent on it for QUIET with pushes still
+        unanswered (0: it has, and ends now), so that its last push's loss is known while its
+        caller waits for it however it waits (a future's result, not flush()); None while none
+        is unanswered (the next push looks again)."""
+        if not self.sent:
+            return None
+        return max(0.0, self.last_sent + QUIET - time.monotonic())
 
 
 class Numbered(Protocol):
