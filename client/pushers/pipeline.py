@@ -30,9 +30,9 @@ their deadlines last, then fail UNAVAILABLE, not stored. Futures complete in pus
 
 The server learns that a stream's last push was cut short, or never came, only from what follows
 it: the next push, or the stream's end. So a pusher that waits for its pushes with no push to
-send after them (flush(), close(), or a wait for room in a window of 1) ends its stream first, and
-each stream opened while it waits (to send a push again) once its pushes are sent: a loss there is
-known at once, not at the stream's deadline. A caller may wait otherwise (a future's result), so a
+send after them (flush(), close()) ends its stream first, and each stream opened while it waits
+(to send a push again) once its pushes are sent: a loss there is known at once, not at the
+stream's deadline. A caller may wait otherwise (a future's result, or room in a window of 1), so a
 stream on which no push went for QUIET while some are unanswered ends too (Stream.quiet).
 
 Both resends are made here, by hand. gRPC's retry policy retries a stream only until its first
@@ -155,10 +155,12 @@ class Ordered(Generic[P]):
 
     def drains(self, until_empty: bool) -> bool:
         """Whether a wait for pushes to be answered (`until_empty`: for all of them, flush() and
-        close(); else for room, which in a window of 1 is the same) must end the streams they are
-        on: the server learns that a push was cut short only from the message after it, or from
-        the stream's end, and none follows the last push sent while the pusher waits."""
-        return bool(self.pushes) and (until_empty or (self.full and self.size == 1))
+        close(); else for room) must end the streams they are on: the server learns that a push was
+        cut short only from the message after it, or from the stream's end, and none follows the
+        last push sent while the pusher waits for all of them. A wait for room (in a window of 1, for
+        the one push in flight) leaves its stream open for the next push, a loss there known once
+        the stream has gone quiet (Stream.quiet): a stream a push would cost its round trip."""
+        return bool(self.pushes) and until_empty
 
     def finished(self) -> list[P]:
         """The pushes handed back now: those with an outcome with none unfinished before them."""

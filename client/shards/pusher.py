@@ -148,8 +148,6 @@ class ShardedPusher(ShardPushers[Pusher], OrderedFutures[ShardWindow]):
         parts = split(self._client, items, self._group_by)
         future: Future[PushResult] = Future()
         with self._sending:
-            if self._window.drains(until_empty=False):
-                self.flush()
             with self._changed:
                 self._changed.wait_for(lambda: not self._window.full)
                 push = self._window.add(parts, self._client.shard_map.targets)
@@ -206,8 +204,6 @@ class AsyncShardedPusher(ShardPushers[AsyncPusher], AsyncOrderedFutures[ShardWin
         parts = split(self._client, items, self._group_by)
         future: asyncio.Future[PushResult] = asyncio.get_running_loop().create_future()
         async with self._sending:
-            if self._window.drains(until_empty=False):
-                await self.flush()
             await self._room()
             push = self._window.add(parts, self._client.shard_map.targets)
             self._futures[push.number] = future
