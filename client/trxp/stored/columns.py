@@ -198,15 +198,15 @@ def column_parts(
         if computed:
             assert extra is not None
             given = extra(index, read.tensors(section))
-        for text, dtype, dims, start, end in found:
+        for (text, dtype, _, start, end), named in zip(found, read.named, strict=True):
             if text not in wanted:
                 continue
             tensor = given.get(wanted[text]) if given else None
             if tensor is None:
                 if cuts is None:
-                    shape, data = _shape(dims), cut(section, start, end)
+                    shape, data = named[2], cut(section, start, end)  # its shape, read once a batch
                 else:
-                    shape, data = cuts.stored(text, _shape(dims), section, start, end)
+                    shape, data = cuts.stored(text, named[2], section, start, end)
                 _add(columns, wanted, index, (text, dtype), shape, data)
             else:  # replaced: in the stored one's place
                 _computed(columns, wanted, index, text, tensor, cuts)
