@@ -5,8 +5,8 @@
 every other test. Here each adapter, every module of it, is imported in a child whose import
 system refuses the other adapters' frameworks as an environment without them would
 (ModuleNotFoundError; tests/import_adapter.py), each child forked from one process that has loaded
-torch and no framework, so that torch is loaded once, not six times. `make check-extras` imports each in a real
-virtualenv per extra.
+torch and the libraries several frameworks share, and no framework, so that those are loaded once,
+not six times. `make check-extras` imports each in a real virtualenv per extra.
 """
 
 from __future__ import annotations
