@@ -16,6 +16,7 @@ wheel is built, unless EXPBUF_REQUIRE_NATIVE=1 asks for the compiled modules.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -23,9 +24,11 @@ import shutil
 import subprocess
 import sys
 import sysconfig
+import tempfile
 import traceback
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent  # the source tree
 # package folder -> (package as installed, modules compiled). Each package is one mypyc group,
@@ -42,6 +45,10 @@ NATIVE = "_native"
 # Where it builds: the same path each time, so that mypy's cache there spares most of a rebuild.
 WORK = ROOT / "build" / "native"
 MANIFEST = "manifest.json"
+# The objects of the last build, by what each compiled (objects_key): a build of the same sources
+# with the same compiler and flags takes them instead of compiling again (the C of the parse group
+# takes half a minute of CPU at -O3). A wheel's build keeps its own, unless this names another folder.
+OBJECTS = "EXPBUF_NATIVE_OBJECTS"
 # Set to 1 (CI, the Docker image's build), a build that cannot compile the modules fails instead.
 REQUIRE = "EXPBUF_REQUIRE_NATIVE"
 
@@ -64,42 +71,116 @@ def in_lib(lib: Path) -> Callable[[str, str], Path]:
     return lambda folder, package: lib.joinpath(*package.split("."), NATIVE)
 
 
+def objects_key(compiler: Any, source: str, args: dict[str, Any]) -> str | None:
+    """What compiling `source` with `args` makes an object of: the translation unit as the compile
+    command sees it (preprocessed by that command, without line markers, so the folder it was built
+    in does not count), the command and its flags, and the compiler's executable; None where it
+    cannot be told (no compiler found, the preprocessing fails), and then the source is compiled."""
+    executable = shutil.which(compiler.compiler_so[0])
+    if executable is None:
+        return None
+    # The macros and include folders as the compiler adds its own and writes them (distutils' ccompiler).
+    macros = [*compiler.macros, *(args["macros"] or [])]
+    flags = [*(args["extra_preargs"] or [])]
+    flags += [f"-U{m[0]}" if len(m) == 1 else f"-D{m[0]}" + ("" if m[1] is None else f"={m[1]}") for m in macros]
+    flags += [f"-I{include}" for include in [*(args["include_dirs"] or []), *compiler.include_dirs]]
+    flags += ["-g"] if args["debug"] else []
+    with tempfile.TemporaryDirectory(prefix="expbuf-native-") as folder:
+        unit = Path(folder) / "unit.i"
+        command = [*compiler.compiler_so, *flags, "-E", "-P", source, "-o", str(unit), *(args["extra_postargs"] or [])]
+        if subprocess.run(command, capture_output=True, check=False).returncode != 0:
+            return None
+        digest = hashlib.sha256(unit.read_bytes())
+    stat = os.stat(executable)
+    how = [compiler.compiler_so, executable, stat.st_size, stat.st_mtime_ns, macros, args["debug"]]
+    digest.update(json.dumps([*how, args["extra_preargs"], args["extra_postargs"]]).encode())
+    return digest.hexdigest()
+
+
+def objects_kept(folder: Path) -> type:
+    """setuptools' build_ext whose compiler copies an object from `folder` where one was made from
+    the same translation unit the same way (objects_key), and keeps each object it compiles there;
+    objects this build did not use are removed from it."""
+    from setuptools.command.build_ext import build_ext  # type: ignore[import-untyped]
+
+    class KeptObjects(build_ext):
+        def build_extensions(self) -> None:
+            compiler, compile_all = self.compiler, self.compiler.compile
+            used: set[str] = set()
+
+            def compile_each(sources: list[str], output_dir: str | None = None, **args: Any) -> list[str]:
+                args = {"macros": None, "include_dirs": None, "debug": False, "extra_preargs": None,
+                        "extra_postargs": None, **args}  # fmt: skip
+                objects = compiler.object_filenames(sources, output_dir=output_dir)
+                for source, obj in zip(sources, objects, strict=True):
+                    key = objects_key(compiler, source, args)
+                    kept = folder / f"{key}.o"
+                    if key is not None and kept.exists():
+                        Path(obj).parent.mkdir(parents=True, exist_ok=True)
+                        shutil.copyfile(kept, obj)
+                    else:
+                        compile_all([source], output_dir=output_dir, **args)
+                        if key is not None:
+                            folder.mkdir(parents=True, exist_ok=True)
+                            shutil.copyfile(obj, f"{kept}.part")
+                            os.replace(f"{kept}.part", kept)
+                    if key is not None:
+                        used.add(kept.name)
+                return objects
+
+            compiler.compile = compile_each
+            super().build_extensions()
+            for stale in folder.glob("*.o") if folder.is_dir() else ():
+                if stale.name not in used:
+                    stale.unlink()
+
+    return KeptObjects
+
+
 def build(work: Path, target: Callable[[str, str], Path]) -> None:
     """Compile every group in `work`, then copy each package's modules and manifest to `target`."""
     from mypyc.build import mypycify
     from setuptools import Distribution  # type: ignore[import-untyped]
 
+    work = work.absolute()  # a wheel's build names it relative to the tree; mypyc runs in src
     # mypy finds modules by path: link the packages under the names they are installed as.
     src = work / "src"
     (src / "expbuf").mkdir(parents=True)
     for name, folder in LINKS.items():
         (src / "expbuf" / name).symlink_to(ROOT / folder, target_is_directory=True)
+    # Each module named relative to `src`, where mypyc runs: the C it writes (which names each
+    # module's file for tracebacks) is then the same whichever folder it is built in. Its mypy cache
+    # is not the one of earlier builds, which named them by absolute path and would keep those.
     groups: list[tuple[list[str], str | None]] = [
-        ([str(src / "expbuf" / folder / f"{module}.py") for module in modules], f"{package}.native")
+        ([f"expbuf/{folder}/{module}.py" for module in modules], f"{package}.native")
         for folder, (package, modules) in COMPILED.items()
     ]
     paths = [path for files, _ in groups for path in files]
     os.environ["MYPYPATH"] = str(src)
-    extensions = mypycify(
-        # Only the compiled modules are read: what they import from elsewhere is Any to them, which
-        # spares the build a type check of all that expbuf imports (tests/typecheck.py does that).
-        [
-            "--config-file",
-            "",
-            "--follow-imports",
-            "skip",
-            "--python-version",
-            "3.11",
-            "--cache-dir",
-            str(work / "mypy"),
-            "--explicit-package-bases",
-            *paths,
-        ],
-        opt_level="3",
-        separate=groups,
-        target_dir=str(work / "c"),
+    with contextlib.chdir(src):
+        extensions = mypycify(
+            # Only the compiled modules are read: what they import from elsewhere is Any to them, which
+            # spares the build a type check of all that expbuf imports (tests/typecheck.py does that).
+            [
+                "--config-file",
+                "",
+                "--follow-imports",
+                "skip",
+                "--python-version",
+                "3.11",
+                "--cache-dir",
+                str(work / "mypy-cache"),
+                "--explicit-package-bases",
+                *paths,
+            ],
+            opt_level="3",
+            separate=groups,
+            target_dir=str(work / "c"),
+        )
+    objects = Path(os.environ.get(OBJECTS) or work / "objects")
+    dist = Distribution(
+        {"name": "expbuf-native", "ext_modules": extensions, "cmdclass": {"build_ext": objects_kept(objects)}}
     )
-    dist = Distribution({"name": "expbuf-native", "ext_modules": extensions})
     dist.script_args = ["-q", "build_ext", "--build-lib", str(work / "lib"), "--build-temp", str(work / "tmp")]
     dist.parse_command_line()
     dist.run_commands()

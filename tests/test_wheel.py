@@ -26,6 +26,8 @@ SOURCES = ("pyproject.toml", "setup.py", "README.md", "client", "server", "proto
 COMPILED = ("build", "canonical", "checks", "common", "parse", "pickles")
 PAYLOADS = sorted([*(ROOT / "tests/fixtures/trxp").glob("*.trxp"), *(ROOT / "tests/fixtures/bad").glob("*.bin")])
 REQUIRE = "EXPBUF_REQUIRE_NATIVE"
+OBJECTS = "EXPBUF_NATIVE_OBJECTS"
+NATIVE_WORK = ROOT / "build" / "native"  # where `make setup` builds them (client/native_build.py's WORK)
 
 # What a user's process imports first: the server's command line and app, the store, the clients.
 ENTRY_POINTS = ("expbuf.server.cli", "expbuf.server.app", "expbuf.server.store", "expbuf.client", "expbuf.ray")
@@ -118,9 +120,22 @@ def tree(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def wheel(tree: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+def objects(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """A copy of the objects `make setup` compiled in the tree, for the compiled wheel's build:
+    the same sources with the same compiler and flags, so it links them rather than compiling the
+    parse group's C again (half a minute of CPU); a tree never built gives none to copy."""
+    kept = NATIVE_WORK / "objects"
+    if not kept.is_dir():
+        return {}
+    copy = tmp_path_factory.mktemp("objects") / "objects"
+    shutil.copytree(kept, copy)
+    return {OBJECTS: str(copy)}
+
+
+@pytest.fixture(scope="module")
+def wheel(tree: Path, objects: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("dist")
-    done = build_wheel(tree, out, **{REQUIRE: "1"})
+    done = build_wheel(tree, out, **{REQUIRE: "1"}, **objects)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     names = ", ".join(f"expbuf.client.trxp.codec.{module}" for module in COMPILED)
     assert build_lines(done) == [f"expbuf: compiled with mypyc: {names}"]
@@ -182,6 +197,39 @@ def test_an_installed_wheel_runs_the_compiled_modules_and_parses_as_pure_python(
     kinds = [verdict[0] for verdict in seen["compiled_verdicts"]]
     assert kinds.count("parsed") == len(list((ROOT / "tests/fixtures/trxp").glob("*.trxp")))
     assert kinds.count("TrxpError") == len(list((ROOT / "tests/fixtures/bad").glob("*.bin")))
+
+
+@needs_compiler
+def test_a_kept_object_is_found_by_what_was_compiled_and_how_not_by_where(tmp_path: Path) -> None:
+    """client/native_build.py's key of a kept object: the same C, with a header of the same
+    content, built in two folders is one object; other flags, a header that differs or a compiler
+    that fails is not that object."""
+    from setuptools._distutils.ccompiler import new_compiler  # type: ignore[import-untyped]
+    from setuptools._distutils.sysconfig import customize_compiler  # type: ignore[import-untyped]
+
+    from expbuf.client.native_build import objects_key
+
+    compiler = new_compiler()
+    customize_compiler(compiler)
+    sources = []
+    for folder, value in (("one", 1), ("two", 1), ("three", 2)):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "value.h").write_text(f"#define VALUE {value}\n")
+        source = tmp_path / folder / "unit.c"
+        source.write_text('#include "value.h"\n#include <assert.h>\nint value(int x) { assert(x); return VALUE; }\n')
+        sources.append((str(source), str(tmp_path / folder)))
+
+    def key(source: str, folder: str, **changed: object) -> str | None:
+        args = {"macros": None, "include_dirs": [folder], "debug": False, "extra_preargs": None}
+        return objects_key(compiler, source, {**args, "extra_postargs": ["-O2"], **changed})
+
+    one, two, other = (key(*source) for source in sources)
+    assert one is not None and one == two  # the folder (and assert's __FILE__ under NDEBUG) does not count
+    assert other != one  # the header's content does
+    assert key(*sources[0], extra_postargs=["-O3"]) != one
+    assert key(*sources[0], macros=[("VALUE_TOO", "1")]) != one
+    compiler.compiler_so = ["false", *compiler.compiler_so[1:]]
+    assert key(*sources[0]) is None  # compiled as without kept objects: its failure is the build's
 
 
 def native_files(wheel: Path) -> list[str]:
