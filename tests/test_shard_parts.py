@@ -20,7 +20,7 @@ from expbuf.client import BufferClient, ExpbufError
 from expbuf.client.rpc.calls.sample_stream import late
 from expbuf.client.schema.reasons import Reason
 from expbuf.client.shards.blocking import AsyncShardedBufferClient, ShardedBufferClient, ShardError
-from expbuf.client.shards.poll import Wait
+from expbuf.client.shards.poll import POLL_SECONDS, Wait
 
 from conftest import Servers
 from helpers import make_experience
@@ -233,3 +233,47 @@ def test_a_part_whose_shard_fails_its_confirmation_is_left_out_and_not_counted(
         rest = [uid for more in drain(after, "t", num_groups=8) for uid in more.uids]
     assert Counter([*batch.uids, *rest]) == Counter({uid: 1 for uid in [*batch.uids, *rest]})
     assert len(rest) == held
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_parts_that_come_in_different_rounds_make_a_whole_batch_under_a_short_max_confirm_seconds(
+    start_server: Servers, tmp_path: Path, kind: type[Sharded]
+) -> None:
+    """A shard's max_confirm_seconds (full's, 0.45 s) below the poll's longest pause (0.5 s), and
+    the shards' parts never both there in one round: another trainer leases free's group whenever
+    the sharded trainer asks both shards at once, or asks late (its timeout passed), and gives it
+    back at the trainer's next pause. The part full gave waits, held, for free's to come in a later
+    round, so the trainer gets the whole batch before its timeout, not a partial one at it: each
+    experience once, full's counted sampled once (free's leases by the other trainer count too)."""
+    targets, _ = in_process_shards(start_server, tmp_path, max_confirm_seconds=0.45)
+    with ShardedBufferClient(targets) as setup:
+        setup.create_table("t", group_size=2, estimator="none")
+        setup.push(versioned(setup, 0, {"free": 5}), table="t")
+        later = versioned(setup, 1, {"full": 5})
+    leased: list[Any] = []
+    with BufferClient(targets["free"]) as other, BufferClient(targets["full"]) as rollout:
+
+        def meanwhile(step: Any) -> None:
+            """full's group comes once the poll pauses its longest; the other trainer takes free's
+            group before each fetch from both shards and gives it back at the next pause."""
+            if isinstance(step, Wait):
+                for batch in leased:
+                    batch.nack()
+                leased.clear()
+                if step.seconds == POLL_SECONDS[1] and later:
+                    rollout.push(later, table="t")
+                    later.clear()
+            elif len(asked := [call.args[0] for call in step if call.method == "_hold"]) == 2 or any(
+                part.allow_partial for part in asked
+            ):
+                leased.extend(other.sample("t", num_groups=1, max_batches=1, delivery="lease", timeout=5.0))
+
+        ask = {"num_groups": 2, "max_batches": 1, "delivery": "consume", "timeout": 10.0}
+        (([batch], down),) = samples(kind, targets, [ask], meanwhile)
+    assert (sorted(batch.shards), batch.partial, len(batch.uids)) == (["free", "full"], False, 4)
+    assert len(set(batch.uids)) == 4
+    assert down == set() and not later
+    with ShardedBufferClient(targets) as after:
+        stats = {shard: one["t"] for shard, one in after.shard_stats("t").items()}
+    assert [(stats[shard].ready, stats[shard].consumed) for shard in ("free", "full")] == [(0, 2), (0, 2)]
+    assert stats["full"].sampled == 2

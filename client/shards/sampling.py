@@ -6,6 +6,7 @@ A plan, as plans.py's: the blocking and the asyncio client run it."""
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Mapping
 from typing import Protocol
@@ -15,7 +16,7 @@ from ..results import Batch, Leases
 from ..rpc.sample_spec import SampleSpec
 from .common import ShardBatch, shard_error
 from .plans import Planned
-from .poll import Ask, Done, GiveUp, Poll, Wait
+from .poll import POLL_SECONDS, Ask, Done, GiveUp, Poll, Wait
 from .steps import Call, Emit, Plan, is_down
 
 _log = logging.getLogger("expbuf.client")
@@ -72,7 +73,8 @@ class SamplePlans(Planned):
         confirmation (`Held.due`: its max_confirm_seconds, which a sample's timeout may far
         outlast), through a pause or to the delivery, goes back to its buffer uncounted first
         and is asked for again: left held, its shard would give it back, and the batch would go
-        out short of it."""
+        out short of it. The pauses while parts are held are cut to fit them (`_within`), so a
+        part waits, held, for the other shards' parts to come in later rounds."""
         step = poll.look((yield from self._ready(spec.table, poll.key)), time.monotonic())
         while True:
             if isinstance(step, Ask):
@@ -83,20 +85,32 @@ class SamplePlans(Planned):
                 step = poll.took((self._size(spec, held.batch) for _, held in fetched), time.monotonic())
             elif isinstance(step, GiveUp):
                 return step
-            elif overdue := [part for part in parts if part[1].due <= time.monotonic() + self._pause(step)]:
+            elif overdue := self._overdue(parts, step):
                 parts[:] = [part for part in parts if part not in overdue]
                 yield from self._give_back(overdue)
                 step = poll.returned((self._size(spec, held.batch) for _, held in overdue), time.monotonic())
             elif isinstance(step, Wait):
-                yield step
+                yield self._within(parts, step)
                 step = poll.look((yield from self._ready(spec.table, poll.key)), time.monotonic())
             else:
                 return step
 
     @staticmethod
-    def _pause(step: Wait | Done) -> float:
-        """How long the parts in hand wait before the next step: the pause, or none before delivery."""
-        return step.seconds if isinstance(step, Wait) else 0.0
+    def _overdue(parts: Parts, step: Wait | Done) -> Parts:
+        """The parts in hand that cannot wait for the next step: before delivery, those past their
+        due; before a pause, those with less than two of the shortest pauses left (`_within`)."""
+        now = time.monotonic()
+        room = 2 * POLL_SECONDS[0] if isinstance(step, Wait) else 0.0
+        return [part for part in parts if part[1].due <= now + room]
+
+    @staticmethod
+    def _within(parts: Parts, step: Wait) -> Wait:
+        """The poll's pause, cut to half of what the part in hand soonest due has left: the other
+        half is for the next round's look, fetch and confirmation. A pause as long as the poll's
+        would give back, at every pause, a part whose shard's max_confirm_seconds is shorter, and
+        the batch would then come whole only where every shard's part came in one round."""
+        left = min((held.due for _, held in parts), default=math.inf) - time.monotonic()
+        return Wait(min(step.seconds, left / 2))
 
     def _ready(self, table: str, key: str) -> Plan[dict[str, int]]:
         """Each answering shard's ready count (a probe each: shards that do not answer, or refuse
