@@ -49,14 +49,14 @@ def join_parts(
     one pass (`_back_to_back`), and only its offsets are written, moved by where its section
     starts in the batch; any other item's tensors are read by `_stored_tensors`."""
     payloads = list(payloads)
-    dropped = {json_text(name) for name in drop}
-    as_stored = _back_to_back(parts=False, dropped=frozenset(dropped)) if dropped else _AS_STORED
     fragments: list[Bytes] = []
     entries: list[bytes] = []
     data: list[Run] = []
     base = 0
+    dropped = frozenset(json_text(name) for name in drop)
+    as_stored = _back_to_back(parts=False, dropped=dropped) if dropped else _AS_STORED
     read_before: dict[bytes, _Moved | None] = {}  # the items of a batch mostly share one header's bytes
-    headers = HeaderReads()
+    headers = HeaderReads(dropped)
     for index, payload in enumerate(payloads):
         read = _spliced(payload)
         if read is None:
@@ -84,9 +84,6 @@ def join_parts(
                     continue
             read_once = headers.read(header, section_len)
         stored, whole = read_once.found, read_once.whole
-        if dropped and any(t[0] in dropped for t in stored):
-            stored = [t for t in stored if t[0] not in dropped]
-            whole = False
         if whole and extra is None:  # the section as it is, its offsets moved by base
             entries.extend(
                 [ENTRY % (index, name, dtype, shape, base + a, base + b) for name, dtype, shape, a, b in stored]
@@ -94,11 +91,7 @@ def join_parts(
             _extend(data, section)
             base += section_len
             continue
-        added: dict[str, RawTensor] = {}
-        if extra is not None:
-            added = extra(
-                index, read_once.tensors(section) if stored is read_once.found else stored_tensors(stored, section)
-            )
+        added = extra(index, read_once.tensors(section)) if extra is not None else {}
         kept = [t for t in stored if _json_name(t[0]) not in added] if added else stored
         # Tensors kept whole are copied as one run of bytes; a replaced one leaves a gap.
         if whole and len(kept) == len(stored):
@@ -266,13 +259,7 @@ def stored_entries(header: bytes, section_len: int) -> list[tuple[bytes, bytes, 
     return _stored_tensors(header, section_len)[0]
 
 
-def stored_tensors(found: list[_Stored], section: Section) -> Mapping[str, RawTensor]:
-    """One stored item's tensors (its `stored_entries`) by name, as views of its tensor section,
-    or, for a section in pieces, made as each is looked up (pieces.SectionTensors)."""
-    return _tensors(_named(found), section)
-
-
-# One stored item's tensors as `stored_tensors` makes them: name, dtype, shape, start and end.
+# One stored item's tensors read back: name, dtype, shape, start and end in its section.
 _Named = list[tuple[str, str, tuple[int, ...], int, int]]
 
 
@@ -286,26 +273,32 @@ class HeaderRead(NamedTuple):
     named: _Named
 
     def tensors(self, section: Section) -> Mapping[str, RawTensor]:
-        """`stored_tensors` of an item with this header and `section`."""
+        """The tensors of an item with this header by name, as views of its tensor `section`, or, for
+        a section in pieces, made as each is looked up (pieces.SectionTensors)."""
         return _tensors(self.named, section)
 
 
 class HeaderReads:
     """The stored headers of one batch, each read once: a batch's items mostly share one header's
     bytes (the same fields, dtypes and shapes), which a regular expression and the reads of its
-    names and shapes would otherwise go over again for each item."""
+    names and shapes would otherwise go over again for each item. The tensors named in `dropped`
+    (as JSON text) are left out of every item's (join_parts' `drop`)."""
 
-    __slots__ = ("_read",)
+    __slots__ = ("_dropped", "_read")
 
-    def __init__(self) -> None:
+    def __init__(self, dropped: frozenset[bytes] = frozenset()) -> None:
+        self._dropped = dropped
         self._read: dict[tuple[bytes, int], HeaderRead] = {}
 
     def read(self, header: bytes, section_len: int) -> HeaderRead:
-        """The header of an item whose tensor section is `section_len` bytes."""
+        """The header of an item whose tensor section is `section_len` bytes, its dropped tensors
+        left out (and then not whole)."""
         key = (header, section_len)
         known = self._read.get(key)
         if known is None:
             found, whole = _stored_tensors(header, section_len)
+            if self._dropped and any(t[0] in self._dropped for t in found):
+                found, whole = [t for t in found if t[0] not in self._dropped], False
             known = self._read[key] = HeaderRead(found, whole, _named(found))
         return known
 
