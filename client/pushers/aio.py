@@ -100,7 +100,7 @@ class AsyncPusher(AsyncOrderedFutures[PushWindow]):
 
     async def push_part(self, body: bytes, number: int | None = None) -> asyncio.Future[PushResult]:
         """Push TRXP bytes as push `number`, as Pusher.push_part."""
-        await self._wait(until_empty=False)
+        await self._room()
         pending = self._window.add(body, number)
         future: asyncio.Future[PushResult] = asyncio.get_running_loop().create_future()
         self._futures[pending.number] = future
@@ -110,8 +110,16 @@ class AsyncPusher(AsyncOrderedFutures[PushWindow]):
         return future
 
     async def flush(self) -> None:
-        """Wait until every push made so far is durable or has failed."""
-        await self._wait(until_empty=True)
+        """Wait until every push made so far is durable or has failed; the stream ends first where
+        pushes are in flight (PushWindow.drains)."""
+        if not self._window.drains():
+            await super().flush()
+            return
+        with self._window.draining():
+            async with self._writing:
+                if self._stream is not None:
+                    await self._end(self._stream)
+            await super().flush()
 
     async def close(self) -> None:
         """Wait for every push, then end the stream."""
@@ -127,19 +135,6 @@ class AsyncPusher(AsyncOrderedFutures[PushWindow]):
 
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
-
-    async def _wait(self, until_empty: bool) -> None:
-        """Wait until no push is in flight (`until_empty`), or until the window has room; the
-        stream ends first where the wait drains it (PushWindow.drains)."""
-        wait = super().flush if until_empty else self._room
-        if not self._window.drains(until_empty):
-            await wait()
-            return
-        with self._window.draining():
-            async with self._writing:
-                if self._stream is not None:
-                    await self._end(self._stream)
-            await wait()
 
     async def _end(self, stream: _Open) -> None:
         """No more pushes on `stream`: it answers those it has, then ends (under `_writing`)."""

@@ -122,7 +122,7 @@ class Pusher(OrderedFutures[PushWindow]):
         refusal, and sent as its seq)."""
         future: Future[PushResult] = Future()
         with self._changed:
-            self._wait(until_empty=False)
+            self._changed.wait_for(lambda: not self._window.full)
             pending = self._window.add(body, number)
             self._futures[pending.number] = future
             if pending.outcome is None:
@@ -131,9 +131,16 @@ class Pusher(OrderedFutures[PushWindow]):
         return future
 
     def flush(self) -> None:
-        """Wait until every push made so far is durable or has failed."""
+        """Wait until every push made so far is durable or has failed; the stream ends first where
+        pushes are in flight (PushWindow.drains)."""
         with self._changed:
-            self._wait(until_empty=True)
+            window = self._window
+            if not window.drains():
+                return
+            with window.draining():
+                if self._stream is not None:
+                    self._end(self._stream)
+                self._changed.wait_for(lambda: not window.pushes)
 
     def close(self) -> None:
         """Wait for every push, then end the stream."""
@@ -150,19 +157,6 @@ class Pusher(OrderedFutures[PushWindow]):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-    def _wait(self, until_empty: bool) -> None:
-        """Wait (under the lock) until no push is in flight (`until_empty`), or until the window
-        has room; the stream ends first where the wait drains it (PushWindow.drains)."""
-        window = self._window
-        done = (lambda: not window.pushes) if until_empty else (lambda: not window.full)
-        if not window.drains(until_empty):
-            self._changed.wait_for(done)
-            return
-        with window.draining():
-            if self._stream is not None:
-                self._end(self._stream)
-            self._changed.wait_for(done)
 
     def _end(self, stream: _Open) -> None:
         """No more pushes on `stream`: it answers what it has, then ends (under the lock)."""

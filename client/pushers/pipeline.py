@@ -153,14 +153,14 @@ class Ordered(Generic[P]):
         self._numbers = self._numbers + 1 if given is None else given
         return self._numbers
 
-    def drains(self, until_empty: bool) -> bool:
-        """Whether a wait for pushes to be answered (`until_empty`: for all of them, flush() and
-        close(); else for room) must end the streams they are on: the server learns that a push was
-        cut short only from the message after it, or from the stream's end, and none follows the
-        last push sent while the pusher waits for all of them. A wait for room (in a window of 1, for
-        the one push in flight) leaves its stream open for the next push, a loss there known once
-        the stream has gone quiet (Stream.quiet): a stream a push would cost its round trip."""
-        return bool(self.pushes) and until_empty
+    def drains(self) -> bool:
+        """Whether a wait for every push sent to be answered (flush(), close()) must end the
+        streams they are on: the server learns that a push was cut short only from the message
+        after it, or from the stream's end, and none follows the last push sent while the pusher
+        waits. A wait for room (in a window of 1, for the one push in flight) leaves its stream open
+        for the next push, a loss there known once the stream has gone quiet (Stream.quiet): a
+        stream a push would cost each push its round trip."""
+        return bool(self.pushes)
 
     def finished(self) -> list[P]:
         """The pushes handed back now: those with an outcome with none unfinished before them."""
