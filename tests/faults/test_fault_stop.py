@@ -59,7 +59,8 @@ def push_across_a_stop(
             buffer.pusher("default", window=WINDOW) as pusher,
         ):
             pushed = [pusher.push(body()) for _ in range(BEFORE)]
-            pusher.flush()
+            for future in pushed:  # answered, the stream left open (a flush() would end it)
+                future.result()
             stopper.start()
             while not restarted.is_set():
                 pushed.append(pusher.push(body()))
@@ -72,7 +73,7 @@ def push_across_a_stop(
                 buffer.pusher("default", window=WINDOW) as pusher,
             ):
                 pushed = [await pusher.push(body()) for _ in range(BEFORE)]
-                await pusher.flush()
+                await asyncio.gather(*pushed)  # answered, the stream left open (a flush() would end it)
                 stopper.start()
                 while not restarted.is_set():
                     pushed.append(await pusher.push(body()))
