@@ -31,7 +31,7 @@ from expbuf.server.app import ExpbufServer
 from expbuf.server.config import ServerConfig
 from expbuf.server.store.schema.table_parts import DEFAULT_LAYOUT_VARIABLE, LAYOUTS
 
-from helpers import ServerProcess, servers
+from helpers import ServerProcess, hold_port, release_held_ports, servers
 
 # torch warns at import when NumPy is absent; expbuf does not use NumPy.
 warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
@@ -266,13 +266,7 @@ class Servers:
 
     def _hold(self, port: int) -> int:
         """Bind `port` (0: a free one) without listening: nothing else on the machine may bind it."""
-        sock = socket.socket()
-        try:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC binds: TIME_WAIT allowed
-            sock.bind(("127.0.0.1", port))
-        except OSError:
-            sock.close()
-            raise
+        sock = hold_port(port)
         port = sock.getsockname()[1]
         self.held[port] = sock
         return int(port)
@@ -319,6 +313,13 @@ def stub(target: str) -> Iterator[pb_grpc.ExperienceBufferStub]:
     """A raw stub of the test's server, for requests the client would not build."""
     with grpc.insecure_channel(target) as channel:
         yield pb_grpc.ExperienceBufferStub(channel)
+
+
+@pytest.fixture(autouse=True)
+def _held_ports() -> Iterator[None]:
+    """The ports of the test's `expbuf serve` children that exited, let go at its end (helpers.ServerProcess)."""
+    yield
+    release_held_ports()
 
 
 @pytest.fixture

@@ -10,6 +10,7 @@ import importlib.util
 import os
 import queue
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -311,11 +312,42 @@ def check_against_manifest(exp: Experience, want: dict) -> None:
         assert raw_sha(tensor) == spec["sha256"]
 
 
+def hold_port(port: int = 0) -> socket.socket:
+    """`port` (0: a free one) bound without listening, so that nothing else on the machine binds
+    it: a server stopped to be started again on its port keeps it so, where another test's server,
+    started meanwhile on a free port, would take it and answer the first one's clients. A server
+    binds it all the same (gRPC's bind, as this one, allows an address bound by a socket that does
+    not listen)."""
+    sock = socket.socket()
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC binds: TIME_WAIT allowed
+        sock.bind(("127.0.0.1", port))
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+# The ports of `expbuf serve` children that exited (ServerProcess), each held from the moment its
+# child's log ended until a child is started on it again or the test ends (release_held_ports).
+_held_ports: dict[int, socket.socket] = {}
+_held_lock = threading.Lock()
+
+
+def release_held_ports() -> None:
+    """Let go the ports of the children that exited (a test's end)."""
+    with _held_lock:
+        while _held_ports:
+            _held_ports.popitem()[1].close()
+
+
 class ServerProcess:
     """`expbuf serve` in a child process, for restart and kill tests.
 
     Every port is a free one: gRPC and metrics on port 0 unless `args` say otherwise, both
-    read back from the start-up line. With `own_group` it leads a process group of its own (with
+    read back from the start-up line. Once the child exits its gRPC port is held (hold_port) until
+    a child is started on it again (`--port`) or the test ends, so that a server killed and started
+    again on its port is the one its clients reach. With `own_group` it leads a process group of its own (with
     the ingest processes it starts), as a shell's job does. A child that exits before it listens fails at once,
     with its log. With `warm` (the default) the child is returned once its advantage worker
     has started, or failed to, or is not needed yet, as its log says: torch loads after the
@@ -337,6 +369,8 @@ class ServerProcess:
         import sys
 
         defaults = [] if "--metrics-port" in args else ["--metrics-port", "0"]
+        with _held_lock:  # let go once the child listens on it, or exited
+            held = _held_ports.pop(int(args[args.index("--port") + 1]), None) if "--port" in args else None
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "expbuf.server.cli", "serve", "--data", data, "--port", "0", *defaults, *args],
             stderr=subprocess.PIPE,
@@ -350,7 +384,10 @@ class ServerProcess:
         ready, self._warm = threading.Event(), threading.Event()
         self._reader = threading.Thread(target=self._read, args=(ready,), daemon=True)
         self._reader.start()
-        if not ready.wait(start_seconds) or not self.port or (warm and not self._warm.wait(start_seconds)):
+        started = ready.wait(start_seconds)
+        if held is not None:
+            held.close()
+        if not started or not self.port or (warm and not self._warm.wait(start_seconds)):
             self.proc.kill()
             code = self.proc.wait(10)
             raise AssertionError(f"server did not start (exit code {code}):\n" + "".join(self.log))
@@ -370,6 +407,14 @@ class ServerProcess:
                 self._warm.set()
         ready.set()
         self._warm.set()
+        self._hold_port()
+
+    def _hold_port(self) -> None:
+        """Hold the port of a child that exited (hold_port); a port bound again already is left."""
+        with _held_lock:
+            if self.port and self.port not in _held_ports:
+                with contextlib.suppress(OSError):
+                    _held_ports[self.port] = hold_port(self.port)
 
     @property
     def target(self) -> str:
@@ -383,6 +428,7 @@ class ServerProcess:
         else:
             self.proc.send_signal(sig)
         code = self.proc.wait(30)
+        self._hold_port()
         self._reader.join(30)
         return code
 

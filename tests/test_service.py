@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import pickle
 import signal
+import socket
 import struct
 import threading
 from collections import Counter
@@ -300,6 +301,24 @@ def test_sigterm_finishes_and_restart_finds_everything(tmp_path: Path) -> None:
             assert len(next(c.sample(num_groups=1, delivery="consume")).uids) == 8
     finally:
         proc.stop(signal.SIGTERM)
+
+
+def test_a_killed_childs_port_stays_its_own_until_it_is_started_again_there(tmp_path: Path) -> None:
+    """The restart tests' guard (helpers.ServerProcess): from a child's death to its restart on its
+    port, no other server (another test's, started on a free port) may bind that port and answer
+    the first one's clients; and the restart binds it."""
+    proc = ServerProcess(str(tmp_path))
+    with BufferClient(proc.target) as c:
+        c.create_table("kept")
+    proc.stop(signal.SIGKILL)
+    with socket.socket() as intruder, pytest.raises(OSError, match="Address already in use"):
+        intruder.bind(("127.0.0.1", proc.port))  # bound: a free port (port 0) is never this one
+    again = ServerProcess(str(tmp_path), "--port", str(proc.port))
+    try:
+        with BufferClient(again.target) as c:
+            assert again.port == proc.port and "kept" in c.stats()
+    finally:
+        again.stop(signal.SIGTERM)
 
 
 @pytest.mark.soak
