@@ -25,6 +25,7 @@ from expbuf.server.store.disk.rows import (
     append_groups,
     decode_member_rows,
     directory_entry,
+    encode_member_rows,
     encode_members,
     encode_segment,
 )
@@ -181,6 +182,23 @@ def test_a_group_ref_reads_back_from_the_directory(seg: int, index: int) -> None
     encoded = GroupRef(seg, index).encode()
     assert len(encoded) == 12
     assert directory_entry(memoryview(encoded)) == GroupRef(seg, index)
+
+
+def test_member_rows_keep_their_stored_form() -> None:
+    """A pending group's member rows as data formats 10 and 11 store them, field by field: a count,
+    then each member's row (absent numbers NaN, an absent version -2^63), uid and segments; after the
+    rows a head held before, read back as they were."""
+    first = Member("a", b"d" * 16, 5, 6, 7.5, -8, 9, 10, None, None, 0.25, None, None, ())
+    second = Member("bé", b"e" * 16, 1, 2, 3.0, 4, 5, 6, 7, 0.5, 1.5, -2.0, 2.5, (11, -12))
+    row = struct.Struct("<16sQQdqIIqddddHI")
+    expected = b"".join([
+        struct.pack("<I", 2),
+        row.pack(b"d" * 16, 5, 6, 7.5, -8, 9, 10, -(2**63), math.nan, 0.25, math.nan, math.nan, 1, 0), b"a",
+        row.pack(b"e" * 16, 1, 2, 3.0, 4, 5, 6, 7, 0.5, 1.5, -2.0, 2.5, 3, 2), "bé".encode(),
+        struct.pack("<2q", 11, -12),
+    ])  # fmt: skip
+    assert encode_member_rows([second], onto=encode_member_rows([first])) == expected
+    assert decode_member_rows(expected) == [first, second]
 
 
 @given(

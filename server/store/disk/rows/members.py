@@ -8,6 +8,7 @@ Absent numbers are stored as in records.py: an absent version as -2^63, an absen
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import struct
@@ -255,52 +256,57 @@ _ROW = struct.Struct("<16sQQdqIIqddddHI")
 _COUNT = struct.Struct("<I")
 
 
-def _row(m: Member, uid: bytes) -> bytes:
-    version = _NONE_INT if m.version is None else m.version
-    reward = math.nan if m.reward is None else m.reward
-    advantage = math.nan if m.advantage is None else m.advantage
-    shaped = math.nan if m.shaped_reward is None else m.shaped_reward
-    fixed = (m.size, m.seq, m.created, m.step, m.response_length, m.generated, version, reward, m.priority)
-    return _ROW.pack(m.digest, *fixed, advantage, shaped, len(uid), len(m.segments))
-
-
 def encode_member_rows(members: Sequence[Member], onto: bytes = b"") -> bytes:
     """Members as rows (a fragment's value, or a pending head's latest members): a count, then each
-    member's row, uid and segments; after those `onto` holds (rows of this form) where it is given."""
+    member's row, uid and segments; after those `onto` holds (rows of this form) where it is given.
+    Each member's fields are unpacked as a tuple, not read by name: a push to hundreds of pending
+    groups encodes a row for each."""
     parts = [_COUNT.pack(len(members) + (_COUNT.unpack_from(onto)[0] if onto else 0)), onto[_COUNT.size :]]
+    pack, nan = _ROW.pack, math.nan
     for member in members:
-        uid = member.uid.encode()
-        parts.append(_row(member, uid))
+        text, digest, size, seq, created, step, length, generated, version, reward, priority, adv, shaped, segs = member
+        uid = text.encode()
+        parts.append(
+            pack(
+                digest, size, seq, created, step, length, generated, _NONE_INT if version is None else version,
+                nan if reward is None else reward, priority, nan if adv is None else adv,
+                nan if shaped is None else shaped, len(uid), len(segs),
+            )
+        )  # fmt: skip
         parts.append(uid)
-        if member.segments:
-            parts.append(struct.pack(f"<{len(member.segments)}q", *member.segments))
+        if segs:
+            parts.append(struct.pack(f"<{len(segs)}q", *segs))
     return b"".join(parts)
 
 
 def decode_member_rows(data: bytes | memoryview) -> list[Member]:
-    """The members of `encode_member_rows`, in their order."""
+    """The members of `encode_member_rows`, in their order (made as tuples: every field is given)."""
     (count,) = _COUNT.unpack_from(data)
-    pos, found = _COUNT.size, []
+    pos, found, unpack, size_of = _COUNT.size, [], _ROW.unpack_from, _ROW.size
     for _ in range(count):
-        digest, *fixed, reward, priority, advantage, shaped, n, s = _ROW.unpack_from(data, pos)
-        pos += _ROW.size
+        digest, size, seq, created, step, length, generated, version, reward, priority, adv, shaped, n, s = unpack(
+            data, pos
+        )
+        pos += size_of
         uid = str(data[pos : pos + n], "utf-8")
         pos += n
         segments: tuple[int, ...] = ()
         if s:
             segments = struct.unpack_from(f"<{s}q", data, pos)
             pos += 8 * s
-        size, seq, created, step, length, generated, version = fixed
         found.append(
-            Member(
+            _MEMBER((
                 uid, bytes(digest), size, seq, created, step, length, generated,
                 None if version == _NONE_INT else version, None if reward != reward else reward, priority,
-                None if advantage != advantage else advantage, None if shaped != shaped else shaped, segments,
-            )
+                None if adv != adv else adv, None if shaped != shaped else shaped, segments,
+            ))
         )  # fmt: skip
     if pos != len(data):
         raise ValueError(f"member rows of {len(data)} bytes, {pos} read")
     return found
+
+
+_MEMBER = functools.partial(tuple.__new__, Member)  # Member._make less its count: every field given
 
 
 _CREATED_FIELD = 3  # of a row's fields as _ROW reads them: digest, size, seq, created
