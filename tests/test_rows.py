@@ -247,7 +247,8 @@ def test_a_push_adds_to_a_plain_head_as_it_adds_to_a_decoded_one(
 ) -> None:
     """PendingHead.added makes the bytes of a head decoded, added to and encoded again (`add`), where
     the head is plain (members, no failed runs, no place in the compute queue) and the new rows stay
-    in it; `plain` reads its count, time and hashes; any other head is not plain."""
+    in it; `plain` reads its count and time, `holds` finds its members' uids' hashes (none of the new
+    members' whose uid is not among them); any other head is not plain."""
     head = PendingHead(created=created, fragments=fragments, failed=failed, queued=queued)
     head.add(there)
     raw = head.encode()
@@ -255,7 +256,10 @@ def test_a_push_adds_to_a_plain_head_as_it_adds_to_a_decoded_one(
     if failed or queued is not None:
         assert plain is None
         return
-    assert plain == (len(there), created, tuple(head.hashes))
+    assert plain == (len(there), created)
+    assert all(PendingHead.holds(raw, len(there), [member.uid]) for member in there)
+    known = {member.uid for member in there}
+    assert PendingHead.holds(raw, len(there), [m.uid for m in new]) == any(m.uid in known for m in new)
     spilled = head.add(new)
     assert PendingHead.added(raw, new) == (None if spilled is not None else head.encode())
     assert PendingHead.plain(PendingHead(created=created).encode()) is None  # no member

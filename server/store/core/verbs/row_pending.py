@@ -82,27 +82,31 @@ def stored(
         if raw is None:
             continue
         plain = PendingHead.plain(raw) if raw[0] == PENDING_ENTRY else None
-        entry: PendingHead | None = None
-        hashes: Sequence[int]
         if plain is not None and plain[0] + len(entries) < size:  # pending after the push: not decoded
-            count, created, hashes = plain
+            count, created = plain
             found[gkey] = PendingGroup(gkey, None, count, _NONE_FAILED, created, raw)
-        else:
-            read = group_entry(gkey, raw)
-            if not isinstance(read, PendingHead):
-                found[gkey] = None
-                digests.update(_segment_digests(tt, views, gkey, read))
-                continue
-            entry, hashes = read, read.hashes  # pending, or complete and computing (queued)
-            found[gkey] = (
-                None
-                if entry.queued is not None
-                else PendingGroup(gkey, entry, len(hashes), entry.failed, entry.created, raw)
-            )
-        if not set(hashes).isdisjoint([_uid_hash(pushed.uid) for pushed in entries]):
-            rows, _, _ = tt.pending_members(gkey, entry if entry is not None else PendingHead.decode(raw))
-            digests.update((member.uid, member.digest) for member in rows)
+            if PendingHead.holds(raw, count, [pushed.uid for pushed in entries]):
+                digests.update(_pending_digests(tt, gkey, PendingHead.decode(raw)))
+            continue
+        read = group_entry(gkey, raw)
+        if not isinstance(read, PendingHead):
+            found[gkey] = None
+            digests.update(_segment_digests(tt, views, gkey, read))
+            continue
+        found[gkey] = (  # pending, or complete and computing (queued)
+            None
+            if read.queued is not None
+            else PendingGroup(gkey, read, len(read.hashes), read.failed, read.created, raw)
+        )
+        if not set(read.hashes).isdisjoint([_uid_hash(pushed.uid) for pushed in entries]):
+            digests.update(_pending_digests(tt, gkey, read))
     return found, digests
+
+
+def _pending_digests(tt: TableState, gkey: str, entry: PendingHead) -> Iterator[tuple[str, bytes]]:
+    """A pending or computing group's members' uids and digests, read from its fragments and head."""
+    rows, _, _ = tt.pending_members(gkey, entry)
+    return ((member.uid, member.digest) for member in rows)
 
 
 def _segment_digests(

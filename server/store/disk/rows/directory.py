@@ -7,7 +7,7 @@ members.encode_member_rows) until the group completes.
 from __future__ import annotations
 
 import struct
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -39,6 +39,7 @@ def uid_hash(uid: str) -> int:
 # to 80 bytes (and no versions per token: 8 bytes a segment) keeps every member in its head.
 SPILL_BYTES = 1536
 
+_HASH = struct.Struct("<Q")  # a member uid's hash in a head
 _REF = struct.Struct("<BxHQ")  # REF, group, seg
 REF, PENDING = 1, 2  # the kinds of a group directory's entries, their first byte
 
@@ -148,17 +149,32 @@ class PendingHead:
         )  # fmt: skip
 
     @classmethod
-    def plain(cls, data: bytes) -> tuple[int, float, tuple[int, ...]] | None:
+    def plain(cls, data: bytes) -> tuple[int, float] | None:
         """Of a head with members, none of its runs reported failed and no place in the compute queue
-        (what a push meets most), its members' count, when it opened and their uids' hashes, the rest
-        of it not decoded (`added` adds to it as it is); None for any other head, and for one cut short
-        of its hashes (decoding it names the damage)."""
+        (what a push meets most), its members' count and when it opened, the rest of it not decoded
+        (`holds` screens its hashes, `added` adds to it as it is); None for any other head, and for
+        one cut short of its hashes (decoding it names the damage)."""
         if len(data) < cls._HEAD.size:
             return None
         _, flags, count, _, created = cls._HEAD.unpack_from(data)
         if flags & ~cls._INLINE or not count or len(data) < cls._HEAD.size + 8 * count:
             return None
-        return count, created, struct.unpack_from(f"<{count}Q", data, cls._HEAD.size)
+        return count, created
+
+    @classmethod
+    def holds(cls, data: bytes, count: int, uids: Iterable[str]) -> bool:
+        """Whether one of these uids' hashes is among the `count` of a `plain` head, found in its bytes
+        (at a hash's place: a match across two hashes is none), its hashes not unpacked: a retried
+        push is screened so against each of the hundreds of heads a push reaches."""
+        start, end = cls._HEAD.size, cls._HEAD.size + 8 * count
+        for uid in uids:
+            wanted = _HASH.pack(uid_hash(uid))
+            at = data.find(wanted, start, end)
+            while at >= 0:
+                if (at - start) % 8 == 0:
+                    return True
+                at = data.find(wanted, at + 1, end)
+        return False
 
     @classmethod
     def added(cls, data: bytes, members: Sequence[Member]) -> bytes | None:
