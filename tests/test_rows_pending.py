@@ -305,6 +305,36 @@ def test_a_push_to_a_pending_group_writes_its_head_with_its_members_rows(tmp_pat
         }  # fmt: skip
 
 
+def test_a_retried_push_to_pending_groups_is_found_in_their_heads_as_a_records_tables(tmp_path: Path) -> None:
+    """A push sent again to groups that stay pending (their heads screened in their bytes,
+    PendingHead.holds): its runs are duplicates, stored once, beside the new runs pushed with them;
+    one of them with other content is refused and stores nothing; the groups complete as a records
+    table's."""
+    with Store(tmp_path, clock=Clock()) as store:
+        both(store, "t", **EIGHTS)
+        for table in ("t", "t_rows"):
+            store.put(table, [run(task, 0) for task in range(4)])
+            store.put(table, [run(task, 1) for task in range(4)])
+        replies = {}
+        for table in ("t", "t_rows"):
+            again = store.put(table, [run(task, 1) for task in range(4)])
+            mixed = store.put(table, [run(0, 0), run(1, 2), run(2, 1), run(3, 2)])
+            replies[table] = [(r.stored, sorted(r.duplicates), r.completed_groups) for r in (again, mixed)]
+            with pytest.raises(Conflict, match="already exists with different content"):
+                store.put(table, [run(1, 3), run(2, 0, reward=9.0)])
+        assert replies["t_rows"] == replies["t"]
+        assert replies["t_rows"][0] == ([], sorted(uid(task, 1) for task in range(4)), [])
+        assert replies["t_rows"][1] == ([uid(1, 2), uid(3, 2)], sorted([uid(0, 0), uid(2, 1)]), [])
+        assert sorted(len(head.hashes) for head in heads(store, "t_rows").values()) == [2, 2, 3, 3]
+        assert stats(store, "t_rows") == stats(store, "t") and store.stats("t_rows")["pending"] == 10
+        for table in ("t", "t_rows"):
+            store.put(
+                table, [run(task, n) for task in range(4) for n in range(2, 8) if (task, n) not in ((1, 2), (3, 2))]
+            )
+        assert stats(store, "t_rows") == stats(store, "t") and store.stats("t_rows")["ready"] == 32
+        assert store.verify("t_rows") == []
+
+
 LARGE = {**EIGHTS, "group_size": 40}
 
 
