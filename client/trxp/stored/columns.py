@@ -17,7 +17,7 @@ and the rest whole.
 from __future__ import annotations
 
 import struct
-from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from expbuf.client.schema.experience import RESPONSE_TENSOR_FIELDS, TENSOR_FIELDS
@@ -26,7 +26,7 @@ from ..codec import segments as version_segments
 from ..codec.build import json_text
 from ..codec.common import MM_PREFIX, RawTensor
 from .pieces import Run, Section, Stored, cut, joined, parts_of
-from .splice import HeaderReads
+from .splice import HeaderRead, HeaderReads
 
 # Columns of one value per experience, by name, with their dtype: what the server keeps beside each
 # experience's payload (in its record), and its tokens and prompt's (its stored header's tokens,
@@ -180,45 +180,120 @@ def column_parts(
 ) -> list[ColumnParts]:
     """The columns of `fields` over stored one-item payloads, in the order `fields` names them
     (each field's columns in the order their first experience comes). `extra(i, tensors)`
-    gives tensors that item i gets on top of its stored ones (the server's advantages); it is
-    called only when a field in `added` (the names it may give) is asked for. With `shares`,
+    gives tensors that item i gets on top of its stored ones (the server's advantages), only
+    those named in `added`; it is called only when one of them is asked for. With `shares`,
     each tensor laid along the tokens is cut to them, item i's response being `responses[i]`
-    tokens long."""
-    wanted = {json_text(name): name for name in fields}  # as the stored headers write them
-    computed = bool(extra is not None and set(fields) & set(added))
-    tree = _Tree() if PREFIX_FIELDS & set(fields) else None
-    columns: dict[tuple[bytes, bytes, int], ColumnParts] = {}
-    headers = HeaderReads()
-    for index, payload in enumerate(payloads):
-        _, header, section, section_len = parts_of(payload)
-        read = headers.read(header, section_len)
-        found = read.found
-        cuts = _Cuts(shares, token_count(found), responses[index]) if shares is not None else None
-        given: Mapping[str, RawTensor] = {}
-        if computed:
-            assert extra is not None
-            given = extra(index, read.tensors(section))
-        for (text, dtype, _, start, end), named in zip(found, read.named, strict=True):
-            if text not in wanted:
-                continue
+    tokens long.
+
+    Gathered a run of items at a time (`_runs`: consecutive items of one stored header, most of a
+    batch): each stored tensor's column takes the run's positions, shapes and views in one step
+    each, so that what an experience costs is a view of each field, not the Python of a lookup, a
+    key and a call. Only what differs item by item goes one item at a time: a tensor `extra` may
+    give, the rows of the shares, the prefix + branches form."""
+    gathering = _Gathering(fields, extra if extra is not None and set(fields) & set(added) else None, added)
+    for read, first, sections in _runs(payloads):
+        gathering.run(read, first, sections, shares, responses)
+    return in_order(gathering.columns.values(), fields)
+
+
+class _Gathering:
+    """A batch's columns as its runs of items are gathered into them (column_parts)."""
+
+    __slots__ = ("columns", "extra", "given", "tree", "wanted")
+
+    def __init__(
+        self,
+        fields: Sequence[str],
+        extra: Callable[[int, Mapping[str, RawTensor]], dict[str, RawTensor]] | None,
+        added: Sequence[str],
+    ) -> None:
+        self.wanted = {json_text(name): name for name in fields}  # as the stored headers write them
+        self.extra = extra  # None where no field it may give is asked for
+        # the tensors gathered one item at a time: those `extra` may give in a stored one's place
+        self.given = frozenset(json_text(name) for name in added) if extra is not None else frozenset()
+        self.tree = _Tree() if PREFIX_FIELDS & set(fields) else None
+        self.columns: dict[tuple[bytes, bytes, int], ColumnParts] = {}
+
+    def run(
+        self, read: HeaderRead, first: int, sections: list[Section], shares: Shares | None, responses: Sequence[int]
+    ) -> None:
+        """A run of items of one header (`read`), the first at batch position `first`: each stored
+        tensor that is sent whole and that `extra` may not replace in one step for the run, the
+        rest item by item."""
+        wanted = self.wanted
+        entries = [(entry, named[2]) for entry, named in zip(read.found, read.named, strict=True) if entry[0] in wanted]
+        if shares is None:
+            count = len(sections)
+            for (text, dtype, _, start, end), shape in entries:
+                if text not in self.given:
+                    column = _column(self.columns, wanted, text, dtype, len(shape))
+                    column.items.extend(range(first, first + count))
+                    column.shapes.extend(shape * count)
+                    column.values.extend(_views(sections, start, end))
+            if self.extra is None and self.tree is None:
+                return
+            entries = [item for item in entries if item[0][0] in self.given]
+        for index, section in enumerate(sections, first):
+            cuts = _Cuts(shares, token_count(read.found), responses[index]) if shares is not None else None
+            self.item(index, read, entries, section, cuts)
+            if self.tree is not None:
+                self.tree.add(self.columns, wanted, index, read.found, section, responses[index])
+
+    def item(
+        self,
+        index: int,
+        read: HeaderRead,
+        entries: Sequence[tuple[Entry, tuple[int, ...]]],
+        section: Section,
+        cuts: _Cuts | None,
+    ) -> None:
+        """Item `index`'s stored tensors of `entries` into their columns, each as it is or cut to
+        the shares (`cuts`), or what `extra` gives in its place; then what `extra` gives that the
+        item does not store."""
+        columns, wanted = self.columns, self.wanted
+        given = self.extra(index, read.tensors(section)) if self.extra is not None else {}
+        for (text, dtype, _, start, end), shape in entries:
             tensor = given.get(wanted[text]) if given else None
-            if tensor is None:
-                if cuts is None:
-                    shape, data = named[2], cut(section, start, end)  # its shape, read once a batch
-                else:
-                    shape, data = cuts.stored(text, named[2], section, start, end)
-                _add(columns, wanted, index, (text, dtype), shape, data)
-            else:  # replaced: in the stored one's place
+            if tensor is not None:  # replaced: in the stored one's place
                 _computed(columns, wanted, index, text, tensor, cuts)
+            elif cuts is None:
+                _add(columns, wanted, index, (text, dtype), shape, cut(section, start, end))
+            else:
+                _add(columns, wanted, index, (text, dtype), *cuts.stored(text, shape, section, start, end))
         if given:
-            names = {text for text, *_ in found}
+            names = {entry[0] for entry in read.found}
             for name, tensor in given.items():
                 text = json_text(name)
                 if text in wanted and text not in names:
                     _computed(columns, wanted, index, text, tensor, cuts)
-        if tree is not None:
-            tree.add(columns, wanted, index, found, section, responses[index])
-    return in_order(columns.values(), fields)
+
+
+def _runs(payloads: Iterable[Stored]) -> Iterator[tuple[HeaderRead, int, list[Section]]]:
+    """The payloads as runs of consecutive items of one stored header and section length, their
+    sections all views or all in pieces: each run's header read (once a batch for each header:
+    HeaderReads), the batch position of its first item, and its items' tensor sections."""
+    headers = HeaderReads()
+    run: list[Section] = []
+    read: HeaderRead | None = None
+    first = 0
+    last: tuple[bytes, int, bool] | None = None
+    for index, payload in enumerate(payloads):
+        _, header, section, section_len = parts_of(payload)
+        key = (header, section_len, type(section) is memoryview)
+        if key != last:
+            if read is not None:
+                yield read, first, run
+            read, first, run, last = headers.read(header, section_len), index, [], key
+        run.append(section)
+    if read is not None:
+        yield read, first, run
+
+
+def _views(sections: list[Section], start: int, end: int) -> list[Run]:
+    """Bytes `start` to `end` of each of a run's sections, as the views of them they span."""
+    if type(sections[0]) is memoryview:
+        return [section[start:end] for section in sections]  # type: ignore[misc]
+    return [piece for section in sections for piece in cut(section, start, end)]
 
 
 class _Tree:
@@ -311,14 +386,21 @@ def _add(
 ) -> None:
     """Item `index`'s tensor (its name and dtype as its header writes them, and the shape of
     what is sent of it) into the column of its field, dtype and rank."""
-    text, dtype = entry
-    key = (text, dtype, len(shape))
-    column = columns.get(key)
-    if column is None:
-        column = columns[key] = ColumnParts(wanted[text], dtype.decode(), len(shape))
+    column = _column(columns, wanted, *entry, len(shape))
     column.items.append(index)
     column.shapes.extend(shape)
     column.values.extend(data)
+
+
+def _column(
+    columns: dict[tuple[bytes, bytes, int], ColumnParts], wanted: dict[bytes, str], text: bytes, dtype: bytes, ndim: int
+) -> ColumnParts:
+    """The column of a field (`text`, as its header writes it), dtype and rank, made when first met."""
+    key = (text, dtype, ndim)
+    column = columns.get(key)
+    if column is None:
+        column = columns[key] = ColumnParts(wanted[text], dtype.decode(), ndim)
+    return column
 
 
 def scalar_column(name: str, values: Sequence[float | int | None]) -> ColumnParts | None:
