@@ -16,7 +16,7 @@ from typing import NamedTuple
 from ..codec.build import ENTRY, SPLICE_ONE, SPLICE_TAIL, build, frame, json_text, splice_meta
 from ..codec.common import HEADER_SIZE, RawTensor
 from ..codec.parse import parse
-from .pieces import Bytes, Run, Section, SectionTensors, SplitPayload, Stored, cut, parts_of, realized, whole
+from .pieces import Bytes, Run, Section, SectionTensors, SplitPayload, Stored, concatenated, cut, parts_of, whole
 
 
 def join(
@@ -30,7 +30,7 @@ def join(
     may add or replace tensors of item i (the server attaches advantages this way).
     Payloads of any other layout are parsed and rebuilt.
     """
-    return b"".join([realized(run) for run in join_parts(payloads, extra)])
+    return concatenated(join_parts(payloads, extra))
 
 
 def join_parts(

@@ -28,7 +28,7 @@ import grpc
 
 from expbuf.client.rpc.wire import ALIGN, ALIGN_TAG, COLUMN_TAG, PART_TAG, PAYLOAD_TAG, VALUES_TAG, WHOLE_TAG
 from expbuf.client.trxp.stored.columns import ColumnParts
-from expbuf.client.trxp.stored.pieces import Run, realized, realized_span
+from expbuf.client.trxp.stored.pieces import Run, concatenated, realized_span
 from expbuf.client.trxp.varints import write as varint
 from expbuf.proto.v1 import buffer_pb2 as pb
 
@@ -92,7 +92,7 @@ def sample_reply(batch: Sampled, spec: TakeSpec, confirm_seconds: float, limit: 
         """`cut` of the whole reply's runs of bytes, valid only during the call."""
         if spec.fields:
             return _columnar(batch, spec.fields, rest, cut)
-        return batch.render(lambda runs: cut([_PAYLOAD, varint(sum(len(run) for run in runs)), *runs, rest]))
+        return batch.render(lambda runs: cut([_PAYLOAD, varint(sum(map(len, runs))), *runs, rest]))
 
     return _messages(batch, render, limit, parts)
 
@@ -166,9 +166,9 @@ def _messages(
     kept: list[_Rest] = []  # a reply in parts: the parts after the first
 
     def first(runs: list[Run]) -> tuple[int, bytes]:
-        whole = sum(len(run) for run in runs)
+        whole = sum(map(len, runs))
         if whole <= cut:
-            return whole, b"".join([realized(run) for run in runs])
+            return whole, concatenated(runs)
         if not parts:
             raise ReplyTooLarge(whole)
         kept.append(_Rest(batch, runs, whole, step))

@@ -24,7 +24,7 @@ from expbuf.client.trxp.stored.columns import (
     scalar_column,
     segment_column,
 )
-from expbuf.client.trxp.stored.pieces import Run, Stored, realized
+from expbuf.client.trxp.stored.pieces import Run, Stored, concatenated
 
 from ..schema.states import PENDING
 from ..schema.table_config import TableConfig
@@ -215,7 +215,7 @@ class Sampled:
 
     @property
     def payload(self) -> bytes:
-        return self.render(lambda runs: b"".join([realized(run) for run in runs]))
+        return self.render(concatenated)
 
     def finish(self) -> None:
         """Run the batch stage on the stored advantages, once."""

@@ -29,7 +29,7 @@ from expbuf.client.trxp.codec import segments
 from expbuf.client.trxp.codec.advantages import ADDED, scaled
 from expbuf.client.trxp.codec.common import RawTensor
 from expbuf.client.trxp.stored.columns import ColumnParts, Shares, column_parts
-from expbuf.client.trxp.stored.pieces import Run, Stored, realized
+from expbuf.client.trxp.stored.pieces import Run, Stored, concatenated
 from expbuf.client.trxp.stored.splice import join_parts
 
 from ..schema.table_config import TableConfig
@@ -127,7 +127,7 @@ def _delivered(
 
 def batch_payload(blobs: Sequence[Stored], advantages: Sequence[Advantage], masks: Masks | None = None) -> bytes:
     """One TRXP batch of stored experiences, with their computed advantages and returns."""
-    return b"".join([realized(run) for run in batch_parts(blobs, advantages, masks)])
+    return concatenated(batch_parts(blobs, advantages, masks))
 
 
 def batch_parts(blobs: Sequence[Stored], advantages: Sequence[Advantage], masks: Masks | None = None) -> list[Run]:
