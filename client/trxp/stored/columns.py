@@ -25,7 +25,7 @@ from expbuf.client.schema.experience import RESPONSE_TENSOR_FIELDS, TENSOR_FIELD
 from ..codec import segments as version_segments
 from ..codec.build import json_text
 from ..codec.common import MM_PREFIX, RawTensor
-from .pieces import Run, Section, Stored, cut, joined, parts_of
+from .pieces import Run, Section, Stored, cut, joined, located
 from .splice import HeaderRead, HeaderReads
 
 # Columns of one value per experience, by name, with their dtype: what the server keeps beside each
@@ -278,7 +278,7 @@ def _runs(payloads: Iterable[Stored]) -> Iterator[tuple[HeaderRead, int, list[Se
     first = 0
     last: tuple[bytes, int, bool] | None = None
     for index, payload in enumerate(payloads):
-        _, header, section, section_len = parts_of(payload)
+        header, section, section_len, _ = located(payload)
         key = (header, section_len, type(section) is memoryview)
         if key != last:
             if read is not None:
