@@ -291,7 +291,7 @@ def _runs(payloads: Iterable[Stored]) -> Iterator[tuple[HeaderRead, int, list[Se
 
 def _views(sections: list[Section], start: int, end: int) -> list[Run]:
     """Bytes `start` to `end` of each of a run's sections, as the views of them they span."""
-    if type(sections[0]) is memoryview:
+    if type(sections[0]) is memoryview:  # then all are (_runs), which mypy cannot know
         return [section[start:end] for section in sections]  # type: ignore[misc]
     return [piece for section in sections for piece in cut(section, start, end)]
 
