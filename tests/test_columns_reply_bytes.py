@@ -32,10 +32,10 @@ FIELDS = (
 SHARED_FIELDS = ("tokens", "logprobs", "advantages", "routed_experts", "length")
 # sha256 of each reply as the item-by-item gathering built it, and its length.
 PINNED = {
-    "grpo": ("f2bf1dfbf8788d873e509003284aba03f90a95fe6aa2003443a20a1e115be824", 18_610_765),
-    "plain": ("3cf2ee085a3eefcb4d54e01a4b19c7fe3c3f66a4508c691502f307df05ee364e", 13_809_952),
-    "grpo-shares": ("a8825b3baa5cb5950d9dda826e64dc563deb7cfa7760fba613983328372f943e", 5_404_212),
-    "plain-shares": ("641b42ed4cb4155fcf7ddd0d01a755b4d13b3b53c2a26f801243c7b9cc2d9fb1", 4_203_841),
+    "grpo": ("4e761bd327e26ec0e517c068567c3b0a1499f42508ff33c8a427cba3c3050105", 18_610_701),
+    "plain": ("97283ab0d66c8ee86216fb9a7599cfb2679ce1b890ce476513394d8467a1f36d", 13_809_888),
+    "grpo-shares": ("dd3fe127ff5d8d0c934c13d8e39293c129cb3a2afb3211e0904df29ea9d71c84", 5_404_148),
+    "plain-shares": ("71d15b3513eb6e647ece4d48391155859ad0a639955bf52066813edf35e1c56e", 4_203_841),
 }
 
 
@@ -58,11 +58,12 @@ def rollout(task: int, run: int, response: int, *, prompt: int = 5, logprobs: st
 
 def groups() -> list[list[Experience]]:
     """Four groups of three: runs that share their header, runs that do not, a log-prob column of two
-    dtypes and an experience without one, a shared prompt, and an experience stored in chunks."""
+    dtypes and an experience without one, a shared prompt (two of its runs of one header, their
+    sections in pieces), and an experience stored in chunks."""
     return [
         [rollout(0, run, 6) for run in range(3)],  # one header
         [rollout(1, 0, 4), rollout(1, 1, 9, logprobs="bf16"), rollout(1, 2, 7, logprobs="none")],
-        [rollout(2, run, 10 + run, prompt=PROMPT) for run in range(3)],  # a prompt stored once
+        [rollout(2, run, 10 + run // 2, prompt=PROMPT) for run in range(3)],  # a prompt stored once: pieces
         [rollout(3, 0, 3), rollout(3, 1, BIG), rollout(3, 2, 0)],  # chunks; a run of no response
     ]
 
