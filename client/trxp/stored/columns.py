@@ -217,9 +217,9 @@ class _Gathering:
     def run(
         self, read: HeaderRead, first: int, sections: list[Section], shares: Shares | None, responses: Sequence[int]
     ) -> None:
-        """A run of items of one header (`read`), the first at batch position `first`: each stored
-        tensor that is sent whole and that `extra` may not replace in one step for the run, the
-        rest item by item."""
+        """A run of items of one header (`read`), the first at batch position `first`: in one step
+        for the whole run, each stored tensor sent whole that `extra` may not replace; the rest
+        item by item."""
         wanted = self.wanted
         entries = [(entry, named[2]) for entry, named in zip(read.found, read.named, strict=True) if entry[0] in wanted]
         if shares is None:
@@ -232,7 +232,7 @@ class _Gathering:
                     column.values.extend(_views(sections, start, end))
             if self.extra is None and self.tree is None:
                 return
-            entries = [item for item in entries if item[0][0] in self.given]
+            entries = [entry for entry in entries if entry[0][0] in self.given]
         for index, section in enumerate(sections, first):
             cuts = _Cuts(shares, token_count(read.found), responses[index]) if shares is not None else None
             self.item(index, read, entries, section, cuts)
