@@ -17,7 +17,7 @@ from __future__ import annotations
 import struct
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol, final
+from typing import Protocol, TypeVar, final, overload
 
 from ..codec.common import HEADER, HEADER_SIZE, RawTensor
 
@@ -25,6 +25,7 @@ _LENGTH = struct.Struct("<Q")  # a safetensors header's length
 _META_LENGTH = struct.Struct("<5xQ")  # HEADER's metadata length, read alone
 
 Bytes = bytes | memoryview
+T = TypeVar("T")
 
 
 class Lazy(Protocol):
@@ -180,16 +181,29 @@ def whole(payload: Stored) -> Bytes:
 
 
 class SectionTensors(Mapping[str, RawTensor]):
-    """The tensors of a section in pieces, by name, each made when looked up: a tensor that
-    spans pieces is copied into one buffer then, and only then (the server's advantages read an
-    item's action mask, not the rest)."""
+    """The tensors of a section by name (`entries`: dtype, shape, start and end of each, read once a
+    batch for each header), each made when looked up, a view of the section or, for a tensor that
+    spans its pieces, copied into one buffer then, and only then: the server's advantages read an
+    item's action mask, not the rest, and a tensor made for each would cost each item more."""
 
-    def __init__(self, entries: dict[str, tuple[str, tuple[int, ...], int, int]], section: list[Run]) -> None:
+    __slots__ = ("_entries", "_section")
+
+    def __init__(self, entries: dict[str, tuple[str, tuple[int, ...], int, int]], section: Section) -> None:
         self._entries, self._section = entries, section
 
     def __getitem__(self, name: str) -> RawTensor:
         dtype, shape, start, end = self._entries[name]
         return RawTensor(dtype, shape, joined(cut(self._section, start, end)))
+
+    @overload
+    def get(self, name: str, /) -> RawTensor | None: ...
+
+    @overload
+    def get(self, name: str, /, default: RawTensor | T) -> RawTensor | T: ...
+
+    def get(self, name: str, /, default: object = None) -> object:
+        """Mapping's get, without its KeyError for a tensor the item does not have (its action mask)."""
+        return self[name] if name in self._entries else default
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._entries)

@@ -265,17 +265,18 @@ _Named = list[tuple[str, str, tuple[int, ...], int, int]]
 
 class HeaderRead(NamedTuple):
     """A stored header as a batch's items read it (`HeaderReads`): its tensors (`stored_entries`),
-    whether they lie back to back over the whole section, and the same tensors read back (names
-    and dtypes as text, shapes as ints)."""
+    whether they lie back to back over the whole section, the same tensors read back (names
+    and dtypes as text, shapes as ints), and those by name (dtype, shape, start, end)."""
 
     found: list[_Stored]
     whole: bool
     named: _Named
+    by_name: dict[str, tuple[str, tuple[int, ...], int, int]]
 
     def tensors(self, section: Section) -> Mapping[str, RawTensor]:
-        """The tensors of an item with this header by name, as views of its tensor `section`, or, for
-        a section in pieces, made as each is looked up (pieces.SectionTensors)."""
-        return _tensors(self.named, section)
+        """The tensors of an item with this header by name, each made as it is looked up
+        (pieces.SectionTensors): the server's advantages read an item's action mask alone."""
+        return SectionTensors(self.by_name, section)
 
 
 class HeaderReads:
@@ -299,18 +300,14 @@ class HeaderReads:
             found, whole = _stored_tensors(header, section_len)
             if self._dropped and any(t[0] in self._dropped for t in found):
                 found, whole = [t for t in found if t[0] not in self._dropped], False
-            known = self._read[key] = HeaderRead(found, whole, _named(found))
+            named = _named(found)
+            by_name = {name: (dtype, shape, a, b) for name, dtype, shape, a, b in named}
+            known = self._read[key] = HeaderRead(found, whole, named, by_name)
         return known
 
 
 def _named(found: list[_Stored]) -> _Named:
     return [(_json_name(name), dtype.decode(), _shape(shape), a, b) for name, dtype, shape, a, b in found]
-
-
-def _tensors(named: _Named, section: Section) -> Mapping[str, RawTensor]:
-    if isinstance(section, memoryview):
-        return {name: RawTensor(dtype, shape, section[a:b]) for name, dtype, shape, a, b in named}
-    return SectionTensors({name: (dtype, shape, a, b) for name, dtype, shape, a, b in named}, section)
 
 
 _BACKSLASH = ord("\\")  # asked as an int: `bytes in bytes` first fails to read it as one, at some 1,800 instructions
