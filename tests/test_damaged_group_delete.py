@@ -18,6 +18,7 @@ from test_rows_pending import EIGHTS, LARGE, attempt_runs, cut_head, run, uid
 from expbuf.client import BufferClient
 from expbuf.client.errors import DataLossError
 from expbuf.client.schema.routing import uid_group_key
+from expbuf.server.app import ExpbufServer
 from expbuf.server.store import Entry, Store
 from expbuf.server.store.disk import layout
 from expbuf.server.store.ledger.records import DatasetRecord
@@ -33,6 +34,20 @@ COUNTED = ("pending", "computing", "bytes", "groups_pending", "groups_computing"
 HELD = ("gdir", "frags", "pending", "compute", "oldest", "blobs", "adv")  # what the group holds, by database
 
 
+def assert_removed(before: dict, after: dict, state: str, runs: int) -> None:
+    """Stats before and after group 0/1 of `runs` runs (run(1, n)), in `state`, was removed whole:
+    its experiences and bytes uncounted, counted damaged, the group named in the last failure."""
+    freed = sum(Entry.of(run(1, n)).size for n in range(runs))
+    assert {name: after[name] for name in COUNTED} == {
+        **{name: before[name] for name in COUNTED},
+        state: before[state] - runs,
+        "groups_" + state: before["groups_" + state] - 1,
+        "bytes": before["bytes"] - freed,
+    }
+    assert after["damaged"] == before["damaged"] + runs
+    assert "group 0/1" in after["last_failure"] and "removed whole" in after["last_failure"]
+
+
 def damage(store: Store, table: str, gkey: str, how: str) -> None:
     """A pending group's head cut so that it no longer decodes, or lost (its directory entry deleted)."""
     if how == "cut":
@@ -41,17 +56,18 @@ def damage(store: Store, table: str, gkey: str, how: str) -> None:
         lose(store, table, gkey, "gdir")
 
 
-def held(store: Store, table: str, gkey: str) -> dict[str, int]:
-    """How many keys (or, in the compute queue, values) of each database name group `gkey`."""
+def held(store: Store, table: str, gkey: str, names: tuple[str, ...] = HELD) -> dict[str, int]:
+    """How many keys (or, in the compute queue and the insertion order, values) of each database name
+    group `gkey` or one of its members."""
     prefix = layout.table_prefix(store.catalog.lookup(table)[0])
-    found = dict.fromkeys(HELD, 0)
+    found = dict.fromkeys(names, 0)
     with store.environment.read() as txn:
-        for name in HELD:
+        for name in names:
             with txn.cursor(db=store.db[name]) as cur:
                 at = cur.set_range(prefix)
                 while at and cur.key().startswith(prefix):
                     key, value = bytes(cur.key()[len(prefix) :]), bytes(cur.value())
-                    found[name] += gkey.encode() in (value if name == "compute" else key)
+                    found[name] += gkey.encode() in (value if name in ("compute", "order") else key)
                     at = cur.next()
     return found
 
@@ -89,15 +105,7 @@ def test_a_delete_naming_a_group_whose_head_does_not_decode_removes_it_whole(
                 store.delete("t", [uid(1, 0)])
         assert store.delete("t", group_ids=["0/1"]) == runs
         after = store.stats("t")
-        freed = sum(Entry.of(run(1, n)).size for n in range(runs))
-        assert {name: after[name] for name in COUNTED} == {
-            **{name: before[name] for name in COUNTED},
-            state: before[state] - runs,
-            "groups_" + state: before["groups_" + state] - 1,
-            "bytes": before["bytes"] - freed,
-        }
-        assert after["damaged"] == before["damaged"] + runs
-        assert "group 0/1" in after["last_failure"] and "removed" in after["last_failure"]
+        assert_removed(before, after, state, runs)
         assert held(store, "t", "0/1") == dict.fromkeys(HELD, 0)
         assert store.verify("t") == []
         assert store.get("t", [uid(1, n) for n in range(runs)]) == {}
@@ -165,21 +173,24 @@ def test_through_the_server_a_delete_removes_a_pending_group_whose_head_does_not
         with pytest.raises(DataLossError, match=re.escape("Delete the group by its id")):
             client.push([make_experience(0, 1, 3)], "t")
         assert client.delete(table="t", groups=["0/1"]) == 3
-        assert client.stats("t")["t"].damaged == 3
-        assert scrape(server.metrics_port)[("expbuf_damaged_total", (("table", "t"),))] == 3
-        with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
-            health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
-        assert health.status == health_pb2.HealthCheckResponse.SERVING
-        assert client.push([make_experience(0, 1, n) for n in range(8)], "t").completed_groups == ["0/1"]
-        stats = client.stats("t")["t"]
-        assert (stats.groups_pending, stats.pending, stats.groups_ready, stats.ready) == (1, 3, 1, 8)
+        serves_after_removal(server, client)
     server.stop()
-    checked = subprocess.run(
-        [sys.executable, "-m", "expbuf.server.cli", "check", "--data", str(tmp_path / "data")],
-        capture_output=True, text=True, timeout=120, check=False,
-    )  # fmt: skip
-    lines = checked.stdout.splitlines()
-    assert checked.returncode == 0 and "t: ok" in lines and all(line.endswith(": ok") for line in lines), lines
+    code, lines = cli("check", tmp_path / "data")
+    assert code == 0 and "t: ok" in lines and all(line.endswith(": ok") for line in lines), lines
+
+
+def serves_after_removal(server: ExpbufServer, client: BufferClient) -> None:
+    """Once group 0/1 of table t (3 runs; 0/2 holds 3 too) was removed whole through `server`: its runs
+    counted damaged in Stats and expbuf_damaged_total, the health check SERVING, and a fresh group of
+    its key pushed and complete."""
+    assert client.stats("t")["t"].damaged == 3
+    assert scrape(server.metrics_port)[("expbuf_damaged_total", (("table", "t"),))] == 3
+    with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
+    assert health.status == health_pb2.HealthCheckResponse.SERVING
+    assert client.push([make_experience(0, 1, n) for n in range(8)], "t").completed_groups == ["0/1"]
+    stats = client.stats("t")["t"]
+    assert (stats.groups_pending, stats.pending, stats.groups_ready, stats.ready) == (1, 3, 1, 8)
 
 
 def test_a_complete_groups_directory_entry_that_does_not_decode_is_not_removed(tmp_path: Path) -> None:

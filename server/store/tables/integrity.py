@@ -9,7 +9,7 @@ and grants, then `verify` on each table), turning whatever a damaged page makes 
 a decoder raise into a problem naming where it is: `expbuf check` prints them. `at_open`
 is what a server checks before it serves a directory: all of `scan` but the entries of no
 table and the chunk sets of no payload (which nothing reads: `expbuf repair` drops the sets, and
-removes a rows table's pending groups whose heads do not decode),
+removes the pending groups whose heads, or records, are lost or do not decode),
 since a damaged record or payload it let through would come back to a trainer as an error or,
 worse, as wrong data; it raises Damaged naming the first problem and `expbuf check`.
 """
@@ -23,7 +23,7 @@ import lmdb
 
 from ..core.table_state.counters import read_counters
 from ..core.table_state.state import TableState
-from ..core.verbs import leases, pieces, row_deletes
+from ..core.verbs import leases, pieces, retire, row_deletes
 from ..core.whole_table.verify import records
 from ..disk import chunked, layout, shared_prompts
 from ..ledger.check import verify_ledger
@@ -181,8 +181,9 @@ def _check_chunk_sets(tt: TableState, *, strays: bool) -> list[str]:
 
 def repair(txn: lmdb.Transaction[bytes], dbs: dict[str, lmdb._Database], now: float) -> dict[str, list[str]]:
     """What `expbuf repair` does: drop every table's stray chunk sets (stray_sets), which nothing
-    reads, and remove a rows table's pending or computing groups whose heads do not decode or are
-    lost (row_deletes.remove_damaged_groups), which nothing can end, as a Delete naming them does (its
+    reads, and remove the pending or computing groups whose heads (a records table's: group records) do
+    not decode or are lost (row_deletes.remove_damaged_groups, retire.remove_lost_groups), which nothing
+    can end, as a Delete naming them does (its
     extensions not loaded: a prompt claimed for such a group waits for its claim to end). What
     it did, by table, a line each. Tables whose catalogue entry or counters do not decode are
     left alone (`scan` reports them)."""
@@ -195,7 +196,8 @@ def repair(txn: lmdb.Transaction[bytes], dbs: dict[str, lmdb._Database], now: fl
         for set_id in sorted(strays):
             chunked.drop_set(txn, dbs, tt.prefix, set_id)
         done = [f"dropped {len(strays)} stray chunk set(s)"] if strays else []
-        removed = row_deletes.remove_damaged_groups(tt) if config.storage.layout == "rows" else []
+        rows = config.storage.layout == "rows"
+        removed = row_deletes.remove_damaged_groups(tt) if rows else retire.remove_lost_groups(tt)
         if removed:
             tt.save()
         done += [

@@ -309,9 +309,17 @@ class TableState:
     def payload_uids(self, gkey: str) -> list[str]:
         """The uids of group `gkey`'s stored payloads, found by what its uids begin with (a read of the
         group's own payloads' keys): what is left of its members where no row names them."""
+        return self._uids_in(gkey, "blobs")
+
+    def record_uids(self, gkey: str) -> list[str]:
+        """The uids of group `gkey`'s live records (a records table's), found as `payload_uids` finds
+        its payloads: what is left of its members where its own record is lost."""
+        return self._uids_in(gkey, "items")
+
+    def _uids_in(self, gkey: str, name: str) -> list[str]:
         by, found = self.config.grouping.by, []
         begin = self.key(_uids_begin(gkey, by))
-        with self.txn.cursor(db=self.db["blobs"]) as cur:
+        with self.txn.cursor(db=self.db[name]) as cur:
             more = cur.set_range(begin)
             while more and cur.key()[: len(begin)] == begin:
                 uid = bytes(cur.key()[len(self.prefix) :]).decode(errors="replace")
@@ -330,15 +338,23 @@ class TableState:
         return Member(uid, digest, size, 0, created, 0, 0, 0)
 
     def existing_view(self, gkey: str) -> GroupView:
-        """The view of a group an index or a member names, which exists while they do. A rows table's
-        whose directory entry is lost is refused as one whose entry does not decode (DamagedGroup): a
-        Delete naming it removes it (core/verbs/row_deletes.py)."""
+        """The view of a group an index or a member names, which exists while they do. One whose record
+        (a rows table's directory entry) is lost, or does not decode, is refused (DamagedGroup): a Delete
+        naming a pending or computing one removes it (core/verbs/row_deletes.py, record_damage.py)."""
         if self.config.storage.layout == "rows":
             grp = self._row_group(gkey)
             if grp is None:
                 raise DamagedGroup(gkey, "its directory entry is lost", lost=True)
             return grp
-        return self.existing_group(gkey)
+        found = self.group(gkey)
+        if found is None:
+            raise self.lost_group(gkey)
+        return found
+
+    def lost_group(self, gkey: str, *, pending: bool = True) -> DamagedGroup:
+        """The refusal of a records table's group an index or a member names whose record `group` read
+        as None (`pending`: one a Delete naming it removes, record_damage.py)."""
+        return DamagedGroup(gkey, "an index or a member names it", pending=pending, lost=gkey not in self._undecodable)
 
     def put_group(self, gkey: str, grp: GroupRecord) -> None:
         self._groups[gkey] = self._dirty_groups[gkey] = grp
@@ -461,6 +477,19 @@ class TableState:
         if head.queued is None:
             raise StoreError("a pending group has no place in the compute queue")
         return self.prefix + u64(head.queued)
+
+    def pending_place(self, gkey: str) -> bytes | None:
+        """The key of group `gkey`'s row in the pending index, found by the group's key among the table's
+        (a read as long as its pending groups): for a group whose own record, which holds the row's
+        creation time, is lost or does not decode. None: the index does not name it."""
+        name, prefix = gkey.encode(), self.prefix
+        with self.txn.cursor(db=self.db["pending"]) as cur:
+            more = cur.set_range(prefix)
+            while more and cur.key()[: len(prefix)] == prefix:
+                if cur.key()[len(prefix) + 8 :] == name:
+                    return bytes(cur.key())
+                more = cur.next()
+        return None
 
     def queued_place(self, gkey: str) -> int | None:
         """Where the compute queue holds a computing group, found by the group's key among the table's

@@ -6,22 +6,23 @@ a report of failed runs, a seal or a timeout decides about its groups is rules/g
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 
 import lmdb
 
 from ...disk import layout
 from ...disk.kinds import Entry
 from ...disk.layout import put_rows, u64
-from ...disk.records import GroupRecord, ItemRecord
-from ...schema.errors import DAMAGE, clip
-from ...schema.states import COMPUTING, PENDING, READY, State
+from ...disk.records import GroupRecord
+from ...schema.errors import clip
+from ...schema.states import COMPUTING, PENDING, READY
 from ...schema.views import GroupView, Members, MemberView
 from ..ordering.ready import Row
 from ..table_state import rate_counts
 from ..table_state.state import TableState
 from ..table_state.views import RowGroup, group_record
 from . import payloads, pieces
+from .record_damage import placed_by
 
 # A pending group about to complete: its key, view, members' views (closing), and whether it is in
 # the pending index.
@@ -141,7 +142,7 @@ def complete(
         grp = group_record(view)
         if indexed:
             tt.txn.delete(tt.pending_key(gkey, grp), db=tt.db["pending"])
-        grp.version, grp.priority = _placed_by(recs)
+        grp.version, grp.priority = placed_by(recs)
         grp.rseq = tt.counters.next_rseq
         tt.counters.next_rseq += 1
         if not estimated:
@@ -161,75 +162,3 @@ def complete(
             ready.extend(rows)
     if queued:
         tt.set_states(queued, COMPUTING)
-
-
-def _placed_by(recs: Mapping[str, MemberView]) -> tuple[int | None, float]:
-    """A complete group's lowest version (None unless every member has one) and highest
-    priority, from its members'."""
-    versions = [rec.version for rec in recs.values() if rec.version is not None]
-    version = min(versions) if versions and len(versions) == len(recs) else None
-    return version, max((rec.priority for rec in recs.values()), default=0.0)
-
-
-def _group_of(raw: bytes | memoryview) -> str | None:
-    """The group an item record names; None where it is cut short of it."""
-    try:
-        return ItemRecord.group_of(raw)
-    except DAMAGE:
-        return None
-
-
-def remade(tt: TableState, gkey: str) -> GroupView | None:
-    """The record of a ready group that the directory lost, remade from what is left so that the
-    group can leave as any other does: its members are the ready experiences whose records name
-    it, in push order, found by reading every record of the table (damage is rare, and the request
-    that meets it pays for it); its place and priority, as the ready indexes hold them
-    (ReadyIndex.lost). None: the ready order does not name it. A record cut short of its group
-    names none: it is its own reader's to meet as lost."""
-    recs = _naming(tt, gkey, READY)
-    version, priority = _placed_by(recs)
-    placed = tt.ready.lost(gkey.encode(), version, priority)
-    if placed is None:
-        return None
-    return _remade(tt, gkey, READY, recs, placed.rseq, placed.priority)
-
-
-def remade_computing(tt: TableState, gkey: str) -> GroupRecord | None:
-    """The record of a computing group that the directory lost (or that does not decode), remade as
-    `remade` makes a ready one's, so that it can fail: its members the computing experiences whose
-    records name it, its place the one the compute queue holds it at (TableState.queued_place).
-    None: its record is there (stored again meanwhile), or the queue no longer holds it."""
-    place = tt.queued_place(gkey)
-    if place is None or tt.group(gkey) is not None:
-        return None
-    recs = _naming(tt, gkey, COMPUTING)
-    return _remade(tt, gkey, COMPUTING, recs, place, _placed_by(recs)[1])
-
-
-def _naming(tt: TableState, gkey: str, state: State) -> dict[str, ItemRecord]:
-    """The experiences in `state` whose records name group `gkey`, found by reading every record of
-    the table (damage is rare, and the request that meets it pays for it)."""
-    uids = []
-    with tt.txn.cursor(db=tt.db["items"]) as cur:
-        found = cur.set_range(tt.prefix)
-        while found and cur.key().startswith(tt.prefix):
-            if _group_of(cur.value()) == gkey:
-                uids.append(bytes(cur.key()[len(tt.prefix) :]).decode())
-            found = cur.next()
-    return {uid: rec for uid in uids if (rec := tt.item(uid)) is not None and rec.state == state}
-
-
-def _remade(
-    tt: TableState, gkey: str, state: State, recs: Mapping[str, ItemRecord], rseq: int, priority: float
-) -> GroupRecord:
-    """A lost group's record remade from its members' (in push order) at its place, and stored."""
-    grp = GroupRecord(
-        state=state,
-        created=min((rec.created for rec in recs.values()), default=tt.now),
-        members=sorted(recs, key=lambda uid: recs[uid].seq),
-        rseq=rseq,
-        priority=priority,
-        version=_placed_by(recs)[0],
-    )
-    tt.put_group(gkey, grp)
-    return grp

@@ -24,7 +24,7 @@ from ..table_state import rate_counts
 from ..table_state.events import Retired
 from ..table_state.state import TableState
 from ..table_state.views import RowGroup, RowMember, group_record, member_record
-from . import payloads, pieces, row_deletes, row_moves, row_pending, segments
+from . import payloads, pieces, record_damage, row_deletes, row_moves, row_pending, segments
 
 log = logging.getLogger("expbuf.store")
 
@@ -231,15 +231,20 @@ def delete(tt: TableState, uids: Sequence[str], group_ids: Sequence[str]) -> int
     runs held in pieces go with it; a rows table's as row_deletes.py has it. The runs held in pieces
     of every group named go too, whatever its state or the table's group_size (pieces.drop_named),
     and so do those of every uid named, their group with them where it is left holding nothing
-    (pieces.drop_deleted). Returns how many were live."""
+    (pieces.drop_deleted). A pending or computing group whose own record damage lost, named or one of
+    its members named, goes whole, counted damaged (record_damage.py). Returns how many were live."""
     group_ids = [*group_ids, *pieces.drop_deleted(tt, uids)]
     pieces.drop_named(tt, group_ids)
     if tt.config.storage.layout == "rows":
         return row_deletes.delete(tt, uids, group_ids)
+    lost = _lost_groups_of(tt, uids)  # groups remade to go whole: what damage left of each record, its size
     targets = list(uids)
     emptied: list[tuple[str, GroupRecord]] = []  # groups whose last member went: they go after the loop
-    for gkey in dict.fromkeys(group_ids):
+    for gkey in dict.fromkeys([*group_ids, *lost]):
         grp = tt.group(gkey)
+        if grp is None and (found := _remade(tt, gkey)) is not None:
+            lost[gkey] = found
+            grp = tt.group(gkey)
         if grp is not None:
             targets.extend(grp.members)
             if not grp.members and grp.state in LIVE:  # a pending group of runs in pieces or failed alone
@@ -271,8 +276,48 @@ def delete(tt: TableState, uids: Sequence[str], group_ids: Sequence[str]) -> int
         leave_indexes(tt, gkey, grp)
         if grp.state in LIVE:
             tt.counters.add_groups(grp.state, -1)
+            if gkey in lost:
+                row_deletes.counted_removed(tt, gkey, grp.state, *lost[gkey])
         tt.forget_group(gkey)
     return deleted
+
+
+def _lost_groups_of(tt: TableState, uids: Sequence[str]) -> dict[str, tuple[str, int]]:
+    """The groups of the live experiences `uids` whose own records damage lost, remade (`_remade`): a
+    Delete of a member removes such a group whole where it was pending or computing, and is refused
+    (DamagedGroup, nothing of it removed) where its members say it was complete."""
+    found: dict[str, tuple[str, int]] = {}
+    for uid in uids:
+        rec = tt.item(uid)
+        if rec is None or rec.state not in LIVE or rec.group in found or tt.group(rec.group) is not None:
+            continue
+        remade = _remade(tt, rec.group)
+        if remade is None:
+            raise tt.lost_group(rec.group, pending=False)
+        found[rec.group] = remade
+    return found
+
+
+def remove_lost_groups(tt: TableState) -> list[tuple[str, int, str]]:
+    """Every pending or computing group of a records table whose own record is lost or does not decode
+    (record_damage.named_lost) removed whole, as `expbuf repair` does with the server stopped: each
+    group's key, how many members it had and what damage left of its record."""
+    removed = []
+    for gkey in record_damage.named_lost(tt):
+        found = _remade(tt, gkey, named=True)
+        if found is not None:
+            state = tt.existing_group(gkey).state
+            delete(tt, [], [gkey])
+            row_deletes.counted_removed(tt, gkey, state, *found)
+            removed.append((gkey, found[1], found[0]))
+    return removed
+
+
+def _remade(tt: TableState, gkey: str, *, named: bool = False) -> tuple[str, int] | None:
+    """Group `gkey`'s lost record remade where it was pending or computing (record_damage.remade_lost):
+    what damage left of its record and how many members it has; None: no such group."""
+    why = record_damage.remade_lost(tt, gkey, named=named)
+    return None if why is None else (why, len(tt.existing_group(gkey).members))
 
 
 def bury_lost(tt: TableState, lost: Sequence[tuple[str, State, str]]) -> None:

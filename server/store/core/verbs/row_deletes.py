@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 from expbuf.client.schema.routing import uid_group_key
 
 from ...disk import chunked
-from ...disk.layout import rows_under, u64
+from ...disk.layout import expiry_of, rows_under, u64
 from ...disk.records import DELETED
 from ...disk.rows import PENDING as PENDING_ENTRY
 from ...disk.rows import REF, Member, PendingHead, SegState, decode_member_rows, directory_entry, fragment_key, uid_hash
@@ -228,14 +228,19 @@ def remove_damaged(tt: TableState, gkey: str, *, named: bool = False) -> int | N
     tt.counters.add_groups(state, -1)
     payloads.drop(tt, [tt.key(row.uid) for row in rows], [row.size for row in rows])
     tt.extensions.on_retired(tt, Retired([(gkey, RowGroup(gkey, state, (), created=created))], DELETED))
-    why = damage_of(raw)
-    tt.counters.damaged += len(rows)
-    tt.counters.last_failure = f"group {gkey}: its record {why}; removed whole with {len(rows)} experience(s)"
+    counted_removed(tt, gkey, state, damage_of(raw), len(rows))
+    return len(rows)
+
+
+def counted_removed(tt: TableState, gkey: str, state: State, why: str, count: int) -> None:
+    """A damaged group removed whole, a rows or a records table's: its `count` members counted damaged,
+    as quarantined experiences are, the group named in the table's last failure, and logged."""
+    tt.counters.damaged += count
+    tt.counters.last_failure = f"group {gkey}: its record {why}; removed whole with {count} experience(s)"
     log.warning(
         "table %s: %s group %s, whose record %s, deleted whole: %d experience(s)",
-        tt.config.name, state, gkey, why, len(rows),
+        tt.config.name, state, gkey, why, count,
     )  # fmt: skip
-    return len(rows)
 
 
 def _was_pending(tt: TableState, gkey: str, raw: bytes | None, traces: bool) -> tuple[State, float] | None:
@@ -308,15 +313,10 @@ def _decodes(raw: bytes) -> bool:
 def _listed(tt: TableState, gkey: str) -> tuple[State, float] | None:
     """Whether the pending index (pending, with its creation time) or the compute queue (computing)
     names the group, its row there deleted; None: neither does (a timeout passed over it)."""
-    name, prefix = gkey.encode(), tt.prefix
-    with tt.txn.cursor(db=tt.db["pending"]) as cur:
-        more = cur.set_range(prefix)
-        while more and cur.key()[: len(prefix)] == prefix:
-            if cur.key()[len(prefix) + 8 :] == name:
-                created = int.from_bytes(cur.key()[len(prefix) : len(prefix) + 8], "big") / 1e6
-                cur.delete()
-                return PENDING, created
-            more = cur.next()
+    row, prefix = tt.pending_place(gkey), tt.prefix
+    if row is not None:
+        tt.txn.delete(row, db=tt.db["pending"])
+        return PENDING, expiry_of(row[len(prefix) :])  # its creation time, as the key holds it
     place = tt.queued_place(gkey)
     if place is None:
         return None

@@ -50,6 +50,7 @@ def records(tt: TableState) -> list[str]:
     counts: dict[str, int] = defaultdict(int)
     groups: dict[str, GroupRecord] = {}
     retired: set[bytes] = set()  # the retired index's keys of the groups the tombstones are in
+    naming: dict[str, int] = defaultdict(int)  # pending or computing members, by their group that has no record
     with txn.cursor(db=db["groups"]) as cur:
         found = cur.set_range(p)
         while found and cur.key().startswith(p):
@@ -67,11 +68,14 @@ def records(tt: TableState) -> list[str]:
                 except DAMAGE as exc:
                     problems.append(f"item record {bytes(cur.key()[4:])[:80]!r} does not decode ({exc})")
                 else:
+                    if rec.group not in groups and rec.state in (PENDING, COMPUTING):
+                        naming[rec.group] += 1
                     problems.extend(_check_form(tt, uid, rec, name, ItemRecord.compact(cur.value())))
                     problems.extend(_check_item(tt, uid, rec, groups.get(rec.group), counts, kept=name == "items"))
                     if rec.state in RETIRED:
                         retired.add(tt.retired_key(rec.group, rec.retired or 0.0))
                 found = cur.next()
+    problems.extend(_recordless(tt, groups, naming))
     ready = []  # every ready group, as the indexes of the orders hold it
     for gkey, grp in groups.items():
         if grp.state in LIVE:
@@ -139,11 +143,31 @@ def _check_item(
         counts["bytes"] += rec.size
         if tt.txn.get(tt.prefix + u64(rec.seq), db=tt.db["order"]) != uid.encode():
             problems.append(f"item {uid} is missing from the insertion order")
+    if grp is None and rec.state in (PENDING, COMPUTING):
+        return problems  # its group's record is lost (_recordless names the group)
     if grp is None or uid not in grp.members:
         problems.append(f"item {uid} is not a member of its group {rec.group}")
     elif grp.state != state and not (state == QUARANTINED and grp.state in RETIRED):  # failed for it, or it was lost
         problems.append(f"item {uid} is {state} but its group {rec.group} is {grp.state}")
     return problems
+
+
+def _recordless(tt: TableState, groups: dict[str, GroupRecord], naming: dict[str, int]) -> list[str]:
+    """The pending or computing groups that the pending index, the compute queue or their members'
+    records (`naming`: how many, by group) name without a group record that decodes: removable, as a
+    rows table's whose head is lost (core/verbs/record_damage.py)."""
+    found: dict[str, list[str]] = defaultdict(list)
+    for what, gkeys in (
+        ("the pending index", [key[8:] for key, _ in _rows_of(tt, "pending")]),
+        ("the compute queue", [value for _, value in _rows_of(tt, "compute")]),
+    ):
+        for gkey in dict.fromkeys(name.decode(errors="replace") for name in gkeys):
+            if gkey not in groups:
+                found[gkey].append(what)
+    for gkey, count in naming.items():
+        found[gkey].append(f"{count} experience(s)")
+    lost = "pending or computing group {!r}: its record is lost, {} naming it; " + REMOVE_DAMAGED
+    return [lost.format(gkey[:80], " and ".join(whats)) for gkey, whats in found.items()]
 
 
 def _memberless_marks(tt: TableState, gkeys: set[str]) -> set[bytes]:
