@@ -18,6 +18,7 @@ from ..disk import digests
 from ..disk.kinds import Ahead, Compute, Entry, PutResult, group_keys
 from ..schema.errors import (
     Conflict,
+    DamagedGroup,
     GroupClosed,
     GroupOverfilled,
     InvalidPayload,
@@ -63,6 +64,7 @@ def put(
         fresh = {entry.uid: entry for entry in entries}
         if stored or len(fresh) < len(entries):  # some may be stored already, or pushed twice
             fresh, by_group = _screen(tt, entries, keys, stored, result, holder)
+        _refuse_headless(tt, [gkey for gkey in by_group if gkey not in existing])
     else:
         fresh, by_group = _screen(tt, entries, keys, None, result, holder)
     _check_rewards(tt, fresh.values())
@@ -251,6 +253,15 @@ def _joining(
         _no_overfill(tt, gkey, grp.size, grp.failed, len(members))
         groups[gkey] = grp
     return groups
+
+
+def _refuse_headless(tt: TableState, opened: Sequence[str]) -> None:
+    """A group the push opens whose head is lost while its runs are stored (their payloads: a seek a
+    group, TableState.holding_payloads) refuses the push, nothing of it stored, as any group a push is
+    refused for does: opened again under its key, it would store a resent run a second time, and spill
+    over the lost group's fragments."""
+    for gkey in tt.holding_payloads(opened)[:1]:
+        raise DamagedGroup(gkey, "its head is lost, runs of it stored; `expbuf repair` removes it too", lost=True)
 
 
 def _no_overfill(tt: TableState, gkey: str, members: int, failed: Mapping[str, str], adding: int) -> None:

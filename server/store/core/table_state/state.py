@@ -317,16 +317,33 @@ class TableState:
         return self._uids_in(gkey, "items")
 
     def _uids_in(self, gkey: str, name: str) -> list[str]:
-        by, found = self.config.grouping.by, []
-        begin = self.key(_uids_begin(gkey, by))
         with self.txn.cursor(db=self.db[name]) as cur:
-            more = cur.set_range(begin)
-            while more and cur.key()[: len(begin)] == begin:
-                uid = bytes(cur.key()[len(self.prefix) :]).decode(errors="replace")
-                if (uid if by == "none" else uid_group_key(uid, by)) == gkey:
-                    found.append(uid)
-                more = cur.next()
+            return list(self._uids_under(cur, gkey))
+
+    def holding_payloads(self, gkeys: Sequence[str]) -> list[str]:
+        """Of groups `gkeys`, those with a payload stored (a seek each, through one cursor): a group a
+        push would open whose head is lost while its runs are stored (rules/pushes.py)."""
+        if not gkeys:
+            return []
+        by, prefix, found = self.config.grouping.by, self.prefix, []
+        with self.txn.cursor(db=self.db["blobs"]) as cur:
+            seek, key = cur.set_range, cur.key
+            for gkey in sorted(gkeys):  # the cursor moves on through the leaf pages, a seek a few keys on
+                begin = prefix + _uids_begin(gkey, by).encode()
+                if seek(begin) and key()[: len(begin)] == begin and next(self._uids_under(cur, gkey), None):
+                    found.append(gkey)
         return found
+
+    def _uids_under(self, cur: lmdb.Cursor[bytes], gkey: str) -> Iterator[str]:
+        """The uids of group `gkey` under a cursor's keys, found by what they begin with."""
+        by = self.config.grouping.by
+        begin = self.key(_uids_begin(gkey, by))
+        more = cur.set_range(begin)
+        while more and cur.key()[: len(begin)] == begin:
+            uid = bytes(cur.key()[len(self.prefix) :]).decode(errors="replace")
+            if (uid if by == "none" else uid_group_key(uid, by)) == gkey:
+                yield uid
+            more = cur.next()
 
     def member_from_payload(self, uid: str, created: float) -> Member:
         """A member made from its payload alone (a digest of zeros and a size of 0 where it does not read)."""
