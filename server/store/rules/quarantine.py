@@ -18,7 +18,7 @@ payload is, so that a retried push of it is still a duplicate), its payload and 
 insertion order, found by its uid, go, and the table's bytes are recounted from its records (the
 lost record's size, counted in them, is known nowhere else). A ready group whose own record is
 lost fails when a sample passes it over or an index build reads past it (`fail_lost_groups`), its
-record remade from its members' (core/verbs/record_damage.remade), their payloads kept for Get; a computing
+record remade from its members' (core/verbs/groups.remade), their payloads kept for Get; a computing
 group whose own record is lost fails alike when the advantage worker's read of its backlog passes it
 over (`fail_lost_computing`). A record
 that does not decode (a damaged page) is read as lost (TableState.item, .group) and met alike.
@@ -39,7 +39,7 @@ from ..core.table_state.read_check import payload_problem
 from ..core.table_state.state import TableState
 from ..core.table_state.views import RowGroup
 from ..core.verbs import retire, row_moves
-from ..core.verbs.record_damage import remade, remade_computing
+from ..core.verbs.groups import remade, remade_computing
 from ..core.verbs.row_pending import LOST_ROW
 from ..disk import chunk_reads
 from ..schema.states import COMPUTING, FAILED, LIVE, PENDING

@@ -357,7 +357,7 @@ class TableState:
     def existing_view(self, gkey: str) -> GroupView:
         """The view of a group an index or a member names, which exists while they do. One whose record
         (a rows table's directory entry) is lost, or does not decode, is refused (DamagedGroup): a Delete
-        naming a pending or computing one removes it (core/verbs/row_deletes.py, record_damage.py)."""
+        naming a pending or computing one removes it (core/verbs/row_deletes.py, groups.remade_lost)."""
         if self.config.storage.layout == "rows":
             grp = self._row_group(gkey)
             if grp is None:
@@ -370,7 +370,7 @@ class TableState:
 
     def lost_group(self, gkey: str, *, pending: bool = True) -> DamagedGroup:
         """The refusal of a records table's group an index or a member names whose record `group` read
-        as None (`pending`: one a Delete naming it removes, record_damage.py)."""
+        as None (`pending`: one a Delete naming it removes, groups.remade_lost)."""
         return DamagedGroup(gkey, "an index or a member names it", pending=pending, lost=gkey not in self._undecodable)
 
     def put_group(self, gkey: str, grp: GroupRecord) -> None:

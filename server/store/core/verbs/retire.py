@@ -24,7 +24,7 @@ from ..table_state import rate_counts
 from ..table_state.events import Retired
 from ..table_state.state import TableState
 from ..table_state.views import RowGroup, RowMember, group_record, member_record
-from . import payloads, pieces, record_damage, row_deletes, row_moves, row_pending, segments
+from . import groups, payloads, pieces, row_deletes, row_moves, row_pending, segments
 
 log = logging.getLogger("expbuf.store")
 
@@ -232,7 +232,7 @@ def delete(tt: TableState, uids: Sequence[str], group_ids: Sequence[str]) -> int
     of every group named go too, whatever its state or the table's group_size (pieces.drop_named),
     and so do those of every uid named, their group with them where it is left holding nothing
     (pieces.drop_deleted). A pending or computing group whose own record damage lost, named or one of
-    its members named, goes whole, counted damaged (record_damage.py). Returns how many were live."""
+    its members named, goes whole, counted damaged (groups.remade_lost). Returns how many were live."""
     group_ids = [*group_ids, *pieces.drop_deleted(tt, uids)]
     pieces.drop_named(tt, group_ids)
     if tt.config.storage.layout == "rows":
@@ -300,10 +300,10 @@ def _lost_groups_of(tt: TableState, uids: Sequence[str]) -> dict[str, tuple[str,
 
 def remove_lost_groups(tt: TableState) -> list[tuple[str, int, str]]:
     """Every pending or computing group of a records table whose own record is lost or does not decode
-    (record_damage.named_lost) removed whole, as `expbuf repair` does with the server stopped: each
+    (groups.named_lost) removed whole, as `expbuf repair` does with the server stopped: each
     group's key, how many members it had and what damage left of its record."""
     removed = []
-    for gkey in record_damage.named_lost(tt):
+    for gkey in groups.named_lost(tt):
         found = _remade(tt, gkey, named=True)
         if found is not None:
             state = tt.existing_group(gkey).state
@@ -314,9 +314,9 @@ def remove_lost_groups(tt: TableState) -> list[tuple[str, int, str]]:
 
 
 def _remade(tt: TableState, gkey: str, *, named: bool = False) -> tuple[str, int] | None:
-    """Group `gkey`'s lost record remade where it was pending or computing (record_damage.remade_lost):
+    """Group `gkey`'s lost record remade where it was pending or computing (groups.remade_lost):
     what damage left of its record and how many members it has; None: no such group."""
-    why = record_damage.remade_lost(tt, gkey, named=named)
+    why = groups.remade_lost(tt, gkey, named=named)
     return None if why is None else (why, len(tt.existing_group(gkey).members))
 
 

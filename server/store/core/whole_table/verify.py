@@ -155,7 +155,7 @@ def _check_item(
 def _recordless(tt: TableState, groups: dict[str, GroupRecord], naming: dict[str, int]) -> list[str]:
     """The pending or computing groups that the pending index, the compute queue or their members'
     records (`naming`: how many, by group) name without a group record that decodes: removable, as a
-    rows table's whose head is lost (core/verbs/record_damage.py)."""
+    rows table's whose head is lost (core/verbs/groups.py)."""
     found: dict[str, list[str]] = defaultdict(list)
     for what, gkeys in (
         ("the pending index", [key[8:] for key, _ in _rows_of(tt, "pending")]),
