@@ -12,7 +12,7 @@ import pytest
 from test_damaged_group_delete import held
 from test_rows_pending import EIGHTS, LARGE, run
 
-from expbuf.client import BufferClient
+from expbuf.client import BufferClient, trxp
 from expbuf.client.errors import DataLossError
 from expbuf.server.store import Entry, Store
 from expbuf.server.store.schema.errors import DamagedGroup
@@ -70,6 +70,25 @@ def test_a_push_that_opens_a_group_the_table_never_held_is_stored(tmp_path: Path
         assert len(store.put("t", [run(10, n) for n in range(3)]).stored) == 3
         with pytest.raises(DamagedGroup, match=WAY_OUT):
             store.put("t", [run(1, 3)])
+
+
+def test_a_table_grouped_by_step_refuses_a_resent_run_of_a_group_whose_head_is_lost(tmp_path: Path) -> None:
+    """A step's group holds runs whose uids are not side by side (the run comes before the step): a
+    resent run of the lost group is refused all the same, while a group of another step of the same
+    task, whose runs lie beside the lost group's, is opened and takes runs."""
+
+    def step_run(number: int, step: int) -> trxp.RawItem:
+        return trxp.from_experience(make_experience(0, 1, number, step=step))
+
+    with Store(tmp_path, clock=Clock()) as store:
+        store.create_table(TableConfig.of("t", layout="rows", estimator="none", group_by="step", group_size=8))
+        store.put("t", [step_run(n, step) for n in range(3) for step in (0, 1)])
+        lose(store, "t", "0/1/0", "gdir")
+        before = store.stats("t")
+        with pytest.raises(DamagedGroup, match=r"group 0/1/0: .*`expbuf repair` removes it too"):
+            store.put("t", [step_run(1, 0)])
+        assert store.stats("t") == before
+        assert len(store.put("t", [step_run(n, 2) for n in range(3)] + [step_run(3, 1)]).stored) == 4
 
 
 @pytest.mark.parametrize("table_layout", ["rows"], indirect=True)

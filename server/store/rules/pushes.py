@@ -64,7 +64,7 @@ def put(
         fresh = {entry.uid: entry for entry in entries}
         if stored or len(fresh) < len(entries):  # some may be stored already, or pushed twice
             fresh, by_group = _screen(tt, entries, keys, stored, result, holder)
-        _refuse_headless(tt, [gkey for gkey in by_group if gkey not in existing])
+        _refuse_headless(tt, [gkey for gkey in by_group if gkey not in existing], by_group)
     else:
         fresh, by_group = _screen(tt, entries, keys, None, result, holder)
     _check_rewards(tt, fresh.values())
@@ -255,12 +255,12 @@ def _joining(
     return groups
 
 
-def _refuse_headless(tt: TableState, opened: Sequence[str]) -> None:
+def _refuse_headless(tt: TableState, opened: Sequence[str], pushed: Mapping[str, Sequence[Entry]]) -> None:
     """A group the push opens whose head is lost while its runs are stored (their payloads: a seek a
     group, TableState.holding_payloads) refuses the push, nothing of it stored, as any group a push is
     refused for does: opened again under its key, it would store a resent run a second time, and spill
     over the lost group's fragments."""
-    for gkey in tt.holding_payloads(opened)[:1]:
+    for gkey in tt.holding_payloads(opened, pushed)[:1]:
         raise DamagedGroup(gkey, "its head is lost, runs of it stored; `expbuf repair` removes it too", lost=True)
 
 

@@ -22,6 +22,7 @@ from expbuf.client.schema.routing import uid_group_key
 
 from ...disk import chunk_reads, digests, layout
 from ...disk.batch_rows import Reader
+from ...disk.kinds import Entry
 from ...disk.layout import put_rows, u64
 from ...disk.records import GroupRecord, ItemRecord
 from ...disk.rows import (
@@ -320,24 +321,32 @@ class TableState:
         with self.txn.cursor(db=self.db[name]) as cur:
             return list(self._uids_under(cur, gkey))
 
-    def holding_payloads(self, gkeys: Sequence[str]) -> list[str]:
-        """Of groups `gkeys`, those with a payload stored (a seek each, through one cursor): a group a
-        push would open whose head is lost while its runs are stored (rules/pushes.py)."""
-        if not gkeys:
+    def holding_payloads(self, opened: Sequence[str], pushed: Mapping[str, Sequence[Entry]]) -> list[str]:
+        """Of the groups a push opens, those with a payload stored (a seek each, through one cursor): a
+        group whose head is lost while its runs are stored (rules/pushes.py). A group keyed by step,
+        whose runs' uids are not side by side, is looked for under each run the push brings it
+        (`pushed`: a seek a run, a resent run found whatever its suffix)."""
+        if not opened:
             return []
         by, prefix, found = self.config.grouping.by, self.prefix, []
         with self.txn.cursor(db=self.db["blobs"]) as cur:
             seek, key = cur.set_range, cur.key
-            for gkey in sorted(gkeys):  # the cursor moves on through the leaf pages, a seek a few keys on
+            for gkey in sorted(opened):  # the cursor moves on through the leaf pages, a seek a few keys on
+                if by == "step":
+                    runs = sorted({prefix + entry.uid.rsplit("/", 1)[0].encode() + b"/" for entry in pushed[gkey]})
+                    if any(next(self._uids_under(cur, gkey, begin), None) for begin in runs):
+                        found.append(gkey)
+                    continue
                 begin = prefix + _uids_begin(gkey, by).encode()
-                if seek(begin) and key()[: len(begin)] == begin and next(self._uids_under(cur, gkey), None):
+                if seek(begin) and key()[: len(begin)] == begin and next(self._uids_under(cur, gkey, begin), None):
                     found.append(gkey)
         return found
 
-    def _uids_under(self, cur: lmdb.Cursor[bytes], gkey: str) -> Iterator[str]:
-        """The uids of group `gkey` under a cursor's keys, found by what they begin with."""
+    def _uids_under(self, cur: lmdb.Cursor[bytes], gkey: str, begin: bytes | None = None) -> Iterator[str]:
+        """The uids of group `gkey` under a cursor's keys, found by what they begin with (`begin`: all of
+        them, where not given)."""
         by = self.config.grouping.by
-        begin = self.key(_uids_begin(gkey, by))
+        begin = self.key(_uids_begin(gkey, by)) if begin is None else begin
         more = cur.set_range(begin)
         while more and cur.key()[: len(begin)] == begin:
             uid = bytes(cur.key()[len(self.prefix) :]).decode(errors="replace")
