@@ -249,17 +249,26 @@ def test_expbuf_repair_removes_a_pending_group_whose_head_does_not_decode(
         assert store.verify("t") == []
 
 
-def test_expbuf_repair_removes_a_group_that_holds_no_member_whose_head_is_lost(tmp_path: Path) -> None:
-    """A pending group holding only a run reported failed, its head lost: its row in the pending index
-    is all that is left of it. `expbuf check` names it and the way out, `expbuf repair` removes it, and
-    the table checks clean, its other group still pending."""
+@pytest.mark.parametrize(
+    ("layout", "directory", "named"),
+    [
+        ("rows", "gdir", "'0/1': its head is lost"),
+        ("records", "groups", "'0/1': its record is lost, the pending index"),
+    ],
+)
+def test_expbuf_repair_removes_a_group_that_holds_no_member_whose_head_is_lost(
+    tmp_path: Path, layout: str, directory: str, named: str
+) -> None:
+    """A pending group holding only a run reported failed, its head (a records table's group record)
+    lost: its row in the pending index is all that is left of it. `expbuf check` names it and the way
+    out, `expbuf repair` removes it, and the table checks clean, its other group still pending."""
     with Store(tmp_path, clock=Clock()) as store:
-        store.create_table(TableConfig.of("t", layout="rows", **EIGHTS))
+        store.create_table(TableConfig.of("t", layout=layout, **EIGHTS))
         store.fail_runs("t", [uid(1, 0)], ["died"])
         store.put("t", [run(2, n) for n in range(3)])
-        lose(store, "t", "0/1", "gdir")
+        lose(store, "t", "0/1", directory)
     code, lines = cli("check", tmp_path)
-    assert code == 1 and any("'0/1': its head is lost" in line and "expbuf repair" in line for line in lines), lines
+    assert code == 1 and any(named in line and "expbuf repair" in line for line in lines), lines
     assert cli("repair", tmp_path) == (0, ["t: removed group 0/1, whose record was lost, with 0 experience(s)"])
     assert cli("check", tmp_path) == (0, ["default: ok", "t: ok"])
     with Store(tmp_path, clock=Clock()) as store:

@@ -133,23 +133,6 @@ def test_expbuf_repair_removes_a_records_group_whose_record_is_lost(
         assert store.verify("t") == []
 
 
-def test_expbuf_repair_removes_a_records_group_named_by_its_timeout_index_alone(tmp_path: Path) -> None:
-    """A pending group holding only a run reported failed, its record lost: its row in the pending index
-    is all that is left of it. `expbuf check` names it (it found nothing), `expbuf repair` removes it,
-    and the table checks clean, its other group still pending."""
-    with Store(tmp_path, clock=Clock()) as store:
-        store.create_table(TableConfig.of("t", layout="records", **EIGHTS))
-        store.fail_runs("t", [uid(1, 0)], ["died"])
-        store.put("t", [run(2, n) for n in range(3)])
-        lose(store, "t", "0/1", "groups")
-    code, lines = cli("check", tmp_path)
-    assert code == 1 and any("'0/1': its record is lost, the pending index" in line for line in lines), lines
-    assert cli("repair", tmp_path) == (0, ["t: removed group 0/1, whose record was lost, with 0 experience(s)"])
-    assert cli("check", tmp_path) == (0, ["default: ok", "t: ok"])
-    with Store(tmp_path, clock=Clock()) as store:
-        assert (store.stats("t")["groups_pending"], store.stats("t")["pending"]) == (1, 3)
-
-
 @pytest.mark.parametrize("table_layout", ["records"], indirect=True)
 @pytest.mark.usefixtures("table_layout")
 def test_through_the_server_a_delete_of_a_member_removes_a_pending_group_whose_record_is_lost(
