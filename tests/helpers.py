@@ -31,7 +31,7 @@ from expbuf.client.schema.experience import TENSOR_FIELDS
 from expbuf.proto.v1 import buffer_pb2 as pb
 from expbuf.proto.v1 import buffer_pb2_grpc as pb_grpc
 from expbuf.server.store import Entry, Sampled, Store
-from expbuf.server.store.core.table_state.state import pending_rows
+from expbuf.server.store.core.table_state.pending_reads import pending_rows
 from expbuf.server.store.disk import layout
 from expbuf.server.store.disk.environment import Environment
 from expbuf.server.store.disk.rows import (

@@ -58,7 +58,8 @@ from expbuf.client.trxp.codec.parse import head_length, parse, parse_head
 from expbuf.client.trxp.stored.pieces import Bytes
 
 from ..core.table_state.events import Pushed, Resent
-from ..core.table_state.state import TableState, missing
+from ..core.table_state.pending_reads import missing
+from ..core.table_state.state import TableState
 from ..core.verbs import pieces, row_pending
 from ..core.verbs.groups import open_pending
 from ..disk import digests, piece_rows

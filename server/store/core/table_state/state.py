@@ -10,9 +10,8 @@ pushes, what computes): those are the arguments of the verbs that need them.
 
 from __future__ import annotations
 
-import functools
 import logging
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from types import MappingProxyType
 from typing import TypeVar
 
@@ -20,8 +19,7 @@ import lmdb
 
 from expbuf.client.schema.routing import uid_group_key
 
-from ...disk import chunk_reads, digests, layout
-from ...disk.batch_rows import Reader
+from ...disk import layout
 from ...disk.kinds import Entry
 from ...disk.layout import put_rows, u64
 from ...disk.records import GroupRecord, ItemRecord
@@ -31,8 +29,6 @@ from ...disk.rows import (
     RunRow,
     SegmentView,
     SegState,
-    decode_member_rows,
-    fragment_key,
     group_entry,
     uid_hash,
 )
@@ -44,74 +40,21 @@ from ..ordering.indexes import Index, ReadyGroup, ReadyOrder
 from ..ordering.ready import BuildStep, ReadyIndex
 from .counters import read_counters, write_counters
 from .events import Events, Moved
+from .pending_reads import (
+    group_uids,
+    holding_payloads,
+    member_from_payload,
+    missing,
+    pending_rows,
+    readable_rows,
+    stored,
+)
 from .views import RowGroup, group_record, group_rows, member_record, quarantined, row_members
 
 # A member's record as the cache holds it: absent (None) when the table has no such uid.
 Cached = ItemRecord | None
 log = logging.getLogger("expbuf.store")
 R = TypeVar("R", ItemRecord, GroupRecord)
-
-
-def _uids_begin(gkey: str, by: str) -> str:
-    """What every uid of group `gkey` of a table grouped `by` begins with: its key and a '/' where it is
-    keyed by task or run, its batch and task where keyed by step (the step comes after the run in a
-    uid), the one uid where each experience is its own group."""
-    if by == "step":
-        return gkey.rsplit("/", 1)[0] + "/"
-    return gkey + "/" if by in ("task", "run") else gkey
-
-
-def _row_parts(
-    reader: Reader, dbs: Mapping[str, lmdb._Database], prefix: bytes, gkey: str, head: PendingHead
-) -> Iterator[Callable[[], list[Member]]]:
-    """A rows table's pending group's rows in push order, part by part: each fragment's, then its
-    head's own, each read when called (raising where damage lost or changed it)."""
-    for number in range(head.fragments):
-        yield functools.partial(_fragment_rows, reader, dbs["frags"], fragment_key(prefix, gkey, number))
-    yield head.inline_rows
-
-
-def _fragment_rows(reader: Reader, frags: lmdb._Database, key: bytes) -> list[Member]:
-    return decode_member_rows(stored(reader, key, frags, "fragment"))
-
-
-def pending_rows(
-    reader: Reader, dbs: Mapping[str, lmdb._Database], prefix: bytes, gkey: str, head: PendingHead
-) -> list[Member]:
-    """A rows table's pending group's members, in push order, as its fragments and then its head hold
-    them, read from `reader` (the table state's transaction, or a reader's such as the scrub's or a
-    Get's)."""
-    return [row for part in _row_parts(reader, dbs, prefix, gkey, head) for row in part()]
-
-
-def readable_rows(
-    reader: Reader, dbs: Mapping[str, lmdb._Database], prefix: bytes, gkey: str, head: PendingHead
-) -> list[Member]:
-    """`pending_rows`, less those damage lost (a fragment not stored or not decoding, the head's own rows
-    not decoding): what a Get serves and a Delete takes out, as a records table's reads pass over a
-    member whose record is lost; the members its head names whose rows are not among them stay its,
-    for its end to fail it with (TableState.pending_members)."""
-    found: list[Member] = []
-    for part in _row_parts(reader, dbs, prefix, gkey, head):
-        try:
-            found.extend(part())
-        except DAMAGE:
-            continue
-    return found
-
-
-def stored(reader: Reader, key: bytes, db: lmdb._Database, what: str) -> bytes | memoryview:
-    """The value of a table's key (its id, then a name) that an index or a record names, so
-    it is stored: one that is not is damage, refused by name rather than read as nothing."""
-    value = reader.get(key, db=db)
-    if value is None:
-        raise missing(what, bytes(key[4:]).decode(errors="replace"))
-    return value
-
-
-def missing(what: str, name: str) -> StoreError:
-    """The refusal of a record or payload that is named but not stored: the directory is damaged."""
-    return StoreError(f"{what} {clip(name)} is named but not stored: run `expbuf check` on the data directory")
 
 
 def stored_state(state: State) -> State:
@@ -310,58 +253,21 @@ class TableState:
     def payload_uids(self, gkey: str) -> list[str]:
         """The uids of group `gkey`'s stored payloads, found by what its uids begin with (a read of the
         group's own payloads' keys): what is left of its members where no row names them."""
-        return self._uids_in(gkey, "blobs")
+        return group_uids(self.txn, self.db["blobs"], self.prefix, self.config.grouping.by, gkey)
 
     def record_uids(self, gkey: str) -> list[str]:
         """The uids of group `gkey`'s live records (a records table's), found as `payload_uids` finds
         its payloads: what is left of its members where its own record is lost."""
-        return self._uids_in(gkey, "items")
-
-    def _uids_in(self, gkey: str, name: str) -> list[str]:
-        with self.txn.cursor(db=self.db[name]) as cur:
-            return list(self._uids_under(cur, gkey))
+        return group_uids(self.txn, self.db["items"], self.prefix, self.config.grouping.by, gkey)
 
     def holding_payloads(self, opened: Sequence[str], pushed: Mapping[str, Sequence[Entry]]) -> list[str]:
-        """Of the groups a push opens, those with a payload stored (a seek each, through one cursor): a
-        group whose head is lost while its runs are stored (rules/pushes.py). A group keyed by step,
-        whose runs' uids are not side by side, is looked for under each run the push brings it
-        (`pushed`: a seek a run, a resent run found whatever its suffix)."""
-        if not opened:
-            return []
-        by, prefix, found = self.config.grouping.by, self.prefix, []
-        with self.txn.cursor(db=self.db["blobs"]) as cur:
-            seek, key = cur.set_range, cur.key
-            for gkey in sorted(opened):  # the cursor moves on through the leaf pages, a seek a few keys on
-                if by == "step":
-                    runs = sorted({prefix + entry.uid.rsplit("/", 1)[0].encode() + b"/" for entry in pushed[gkey]})
-                    if any(next(self._uids_under(cur, gkey, begin), None) for begin in runs):
-                        found.append(gkey)
-                    continue
-                begin = prefix + _uids_begin(gkey, by).encode()
-                if seek(begin) and key()[: len(begin)] == begin and next(self._uids_under(cur, gkey, begin), None):
-                    found.append(gkey)
-        return found
-
-    def _uids_under(self, cur: lmdb.Cursor[bytes], gkey: str, begin: bytes | None = None) -> Iterator[str]:
-        """The uids of group `gkey` under a cursor's keys, found by what they begin with (`begin`: all of
-        them, where not given)."""
-        by = self.config.grouping.by
-        begin = self.key(_uids_begin(gkey, by)) if begin is None else begin
-        more = cur.set_range(begin)
-        while more and cur.key()[: len(begin)] == begin:
-            uid = bytes(cur.key()[len(self.prefix) :]).decode(errors="replace")
-            if (uid if by == "none" else uid_group_key(uid, by)) == gkey:
-                yield uid
-            more = cur.next()
+        """Of the groups a push opens, those with a payload stored (pending_reads.holding_payloads): a
+        group whose head is lost while its runs are stored (rules/pushes.py)."""
+        return holding_payloads(self.txn, self.db["blobs"], self.prefix, self.config.grouping.by, opened, pushed)
 
     def member_from_payload(self, uid: str, created: float) -> Member:
         """A member made from its payload alone (a digest of zeros and a size of 0 where it does not read)."""
-        try:
-            blob = chunk_reads.read_payload(self.txn, self.db, self.key(uid))
-        except DAMAGE:
-            blob = None
-        digest, size = (bytes(16), 0) if blob is None else (digests.of(blob), len(blob))
-        return Member(uid, digest, size, 0, created, 0, 0, 0)
+        return member_from_payload(self.txn, self.db, self.key(uid), uid, created)
 
     def existing_view(self, gkey: str) -> GroupView:
         """The view of a group an index or a member names, which exists while they do. One whose record

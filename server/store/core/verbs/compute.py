@@ -23,8 +23,9 @@ from ...schema.views import Members, MemberView
 from ..ordering.ready import Row
 from ..table_state import rate_counts
 from ..table_state.counters import read_counters
+from ..table_state.pending_reads import missing, pending_rows, stored
 from ..table_state.read_check import payload_problem
-from ..table_state.state import TableState, missing, pending_rows, stored
+from ..table_state.state import TableState
 from ..table_state.views import RowGroup, RowMember, group_record, member_record
 from . import row_pending
 

@@ -50,8 +50,9 @@ from ...schema.errors import DAMAGE, DamagedGroup
 from ...schema.states import COMPUTING, DROPPED, FAILED, LIVE, PENDING, QUARANTINED, READY, RETIRED, State
 from ..table_state import oldest_index, rate_counts
 from ..table_state.events import Retired
+from ..table_state.pending_reads import readable_rows
 from ..table_state.picks import Picked
-from ..table_state.state import TableState, readable_rows
+from ..table_state.state import TableState
 from ..table_state.views import RowGroup, RowMember, quarantined, row_members
 from . import payloads, pieces, row_moves, row_pending, row_select
 from .row_select import NO_LEASE, Segments

@@ -16,8 +16,9 @@ from ...schema.states import COMPUTING, CONSUMED, EVICTED, FAILED, LEASED, PENDI
 from ...schema.views import Groups, GroupView
 from ..table_state import rate_counts
 from ..table_state.events import Retired
+from ..table_state.pending_reads import missing
 from ..table_state.picks import Picked, Picks, as_they_are, moved_view, picks
-from ..table_state.state import TableState, missing
+from ..table_state.state import TableState
 from . import payloads, pieces, row_pending
 from .row_select import NO_LEASE, Segments, complete_groups, placed, ranges, ready_runs, run_key, unleased
 from .segments import retired

@@ -30,7 +30,8 @@ from ...schema.states import COMPUTING, PENDING, QUARANTINED, State
 from ...schema.views import Groups
 from ..table_state import oldest_index
 from ..table_state.events import Moved, Retired
-from ..table_state.state import TableState, missing
+from ..table_state.pending_reads import missing
+from ..table_state.state import TableState
 from ..table_state.views import RowGroup
 from . import payloads, pieces, segments
 

@@ -24,8 +24,9 @@ from ...schema.views import Members
 from ..ordering.ready import BUILD_CHUNK, IndexBuilding
 from ..table_state import oldest_index
 from ..table_state.counters import read_counters
+from ..table_state.pending_reads import missing
 from ..table_state.picks import Picked, Picks, picks
-from ..table_state.state import TableState, missing
+from ..table_state.state import TableState
 
 NO_LEASE = bytes(SegState.LEASE)
 

@@ -28,7 +28,8 @@ from ...disk.layout import u64
 from ...disk.rows import Member, PendingHead, SegmentView, SegState, agreeing, directory_entry
 from ...schema.errors import DAMAGE, clip
 from ...schema.states import LIVE, READY, State
-from ..table_state.state import member_state, readable_rows, stored
+from ..table_state.pending_reads import readable_rows, stored
+from ..table_state.state import member_state
 from .reading import Dbs, Value, group, record
 
 SCAN_PER_ITEM = 10

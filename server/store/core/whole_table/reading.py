@@ -37,8 +37,9 @@ from ...schema.states import FAILED, LEASED, LIVE
 from ...schema.table_config import TableConfig
 from ...schema.views import GroupView, MemberView
 from ..table_state import oldest_index
+from ..table_state.pending_reads import readable_rows, stored
 from ..table_state.read_check import payload_problem, stored_problem
-from ..table_state.state import TableState, readable_rows, stored
+from ..table_state.state import TableState
 from ..table_state.views import RowGroup, RowMember, group_rows, quarantined, row_members
 
 Dbs = Mapping[str, lmdb._Database]
