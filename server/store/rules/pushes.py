@@ -260,8 +260,10 @@ def _refuse_headless(tt: TableState, opened: Sequence[str], pushed: Mapping[str,
     group, TableState.holding_payloads) refuses the push, nothing of it stored, as any group a push is
     refused for does: opened again under its key, it would store a resent run a second time, and spill
     over the lost group's fragments."""
-    for gkey in tt.holding_payloads(opened, pushed)[:1]:
-        raise DamagedGroup(gkey, "its head is lost, runs of it stored; `expbuf repair` removes it too", lost=True)
+    headless = tt.holding_payloads(opened, pushed)
+    if headless:
+        why = "its head is lost, runs of it stored; `expbuf repair` removes it too"
+        raise DamagedGroup(headless[0], why, lost=True)
 
 
 def _no_overfill(tt: TableState, gkey: str, members: int, failed: Mapping[str, str], adding: int) -> None:
