@@ -1,7 +1,9 @@
 """A push to a rows table's pending group whose head (its directory entry) is lost while its runs are
-stored: refused, naming the group and the way out, nothing of the push stored, where it opened a new
-group under the same key (a resent run stored and counted twice, a new spill over the old group's
-fragment); through the store and through a server that stays up."""
+stored, or to a records table's whose group record is: refused, naming the group and the way out,
+nothing of the push stored, where it opened a new group under the same key (a rows table's resent run
+stored and counted twice, a new spill over the old group's fragment; a records table's runs stored
+left out of the new group, pending for good); through the store and through a server that stays
+up."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ from pathlib import Path
 
 import pytest
 from test_damaged_group_delete import held
-from test_rows_pending import EIGHTS, LARGE, run
+from test_rows_pending import EIGHTS, LARGE, run, uid
 
 from expbuf.client import BufferClient, trxp
 from expbuf.client.errors import DataLossError
@@ -91,10 +93,41 @@ def test_a_table_grouped_by_step_refuses_a_resent_run_of_a_group_whose_head_is_l
         assert len(store.put("t", [step_run(n, 2) for n in range(3)] + [step_run(3, 1)]).stored) == 4
 
 
-@pytest.mark.parametrize("table_layout", ["rows"], indirect=True)
+@pytest.mark.parametrize(
+    "pushed",
+    [
+        [run(2, 3), run(1, 3)],  # a new run, beside another group's
+        [run(1, n) for n in range(8)],  # the whole group again: its runs stored are copies, the rest new
+    ],
+)
+def test_a_push_to_a_records_group_whose_record_is_lost_is_refused_and_stores_nothing(
+    tmp_path: Path, pushed: list
+) -> None:
+    """A records table opened a new group under the lost one's key: the runs stored stayed out of it,
+    pending for good, and the group completed without them. The push is refused (DATA_LOSS) naming the
+    group and both ways out, nothing of it stored; a Delete naming the group removes it whole, and the
+    same push is stored. A resent run alone is a copy, acknowledged as one (its own record is kept)."""
+    with Store(tmp_path, clock=Clock()) as store:
+        store.create_table(TableConfig.of("t", layout="records", **EIGHTS))
+        store.put("t", [run(task, n) for task in (1, 2) for n in range(3)])
+        lose(store, "t", "0/1", "groups")
+        before = store.stats("t")
+        with pytest.raises(DamagedGroup, match=WAY_OUT):
+            store.put("t", pushed)
+        assert store.stats("t") == before
+        assert held(store, "t", "0/2", ("items",)) == {"items": 3}
+        assert store.put("t", [run(1, 2)]).duplicates == [uid(1, 2)]
+        assert store.delete("t", group_ids=["0/1"]) == 3
+        assert store.put("t", pushed).stored == [Entry.of(item).uid for item in pushed]
+        assert store.verify("t") == []
+
+
+@pytest.mark.parametrize(
+    ("table_layout", "record"), [("rows", "gdir"), ("records", "groups")], indirect=["table_layout"]
+)
 @pytest.mark.usefixtures("table_layout")
 def test_through_the_server_a_push_to_a_group_whose_head_is_lost_is_refused_and_the_server_serves(
-    start_server: Servers,
+    start_server: Servers, record: str
 ) -> None:
     """Through a server: the push is refused DATA_LOSS naming the group and the way out, the server
     takes the next push of another group, and once a Delete removed the group the refused push is
@@ -103,7 +136,7 @@ def test_through_the_server_a_push_to_a_group_whose_head_is_lost_is_refused_and_
     with BufferClient(f"127.0.0.1:{server.port}", timeout=20) as client:
         client.create_table("t", group_size=8, estimator="none")
         client.push([make_experience(0, task, n) for task in (1, 2) for n in range(3)], "t")
-        lose(server.store, "t", "0/1", "gdir")
+        lose(server.store, "t", "0/1", record)
         resent = [make_experience(0, 1, n) for n in range(2, 4)]
         with pytest.raises(DataLossError, match=WAY_OUT):
             client.push(resent, "t")

@@ -67,6 +67,8 @@ def put(
         _refuse_headless(tt, [gkey for gkey in by_group if gkey not in existing], by_group)
     else:
         fresh, by_group = _screen(tt, entries, keys, None, result, holder)
+        views = {gkey: tt.view(gkey) for gkey in by_group}
+        _refuse_headless(tt, [gkey for gkey, grp in views.items() if grp is None], by_group)
     _check_rewards(tt, fresh.values())
     _check_eids(tt, fresh.values())
     if by_group:  # a push of pieces alone, or of copies alone, was heard of as such
@@ -78,7 +80,7 @@ def put(
     opened: set[str] = set()  # groups this push starts: not in the pending index yet
     size = tt.config.grouping.size
     for gkey, members in by_group.items():
-        grp = tt.view(gkey)
+        grp = views[gkey]
         if grp is None:
             grp = core_groups.new(tt)
             opened.add(gkey)
@@ -256,14 +258,15 @@ def _joining(
 
 
 def _refuse_headless(tt: TableState, opened: Sequence[str], pushed: Mapping[str, Sequence[Entry]]) -> None:
-    """A group the push opens whose head is lost while its runs are stored (their payloads: a seek a
-    group, TableState.holding_payloads) refuses the push, nothing of it stored, as any group a push is
-    refused for does: opened again under its key, it would store a resent run a second time, and spill
-    over the lost group's fragments."""
+    """A group the push opens whose head (a records table's: its record) is lost while its runs are
+    stored (their payloads: a seek a group, TableState.holding_payloads) refuses the push, nothing of it
+    stored, as any group a push is refused for does: opened again under its key, a rows table's would
+    store a resent run a second time and spill over the lost group's fragments, a records table's would
+    leave the runs stored out of it, pending for good."""
     headless = tt.holding_payloads(opened, pushed)
     if headless:
-        why = "its head is lost, runs of it stored; `expbuf repair` removes it too"
-        raise DamagedGroup(headless[0], why, lost=True)
+        lost = "its head is lost" if tt.config.storage.layout == "rows" else "its record is lost"
+        raise DamagedGroup(headless[0], f"{lost}, runs of it stored; `expbuf repair` removes it too", lost=True)
 
 
 def _no_overfill(tt: TableState, gkey: str, members: int, failed: Mapping[str, str], adding: int) -> None:
