@@ -72,18 +72,21 @@ def held(store: Store, table: str, gkey: str, names: tuple[str, ...] = HELD) -> 
     return found
 
 
+@pytest.mark.parametrize("named", ["group", "member"])
 @pytest.mark.parametrize("how", ["cut", "lost"])
 @pytest.mark.parametrize(("state", "timed_out"), [("pending", False), ("pending", True), ("computing", False)])
 def test_a_delete_naming_a_group_whose_head_does_not_decode_removes_it_whole(
-    tmp_path: Path, state: str, timed_out: bool, how: str
+    tmp_path: Path, state: str, timed_out: bool, how: str, named: str
 ) -> None:
     """Nothing could remove a pending or computing group whose head no longer decodes: a Delete of it
     was refused DATA_LOSS, and it stayed counted, its payloads and fragments kept, for good. One whose
     head was lost was not even refused: a Delete naming it found nothing, and its timeout failed the
-    table's upkeep at every pass (no other group of the table timed out). A Delete naming it removes
+    table's upkeep at every pass (no other group of the table timed out). A Delete naming it, or one of
+    its members (refused DATA_LOSS where the head was cut, deleting nothing where it was lost), removes
     all of it and uncounts its members and bytes, also once its timeout passed over it (out of the
-    pending index), and counts them damaged; the table checks clean, its other groups take runs, and a
-    fresh group of the same key is pushed and completes."""
+    pending index), and counts them damaged, as a records table's group whose record is lost; the table
+    checks clean, its other groups take runs, and a fresh group of the same key is pushed and
+    completes."""
     computing = state == "computing"
     settings = {**LARGE, "estimator": "grpo", "drop_zero_variance": False} if computing else LARGE
     runs = 40 if computing else 31  # over pushes of 4: rows spilled into fragments, and some in the head
@@ -100,10 +103,10 @@ def test_a_delete_naming_a_group_whose_head_does_not_decode_removes_it_whole(
             clock.now += 61
             assert [store.tick()["groups_timed_out"] for _ in range(2)] == [1, 0]
         before = store.stats("t")
-        if how == "cut":
-            with pytest.raises(DamagedGroup, match="Delete the group by its id"):
-                store.delete("t", [uid(1, 0)])
-        assert store.delete("t", group_ids=["0/1"]) == runs
+        if named == "group":
+            assert store.delete("t", group_ids=["0/1"]) == runs
+        else:
+            assert store.delete("t", [uid(1, 0), uid(1, 1)]) == runs
         after = store.stats("t")
         assert_removed(before, after, state, runs)
         assert held(store, "t", "0/1") == dict.fromkeys(HELD, 0)
@@ -145,7 +148,10 @@ def test_a_small_pending_group_whose_head_is_lost_is_removed_after_its_timeout_p
 
 def test_a_delete_naming_a_group_gone_or_complete_whose_entry_is_lost_removes_nothing(tmp_path: Path) -> None:
     """A Delete naming a group the table does not hold, or a complete group whose directory entry
-    (its place, which its segment still holds) is lost, removes nothing and counts no damage."""
+    (its place, which its segment still holds) is lost, removes nothing and counts no damage. One
+    naming a member of that complete group, which deleted nothing and said so with a 0, is refused
+    DATA_LOSS naming the group and `expbuf check` (which names it), as a records table's ready group
+    whose record is lost is; a uid the table does not hold, named beside 0/2's, is none of it."""
     with Store(tmp_path, clock=Clock()) as store:
         store.create_table(TableConfig.of("t", layout="rows", **EIGHTS))
         store.put("t", [run(1, n) for n in range(8)] + [run(2, n) for n in range(3)])
@@ -154,6 +160,12 @@ def test_a_delete_naming_a_group_gone_or_complete_whose_entry_is_lost_removes_no
         assert store.delete("t", group_ids=["0/1", "0/9"]) == 0
         assert store.stats("t") == before
         assert held(store, "t", "0/1")["blobs"] == 8
+        with pytest.raises(DamagedGroup, match=re.escape("group 0/1: its record is not stored")) as refused:
+            store.delete("t", [uid(2, 0), uid(1, 0)])
+        assert "run `expbuf check`" in str(refused.value) and "Delete the group" not in str(refused.value)
+        assert store.stats("t") == before
+        assert store.verify("t") == ["group 0/1 of segment 0 has no directory entry naming it"]
+        assert store.delete("t", [uid(2, 0), uid(9, 0)]) == 1
 
 
 @pytest.mark.parametrize("table_layout", ["rows"], indirect=True)

@@ -528,14 +528,15 @@ def cut_head(store: Store, table: str, gkey: str) -> None:
 UNDECODED = "group 0/1: its record does not decode ("
 
 
-@pytest.mark.parametrize("met_by", ["push", "seal", "fail_runs", "delete"])
+@pytest.mark.parametrize("met_by", ["push", "seal", "fail_runs"])
 def test_a_request_that_changes_a_pending_group_whose_head_does_not_decode_is_refused_data_loss(
     tmp_path: Path, met_by: str
 ) -> None:
-    """A push to a pending group whose head no longer decodes, its seal, a report of its runs failed
-    and a Delete of one of its members were refused INTERNAL (struct.error) at every try. Each is
-    refused DATA_LOSS naming the group and the way out, nothing of the request stored (the push's runs
-    of another group neither), and the table's other groups take runs and complete."""
+    """A push to a pending group whose head no longer decodes, its seal and a report of its runs failed
+    were refused INTERNAL (struct.error) at every try. Each is refused DATA_LOSS naming the group and
+    the way out, nothing of the request stored (the push's runs of another group neither), and the
+    table's other groups take runs and complete. A Delete naming the group or one of its members
+    removes it whole (test_damaged_group_delete.py)."""
     with Store(tmp_path, clock=Clock()) as store:
         store.create_table(TableConfig.of("t", layout="rows", **EIGHTS))
         store.put("t", [run(1, n) for n in range(3)] + [run(2, n) for n in range(3)])
@@ -546,10 +547,8 @@ def test_a_request_that_changes_a_pending_group_whose_head_does_not_decode_is_re
                 store.put("t", [run(2, 3), run(1, 3)])
             elif met_by == "seal":
                 store.seal("t", "0/1")
-            elif met_by == "fail_runs":
+            else:
                 store.fail_runs("t", [uid(1, 5)], ["died"])
-            else:  # a Delete naming the group removes it (test_damaged_group_delete.py)
-                store.delete("t", [uid(1, 0)])
         assert (refused.value.status, refused.value.reason) == ("DATA_LOSS", "damaged")
         assert "run `expbuf check`" in str(refused.value) and "Delete the group by its id" in str(refused.value)
         assert store.stats("t") == before

@@ -12,9 +12,10 @@ members are flagged in their segment's state (`SegState.DELETED`: never served, 
 duplicate again), and a group deleted whole also leaves its run (or lease: a lease of runs goes on
 without it) and its directory entry, its state byte retired (dropped: it counts no member), so that
 its segment retires and is forgotten in time as one whose groups all retired; a pending group's
-members left are written again in its head (row_pending.left). A pending or computing group named
-whose head does not decode is removed whole (below); one of its members named alone is
-refused (DamagedGroup), as what else of its group is stored cannot be read.
+members left are written again in its head (row_pending.left). A pending or computing group whose
+head does not decode, or is lost, named or one of its members named, is removed whole (below), as a
+records table's whose record is; a member named of a complete group whose directory entry does not
+decode or is lost is refused (DamagedGroup), as a records table's ready group's is.
 
 Such a group (its head, its directory entry, no longer decodes, or is lost) is removed whole by a
 Delete naming it (`remove_damaged`), or by `expbuf repair` with the server stopped
@@ -123,7 +124,15 @@ def delete(tt: TableState, uids: Sequence[str], group_ids: Sequence[str]) -> int
     keys: list[bytes] = []
     sizes: list[int] = []
     for uid in dict.fromkeys(targets):
-        grp = touched(uid_group_key(uid, by))
+        gkey = uid_group_key(uid, by)
+        try:
+            grp = touched(gkey)
+        except DamagedGroup:
+            grp = None
+        if gkey not in found or (grp is None and _payload_stored(tt, uid)):
+            deleted += _remove_member_s_group(tt, gkey)
+            found[gkey] = None
+            continue
         member = None if grp is None else grp.members.get(uid)
         if grp is None or member is None:
             continue
@@ -158,6 +167,24 @@ def delete(tt: TableState, uids: Sequence[str], group_ids: Sequence[str]) -> int
     chunked.delete(tt.txn, tt.db, [keys[at] for at in order], [sizes[at] for at in order])
     tt.counters.bytes -= freed
     return deleted
+
+
+def _payload_stored(tt: TableState, uid: str) -> bool:
+    """Whether experience `uid`'s payload is stored: a member of a group whose directory entry is lost."""
+    return tt.txn.get(tt.key(uid), db=tt.db["blobs"]) is not None
+
+
+def _remove_member_s_group(tt: TableState, gkey: str) -> int:
+    """A member named of group `gkey`, whose directory entry does not decode or is lost while its
+    payload is stored: the group removed whole where it was pending or computing (`remove_damaged`), as
+    a records table's is; refused where it was complete, as a records table's ready group is (its
+    segment holds it, a sample serves it; `expbuf check` names it). How many members went."""
+    removed = remove_damaged(tt, gkey, named=True)
+    if removed is None:
+        raw = tt.txn.get(tt.key(gkey), db=tt.db["gdir"])
+        why = "a member's payload names it" if raw is None else "its directory entry does not decode"
+        raise DamagedGroup(gkey, why, pending=False, lost=raw is None)
+    return removed
 
 
 def _read(tt: TableState, segments: Segments, gkey: str) -> _Touched | None:
