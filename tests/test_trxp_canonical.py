@@ -7,6 +7,7 @@ it, the same bytes again. Generated plain data, and each bound at its edges."""
 from __future__ import annotations
 
 import io
+import json
 import math
 import pickle
 import struct
@@ -132,3 +133,35 @@ def test_each_bound_is_met_at_its_edge(changed: dict[str, Any], written: bool) -
 def test_a_nan_keeps_its_payload() -> None:
     (nan,) = struct.unpack(">d", bytes.fromhex("7ff8000000000123"))
     assert same(experience_meta(reward=nan)) is not None
+
+
+def test_each_item_s_tensors_are_laid_out_in_safetensors_order_whatever_the_item_before_had() -> None:
+    """pack_item reuses the order of the last item of the same tensor names and dtypes: items of the
+    same names with other dtypes, or other names of the same count, each in turn, are laid out in
+    safetensors' own order (dtype descending, then name), and an item packed again packs the same."""
+    from expbuf.client.trxp.codec.common import DTYPE_RANK, HEADER, HEADER_SIZE, RawItem, RawTensor
+
+    def item(dtypes: dict[str, str]) -> RawItem:
+        meta = {"eid": {"batch": 0, "task": 1, "run": 0, "step": 0, "suffix": ""}, "prompt_length": 1}
+        sizes = {"I64": 8, "I32": 4, "F32": 4, "BF16": 2, "BOOL": 1}
+        return RawItem(meta, {name: RawTensor(dtype, (2,), bytes(2 * sizes[dtype])) for name, dtype in dtypes.items()})
+
+    def laid_out(packed: bytes) -> list[str]:
+        meta_len = HEADER.unpack_from(packed)[2]
+        at = HEADER_SIZE + meta_len
+        (length,) = struct.unpack_from("<Q", packed, at)
+        header = json.loads(packed[at + 8 : at + 8 + length])
+        return sorted(header, key=lambda key: header[key]["data_offsets"][0])
+
+    kinds = [
+        {"tokens": "I64", "logprobs": "F32", "action_mask": "BOOL"},
+        {"tokens": "I32", "logprobs": "F32", "action_mask": "BOOL"},
+        {"tokens": "BF16", "logprobs": "F32", "action_mask": "I64"},
+        {"tokens": "I64", "advantages": "F32", "action_mask": "BOOL"},
+        {"tokens": "I64", "logprobs": "F32", "action_mask": "BOOL"},
+    ]
+    for dtypes in [*kinds, *reversed(kinds)]:
+        packed = build.pack_item(item(dtypes))
+        want = sorted(dtypes, key=lambda name: (-DTYPE_RANK[dtypes[name]], name))
+        assert laid_out(packed) == [f"0:{name}" for name in want]
+        assert build.pack_item(item(dtypes)) == packed

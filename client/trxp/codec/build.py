@@ -87,10 +87,15 @@ def frame(
     """The runs of bytes of a payload whose metadata pickle is the runs `meta` and whose
     safetensors header is already written as JSON, its tensor data `data` (or, given
     `data_len`, data of that many bytes that the runs leave out)."""
-    header_json += b" " * (-len(header_json) % 8)
-    tensor_len = 8 + len(header_json) + (sum(map(len, data)) if data_len is None else data_len)
-    head = HEADER.pack(MAGIC, VERSION, sum(map(len, meta)), tensor_len)
-    return [head, *meta, struct.pack("<Q", len(header_json)), header_json, *data]
+    pad = -len(header_json) % 8
+    if pad:
+        header_json += b" " * pad
+    tensor_len = 8 + len(header_json) + (sum([len(run) for run in data]) if data_len is None else data_len)
+    head = HEADER.pack(MAGIC, VERSION, sum([len(run) for run in meta]), tensor_len)
+    return [head, *meta, _U64.pack(len(header_json)), header_json, *data]
+
+
+_U64 = struct.Struct("<Q")
 
 
 # The server stores each experience as a one-item payload whose metadata pickle is laid
@@ -172,15 +177,28 @@ def splice_meta(fragments: Sequence[bytes | memoryview]) -> bytes:
 
 def pack_item(item: RawItem) -> bytes:
     """One validated experience as a one-item TRXP payload that splice.join() splices cheaply."""
-    tensors = sorted(item.tensors.items(), key=_tensor_order)
+    tensors = _in_order(item.tensors)
     return b"".join(_packed(item.meta, tensors, [len(tensor.data) for _, tensor in tensors], True))
+
+
+def _in_order(tensors: dict[str, RawTensor]) -> list[tuple[str, RawTensor]]:
+    """An item's tensors in safetensors' order (_tensor_order), as the last item of the same names
+    and dtypes had them (a push's items mostly do) without sorting them again."""
+    entries = list(tensors.items())
+    kinds = [(name, tensor.dtype) for name, tensor in entries]
+    recent = _recent_order.get(len(kinds))
+    if recent is not None and recent[0] == kinds:
+        return [entries[at] for at in recent[1]]
+    order = sorted(range(len(entries)), key=lambda at: _tensor_order(entries[at]))
+    _recent_order[len(kinds)] = (kinds, order)
+    return [entries[at] for at in order]
 
 
 def pack_head(item: RawItem) -> tuple[list[bytes | memoryview], list[str]]:
     """pack_item's payload up to its tensor data, from the tensors' shapes (their data may not
     be there yet: a payload read as it arrives), and the order in which it lays out the tensors'
     data after it."""
-    tensors = sorted(item.tensors.items(), key=_tensor_order)
+    tensors = _in_order(item.tensors)
     sizes = [math.prod(tensor.shape) * ITEMSIZE[tensor.dtype] for _, tensor in tensors]
     return _packed(item.meta, tensors, sizes, False), [name for name, _ in tensors]
 
@@ -199,6 +217,10 @@ def _packed(
     header_json = f"{{{','.join(header)}}}".encode()
     runs = [SPLICE_ONE, *fragment(meta), SPLICE_TAIL]
     return frame(runs, header_json, [tensor.data for _, tensor in tensors] if data else [], offset)
+
+
+# Of each number of tensors, the names and dtypes of the last item's and their order.
+_recent_order: dict[int, tuple[list[tuple[str, str]], list[int]]] = {}
 
 
 def _tensor_order(entry: tuple[str, RawTensor]) -> tuple[int, str]:

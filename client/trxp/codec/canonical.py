@@ -14,6 +14,7 @@ path packed it.
 
 from __future__ import annotations
 
+import operator
 import struct
 from typing import Any
 
@@ -30,8 +31,11 @@ _DOUBLE = struct.Struct(">d")
 # The opcodes of each small int; and, of each sequence of dict keys met (an experience's fields, its
 # eid's parts: the same in every item a client writes), the keys sorted with their opcodes.
 _SMALL = [b"K" + bytes([value]) for value in range(256)]  # BININT1
-_ORDERS: dict[tuple[Any, ...], list[tuple[str, bytes]]] = {}
+_ORDERS: dict[tuple[Any, ...], list[tuple[int, bytes]]] = {}
 _ORDERS_KEPT = 1024
+_NAME = operator.itemgetter(1)
+# Of each dict size, the keys last met and their order: the dicts of a payload's items repeat them.
+_RECENT: dict[int, tuple[tuple[Any, ...], list[tuple[int, bytes]]]] = {}
 
 
 def opcodes(meta: dict[str, Any]) -> bytes | None:
@@ -48,32 +52,50 @@ def _dict(value: dict[Any, Any], out: list[bytes]) -> bool:
         return True
     if size >= BATCH:
         return False
-    names = tuple(value)
-    keys = _ORDERS.get(names)
+    keys = _same_keys(value, size)
     if keys is None:
-        keys = _ordered(names)
+        names = tuple(value)
+        keys = _ORDERS.get(names)
         if keys is None:
-            return False
+            keys = _ordered(names)
+            if keys is None:
+                return False
+        _RECENT[size] = (names, keys)
     out.append(b"}(" if size > 1 else b"}")  # EMPTY_DICT, MARK
-    for key, opcode in keys:
+    values = list(value.values())  # read by position: a list's index costs less than a key's lookup
+    for at, opcode in keys:
         out.append(opcode)
-        if not _value(value[key], out):
+        if not _value(values[at], out):
             return False
     out.append(b"u" if size > 1 else b"s")  # SETITEMS, SETITEM
     return True
 
 
-def _ordered(names: tuple[Any, ...]) -> list[tuple[str, bytes]] | None:
-    """A dict's keys (`names`, in its order) sorted, each with its opcode, remembered; None where
-    one is not a str this writer writes."""
+def _same_keys(value: dict[Any, Any], size: int) -> list[tuple[int, bytes]] | None:
+    """The order of the keys last met in a dict of `size` keys where `value` holds the very same key
+    objects in the same order (an unpickled payload's items share their field names' objects, through
+    its memo), found without the tuple and its hash that _ORDERS' lookup needs; None otherwise."""
+    recent = _RECENT.get(size)
+    if recent is None:
+        return None
+    names, keys = recent
+    for at, name in enumerate(value):
+        if name is not names[at]:
+            return None
+    return keys
+
+
+def _ordered(names: tuple[Any, ...]) -> list[tuple[int, bytes]] | None:
+    """A dict's keys (`names`, in its order) sorted, each as its position in `names` with its opcode,
+    remembered; None where one is not a str this writer writes."""
     if not all(type(name) is str for name in names):
         return None
     keys = []
-    for name in sorted(names):
+    for at, name in sorted(enumerate(names), key=_NAME):
         opcode = _str(name)
         if opcode is None:
             return None
-        keys.append((name, opcode))
+        keys.append((at, opcode))
     if len(_ORDERS) >= _ORDERS_KEPT:
         _ORDERS.clear()
     _ORDERS[names] = keys
