@@ -168,6 +168,24 @@ def hurt(store: Store, table: str, uid: str, how: str) -> None:
         garble(store, table, uid, "items", CUTS[how])
 
 
+@pytest.mark.parametrize("keep", [0, 3])
+def test_a_payload_cut_shorter_than_four_bytes_is_quarantined_and_the_others_served(
+    tmp_path: Path, table_layout: str, keep: int
+) -> None:
+    """A payload a damaged page left shorter than any magic: the take that reads it finds it
+    damaged (its batch not checked at once), quarantines its group and serves the others."""
+    with Store(tmp_path) as store:
+        store.create_table(TableConfig.of("t", estimator="none", group_size=4))
+        for task in range(3):
+            store.put("t", group_items(0, task, 4, reward=float(task)))
+        garble(store, "t", uids(1)[1], "blobs", keep)
+        batch = store.sample(TakeSpec("t", num_groups=2, wait_seconds=0))
+        assert batch is not None and batch.group_ids == ["0/0"] * 4 + ["0/2"] * 4
+        stats = store.stats("t")
+        assert (stats["quarantined"], stats["damaged"], stats["failed"], stats["groups_failed"]) == (1, 1, 3, 1)
+        assert store.verify("t") == []
+
+
 @pytest.mark.parametrize(("db", "table_layout"), LOST, indirect=["table_layout"])
 @pytest.mark.parametrize("hold", [False, True])
 def test_a_sample_quarantines_a_group_whose_member_is_lost_and_serves_the_others(

@@ -8,12 +8,18 @@ from pathlib import Path
 
 import lmdb
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from expbuf.server.store import Store
 from expbuf.server.store.core.ordering.indexes import PriorityIndex, ReadyOrder, Slots
 from expbuf.server.store.core.ordering.ready import ReadyIndex
+from expbuf.server.store.core.table_state.read_check import all_unservable, unservable
+from expbuf.server.store.disk import chunk_reads, digests
+from expbuf.server.store.disk.chunk_heads import HEAD_MAGIC, ZSTD_MAGIC
 from expbuf.server.store.disk.layout import u64
 from expbuf.server.store.disk.records import ItemRecord
+from expbuf.server.store.disk.shared_prompts import REF_MAGIC
 from expbuf.server.store.schema import sample_spec
 from expbuf.server.store.schema.errors import SpecError
 from expbuf.server.store.schema.sample_spec import MAX_BATCH, TakeSpec
@@ -163,3 +169,55 @@ def test_a_run_taken_at_once_takes_what_a_group_at_a_time_would(seed: int, monke
         except SpecError as refused:
             found = str(refused)
         assert found == one_at_a_time(spec, groups, total, counts), (spec, groups, total, counts)
+
+
+# A batch's payloads as a take reads them: intact, a byte flipped, or shorter than its record says;
+# its advantages absent, within float32's range, beyond it, infinite or NaN.
+payload_cases = st.lists(
+    st.tuples(
+        st.sampled_from(["intact", "flipped", "short"]),
+        st.none()
+        | st.floats(-1e6, 1e6)
+        | st.sampled_from([3.5e38, -3.5e38, float("inf"), float("-inf"), float("nan")]),
+    ),
+    max_size=12,
+)
+
+
+@given(payload_cases)
+@settings(max_examples=150, deadline=None)
+def test_a_batch_checked_a_list_at_a_time_finds_what_a_check_of_each_finds(cases: list) -> None:
+    """The take's check of a batch's payloads and advantages in one pass (all_unservable) finds the
+    very experiences, and reasons, that a check of each (unservable) finds, in order."""
+    uids, blobs, sizes, found, advantages = [], [], [], [], []
+    for at, (how, advantage) in enumerate(cases):
+        blob = b"\x01\x02\x03\x04" + bytes([at]) * 40
+        uids.append(f"u{at}")
+        found.append(digests.of(blob))
+        sizes.append(len(blob) + (how == "short"))
+        blobs.append(memoryview(blob[:-1] + b"x" if how == "flipped" else blob))
+        advantages.append(advantage)
+    each = [
+        (at, problem)
+        for at in range(len(cases))
+        if (problem := unservable(uids[at], advantages[at], sizes[at], found[at], blobs[at]))
+    ]
+    assert all_unservable(uids, advantages, sizes, found, blobs) == each
+
+
+@given(
+    st.lists(
+        st.none()
+        | st.binary(max_size=6)
+        | st.sampled_from([HEAD_MAGIC, ZSTD_MAGIC, REF_MAGIC, b"TRXP"]).map(lambda m: m + b"..")
+    )
+)
+def test_a_batch_of_stored_values_is_whole_at_once_only_where_each_is(values: list) -> None:
+    """The one pass that says a batch's stored values are each a payload stored whole says so only
+    where each is (chunk_reads.whole), and of every batch none of whose fourth bytes is a magic's."""
+    views = [None if value is None else memoryview(value) for value in values]
+    each = chunk_reads.all_whole(views)
+    fourths = {HEAD_MAGIC[3], ZSTD_MAGIC[3], REF_MAGIC[3]}
+    plain = all(value is not None and len(value) >= 4 and value[3] not in fourths for value in values)
+    assert chunk_reads.each_whole(views) == plain
+    assert all(each) or not plain

@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import operator
 import struct
 import threading
 from collections.abc import Collection, Iterable, Sequence
 from concurrent.futures import Future
 from functools import partial
-from typing import TYPE_CHECKING, final
+from typing import TYPE_CHECKING, cast, final
 
 import lmdb
 
@@ -51,6 +52,7 @@ _NOT_WHOLE = (HEAD_MAGIC, ZSTD_MAGIC, shared_prompts.REF_MAGIC)
 # these is whole without its first four compared (a view's slice compared with bytes costs a take
 # about 2,000 instructions an experience).
 _NOT_WHOLE_FOURTH = frozenset(magic[3] for magic in _NOT_WHOLE)
+_FOURTH = operator.itemgetter(3)
 
 
 def whole(value: Bytes) -> bool:
@@ -67,6 +69,17 @@ def all_whole(values: Iterable[Bytes | None]) -> list[bool]:
         value is not None and (len(value) < 4 or value[3] not in fourth or bytes(value[:4]) not in magics)
         for value in values
     ]
+
+
+def each_whole(values: Sequence[Bytes | None]) -> bool:
+    """Whether every one of a batch's stored values is surely a payload stored whole (`whole`), found
+    a list at a time, no Python step a value: none missing, none shorter than a magic (the fourth
+    byte of either raises), no fourth byte one of theirs. False: one may not be, which `all_whole`
+    says."""
+    try:
+        return _NOT_WHOLE_FOURTH.isdisjoint(map(_FOURTH, cast("Sequence[Bytes]", values)))
+    except (TypeError, IndexError):  # one not stored, or shorter than four bytes
+        return False
 
 
 def resolve(value: Bytes, key: bytes | memoryview, read: Read) -> Stored:

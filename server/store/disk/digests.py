@@ -47,6 +47,13 @@ def all_match(blobs: Sequence[Stored], sizes: Sequence[int], found: Sequence[byt
     ]
 
 
+def each_matches(blobs: Sequence[bytes | memoryview], sizes: Sequence[int], found: Sequence[bytes]) -> bool:
+    """Whether every payload of a batch, each stored whole, is the one its record names: its sizes
+    and digests taken and compared a list at a time, no Python step an experience (a take asks it of
+    hundreds; `all_match` then says which one is not)."""
+    return list(map(len, blobs)) == list(sizes) and list(map(xxhash.xxh3_128_digest, blobs)) == list(found)
+
+
 def mismatch(blob: Stored, size: int, digest: bytes) -> str | None:
     """Why `blob` is not the payload of `size` bytes and `digest` a record names, or None."""
     if len(blob) != size:

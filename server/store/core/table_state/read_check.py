@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import cast
 
 from expbuf.client.trxp.codec.checks import FLOAT32_MAX
 from expbuf.client.trxp.codec.common import TrxpError
@@ -75,13 +76,15 @@ def all_unservable(
     advantages: Sequence[float | None],
     sizes: Sequence[int],
     found: Sequence[bytes],
-    blobs: Sequence[Stored],
+    blobs: Sequence[bytes | memoryview],
 ) -> list[tuple[int, Unservable]]:
-    """`unservable` of each experience of a batch whose payloads were read (`blobs`): the index of
-    each that cannot be served, and why; the digests checked a batch at a time."""
-    intact = digests.all_match(blobs, sizes, found)
+    """`unservable` of each experience of a batch whose payloads were read, each stored whole
+    (`blobs`): the index of each that cannot be served, and why. A batch all of which can be served
+    (mostly) is found so a list at a time, no Python step an experience; else each is looked at."""
+    if digests.each_matches(blobs, sizes, found) and _servable(advantages):
+        return []
     problems = []
-    for at, ok in enumerate(intact):
+    for at, ok in enumerate(digests.all_match(blobs, sizes, found)):
         advantage = advantages[at]
         if ok and (advantage is None or -FLOAT32_MAX <= advantage <= FLOAT32_MAX):
             continue
@@ -89,3 +92,14 @@ def all_unservable(
         if problem is not None:
             problems.append((at, problem))
     return problems
+
+
+def _servable(advantages: Sequence[float | None]) -> bool:
+    """Whether every stored advantage (None: none is stored) lies within float32's range, a list at
+    a time: a NaN, or infinities of both signs, make their sum NaN, and then the caller looks at each."""
+    absent = advantages.count(None)
+    if absent == len(advantages):
+        return True
+    present = [a for a in advantages if a is not None] if absent else cast("Sequence[float]", advantages)
+    total = sum(present)
+    return total == total and min(present) >= -FLOAT32_MAX and max(present) <= FLOAT32_MAX

@@ -160,11 +160,11 @@ class Payloads:
         self._open_snapshot()
         snapshot, newest, blobs, read = self.snapshot, self.newest, self.tt.db["blobs"], self._read
         views = snapshot.get_all(keys, blobs) if snapshot is not None else [None] * len(keys)
-        whole = chunk_reads.all_whole(views)
-        if all(whole) and (not seqs or max(seqs) <= newest):  # mostly: the batch checked at once
+        if chunk_reads.each_whole(views) and (not seqs or max(seqs) <= newest):  # mostly: checked at once
             stored = cast("list[memoryview]", views)  # each whole, so read
             read.update(zip(uids, stored, strict=True))
             return all_unservable(uids, advantages, sizes, digests, stored)
+        whole = chunk_reads.all_whole(views)
         found: list[tuple[int, Unservable]] = []
         rows = zip(uids, keys, seqs, digests, sizes, advantages, views, whole, strict=True)
         for at, (uid, key, seq, digest, size, advantage, view, ok) in enumerate(rows):
