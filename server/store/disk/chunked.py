@@ -309,10 +309,10 @@ def delete(
     larger than MIN_COMPRESSED, in a table that holds any chunk; or of at least
     shared_prompts.MIN_BYTES, in a table that keeps shared prompts), so that a consume of small
     experiences reads none, and one of experiences of up to 4 MiB in a table that holds no chunk
-    none either."""
+    none either. They go in key order, through one cursor, in whatever order they are given."""
     keys = list(keys)
-    blobs = dbs["blobs"]
-    looked = range(len(keys)) if sizes is None else _looked(txn, dbs, keys, sizes)
+    blobs, ordered = dbs["blobs"], sorted(keys)
+    looked = range(len(keys)) if sizes is None else _looked(txn, dbs, keys, sizes, _tables(ordered))
     for at in looked:
         key = keys[at]
         value = txn.get(key, db=blobs)
@@ -323,17 +323,31 @@ def delete(
         elif _set_unnamed(value, None if sizes is None else sizes[at]):
             for set_id in _sets_of(txn, dbs, key):
                 drop_set(txn, dbs, bytes(key[:4]), set_id)
-    delete_rows(txn, blobs, keys)
+    delete_rows(txn, blobs, ordered)
+
+
+def _tables(ordered: Sequence[bytes]) -> set[bytes]:
+    """The table prefixes of keys in order: one where the first key and the last share it (mostly:
+    every key between has it too), no look at each."""
+    if not ordered:
+        return set()
+    first, last = bytes(ordered[0][:4]), bytes(ordered[-1][:4])
+    return {first} if first == last else {bytes(key[:4]) for key in ordered}
 
 
 def _looked(
-    txn: lmdb.Transaction[bytes], dbs: dict[str, lmdb._Database], keys: Sequence[bytes], sizes: Sequence[int]
+    txn: lmdb.Transaction[bytes],
+    dbs: dict[str, lmdb._Database],
+    keys: Sequence[bytes],
+    sizes: Sequence[int],
+    tables: set[bytes],
 ) -> list[int]:
-    """Which of the payloads being deleted (at `keys`, of `sizes`) may be other than a payload
-    stored whole, and must be read first (delete's rule): the index of each."""
+    """Which of the payloads being deleted (at `keys`, of `sizes`; of the tables of `tables`'
+    prefixes) may be other than a payload stored whole, and must be read first (delete's rule): the
+    index of each."""
     top = max(sizes, default=0)
     limits: dict[bytes, int] = {}  # by table prefix: the size a payload is looked at above
-    for prefix in {bytes(key[:4]) for key in keys}:
+    for prefix in tables:
         limit = chunk_heads.CHUNK_BYTES
         if top > MIN_COMPRESSED and _any_chunk(txn, dbs, prefix):
             limit = MIN_COMPRESSED
@@ -342,7 +356,7 @@ def _looked(
         limits[prefix] = limit
     if len(limits) == 1:  # one table's (mostly)
         (limit,) = limits.values()
-        return [at for at, size in enumerate(sizes) if size > limit]
+        return [at for at, size in enumerate(sizes) if size > limit] if top > limit else []
     return [at for at, (key, size) in enumerate(zip(keys, sizes, strict=True)) if size > limits[bytes(key[:4])]]
 
 

@@ -118,10 +118,9 @@ def delete_rows(txn: lmdb.Transaction, db: lmdb._Database, keys: Iterable[bytes]
     consume deletes hundreds, mostly side by side, and a cursor finds a key on the page it is on
     without a search from the root, its calls taking no keyword to parse."""
     with txn.cursor(db=db) as cur:
-        found, drop = cur.set_key, cur.delete
-        for key in keys:
-            if found(key):
-                drop()
+        drop = cur.delete
+        for _ in filter(cur.set_key, keys):  # each found, the cursor on it
+            drop()
 
 
 def rows_under(txn: lmdb.Transaction[bytes], db: lmdb._Database, prefix: bytes) -> list[tuple[bytes, bytes]]:

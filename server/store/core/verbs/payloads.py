@@ -66,8 +66,7 @@ def drop(
     experiences for Get: all of them, or those it says) and token-level advantages go, one database
     at a time in key order, and their bytes leave the table's. A kept payload goes when its
     tombstone is forgotten (segments.prune, retire.forget_tombstone)."""
-    order = sorted(range(len(keys)), key=keys.__getitem__)
-    keys, sizes, txn = [keys[at] for at in order], [sizes[at] for at in order], tt.txn
+    txn = tt.txn
     if keep is False:  # every one goes (a consume's)
         chunked.delete(txn, tt.db, keys, sizes)
     else:
@@ -75,7 +74,7 @@ def drop(
         gone = [at for at, key in enumerate(keys) if not keeps(key)]
         chunked.delete(txn, tt.db, [keys[at] for at in gone], [sizes[at] for at in gone])
     if keys and _has_advantages(tt):
-        delete_rows(txn, tt.db["adv"], keys)
+        delete_rows(txn, tt.db["adv"], sorted(keys))
     tt.counters.bytes -= sum(sizes)
 
 

@@ -340,7 +340,7 @@ def bury_lost(tt: TableState, lost: Sequence[tuple[str, State, str]]) -> None:
         tt.settle_item(uid, rec)
         tt.counters.add(state, -1)
         tt.counters.add(QUARANTINED, 1)
-    chunked.delete(tt.txn, tt.db, sorted(keys))  # no size to go by: each looked at
+    chunked.delete(tt.txn, tt.db, keys)  # no size to go by: each looked at
     nbytes, places = _live_bytes(tt, {uid for _, _, uid in lost})
     drop_payloads(tt, [], [], places, keep_blobs=True)
     tt.counters.bytes = nbytes
