@@ -82,6 +82,8 @@ def test_a_member_block_reads_back_whole_and_by_ranges(found: list[Member]) -> N
             assert block.digests(lo, hi) == [m.digest for m in found[lo:hi]]
             assert list(block.column("reward", lo, hi)) == [m.reward for m in found[lo:hi]]
             assert list(block.column("version", lo, hi)) == [m.version for m in found[lo:hi]]
+            assert list(block.column("advantage", lo, hi)) == [m.advantage for m in found[lo:hi]]
+            assert list(block.column("shaped_reward", lo, hi)) == [m.shaped_reward for m in found[lo:hi]]
             assert list(block.column("size", lo, hi)) == [m.size for m in found[lo:hi]]
             assert block.members(lo, hi) == found[lo:hi]  # one member alone read field by field
     assert [block.segments(i) for i in range(len(found))] == [m.segments for m in found]
@@ -98,6 +100,9 @@ def test_a_segment_reads_back_group_by_group_and_run_by_run(found: list[Group], 
         lo, hi = view.span(g)
         assert view.members.uids(lo, hi) == [m.uid for m in group.members]
     assert view.keys(0, len(found)) == [g.key for g in found]
+    for places in (range(len(found)), range(1, len(found)), range(len(found) - 1, -1, -1), [len(found) - 1, 0]):
+        starts, stops = view.bounds(places)
+        assert list(zip(starts, stops, strict=True)) == [view.span(g) for g in places]
     assert list(view.created(0, len(found))) == [g.created for g in found]
     assert list(view.priorities(0, len(found))) == [g.priority for g in found]
     assert view.versions(0, len(found)) == [g.version for g in found]

@@ -115,7 +115,7 @@ def take(
         if segments is not None:  # its members' columns read a range at a time
             spans = picked.spans()
             gkeys = spans.per_member(picked.gkeys())  # each member's group
-            keys = [tt.key(uid) for uid in spans.column("uid")]  # their payloads'
+            keys = spans.keys(tt.prefix)  # their payloads'
             unservable = _unservable_rows(payloads, picked, keys, gkeys)
         else:
             taken = [(gkey, grp, tt.stored_members(grp)) for gkey, grp in chosen]

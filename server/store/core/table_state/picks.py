@@ -120,10 +120,10 @@ class Run:
     """Groups of one segment picked together, at `places` (in the order picked), all in state `now`
     under `lease`: each one's deliveries (`times`) and members (`kept`, their indexes in the
     segment), whose columns are read from `block` (None: each group's from a block of its own, the
-    groups lying far apart); `whole`: none of their members was deleted. Its groups as `Picked`
-    objects are made once something reads one."""
+    groups lying far apart); `whole`: none of their members was deleted; `count`, their members,
+    counted once. Its groups as `Picked` objects are made once something reads one."""
 
-    __slots__ = ("_groups", "block", "kept", "lease", "now", "places", "seg", "times", "view", "whole")
+    __slots__ = ("_groups", "block", "count", "kept", "lease", "now", "places", "seg", "times", "view", "whole")
 
     def __init__(
         self,
@@ -137,9 +137,11 @@ class Run:
         block: Block | None,
         whole: bool,
         groups: list[Picked] | None = None,
+        count: int | None = None,
     ) -> None:
         self.view, self.seg, self.places, self.now, self.lease = view, seg, places, now, lease
         self.times, self.kept, self.block, self.whole, self._groups = times, kept, block, whole, groups
+        self.count = sum(map(len, kept)) if count is None else count
 
     @classmethod
     def of(cls, p: Picked) -> Run:
@@ -173,13 +175,13 @@ class Run:
         if self.block is None:  # groups far apart: each one's read alone
             return [self.view.keys(g, g + 1)[0] for g in places]
         keys = self.view.keys(first, max(places) + 1)
-        return keys if _ascending(places) else [keys[g - first] for g in places]
+        return keys if ascending(places) else [keys[g - first] for g in places]
 
     def parts(self) -> list[tuple[Block, range | list[int]]]:
         """Its members as parts of blocks, in the order picked: one part where its groups are
         consecutive ones none of whose members was deleted."""
         view, places = self.view, self.places
-        if self.block is not None and self.whole and _ascending(places):
+        if self.block is not None and self.whole and ascending(places):
             return [(self.block, range(view.span(places[0])[0], view.ends[places[-1]]))]
         return [(self.block or Block(view, *view.span(g)), k) for g, k in zip(places, self.kept, strict=True)]
 
@@ -187,11 +189,11 @@ class Run:
         """The same groups in state `now`, under `lease`, delivered `times` (None: as they are)."""
         return Run(
             self.view, self.seg, self.places, self.now if now is None else now, self.lease if lease is None else lease,
-            self.times if times is None else times, self.kept, self.block, self.whole,
+            self.times if times is None else times, self.kept, self.block, self.whole, count=self.count,
         )  # fmt: skip
 
 
-def _ascending(places: Sequence[int]) -> bool:
+def ascending(places: Sequence[int]) -> bool:
     """Whether places are consecutive, in ascending order."""
     if isinstance(places, range):
         return places.step == 1
@@ -248,23 +250,29 @@ class Picks(Sequence[Picked]):
 
     def members(self) -> int:
         """Its groups' members (those deleted left out)."""
-        return sum(sum(map(len, run.kept)) for run in self.runs)
+        return sum(run.count for run in self.runs)
 
     def counts(self) -> dict[State, tuple[int, int]]:
         """Its groups and their members, by the state each group is in."""
         found: dict[State, tuple[int, int]] = {}
         for run in self.runs:
             groups, members = found.get(run.now, (0, 0))
-            found[run.now] = (groups + len(run.places), members + sum(map(len, run.kept)))
+            found[run.now] = (groups + len(run.places), members + run.count)
         return found
 
     def gkeys(self) -> list[str]:
         """Its groups' keys, in the order picked."""
-        return [gkey for run in self.runs for gkey in run.gkeys()]
+        found: list[str] = []
+        for run in self.runs:
+            found += run.gkeys()
+        return found
 
     def times(self) -> list[int]:
         """Its groups' deliveries, in the order picked."""
-        return [times for run in self.runs for times in run.times]
+        found: list[int] = []
+        for run in self.runs:
+            found += run.times
+        return found
 
     def spans(self) -> Spans:
         """Its members, as ranges of blocks (read once)."""
@@ -285,12 +293,12 @@ class Spans:
     all (`column`) is a slice of each block's column a range of consecutive members (a run's members
     are one), not a read per experience."""
 
-    __slots__ = ("_columns", "_parts", "_sizes", "members")
+    __slots__ = ("_columns", "_parts", "_runs", "members")
 
     def __init__(self, picked: Picks) -> None:
+        self._runs = picked.runs
         self._parts = [part for run in picked.runs for part in run.parts()]
-        self._sizes = [len(kept) for run in picked.runs for kept in run.kept]  # each group's members
-        self.members = sum(self._sizes)
+        self.members = sum(run.count for run in picked.runs)
         self._columns: dict[str, list[Any]] = {}
 
     def column(self, name: str) -> list[Any]:
@@ -307,12 +315,19 @@ class Spans:
                 found += [values[i - lo] for i in kept]
         return found
 
+    def keys(self, prefix: bytes) -> list[bytes]:
+        """Its members' payloads' keys in a table of `prefix`: their uids as stored, no encode each."""
+        return [prefix + uid for uid in self.column("uid_bytes")]
+
     def per_member(self, values: Sequence[Any]) -> list[Any]:
         """A value a picked group (`values`, one a group) as each of its members has it."""
         if len(values) == self.members:  # groups of one
             return list(values)
+        sizes: list[int] = []  # each group's members
+        for run in self._runs:
+            sizes += map(len, run.kept)
         found: list[Any] = []
-        for value, size in zip(values, self._sizes, strict=True):
+        for value, size in zip(values, sizes, strict=True):
             found += [value] * size
         return found
 
@@ -326,18 +341,16 @@ def picks(view: SegmentView, state: SegState, seg: int, places: Sequence[int], n
     first, last = min(places), max(places)
     ends = view.ends
     lo, hi = view.span(first)[0], ends[last]
-    kept: list[range | list[int]]
     whole = not state.any_flags
-    if whole:
-        kept = [range(ends[g - 1] if g else 0, ends[g]) for g in places]
-    else:
-        kept = [state.kept(*view.span(g)) for g in places]
-    together = 4 * sum(map(len, kept)) >= hi - lo
+    kept: list[range | list[int]]
+    kept = list(map(range, *view.bounds(places))) if whole else [state.kept(*view.span(g)) for g in places]
+    count = sum(map(len, kept))
+    together = 4 * count >= hi - lo
     times = state.times_of(first, last + 1)
-    if not _ascending(places):
+    if not ascending(places):
         times = tuple(times[g - first] for g in places)
     block = Block(view, lo, hi) if together else None
-    return Picks([Run(view, seg, places, now, lease, times, kept, block, whole)])
+    return Picks([Run(view, seg, places, now, lease, times, kept, block, whole, count=count)])
 
 
 def moved_view(p: Picked, state: State, lease: str = "", times: int | None = None) -> RowGroup:

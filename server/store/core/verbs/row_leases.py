@@ -16,7 +16,7 @@ from ...schema.states import CONSUMED, LEASED, READY
 from ...schema.views import Members
 from ..table_state import rate_counts
 from ..table_state.events import Moved
-from ..table_state.picks import Picked, Picks, Views, moved_view, picks, views
+from ..table_state.picks import Picked, Picks, Views, ascending, moved_view, picks, views
 from ..table_state.state import TableState
 from .row_moves import count_moved, mark, retire
 from .row_select import NO_LEASE, Segments, placed, run_key, taken
@@ -40,15 +40,16 @@ def _lease_runs(picked: Sequence[Picked]) -> list[tuple[int, int, int]]:
     (reading.lease_groups; the client's batch.rank_parts splits the batch so), and a table that
     reuses requeues a held batch's replayed groups in the order they were taken (row_requeue.py). A
     lifo or priority take that reaches groups out of their places' order keeps a run for each."""
-    picked = Picks.of(picked)
     runs: list[tuple[int, int, int]] = []
-    for run in picked.runs:
-        for g in run.places:
+    for run in Picks.of(picked).runs:
+        # consecutive places ascending (a fifo take's) are one stretch, others a stretch a group
+        stretches = [(run.places[0], len(run.places))] if ascending(run.places) else [(g, 1) for g in run.places]
+        for g, count in stretches:
             seg, first, n = runs[-1] if runs else (-1, 0, 0)
-            if seg == run.seg and first + n == g:  # the next group of the run before
-                runs[-1] = (seg, first, n + 1)
+            if seg == run.seg and first + n == g:  # it goes on from the run before
+                runs[-1] = (seg, first, n + count)
             else:
-                runs.append((run.seg, g, 1))
+                runs.append((run.seg, g, count))
     return runs
 
 
@@ -64,12 +65,13 @@ def leased(tt: TableState, segments: Segments, lease_id: str, lease: RowLease, *
     """The groups still under a lease of runs (one consumed or given back meanwhile is not); with
     `ending`, their views say they left it (as an ack's consume hears them)."""
     tag, lease_tag = bytes.fromhex(lease_id), "" if ending else lease_id
-    under: dict[int, list[int]] = {}  # by segment, each read once
+    under: dict[int, range | list[int]] = {}  # by segment, each read once (a run whole: its range)
     for run in lease.runs:
         state = segments.found_readable(run.seg)
         if state is None:  # its groups left the lease and retired, and it was forgotten; or damage
             continue
-        under.setdefault(run.seg, []).extend(state.under(run.first, run.first + run.length, LEASED, tag))
+        places, before = state.under(run.first, run.first + run.length, LEASED, tag), under.get(run.seg)
+        under[run.seg] = places if before is None else [*before, *places]
     found = Picks.joined(
         picks(segments.view(seg), segments.state(seg), seg, places, LEASED, lease_tag) for seg, places in under.items()
     )

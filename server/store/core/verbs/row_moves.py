@@ -115,9 +115,8 @@ def _leave(
             rate_counts.forget(tt, p.group, p.members.values())
     mark(segments, picked, state, NO_LEASE)
     _quarantine(tt, segments, picked, damaged)
-    prefix, spans = tt.prefix, picked.spans()
-    keys = [prefix + uid for uid in spans.column("uid_bytes")]
-    sizes: list[int] = spans.column("size")
+    spans = picked.spans()
+    keys, sizes = spans.keys(tt.prefix), spans.column("size")
     for at in picked.segments():
         seg = segments.state(at)
         if seg.all_in(RETIRED):

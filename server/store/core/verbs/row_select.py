@@ -11,6 +11,7 @@ is table_state/picks.py's.
 from __future__ import annotations
 
 import contextlib
+import operator
 import random
 from collections.abc import Generator, Iterable, Sequence
 
@@ -200,12 +201,12 @@ def _from_runs(tt: TableState, spec: TakeSpec, segments: Segments) -> tuple[Pick
     return Picks.joined(picked), total
 
 
-def kept_counts(view: SegmentView, state: SegState, places: Iterable[int]) -> list[int]:
+def kept_counts(view: SegmentView, state: SegState, places: Sequence[int]) -> list[int]:
     """The members of a segment's groups at `places` (those deleted left out)."""
     if state.any_flags:
         return [len(state.kept(*view.span(g))) for g in places]
-    ends = view.ends
-    return [ends[g] - ends[g - 1] if g else ends[0] for g in places]
+    starts, stops = view.bounds(places)
+    return list(map(operator.sub, stops, starts))
 
 
 def ranges(indexes: Iterable[int]) -> list[tuple[int, int]]:

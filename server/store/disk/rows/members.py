@@ -203,9 +203,20 @@ class MemberBlock:
         """A member column (a field of Member) of members lo to hi (excluded), absent values as None."""
         pos, code, width = self._columns[name]
         values = struct.unpack_from(f"<{hi - lo}{code}", self.data, pos + width * lo)
+        # a column is mostly all absent or all present, which a pass in C finds: no step a member
         if name in _OPTIONAL_FLOAT:
+            total = sum(values)
+            if total == total:  # no NaN among them (nor infinities of both signs, looked at below)
+                return values
+            if all(map(math.isnan, values)):
+                return [None] * len(values)
             return [None if value != value else value for value in values]  # NaN: absent
         if name in _OPTIONAL_INT:
+            absent = values.count(_NONE_INT)
+            if not absent:
+                return values
+            if absent == len(values):
+                return [None] * absent
             return [None if value == _NONE_INT else value for value in values]
         return values
 

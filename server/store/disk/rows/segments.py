@@ -163,6 +163,15 @@ class SegmentView:
         """Group g's members: from, to (excluded)."""
         return (self.ends[g - 1] if g else 0), self.ends[g]
 
+    def bounds(self, places: Sequence[int]) -> tuple[Sequence[int], Sequence[int]]:
+        """Where the members of the groups at `places` begin, and where they end (excluded): slices of
+        `ends` where the places are consecutive ascending ones (a fifo take's), no step a group."""
+        ends = self.ends
+        if isinstance(places, range) and places.step == 1 and places:
+            first, stop = places.start, places.stop
+            return (ends[first - 1 : stop - 1] if first else (0, *ends[: stop - 1])), ends[first:stop]
+        return [ends[g - 1] if g else 0 for g in places], [ends[g] for g in places]
+
     def keys(self, lo: int, hi: int) -> list[str]:
         """The keys of groups lo to hi (excluded)."""
         if self._keys < 0:
