@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import random
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import cast
 
 from expbuf.client.trxp.stored.pieces import Stored
@@ -133,6 +133,9 @@ class Payloads:
         self.snapshot: Snapshot | None = None
         self.newest = -1
         self._read: dict[str, Stored | chunk_reads.Deferred] = {}
+        # a batch check_columns read at once (its uids, their payloads), kept as the lists they are
+        # until something asks for one alone: `read_all` of those very uids copies the list
+        self._whole: tuple[Sequence[str], list[memoryview]] | None = None
 
     def check(self, grp: GroupView, recs: Mapping[str, MemberView]) -> list[Unservable]:
         """Read the payloads of a group's members (`recs`, those whose records are stored); the
@@ -158,11 +161,12 @@ class Payloads:
         time; `keys`, their payloads'): the index of each that cannot be served, and why. A payload
         the snapshot holds whole (most are) is read and checked here, any other as `check` reads it."""
         self._open_snapshot()
+        self._remember()
         snapshot, newest, blobs, read = self.snapshot, self.newest, self.tt.db["blobs"], self._read
         views = snapshot.get_all(keys, blobs) if snapshot is not None else [None] * len(keys)
         if chunk_reads.each_whole(views) and (not seqs or max(seqs) <= newest):  # mostly: checked at once
             stored = cast("list[memoryview]", views)  # each whole, so read
-            read.update(zip(uids, stored, strict=True))
+            self._whole = (uids, stored)
             return all_unservable(uids, advantages, sizes, digests, stored)
         whole = chunk_reads.all_whole(views)
         found: list[tuple[int, Unservable]] = []
@@ -179,11 +183,21 @@ class Payloads:
 
     def read(self, uid: str) -> Stored | chunk_reads.Deferred:
         """A payload `check` read."""
+        self._remember()
         return self._read[uid]
 
-    def read_all(self, uids: Iterable[str]) -> list[Stored | chunk_reads.Deferred]:
+    def read_all(self, uids: Sequence[str]) -> list[Stored | chunk_reads.Deferred]:
         """The payloads `check` or `check_columns` read of these experiences."""
+        if self._whole is not None and uids is self._whole[0]:  # the batch read at once (a take's)
+            return list(self._whole[1])
+        self._remember()
         return list(map(self._read.__getitem__, uids))
+
+    def _remember(self) -> None:
+        """The batch read at once, if any, among the payloads read one by one."""
+        if self._whole is not None:
+            self._read.update(zip(*self._whole, strict=True))
+            self._whole = None
 
     def _check(
         self, uid: str, key: bytes, seq: int, digest: bytes, size: int, advantage: float | None
@@ -219,5 +233,6 @@ class Payloads:
             if value is None:
                 return None
             blob = chunk_reads.resolve(value, key, chunk_reads.reader(self.tt.txn, self.tt.db))
+        self._remember()
         self._read[uid] = blob
         return blob

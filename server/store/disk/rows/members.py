@@ -182,6 +182,15 @@ class MemberBlock:
             return []
         return self._cut(*self._uid_range(lo, hi))
 
+    def keys(self, prefix: bytes, lo: int, hi: int) -> list[bytes]:
+        """The keys of members lo to hi's payloads in a table of `prefix`: each uid as stored after it,
+        cut and joined in one pass (a take's and a confirm's hundreds)."""
+        if hi <= lo:
+            return []
+        ends, joined = self._uid_range(lo, hi)
+        first = ends[0]
+        return [prefix + joined[a - first : b - first] for a, b in itertools.pairwise(ends)]
+
     def _uid_range(self, lo: int, hi: int) -> tuple[tuple[int, ...], bytes]:
         """The ends of members lo to hi's uids, and their bytes end to end (one copy out of the map)."""
         ends = struct.unpack_from(f"<{hi - lo + 1}I", self.data, self._uids + 4 * lo)
