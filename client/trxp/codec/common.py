@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 import struct
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Final
 
 from ...schema.experience import EID, RESPONSE_TENSOR_FIELDS
 
@@ -15,14 +15,14 @@ MAGIC = b"TRXP"
 VERSION = 1
 HEADER = struct.Struct("<4sBQQ")
 HEADER_SIZE = HEADER.size  # 21
-MM_PREFIX = "multi_modal_inputs:"
-SEGMENTS_KEY = "version_segments"  # where an experience's info carries its per-token versions (segments.py)
+MM_PREFIX: Final = "multi_modal_inputs:"
+SEGMENTS_KEY: Final = "version_segments"  # where an experience's info carries its per-token versions (segments.py)
 # LMDB keys hold table id + uid; keep uids well inside its 511-byte limit.
-MAX_UID_BYTES = 400
-MAX_NESTING = 32
-INT64_MAX = 2**63 - 1
+MAX_UID_BYTES: Final = 400
+MAX_NESTING: Final = 32
+INT64_MAX: Final = 2**63 - 1
 # The multi-step estimators compute run * (max step + 1) + step in int64.
-MAX_STEP = 2**31 - 1
+MAX_STEP: Final = 2**31 - 1
 # Decoding work is counted in steps (a pickle opcode, a reference in the metadata, a tensor
 # entry or dimension, a byte handed to a C parser); a payload may take at most WORK_PER_BYTE
 # steps per byte plus WORK_BASE. The checks stay far below it by design; the budget is the
@@ -41,7 +41,7 @@ UNBOUNDED = 1 << 62
 
 # safetensors dtype code -> item size. The order is safetensors' own Dtype order:
 # it writes tensors sorted by dtype descending, then by name.
-ITEMSIZE: dict[str, int] = {
+ITEMSIZE: Final[dict[str, int]] = {
     "BOOL": 1,
     "U8": 1,
     "I8": 1,
@@ -59,9 +59,9 @@ ITEMSIZE: dict[str, int] = {
     "U64": 8,
 }
 DTYPE_RANK = {code: rank for rank, code in enumerate(ITEMSIZE)}
-INTEGER_CODES = frozenset({"U8", "I8", "I16", "U16", "I32", "U32", "I64", "U64"})
-FLOAT_CODES = frozenset({"F8_E5M2", "F8_E4M3", "F16", "BF16", "F32", "F64"})
-FLOAT_FIELDS = frozenset(RESPONSE_TENSOR_FIELDS) - {"action_mask"}
+INTEGER_CODES: Final = frozenset({"U8", "I8", "I16", "U16", "I32", "U32", "I64", "U64"})
+FLOAT_CODES: Final = frozenset({"F8_E5M2", "F8_E4M3", "F16", "BF16", "F32", "F64"})
+FLOAT_FIELDS: Final = frozenset(RESPONSE_TENSOR_FIELDS) - {"action_mask"}
 
 # The struct format of each multi-byte dtype Python reads as numbers, in the machine's byte order as
 # torch.frombuffer reads them; BF16 is read as its 16 bits, sign bit apart.
@@ -76,7 +76,7 @@ NUMBER_FORMAT = {
     "U64": "Q",
     "F64": "d",
 }
-CONTAINERS = (dict, list, tuple)
+CONTAINERS: Final = (dict, list, tuple)
 SCALARS = (str, bytes, int, float, type(None))
 # The exact types of plain data, for the checks that look no closer at them (subclasses do).
 EXACT_CONTAINERS = frozenset(CONTAINERS)
@@ -119,7 +119,7 @@ class MetadataLimit:
     name: str
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, init=False)
 class RawTensor:
     """A tensor as safetensors stores it: dtype code, shape, little-endian bytes.
 
@@ -130,12 +130,19 @@ class RawTensor:
     shape: tuple[int, ...]
     data: bytes | memoryview
 
+    def __init__(self, dtype: str, shape: tuple[int, ...], data: bytes | memoryview) -> None:
+        """Written out rather than made by dataclass, whose __init__ is interpreted even where
+        mypyc compiles the class: a push makes one for each of its tensors."""
+        self.dtype = dtype
+        self.shape = shape
+        self.data = data
+
     @property
     def numel(self) -> int:
         return math.prod(self.shape)
 
 
-@dataclass
+@dataclass(init=False)
 class RawItem:
     """One experience as it travels: its metadata dict and raw tensors.
 
@@ -144,6 +151,11 @@ class RawItem:
 
     meta: dict[str, Any]
     tensors: dict[str, RawTensor]
+
+    def __init__(self, meta: dict[str, Any], tensors: dict[str, RawTensor]) -> None:
+        """Written out, as RawTensor's is: a push makes one for each of its experiences."""
+        self.meta = meta
+        self.tensors = tensors
 
     @property
     def eid(self) -> EID:
