@@ -8,6 +8,7 @@ from __future__ import annotations
 import pickletools
 import re
 from dataclasses import dataclass
+from typing import Final
 
 from .common import TrxpError, Work
 
@@ -52,7 +53,13 @@ _CLOSES = (_FROM_MARK, _DICT, _APPENDS, _SETITEMS, _POP_MARK)  # opcodes that ta
 # BINGET (a memoized key, mostly), MEMOIZE, a value of a fixed size (NONE, BININT1, BINFLOAT,
 # an empty container), a short str or bytes, MARK, and what closes a MARK. _KIND[code] is 0
 # for every other byte (the general path); _STEP[code] is the size of a fixed-size opcode.
-_K_GET1, _K_MEMOIZE, _K_VALUE, _K_SHORT_KEY, _K_KEY, _K_MARK, _K_CLOSE = range(1, 8)
+_K_GET1: Final = 1  # each a Final int, which compiled code compares without looking it up
+_K_MEMOIZE: Final = 2
+_K_VALUE: Final = 3
+_K_SHORT_KEY: Final = 4
+_K_KEY: Final = 5
+_K_MARK: Final = 6
+_K_CLOSE: Final = 7
 _KIND = [0] * 256
 _STEP = [0] * 256
 _EFFECT = [-1] * 256  # a plain opcode's stack effect; -1 for every other byte
