@@ -71,3 +71,33 @@ def test_a_shared_empty_field_passes_within_the_steps_the_walk_counts() -> None:
     work = trxp.Work(1)  # one step: the list, counted at its first reference
     checks.Shape(work, 1 << 40, check_keys=True).item(0, "u", item)
     assert work.used == 1
+
+
+@pytest.mark.parametrize("value", [(1 << 62) - 1, 1 << 62, -(1 << 62) + 1, -(1 << 62), 2**63 - 1, -(2**63)])
+def test_plain_uid_leaves_ints_past_a_machine_word_to_the_detailed_checks(value: int) -> None:
+    """_plain_uid takes ints compiled code compares in a word; the rest of int64 still passes, in detail."""
+    for part in ("batch", "task", "run"):
+        number = min(abs(value), 2**63 - 1) if part == "run" else value  # run: 0 to 2**63 - 1
+        eid = {"batch": 1, "task": 2, "run": 3, "step": 4, "suffix": "s", part: number}
+        plain = checks._plain_uid(eid)
+        assert plain is None if abs(number) >= (1 << 62) else plain == EID(**eid).uid
+        assert checks._check_eid(0, eid) == _detailed(eid) == EID(**eid).uid
+
+
+def test_an_empty_container_deeper_than_the_nesting_limit_is_refused_wherever_met_first() -> None:
+    """Empty containers are counted apart from the others; depth still bounds each reference."""
+    empty: list[Any] = []
+    deep: list[Any] = [empty]
+    for _ in range(32):
+        deep = [deep]
+    for item in ({"a": empty, "b": deep}, {"b": deep, "a": empty}, {"b": [empty], "c": deep}):
+        with pytest.raises(TrxpError, match="nested deeper than 32 levels"):
+            checks.Shape(trxp.Work(1 << 40), 1 << 40, check_keys=True).item(0, "u", item)
+
+
+def test_a_field_name_measured_once_is_measured_as_the_detailed_walk_measures_it() -> None:
+    """Field names are measured once a payload (ASCII: a byte a character; other text: at most 4)."""
+    shape = checks.Shape(trxp.Work(1 << 40), 1 << 40, check_keys=True)
+    for index in range(3):
+        shape.item(index, "u", {"é": None, "ab": 1.0, b"raw": None})
+    assert shape.size == 3 * ((5 + 4) + 9 + (5 + 2) + 9 + (5 + 3) + 9)

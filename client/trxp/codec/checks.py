@@ -8,14 +8,13 @@ from __future__ import annotations
 import math
 import sys
 from collections.abc import Collection, Iterable, Sequence
-from typing import Any
+from typing import Any, Final
 
 from ...schema.experience import EID, EID_PARTS, RESPONSE_TENSOR_FIELDS, TOKEN_TENSOR_FIELDS
 from . import partial
 from . import segments as version_segments
 from .common import (
     CONTAINERS,
-    EXACT_CONTAINERS,
     EXPANSION_BASE,
     EXPANSION_PER_BYTE,
     FLOAT_CODES,
@@ -28,6 +27,7 @@ from .common import (
     MAX_UID_BYTES,
     MM_PREFIX,
     SCALARS,
+    SEGMENTS_KEY,
     MetadataLimit,
     RawItem,
     RawTensor,
@@ -128,6 +128,8 @@ class Shape:
         self.containers_of = containers_of
         self.size = 0  # of every item measured so far
         self.known: dict[int, tuple[int, int]] = {}  # id -> (height, size), or _OPEN while being measured
+        self.empties: set[int] = set()  # ids of the empty containers met
+        self.names: dict[str, int] = {}  # the size of each field name met
 
     def item(self, index: int, uid: str, item: dict[Any, Any]) -> None:
         """Measure every field of an item, counting it towards the payload's expansion bound."""
@@ -135,28 +137,29 @@ class Shape:
             item = {
                 name: value for name in self.containers_of if isinstance(value := item.get(name), CONTAINERS) and value
             }
-        total, max_size, work, known = self.size, self.max_size, self.work, self.known
+        total, max_size, names = self.size, self.max_size, self.names
         for name, value in item.items():
-            kind = type(value)
-            try:  # the commonest fields inline: None, numbers, plain text, containers
-                if value is None or kind is float:
+            try:  # the commonest fields inline: None, numbers, plain text, empty and other containers
+                if value is None or type(value) is float:
                     size = 9
-                elif kind is int:
+                elif type(value) is int:
                     size = 6 + value.bit_length() // 8
-                elif kind is str and value.isascii():
+                elif type(value) is str and value.isascii():
                     size = 5 + len(value)
-                elif kind in EXACT_CONTAINERS and not value:  # counted at its first reference, as _container does
+                elif (type(value) is dict or type(value) is list or type(value) is tuple) and not value:
                     size = _EMPTY[1]
-                    if id(value) not in known:
-                        known[id(value)] = _EMPTY
-                        work.used += 1
-                        if work.used > work.limit:
-                            work.charge(0)
+                    self._count_empty(id(value))
                 elif isinstance(value, CONTAINERS):
                     size = self._container(value, 0)[1]
                 else:
                     size = _scalar_size(value)
-                total += size + (5 + len(name) if type(name) is str and name.isascii() else _scalar_size(name))
+                if type(name) is str:  # a field's name, the same str in every item: measured once
+                    name_size = names.get(name)
+                    if name_size is None:
+                        name_size = names[name] = _scalar_size(name)
+                    total += size + name_size
+                else:
+                    total += size + _scalar_size(name)
             except TrxpError as exc:
                 raise TrxpError(f"{_item_where(index, uid)}: field {show(name)}: {exc}") from None
             if total > max_size:
@@ -174,6 +177,11 @@ class Shape:
 
     def _container(self, value: dict[Any, Any] | list[Any] | tuple[Any, ...], depth: int) -> tuple[int, int]:
         key = id(value)
+        if not value:
+            if depth > MAX_NESTING:
+                raise TrxpError(f"nested deeper than {MAX_NESTING} levels (or cyclic)")
+            self._count_empty(key)
+            return _EMPTY
         known = self.known.get(key)
         if known is None:
             if depth > MAX_NESTING:
@@ -182,28 +190,31 @@ class Shape:
             work.used += 1 + len(value)
             if work.used > work.limit:
                 work.charge(0)
-            if not value:
-                self.known[key] = _EMPTY
-                return _EMPTY
-            self.known[key] = _OPEN
             size = _EMPTY[1]
             children: Iterable[Any] = value
             if isinstance(value, dict):
                 if self.check_keys and not all(isinstance(k, (str, bytes)) for k in value):
                     raise TrxpError("dict keys must be str or bytes")
+                names = self.names
                 for name in value:
-                    size += 5 + (len(name) if name.isascii() else 4 * len(name))
+                    name_size = names.get(name) if type(name) is str else None
+                    if name_size is None:
+                        name_size = _scalar_size(name)
+                        if type(name) is str:
+                            names[name] = name_size
+                    size += name_size
                 children = value.values()
-            height = 1
+            height, opened = 1, False  # marked open before the first container inside is measured
             for child in children:
-                kind = type(child)
-                if kind is str:  # the common cases inline
+                if type(child) is str:  # the common cases inline
                     size += 5 + (len(child) if child.isascii() else 4 * len(child))
-                elif kind is int:
+                elif type(child) is int:
                     size += 6 + child.bit_length() // 8
-                elif kind is float or kind is bool or child is None:
+                elif type(child) is float or type(child) is bool or child is None:
                     size += 9
                 elif isinstance(child, CONTAINERS):
+                    if not opened:
+                        self.known[key], opened = _OPEN, True
                     child_height, child_size = self._container(child, depth + 1)
                     height = max(height, child_height + 1)
                     size += child_size
@@ -216,11 +227,23 @@ class Shape:
             raise TrxpError(f"nested deeper than {MAX_NESTING} levels (or cyclic)")
         return known
 
+    def _count_empty(self, key: int) -> None:
+        """Count the step of the empty container of id `key` at its first reference only: it holds
+        nothing to measure, so it is kept apart from `known`, which would make a tuple of it."""
+        empties = self.empties
+        count = len(empties)
+        empties.add(key)
+        if len(empties) != count:
+            work = self.work
+            work.used += 1
+            if work.used > work.limit:
+                work.charge(0)
+
 
 # What a container being measured counts as when met again: a cycle, refused as too deep.
-_OPEN = (MAX_NESTING + 1, 0)
+_OPEN: Final = (MAX_NESTING + 1, 0)
 # An empty container: no height, and EMPTY_LIST (or dict), MARK, APPENDS (or SETITEMS).
-_EMPTY = (0, 3)
+_EMPTY: Final = (0, 3)
 
 
 def _scalar_size(value: Any) -> int:
@@ -236,14 +259,15 @@ def _scalar_size(value: Any) -> int:
     raise TrxpError(f"{type(value).__name__} is not plain data")
 
 
-EID_KEYS = frozenset(EID_PARTS)  # an eid dict's keys, as a set
+EID_KEYS: Final = frozenset(EID_PARTS)  # an eid dict's keys, as a set
 _INT64_BOUNDS = "-2**63, 2**63 - 1"
-_FLOAT_MAX = sys.float_info.max
+_FLOAT_MAX: Final = sys.float_info.max
 # float32's largest finite value: the bound of a reward (advantages are float32).
-FLOAT32_MAX = 3.4028234663852886e38
+FLOAT32_MAX: Final = 3.4028234663852886e38
 
 
-_INT64_MIN = -(2**63)
+# The ints _plain_uid takes without a closer look: those compiled code compares in a machine word.
+_PLAIN_INT: Final = (1 << 62) - 1
 
 
 def _plain_uid(eid: Any) -> str | None:
@@ -258,15 +282,18 @@ def _plain_uid(eid: Any) -> str | None:
         return None
     if not (
         type(run) is int
-        and 0 <= run <= INT64_MAX
+        and 0 <= run <= _PLAIN_INT
         and type(step) is int
         and 0 <= step <= MAX_STEP
         and type(suffix) is str
-        and (type(batch) is str or (type(batch) is int and _INT64_MIN <= batch <= INT64_MAX))
-        and (type(task) is str or (type(task) is int and _INT64_MIN <= task <= INT64_MAX))
+        and (type(batch) is str or (type(batch) is int and -_PLAIN_INT <= batch <= _PLAIN_INT))
+        and (type(task) is str or (type(task) is int and -_PLAIN_INT <= task <= _PLAIN_INT))
     ):
         return None
-    uid = f"{batch}/{task}/{run}/{step}/{suffix}"
+    # Each part written as str() writes it, an int's known to be one (compiled code writes it faster).
+    batch_text = str(batch) if type(batch) is int else batch
+    task_text = str(task) if type(task) is int else task
+    uid = f"{batch_text}/{task_text}/{run}/{step}/{suffix}"
     if len(uid) > MAX_UID_BYTES or not uid.isascii() or uid.count("/") != 4 or "\0" in uid:
         return None
     return uid
@@ -330,17 +357,16 @@ def check_meta(index: int, item: Any, shape: Shape) -> None:
         raise TrxpError(f"item {index}: expected a dict, got {type(item).__name__}")
     uid = _check_eid(index, item.get("eid"))
     shape.item(index, uid, item)
-    get = item.get
-    reward = get("reward")
+    reward = item.get("reward")
     if reward is not None and not (type(reward) is float and -FLOAT32_MAX <= reward <= FLOAT32_MAX):
         _reward(_item_where(index, uid), reward)
-    prompt_length = get("prompt_length", 1)
+    prompt_length = item.get("prompt_length", 1)
     if type(prompt_length) is not int or not 0 <= prompt_length <= INT64_MAX:
         _in_range(_item_where(index, uid), "prompt_length", prompt_length, 0, INT64_MAX, "0, 2**63 - 1")
-    for name in ("info", "metrics"):
-        if not isinstance(get(name, {}), dict):
+    for name in _DICT_FIELDS:
+        if not isinstance(item.get(name, _ABSENT), dict):
             raise TrxpError(f"{_item_where(index, uid)}: field '{name}' must be a dict")
-    info = get("info")
+    info = item.get("info")
     if info:
         version = info.get("model_version")
         if version is not None and not (type(version) is int and 0 <= version <= INT64_MAX):
@@ -350,13 +376,13 @@ def check_meta(index: int, item: Any, shape: Shape) -> None:
             _number(_item_where(index, uid), "info.priority", priority)
         if "partial" in info or "partial_offset" in info:
             partial.check(_item_where(index, uid), item)
-    for name in ("truncate_status", "response_text", "prompt_text"):
-        if get(name) is not None and not isinstance(item[name], str):
+    for name in _TEXT_FIELDS:
+        if item.get(name) is not None and not isinstance(item[name], str):
             raise TrxpError(f"{_item_where(index, uid)}: field '{name}' must be a str or None")
-    for name in ("messages", "tools", "chosen_messages", "rejected_messages"):
-        if get(name) is not None and not isinstance(item[name], list):
+    for name in _LIST_FIELDS:
+        if item.get(name) is not None and not isinstance(item[name], list):
             raise TrxpError(f"{_item_where(index, uid)}: field '{name}' must be a list or None")
-    custom = get("custom_fields", [])
+    custom = item.get("custom_fields", _NONE_LISTED)
     if not isinstance(custom, list) or (
         custom
         and not all(
@@ -368,7 +394,7 @@ def check_meta(index: int, item: Any, shape: Shape) -> None:
         raise TrxpError(
             f"{_item_where(index, uid)}: field 'custom_fields' must be a list of source/destination/data_type strings"
         )
-    keys = get("multi_modal_input_keys", [])
+    keys = item.get("multi_modal_input_keys", _NONE_LISTED)
     if not isinstance(keys, list) or (keys and not all(isinstance(k, str) and _is_utf8(k) for k in keys)):
         raise TrxpError(
             f"{_item_where(index, uid)}: field 'multi_modal_input_keys' must be a list of str "
@@ -380,6 +406,15 @@ def check_meta(index: int, item: Any, shape: Shape) -> None:
         shape.work.charge(len(custom) + len(keys))
 
 
+# The fields check_meta checks by kind, and what it reads for a field that is not there: a dict, a
+# list (never changed; one for every item, not one made for each).
+_DICT_FIELDS: Final[tuple[str, ...]] = ("info", "metrics")
+_TEXT_FIELDS: Final[tuple[str, ...]] = ("truncate_status", "response_text", "prompt_text")
+_LIST_FIELDS: Final[tuple[str, ...]] = ("messages", "tools", "chosen_messages", "rejected_messages")
+_ABSENT: Final[dict[str, Any]] = {}
+_NONE_LISTED: Final[list[Any]] = []
+
+
 def _item_where(index: int, uid: str) -> str:
     """How a message names an item, made only when a check fails."""
     return f"item {index} (uid {clip(uid)})"
@@ -388,19 +423,19 @@ def _item_where(index: int, uid: str) -> str:
 def check_tensors(index: int, item: RawItem, work: Work) -> None:
     """Validate the tensors of one item against its metadata."""
     meta, tensors = item.meta, item.tensors
-    keys = meta.get("multi_modal_input_keys", [])
+    keys = meta.get("multi_modal_input_keys", _NONE_LISTED)
     work.charge(len(keys) + len(tensors))
     for key in keys:
         if MM_PREFIX + key not in tensors:
             raise TrxpError(f"{_where(index, item)}: multi-modal input {show(key)} is listed but has no tensor")
-    listed = set(keys)
+    listed = set(keys) if keys else _NONE
     for name in tensors:
         if name.startswith(MM_PREFIX) and name[len(MM_PREFIX) :] not in listed:
             raise TrxpError(f"{_where(index, item)}: tensor {show(name)} is not listed in multi_modal_input_keys")
     tokens = tensors.get("tokens")
     if tokens is None:
         raise TrxpError(f"{_where(index, item)}: field 'tokens' is missing")
-    for name in TOKEN_TENSOR_FIELDS:
+    for name in _TOKEN_FIELDS:
         tensor = tensors.get(name)
         if tensor is None:
             continue
@@ -418,11 +453,11 @@ def check_tensors(index: int, item: RawItem, work: Work) -> None:
             f"{_where(index, item)}: field 'prompt_length' is {prompt_length}, more than the {numel} tokens"
         )
     response_length = numel - prompt_length
-    segments = meta.get("info", {}).get(version_segments.KEY)
+    segments = meta.get("info", _ABSENT).get(SEGMENTS_KEY)
     if segments is not None:
         work.charge(len(segments) if isinstance(segments, (list, tuple)) else 1)
         version_segments.check(_where(index, item), segments, response_length)
-    for name in RESPONSE_TENSOR_FIELDS:
+    for name in _RESPONSE_FIELDS:
         tensor = tensors.get(name)
         if tensor is None:
             continue
@@ -473,6 +508,11 @@ def not_finite(tensor: RawTensor) -> bool:
         return True
     rest = bytes(data[low::size]).translate(_ALL_SET[low_mask])
     return int.from_bytes(flagged, "little") & int.from_bytes(rest, "little") != 0
+
+
+_TOKEN_FIELDS: Final[tuple[str, ...]] = TOKEN_TENSOR_FIELDS
+_RESPONSE_FIELDS: Final[tuple[str, ...]] = RESPONSE_TENSOR_FIELDS
+_NONE: Final[frozenset[str]] = frozenset()
 
 
 def _where(index: int, item: RawItem) -> str:
