@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import itertools
+import json
+import struct
 from typing import Any
 
 import pytest
 
 from expbuf.client import EID, trxp
 from expbuf.client.trxp import TrxpError
-from expbuf.client.trxp.codec import checks
+from expbuf.client.trxp.codec import checks, parse
 
 _VALUES: list[Any] = [0, 7, -1, 2**63 - 1, -(2**63), 2**63, 2**31, True, 1.5, "", "a", "3/eval", "é", "x\0", "a" * 400]
 
@@ -82,6 +84,95 @@ def test_plain_uid_leaves_ints_past_a_machine_word_to_the_detailed_checks(value:
         plain = checks._plain_uid(eid)
         assert plain is None if abs(number) >= (1 << 62) else plain == EID(**eid).uid
         assert checks._check_eid(0, eid) == _detailed(eid) == EID(**eid).uid
+
+
+def _entry_outcome(check: Any, entry: Any, data_len: int) -> tuple[Any, ...] | str:
+    """What an entry check makes of a safetensors header entry (its span and the work it took), or
+    its refusal's message."""
+    work = trxp.Work(1 << 40)
+    try:
+        return (*check(entry, data_len, work), work.used)
+    except TrxpError as exc:
+        return f"refused: {exc}"
+
+
+def _checked(entry: Any, data_len: int, work: trxp.Work) -> Any:
+    """_parse_entry's detailed checks alone, as it passes them an entry."""
+    dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
+    itemsize = parse.ITEMSIZE.get(dtype) if type(dtype) is str else None
+    return parse._checked_entry("0:tokens", dtype, shape, offsets, itemsize, data_len, work)
+
+
+# Entries beside the common one ({"dtype": "I32", "shape": [4], "data_offsets": [0, 16]} of 16 bytes):
+# each misses the fast path's form by one thing.
+_NEAR_MISSES: list[dict[str, Any]] = [
+    {"shape": [0], "data_offsets": [0, 0]},
+    {"shape": [0], "data_offsets": [0, 16]},
+    {"shape": [True], "data_offsets": [0, 4]},
+    {"shape": [4.0]},
+    {"shape": [-4]},
+    {"shape": [4, 1]},
+    {"shape": [2, 2]},
+    {"shape": []},
+    {"shape": [17], "data_offsets": [0, 68]},
+    {"shape": [2**62]},
+    {"shape": (4,)},
+    {"shape": "4"},
+    {"data_offsets": [0, 17]},
+    {"data_offsets": [-4, 12]},
+    {"data_offsets": [4, 20]},
+    {"data_offsets": [16, 0]},
+    {"data_offsets": [0.0, 16]},
+    {"data_offsets": [0, True]},
+    {"data_offsets": [0, 16, 32]},
+    {"data_offsets": [0]},
+    {"data_offsets": None},
+    {"dtype": "I33"},
+    {"dtype": 4},
+    {"dtype": "I64"},
+    {"dtype": "BOOL", "data_offsets": [0, 4]},
+]
+
+
+@pytest.mark.parametrize("change", _NEAR_MISSES, ids=[str(change) for change in _NEAR_MISSES])
+def test_a_header_entry_that_misses_the_fast_path_gets_the_detailed_checks(change: dict[str, Any]) -> None:
+    entry = {"dtype": "I32", "shape": [4], "data_offsets": [0, 16], **change}
+    fast = _entry_outcome(lambda entry, size, work: parse._parse_entry("0:tokens", entry, size, work), entry, 16)
+    assert fast == _entry_outcome(_checked, entry, 16)
+    plain = {"dtype": "I32", "shape": [4], "data_offsets": [0, 16]}
+    assert _entry_outcome(_checked, plain, 16) == (0, 16, "I32", (4,), "0:tokens", 2)
+
+
+def _blob(entries: dict[str, dict[str, Any]], data_len: int) -> memoryview:
+    header = json.dumps(entries, separators=(",", ":")).encode()
+    return memoryview(struct.pack("<Q", len(header)) + header + bytes(data_len))
+
+
+@pytest.mark.parametrize("order", list(itertools.permutations(range(3))))
+def test_spans_come_in_the_data_order_whatever_the_header_order(order: tuple[int, ...]) -> None:
+    """The header's order is taken as it is only where it is the data's, no tensor empty; any other
+    is sorted, zero-length tensors at one offset by dtype, shape and key as sorted() orders them."""
+    entries = [
+        ("0:tokens", {"dtype": "I32", "shape": [2], "data_offsets": [0, 8]}),
+        ("0:logprobs", {"dtype": "F32", "shape": [0], "data_offsets": [8, 8]}),
+        ("0:action_mask", {"dtype": "BOOL", "shape": [0], "data_offsets": [8, 8]}),
+    ]
+    shuffled = dict(entries[index] for index in order)
+    spans = parse._spans(_blob(shuffled, 8), 8, trxp.Work(1 << 40))
+    assert spans == sorted(
+        (entry["data_offsets"][0], entry["data_offsets"][1], entry["dtype"], tuple(entry["shape"]), key)
+        for key, entry in shuffled.items()
+    )
+
+
+def test_spans_out_of_the_data_order_are_refused_as_sorted() -> None:
+    """A gap is named at the tensor that follows it in the data, not in the header."""
+    shuffled = {
+        "0:logprobs": {"dtype": "F32", "shape": [1], "data_offsets": [12, 16]},
+        "0:tokens": {"dtype": "I32", "shape": [2], "data_offsets": [0, 8]},
+    }
+    with pytest.raises(TrxpError, match=r"'0:logprobs' starts at byte 12, expected 8 \(gap or overlap\)"):
+        parse._spans(_blob(shuffled, 16), 16, trxp.Work(1 << 40))
 
 
 def test_an_empty_container_deeper_than_the_nesting_limit_is_refused_wherever_met_first() -> None:

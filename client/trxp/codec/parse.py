@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import pickle
 import struct
-from typing import Any
+from typing import Any, Final
 
 from ...schema.experience import TENSOR_FIELDS
 from .checks import Shape, check_meta, check_tensors, clip, is_int, show, show_list
@@ -98,12 +98,12 @@ def parse_head(
     shape = Shape(work, EXPANSION_PER_BYTE * received + EXPANSION_BASE, check_keys=False, limit=limit)
     items = _load_items(view[HEADER_SIZE : HEADER_SIZE + meta_len], trusted=False, work=work, shape=shape)
     blob = view[HEADER_SIZE + meta_len :]
-    spans = _spans(blob, size - HEADER_SIZE - meta_len - len(blob), work)
+    entries = _spans(blob, size - HEADER_SIZE - meta_len - len(blob), work)
     empty = memoryview(b"")
-    tensors = {key: RawTensor(dtype, dims, empty) for _, _, dtype, dims, key in spans}
+    tensors = {key: RawTensor(dtype, dims, empty) for _, _, dtype, dims, key in entries}
     raw = _items(items, tensors, False, work)
     places = []
-    for start, end, _, _, key in spans:
+    for start, end, _, _, key in entries:
         index, name = _split_tensor_key(key, len(items))
         places.append((start, end, index, name))
     return raw, places
@@ -197,9 +197,9 @@ def _spans(blob: memoryview, data_len: int, work: Work) -> list[tuple[int, int, 
         raise TrxpError(f"tensors: safetensors header is not valid JSON ({clip(str(exc))})") from None
     if not isinstance(header, dict):
         raise TrxpError("tensors: safetensors header is not a JSON object")
-    spans = sorted(
-        (*_parse_entry(key, entry, data_len, work), key) for key, entry in header.items() if key != "__metadata__"
-    )
+    spans = [_parse_entry(key, entry, data_len, work) for key, entry in header.items() if key != "__metadata__"]
+    if not _in_order(spans):
+        spans.sort()
     cursor = 0
     for start, end, _, _, key in spans:
         if start != cursor:
@@ -210,8 +210,19 @@ def _spans(blob: memoryview, data_len: int, work: Work) -> list[tuple[int, int, 
     return spans
 
 
-def _parse_entry(key: str, entry: Any, data_len: int, work: Work) -> tuple[int, int, str, tuple[int, ...]]:
-    """Check one safetensors header entry; return (start, end, dtype, shape). JSON makes no
+def _in_order(spans: list[tuple[int, int, str, tuple[int, ...], str]]) -> bool:
+    """Whether spans are already as sorted() orders them: each starting where the one before ends and
+    none empty (so each starts past the one before), the data's order as a client writes the header."""
+    cursor = 0
+    for start, end, _, _, _ in spans:
+        if start != cursor or end == start:
+            return False
+        cursor = end
+    return True
+
+
+def _parse_entry(key: str, entry: Any, data_len: int, work: Work) -> tuple[int, int, str, tuple[int, ...], str]:
+    """Check one safetensors header entry; return (start, end, dtype, shape, key). JSON makes no
     subclasses, so `type(x) is int` is an int that is not a bool."""
     if type(entry) is not dict:
         raise TrxpError(f"tensors: {show(key)} entry is not an object")
@@ -220,10 +231,29 @@ def _parse_entry(key: str, entry: Any, data_len: int, work: Work) -> tuple[int, 
     shape: Any = entry.get("shape")
     offsets: Any = entry.get("data_offsets")
     itemsize = ITEMSIZE.get(dtype) if type(dtype) is str else None
+    if type(shape) is list and len(shape) == 1 and type(offsets) is list and len(offsets) == 2 and itemsize:
+        dim, start, end = shape[0], offsets[0], offsets[1]  # the common case: one dimension, not 0
+        if (
+            type(dim) is int
+            and type(start) is int
+            and type(end) is int
+            and 0 < dim <= data_len
+            and start >= 0
+            and end <= data_len
+            and end - start == dim * itemsize
+        ):
+            work.charge(2)
+            return start, end, dtype, (dim,), key
+    return _checked_entry(key, dtype, shape, offsets, itemsize, data_len, work)
+
+
+def _checked_entry(
+    key: str, dtype: Any, shape: Any, offsets: Any, itemsize: int | None, data_len: int, work: Work
+) -> tuple[int, int, str, tuple[int, ...], str]:
+    """_parse_entry's every check, in its order: each refusal names the first thing wrong."""
     if itemsize is None:
         raise TrxpError(f"tensors: {show(key)} has unsupported dtype {show(dtype)}")
-    one_dim = type(shape) is list and len(shape) == 1 and type(shape[0]) is int and shape[0] >= 0  # the common case
-    if not one_dim and (type(shape) is not list or not all(type(d) is int and d >= 0 for d in shape)):
+    if type(shape) is not list or not all(type(d) is int and d >= 0 for d in shape):
         shown = show_list(shape) if isinstance(shape, list) else show(shape)
         raise TrxpError(f"tensors: {show(key)} shape {shown} is not a list of non-negative ints")
     work.charge(1 + len(shape))
@@ -249,13 +279,13 @@ def _parse_entry(key: str, entry: Any, data_len: int, work: Work) -> tuple[int, 
         raise TrxpError(
             f"tensors: {show(key)} shape {show_list(shape)} of {dtype} needs {nbytes} bytes, offsets span {end - start}"
         )
-    return start, end, dtype, tuple(shape)
+    return start, end, dtype, tuple(shape), key
 
 
 # Item indices as Python writes them (ASCII digits, no sign or leading 0), the common ones
 # looked up rather than checked character by character.
-_INDICES = {str(index): index for index in range(1 << 12)}
-_TENSOR_FIELDS = frozenset(TENSOR_FIELDS)
+_INDICES: Final = {str(index): index for index in range(1 << 12)}
+_TENSOR_FIELDS: Final = frozenset(TENSOR_FIELDS)
 
 
 def _split_tensor_key(key: str, num_items: int) -> tuple[int, str]:
