@@ -151,7 +151,8 @@ def test_a_delete_naming_a_group_gone_or_complete_whose_entry_is_lost_removes_no
     (its place, which its segment still holds) is lost, removes nothing and counts no damage. One
     naming a member of that complete group, which deleted nothing and said so with a 0, is refused
     DATA_LOSS naming the group and `expbuf check` (which names it), as a records table's ready group
-    whose record is lost is; a uid the table does not hold, named beside 0/2's, is none of it."""
+    whose record is lost is; a uid the table does not hold, and a name that is no uid, named beside
+    0/2's, are none of it."""
     with Store(tmp_path, clock=Clock()) as store:
         store.create_table(TableConfig.of("t", layout="rows", **EIGHTS))
         store.put("t", [run(1, n) for n in range(8)] + [run(2, n) for n in range(3)])
@@ -165,7 +166,7 @@ def test_a_delete_naming_a_group_gone_or_complete_whose_entry_is_lost_removes_no
         assert "run `expbuf check`" in str(refused.value) and "Delete the group" not in str(refused.value)
         assert store.stats("t") == before
         assert store.verify("t") == ["group 0/1 of segment 0 has no directory entry naming it"]
-        assert store.delete("t", [uid(2, 0), uid(9, 0)]) == 1
+        assert store.delete("t", [uid(2, 0), uid(9, 0), "not/an/experience"]) == 1
 
 
 @pytest.mark.parametrize("table_layout", ["rows"], indirect=True)

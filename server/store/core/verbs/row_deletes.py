@@ -124,14 +124,16 @@ def delete(tt: TableState, uids: Sequence[str], group_ids: Sequence[str]) -> int
     keys: list[bytes] = []
     sizes: list[int] = []
     for uid in dict.fromkeys(targets):
-        gkey = uid_group_key(uid, by)
+        of = uid_group_key(uid, by)
+        if of is None:  # not an experience's uid: no member of the table's
+            continue
         try:
-            grp = touched(gkey)
+            grp = touched(of)
         except DamagedGroup:
             grp = None
-        if gkey not in found or (grp is None and _payload_stored(tt, uid)):
-            deleted += _remove_member_s_group(tt, gkey)
-            found[gkey] = None
+        if of not in found or (grp is None and _payload_stored(tt, uid)):
+            deleted += _remove_member_s_group(tt, of)
+            found[of] = None
             continue
         member = None if grp is None else grp.members.get(uid)
         if grp is None or member is None:
