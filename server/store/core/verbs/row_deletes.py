@@ -128,10 +128,10 @@ def delete(tt: TableState, uids: Sequence[str], group_ids: Sequence[str]) -> int
         if of is None:  # not an experience's uid: no member of the table's
             continue
         try:
-            grp = touched(of)
-        except DamagedGroup:
-            grp = None
-        if of not in found or (grp is None and _payload_stored(tt, uid)):
+            grp, cut = touched(of), False
+        except DamagedGroup:  # its head does not decode
+            grp, cut = None, True
+        if cut or (grp is None and _payload_stored(tt, uid)):
             deleted += _remove_member_s_group(tt, of)
             found[of] = None
             continue
