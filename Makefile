@@ -45,8 +45,8 @@ STAMP := $(VENV)/.expbuf-installed
 # it says so in one line and expbuf runs as pure Python. A compiled module is used only while it
 # matches its source (expbuf.client.native checks at import), so a stale one never shadows an edit.
 NATIVE_SOURCES := client/native_build.py client/trxp/codec/build.py client/trxp/codec/canonical.py \
-	client/trxp/codec/checks.py \
-	client/trxp/codec/common.py client/trxp/codec/parse.py client/trxp/codec/pickles.py
+	client/trxp/codec/checks.py client/trxp/codec/common.py client/trxp/codec/measure.py \
+	client/trxp/codec/parse.py client/trxp/codec/pickles.py client/trxp/codec/shown.py
 NATIVE_STAMP := $(VENV)/.expbuf-native
 # What `make test` runs a second time as pure Python (EXPBUF_PURE_PYTHON=1) where the compiled
 # modules are in use: what the compiled modules decide (the parse, check and fuzz tests, hostile

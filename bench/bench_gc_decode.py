@@ -46,9 +46,9 @@ from results import write_section  # noqa: E402
 
 from expbuf.client import BufferClient, trxp  # noqa: E402
 from expbuf.client.trxp.codec import convert  # noqa: E402
-from expbuf.client.trxp.codec.checks import Shape  # noqa: E402
 from expbuf.client.trxp.codec.common import UNBOUNDED, Work  # noqa: E402
 from expbuf.client.trxp.codec.convert import decode_reply  # noqa: E402
+from expbuf.client.trxp.codec.measure import Shape  # noqa: E402
 from expbuf.client.trxp.codec.parse import parse  # noqa: E402
 
 HEADING = "## A trainer's garbage collector and the decode (issue 32)"

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from expbuf.client import BufferClient, BufferError, decode, trxp
-from expbuf.client.trxp.codec.checks import FLOAT32_MAX
+from expbuf.client.trxp.codec.common import FLOAT32_MAX
 from expbuf.server.advantages.worker import AdvantageWorker
 from expbuf.server.config import load as load_config
 from expbuf.server.store import Store

@@ -14,7 +14,7 @@ import grpc
 import pytest
 
 from expbuf.client import EID, BufferClient, BufferError, TrxpError, decode, trxp
-from expbuf.client.trxp.codec.checks import FLOAT32_MAX
+from expbuf.client.trxp.codec.common import FLOAT32_MAX
 from expbuf.server.store import Store
 from expbuf.server.store.schema.table_config import TableConfig
 

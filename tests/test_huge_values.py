@@ -13,7 +13,7 @@ import grpc
 import pytest
 
 from expbuf.client import BufferClient, InvalidArgumentError, trxp
-from expbuf.client.trxp.codec.checks import FLOAT32_MAX
+from expbuf.client.trxp.codec.common import FLOAT32_MAX
 from expbuf.proto.v1 import buffer_pb2 as pb
 from expbuf.proto.v1 import buffer_pb2_grpc as pb_grpc
 from expbuf.server.app import ExpbufServer

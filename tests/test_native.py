@@ -32,7 +32,7 @@ from expbuf.client.trxp.codec import pickles as compiled_pickles
 
 ROOT = Path(__file__).resolve().parent.parent
 # package folder -> the modules client/native_build.py compiles there
-COMPILED = {"client/trxp/codec": ("build", "canonical", "checks", "common", "parse", "pickles")}
+COMPILED = {"client/trxp/codec": ("build", "canonical", "checks", "common", "measure", "parse", "pickles", "shown")}
 PACKAGES = {"client/trxp/codec": "expbuf.client.trxp.codec"}
 
 compiled_parse = sys.modules["expbuf.client.trxp.codec.parse"]

@@ -23,7 +23,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 # What a wheel is built from: the packaging files and the packages' folders (pyproject.toml's package-dir).
 SOURCES = ("pyproject.toml", "setup.py", "README.md", "client", "server", "proto")
-COMPILED = ("build", "canonical", "checks", "common", "parse", "pickles")
+COMPILED = ("build", "canonical", "checks", "common", "measure", "parse", "pickles", "shown")
 PAYLOADS = sorted([*(ROOT / "tests/fixtures/trxp").glob("*.trxp"), *(ROOT / "tests/fixtures/bad").glob("*.bin")])
 REQUIRE = "EXPBUF_REQUIRE_NATIVE"
 OBJECTS = "EXPBUF_NATIVE_OBJECTS"
@@ -52,7 +52,7 @@ def verdict(parse_module, data):
 ENTRY_POINTS = {entry_points!r}
 source = native.source_module("expbuf.client.trxp.codec.parse")
 payloads = [open(path, "rb").read() for path in sys.argv[1:]]
-modules = ("build", "canonical", "checks", "common", "parse", "pickles", "convert")
+modules = ("build", "canonical", "checks", "common", "measure", "parse", "pickles", "shown", "convert")
 print(json.dumps({
     "path": codec.__path__,
     "compiled": {module: native.compiled("expbuf.client.trxp.codec." + module) for module in modules},

@@ -20,7 +20,7 @@ The package's rooms, one format each (docs/internals/layout.md):
   metadata pickle's scan in pickles.py, its unpickler, the checks), the build, a payload read as
   it arrives (stream.py), Experience objects and torch tensors (convert.py, the only module that
   imports torch, and only when tensors are made), advantages on the bytes, version segments and
-  partial rollouts; parse, checks, pickles and common compiled with mypyc where built;
+  partial rollouts; parse, checks, pickles and common (and the modules they call) compiled with mypyc where built;
 - stored/: the payloads the server stored, read without a parse: a tensor section in pieces,
   batches spliced from them (join), the columns of a reply cut from them;
 - column_batch/: a push as columns (the ColumnBatch payload): made from a worker's tensors,

@@ -1,43 +1,35 @@
 """What later stages rely on, checked on every item: eids, numbers in range, metadata of
 bounded shape and size, tensors consistent with the metadata. Messages name the item and
-field and show at most MAX_SHOWN characters of any input.
+field and show at most MAX_SHOWN characters of any input (shown.py); the expansion bound's
+measure of the metadata is measure.py's.
 """
 
 from __future__ import annotations
 
 import math
 import sys
-from collections.abc import Collection, Iterable, Sequence
 from typing import Any, Final
 
 from ...schema.experience import EID, EID_PARTS, RESPONSE_TENSOR_FIELDS, TOKEN_TENSOR_FIELDS
 from . import partial
 from . import segments as version_segments
 from .common import (
-    CONTAINERS,
-    EXPANSION_BASE,
-    EXPANSION_PER_BYTE,
+    FLOAT32_MAX,
     FLOAT_CODES,
     FLOAT_FIELDS,
     INT64_MAX,
     INTEGER_CODES,
-    MAX_NESTING,
-    MAX_SHOWN,
     MAX_STEP,
     MAX_UID_BYTES,
     MM_PREFIX,
-    SCALARS,
     SEGMENTS_KEY,
-    MetadataLimit,
     RawItem,
     RawTensor,
     TrxpError,
     Work,
 )
-
-
-def is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+from .measure import Shape
+from .shown import is_int, item_where, show, show_list
 
 
 def _is_utf8(text: str) -> bool:
@@ -47,31 +39,6 @@ def _is_utf8(text: str) -> bool:
     except UnicodeEncodeError:
         return False
     return True
-
-
-def clip(text: str) -> str:
-    """Untrusted text cut for an error message, with its full length."""
-    return text if len(text) <= MAX_SHOWN else f"{text[:MAX_SHOWN]}… ({len(text)} chars)"
-
-
-def show(value: Any) -> str:
-    """An untrusted value rendered for an error message in bounded length and time."""
-    if isinstance(value, str):
-        return repr(value) if len(value) <= MAX_SHOWN else f"{value[:MAX_SHOWN]!r}… ({len(value)} chars)"
-    if isinstance(value, bytes):
-        return repr(value) if len(value) <= MAX_SHOWN else f"{value[:MAX_SHOWN]!r}… ({len(value)} bytes)"
-    if is_int(value) and value.bit_length() > 128:
-        return f"an int of {value.bit_length()} bits"  # its decimal form would take quadratic time
-    if isinstance(value, (int, float, type(None))):
-        return repr(value)
-    if isinstance(value, CONTAINERS):
-        return f"a {type(value).__name__} of {len(value)} entries"
-    return f"a {type(value).__name__}"
-
-
-def show_list(values: Sequence[Any]) -> str:
-    shown = ", ".join(show(v) for v in values[:8])
-    return f"[{shown}{', …' if len(values) > 8 else ''}]"
 
 
 def _in_range(where: str, field: str, value: Any, low: int, high: int, bounds: str) -> None:
@@ -103,168 +70,9 @@ def _reward(where: str, value: Any) -> None:
         )
 
 
-class Shape:
-    """Measures item metadata, each container once (by id): nesting depth and the bytes it
-    takes written out in full, as the store packs each experience (shared references
-    expanded). Walking the data as a tree would cost exponential time for memo references
-    shared at every level; here the steps are the references present, which the pickle
-    spent at least a byte on each."""
-
-    def __init__(
-        self,
-        work: Work,
-        max_size: int,
-        *,
-        check_keys: bool,
-        containers_of: Collection[str] | None = None,
-        limit: MetadataLimit | None = None,
-    ) -> None:
-        self.work = work
-        self.max_size = max_size
-        self.limit = limit  # of each item's own size, beside max_size's of them all
-        self.check_keys = check_keys  # not needed after the pickle scan, which refused other keys
-        # Only the non-empty containers among these fields are measured: for the caller's own
-        # experiences, whose other fields check_meta checks part by part.
-        self.containers_of = containers_of
-        self.size = 0  # of every item measured so far
-        self.known: dict[int, tuple[int, int]] = {}  # id -> (height, size), or _OPEN while being measured
-        self.empties: set[int] = set()  # ids of the empty containers met
-        self.names: dict[str, int] = {}  # the size of each field name met
-
-    def item(self, index: int, uid: str, item: dict[Any, Any]) -> None:
-        """Measure every field of an item, counting it towards the payload's expansion bound."""
-        if self.containers_of is not None:
-            item = {
-                name: value for name in self.containers_of if isinstance(value := item.get(name), CONTAINERS) and value
-            }
-        total, max_size, names = self.size, self.max_size, self.names
-        for name, value in item.items():
-            try:  # the commonest fields inline: None, numbers, plain text, empty and other containers
-                if value is None or type(value) is float:
-                    size = 9
-                elif type(value) is int:
-                    size = 6 + value.bit_length() // 8
-                elif type(value) is str and value.isascii():
-                    size = 5 + len(value)
-                elif (type(value) is dict or type(value) is list or type(value) is tuple) and not value:
-                    size = _EMPTY[1]
-                    self._count_empty(id(value))
-                elif isinstance(value, CONTAINERS):
-                    size = self._container(value, 0)[1]
-                else:
-                    size = _scalar_size(value)
-                if type(name) is str:  # a field's name, the same str in every item: measured once
-                    name_size = names.get(name)
-                    if name_size is None:
-                        name_size = names[name] = _scalar_size(name)
-                    total += size + name_size
-                else:
-                    total += size + _scalar_size(name)
-            except TrxpError as exc:
-                raise TrxpError(f"{_item_where(index, uid)}: field {show(name)}: {exc}") from None
-            if total > max_size:
-                raise TrxpError(
-                    f"{_item_where(index, uid)}: field {show(name)}: metadata expands to more than {max_size} bytes "
-                    f"when shared references are written out ({EXPANSION_PER_BYTE} per payload byte + {EXPANSION_BASE})"
-                )
-        limit = self.limit
-        if limit is not None and total - self.size > limit.size:
-            raise TrxpError(
-                f"{_item_where(index, uid)}: its metadata takes {total - self.size} bytes written out, more than "
-                f"{limit.name}"
-            )
-        self.size = total
-
-    def _container(self, value: dict[Any, Any] | list[Any] | tuple[Any, ...], depth: int) -> tuple[int, int]:
-        key = id(value)
-        if not value:
-            if depth > MAX_NESTING:
-                raise TrxpError(f"nested deeper than {MAX_NESTING} levels (or cyclic)")
-            self._count_empty(key)
-            return _EMPTY
-        known = self.known.get(key)
-        if known is None:
-            if depth > MAX_NESTING:
-                raise TrxpError(f"nested deeper than {MAX_NESTING} levels (or cyclic)")
-            work = self.work
-            work.used += 1 + len(value)
-            if work.used > work.limit:
-                work.charge(0)
-            size = _EMPTY[1]
-            children: Iterable[Any] = value
-            if isinstance(value, dict):
-                if self.check_keys and not all(isinstance(k, (str, bytes)) for k in value):
-                    raise TrxpError("dict keys must be str or bytes")
-                names = self.names
-                for name in value:
-                    name_size = names.get(name) if type(name) is str else None
-                    if name_size is None:
-                        name_size = _scalar_size(name)
-                        if type(name) is str:
-                            names[name] = name_size
-                    size += name_size
-                children = value.values()
-            height, opened = 1, False  # marked open before the first container inside is measured
-            for child in children:
-                if type(child) is str:  # the common cases inline
-                    size += 5 + (len(child) if child.isascii() else 4 * len(child))
-                elif type(child) is int:
-                    size += 6 + child.bit_length() // 8
-                elif type(child) is float or type(child) is bool or child is None:
-                    size += 9
-                elif isinstance(child, CONTAINERS):
-                    if not opened:
-                        self.known[key], opened = _OPEN, True
-                    child_height, child_size = self._container(child, depth + 1)
-                    height = max(height, child_height + 1)
-                    size += child_size
-                    if size > self.max_size:
-                        break  # refused by the caller; no need to add up the rest
-                else:
-                    size += _scalar_size(child)
-            self.known[key] = known = (height, size)
-        if depth + known[0] > MAX_NESTING:
-            raise TrxpError(f"nested deeper than {MAX_NESTING} levels (or cyclic)")
-        return known
-
-    def _count_empty(self, key: int) -> None:
-        """Count the step of the empty container of id `key` at its first reference only: it holds
-        nothing to measure, so it is kept apart from `known`, which would make a tuple of it."""
-        empties = self.empties
-        count = len(empties)
-        empties.add(key)
-        if len(empties) != count:
-            work = self.work
-            work.used += 1
-            if work.used > work.limit:
-                work.charge(0)
-
-
-# What a container being measured counts as when met again: a cycle, refused as too deep.
-_OPEN: Final = (MAX_NESTING + 1, 0)
-# An empty container: no height, and EMPTY_LIST (or dict), MARK, APPENDS (or SETITEMS).
-_EMPTY: Final = (0, 3)
-
-
-def _scalar_size(value: Any) -> int:
-    """Bytes a scalar takes in a pickle without memo (str: at most 4 bytes a character)."""
-    if isinstance(value, str):
-        return 5 + (len(value) if value.isascii() else 4 * len(value))
-    if isinstance(value, bytes):
-        return 5 + len(value)
-    if isinstance(value, int):
-        return 6 + value.bit_length() // 8
-    if isinstance(value, SCALARS):
-        return 9
-    raise TrxpError(f"{type(value).__name__} is not plain data")
-
-
 EID_KEYS: Final = frozenset(EID_PARTS)  # an eid dict's keys, as a set
 _INT64_BOUNDS = "-2**63, 2**63 - 1"
 _FLOAT_MAX: Final = sys.float_info.max
-# float32's largest finite value: the bound of a reward (advantages are float32).
-FLOAT32_MAX: Final = 3.4028234663852886e38
-
 
 # The ints _plain_uid takes without a closer look: those compiled code compares in a machine word.
 _PLAIN_INT: Final = (1 << 62) - 1
@@ -359,29 +167,29 @@ def check_meta(index: int, item: Any, shape: Shape) -> None:
     shape.item(index, uid, item)
     reward = item.get("reward")
     if reward is not None and not (type(reward) is float and -FLOAT32_MAX <= reward <= FLOAT32_MAX):
-        _reward(_item_where(index, uid), reward)
+        _reward(item_where(index, uid), reward)
     prompt_length = item.get("prompt_length", 1)
     if type(prompt_length) is not int or not 0 <= prompt_length <= INT64_MAX:
-        _in_range(_item_where(index, uid), "prompt_length", prompt_length, 0, INT64_MAX, "0, 2**63 - 1")
+        _in_range(item_where(index, uid), "prompt_length", prompt_length, 0, INT64_MAX, "0, 2**63 - 1")
     for name in _DICT_FIELDS:
         if not isinstance(item.get(name, _ABSENT), dict):
-            raise TrxpError(f"{_item_where(index, uid)}: field '{name}' must be a dict")
+            raise TrxpError(f"{item_where(index, uid)}: field '{name}' must be a dict")
     info = item.get("info")
     if info:
         version = info.get("model_version")
         if version is not None and not (type(version) is int and 0 <= version <= INT64_MAX):
-            _in_range(_item_where(index, uid), "info.model_version", version, 0, INT64_MAX, "0, 2**63 - 1")
+            _in_range(item_where(index, uid), "info.model_version", version, 0, INT64_MAX, "0, 2**63 - 1")
         priority = info.get("priority")
         if priority is not None and not (type(priority) is float and -_FLOAT_MAX <= priority <= _FLOAT_MAX):
-            _number(_item_where(index, uid), "info.priority", priority)
+            _number(item_where(index, uid), "info.priority", priority)
         if "partial" in info or "partial_offset" in info:
-            partial.check(_item_where(index, uid), item)
+            partial.check(item_where(index, uid), item)
     for name in _TEXT_FIELDS:
         if item.get(name) is not None and not isinstance(item[name], str):
-            raise TrxpError(f"{_item_where(index, uid)}: field '{name}' must be a str or None")
+            raise TrxpError(f"{item_where(index, uid)}: field '{name}' must be a str or None")
     for name in _LIST_FIELDS:
         if item.get(name) is not None and not isinstance(item[name], list):
-            raise TrxpError(f"{_item_where(index, uid)}: field '{name}' must be a list or None")
+            raise TrxpError(f"{item_where(index, uid)}: field '{name}' must be a list or None")
     custom = item.get("custom_fields", _NONE_LISTED)
     if not isinstance(custom, list) or (
         custom
@@ -392,16 +200,15 @@ def check_meta(index: int, item: Any, shape: Shape) -> None:
         )
     ):
         raise TrxpError(
-            f"{_item_where(index, uid)}: field 'custom_fields' must be a list of source/destination/data_type strings"
+            f"{item_where(index, uid)}: field 'custom_fields' must be a list of source/destination/data_type strings"
         )
     keys = item.get("multi_modal_input_keys", _NONE_LISTED)
     if not isinstance(keys, list) or (keys and not all(isinstance(k, str) and _is_utf8(k) for k in keys)):
         raise TrxpError(
-            f"{_item_where(index, uid)}: field 'multi_modal_input_keys' must be a list of str "
-            "(UTF-8, they name tensors)"
+            f"{item_where(index, uid)}: field 'multi_modal_input_keys' must be a list of str (UTF-8, they name tensors)"
         )
     if keys and len(set(keys)) != len(keys):
-        raise TrxpError(f"{_item_where(index, uid)}: field 'multi_modal_input_keys' lists a key twice")
+        raise TrxpError(f"{item_where(index, uid)}: field 'multi_modal_input_keys' lists a key twice")
     if custom or keys:
         shape.work.charge(len(custom) + len(keys))
 
@@ -413,11 +220,6 @@ _TEXT_FIELDS: Final[tuple[str, ...]] = ("truncate_status", "response_text", "pro
 _LIST_FIELDS: Final[tuple[str, ...]] = ("messages", "tools", "chosen_messages", "rejected_messages")
 _ABSENT: Final[dict[str, Any]] = {}
 _NONE_LISTED: Final[list[Any]] = []
-
-
-def _item_where(index: int, uid: str) -> str:
-    """How a message names an item, made only when a check fails."""
-    return f"item {index} (uid {clip(uid)})"
 
 
 def check_tensors(index: int, item: RawItem, work: Work) -> None:
@@ -516,4 +318,4 @@ _NONE: Final[frozenset[str]] = frozenset()
 
 
 def _where(index: int, item: RawItem) -> str:
-    return _item_where(index, item.uid)
+    return item_where(index, item.uid)

@@ -21,6 +21,8 @@ SEGMENTS_KEY: Final = "version_segments"  # where an experience's info carries i
 MAX_UID_BYTES: Final = 400
 MAX_NESTING: Final = 32
 INT64_MAX: Final = 2**63 - 1
+# float32's largest finite value: the bound of a reward (advantages are float32).
+FLOAT32_MAX: Final = 3.4028234663852886e38
 # The multi-step estimators compute run * (max step + 1) + step in int64.
 MAX_STEP: Final = 2**31 - 1
 # Decoding work is counted in steps (a pickle opcode, a reference in the metadata, a tensor

@@ -15,10 +15,12 @@ if TYPE_CHECKING:
 
 from ...schema.experience import EID, META_FIELDS, TENSOR_FIELDS, Experience
 from .build import build
-from .checks import EID_KEYS, Shape, check_meta, check_tensors, show
+from .checks import EID_KEYS, check_meta, check_tensors
 from .common import ITEMSIZE, MM_PREFIX, UNBOUNDED, RawItem, RawTensor, TrxpError, Work
 from .gc_pause import collector_paused
+from .measure import Shape
 from .parse import parse
+from .shown import show
 
 # For a batch the server sent: only the nesting of the non-empty containers among the fields
 # an Experience carries is measured, not their size (UNBOUNDED); most items have none. The

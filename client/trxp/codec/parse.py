@@ -11,7 +11,7 @@ import struct
 from typing import Any, Final
 
 from ...schema.experience import TENSOR_FIELDS
-from .checks import Shape, check_meta, check_tensors, clip, is_int, show, show_list
+from .checks import check_meta, check_tensors
 from .common import (
     EXPANSION_BASE,
     EXPANSION_PER_BYTE,
@@ -28,7 +28,9 @@ from .common import (
     TrxpError,
     Work,
 )
+from .measure import Shape
 from .pickles import scan_pickle
+from .shown import clip, is_int, show, show_list
 from .unpickler import load_plain
 
 # ---- parsing (untrusted input) ---------------------------------------------------

@@ -8,8 +8,8 @@ from __future__ import annotations
 import pickle
 from typing import Any
 
-from .checks import clip
 from .common import TrxpError
+from .shown import clip
 
 
 class PlainUnpickler(pickle.Unpickler):

@@ -25,7 +25,7 @@ from typing import Any
 from ...schema.experience import META_FIELDS, TENSOR_FIELDS
 from .. import varints
 from ..codec import segments
-from ..codec.checks import Shape, check_meta, check_tensors, clip, show
+from ..codec.checks import check_meta, check_tensors
 from ..codec.common import (
     EXPANSION_BASE,
     EXPANSION_PER_BYTE,
@@ -39,6 +39,8 @@ from ..codec.common import (
     TrxpError,
     Work,
 )
+from ..codec.measure import Shape
+from ..codec.shown import clip, show
 
 MAGIC = b"EXPC"  # a push payload that starts so is a batch of columns, not TRXP
 HEAD = struct.Struct("<4sQ")  # MAGIC, the length of the ColumnBatch message after it

@@ -15,8 +15,8 @@ from google.protobuf.message import DecodeError
 
 from expbuf.proto.v1 import buffer_pb2 as pb
 
-from ..codec.checks import show
 from ..codec.common import ITEMSIZE, MetadataLimit, RawItem, TrxpError
+from ..codec.shown import show
 from ..codec.stream import Head
 from .items import HEAD, MAGIC, PushedColumn, check_entries, column_head, column_items
 

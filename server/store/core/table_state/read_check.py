@@ -13,8 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import cast
 
-from expbuf.client.trxp.codec.checks import FLOAT32_MAX
-from expbuf.client.trxp.codec.common import TrxpError
+from expbuf.client.trxp.codec.common import FLOAT32_MAX, TrxpError
 from expbuf.client.trxp.codec.parse import parse
 from expbuf.client.trxp.stored.pieces import SplitPayload, Stored
 
