@@ -117,10 +117,15 @@ class EID:
         return self.uid
 
 
-def ids_of(parts: Mapping[str, Any]) -> tuple[str, str, str, str]:
+def ids_of(parts: Mapping[str, Any], uid: str | None = None) -> tuple[str, str, str, str]:
     """An eid's uid, tid, rid and sid from its parts as a dict (`EID.to_dict`'s), as EID's properties
     make them, without an EID made first: a push makes them for every experience. An eid missing a
-    part, or with a suffix of None, is EID's to fill in."""
+    part, or with a suffix of None, is EID's to fill in. `uid`, where given, is the one EID makes of
+    these parts, already made by the check of a pushed experience (which found task and suffix free
+    of '/'): the others are read from it from the right (run and step are ints), not made again."""
+    if uid is not None:
+        task_id, run, step, _ = uid.rsplit("/", 3)
+        return uid, task_id, uid[: len(task_id) + 1 + len(run)], f"{task_id}/{step}"
     try:
         task_id, run, step, suffix = f"{parts['batch']}/{parts['task']}", parts["run"], parts["step"], parts["suffix"]
     except KeyError:

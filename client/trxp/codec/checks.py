@@ -155,8 +155,9 @@ def _check_eid(index: int, eid: Any) -> str:
     return uid
 
 
-def check_meta(index: int, item: Any, shape: Shape) -> None:
+def check_meta(index: int, item: Any, shape: Shape) -> str:
     """Validate the metadata of one item: what the server, its estimators and trainers rely on.
+    Returns its uid, made once here, for the store's entry (RawItem.checked_uid).
 
     Each check is guarded by a test of the common case (a float reward, an int in range, a
     field left None), so the full check, and the item's name for its message, only run when
@@ -211,6 +212,7 @@ def check_meta(index: int, item: Any, shape: Shape) -> None:
         raise TrxpError(f"{item_where(index, uid)}: field 'multi_modal_input_keys' lists a key twice")
     if custom or keys:
         shape.work.charge(len(custom) + len(keys))
+    return uid
 
 
 # The fields check_meta checks by kind, and what it reads for a field that is not there: a dict, a

@@ -153,11 +153,15 @@ class RawItem:
 
     meta: dict[str, Any]
     tensors: dict[str, RawTensor]
+    checked_uid: str | None  # its uid as the check of its eid made it (check_meta); None unchecked
 
-    def __init__(self, meta: dict[str, Any], tensors: dict[str, RawTensor]) -> None:
-        """Written out, as RawTensor's is: a push makes one for each of its experiences."""
+    def __init__(self, meta: dict[str, Any], tensors: dict[str, RawTensor], checked_uid: str | None = None) -> None:
+        """Written out, as RawTensor's is: a push makes one for each of its experiences. The
+        uid is passed only by whoever checked `meta` and leaves its eid as it is, so that the
+        store's entry takes it (ids_of) instead of making it again."""
         self.meta = meta
         self.tensors = tensors
+        self.checked_uid = checked_uid
 
     @property
     def eid(self) -> EID:

@@ -61,9 +61,9 @@ def parse(
     meta_bytes = view[HEADER_SIZE : HEADER_SIZE + meta_len]
     if shape is None:
         shape = Shape(work, EXPANSION_PER_BYTE * size + EXPANSION_BASE, check_keys=False, limit=limit)
-    items = _load_items(meta_bytes, trusted=trusted, work=work, shape=shape)
+    items, uids = _load_items(meta_bytes, trusted=trusted, work=work, shape=shape)
     tensors = _parse_safetensors(view[HEADER_SIZE + meta_len :], work)
-    return _items(items, tensors, trusted, work)
+    return _items(items, uids, tensors, work)
 
 
 def head_length(start: bytes | bytearray | memoryview, size: int) -> int:
@@ -98,12 +98,12 @@ def parse_head(
     work = Work.for_payload(received)
     meta_len = _frame(view, size)
     shape = Shape(work, EXPANSION_PER_BYTE * received + EXPANSION_BASE, check_keys=False, limit=limit)
-    items = _load_items(view[HEADER_SIZE : HEADER_SIZE + meta_len], trusted=False, work=work, shape=shape)
+    items, uids = _load_items(view[HEADER_SIZE : HEADER_SIZE + meta_len], trusted=False, work=work, shape=shape)
     blob = view[HEADER_SIZE + meta_len :]
     entries = _spans(blob, size - HEADER_SIZE - meta_len - len(blob), work)
     empty = memoryview(b"")
     tensors = {key: RawTensor(dtype, dims, empty) for _, _, dtype, dims, key in entries}
-    raw = _items(items, tensors, False, work)
+    raw = _items(items, uids, tensors, work)
     places = []
     for start, end, _, _, key in entries:
         index, name = _split_tensor_key(key, len(items))
@@ -136,20 +136,27 @@ def _frame(view: memoryview, size: int) -> int:
     return length
 
 
-def _items(items: list[dict[str, Any]], tensors: dict[str, RawTensor], trusted: bool, work: Work) -> list[RawItem]:
-    """The items of a payload: each one's metadata and its tensors, checked unless `trusted`."""
+def _items(
+    items: list[dict[str, Any]], uids: list[str] | None, tensors: dict[str, RawTensor], work: Work
+) -> list[RawItem]:
+    """The items of a payload: each one's metadata and its tensors, checked where their metadata
+    was (`uids`, each one's as check_meta made it; None for a trusted payload)."""
     per_item: list[dict[str, RawTensor]] = [{} for _ in items]
     for key, tensor in tensors.items():
         index, name = _split_tensor_key(key, len(items))
         per_item[index][name] = tensor
-    raw = [RawItem(meta, tensors) for meta, tensors in zip(items, per_item, strict=True)]
-    if not trusted:
-        for index, item in enumerate(raw):
-            check_tensors(index, item, work)
+    if uids is None:
+        return [RawItem(meta, tensors) for meta, tensors in zip(items, per_item, strict=True)]
+    raw = [RawItem(meta, tensors, uid) for meta, tensors, uid in zip(items, per_item, uids, strict=True)]
+    for index, item in enumerate(raw):
+        check_tensors(index, item, work)
     return raw
 
 
-def _load_items(meta_bytes: memoryview, *, trusted: bool, work: Work, shape: Shape) -> list[dict[str, Any]]:
+def _load_items(
+    meta_bytes: memoryview, *, trusted: bool, work: Work, shape: Shape
+) -> tuple[list[dict[str, Any]], list[str] | None]:
+    """The items of a payload's metadata and, unless `trusted`, each one checked: their uids."""
     if not trusted:
         scan_pickle(meta_bytes, work)
     work.charge(len(meta_bytes))  # the unpickler is linear in its input once the scan has passed it
@@ -168,10 +175,9 @@ def _load_items(meta_bytes: memoryview, *, trusted: bool, work: Work, shape: Sha
         raise TrxpError(f"metadata: 'items' must be a list, got {type(items).__name__}")
     if not is_int(num_items) or num_items != len(items):
         raise TrxpError(f"metadata: num_items is {show(num_items)} but {len(items)} items are present")
-    if not trusted:
-        for index, item in enumerate(items):
-            check_meta(index, item, shape)
-    return items
+    if trusted:
+        return items, None
+    return items, [check_meta(index, item, shape) for index, item in enumerate(items)]
 
 
 def _parse_safetensors(blob: memoryview, work: Work) -> dict[str, RawTensor]:

@@ -235,11 +235,10 @@ class _Framed:
             if len(inputs) > 1 and self.rank:
                 inputs.sort(key=lambda name: self.rank.get(name, len(self.rank)))
             meta["multi_modal_input_keys"] = [name[len(MM_PREFIX) :] for name in inputs]
-            item = RawItem(meta, tensors)
             # Measured whole: the containers of the last experience, let go, may stand again at the
             # same addresses among this one's, where Shape would take them for those measured.
             self.shape.known.clear()
-            check_meta(index, meta, self.shape)
+            item = RawItem(meta, tensors, check_meta(index, meta, self.shape))
             check_tensors(index, item, self.work)
             yield item
 

@@ -83,7 +83,7 @@ class Entry:
         data is read."""
         meta = item.meta
         eid = meta["eid"]
-        uid, tid, rid, sid = ids_of(eid)
+        uid, tid, rid, sid = ids_of(eid, item.checked_uid)  # its uid as the push's check made it
         info = meta.get("info") or _NO_INFO  # a checked item's info is a dict where it has one
         priority = info.get("priority", 0.0)
         version, segments = versions(info)
