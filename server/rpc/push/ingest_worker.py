@@ -12,7 +12,6 @@ at every server start and every replacement.
 
 from __future__ import annotations
 
-import dataclasses
 import mmap
 import operator
 import os
@@ -29,7 +28,7 @@ from expbuf.client.trxp.column_batch import wire as column_wire
 from ...store import Entry
 from ...store.schema.errors import InvalidPayload
 
-FIELDS = tuple(field.name for field in dataclasses.fields(Entry))
+FIELDS = Entry._fields
 BLOB = FIELDS.index("blob")
 fields_of = operator.attrgetter(*FIELDS)
 REQUEST = struct.Struct("<QQ")  # payload length, region size
