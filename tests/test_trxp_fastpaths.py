@@ -8,10 +8,15 @@ import struct
 from typing import Any
 
 import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from expbuf.client import EID, trxp
+from expbuf.client import EID, Experience, trxp
 from expbuf.client.trxp import TrxpError
 from expbuf.client.trxp.codec import checks, parse
+from expbuf.client.trxp.codec.build import pack_item
+from expbuf.client.trxp.codec.common import HEADER_SIZE
 
 _VALUES: list[Any] = [0, 7, -1, 2**63 - 1, -(2**63), 2**63, 2**31, True, 1.5, "", "a", "3/eval", "é", "x\0", "a" * 400]
 
@@ -192,3 +197,175 @@ def test_a_field_name_measured_once_is_measured_as_the_detailed_walk_measures_it
     for index in range(3):
         shape.item(index, "u", {"é": None, "ab": 1.0, b"raw": None})
     assert shape.size == 3 * ((5 + 4) + 9 + (5 + 2) + 9 + (5 + 3) + 9)
+
+
+def _header_outcome(text: str, data_len: int, *, as_json: bool = False) -> tuple[Any, ...] | str:
+    """What _spans makes of a safetensors header written as `text` over `data_len` bytes of data
+    (or, `as_json`, what it makes of it read as JSON): its spans and the work it took, or its
+    refusal's message."""
+    header = text.encode()
+    work = trxp.Work(1 << 40)
+    try:
+        if as_json:
+            work.charge(len(header))
+            return (parse._json_spans(text, data_len, work), work.used)
+        blob = memoryview(struct.pack("<Q", len(header)) + header + bytes(data_len))
+        return (parse._spans(blob, data_len, work), work.used)
+    except TrxpError as exc:
+        return f"refused: {exc}"
+
+
+def _agrees_with_json(text: str, data_len: int) -> bool:
+    """Whether the written form's fast path reads `text` (else it is read as JSON), after checking
+    that either way the spans and the work, or the refusal, are those of the header read as JSON."""
+    assert _header_outcome(text, data_len) == _header_outcome(text, data_len, as_json=True), text
+    return parse._written_spans(text, data_len) is not None
+
+
+_WRITTEN = '{"0:tokens":{"dtype":"I32","shape":[4],"data_offsets":[0,16]},"0:logprobs":{"dtype":"F32","shape":[2],"data_offsets":[16,24]}}'  # noqa: E501
+# The written header above, each changed in one thing: (what is replaced, by what).
+_WRITTEN_NEAR_MISSES: list[tuple[str, str]] = [
+    ('"dtype":"I32"', ' "dtype":"I32"'),
+    ('"dtype":"I32"', '"dtype" : "I32"'),
+    ("[0,16]", "[0, 16]"),
+    ("},", "}, "),
+    ("},", "}\n,"),
+    ('"dtype":"I32","shape":[4]', '"shape":[4],"dtype":"I32"'),
+    ('"dtype":"I32"', '"dtype":"I32","dtype":"I32"'),
+    ('"dtype":"I32"', '"dtype":"F32","dtype":"I32"'),
+    ("[0,16]}", '[0,16],"extra":1}'),
+    ('"0:logprobs"', '"0:tokens"'),
+    ('"0:logprobs"', '"0:log\\u0070robs"'),
+    ('"0:logprobs"', '"0:log\\"probs"'),
+    ('"0:logprobs"', '"0:log\\\\probs"'),
+    ('"0:logprobs"', '"0:log\\/probs"'),
+    ('"0:logprobs"', '"0:log\x01probs"'),
+    ('"0:logprobs"', '"0:log\x7fprobs"'),
+    ('"0:logprobs"', '"0:logpröbs"'),
+    ('"0:logprobs"', '"0:logprobs\U0001f600"'),
+    ('"0:logprobs"', '"00:logprobs"'),
+    ('"0:logprobs"', '"__metadata__"'),
+    ('"0:logprobs"', '"x:logprobs"'),
+    ("{", '{"__metadata__":{"format":"pt"},'),
+    ("{", '{"__metadata__":{"dtype":"I32","shape":[4],"data_offsets":[0,16]},'),
+    ("[4]", "[4.0]"),
+    ("[4]", "[4e0]"),
+    ("[4]", "[04]"),
+    ("[4]", "[-4]"),
+    ("[4]", "[0]"),
+    ("[4]", "[4,1]"),
+    ("[4]", "[2,2]"),
+    ("[4]", "[]"),
+    ("[4]", "[true]"),
+    ("[4]", '["4"]'),
+    ("[2]", "[3]"),
+    ("[0,16]", "[00,16]"),
+    ("[0,16]", "[-0,16]"),
+    ("[0,16]", "[0.0,16]"),
+    ("[0,16]", "[0,16.0]"),
+    ("[0,16]", "[0,1.6e1]"),
+    ("[0,16]", "[0,17]"),
+    ("[0,16]", "[4,20]"),
+    ("[16,24]", "[15,23]"),
+    ("[16,24]", "[16,24,32]"),
+    ("[4]", "[4000000000000000000]"),
+    ("[4]", "[" + "4" * 19 + "]"),
+    ("[0,16]", "[0," + "1" * 5000 + "]"),
+    ('"I32"', '"I33"'),
+    ('"I32"', '"i32"'),
+    ('"I32"', '"I64"'),
+    ('"I32"', '"BOOL"'),
+    ('"I32"', "32"),
+    ("}}", "},}"),
+    ("}}", "}} x"),
+    ("}}", "}}\t"),
+    ("}}", "}}\n"),
+    ("}}", "}}}"),
+    ("{", "\ufeff{"),
+]
+
+
+@pytest.mark.parametrize("padding", ["", " ", "       "])
+def test_a_header_as_written_is_read_by_the_fast_path_as_json_reads_it(padding: str) -> None:
+    """The writers' form, padded with the spaces safetensors allows after the header."""
+    assert _agrees_with_json(_WRITTEN + padding, 24)
+    assert _header_outcome(_WRITTEN + padding, 24) == (
+        [(0, 16, "I32", (4,), "0:tokens"), (16, 24, "F32", (2,), "0:logprobs")],
+        len(_WRITTEN + padding) + 4,
+    )
+
+
+@pytest.mark.parametrize(("old", "new"), _WRITTEN_NEAR_MISSES, ids=[new for _, new in _WRITTEN_NEAR_MISSES])
+def test_a_header_near_the_written_form_is_read_as_json_reads_it(old: str, new: str) -> None:
+    """Each change takes the header out of the written form (it is read as JSON, refused as JSON
+    refuses it), or keeps it a header JSON reads alike (a name of other characters)."""
+    text = _WRITTEN.replace(old, new, 1)
+    assert text != _WRITTEN
+    fast = _agrees_with_json(text, 24)
+    assert fast == (new in ('"0:logpröbs"', '"0:log\x7fprobs"', '"0:logprobs\U0001f600"', '"00:logprobs"'))
+
+
+def test_a_header_of_no_entries_or_other_data_lengths_is_read_as_json_reads_it() -> None:
+    for text, data_len in [("{}", 0), ("{}", 8), ("{} ", 0), (_WRITTEN, 23), (_WRITTEN, 25), (_WRITTEN, 0), ("", 0)]:
+        assert not _agrees_with_json(text, data_len)
+
+
+# Mostly the written form, with each way out of it now and then.
+_NAMES = st.sampled_from(["tokens", "logprobs", "action_mask", "mm_x", "tokens", "é", 'a"b', "a\\b", "\x01", "", ":"])
+_DTYPES = st.sampled_from(["I32", "F32", "BOOL", "BF16", "F8_E4M3", "I64", "F32", "I33", ""])
+_SHAPES = st.one_of(st.lists(st.integers(1, 5), min_size=1, max_size=1), st.lists(st.integers(-1, 5), max_size=2))
+_ENTRIES = st.lists(
+    st.tuples(st.integers(0, 12), _NAMES, _DTYPES, _SHAPES, st.sampled_from([0, 0, 0, 0, 0, 0, -2, -1, 1, 2])),
+    min_size=1,
+    max_size=6,
+)
+
+
+@given(_ENTRIES, st.booleans(), st.sampled_from(["", "   ", "\n"]), st.sampled_from([0, 0, 0, -1, 1]))
+@settings(max_examples=300)
+def test_any_header_is_read_by_the_fast_path_as_json_reads_it(
+    entries: list[tuple[int, str, str, list[int], int]], ascii_only: bool, padding: str, slack: int
+) -> None:
+    """Generated headers written as json.dumps writes them, mostly in the data's order: each entry's
+    offsets follow the one before, moved by a few bytes now and then, with its size from its shape
+    or a few bytes off; names with escapes, dtypes unknown, shapes of 0, 2 or no dimensions."""
+    header: dict[str, Any] = {}
+    cursor = 0
+    for index, name, dtype, shape, moved in entries:
+        size = parse.ITEMSIZE.get(dtype, 1)
+        for dim in shape:
+            size *= dim
+        start = cursor + (moved if moved < 0 and index % 3 == 0 else 0)
+        end = start + max(size, 0) + (moved if index % 2 else 0)
+        header[f"{index}:{name}"] = {"dtype": dtype, "shape": shape, "data_offsets": [start, end]}
+        cursor = end
+    text = json.dumps(header, separators=(",", ":"), ensure_ascii=ascii_only) + padding
+    _agrees_with_json(text, max(cursor + slack, 0))
+
+
+def _header_of(payload: bytes) -> tuple[str, int]:
+    """A payload's safetensors header as text, and the length of the tensor data after it."""
+    meta_len = parse._frame(memoryview(payload), len(payload))
+    blob = payload[HEADER_SIZE + meta_len :]
+    (length,) = struct.unpack_from("<Q", blob)
+    return blob[8 : 8 + length].decode(), len(blob) - 8 - length
+
+
+def test_the_headers_expbuf_writes_take_the_fast_path() -> None:
+    """A push as the client encodes it and each experience as the store packs it: the form the
+    fast path reads, with the spans JSON reads."""
+    experiences = [
+        Experience(
+            eid=EID(batch=0, task=index, run=0, step=0),
+            tokens=torch.arange(5 + index, dtype=torch.int64),
+            prompt_length=2,
+            logprobs=torch.zeros(3 + index),
+            action_mask=torch.ones(3 + index, dtype=torch.bool),
+        )
+        for index in range(12)
+    ]
+    payload = trxp.encode(experiences)
+    items = trxp.parse(payload)
+    for written in [payload, *(pack_item(item) for item in items)]:
+        text, data_len = _header_of(written)
+        assert _agrees_with_json(text, data_len)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import pickle
+import re
 import struct
 from typing import Any, Final
 
@@ -200,9 +201,27 @@ def _spans(blob: memoryview, data_len: int, work: Work) -> list[tuple[int, int, 
     (header_len,) = struct.unpack_from("<Q", blob)
     work.charge(header_len)  # the JSON parser is linear in its input
     try:
-        header = json.loads(bytes(blob[8 : 8 + header_len]).decode("utf-8"))
-    except (UnicodeDecodeError, ValueError, RecursionError) as exc:  # ValueError: also ints of 4300+ digits
-        raise TrxpError(f"tensors: safetensors header is not valid JSON ({clip(str(exc))})") from None
+        text = str(blob[8 : 8 + header_len], "utf-8")
+    except UnicodeDecodeError as exc:
+        raise _not_json(exc) from None
+    written = _written_spans(text, data_len)
+    if written is None:
+        return _json_spans(text, data_len, work)
+    work.charge(2 * len(written))  # as _parse_entry charges each entry of one dimension
+    return written
+
+
+def _not_json(exc: ValueError | RecursionError) -> TrxpError:
+    return TrxpError(f"tensors: safetensors header is not valid JSON ({clip(str(exc))})")
+
+
+def _json_spans(text: str, data_len: int, work: Work) -> list[tuple[int, int, str, tuple[int, ...], str]]:
+    """_spans of a header read as JSON, each entry checked (_parse_entry): any header _written_spans
+    does not read, and each refusal of one."""
+    try:
+        header = json.loads(text)
+    except (ValueError, RecursionError) as exc:  # ValueError: also ints of 4300+ digits
+        raise _not_json(exc) from None
     if not isinstance(header, dict):
         raise TrxpError("tensors: safetensors header is not a JSON object")
     spans = [_parse_entry(key, entry, data_len, work) for key, entry in header.items() if key != "__metadata__"]
@@ -215,6 +234,49 @@ def _spans(blob: memoryview, data_len: int, work: Work) -> list[tuple[int, int, 
         cursor = end
     if cursor != data_len:
         raise TrxpError(f"tensors: {data_len - cursor} bytes of tensor data belong to no tensor")
+    return spans
+
+
+# One header entry as expbuf's writers write it (build.py's _header_entry, json.dumps with
+# separators "," and ":"): a key of an item's index and a name without escapes, one dimension
+# (not 0), each number as JSON writes an int, of at most 18 digits. Each repeat is possessive, as
+# what follows it is a character it does not take. Splitting a header at its entries leaves
+# 5 groups an entry and the text between them.
+_WRITTEN_ENTRY: Final = re.compile(
+    r'"([0-9][^"\\\x00-\x1f]*+)":\{"dtype":"([A-Z0-9_]++)","shape":\[([1-9][0-9]{0,17}+)\],'
+    r'"data_offsets":\[([1-9][0-9]{0,17}+|0),([1-9][0-9]{0,17}+)\]\}'
+)
+_GROUPS: Final = 6  # an entry's 5 groups and the text after it
+
+
+def _written_spans(text: str, data_len: int) -> list[tuple[int, int, str, tuple[int, ...], str]] | None:
+    """_spans' result for a header in the form expbuf's writers write (entries of one dimension in
+    the data's order, no space but the padding after it), read by one regular expression instead
+    of json.loads and each entry's checks; None for any other header, which _spans reads as JSON.
+    Accepts only what json.loads and the checks accept, with the same spans: every text between
+    the entries is checked to be exactly the JSON around them, so the header is that JSON."""
+    parts: list[str] = _WRITTEN_ENTRY.split(text)  # each group matches something in a written entry
+    last = len(parts) - 1
+    if not last or parts[0] != "{" or parts[last].rstrip(" ") != "}":
+        return None
+    spans: list[tuple[int, int, str, tuple[int, ...], str]] = []
+    cursor, written = 0, "0"  # where the last entry ended, and that offset as its entry wrote it
+    for at in range(1, last, _GROUPS):
+        if at > 1 and parts[at - 1] != ",":
+            return None
+        dtype = parts[at + 1]
+        itemsize = ITEMSIZE.get(dtype)
+        if itemsize is None or parts[at + 3] != written:  # each number is written one way only
+            return None
+        written = parts[at + 4]
+        end = int(written)
+        dim = int(parts[at + 2])
+        if end - cursor != dim * itemsize:
+            return None
+        spans.append((cursor, end, dtype, (dim,), parts[at]))
+        cursor = end
+    if cursor != data_len or len(set(parts[1:last:_GROUPS])) != len(spans):
+        return None  # duplicate keys: json.loads keeps one of them
     return spans
 
 
