@@ -211,11 +211,12 @@ def scan_pickle(data: memoryview, work: Work) -> None:
         elif kind == _K_MARK:
             match = None
             for segment in segments:
-                if raw.startswith(segment.prefix, pos) and (segment.pattern or to_compile):
-                    if segment.pattern is None:
-                        to_compile -= 1
-                        segment.pattern = re.compile(segment.source, re.DOTALL)
-                    match = segment.pattern.match(raw, pos)
+                pattern = segment.pattern
+                if pattern is None and to_compile and raw.startswith(segment.prefix, pos):
+                    to_compile -= 1  # compiled only once met where its bytes start: its pattern starts with them
+                    pattern = segment.pattern = re.compile(segment.source, re.DOTALL)
+                if pattern is not None:
+                    match = pattern.match(raw, pos)
                     if match:
                         break
                 missed += segment.length  # what a failed match costs at most: the patterns never backtrack
