@@ -176,3 +176,38 @@ def test_a_late_repeat_that_differs_gets_the_walks_verdict(meta: bytes, expected
     or one a replayed segment made, a PUT that rewrites an entry replayed segments read, a
     MEMOIZE with nothing to memoize, another length, a nested MARK, a truncation."""
     assert verdict(meta) == expected
+
+
+# A memo written past its next index (PUT 5 first), then MEMOIZE: the unpickler writes each MEMOIZE
+# at its count of entries, which may be an index a PUT wrote. Each case: the opcodes after PROTO 4,
+# and the scan's refusal (None where it passes and the unpickler reads the pickle).
+_SPARSE_MEMOS = [
+    (b"N0N0\x8c\x01aq\x050}h\x05Ns.", None),  # 'a' at 5, read back as a key
+    (b"N0N0\x8c\x01aq\x050]\x940}h\x01Ns.", "dict keys must be str or bytes"),  # MEMOIZE's list at 1
+    (b"N0N0\x8c\x01aq\x050]\x940}h\x05Ns.", None),
+    (b"N0N0\x8c\x01aq\x050]\x940h\x00.", "reads memo entry 0, which was never stored"),
+    (b"\x8c\x01aq\x010]\x940}h\x01Ns.", "dict keys must be str or bytes"),  # MEMOIZE writes over 1
+    (b"\x8c\x01aq\x010\x8c\x01b\x940}h\x01Ns.", None),  # 'b' over 'a' at 1
+    (b"\x8c\x01aq\x010\x8c\x01b\x940]\x94}h\x02Ns.", "reads memo entry 2, which was never stored"),
+    (b"\x8c\x01aq\x010\x8c\x01b\x940]\x940}h\x01Ns.", "dict keys must be str or bytes"),  # the list over 'b'
+    (b"]q\x000\x8c\x01ar\x03\x00\x00\x000}h\x03Ns.", None),  # in order, then past it (LONG_BINPUT)
+    (b"]q\x000\x8c\x01ar\x03\x00\x00\x000}h\x00Ns.", "dict keys must be str or bytes"),
+    (b"]q\x000\x8c\x01ar\x03\x00\x00\x000h\x02.", "reads memo entry 2, which was never stored"),
+    (b"]q\x000\x8c\x01aq\x000}h\x00Ns.", None),  # PUT over an entry, in order
+]
+
+
+@pytest.mark.parametrize(("ops", "refusal"), _SPARSE_MEMOS, ids=[repr(ops) for ops, _ in _SPARSE_MEMOS])
+def test_a_memo_written_past_its_next_index_is_followed_as_the_unpickler_follows_it(
+    ops: bytes, refusal: str | None
+) -> None:
+    meta = b"\x80\x04" + ops
+    outcome, message = verdict(meta)
+    if refusal is None:
+        assert outcome == "passed", message
+        pickle.loads(meta)
+    else:
+        assert outcome == "refused"
+        assert refusal in message
+        with pytest.raises((TypeError, pickle.UnpicklingError, KeyError)):
+            pickle.loads(meta)

@@ -80,6 +80,9 @@ for _code, _spec in enumerate(_PLAIN_TABLE):
         )  # fmt: skip
 
 
+# _KIND once the memo's indices are not 0, 1, 2... (a PUT skipped one): a memo read or MEMOIZE
+# takes the general path, which keeps such a memo in a dict.
+_SPARSE_KIND = [0 if kind in (_K_GET1, _K_MEMOIZE) else kind for kind in _KIND]
 _PUTS = frozenset(code for code, spec in enumerate(_PLAIN_TABLE) if spec is not None and spec[2] == _PUT)
 # Replaying segments (see _Segment) pays when the same shapes come back many times: a batch of
 # experiences. The limits bound what recording them costs in a pickle that repeats nothing.
@@ -118,7 +121,7 @@ class _Segment:
     pattern: re.Pattern[bytes] | None = None
 
     @classmethod
-    def record(cls, raw: bytes, start: int, end: int, ops: int, memo: dict[int, bool], before: int) -> _Segment | None:
+    def record(cls, raw: bytes, start: int, end: int, ops: int, memo: list[bool], before: int) -> _Segment | None:
         """The segment raw[start:end], just scanned, which found `before` memo entries and left
         the rest of `memo`; None if it holds other opcodes or reads an entry made inside it
         (whose index differs in each repeat)."""
@@ -144,7 +147,7 @@ class _Segment:
                 parts.append(b".{%d}" % size)
                 literal = pos + head if literal is None else literal
             pos += head + size
-        memoized = tuple(memo[index] for index in range(before, len(memo)))
+        memoized = tuple(memo[before:])
         leaves_entry = _EFFECT[raw[end - 1]] in (_FROM_MARK, _DICT)
         prefix = raw[start : end if literal is None else literal]
         return cls(b"".join(parts), prefix, end - start, ops, memoized, leaves_entry)
@@ -166,7 +169,8 @@ def scan_pickle(data: memoryview, work: Work) -> None:
     stack: list[bool] = []  # per entry: may it be a dict key (str or bytes)?
     marks: list[int] = []  # stack heights at each MARK
     fence = 0  # the height of the last mark: entries below it belong to an outer MARK
-    memo: dict[int, bool] = {}
+    memo: list[bool] = []  # per memo entry, 0, 1, 2...: may it be a dict key?
+    sparse: dict[int, bool] = {}  # the memo instead, by index, once a PUT skipped an index (never empty then)
     starts: list[tuple[int, int, int]] = []  # per MARK: its position, the ops and memo entries before it
     segments: list[_Segment] = []  # the most recent first; none once a PUT has written anywhere in the memo
     to_record = _SEGMENTS_RECORDED if size >= _RECORDING_MIN else 0
@@ -180,10 +184,9 @@ def scan_pickle(data: memoryview, work: Work) -> None:
             pos += 2
             if pos > size:
                 raise _truncated(code)
-            flag = memo.get(raw[pos - 1])
-            if flag is None:
+            if raw[pos - 1] >= len(memo):
                 raise _never_stored(code, raw[pos - 1])
-            push(flag)
+            push(memo[raw[pos - 1]])
         elif kind == _K_VALUE:
             pos += step[code]
             if pos > size:
@@ -193,7 +196,7 @@ def scan_pickle(data: memoryview, work: Work) -> None:
             pos += 1
             if len(stack) <= fence:
                 raise _empty_stack(code)
-            memo[len(memo)] = stack[-1]
+            memo.append(stack[-1])
         elif kind == _K_SHORT_KEY:
             pos += 2
             if pos <= size:
@@ -223,8 +226,7 @@ def scan_pickle(data: memoryview, work: Work) -> None:
             if match:
                 pos = match.end()
                 ops += segment.ops - 1
-                for flag in segment.memoized:
-                    memo[len(memo)] = flag
+                memo.extend(segment.memoized)
                 if segment.leaves_entry:
                     push(False)
                 continue
@@ -265,7 +267,9 @@ def scan_pickle(data: memoryview, work: Work) -> None:
             if code in _PUTS:  # memo entries may change from here on: no segment is replayed
                 to_record = 0
                 segments.clear()
-            pos, fence = _general(raw, pos, ops, stack, marks, fence, memo)
+            pos, fence = _general(raw, pos, ops, stack, marks, fence, memo, sparse)
+            if sparse:
+                kind_of = _SPARSE_KIND
             if pos > size:  # STOP
                 work.charge(ops)
                 return
@@ -273,7 +277,14 @@ def scan_pickle(data: memoryview, work: Work) -> None:
 
 
 def _general(
-    raw: bytes, pos: int, ops: int, stack: list[bool], marks: list[int], fence: int, memo: dict[int, bool]
+    raw: bytes,
+    pos: int,
+    ops: int,
+    stack: list[bool],
+    marks: list[int],
+    fence: int,
+    memo: list[bool],
+    sparse: dict[int, bool],
 ) -> tuple[int, int]:
     """scan_pickle's path for every other opcode: its checks and stack effect; return the
     position after it and the new fence (a position past the end after STOP)."""
@@ -306,13 +317,14 @@ def _general(
         push(False)
     elif effect == _GET:
         memo_index = _memo_index(name, raw[start:pos], ops)
-        if memo_index not in memo:
+        flag = sparse.get(memo_index) if sparse else memo[memo_index] if memo_index < len(memo) else None
+        if flag is None:
             raise _never_stored(code, memo_index)
-        push(memo[memo_index])
+        push(flag)
     elif effect == _PUT:
         if len(stack) <= fence:
             raise _empty_stack(code)
-        memo[_memo_index(name, raw[start:pos], ops)] = stack[-1]
+        _put(memo, sparse, _memo_index(name, raw[start:pos], ops), stack[-1])
     elif effect in _TAKES:
         count = _TAKES[effect]
         if len(stack) - count < fence:
@@ -324,6 +336,10 @@ def _general(
             push(False)
     elif effect == _NOOP:
         pass
+    elif effect == _MEMOIZE:  # the memo is sparse: MEMOIZE writes the index of its count of entries
+        if len(stack) <= fence:
+            raise _empty_stack(code)
+        sparse[len(sparse)] = stack[-1]
     elif effect == _POP and marks and marks[-1] == len(stack):
         marks.pop()
         fence = marks[-1] if marks else 0
@@ -338,6 +354,20 @@ def _general(
             raise TrxpError(f"metadata: {size - pos} bytes after the end of the pickle")
         return size + 1, fence
     return pos, fence
+
+
+def _put(memo: list[bool], sparse: dict[int, bool], index: int, flag: bool) -> None:
+    """A PUT's write: into `memo` while its indices stay 0, 1, 2..., into `sparse` (all of the memo
+    moved there) from the first that skips one."""
+    if sparse:
+        sparse[index] = flag
+    elif index < len(memo):
+        memo[index] = flag
+    elif index == len(memo):
+        memo.append(flag)
+    else:
+        sparse.update(enumerate(memo))
+        sparse[index] = flag
 
 
 def _truncated(code: int) -> TrxpError:
