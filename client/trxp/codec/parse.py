@@ -261,12 +261,17 @@ def _written_spans(text: str, data_len: int) -> list[tuple[int, int, str, tuple[
         return None
     spans: list[tuple[int, int, str, tuple[int, ...], str]] = []
     cursor, written = 0, "0"  # where the last entry ended, and that offset as its entry wrote it
+    dtype, itemsize = "", 0
     for at in range(1, last, _GROUPS):
         if at > 1 and parts[at - 1] != ",":
             return None
-        dtype = parts[at + 1]
-        itemsize = ITEMSIZE.get(dtype)
-        if itemsize is None or parts[at + 3] != written:  # each number is written one way only
+        if parts[at + 1] != dtype:  # entries come by dtype: its size is looked up where it changes
+            dtype = parts[at + 1]
+            found = ITEMSIZE.get(dtype)
+            if found is None:
+                return None
+            itemsize = found
+        if parts[at + 3] != written:  # each number is written one way only
             return None
         written = parts[at + 4]
         end = int(written)
