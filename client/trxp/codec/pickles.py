@@ -12,12 +12,30 @@ from typing import Final
 
 from .common import TrxpError, Work
 
-# Pickle opcodes that build plain data only, with their effect on the unpickler's stack.
+# Pickle opcodes that build plain data only, with their effect on the unpickler's stack (each
+# a Final int, which compiled code compares without looking it up in the module's dict).
 # Everything else (globals, reduce, build, persistent ids, sets, out-of-band buffers) is
 # refused before unpickling.
-_NOOP, _KEY, _VALUE, _MARK, _POP, _POP_MARK, _DUP = range(7)
-_FROM_MARK, _DICT, _TUPLE1, _TUPLE2, _TUPLE3, _APPEND, _APPENDS, _SETITEM, _SETITEMS = range(7, 16)
-_MEMOIZE, _PUT, _GET, _STOP = range(16, 20)
+_NOOP: Final = 0
+_KEY: Final = 1
+_VALUE: Final = 2
+_MARK: Final = 3
+_POP: Final = 4
+_POP_MARK: Final = 5
+_DUP: Final = 6
+_FROM_MARK: Final = 7
+_DICT: Final = 8
+_TUPLE1: Final = 9
+_TUPLE2: Final = 10
+_TUPLE3: Final = 11
+_APPEND: Final = 12
+_APPENDS: Final = 13
+_SETITEM: Final = 14
+_SETITEMS: Final = 15
+_MEMOIZE: Final = 16
+_PUT: Final = 17
+_GET: Final = 18
+_STOP: Final = 19
 _PLAIN_EFFECTS = {
     "PROTO": _NOOP, "FRAME": _NOOP, "STOP": _STOP, "MARK": _MARK, "POP": _POP, "POP_MARK": _POP_MARK, "DUP": _DUP,
     "EMPTY_DICT": _VALUE, "DICT": _DICT, "SETITEM": _SETITEM, "SETITEMS": _SETITEMS,
@@ -36,19 +54,19 @@ _PLAIN_EFFECTS = {
 # Plain-data opcodes by byte: (name, argument size, stack effect), the size as pickletools
 # describes it (>= 0: fixed; negative: up to a newline, or length-prefixed by 1, 4 or 8 bytes);
 # None for every other byte.
-_OPCODE_NAMES = {op.code.encode("latin-1")[0]: op.name for op in pickletools.opcodes}
-_PLAIN_TABLE: list[tuple[str, int, int] | None] = [None] * 256
+_OPCODE_NAMES: Final = {op.code.encode("latin-1")[0]: op.name for op in pickletools.opcodes}
+_PLAIN_TABLE: Final[list[tuple[str, int, int] | None]] = [None] * 256
 for _op in pickletools.opcodes:
     if _op.name in _PLAIN_EFFECTS:
         _PLAIN_TABLE[_op.code.encode("latin-1")[0]] = (_op.name, _op.arg.n if _op.arg else 0, _PLAIN_EFFECTS[_op.name])
-_LENGTH_PREFIX = {
+_LENGTH_PREFIX: Final = {
     pickletools.TAKEN_FROM_ARGUMENT1: (1, False),
     pickletools.TAKEN_FROM_ARGUMENT4: (4, True),
     pickletools.TAKEN_FROM_ARGUMENT4U: (4, False),
     pickletools.TAKEN_FROM_ARGUMENT8U: (8, False),
 }
-_TAKES = {_TUPLE1: 1, _TUPLE2: 2, _TUPLE3: 3, _APPEND: 1, _SETITEM: 2}  # entries an opcode takes off the stack
-_CLOSES = (_FROM_MARK, _DICT, _APPENDS, _SETITEMS, _POP_MARK)  # opcodes that take the entries above a MARK
+_TAKES: Final = {_TUPLE1: 1, _TUPLE2: 2, _TUPLE3: 3, _APPEND: 1, _SETITEM: 2}  # entries an opcode takes off the stack
+_CLOSES: Final = (_FROM_MARK, _DICT, _APPENDS, _SETITEMS, _POP_MARK)  # opcodes that take the entries above a MARK
 # Nearly every opcode of Trinity-RFT's metadata takes one of the scan's short paths, by kind:
 # BINGET (a memoized key, mostly), MEMOIZE, a value of a fixed size (NONE, BININT1, BINFLOAT,
 # an empty container), a short str or bytes, MARK, and what closes a MARK. _KIND[code] is 0
@@ -60,9 +78,9 @@ _K_SHORT_KEY: Final = 4
 _K_KEY: Final = 5
 _K_MARK: Final = 6
 _K_CLOSE: Final = 7
-_KIND = [0] * 256
-_STEP = [0] * 256
-_EFFECT = [-1] * 256  # a plain opcode's stack effect; -1 for every other byte
+_KIND: Final = [0] * 256
+_STEP: Final = [0] * 256
+_EFFECT: Final = [-1] * 256  # a plain opcode's stack effect; -1 for every other byte
 for _code, _spec in enumerate(_PLAIN_TABLE):
     if _spec is not None:
         _, _size, _effect = _spec
@@ -82,8 +100,8 @@ for _code, _spec in enumerate(_PLAIN_TABLE):
 
 # _KIND once the memo's indices are not 0, 1, 2... (a PUT skipped one): a memo read or MEMOIZE
 # takes the general path, which keeps such a memo in a dict.
-_SPARSE_KIND = [0 if kind in (_K_GET1, _K_MEMOIZE) else kind for kind in _KIND]
-_PUTS = frozenset(code for code, spec in enumerate(_PLAIN_TABLE) if spec is not None and spec[2] == _PUT)
+_SPARSE_KIND: Final = [0 if kind in (_K_GET1, _K_MEMOIZE) else kind for kind in _KIND]
+_PUTS: Final = frozenset(code for code, spec in enumerate(_PLAIN_TABLE) if spec is not None and spec[2] == _PUT)
 # Replaying segments (see _Segment) pays when the same shapes come back many times: a batch of
 # experiences. The limits bound what recording them costs in a pickle that repeats nothing.
 _SEGMENT_BYTES = 1024  # the longest segment recorded
@@ -95,13 +113,13 @@ _SEGMENTS_KEPT = 4  # the most recent, tried at each MARK
 # pickle's bytes (in bytes looked at), and failed matches at most its size.
 _RECORDING_SHARE = 2
 _RECORDING_MIN = 4096  # the smallest pickle that records segments: a smaller one has little to repeat
-_ESCAPED = [re.escape(bytes([code])) for code in range(256)]  # each byte as a pattern matches it
+_ESCAPED: Final = [re.escape(bytes([code])) for code in range(256)]  # each byte as a pattern matches it
 
 
 # Opcodes a segment may hold besides BINGET: their effect on the stack and the memo does not
 # depend on their argument, only on the stack entries inside the segment (PUT, POP and DUP,
 # which may reach below it or rewrite the memo, are left out).
-_REPLAYABLE = frozenset({_KEY, _VALUE, _MEMOIZE, _MARK, _NOOP, *_CLOSES, *_TAKES})
+_REPLAYABLE: Final = frozenset({_KEY, _VALUE, _MEMOIZE, _MARK, _NOOP, *_CLOSES, *_TAKES})
 
 
 @dataclass
@@ -142,7 +160,8 @@ class _Segment:
                 head, size = 1 + width, int.from_bytes(raw[pos + 1 : pos + 1 + width], "little", signed=signed)
             else:
                 return None
-            parts.extend(_ESCAPED[raw[pos + i]] for i in range(head))
+            for at in range(pos, pos + head):  # a loop, not a generator: compiled, that is an object an opcode
+                parts.append(_ESCAPED[raw[at]])
             if size:
                 parts.append(b".{%d}" % size)
                 literal = pos + head if literal is None else literal
