@@ -194,6 +194,7 @@ _SPARSE_MEMOS = [
     (b"]q\x000\x8c\x01ar\x03\x00\x00\x000}h\x00Ns.", "dict keys must be str or bytes"),
     (b"]q\x000\x8c\x01ar\x03\x00\x00\x000h\x02.", "reads memo entry 2, which was never stored"),
     (b"]q\x000\x8c\x01aq\x000}h\x00Ns.", None),  # PUT over an entry, in order
+    (b"N0N0\x8c\x01aq\x050h\xff.", "BINGET reads memo entry 255, which was never stored"),  # past the ops read
 ]
 
 

@@ -334,8 +334,8 @@ def _general(
         push(True)
     elif effect == _VALUE:
         push(False)
-    elif effect == _GET:
-        memo_index = _memo_index(name, raw[start:pos], ops)
+    elif effect == _GET:  # BINGET (here once the memo is sparse) is not bounded by the ops read, as in the loop
+        memo_index = raw[start] if arg_size == 1 else _memo_index(name, raw[start:pos], ops)
         flag = sparse.get(memo_index) if sparse else memo[memo_index] if memo_index < len(memo) else None
         if flag is None:
             raise _never_stored(code, memo_index)
