@@ -15,8 +15,9 @@ magic b"TRXZ"; its chunks' digests stay those of the bytes as pushed, checked on
 
 from __future__ import annotations
 
+import operator
 import struct
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import zstandard
@@ -31,6 +32,7 @@ CHUNK_BYTES = 4 << 20
 HEAD_MAGIC = b"TRXO"
 ZSTD_MAGIC = b"TRXZ"  # a head whose chunks are zstd frames
 _MAGICS = (HEAD_MAGIC, ZSTD_MAGIC)
+_MAGIC_SET, _FIRST_FOUR = frozenset(_MAGICS), operator.itemgetter(slice(0, 4))
 FRAME = struct.Struct("<4sQ16sQII")  # magic, chunk set, the head's digest, section length, chunk bytes, chunks
 _SET = slice(4, 12)  # the head's chunk set, which its own digest covers ...
 DIGESTED = 4 + 8 + 16  # ... with the bytes from its section length on
@@ -95,6 +97,11 @@ class ChunkHead:
 
 def is_head(value: Bytes) -> bool:
     return value[:4] in _MAGICS
+
+
+def any_head(values: Iterable[Bytes]) -> bool:
+    """Whether any of these values is a head (`is_head`): their first bytes read in C."""
+    return not _MAGIC_SET.isdisjoint(map(_FIRST_FOUR, values))
 
 
 def read_head(value: Bytes) -> ChunkHead:

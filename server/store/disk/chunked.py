@@ -148,6 +148,17 @@ def reserve_sets(txn: lmdb.Transaction[bytes], dbs: dict[str, lmdb._Database], c
     return set_id
 
 
+def kept_whole(blobs: Sequence[bytes], prompt_bytes: Iterable[int]) -> bool:
+    """Whether `stored_value` keeps each of these pushed payloads (of `prompt_bytes` of prompt tokens
+    each) as it is: none a head, none over CHUNK_BYTES, none with a prompt long enough to share. Each
+    is looked at in C, so a push of small experiences stores its payloads without a step each."""
+    return (
+        max(map(len, blobs), default=0) <= chunk_heads.CHUNK_BYTES
+        and max(prompt_bytes, default=0) < shared_prompts.MIN_BYTES
+        and not chunk_heads.any_head(blobs)
+    )
+
+
 def stored_value(
     sharing: shared_prompts.Sharing,
     key: bytes,

@@ -11,6 +11,7 @@ bytes and totals are counters written in the same transaction as the records.
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections.abc import Mapping, Sequence
 
@@ -91,7 +92,7 @@ class Ending:
         zero-variance filter drops instead."""
         if self.tt.config.grouping.drop_zero_variance:
             return [view.key for view in views if not self.complete(view.key, view, partial=False, indexed=False)]
-        self.rows.extend([(view, False, False) for view in views])
+        self.rows.extend(zip(views, itertools.repeat(False), itertools.repeat(False)))
         return []
 
     def _zero_variance(self, gkey: str, grp: GroupView) -> bool:

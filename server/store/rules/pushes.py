@@ -6,6 +6,7 @@ fills completed (groups.Ending) or kept pending. Functions over a table's state
 
 from __future__ import annotations
 
+import itertools
 from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 
@@ -56,26 +57,12 @@ def put(
     result = PutResult()
     rows = tt.config.storage.layout == "rows"
     keys = group_keys(entries, tt.config.grouping.by)
-    existing: dict[str, row_pending.PendingGroup | None] = {}
     if rows:
-        by_group = _by_group(entries, keys)
-        # the directory entries of this push's groups, and the digests of their members stored
-        existing, stored = row_pending.stored(tt, by_group)
-        fresh = {entry.uid: entry for entry in entries}
-        if stored or len(fresh) < len(entries):  # some may be stored already, or pushed twice
-            fresh, by_group = _screen(tt, entries, keys, stored, result, holder)
-        _refuse_headless(tt, [gkey for gkey in by_group if gkey not in existing], by_group)
-    else:
-        fresh, by_group = _screen(tt, entries, keys, None, result, holder)
-        views = {gkey: tt.view(gkey) for gkey in by_group}
-        _refuse_headless(tt, [gkey for gkey, grp in views.items() if grp is None], by_group)
-    _check_rewards(tt, fresh.values())
-    _check_eids(tt, fresh.values())
-    if by_group:  # a push of pieces alone, or of copies alone, was heard of as such
-        tt.extensions.on_pushed(tt, Pushed(list(by_group), holder))
-    if rows:
-        _put_rows(tt, by_group, existing, compute, ahead, result)
-        return _stored(tt, result, list(fresh))
+        return _put_rows(tt, entries, keys, holder, compute, ahead, result)
+    fresh, by_group = _screen(tt, entries, keys, None, result, holder)
+    views = {gkey: tt.view(gkey) for gkey in by_group}
+    _refuse_headless(tt, [gkey for gkey, grp in views.items() if grp is None], by_group)
+    _admit(tt, list(fresh.values()), by_group, holder)
     groups: dict[str, GroupView] = {}
     opened: set[str] = set()  # groups this push starts: not in the pending index yet
     size = tt.config.grouping.size
@@ -90,7 +77,7 @@ def put(
             core_groups.forget_failed(grp, [entry.uid for entry in members])
         _no_overfill(tt, gkey, len(grp.members), grp.failed, len(members))
         groups[gkey] = grp
-    make_room(tt, len(fresh), sum(e.size for e in fresh.values()), set(groups))
+    make_room(tt, len(fresh), sum([entry.size for entry in fresh.values()]), set(groups))
     core_groups.add_members(tt, by_group, groups)
     ending = Ending(tt)
     for gkey, grp in groups.items():
@@ -117,6 +104,15 @@ def put(
     return _stored(tt, result, list(fresh))
 
 
+def _admit(tt: TableState, new: Sequence[Entry], by_group: Mapping[str, Sequence[Entry]], holder: str) -> None:
+    """A push's new experiences checked (rewards, eids), and its groups heard of before any is stored
+    (a push of pieces alone, or of copies alone, was heard of as such)."""
+    _check_rewards(tt, new)
+    _check_eids(tt, new)
+    if by_group:
+        tt.extensions.on_pushed(tt, Pushed(list(by_group), holder))
+
+
 def _stored(tt: TableState, result: PutResult, stored: list[str]) -> PutResult:
     """A push's end: what it stored counted and heard of, the counters saved."""
     result.stored = stored
@@ -128,12 +124,20 @@ def _stored(tt: TableState, result: PutResult, stored: list[str]) -> PutResult:
     return result
 
 
-def _by_group(entries: Iterable[Entry], keys: Iterable[str]) -> dict[str, list[Entry]]:
-    """The entries by group, in push order, each entry's group key in `keys`."""
+def _by_group(entries: Sequence[Entry], keys: list[str]) -> dict[str, Sequence[Entry]]:
+    """The entries by group, in push order, each entry's group key in `keys`. A push of whole groups
+    one after the other, all of one size (groups of one among them), is cut in C, no step an entry."""
+    order = dict.fromkeys(keys)
+    size, rest = divmod(len(keys), len(order)) if order else (0, 1)
+    if not rest and (
+        size == 1
+        or list(itertools.chain.from_iterable(map(itertools.repeat, order, itertools.repeat(size, len(order))))) == keys
+    ):
+        return dict(zip(order, zip(*[iter(entries)] * size, strict=True), strict=True))
     found: dict[str, list[Entry]] = defaultdict(list)
     for entry, gkey in zip(entries, keys, strict=True):
         found[gkey].append(entry)
-    return found
+    return dict(found)
 
 
 def _screen(
@@ -182,20 +186,31 @@ def _screen(
 
 def _put_rows(
     tt: TableState,
-    by_group: dict[str, list[Entry]],
-    existing: dict[str, row_pending.PendingGroup | None],
+    entries: Sequence[Entry],
+    keys: list[str],
+    holder: str,
     compute: Compute | None,
     ahead: Ahead | None,
     result: PutResult,
-) -> None:
-    """A push into a table of layout "rows" (issue 64, whose rows land a step at a time): its groups
-    joined, completed (with their advantages, or computing), kept pending or dropped as a records
-    table's (`put`), the oldest ready groups evicted where it needs room (make_room). A group the push
-    opens is not made a `PendingGroup` unless the push leaves it pending: most complete in their push."""
+) -> PutResult:
+    """A push into a table of layout "rows" (issue 64, whose rows land a step at a time): its copies
+    told apart (where the directory holds any of its uids, or it holds one twice), its groups joined,
+    completed (with their advantages, or computing), kept pending or dropped as a records table's
+    (`put`), the oldest ready groups evicted where it needs room (make_room). A group the push opens is
+    not made a `PendingGroup` unless the push leaves it pending: most complete in their push."""
+    by_group: Mapping[str, Sequence[Entry]] = _by_group(entries, keys)
+    # the directory entries of this push's groups, and the digests of their members stored
+    existing, stored = row_pending.stored(tt, by_group)
+    uids, admitted = [entry.uid for entry in entries], entries
+    if stored or len(set(uids)) < len(uids):  # some may be stored already, or pushed twice
+        fresh, by_group = _screen(tt, entries, keys, stored, result, holder)
+        uids, admitted = list(fresh), list(fresh.values())
+    _refuse_headless(tt, [gkey for gkey in by_group if gkey not in existing] if existing else list(by_group), by_group)
+    _admit(tt, admitted, by_group, holder)
     size = tt.config.grouping.size
     groups = _joining(tt, by_group, existing)
     row_pending.opened_by_push(tt, len(by_group) - len(groups))
-    make_room(tt, sum(map(len, by_group.values())), sum(e.size for es in by_group.values() for e in es), set())
+    make_room(tt, len(admitted), sum([entry.size for entry in admitted]), set())
     ending = Ending(tt)
     joined = row_pending.joined(tt, by_group)
     if not groups and min(map(len, joined.values()), default=size) >= size:  # it opens every group and fills each
@@ -228,19 +243,20 @@ def _put_rows(
             tt.counters.groups_short += bool(pending.failed)
     row_pending.keep_all(tt, kept)
     ending.done(compute=compute, ahead=ahead)
+    return _stored(tt, result, uids)
 
 
 def _joining(
-    tt: TableState, by_group: dict[str, list[Entry]], existing: Mapping[str, row_pending.PendingGroup | None]
+    tt: TableState, by_group: Mapping[str, Sequence[Entry]], existing: Mapping[str, row_pending.PendingGroup | None]
 ) -> dict[str, row_pending.PendingGroup]:
     """Of the groups a push joins, in push order, the pending ones the table has (`existing`), their
     runs pushed now no longer failed; one complete refused (GroupClosed), one the push would overfill
-    refused (GroupOverfilled), a group it opens too. Where it opens every group and the table's
-    groups take any number, none is looked at."""
+    refused (GroupOverfilled), a group it opens too. Where it opens every group and none is over the
+    table's group size, none is looked at."""
     size = tt.config.grouping.size
     groups: dict[str, row_pending.PendingGroup] = {}
-    if not existing and not size:
-        return groups
+    if not existing and (not size or max(map(len, by_group.values()), default=0) <= size):
+        return groups  # it opens every group, none of them overfilled
     for gkey, members in by_group.items():
         if gkey not in existing:
             _no_overfill(tt, gkey, 0, {}, len(members))

@@ -63,6 +63,11 @@ TOGETHER_TRIES = 4  # a rollout put together off the writer whose pieces changed
 StateIn = Callable[["lmdb.Transaction[bytes]", int, TableConfig], TableState]
 
 
+def _any_piece(entries: Sequence[Entry]) -> bool:
+    """Whether any of a push's entries is a piece of a partial rollout: their pieces read in C."""
+    return [entry.piece for entry in entries].count(None) != len(entries)
+
+
 @dataclass(frozen=True, slots=True)
 class _Ready:
     """One push, looked up and with its advantages computed ahead, ready for the writer (which
@@ -283,7 +288,7 @@ class Pushing:
         if level is not None:
             self._compress(push, level)
         compute = self.in_push(config) if self.in_push is not None else None
-        if any(entry.piece is not None for entry in push.entries):
+        if _any_piece(push.entries):
             compute = None  # the rollouts its pieces finish are put together in the writer, not foreseen here
         ahead = pushed_advantages.compute_ahead(config, push.entries, compute) if compute is not None else None
         return _Ready(push, table_id, config, ahead)
@@ -359,7 +364,7 @@ class Pushing:
         completes get their advantages in its transaction where it gives the table a computation
         (`ahead`: computed before it, for the groups the push was expected to complete). A rollout
         in pieces takes `most` bytes at most (partials.take). `holder` is who pushes (kinds.Push)."""
-        has_pieces = any(e.piece is not None for e in entries)
+        has_pieces = _any_piece(entries)
         # the pieces of partial rollouts are not inserts: the rollouts they finish are
         held = limiter.insert_limit(
             tt, [e for e in entries if e.piece is None or not e.piece[1]] if has_pieces else entries

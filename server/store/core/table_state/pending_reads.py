@@ -105,14 +105,17 @@ def holding_payloads(
         return []
     found = []
     with txn.cursor(db=blobs) as cur:
-        seek, key = cur.set_range, cur.key
-        for gkey in sorted(opened):  # the cursor moves on through the leaf pages, a seek a few keys on
-            if by == "step":
+        if by == "step":
+            for gkey in sorted(opened):
                 runs = sorted({prefix + entry.uid.rsplit("/", 1)[0].encode() + b"/" for entry in pushed[gkey]})
                 if any(next(uids_under(cur, prefix, by, gkey, begin), None) for begin in runs):
                     found.append(gkey)
-                continue
-            begin = prefix + _uids_begin(gkey, by).encode()
+            return found
+        seek, key = cur.set_range, cur.key
+        ordered = sorted(opened)  # the cursor moves on through the leaf pages, a seek a few keys on
+        end = b"" if by == "none" else b"/"  # what _uids_begin adds to a task's or run's key
+        begins = [prefix + gkey.encode() + end for gkey in ordered]
+        for gkey, begin in zip(ordered, begins, strict=True):
             if seek(begin) and key()[: len(begin)] == begin and next(uids_under(cur, prefix, by, gkey, begin), None):
                 found.append(gkey)
     return found

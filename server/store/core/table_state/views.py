@@ -7,7 +7,10 @@ it reads records.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import functools
+import itertools
+import operator
+from collections.abc import Iterable, Mapping, Sequence
 from types import MappingProxyType
 from typing import NamedTuple
 
@@ -56,6 +59,20 @@ class RowGroup(NamedTuple):
     @property
     def members(self) -> tuple[str, ...]:
         return tuple(member.uid for member in self.rows)
+
+
+_NONE_FAILED: Mapping[str, str] = MappingProxyType({})
+_ROW_GROUP = functools.partial(tuple.__new__, RowGroup)  # RowGroup._make less its count: every field given
+
+
+def row_groups(
+    keys: Iterable[str], state: State, rows: Iterable[tuple[Member, ...]], created: float = 0.0
+) -> list[RowGroup]:
+    """RowGroups of these keys and members' rows, in `state`, none of their runs reported failed,
+    leased or sampled (`created`: when a pending group opened): made in C, no step a group, as a push
+    makes one for each group it completes."""
+    fields = (_NONE_FAILED, "", 0, created, frozenset[str](), 0)
+    return list(map(_ROW_GROUP, map(operator.add, zip(keys, itertools.repeat(state), rows), itertools.repeat(fields))))
 
 
 class RowMember:

@@ -12,6 +12,7 @@ members, or by `expbuf repair` (retire.delete, .remove_lost_groups), its members
 from __future__ import annotations
 
 import contextlib
+import itertools
 from collections.abc import Mapping, Sequence
 
 import lmdb
@@ -112,7 +113,7 @@ def add_members(tt: TableState, by_group: dict[str, list[Entry]], groups: dict[s
             grp.members.append(entry.uid)
             seq += 1
     put_rows(tt.txn, tt.db["order"], order)
-    payloads.store(tt, by_group)
+    payloads.store(tt, list(itertools.chain.from_iterable(by_group.values())))
 
 
 def closing(tt: TableState, gkey: str, grp: GroupView, *, partial: bool) -> dict[str, MemberView]:

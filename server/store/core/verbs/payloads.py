@@ -5,9 +5,8 @@ table's alike (groups.py, row_pending.py, retire.py, row_moves.py)."""
 
 from __future__ import annotations
 
-import itertools
-import operator
-from collections.abc import Callable, Mapping, Sequence, Set
+from collections.abc import Callable, Sequence, Set
+from typing import cast
 
 from ...disk import chunked, shared_prompts
 from ...disk.kinds import Entry
@@ -15,32 +14,38 @@ from ...disk.layout import delete_rows, put_rows
 from ...schema.states import FAILED, State
 from ..table_state.state import TableState
 
-_SIZE = operator.attrgetter("size")
 
-
-def store(tt: TableState, by_group: Mapping[str, Sequence[Entry]]) -> None:
+def store(tt: TableState, entries: Sequence[Entry]) -> None:
     """New experiences' payloads, in push order, counted pending with their bytes, places in the
-    insertion order (next_seq) and versions: a records table's and a rows table's alike."""
+    insertion order (next_seq) and versions: a records table's and a rows table's alike. A push whose
+    payloads are all kept as they are (chunked.kept_whole) is stored without a step an experience."""
     counters, prefix = tt.counters, tt.prefix
-    entries = list(itertools.chain.from_iterable(by_group.values()))
-    sharing = shared_prompts.Sharing(tt.txn, tt.db)
-    stored = chunked.stored_value
-    blobs = [
-        (key, stored(sharing, key, e.blob, e.response_length, e.prompt_bytes, e.chunks))
-        for key, e in zip([prefix + e.uid.encode() for e in entries], entries, strict=True)
-    ]
-    sharing.close()
-    put_rows(tt.txn, tt.db["blobs"], blobs)
-    count, nbytes = len(entries), sum(map(_SIZE, entries))
-    versions = [e.version for e in entries if e.version is not None]
+    keys = [prefix + entry.uid.encode() for entry in entries]
+    blobs = [entry.blob for entry in entries]
+    if chunked.kept_whole(blobs, [entry.prompt_bytes for entry in entries]):
+        put_rows(tt.txn, tt.db["blobs"], list(zip(keys, blobs, strict=True)))
+    else:
+        sharing = shared_prompts.Sharing(tt.txn, tt.db)
+        stored = chunked.stored_value
+        values = [
+            stored(sharing, key, e.blob, e.response_length, e.prompt_bytes, e.chunks)
+            for key, e in zip(keys, entries, strict=True)
+        ]
+        sharing.close()
+        put_rows(tt.txn, tt.db["blobs"], list(zip(keys, values, strict=True)))
+    count, nbytes = len(entries), sum([entry.size for entry in entries])
+    versions = [entry.version for entry in entries]
+    known = cast("list[int]", versions)  # none unknown, or (below) those not
     counters.pending += count
     counters.next_seq += count
     counters.bytes += nbytes
     counters.bytes_pushed += nbytes
-    if versions:
+    if None in versions:  # some, or all, of unknown versions
+        known = [] if versions.count(None) == count else [version for version in versions if version is not None]
+    if known:
         low, high = counters.min_version, counters.max_version
-        counters.min_version = min(versions) if low is None else min(low, *versions)
-        counters.max_version = max(versions) if high is None else max(high, *versions)
+        counters.min_version = min(known) if low is None else min(low, *known)
+        counters.max_version = max(known) if high is None else max(high, *known)
 
 
 def _every(key: bytes) -> bool:

@@ -14,7 +14,6 @@ hash in the head. The heads a push changes are written together, in key order (`
 
 from __future__ import annotations
 
-import functools
 import itertools
 import logging
 from collections.abc import Iterator, Mapping, Sequence, Set
@@ -32,7 +31,7 @@ from ..table_state import oldest_index
 from ..table_state.events import Moved, Retired
 from ..table_state.pending_reads import missing
 from ..table_state.state import TableState
-from ..table_state.views import RowGroup
+from ..table_state.views import RowGroup, row_groups
 from . import payloads, pieces, segments
 
 _NONE_FAILED: Mapping[str, str] = MappingProxyType({})
@@ -74,10 +73,13 @@ def stored(
     found: dict[str, PendingGroup | None] = {}
     digests: dict[str, bytes] = {}
     views: dict[int, tuple[SegmentView, SegState]] = {}
-    txn, gdir, prefix = tt.txn, tt.db["gdir"], tt.prefix
-    raws = [txn.get(prefix + gkey.encode(), db=gdir) for gkey in pushed]
-    if raws.count(None) == len(raws):  # groups the push opens, all of them
+    prefix = tt.prefix
+    keys = [prefix + gkey.encode() for gkey in pushed]
+    with tt.txn.cursor(db=tt.db["gdir"]) as cur:
+        held = dict(cur.getmulti(keys))
+    if not held:  # groups the push opens, all of them
         return found, digests
+    raws = list(map(held.get, keys))
     size = tt.config.grouping.size
     for (gkey, entries), raw in zip(pushed.items(), raws, strict=True):
         if raw is None:
@@ -160,16 +162,17 @@ def open_pending(tt: TableState, gkey: str) -> RowGroup:
 
 def joined(tt: TableState, by_group: Mapping[str, Sequence[Entry]]) -> dict[str, tuple[Member, ...]]:
     """New experiences join their groups, in push order: their payloads stored and counted pending
-    (payloads.py); their rows by group (for `keep`, or for the group's segment: `view`)."""
+    (payloads.py); their rows by group (for `keep`, or for the group's segment: `view`), cut in C
+    where the groups are all of one size."""
     seq = tt.counters.next_seq
-    payloads.store(tt, by_group)
-    rows = tuple(members(list(itertools.chain.from_iterable(by_group.values())), seq, tt.now))  # a view's slices
-    found: dict[str, tuple[Member, ...]] = {}
-    at = 0
-    for gkey, entries in by_group.items():
-        found[gkey] = rows[at : at + len(entries)]
-        at += len(entries)
-    return found
+    entries = list(itertools.chain.from_iterable(by_group.values()))
+    payloads.store(tt, entries)
+    rows = members(entries, seq, tt.now)
+    sizes = list(map(len, by_group.values()))
+    if sizes and sizes.count(sizes[0]) == len(sizes):  # a push of whole groups of one size, or of one run each
+        return dict(zip(by_group, zip(*[iter(rows)] * sizes[0], strict=True), strict=True))
+    cut = itertools.pairwise(itertools.accumulate(sizes, initial=0))
+    return {gkey: tuple(rows[a:b]) for gkey, (a, b) in zip(by_group, cut, strict=True)}
 
 
 def view(tt: TableState, grp: PendingGroup, new: Sequence[Member]) -> RowGroup:
@@ -184,18 +187,12 @@ def view(tt: TableState, grp: PendingGroup, new: Sequence[Member]) -> RowGroup:
 def view_new(tt: TableState, gkey: str, rows: Sequence[Member]) -> RowGroup:
     """The view of a pending group this request opened (`opening`) with its members, none of its runs
     reported failed: `view`'s, without a `PendingGroup` made first."""
-    return RowGroup(gkey, PENDING, tuple(rows), _NONE_FAILED, "", 0, tt.now)  # by position: one made a group
+    return row_groups([gkey], PENDING, [tuple(rows)], tt.now)[0]
 
 
-def views_new(tt: TableState, joined: Mapping[str, Sequence[Member]]) -> list[RowGroup]:
+def views_new(tt: TableState, joined: Mapping[str, tuple[Member, ...]]) -> list[RowGroup]:
     """`view_new`'s of groups this request opened, each with its members (`joined`'s), at once."""
-    now, none = tt.now, frozenset[str]()
-    return [
-        _ROW_GROUP((gkey, PENDING, tuple(rows), _NONE_FAILED, "", 0, now, none, 0)) for gkey, rows in joined.items()
-    ]
-
-
-_ROW_GROUP = functools.partial(tuple.__new__, RowGroup)  # RowGroup._make less its count: every field given
+    return row_groups(joined, PENDING, joined.values(), tt.now)
 
 
 def keep(tt: TableState, gkey: str, grp: RowGroup | PendingGroup, new: Sequence[Member] = ()) -> None:
@@ -297,8 +294,7 @@ def complete(tt: TableState, groups: Sequence[tuple[RowGroup, bool, bool]], was:
     if was == PENDING:  # their runs still in pieces will not join them
         pieces.drop_groups(tt, lambda: [grp.key for grp in views])
     if was == PENDING and not any(partials) and not any(writes):  # opened and completed by this request
-        whole = [segments.whole(grp.key, grp.created, grp.rows, False, grp.failed) for grp in views]
-        segments.complete_ready(tt, whole, was)
+        segments.complete_ready(tt, segments.wholes(views), was)
         return
     whole, places = [], []
     for grp, partial, written in groups:

@@ -39,7 +39,7 @@ from ...schema.views import Groups
 from ..table_state import oldest_index, rate_counts
 from ..table_state.events import Moved
 from ..table_state.state import TableState
-from ..table_state.views import RowGroup
+from ..table_state.views import RowGroup, row_groups
 
 _NONE_FAILED: Mapping[str, str] = MappingProxyType({})
 # A request completing fewer ready groups than this puts them into the table's newest segment where it
@@ -48,7 +48,9 @@ _NONE_FAILED: Mapping[str, str] = MappingProxyType({})
 # (pushes of groups of one side by side, growing or not, µs an experience: of 1, +23 the push, -54 the
 # drain; of 8, +3.4 and -6.5; of 16, +3.0 and -3.3).
 GROW_BELOW = 8
-_MEMBERS, _CREATED = operator.attrgetter("members"), operator.attrgetter("created")
+_MEMBERS, _CREATED, _KEY = operator.attrgetter("members"), operator.attrgetter("created"), operator.attrgetter("key")
+_ROWS, _FAILED = operator.attrgetter("rows"), operator.attrgetter("failed")
+_PRIORITY, _VERSION = operator.attrgetter("priority"), operator.attrgetter("version")
 _GROUP = functools.partial(tuple.__new__, Group)  # Group._make less its count: `whole` gives every field
 
 
@@ -56,7 +58,7 @@ def cut(groups: Sequence[Group]) -> list[list[Group]]:
     """Groups in completion order, cut into segments: at most SEGMENT_GROUPS groups and
     SEGMENT_MEMBERS members each, a larger group alone. Groups all of one size (a push's groups of
     one, or of its group size) are cut every as many as fit, without a look at each."""
-    sizes = {len(group.members) for group in groups}
+    sizes = set(map(len, map(_MEMBERS, groups)))
     if len(sizes) == 1:
         (size,) = sizes
         step = max(1, min(SEGMENT_GROUPS, SEGMENT_MEMBERS // size)) if size else SEGMENT_GROUPS
@@ -91,12 +93,24 @@ def whole(
     return Group(gkey, created, members, priority, version, partial, runs)
 
 
+def wholes(views: Sequence[RowGroup]) -> list[Group]:
+    """`whole`'s of groups complete as their views are (not partial, not placed: opened and completed
+    by one request): where each is one member and none has runs reported failed, made in C with its
+    member's priority and version, no step a group."""
+    rows = list(map(_ROWS, views))
+    flat = list(itertools.chain.from_iterable(rows))
+    if len(flat) != len(views) or any(map(_FAILED, views)):
+        return [whole(grp.key, grp.created, grp.rows, False, grp.failed) for grp in views]
+    made = zip(map(_KEY, views), map(_CREATED, views), rows, map(_PRIORITY, flat), map(_VERSION, flat), strict=True)
+    return list(map(_GROUP, map(operator.add, made, itertools.repeat((False, ())))))
+
+
 def placed_by(members: Sequence[Member]) -> tuple[float, int | None]:
     """A complete group's priority and version: its members' highest priority and lowest version (None
     unless every member has one), as core/verbs/groups.complete gives a records table's."""
-    versions = [m.version for m in members if m.version is not None]
-    version = min(versions) if versions and len(versions) == len(members) else None
-    return max([m.priority for m in members], default=0.0), version
+    versions = list(map(_VERSION, members))
+    version = min(versions) if versions and None not in versions else None
+    return max(map(_PRIORITY, members), default=0.0), version
 
 
 def write(
@@ -269,5 +283,6 @@ def complete_ready(
     counters.add_groups(READY, len(groups))
     rate_counts.became_ready(tt, count)
     if tt.extensions.hears("on_moved"):  # the groups' views made only for an extension that reads them
-        ready: Groups = [(group.key, RowGroup(group.key, READY, tuple(group.members))) for group in groups]
+        keys = list(map(_KEY, groups))
+        ready: Groups = list(zip(keys, row_groups(keys, READY, map(tuple, map(_MEMBERS, groups))), strict=True))
         tt.extensions.on_moved(tt, Moved(was, READY, ready))

@@ -6,6 +6,7 @@ members.encode_member_rows) until the group completes.
 
 from __future__ import annotations
 
+import itertools
 import struct
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -62,7 +63,7 @@ class GroupRef(NamedTuple):
 def group_refs(seg: int, count: int, first: int = 0) -> list[bytes]:
     """The directory entries of segment `seg`'s `count` groups from group `first`, encoded: each its
     `GroupRef`'s."""
-    return [_REF.pack(REF, group, seg) for group in range(first, first + count)]
+    return list(map(_REF.pack, itertools.repeat(REF, count), range(first, first + count), itertools.repeat(seg, count)))
 
 
 @dataclass(slots=True, kw_only=True)

@@ -93,7 +93,7 @@ def encode_segment(groups: Sequence[Group], rseq0: int, completed: float) -> byt
         *made.numbers,
     ]
     if not made.keys_are_uids:
-        encoded = [key.encode() for key in made.keys]
+        encoded = list(map(str.encode, made.keys))
         parts.append(_offsets(encoded))
         parts.extend(encoded)
     parts.append(encode_members(made.members))
