@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import tempfile
 from collections import defaultdict
 from pathlib import Path
 from types import MappingProxyType
@@ -14,10 +15,11 @@ from unittest import mock
 
 import lmdb
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from expbuf.server.store import Entry, Store
+from expbuf.server.store.core.table_state.pending_reads import holding_payloads, uids_under
 from expbuf.server.store.core.table_state.views import RowGroup, row_groups
 from expbuf.server.store.core.verbs import row_pending, segments
 from expbuf.server.store.disk import chunk_heads, chunked, shared_prompts
@@ -161,3 +163,31 @@ def test_a_push_stored_a_list_at_a_time_stores_what_a_step_an_entry_stores(
     monkeypatch.setattr(segments, "row_groups", _row_groups_each)
     monkeypatch.setattr(row_pending, "row_groups", _row_groups_each)
     assert fast == _pushed(tmp_path / "each", batches)
+
+
+uids = st.builds(
+    "{}/{}/{}/0/x".format, st.sampled_from(["0", "1", "1/2", "12", "1!"]), st.integers(0, 30), st.integers(0, 3)
+)
+tasks = st.builds("{}/{}".format, st.sampled_from(["0", "1", "1/2", "12", "1!", "2"]), st.integers(0, 30))
+
+
+@given(st.lists(uids, max_size=30), st.lists(tasks, max_size=20, unique=True), st.sampled_from(["task", "none"]))
+@example(["1/2/3/0/x"], ["0/5", "1/2"], "task")  # the key found for 0/5 falls under 1/2, a begin after it
+@settings(max_examples=150, deadline=None)
+def test_groups_holding_payloads_are_found_as_by_a_seek_each(stored: list[str], opened: list[str], by: str) -> None:
+    """The groups a push opens that hold a payload (pending_reads.holding_payloads, which passes over
+    the groups a seek's key shows hold none) are those a seek for each finds, batches holding '/'
+    among them, and among the keys of other tables."""
+    opened = opened if by == "task" else [f"{gkey}/0/0/x" for gkey in opened]
+    prefix = b"\0\0\0\2"
+    with tempfile.TemporaryDirectory() as path:
+        env = lmdb.open(path, max_dbs=2, map_size=1 << 24)
+        blobs = env.open_db(b"blobs")
+        with env.begin(write=True) as txn:
+            for uid in stored:
+                txn.put(prefix + uid.encode(), b"p", db=blobs)
+            txn.put(b"\0\0\0\3" + b"0/1/0/0/x", b"p", db=blobs)  # another table's
+            with txn.cursor(db=blobs) as cur:
+                each = [gkey for gkey in sorted(opened) if next(uids_under(cur, prefix, by, gkey), None)]
+            assert holding_payloads(txn, blobs, prefix, by, opened, {}) == each
+        env.close()

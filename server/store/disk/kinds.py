@@ -3,7 +3,6 @@ store, the result of a push, a sampled batch, and a computation of advantages to
 
 from __future__ import annotations
 
-import functools
 import operator
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -48,7 +47,7 @@ class Entry(NamedTuple):
     """One validated experience ready to store: its identity and one-item payload.
 
     Not changed once made (`_replace` makes another). A named tuple, as a push makes one of
-    every experience: `staged` makes it in C (`_ENTRY`), where a dataclass's `__init__` sets each
+    every experience: `staged` makes it in C (`tuple.__new__`), where a dataclass's `__init__` sets each
     of its fields in Python (about 2 k instructions an experience)."""
 
     uid: str
@@ -87,7 +86,7 @@ class Entry(NamedTuple):
         info = meta.get("info") or _NO_INFO  # a checked item's info is a dict where it has one
         priority = info.get("priority", 0.0)
         version, segments = versions(info)
-        return _ENTRY((  # every field, in their order: a push makes an entry of every experience
+        return tuple.__new__(Entry, (  # every field, in their order: a push makes an entry of every experience
             uid, tid, rid, sid, blob, digest, size, version,
             meta.get("reward"),
             # + 0.0 makes -0.0 the 0.0 it equals: the priority index orders keys by their bits
@@ -119,20 +118,16 @@ class Entry(NamedTuple):
 
 def members(entries: Sequence[Entry], seq: int, created: float) -> list[Member]:
     """The experiences as a rows table's segment keeps them (disk/rows/), the first at `seq` in the
-    insertion order, the others after it."""
+    insertion order, the others after it. Each is made by tuple.__new__ called as it is (Member._make
+    less its count of the fields, and less a partial's call around it), as a push makes hundreds."""
+    new = tuple.__new__
     return [
-        _MEMBER((
+        new(Member, (
             e.uid, e.digest, e.size, at, created, e.step, e.response_length, e.generated, e.version, e.reward,
             e.priority, None, None, e.segments,
         ))
         for at, e in enumerate(entries, seq)
     ]  # fmt: skip
-
-
-# Member._make less its count of the fields, as a push makes hundreds: `members` gives each of them.
-_MEMBER = functools.partial(tuple.__new__, Member)
-# The same of an Entry: `Entry.staged` gives each of its fields, defaults too.
-_ENTRY = functools.partial(tuple.__new__, Entry)
 
 
 def group_keys(entries: Iterable[Entry], group_by: str) -> list[str]:

@@ -6,6 +6,7 @@ index names but is not stored (`stored`, `missing`)."""
 
 from __future__ import annotations
 
+import bisect
 import functools
 from collections.abc import Callable, Iterator, Mapping, Sequence
 
@@ -97,8 +98,9 @@ def holding_payloads(
     opened: Sequence[str],
     pushed: Mapping[str, Sequence[Entry]],
 ) -> list[str]:
-    """Of the groups a push opens, those with a payload stored (a seek each, through one cursor): a
-    group whose head is lost while its runs are stored (rules/pushes.py). A group keyed by step,
+    """Of the groups a push opens, those with a payload stored (a seek each, through one cursor, but
+    for those the key a seek finds passes: nothing is stored under them): a group whose head is lost
+    while its runs are stored (rules/pushes.py). A group keyed by step,
     whose runs' uids are not side by side, is looked for under each run the push brings it
     (`pushed`: a seek a run, a resent run found whatever its suffix)."""
     if not opened:
@@ -112,13 +114,22 @@ def holding_payloads(
                     found.append(gkey)
             return found
         seek, key = cur.set_range, cur.key
-        ordered = sorted(opened)  # the cursor moves on through the leaf pages, a seek a few keys on
         end = b"" if by == "none" else b"/"  # what _uids_begin adds to a task's or run's key
-        begins = [prefix + gkey.encode() + end for gkey in ordered]
-        for gkey, begin in zip(ordered, begins, strict=True):
-            if seek(begin) and key()[: len(begin)] == begin and next(uids_under(cur, prefix, by, gkey, begin), None):
-                found.append(gkey)
-    return found
+        # in key order: the cursor moves on through the leaf pages, a seek a few keys on
+        begins = sorted([prefix + gkey.encode() + end for gkey in opened])
+        at = 0
+        while at < len(begins) and seek(begins[at]):  # none stored from a begin on: none from those after
+            begin, stored = begins[at], bytes(key())
+            if stored[: len(begin)] == begin:
+                gkey = begin[len(prefix) : len(begin) - len(end)].decode()
+                if next(uids_under(cur, prefix, by, gkey, begin), None):
+                    found.append(gkey)
+                at += 1
+                continue
+            # the begins before the key found that it does not fall under hold nothing: passed over at once
+            beyond = bisect.bisect_left(begins, stored, at + 1)
+            at = at + 1 if any(map(stored.startswith, begins[at + 1 : beyond])) else beyond
+    return sorted(found)
 
 
 def uids_under(cur: lmdb.Cursor[bytes], prefix: bytes, by: str, gkey: str, begin: bytes | None = None) -> Iterator[str]:
