@@ -12,6 +12,7 @@ at every server start and every replacement.
 
 from __future__ import annotations
 
+import dataclasses
 import mmap
 import operator
 import os
@@ -28,7 +29,7 @@ from expbuf.client.trxp.column_batch import wire as column_wire
 from ...store import Entry
 from ...store.schema.errors import InvalidPayload
 
-FIELDS = Entry._fields
+FIELDS = tuple(field.name for field in dataclasses.fields(Entry))
 BLOB = FIELDS.index("blob")
 fields_of = operator.attrgetter(*FIELDS)
 REQUEST = struct.Struct("<QQ")  # payload length, region size

@@ -42,6 +42,7 @@ worker pushes it again from its first piece.
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import itertools
 import logging
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
@@ -261,7 +262,7 @@ def _add(tt: TableState, entry: Entry, item: RawItem, head: PieceHead | None, mo
         if entry.together is None or list(entry.together.pieces) != head.pieces:
             raise OffWriter(entry.uid)
         pieces.drop(tt, entry.uid)
-        return entry._replace(piece=None, together=None)
+        return dataclasses.replace(entry, piece=None, together=None)
     where = f"rollout {clip(entry.uid)}, piece at token {head.tokens}"
     finished = _checked(where, partial.merge([*_items(tt, entry.uid, head), item]))
     pieces.drop(tt, entry.uid)

@@ -14,6 +14,7 @@ from; a set no push stored is dropped (Pushing.drop_staged).
 from __future__ import annotations
 
 import collections
+import dataclasses
 from collections.abc import Sequence
 from concurrent.futures import Future
 from pathlib import Path
@@ -87,4 +88,4 @@ def put_together(
                 pending.exception()
             pushing.drop_staged(table, [staging.set_id])
     made = Entry.staged(planned.item, staging.head(), staging.digest(), staging.size, planned.generated)
-    return made._replace(piece=last.piece, together=PutTogether(last, planned.pieces)), staging.set_id
+    return dataclasses.replace(made, piece=last.piece, together=PutTogether(last, planned.pieces)), staging.set_id

@@ -33,6 +33,7 @@ in a write of their own, as a read quarantines what it finds.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import threading
 import time
@@ -302,7 +303,7 @@ class Pushing:
         blobs = [None if entry.piece is not None else entry.blob for entry in entries]
         for at, made in enumerate(chunked.compressed(blobs, level, self.new_chunk_set)):
             if made is not None:
-                entries[at] = entries[at]._replace(blob=made[0], chunks=tuple(made[1]))
+                entries[at] = dataclasses.replace(entries[at], blob=made[0], chunks=tuple(made[1]))
         push.entries = entries
 
     def _submit(self, pushes: list[_Ready], final: bool, blocked: float) -> tuple[list[PutResult], Exception | None]:
