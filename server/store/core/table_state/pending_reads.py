@@ -27,7 +27,11 @@ def _uids_begin(gkey: str, by: str) -> str:
     uid), the one uid where each experience is its own group."""
     if by == "step":
         return gkey.rsplit("/", 1)[0] + "/"
-    return gkey + "/" if by in ("task", "run") else gkey
+    return gkey + _AFTER_KEY[by]
+
+
+# What follows a group's key in its uids, in a table grouped other than by step (_uids_begin).
+_AFTER_KEY = {"task": "/", "run": "/", "none": ""}
 
 
 def _row_parts(
@@ -114,7 +118,7 @@ def holding_payloads(
                     found.append(gkey)
             return found
         seek, key = cur.set_range, cur.key
-        end = b"" if by == "none" else b"/"  # what _uids_begin adds to a task's or run's key
+        end = _AFTER_KEY[by].encode()
         # in key order: the cursor moves on through the leaf pages, a seek a few keys on
         begins = sorted([prefix + gkey.encode() + end for gkey in opened])
         at = 0

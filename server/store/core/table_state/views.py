@@ -36,6 +36,10 @@ def member_record(view: MemberView) -> ItemRecord:
     return view
 
 
+# The `failed` of a group none of whose runs was reported failed: one mapping, read only, shared.
+NONE_FAILED: Mapping[str, str] = MappingProxyType({})
+
+
 class RowGroup(NamedTuple):
     """A rows table's group as a GroupView, with its members' rows (`rows`) as its segment holds them:
     a tuple, made per group a take reads."""
@@ -43,7 +47,7 @@ class RowGroup(NamedTuple):
     key: str
     state: State
     rows: tuple[Member, ...]
-    failed: Mapping[str, str] = MappingProxyType({})
+    failed: Mapping[str, str] = NONE_FAILED
     lease: str = ""
     times: int = 0  # its members' deliveries (a group's members are delivered together)
     created: float = 0.0  # when a pending group opened (its timeout's); 0 once it is complete
@@ -61,7 +65,6 @@ class RowGroup(NamedTuple):
         return tuple(member.uid for member in self.rows)
 
 
-_NONE_FAILED: Mapping[str, str] = MappingProxyType({})
 _ROW_GROUP = functools.partial(tuple.__new__, RowGroup)  # RowGroup._make less its count: every field given
 
 
@@ -71,7 +74,7 @@ def row_groups(
     """RowGroups of these keys and members' rows, in `state`, none of their runs reported failed,
     leased or sampled (`created`: when a pending group opened): made in C, no step a group, as a push
     makes one for each group it completes."""
-    fields = (_NONE_FAILED, "", 0, created, frozenset[str](), 0)
+    fields = (NONE_FAILED, "", 0, created, frozenset[str](), 0)
     return list(map(_ROW_GROUP, map(operator.add, zip(keys, itertools.repeat(state), rows), itertools.repeat(fields))))
 
 

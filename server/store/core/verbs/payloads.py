@@ -35,13 +35,11 @@ def store(tt: TableState, entries: Sequence[Entry]) -> None:
         put_rows(tt.txn, tt.db["blobs"], list(zip(keys, values, strict=True)))
     count, nbytes = len(entries), sum([entry.size for entry in entries])
     versions = [entry.version for entry in entries]
-    known = cast("list[int]", versions)  # none unknown, or (below) those not
+    known = [v for v in versions if v is not None] if None in versions else cast("list[int]", versions)
     counters.pending += count
     counters.next_seq += count
     counters.bytes += nbytes
     counters.bytes_pushed += nbytes
-    if None in versions:  # some, or all, of unknown versions
-        known = [] if versions.count(None) == count else [version for version in versions if version is not None]
     if known:
         low, high = counters.min_version, counters.max_version
         counters.min_version = min(known) if low is None else min(low, *known)

@@ -31,10 +31,9 @@ from ..table_state import oldest_index
 from ..table_state.events import Moved, Retired
 from ..table_state.pending_reads import missing
 from ..table_state.state import TableState
-from ..table_state.views import RowGroup, row_groups
+from ..table_state.views import NONE_FAILED, RowGroup, row_groups
 from . import payloads, pieces, segments
 
-_NONE_FAILED: Mapping[str, str] = MappingProxyType({})
 LOST_ROW = "its row is damaged"  # why a member whose row damage lost is quarantined
 log = logging.getLogger("expbuf.store")
 
@@ -87,7 +86,7 @@ def stored(
         plain = PendingHead.plain(raw) if raw[0] == PENDING_ENTRY else None
         if plain is not None and plain[0] + len(entries) < size:  # pending after the push: not decoded
             count, created = plain
-            found[gkey] = PendingGroup(gkey, None, count, _NONE_FAILED, created, raw)
+            found[gkey] = PendingGroup(gkey, None, count, NONE_FAILED, created, raw)
             if PendingHead.holds(raw, count, [pushed.uid for pushed in entries]):
                 digests.update(_pending_digests(tt, gkey, PendingHead.decode(raw)))
             continue

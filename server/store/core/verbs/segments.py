@@ -15,7 +15,6 @@ import functools
 import itertools
 import operator
 from collections.abc import Mapping, Sequence, Set
-from types import MappingProxyType
 from typing import cast
 
 from ...disk import chunked, layout
@@ -39,9 +38,8 @@ from ...schema.views import Groups
 from ..table_state import oldest_index, rate_counts
 from ..table_state.events import Moved
 from ..table_state.state import TableState
-from ..table_state.views import RowGroup, row_groups
+from ..table_state.views import NONE_FAILED, RowGroup, row_groups
 
-_NONE_FAILED: Mapping[str, str] = MappingProxyType({})
 # A request completing fewer ready groups than this puts them into the table's newest segment where it
 # can (`_grow_tail`). One completing more makes a segment of its own, whose per-segment cost its take
 # and confirm share among that many groups: growing costs such a push about what it saves the drain
@@ -80,7 +78,7 @@ def whole(
     created: float,
     members: Sequence[Member],
     partial: bool = False,
-    failed: Mapping[str, str] = _NONE_FAILED,
+    failed: Mapping[str, str] = NONE_FAILED,
     placed: tuple[float, int | None] | None = None,
 ) -> Group:
     """A group as its segment keeps it once complete, with its priority and version as they were
