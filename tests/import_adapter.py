@@ -18,18 +18,18 @@ every child where it is named.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.util
 import json
-import os
 import pkgutil
 import sys
-import tempfile
-import traceback
 from collections.abc import Sequence
 from importlib.abc import MetaPathFinder
 from importlib.machinery import ModuleSpec
 from types import ModuleType
+
+from forks import forked
 
 # Libraries that several of the frameworks load at their import, imported before the fork where
 # installed rather than again in each child: the six imports took 35 s of CPU in all, 17 so.
@@ -88,29 +88,7 @@ def import_each(adapters: dict[str, str]) -> dict[str, dict[str, object]]:
         raise SystemExit(f"loaded before the fork, so never refused: {', '.join(loaded)}")
     results: dict[str, dict[str, object]] = {}
     for adapter, refused in adapters.items():
-        with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
-            sys.stdout.flush()
-            pid = os.fork()
-            if pid == 0:
-                os.dup2(out.fileno(), 1)
-                os.dup2(err.fileno(), 2)
-                code = 1
-                try:
-                    code = main([sys.argv[0], adapter, refused])
-                except BaseException:
-                    traceback.print_exc()
-                finally:
-                    sys.stdout.flush()
-                    sys.stderr.flush()
-                    os._exit(code)
-            _, status = os.waitpid(pid, 0)
-            out.seek(0)
-            err.seek(0)
-            results[adapter] = {
-                "returncode": os.waitstatus_to_exitcode(status),
-                "stdout": out.read(),
-                "stderr": err.read(),
-            }
+        results[adapter] = forked(functools.partial(main, [sys.argv[0], adapter, refused]))
     return results
 
 

@@ -5,9 +5,7 @@ describe` in a child process (its refusals naming the setting), the ledger's ser
 from __future__ import annotations
 
 import gc
-import os
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,6 +19,7 @@ from expbuf.server.store import Store
 from expbuf.server.store.ledger.records import DatasetRecord
 from expbuf.server.store.schema.table_config import TableConfig
 
+import cli_forks
 from conftest import Servers
 from helpers import make_experience, scrape
 from pages import code_blocks, page
@@ -29,15 +28,8 @@ STATES = ("pending", "claimed", "generated", "trained", "dropped")
 
 
 def cli(*args: str) -> subprocess.CompletedProcess:
-    """`expbuf ARGS` in a child process."""
-    return subprocess.run(
-        [sys.executable, "-m", "expbuf.server.cli", *args],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-        env=dict(os.environ),
-    )
+    """`expbuf ARGS` in a child process (tests/cli_forks.py)."""
+    return cli_forks.run(*args)
 
 
 def one_line_error(done: subprocess.CompletedProcess, code: int, *words: str) -> str:

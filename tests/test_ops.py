@@ -54,6 +54,7 @@ from expbuf.server.store import Store
 from expbuf.server.store.schema.estimator_registry import Estimator
 from expbuf.server.store.schema.table_config import ConfigError, TableConfig
 
+import cli_forks
 from conftest import BAD_DIR, Servers, payload
 from helpers import ServerProcess, group_items, registered, scrape, wait_for
 from pages import page
@@ -601,15 +602,9 @@ def test_image_builds_the_compiled_wheel_and_runs_it_without_a_compiler() -> Non
 
 
 def cli(*args: str, env: dict[str, str] | None = None, timeout: float = 60) -> subprocess.CompletedProcess:
-    """`expbuf ARGS` in a child process; a server that starts when it should not times out here."""
-    return subprocess.run(
-        [sys.executable, "-m", "expbuf.server.cli", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        check=False,
-        env={**os.environ, **(env or {})},
-    )
+    """`expbuf ARGS` in a child process (tests/cli_forks.py); a server that starts when it should not
+    times out here."""
+    return cli_forks.run(*args, env={**os.environ, **(env or {})}, timeout=timeout)
 
 
 def one_line_error(done: subprocess.CompletedProcess, *words: str) -> str:

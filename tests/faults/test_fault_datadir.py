@@ -10,7 +10,6 @@ import random
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -26,6 +25,7 @@ from expbuf.server.store.schema.sample_spec import TakeSpec
 from expbuf.server.store.schema.table_config import TableConfig
 from expbuf.server.store.tables import integrity
 
+import cli_forks
 from faultkit import channel, payload, servers, stats, stub
 from helpers import group_items, killed_while_opening
 
@@ -35,10 +35,9 @@ pytestmark = pytest.mark.faults
 
 
 def cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
-    """`expbuf ARGS` in a child process; a server that starts when it should not times out here."""
-    return subprocess.run(
-        [sys.executable, "-m", "expbuf.server.cli", *args], capture_output=True, text=True, timeout=timeout, check=False
-    )
+    """`expbuf ARGS` in a child process (tests/cli_forks.py); a server that starts when it should not
+    times out here."""
+    return cli_forks.run(*args, timeout=timeout)
 
 
 def one_line_error(done: subprocess.CompletedProcess, *words: str) -> str:
