@@ -3,7 +3,7 @@ has imported the command line and the store and done nothing else (no channel, n
 table), so that what a fork inherits is what a fresh interpreter would have built. A fresh
 interpreter took 0.36 s of CPU a command, its imports, and a fork 0.03 s; the suite runs some
 hundreds of commands. Each child is a real process: its own exit status, stdout and stderr (the
-parent's stdin closed to it), the environment and working directory the caller gives it.
+parent's stdin closed to it), the caller's environment and working directory.
 
 One parent a pytest process and interpreter environment (the PYTHON* and EXPBUF_PURE_PYTHON
 variables, which decide what an import loads), started at its first command; it ends with that
@@ -19,7 +19,6 @@ import runpy
 import subprocess
 import sys
 import threading
-from pathlib import Path
 
 from forks import forked
 
@@ -28,14 +27,12 @@ CLI = "expbuf.server.cli"
 IMPORT_VARIABLES = ("PYTHON", "EXPBUF_PURE_PYTHON")
 
 
-def run(
-    *args: str, env: dict[str, str] | None = None, timeout: float = 60, cwd: str | os.PathLike[str] | None = None
-) -> subprocess.CompletedProcess[str]:
+def run(*args: str, env: dict[str, str] | None = None, timeout: float = 60) -> subprocess.CompletedProcess[str]:
     """`expbuf ARGS` in a forked child, as subprocess.run(..., capture_output=True, text=True) gives it:
-    `env` replaces the child's environment (this process's by default), and past `timeout` the child is
-    killed and subprocess.TimeoutExpired raised."""
-    env = dict(os.environ) if env is None else env
-    request = {"args": list(args), "env": env, "cwd": str(cwd or Path.cwd()), "timeout": timeout}
+    the child's environment is this process's with `env` set over it, and past `timeout` the child
+    is killed and subprocess.TimeoutExpired raised."""
+    env = {**os.environ, **(env or {})}
+    request = {"args": list(args), "env": env, "cwd": os.getcwd(), "timeout": timeout}
     reply = _parent(env).ask(request)
     command = [sys.executable, "-m", CLI, *args]
     if reply["returncode"] is None:

@@ -46,6 +46,8 @@ from expbuf.server.store.schema.sample_spec import TakeSpec
 from expbuf.server.store.schema.states import COMPUTING, PENDING, State
 from expbuf.server.store.schema.table_config import TableConfig
 
+import cli_forks
+
 # batch.tensordict() needs the tensordict package, which expbuf does not require: a machine
 # without it (a user's bare GPU host) skips what reads batches as TensorDicts, and runs the rest.
 needs_tensordict = pytest.mark.skipif(
@@ -564,10 +566,7 @@ def checked_after_a_kill(data: Path, delay: float, format_found: int) -> list[st
     (killed_while_opening), asserted clean: the directory as it found it (of `format_found`, which
     the next start upgrades), or all of it upgraded, each table's "ok"."""
     killed_while_opening(data, delay)
-    checked = subprocess.run(
-        [sys.executable, "-m", "expbuf.server.cli", "check", "--data", str(data)],
-        capture_output=True, text=True, timeout=120, check=False,
-    )  # fmt: skip
+    checked = cli_forks.run("check", "--data", str(data), timeout=120)
     assert checked.returncode == 0 and not checked.stderr, (delay, checked.stdout, checked.stderr)
     lines = checked.stdout.splitlines()
     upgrade = (

@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import itertools
 import math
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -31,10 +29,9 @@ from expbuf.server.store.schema.errors import DamagedPayload, NotFound, StoreErr
 from expbuf.server.store.schema.sample_spec import TakeSpec
 from expbuf.server.store.schema.table_config import TableConfig
 
+import cli_forks
 from helpers import group_items, take
 
-CHECK = [sys.executable, "-m", "expbuf.server.cli", "check", "--data"]
-REPAIR = [sys.executable, "-m", "expbuf.server.cli", "repair", "--data"]
 # What expbuf check says of a chunk set that nothing reads.
 STRAY = "1 chunk set(s) belong to no stored payload and to no push: expbuf repair drops them"
 
@@ -379,14 +376,14 @@ def test_a_stray_chunk_set_refuses_no_start_and_expbuf_repair_drops_it(tmp_path:
         store.environment.submit(lambda txn: [txn.put(key, b"x", db=store.db["chunks"]) for key in strays])
     with Store(data, check_at_open="full") as store:
         assert store.verify("big") == [STRAY]
-        held = subprocess.run([*REPAIR, str(data)], capture_output=True, text=True, timeout=120, check=False)
+        held = cli_forks.run("repair", "--data", str(data), timeout=120)
         assert held.returncode == 2 and "another expbuf process" in held.stderr, held.stderr
-    assert subprocess.run([*CHECK, str(data)], capture_output=True, text=True, timeout=120).returncode == 1
-    done = subprocess.run([*REPAIR, str(data)], capture_output=True, text=True, timeout=120, check=False)
+    assert cli_forks.run("check", "--data", str(data), timeout=120).returncode == 1
+    done = cli_forks.run("repair", "--data", str(data), timeout=120)
     assert done.returncode == 0 and done.stdout.splitlines() == ["big: dropped 1 stray chunk set(s)"], done
-    again = subprocess.run([*REPAIR, str(data)], capture_output=True, text=True, timeout=120, check=False)
+    again = cli_forks.run("repair", "--data", str(data), timeout=120)
     assert again.returncode == 0 and again.stdout.splitlines() == ["no stray chunk sets"], again
-    checked = subprocess.run([*CHECK, str(data)], capture_output=True, text=True, timeout=120, check=False)
+    checked = cli_forks.run("check", "--data", str(data), timeout=120)
     assert checked.returncode == 0 and checked.stdout.splitlines() == ["big: ok", "default: ok"], checked
     with Store(data, check_at_open="full") as store:
         assert rows(store, "chunks") == kept
@@ -414,7 +411,7 @@ def test_expbuf_repair_refuses_a_damaged_directory_and_changes_nothing(
             txn.drop(env.open_db(b"blobs", txn=txn), delete=True)
     env.close()
     before = (data / "data.mdb").read_bytes()
-    done = subprocess.run([*REPAIR, str(data)], capture_output=True, text=True, timeout=120, check=False)
+    done = cli_forks.run("repair", "--data", str(data), timeout=120)
     assert done.returncode == 2 and "damaged" in done.stderr and "expbuf check names the damage" in done.stderr, done
     assert (data / "data.mdb").read_bytes() == before
 
@@ -443,7 +440,7 @@ def test_expbuf_repair_keeps_the_chunks_of_a_damaged_head_its_mark_names(
         store.environment.submit(lambda txn: txn.put(victim, bytes(damaged), db=store.db["blobs"]))
         problems = store.verify("big")
         assert problems and STRAY not in problems
-    done = subprocess.run([*REPAIR, str(data)], capture_output=True, text=True, timeout=120, check=False)
+    done = cli_forks.run("repair", "--data", str(data), timeout=120)
     assert done.returncode == 0 and done.stdout.splitlines() == ["no stray chunk sets"], done
     with Store(data) as store:
         assert rows(store, "chunks") == kept

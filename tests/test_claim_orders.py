@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -29,6 +28,7 @@ from expbuf.server.store.ledger.records import DatasetRecord
 from expbuf.server.store.schema.errors import Damaged
 from expbuf.server.store.schema.table_config import TableConfig
 
+import cli_forks
 from helpers import ServerProcess, make_experience, scrape, servers
 from pages import code_blocks, page
 
@@ -305,8 +305,7 @@ def test_expbuf_dataset_export_writes_each_prompt_with_its_statistics(server: Ex
             push_group(client, prompt)
         listed = client.list_prompts("t", "d").prompts
     out = tmp_path / "prompts.jsonl"
-    command = [sys.executable, "-m", "expbuf.server.cli", "dataset", "export", "t", "d", "--out", str(out)]
-    done = subprocess.run([*command, "--target", f"127.0.0.1:{server.port}"], capture_output=True, text=True)
+    done = cli_forks.run("dataset", "export", "t", "d", "--out", str(out), "--target", f"127.0.0.1:{server.port}")
     assert done.returncode == 0 and done.stderr.strip() == "3 prompts of dataset d", done.stderr
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert [(row["epoch"], row["index"], row["state"]) for row in rows] == [(p.epoch, p.index, p.state) for p in listed]
@@ -316,9 +315,7 @@ def test_expbuf_dataset_export_writes_each_prompt_with_its_statistics(server: Ex
         assert row["stats"]["pass_rate"] == passes(prompt.index) / RUNS
         assert row["stats"]["last_mean"] == prompt.stats.last_mean and row["stats"]["trained"] == 0
     nowhere = tmp_path / "no-such-dir" / "prompts.jsonl"  # a file that cannot be written: one line, exit code 2
-    done = subprocess.run(
-        [*command[:-1], str(nowhere), "--target", f"127.0.0.1:{server.port}"], capture_output=True, text=True
-    )
+    done = cli_forks.run("dataset", "export", "t", "d", "--out", str(nowhere), "--target", f"127.0.0.1:{server.port}")
     lines = [line for line in done.stderr.splitlines() if line.strip()]
     assert done.returncode == 2 and len(lines) == 1 and str(nowhere) in lines[0], done.stderr
 
@@ -341,8 +338,7 @@ def test_expbuf_dataset_export_is_strict_json_where_a_statistic_is_infinite(serv
         high, low, spread, unreported = sorted(client.claim("t", "d", 4).prompts, key=lambda p: p.index)
         huge = sys.float_info.max
         client.report_prompts({high: [huge, huge], low: [-huge, -huge], spread: [1e200, -1e200]})
-    command = [sys.executable, "-m", "expbuf.server.cli", "dataset", "export", "t", "d"]
-    done = subprocess.run([*command, "--target", f"127.0.0.1:{server.port}"], capture_output=True, text=True)
+    done = cli_forks.run("dataset", "export", "t", "d", "--target", f"127.0.0.1:{server.port}")
     assert done.returncode == 0, done.stderr
     stats = {row["index"]: row["stats"] for row in map(strict_json, done.stdout.splitlines())}
     assert (stats[high.index]["last_mean"], stats[high.index]["last_var"]) == ("inf", "inf")

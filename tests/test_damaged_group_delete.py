@@ -6,8 +6,6 @@ through the store and through a server that stays up."""
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import grpc
@@ -25,6 +23,7 @@ from expbuf.server.store.ledger.records import DatasetRecord
 from expbuf.server.store.schema.errors import DamagedGroup
 from expbuf.server.store.schema.table_config import TableConfig
 
+import cli_forks
 from conftest import Servers
 from helpers import StoppedClock as Clock
 from helpers import make_experience, scrape
@@ -223,10 +222,7 @@ def test_a_complete_groups_directory_entry_that_does_not_decode_is_not_removed(t
 
 
 def cli(command: str, data: Path) -> tuple[int, list[str]]:
-    done = subprocess.run(
-        [sys.executable, "-m", "expbuf.server.cli", command, "--data", str(data)],
-        capture_output=True, text=True, timeout=120, check=False,
-    )  # fmt: skip
+    done = cli_forks.run(command, "--data", str(data), timeout=120)
     return done.returncode, done.stdout.splitlines()
 
 

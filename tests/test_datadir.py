@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,6 +16,7 @@ from expbuf.server.advantages.worker import AdvantageWorker
 from expbuf.server.store import Store
 from expbuf.server.store.disk import layout
 
+import cli_forks
 from conftest import FIXTURES
 from helpers import group_items, take
 
@@ -124,15 +124,13 @@ def upgrade_notice(data: Path, found: int) -> str:
 
 def test_check_says_an_older_format_is_brought_up_to_date_at_start_and_then_passes(v1: Path) -> None:
     def check() -> subprocess.CompletedProcess:
-        command = [sys.executable, "-m", "expbuf.server.cli", "check", "--data", str(v1)]
-        return subprocess.run(command, capture_output=True, text=True, timeout=120, check=False)
+        return cli_forks.run("check", "--data", str(v1), timeout=120)
 
     before = check()  # nothing damaged: only the upgrade the next start makes, exit 0
     assert before.returncode == 0 and not before.stderr, before.stderr
     assert before.stdout.strip() == upgrade_notice(v1, 1)
     data = (v1 / "data.mdb").read_bytes()
-    command = [sys.executable, "-m", "expbuf.server.cli", "repair", "--data", str(v1)]
-    refused = subprocess.run(command, capture_output=True, text=True, timeout=120, check=False)
+    refused = cli_forks.run("repair", "--data", str(v1), timeout=120)
     assert refused.returncode == 2 and "run expbuf serve once to bring it up to date" in refused.stderr, refused
     assert (v1 / "data.mdb").read_bytes() == data  # repair brings nothing up to date
     Store(v1, clock=lambda: MANIFEST["now"]).close()  # the upgrade a server's start makes

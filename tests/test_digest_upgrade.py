@@ -9,7 +9,6 @@ import hashlib
 import json
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +29,7 @@ from expbuf.server.store.schema.errors import Conflict, Damaged
 from expbuf.server.store.schema.states import CONSUMED, RETIRED
 from expbuf.server.store.schema.table_config import TableConfig
 
+import cli_forks
 from helpers import group_items, stored_members, take
 
 
@@ -109,8 +109,7 @@ def test_a_tombstone_made_by_format_4_keeps_the_xxh3_digest_and_catches_a_retry(
 
 def test_check_says_format_3_is_brought_up_to_date_and_then_passes(v3: Path) -> None:
     def check() -> subprocess.CompletedProcess[str]:
-        command = [sys.executable, "-m", "expbuf.server.cli", "check", "--data", str(v3)]
-        return subprocess.run(command, capture_output=True, text=True, timeout=120, check=False)
+        return cli_forks.run("check", "--data", str(v3), timeout=120)
 
     before = check()  # nothing damaged: only the upgrade the next start makes, exit 0
     assert before.returncode == 0 and not before.stderr, before.stderr
@@ -186,6 +185,5 @@ def test_an_upgrade_that_does_not_commit_leaves_format_3_as_it_was(v3: Path) -> 
     finally:
         reader.close()
     assert (v3 / "data.mdb").read_bytes() == before
-    command = [sys.executable, "-m", "expbuf.server.cli", "check", "--data", str(v3)]
-    checked = subprocess.run(command, capture_output=True, text=True, timeout=120, check=False)
+    checked = cli_forks.run("check", "--data", str(v3), timeout=120)
     assert checked.returncode == 0 and checked.stdout.strip() == upgrade_notice(v3, 3), checked.stdout

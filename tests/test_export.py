@@ -17,6 +17,7 @@ from expbuf.server.store import Store
 from expbuf.server.store.core.whole_table.pages import SCAN_PER_ITEM
 from expbuf.server.store.schema.table_config import TableConfig
 
+import cli_forks
 from helpers import group_items, make_experience, wait_ready
 from test_quarantine import damage
 
@@ -86,10 +87,7 @@ def test_filters_by_state_and_version(child_server: ServerProcess) -> None:
 
 
 def export(server: ServerProcess, table: str, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "expbuf.server.cli", "export", table, "--target", server.target, "--page", "4", *args],
-        capture_output=True, text=True, timeout=60, check=False,
-    )  # fmt: skip
+    return cli_forks.run("export", table, "--target", server.target, "--page", "4", *args)
 
 
 def test_export_json_lines_with_the_servers_advantages(child_server: ServerProcess) -> None:
@@ -129,20 +127,13 @@ def test_export_mistakes_are_one_line(child_server: ServerProcess, tmp_path: Pat
         fill(client, "t5")
     nowhere = tmp_path / "no-such-dir" / "t"
     for args in (("--out", str(nowhere)), ("--format", "trxp", "--out", str(nowhere)), ("--page", "-1")):
-        done = subprocess.run(
-            [sys.executable, "-m", "expbuf.server.cli", "export", "t5", "--target", child_server.target, *args],
-            capture_output=True, text=True, timeout=60, check=False,
-        )  # fmt: skip
+        done = cli_forks.run("export", "t5", "--target", child_server.target, *args)
         lines = [line for line in done.stderr.splitlines() if line.strip()]
         assert done.returncode == 2 and len(lines) == 1 and "Traceback" not in done.stderr, (args, done.stderr)
         assert (str(nowhere) if "--out" in args else "--page -1") in lines[0] and not done.stdout
     # A TRXP export the server refuses (no such table) leaves no file: it is written at the end.
     out = tmp_path / "refused.trxp"
-    done = subprocess.run(
-        [sys.executable, "-m", "expbuf.server.cli", "export", "absent", "--target", child_server.target,
-         "--format", "trxp", "--out", str(out)],
-        capture_output=True, text=True, timeout=60, check=False,
-    )  # fmt: skip
+    done = cli_forks.run("export", "absent", "--target", child_server.target, "--format", "trxp", "--out", str(out))
     assert done.returncode == 1 and "NOT_FOUND" in done.stderr and not out.exists(), done.stderr
 
 

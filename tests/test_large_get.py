@@ -4,8 +4,6 @@ checked, on a server whose max_message_bytes is small. A real server on loopback
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import grpc
@@ -16,6 +14,7 @@ from expbuf.client import BufferClient, decode, trxp
 from expbuf.proto.v1 import buffer_pb2 as pb
 from expbuf.proto.v1 import buffer_pb2_grpc as pb_grpc
 
+import cli_forks
 from conftest import Servers
 from helpers import make_experience, serving, wait_for
 
@@ -69,11 +68,7 @@ def test_the_unary_get_refuses_what_one_message_cannot_hold_and_the_client_reads
 def test_export_writes_experiences_larger_than_a_message(start_server: Servers, tmp_path: Path) -> None:
     target, made = stored(start_server)
     out = tmp_path / "g.trxp"
-    done = subprocess.run(
-        [sys.executable, "-m", "expbuf.server.cli", "export", "g", "--target", target, "--format", "trxp",
-         "--out", str(out)],
-        capture_output=True, text=True, timeout=300, check=False,
-    )  # fmt: skip
+    done = cli_forks.run("export", "g", "--target", target, "--format", "trxp", "--out", str(out), timeout=300)
     assert done.returncode == 0, done.stderr
     assert done.stderr.strip() == "exported 5 experiences of g"
     exported = decode(out.read_bytes())

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -38,6 +36,7 @@ from expbuf.server.store.schema.sample_spec import TakeSpec
 from expbuf.server.store.schema.table_config import TableConfig
 from expbuf.server.store.tables import integrity
 
+import cli_forks
 from helpers import make_experience
 
 
@@ -237,8 +236,7 @@ def test_check_names_the_dataset_and_prompt_of_each_damage_and_open_refuses_it(
 
 def test_expbuf_check_prints_the_ledgers_problems_by_table(ledger_dir: Path, tmp_path: Path) -> None:
     copy = damaged(ledger_dir, tmp_path / "copy", drop_expiry)
-    command = [sys.executable, "-m", "expbuf.server.cli", "check", "--data", str(copy)]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=120, check=False)
+    done = cli_forks.run("check", "--data", str(copy), timeout=120)
     assert done.returncode == 1 and not done.stderr, done.stderr
     assert done.stdout.splitlines() == [
         "default: ok",

@@ -604,7 +604,7 @@ def test_image_builds_the_compiled_wheel_and_runs_it_without_a_compiler() -> Non
 def cli(*args: str, env: dict[str, str] | None = None, timeout: float = 60) -> subprocess.CompletedProcess:
     """`expbuf ARGS` in a child process (tests/cli_forks.py); a server that starts when it should not
     times out here."""
-    return cli_forks.run(*args, env={**os.environ, **(env or {})}, timeout=timeout)
+    return cli_forks.run(*args, env=env, timeout=timeout)
 
 
 def one_line_error(done: subprocess.CompletedProcess, *words: str) -> str:

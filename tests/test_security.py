@@ -20,6 +20,7 @@ from expbuf.proto.v1 import buffer_pb2_grpc as pb_grpc
 from expbuf.server.config import ServerConfig, TlsConfig, load, parse_tokens
 from expbuf.server.store.schema.table_config import ConfigError
 
+import cli_forks
 from conftest import Servers, payload
 from helpers import ServerProcess
 
@@ -240,14 +241,7 @@ def test_unauthenticated_push_is_refused_before_its_body_is_read(tmp_path: Path)
 
 
 def _cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "expbuf.server.cli", *args],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-        env={**os.environ, **(env or {})},
-    )
+    return cli_forks.run(*args, env=env)
 
 
 def test_health_and_stats_over_mutual_tls_with_a_token(certs: Path, start_server: Servers) -> None:

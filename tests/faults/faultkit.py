@@ -8,7 +8,6 @@ import functools
 import os
 import queue
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -26,6 +25,7 @@ from expbuf.server.rpc.push.inflight import TRIM_IDLE
 from expbuf.server.rpc.service import ExperienceBufferService
 from expbuf.server.store import Store
 
+import cli_forks
 from helpers import group_items, serving, wait_for
 from helpers import servers as servers  # the fault modules that start children in a `with` block import it here
 
@@ -170,12 +170,7 @@ def computed(buffer: pb_grpc.ExperienceBufferStub, table: str = "default") -> No
 
 def check_data(data: Path) -> subprocess.CompletedProcess:
     """`expbuf check` of a stopped server's data directory."""
-    return subprocess.run(
-        [sys.executable, "-m", "expbuf.server.cli", "check", "--data", str(data)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    return cli_forks.run("check", "--data", str(data), timeout=120)
 
 
 def cpu_seconds(pid: int) -> float:
