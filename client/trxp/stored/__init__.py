@@ -1,5 +1,6 @@
 """The payloads the server stored, read without a parse of their metadata: pieces.py (a
 payload whose tensor section lies in pieces, views of the store's map), splice.py (a batch
-spliced from them, and their headers read) and columns.py (a reply's columns cut from them).
-No protobuf, no torch: the store reads its payloads with them.
+spliced from them, and their headers read), entries.py (that batch's header written) and
+columns.py (a reply's columns cut from them). No protobuf, no torch: the store reads its
+payloads with them.
 """

@@ -16,6 +16,7 @@ from typing import NamedTuple
 from ..codec.build import ENTRY, SPLICE_ONE, SPLICE_TAIL, build, frame, json_text, splice_meta
 from ..codec.common import HEADER_SIZE, RawTensor
 from ..codec.parse import parse
+from .entries import Entries, Layout
 from .pieces import Bytes, Run, Section, SectionTensors, SplitPayload, Stored, concatenated, cut, parts_of, whole
 
 
@@ -43,19 +44,21 @@ def join_parts(
     are left out of every item (the server sends advantages beside a batch this way).
 
     The batch's safetensors header is written entry by entry, the same bytes as json.dumps
-    of it, and no stored header is parsed as JSON where pack_item wrote it. An item that goes
-    as it is stored (nothing added to it or dropped from it, its tensors back to back over its
-    whole section) keeps each entry's text as its header writes it up to the offsets, read in
-    one pass (`_back_to_back`), and only its offsets are written, moved by where its section
-    starts in the batch; any other item's tensors are read by `_stored_tensors`."""
+    of it, and no stored header is parsed as JSON where pack_item wrote it. An item stored as
+    pack_item writes it (its tensors back to back over its whole section, none dropped or
+    replaced) keeps each entry's text as its header writes it up to the offsets, read in one pass
+    (`_back_to_back`) once a batch for each header, with the tensors `extra` adds after them
+    (entries.Layout); the items of one layout that come one after another have their entries
+    written in one step (entries.Entries), only their indices and offsets differing. Any other
+    item's tensors are read by `_stored_tensors`."""
     payloads = list(payloads)
     fragments: list[Bytes] = []
-    entries: list[bytes] = []
+    entries = Entries()
     data: list[Run] = []
     base = 0
     dropped = frozenset(json_text(name) for name in drop)
-    as_stored = _back_to_back(parts=False, dropped=dropped) if dropped else _AS_STORED
-    read_before: dict[bytes, _Moved | None] = {}  # the items of a batch mostly share one header's bytes
+    pattern = _back_to_back(parts=False, dropped=dropped) if dropped else _AS_STORED
+    layouts: dict[bytes, Layout | None] = {}  # by stored header: a batch's items mostly share one
     headers = HeaderReads(dropped)
     for index, payload in enumerate(payloads):
         read = _spliced(payload)
@@ -65,52 +68,97 @@ def join_parts(
                 return [_rebuild(payloads, extra, drop)]
             fragments.append(meta[len(SPLICE_ONE) : -len(SPLICE_TAIL)])
             read_once = headers.read(header, section_len)
+            added = extra(index, read_once.tensors(section)) if extra is not None else {}
         else:
             fragment, head, header_at, header_end, section, section_len = read
             fragments.append(fragment)
             header = bytes(head[header_at:header_end])
-            if extra is None:
-                moved = read_before.get(header, _UNREAD)
-                if moved is _UNREAD:
-                    moved = read_before[header] = _moved(as_stored, header)
-                if moved is not None and moved[-1][1] == section_len:  # its tensors end where its section does
-                    start = base  # each entry starts where the one before ends
-                    for text, end in moved:
-                        end += base
-                        entries.append(_MOVED % (index, text, start, end))
-                        start = end
-                    base += section_len
-                    _extend(data, section)
+            layout = layouts.get(header)
+            if layout is None and header not in layouts:
+                layout = layouts[header] = _stored_layout(pattern, header)
+            if layout is None or layout.size != section_len:  # not as pack_item stores it, or gaps
+                read_once = headers.read(header, section_len)
+                added = extra(index, read_once.tensors(section)) if extra is not None else {}
+            else:  # its stored tensors back to back, as they are, then those added after them
+                if extra is not None:
+                    added = extra(index, headers.read(header, section_len).tensors(section))
+                    if added:
+                        layout = _with_added(layout, added)
+                if layout is not None:
+                    if layout is entries.layout:  # the next item of a run
+                        entries.count += 1
+                    else:
+                        entries.start(layout, index, base)
+                    base += layout.size
+                    if type(section) is memoryview:
+                        data.append(section)
+                    else:
+                        data.extend(section)
+                    if extra is not None and added:
+                        data.extend([tensor.data for tensor in added.values()])
                     continue
-            read_once = headers.read(header, section_len)
-        stored, whole = read_once.found, read_once.whole
-        if whole and extra is None:  # the section as it is, its offsets moved by base
-            entries.extend(
-                [ENTRY % (index, name, dtype, shape, base + a, base + b) for name, dtype, shape, a, b in stored]
-            )
-            _extend(data, section)
-            base += section_len
-            continue
-        added = extra(index, read_once.tensors(section)) if extra is not None else {}
-        kept = [t for t in stored if _json_name(t[0]) not in added] if added else stored
+                read_once = headers.read(header, section_len)
+        stored_tensors, whole = read_once.found, read_once.whole
+        kept = [t for t in stored_tensors if _json_name(t[0]) not in added] if added else stored_tensors
         # Tensors kept whole are copied as one run of bytes; a replaced one leaves a gap.
-        if whole and len(kept) == len(stored):
+        if whole and len(kept) == len(stored_tensors):
             _extend(data, section)
         elif isinstance(section, memoryview):
             data.extend([section[t[3] : t[4]] for t in kept])
         else:
             data.extend([run for t in kept for run in cut(section, t[3], t[4])])
         for name, dtype, shape, start, end in kept:
-            entries.append(ENTRY % (index, name, dtype, shape, base, base + end - start))
+            entries.add(ENTRY % (index, name, dtype, shape, base, base + end - start))
             base += end - start
         for key, tensor in added.items():
-            dims = b",".join([b"%d" % dim for dim in tensor.shape])
-            entries.append(
-                ENTRY % (index, json_text(key), json_text(tensor.dtype), dims, base, base + len(tensor.data))
+            entries.add(
+                ENTRY
+                % (index, json_text(key), json_text(tensor.dtype), _dims(tensor.shape), base, base + len(tensor.data))
             )
             base += len(tensor.data)
             data.append(tensor.data)
-    return [*frame([splice_meta(fragments)], b"{" + b",".join(entries) + b"}", [], data_len=base), *data]
+    return [*frame([splice_meta(fragments)], entries.header(), [], data_len=base), *data]
+
+
+def _dims(shape: tuple[int, ...]) -> bytes:
+    """A shape as a stored header writes it: its dimensions, comma-separated."""
+    return b",".join([b"%d" % dim for dim in shape])
+
+
+def _stored_layout(pattern: re.Pattern[bytes], header: bytes) -> Layout | None:
+    """The layout of an item stored with this header as pack_item writes it, its tensors back to back
+    from the start of its section (`pattern`: _back_to_back(parts=False)); None for a header of
+    another layout."""
+    found = pattern.fullmatch(header)
+    if found is None:
+        return None
+    groups = found.groups()
+    texts = [groups[at] for at in range(0, (found.lastindex or 0) - 1, 2)]  # two groups an entry
+    ends = [int(groups[at + 1]) for at in range(0, (found.lastindex or 0) - 1, 2)]
+    names = frozenset(_json_name(text.partition(b'"')[0]) for text in texts)
+    return Layout(texts, list(zip([0, *ends], ends, strict=False)), ends[-1], names)
+
+
+def _with_added(layout: Layout, added: Mapping[str, RawTensor]) -> Layout | None:
+    """`layout` with the tensors `added` after its own; None where one of them replaces one of its own."""
+    shapes = tuple([(key, tensor.dtype, tensor.shape, len(tensor.data)) for key, tensor in added.items()])
+    try:
+        return layout.added[shapes]
+    except KeyError:
+        known = layout.added[shapes] = _added(layout, shapes)
+        return known
+
+
+def _added(layout: Layout, shapes: tuple[tuple[str, str, tuple[int, ...], int], ...]) -> Layout | None:
+    """`layout` with tensors of these names, dtypes, shapes and sizes after its own (_Layouts.with_added)."""
+    if not layout.names.isdisjoint([key for key, _, _, _ in shapes]):
+        return None
+    texts, spans, end = list(layout.texts), list(layout.spans), layout.size
+    for key, dtype, shape, size in shapes:
+        texts.append(_ENTRY_TEXT % (json_text(key), json_text(dtype), _dims(shape)))
+        spans.append((end, end + size))
+        end += size
+    return Layout(texts, spans, end)
 
 
 # A stored payload's TRXP header then the head of its metadata pickle, and the tail of the pickle
@@ -153,23 +201,8 @@ def _extend(data: list[Run], section: Section) -> None:
         data.extend(section)
 
 
-# ENTRY as the text of a stored entry from its name to its start offset, then its offsets.
-_MOVED = b'"%d:%b%d,%d]}'
-# A stored header read by `_back_to_back(parts=False)`: each entry's text up to its start offset,
-# and its end offset.
-_Moved = tuple[tuple[bytes, int], ...]
-_UNREAD: _Moved = ()  # a header join_parts has not read yet
-
-
-def _moved(pattern: re.Pattern[bytes], header: bytes) -> _Moved | None:
-    """A stored header's entries as `pattern` (`_back_to_back(parts=False)`) reads them; None for a
-    header of another layout."""
-    found = pattern.fullmatch(header)
-    if found is None:
-        return None
-    texts = found.groups()
-    last = (found.lastindex or 0) - 1  # two groups an entry
-    return tuple((texts[at], int(texts[at + 1])) for at in range(0, last, 2))
+# ENTRY's text of a tensor from its name to its start offset (entries.Layout's).
+_ENTRY_TEXT = b'%b":{"dtype":"%b","shape":[%b],"data_offsets":['
 
 
 _INT = rb"(?:0|[1-9][0-9]*)"
