@@ -113,3 +113,49 @@ def test_a_spliced_batch_is_the_json_of_its_header_and_its_items_bytes(
     for item, given_tensors, got in zip(items, added, back, strict=True):
         kept = {name: t for name, t in item.tensors.items() if name not in given_tensors and name not in drop}
         assert got.tensors == {**kept, **given_tensors}
+
+
+VALUES = [math.nan, math.inf, -math.inf, -0.0, 0.0, 1.5, -2.25, 1e-40]
+
+
+@settings(max_examples=40, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    masks=st.lists(
+        st.tuples(st.sampled_from(["BOOL", "U8", "I64", None]), st.sampled_from(["zeros", "ones", "mixed"])),
+        min_size=1,
+        max_size=3,
+    ),
+    picks=st.lists(st.tuples(st.integers(0, 2), st.sampled_from(VALUES), st.booleans()), max_size=120),
+)
+def test_a_batch_with_its_advantages_is_each_item_with_its_own_spliced(
+    masks: list[tuple[str | None, str]], picks: list[tuple[int, float, bool]]
+) -> None:
+    """stored_advantages.batch_payload: each experience's advantages and returns are its value times
+    its own action mask (codec/advantages.scaled, which the Trinity-RFT tests pin), after its stored
+    tensors, in runs of experiences of one layout broken by others and by experiences without one."""
+    from expbuf.client.trxp.codec.advantages import scaled
+    from expbuf.server.store.disk.stored_advantages import batch_payload
+
+    items, advantages = [], []
+    for at, (pick, value, has) in enumerate(picks):
+        dtype, fill = masks[pick % len(masks)]
+        tensors = {"tokens": tensor("I64", (6,), at), "logprobs": tensor("F32", (4,), at)}
+        if dtype is not None:
+            flags = {"zeros": [0] * 4, "ones": [1] * 4, "mixed": [at % 2, 1, 0, 1]}[fill]
+            tensors["action_mask"] = trxp.RawTensor(
+                dtype, (4,), b"".join(flag.to_bytes(ITEMSIZE[dtype], "little") for flag in flags)
+            )
+        items.append(trxp.RawItem(dict(META), tensors))
+        advantages.append((value, 4) if has else None)
+    batch = batch_payload([trxp.pack_item(item) for item in items], advantages)
+    added = [
+        {}
+        if advantage is None
+        else dict.fromkeys(("advantages", "returns"), scaled(*advantage, item.tensors.get("action_mask")))
+        for item, advantage in zip(items, advantages, strict=True)
+    ]
+    (meta_len,) = struct.unpack_from("<Q", batch, 5)
+    (header_len,) = struct.unpack_from("<Q", batch, HEADER_SIZE + meta_len)
+    assert batch[HEADER_SIZE + meta_len + 8 : HEADER_SIZE + meta_len + 8 + header_len] == batch_header(items, added, ())
+    for item, given_tensors, got in zip(items, added, trxp.parse(batch, trusted=True), strict=True):
+        assert got.tensors == {**item.tensors, **given_tensors}

@@ -199,7 +199,7 @@ def column_parts(
 class _Gathering:
     """A batch's columns as its runs of items are gathered into them (column_parts)."""
 
-    __slots__ = ("columns", "extra", "given", "tree", "wanted")
+    __slots__ = ("columns", "extra", "given", "texts", "tree", "wanted")
 
     def __init__(
         self,
@@ -208,6 +208,7 @@ class _Gathering:
         added: Sequence[str],
     ) -> None:
         self.wanted = {json_text(name): name for name in fields}  # as the stored headers write them
+        self.texts = {name: text for text, name in self.wanted.items()}
         self.extra = extra  # None where no field it may give is asked for
         # the tensors gathered one item at a time: those `extra` may give in a stored one's place
         self.given = frozenset(json_text(name) for name in added) if extra is not None else frozenset()
@@ -260,12 +261,10 @@ class _Gathering:
                 _add(columns, wanted, index, (text, dtype), shape, cut(section, start, end))
             else:
                 _add(columns, wanted, index, (text, dtype), *cuts.stored(text, shape, section, start, end))
-        if given:
-            names = {entry[0] for entry in read.found}
-            for name, tensor in given.items():
-                text = json_text(name)
-                if text in wanted and text not in names:
-                    _computed(columns, wanted, index, text, tensor, cuts)
+        for name, tensor in given.items():
+            field_text = self.texts.get(name)  # a field asked for, as the stored headers write it
+            if field_text is not None and name not in read.by_name:
+                _computed(columns, wanted, index, field_text, tensor, cuts)
 
 
 def _runs(payloads: Iterable[Stored]) -> Iterator[tuple[HeaderRead, int, list[Section]]]:

@@ -17,10 +17,6 @@ _AT = b'"%d:'  # an entry's item index, before its text (a stored entry's from i
 _SPAN = b"%d,%d]}"  # its start and end offsets, after it
 
 
-# A tensor added to an item of a layout: its name, dtype, shape and size in bytes.
-Added = tuple[str, str, tuple[int, ...], int]
-
-
 class Layout:
     """The entries of an item of one layout: each entry's text (from its name to its start offset,
     as a stored header writes it) and its start and end offsets in the item's tensor bytes, which
@@ -34,7 +30,7 @@ class Layout:
         self, texts: list[bytes], spans: list[tuple[int, int]], size: int, names: frozenset[str] = frozenset()
     ) -> None:
         self.texts, self.spans, self.size, self.names = texts, spans, size, names
-        self.added: dict[tuple[Added, ...], Layout | None] = {}
+        self.added: dict[tuple[object, ...], Layout | None] = {}  # by each added tensor's name, dtype, shape, size
         self.template = b",".join([_AT + text.replace(b"%", b"%%") + _SPAN for text in texts])
 
 

@@ -140,24 +140,29 @@ def _stored_layout(pattern: re.Pattern[bytes], header: bytes) -> Layout | None:
 
 
 def _with_added(layout: Layout, added: Mapping[str, RawTensor]) -> Layout | None:
-    """`layout` with the tensors `added` after its own; None where one of them replaces one of its own."""
-    shapes = tuple([(key, tensor.dtype, tensor.shape, len(tensor.data)) for key, tensor in added.items()])
+    """`layout` with the tensors `added` after its own; None where one of them replaces one of its own.
+    Looked up by a flat tuple of each one's name, dtype, shape and size, made without a comprehension
+    (a function made and called for each item)."""
+    kinds: list[object] = []
+    for key, tensor in added.items():
+        kinds += (key, tensor.dtype, tensor.shape, len(tensor.data))
+    shapes = tuple(kinds)
     try:
         return layout.added[shapes]
     except KeyError:
-        known = layout.added[shapes] = _added(layout, shapes)
+        known = layout.added[shapes] = _added(layout, added)
         return known
 
 
-def _added(layout: Layout, shapes: tuple[tuple[str, str, tuple[int, ...], int], ...]) -> Layout | None:
-    """`layout` with tensors of these names, dtypes, shapes and sizes after its own (_Layouts.with_added)."""
-    if not layout.names.isdisjoint([key for key, _, _, _ in shapes]):
+def _added(layout: Layout, added: Mapping[str, RawTensor]) -> Layout | None:
+    """`layout` with tensors like those `added` after its own (_with_added)."""
+    if not layout.names.isdisjoint(added):
         return None
     texts, spans, end = list(layout.texts), list(layout.spans), layout.size
-    for key, dtype, shape, size in shapes:
-        texts.append(_ENTRY_TEXT % (json_text(key), json_text(dtype), _dims(shape)))
-        spans.append((end, end + size))
-        end += size
+    for key, tensor in added.items():
+        texts.append(_ENTRY_TEXT % (json_text(key), json_text(tensor.dtype), _dims(tensor.shape)))
+        spans.append((end, end + len(tensor.data)))
+        end += len(tensor.data)
     return Layout(texts, spans, end)
 
 

@@ -116,13 +116,17 @@ def _delivered(
     """The tensors a delivery gives experience i on top of its stored ones: its masked action mask,
     and its advantages and returns over that mask."""
 
-    def extra(index: int, tensors: Mapping[str, RawTensor]) -> dict[str, RawTensor]:
-        given = masks.apply(index, tensors) if masks is not None else {}
+    def stored(index: int, tensors: Mapping[str, RawTensor]) -> dict[str, RawTensor]:
+        return expand(advantages[index], tensors)
+
+    def masked(index: int, tensors: Mapping[str, RawTensor]) -> dict[str, RawTensor]:
+        assert masks is not None
+        given = masks.apply(index, tensors)
         if not given:
             return expand(advantages[index], tensors)
         return given | expand(advantages[index], given)  # expand reads the action mask alone
 
-    return extra
+    return stored if masks is None else masked
 
 
 def batch_payload(blobs: Sequence[Stored], advantages: Sequence[Advantage], masks: Masks | None = None) -> bytes:
@@ -159,13 +163,15 @@ def batch_columns(
 
 
 def expand(advantage: Advantage, tensors: Mapping[str, RawTensor]) -> dict[str, RawTensor]:
-    """The advantages and returns tensors of one sampled experience (none when sent apart)."""
-    if advantage is None or isinstance(advantage, SentApart):
-        return {}
-    if isinstance(advantage, tuple):
+    """The advantages and returns tensors of one sampled experience (none when sent apart). Asked
+    `type() is tuple` first, the most common, as `isinstance` of an object that is not one looks up
+    its `__class__`."""
+    if type(advantage) is tuple or isinstance(advantage, tuple):
         value, length = advantage
         values = scaled(value, length, tensors.get("action_mask"))
         return {"advantages": values, "returns": values}
+    if advantage is None or isinstance(advantage, SentApart):
+        return {}
     length, advantages, returns = token_parts(bytes(advantage))
     return {"advantages": RawTensor("F32", (length,), advantages), "returns": RawTensor("F32", (length,), returns)}
 
