@@ -15,30 +15,39 @@ from itertools import chain, repeat
 
 _AT = b'"%d:'  # an entry's item index, before its text (a stored entry's from its name to its start offset)
 _SPAN = b"%d,%d]}"  # its start and end offsets, after it
+_ONE = _AT + b"%b" + _SPAN  # an entry written alone
 
 
 class Layout:
     """The entries of an item of one layout: each entry's text (from its name to its start offset,
     as a stored header writes it) and its start and end offsets in the item's tensor bytes, which
-    are `size` bytes long; the names of its tensors (those it stores, where it is a stored one),
-    and the layouts it makes with tensors added after its own, by what is added (None where an
-    added tensor would replace one of its own), as a batch's items meet them."""
+    are `size` bytes long; the layouts it makes with tensors added after its own, by what is added
+    (None where an added tensor would replace one of its own), as a batch's items meet them. Made
+    for each stored header a batch has, which in a batch of varied lengths is each item's: what a
+    run of one item does not need (its template, its names) is made when first asked for."""
 
-    __slots__ = ("added", "names", "size", "spans", "template", "texts")
+    __slots__ = ("_template", "added", "entries", "names", "size")
 
-    def __init__(
-        self, texts: list[bytes], spans: list[tuple[int, int]], size: int, names: frozenset[str] = frozenset()
-    ) -> None:
-        self.texts, self.spans, self.size, self.names = texts, spans, size, names
+    def __init__(self, entries: list[tuple[bytes, int, int]], size: int) -> None:
+        self.entries, self.size = entries, size  # each entry's text, start and end
         self.added: dict[tuple[object, ...], Layout | None] = {}  # by each added tensor's name, dtype, shape, size
-        self.template = b",".join([_AT + text.replace(b"%", b"%%") + _SPAN for text in texts])
+        self.names: frozenset[bytes] | None = None  # its tensors' names as JSON text, once asked for
+        self._template = b""
+
+    @property
+    def template(self) -> bytes:
+        """Its entries as one `%` template: item index, start and end offset of each, in order."""
+        if not self._template:
+            self._template = b",".join([_AT + text.replace(b"%", b"%%") + _SPAN for text, _, _ in self.entries])
+        return self._template
 
 
 class Entries:
-    """The entries of a batch's header in item order: an item's as it comes (`add`), or those of a run
-    of items of one layout, each after the one before it: the run's first `start`s it, each next
-    adds one to its `count` (no call: an item costs what it must), and its entries are written when
-    the run ends."""
+    """The entries of a batch's header in item order: an item's as it comes (onto `written`, once
+    the run before it is flushed), or those of a run of items of one layout, each after the one
+    before it: the run's first `start`s it, each next adds one to its `count` (no call: an item
+    costs what it must), and its entries are written when the run ends; an item alone (`one`) has
+    its entries written as they come."""
 
     __slots__ = ("_base", "_first", "count", "layout", "written")
 
@@ -47,31 +56,33 @@ class Entries:
         self.layout: Layout | None = None
         self._first = self._base = self.count = 0
 
-    def add(self, entry: bytes) -> None:
-        """One entry written as it is, after those before it."""
-        if self.layout is not None:
-            self._flush()
-        self.written.append(entry)
-
     def start(self, layout: Layout, index: int, base: int) -> None:
         """A run of items of `layout` from item `index`, its tensor bytes starting at `base` in the batch's."""
         if self.layout is not None:
-            self._flush()
+            self.flush()
         self.layout, self._first, self._base, self.count = layout, index, base, 1
+
+    def one(self, layout: Layout, index: int, base: int) -> None:
+        """Item `index`'s entries, of `layout`, written as they come (a run of one spares nothing)."""
+        if self.layout is not None:
+            self.flush()
+        for text, start, end in layout.entries:
+            self.written.append(_ONE % (index, text, base + start, base + end))
 
     def header(self) -> bytes:
         """The batch's safetensors header: its entries, in order, as one JSON object."""
         if self.layout is not None:
-            self._flush()
+            self.flush()
         return b"{" + b",".join(self.written) + b"}"
 
-    def _flush(self) -> None:
+    def flush(self) -> None:
+        """The run's entries written: before an item's entries written as they come (`written`)."""
         layout, first, base, count = self.layout, self._first, self._base, self.count
         assert layout is not None
         self.layout = None
         indices, step = range(first, first + count), layout.size
         numbers: list[Iterable[int]] = []
-        for start, end in layout.spans:
+        for _, start, end in layout.entries:
             numbers += (indices, _steps(base + start, step, count), _steps(base + end, step, count))
         self.written.append(
             b",".join([layout.template] * count) % tuple(chain.from_iterable(zip(*numbers, strict=True)))

@@ -54,12 +54,14 @@ def join_parts(
     payloads = list(payloads)
     fragments: list[Bytes] = []
     entries = Entries()
+    written = entries.written  # the entries of items written as they come, after any run's (entries.flush)
     data: list[Run] = []
     base = 0
     dropped = frozenset(json_text(name) for name in drop)
     pattern = _back_to_back(parts=False, dropped=dropped) if dropped else _AS_STORED
     layouts: dict[bytes, Layout | None] = {}  # by stored header: a batch's items mostly share one
     headers = HeaderReads(dropped)
+    last_header = b""  # the stored header of the item before
     for index, payload in enumerate(payloads):
         read = _spliced(payload)
         if read is None:
@@ -73,22 +75,31 @@ def join_parts(
             fragment, head, header_at, header_end, section, section_len = read
             fragments.append(fragment)
             header = bytes(head[header_at:header_end])
-            layout = layouts.get(header)
-            if layout is None and header not in layouts:
-                layout = layouts[header] = _stored_layout(pattern, header)
-            if layout is None or layout.size != section_len:  # not as pack_item stores it, or gaps
-                read_once = headers.read(header, section_len)
+            # An item stored as the one before continues a run (or starts one, the one before written
+            # as it came); with tensors added, any other is written as it comes, its stored header
+            # read for what it is given anyway.
+            continues = header == last_header
+            last_header = header
+            stored = layouts.get(header)
+            if stored is None and (extra is None or continues) and header not in layouts:
+                stored = layouts[header] = _stored_layout(pattern, header)
+            if stored is None or stored.size != section_len or not (extra is None or continues):
+                read_once = headers.read(header, section_len)  # not as pack_item stores it, or gaps
                 added = extra(index, read_once.tensors(section)) if extra is not None else {}
             else:  # its stored tensors back to back, as they are, then those added after them
+                layout: Layout | None = stored
                 if extra is not None:
-                    added = extra(index, headers.read(header, section_len).tensors(section))
+                    read_once = headers.read(header, section_len)
+                    added = extra(index, read_once.tensors(section))
                     if added:
-                        layout = _with_added(layout, added)
+                        layout = _with_added(stored, added)
                 if layout is not None:
                     if layout is entries.layout:  # the next item of a run
                         entries.count += 1
-                    else:
+                    elif continues:
                         entries.start(layout, index, base)
+                    else:
+                        entries.one(layout, index, base)
                     base += layout.size
                     if type(section) is memoryview:
                         data.append(section)
@@ -97,7 +108,8 @@ def join_parts(
                     if extra is not None and added:
                         data.extend([tensor.data for tensor in added.values()])
                     continue
-                read_once = headers.read(header, section_len)
+        if entries.layout is not None:
+            entries.flush()
         stored_tensors, whole = read_once.found, read_once.whole
         kept = [t for t in stored_tensors if _json_name(t[0]) not in added] if added else stored_tensors
         # Tensors kept whole are copied as one run of bytes; a replaced one leaves a gap.
@@ -108,12 +120,12 @@ def join_parts(
         else:
             data.extend([run for t in kept for run in cut(section, t[3], t[4])])
         for name, dtype, shape, start, end in kept:
-            entries.add(ENTRY % (index, name, dtype, shape, base, base + end - start))
+            written.append(ENTRY % (index, name, dtype, shape, base, base + end - start))
             base += end - start
         for key, tensor in added.items():
-            entries.add(
-                ENTRY
-                % (index, json_text(key), json_text(tensor.dtype), _dims(tensor.shape), base, base + len(tensor.data))
+            dims = b",".join([b"%d" % dim for dim in tensor.shape])
+            written.append(
+                ENTRY % (index, json_text(key), json_text(tensor.dtype), dims, base, base + len(tensor.data))
             )
             base += len(tensor.data)
             data.append(tensor.data)
@@ -133,10 +145,13 @@ def _stored_layout(pattern: re.Pattern[bytes], header: bytes) -> Layout | None:
     if found is None:
         return None
     groups = found.groups()
-    texts = [groups[at] for at in range(0, (found.lastindex or 0) - 1, 2)]  # two groups an entry
-    ends = [int(groups[at + 1]) for at in range(0, (found.lastindex or 0) - 1, 2)]
-    names = frozenset(_json_name(text.partition(b'"')[0]) for text in texts)
-    return Layout(texts, list(zip([0, *ends], ends, strict=False)), ends[-1], names)
+    entries: list[tuple[bytes, int, int]] = []
+    start = 0
+    for at in range(0, (found.lastindex or 0) - 1, 2):  # two groups an entry
+        end = int(groups[at + 1])
+        entries.append((groups[at], start, end))
+        start = end
+    return Layout(entries, start)
 
 
 def _with_added(layout: Layout, added: Mapping[str, RawTensor]) -> Layout | None:
@@ -147,23 +162,25 @@ def _with_added(layout: Layout, added: Mapping[str, RawTensor]) -> Layout | None
     for key, tensor in added.items():
         kinds += (key, tensor.dtype, tensor.shape, len(tensor.data))
     shapes = tuple(kinds)
-    try:
-        return layout.added[shapes]
-    except KeyError:
+    known = layout.added.get(shapes)
+    if known is None and shapes not in layout.added:
         known = layout.added[shapes] = _added(layout, added)
-        return known
+    return known
 
 
 def _added(layout: Layout, added: Mapping[str, RawTensor]) -> Layout | None:
     """`layout` with tensors like those `added` after its own (_with_added)."""
-    if not layout.names.isdisjoint(added):
-        return None
-    texts, spans, end = list(layout.texts), list(layout.spans), layout.size
+    if layout.names is None:
+        layout.names = frozenset([text.partition(b'"')[0] for text, _, _ in layout.entries])
+    entries, end = list(layout.entries), layout.size
     for key, tensor in added.items():
-        texts.append(_ENTRY_TEXT % (json_text(key), json_text(tensor.dtype), _dims(tensor.shape)))
-        spans.append((end, end + len(tensor.data)))
-        end += len(tensor.data)
-    return Layout(texts, spans, end)
+        name = json_text(key)
+        if name in layout.names:
+            return None
+        size = len(tensor.data)
+        entries.append((_ENTRY_TEXT % (name, json_text(tensor.dtype), _dims(tensor.shape)), end, end + size))
+        end += size
+    return Layout(entries, end)
 
 
 # A stored payload's TRXP header then the head of its metadata pickle, and the tail of the pickle
