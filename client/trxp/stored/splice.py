@@ -123,7 +123,7 @@ def join_parts(
             written.append(ENTRY % (index, name, dtype, shape, base, base + end - start))
             base += end - start
         for key, tensor in added.items():
-            dims = b",".join([b"%d" % dim for dim in tensor.shape])
+            dims = _dims(tensor.shape)
             written.append(
                 ENTRY % (index, json_text(key), json_text(tensor.dtype), dims, base, base + len(tensor.data))
             )
