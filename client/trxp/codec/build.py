@@ -14,7 +14,7 @@ import re
 import struct
 import threading
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Final, final
 
 from ...schema.experience import TENSOR_FIELDS
 from . import canonical
@@ -123,8 +123,11 @@ def fragment(meta: dict[str, Any]) -> list[bytes | memoryview]:
     """An item's metadata as the opcodes of its canonical pickle, without PROTO and STOP, in
     runs of bytes: large values are not copied, so the runs are read while `meta` lives."""
     written = canonical.opcodes(meta)  # most metadata, without the pickler
-    if written is not None:
-        return [written]
+    return [written] if written is not None else _pickled(meta)
+
+
+def _pickled(meta: dict[str, Any]) -> list[bytes | memoryview]:
+    """fragment's runs as the pickler writes them."""
     runs: _Runs
     pickler: pickle.Pickler
     try:
@@ -177,55 +180,117 @@ def splice_meta(fragments: Sequence[bytes | memoryview]) -> bytes:
 
 def pack_item(item: RawItem) -> bytes:
     """One validated experience as a one-item TRXP payload that splice.join() splices cheaply."""
-    tensors = _in_order(item.tensors)
-    return b"".join(_packed(item.meta, tensors, [len(tensor.data) for _, tensor in tensors], True))
-
-
-def _in_order(tensors: dict[str, RawTensor]) -> list[tuple[str, RawTensor]]:
-    """An item's tensors in safetensors' order (_tensor_order), as the last item of the same names
-    and dtypes had them (a push's items mostly do) without sorting them again."""
-    entries = list(tensors.items())
-    kinds = [(name, tensor.dtype) for name, tensor in entries]
-    recent = _recent_order.get(len(kinds))
-    if recent is not None and recent[0] == kinds:
-        return [entries[at] for at in recent[1]]
-    order = sorted(range(len(entries)), key=lambda at: _tensor_order(entries[at]))
-    _recent_order[len(kinds)] = (kinds, order)
-    return [entries[at] for at in order]
+    layout, tensors = _laid_out(item.tensors)
+    data = [tensor.data for tensor in tensors]
+    header, size = _header(layout, tensors, [len(run) for run in data])
+    pad = _PADS[-len(header) % 8]  # as frame() pads it
+    meta = _meta(item.meta)
+    parts: list[bytes | memoryview] = [
+        HEADER.pack(MAGIC, VERSION, len(meta), 8 + len(header) + len(pad) + size),
+        meta,
+        _U64.pack(len(header) + len(pad)),
+        header,
+        pad,
+    ]
+    parts.extend(data)
+    return b"".join(parts)
 
 
 def pack_head(item: RawItem) -> tuple[list[bytes | memoryview], list[str]]:
     """pack_item's payload up to its tensor data, from the tensors' shapes (their data may not
     be there yet: a payload read as it arrives), and the order in which it lays out the tensors'
     data after it."""
-    tensors = _in_order(item.tensors)
-    sizes = [math.prod(tensor.shape) * ITEMSIZE[tensor.dtype] for _, tensor in tensors]
-    return _packed(item.meta, tensors, sizes, False), [name for name, _ in tensors]
+    layout, tensors = _laid_out(item.tensors)
+    header, size = _header(layout, tensors, [math.prod(tensor.shape) * ITEMSIZE[tensor.dtype] for tensor in tensors])
+    pad = _PADS[-len(header) % 8]
+    meta = _meta(item.meta)
+    head = HEADER.pack(MAGIC, VERSION, len(meta), 8 + len(header) + len(pad) + size)
+    return [head, meta, _U64.pack(len(header) + len(pad)), header, pad], [layout.names[at] for at in layout.order]
 
 
-def _packed(
-    meta: dict[str, Any], tensors: list[tuple[str, RawTensor]], sizes: list[int], data: bool
-) -> list[bytes | memoryview]:
-    """A one-item payload in the canonical form the store keeps (its runs of bytes), the tensors
-    of `sizes` bytes laid out in the order given; without their data unless `data`."""
-    header: list[str] = []
-    offset = 0
-    for (name, tensor), size in zip(tensors, sizes, strict=True):
-        end = offset + size
-        header.append(_header_entry(_FIELD_KEYS.get(name) or _json_key(f"0:{name}"), tensor, offset, end))
-        offset = end
-    header_json = f"{{{','.join(header)}}}".encode()
-    runs = [SPLICE_ONE, *fragment(meta), SPLICE_TAIL]
-    return frame(runs, header_json, [tensor.data for _, tensor in tensors] if data else [], offset)
+def _meta(meta: dict[str, Any]) -> bytes:
+    """An item's metadata pickle in the canonical form the store keeps, between the splice's
+    fixed head and tail."""
+    out = [SPLICE_ONE]
+    if canonical.write(meta, out):  # most metadata is written without the pickler
+        out.append(SPLICE_TAIL)
+        return b"".join(out)
+    return b"".join([SPLICE_ONE, *_pickled(meta), SPLICE_TAIL])
 
 
-# Of each number of tensors, the names and dtypes of the last item's and their order.
-_recent_order: dict[int, tuple[list[tuple[str, str]], list[int]]] = {}
+@final
+class _Layout:
+    """An item's tensors of these names and dtypes (in its order) and the safetensors header of
+    a one-item payload of them as bytes % formats it: the tensors in safetensors' order (dtype
+    descending, then name; this also keeps data aligned), each entry's dimensions and data
+    offsets left to format. A push's items mostly have the names and dtypes of the item before,
+    so they are laid out without sorting and their header written without a word of JSON made
+    again."""
+
+    def __init__(self, names: list[str], dtypes: list[str], dims: list[int]) -> None:
+        self.names = names
+        self.dtypes = dtypes
+        self.dims = dims  # each tensor's number of dimensions
+        self.order = sorted(range(len(names)), key=lambda at: (-DTYPE_RANK[dtypes[at]], names[at]))
+        entries = []
+        for at in self.order:
+            key = (_FIELD_KEYS.get(names[at]) or _json_key(f"0:{names[at]}")).replace("%", "%%")
+            shape = ",".join(["%d"] * dims[at])
+            entries.append(f'{key}:{{"dtype":"{dtypes[at]}","shape":[{shape}],"data_offsets":[%d,%d]}}')
+        self.form = f"{{{','.join(entries)}}}".encode()
 
 
-def _tensor_order(entry: tuple[str, RawTensor]) -> tuple[int, str]:
-    """safetensors' own order: dtype descending, then name; this also keeps data aligned."""
-    return -DTYPE_RANK[entry[1].dtype], entry[0]
+# Of each number of tensors, the layout of the last item's.
+_LAYOUTS: Final[dict[int, _Layout]] = {}
+_PADS: Final = [b" " * pad for pad in range(8)]
+
+
+def _laid_out(tensors: dict[str, RawTensor]) -> tuple[_Layout, list[RawTensor]]:
+    """The layout of an item's tensors (the last item's, where it had the same names, dtypes
+    and numbers of dimensions), and the tensors in its order."""
+    names = list(tensors.keys())
+    values = list(tensors.values())
+    layout = _LAYOUTS.get(len(names))
+    if layout is None or names != layout.names or not _fits(layout, values):
+        layout = _LAYOUTS[len(names)] = _Layout(
+            names, [tensor.dtype for tensor in values], [len(tensor.shape) for tensor in values]
+        )
+    return layout, [values[at] for at in layout.order]
+
+
+def _fits(layout: _Layout, tensors: list[RawTensor]) -> bool:
+    """Whether tensors of the layout's names have its dtypes and numbers of dimensions."""
+    for at, tensor in enumerate(tensors):
+        if tensor.dtype != layout.dtypes[at] or len(tensor.shape) != layout.dims[at]:
+            return False
+    return True
+
+
+def _header(layout: _Layout, tensors: list[RawTensor], sizes: list[int]) -> tuple[bytes, int]:
+    """The safetensors header of a one-item payload of `tensors` (in the layout's order) of
+    `sizes` bytes (unpadded), and their data's length."""
+    values: list[int] = []
+    end = 0
+    for at, tensor in enumerate(tensors):
+        for dim in tensor.shape:
+            if type(dim) is not int:  # as json.dumps writes it (_header_entry)
+                return _written_header(layout, tensors, sizes)
+            values.append(dim)
+        values.append(end)
+        end += sizes[at]
+        values.append(end)
+    return layout.form % tuple(values), end
+
+
+def _written_header(layout: _Layout, tensors: list[RawTensor], sizes: list[int]) -> tuple[bytes, int]:
+    """_header, of tensors whose dimensions are not all ints, each entry written as JSON."""
+    entries = []
+    end = 0
+    for at, tensor in enumerate(tensors):
+        name = layout.names[layout.order[at]]
+        start, end = end, end + sizes[at]
+        entries.append(_header_entry(_FIELD_KEYS.get(name) or _json_key(f"0:{name}"), tensor, start, end))
+    return f"{{{','.join(entries)}}}".encode(), end
 
 
 def _header_entry(key: str, tensor: RawTensor, start: int, end: int) -> str:
