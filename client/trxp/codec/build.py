@@ -183,15 +183,7 @@ def pack_item(item: RawItem) -> bytes:
     layout, tensors = _laid_out(item.tensors)
     data = [tensor.data for tensor in tensors]
     header, size = _header(layout, tensors, [len(run) for run in data])
-    pad = _PADS[-len(header) % 8]  # as frame() pads it
-    meta = _meta(item.meta)
-    parts: list[bytes | memoryview] = [
-        HEADER.pack(MAGIC, VERSION, len(meta), 8 + len(header) + len(pad) + size),
-        meta,
-        _U64.pack(len(header) + len(pad)),
-        header,
-        pad,
-    ]
+    parts = _framed(_meta(item.meta), header, size)
     parts.extend(data)
     return b"".join(parts)
 
@@ -202,10 +194,21 @@ def pack_head(item: RawItem) -> tuple[list[bytes | memoryview], list[str]]:
     data after it."""
     layout, tensors = _laid_out(item.tensors)
     header, size = _header(layout, tensors, [math.prod(tensor.shape) * ITEMSIZE[tensor.dtype] for tensor in tensors])
+    return _framed(_meta(item.meta), header, size), [layout.names[at] for at in layout.order]
+
+
+def _framed(meta: bytes, header: bytes, size: int) -> list[bytes | memoryview]:
+    """The runs of a one-item payload up to its tensor data: its frame, metadata pickle and
+    safetensors header (padded as frame() pads it), before `size` bytes of data."""
     pad = _PADS[-len(header) % 8]
-    meta = _meta(item.meta)
-    head = HEADER.pack(MAGIC, VERSION, len(meta), 8 + len(header) + len(pad) + size)
-    return [head, meta, _U64.pack(len(header) + len(pad)), header, pad], [layout.names[at] for at in layout.order]
+    return [
+        _FRAME_HEAD,
+        _LENGTHS(len(meta), 8 + len(header) + len(pad) + size),
+        meta,
+        _LENGTH(len(header) + len(pad)),
+        header,
+        pad,
+    ]
 
 
 def _meta(meta: dict[str, Any]) -> bytes:
@@ -243,6 +246,11 @@ class _Layout:
 # Of each number of tensors, the layout of the last item's.
 _LAYOUTS: Final[dict[int, _Layout]] = {}
 _PADS: Final = [b" " * pad for pad in range(8)]
+# A payload's frame (HEADER) as its magic and version, then its metadata's and tensors' lengths, packed
+# by methods bound once (a call of a Struct's method looks it up at every call).
+_FRAME_HEAD: Final = HEADER.pack(MAGIC, VERSION, 0, 0)[:5]
+_LENGTHS: Final = struct.Struct("<QQ").pack
+_LENGTH: Final = _U64.pack
 
 
 def _laid_out(tensors: dict[str, RawTensor]) -> tuple[_Layout, list[RawTensor]]:

@@ -24,10 +24,11 @@ BATCH: Final = 1000
 # A str of this many bytes or more the pickler hands to its writer without copying it (build.fragment's
 # runs); such a value is left to it too.
 LARGE: Final = 1 << 16
-_BININT: Final = struct.Struct("<ci")
-_BININT2: Final = struct.Struct("<cH")
-_BINUNICODE: Final = struct.Struct("<cI")
-_BINFLOAT: Final = struct.Struct(">cd")
+# Each bound once: a call of a Struct's method looks the method up at every call.
+_BININT: Final = struct.Struct("<ci").pack
+_BININT2: Final = struct.Struct("<cH").pack
+_BINUNICODE: Final = struct.Struct("<cI").pack
+_BINFLOAT: Final = struct.Struct(">cd").pack
 # The opcodes of each small int; and, of each sequence of dict keys met (an experience's fields, its
 # eid's parts: the same in every item a client writes), the keys sorted with their opcodes.
 _SMALL: Final = [b"K" + bytes([value]) for value in range(256)]  # BININT1
@@ -71,7 +72,7 @@ class _Plan:
 
 
 # Of each dict size, the plan of the dict last written: the dicts of a payload's items repeat them.
-_PLANS: Final[dict[int, _Plan]] = {}
+_PLANS: Final[list[_Plan | None]] = [None] * BATCH
 
 
 def opcodes(meta: dict[str, Any]) -> bytes | None:
@@ -96,7 +97,7 @@ def _dict(value: dict[Any, Any], out: list[bytes]) -> bool:
         return False
     names = list(value.keys())  # PyDict_Keys: list(value) iterates
     values = list(value.values())  # read by position: a list's index costs less than a key's lookup
-    plan = _PLANS.get(size)
+    plan = _PLANS[size]
     if plan is not None and names == plan.names:
         plan.names = names  # the next item's keys are mostly these very objects: compared by identity
         done = len(out)
@@ -147,7 +148,7 @@ def _planned(plan: _Plan, values: list[Any], out: list[bytes]) -> int:
         elif kind == _FLOAT:
             if type(value) is not float:
                 return -1
-            out.append(_BINFLOAT.pack(b"G", value))
+            out.append(_BINFLOAT(b"G", value))
         elif kind == _BOOL:
             if type(value) is not bool:
                 return -1
@@ -245,7 +246,7 @@ def _str(value: str) -> bytes | None:
     data = value.encode() if value.isascii() else value.encode("utf-8", "surrogatepass")
     if len(data) >= LARGE:
         return None
-    return _BINUNICODE.pack(b"X", len(data)) + data
+    return _BINUNICODE(b"X", len(data)) + data
 
 
 def _text(value: str) -> bytes | None:
@@ -264,9 +265,9 @@ def _int(value: int, out: list[bytes]) -> bool:
     if 0 <= value <= 0xFF:
         out.append(_SMALL[value])
     elif 0 <= value <= 0xFFFF:
-        out.append(_BININT2.pack(b"M", value))
+        out.append(_BININT2(b"M", value))
     elif -(1 << 31) <= value < (1 << 31):
-        out.append(_BININT.pack(b"J", value))
+        out.append(_BININT(b"J", value))
     else:
         return False
     return True
@@ -282,7 +283,7 @@ def _value(value: Any, out: list[bytes]) -> bool:
     elif value is None:
         out.append(b"N")
     elif kind is float:
-        out.append(_BINFLOAT.pack(b"G", value))
+        out.append(_BINFLOAT(b"G", value))
     elif kind is bool:
         out.append(b"\x88" if value else b"\x89")  # NEWTRUE, NEWFALSE
     elif kind is int:
