@@ -183,7 +183,7 @@ def pack_item(item: RawItem) -> bytes:
     layout, tensors = _laid_out(item.tensors)
     data = [tensor.data for tensor in tensors]
     header, size = _header(layout, tensors, [len(run) for run in data])
-    parts = _framed(_meta(item.meta), header, size)
+    parts = _framed(item.meta, header, size)
     parts.extend(data)
     return b"".join(parts)
 
@@ -194,31 +194,35 @@ def pack_head(item: RawItem) -> tuple[list[bytes | memoryview], list[str]]:
     data after it."""
     layout, tensors = _laid_out(item.tensors)
     header, size = _header(layout, tensors, [math.prod(tensor.shape) * ITEMSIZE[tensor.dtype] for tensor in tensors])
-    return _framed(_meta(item.meta), header, size), [layout.names[at] for at in layout.order]
+    return _framed(item.meta, header, size), [layout.names[at] for at in layout.order]
 
 
-def _framed(meta: bytes, header: bytes, size: int) -> list[bytes | memoryview]:
-    """The runs of a one-item payload up to its tensor data: its frame, metadata pickle and
-    safetensors header (padded as frame() pads it), before `size` bytes of data."""
+def _framed(meta: dict[str, Any], header: bytes, size: int) -> list[bytes | memoryview]:
+    """The runs of a one-item payload up to its tensor data: its frame, metadata pickle
+    (`meta`'s) and safetensors header (padded as frame() pads it), before `size` bytes of data."""
     pad = _PADS[-len(header) % 8]
-    return [
-        _FRAME_HEAD,
-        _LENGTHS(len(meta), 8 + len(header) + len(pad) + size),
-        meta,
-        _LENGTH(len(header) + len(pad)),
-        header,
-        pad,
-    ]
+    parts: list[bytes | memoryview] = [_FRAME_HEAD, b""]
+    parts[1] = _LENGTHS(_meta(meta, parts), 8 + len(header) + len(pad) + size)
+    parts.append(_LENGTH(len(header) + len(pad)))
+    parts.append(header)
+    parts.append(pad)
+    return parts
 
 
-def _meta(meta: dict[str, Any]) -> bytes:
-    """An item's metadata pickle in the canonical form the store keeps, between the splice's
-    fixed head and tail."""
+def _meta(meta: dict[str, Any], parts: list[bytes | memoryview]) -> int:
+    """Append an item's metadata pickle in the canonical form the store keeps (between the
+    splice's fixed head and tail) to `parts`; its length. Written by the pickler (large values),
+    it goes as the pickler's own runs, large values not copied: the payload's join is their one
+    copy, so packing an experience of large metadata holds it twice at most, not three times."""
     out = [SPLICE_ONE]
     if canonical.write(meta, out):  # most metadata is written without the pickler
         out.append(SPLICE_TAIL)
-        return b"".join(out)
-    return b"".join([SPLICE_ONE, *_pickled(meta), SPLICE_TAIL])
+        joined = b"".join(out)
+        parts.append(joined)
+        return len(joined)
+    runs = [SPLICE_ONE, *_pickled(meta), SPLICE_TAIL]
+    parts.extend(runs)
+    return sum(map(len, runs))
 
 
 @final
