@@ -18,7 +18,7 @@ import sys
 from array import array
 from collections.abc import Sequence
 
-from .build import ENTRY, frame
+from .build import ENTRY, dims_text, frame
 from .common import HEADER, HEADER_SIZE, ITEMSIZE, NUMBER_FORMAT, RawTensor, TrxpError
 
 _F32 = struct.Struct("<f")
@@ -132,7 +132,7 @@ def attach(payload: bytes, values: Sequence[float], lengths: Sequence[int]) -> b
             start, end = found["data_offsets"]
             mask = RawTensor(found["dtype"], tuple(found["shape"]), section[start:end])
         tensor = scaled(value, length, mask)
-        dims = b",".join([b"%d" % dim for dim in tensor.shape])
+        dims = dims_text(tensor.shape)
         for name in ADDED:
             if f"{index}:{name}" in header:
                 raise TrxpError(f"compact advantages: item {index} already carries {name}")

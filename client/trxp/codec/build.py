@@ -340,5 +340,15 @@ _PLAIN_NAMES = frozenset(TENSOR_FIELDS)
 
 
 # One entry of a batch header, as json.dumps(header, separators=(",", ":"), ensure_ascii=False)
-# writes it: the name and dtype as the contents of JSON strings, the shape's dimensions.
-ENTRY = b'"%d:%b":{"dtype":"%b","shape":[%b],"data_offsets":[%d,%d]}'
+# writes it: its item index (ENTRY_AT); its text from the name to its start offset (ENTRY_TEXT: the
+# name and dtype as the contents of JSON strings, the shape's dimensions, dims_text); its start and
+# end offsets (ENTRY_SPAN).
+ENTRY_AT = b'"%d:'
+ENTRY_TEXT = b'%b":{"dtype":"%b","shape":[%b],"data_offsets":['
+ENTRY_SPAN = b"%d,%d]}"
+ENTRY = ENTRY_AT + ENTRY_TEXT + ENTRY_SPAN
+
+
+def dims_text(shape: Sequence[int]) -> bytes:
+    """A shape as a header's entry writes it: its dimensions, comma-separated."""
+    return b",".join([b"%d" % dim for dim in shape])

@@ -13,9 +13,9 @@ from __future__ import annotations
 from collections.abc import Iterable
 from itertools import chain, repeat
 
-_AT = b'"%d:'  # an entry's item index, before its text (a stored entry's from its name to its start offset)
-_SPAN = b"%d,%d]}"  # its start and end offsets, after it
-_ONE = _AT + b"%b" + _SPAN  # an entry written alone
+from ..codec.build import ENTRY_AT, ENTRY_SPAN
+
+_ONE = ENTRY_AT + b"%b" + ENTRY_SPAN  # an entry written alone, its text (from its name to its start offset) given
 
 
 class Layout:
@@ -38,7 +38,9 @@ class Layout:
     def template(self) -> bytes:
         """Its entries as one `%` template: item index, start and end offset of each, in order."""
         if not self._template:
-            self._template = b",".join([_AT + text.replace(b"%", b"%%") + _SPAN for text, _, _ in self.entries])
+            self._template = b",".join(
+                [ENTRY_AT + text.replace(b"%", b"%%") + ENTRY_SPAN for text, _, _ in self.entries]
+            )
         return self._template
 
 

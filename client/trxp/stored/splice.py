@@ -13,7 +13,7 @@ import struct
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from typing import NamedTuple
 
-from ..codec.build import ENTRY, SPLICE_ONE, SPLICE_TAIL, build, frame, json_text, splice_meta
+from ..codec.build import ENTRY, ENTRY_TEXT, SPLICE_ONE, SPLICE_TAIL, build, dims_text, frame, json_text, splice_meta
 from ..codec.common import HEADER_SIZE, RawTensor
 from ..codec.parse import parse
 from .entries import Entries, Layout
@@ -123,18 +123,13 @@ def join_parts(
             written.append(ENTRY % (index, name, dtype, shape, base, base + end - start))
             base += end - start
         for key, tensor in added.items():
-            dims = _dims(tensor.shape)
+            dims = dims_text(tensor.shape)
             written.append(
                 ENTRY % (index, json_text(key), json_text(tensor.dtype), dims, base, base + len(tensor.data))
             )
             base += len(tensor.data)
             data.append(tensor.data)
     return [*frame([splice_meta(fragments)], entries.header(), [], data_len=base), *data]
-
-
-def _dims(shape: tuple[int, ...]) -> bytes:
-    """A shape as a stored header writes it: its dimensions, comma-separated."""
-    return b",".join([b"%d" % dim for dim in shape])
 
 
 def _stored_layout(pattern: re.Pattern[bytes], header: bytes) -> Layout | None:
@@ -178,7 +173,7 @@ def _added(layout: Layout, added: Mapping[str, RawTensor]) -> Layout | None:
         if name in layout.names:
             return None
         size = len(tensor.data)
-        entries.append((_ENTRY_TEXT % (name, json_text(tensor.dtype), _dims(tensor.shape)), end, end + size))
+        entries.append((ENTRY_TEXT % (name, json_text(tensor.dtype), dims_text(tensor.shape)), end, end + size))
         end += size
     return Layout(entries, end)
 
@@ -221,10 +216,6 @@ def _extend(data: list[Run], section: Section) -> None:
         data.append(section)
     else:
         data.extend(section)
-
-
-# ENTRY's text of a tensor from its name to its start offset (entries.Layout's).
-_ENTRY_TEXT = b'%b":{"dtype":"%b","shape":[%b],"data_offsets":['
 
 
 _INT = rb"(?:0|[1-9][0-9]*)"
@@ -384,7 +375,7 @@ def _parsed_tensors(header: bytes, section_len: int) -> tuple[list[_Stored], boo
         start, stop = entry["data_offsets"]
         whole = whole and start == end
         end = stop
-        shape = b",".join([b"%d" % dim for dim in entry["shape"]])
+        shape = dims_text(entry["shape"])
         found.append((json_text(key.partition(":")[2]), json_text(entry["dtype"]), shape, start, stop))
     return found, whole and end == section_len
 
