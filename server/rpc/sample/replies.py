@@ -46,6 +46,8 @@ PART_FRAMING = 32  # a part's tags and lengths: with them, a part's message is a
 # holds about two parts of its batch (the one cut, and gRPC's copy of the one before).
 PART_BYTES = 8 << 20
 T = TypeVar("T")
+# What a reply's runs of bytes are given to: the runs, and the bytes they add up to.
+Cut = Callable[[list[Run], int], T]
 
 
 class ReplyTooLarge(Exception):
@@ -88,11 +90,11 @@ def sample_reply(batch: Sampled, spec: TakeSpec, confirm_seconds: float, limit: 
         lease_seconds=spec.lease_seconds if lease else 0.0,
     ).SerializeToString()
 
-    def render(cut: Callable[[list[Run]], T]) -> T:
+    def render(cut: Cut[T]) -> T:
         """`cut` of the whole reply's runs of bytes, valid only during the call."""
         if spec.fields:
             return _columnar(batch, spec.fields, rest, cut)
-        return batch.render(lambda runs: cut([_PAYLOAD, varint(sum(map(len, runs))), *runs, rest]))
+        return batch.render(partial(_payload_first, rest=rest, cut=cut))
 
     return _messages(batch, render, limit, parts)
 
@@ -104,15 +106,23 @@ def fields_reply(
     or without fields its TRXP payload, and the `missing` uids, cut as sample_reply cuts a batch's."""
     rest = pb.SampleReply(uids=batch.uids, group_ids=batch.group_ids, missing_uids=missing).SerializeToString()
 
-    def render(cut: Callable[[list[Run]], T]) -> T:
+    def render(cut: Cut[T]) -> T:
         if fields:
             return _columnar(batch, fields, rest, cut)
-        return batch.render(lambda runs: cut([_PAYLOAD, varint(sum(map(len, runs))), *runs, rest]))
+        return batch.render(partial(_payload_first, rest=rest, cut=cut))
 
     return _messages(batch, render, limit, parts)
 
 
-def _columnar(batch: Sampled, fields: Sequence[str], rest: bytes, cut: Callable[[list[Run]], T]) -> T:
+def _payload_first(runs: list[Run], *, rest: bytes, cut: Cut[T]) -> T:
+    """`cut` of a reply of a TRXP payload made of `runs`, written first, and `rest` (the reply's
+    other fields, serialised); the payload's length is summed once, for its prefix and the whole."""
+    size = sum(map(len, runs))
+    head = varint(size)
+    return cut([_PAYLOAD, head, *runs, rest], len(_PAYLOAD) + len(head) + size + len(rest))
+
+
+def _columnar(batch: Sampled, fields: Sequence[str], rest: bytes, cut: Cut[T]) -> T:
     """`cut` of the runs of a columnar reply of `fields` of `batch`: its columns, `rest` (the
     reply's other fields, serialised), and the fields asked for that no column holds (no
     experience of the batch has them) as `missing_fields`."""
@@ -121,7 +131,8 @@ def _columnar(batch: Sampled, fields: Sequence[str], rest: bytes, cut: Callable[
         present = {column.name for column in columns}
         missing = [name for name in fields if name not in present]
         tail = pb.SampleReply(missing_fields=missing).SerializeToString() if missing else b""
-        return cut([*_framed(columns), rest, tail])
+        runs = [*_framed(columns), rest, tail]
+        return cut(runs, sum(map(len, runs)))
 
     return batch.columns(fields, framed)
 
@@ -149,12 +160,12 @@ def payload_reply(payload: bytes, missing: Sequence[str], limit: int, parts: boo
     """The messages of a SampleReply of a TRXP `payload` made beforehand and `missing` uids
     (ReadPartials), cut as sample_reply cuts a batch's."""
     rest = pb.SampleReply(missing_uids=missing).SerializeToString()
-    return _messages(_Built(), lambda cut: cut([_PAYLOAD, varint(len(payload)), payload, rest]), limit, parts)
+    return _messages(_Built(), lambda cut: _payload_first([payload], rest=rest, cut=cut), limit, parts)
 
 
 def _messages(
     batch: Sampled | _Built,
-    render: Callable[[Callable[[list[Run]], tuple[int, bytes]]], tuple[int, bytes]],
+    render: Callable[[Cut[tuple[int, bytes]]], tuple[int, bytes]],
     limit: int,
     parts: bool,
 ) -> Iterator[bytes]:
@@ -165,8 +176,7 @@ def _messages(
     lets go of the batch's snapshot (`_Rest.let_go`)."""
     kept: list[_Rest] = []  # a reply in parts: the parts after the first
 
-    def first(runs: list[Run]) -> tuple[int, bytes]:
-        whole = sum(map(len, runs))
+    def first(runs: list[Run], whole: int) -> tuple[int, bytes]:
         if whole <= cut:
             return whole, concatenated(runs)
         if not parts:
