@@ -46,16 +46,20 @@ STAMP := $(VENV)/.expbuf-installed
 # matches its source (expbuf.client.native checks at import), so a stale one never shadows an edit.
 NATIVE_SOURCES := client/native_build.py client/trxp/codec/build.py client/trxp/codec/canonical.py \
 	client/trxp/codec/checks.py client/trxp/codec/common.py client/trxp/codec/measure.py \
-	client/trxp/codec/parse.py client/trxp/codec/pickles.py client/trxp/codec/shown.py
+	client/trxp/codec/parse.py client/trxp/codec/pickles.py client/trxp/codec/shown.py \
+	client/trxp/stored/columns.py client/trxp/stored/entries.py client/trxp/stored/pieces.py \
+	client/trxp/stored/splice.py
 NATIVE_STAMP := $(VENV)/.expbuf-native
 # What `make test` runs a second time as pure Python (EXPBUF_PURE_PYTHON=1) where the compiled
 # modules are in use: what the compiled modules decide (the parse, check and fuzz tests, hostile
-# and fuzzed payloads at a live server), and the store's, which parses every push; not the rest of
+# and fuzzed payloads at a live server), the store's, which parses every push, and the splice of
+# stored payloads into replies and columns; not the rest of
 # the fault suite, whose crashes and restarts take the codec's verdicts as given
 # (PURE_TESTS=tests: everything; PURE_TESTS= : no second run).
 PURE_TESTS ?= tests/faults/test_fault_hostile.py tests/faults/test_fault_fuzz.py tests/test_trxp*.py \
 	tests/test_decode_hardening.py tests/test_hardening.py \
-	tests/test_store*.py tests/test_datadir*.py tests/test_native.py
+	tests/test_store*.py tests/test_datadir*.py tests/test_native.py \
+	tests/test_splice_runs.py tests/test_columns_reply_bytes.py tests/test_join.py
 # pytest's workers (pytest-xdist): each module's tests run on one worker, the Ray tests and the
 # Trinity plugin's on one too (tests/conftest.py groups them). Three on two cores: the suite mostly
 # waits (on the servers and trainers it starts and kills, leases, fsyncs), and a third worker fills
@@ -162,4 +166,4 @@ check-extras:
 	done
 
 clean:
-	rm -rf $(VENV) build *.egg-info client/trxp/codec/_native
+	rm -rf $(VENV) build *.egg-info client/trxp/codec/_native client/trxp/stored/_native

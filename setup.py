@@ -3,7 +3,7 @@
 Everything but the list of packages and the build of the compiled modules is in pyproject.toml.
 The packages are found here, from pyproject's package-dir roots, so that a new folder of modules
 ships without a list to keep in step (a list once left every sub-package out of the wheel). They are built after the
-sources are laid out, into `expbuf/client/trxp/codec/_native/` with the manifest of the sources beside
+sources are laid out, into `expbuf/client/trxp/{codec,stored}/_native/`, each with the manifest of its sources beside
 them; without a C compiler the wheel is pure Python and the build says so in one line (pip shows
 it with -v), unless EXPBUF_REQUIRE_NATIVE=1 makes that an error. An editable install builds nothing
 here: `make setup` compiles in the tree (python client/native_build.py).

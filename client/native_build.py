@@ -34,13 +34,15 @@ ROOT = Path(__file__).resolve().parent.parent  # the source tree
 # package folder -> (package as installed, modules compiled). Each package is one mypyc group,
 # so its modules call each other directly. What paid in bench/bench_native.py: the parse and its
 # checks and pickle scan, about twice as fast; the packing of each pushed experience (build),
-# 1.2-1.35x. The store's records did not (their cost is in struct and the dataclass's
+# 1.2-1.35x; the stored payloads' splice into a sample reply and its columns, 1.1-1.24x
+# (bench/bench_reply_instructions.py). The store's records did not (their cost is in struct and the dataclass's
 # construction, already C), so they stay as written.
 COMPILED = {
     "client/trxp/codec": (
         "expbuf.client.trxp.codec",
         ("build", "canonical", "checks", "common", "measure", "parse", "pickles", "shown"),
     ),
+    "client/trxp/stored": ("expbuf.client.trxp.stored", ("columns", "entries", "pieces", "splice")),
 }
 # The folders the compiled modules import from, under their installed names (pyproject.toml's package-dir).
 LINKS = {"client": "client"}

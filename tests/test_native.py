@@ -32,8 +32,11 @@ from expbuf.client.trxp.codec import pickles as compiled_pickles
 
 ROOT = Path(__file__).resolve().parent.parent
 # package folder -> the modules client/native_build.py compiles there
-COMPILED = {"client/trxp/codec": ("build", "canonical", "checks", "common", "measure", "parse", "pickles", "shown")}
-PACKAGES = {"client/trxp/codec": "expbuf.client.trxp.codec"}
+COMPILED = {
+    "client/trxp/codec": ("build", "canonical", "checks", "common", "measure", "parse", "pickles", "shown"),
+    "client/trxp/stored": ("columns", "entries", "pieces", "splice"),
+}
+PACKAGES = {"client/trxp/codec": "expbuf.client.trxp.codec", "client/trxp/stored": "expbuf.client.trxp.stored"}
 
 compiled_parse = sys.modules["expbuf.client.trxp.codec.parse"]
 source_parse = native.source_module("expbuf.client.trxp.codec.parse")

@@ -23,7 +23,12 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 # What a wheel is built from: the packaging files and the packages' folders (pyproject.toml's package-dir).
 SOURCES = ("pyproject.toml", "setup.py", "README.md", "client", "server", "proto")
-COMPILED = ("build", "canonical", "checks", "common", "measure", "parse", "pickles", "shown")
+# package under expbuf.client.trxp -> the modules compiled there (client/native_build.py's COMPILED)
+COMPILED = {
+    "codec": ("build", "canonical", "checks", "common", "measure", "parse", "pickles", "shown"),
+    "stored": ("columns", "entries", "pieces", "splice"),
+}
+MODULES = [f"{package}.{module}" for package, modules in COMPILED.items() for module in modules]
 PAYLOADS = sorted([*(ROOT / "tests/fixtures/trxp").glob("*.trxp"), *(ROOT / "tests/fixtures/bad").glob("*.bin")])
 REQUIRE = "EXPBUF_REQUIRE_NATIVE"
 OBJECTS = "EXPBUF_NATIVE_OBJECTS"
@@ -38,6 +43,7 @@ CHILD = """
 import hashlib, json, pickle, sys
 import importlib
 import expbuf.client.trxp.codec as codec
+import expbuf.client.trxp.stored as stored
 from expbuf.client import native
 
 def verdict(parse_module, data):
@@ -50,18 +56,19 @@ def verdict(parse_module, data):
     return ["parsed", hashlib.sha256(pickle.dumps(shown, protocol=5)).hexdigest(), work.used]
 
 ENTRY_POINTS = {entry_points!r}
+COMPILED = {compiled!r}
 source = native.source_module("expbuf.client.trxp.codec.parse")
 payloads = [open(path, "rb").read() for path in sys.argv[1:]]
-modules = ("build", "canonical", "checks", "common", "measure", "parse", "pickles", "shown", "convert")
+modules = [*(f"{package}.{module}" for package, names in COMPILED.items() for module in names), "codec.convert"]
 print(json.dumps({
-    "path": codec.__path__,
-    "compiled": {module: native.compiled("expbuf.client.trxp.codec." + module) for module in modules},
+    "path": [codec.__path__[0], stored.__path__[0]],
+    "compiled": {module: native.compiled(importlib.import_module("expbuf.client.trxp." + module).__name__) for module in modules},
     "entry_points": [importlib.import_module(name).__name__ for name in ENTRY_POINTS],
     "build_tools": sorted({name.split(".")[0] for name in sys.modules} & {"mypy", "mypyc", "librt", "setuptools"}),
     "compiled_verdicts": [verdict(sys.modules["expbuf.client.trxp.codec.parse"], data) for data in payloads],
     "source_verdicts": [verdict(source, data) for data in payloads],
 }))
-""".replace("{entry_points!r}", repr(ENTRY_POINTS))
+""".replace("{entry_points!r}", repr(ENTRY_POINTS)).replace("{compiled!r}", repr(COMPILED))
 
 
 def packages_in(tree: Path) -> set[str]:
@@ -137,7 +144,7 @@ def wheel(tree: Path, objects: dict[str, str], tmp_path_factory: pytest.TempPath
     out = tmp_path_factory.mktemp("dist")
     done = build_wheel(tree, out, **{REQUIRE: "1"}, **objects)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    names = ", ".join(f"expbuf.client.trxp.codec.{module}" for module in COMPILED)
+    names = ", ".join(f"expbuf.client.trxp.{module}" for module in MODULES)
     assert build_lines(done) == [f"expbuf: compiled with mypyc: {names}"]
     (built,) = out.glob("expbuf-*.whl")
     return built
@@ -148,13 +155,15 @@ def test_the_wheel_holds_the_compiled_modules_and_their_manifest(wheel: Path) ->
     suffix = sysconfig.get_config_var("EXT_SUFFIX")
     with zipfile.ZipFile(wheel) as archive:
         names = set(archive.namelist())
-        manifest = json.loads(archive.read("expbuf/client/trxp/codec/_native/manifest.json"))
+        manifests = {name: archive.read(f"expbuf/client/trxp/{name}/_native/manifest.json") for name in COMPILED}
         tag = archive.read(next(name for name in names if name.endswith(".dist-info/WHEEL"))).decode()
-    for module in (*COMPILED, "native__mypyc"):
-        assert f"expbuf/client/trxp/codec/_native/{module}{suffix}" in names, module
-    for module in COMPILED:
-        assert f"expbuf/client/trxp/codec/{module}.py" in names, module  # the pure-Python fallback ships too
-    assert manifest["abi"] == suffix and sorted(manifest["sources"]) == sorted(COMPILED)
+    for package, modules in COMPILED.items():
+        for module in (*modules, "native__mypyc"):
+            assert f"expbuf/client/trxp/{package}/_native/{module}{suffix}" in names, module
+        for module in modules:
+            assert f"expbuf/client/trxp/{package}/{module}.py" in names, module  # the pure-Python fallback ships too
+        manifest = json.loads(manifests[package])
+        assert manifest["abi"] == suffix and sorted(manifest["sources"]) == sorted(modules)
     assert "Root-Is-Purelib: false" in tag  # a wheel for this Python and platform only
     assert not any(name.startswith("expbuf/client/trxp/") and name.endswith(".c") for name in names)
 
@@ -189,8 +198,8 @@ def test_an_installed_wheel_runs_the_compiled_modules_and_parses_as_pure_python(
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     seen = json.loads(done.stdout)
-    assert seen["path"][0] == str(site / "expbuf/client/trxp/codec/_native")
-    assert seen["compiled"] == {**dict.fromkeys(COMPILED, True), "convert": False}
+    assert seen["path"] == [str(site / f"expbuf/client/trxp/{package}/_native") for package in COMPILED]
+    assert seen["compiled"] == {**dict.fromkeys(MODULES, True), "codec.convert": False}
     assert seen["build_tools"] == []
     assert seen["entry_points"] == list(ENTRY_POINTS)
     assert seen["compiled_verdicts"] == seen["source_verdicts"]
