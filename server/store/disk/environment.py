@@ -5,7 +5,11 @@ queue, applies them in one write transaction (each in a nested transaction, so o
 refused request leaves the others intact) and commits once with fsync: concurrent
 callers share the cost of the fsync, and each returns only after that commit. A full
 map doubles (once no reader holds a transaction) up to `max_map_size` and the batch is
-retried; a full disk or an I/O error fails the batch, committing nothing.
+retried; a full disk or an I/O error fails the batch, committing nothing. The garbage collector's
+passes wait while a batch's requests run (client/trxp/codec/gc_pause.py): a push of hundreds of
+experiences makes thousands of tracked objects (rows, groups, columns) that their reference counts
+free as it ends, which passes mid-batch would only walk (3.6 k instructions an experience of a push
+of groups of one, 5 %: bench/RESULTS.md, "A push's writer, fewer steps (issue 64, again)").
 
 Background work (a chunk of an index build, index_builds.py) goes through the same writer
 with `submit(fn, background=True)`: it runs in a transaction of its own, never in a batch
@@ -39,6 +43,8 @@ from pathlib import Path
 from typing import Any, Literal, TypeVar, overload
 
 import lmdb
+
+from expbuf.client.trxp.codec.gc_pause import collector_paused
 
 from ..schema.errors import Damaged, StorageFull, StoreClosed, StoreError
 from . import layout
@@ -249,13 +255,14 @@ class Environment:
             results: list[tuple[bool, Any]] = []
             parent = self.env.begin(write=True)
             try:
-                if len(ops) == 1:  # nothing to protect from a refusal: no nested transaction
-                    results.append(self._run(ops[0], parent))
-                else:
-                    for op in ops:
-                        child = self.nested(parent)
-                        results.append(self._run(op, child))
-                        (child.commit if results[-1][0] else child.abort)()
+                with collector_paused():  # what a batch makes, its counts free: no pass need walk it
+                    if len(ops) == 1:  # nothing to protect from a refusal: no nested transaction
+                        results.append(self._run(ops[0], parent))
+                    else:
+                        for op in ops:
+                            child = self.nested(parent)
+                            results.append(self._run(op, child))
+                            (child.commit if results[-1][0] else child.abort)()
                 if any(ok for ok, _ in results):
                     parent.commit()
                 else:
