@@ -59,6 +59,7 @@ class Ending:
         self.tt = tt
         self.closed: list[Closed] = []
         self.rows: list[tuple[RowGroup, bool, bool]] = []  # a rows table's: (view, partial, written)
+        self.opened: list[row_pending.Joined] = []  # a rows table's, as complete_opened took them
         self.gone: dict[State, list[tuple[str, GroupView]]] = {}
         self.lost: list[tuple[str, GroupView]] = []  # to fail: a member's record is lost
 
@@ -86,11 +87,18 @@ class Ending:
         self.closed.append((gkey, grp, recs, indexed))
         return True
 
-    def complete_opened(self, views: Sequence[RowGroup]) -> list[str]:
-        """Groups of a rows table this request opened and completes, none of their runs reported
-        failed, as `complete` takes each (not partial, not indexed), at once; the keys of those the
-        zero-variance filter drops instead."""
-        if self.tt.config.grouping.drop_zero_variance:
+    def complete_opened(self, joined: row_pending.Joined) -> list[str]:
+        """Groups of a rows table this request opened and completes with these members, none of their
+        runs reported failed, as `complete` takes each (not partial, not indexed), at once; the keys of
+        those the zero-variance filter drops instead. Where no filter or estimator reads them, they
+        go to their segments as they are, no view made of each (row_pending.complete_opened)."""
+        tt = self.tt
+        if not tt.config.grouping.drop_zero_variance and tt.config.advantages.estimator == "none":
+            if joined:  # a push of copies alone completes none: nothing moves, no one hears of it
+                self.opened.append(joined)
+            return []
+        views = row_pending.views_new(tt, joined)
+        if tt.config.grouping.drop_zero_variance:
             return [view.key for view in views if not self.complete(view.key, view, partial=False, indexed=False)]
         self.rows.extend(zip(views, itertools.repeat(False), itertools.repeat(False)))
         return []
@@ -129,6 +137,8 @@ class Ending:
         with their advantages from `compute`, computed `ahead` or in the transaction, where its
         estimator needs any: compute_rows_in_push), then the others leave."""
         core_groups.complete(self.tt, self.closed, ready=ready, computing=computing)
+        for joined in self.opened:  # before `rows`: a push that opens and completes every group completes no other
+            row_pending.complete_opened(self.tt, joined)
         rows, estimated = self.rows, self.tt.config.advantages.estimator != "none"
         if rows and not estimated:
             row_pending.complete(self.tt, rows)
@@ -139,7 +149,7 @@ class Ending:
         quarantine_lost(self.tt, self.lost)
         if rows and estimated and compute is not None:  # after the others leave, as put's compute_in_push
             compute_rows_in_push(self.tt, rows, compute, ahead)
-        self.closed, self.rows, self.gone, self.lost = [], [], {}, []
+        self.closed, self.rows, self.opened, self.gone, self.lost = [], [], [], {}, []
 
 
 def finish_compute(

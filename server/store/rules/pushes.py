@@ -215,7 +215,7 @@ def _put_rows(
     joined = row_pending.joined(tt, by_group)
     if not groups and min(map(len, joined.values()), default=size) >= size:  # it opens every group and fills each
         result.completed_groups.extend(joined)
-        result.dropped_groups.extend(ending.complete_opened(row_pending.views_new(tt, joined)))
+        result.dropped_groups.extend(ending.complete_opened(joined))
         joined = {}
     kept: list[row_pending.Kept] = []  # the groups left pending: row_pending.keep_all
     for gkey, new in joined.items():

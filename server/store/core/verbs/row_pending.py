@@ -34,6 +34,8 @@ from ..table_state.state import TableState
 from ..table_state.views import NONE_FAILED, RowGroup, row_groups
 from . import payloads, pieces, segments
 
+# A push's new members' rows by group, in push order (`joined`).
+Joined = Mapping[str, tuple[Member, ...]]
 LOST_ROW = "its row is damaged"  # why a member whose row damage lost is quarantined
 log = logging.getLogger("expbuf.store")
 
@@ -187,6 +189,14 @@ def view_new(tt: TableState, gkey: str, rows: Sequence[Member]) -> RowGroup:
     """The view of a pending group this request opened (`opening`) with its members, none of its runs
     reported failed: `view`'s, without a `PendingGroup` made first."""
     return row_groups([gkey], PENDING, [tuple(rows)], tt.now)[0]
+
+
+def complete_opened(tt: TableState, joined: Joined) -> None:
+    """Groups this request opened (`opening`) and completes with these members, none of their runs
+    reported failed, ready in the ready order's next places: `complete`'s of their views, made as
+    their segment keeps them without a view of each first."""
+    pieces.drop_groups(tt, lambda: list(joined))  # their runs still in pieces will not join them
+    segments.complete_ready(tt, segments.opened(joined, tt.now))
 
 
 def views_new(tt: TableState, joined: Mapping[str, tuple[Member, ...]]) -> list[RowGroup]:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import functools
 import itertools
 import operator
-from collections.abc import Mapping, Sequence, Set
+from collections.abc import Iterable, Mapping, Sequence, Set
 from typing import cast
 
 from ...disk import chunked, layout
@@ -48,7 +48,8 @@ from ..table_state.views import NONE_FAILED, RowGroup, row_groups
 GROW_BELOW = 8
 _MEMBERS, _CREATED, _KEY = operator.attrgetter("members"), operator.attrgetter("created"), operator.attrgetter("key")
 _ROWS, _FAILED = operator.attrgetter("rows"), operator.attrgetter("failed")
-_PRIORITY, _VERSION = operator.attrgetter("priority"), operator.attrgetter("version")
+# a member's priority and version, read as a tuple's items: a named field's attribute costs a look-up more
+_PRIORITY, _VERSION = (operator.itemgetter(Member._fields.index(name)) for name in ("priority", "version"))
 _GROUP = functools.partial(tuple.__new__, Group)  # Group._make less its count: `whole` gives every field
 
 
@@ -88,7 +89,7 @@ def whole(
         member = members[0]
         return _GROUP((gkey, created, members, member.priority, member.version, partial, runs))
     priority, version = placed_by(members) if placed is None else placed
-    return Group(gkey, created, members, priority, version, partial, runs)
+    return _GROUP((gkey, created, members, priority, version, partial, runs))
 
 
 def wholes(views: Sequence[RowGroup]) -> list[Group]:
@@ -96,10 +97,24 @@ def wholes(views: Sequence[RowGroup]) -> list[Group]:
     by one request): where each is one member and none has runs reported failed, made in C with its
     member's priority and version, no step a group."""
     rows = list(map(_ROWS, views))
-    flat = list(itertools.chain.from_iterable(rows))
-    if len(flat) != len(views) or any(map(_FAILED, views)):
+    if any(map(_FAILED, views)):
         return [whole(grp.key, grp.created, grp.rows, False, grp.failed) for grp in views]
-    made = zip(map(_KEY, views), map(_CREATED, views), rows, map(_PRIORITY, flat), map(_VERSION, flat), strict=True)
+    return _of(map(_KEY, views), map(_CREATED, views), rows)
+
+
+def opened(joined: Mapping[str, tuple[Member, ...]], created: float) -> list[Group]:
+    """`whole`'s of groups a request opened at `created` and completes with these members (not partial,
+    none of their runs reported failed), made without a view of each first (`wholes`)."""
+    return _of(joined, itertools.repeat(created), list(joined.values()))
+
+
+def _of(keys: Iterable[str], created: Iterable[float], rows: list[tuple[Member, ...]]) -> list[Group]:
+    """Groups complete as pushed, of these keys, times and members: where each is one member, made in C
+    with its member's priority and version, no step a group; else `whole` a group."""
+    flat = list(itertools.chain.from_iterable(rows))
+    if len(flat) != len(rows):
+        return [whole(key, when, members) for key, when, members in zip(keys, created, rows, strict=False)]
+    made = zip(keys, created, rows, map(_PRIORITY, flat), map(_VERSION, flat), strict=False)
     return list(map(_GROUP, map(operator.add, made, itertools.repeat((False, ())))))
 
 
