@@ -66,15 +66,33 @@ _ENDS = struct.Struct("<II")  # where a member's uid starts and ends
 _HAS_SEGMENTS = 1
 
 
+def _absent(name: str) -> int | float | None:
+    """The number an optional column stores for an absent value (None); None: the column has none."""
+    return _NONE_INT if name in _OPTIONAL_INT else math.nan if name in _OPTIONAL_FLOAT else None
+
+
 def _stored(name: str, values: Sequence[object]) -> Sequence[object]:
     """A column's values as stored: absent ones (None) as their number. A column with none absent,
     or none present, is not read value by value."""
-    absent = _NONE_INT if name in _OPTIONAL_INT else math.nan if name in _OPTIONAL_FLOAT else None
+    absent = _absent(name)
     if absent is None or None not in values:
         return values
     if values.count(None) == len(values):
         return [absent] * len(values)
     return [absent if value is None else value for value in values]
+
+
+# An optional column's absent value packed (`_stored`'s number): a column all absent (a push's
+# advantages, most pushes' versions) is these bytes repeated, no value packed.
+_ABSENT_BYTES = {name: _ONE[code].pack(_absent(name)) for name, code in _COLUMNS if _absent(name) is not None}
+
+
+def packed(name: str, code: str, values: Sequence[object]) -> bytes:
+    """A column's values packed as `code`s, absent ones as `_stored` has them."""
+    count = len(values)
+    if name in _ABSENT_BYTES and count and values[0] is None and values.count(None) == count:
+        return _ABSENT_BYTES[name] * count
+    return struct.pack(f"<{count}{code}", *_stored(name, values))
 
 
 def _offsets(parts: Sequence[bytes | tuple[int, ...]]) -> bytes:
@@ -94,7 +112,7 @@ def encode_members(members: Sequence[Member]) -> bytes:
     flags = _HAS_SEGMENTS if any(segments) else 0
     parts = [_BLOCK.pack(count, flags), digests]
     for name, code in _COLUMNS:
-        parts.append(struct.pack(f"<{count}{code}", *_stored(name, columns[_FIELD[name]])))
+        parts.append(packed(name, code, columns[_FIELD[name]]))
     uids = list(map(str.encode, columns[_UID]))
     parts.append(_offsets(uids))
     parts.extend(uids)

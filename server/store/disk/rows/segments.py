@@ -18,7 +18,7 @@ from typing import NamedTuple
 
 from ...schema.states import LIVE, STATES, State
 from ..records import _float_or_none, _opt_float, _pack_str, _unpack_str
-from .members import _NONE_INT, _PARTIAL, ROWS, Member, MemberBlock, _offsets, _stored, encode_members, join_members
+from .members import _NONE_INT, _PARTIAL, ROWS, Member, MemberBlock, _offsets, encode_members, join_members, packed
 
 SEGMENT_GROUPS = 64
 SEGMENT_MEMBERS = 256
@@ -66,7 +66,7 @@ def _columns(groups: Sequence[Group]) -> _Columns:
     numbers = [
         struct.pack(f"<{count}d", *created),
         struct.pack(f"<{count}d", *priorities),
-        struct.pack(f"<{count}q", *_stored("version", versions)),
+        packed("version", "q", versions),
         bytes([_PARTIAL if partial else 0 for partial in partials]) if any(partials) else bytes(count),
     ]
     return _Columns(sizes, flat, keys, keys_are_uids, numbers, failed)
