@@ -46,10 +46,14 @@ from ..table_state.views import NONE_FAILED, RowGroup, row_groups
 # (pushes of groups of one side by side, growing or not, µs an experience: of 1, +23 the push, -54 the
 # drain; of 8, +3.4 and -6.5; of 16, +3.0 and -3.3).
 GROW_BELOW = 8
-_MEMBERS, _CREATED, _KEY = operator.attrgetter("members"), operator.attrgetter("created"), operator.attrgetter("key")
+_CREATED, _KEY = operator.attrgetter("created"), operator.attrgetter("key")
 _ROWS, _FAILED = operator.attrgetter("rows"), operator.attrgetter("failed")
-# a member's priority and version, read as a tuple's items: a named field's attribute costs a look-up more
-_PRIORITY, _VERSION = (operator.itemgetter(Member._fields.index(name)) for name in ("priority", "version"))
+# a group's members, and a member's priority, version and time, read as a tuple's items: a named
+# field's attribute costs a look-up more, a step a group or member of every push
+_MEMBERS = operator.itemgetter(Group._fields.index("members"))
+_PRIORITY, _VERSION, _MEMBER_CREATED = (
+    operator.itemgetter(Member._fields.index(name)) for name in ("priority", "version", "created")
+)
 _GROUP = functools.partial(tuple.__new__, Group)  # Group._make less its count: `whole` gives every field
 
 
@@ -178,7 +182,7 @@ def write(
         if state in RETIRED:
             retired(tt, seg, row)
         elif members:  # every member live, none deleted
-            live.append((seg, min(map(_CREATED, members))))
+            live.append((seg, min(map(_MEMBER_CREATED, members))))
         states.append((key, row.encode()))
         refs.extend(zip([prefix + group.key.encode() for group in part], group_refs(seg, len(part)), strict=True))
         if state == READY:
