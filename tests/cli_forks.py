@@ -19,6 +19,8 @@ import runpy
 import subprocess
 import sys
 import threading
+from collections.abc import Callable
+from typing import Protocol, TypeVar
 
 from forks import forked
 
@@ -61,38 +63,63 @@ class _Parent:
         return reply
 
 
-_parents: dict[tuple[tuple[str, str], ...], _Parent] = {}
+class Alive(Protocol):
+    """A parent as shared_parent keeps it: its process, to tell whether it still runs."""
+
+    proc: subprocess.Popen[str]
+
+
+P = TypeVar("P", bound=Alive)
+_parents: dict[tuple[object, ...], Alive] = {}
 _parents_lock = threading.Lock()
 
 
-def _parent(env: dict[str, str]) -> _Parent:
-    key = tuple(sorted((name, value) for name, value in env.items() if name.startswith(IMPORT_VARIABLES)))
+def shared_parent(kind: Callable[[dict[str, str]], P], env: dict[str, str]) -> P:
+    """This process's parent of `kind` for `env`'s import variables, started where none runs."""
+    key = (kind, *sorted((name, value) for name, value in env.items() if name.startswith(IMPORT_VARIABLES)))
     with _parents_lock:
         if key not in _parents or _parents[key].proc.poll() is not None:
-            _parents[key] = _Parent(env)
-        return _parents[key]
+            _parents[key] = kind(env)
+        parent = _parents[key]
+    assert isinstance(parent, kind)
+    return parent
 
 
-def _serve() -> None:
-    """The parent: one JSON request a line on stdin, one JSON reply a line on stdout."""
+def _parent(env: dict[str, str]) -> _Parent:
+    return shared_parent(_Parent, env)
+
+
+def prepare() -> None:
+    """Import what every command imports, once, and nothing else (no channel, thread or table)."""
     import expbuf.server
-    import expbuf.server.cli  # what every command imports, loaded once
+    import expbuf.server.cli
     import expbuf.server.store
 
     # The module itself is run afresh as __main__ in each child, as `python -m` runs it.
     del sys.modules[CLI], expbuf.server.cli
+
+
+def _serve() -> None:
+    """The parent: one JSON request a line on stdin, one JSON reply a line on stdout."""
+    prepare()
     for line in sys.stdin:
         request = json.loads(line)
         print(json.dumps(forked(functools.partial(_command, request), request["timeout"])), flush=True)
 
 
-def _command(request: dict) -> int:
-    """The child: the command run as `python -m expbuf.server.cli ARGS` runs it; its exit status."""
+def enter(request: dict) -> None:
+    """Make this forked child what `python -m expbuf.server.cli ARGS` starts with: stdin closed
+    to it, the request's environment, working directory and arguments."""
     os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
     os.environ.clear()
     os.environ.update(request["env"])
     os.chdir(request["cwd"])
     sys.argv = [CLI, *request["args"]]
+
+
+def _command(request: dict) -> int:
+    """The child: the command run as `python -m expbuf.server.cli ARGS` runs it; its exit status."""
+    enter(request)
     try:
         runpy.run_module(CLI, run_name="__main__", alter_sys=True)
     except SystemExit as exc:

@@ -47,6 +47,7 @@ from expbuf.server.store.schema.states import COMPUTING, PENDING, State
 from expbuf.server.store.schema.table_config import TableConfig
 
 import cli_forks
+import serve_forks
 
 # batch.tensordict() needs the tensordict package, which expbuf does not require: a machine
 # without it (a user's bare GPU host) skips what reads batches as TensorDicts, and runs the rest.
@@ -356,6 +357,11 @@ class ServerProcess:
     server listens, where a table needs it (server/advantages/start.py), and a test that measures
     the child's memory or CPU, or a push's latency, must not count that load. A benchmark of the
     start itself passes warm=False.
+
+    The child is forked from a parent that has imported the server (tests/serve_forks.py), unless
+    `fresh`: a new interpreter, for a test that measures the child's memory or CPU, which a fork
+    shares with its parent or skips; so too where `env` sets PYTHONPATH, a test's own folder,
+    for which a parent would be started to fork this one child.
     """
 
     def __init__(
@@ -366,20 +372,24 @@ class ServerProcess:
         start_seconds: float = 60,
         warm: bool = True,
         own_group: bool = False,
+        fresh: bool = False,
     ) -> None:
-        import subprocess
-        import sys
-
         defaults = [] if "--metrics-port" in args else ["--metrics-port", "0"]
         with _held_lock:  # let go once the child listens on it, or exited
             held = _held_ports.pop(int(args[args.index("--port") + 1]), None) if "--port" in args else None
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "expbuf.server.cli", "serve", "--data", data, "--port", "0", *defaults, *args],
-            stderr=subprocess.PIPE,
-            text=True,
-            env={**os.environ, **(env or {})},
-            process_group=0 if own_group else None,  # own_group: a terminal's job, for its Ctrl-C
-        )
+        argv = ["serve", "--data", data, "--port", "0", *defaults, *args]
+        environment = {**os.environ, **(env or {})}
+        self.proc: subprocess.Popen[str] | serve_forks.ForkedServer
+        if fresh or "PYTHONPATH" in (env or {}):
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "expbuf.server.cli", *argv],
+                stderr=subprocess.PIPE,
+                text=True,
+                env=environment,
+                process_group=0 if own_group else None,  # own_group: a terminal's job, for its Ctrl-C
+            )
+        else:
+            self.proc = serve_forks.ForkedServer(argv, environment, own_group)
         self.log: list[str] = []
         self.port = 0
         self.metrics_port = -1
@@ -441,8 +451,8 @@ def servers() -> Iterator[Callable[..., ServerProcess]]:
     read back), `env` EXPBUF_* settings of their own; SIGKILL those still running on the way out."""
     started: list[ServerProcess] = []
 
-    def start(data: str, *args: str, env: dict[str, str] | None = None) -> ServerProcess:
-        server = ServerProcess(data, *args, env=env)
+    def start(data: str, *args: str, env: dict[str, str] | None = None, fresh: bool = False) -> ServerProcess:
+        server = ServerProcess(data, *args, env=env, fresh=fresh)
         started.append(server)
         return server
 
@@ -550,8 +560,8 @@ def stored_members(env: Environment) -> dict[bytes, StoredMember]:
 def killed_while_opening(data: Path, delay: float) -> None:
     """An `expbuf serve` of `data` killed with SIGKILL `delay` seconds after it took the directory's
     lock: a start cut short during its open (an upgrade of the format, say)."""
-    serve = [sys.executable, "-m", "expbuf.server.cli", "serve", "--data", str(data), "--port", "0"]
-    child = subprocess.Popen([*serve, "--metrics-port", "-1"], stderr=subprocess.DEVNULL)
+    serve = ["serve", "--data", str(data), "--port", "0", "--metrics-port", "-1"]
+    child = serve_forks.ForkedServer(serve, dict(os.environ), own_group=False)
     try:
         while not (data / "lock.mdb").exists() and child.poll() is None:
             time.sleep(0.0002)
@@ -559,6 +569,7 @@ def killed_while_opening(data: Path, delay: float) -> None:
     finally:
         child.kill()
         child.wait(30)
+        child.stderr.close()
 
 
 def checked_after_a_kill(data: Path, delay: float, format_found: int) -> list[str]:

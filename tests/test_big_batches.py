@@ -213,7 +213,7 @@ def test_an_experience_larger_than_a_message_round_trips_with_the_servers_memory
         "EXPBUF_ADVANTAGE_WORKER": "at_start",  # torch loaded before, not while, the memory is measured
     }
     with servers() as start:
-        server = start(str(tmp_path / "data"), env=env)
+        server = start(str(tmp_path / "data"), env=env, fresh=True)
         pid = server.proc.pid
         with BufferClient(server.target, timeout=300) as client:
             client.create_table("huge", group_size=1)
@@ -324,7 +324,7 @@ def test_reads_of_a_compressing_table_hold_a_few_chunks_not_the_batch(tmp_path: 
         for task in range(count)
     ]
     with servers() as start:
-        server = start(str(tmp_path / "data"))
+        server = start(str(tmp_path / "data"), fresh=True)
         pid = server.proc.pid
         with BufferClient(server.target, timeout=300) as client:
             client.create_table("z", group_size=1, estimator="none", compression="zstd")

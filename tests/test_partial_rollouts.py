@@ -1097,7 +1097,7 @@ def test_the_servers_memory_to_put_a_large_rollout_together_is_bounded_by_its_ch
     whole = long_rollout(response=response)
     pieces = split(whole, [*range(8192, response - 1, 8192), response - 1])  # the last: one token
     with servers() as start:
-        server = start(str(tmp_path / "data"))
+        server = start(str(tmp_path / "data"), fresh=True)
         pid = server.proc.pid
         with BufferClient(server.target, timeout=300) as client:
             client.create_table("huge", group_size=1, estimator="none")

@@ -7,10 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -24,6 +21,7 @@ from expbuf.server.store.schema.sample_spec import TakeSpec
 from expbuf.server.store.schema.table_config import TableConfig
 from expbuf.server.store.services import scrub
 
+import cli_forks
 from helpers import ServerProcess, group_items, scrape
 from test_partial_rollouts import hurt_piece, piece_key, rollout
 from test_piece_damage import hurt_head
@@ -125,10 +123,9 @@ def test_a_server_scrubs_after_its_start_and_shows_it(tmp_path: Path, table_layo
         assert metrics[("expbuf_scrub_checked_experiences_total", ())] == 160
         assert metrics[("expbuf_buffer_experiences", (("state", "quarantined"), ("table", "t")))] == 1
         assert metrics[("expbuf_scrub_last_pass_end_timestamp_seconds", ())] > 0
-        shown = subprocess.run(
-            [sys.executable, "-m", "expbuf.server.cli", "stats", "--target", server.target],
-            capture_output=True, text=True, timeout=60, check=True,
-        ).stdout  # fmt: skip
+        stats = cli_forks.run("stats", "--target", server.target)
+        assert stats.returncode == 0, stats.stderr
+        shown = stats.stdout
         assert "scrub idle (at most 1000 MB/s, every 24.0h), found 1 damaged since the start" in shown
         assert "; last complete pass " in shown and ", 1 found)" in shown
     finally:
@@ -190,11 +187,9 @@ def test_a_pass_drops_a_rollout_held_in_pieces_whose_head_does_not_decode(tmp_pa
 
 @pytest.mark.parametrize("value", ["-1", "100001", "x"])
 def test_the_rate_is_a_checked_setting(value: str, tmp_path: Path) -> None:
-    done = subprocess.run(
-        [sys.executable, "-m", "expbuf.server.cli", "serve", "--data", str(tmp_path), "--port", "0",
-         "--metrics-port", "-1"],
-        env={**os.environ, "EXPBUF_SCRUB_MB_PER_SECOND": value},
-        capture_output=True, text=True, timeout=60, check=False,
+    done = cli_forks.run(
+        "serve", "--data", str(tmp_path), "--port", "0", "--metrics-port", "-1",
+        env={"EXPBUF_SCRUB_MB_PER_SECOND": value},
     )  # fmt: skip
     assert done.returncode == 2
     assert "scrub_mb_per_second" in done.stderr or "EXPBUF_SCRUB_MB_PER_SECOND" in done.stderr

@@ -222,7 +222,9 @@ def _peak_rss_kib(pid: int) -> int:
 
 
 def test_unauthenticated_push_is_refused_before_its_body_is_read(tmp_path: Path) -> None:
-    proc = ServerProcess(str(tmp_path), "--metrics-port", "-1", env={"EXPBUF_TOKENS": "ops:push,sample,admin"})
+    proc = ServerProcess(
+        str(tmp_path), "--metrics-port", "-1", env={"EXPBUF_TOKENS": "ops:push,sample,admin"}, fresh=True
+    )
     size = 96 << 20
     try:
         with BufferClient(proc.target, token="ops") as client:  # no advantages: torch does not load meanwhile

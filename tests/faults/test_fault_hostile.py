@@ -75,7 +75,7 @@ def test_memo_reference_tower_is_refused_within_a_cpu_bound(
 ) -> None:
     payload = with_meta(tower=memo_tower())
     assert len(payload) < 2048
-    server = capped(serve(str(tmp_path / "data")))
+    server = capped(serve(str(tmp_path / "data"), fresh=True))
     before = cpu_seconds(server.proc.pid)
     with channel(server.target) as chan:
         buffer = stub(chan)
@@ -98,7 +98,7 @@ def test_memo_expansion_bomb_is_refused_with_bounded_memory(
     chunk = "x" * (512 << 10)
     payload = with_meta(pad=[chunk] * 300)  # 150 MiB once every reference is written out
     assert len(payload) < 1 << 20
-    server = capped(serve(str(tmp_path / "data")))
+    server = capped(serve(str(tmp_path / "data"), fresh=True))
     with channel(server.target) as chan:
         buffer = stub(chan)
         assert healthy(chan)

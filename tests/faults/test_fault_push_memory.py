@@ -87,7 +87,7 @@ def test_pushes_past_max_inflight_bytes_wait_then_are_refused_naming_it(
 def test_concurrent_large_pushes_memory_is_bounded_and_returned(
     tmp_path: Path, serve: Callable[..., ServerProcess]
 ) -> None:
-    server = serve(str(tmp_path / "data"), *AT_START)
+    server = serve(str(tmp_path / "data"), *AT_START, fresh=True)
     pid = server.proc.pid
     payloads = [large_payload(f"b{i}", 6, 1 << 20) for i in range(4)]  # 4 x 54 MiB
     in_flight = sum(len(p) for p in payloads)
@@ -128,7 +128,7 @@ def test_an_experience_past_max_metadata_bytes_is_refused_naming_it_and_its_memo
     is packed, having cost gRPC's receive and the metadata's objects, and given back.
     (The same push first: the heap and gRPC's buffers reach the sizes such a push takes, and
     keep them for the next; the memory measured is what the second leaves beyond that.)"""
-    server = serve(str(tmp_path / "data"), "--max-metadata-bytes", str(4 * MB), *AT_START)
+    server = serve(str(tmp_path / "data"), "--max-metadata-bytes", str(4 * MB), *AT_START, fresh=True)
     pid = server.proc.pid
     body = metadata_payload("one", 1, 64 * MB)
     with channel(server.target) as chan:
@@ -172,7 +172,7 @@ def test_a_large_push_in_chunks_holds_about_twice_its_size_and_keeps_none_of_it(
     its packed copy, not gRPC's copies of one message besides, and keeps none of it: pushes of the
     same size, one after another, do not grow it. (What one push leaves, the C library may keep
     for the next, up to its trim threshold: reply memory is kept so, replies.keep_reply_memory.)"""
-    server = serve(str(tmp_path / "data"), *AT_START)
+    server = serve(str(tmp_path / "data"), *AT_START, fresh=True)
     pid = server.proc.pid
     data = body("measured")
     with BufferClient(server.target, timeout=120) as client:
