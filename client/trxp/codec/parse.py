@@ -63,8 +63,8 @@ def parse(
     if shape is None:
         shape = Shape(work, EXPANSION_PER_BYTE * size + EXPANSION_BASE, check_keys=False, limit=limit)
     items, uids = _load_items(meta_bytes, trusted=trusted, work=work, shape=shape)
-    tensors = _parse_safetensors(view[HEADER_SIZE + meta_len :], work)
-    return _items(items, uids, tensors, work)
+    per_item = _parse_safetensors(view[HEADER_SIZE + meta_len :], len(items), work)
+    return _items(items, uids, per_item, work)
 
 
 def head_length(start: bytes | bytearray | memoryview, size: int) -> int:
@@ -101,15 +101,13 @@ def parse_head(
     shape = Shape(work, EXPANSION_PER_BYTE * received + EXPANSION_BASE, check_keys=False, limit=limit)
     items, uids = _load_items(view[HEADER_SIZE : HEADER_SIZE + meta_len], trusted=False, work=work, shape=shape)
     blob = view[HEADER_SIZE + meta_len :]
-    entries = _spans(blob, size - HEADER_SIZE - meta_len - len(blob), work)
+    entries = _spans(blob, size - HEADER_SIZE - meta_len - len(blob), len(items), work)
     empty = memoryview(b"")
-    tensors = {key: RawTensor(dtype, dims, empty) for _, _, dtype, dims, key in entries}
-    raw = _items(items, uids, tensors, work)
-    places = []
-    for start, end, _, _, key in entries:
-        index, name = _split_tensor_key(key, len(items))
-        places.append((start, end, index, name))
-    return raw, places
+    per_item: list[dict[str, RawTensor]] = [{} for _ in items]
+    for _, _, dtype, dims, index, name in entries:
+        per_item[index][name] = RawTensor(dtype, dims, empty)
+    raw = _items(items, uids, per_item, work)
+    return raw, [(start, end, index, name) for start, end, _, _, index, name in entries]
 
 
 def _frame(view: memoryview, size: int) -> int:
@@ -138,14 +136,10 @@ def _frame(view: memoryview, size: int) -> int:
 
 
 def _items(
-    items: list[dict[str, Any]], uids: list[str] | None, tensors: dict[str, RawTensor], work: Work
+    items: list[dict[str, Any]], uids: list[str] | None, per_item: list[dict[str, RawTensor]], work: Work
 ) -> list[RawItem]:
-    """The items of a payload: each one's metadata and its tensors, checked where their metadata
-    was (`uids`, each one's as check_meta made it; None for a trusted payload)."""
-    per_item: list[dict[str, RawTensor]] = [{} for _ in items]
-    for key, tensor in tensors.items():
-        index, name = _split_tensor_key(key, len(items))
-        per_item[index][name] = tensor
+    """The items of a payload: each one's metadata and its tensors (by name, `per_item`), checked
+    where their metadata was (`uids`, each one's as check_meta made it; None for a trusted payload)."""
     if uids is None:
         return [RawItem(meta, tensors) for meta, tensors in zip(items, per_item, strict=True)]
     raw = [RawItem(meta, tensors, uid) for meta, tensors, uid in zip(items, per_item, uids, strict=True)]
@@ -181,7 +175,8 @@ def _load_items(
     return items, [check_meta(index, item, shape) for index, item in enumerate(items)]
 
 
-def _parse_safetensors(blob: memoryview, work: Work) -> dict[str, RawTensor]:
+def _parse_safetensors(blob: memoryview, num_items: int, work: Work) -> list[dict[str, RawTensor]]:
+    """The tensors of each of a payload's `num_items` items, by name, from its safetensors blob."""
     size = len(blob)
     if size < 8:
         raise TrxpError(f"tensors: safetensors blob is {size} bytes, too short for its header length")
@@ -189,26 +184,35 @@ def _parse_safetensors(blob: memoryview, work: Work) -> dict[str, RawTensor]:
     if header_len > size - 8:
         raise TrxpError(f"tensors: safetensors header length {header_len} exceeds the {size - 8} bytes present")
     data = blob[8 + header_len :]
-    return {
-        key: RawTensor(dtype, shape, data[start:end]) for start, end, dtype, shape, key in _spans(blob, len(data), work)
-    }
+    per_item: list[dict[str, RawTensor]] = [{} for _ in range(num_items)]
+    for start, end, dtype, shape, index, name in _spans(blob, len(data), num_items, work):
+        per_item[index][name] = RawTensor(dtype, shape, data[start:end])
+    return per_item
 
 
-def _spans(blob: memoryview, data_len: int, work: Work) -> list[tuple[int, int, str, tuple[int, ...], str]]:
-    """The tensors of a safetensors blob whose header is at the start of `blob` and whose data is
-    `data_len` bytes: (start, end, dtype, shape, key) in the data's order, every byte of the data
-    in exactly one tensor."""
+# A tensor of a safetensors header: (start, end, dtype, shape, item index, name).
+_Span = tuple[int, int, str, tuple[int, ...], int, str]
+
+
+def _spans(blob: memoryview, data_len: int, num_items: int, work: Work) -> list[_Span]:
+    """The tensors of a safetensors blob of a payload of `num_items` items, whose header is at the
+    start of `blob` and whose data is `data_len` bytes, in the data's order, every byte of the data
+    in exactly one tensor, each key naming an item and a known field."""
     (header_len,) = struct.unpack_from("<Q", blob)
     work.charge(header_len)  # the JSON parser is linear in its input
     try:
         text = str(blob[8 : 8 + header_len], "utf-8")
     except UnicodeDecodeError as exc:
         raise _not_json(exc) from None
-    written = _written_spans(text, data_len)
-    if written is None:
-        return _json_spans(text, data_len, work)
-    work.charge(2 * len(written))  # as _parse_entry charges each entry of one dimension
-    return written
+    written = _written_spans(text, data_len, num_items)
+    if written is not None:
+        work.charge(2 * len(written))  # as _parse_entry charges each entry of one dimension
+        return written
+    spans = []
+    for start, end, dtype, shape, key in _json_spans(text, data_len, work):  # each key's refusal in the data's order
+        index, name = _split_tensor_key(key, num_items)
+        spans.append((start, end, dtype, shape, index, name))
+    return spans
 
 
 def _not_json(exc: ValueError | RecursionError) -> TrxpError:
@@ -237,52 +241,99 @@ def _json_spans(text: str, data_len: int, work: Work) -> list[tuple[int, int, st
     return spans
 
 
-# One header entry as expbuf's writers write it (build.py's _header_entry, json.dumps with
-# separators "," and ":"): a key of an item's index and a name without escapes, one dimension
-# (not 0), each number as JSON writes an int, of at most 18 digits. Each repeat is possessive, as
-# what follows it is a character it does not take. Splitting a header at its entries leaves
-# 5 groups an entry and the text between them.
+# One header entry as expbuf's writers write it (build.py's ENTRY, json.dumps with separators ","
+# and ":"): a key of an item's index and a name without escapes, one dimension (not 0), each
+# number as JSON writes an int, of at most 18 digits. Each repeat is possessive, as what follows it
+# is a character it does not take.
 _WRITTEN_ENTRY: Final = re.compile(
     r'"([0-9][^"\\\x00-\x1f]*+)":\{"dtype":"([A-Z0-9_]++)","shape":\[([1-9][0-9]{0,17}+)\],'
     r'"data_offsets":\[([1-9][0-9]{0,17}+|0),([1-9][0-9]{0,17}+)\]\}'
 )
-_GROUPS: Final = 6  # an entry's 5 groups and the text after it
+# An entry's text up to its key's ':' (its quote and item index), for the common item indices.
+_ENTRY_STARTS: Final = {f'"{index}:': index for index in range(1 << 12)}
 
 
-def _written_spans(text: str, data_len: int) -> list[tuple[int, int, str, tuple[int, ...], str]] | None:
+class _Plan:
+    """What an entry of a written header shares with the next entries of its name, dtype and shape
+    (a writer writes a batch's tensors by dtype, then by key: the same field of item after item):
+    its text from its key's ':' to its start offset, and what it makes of it."""
+
+    def __init__(self, text: str, nbytes: int, dtype: str, shape: tuple[int, ...], name: str, last: str) -> None:
+        self.text = text
+        self.nbytes = nbytes
+        self.dtype = dtype
+        self.shape = shape  # one tuple for all of its entries' tensors
+        self.name = name
+        self.last = last  # the last entry's text up to its key's ':', which the next one's must exceed
+
+
+def _written_spans(text: str, data_len: int, num_items: int) -> list[_Span] | None:
     """_spans' result for a header in the form expbuf's writers write (entries of one dimension in
-    the data's order, no space but the padding after it), read by one regular expression instead
-    of json.loads and each entry's checks; None for any other header, which _spans reads as JSON.
-    Accepts only what json.loads and the checks accept, with the same spans: every text between
-    the entries is checked to be exactly the JSON around them, so the header is that JSON."""
-    parts: list[str] = _WRITTEN_ENTRY.split(text)  # each group matches something in a written entry
-    last = len(parts) - 1
-    if not last or parts[0] != "{" or parts[last].rstrip(" ") != "}":
+    the data's order, each name's keys ascending, no space but the padding after it), read without
+    json.loads; None for any other header, which _spans reads as JSON. Accepts only what json.loads
+    and the checks accept, with the same spans: each entry is the text of a match of _WRITTEN_ENTRY,
+    or the text of the plan of the entry before it with only its item index and offsets changed
+    (each offset written from the int it must be), the text between them exactly the JSON around
+    them; as each name's keys ascend, no key is written twice."""
+    if not text.startswith("{"):
         return None
-    spans: list[tuple[int, int, str, tuple[int, ...], str]] = []
-    cursor, written = 0, "0"  # where the last entry ended, and that offset as its entry wrote it
-    dtype, itemsize = "", 0
-    for at in range(1, last, _GROUPS):
-        if at > 1 and parts[at - 1] != ",":
-            return None
-        if parts[at + 1] != dtype:  # entries come by dtype: its size is looked up where it changes
-            dtype = parts[at + 1]
-            found = ITEMSIZE.get(dtype)
-            if found is None:
+    spans: list[_Span] = []
+    plans: dict[str, _Plan] = {}  # by name: the plan of its last entry
+    plan: _Plan | None = None  # the entry before's
+    pos, cursor, written = 1, 0, "0"  # where the last entry ended, and that offset as its entry wrote it
+    while True:
+        colon = text.find(":", pos)
+        opening = text[pos : colon + 1]
+        index = _ENTRY_STARTS.get(opening, num_items)
+        if plan is not None and index < num_items and opening > plan.last:
+            end = cursor + plan.nbytes
+            ended = str(end)
+            rest = f"{plan.text}{written},{ended}]}}"  # an end of 19 digits or more lies past data_len: refused below
+            after = colon + len(rest)
+            if text[colon:after] != rest:
+                plan = None
+        else:
+            plan = None
+        if plan is None:
+            match = _WRITTEN_ENTRY.match(text, pos)
+            planned = None if match is None else _planned(match, colon, cursor, num_items, plans)
+            if match is None or planned is None:
                 return None
-            itemsize = found
-        if parts[at + 3] != written:  # each number is written one way only
-            return None
-        written = parts[at + 4]
-        end = int(written)
-        dim = int(parts[at + 2])
-        if end - cursor != dim * itemsize:
-            return None
-        spans.append((cursor, end, dtype, (dim,), parts[at]))
-        cursor = end
-    if cursor != data_len or len(set(parts[1:last:_GROUPS])) != len(spans):
-        return None  # duplicate keys: json.loads keeps one of them
+            plan, index = planned
+            end, ended, after = cursor + plan.nbytes, match.group(5), match.end()
+        plan.last = opening
+        spans.append((cursor, end, plan.dtype, plan.shape, index, plan.name))
+        cursor, written, pos = end, ended, after + 1
+        if after == len(text) or text[after] != ",":
+            break
+    if text[after:].rstrip(" ") != "}" or cursor != data_len:
+        return None
     return spans
+
+
+def _planned(
+    match: re.Match[str], colon: int, cursor: int, num_items: int, plans: dict[str, _Plan]
+) -> tuple[_Plan, int] | None:
+    """The plan of an entry matched by _WRITTEN_ENTRY at `cursor` in the data, whose key's first
+    ':' is at `colon`, and its item index; None where its dtype, offsets or key are not as the
+    checks and json.loads would take them, or its key does not ascend after its name's last."""
+    key, dtype, dims, start, end = match.groups()
+    itemsize = ITEMSIZE.get(dtype)
+    if itemsize is None or int(start) != cursor:  # each number is written one way only
+        return None
+    nbytes = int(end) - cursor
+    if nbytes != int(dims) * itemsize:
+        return None
+    try:
+        index, name = _split_tensor_key(key, num_items)
+    except TrxpError:
+        return None  # refused by the JSON path after its checks of the whole header, as before
+    last = plans.get(name)
+    opening = match.string[match.start() : colon + 1]
+    if last is not None and not opening > last.last:
+        return None  # read as JSON: a key written twice, or keys out of a writer's order
+    plan = plans[name] = _Plan(match.string[colon : match.start(4)], nbytes, dtype, (int(dims),), name, opening)
+    return plan, index
 
 
 def _in_order(spans: list[tuple[int, int, str, tuple[int, ...], str]]) -> bool:
