@@ -453,3 +453,25 @@ def test_a_batch_of_more_items_than_the_plans_index_is_read_as_json_reads_it() -
     """Item indices past the plans' table of them are read by a match of each entry."""
     text, data_len = _written_batch([[("tokens", "I32", (1,)), ("logprobs", "F32", (2,))]] * 4200)
     assert _agrees_with_json(text, data_len, 4200)
+
+
+_FIELD_NAMES = st.sampled_from(["eid", "reward", "info", "é", "a" * 40, b"raw", "prompt_length"])
+_FIELDS = st.lists(st.tuples(_FIELD_NAMES, st.sampled_from([None, 1.5, 7, "text", [], {"k": 1}])), max_size=6)
+
+
+@given(st.lists(_FIELDS, min_size=1, max_size=6), st.booleans())
+@settings(max_examples=200)
+def test_items_whose_fields_change_from_one_to_the_next_are_measured_as_each_alone(
+    items: list[list[tuple[Any, Any]]], shared_names: bool
+) -> None:
+    """The fields of the item before, told by identity, give their names' sizes only where they are
+    the same names in the same place: items whose fields are added, dropped, reordered or renamed
+    (names the same str objects or equal copies) measure as each measured by a Shape of its own."""
+    shape = checks.Shape(trxp.Work(1 << 40), 1 << 40, check_keys=True)
+    for index, fields in enumerate(items):
+        item = {(name if shared_names or not isinstance(name, str) else "".join(name)): value for name, value in fields}
+        alone = checks.Shape(trxp.Work(1 << 40), 1 << 40, check_keys=True)
+        alone.item(index, "u", item)
+        before = shape.size
+        shape.item(index, "u", item)
+        assert shape.size - before == alone.size

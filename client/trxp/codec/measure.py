@@ -47,6 +47,10 @@ class Shape:
         self.known: dict[int, tuple[int, int]] = {}  # id -> (height, size), or _OPEN while being measured
         self.empties: set[int] = set()  # ids of the empty containers met
         self.names: dict[str, int] = {}  # the size of each field name met
+        # The last item's field names (str) in its order, and their sizes: the next item's fields,
+        # mostly the same str objects in the same order (a pickle's memo), are told by identity.
+        self.fields: list[str] = []
+        self.field_sizes: list[int] = []
 
     def item(self, index: int, uid: str, item: dict[Any, Any]) -> None:
         """Measure every field of an item, counting it towards the payload's expansion bound."""
@@ -55,7 +59,10 @@ class Shape:
                 name: value for name in self.containers_of if isinstance(value := item.get(name), CONTAINERS) and value
             }
         total, max_size, names = self.size, self.max_size, self.names
+        fields, field_sizes = self.fields, self.field_sizes
+        at = -1
         for name, value in item.items():
+            at += 1
             try:  # the commonest fields inline: None, numbers, plain text, empty and other containers
                 if value is None or type(value) is float:
                     size = 9
@@ -70,11 +77,18 @@ class Shape:
                     size = self._container(value, 0)[1]
                 else:
                     size = _scalar_size(value)
-                if type(name) is str:  # a field's name, the same str in every item: measured once
+                if at < len(fields) and fields[at] is name:
+                    total += size + field_sizes[at]
+                elif type(name) is str:  # a field's name, the same str in every item: measured once
                     name_size = names.get(name)
                     if name_size is None:
                         name_size = names[name] = _scalar_size(name)
                     total += size + name_size
+                    if at < len(fields):
+                        fields[at], field_sizes[at] = name, name_size
+                    else:
+                        fields.append(name)
+                        field_sizes.append(name_size)
                 else:
                     total += size + _scalar_size(name)
             except TrxpError as exc:
