@@ -251,20 +251,22 @@ _WRITTEN_ENTRY: Final = re.compile(
 )
 # An entry's text up to its key's ':' (its quote and item index), for the common item indices.
 _ENTRY_STARTS: Final = {f'"{index}:': index for index in range(1 << 12)}
+_OFFSETS: Final = '],"data_offsets":['  # an entry's text from its shape's end to its start offset
 
 
 class _Plan:
-    """What an entry of a written header shares with the next entries of its name, dtype and shape
-    (a writer writes a batch's tensors by dtype, then by key: the same field of item after item):
-    its text from its key's ':' to its start offset, and what it makes of it."""
+    """What an entry of a written header shares with the next entries of its name and dtype (a
+    writer writes a batch's tensors by dtype, then by key: the same field of item after item): its
+    text from its key's ':' to its dimension, and what it makes of it."""
 
-    def __init__(self, text: str, nbytes: int, dtype: str, shape: tuple[int, ...], name: str, last: str) -> None:
+    def __init__(self, text: str, itemsize: int, dtype: str, name: str, last: str, digits: str) -> None:
         self.text = text
-        self.nbytes = nbytes
+        self.itemsize = itemsize
         self.dtype = dtype
-        self.shape = shape  # one tuple for all of its entries' tensors
         self.name = name
         self.last = last  # the last entry's text up to its key's ':', which the next one's must exceed
+        self.digits = digits  # the last entry's dimension as written, its shape (one tuple for a run of them)
+        self.shape = (int(digits),)
 
 
 def _written_spans(text: str, data_len: int, num_items: int) -> list[_Span] | None:
@@ -272,9 +274,9 @@ def _written_spans(text: str, data_len: int, num_items: int) -> list[_Span] | No
     the data's order, each name's keys ascending, no space but the padding after it), read without
     json.loads; None for any other header, which _spans reads as JSON. Accepts only what json.loads
     and the checks accept, with the same spans: each entry is the text of a match of _WRITTEN_ENTRY,
-    or the text of the plan of the entry before it with only its item index and offsets changed
-    (each offset written from the int it must be), the text between them exactly the JSON around
-    them; as each name's keys ascend, no key is written twice."""
+    or the text of the plan of the entry before it with only its item index, its dimension (as JSON
+    writes it) and its offsets changed (each offset written from the int it must be), the text
+    between them exactly the JSON around them; as each name's keys ascend, no key is written twice."""
     if not text.startswith("{"):
         return None
     spans: list[_Span] = []
@@ -285,12 +287,17 @@ def _written_spans(text: str, data_len: int, num_items: int) -> list[_Span] | No
         colon = text.find(":", pos)
         opening = text[pos : colon + 1]
         index = _ENTRY_STARTS.get(opening, num_items)
-        if plan is not None and index < num_items and opening > plan.last:
-            end = cursor + plan.nbytes
+        at = colon + len(plan.text) if plan is not None else colon
+        if plan is not None and index < num_items and opening > plan.last and text[colon:at] == plan.text:
+            closing = text.find("]", at)  # past the plan's text: the dimension, which a match ends at its ']'
+            digits = text[at:closing]
+            if digits != plan.digits and _dimension(digits):
+                plan.digits, plan.shape = digits, (int(digits),)
+            end = cursor + plan.shape[0] * plan.itemsize
             ended = str(end)
-            rest = f"{plan.text}{written},{ended}]}}"  # an end of 19 digits or more lies past data_len: refused below
-            after = colon + len(rest)
-            if text[colon:after] != rest:
+            rest = f"{_OFFSETS}{written},{ended}]}}"  # an end of 19 digits or more lies past data_len: refused below
+            after = closing + len(rest)
+            if digits != plan.digits or text[closing:after] != rest:
                 plan = None
         else:
             plan = None
@@ -300,7 +307,7 @@ def _written_spans(text: str, data_len: int, num_items: int) -> list[_Span] | No
             if match is None or planned is None:
                 return None
             plan, index = planned
-            end, ended, after = cursor + plan.nbytes, match.group(5), match.end()
+            end, ended, after = cursor + plan.shape[0] * plan.itemsize, match.group(5), match.end()
         plan.last = opening
         spans.append((cursor, end, plan.dtype, plan.shape, index, plan.name))
         cursor, written, pos = end, ended, after + 1
@@ -311,6 +318,11 @@ def _written_spans(text: str, data_len: int, num_items: int) -> list[_Span] | No
     return spans
 
 
+def _dimension(digits: str) -> bool:
+    """Whether `digits` is a dimension as a match reads one: as JSON writes an int of 1 to 18 digits, not 0."""
+    return 0 < len(digits) <= 18 and digits.isascii() and digits.isdigit() and digits[0] != "0"
+
+
 def _planned(
     match: re.Match[str], colon: int, cursor: int, num_items: int, plans: dict[str, _Plan]
 ) -> tuple[_Plan, int] | None:
@@ -319,11 +331,8 @@ def _planned(
     checks and json.loads would take them, or its key does not ascend after its name's last."""
     key, dtype, dims, start, end = match.groups()
     itemsize = ITEMSIZE.get(dtype)
-    if itemsize is None or int(start) != cursor:  # each number is written one way only
-        return None
-    nbytes = int(end) - cursor
-    if nbytes != int(dims) * itemsize:
-        return None
+    if itemsize is None or int(start) != cursor or int(end) - cursor != int(dims) * itemsize:
+        return None  # each number is written one way only
     try:
         index, name = _split_tensor_key(key, num_items)
     except TrxpError:
@@ -332,7 +341,7 @@ def _planned(
     opening = match.string[match.start() : colon + 1]
     if last is not None and not opening > last.last:
         return None  # read as JSON: a key written twice, or keys out of a writer's order
-    plan = plans[name] = _Plan(match.string[colon : match.start(4)], nbytes, dtype, (int(dims),), name, opening)
+    plan = plans[name] = _Plan(match.string[colon : match.start(3)], itemsize, dtype, name, opening, dims)
     return plan, index
 
 
