@@ -286,9 +286,11 @@ def _written_spans(text: str, data_len: int, num_items: int) -> list[_Span] | No
     while True:
         colon = text.find(":", pos)
         opening = text[pos : colon + 1]
-        index = _ENTRY_STARTS.get(opening, num_items)
+        index = _ENTRY_STARTS.get(opening, -1)
+        if index < 0 and opening.startswith('"'):  # an index past the table's
+            index = _item_index(opening[1:-1], num_items)
         at = colon + len(plan.text) if plan is not None else colon
-        if plan is not None and index < num_items and opening > plan.last and text[colon:at] == plan.text:
+        if plan is not None and 0 <= index < num_items and opening > plan.last and text[colon:at] == plan.text:
             closing = text.find("]", at)  # past the plan's text: the dimension, which a match ends at its ']'
             digits = text[at:closing]
             if digits != plan.digits and _dimension(digits):
@@ -428,10 +430,16 @@ def _split_tensor_key(key: str, num_items: int) -> tuple[int, str]:
     head, _, name = key.partition(":")
     index = _INDICES.get(head)
     if index is None:
-        canonical = head.isascii() and head.isdigit() and len(head) <= 19 and (head == "0" or head[0] != "0")
-        index = int(head) if canonical else num_items
+        index = _item_index(head, num_items)
     if not name or index >= num_items:
         raise TrxpError(f"tensors: key {show(key)} does not name an item of the {num_items} in the payload")
     if name not in _TENSOR_FIELDS and not (name.startswith(MM_PREFIX) and len(name) > len(MM_PREFIX)):
         raise TrxpError(f"tensors: key {show(key)} names an unknown field {show(name)}")
     return index, name
+
+
+def _item_index(head: str, num_items: int) -> int:
+    """The item index `head` writes as Python writes an int (ASCII digits, no sign or leading 0);
+    num_items, which names no item, for any other text."""
+    canonical = head.isascii() and head.isdigit() and len(head) <= 19 and (head == "0" or head[0] != "0")
+    return int(head) if canonical else num_items
