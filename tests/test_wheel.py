@@ -40,7 +40,7 @@ ENTRY_POINTS = ("expbuf.server.cli", "expbuf.server.app", "expbuf.server.store",
 # Run by the installed package: where it was imported from, what is compiled, and the verdict of the
 # compiled parse and of its source run as Python on every payload.
 CHILD = """
-import hashlib, json, pickle, sys
+import hashlib, json, sys
 import importlib
 import expbuf.client.trxp.codec as codec
 import expbuf.client.trxp.stored as stored
@@ -53,7 +53,8 @@ def verdict(parse_module, data):
     except Exception as exc:
         return [type(exc).__name__, str(exc), work.used]
     shown = [(i.meta, {k: (t.dtype, t.shape, bytes(t.data)) for k, t in i.tensors.items()}) for i in items]
-    return ["parsed", hashlib.sha256(pickle.dumps(shown, protocol=5)).hexdigest(), work.used]
+    # repr, not a pickle: the same values whether or not the parse shares one object between items
+    return ["parsed", hashlib.sha256(repr(shown).encode()).hexdigest(), work.used]
 
 ENTRY_POINTS = {entry_points!r}
 COMPILED = {compiled!r}
@@ -62,7 +63,8 @@ payloads = [open(path, "rb").read() for path in sys.argv[1:]]
 modules = [*(f"{package}.{module}" for package, names in COMPILED.items() for module in names), "codec.convert"]
 print(json.dumps({
     "path": [codec.__path__[0], stored.__path__[0]],
-    "compiled": {module: native.compiled(importlib.import_module("expbuf.client.trxp." + module).__name__) for module in modules},
+    "compiled": {module: native.compiled(importlib.import_module(f"expbuf.client.trxp.{module}").__name__)
+                 for module in modules},
     "entry_points": [importlib.import_module(name).__name__ for name in ENTRY_POINTS],
     "build_tools": sorted({name.split(".")[0] for name in sys.modules} & {"mypy", "mypyc", "librt", "setuptools"}),
     "compiled_verdicts": [verdict(sys.modules["expbuf.client.trxp.codec.parse"], data) for data in payloads],
