@@ -49,10 +49,14 @@ def test_a_push_past_its_callers_own_timeout_leaves_its_shards_believed_up(
 ) -> None:
     """A push whose `timeout` passes before the shards answer fails DEADLINE_EXCEEDED for its
     caller, and the live shards stay believed up: the trainer's next calls go to them with the
-    client's deadline and retries, not as probes of shards down (one short try)."""
+    client's deadline and retries, not as probes of shards down (one short try). The shards the
+    error names are those whose answer the deadline beat: on a loaded machine gRPC's timer may fire
+    only after a shard's answer came, and that shard's part is then stored and answered."""
     targets, _ = in_process_shards(start_server, tmp_path)
     error, down = pushed_too_briefly(kind, targets)
-    assert error.code == grpc.StatusCode.DEADLINE_EXCEEDED and set(error.shards) == set(targets)
+    assert error.code == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert error.shards and set(error.shards) <= set(targets)
+    assert all(f"shard {shard} " in error.details for shard in error.shards), error.details
     assert down == set()
 
 
