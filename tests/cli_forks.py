@@ -12,6 +12,7 @@ process. Run as a script, this module is that parent.
 
 from __future__ import annotations
 
+import atexit
 import functools
 import json
 import os
@@ -62,11 +63,20 @@ class _Parent:
         reply: dict[str, object] = json.loads(line)
         return reply
 
+    def end(self) -> None:
+        """Close its pipes: at the end of its stdin it exits."""
+        for pipe in (self.proc.stdin, self.proc.stdout):
+            if pipe is not None:
+                pipe.close()
+
 
 class Alive(Protocol):
-    """A parent as shared_parent keeps it: its process, to tell whether it still runs."""
+    """A parent as shared_parent keeps it: its process, to tell whether it still runs, and `end`,
+    which tells it to exit (this process's end: see _end_parents)."""
 
     proc: subprocess.Popen[str]
+
+    def end(self) -> None: ...
 
 
 P = TypeVar("P", bound=Alive)
@@ -83,6 +93,19 @@ def shared_parent(kind: Callable[[dict[str, str]], P], env: dict[str, str]) -> P
         parent = _parents[key]
     assert isinstance(parent, kind)
     return parent
+
+
+@atexit.register
+def _end_parents() -> None:
+    """Each parent told to exit and waited for as this process ends, so that it is not left to
+    run on, nor its pipes to the collector (Python warns of both)."""
+    for parent in _parents.values():
+        parent.end()
+        try:
+            parent.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            parent.proc.kill()
+            parent.proc.wait(10)
 
 
 def _parent(env: dict[str, str]) -> _Parent:

@@ -417,6 +417,7 @@ class ServerProcess:
                 ready.set()
             if any(f"advantage worker {said}" in line for said in ("started", "did not start", "not needed yet")):
                 self._warm.set()
+        self.proc.stderr.close()  # read to its end: the server and every child of its have exited
         ready.set()
         self._warm.set()
         self._hold_port()

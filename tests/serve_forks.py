@@ -88,9 +88,11 @@ class ForkedServer:
         return self.returncode
 
     def send_signal(self, sig: int) -> None:
-        """As Popen's: nothing once the server's exit is known (its pid may be another's since)."""
+        """As Popen's: nothing once the server's exit is known (its pid may be another's since), nor
+        where it has exited and its keeper has reaped it but not yet said so (no such process)."""
         if self.poll() is None:
-            os.kill(self.pid, sig)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, sig)
 
     def terminate(self) -> None:
         self.send_signal(signal.SIGTERM)
@@ -117,6 +119,11 @@ class _Parent:
     def send(self, request: dict[str, object], fds: list[int]) -> None:
         with self.lock:
             socket.send_fds(self.channel, [json.dumps(request).encode()], fds)
+
+    def end(self) -> None:
+        """Close the socket to it: at its end it exits (its servers run on until their tests end them)."""
+        with self.lock:
+            self.channel.close()
 
 
 def _serve(channel: socket.socket) -> None:
