@@ -90,13 +90,7 @@ def sample_reply(batch: Sampled, spec: TakeSpec, confirm_seconds: float, limit: 
         lease_seconds=spec.lease_seconds if lease else 0.0,
     ).SerializeToString()
 
-    def render(cut: Cut[T]) -> T:
-        """`cut` of the whole reply's runs of bytes, valid only during the call."""
-        if spec.fields:
-            return _columnar(batch, spec.fields, rest, cut)
-        return batch.render(partial(_payload_first, rest=rest, cut=cut))
-
-    return _messages(batch, render, limit, parts)
+    return _messages(batch, partial(_render, batch, spec.fields, rest), limit, parts)
 
 
 def fields_reply(
@@ -106,12 +100,15 @@ def fields_reply(
     or without fields its TRXP payload, and the `missing` uids, cut as sample_reply cuts a batch's."""
     rest = pb.SampleReply(uids=batch.uids, group_ids=batch.group_ids, missing_uids=missing).SerializeToString()
 
-    def render(cut: Cut[T]) -> T:
-        if fields:
-            return _columnar(batch, fields, rest, cut)
-        return batch.render(partial(_payload_first, rest=rest, cut=cut))
+    return _messages(batch, partial(_render, batch, fields, rest), limit, parts)
 
-    return _messages(batch, render, limit, parts)
+
+def _render(batch: Sampled, fields: Sequence[str], rest: bytes, cut: Cut[T]) -> T:
+    """`cut` of the whole reply's runs of bytes, valid only during the call: the columns of
+    `fields`, or without fields the batch's TRXP payload, then `rest`."""
+    if fields:
+        return _columnar(batch, fields, rest, cut)
+    return batch.render(partial(_payload_first, rest=rest, cut=cut))
 
 
 def _payload_first(runs: list[Run], *, rest: bytes, cut: Cut[T]) -> T:
