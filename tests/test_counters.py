@@ -137,6 +137,27 @@ def test_counters_read_back_from_what_was_written_are_the_callers_own() -> None:
     assert again == written and again.reward_moments == [0.5, 0.25, 3.0] and again.unknown == {"a_newer_count": [1, 2]}
 
 
+@pytest.mark.parametrize(
+    "values",
+    [
+        {},
+        {"ready": 2**40, "pending": -3, "insert_blocked_seconds": 0.1, "rate_sampled": 1e300, "min_version": 0},
+        {"rate_inserted": float("nan"), "rate_sampled": float("inf"), "sample_blocked_seconds": float("-inf")},
+        {"last_failure": 'group "g%s": \u00e9\n\u2028', "reward_moments": [0.5, float("nan"), 3], "trainer_version": 7},
+        {"pushed": True, "bytes": 1.0},
+    ],
+)
+def test_the_stored_form_is_the_json_encoders_byte_for_byte(values: dict[str, object]) -> None:
+    """The known counters are written by a template for their values' types (counters._Forms), not
+    the JSON encoder: the bytes are the encoder's for ints, floats (NaN and infinities as it writes
+    them), None, text that needs escapes, a list, and a type a template meets first."""
+    counters = Counters(**values)  # type: ignore[arg-type]
+    expected = json.dumps(counters.to_dict(), separators=(",", ":")).encode()
+    assert counters.encode() == expected
+    counters.ready += 1
+    assert counters.encode() == json.dumps(counters.to_dict(), separators=(",", ":")).encode()
+
+
 def test_a_misspelt_counter_is_an_error_not_a_new_counter() -> None:
     counters = Counters()
     with pytest.raises(AttributeError):

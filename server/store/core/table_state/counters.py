@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import builtins
 import json
+import math
 import operator
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
+from json.encoder import encode_basestring_ascii
 from typing import Any
 
 import lmdb
@@ -137,7 +139,10 @@ class Counters:
         """The stored form: the known counters, then the unknown ones as they were read. Remembered
         (`_Decoded`), since the next transaction reads back what this one wrote."""
         values = _values(self)
-        raw = _ENCODER.encode(dict(zip(NAMES, values, strict=True)) | self.unknown).encode()
+        if self.unknown:
+            raw = _ENCODER.encode(dict(zip(NAMES, values, strict=True)) | self.unknown).encode()
+        else:
+            raw = _FORMS.encode(values)
         _DECODED.keep(raw, values, self.unknown)
         return raw
 
@@ -193,6 +198,58 @@ class _Decoded:
         self._found[raw] = (values, dict(unknown))
 
 
+class _Forms:
+    """The stored form of known counters alone (no unknown one), byte for byte the JSON object the
+    encoder writes, made by one `%` over a template of the counters' names for the types their
+    values have: a table's every transaction writes its counters, and the encoder's walk over a
+    dict of some 60 names (each name escaped, each value looked at) cost far more than the
+    numbers' text. An int is written by `%d` (its JSON text), any other value as `_text` says."""
+
+    LIMIT = 64  # templates remembered: a value's type changes rarely (None to an int, an int to a float)
+
+    def __init__(self, names: tuple[str, ...]) -> None:
+        self._names = names
+        self._plans: dict[tuple[type, ...], tuple[str, tuple[int, ...]]] = {}
+
+    def encode(self, values: tuple[Any, ...]) -> builtins.bytes:
+        shape = tuple(map(type, values))
+        plan = self._plans.get(shape)
+        if plan is None:
+            if len(self._plans) >= self.LIMIT:
+                self._plans.clear()
+            plan = self._plans[shape] = self._plan(shape)
+        template, others = plan
+        if not others:
+            return (template % values).encode()
+        args = list(values)
+        for at in others:
+            args[at] = _text(args[at])
+        return (template % tuple(args)).encode()
+
+    def _plan(self, shape: tuple[type, ...]) -> tuple[str, tuple[int, ...]]:
+        """The template for values of these types, and where its values are written by `_text`."""
+        others = tuple(at for at, kind in enumerate(shape) if kind is not int)
+        fields = [
+            encode_basestring_ascii(name).replace("%", "%%") + (":%d" if kind is int else ":%s")
+            for name, kind in zip(self._names, shape, strict=True)
+        ]
+        return "{" + ",".join(fields) + "}", others
+
+
+def _text(value: Any) -> str:
+    """A counter's JSON text, as the encoder writes it: a float, None and a str without the
+    encoder's setup for each (most of its cost for one value), anything else by the encoder."""
+    kind = type(value)
+    if kind is float:
+        return float.__repr__(value) if math.isfinite(value) else _SPECIAL[str(value)]
+    if value is None:
+        return "null"
+    if kind is str:
+        return encode_basestring_ascii(value)
+    return _ENCODER.encode(value)
+
+
+_SPECIAL = {"nan": "NaN", "inf": "Infinity", "-inf": "-Infinity"}  # the encoder's (allow_nan)
 NAMES = tuple(f.name for f in fields(Counters) if f.name != "unknown")
 _FIELDS = frozenset(NAMES)
 _COUNTS = frozenset(f.name for f in fields(Counters) if f.default == 0 and f.name in _FIELDS)
@@ -201,6 +258,7 @@ _NUMBERS = (int, float)
 _MOMENTS = NAMES.index("reward_moments")
 _values = operator.attrgetter(*NAMES)
 _ENCODER = json.JSONEncoder(separators=(",", ":"))
+_FORMS = _Forms(NAMES)
 _DECODED = _Decoded()
 # The counter of the experiences in each state, and of the groups in each live state.
 _BY_STATE = {PENDING: "pending", COMPUTING: "computing", READY: "ready", LEASED: "leased"} | {
