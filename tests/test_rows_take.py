@@ -992,3 +992,16 @@ def test_verify_reports_a_rows_tables_damaged_runs_and_reads_past_a_damaged_leas
         assert any("run keyed at 70 is of group 0 of segment 64, whose place is 64" in p for p in problems), problems
         assert any(p.startswith(f"ready run {128} does not decode") for p in problems), problems
         assert not any("feedface" in p for p in problems), "the directory's check reports a damaged lease"
+
+
+@pytest.mark.parametrize("places", [range(3, 9), range(8, 2, -1), [8, 3, 4, 5, 6, 7], range(5, 6), range(0)])
+def test_a_runs_places_give_the_ranges_and_ends_a_list_of_them_gives(places: range | list[int]) -> None:
+    """A fifo or lifo take's places are a range, read at its ends (picks.extent, row_select.ranges)
+    rather than walked or sorted: the same ranges and least and greatest place as a list of them."""
+    from expbuf.server.store.core.table_state.picks import extent
+    from expbuf.server.store.core.verbs.row_select import ranges
+
+    listed = list(places)
+    assert ranges(places) == ranges(listed) == ([(3, 6)] if len(listed) == 6 else [(g, 1) for g in listed])
+    if listed:
+        assert extent(places) == (min(listed), max(listed))

@@ -12,7 +12,9 @@ runs whole (`by_segment`, `counts`, `spans`, `gkeys`, `times`), and a group as o
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from itertools import chain
 from typing import Any, overload
 
 from ...disk.rows import Member, SegmentView, SegState
@@ -119,11 +121,12 @@ class Picked:
 class Run:
     """Groups of one segment picked together, at `places` (in the order picked), all in state `now`
     under `lease`: each one's deliveries (`times`) and members (`kept`, their indexes in the
-    segment), whose columns are read from `block` (None: each group's from a block of its own, the
-    groups lying far apart); `whole`: none of their members was deleted; `count`, their members,
-    counted once. Its groups as `Picked` objects are made once something reads one."""
+    segment; None where `whole`: each group's span, made once something reads one), whose columns
+    are read from `block` (None: each group's from a block of its own, the groups lying far apart);
+    `whole`: none of their members was deleted; `count`, their members, counted once. Its groups as
+    `Picked` objects are made once something reads one."""
 
-    __slots__ = ("_groups", "block", "count", "kept", "lease", "now", "places", "seg", "times", "view", "whole")
+    __slots__ = ("_groups", "_kept", "block", "count", "lease", "now", "places", "seg", "times", "view", "whole")
 
     def __init__(
         self,
@@ -133,15 +136,29 @@ class Run:
         now: State,
         lease: str,
         times: Sequence[int],
-        kept: Sequence[range | list[int]],
+        kept: Sequence[range | list[int]] | None,
         block: Block | None,
         whole: bool,
         groups: list[Picked] | None = None,
         count: int | None = None,
     ) -> None:
         self.view, self.seg, self.places, self.now, self.lease = view, seg, places, now, lease
-        self.times, self.kept, self.block, self.whole, self._groups = times, kept, block, whole, groups
-        self.count = sum(map(len, kept)) if count is None else count
+        self.times, self._kept, self.block, self.whole, self._groups = times, kept, block, whole, groups
+        self.count = sum(self.sizes()) if count is None else count
+
+    @property
+    def kept(self) -> Sequence[range | list[int]]:
+        """Each group's members, their indexes in the segment."""
+        if self._kept is None:
+            self._kept = list(map(range, *self.view.bounds(self.places)))
+        return self._kept
+
+    def sizes(self) -> list[int]:
+        """Each group's members counted: a whole run's from its groups' bounds, no range made a group."""
+        if self._kept is None:
+            starts, stops = self.view.bounds(self.places)
+            return list(map(operator.sub, stops, starts))
+        return list(map(len, self._kept))
 
     @classmethod
     def of(cls, p: Picked) -> Run:
@@ -152,8 +169,8 @@ class Run:
     def groups(self) -> list[Picked]:
         """Its groups, each one object, in the order picked."""
         if self._groups is None:
-            view, places, first = self.view, self.places, min(self.places)
-            last = max(places)
+            view, places = self.view, self.places
+            first, last = extent(places)
             keys = self.gkeys()
             priorities, versions = view.priorities(first, last + 1), view.versions(first, last + 1)
             found = []
@@ -171,10 +188,11 @@ class Run:
         """Its groups' keys, in the order picked."""
         if self._groups is not None:
             return [p.gkey for p in self._groups]
-        places, first = self.places, min(self.places)
+        places = self.places
         if self.block is None:  # groups far apart: each one's read alone
             return [self.view.keys(g, g + 1)[0] for g in places]
-        keys = self.view.keys(first, max(places) + 1)
+        first, last = extent(places)
+        keys = self.view.keys(first, last + 1)
         return keys if ascending(places) else [keys[g - first] for g in places]
 
     def parts(self) -> list[tuple[Block, range | list[int]]]:
@@ -189,8 +207,15 @@ class Run:
         """The same groups in state `now`, under `lease`, delivered `times` (None: as they are)."""
         return Run(
             self.view, self.seg, self.places, self.now if now is None else now, self.lease if lease is None else lease,
-            self.times if times is None else times, self.kept, self.block, self.whole, count=self.count,
+            self.times if times is None else times, self._kept, self.block, self.whole, count=self.count,
         )  # fmt: skip
+
+
+def extent(places: Sequence[int]) -> tuple[int, int]:
+    """The least and the greatest of (some) places: a range's ends (a fifo or lifo run's), not a walk."""
+    if isinstance(places, range):
+        return (places[0], places[-1]) if places.step > 0 else (places[-1], places[0])
+    return min(places), max(places)
 
 
 def ascending(places: Sequence[int]) -> bool:
@@ -238,12 +263,13 @@ class Picks(Sequence[Picked]):
     def __getitem__(self, index: int | slice) -> Picked | Sequence[Picked]:
         return self._all()[index]
 
-    def by_segment(self) -> dict[int, list[int]]:
-        """Its groups' indexes by segment, in the order picked."""
-        found: dict[int, list[int]] = {}
+    def by_segment(self) -> dict[int, Sequence[int]]:
+        """Its groups' indexes by segment, in the order picked: a segment's one run's places as they
+        are (a fifo take's range), no list made of them."""
+        found: dict[int, list[Sequence[int]]] = {}
         for run in self.runs:
-            found.setdefault(run.seg, []).extend(run.places)
-        return found
+            found.setdefault(run.seg, []).append(run.places)
+        return {seg: parts[0] if len(parts) == 1 else list(chain.from_iterable(parts)) for seg, parts in found.items()}
 
     def segments(self) -> set[int]:
         return {run.seg for run in self.runs}
@@ -333,7 +359,7 @@ class Spans:
             return list(values)
         sizes: list[int] = []  # each group's members
         for run in self._runs:
-            sizes += map(len, run.kept)
+            sizes += run.sizes()
         found: list[Any] = []
         for value, size in zip(values, sizes, strict=True):
             found += [value] * size
@@ -346,13 +372,17 @@ def picks(view: SegmentView, state: SegState, seg: int, places: Sequence[int], n
     asked, or (groups far apart, as a uniform take's) each group's a block of its own."""
     if not places:
         return Picks()
-    first, last = min(places), max(places)
+    first, last = extent(places)
     ends = view.ends
     lo, hi = view.span(first)[0], ends[last]
     whole = not state.any_flags
-    kept: list[range | list[int]]
-    kept = list(map(range, *view.bounds(places))) if whole else [state.kept(*view.span(g)) for g in places]
-    count = sum(map(len, kept))
+    kept: list[range | list[int]] | None = None  # a whole group's members: its span, made where asked for
+    if whole:
+        starts, stops = view.bounds(places)
+        count = sum(stops) - sum(starts)
+    else:
+        kept = [state.kept(*view.span(g)) for g in places]
+        count = sum(map(len, kept))
     together = 4 * count >= hi - lo
     times = state.times_of(first, last + 1)
     if not ascending(places):

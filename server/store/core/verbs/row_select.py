@@ -210,7 +210,10 @@ def kept_counts(view: SegmentView, state: SegState, places: Sequence[int]) -> li
 
 
 def ranges(indexes: Iterable[int]) -> list[tuple[int, int]]:
-    """Distinct group indexes, sorted, as (first, length) ranges of consecutive ones."""
+    """Distinct group indexes, sorted, as (first, length) ranges of consecutive ones: a run's range
+    of places (a fifo or lifo take's) one, its ends read, not sorted."""
+    if isinstance(indexes, range) and indexes.step in (1, -1):
+        return [(min(indexes[0], indexes[-1]), len(indexes))] if indexes else []
     values = sorted(indexes)
     if not values or values[-1] - values[0] + 1 == len(values):  # one range (a run's groups)
         return [(values[0], len(values))] if values else []
