@@ -17,12 +17,15 @@ from __future__ import annotations
 import struct
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol, TypeVar, final, overload
+from typing import Final, Protocol, TypeVar, final, overload
 
 from ..codec.common import HEADER, HEADER_SIZE, RawTensor
 
-_LENGTH = struct.Struct("<Q")  # a safetensors header's length
-_META_LENGTH = struct.Struct("<5xQ")  # HEADER's metadata length, read alone
+# Final, as what `located` reads for each item of a reply of columns: compiled, a Final name is a C
+# static, where any other module name is a lookup in the module's dict.
+_LENGTH: Final = struct.Struct("<Q")  # a safetensors header's length
+_META_LENGTH: Final = struct.Struct("<5xQ")  # HEADER's metadata length, read alone
+_HEADER_SIZE: Final[int] = HEADER_SIZE
 
 Bytes = bytes | memoryview
 T = TypeVar("T")
@@ -127,8 +130,10 @@ def located(payload: Stored) -> tuple[bytes, Section, int, int]:
     section and its length, and where the pickle ends."""
     head = payload.head if type(payload) is SplitPayload else payload
     view = head if type(head) is memoryview else memoryview(head)
+    meta_len: int
+    header_len: int
     (meta_len,) = _META_LENGTH.unpack_from(view)
-    at = HEADER_SIZE + meta_len
+    at = _HEADER_SIZE + meta_len
     try:
         (header_len,) = _LENGTH.unpack_from(view, at)
     except OverflowError as error:  # past any buffer, as past the end of this one

@@ -11,7 +11,7 @@ import json
 import re
 import struct
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
-from typing import NamedTuple
+from typing import Final, NamedTuple
 
 from ..codec.build import ENTRY, ENTRY_TEXT, SPLICE_ONE, SPLICE_TAIL, build, dims_text, frame, json_text, splice_meta
 from ..codec.common import HEADER_SIZE, RawTensor
@@ -62,6 +62,7 @@ def join_parts(
     layouts: dict[bytes, Layout | None] = {}  # by stored header: a batch's items mostly share one
     headers = HeaderReads(dropped)
     last_header = b""  # the stored header of the item before
+    stored: Layout | None = None  # its layout, where it had one: an item stored alike has the same
     for index, payload in enumerate(payloads):
         read = _spliced(payload)
         if read is None:
@@ -80,7 +81,8 @@ def join_parts(
             # read for what it is given anyway.
             continues = header == last_header
             last_header = header
-            stored = layouts.get(header)
+            if not continues or stored is None:  # else the layout of the item before, not looked up again
+                stored = layouts.get(header)
             if stored is None and (extra is None or continues) and header not in layouts:
                 stored = layouts[header] = _stored_layout(pattern, header)
             if stored is None or stored.size != section_len or not (extra is None or continues):
@@ -179,10 +181,16 @@ def _added(layout: Layout, added: Mapping[str, RawTensor]) -> Layout | None:
 
 
 # A stored payload's TRXP header then the head of its metadata pickle, and the tail of the pickle
-# then the length of its safetensors header, as pack_item lays them out for splicing.
-_SPLICED_HEAD = struct.Struct(f"<5xQ8x{len(SPLICE_ONE)}s")  # HEADER's metadata length, then the pickle's head
-_SPLICED_TAIL = struct.Struct(f"<{len(SPLICE_TAIL)}sQ")
-_FRAGMENT_AT = HEADER_SIZE + len(SPLICE_ONE)  # where an item's own opcodes start
+# then the length of its safetensors header, as pack_item lays them out for splicing. Final, as
+# what `_spliced` reads for each item: compiled, a Final name is a C static, where any other
+# module name is a lookup in the module's dict (nine an item, about 1,300 instructions).
+_SPLICED_HEAD: Final = struct.Struct(f"<5xQ8x{len(SPLICE_ONE)}s")  # HEADER's metadata length, then the pickle's head
+_SPLICED_TAIL: Final = struct.Struct(f"<{len(SPLICE_TAIL)}sQ")
+_ONE: Final[bytes] = SPLICE_ONE
+_TAIL: Final[bytes] = SPLICE_TAIL
+_TAIL_AT: Final[int] = HEADER_SIZE - len(SPLICE_TAIL)  # the pickle's tail: this plus its metadata's length
+_FRAGMENT_AT: Final[int] = HEADER_SIZE + len(SPLICE_ONE)  # where an item's own opcodes start
+_HEADER_AT: Final[int] = len(SPLICE_TAIL) + 8  # its safetensors header: this past the pickle's tail
 
 
 def _spliced(payload: Stored) -> tuple[Bytes, Bytes, int, int, Section, int] | None:
@@ -194,15 +202,19 @@ def _spliced(payload: Stored) -> tuple[Bytes, Bytes, int, int, Section, int] | N
         head, pieces = payload.head, payload.pieces
     else:
         head, pieces = payload, None
+    meta_len: int
+    header_len: int
+    first: bytes
+    last: bytes
     try:
         meta_len, first = _SPLICED_HEAD.unpack_from(head)
-        fragment_end = HEADER_SIZE + meta_len - len(SPLICE_TAIL)
+        fragment_end = _TAIL_AT + meta_len
         last, header_len = _SPLICED_TAIL.unpack_from(head, fragment_end)
     except (struct.error, OverflowError):
         return None
-    if first != SPLICE_ONE or last != SPLICE_TAIL or fragment_end < _FRAGMENT_AT:
+    if first != _ONE or last != _TAIL or fragment_end < _FRAGMENT_AT:
         return None
-    header_at = fragment_end + len(SPLICE_TAIL) + 8
+    header_at = fragment_end + _HEADER_AT
     header_end = header_at + header_len
     if pieces is not None:
         return head[_FRAGMENT_AT:fragment_end], head, header_at, header_end, pieces, sum(map(len, pieces))
