@@ -4,14 +4,14 @@ Most of a batch's items share a layout: the same tensors, dtypes and shapes, so 
 texts, only their item index and offsets differing. Formatting each entry alone costs a call, and
 its start offset is the end offset of the entry before formatted a second time; an int's decimal
 text is most of what an entry costs. Here the items of one layout that come one after another are
-written by one `%` over a template repeated for each, its numbers laid out in C (`zip` of
-`range`s), with no Python step for each item or entry.
+written by one `%` over a template repeated for each, its numbers laid out in C (`range`s
+assigned to slices of one list), with no Python step for each item or entry.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from itertools import chain, repeat
+from itertools import repeat
 
 from ..codec.build import ENTRY_AT, ENTRY_SPAN
 
@@ -86,9 +86,13 @@ class Entries:
         numbers: list[Iterable[int]] = []
         for _, start, end in layout.entries:
             numbers += (indices, _steps(base + start, step, count), _steps(base + end, step, count))
-        self.written.append(
-            b",".join([layout.template] * count) % tuple(chain.from_iterable(zip(*numbers, strict=True)))
-        )
+        # the template's numbers item by item: each entry's column of them laid into its places of
+        # one list (a slice assignment, in C), not a tuple an item zipped and chained
+        width = len(numbers)
+        values: list[int] = [0] * (width * count)
+        for at, column in enumerate(numbers):
+            values[at::width] = column
+        self.written.append(b",".join([layout.template] * count) % tuple(values))
 
 
 def _steps(first: int, step: int, count: int) -> Iterable[int]:
