@@ -192,7 +192,11 @@ class Run:
         if self.block is None:  # groups far apart: each one's read alone
             return [self.view.keys(g, g + 1)[0] for g in places]
         first, last = extent(places)
-        keys = self.view.keys(first, last + 1)
+        block = self.block
+        if self.view.keys_are_uids and block.lo == first and block.hi == last + 1:
+            keys = list(block.column("uid"))  # groups of one: their keys are their members' uids, cut once for both
+        else:
+            keys = self.view.keys(first, last + 1)
         return keys if ascending(places) else [keys[g - first] for g in places]
 
     def parts(self) -> list[tuple[Block, range | list[int]]]:

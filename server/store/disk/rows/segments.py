@@ -172,6 +172,11 @@ class SegmentView:
             return (ends[first - 1 : stop - 1] if first else (0, *ends[: stop - 1])), ends[first:stop]
         return [ends[g - 1] if g else 0 for g in places], [ends[g] for g in places]
 
+    @property
+    def keys_are_uids(self) -> bool:
+        """Whether every group is one member whose uid is its key (group g's member is member g)."""
+        return self._keys < 0
+
     def keys(self, lo: int, hi: int) -> list[str]:
         """The keys of groups lo to hi (excluded)."""
         if self._keys < 0:
