@@ -136,7 +136,6 @@ LONG_FIRST = (
 )
 
 
-@pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist, which a run may go without
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption(
         "--layout",
@@ -169,6 +168,7 @@ def records_layout(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(DEFAULT_LAYOUT_VARIABLE, "records")
 
 
+@pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist, which a run may go without
 def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
     """With `--dist loadfile` (`make test` runs `-n 3 --dist loadfile`), each module's tests run on
     one worker, in their order, its shared servers started once; the modules of a SHARED_MODULES
