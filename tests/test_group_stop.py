@@ -23,7 +23,11 @@ from helpers import ServerProcess, group_items
 
 INGEST = ("--ingest-processes", "2")
 PUSHERS = 4  # more pushes at once than ingest processes: both stay busy
-RUNS = 128  # experiences in a push, of 2 KB each: above ingest.SMALL, so a push is handed to a process
+# Experiences in a push, of 2 KB each: above ingest.SMALL, so a push is handed to a process. A process
+# takes a push only while another is decoded: with 128 a push (2 ms of decode) pushes rarely overlapped,
+# and the first test waited 70-110 s on a loaded machine for its processes' CPU, through 4,000-7,000
+# pushes, then read each back; with 512, 20 s and 170 pushes.
+RUNS = 512
 TEMPLATE = group_items("template", 0, RUNS, response=400)
 
 
