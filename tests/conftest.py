@@ -27,6 +27,7 @@ from hypothesis import settings
 
 from expbuf.client import BufferClient
 from expbuf.proto.v1 import buffer_pb2_grpc as pb_grpc
+from expbuf.server import logs
 from expbuf.server.app import ExpbufServer
 from expbuf.server.config import ServerConfig
 from expbuf.server.store.schema.table_parts import DEFAULT_LAYOUT_VARIABLE, LAYOUTS
@@ -320,6 +321,23 @@ def _held_ports() -> Iterator[None]:
     """The ports of the test's `expbuf serve` children that exited, let go at its end (helpers.ServerProcess)."""
     yield
     release_held_ports()
+
+
+@pytest.fixture(autouse=True)
+def _root_logging() -> Iterator[None]:
+    """expbuf's stderr handler taken off the root logger at the test's end, and the root's level put
+    back, where the test installed them: one that runs an expbuf command in this process
+    (`cli.main`) has it configure logging as a command's process does (logs.configure, INFO). Left
+    there, the lines of in-process servers' threads that come after their test (the advantage
+    worker's start, logged once it has frozen what torch loaded) went to the worker's stderr,
+    outside any test's capture, and into the run's output. pytest's own handlers, added and
+    removed around each phase, are left to it."""
+    root = logging.getLogger()
+    before, level = set(root.handlers), root.level
+    yield
+    for handler in [h for h in root.handlers if h not in before and isinstance(h, logs._StderrHandler)]:
+        root.removeHandler(handler)
+    root.setLevel(level)
 
 
 @pytest.fixture
