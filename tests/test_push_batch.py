@@ -18,6 +18,9 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
+from expbuf.client import trxp
+from expbuf.client.schema.experience import ids_of
+from expbuf.client.trxp.codec import partial
 from expbuf.server.store import Entry, Store
 from expbuf.server.store.core.table_state.pending_reads import holding_payloads, uids_under
 from expbuf.server.store.core.table_state.views import RowGroup, row_groups
@@ -191,3 +194,41 @@ def test_groups_holding_payloads_are_found_as_by_a_seek_each(stored: list[str], 
                 each = [gkey for gkey in sorted(opened) if next(uids_under(cur, prefix, by, gkey), None)]
             assert holding_payloads(txn, blobs, prefix, by, opened, {}) == each
         env.close()
+
+
+@pytest.mark.parametrize(
+    ("info", "shape", "more"),
+    [
+        ({}, (12,), {}),
+        ({"priority": -0.0, "model_version": 3}, (12,), {"reward": 0.5, "prompt_length": 5}),
+        ({"priority": 2, "version_segments": [[4, 0], [5, 3]], "partial": True}, (2, 6), {"prompt_length": 0}),
+        ({"priority": "high", "partial_offset": 7}, (12,), {"prompt_length": 0, "token_level_reward": True}),
+    ],
+)
+def test_an_entry_set_field_by_field_is_the_one_its_constructor_makes(
+    info: dict[str, object], shape: tuple[int, ...], more: dict[str, object]
+) -> None:
+    """Entry.staged sets each field on a bare instance (no __init__ run): every field is set, each to
+    what the dataclass's constructor is given from the item's own properties; a field it missed would
+    be unset, and the comparison of the two would raise."""
+    eid = {"batch": "b", "task": "t/1", "run": 2, "step": 3, "suffix": "x"}
+    meta: dict[str, object] = {"eid": eid, "info": info, **more}
+    meta.pop("token_level_reward", None)
+    count = 1
+    for side in shape:
+        count *= side
+    tensors = {"tokens": trxp.RawTensor("I32", shape, bytes(4 * count))}
+    if more.get("token_level_reward"):
+        tensors["token_level_reward"] = trxp.RawTensor("F32", (count,), bytes(4 * count))
+    uid = ids_of(eid)[0]
+    item = trxp.RawItem(meta, tensors, uid)
+    priority = info.get("priority", 0.0)
+    made = Entry(
+        *ids_of(eid), b"blob", b"d" * 16, 4, item.model_version, meta.get("reward"),
+        float(priority) + 0.0 if isinstance(priority, (int, float)) else 0.0,
+        "token_level_reward" in tensors, 3, item.response_length, 9,
+        int(meta.get("prompt_length", 1)) * 4, item.version_segments, partial.marks_in(info),
+    )  # fmt: skip
+    staged = Entry.staged(item, b"blob", b"d" * 16, 4, 9)
+    assert staged == made
+    assert str(staged.priority) == str(made.priority)  # -0.0 made 0.0 by both

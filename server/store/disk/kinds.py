@@ -3,6 +3,7 @@ store, the result of a push, a sampled batch, and a computation of advantages to
 
 from __future__ import annotations
 
+import math
 import operator
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -38,6 +39,7 @@ from .stored_advantages import Advantage, Masks, Stage, batch_columns, batch_par
 T = TypeVar("T")
 
 _NO_INFO: dict[str, object] = {}
+_NEW = object.__new__  # an instance with its slots unset, for `Entry.staged` to set each
 
 # Whether pushes may wait for room now (asked before they first would): None if they may, else why not.
 MayWait = Callable[[], str | None]
@@ -79,26 +81,34 @@ class Entry:
     def staged(cls, item: RawItem, blob: bytes, digest: bytes, size: int, generated: int) -> Entry:
         """An item whose payload is `blob` (a head, for one whose section a push staged: its
         payload's `digest`, `size` and `generated` tokens taken as it was staged); no tensor's
-        data is read."""
-        meta = item.meta
+        data is read.
+
+        Its fields are set here on a bare instance, not through the dataclass's __init__ (a call
+        through the type, interpreted: 1.5 k instructions of a push's 18 k an experience), and
+        its tokens' tensor and the item's attributes are each read once (a compiled class's
+        attribute is a look-up by name: RawItem.response_length reads them again)."""
+        meta, tensors = item.meta, item.tensors
+        tokens = tensors["tokens"]
         eid = meta["eid"]
-        uid, tid, rid, sid = ids_of(eid, item.checked_uid)  # its uid as the push's check made it
         info = meta.get("info") or _NO_INFO  # a checked item's info is a dict where it has one
         priority = info.get("priority", 0.0)
-        version, segments = versions(info)
-        return cls(  # positional, in the fields' order: a push makes an entry of every experience
-            uid, tid, rid, sid, blob, digest, size, version,
-            meta.get("reward"),
-            # + 0.0 makes -0.0 the 0.0 it equals: the priority index orders keys by their bits
-            float(priority) + 0.0 if isinstance(priority, (int, float)) else 0.0,
-            "token_level_reward" in item.tensors,
-            eid.get("step", 0),
-            item.response_length,
-            generated,
-            meta.get("prompt_length", 1) * ITEMSIZE[item.tensors["tokens"].dtype],
-            segments,
-            partial.marks_in(info),
-        )  # fmt: skip
+        prompt_length = meta.get("prompt_length", 1)
+        shape = tokens.shape
+        entry = _NEW(cls)
+        entry.uid, entry.tid, entry.rid, entry.sid = ids_of(eid, item.checked_uid)  # as the push's check made it
+        entry.blob, entry.digest, entry.size = blob, digest, size
+        entry.version, entry.segments = versions(info)
+        entry.reward = meta.get("reward")
+        # + 0.0 makes -0.0 the 0.0 it equals: the priority index orders keys by their bits
+        entry.priority = float(priority) + 0.0 if isinstance(priority, (int, float)) else 0.0
+        entry.has_token_rewards = "token_level_reward" in tensors
+        entry.step = eid.get("step", 0)
+        entry.response_length = (shape[0] if len(shape) == 1 else math.prod(shape)) - prompt_length  # RawItem's
+        entry.generated = generated
+        entry.prompt_bytes = prompt_length * ITEMSIZE[tokens.dtype]
+        entry.piece = partial.marks_in(info)
+        entry.chunks, entry.together = (), None
+        return entry
 
     def record(self, gkey: str, *, seq: int, created: float) -> ItemRecord:
         """The record of this experience as a pending member of group `gkey`: what a rows table's
