@@ -192,7 +192,8 @@ def test_groups_holding_payloads_are_found_as_by_a_seek_each(stored: list[str], 
             txn.put(b"\0\0\0\3" + b"0/1/0/0/x", b"p", db=blobs)  # another table's
             with txn.cursor(db=blobs) as cur:
                 each = [gkey for gkey in sorted(opened) if next(uids_under(cur, prefix, by, gkey), None)]
-            assert holding_payloads(txn, blobs, prefix, by, opened, {}) == each
+            keys = [prefix + gkey.encode() for gkey in opened]  # their directory keys, as a push has them
+            assert holding_payloads(txn, blobs, prefix, by, keys, {}) == each
         env.close()
 
 

@@ -59,7 +59,8 @@ class Ending:
         self.tt = tt
         self.closed: list[Closed] = []
         self.rows: list[tuple[RowGroup, bool, bool]] = []  # a rows table's: (view, partial, written)
-        self.opened: list[row_pending.Joined] = []  # a rows table's, as complete_opened took them
+        # a rows table's, as complete_opened took them, each with its groups' directory keys
+        self.opened: list[tuple[row_pending.Joined, Sequence[bytes]]] = []
         self.gone: dict[State, list[tuple[str, GroupView]]] = {}
         self.lost: list[tuple[str, GroupView]] = []  # to fail: a member's record is lost
 
@@ -87,15 +88,16 @@ class Ending:
         self.closed.append((gkey, grp, recs, indexed))
         return True
 
-    def complete_opened(self, joined: row_pending.Joined) -> list[str]:
+    def complete_opened(self, joined: row_pending.Joined, keys: Sequence[bytes]) -> list[str]:
         """Groups of a rows table this request opened and completes with these members, none of their
         runs reported failed, as `complete` takes each (not partial, not indexed), at once; the keys of
         those the zero-variance filter drops instead. Where no filter or estimator reads them, they
-        go to their segments as they are, no view made of each (row_pending.complete_opened)."""
+        go to their segments as they are, no view made of each (row_pending.complete_opened, with
+        their directory keys as the push encoded them: `keys`, in `joined`'s order)."""
         tt = self.tt
         if not tt.config.grouping.drop_zero_variance and tt.config.advantages.estimator == "none":
             if joined:  # a push of copies alone completes none: nothing moves, no one hears of it
-                self.opened.append(joined)
+                self.opened.append((joined, keys))
             return []
         views = row_pending.views_new(tt, joined)
         if tt.config.grouping.drop_zero_variance:
@@ -137,8 +139,9 @@ class Ending:
         with their advantages from `compute`, computed `ahead` or in the transaction, where its
         estimator needs any: compute_rows_in_push), then the others leave."""
         core_groups.complete(self.tt, self.closed, ready=ready, computing=computing)
-        for joined in self.opened:  # before `rows`: a push that opens and completes every group completes no other
-            row_pending.complete_opened(self.tt, joined)
+        # before `rows`: a push that opens and completes every group completes no other
+        for joined, keys in self.opened:
+            row_pending.complete_opened(self.tt, joined, keys)
         rows, estimated = self.rows, self.tt.config.advantages.estimator != "none"
         if rows and not estimated:
             row_pending.complete(self.tt, rows)

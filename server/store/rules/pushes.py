@@ -61,7 +61,7 @@ def put(
         return _put_rows(tt, entries, keys, holder, compute, ahead, result)
     fresh, by_group = _screen(tt, entries, keys, None, result, holder)
     views = {gkey: tt.view(gkey) for gkey in by_group}
-    _refuse_headless(tt, [gkey for gkey, grp in views.items() if grp is None], by_group)
+    _refuse_headless(tt, [tt.key(gkey) for gkey, grp in views.items() if grp is None], by_group)
     _admit(tt, list(fresh.values()), by_group, holder)
     groups: dict[str, GroupView] = {}
     opened: set[str] = set()  # groups this push starts: not in the pending index yet
@@ -199,13 +199,16 @@ def _put_rows(
     (`put`), the oldest ready groups evicted where it needs room (make_room). A group the push opens is
     not made a `PendingGroup` unless the push leaves it pending: most complete in their push."""
     by_group: Mapping[str, Sequence[Entry]] = _by_group(entries, keys)
+    gdir = row_pending.directory_keys(tt, by_group)  # read, sought and written by this push: encoded once
     # the directory entries of this push's groups, and the digests of their members stored
-    existing, stored = row_pending.stored(tt, by_group)
+    existing, stored = row_pending.stored(tt, by_group, gdir)
     uids, admitted = [entry.uid for entry in entries], entries
     if stored or len(set(uids)) < len(uids):  # some may be stored already, or pushed twice
         fresh, by_group = _screen(tt, entries, keys, stored, result, holder)
         uids, admitted = list(fresh), list(fresh.values())
-    _refuse_headless(tt, [gkey for gkey in by_group if gkey not in existing] if existing else list(by_group), by_group)
+        gdir = row_pending.directory_keys(tt, by_group)
+    opened = [key for gkey, key in zip(by_group, gdir, strict=True) if gkey not in existing] if existing else gdir
+    _refuse_headless(tt, opened, by_group)
     _admit(tt, admitted, by_group, holder)
     size = tt.config.grouping.size
     groups = _joining(tt, by_group, existing)
@@ -215,7 +218,7 @@ def _put_rows(
     joined = row_pending.joined(tt, by_group)
     if not groups and min(map(len, joined.values()), default=size) >= size:  # it opens every group and fills each
         result.completed_groups.extend(joined)
-        result.dropped_groups.extend(ending.complete_opened(joined))
+        result.dropped_groups.extend(ending.complete_opened(joined, gdir))
         joined = {}
     kept: list[row_pending.Kept] = []  # the groups left pending: row_pending.keep_all
     for gkey, new in joined.items():
@@ -273,12 +276,13 @@ def _joining(
     return groups
 
 
-def _refuse_headless(tt: TableState, opened: Sequence[str], pushed: Mapping[str, Sequence[Entry]]) -> None:
-    """A group the push opens whose head (a records table's: its record) is lost while its runs are
-    stored (their payloads: a seek a group, TableState.holding_payloads) refuses the push, nothing of it
-    stored, as any group a push is refused for does: opened again under its key, a rows table's would
-    store a resent run a second time and spill over the lost group's fragments, a records table's would
-    leave the runs stored out of it, pending for good."""
+def _refuse_headless(tt: TableState, opened: Sequence[bytes], pushed: Mapping[str, Sequence[Entry]]) -> None:
+    """A group the push opens (`opened`: their directory keys) whose head (a records table's: its
+    record) is lost while its runs are stored (their payloads: a seek a group,
+    TableState.holding_payloads) refuses the push, nothing of it stored, as any group a push is
+    refused for does: opened again under its key, a rows table's would store a resent run a second
+    time and spill over the lost group's fragments, a records table's would leave the runs stored
+    out of it, pending for good."""
     headless = tt.holding_payloads(opened, pushed)
     if headless:
         lost = "its head is lost" if tt.config.storage.layout == "rows" else "its record is lost"

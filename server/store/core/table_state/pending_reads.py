@@ -99,12 +99,13 @@ def holding_payloads(
     blobs: lmdb._Database,
     prefix: bytes,
     by: str,
-    opened: Sequence[str],
+    opened: Sequence[bytes],
     pushed: Mapping[str, Sequence[Entry]],
 ) -> list[str]:
-    """Of the groups a push opens, those with a payload stored (a seek each, through one cursor, but
-    for those the key a seek finds passes: nothing is stored under them): a group whose head is lost
-    while its runs are stored (rules/pushes.py). A group keyed by step,
+    """Of the groups a push opens (their directory keys: `prefix` and their key, which a push encodes
+    once), those with a payload stored (a seek each, through one cursor, but for those the key a seek
+    finds passes: nothing is stored under them): a group whose head is lost while its runs are stored
+    (rules/pushes.py). A group keyed by step,
     whose runs' uids are not side by side, is looked for under each run the push brings it
     (`pushed`: a seek a run, a resent run found whatever its suffix)."""
     if not opened:
@@ -112,7 +113,7 @@ def holding_payloads(
     found = []
     with txn.cursor(db=blobs) as cur:
         if by == "step":
-            for gkey in sorted(opened):
+            for gkey in (key[len(prefix) :].decode() for key in sorted(opened)):
                 runs = sorted({prefix + entry.uid.rsplit("/", 1)[0].encode() + b"/" for entry in pushed[gkey]})
                 if any(next(uids_under(cur, prefix, by, gkey, begin), None) for begin in runs):
                     found.append(gkey)
@@ -120,7 +121,7 @@ def holding_payloads(
         seek, key = cur.set_range, cur.key
         end = _AFTER_KEY[by].encode()
         # in key order: the cursor moves on through the leaf pages, a seek a few keys on
-        begins = sorted([prefix + gkey.encode() + end for gkey in opened])
+        begins = sorted([key + end for key in opened])
         at = 0
         while at < len(begins) and seek(begins[at]):  # none stored from a begin on: none from those after
             begin, stored = begins[at], bytes(key())

@@ -260,9 +260,10 @@ class TableState:
         its payloads: what is left of its members where its own record is lost."""
         return group_uids(self.txn, self.db["items"], self.prefix, self.config.grouping.by, gkey)
 
-    def holding_payloads(self, opened: Sequence[str], pushed: Mapping[str, Sequence[Entry]]) -> list[str]:
-        """Of the groups a push opens, those with a payload stored (pending_reads.holding_payloads): a
-        group whose head is lost while its runs are stored (rules/pushes.py)."""
+    def holding_payloads(self, opened: Sequence[bytes], pushed: Mapping[str, Sequence[Entry]]) -> list[str]:
+        """Of the groups a push opens (their directory keys), those with a payload stored
+        (pending_reads.holding_payloads): a group whose head is lost while its runs are stored
+        (rules/pushes.py)."""
         return holding_payloads(self.txn, self.db["blobs"], self.prefix, self.config.grouping.by, opened, pushed)
 
     def member_from_payload(self, uid: str, created: float) -> Member:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import itertools
 import logging
-from collections.abc import Iterator, Mapping, Sequence, Set
+from collections.abc import Iterable, Iterator, Mapping, Sequence, Set
 from types import MappingProxyType
 from typing import NamedTuple
 
@@ -63,10 +63,17 @@ class PendingGroup(NamedTuple):
         return self.head
 
 
+def directory_keys(tt: TableState, groups: Iterable[str]) -> list[bytes]:
+    """The keys of these groups' directory entries, in their order."""
+    prefix = tt.prefix
+    return [prefix + gkey.encode() for gkey in groups]
+
+
 def stored(
-    tt: TableState, pushed: Mapping[str, Sequence[Entry]]
+    tt: TableState, pushed: Mapping[str, Sequence[Entry]], keys: Sequence[bytes]
 ) -> tuple[dict[str, PendingGroup | None], dict[str, bytes]]:
-    """Of these groups (each with the entries a push brings it), those the table has: pending (a
+    """Of these groups (each with the entries a push brings it; `keys`: their `directory_keys`), those
+    the table has: pending (a
     `PendingGroup`) or complete (None; computing too); and the stored digests of their members (uid ->
     digest), for a retried push's duplicates (a deleted member's is not): one directory read a group,
     one segment and its state read a segment, and a pending or computing group's rows read only
@@ -74,8 +81,6 @@ def stored(
     found: dict[str, PendingGroup | None] = {}
     digests: dict[str, bytes] = {}
     views: dict[int, tuple[SegmentView, SegState]] = {}
-    prefix = tt.prefix
-    keys = [prefix + gkey.encode() for gkey in pushed]
     with tt.txn.cursor(db=tt.db["gdir"]) as cur:
         held = dict(cur.getmulti(keys))
     if not held:  # groups the push opens, all of them
@@ -191,12 +196,12 @@ def view_new(tt: TableState, gkey: str, rows: Sequence[Member]) -> RowGroup:
     return row_groups([gkey], PENDING, [tuple(rows)], tt.now)[0]
 
 
-def complete_opened(tt: TableState, joined: Joined) -> None:
+def complete_opened(tt: TableState, joined: Joined, keys: Sequence[bytes]) -> None:
     """Groups this request opened (`opening`) and completes with these members, none of their runs
     reported failed, ready in the ready order's next places: `complete`'s of their views, made as
-    their segment keeps them without a view of each first."""
+    their segment keeps them without a view of each first; `keys`: their `directory_keys`."""
     pieces.drop_groups(tt, lambda: list(joined))  # their runs still in pieces will not join them
-    segments.complete_ready(tt, segments.opened(joined, tt.now))
+    segments.complete_ready(tt, segments.opened(joined, tt.now), keys=keys)
 
 
 def views_new(tt: TableState, joined: Mapping[str, tuple[Member, ...]]) -> list[RowGroup]:

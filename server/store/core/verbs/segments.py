@@ -139,6 +139,7 @@ def write(
     quarantined: Set[str] = frozenset(),
     *,
     indexed: bool = True,
+    keys: Sequence[bytes] | None = None,
 ) -> None:
     """Groups written as rows in `state`, in the order given: their segments (each a segment's id
     the rseq of its first group), states and directory entries; ready ones with a run a segment,
@@ -150,9 +151,13 @@ def write(
     ones are not added to the indexes the table keeps: an upgrade's groups are there at their places
     already (whole_table/to_rows.py). Fewer than GROW_BELOW ready groups that take the next places
     go first into the table's newest segment where it is fresh (`_grow_tail`), so that pushes of a
-    few experiences each do not leave a segment for every push."""
+    few experiences each do not leave a segment for every push. `keys`: the groups' directory keys
+    where the caller has them encoded (row_pending.directory_keys), else encoded here."""
+    if keys is None:
+        keys = [tt.prefix + group.key.encode() for group in groups]
     if len(groups) < GROW_BELOW and state == READY and places is None and times is None and not quarantined and indexed:
-        groups = groups[_grow_tail(tt, groups) :]
+        grown = _grow_tail(tt, groups, keys)
+        groups, keys = groups[grown:], keys[grown:]
         if not groups:
             return
     counters = tt.counters
@@ -175,6 +180,7 @@ def write(
         row = SegState.new([state] * len(part), len(members))
         for index, count in enumerate(() if times is None else times[done : done + len(part)]):
             row.set_times(index, count)
+        refs.extend(zip(keys[done : done + len(part)], group_refs(seg, len(part)), strict=True))
         done += len(part)
         if quarantined:
             for i in (i for i, member in enumerate(members) if member.uid in quarantined):
@@ -184,7 +190,6 @@ def write(
         elif members:  # every member live, none deleted
             live.append((seg, min(map(_MEMBER_CREATED, members))))
         states.append((key, row.encode()))
-        refs.extend(zip([prefix + group.key.encode() for group in part], group_refs(seg, len(part)), strict=True))
         if state == READY:
             runs.append((key, RunRow(seg, 0, len(part)).encode()))
             if indexed and tt.ready.indexing():  # the indexes a take in another order read (row_select.py)
@@ -196,8 +201,9 @@ def write(
     oldest_index.segments_written(tt, live)
 
 
-def _grow_tail(tt: TableState, groups: Sequence[Group]) -> int:
-    """Of ready groups about to take the table's next places, how many went into its newest segment:
+def _grow_tail(tt: TableState, groups: Sequence[Group], keys: Sequence[bytes]) -> int:
+    """Of ready groups about to take the table's next places (`keys`: their directory keys), how many
+    went into its newest segment:
     one whose groups took the places just before them and are all as they were written (ready, never
     sampled or leased, no member flagged: its state row a new one's), with room for them (at most
     SEGMENT_GROUPS groups and SEGMENT_MEMBERS members). Its groups keep their places and indexes and
@@ -229,7 +235,7 @@ def _grow_tail(tt: TableState, groups: Sequence[Group]) -> int:
     txn.put(key, append_groups(view, added), db=tt.db["segs"])
     txn.put(key, _fresh(held + fit, members), db=tt.db["sstate"])
     txn.put(key, RunRow(seg, 0, held + fit).encode(), db=tt.db["runs"])
-    refs = zip([prefix + group.key.encode() for group in added], group_refs(seg, fit, held), strict=True)
+    refs = zip(keys[:fit], group_refs(seg, fit, held), strict=True)
     put_rows(txn, tt.db["gdir"], list(refs))
     if tt.ready.indexing():
         tt.ready.add_many([(g.key.encode(), seg + held + at, g.priority, g.version) for at, g in enumerate(added)])
@@ -287,12 +293,18 @@ def prune(tt: TableState, retired_before: float, limit: int = 10_000) -> int:
 
 
 def complete_ready(
-    tt: TableState, groups: Sequence[Group], was: State = PENDING, places: Sequence[int] | None = None
+    tt: TableState,
+    groups: Sequence[Group],
+    was: State = PENDING,
+    places: Sequence[int] | None = None,
+    *,
+    keys: Sequence[bytes] | None = None,
 ) -> None:
     """Pending (or computing: `was`, each at its place: `write`) groups, counted as such, become ready
-    together as rows, the counters moved as a records table's are (core/verbs/groups.complete)."""
+    together as rows, the counters moved as a records table's are (core/verbs/groups.complete);
+    `keys`: their directory keys, where the caller has them (`write`)."""
     counters = tt.counters
-    write(tt, groups, READY, places)
+    write(tt, groups, READY, places, keys=keys)
     count = sum(map(len, map(_MEMBERS, groups)))
     counters.add(was, -count)
     counters.add(READY, count)
@@ -300,6 +312,6 @@ def complete_ready(
     counters.add_groups(READY, len(groups))
     rate_counts.became_ready(tt, count)
     if tt.extensions.hears("on_moved"):  # the groups' views made only for an extension that reads them
-        keys = list(map(_KEY, groups))
-        ready: Groups = list(zip(keys, row_groups(keys, READY, map(tuple, map(_MEMBERS, groups))), strict=True))
+        names = list(map(_KEY, groups))
+        ready: Groups = list(zip(names, row_groups(names, READY, map(tuple, map(_MEMBERS, groups))), strict=True))
         tt.extensions.on_moved(tt, Moved(was, READY, ready))
