@@ -88,10 +88,16 @@ _ABSENT_BYTES = {name: _ONE[code].pack(_absent(name)) for name, code in _COLUMNS
 
 
 def packed(name: str, code: str, values: Sequence[object]) -> bytes:
-    """A column's values packed as `code`s, absent ones as `_stored` has them."""
+    """A column's values packed as `code`s, absent ones as `_stored` has them. One value throughout
+    (a push's times, mostly its steps) is packed once and repeated: not a float zero, which -0.0
+    equals with other bits."""
     count = len(values)
-    if name in _ABSENT_BYTES and count and values[0] is None and values.count(None) == count:
-        return _ABSENT_BYTES[name] * count
+    first = values[0] if count else None
+    if first is None:
+        if name in _ABSENT_BYTES and count and values.count(None) == count:
+            return _ABSENT_BYTES[name] * count
+    elif first == values[-1] and (first or code != "d") and values.count(first) == count:
+        return _ONE[code].pack(first) * count
     return struct.pack(f"<{count}{code}", *_stored(name, values))
 
 

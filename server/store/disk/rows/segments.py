@@ -40,7 +40,7 @@ class Group(NamedTuple):
 
 _SEGMENT = struct.Struct("<BBHQd")  # ROWS, flags, groups, rseq of the first group, completed
 _KEYS_ARE_UIDS = 1  # every group is one member whose uid is its key: no keys stored
-_UID = operator.attrgetter("uid")
+_UID = operator.itemgetter(Member._fields.index("uid"))  # a member's uid as a tuple's item: no look-up by name
 _HAS_FAILED = 2
 
 
@@ -61,10 +61,12 @@ def _columns(groups: Sequence[Group]) -> _Columns:
     keys, created, members, priorities, versions, partials, runs = zip(*groups, strict=True)
     sizes = list(map(len, members))
     flat = list(itertools.chain.from_iterable(members))
-    keys_are_uids = sizes.count(1) == count and tuple(map(_UID, flat)) == keys
+    # the first group's key against its uid first: where keys are not uids (a table grouped by task),
+    # no tuple of uids is made
+    keys_are_uids = sizes.count(1) == count > 0 and _UID(flat[0]) == keys[0] and tuple(map(_UID, flat)) == keys
     failed = [(index, uid, reason) for index, g in enumerate(runs) for uid, reason in g] if any(runs) else []
     numbers = [
-        struct.pack(f"<{count}d", *created),
+        packed("created", "d", created),
         struct.pack(f"<{count}d", *priorities),
         packed("version", "q", versions),
         bytes([_PARTIAL if partial else 0 for partial in partials]) if any(partials) else bytes(count),
