@@ -101,9 +101,20 @@ def packed(name: str, code: str, values: Sequence[object]) -> bytes:
     return struct.pack(f"<{count}{code}", *_stored(name, values))
 
 
-def _offsets(parts: Sequence[bytes | tuple[int, ...]]) -> bytes:
+def _offsets(parts: Sequence[bytes | str | tuple[int, ...]]) -> bytes:
     """u32 offsets of consecutive parts, n + 1 of them from 0."""
     return struct.pack(f"<{len(parts) + 1}I", *itertools.accumulate(map(len, parts), initial=0))
+
+
+def encoded(texts: Sequence[str]) -> list[bytes]:
+    """Texts stored UTF-8 one after the other, after their offsets (`_offsets` of their bytes): where
+    all are ASCII (mostly), their bytes are their characters, and the texts are joined and encoded
+    once, not a call each."""
+    joined = "".join(texts)
+    if joined.isascii():
+        return [_offsets(texts), joined.encode()]
+    each = list(map(str.encode, texts))
+    return [_offsets(each), *each]
 
 
 def encode_members(members: Sequence[Member]) -> bytes:
@@ -119,9 +130,7 @@ def encode_members(members: Sequence[Member]) -> bytes:
     parts = [_BLOCK.pack(count, flags), digests]
     for name, code in _COLUMNS:
         parts.append(packed(name, code, columns[_FIELD[name]]))
-    uids = list(map(str.encode, columns[_UID]))
-    parts.append(_offsets(uids))
-    parts.extend(uids)
+    parts.extend(encoded(columns[_UID]))
     if flags:
         parts.append(_offsets(segments))
         parts.append(struct.pack(f"<{sum(map(len, segments))}q", *itertools.chain.from_iterable(segments)))

@@ -18,7 +18,17 @@ from typing import NamedTuple
 
 from ...schema.states import LIVE, STATES, State
 from ..records import _float_or_none, _opt_float, _pack_str, _unpack_str
-from .members import _NONE_INT, _PARTIAL, ROWS, Member, MemberBlock, _offsets, encode_members, join_members, packed
+from .members import (
+    _NONE_INT,
+    _PARTIAL,
+    ROWS,
+    Member,
+    MemberBlock,
+    encode_members,
+    encoded,
+    join_members,
+    packed,
+)
 
 SEGMENT_GROUPS = 64
 SEGMENT_MEMBERS = 256
@@ -95,9 +105,7 @@ def encode_segment(groups: Sequence[Group], rseq0: int, completed: float) -> byt
         *made.numbers,
     ]
     if not made.keys_are_uids:
-        encoded = list(map(str.encode, made.keys))
-        parts.append(_offsets(encoded))
-        parts.extend(encoded)
+        parts.extend(encoded(made.keys))
     parts.append(encode_members(made.members))
     parts.extend(_failed_runs(made.failed))
     return b"".join(parts)
@@ -125,9 +133,7 @@ def append_groups(view: SegmentView, groups: Sequence[Group]) -> bytes:
         parts += [data[at : at + width * held], column]
         at += width * held
     if not keys_are_uids:
-        encoded = [key.encode() for key in (*view.keys(0, held), *made.keys)]
-        parts.append(_offsets(encoded))
-        parts.extend(encoded)
+        parts.extend(encoded([*view.keys(0, held), *made.keys]))
     parts.append(join_members(view.members, MemberBlock(encode_members(made.members))))
     parts.extend(_failed_runs(failed))
     return b"".join(parts)
