@@ -99,8 +99,12 @@ class Entry:
         entry.blob, entry.digest, entry.size = blob, digest, size
         entry.version, entry.segments = versions(info)
         entry.reward = meta.get("reward")
-        # + 0.0 makes -0.0 the 0.0 it equals: the priority index orders keys by their bits
-        entry.priority = float(priority) + 0.0 if isinstance(priority, (int, float)) else 0.0
+        # + 0.0 makes -0.0 the 0.0 it equals: the priority index orders keys by their bits; a float (the
+        # default's among them) is taken as it is, no isinstance of a tuple nor float() called
+        if type(priority) is float:
+            entry.priority = priority + 0.0
+        else:
+            entry.priority = float(priority) + 0.0 if isinstance(priority, (int, float)) else 0.0
         entry.has_token_rewards = "token_level_reward" in tensors
         entry.step = eid.get("step", 0)
         entry.response_length = (shape[0] if len(shape) == 1 else math.prod(shape)) - prompt_length  # RawItem's
