@@ -200,6 +200,7 @@ def test_groups_holding_payloads_are_found_as_by_a_seek_each(stored: list[str], 
 @pytest.mark.parametrize(
     ("info", "shape", "more"),
     [
+        (None, (12,), {}),
         ({}, (12,), {}),
         ({"priority": -0.0, "model_version": 3}, (12,), {"reward": 0.5, "prompt_length": 5}),
         ({"priority": 2, "version_segments": [[4, 0], [5, 3]], "partial": True}, (2, 6), {"prompt_length": 0}),
@@ -207,14 +208,17 @@ def test_groups_holding_payloads_are_found_as_by_a_seek_each(stored: list[str], 
     ],
 )
 def test_an_entry_set_field_by_field_is_the_one_its_constructor_makes(
-    info: dict[str, object], shape: tuple[int, ...], more: dict[str, object]
+    info: dict[str, object] | None, shape: tuple[int, ...], more: dict[str, object]
 ) -> None:
     """Entry.staged sets each field on a bare instance (no __init__ run): every field is set, each to
     what the dataclass's constructor is given from the item's own properties; a field it missed would
     be unset, and the comparison of the two would raise."""
     eid = {"batch": "b", "task": "t/1", "run": 2, "step": 3, "suffix": "x"}
-    meta: dict[str, object] = {"eid": eid, "info": info, **more}
+    meta: dict[str, object] = {"eid": eid, **more}
     meta.pop("token_level_reward", None)
+    if info is not None:  # without, an item's info is none
+        meta["info"] = info
+    info = info or {}
     count = 1
     for side in shape:
         count *= side

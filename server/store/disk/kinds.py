@@ -38,7 +38,6 @@ from .stored_advantages import Advantage, Masks, Stage, batch_columns, batch_par
 
 T = TypeVar("T")
 
-_NO_INFO: dict[str, object] = {}
 _NEW = object.__new__  # an instance with its slots unset, for `Entry.staged` to set each
 
 # Whether pushes may wait for room now (asked before they first would): None if they may, else why not.
@@ -90,27 +89,30 @@ class Entry:
         meta, tensors = item.meta, item.tensors
         tokens = tensors["tokens"]
         eid = meta["eid"]
-        info = meta.get("info") or _NO_INFO  # a checked item's info is a dict where it has one
-        priority = info.get("priority", 0.0)
+        info = meta.get("info")  # a checked item's info is a dict where it has one
         prompt_length = meta.get("prompt_length", 1)
         shape = tokens.shape
         entry = _NEW(cls)
         entry.uid, entry.tid, entry.rid, entry.sid = ids_of(eid, item.checked_uid)  # as the push's check made it
         entry.blob, entry.digest, entry.size = blob, digest, size
-        entry.version, entry.segments = versions(info)
+        if info:
+            entry.version, entry.segments = versions(info)
+            entry.piece = partial.marks_in(info)
+            priority = info.get("priority", 0.0)
+            # + 0.0 makes -0.0 the 0.0 it equals: the priority index orders keys by their bits; a float (the
+            # default's among them) is taken as it is, no isinstance of a tuple nor float() called
+            if type(priority) is float:
+                entry.priority = priority + 0.0
+            else:
+                entry.priority = float(priority) + 0.0 if isinstance(priority, (int, float)) else 0.0
+        else:  # none, or empty (Trinity-RFT's default): what versions and marks_in make of an empty one
+            entry.version, entry.segments, entry.piece, entry.priority = None, (), None, 0.0
         entry.reward = meta.get("reward")
-        # + 0.0 makes -0.0 the 0.0 it equals: the priority index orders keys by their bits; a float (the
-        # default's among them) is taken as it is, no isinstance of a tuple nor float() called
-        if type(priority) is float:
-            entry.priority = priority + 0.0
-        else:
-            entry.priority = float(priority) + 0.0 if isinstance(priority, (int, float)) else 0.0
         entry.has_token_rewards = "token_level_reward" in tensors
         entry.step = eid.get("step", 0)
         entry.response_length = (shape[0] if len(shape) == 1 else math.prod(shape)) - prompt_length  # RawItem's
         entry.generated = generated
         entry.prompt_bytes = prompt_length * ITEMSIZE[tokens.dtype]
-        entry.piece = partial.marks_in(info)
         entry.chunks, entry.together = (), None
         return entry
 
