@@ -99,12 +99,20 @@ def _plain_uid(eid: Any) -> str | None:
     ):
         return None
     # Each part written as str() writes it, an int's known to be one (compiled code writes it faster).
-    batch_text = str(batch) if type(batch) is int else batch
-    task_text = str(task) if type(task) is int else task
-    uid = f"{batch_text}/{task_text}/{run}/{step}/{suffix}"
+    batch_text = _text(batch) if type(batch) is int else batch
+    task_text = _text(task) if type(task) is int else task
+    uid = f"{batch_text}/{task_text}/{_text(run)}/{_text(step)}/{suffix}"
     if len(uid) > MAX_UID_BYTES or not uid.isascii() or uid.count("/") != 4 or "\0" in uid:
         return None
     return uid
+
+
+def _text(number: int) -> str:
+    """str(number), the common small ones looked up rather than written (an eid's four ints)."""
+    return _TEXTS[number] if 0 <= number < len(_TEXTS) else str(number)
+
+
+_TEXTS: Final = [str(number) for number in range(1 << 12)]
 
 
 def _check_eid(index: int, eid: Any) -> str:
@@ -229,6 +237,8 @@ def check_tensors(index: int, item: RawItem, work: Work) -> None:
     meta, tensors = item.meta, item.tensors
     keys = meta.get("multi_modal_input_keys", _NONE_LISTED)
     work.charge(len(keys) + len(tensors))
+    if not keys and _plain_tensors(meta, tensors):
+        return
     for key in keys:
         if MM_PREFIX + key not in tensors:
             raise TrxpError(f"{_where(index, item)}: multi-modal input {show(key)} is listed but has no tensor")
@@ -280,6 +290,55 @@ def check_tensors(index: int, item: RawItem, work: Work) -> None:
             )
         if name == "action_mask" and tensor.dtype != "BOOL" and tensor.dtype not in INTEGER_CODES:
             raise TrxpError(f"{_where(index, item)}: field 'action_mask' must be bool or integer, got {tensor.dtype}")
+
+
+def _plain_tensors(meta: dict[str, Any], tensors: dict[str, RawTensor]) -> bool:
+    """Whether check_tensors passes an item without multi-modal inputs or version segments, each
+    tensor looked at once by its field's kind rather than each field looked up (a push checks every
+    experience); False leaves it to check_tensors' checks in their order, which name the first
+    thing wrong."""
+    tokens = tensors.get("tokens")
+    prompt_length = meta.get("prompt_length", 1)
+    info = meta.get("info", _ABSENT)
+    if tokens is None or len(tokens.shape) != 1 or type(prompt_length) is not int or type(info) is not dict:
+        return False
+    response_length = tokens.shape[0] - prompt_length
+    if response_length < 0 or (info and info.get(SEGMENTS_KEY) is not None):
+        return False
+    for name, tensor in tensors.items():
+        kind = _KINDS.get(name)
+        if kind is None:
+            if name.startswith(MM_PREFIX):
+                return False
+            continue
+        dtype, dims = tensor.dtype, tensor.shape
+        if len(dims) != 1:
+            return False
+        if kind == _TOKEN_IDS:
+            if dtype not in INTEGER_CODES and dtype not in FLOAT_CODES:
+                return False
+        elif dims[0] != response_length:
+            return False
+        elif kind == _MASK:
+            if dtype != "BOOL" and dtype not in INTEGER_CODES:
+                return False
+        elif dtype not in FLOAT_CODES or (kind == _REWARD and not_finite(tensor)):
+            return False
+    return True
+
+
+# The kind of each field check_tensors checks: token ids, and of the response's fields the action
+# mask, the token-level reward and the other floats.
+_TOKEN_IDS: Final = 1
+_MASK: Final = 2
+_REWARD: Final = 3
+_FLOATS: Final = 4
+_KINDS: Final[dict[str, int]] = {
+    **{name: _TOKEN_IDS for name in TOKEN_TENSOR_FIELDS},
+    **{name: _FLOATS for name in RESPONSE_TENSOR_FIELDS},
+    "action_mask": _MASK,
+    "token_level_reward": _REWARD,
+}
 
 
 # Of each float dtype: its size, the byte holding its exponent's high bits and their mask there, and
