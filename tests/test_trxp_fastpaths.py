@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import pickle
 import struct
 from typing import Any
 
@@ -15,7 +16,7 @@ from hypothesis import strategies as st
 
 from expbuf.client import EID, Experience, trxp
 from expbuf.client.trxp import TrxpError
-from expbuf.client.trxp.codec import checks, parse
+from expbuf.client.trxp.codec import checks, parse, pickles
 from expbuf.client.trxp.codec.build import pack_item
 from expbuf.client.trxp.codec.common import HEADER_SIZE, RawItem, RawTensor
 
@@ -475,3 +476,79 @@ def test_items_whose_fields_change_from_one_to_the_next_are_measured_as_each_alo
         before = shape.size
         shape.item(index, "u", item)
         assert shape.size - before == alone.size
+
+
+def _measured(items: list[Any], shared: bool) -> tuple[int, int] | str:
+    """The size and work a payload's items measure to (or the refusal's message), each container
+    told by its id (`shared`) or measured where it is met."""
+    work = trxp.Work(1 << 40)
+    shape = checks.Shape(work, 1 << 40, check_keys=False)
+    shape.shared = shared
+    try:
+        for index, item in enumerate(items):
+            shape.item(index, "u", item)
+    except TrxpError as exc:
+        return f"refused: {exc}"
+    return shape.size, work.used
+
+
+def _containers_once(value: Any, seen: set[int]) -> bool:
+    """Whether no container is met twice in `value` (walked as a tree)."""
+    if isinstance(value, (dict, list, tuple)):
+        if id(value) in seen:
+            return False
+        seen.add(id(value))
+        inner = [*value.keys(), *value.values()] if isinstance(value, dict) else value
+        return all(_containers_once(child, seen) for child in inner)
+    return True
+
+
+_LEAVES = st.sampled_from([None, 1.5, 7, "text", b"raw"])
+_PLAIN = st.recursive(
+    _LEAVES | st.builds(list) | st.builds(dict),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.sampled_from(["a", "b", "c"]), inner, max_size=3),
+    max_leaves=8,
+)
+
+
+@given(st.lists(_PLAIN, min_size=1, max_size=4), st.lists(st.tuples(st.integers(0, 3), st.integers(0, 3)), max_size=3))
+@settings(max_examples=300)
+def test_the_scans_verdict_of_shared_containers_measures_as_each_container_told_by_its_id(
+    values: list[Any], shares: list[tuple[int, int]]
+) -> None:
+    """A pickle whose scan finds no container pushed again (a memo read or DUP of an entry that may
+    be one) unpickles to metadata where each container is referenced once, which the measure then
+    walks without telling them by their ids: the same size and work, or the same refusal, as the
+    measure that tells every container by its id; items sharing containers are told by their ids."""
+    items: list[Any] = [{"f": value} for value in values]
+    for source, target in shares:  # one item's value placed in another as well: shared when a container
+        items[target % len(items)][f"s{source}"] = values[source % len(values)]
+    meta = pickle.dumps({"version": 1, "num_items": len(items), "items": items}, protocol=5)
+    shared = pickles.scan_pickle(memoryview(meta), trxp.Work(1 << 40))
+    loaded = pickle.loads(meta)["items"]
+    if not shared:
+        assert _containers_once(loaded, set())
+    assert _measured(loaded, shared) == _measured(loaded, True)
+
+
+@pytest.mark.parametrize(
+    ("meta", "shared"),
+    [
+        (b"\x80\x05}(\x8c\x01a]2\x86u.", True),  # DUP of an empty list
+        (b"\x80\x05}(\x8c\x01a]\x94\x8c\x01bh\x00u.", True),  # a list read back from the memo
+        (b"\x80\x05}(\x8c\x01a\x94]\x8c\x01bh\x00u.", False),  # a key read back from the memo
+        (b"\x80\x05}(\x8c\x01a]\x85\x94\x8c\x01bh\x00u.", True),  # a tuple read back from the memo
+    ],
+)
+def test_the_scan_tells_a_container_pushed_again(meta: bytes, shared: bool) -> None:
+    assert pickles.scan_pickle(memoryview(meta), trxp.Work(1 << 40)) is shared
+    assert _containers_once(pickle.loads(meta), set()) is not shared
+
+
+def test_a_clients_batch_has_no_container_pushed_again() -> None:
+    """A batch as a client writes it (its items' field names and an eid's suffix read back from the
+    memo) takes the measure that does not tell containers by their ids."""
+    items = [Experience(tokens=torch.arange(4), prompt_length=1, eid=EID(batch=0, task=i, run=0)) for i in range(4)]
+    payload = trxp.encode(items)
+    (meta_len,) = struct.unpack_from("<Q", payload, 5)
+    assert not pickles.scan_pickle(memoryview(payload)[HEADER_SIZE : HEADER_SIZE + meta_len], trxp.Work(1 << 40))

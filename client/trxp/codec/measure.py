@@ -44,6 +44,10 @@ class Shape:
         # experiences, whose other fields check_meta checks part by part.
         self.containers_of = containers_of
         self.size = 0  # of every item measured so far
+        # Whether a container may be referenced more than once, so that each is measured once by
+        # its id; False (the scan of the pickle found no reference to one made again,
+        # parse._load_items) measures each where it is met, its id neither kept nor looked up.
+        self.shared = True
         self.known: dict[int, tuple[int, int]] = {}  # id -> (height, size), or _OPEN while being measured
         self.empties: set[int] = set()  # ids of the empty containers met
         self.names: dict[str, int] = {}  # the size of each field name met
@@ -72,7 +76,7 @@ class Shape:
                     size = 5 + len(value)
                 elif (type(value) is dict or type(value) is list or type(value) is tuple) and not value:
                     size = _EMPTY[1]
-                    self._count_empty(id(value))
+                    self._count_empty(value)
                 elif isinstance(value, CONTAINERS):
                     size = self._container(value, 0)[1]
                 else:
@@ -107,13 +111,14 @@ class Shape:
         self.size = total
 
     def _container(self, value: dict[Any, Any] | list[Any] | tuple[Any, ...], depth: int) -> tuple[int, int]:
-        key = id(value)
         if not value:
             if depth > MAX_NESTING:
                 raise TrxpError(f"nested deeper than {MAX_NESTING} levels (or cyclic)")
-            self._count_empty(key)
+            self._count_empty(value)
             return _EMPTY
-        known = self.known.get(key)
+        shared = self.shared
+        key = id(value) if shared else 0
+        known = self.known.get(key) if shared else None
         if known is None:
             if depth > MAX_NESTING:
                 raise TrxpError(f"nested deeper than {MAX_NESTING} levels (or cyclic)")
@@ -144,7 +149,7 @@ class Shape:
                 elif type(child) is float or type(child) is bool or child is None:
                     size += 9
                 elif isinstance(child, CONTAINERS):
-                    if not opened:
+                    if shared and not opened:
                         self.known[key], opened = _OPEN, True
                     child_height, child_size = self._container(child, depth + 1)
                     height = max(height, child_height + 1)
@@ -153,22 +158,27 @@ class Shape:
                         break  # refused by the caller; no need to add up the rest
                 else:
                     size += _scalar_size(child)
-            self.known[key] = known = (height, size)
+            known = (height, size)
+            if shared:
+                self.known[key] = known
         if depth + known[0] > MAX_NESTING:
             raise TrxpError(f"nested deeper than {MAX_NESTING} levels (or cyclic)")
         return known
 
-    def _count_empty(self, key: int) -> None:
-        """Count the step of the empty container of id `key` at its first reference only: it holds
-        nothing to measure, so it is kept apart from `known`, which would make a tuple of it."""
-        empties = self.empties
-        count = len(empties)
-        empties.add(key)
-        if len(empties) != count:
-            work = self.work
-            work.used += 1
-            if work.used > work.limit:
-                work.charge(0)
+    def _count_empty(self, value: dict[Any, Any] | list[Any] | tuple[Any, ...]) -> None:
+        """Count the step of the empty container `value` at its first reference only (told by its
+        id where it may be referenced again): it holds nothing to measure, so it is kept apart from
+        `known`, which would make a tuple of it."""
+        if self.shared:
+            empties = self.empties
+            count = len(empties)
+            empties.add(id(value))
+            if len(empties) == count:
+                return
+        work = self.work
+        work.used += 1
+        if work.used > work.limit:
+            work.charge(0)
 
 
 # What a container being measured counts as when met again: a cycle, refused as too deep.

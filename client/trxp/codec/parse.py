@@ -153,7 +153,7 @@ def _load_items(
 ) -> tuple[list[dict[str, Any]], list[str] | None]:
     """The items of a payload's metadata and, unless `trusted`, each one checked: their uids."""
     if not trusted:
-        scan_pickle(meta_bytes, work)
+        shape.shared = scan_pickle(meta_bytes, work)
     work.charge(len(meta_bytes))  # the unpickler is linear in its input once the scan has passed it
     try:
         meta = load_plain(meta_bytes)

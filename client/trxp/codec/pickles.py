@@ -172,9 +172,11 @@ class _Segment:
         return cls(b"".join(parts), prefix, end - start, ops, memoized, leaves_entry)
 
 
-def scan_pickle(data: memoryview, work: Work) -> None:
+def scan_pickle(data: memoryview, work: Work) -> bool:
     """Refuse any opcode that is not plain data, memo indices beyond reason, and dict keys
-    other than str or bytes.
+    other than str or bytes. Whether a value that may be a container is read from the memo or
+    duplicated, so that it may be referenced more than once: without such a read every
+    container the unpickler makes of the pickle is referenced once (Shape.shared).
 
     The scan walks the opcodes without executing anything, before the unpickler sees
     them: it stops a tiny pickle from making the unpickler allocate a huge memo, and
@@ -195,6 +197,7 @@ def scan_pickle(data: memoryview, work: Work) -> None:
     to_record = _SEGMENTS_RECORDED if size >= _RECORDING_MIN else 0
     to_compile, looked_at, missed = _SEGMENTS_COMPILED, 0, 0
     push, kind_of, step = stack.append, _KIND, _STEP  # locals: the loop's hot path
+    shared = False  # whether a memo read or DUP pushed an entry that may be a container
     while pos < size:
         code = raw[pos]
         kind = kind_of[code]
@@ -205,7 +208,10 @@ def scan_pickle(data: memoryview, work: Work) -> None:
                 raise _truncated(code)
             if raw[pos - 1] >= len(memo):
                 raise _never_stored(code, raw[pos - 1])
-            push(memo[raw[pos - 1]])
+            flag = memo[raw[pos - 1]]
+            if not flag:
+                shared = True
+            push(flag)
         elif kind == _K_VALUE:
             pos += step[code]
             if pos > size:
@@ -286,12 +292,13 @@ def scan_pickle(data: memoryview, work: Work) -> None:
             if code in _PUTS:  # memo entries may change from here on: no segment is replayed
                 to_record = 0
                 segments.clear()
-            pos, fence = _general(raw, pos, ops, stack, marks, fence, memo, sparse)
+            pos, fence, copied = _general(raw, pos, ops, stack, marks, fence, memo, sparse)
+            shared = shared or copied
             if sparse:
                 kind_of = _SPARSE_KIND
             if pos > size:  # STOP
                 work.charge(ops)
-                return
+                return shared
     raise TrxpError("metadata: pickle is truncated (no STOP)")
 
 
@@ -304,9 +311,10 @@ def _general(
     fence: int,
     memo: list[bool],
     sparse: dict[int, bool],
-) -> tuple[int, int]:
+) -> tuple[int, int, bool]:
     """scan_pickle's path for every other opcode: its checks and stack effect; return the
-    position after it and the new fence (a position past the end after STOP)."""
+    position after it, the new fence (a position past the end after STOP) and whether it pushed
+    again an entry that may be a container (a memo read of one, DUP)."""
     code, size, push = raw[pos], len(raw), stack.append
     spec = _PLAIN_TABLE[code]
     if spec is None:
@@ -340,6 +348,7 @@ def _general(
         if flag is None:
             raise _never_stored(code, memo_index)
         push(flag)
+        return pos, fence, not flag
     elif effect == _PUT:
         if len(stack) <= fence:
             raise _empty_stack(code)
@@ -366,13 +375,14 @@ def _general(
         raise _empty_stack(code)
     elif effect == _DUP:
         push(stack[-1])
+        return pos, fence, True
     elif effect == _POP:
         stack.pop()
     else:  # STOP
         if pos != size:
             raise TrxpError(f"metadata: {size - pos} bytes after the end of the pickle")
-        return size + 1, fence
-    return pos, fence
+        return size + 1, fence, False
+    return pos, fence, False
 
 
 def _put(memo: list[bool], sparse: dict[int, bool], index: int, flag: bool) -> None:
