@@ -180,10 +180,11 @@ def check_meta(index: int, item: Any, shape: Shape) -> str:
     prompt_length = item.get("prompt_length", 1)
     if type(prompt_length) is not int or not 0 <= prompt_length <= INT64_MAX:
         _in_range(item_where(index, uid), "prompt_length", prompt_length, 0, INT64_MAX, "0, 2**63 - 1")
-    for name in _DICT_FIELDS:
-        if not isinstance(item.get(name, _ABSENT), dict):
-            raise TrxpError(f"{item_where(index, uid)}: field '{name}' must be a dict")
-    info = item.get("info")
+    info = item.get("info", _ABSENT)  # each of the fields a dict, info read once
+    if not isinstance(info, dict):
+        raise TrxpError(f"{item_where(index, uid)}: field 'info' must be a dict")
+    if not isinstance(item.get("metrics", _ABSENT), dict):
+        raise TrxpError(f"{item_where(index, uid)}: field 'metrics' must be a dict")
     if info:
         version = info.get("model_version")
         if version is not None and not (type(version) is int and 0 <= version <= INT64_MAX):
@@ -225,7 +226,6 @@ def check_meta(index: int, item: Any, shape: Shape) -> str:
 
 # The fields check_meta checks by kind, and what it reads for a field that is not there: a dict, a
 # list (never changed; one for every item, not one made for each).
-_DICT_FIELDS: Final[tuple[str, ...]] = ("info", "metrics")
 _TEXT_FIELDS: Final[tuple[str, ...]] = ("truncate_status", "response_text", "prompt_text")
 _LIST_FIELDS: Final[tuple[str, ...]] = ("messages", "tools", "chosen_messages", "rejected_messages")
 _ABSENT: Final[dict[str, Any]] = {}

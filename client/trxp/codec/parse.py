@@ -289,17 +289,18 @@ def _written_spans(text: str, data_len: int, num_items: int) -> list[_Span] | No
         index = _ENTRY_STARTS.get(opening, -1)
         if index < 0 and opening.startswith('"'):  # an index past the table's
             index = _item_index(opening[1:-1], num_items)
-        at = colon + len(plan.text) if plan is not None else colon
-        if plan is not None and 0 <= index < num_items and opening > plan.last and text[colon:at] == plan.text:
-            closing = text.find("]", at)  # past the plan's text: the dimension, which a match ends at its ']'
-            digits = text[at:closing]
+        if plan is not None and 0 <= index < num_items and opening > plan.last:
+            at = colon + len(plan.text)  # where the plan's text ends: the dimension, which a match ends at its ']'
+            digits = text[at : text.find("]", at)]
             if digits != plan.digits and _dimension(digits):
                 plan.digits, plan.shape = digits, (int(digits),)
             end = cursor + plan.shape[0] * plan.itemsize
             ended = str(end)
-            rest = f"{_OFFSETS}{written},{ended}]}}"  # an end of 19 digits or more lies past data_len: refused below
-            after = closing + len(rest)
-            if digits != plan.digits or text[closing:after] != rest:
+            # The entry from its key's ':' on, compared at once; an end of 19 digits or more lies
+            # past data_len: refused below.
+            entry = f"{plan.text}{digits}{_OFFSETS}{written},{ended}]}}"
+            after = colon + len(entry)
+            if digits != plan.digits or text[colon:after] != entry:
                 plan = None
         else:
             plan = None
