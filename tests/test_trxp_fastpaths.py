@@ -82,6 +82,22 @@ def test_a_shared_empty_field_passes_within_the_steps_the_walk_counts() -> None:
     assert work.used == 1
 
 
+@pytest.mark.parametrize("empty", [[], {}, ()])
+def test_an_item_measured_afresh_is_charged_its_empty_containers_again(empty: Any) -> None:
+    """A batch of columns makes each experience's containers anew and lets the last one's go, so an
+    empty one may stand at a freed one's address (or a caller reuse one): measured afresh
+    (`forget`), an item is charged every container it holds, as the first item was."""
+    work = trxp.Work(1 << 40)
+    shape = checks.Shape(work, 1 << 40, check_keys=True)
+    used = []
+    for index in range(3):
+        before = work.used
+        shape.item(index, "u", {"a": empty, "b": [empty]})
+        used.append(work.used - before)
+        shape.forget()
+    assert used == [used[0]] * 3 and used[0] >= 2  # each item charged what the first was
+
+
 @pytest.mark.parametrize("value", [(1 << 62) - 1, 1 << 62, -(1 << 62) + 1, -(1 << 62), 2**63 - 1, -(2**63)])
 def test_plain_uid_leaves_ints_past_a_machine_word_to_the_detailed_checks(value: int) -> None:
     """_plain_uid takes ints compiled code compares in a word; the rest of int64 still passes, in detail."""

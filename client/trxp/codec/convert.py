@@ -220,7 +220,7 @@ class _Batch:
         # Each item's containers measured afresh, as one experience alone: a caller that changes
         # a container between two experiences (or frees one, its id taken by another) is not
         # judged by what the container was.
-        self.shape.known.clear()
+        self.shape.forget()
         check_meta(index, meta, self.shape)
         check_tensors(index, item, self.shape.work)
         return item

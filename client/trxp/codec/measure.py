@@ -56,6 +56,13 @@ class Shape:
         self.fields: list[str] = []
         self.field_sizes: list[int] = []
 
+    def forget(self) -> None:
+        """Measure what comes next afresh, as one experience alone, its empty containers too: a
+        container of an experience let go may stand again at the same address in the next (or a
+        caller may change one between two), and must not be taken for the one measured."""
+        self.known.clear()
+        self.empties.clear()
+
     def item(self, index: int, uid: str, item: dict[Any, Any]) -> None:
         """Measure every field of an item, counting it towards the payload's expansion bound."""
         if self.containers_of is not None:

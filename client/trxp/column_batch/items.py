@@ -237,7 +237,7 @@ class _Framed:
             meta["multi_modal_input_keys"] = [name[len(MM_PREFIX) :] for name in inputs]
             # Measured whole: the containers of the last experience, let go, may stand again at the
             # same addresses among this one's, where Shape would take them for those measured.
-            self.shape.known.clear()
+            self.shape.forget()
             item = RawItem(meta, tensors, check_meta(index, meta, self.shape))
             check_tensors(index, item, self.work)
             yield item
