@@ -25,7 +25,7 @@ from expbuf.client.schema.experience import RESPONSE_TENSOR_FIELDS, TENSOR_FIELD
 from ..codec import segments as version_segments
 from ..codec.build import json_text
 from ..codec.common import MM_PREFIX, RawTensor
-from .pieces import Run, Section, Stored, cut, joined, located
+from .pieces import VIEW, Run, Section, Stored, cut, joined, located
 from .splice import HeaderRead, HeaderReads
 
 # Columns of one value per experience, by name, with their dtype: what the server keeps beside each
@@ -280,14 +280,17 @@ def _runs(payloads: Iterable[Stored]) -> Iterator[tuple[HeaderRead, int, list[Se
     run: list[Section] = []
     read: HeaderRead | None = None
     first = 0
-    last: tuple[bytes, int, bool] | None = None
+    # the run's header, section length and whether its sections are views: compared one by one, where
+    # a tuple of them was made and compared for each item
+    last_header, last_len, last_view = b"", -1, False
     for index, payload in enumerate(payloads):
         header, section, section_len, _ = located(payload)
-        key = (header, section_len, type(section) is memoryview)
-        if key != last:
+        view = type(section) is VIEW
+        if section_len != last_len or view != last_view or header != last_header:
             if read is not None:
                 yield read, first, run
-            read, first, run, last = headers.read(header, section_len), index, [], key
+            read, first, run = headers.read(header, section_len), index, []
+            last_header, last_len, last_view = header, section_len, view
         run.append(section)
     if read is not None:
         yield read, first, run

@@ -17,7 +17,7 @@ from ..codec.build import ENTRY, ENTRY_TEXT, SPLICE_ONE, SPLICE_TAIL, build, dim
 from ..codec.common import HEADER_SIZE, RawTensor
 from ..codec.parse import parse
 from .entries import Entries, Layout
-from .pieces import Bytes, Run, Section, SectionTensors, SplitPayload, Stored, concatenated, cut, parts_of, whole
+from .pieces import VIEW, Bytes, Run, Section, SectionTensors, SplitPayload, Stored, concatenated, cut, parts_of, whole
 
 
 def join(
@@ -102,10 +102,10 @@ def join_parts(
                     else:
                         entries.one(layout, index, base)
                     base += layout.size
-                    if type(section) is memoryview:
-                        data.append(section)
-                    else:
+                    if isinstance(section, list):  # a compiled check, where a memoryview's is a builtin's lookup
                         data.extend(section)
+                    else:
+                        data.append(section)
                     if extra is not None and added:
                         data.extend([tensor.data for tensor in added.values()])
                     continue
@@ -222,7 +222,7 @@ def _spliced(payload: Stored) -> tuple[bytes, bytes, Section, int] | None:
     fragment, header = before[_FRAGMENT_AT:fragment_end], before[header_at:]
     if pieces is not None:
         return fragment, header, pieces, sum(map(len, pieces))
-    section = (head if type(head) is memoryview else memoryview(head))[header_end:]
+    section = (head if type(head) is VIEW else memoryview(head))[header_end:]
     return fragment, header, section, len(section)
 
 
