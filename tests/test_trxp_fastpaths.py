@@ -494,6 +494,39 @@ def test_items_whose_fields_change_from_one_to_the_next_are_measured_as_each_alo
         assert shape.size - before == alone.size
 
 
+_FLAT_NAMES = st.sampled_from(["a", "b", "é", "eid", b"raw", 7, frozenset()])
+_FLAT_VALUES = st.sampled_from([None, 1.5, True, 0, 2**70, -3, "", "text", "é", b"raw", [], [1], {"k": 1}, object()])
+
+
+def _outcome_of(item: dict[str, Any]) -> tuple[int, int] | str:
+    """The size and work an item measures to, or the refusal's message."""
+    work = trxp.Work(1 << 40)
+    shape = checks.Shape(work, 1 << 40, check_keys=False)
+    try:
+        shape.item(0, "u", item)
+    except TrxpError as exc:
+        return f"refused: {exc}"
+    return shape.size, work.used
+
+
+@given(st.lists(st.tuples(_FLAT_NAMES, _FLAT_VALUES), min_size=1, max_size=6))
+@settings(max_examples=300)
+def test_a_dict_measures_as_its_names_and_values_laid_out_in_a_list(entries: list[tuple[Any, Any]]) -> None:
+    """A dict (measured in one pass over its entries where each value is a plain scalar, else its
+    names then its values) takes the size of a list of its names and values, a step fewer for each
+    entry, and is refused for the first name or else the first value that is not plain data."""
+    value = dict(entries)
+    laid_out = [part for pair in value.items() for part in pair]
+    measured, listed = _outcome_of({"f": value}), _outcome_of({"f": laid_out})
+    if isinstance(listed, str):
+        names_first = _outcome_of({"f": [*value.keys(), *value.values()]})
+        assert measured == names_first
+        assert isinstance(measured, str)
+        return
+    assert isinstance(measured, tuple)
+    assert measured == (listed[0], listed[1] - len(value))
+
+
 def _measured(items: list[Any], shared: bool) -> tuple[int, int] | str:
     """The size and work a payload's items measure to (or the refusal's message), each container
     told by its id (`shared`) or measured where it is met."""

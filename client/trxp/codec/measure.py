@@ -134,43 +134,77 @@ class Shape:
             if work.used > work.limit:
                 work.charge(0)
             size = _EMPTY[1]
-            children: Iterable[Any] = value
+            flat = -1
             if isinstance(value, dict):
                 if self.check_keys and not all(isinstance(k, (str, bytes)) for k in value):
                     raise TrxpError("dict keys must be str or bytes")
-                names = self.names
-                for name in value:
-                    name_size = names.get(name) if type(name) is str else None
-                    if name_size is None:
-                        name_size = _scalar_size(name)
-                        if type(name) is str:
-                            names[name] = name_size
-                    size += name_size
-                children = value.values()
-            height, opened = 1, False  # marked open before the first container inside is measured
-            for child in children:
-                if type(child) is str:  # the common cases inline
-                    size += 5 + (len(child) if child.isascii() else 4 * len(child))
-                elif type(child) is int:
-                    size += 6 + child.bit_length() // 8
-                elif type(child) is float or type(child) is bool or child is None:
-                    size += 9
-                elif isinstance(child, CONTAINERS):
-                    if shared and not opened:
-                        self.known[key], opened = _OPEN, True
-                    child_height, child_size = self._container(child, depth + 1)
-                    height = max(height, child_height + 1)
-                    size += child_size
-                    if size > self.max_size:
-                        break  # refused by the caller; no need to add up the rest
-                else:
-                    size += _scalar_size(child)
-            known = (height, size)
+                flat = self._flat(value)
+            known = (1, size + flat) if flat >= 0 else self._walked(value, key, size, depth)
             if shared:
                 self.known[key] = known
         if depth + known[0] > MAX_NESTING:
             raise TrxpError(f"nested deeper than {MAX_NESTING} levels (or cyclic)")
         return known
+
+    def _walked(
+        self, value: dict[Any, Any] | list[Any] | tuple[Any, ...], key: int, size: int, depth: int
+    ) -> tuple[int, int]:
+        """The height and size of a container not measured by _flat, from `size`: a dict's names
+        first, then its values, each container inside measured (`key`: its id, marked open first)."""
+        shared = self.shared
+        children: Iterable[Any] = value
+        if isinstance(value, dict):
+            names = self.names
+            for name in value:
+                name_size = names.get(name) if type(name) is str else None
+                if name_size is None:
+                    name_size = _scalar_size(name)
+                    if type(name) is str:
+                        names[name] = name_size
+                size += name_size
+            children = value.values()
+        height, opened = 1, False  # marked open before the first container inside is measured
+        for child in children:
+            if type(child) is str:  # the common cases inline
+                size += 5 + (len(child) if child.isascii() else 4 * len(child))
+            elif type(child) is int:
+                size += 6 + child.bit_length() // 8
+            elif type(child) is float or type(child) is bool or child is None:
+                size += 9
+            elif isinstance(child, CONTAINERS):
+                if shared and not opened:
+                    self.known[key], opened = _OPEN, True
+                child_height, child_size = self._container(child, depth + 1)
+                height = max(height, child_height + 1)
+                size += child_size
+                if size > self.max_size:
+                    break  # refused by the caller; no need to add up the rest
+            else:
+                size += _scalar_size(child)
+        return height, size
+
+    def _flat(self, value: dict[Any, Any]) -> int:
+        """The size of a dict's names and values where each value is a str, int, float, bool or None
+        (an eid, most of an item's info and metrics), read in one pass over its entries rather than
+        its names then its values; -1 for any other, which _container measures in those two passes
+        (in their order: the first name or value refused, the sizes at which it stops, as before)."""
+        names = self.names
+        size = 0
+        for name, child in value.items():
+            name_size = names.get(name) if type(name) is str else None
+            if name_size is None:
+                name_size = _scalar_size(name)
+                if type(name) is str:
+                    names[name] = name_size
+            if type(child) is str:
+                size += name_size + 5 + (len(child) if child.isascii() else 4 * len(child))
+            elif type(child) is int:
+                size += name_size + 6 + child.bit_length() // 8
+            elif type(child) is float or type(child) is bool or child is None:
+                size += name_size + 9
+            else:
+                return -1
+        return size
 
     def _count_empty(self, value: dict[Any, Any] | list[Any] | tuple[Any, ...]) -> None:
         """Count the step of the empty container `value` at its first reference only (told by its
