@@ -98,10 +98,12 @@ def _plain_uid(eid: Any) -> str | None:
         and (type(task) is str or (type(task) is int and -_PLAIN_INT <= task <= _PLAIN_INT))
     ):
         return None
-    # Each part written as str() writes it, an int's known to be one (compiled code writes it faster).
-    batch_text = _text(batch) if type(batch) is int else batch
-    task_text = _text(task) if type(task) is int else task
-    uid = f"{batch_text}/{task_text}/{_text(run)}/{_text(step)}/{suffix}"
+    # Each part written as str() writes it, an int's known to be one (compiled code writes it faster),
+    # each part typed str, which compiled code joins without a str() of it.
+    batch_text = batch if isinstance(batch, str) else _text(batch)
+    task_text = task if isinstance(task, str) else _text(task)
+    suffix_text: str = suffix
+    uid = f"{batch_text}/{task_text}/{_text(run)}/{_text(step)}/{suffix_text}"
     if len(uid) > MAX_UID_BYTES or not uid.isascii() or uid.count("/") != 4 or "\0" in uid:
         return None
     return uid
