@@ -22,6 +22,7 @@ import sysconfig
 import types
 import warnings
 from pathlib import Path
+from typing import Any
 
 # The folder of a package's compiled modules and their manifest, as the build writes them.
 from .native_build import MANIFEST, NATIVE
@@ -35,12 +36,20 @@ def pure_python() -> bool:
     return os.environ.get(PURE_PYTHON, "") not in ("", "0")
 
 
+def _manifest(folder: Path) -> dict[str, Any] | None:
+    """What a package folder's build says of its compiled modules; None if it has none."""
+    try:
+        manifest: dict[str, Any] = json.loads((folder / NATIVE / MANIFEST).read_text())
+    except FileNotFoundError:
+        return None
+    return manifest
+
+
 def stale(folder: Path) -> list[str] | None:
     """The modules of a package folder whose compiled form no longer matches its source (or
     was built for another Python); None if the folder has no compiled modules."""
-    try:
-        manifest = json.loads((folder / NATIVE / MANIFEST).read_text())
-    except FileNotFoundError:
+    manifest = _manifest(folder)
+    if manifest is None:
         return None
     sources: dict[str, str] = manifest["sources"]
     if manifest["abi"] != sysconfig.get_config_var("EXT_SUFFIX"):
@@ -70,8 +79,25 @@ def use_compiled(package: str, path: list[str]) -> bool:
             stacklevel=2,
         )
         return False
+    # Its modules call those of the packages it needs by their compiled names: with any of those pure
+    # Python (stale, say), its own import would fail, so it stays pure Python too.
+    needs = (_manifest(folder) or {}).get("needs", [])
+    missing = [name for name in needs if not in_use(name)]
+    if missing:
+        warnings.warn(
+            f"expbuf: the compiled modules of {package} call those of {', '.join(missing)}, which are not in use; "
+            "using the pure-Python modules (run `make setup`, or reinstall expbuf, to rebuild them)",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+        return False
     path.insert(0, str(folder / NATIVE))
     return True
+
+
+def in_use(package: str) -> bool:
+    """Whether a package's compiled modules are in use (ahead of its sources on its `__path__`)."""
+    return any(Path(entry).name == NATIVE for entry in importlib.import_module(package).__path__)
 
 
 def compiled(module: str) -> bool:

@@ -44,6 +44,9 @@ COMPILED = {
     ),
     "client/trxp/stored": ("expbuf.client.trxp.stored", ("columns", "entries", "pieces", "splice")),
 }
+# package folder -> the compiled packages its modules call into (mypyc links the groups of one build):
+# its manifest names them, and it is used only where they are in use too (native.use_compiled).
+CALLS = {"client/trxp/stored": ("expbuf.client.trxp.codec",)}
 # The folders the compiled modules import from, under their installed names (pyproject.toml's package-dir).
 LINKS = {"client": "client"}
 NATIVE = "_native"
@@ -199,6 +202,7 @@ def build(work: Path, target: Callable[[str, str], Path]) -> None:
         manifest = {
             "abi": suffix,
             "sources": {module: digest(ROOT / folder / f"{module}.py") for module in modules},
+            "needs": list(CALLS.get(folder, ())),
         }
         (native / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
 

@@ -15,6 +15,7 @@ import re
 import struct
 import sys
 import sysconfig
+import types
 import warnings
 from pathlib import Path
 from typing import Any
@@ -65,11 +66,14 @@ def test_the_build_compiles_what_the_tests_expect() -> None:
     assert set(listed.group(1).replace("\\\n", " ").split()) == {"client/native_build.py", *sources}
 
 
-def package(tmp_path: Path, digest: str, abi: str | None = None) -> Path:
-    """A package folder with one source and a manifest claiming it compiled from `digest`."""
+def package(tmp_path: Path, digest: str, abi: str | None = None, needs: list[str] | None = None) -> Path:
+    """A package folder with one source and a manifest claiming it compiled from `digest` (and,
+    with `needs`, calling those packages' compiled modules)."""
     (tmp_path / "hot.py").write_text("VALUE = 1\n")
     (tmp_path / native.NATIVE).mkdir()
-    manifest = {"abi": abi or sysconfig.get_config_var("EXT_SUFFIX"), "sources": {"hot": digest}}
+    manifest: dict[str, object] = {"abi": abi or sysconfig.get_config_var("EXT_SUFFIX"), "sources": {"hot": digest}}
+    if needs is not None:
+        manifest["needs"] = needs
     (tmp_path / native.NATIVE / native.MANIFEST).write_text(json.dumps(manifest))
     return tmp_path
 
@@ -104,6 +108,41 @@ def test_a_stale_build_or_the_switch_leaves_the_sources(
             "expbuf: the compiled modules of pkg do not match their sources (hot changed); "
             "using the pure-Python modules (run `make setup`, or reinstall expbuf, to rebuild them)"
         ]
+
+
+@pytest.mark.parametrize("needed_in_use", [True, False])
+def test_a_build_that_calls_another_package_goes_ahead_only_with_that_ones(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, needed_in_use: bool
+) -> None:
+    """The stored payloads' compiled modules call the codec's by their compiled names: with the
+    codec's stale (pure Python), using them would fail expbuf's import; they stay pure instead."""
+    monkeypatch.delenv(native.PURE_PYTHON, raising=False)
+    needed = types.ModuleType("needed_pkg")
+    needed.__path__ = [str(tmp_path / "needed" / native.NATIVE)] * needed_in_use + [str(tmp_path / "needed")]
+    monkeypatch.setitem(sys.modules, "needed_pkg", needed)
+    (tmp_path / "pkg").mkdir()
+    folder = package(tmp_path / "pkg", hashlib.sha256(b"VALUE = 1\n").hexdigest(), needs=["needed_pkg"])
+    path = [str(folder)]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert native.use_compiled("pkg", path) is needed_in_use
+    if needed_in_use:
+        assert path == [str(folder / native.NATIVE), str(folder)] and caught == []
+    else:
+        assert path == [str(folder)]
+        assert [str(warning.message) for warning in caught] == [
+            "expbuf: the compiled modules of pkg call those of needed_pkg, which are not in use; "
+            "using the pure-Python modules (run `make setup`, or reinstall expbuf, to rebuild them)"
+        ]
+
+
+def test_the_stored_payloads_build_names_the_codec_it_calls() -> None:
+    """Where built, the stored payloads' manifest names the codec (client/native_build.CALLS)."""
+    stored = ROOT / "client/trxp/stored"
+    if native.stale(stored) is None:
+        pytest.skip("no compiled modules in this tree (EXPBUF_PURE_PYTHON's pass or no build)")
+    manifest = json.loads((stored / native.NATIVE / native.MANIFEST).read_text())
+    assert manifest["needs"] == ["expbuf.client.trxp.codec"]
 
 
 def test_a_package_without_a_build_stays_pure(tmp_path: Path) -> None:
