@@ -3,7 +3,6 @@ store, the result of a push, a sampled batch, and a computation of advantages to
 
 from __future__ import annotations
 
-import math
 import operator
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -91,7 +90,6 @@ class Entry:
         eid = meta["eid"]
         info = meta.get("info")  # a checked item's info is a dict where it has one
         prompt_length = meta.get("prompt_length", 1)
-        shape = tokens.shape
         entry = _NEW(cls)
         entry.uid, entry.tid, entry.rid, entry.sid = ids_of(eid, item.checked_uid)  # as the push's check made it
         entry.blob, entry.digest, entry.size = blob, digest, size
@@ -110,7 +108,7 @@ class Entry:
         entry.reward = meta.get("reward")
         entry.has_token_rewards = "token_level_reward" in tensors
         entry.step = eid.get("step", 0)
-        entry.response_length = (shape[0] if len(shape) == 1 else math.prod(shape)) - prompt_length  # RawItem's
+        entry.response_length = tokens.numel - prompt_length  # RawItem's
         entry.generated = generated
         entry.prompt_bytes = prompt_length * ITEMSIZE[tokens.dtype]
         entry.chunks, entry.together = (), None

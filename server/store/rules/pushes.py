@@ -199,14 +199,14 @@ def _put_rows(
     (`put`), the oldest ready groups evicted where it needs room (make_room). A group the push opens is
     not made a `PendingGroup` unless the push leaves it pending: most complete in their push."""
     by_group: Mapping[str, Sequence[Entry]] = _by_group(entries, keys)
-    gdir = row_pending.directory_keys(tt, by_group)  # read, sought and written by this push: encoded once
+    gdir = tt.keys(by_group)  # read, sought and written by this push: encoded once
     # the directory entries of this push's groups, and the digests of their members stored
     existing, stored = row_pending.stored(tt, by_group, gdir)
     uids, admitted = [entry.uid for entry in entries], entries
     if stored or len(set(uids)) < len(uids):  # some may be stored already, or pushed twice
         fresh, by_group = _screen(tt, entries, keys, stored, result, holder)
         uids, admitted = list(fresh), list(fresh.values())
-        gdir = row_pending.directory_keys(tt, by_group)
+        gdir = tt.keys(by_group)
     opened = [key for gkey, key in zip(by_group, gdir, strict=True) if gkey not in existing] if existing else gdir
     _refuse_headless(tt, opened, by_group)
     _admit(tt, admitted, by_group, holder)

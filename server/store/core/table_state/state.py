@@ -11,7 +11,7 @@ pushes, what computes): those are the arguments of the verbs that need them.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from types import MappingProxyType
 from typing import TypeVar
 
@@ -104,6 +104,11 @@ class TableState:
 
     def key(self, name: str) -> bytes:
         return self.prefix + name.encode()
+
+    def keys(self, names: Iterable[str]) -> list[bytes]:
+        """`key` of each name, in their order: a push's uids, its groups' directory keys."""
+        prefix = self.prefix
+        return [prefix + name.encode() for name in names]
 
     def item(self, uid: str) -> ItemRecord | None:
         """The uid's record: a live experience's (or a failed one's whose payload is kept), or

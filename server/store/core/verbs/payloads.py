@@ -19,8 +19,8 @@ def store(tt: TableState, entries: Sequence[Entry]) -> None:
     """New experiences' payloads, in push order, counted pending with their bytes, places in the
     insertion order (next_seq) and versions: a records table's and a rows table's alike. A push whose
     payloads are all kept as they are (chunked.kept_whole) is stored without a step an experience."""
-    counters, prefix = tt.counters, tt.prefix
-    keys = [prefix + entry.uid.encode() for entry in entries]
+    counters = tt.counters
+    keys = tt.keys([entry.uid for entry in entries])
     blobs = [entry.blob for entry in entries]
     if chunked.kept_whole(blobs, [entry.prompt_bytes for entry in entries]):
         put_rows(tt.txn, tt.db["blobs"], list(zip(keys, blobs, strict=True)))

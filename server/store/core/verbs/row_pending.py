@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import itertools
 import logging
-from collections.abc import Iterable, Iterator, Mapping, Sequence, Set
+from collections.abc import Iterator, Mapping, Sequence, Set
 from types import MappingProxyType
 from typing import NamedTuple
 
@@ -63,21 +63,14 @@ class PendingGroup(NamedTuple):
         return self.head
 
 
-def directory_keys(tt: TableState, groups: Iterable[str]) -> list[bytes]:
-    """The keys of these groups' directory entries, in their order."""
-    prefix = tt.prefix
-    return [prefix + gkey.encode() for gkey in groups]
-
-
 def stored(
     tt: TableState, pushed: Mapping[str, Sequence[Entry]], keys: Sequence[bytes]
 ) -> tuple[dict[str, PendingGroup | None], dict[str, bytes]]:
-    """Of these groups (each with the entries a push brings it; `keys`: their `directory_keys`), those
-    the table has: pending (a
-    `PendingGroup`) or complete (None; computing too); and the stored digests of their members (uid ->
-    digest), for a retried push's duplicates (a deleted member's is not): one directory read a group,
-    one segment and its state read a segment, and a pending or computing group's rows read only
-    where one of the entries' uids' hashes is among its head's."""
+    """Of these groups (each with the entries a push brings it; `keys`: their directory keys, `tt.keys`),
+    those the table has: pending (a `PendingGroup`) or complete (None; computing too); and the stored
+    digests of their members (uid -> digest), for a retried push's duplicates (a deleted member's is
+    not): one directory read a group, one segment and its state read a segment, and a pending or
+    computing group's rows read only where one of the entries' uids' hashes is among its head's."""
     found: dict[str, PendingGroup | None] = {}
     digests: dict[str, bytes] = {}
     views: dict[int, tuple[SegmentView, SegState]] = {}
@@ -199,7 +192,7 @@ def view_new(tt: TableState, gkey: str, rows: Sequence[Member]) -> RowGroup:
 def complete_opened(tt: TableState, joined: Joined, keys: Sequence[bytes]) -> None:
     """Groups this request opened (`opening`) and completes with these members, none of their runs
     reported failed, ready in the ready order's next places: `complete`'s of their views, made as
-    their segment keeps them without a view of each first; `keys`: their `directory_keys`."""
+    their segment keeps them without a view of each first; `keys`: their directory keys."""
     pieces.drop_groups(tt, lambda: list(joined))  # their runs still in pieces will not join them
     segments.complete_ready(tt, segments.opened(joined, tt.now), keys=keys)
 

@@ -155,9 +155,9 @@ def write(
     already (whole_table/to_rows.py). Fewer than GROW_BELOW ready groups that take the next places
     go first into the table's newest segment where it is fresh (`_grow_tail`), so that pushes of a
     few experiences each do not leave a segment for every push. `keys`: the groups' directory keys
-    where the caller has them encoded (row_pending.directory_keys), else encoded here."""
+    where the caller has them encoded (`tt.keys`), else encoded here."""
     if keys is None:
-        keys = [tt.prefix + group.key.encode() for group in groups]
+        keys = tt.keys(map(_KEY, groups))
     if len(groups) < GROW_BELOW and state == READY and places is None and times is None and not quarantined and indexed:
         grown = _grow_tail(tt, groups, keys)
         groups, keys = groups[grown:], keys[grown:]
