@@ -94,7 +94,11 @@ def test_a_member_block_reads_back_whole_and_by_ranges(found: list[Member]) -> N
     for lo in range(len(found) + 1):
         for hi in range(lo, len(found) + 1):
             assert block.uids(lo, hi) == [m.uid for m in found[lo:hi]]
-            assert block.digests(lo, hi) == [m.digest for m in found[lo:hi]]
+            assert list(block.digests(lo, hi)) == [m.digest for m in found[lo:hi]]
+            assert block.uid_bytes(lo, hi) == [m.uid.encode() for m in found[lo:hi]]
+            assert block.keys(b"\x00\x00\x00\x07", lo, hi) == [
+                b"\x00\x00\x00\x07" + m.uid.encode() for m in found[lo:hi]
+            ]
             assert list(block.column("reward", lo, hi)) == [m.reward for m in found[lo:hi]]
             assert list(block.column("version", lo, hi)) == [m.version for m in found[lo:hi]]
             assert list(block.column("advantage", lo, hi)) == [m.advantage for m in found[lo:hi]]
@@ -102,6 +106,24 @@ def test_a_member_block_reads_back_whole_and_by_ranges(found: list[Member]) -> N
             assert list(block.column("size", lo, hi)) == [m.size for m in found[lo:hi]]
             assert block.members(lo, hi) == found[lo:hi]  # one member alone read field by field
     assert [block.segments(i) for i in range(len(found))] == [m.segments for m in found]
+
+
+def test_a_member_blocks_uids_far_into_it_read_back_as_near_its_start() -> None:
+    """A block's uids, their bytes and their payloads' keys, read a range at a time, are the members'
+    wherever the range lies: near the block's start they are cut from its uid bytes copied from the
+    first, far into it (long uids before a few members) from the range's bytes alone; a uid not of
+    ASCII among them as well as none."""
+    for odd in ("", "é"):
+        uids = [f"{odd if i == 7 else ''}{i:03d}/" + "x" * (i % 5 * 60) for i in range(40)]
+        found = [
+            Member(uid, bytes(16), 1, i, 0.0, 0, 1, 1, None, None, 0.0, None, None, ()) for i, uid in enumerate(uids)
+        ]
+        block = MemberBlock(encode_members(found))
+        for lo in range(len(found) + 1):
+            for hi in range(lo, len(found) + 1):
+                assert block.uids(lo, hi) == uids[lo:hi]
+                assert block.uid_bytes(lo, hi) == [uid.encode() for uid in uids[lo:hi]]
+                assert block.keys(b"T", lo, hi) == [b"T" + uid.encode() for uid in uids[lo:hi]]
 
 
 @given(st.lists(groups, min_size=1, max_size=6) | st.lists(singles, min_size=1, max_size=SEGMENT_GROUPS), u64, number)

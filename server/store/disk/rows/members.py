@@ -64,6 +64,15 @@ _BLOCK = struct.Struct("<II")  # members, flags
 _ONE = {code: struct.Struct(f"<{code}") for _, code in _COLUMNS}  # one member's value of a column
 _ENDS = struct.Struct("<II")  # where a member's uid starts and ends
 _HAS_SEGMENTS = 1
+# Bytes of uids before a range copied with it, an end of the range: a few instructions of a copy
+# each, where taking the first end off each end makes an int (about 80).
+_BEFORE = 64
+
+
+@functools.lru_cache(maxsize=512)
+def _digest_form(count: int) -> struct.Struct:
+    """The form of `count` digests side by side: a block's read as that many bytes objects at once."""
+    return struct.Struct(f"{count * (str(_DIGEST) + 's')}")
 
 
 def _absent(name: str) -> int | float | None:
@@ -205,8 +214,8 @@ class MemberBlock:
             return []
         ends, joined = self._uid_range(lo, hi)
         if joined.isascii():  # (mostly) its characters are its bytes: one decode, cut as text
-            text, first = joined.decode("ascii"), ends[0]
-            return [text[a - first : b - first] for a, b in itertools.pairwise(ends)]
+            text = joined.decode("ascii")
+            return [text[a:b] for a, b in zip(ends, ends[1:], strict=False)]  # noqa: RUF007 (_cut)
         return [str(uid, "utf-8") for uid in self._cut(ends, joined)]
 
     def uid_bytes(self, lo: int, hi: int) -> list[bytes]:
@@ -221,25 +230,32 @@ class MemberBlock:
         if hi <= lo:
             return []
         ends, joined = self._uid_range(lo, hi)
-        first = ends[0]
-        return [prefix + joined[a - first : b - first] for a, b in itertools.pairwise(ends)]
+        return [prefix + joined[a:b] for a, b in zip(ends, ends[1:], strict=False)]  # noqa: RUF007 (_cut)
 
-    def _uid_range(self, lo: int, hi: int) -> tuple[tuple[int, ...], bytes]:
-        """The ends of members lo to hi's uids, and their bytes end to end (one copy out of the map)."""
+    def _uid_range(self, lo: int, hi: int) -> tuple[Sequence[int], bytes]:
+        """The ends of members lo to hi's uids, and bytes to cut them from at those ends (one copy
+        out of the map): the block's uid bytes from its first where those before member lo are few
+        beside the range (_BEFORE an end: a take's, a confirm's), so that no int is made an end by
+        taking the first off; else (a member far into a large group) the range's alone, its ends so
+        made."""
         ends = struct.unpack_from(f"<{hi - lo + 1}I", self.data, self._uids + 4 * lo)
-        return ends, bytes(self.data[self._uid_bytes + ends[0] : self._uid_bytes + ends[-1]])
+        first, last, at = ends[0], ends[-1], self._uid_bytes
+        if first <= _BEFORE * len(ends):
+            return ends, bytes(self.data[at : at + last])
+        return [end - first for end in ends], bytes(self.data[at + first : at + last])
 
     @staticmethod
-    def _cut(ends: tuple[int, ...], joined: bytes) -> list[bytes]:
-        first = ends[0]
-        return [joined[a - first : b - first] for a, b in itertools.pairwise(ends)]
+    def _cut(ends: Sequence[int], joined: bytes) -> list[bytes]:
+        """`joined` cut at `ends`, each pair of ends from zip, which reuses its tuple from one pair to
+        the next where pairwise makes one a pair (about 200 instructions a uid)."""
+        return [joined[a:b] for a, b in zip(ends, ends[1:], strict=False)]  # noqa: RUF007 (_cut)
 
     def uid(self, i: int) -> str:
         return self.uids(i, i + 1)[0]
 
-    def digests(self, lo: int, hi: int) -> list[bytes]:
-        joined = bytes(self.data[self._digests + _DIGEST * lo : self._digests + _DIGEST * hi])
-        return [joined[p : p + _DIGEST] for p in range(0, len(joined), _DIGEST)]
+    def digests(self, lo: int, hi: int) -> tuple[bytes, ...]:
+        """The digests of members lo to hi (excluded): cut by one unpack, no slice or int made a digest."""
+        return _digest_form(hi - lo).unpack_from(self.data, self._digests + _DIGEST * lo)
 
     def column(self, name: str, lo: int, hi: int) -> Sequence[int | float | None]:
         """A member column (a field of Member) of members lo to hi (excluded), absent values as None."""
