@@ -56,6 +56,10 @@ _COLUMNS = (
     ("generated", "I"),
 )
 _WIDTH = {code: struct.calcsize(code) for _, code in _COLUMNS}
+# Each column's place in a block, as bytes a member before it (its start: the first column's place
+# plus that times the block's members), its code and its width: no table of places made a block.
+_AT = {name: (sum(_WIDTH[c] for _, c in _COLUMNS[:at]), code, _WIDTH[code]) for at, (name, code) in enumerate(_COLUMNS)}
+_COLUMNS_WIDTH = sum(_WIDTH[code] for _, code in _COLUMNS)  # a member's bytes in the columns
 _OPTIONAL_INT = frozenset({"version"})
 _OPTIONAL_FLOAT = frozenset({"reward", "advantage", "shaped_reward"})
 _FIELD = {name: Member._fields.index(name) for name, _ in _COLUMNS}
@@ -156,7 +160,7 @@ def join_members(first: MemberBlock, then: MemberBlock) -> bytes:
     parts.extend(block.data[block._digests : block._digests + _DIGEST * block.count] for block in blocks)
     for name, _ in _COLUMNS:
         for block in blocks:
-            pos, _, width = block._columns[name]
+            pos, _, width = block.placed(name)
             parts.append(block.data[pos : pos + width * block.count])
     ends = [struct.unpack_from(f"<{block.count + 1}I", block.data, block._uids) for block in blocks]
     parts.append(struct.pack(f"<{count + 1}I", *ends[0], *(end + ends[0][-1] for end in ends[1][1:])))
@@ -191,11 +195,8 @@ class MemberBlock:
         pos += _BLOCK.size
         self._digests = pos
         pos += _DIGEST * count
-        columns = {}
-        for name, code in _COLUMNS:
-            columns[name] = (pos, code, _WIDTH[code])
-            pos += _WIDTH[code] * count
-        self._columns = columns
+        self._columns = pos  # the first column's place (_AT: each one's)
+        pos += _COLUMNS_WIDTH * count
         self._uids = pos
         self._uid_bytes = pos + 4 * (count + 1)
         (size,) = struct.unpack_from("<I", data, pos + 4 * count)
@@ -207,6 +208,11 @@ class MemberBlock:
             self._segment_values = pos + 4 * (count + 1)
             pos = self._segment_values + 8 * values
         self.end = pos  # past the block
+
+    def placed(self, name: str) -> tuple[int, str, int]:
+        """A column's place in the data, its code and its width."""
+        before, code, width = _AT[name]
+        return self._columns + before * self.count, code, width
 
     def uids(self, lo: int, hi: int) -> list[str]:
         """The uids of members lo to hi (excluded)."""
@@ -259,7 +265,7 @@ class MemberBlock:
 
     def column(self, name: str, lo: int, hi: int) -> Sequence[int | float | None]:
         """A member column (a field of Member) of members lo to hi (excluded), absent values as None."""
-        pos, code, width = self._columns[name]
+        pos, code, width = self.placed(name)
         values = struct.unpack_from(f"<{hi - lo}{code}", self.data, pos + width * lo)
         # a column is mostly all absent or all present, which a pass in C finds: no step a member
         if name in _OPTIONAL_FLOAT:
@@ -306,7 +312,8 @@ class MemberBlock:
     def _member(self, i: int) -> Member:
         row: list[object] = [None] * len(Member._fields)
         data = self.data
-        for name, (pos, code, width) in self._columns.items():
+        for name, _ in _COLUMNS:
+            pos, code, width = self.placed(name)
             value = _ONE[code].unpack_from(data, pos + width * i)[0]
             absent = value != value if name in _OPTIONAL_FLOAT else name in _OPTIONAL_INT and value == _NONE_INT
             row[_FIELD[name]] = None if absent else value  # NaN, or the absent int: None, as `column` has it
