@@ -76,7 +76,7 @@ _BEFORE = 64
 @functools.lru_cache(maxsize=512)
 def _digest_form(count: int) -> struct.Struct:
     """The form of `count` digests side by side: a block's read as that many bytes objects at once."""
-    return struct.Struct(f"{count * (str(_DIGEST) + 's')}")
+    return struct.Struct(f"{_DIGEST}s" * count)
 
 
 def _absent(name: str) -> int | float | None:
@@ -253,7 +253,7 @@ class MemberBlock:
     @staticmethod
     def _cut(ends: Sequence[int], joined: bytes) -> list[bytes]:
         """`joined` cut at `ends`, each pair of ends from zip, which reuses its tuple from one pair to
-        the next where pairwise makes one a pair (about 200 instructions a uid)."""
+        the next where pairwise makes one a pair (about 140 instructions a uid)."""
         return [joined[a:b] for a, b in zip(ends, ends[1:], strict=False)]  # noqa: RUF007 (_cut)
 
     def uid(self, i: int) -> str:
