@@ -1,8 +1,9 @@
 """Instructions the server's ingest of a push costs an experience (valgrind's callgrind, counted
 around each part alone): the parse of a pushed payload (`trxp.parse`: every check on untrusted
 bytes), the packing of each experience as the store keeps it (`pack_item`: its canonical metadata
-pickle, header and frame) and the entry made of it (`Entry.staged`), which together are most of what
-a push of small experiences costs the server (issue 64).
+pickle, header and frame), its digest (`digests.of`), its generated tokens (`generated_tokens`: its
+action mask's count) and the entry made of it (`Entry.staged`): together what `Entry.of` does to
+each, most of what a push of small experiences costs the server (issue 64).
 
     .venv/bin/python bench/bench_ingest_instructions.py [--shapes 8k,40k] [--before TREE] [--out bench/RESULTS.md]
 
@@ -26,7 +27,7 @@ sys.path.insert(0, str(HERE))
 import callgrind  # noqa: E402
 import results  # noqa: E402
 
-PARTS = ("parse", "pack", "entry")
+PARTS = ("parse", "pack", "digest", "generated", "entry")
 HEADING = "## Instructions of a push's ingest (issue 64)"
 
 
@@ -37,6 +38,7 @@ def child(part: str, shape: str) -> None:
     from expbuf.client import trxp
     from expbuf.client.trxp.codec.build import pack_item
     from expbuf.server.store import Entry
+    from expbuf.server.store.disk import digests
 
     payloads = [trxp.encode(push) for push in make_pushes(shape, 8)]
     items = [item for payload in payloads for item in trxp.parse(payload)]
@@ -53,6 +55,12 @@ def child(part: str, shape: str) -> None:
         elif part == "pack":
             for item in items:
                 pack_item(item)
+        elif part == "digest":
+            for blob in blobs:
+                digests.of(blob)
+        elif part == "generated":
+            for item in items:
+                item.generated_tokens  # noqa: B018 (a property: what is counted is its reading)
         else:
             for item, blob in zip(items, blobs, strict=True):
                 Entry.staged(item, blob, b"", len(blob), 0)

@@ -308,6 +308,22 @@ def test_an_action_mask_counts_its_generated_tokens_as_torch_does_without_torch(
     assert count_nonzero(raw) == int((mask != 0).sum()) == 4
 
 
+@pytest.mark.parametrize(
+    "values",
+    [[], [0] * 9, [1] * 9, [0, 0, 0, 1, 1], [1, 1, 1, 0, 1, 0, 0, 3], [1] * 40 + [0] * 3 + [1] * 5 + [0]],
+)
+@pytest.mark.parametrize("dtype", [torch.bool, torch.uint8])
+def test_a_one_byte_mask_counts_the_same_with_or_without_a_zero_or_from_its_first(
+    values: list[int], dtype: torch.dtype
+) -> None:
+    """A one-byte mask is counted from its first zero on (none: every element): each layout of its
+    zeros, none, at its start, only at its end, and values above 1 (a uint8 mask's), gives torch's count."""
+    from expbuf.client.trxp.codec.common import count_nonzero
+
+    mask = torch.tensor(values, dtype=torch.int64).to(dtype)
+    assert count_nonzero(trxp.raw_of(mask)) == int((mask != 0).sum()) == sum(1 for v in values if v)
+
+
 NON_FINITE_DTYPES = (
     torch.float64,
     torch.float32,

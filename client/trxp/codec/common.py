@@ -211,7 +211,12 @@ def count_nonzero(raw: RawTensor) -> int:
     so the storage engine counts an action mask's generated tokens without importing it."""
     data = memoryview(raw.data).cast("B")
     if ITEMSIZE[raw.dtype] == 1:
-        return len(data) - data.tobytes().count(0)
+        # A single turn's mask holds no zero (every response token generated): memchr finds the
+        # first zero in a vectorised pass, and only the bytes from it on are counted one at a time
+        # (bytes.count of one byte: some 5 instructions a byte, 20 k a 40 KB experience's mask).
+        held = data.tobytes()
+        first = held.find(0)
+        return len(held) if first < 0 else len(held) - held.count(0, first)
     if raw.dtype == "BF16":
         return sum(1 for (bits,) in struct.iter_unpack("<H", data) if bits & 0x7FFF)
     return sum(1 for (value,) in struct.iter_unpack("<" + NUMBER_FORMAT[raw.dtype], data) if value)
