@@ -23,6 +23,7 @@ from expbuf.server.config import ConfigError, ServerConfig, load
 from expbuf.server.rpc.push import ingest as ingest_module
 from expbuf.server.rpc.push import ingest_worker
 from expbuf.server.rpc.push.ingest import Ingest, entries_of
+from expbuf.server.store import Entry
 from expbuf.server.store.schema.errors import InvalidPayload
 
 from conftest import BAD_DIR, MANIFEST, Servers, payload
@@ -295,6 +296,47 @@ def test_an_empty_payload_is_refused_without_losing_the_worker() -> None:
         assert pool._workers[0] is worker and worker.process.poll() is None
     finally:
         pool.close()
+
+
+def test_a_refusal_then_a_push_that_grows_the_region_decode_as_here(ingest: Ingest) -> None:
+    """A worker decodes each payload where the server put it in the region (views of it, not a
+    copy): a refused one's views go with its error, so the region grows (is mapped again) for the
+    next, larger push as for any, and that push's entries are whole."""
+    worker = ingest._workers[0]
+    bad = (BAD_DIR / "prompt_longer_than_tokens.bin").read_bytes()
+    assert isinstance(worker.entries(bad), InvalidPayload)  # the refusal, as the worker gives it
+    tokens = worker.region.size // 4
+    big = trxp.encode(
+        Experience(eid=EID(batch="g", task=0, run=run), tokens=torch.arange(tokens, dtype=torch.int32), prompt_length=1)
+        for run in range(2)
+    )
+    size = worker.region.size
+    assert worker.entries(big) == entries_of(big)
+    assert worker.region.size > size
+    assert worker.process.poll() is None
+
+
+def test_a_region_grows_while_a_view_of_its_map_is_held(tmp_path: Path) -> None:
+    """A view of the map still held (one a collector has yet to free) does not stop the region
+    from growing: the old map goes when the view does, and the view reads what it did."""
+    region = ingest_worker.Region(os.open(tmp_path / "region", os.O_RDWR | os.O_CREAT))
+    try:
+        region.fit(16)[:4] = b"kept"
+        held = memoryview(region.map)[:4]
+        grown = region.fit(region.size + 1)
+        assert grown is region.map and region.size > 16 and bytes(held) == b"kept" == grown[:4]
+        held.release()
+    finally:
+        region.close()
+
+
+def test_an_entry_is_placed_from_a_worker_s_row_field_by_field() -> None:
+    """Entry.placed reads a worker's row in the order of the entry's fields (ingest_worker.FIELDS):
+    each field, given a value of its own, is found where it was given."""
+    row = tuple(f"value of {name}" for name in ingest_worker.FIELDS)
+    entry = Entry.placed(row, b"payload")
+    for name, value in zip(ingest_worker.FIELDS, row, strict=True):
+        assert getattr(entry, name) == (b"payload" if name == "blob" else value), name
 
 
 def metadata_payload(sizes: list[int]) -> bytes:

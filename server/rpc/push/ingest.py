@@ -133,10 +133,10 @@ class _Worker:
         try:
             if not isinstance(reply, list):
                 return reply
-            entries, pos, blob = [], 0, ingest_worker.BLOB
+            entries, pos, blob, placed = [], 0, ingest_worker.BLOB, Entry.placed
             for row in reply:
                 end = pos + row[blob]
-                entries.append(Entry(*(*row[:blob], view[pos:end], *row[blob + 1 :])))
+                entries.append(placed(row, view[pos:end]))  # a slice of the map: the blob's one copy here
                 pos = end
             return entries
         finally:

@@ -12,6 +12,7 @@ at every server start and every replacement.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import mmap
 import operator
@@ -87,7 +88,9 @@ class Region:
         if os.fstat(self.fd).st_size < max(size, 1):
             os.ftruncate(self.fd, max(size, 2 * self.size, _MIN_REGION))
         if self.map is not None:
-            self.map.close()
+            # A view of it may still be held (in a cycle not yet freed): it is unmapped as that goes.
+            with contextlib.suppress(BufferError):
+                self.map.close()
         self.size = os.fstat(self.fd).st_size
         self.map = mmap.mmap(self.fd, self.size)
         return self.map
@@ -123,15 +126,24 @@ def serve(conn: Connection, region: Region, max_metadata_bytes: int) -> None:
             length, size = REQUEST.unpack(conn.recv_bytes())
         except (EOFError, OSError):  # the server closed the pool, or ended (even while this one started)
             return
-        view = region.fit(size)
+        region.fit(size)
         try:
-            reply: Any = _pack(entries_of(view[:length], limit), region)
+            reply: Any = _pack(_decoded(region, length, limit), region)
         except Exception as exc:
             reply = exc
         try:
             message = pickle.dumps((reply, region.size), pickle.HIGHEST_PROTOCOL)
         except Exception:  # a refusal that does not pickle: the server decodes the push itself
             message = pickle.dumps((None, region.size), pickle.HIGHEST_PROTOCOL)
+        reply = None  # a refusal's traceback holds views of the payload, which a remap of the region must not find
+
+
+def _decoded(region: Region, length: int, limit: trxp.MetadataLimit) -> list[Entry]:
+    """The entries of the payload the server put at the start of the region, decoded where it lies:
+    a slice of the map is a copy of it (bytes), a view is not. The entries hold copies of what they
+    keep (the packed payloads), never a view of the region, which their packing overwrites."""
+    assert region.map is not None
+    return entries_of(memoryview(region.map)[:length], limit)
 
 
 def _pack(entries: list[Entry], region: Region) -> list[tuple]:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import operator
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from expbuf.client.schema.experience import ids_of
 from expbuf.client.schema.routing import GROUP_KEY_OF
@@ -112,6 +112,22 @@ class Entry:
         entry.generated = generated
         entry.prompt_bytes = prompt_length * ITEMSIZE[tokens.dtype]
         entry.chunks, entry.together = (), None
+        return entry
+
+    @classmethod
+    def placed(cls, row: tuple[Any, ...], blob: bytes) -> Entry:
+        """An entry of an ingest process's `row`: its fields in their order here (as
+        dataclasses.fields lists them), the payload's length in blob's place, and its payload
+        `blob`. Set on a bare instance in one unpacking, as `staged` sets them: through the
+        dataclass's __init__ (its arguments starred around the blob) it cost 8.3 k instructions
+        an experience, this 4.6 k."""
+        entry = _NEW(cls)
+        (
+            entry.uid, entry.tid, entry.rid, entry.sid, _, entry.digest, entry.size, entry.version, entry.reward,
+            entry.priority, entry.has_token_rewards, entry.step, entry.response_length, entry.generated,
+            entry.prompt_bytes, entry.segments, entry.piece, entry.chunks, entry.together,
+        ) = row  # fmt: skip
+        entry.blob = blob
         return entry
 
     def record(self, gkey: str, *, seq: int, created: float) -> ItemRecord:
