@@ -19,18 +19,23 @@ import results
 
 
 @contextlib.contextmanager
-def counted() -> Iterator[None]:
-    """In a child `run` started: count the instructions of what runs inside."""
+def counted(*others: int) -> Iterator[None]:
+    """In a child `run` started: count the instructions of what runs inside, in this process and in
+    the processes `others` it started (`run` with `children`)."""
     toggle = ["callgrind_control", "-i"]
-    subprocess.run([*toggle, "on", str(os.getpid())], check=True, capture_output=True)
+    pids = [str(pid) for pid in (os.getpid(), *others)]
+    for pid in pids:
+        subprocess.run([*toggle, "on", pid], check=True, capture_output=True)
     yield
-    subprocess.run([*toggle, "off", str(os.getpid())], check=True, capture_output=True)
+    for pid in pids:
+        subprocess.run([*toggle, "off", pid], check=True, capture_output=True)
 
 
-def run(script: str, args: list[str], tree: Path | None = None) -> tuple[int, str]:
+def run(script: str, args: list[str], tree: Path | None = None, *, children: bool = False) -> tuple[int, str]:
     """The instructions `script` run with `args` counted (where it turned counting on: `counted`),
     and its stderr. With `tree`, another checkout's `server/` and `client/` are imported in place of
-    these (its compiled modules where it has them built), with this tree's interpreter."""
+    these (its compiled modules where it has them built), with this tree's interpreter. With
+    `children`, the processes it starts run under callgrind too (counted where `counted` names them)."""
     with tempfile.TemporaryDirectory() as out:
         env = {**os.environ, "PYTHONHASHSEED": "0"}
         if tree is not None:  # its packages first on the path: a namespace of links to its own
@@ -42,7 +47,7 @@ def run(script: str, args: list[str], tree: Path | None = None) -> tuple[int, st
         done = subprocess.run(
             [
                 "valgrind", "--tool=callgrind", "--instr-atstart=no", f"--callgrind-out-file={out}/cg.%p",
-                sys.executable, script, *args,
+                f"--trace-children={'yes' if children else 'no'}", sys.executable, script, *args,
             ],
             capture_output=True, env=env,
         )  # fmt: skip
