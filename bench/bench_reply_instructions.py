@@ -3,13 +3,14 @@ around `sample_reply` alone): the RPC thread's share of a consume beside gRPC's 
 busy machine does not move (issue 64).
 
     .venv/bin/python bench/bench_reply_instructions.py [--replies plain,grpo,plain-columns,grpo-columns]
-        [--before TREE] [--out bench/RESULTS.md]
+        [--shape 8k] [--before TREE] [--out bench/RESULTS.md]
 
 A rows table is filled with 2,048 experiences of 8 KB (bench_reverb's shape: each its own group with
-no estimator, or groups of 8 whose grpo advantages the pushes compute), then taken by held takes of
-256, each confirming the one before; the replies of all but the first batch are built and counted,
-decoded (a TRXP payload) or as columns (`tokens,logprobs`, and `advantages` with grpo). `--before
-TREE` counts another checkout's beside this one's (callgrind.py). Needs valgrind.
+no estimator, or groups of 8 whose grpo advantages the pushes compute; `--shape 40k`: its 40 KB
+ones, tokens, log-probs and an action mask), then taken by held takes of 256, each confirming the
+one before; the replies of all but the first batch are built and counted, decoded (a TRXP payload)
+or as columns (`tokens,logprobs`, and `advantages` with grpo). `--before TREE` counts another
+checkout's beside this one's (callgrind.py). Needs valgrind.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import argparse
 import itertools
 import sys
 import tempfile
+from functools import partial
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -37,9 +39,9 @@ REPLIES = {  # name -> (estimator, fields asked as columns; none: decoded)
 HEADING = "## Instructions of a sample reply's build (issue 64)"
 
 
-def child(reply: str) -> None:
+def child(reply: str, shape: str) -> None:
     """Under callgrind, collection off: the replies counted with it on (callgrind_control)."""
-    from bench_reverb import make_pushes
+    from bench_reverb import PER_PUSH, make_pushes
 
     from expbuf.client import trxp
     from expbuf.client.schema.experience import EID
@@ -50,7 +52,7 @@ def child(reply: str) -> None:
 
     estimator, fields = REPLIES[reply]
     group = GROUP if estimator != "none" else 1
-    pushes = make_pushes("8k", COUNT // floor.BATCH)
+    pushes = make_pushes(shape, COUNT // PER_PUSH[shape])
     serial = itertools.count()
     for exps in pushes:
         for exp in exps:
@@ -78,27 +80,29 @@ def child(reply: str) -> None:
                     pass
 
 
-def instructions(reply: str, tree: Path | None) -> float:
-    """Instructions an experience counted of the replies, this tree's or `tree`'s."""
-    total, _ = callgrind.run(__file__, ["--child", reply], tree)
+def instructions(reply: str, tree: Path | None, shape: str = "8k") -> float:
+    """Instructions an experience counted of the replies of `shape`, this tree's or `tree`'s."""
+    total, _ = callgrind.run(__file__, ["--child", reply, "--shape", shape], tree)
     return total / (COUNT - floor.BATCH)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--replies", default=",".join(REPLIES))
+    parser.add_argument("--shape", default="8k", choices=floor.PER_PUSH, help="bench_reverb's experiences: 8k or 40k")
     parser.add_argument("--before", type=Path, help="another checkout whose reply is counted beside this one's")
     parser.add_argument("--out", type=Path)
     parser.add_argument("--child", choices=REPLIES, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        child(args.child)
+        child(args.child, args.shape)
         return
     about = (
-        f"callgrind, every thread; {COUNT:,} experiences of 8 KB in a rows table taken by held takes of 256, "
-        "the replies of all but the first batch built and counted (`sample_reply`, before gRPC's send)."
+        f"callgrind, every thread; {COUNT:,} experiences of {args.shape.upper()}B in a rows table taken by held "
+        "takes of 256, the replies of all but the first batch built and counted (`sample_reply`, before gRPC's send)."
     )
-    callgrind.compare(HEADING, about, "reply", args.replies.split(","), instructions, args.before, args.out)
+    count = partial(instructions, shape=args.shape)
+    callgrind.compare(HEADING, about, "reply", args.replies.split(","), count, args.before, args.out)
 
 
 if __name__ == "__main__":

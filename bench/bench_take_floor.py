@@ -63,7 +63,7 @@ import xxhash
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from bench_reverb import make_pushes  # noqa: E402
+from bench_reverb import PER_PUSH, make_pushes  # noqa: E402
 from results import write_section  # noqa: E402
 
 from expbuf.client import EID, trxp  # noqa: E402
@@ -93,9 +93,10 @@ _GROUP = struct.Struct("<BBdqdq")  # the head of a group record (records.GroupRe
 _ITEM = struct.Struct("<BQ16sQdqIIqddQddd")  # the head of an item record (records.ItemRecord)
 
 
-def entries(count: int, group: int, serial: Iterator[int]) -> list[list[Entry]]:
-    """`count` experiences of 8 KB, groups of `group` (runs of one task), as pushes of BATCH."""
-    pushes = make_pushes("8k", count // BATCH)
+def entries(count: int, group: int, serial: Iterator[int], shape: str = "8k") -> list[list[Entry]]:
+    """`count` experiences of `shape` (bench_reverb's: 8k, or 40k), groups of `group` (runs of one
+    task), as pushes of bench_reverb's size for the shape."""
+    pushes = make_pushes(shape, count // PER_PUSH[shape])
     for exps in pushes:
         for exp in exps:
             number = next(serial)
