@@ -32,7 +32,6 @@ from .chunk_heads import (
     DIGESTED,
     OWNER,
     SET_NUMBER,
-    ChunkHead,
     chunk_key,
     format_8,
     intact_head,
@@ -206,9 +205,9 @@ def own(txn: lmdb.Transaction[bytes], dbs: dict[str, lmdb._Database], key: bytes
     txn.put(chunk_key(bytes(key[:4]), set_id, OWNER), bytes(key), db=dbs["chunks"])
 
 
-def _marked(txn: lmdb.Transaction[bytes], dbs: dict[str, lmdb._Database], key: bytes, head: ChunkHead) -> bool:
-    """Whether the set a head names is marked as the data of the experience under `key`."""
-    mark = txn.get(chunk_key(bytes(key[:4]), head.set_id, OWNER), db=dbs["chunks"])
+def _marked(txn: lmdb.Transaction[bytes], dbs: dict[str, lmdb._Database], key: bytes, set_id: int) -> bool:
+    """Whether the set a head names (`set_id`) is marked as the data of the experience under `key`."""
+    mark = txn.get(chunk_key(bytes(key[:4]), set_id, OWNER), db=dbs["chunks"])
     return mark is not None and bytes(mark) == bytes(key)
 
 
@@ -307,11 +306,20 @@ def _any_chunk(txn: lmdb.Transaction[bytes], dbs: dict[str, lmdb._Database], pre
         return bool(cur.set_range(prefix)) and bytes(cur.key()[:4]) == prefix
 
 
+# A nested write transaction of `parent`'s whose reads are views of the map, not copies
+# (Environment.views): for reads of a few bytes of large values, aborted once they are read.
+Views = Callable[["lmdb.Transaction[bytes]"], "lmdb.Transaction[memoryview]"]
+# What `delete` finds a payload it looks at to be (`_found`): a reference to a shared prompt, an
+# intact head, one that may have a chunk set its head does not name (_set_unnamed), or none of these.
+_REF, _HEAD, _UNNAMED, _PLAIN = range(4)
+
+
 def delete(
     txn: lmdb.Transaction[bytes],
     dbs: dict[str, lmdb._Database],
     keys: Iterable[bytes],
     sizes: Sequence[int] | None = None,
+    views: Views | None = None,
 ) -> None:
     """Delete stored payloads (absent ones are no error), the chunk sets of those stored in chunks
     (the one an intact head names; a damaged one's, the set marked with its key, and so a lost
@@ -320,21 +328,55 @@ def delete(
     larger than MIN_COMPRESSED, in a table that holds any chunk; or of at least
     shared_prompts.MIN_BYTES, in a table that keeps shared prompts), so that a consume of small
     experiences reads none, and one of experiences of up to 4 MiB in a table that holds no chunk
-    none either. They go in key order, through one cursor, in whatever order they are given."""
+    none either. They go in key order, through one cursor, in whatever order they are given.
+    With `views`, a payload looked at is read in place, not copied: of a reference to a shared
+    prompt (every 40 KB experience of a table that keeps them) only its first 36 bytes are read."""
     keys = list(keys)
     blobs, ordered = dbs["blobs"], sorted(keys)
     looked = range(len(keys)) if sizes is None else _looked(txn, dbs, keys, sizes, _tables(ordered))
-    for at in looked:
-        key = keys[at]
-        value = txn.get(key, db=blobs)
-        if value is not None and len(value) >= 4 and shared_prompts.is_ref(value):
-            shared_prompts.release(txn, dbs, key, value)
-        elif value is not None and (head := intact_head(value)) is not None and _marked(txn, dbs, key, head):
-            drop_set(txn, dbs, bytes(key[:4]), head.set_id)
-        elif _set_unnamed(value, None if sizes is None else sizes[at]):
-            for set_id in _sets_of(txn, dbs, key):
+    if looked:
+        looked_keys = [keys[at] for at in looked]
+        looked_sizes = [None if sizes is None else sizes[at] for at in looked]
+        found = _read(txn, blobs, looked_keys, looked_sizes, views)
+        for key, (kind, frame, set_id) in zip(looked_keys, found, strict=True):
+            if kind == _REF:
+                shared_prompts.release(txn, dbs, key, frame)
+            elif kind == _HEAD and _marked(txn, dbs, key, set_id):
                 drop_set(txn, dbs, bytes(key[:4]), set_id)
+            elif kind != _PLAIN:  # a head whose set is not marked as its own is one whose set it may not name
+                for set_id in _sets_of(txn, dbs, key):
+                    drop_set(txn, dbs, bytes(key[:4]), set_id)
     delete_rows(txn, blobs, ordered)
+
+
+def _read(
+    txn: lmdb.Transaction[bytes],
+    blobs: lmdb._Database,
+    keys: Sequence[bytes],
+    sizes: Sequence[int | None],
+    views: Views | None,
+) -> list[tuple[int, bytes, int]]:
+    """What each payload `delete` looks at is (`_found`), read in a nested transaction of views
+    (`views`, aborted once they are read: nothing is written in it) or else copied."""
+    if views is None:
+        return [_found(txn.get(key, db=blobs), size) for key, size in zip(keys, sizes, strict=True)]
+    child = views(txn)
+    try:
+        return [_found(child.get(key, db=blobs), size) for key, size in zip(keys, sizes, strict=True)]
+    finally:
+        child.abort()
+
+
+def _found(value: Bytes | None, size: int | None) -> tuple[int, bytes, int]:
+    """What a payload being deleted is (its stored `value`, None: not stored; `size`, its
+    record's), with what `delete` then needs of it, outliving the value: a reference's frame
+    (shared_prompts.release), an intact head's set number."""
+    if value is not None and len(value) >= 4 and shared_prompts.is_ref(value):
+        return _REF, shared_prompts.frame(value), 0
+    head = None if value is None else intact_head(value)
+    if head is not None:
+        return _HEAD, b"", head.set_id
+    return (_UNNAMED if _set_unnamed(value, size) else _PLAIN), b"", 0
 
 
 def _tables(ordered: Sequence[bytes]) -> set[bytes]:

@@ -299,6 +299,12 @@ class Environment:
         join the parent's; aborted, it undoes only itself."""
         return self.env.begin(write=True, parent=parent)
 
+    def views(self, parent: lmdb.Transaction[bytes]) -> lmdb.Transaction[memoryview]:
+        """A write transaction nested in `parent` whose reads are views of the map (or of the
+        pages `parent` wrote), not copies: for a read of a few bytes of large values
+        (chunked.delete's), aborted once they are read, before `parent` is used again."""
+        return self.env.begin(write=True, parent=parent, buffers=True)
+
     @staticmethod
     def _run(op: _Op, txn: lmdb.Transaction[bytes]) -> tuple[bool, Any]:
         """Run one request; a refusal is its result, a full map aborts the whole batch."""

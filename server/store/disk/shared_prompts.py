@@ -110,6 +110,11 @@ def _prompt_span(blob: bytes, response: int) -> tuple[int, int] | None:
     return None
 
 
+def frame(value: Bytes) -> bytes:
+    """A reference's frame, a copy of its first bytes: what `release` reads of it."""
+    return bytes(value[: _REF.size])
+
+
 def _unframe(value: Bytes) -> tuple[bytes, int, int, memoryview]:
     """A reference's prompt digest, where the prompt lies, its length and the payload without it."""
     _, digest, start, length = _REF.unpack_from(value)

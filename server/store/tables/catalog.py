@@ -125,7 +125,8 @@ class TableCatalog:
         self, txn: lmdb.Transaction[bytes], table_id: int, config: TableConfig, now: float | None = None
     ) -> TableState:
         extensions = self._extensions.get(table_id, _NO_EXTENSIONS)  # none for a table dropped meanwhile
-        return TableState(txn, self.db, table_id, config, self.clock() if now is None else now, extensions)
+        now = self.clock() if now is None else now
+        return TableState(txn, self.db, table_id, config, now, extensions, self.environment.views)
 
     def state_of(self, txn: lmdb.Transaction[bytes], table_id: int) -> TableState | None:
         """The state of the table with this id; None for a dropped table."""

@@ -20,6 +20,7 @@ import lmdb
 from expbuf.client.schema.routing import uid_group_key
 
 from ...disk import layout
+from ...disk.chunked import Views
 from ...disk.kinds import Entry
 from ...disk.layout import put_rows, u64
 from ...disk.records import GroupRecord, ItemRecord
@@ -78,9 +79,11 @@ class TableState:
         config: TableConfig,
         now: float,
         extensions: Events,
+        views: Views | None = None,
     ) -> None:
         self.txn, self.db, self.config, self.table_id, self.now = txn, dbs, config, table_id, now
         self.extensions = extensions
+        self.views = views  # reads in place of large values, for the payloads its deletes look at (chunked.delete)
         self.prefix = layout.table_prefix(table_id)
         self.counters = read_counters(txn, dbs, self.prefix)
         self.ready = ReadyIndex(dbs, txn, self.prefix, buildable=True, rows=config.storage.layout == "rows")

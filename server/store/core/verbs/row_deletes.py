@@ -165,7 +165,7 @@ def delete(tt: TableState, uids: Sequence[str], group_ids: Sequence[str]) -> int
     if emptied:  # as a records table's: each group as it stood, without members
         groups = [(grp.group.key, grp.group._replace(rows=())) for grp in emptied]
         tt.extensions.on_retired(tt, Retired(groups, DELETED))
-    chunked.delete(tt.txn, tt.db, keys, sizes)
+    chunked.delete(tt.txn, tt.db, keys, sizes, tt.views)
     tt.counters.bytes -= freed
     return deleted
 
