@@ -49,3 +49,13 @@ def test_a_bool_mask_of_zeros_and_ones_keeps_its_fast_path_and_any_other_byte_is
     stray = bytearray(b"\x00\x02\xff\x01")
     want = torchs(-0.5, torch.frombuffer(stray, dtype=torch.bool))
     assert bytes(scaled(-0.5, 4, RawTensor("BOOL", (4,), bytes(stray))).data) == want
+
+
+@pytest.mark.parametrize("mask", [b"\x01" * 4000, b"", b"\x01" * 3999 + b"\x02", b"\x02" + b"\x01" * 7])
+def test_a_bool_mask_of_ones_or_ones_and_a_stray_byte_scales_as_torch_does(mask: bytes) -> None:
+    """A mask of ones is found by a comparison with as many ones; one with a stray byte among its
+    ones takes the way of any other byte (true), and both give torch's bytes."""
+    for value in (-0.5, 2.25):
+        want = torchs(value, torch.frombuffer(bytearray(mask), dtype=torch.bool)) if mask else b""
+        got = scaled(value, len(mask), RawTensor("BOOL", (len(mask),), mask))
+        assert (got.shape, bytes(got.data)) == ((len(mask),), want)

@@ -44,12 +44,15 @@ def scaled(value: float, length: int, mask: RawTensor | None) -> RawTensor:
 
 def _scaled_mask(mask: bytes, one: bytes, zero: bytes) -> bytes | None:
     """A mask's bytes 0/1 as float32 `zero` / `one`; None if it holds other bytes. A mask
-    without zeros is one repeat of `one`; any other is written as the k-th byte of every
-    float at once, k = 0..3 (a translate and a strided copy each)."""
+    of ones (a response all generated, the most common) is one repeat of `one`, found by a
+    comparison with as many ones (a memset and a memcmp, where the check of every byte and the
+    count of zeros each take a step a byte: some 14 instructions a byte of the mask, a 40 KB
+    experience's reply 57 k); any other is written as the k-th byte of every float at once,
+    k = 0..3 (a translate and a strided copy each)."""
+    if mask == b"\x01" * len(mask):
+        return one * len(mask)
     if mask.translate(None, b"\x00\x01"):
         return None
-    if not mask.count(0):
-        return one * len(mask)
     out = bytearray(4 * len(mask))
     for k in range(4):
         out[k::4] = mask.translate(bytes.maketrans(b"\x00\x01", zero[k : k + 1] + one[k : k + 1]))
