@@ -3,12 +3,13 @@ counted by valgrind's callgrind in the server itself (every thread, the writer's
 busy machine moves CPU time 1.5x from run to run and a count not at all (issue 64).
 
     .venv/bin/python bench/bench_server_instructions.py [--pushes 8] [--ways bytes,decoded,columns]
-        [--out bench/RESULTS.md]
+        [--shape 8k] [--out bench/RESULTS.md]
 
 Each way starts a server under callgrind on a fresh directory (a table of groups of one, no
 estimator; no ingest processes, so that the parse of each push is counted in the process), pushes
 `--pushes` pushes of 256 experiences of 8 KB (bench_reverb's shape) one after the other (the first
-not counted: imports, the first commits), then drains them as a consume stream: as bytes (a raw
+not counted: imports, the first commits; `--shape 40k`: pushes of 64 of bench_reverb's 40 KB ones,
+in groups of 8, issue 64's row of them), then drains them as a consume stream: as bytes (a raw
 gRPC client of the Sample stream, each batch confirmed as it arrives, nothing decoded), decoded into
 experiences, or as columns of tokens and log-probs. The pushes and the drain are counted apart
 (callgrind_control's dumps). The writer is the thread that commits (its counts name
@@ -31,21 +32,23 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import results  # noqa: E402
-from bench_reverb import make_pushes, restamp  # noqa: E402
+from bench_reverb import PER_PUSH, make_pushes, restamp  # noqa: E402
 from bench_service import BATCH, Proc, raw_consume  # noqa: E402
 from bench_stream_8k import TABLE, columns, decoded  # noqa: E402
 
-from expbuf.client import BufferClient, trxp  # noqa: E402
+from expbuf.client import EID, BufferClient, trxp  # noqa: E402
 from expbuf.client.errors import UnavailableError  # noqa: E402
 from expbuf.client.rpc.sample_spec import SampleSpec  # noqa: E402
 
 HEADING = "## Instructions of a push and a consume in the server's process (issue 64)"
+GROUPS = {"8k": 1, "40k": 8}  # each shape's group size: issue 64's rows of them
 WAYS = ("bytes", "decoded", "columns")
 
 
-def counted(way: str, pushes: int, out: Path) -> tuple[int, int]:
-    """One server under callgrind: its pushes and then its `way` of drain counted, a dump after
-    each (part 1, part 2); how many experiences each counted."""
+def counted(way: str, pushes: int, out: Path, shape: str = "8k") -> tuple[int, int]:
+    """One server under callgrind: its pushes of `shape` and then its `way` of drain counted, a
+    dump after each (part 1, part 2); how many experiences each counted."""
+    group = GROUPS[shape]
     with tempfile.TemporaryDirectory(prefix="expbuf-bench-") as tmp:
         server = Proc(
             "--tool=callgrind", "--instr-atstart=no", "--separate-threads=yes", f"--callgrind-out-file={out}/cg.%p",
@@ -59,10 +62,14 @@ def counted(way: str, pushes: int, out: Path) -> tuple[int, int]:
 
         try:
             with BufferClient(server.target, timeout=600) as client:
-                client.create_table(TABLE, estimator="none", group_by="none")
+                grouping = {"group_by": "task", "group_size": group} if group > 1 else {"group_by": "none"}
+                client.create_table(TABLE, estimator="none", **grouping)
             server.wait_for("advantage worker", timeout=900)
-            made = make_pushes("8k", pushes)
+            made = make_pushes(shape, pushes)
             restamp(made, itertools.count())
+            for exps in made:  # runs of one task, as bench_consume groups them
+                for i, exp in enumerate(exps):
+                    exp.eid = EID(batch=exps[i - i % group].eid.batch, task=0, run=i % group)
             encoded = [trxp.encode(push) for push in made]
             with BufferClient(server.target, timeout=600) as client:
                 client.push(encoded[0], table=TABLE)
@@ -70,21 +77,21 @@ def counted(way: str, pushes: int, out: Path) -> tuple[int, int]:
                 for payload in encoded[1:]:
                     client.push(payload, table=TABLE)
             control("-d")
-            drained = _drain(way, server.target, pushes)
+            drained = _drain(way, server.target, pushes * PER_PUSH[shape] // BATCH)
             time.sleep(1)  # the last confirm's commit
             control("-d")
             control("-i", "off")
         finally:
             server.stop()
-    return (pushes - 1) * BATCH, drained
+    return (pushes - 1) * PER_PUSH[shape], drained
 
 
-def _counted(way: str, pushes: int, out: Path) -> tuple[int, int]:
+def _counted(way: str, pushes: int, out: Path, shape: str) -> tuple[int, int]:
     """`counted`, on a fresh server again where a connection under callgrind timed out before the
     server's first answer (its handshake waits on threads that valgrind runs one at a time)."""
     for _ in range(3):
         try:
-            return counted(way, pushes, out)
+            return counted(way, pushes, out, shape)
         except UnavailableError as exc:
             print(f"{way}: {exc}; on a fresh server again", file=sys.stderr)
             for path in out.glob("cg.*"):
@@ -127,12 +134,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pushes", type=int, default=8)
     parser.add_argument("--ways", default=",".join(WAYS))
+    parser.add_argument("--shape", default="8k", choices=GROUPS, help="bench_reverb's experiences: 8k, or 40k")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     rows, pushed = [], []
     for way in args.ways.split(","):
         with tempfile.TemporaryDirectory() as out:
-            counts = _counted(way, args.pushes, Path(out))
+            counts = _counted(way, args.pushes, Path(out), args.shape)
             for phase, part, experiences in (("push", 1, counts[0]), (f"consume, {way}", 2, counts[1])):
                 total, writer = totals(Path(out), part)
                 row = (phase, total / experiences, writer / experiences)
@@ -145,9 +153,9 @@ def main() -> None:
         phase, total, writer = min(pushed, key=lambda row: row[1])
         rows.insert(0, f"| {phase} | {total:,.0f} | {writer:,.0f} | {total - writer:,.0f} |")
     about = (
-        f"callgrind in the server, every thread; {args.pushes} pushes of 256 experiences of 8 KB (groups of one, "
-        "no estimator), the first not counted, then drained. Instructions an experience (the push: the "
-        "least of the ways' runs, which repeat to about 1 %)."
+        f"callgrind in the server, every thread; {args.pushes} pushes of {PER_PUSH[args.shape]} experiences of "
+        f"{args.shape.upper()}B (groups of {GROUPS[args.shape]}, no estimator), the first not counted, then drained. "
+        "Instructions an experience (the push: the least of the ways' runs, which repeat to about 1 %)."
     )
     columns_ = ["what", "the server's process", "its writer thread", "the rest (RPC threads, gRPC)"]
     command = " ".join(["python", f"bench/{Path(sys.argv[0]).name}", *sys.argv[1:]])
