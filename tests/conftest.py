@@ -356,6 +356,16 @@ def child_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerPro
     assert proc.stop(signal.SIGTERM) == 0, "".join(proc.log)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _import_frameworks(request: pytest.FixtureRequest) -> None:
+    """A module's frameworks (TorchRL, Trinity-RFT, verl, AReaL, TRL...) imported as its tests
+    start, by its `import_frameworks()`, which binds them as the module's globals: at the module's
+    import they cost every pytest-xdist worker, which collects every module, 9 s of CPU."""
+    import_frameworks = getattr(request.module, "import_frameworks", None)
+    if import_frameworks is not None:
+        import_frameworks()
+
+
 RAY_MODULES: set[Path] = set()  # the modules with a test that needs ray_cluster (pytest_collection_modifyitems)
 
 

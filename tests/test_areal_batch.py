@@ -10,25 +10,31 @@ from pathlib import Path
 import pytest
 import torch
 
-pytest.importorskip("areal")
-
-import areal
-from areal.api.cli_args import PPOActorConfig
-from areal.infra.staleness_manager import StalenessManager
-from areal.infra.workflow_executor import check_trajectory_format
-from areal.utils.data import concat_padded_tensors
-from torchdata.stateful_dataloader import StatefulDataLoader
-
 from expbuf.client import EID, BufferClient, BufferError
-from expbuf.client.areal import (
-    EXPBUF_ADVANTAGES,
-    ExpbufBatchSource,
-    ExpbufStalenessManager,
-    KeepExpbufAdvantages,
-    from_areal,
-)
 
 from helpers import ServerProcess
+
+
+def import_frameworks() -> None:
+    """Run by tests/conftest.py before this module's tests: not at its import, which every pytest worker does."""
+    global areal, PPOActorConfig, StalenessManager, check_trajectory_format, concat_padded_tensors
+    global StatefulDataLoader, EXPBUF_ADVANTAGES, ExpbufBatchSource, ExpbufStalenessManager
+    global KeepExpbufAdvantages, from_areal
+    pytest.importorskip("areal")
+    import areal
+    from areal.api.cli_args import PPOActorConfig
+    from areal.infra.staleness_manager import StalenessManager
+    from areal.infra.workflow_executor import check_trajectory_format
+    from areal.utils.data import concat_padded_tensors
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    from expbuf.client.areal import (
+        EXPBUF_ADVANTAGES,
+        ExpbufBatchSource,
+        ExpbufStalenessManager,
+        KeepExpbufAdvantages,
+        from_areal,
+    )
 
 
 def ppo_actor() -> type:

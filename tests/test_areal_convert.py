@@ -7,16 +7,21 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-pytest.importorskip("areal")
-
-from areal.api.io_struct import ModelResponse
-from areal.experimental.openai.types import InteractionWithTokenLogpReward
-from areal.infra.workflow_executor import check_trajectory_format
-from areal.utils.data import concat_padded_tensors
-
 from expbuf.client import EID, trxp
-from expbuf.client.areal import TOKEN_VERSIONS, from_areal, to_areal
-from expbuf.client.areal.convert import DTYPES
+
+
+def import_frameworks() -> None:
+    """Run by tests/conftest.py before this module's tests: not at its import, which every pytest worker does."""
+    global ModelResponse, InteractionWithTokenLogpReward, check_trajectory_format, concat_padded_tensors
+    global TOKEN_VERSIONS, from_areal, to_areal, DTYPES
+    pytest.importorskip("areal")
+    from areal.api.io_struct import ModelResponse
+    from areal.experimental.openai.types import InteractionWithTokenLogpReward
+    from areal.infra.workflow_executor import check_trajectory_format
+    from areal.utils.data import concat_padded_tensors
+
+    from expbuf.client.areal import TOKEN_VERSIONS, from_areal, to_areal
+    from expbuf.client.areal.convert import DTYPES
 
 
 def agent_rows() -> dict[str, torch.Tensor]:

@@ -6,22 +6,31 @@ from pathlib import Path
 
 import pytest
 import torch
-
-pytest.importorskip("areal")
-
-from areal.api.cli_args import GenerationHyperparameters, InferenceEngineConfig, NormConfig, PPOActorConfig
-from areal.api.io_struct import ModelResponse
-from areal.experimental.openai.cache import InteractionCache
-from areal.experimental.openai.types import InteractionWithTokenLogpReward
-from areal.utils.data import concat_padded_tensors
 from test_areal_batch import ppo_actor
 
 from expbuf.client import EID, BufferClient
-from expbuf.client.areal import ExpbufBatchSource, KeepExpbufAdvantages, from_areal, table_settings, trainer_side
 from expbuf.server.config import load
 
 from helpers import ServerProcess
 from pages import code_blocks, page
+
+
+def import_frameworks() -> None:
+    """Run by tests/conftest.py before this module's tests: not at its import, which every pytest worker does."""
+    global GenerationHyperparameters, InferenceEngineConfig, NormConfig, PPOActorConfig, ModelResponse
+    global InteractionCache, InteractionWithTokenLogpReward, concat_padded_tensors, ExpbufBatchSource
+    global KeepExpbufAdvantages, from_areal, table_settings, trainer_side
+    import test_areal_batch
+
+    test_areal_batch.import_frameworks()
+    pytest.importorskip("areal")
+    from areal.api.cli_args import GenerationHyperparameters, InferenceEngineConfig, NormConfig, PPOActorConfig
+    from areal.api.io_struct import ModelResponse
+    from areal.experimental.openai.cache import InteractionCache
+    from areal.experimental.openai.types import InteractionWithTokenLogpReward
+    from areal.utils.data import concat_padded_tensors
+
+    from expbuf.client.areal import ExpbufBatchSource, KeepExpbufAdvantages, from_areal, table_settings, trainer_side
 
 
 def actor_config(**changes: object) -> PPOActorConfig:

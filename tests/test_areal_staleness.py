@@ -13,17 +13,29 @@ from typing import Any
 import pytest
 import torch
 
-pytest.importorskip("areal")
-
-from areal.api.cli_args import InferenceEngineConfig
-from areal.api.workflow_api import RolloutWorkflow
-from areal.infra.staleness_manager import StalenessManager
-from areal.infra.workflow_executor import WorkflowExecutor
-
 from expbuf.client import BufferClient
-from expbuf.client.areal import ExpbufRemoteInfEngine, ExpbufStalenessManager
 
 from helpers import ServerProcess
+
+
+def import_frameworks() -> None:
+    """Run by tests/conftest.py before this module's tests: not at its import, which every pytest worker does."""
+    global InferenceEngineConfig, RolloutWorkflow, StalenessManager, WorkflowExecutor, ExpbufRemoteInfEngine
+    global ExpbufStalenessManager, OneRow
+    pytest.importorskip("areal")
+    from areal.api.cli_args import InferenceEngineConfig
+    from areal.api.workflow_api import RolloutWorkflow
+    from areal.infra.staleness_manager import StalenessManager
+    from areal.infra.workflow_executor import WorkflowExecutor
+
+    from expbuf.client.areal import ExpbufRemoteInfEngine, ExpbufStalenessManager
+
+    class OneRow(RolloutWorkflow):
+        async def arun_episode(self, engine: Any, data: dict[str, Any]) -> dict[str, torch.Tensor]:
+            return {
+                "input_ids": torch.ones(1, 3, dtype=torch.int32),
+                "attention_mask": torch.ones(1, 3, dtype=torch.bool),
+            }
 
 
 class Version:
@@ -32,11 +44,6 @@ class Version:
 
     def get_version(self) -> int:
         return self.version
-
-
-class OneRow(RolloutWorkflow):
-    async def arun_episode(self, engine: Any, data: dict[str, Any]) -> dict[str, torch.Tensor]:
-        return {"input_ids": torch.ones(1, 3, dtype=torch.int32), "attention_mask": torch.ones(1, 3, dtype=torch.bool)}
 
 
 def test_capacities_match_areals_manager_over_a_scripted_trace(child_server: ServerProcess) -> None:

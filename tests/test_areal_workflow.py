@@ -9,18 +9,68 @@ from typing import Any
 import pytest
 import torch
 
-pytest.importorskip("areal")
-
-from areal.api.cli_args import InferenceEngineConfig
-from areal.api.io_struct import ModelRequest, ModelResponse
-from areal.api.workflow_api import RolloutWorkflow
-from areal.experimental.openai.types import InteractionWithTokenLogpReward
-from areal.infra.workflow_executor import WorkflowExecutor
-
 from expbuf.client import BufferClient
-from expbuf.client.areal import ExpbufWorkflow, to_areal
 
 from helpers import ServerProcess
+
+
+def import_frameworks() -> None:
+    """Run by tests/conftest.py before this module's tests: not at its import, which every pytest worker does."""
+    global InferenceEngineConfig, ModelRequest, ModelResponse, RolloutWorkflow, InteractionWithTokenLogpReward
+    global WorkflowExecutor, ExpbufWorkflow, to_areal, ScriptedRLVR, ScriptedAgent, RejectingRLVR
+    pytest.importorskip("areal")
+    from areal.api.cli_args import InferenceEngineConfig
+    from areal.api.io_struct import ModelRequest, ModelResponse
+    from areal.api.workflow_api import RolloutWorkflow
+    from areal.experimental.openai.types import InteractionWithTokenLogpReward
+    from areal.infra.workflow_executor import WorkflowExecutor
+
+    from expbuf.client.areal import ExpbufWorkflow, to_areal
+
+    class ScriptedRLVR(RolloutWorkflow):
+        """One row per episode, in the layout and dtypes of AReaL's RLVRWorkflow."""
+
+        def __init__(self, reward: float = 1.0) -> None:
+            self.reward = reward
+            self.calls = 0
+
+        async def arun_episode(self, engine: Any, data: dict[str, Any]) -> dict[str, torch.Tensor]:
+            self.calls += 1
+            resp = await engine.agenerate(ModelRequest(input_ids=data["prompt"]))
+            seq = resp.input_tokens + resp.output_tokens
+            res = {
+                "input_ids": torch.tensor(seq, dtype=torch.int32),
+                "loss_mask": torch.tensor([0] * resp.input_len + [1] * resp.output_len, dtype=torch.int32),
+                "logprobs": torch.tensor([0.0] * resp.input_len + resp.output_logprobs, dtype=torch.float32),
+                "versions": torch.tensor([-1] * resp.input_len + resp.output_versions, dtype=torch.int32),
+                "attention_mask": torch.ones(len(seq), dtype=torch.bool),
+                "rewards": torch.tensor(self.reward * (self.calls % 2), dtype=torch.float32),
+            }
+            return {k: v.unsqueeze(0) for k, v in res.items()}
+
+    class ScriptedAgent(RolloutWorkflow):
+        """Two turns of an agent, as AReaL's concat interactions: the second turn's input adds a
+        tool reply (tokens 7, 7) that the model did not generate."""
+
+        async def arun_episode(self, engine: Any, data: dict[str, Any]) -> dict[str, InteractionWithTokenLogpReward]:
+            first = await engine.agenerate(ModelRequest(input_ids=data["prompt"]))
+            turn1 = InteractionWithTokenLogpReward(model_response=first, reward=0.0, chat_template_type="concat")
+            second = await engine.agenerate(ModelRequest(input_ids=first.input_tokens + first.output_tokens + [7, 7]))
+            turn2 = InteractionWithTokenLogpReward(
+                model_response=second, reward=1.0, parent=turn1, chat_template_type="concat"
+            )
+            return {f"{id(self)}-a": turn1, f"{id(self)}-b": turn2}
+
+    class RejectingRLVR(ScriptedRLVR):
+        """ScriptedRLVR whose episodes of the given call numbers (from 1) are rejected (None)."""
+
+        def __init__(self, rejected: set[int]) -> None:
+            super().__init__()
+            self.rejected = rejected
+
+        async def arun_episode(self, engine: Any, data: dict[str, Any]) -> dict[str, torch.Tensor] | None:
+            row = await super().arun_episode(engine, data)
+            return None if self.calls in self.rejected else row
 
 
 class ScriptedEngine:
@@ -42,42 +92,6 @@ class ScriptedEngine:
             output_logprobs=[-0.1 * (i + 1) for i in range(n)],
             output_versions=[self.version] * n,
         )
-
-
-class ScriptedRLVR(RolloutWorkflow):
-    """One row per episode, in the layout and dtypes of AReaL's RLVRWorkflow."""
-
-    def __init__(self, reward: float = 1.0) -> None:
-        self.reward = reward
-        self.calls = 0
-
-    async def arun_episode(self, engine: Any, data: dict[str, Any]) -> dict[str, torch.Tensor]:
-        self.calls += 1
-        resp = await engine.agenerate(ModelRequest(input_ids=data["prompt"]))
-        seq = resp.input_tokens + resp.output_tokens
-        res = {
-            "input_ids": torch.tensor(seq, dtype=torch.int32),
-            "loss_mask": torch.tensor([0] * resp.input_len + [1] * resp.output_len, dtype=torch.int32),
-            "logprobs": torch.tensor([0.0] * resp.input_len + resp.output_logprobs, dtype=torch.float32),
-            "versions": torch.tensor([-1] * resp.input_len + resp.output_versions, dtype=torch.int32),
-            "attention_mask": torch.ones(len(seq), dtype=torch.bool),
-            "rewards": torch.tensor(self.reward * (self.calls % 2), dtype=torch.float32),
-        }
-        return {k: v.unsqueeze(0) for k, v in res.items()}
-
-
-class ScriptedAgent(RolloutWorkflow):
-    """Two turns of an agent, as AReaL's concat interactions: the second turn's input adds a
-    tool reply (tokens 7, 7) that the model did not generate."""
-
-    async def arun_episode(self, engine: Any, data: dict[str, Any]) -> dict[str, InteractionWithTokenLogpReward]:
-        first = await engine.agenerate(ModelRequest(input_ids=data["prompt"]))
-        turn1 = InteractionWithTokenLogpReward(model_response=first, reward=0.0, chat_template_type="concat")
-        second = await engine.agenerate(ModelRequest(input_ids=first.input_tokens + first.output_tokens + [7, 7]))
-        turn2 = InteractionWithTokenLogpReward(
-            model_response=second, reward=1.0, parent=turn1, chat_template_type="concat"
-        )
-        return {f"{id(self)}-a": turn1, f"{id(self)}-b": turn2}
 
 
 def run_executor(workflow: RolloutWorkflow, prompts: list[list[int]], version: int = 5) -> tuple[list, Any]:
@@ -165,18 +179,6 @@ def test_groups_of_one_from_areals_own_grouping_are_refused(child_server: Server
     trajectories, stats = run_executor(wrapped, [[1, 2]])
     assert trajectories == [None] and stats.rejected == 1
     assert client.stats("grouped")["grouped"].pushed == 0
-
-
-class RejectingRLVR(ScriptedRLVR):
-    """ScriptedRLVR whose episodes of the given call numbers (from 1) are rejected (None)."""
-
-    def __init__(self, rejected: set[int]) -> None:
-        super().__init__()
-        self.rejected = rejected
-
-    async def arun_episode(self, engine: Any, data: dict[str, Any]) -> dict[str, torch.Tensor] | None:
-        row = await super().arun_episode(engine, data)
-        return None if self.calls in self.rejected else row
 
 
 def test_rejected_runs_are_reported_failed_and_the_table_completes_or_drops_the_group(

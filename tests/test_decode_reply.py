@@ -25,7 +25,13 @@ from expbuf.proto.v1 import buffer_pb2_grpc as pb_grpc
 
 from conftest import Servers, payload
 
-trinity = pytest.importorskip("trinity.common.experience")
+
+def import_frameworks() -> None:
+    """Run by tests/conftest.py before this module's tests: not at its import, which every pytest worker does."""
+    global trinity
+    trinity = pytest.importorskip("trinity.common.experience")
+
+
 FIXTURES = sorted(p.name for p in (Path(__file__).parent / "fixtures" / "trxp").glob("*.trxp"))
 # Every safetensors dtype, each in a multi-modal input of its own.
 DTYPES = {

@@ -8,11 +8,16 @@ import re
 
 import pytest
 import torch
-from trinity.common.experience import EID as TrinityEID
-from trinity.common.experience import Experience as TrinityExperience
 
 from expbuf.client import EID, AlreadyExistsError, BufferClient, Experience, InvalidArgumentError, trxp
 from expbuf.client.schema.reasons import Reason
+
+
+def import_frameworks() -> None:
+    """Run by tests/conftest.py before this module's tests: not at its import, which every pytest worker does."""
+    global TrinityEID, TrinityExperience
+    from trinity.common.experience import EID as TrinityEID
+    from trinity.common.experience import Experience as TrinityExperience
 
 
 def rollout(task: int, run: int, *, response: int = 4) -> Experience:

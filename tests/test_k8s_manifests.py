@@ -13,9 +13,14 @@ from typing import Any
 
 import pytest
 
-yaml = pytest.importorskip("yaml")
-kubernetes = pytest.importorskip("kubernetes")
-from kubernetes import client as k8s  # noqa: E402
+
+def import_frameworks() -> None:
+    """Run by tests/conftest.py before this module's tests: not at its import, which every pytest worker does."""
+    global yaml, kubernetes, k8s
+    yaml = pytest.importorskip("yaml")
+    kubernetes = pytest.importorskip("kubernetes")
+    from kubernetes import client as k8s
+
 
 K8S = Path(__file__).parent.parent / "docker" / "k8s"
 MODELS = {

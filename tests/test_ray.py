@@ -16,8 +16,13 @@ from expbuf.client.shards.blocking import ShardedBufferClient, ShardError
 
 from helpers import make_experience, wait_ready
 
-ray = pytest.importorskip("ray")
-expbuf_ray = pytest.importorskip("expbuf.ray")
+
+def import_frameworks() -> None:
+    """Run by tests/conftest.py before this module's tests: not at its import, which every pytest worker does."""
+    global ray, expbuf_ray
+    ray = pytest.importorskip("ray")
+    expbuf_ray = pytest.importorskip("expbuf.ray")
+
 
 NAMESPACE = "expbuf-test"
 # A push to a shard that has just started computes its groups' advantages once the shard's torch

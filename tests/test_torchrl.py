@@ -19,22 +19,36 @@ from collections import Counter
 from collections.abc import Iterator
 
 import pytest
+import torch
 
-torchrl = pytest.importorskip("torchrl")
+from expbuf.client import BufferClient, DeadlineExceededError
 
-import torch  # noqa: E402
-from tensordict import TensorDict, TensorDictBase, lazy_stack, set_list_to_stack  # noqa: E402
-from torchrl.data import ReplayBuffer, TensorDictMaxValueWriter, TensorDictReplayBuffer  # noqa: E402
-from torchrl.modules.llm.policies import LogProbs, Masks, Text, Tokens  # noqa: E402
-from torchrl.objectives.llm import MCAdvantage  # noqa: E402
+from helpers import passes_started
+from pages import code_blocks, page
 
-from expbuf.client import BufferClient, DeadlineExceededError  # noqa: E402
-from expbuf.client.torchrl import ExpbufSampler, ExpbufStorage  # noqa: E402
 
-from helpers import passes_started  # noqa: E402
-from pages import code_blocks, page  # noqa: E402
+def import_frameworks() -> None:
+    """Run by tests/conftest.py before this module's tests: not at its import, which every pytest worker does."""
+    global torchrl, TensorDict, TensorDictBase, lazy_stack, set_list_to_stack, ReplayBuffer
+    global TensorDictMaxValueWriter, TensorDictReplayBuffer, LogProbs, Masks, Text, Tokens, MCAdvantage
+    global ExpbufSampler, ExpbufStorage
+    torchrl = pytest.importorskip("torchrl")
+    from tensordict import TensorDict, TensorDictBase, lazy_stack, set_list_to_stack
+    from torchrl.data import ReplayBuffer, TensorDictMaxValueWriter, TensorDictReplayBuffer
+    from torchrl.modules.llm.policies import LogProbs, Masks, Text, Tokens
+    from torchrl.objectives.llm import MCAdvantage
+
+    from expbuf.client.torchrl import ExpbufSampler, ExpbufStorage
+
 
 PROMPT = torch.tensor([5, 6, 7])
+
+
+@pytest.fixture
+def kind(request: pytest.FixtureRequest) -> type:
+    """The TorchRL replay buffer class a test's parameter names: its classes are imported as the
+    module's tests start (import_frameworks), after pytest has collected the parameters."""
+    return {"ReplayBuffer": ReplayBuffer, "TensorDictReplayBuffer": TensorDictReplayBuffer}[request.param]
 
 
 @pytest.fixture(autouse=True)
@@ -169,7 +183,7 @@ def test_a_tensordict_replay_buffer_takes_them_too(target) -> None:
         assert admin.stats("tdrb")["tdrb"].consumed == 2
 
 
-@pytest.mark.parametrize("kind", [ReplayBuffer, TensorDictReplayBuffer])
+@pytest.mark.parametrize("kind", ["ReplayBuffer", "TensorDictReplayBuffer"], indirect=True)
 def test_iterating_ends_when_no_batch_comes_within_the_wait(target, kind) -> None:
     """`for batch in rb:` runs until the sampler's `ran_out` (TorchRL's ReplayBuffer.__iter__):
     it is set when no batch comes within `timeout` after the last one, so the loop ends there,
@@ -337,7 +351,7 @@ def test_the_docs_snippet_runs(target, capsys) -> None:
 
 
 @pytest.mark.parametrize("delivery", ["lease", "consume", "replay"])
-@pytest.mark.parametrize("kind", [ReplayBuffer, TensorDictReplayBuffer])
+@pytest.mark.parametrize("kind", ["ReplayBuffer", "TensorDictReplayBuffer"], indirect=True)
 def test_prefetch_is_refused_at_the_first_sample_before_anything_is_drawn(target, kind, delivery) -> None:
     """TorchRL's prefetch draws on threads ahead of the trainer and never tells the sampler which
     batch a step took. Leased, the first sample() with prefetch=2 left the trainer in its first
@@ -363,7 +377,7 @@ def test_prefetch_is_refused_at_the_first_sample_before_anything_is_drawn(target
         assert len([batch for batch in plain]) == 3  # the same table, without prefetch
 
 
-@pytest.mark.parametrize("kind", [ReplayBuffer, TensorDictReplayBuffer])
+@pytest.mark.parametrize("kind", ["ReplayBuffer", "TensorDictReplayBuffer"], indirect=True)
 def test_torchrls_positional_max_size_is_refused_by_name_where_the_storage_is_made(target, kind) -> None:
     """TorchRL's storages take max_size as their first argument (`ListStorage(100)`); an expbuf
     storage's first is the server's target. `ExpbufStorage(100)` under TorchRL's buffer failed at
@@ -382,7 +396,7 @@ def test_torchrls_positional_max_size_is_refused_by_name_where_the_storage_is_ma
         assert admin.stats("sized")["sized"].pushed == 2  # the storage made right writes
 
 
-@pytest.mark.parametrize("kind", [ReplayBuffer, TensorDictReplayBuffer])
+@pytest.mark.parametrize("kind", ["ReplayBuffer", "TensorDictReplayBuffer"], indirect=True)
 @pytest.mark.parametrize("drop_last", [True, False])
 def test_drop_last_is_honoured_as_torchrls_samplers_honour_it(target, kind, drop_last) -> None:
     """TorchRL's drop_last (SamplerWithoutReplacement's): True drops the last incomplete batch, so

@@ -14,23 +14,48 @@ from collections import Counter
 from collections.abc import Iterator
 
 import pytest
-
-pytest.importorskip("torchrl")
-pytest.importorskip("transformers")
-
 import torch
-from tensordict import TensorDict, TensorDictBase, lazy_stack, set_list_to_stack
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-from torchrl.collectors.llm import LLMCollector
-from torchrl.data import ReplayBuffer, Unbounded
-from torchrl.envs import Transform
-from torchrl.envs.llm import ChatEnv
-from torchrl.modules.llm import TransformersWrapper
-from torchrl.objectives.llm import GRPOLoss, MCAdvantage
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from expbuf.client import BufferClient
-from expbuf.client.torchrl import ExpbufSampler, ExpbufStorage
+
+
+def import_frameworks() -> None:
+    """Run by tests/conftest.py before this module's tests: not at its import, which every pytest worker does."""
+    global TensorDict, TensorDictBase, lazy_stack, set_list_to_stack, Tokenizer, decoders, models
+    global pre_tokenizers, LLMCollector, ReplayBuffer, Unbounded, Transform, ChatEnv, TransformersWrapper
+    global GRPOLoss, MCAdvantage, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, ExpbufSampler
+    global ExpbufStorage, ResponseLength
+    pytest.importorskip("torchrl")
+    pytest.importorskip("transformers")
+    from tensordict import TensorDict, TensorDictBase, lazy_stack, set_list_to_stack
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from torchrl.collectors.llm import LLMCollector
+    from torchrl.data import ReplayBuffer, Unbounded
+    from torchrl.envs import Transform
+    from torchrl.envs.llm import ChatEnv
+    from torchrl.modules.llm import TransformersWrapper
+    from torchrl.objectives.llm import GRPOLoss, MCAdvantage
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    from expbuf.client.torchrl import ExpbufSampler, ExpbufStorage
+
+    class ResponseLength(Transform):
+        """The reward of a turn: its response's length in characters, in the (1, 1) shape of
+        TorchRL's reward parsers; every turn ends its dialog."""
+
+        def _step(self, tensordict: TensorDictBase, next_tensordict: TensorDictBase) -> TensorDictBase:
+            texts = tensordict["text", "response"]
+            texts = [texts] if isinstance(texts, str) else list(texts)
+            done = torch.ones(len(texts), 1, dtype=torch.bool)
+            next_tensordict.set("reward", torch.tensor([float(len(t)) for t in texts]).reshape(-1, 1, 1))
+            next_tensordict.set("done", done)
+            next_tensordict.set("terminated", done.clone())
+            return next_tensordict
+
+        def transform_reward_spec(self, reward_spec):
+            reward_spec["reward"] = Unbounded((*reward_spec.shape, 1, 1))
+            return reward_spec
+
 
 RUNS = 4  # runs of each prompt: a group
 PROMPTS = 3
@@ -67,24 +92,6 @@ def tiny_llama() -> LlamaForCausalLM:
         eos_token_id=3,
     )
     return LlamaForCausalLM(config)
-
-
-class ResponseLength(Transform):
-    """The reward of a turn: its response's length in characters, in the (1, 1) shape of
-    TorchRL's reward parsers; every turn ends its dialog."""
-
-    def _step(self, tensordict: TensorDictBase, next_tensordict: TensorDictBase) -> TensorDictBase:
-        texts = tensordict["text", "response"]
-        texts = [texts] if isinstance(texts, str) else list(texts)
-        done = torch.ones(len(texts), 1, dtype=torch.bool)
-        next_tensordict.set("reward", torch.tensor([float(len(t)) for t in texts]).reshape(-1, 1, 1))
-        next_tensordict.set("done", done)
-        next_tensordict.set("terminated", done.clone())
-        return next_tensordict
-
-    def transform_reward_spec(self, reward_spec):
-        reward_spec["reward"] = Unbounded((*reward_spec.shape, 1, 1))
-        return reward_spec
 
 
 class Prompts:

@@ -12,17 +12,26 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+import torch.distributed as dist
+import torch.multiprocessing as tmp
+from test_torchrl import groups
 
-torch = pytest.importorskip("torch")
-pytest.importorskip("torchrl")
-import torch.distributed as dist  # noqa: E402
-import torch.multiprocessing as tmp  # noqa: E402
-from tensordict import set_list_to_stack  # noqa: E402
-from test_torchrl import groups  # noqa: E402
-from torchrl.data import ReplayBuffer  # noqa: E402
+from expbuf.client import BufferClient, DeadlineExceededError
 
-from expbuf.client import BufferClient, DeadlineExceededError  # noqa: E402
-from expbuf.client.torchrl import ExpbufSampler, ExpbufStorage  # noqa: E402
+
+def import_frameworks() -> None:
+    """Run by tests/conftest.py before this module's tests: not at its import, which every pytest worker does."""
+    global torch, set_list_to_stack, ReplayBuffer, ExpbufSampler, ExpbufStorage
+    import test_torchrl
+
+    test_torchrl.import_frameworks()
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("torchrl")
+    from tensordict import set_list_to_stack
+    from torchrl.data import ReplayBuffer
+
+    from expbuf.client.torchrl import ExpbufSampler, ExpbufStorage
+
 
 QUERIES = [f"q{i}" for i in range(8)]
 STEPS = 2
@@ -31,6 +40,7 @@ PER_RANK = 8  # experiences a rank's step holds: two groups of four
 
 def rank_main(rank: int, target: str, table: str, where: str) -> None:
     """One rank's process: sample STEPS steps, write what each held, acknowledge the last."""
+    import_frameworks()  # a spawned process: this module imported anew, conftest's fixture not run
     dist.init_process_group("gloo", init_method=f"file://{where}/group", rank=rank, world_size=2)
     try:
         with set_list_to_stack(True):

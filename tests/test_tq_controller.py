@@ -15,21 +15,38 @@ from types import ModuleType
 from typing import Any
 
 import pytest
+import torch
 
-tq = pytest.importorskip("transfer_queue")
-import torch  # noqa: E402
-from omegaconf import OmegaConf  # noqa: E402
-from tensordict import TensorDict  # noqa: E402
-from transfer_queue.sampler import SequentialSampler  # noqa: E402
-from transfer_queue.utils.zmq_utils import ZMQMessage, ZMQRequestType  # noqa: E402
+from expbuf.client import BufferClient
+from expbuf.client.errors import PermissionDeniedError
 
-from expbuf.client import BufferClient  # noqa: E402
-from expbuf.client.errors import PermissionDeniedError  # noqa: E402
-from expbuf.client.transferqueue.controller import DurableController, JournalSettings, _Unmeasured  # noqa: E402
-from expbuf.client.transferqueue.journal import HEAD, Journal, entry_key, part_key  # noqa: E402
-from expbuf.client.transferqueue.storage import server_of  # noqa: E402
+from conftest import Servers
 
-from conftest import Servers  # noqa: E402
+
+def import_frameworks() -> None:
+    """Run by tests/conftest.py before this module's tests: not at its import, which every pytest worker does."""
+    global tq, OmegaConf, TensorDict, SequentialSampler, ZMQMessage, ZMQRequestType, DurableController
+    global JournalSettings, _Unmeasured, HEAD, Journal, entry_key, part_key, server_of, SnapshotFails
+    global KeepsACursor
+    tq = pytest.importorskip("transfer_queue")
+    from omegaconf import OmegaConf
+    from tensordict import TensorDict
+    from transfer_queue.sampler import SequentialSampler
+    from transfer_queue.utils.zmq_utils import ZMQMessage, ZMQRequestType
+
+    from expbuf.client.transferqueue.controller import DurableController, JournalSettings, _Unmeasured
+    from expbuf.client.transferqueue.journal import HEAD, Journal, entry_key, part_key
+    from expbuf.client.transferqueue.storage import server_of
+
+    class SnapshotFails(Journal):
+        """A journal whose entries are stored and whose snapshots fail (the server refusing them)."""
+
+        def snapshot(self, state: bytes) -> None:
+            raise RuntimeError("no room for the snapshot")
+
+    class KeepsACursor(SequentialSampler):
+        def save_checkpoint(self) -> dict:
+            return {**super().save_checkpoint(), "cursor": Cursor()}
 
 
 def conf(target: str, **controller: Any) -> Any:
@@ -212,13 +229,6 @@ def test_indexes_reused_after_a_snapshot_are_the_ones_a_restart_hands_out(start_
         assert insert(restarted, "d", 2) == insert(live, "d", 2)  # the same indexes next, live or restarted
 
 
-class SnapshotFails(Journal):
-    """A journal whose entries are stored and whose snapshots fail (the server refusing them)."""
-
-    def snapshot(self, state: bytes) -> None:
-        raise RuntimeError("no room for the snapshot")
-
-
 def test_a_durable_change_is_answered_and_a_failed_snapshot_stops_the_controller_after_it(
     start_server: Servers, tmp_path: Any
 ) -> None:
@@ -311,11 +321,6 @@ def test_the_controller_journals_on_a_push_and_sample_token_and_trusts_no_other_
 
 class Cursor:
     """Sampler state of a type of the user's own, which a restart could not load."""
-
-
-class KeepsACursor(SequentialSampler):
-    def save_checkpoint(self) -> dict:
-        return {**super().save_checkpoint(), "cursor": Cursor()}
 
 
 def test_a_snapshot_a_restart_could_not_load_stops_the_controller_when_it_is_taken(start_server: Servers) -> None:

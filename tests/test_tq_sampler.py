@@ -11,10 +11,14 @@ from typing import Any
 
 import pytest
 
-pytest.importorskip("transfer_queue")
-from transfer_queue.sampler.seqlen_balanced_sampler import SeqlenBalancedSampler
 
-from expbuf.client.transferqueue import ExpbufBalancedSampler
+def import_frameworks() -> None:
+    """Run by tests/conftest.py before this module's tests: not at its import, which every pytest worker does."""
+    global SeqlenBalancedSampler, ExpbufBalancedSampler
+    pytest.importorskip("transfer_queue")
+    from transfer_queue.sampler.seqlen_balanced_sampler import SeqlenBalancedSampler
+
+    from expbuf.client.transferqueue import ExpbufBalancedSampler
 
 
 class Partition:

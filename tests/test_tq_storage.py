@@ -13,28 +13,36 @@ from collections import OrderedDict
 from pathlib import Path
 from types import ModuleType
 
+import numpy as np
 import pytest
+import torch
+from test_tq_controller import Hostile
+from test_values import held
 
-tq = pytest.importorskip("transfer_queue")
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-from omegaconf import OmegaConf  # noqa: E402
-from tensordict import NonTensorStack, TensorDict  # noqa: E402
-from test_tq_controller import Hostile  # noqa: E402
-from test_values import held  # noqa: E402
+from expbuf.client import BufferClient, BufferError
+from expbuf.client.errors import PermissionDeniedError, UnavailableError
 
-from expbuf.client import BufferClient, BufferError  # noqa: E402
-from expbuf.client.errors import PermissionDeniedError, UnavailableError  # noqa: E402
-from expbuf.client.transferqueue.storage import (  # noqa: E402
-    ExpbufStorageClient,
-    cuts,
-    decode,
-    encode,
-    expected_bytes,
-)
+from conftest import Servers
+from pages import code_blocks, section
 
-from conftest import Servers  # noqa: E402
-from pages import code_blocks, section  # noqa: E402
+
+def import_frameworks() -> None:
+    """Run by tests/conftest.py before this module's tests: not at its import, which every pytest worker does."""
+    global tq, OmegaConf, NonTensorStack, TensorDict, ExpbufStorageClient, cuts, decode, encode, expected_bytes
+    import test_tq_controller
+
+    test_tq_controller.import_frameworks()
+    tq = pytest.importorskip("transfer_queue")
+    from omegaconf import OmegaConf
+    from tensordict import NonTensorStack, TensorDict
+
+    from expbuf.client.transferqueue.storage import (
+        ExpbufStorageClient,
+        cuts,
+        decode,
+        encode,
+        expected_bytes,
+    )
 
 
 @pytest.mark.parametrize(

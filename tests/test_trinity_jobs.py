@@ -21,36 +21,46 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
-trinity = pytest.importorskip("trinity")
+from expbuf.client import BufferClient
+from expbuf.server.app import ExpbufServer
 
-import torch  # noqa: E402
-from omegaconf import OmegaConf  # noqa: E402
-from trinity.algorithm.advantage_fn.grpo_advantage import GRPOGroupedAdvantage  # noqa: E402
-from trinity.algorithm.advantage_fn.multi_step_grpo_advantage import StepWiseGRPOAdvantageFn  # noqa: E402
-from trinity.algorithm.sample_strategy.sample_strategy import DefaultSampleStrategy  # noqa: E402
-from trinity.buffer.operators.experience_operator import create_operators  # noqa: E402
-from trinity.buffer.pipelines.experience_pipeline import ExperiencePipeline  # noqa: E402
-from trinity.buffer.storage.queue import QueueStorage  # noqa: E402
-from trinity.common.config import (  # noqa: E402
-    Config,
-    ExperienceBufferConfig,
-    OperatorConfig,
-    ReplayBufferConfig,
-    TasksetConfig,
-    load_config,
-)
-from trinity.common.experience import EID, Experience  # noqa: E402
+from conftest import Servers
+from helpers import scrape
+from pages import code_blocks, page
+from test_trinity_plugin import plugin  # noqa: F401 - loads the plugin as Trinity does, for this module too
 
-from expbuf.client import BufferClient  # noqa: E402
-from expbuf.client.trinity import plugin_dir  # noqa: E402
-from expbuf.server.app import ExpbufServer  # noqa: E402
 
-from conftest import Servers  # noqa: E402
-from helpers import scrape  # noqa: E402
-from pages import code_blocks, page  # noqa: E402
-from test_trinity_plugin import plugin  # noqa: E402, F401 - loads the plugin as Trinity does, for this module too
+def import_frameworks() -> None:
+    """Run by tests/conftest.py before this module's tests: not at its import, which every pytest worker does."""
+    global trinity, OmegaConf, GRPOGroupedAdvantage, StepWiseGRPOAdvantageFn, DefaultSampleStrategy
+    global create_operators, ExperiencePipeline, QueueStorage, Config, ExperienceBufferConfig, OperatorConfig
+    global ReplayBufferConfig, TasksetConfig, load_config, EID, Experience, plugin_dir
+    import test_trinity_plugin
+
+    test_trinity_plugin.import_frameworks()
+    trinity = pytest.importorskip("trinity")
+    from omegaconf import OmegaConf
+    from trinity.algorithm.advantage_fn.grpo_advantage import GRPOGroupedAdvantage
+    from trinity.algorithm.advantage_fn.multi_step_grpo_advantage import StepWiseGRPOAdvantageFn
+    from trinity.algorithm.sample_strategy.sample_strategy import DefaultSampleStrategy
+    from trinity.buffer.operators.experience_operator import create_operators
+    from trinity.buffer.pipelines.experience_pipeline import ExperiencePipeline
+    from trinity.buffer.storage.queue import QueueStorage
+    from trinity.common.config import (
+        Config,
+        ExperienceBufferConfig,
+        OperatorConfig,
+        ReplayBufferConfig,
+        TasksetConfig,
+        load_config,
+    )
+    from trinity.common.experience import EID, Experience
+
+    from expbuf.client.trinity import plugin_dir
+
 
 TABLE = "jobs"
 
@@ -149,17 +159,18 @@ def assert_advantages(read: list[Experience], want: list[Experience]) -> None:
 
 
 @pytest.mark.parametrize(
-    ("estimator", "trinity_fn"), [("step_wise_grpo", StepWiseGRPOAdvantageFn), ("grpo", GRPOGroupedAdvantage)]
+    ("estimator", "trinity_fn"), [("step_wise_grpo", "StepWiseGRPOAdvantageFn"), ("grpo", "GRPOGroupedAdvantage")]
 )
 def test_multi_step_runs_are_written_whole_and_get_trinitys_advantages(
-    server: ExpbufServer, table: Table, estimator: str, trinity_fn: type
+    server: ExpbufServer, table: Table, estimator: str, trinity_fn: str
 ) -> None:
     """4 runs x 1-3 steps per task, one explorer write: group_size = 0 completes each task's
     group when the write is stored, whatever the runs' step counts."""
     table(group_size=0, estimator=estimator)
     pushed = multi_step(0, [1.0, 0.0, 2.0, 0.5], [3, 3, 3, 3]) + multi_step(1, [0.0, 1.0, 3.0, 1.0], [1, 2, 3, 2])
     write(buffer_config(server, 16), pushed)
-    want, _ = trinity_fn().process(copy.deepcopy(pushed))
+    fn = {"StepWiseGRPOAdvantageFn": StepWiseGRPOAdvantageFn, "GRPOGroupedAdvantage": GRPOGroupedAdvantage}[trinity_fn]
+    want, _ = fn().process(copy.deepcopy(pushed))
     reader = trinity.buffer.get_buffer_reader(buffer_config(server, 16))
     first = asyncio.run(reader.read())
     assert [e.eid.tid for e in first] == ["2/0"] * 12  # task 1's 8 experiences do not fit next to these 12
@@ -747,17 +758,19 @@ def on_expbuf(server: ExpbufServer, replay: ReplayBufferConfig, script: Script) 
     return asyncio.run(run())
 
 
+# Trinity's ReplayBufferConfig of a reuse test, as its keywords: the parameters are collected before
+# Trinity is imported (import_frameworks).
+LINEAR = {"enable": True, "reuse_cooldown_time": 0.0, "priority_fn_args": {"decay": 2.0}}
+LIMITED = {
+    "enable": True,
+    "priority_fn": "decay_limit_randomization",
+    "reuse_cooldown_time": 0.0,
+    "priority_fn_args": {"decay": 1.0, "use_count_limit": 2, "sigma": 0.0},
+}
+
+
 def reuse_table(table: Table, **settings: object) -> None:
     table(group_by="task", group_size=RUNS, estimator="none", **settings)
-
-
-LINEAR = ReplayBufferConfig(enable=True, reuse_cooldown_time=0.0, priority_fn_args={"decay": 2.0})
-LIMITED = ReplayBufferConfig(
-    enable=True,
-    priority_fn="decay_limit_randomization",
-    reuse_cooldown_time=0.0,
-    priority_fn_args={"decay": 1.0, "use_count_limit": 2, "sigma": 0.0},
-)
 
 
 @pytest.mark.parametrize(
@@ -787,16 +800,17 @@ LIMITED = ReplayBufferConfig(
     ],
 )
 def test_reuse_reads_as_trinitys_priority_queue(
-    server: ExpbufServer, table: Table, replay: ReplayBufferConfig, settings: dict, script: Script
+    server: ExpbufServer, table: Table, replay: dict, settings: dict, script: Script
 ) -> None:
     """Each read takes the highest priority, model_version - decay * use_count (ties: the earliest
     put, a returning item behind), and puts it back; after the writer releases, what is left is read
     once more; with a use_count_limit an item goes for good at its limit."""
     reuse_table(table, **settings)
-    want = on_trinity(replay, script)
+    config = ReplayBufferConfig(**replay)
+    want = on_trinity(config, script)
     assert len(want) > sum(n for op, n in script if op == "read")  # re-reads, and reads after the release
     assert max(use for read in want for *_, use in read) > 1
-    assert on_expbuf(server, replay, script) == want
+    assert on_expbuf(server, config, script) == want
 
 
 def test_a_returning_experience_waits_for_its_cooldown(server: ExpbufServer, table: Table) -> None:
@@ -841,9 +855,13 @@ def test_what_reuse_cannot_run_is_refused_by_name(server: ExpbufServer, table: T
     with pytest.raises(ValueError, match=rf"has reuse_cooldown_seconds=0.0; create it with {need}"):
         trinity.buffer.get_buffer_reader(buffer_config(server, RUNS, replay_buffer=cooled))
     with pytest.raises(ValueError, match=r"capacity=8 with replay_buffer reuse_cooldown_time=0.0"):
-        trinity.buffer.get_buffer_writer(buffer_config(server, RUNS, capacity=8, replay_buffer=LINEAR))
+        trinity.buffer.get_buffer_writer(
+            buffer_config(server, RUNS, capacity=8, replay_buffer=ReplayBufferConfig(**LINEAR))
+        )
     with pytest.raises(ValueError, match="leave the path's order and delivery options out"):
-        trinity.buffer.get_buffer_reader(buffer_config(server, RUNS, "delivery=consume", replay_buffer=LINEAR))
+        trinity.buffer.get_buffer_reader(
+            buffer_config(server, RUNS, "delivery=consume", replay_buffer=ReplayBufferConfig(**LINEAR))
+        )
     still = ReplayBufferConfig(enable=True, reuse_cooldown_time=0.0, priority_fn_args={"decay": 0.0})
     with pytest.raises(ValueError, match=r"reuse_cooldown_time=0.0 with decay 0.0: .* set one of them"):
         trinity.buffer.get_buffer_reader(buffer_config(server, RUNS, replay_buffer=still))
@@ -854,7 +872,7 @@ def test_what_reuse_cannot_run_is_refused_by_name(server: ExpbufServer, table: T
         admin.drop_table(TABLE)
     table(group_size=0, estimator="none", priority_decay=2.0)
     with pytest.raises(ValueError, match="replay_buffer reuse_cooldown_time: table 'jobs' has groups of varying size"):
-        trinity.buffer.get_buffer_reader(buffer_config(server, RUNS, replay_buffer=LINEAR))
+        trinity.buffer.get_buffer_reader(buffer_config(server, RUNS, replay_buffer=ReplayBufferConfig(**LINEAR)))
 
 
 # ---- the docs' jobs ---------------------------------------------------------------------------------

@@ -17,28 +17,45 @@ from types import SimpleNamespace
 
 import grpc
 import pytest
+import torch
 
-trinity = pytest.importorskip("trinity")
+from expbuf.client import BufferClient, BufferError, Tls
+from expbuf.server.config import TlsConfig
 
-import torch  # noqa: E402
-from trinity.algorithm.advantage_fn import ADVANTAGE_FN  # noqa: E402
-from trinity.algorithm.advantage_fn.grpo_advantage import GRPOGroupedAdvantage  # noqa: E402
-from trinity.algorithm.sample_strategy import sample_strategy  # noqa: E402
-from trinity.algorithm.sample_strategy.sample_strategy import DefaultSampleStrategy  # noqa: E402
-from trinity.buffer.buffer_reader import BufferReader  # noqa: E402
-from trinity.buffer.operators.experience_operator import ensure_v1_operator  # noqa: E402
-from trinity.buffer.pipelines import experience_pipeline  # noqa: E402
-from trinity.buffer.pipelines.experience_pipeline import ExperiencePipeline  # noqa: E402
-from trinity.buffer.reader import READER  # noqa: E402
-from trinity.common.config import Config, ExperienceBufferConfig, StorageConfig  # noqa: E402
-from trinity.common.experience import EID, Experience  # noqa: E402
+from conftest import Servers
+from helpers import passes_started
 
-from expbuf.client import BufferClient, BufferError, Tls  # noqa: E402
-from expbuf.client.trinity import ExpbufAdvantageFn, ExpbufReader, ExpbufWriter, parse, plugin_dir  # noqa: E402
-from expbuf.server.config import TlsConfig  # noqa: E402
 
-from conftest import Servers  # noqa: E402
-from helpers import passes_started  # noqa: E402
+def import_frameworks() -> None:
+    """Run by tests/conftest.py before this module's tests: not at its import, which every pytest worker does."""
+    global trinity, ADVANTAGE_FN, GRPOGroupedAdvantage, sample_strategy, DefaultSampleStrategy, BufferReader
+    global ensure_v1_operator, experience_pipeline, ExperiencePipeline, READER, Config, ExperienceBufferConfig
+    global StorageConfig, EID, Experience, ExpbufAdvantageFn, ExpbufReader, ExpbufWriter, parse, plugin_dir
+    global ListReader
+    trinity = pytest.importorskip("trinity")
+    from trinity.algorithm.advantage_fn import ADVANTAGE_FN
+    from trinity.algorithm.advantage_fn.grpo_advantage import GRPOGroupedAdvantage
+    from trinity.algorithm.sample_strategy import sample_strategy
+    from trinity.algorithm.sample_strategy.sample_strategy import DefaultSampleStrategy
+    from trinity.buffer.buffer_reader import BufferReader
+    from trinity.buffer.operators.experience_operator import ensure_v1_operator
+    from trinity.buffer.pipelines import experience_pipeline
+    from trinity.buffer.pipelines.experience_pipeline import ExperiencePipeline
+    from trinity.buffer.reader import READER
+    from trinity.common.config import Config, ExperienceBufferConfig, StorageConfig
+    from trinity.common.experience import EID, Experience
+
+    from expbuf.client.trinity import ExpbufAdvantageFn, ExpbufReader, ExpbufWriter, parse, plugin_dir
+
+    class ListReader(BufferReader):
+        """A reader of Trinity's registry, to show its get_buffer_reader still decides other paths."""
+
+        def __init__(self, config: StorageConfig) -> None:
+            self.path = config.path
+
+        async def read(self, batch_size: int | None = None, **kwargs: object) -> list:
+            return [self.path]
+
 
 TABLE = "grpo4"
 
@@ -102,16 +119,6 @@ def check_whole_groups(read: list[Experience], pushed: list[Experience]) -> None
         assert isinstance(exp, Experience)
         torch.testing.assert_close(exp.advantages, want[exp.eid.uid].float(), atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(exp.returns, exp.advantages)
-
-
-class ListReader(BufferReader):
-    """A reader of Trinity's registry, to show its get_buffer_reader still decides other paths."""
-
-    def __init__(self, config: StorageConfig) -> None:
-        self.path = config.path
-
-    async def read(self, batch_size: int | None = None, **kwargs: object) -> list:
-        return [self.path]
 
 
 def test_factories_return_expbuf_for_expbuf_paths_and_trinity_otherwise(start_server: Servers, tmp_path: Path) -> None:

@@ -16,20 +16,34 @@ from pathlib import Path
 import pytest
 import torch
 
-trinity = pytest.importorskip("trinity")
+from expbuf.client import BufferClient
 
-from trinity.buffer.operators.mappers.pass_rate_calculator import PassRateCalculator  # noqa: E402
-from trinity.buffer.task_scheduler import TasksetScheduler, get_taskset_scheduler  # noqa: E402
-from trinity.common.config import Config, DataSelectorConfig, TasksetConfig  # noqa: E402
-from trinity.common.constants import SELECTOR_METRIC  # noqa: E402
-from trinity.common.experience import Experience  # noqa: E402
+from helpers import ServerProcess, servers
+from test_trinity_plugin import plugin  # noqa: F401 - loads the plugin as Trinity does, for this module too
+from test_trinity_taskset import source as rows  # the user's file taskset, one row per prompt
+from trinity_explorer_child import WORKFLOW
 
-from expbuf.client import BufferClient  # noqa: E402
 
-from helpers import ServerProcess, servers  # noqa: E402
-from test_trinity_plugin import plugin  # noqa: E402, F401 - loads the plugin as Trinity does, for this module too
-from test_trinity_taskset import source as rows  # noqa: E402 - the user's file taskset, one row per prompt
-from trinity_explorer_child import WORKFLOW  # noqa: E402
+def import_frameworks() -> None:
+    """Run by tests/conftest.py before this module's tests: not at its import, which every pytest worker does."""
+    global trinity, PassRateCalculator, TasksetScheduler, get_taskset_scheduler, Config, DataSelectorConfig
+    global TasksetConfig, SELECTOR_METRIC, Experience
+    import test_trinity_plugin
+
+    test_trinity_plugin.import_frameworks()
+    import test_trinity_taskset
+
+    test_trinity_taskset.import_frameworks()
+    import trinity_explorer_child
+
+    trinity_explorer_child.import_frameworks()
+    trinity = pytest.importorskip("trinity")
+    from trinity.buffer.operators.mappers.pass_rate_calculator import PassRateCalculator
+    from trinity.buffer.task_scheduler import TasksetScheduler, get_taskset_scheduler
+    from trinity.common.config import Config, DataSelectorConfig, TasksetConfig
+    from trinity.common.constants import SELECTOR_METRIC
+    from trinity.common.experience import Experience
+
 
 SIZE, EPOCHS, BATCH = 16, 3, 4
 

@@ -24,31 +24,43 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 import yaml
 
-trinity = pytest.importorskip("trinity")
+from expbuf.client import BufferClient
+from expbuf.client.schema.prompts import MAX_PROMPTS_PER_CALL, Claim
+from expbuf.server.app import ExpbufServer
 
-import torch  # noqa: E402
-from omegaconf import OmegaConf  # noqa: E402
-from trinity.common.config import (  # noqa: E402
-    Config,
-    DataSelectorConfig,
-    ExperienceBufferConfig,
-    TasksetConfig,
-    load_config,
-)
-from trinity.common.experience import EID, Experience  # noqa: E402
+from conftest import Servers
+from pages import code_blocks, page
+from test_trinity_plugin import plugin  # noqa: F401 - loads the plugin as Trinity does, for this module too
+from trinity_explorer_child import WORKFLOW, explore
 
-from expbuf.client import BufferClient  # noqa: E402
-from expbuf.client.schema.prompts import MAX_PROMPTS_PER_CALL, Claim  # noqa: E402
-from expbuf.client.trinity import ExpbufTaskset, plugin_dir  # noqa: E402
-from expbuf.client.trinity.claims import ClaimKeeper  # noqa: E402
-from expbuf.server.app import ExpbufServer  # noqa: E402
 
-from conftest import Servers  # noqa: E402
-from pages import code_blocks, page  # noqa: E402
-from test_trinity_plugin import plugin  # noqa: E402, F401 - loads the plugin as Trinity does, for this module too
-from trinity_explorer_child import WORKFLOW, explore  # noqa: E402
+def import_frameworks() -> None:
+    """Run by tests/conftest.py before this module's tests: not at its import, which every pytest worker does."""
+    global trinity, OmegaConf, Config, DataSelectorConfig, ExperienceBufferConfig, TasksetConfig, load_config
+    global EID, Experience, ExpbufTaskset, plugin_dir, ClaimKeeper
+    import test_trinity_plugin
+
+    test_trinity_plugin.import_frameworks()
+    import trinity_explorer_child
+
+    trinity_explorer_child.import_frameworks()
+    trinity = pytest.importorskip("trinity")
+    from omegaconf import OmegaConf
+    from trinity.common.config import (
+        Config,
+        DataSelectorConfig,
+        ExperienceBufferConfig,
+        TasksetConfig,
+        load_config,
+    )
+    from trinity.common.experience import EID, Experience
+
+    from expbuf.client.trinity import ExpbufTaskset, plugin_dir
+    from expbuf.client.trinity.claims import ClaimKeeper
+
 
 TABLE, DATASET, SIZE, EPOCHS = "grpo8", "math", 6, 2
 PAGE = "frameworks/trinity.md"  # the docs page of Trinity-RFT, whose taskset job this runs

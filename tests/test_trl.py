@@ -12,27 +12,37 @@ from pathlib import Path
 import pytest
 import torch
 
-pytest.importorskip("trl")
-
-from trl.experimental.async_grpo import AsyncGRPOConfig
-from trl.experimental.async_grpo.async_grpo_trainer import RolloutQueueDataset
-from trl.experimental.async_grpo.async_rollout_worker import (
-    RolloutGroup,
-    RolloutSample,
-    TrainingSequence,
-    _AsyncRolloutLoop,
-)
-
 from expbuf.client import EID, BufferClient, ExpbufError, Experience
 from expbuf.client.kit.lease_keeper import LeaseKeeper
 from expbuf.client.rpc.connection import DEFAULT_TIMEOUT
-from expbuf.client.trl import ExpbufRolloutWorker, group_experiences, group_id, rollout_samples
-from expbuf.client.trl.leases import LeaseBook, ack_lag
-from expbuf.client.trl.reporter import Reporter
 
 from conftest import Servers
 from helpers import servers, wait_ready
 from trl_cpu import EOS, MARKS, PAD, until
+
+
+def import_frameworks() -> None:
+    """Run by tests/conftest.py before this module's tests: not at its import, which every pytest worker does."""
+    global AsyncGRPOConfig, RolloutQueueDataset, RolloutGroup, RolloutSample, TrainingSequence
+    global _AsyncRolloutLoop, ExpbufRolloutWorker, group_experiences, group_id, rollout_samples, LeaseBook
+    global ack_lag, Reporter
+    import trl_cpu
+
+    trl_cpu.import_frameworks()
+    pytest.importorskip("trl")
+    from trl.experimental.async_grpo import AsyncGRPOConfig
+    from trl.experimental.async_grpo.async_grpo_trainer import RolloutQueueDataset
+    from trl.experimental.async_grpo.async_rollout_worker import (
+        RolloutGroup,
+        RolloutSample,
+        TrainingSequence,
+        _AsyncRolloutLoop,
+    )
+
+    from expbuf.client.trl import ExpbufRolloutWorker, group_experiences, group_id, rollout_samples
+    from expbuf.client.trl.leases import LeaseBook, ack_lag
+    from expbuf.client.trl.reporter import Reporter
+
 
 pytestmark = pytest.mark.client_timeout(DEFAULT_TIMEOUT)  # BufferClient's own
 

@@ -15,34 +15,80 @@ from typing import Any
 import pytest
 import torch
 
-pytest.importorskip("trl")
-
-from datasets import Dataset
-from transformers import TrainerCallback
-from trl.experimental.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer
-
 from expbuf.client import EID, BufferClient
 from expbuf.client.rpc.connection import DEFAULT_TIMEOUT
-from expbuf.client.trl import ExpbufRolloutWorker, group_experiences
 
 from conftest import Servers
 from pages import code_blocks, page
 from trl_cpu import EOS, MARKS, NoWeightSync, on_cpu, tiny_model, trained_marks, until
 
+
+def import_frameworks() -> None:
+    """Run by tests/conftest.py before this module's tests: not at its import, which every pytest worker does."""
+    global Dataset, TrainerCallback, AsyncGRPOConfig, AsyncGRPOTrainer, ExpbufRolloutWorker, group_experiences
+    global RecordingTrainer, AckedOnlyWhenTrained, QueueFullAfterStepOne
+    import trl_cpu
+
+    trl_cpu.import_frameworks()
+    pytest.importorskip("trl")
+    from datasets import Dataset
+    from transformers import TrainerCallback
+    from trl.experimental.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer
+
+    from expbuf.client.trl import ExpbufRolloutWorker, group_experiences
+
+    class RecordingTrainer(AsyncGRPOTrainer):
+        """TRL's trainer, noting the marks of the samples each micro-batch trained."""
+
+        trained: list[list[int]]
+
+        def training_step(self, model: Any, inputs: dict[str, torch.Tensor], num_items_in_batch: Any) -> torch.Tensor:
+            loss = super().training_step(model, inputs, num_items_in_batch)
+            self.trained.append(trained_marks(inputs))
+            return loss
+
+    class AckedOnlyWhenTrained(TrainerCallback):
+        """After the worker's callback at each step's end: what the table consumed was trained (by
+        this trainer, or `before` it)."""
+
+        def __init__(
+            self, trainer: RecordingTrainer, worker: ExpbufRolloutWorker, uids: dict[str, int], before: set[int]
+        ) -> None:
+            self.trainer, self.worker, self.uids, self.before = trainer, worker, uids, before
+            self.violations: list[str] = []
+            self.first_step: set[int] = set()
+
+        def consumed(self) -> set[int]:
+            live = {e.uid for e in self.worker.client.list_experiences(self.worker.table).experiences}
+            return {mark for uid, mark in self.uids.items() if uid not in live}
+
+        def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            trained = {mark for marks in self.trainer.trained for mark in marks}
+            if not self.first_step:  # the run's first step
+                self.first_step = set(trained)
+            if not until(lambda: self.worker.reporter.pending() == 0):
+                self.violations.append(f"step {state.global_step}: acks not made")
+            early = self.consumed() - trained - self.before
+            if early:
+                self.violations.append(f"step {state.global_step}: consumed before trained: {sorted(early)}")
+
+    class QueueFullAfterStepOne(TrainerCallback):
+        """At the end of step 1, before the weight sync that makes what is queued stale: wait until
+        the worker has queued its two batches ahead."""
+
+        def __init__(self, worker: ExpbufRolloutWorker) -> None:
+            self.worker = worker
+
+        def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            if state.global_step == 1:
+                assert until(lambda: self.worker.rollout_buffer.qsize() == 2 * GROUP), (
+                    "the worker queued no batches ahead"
+                )
+
+
 pytestmark = pytest.mark.client_timeout(DEFAULT_TIMEOUT)  # BufferClient's own
 
 GROUP = 4
-
-
-class RecordingTrainer(AsyncGRPOTrainer):
-    """TRL's trainer, noting the marks of the samples each micro-batch trained."""
-
-    trained: list[list[int]]
-
-    def training_step(self, model: Any, inputs: dict[str, torch.Tensor], num_items_in_batch: Any) -> torch.Tensor:
-        loss = super().training_step(model, inputs, num_items_in_batch)
-        self.trained.append(trained_marks(inputs))
-        return loss
 
 
 def recording_trainer(
@@ -55,32 +101,6 @@ def recording_trainer(
     )  # fmt: skip
     trainer.trained = []
     return trainer
-
-
-class AckedOnlyWhenTrained(TrainerCallback):
-    """After the worker's callback at each step's end: what the table consumed was trained (by
-    this trainer, or `before` it)."""
-
-    def __init__(
-        self, trainer: RecordingTrainer, worker: ExpbufRolloutWorker, uids: dict[str, int], before: set[int]
-    ) -> None:
-        self.trainer, self.worker, self.uids, self.before = trainer, worker, uids, before
-        self.violations: list[str] = []
-        self.first_step: set[int] = set()
-
-    def consumed(self) -> set[int]:
-        live = {e.uid for e in self.worker.client.list_experiences(self.worker.table).experiences}
-        return {mark for uid, mark in self.uids.items() if uid not in live}
-
-    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        trained = {mark for marks in self.trainer.trained for mark in marks}
-        if not self.first_step:  # the run's first step
-            self.first_step = set(trained)
-        if not until(lambda: self.worker.reporter.pending() == 0):
-            self.violations.append(f"step {state.global_step}: acks not made")
-        early = self.consumed() - trained - self.before
-        if early:
-            self.violations.append(f"step {state.global_step}: consumed before trained: {sorted(early)}")
 
 
 def push_groups(client: BufferClient, table: str, groups: int, *, first: int = 0, version: int = 1) -> dict[str, int]:
@@ -175,18 +195,6 @@ def test_async_grpo_trains_each_sample_once_and_acks_only_trained_ones(
         assert stats.leased == 0, "the worker gave back what it held when training ended"
         assert (stats.consumed, stats.ready) == (len(whole), len(uids) - len(whole))
         assert stats.trainer_version == trainer.model_version == steps + 1  # a weight sync at start and each step
-
-
-class QueueFullAfterStepOne(TrainerCallback):
-    """At the end of step 1, before the weight sync that makes what is queued stale: wait until
-    the worker has queued its two batches ahead."""
-
-    def __init__(self, worker: ExpbufRolloutWorker) -> None:
-        self.worker = worker
-
-    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        if state.global_step == 1:
-            assert until(lambda: self.worker.rollout_buffer.qsize() == 2 * GROUP), "the worker queued no batches ahead"
 
 
 def test_what_trls_queue_drops_as_stale_in_the_last_fetch_is_acked_at_the_end(

@@ -15,7 +15,13 @@ from expbuf.client.schema.experience import TENSOR_FIELDS
 
 from conftest import payload
 
-trinity = pytest.importorskip("trinity.common.experience")
+
+def import_frameworks() -> None:
+    """Run by tests/conftest.py before this module's tests: not at its import, which every pytest worker does."""
+    global trinity
+    trinity = pytest.importorskip("trinity.common.experience")
+
+
 FIXTURES = sorted(p.name for p in (Path(__file__).parent / "fixtures" / "trxp").glob("*.trxp"))
 
 

@@ -14,24 +14,29 @@ import uuid
 
 import numpy as np
 import pytest
+import torch
 
-pytest.importorskip("verl")
-tq = pytest.importorskip("transfer_queue")
-
-import torch  # noqa: E402
-from verl.experimental.agent_loop.agent_loop import AgentLoopMetrics, AgentLoopOutput  # noqa: E402
-from verl.protocol import DataProto  # noqa: E402
-from verl.trainer.ppo.ray_trainer import compute_advantage  # noqa: E402
-from verl.utils.model import compute_position_id_with_mask  # noqa: E402
-from verl.utils.tensordict_utils import list_of_dict_to_tensordict  # noqa: E402
-
-from expbuf.client import (  # noqa: E402
+from expbuf.client import (
     EID,
     Experience,
     layout,
     trxp,
 )
-from expbuf.client.verl import Row, advantage, from_verl, settings, to_verl  # noqa: E402
+
+
+def import_frameworks() -> None:
+    """Run by tests/conftest.py before this module's tests: not at its import, which every pytest worker does."""
+    global tq, AgentLoopMetrics, AgentLoopOutput, DataProto, compute_advantage, compute_position_id_with_mask
+    global list_of_dict_to_tensordict, Row, advantage, from_verl, settings, to_verl
+    pytest.importorskip("verl")
+    tq = pytest.importorskip("transfer_queue")
+    from verl.experimental.agent_loop.agent_loop import AgentLoopMetrics, AgentLoopOutput
+    from verl.protocol import DataProto
+    from verl.trainer.ppo.ray_trainer import compute_advantage
+    from verl.utils.model import compute_position_id_with_mask
+    from verl.utils.tensordict_utils import list_of_dict_to_tensordict
+
+    from expbuf.client.verl import Row, advantage, from_verl, settings, to_verl
 
 
 def agent_loop_rows(uid: str, global_steps: int, sessions: int = 2) -> list[Row]:

@@ -14,28 +14,38 @@ from pathlib import Path
 from types import ModuleType, SimpleNamespace
 
 import pytest
+import torch
 
-verl = pytest.importorskip("verl")
-tq = pytest.importorskip("transfer_queue")
+from expbuf.client import EID, BufferClient, Experience, TableStats
+from expbuf.server.config import load
 
-import ray  # noqa: E402
-import torch  # noqa: E402
-from hydra import compose, initialize_config_dir  # noqa: E402
-from omegaconf import DictConfig, OmegaConf  # noqa: E402
-from tensordict import TensorDict  # noqa: E402
-from transfer_queue import KVBatchMeta  # noqa: E402
-from verl.trainer.ppo.v1.replay_buffer import ReplayBufferAsync  # noqa: E402
-from verl.trainer.ppo.v1.trainer_base import PPOTrainer, get_trainer_cls  # noqa: E402
-from verl.utils.tensordict_utils import list_of_dict_to_tensordict  # noqa: E402
+from helpers import ServerProcess
+from pages import code_blocks, page
+from test_verl import agent_loop_rows, dispatch
 
-from expbuf.client import EID, BufferClient, Experience, TableStats  # noqa: E402
-from expbuf.client.verl import ExpbufExternalTrainer, ExpbufReplayBuffer, from_verl  # noqa: E402
-from expbuf.client.verl.rows import put_rows, rows_of  # noqa: E402
-from expbuf.server.config import load  # noqa: E402
 
-from helpers import ServerProcess  # noqa: E402
-from pages import code_blocks, page  # noqa: E402
-from test_verl import agent_loop_rows, dispatch  # noqa: E402
+def import_frameworks() -> None:
+    """Run by tests/conftest.py before this module's tests: not at its import, which every pytest worker does."""
+    global verl, tq, ray, compose, initialize_config_dir, DictConfig, OmegaConf, TensorDict, KVBatchMeta
+    global ReplayBufferAsync, PPOTrainer, get_trainer_cls, list_of_dict_to_tensordict, ExpbufExternalTrainer
+    global ExpbufReplayBuffer, from_verl, put_rows, rows_of
+    import test_verl
+
+    test_verl.import_frameworks()
+    verl = pytest.importorskip("verl")
+    tq = pytest.importorskip("transfer_queue")
+    import ray
+    from hydra import compose, initialize_config_dir
+    from omegaconf import DictConfig, OmegaConf
+    from tensordict import TensorDict
+    from transfer_queue import KVBatchMeta
+    from verl.trainer.ppo.v1.replay_buffer import ReplayBufferAsync
+    from verl.trainer.ppo.v1.trainer_base import PPOTrainer, get_trainer_cls
+    from verl.utils.tensordict_utils import list_of_dict_to_tensordict
+
+    from expbuf.client.verl import ExpbufExternalTrainer, ExpbufReplayBuffer, from_verl
+    from expbuf.client.verl.rows import put_rows, rows_of
+
 
 TRAIN = "train"
 

@@ -7,6 +7,7 @@ controller's journal are in the server."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import signal
 import subprocess
@@ -15,12 +16,16 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("verl")
-pytest.importorskip("transfer_queue")
-
 from expbuf.client import BufferClient
 
 from helpers import ServerProcess
+
+# Found, not imported: the test runs verl in a child, and verl's import cost every pytest worker,
+# which collects every module, seconds of CPU.
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("verl") is None or importlib.util.find_spec("transfer_queue") is None,
+    reason="verl or TransferQueue is not installed",
+)
 
 CHILD = Path(__file__).parent / "verl_tq_child.py"
 

@@ -28,43 +28,50 @@ from collections import deque
 from collections.abc import Callable
 
 import torch
-from trinity.buffer.operators.experience_operator import create_operators
-from trinity.buffer.pipelines.experience_pipeline import ExperiencePipeline
-from trinity.common.config import Config, load_config
-from trinity.common.experience import EID, Experience
-from trinity.common.workflows import WORKFLOWS, Task, Workflow
-from trinity.manager.state_manager import StateManager
-from trinity.utils.plugin_loader import load_plugins
+
+
+def import_frameworks() -> None:
+    """Trinity-RFT's modules and the user's workflow registered, by main() here and by the test
+    modules that import this one (their import_frameworks): not at the import, which every pytest
+    worker does for those modules."""
+    global create_operators, ExperiencePipeline, Config, load_config, EID, Experience, WORKFLOWS, Task, Workflow
+    global StateManager, load_plugins, AnswerWorkflow
+    from trinity.buffer.operators.experience_operator import create_operators
+    from trinity.buffer.pipelines.experience_pipeline import ExperiencePipeline
+    from trinity.common.config import Config, load_config
+    from trinity.common.experience import EID, Experience
+    from trinity.common.workflows import WORKFLOWS, Task, Workflow
+    from trinity.manager.state_manager import StateManager
+    from trinity.utils.plugin_loader import load_plugins
+
+    class AnswerWorkflow(Workflow):
+        """A user's workflow: each run answers the task's row (its `answer` in the last token), its
+        reward the run's number, so a group's runs differ and its advantages are not all zero."""
+
+        can_repeat = True
+
+        def set_repeat_times(self, repeat_times: int, run_id_base: int) -> None:
+            self.repeat_times, self.run_id_base = repeat_times, run_id_base
+
+        def run(self) -> list[Experience]:
+            answer = int(self.task.raw_task["answer"])
+            return [
+                Experience(
+                    eid=EID(run=self.run_id_base + run),
+                    tokens=torch.tensor([1, 2, 3, 4 + answer], dtype=torch.int32),
+                    prompt_length=3,
+                    logprobs=torch.full((1,), -0.5),
+                    reward=float(run),
+                    info={},
+                )
+                for run in range(self.repeat_times)
+            ]
+
+    if WORKFLOW not in WORKFLOWS.modules:
+        WORKFLOWS.register_module(WORKFLOW, AnswerWorkflow)
+
 
 WORKFLOW = "expbuf_answer"
-
-
-class AnswerWorkflow(Workflow):
-    """A user's workflow: each run answers the task's row (its `answer` in the last token), its
-    reward the run's number, so a group's runs differ and its advantages are not all zero."""
-
-    can_repeat = True
-
-    def set_repeat_times(self, repeat_times: int, run_id_base: int) -> None:
-        self.repeat_times, self.run_id_base = repeat_times, run_id_base
-
-    def run(self) -> list[Experience]:
-        answer = int(self.task.raw_task["answer"])
-        return [
-            Experience(
-                eid=EID(run=self.run_id_base + run),
-                tokens=torch.tensor([1, 2, 3, 4 + answer], dtype=torch.int32),
-                prompt_length=3,
-                logprobs=torch.full((1,), -0.5),
-                reward=float(run),
-                info={},
-            )
-            for run in range(self.repeat_times)
-        ]
-
-
-if WORKFLOW not in WORKFLOWS.modules:
-    WORKFLOWS.register_module(WORKFLOW, AnswerWorkflow)
 
 
 def rollout(task: Task, repeat_times: int) -> bytes:
@@ -124,6 +131,7 @@ async def explore(config: Config, note: Callable[[str], None], die_at: int | Non
 
 def main() -> None:
     config_path, log_path, *die = sys.argv[1:]
+    import_frameworks()
     load_plugins()  # TRINITY_PLUGIN_DIRS: expbuf's plugin
     config = load_config(config_path)
     config.check_and_update()

@@ -24,12 +24,18 @@ from typing import Any
 import pytest
 import torch
 
-trl = pytest.importorskip("trl")
 
-import trl.experimental.async_grpo.async_grpo_trainer as trainer_module  # noqa: E402
-import trl.experimental.async_grpo.packing as packing  # noqa: E402
-from tokenizers import Tokenizer, models, pre_tokenizers  # noqa: E402
-from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM  # noqa: E402
+def import_frameworks() -> None:
+    """TRL and transformers imported by the test modules that use this one (their
+    import_frameworks): not at the import, which every pytest worker does for those modules."""
+    global trl, trainer_module, packing, Tokenizer, models, pre_tokenizers, PreTrainedTokenizerFast, Qwen2Config
+    global Qwen2ForCausalLM
+    trl = pytest.importorskip("trl")
+    import trl.experimental.async_grpo.async_grpo_trainer as trainer_module
+    import trl.experimental.async_grpo.packing as packing
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
 
 VOCAB = 256
 EOS, PAD = 1, 2

@@ -23,7 +23,7 @@ from expbuf.client import BufferClient
 from expbuf.client.verl import from_verl
 
 from test_verl import dispatch
-from test_verl_buffer import build, group_rows
+from test_verl_buffer import build, group_rows, import_frameworks
 
 
 def run(gcs: str, target: str, table: str, steps: tuple[int, ...], log_path: str, err_path: str) -> None:
@@ -32,6 +32,7 @@ def run(gcs: str, target: str, table: str, steps: tuple[int, ...], log_path: str
     with open(err_path, "a") as err:  # a file: a full pipe would stall the child
         os.dup2(err.fileno(), 2)
     first, last, dispatch_until, *die = steps
+    import_frameworks()  # test_verl_buffer's and test_verl's, which build and dispatch use
     die_at = die[0] if die else None
     ray.init(address=gcs, logging_level="ERROR", log_to_driver=False)
     tq.init()

@@ -17,18 +17,24 @@ import threading
 from collections import Counter
 
 import pytest
-
-pytest.importorskip("torchrl")
-
 import torch
-from tensordict import TensorDict, lazy_stack, set_list_to_stack
-from torchrl.data import ReplayBuffer
-from torchrl.modules.llm.policies import LogProbs, Tokens
 
 from expbuf.client import BufferClient, DeadlineExceededError
-from expbuf.client.torchrl import ExpbufSampler, ExpbufStorage
 
 from faultkit import scaled
+
+
+def import_frameworks() -> None:
+    """Run by tests/conftest.py before this module's tests: not at its import, which every pytest worker does."""
+    global TensorDict, lazy_stack, set_list_to_stack, ReplayBuffer, LogProbs, Tokens, ExpbufSampler
+    global ExpbufStorage
+    pytest.importorskip("torchrl")
+    from tensordict import TensorDict, lazy_stack, set_list_to_stack
+    from torchrl.data import ReplayBuffer
+    from torchrl.modules.llm.policies import LogProbs, Tokens
+
+    from expbuf.client.torchrl import ExpbufSampler, ExpbufStorage
+
 
 pytestmark = pytest.mark.faults
 

@@ -24,13 +24,18 @@ from types import ModuleType
 from typing import Any
 
 import pytest
+import torch
 
-tq = pytest.importorskip("transfer_queue")
-import torch  # noqa: E402
-from omegaconf import OmegaConf  # noqa: E402
+from faultkit import scaled
+from helpers import ServerProcess, servers
 
-from faultkit import scaled  # noqa: E402
-from helpers import ServerProcess, servers  # noqa: E402
+
+def import_frameworks() -> None:
+    """Run by tests/conftest.py before this module's tests: not at its import, which every pytest worker does."""
+    global tq, OmegaConf
+    tq = pytest.importorskip("transfer_queue")
+    from omegaconf import OmegaConf
+
 
 BATCH = 8
 PARTITION, TASK = "train", "actor"

@@ -24,17 +24,25 @@ import time
 from collections import Counter
 
 import pytest
+import torch
 
-trinity = pytest.importorskip("trinity")
+from expbuf.client import BufferClient
 
-import torch  # noqa: E402
-from trinity.common.config import ExperienceBufferConfig  # noqa: E402
-from trinity.common.experience import EID, Experience  # noqa: E402
+from test_trinity_plugin import plugin, until  # noqa: F401 - loads the plugin as Trinity does
 
-from expbuf.client import BufferClient  # noqa: E402
-from expbuf.client.trinity import plugin_dir  # noqa: E402
 
-from test_trinity_plugin import plugin, until  # noqa: E402, F401 - loads the plugin as Trinity does
+def import_frameworks() -> None:
+    """Run by tests/conftest.py before this module's tests: not at its import, which every pytest worker does."""
+    global trinity, ExperienceBufferConfig, EID, Experience, plugin_dir
+    import test_trinity_plugin
+
+    test_trinity_plugin.import_frameworks()
+    trinity = pytest.importorskip("trinity")
+    from trinity.common.config import ExperienceBufferConfig
+    from trinity.common.experience import EID, Experience
+
+    from expbuf.client.trinity import plugin_dir
+
 
 pytestmark = pytest.mark.faults
 

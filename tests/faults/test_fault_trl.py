@@ -22,19 +22,56 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
-pytest.importorskip("trl")
-
 from test_trl_trainer import GROUP, push_groups, recording_trainer
-from transformers import TrainerCallback
-from trl.experimental.async_grpo import AsyncGRPOConfig
 
 from expbuf.client import BufferClient, ExpbufError
-from expbuf.client.trl import ExpbufRolloutWorker
 
 from faultkit import servers
 from helpers import ServerProcess
 from trl_cpu import on_cpu, tiny_model, until
+
+
+def import_frameworks() -> None:
+    """Run by tests/conftest.py before this module's tests: not at its import, which every pytest worker does."""
+    global TrainerCallback, AsyncGRPOConfig, ExpbufRolloutWorker, KillTheServer
+    import test_trl_trainer
+
+    test_trl_trainer.import_frameworks()  # trl_cpu's too
+    pytest.importorskip("trl")
+    from transformers import TrainerCallback
+    from trl.experimental.async_grpo import AsyncGRPOConfig
+
+    from expbuf.client.trl import ExpbufRolloutWorker
+
+    class KillTheServer(TrainerCallback):
+        """SIGKILL the server at the end of step KILL_AT; a thread starts it again on its port, and
+        training does not end before the worker's client reaches it again."""
+
+        def __init__(self, server: ServerProcess, restart: Callable[[], ServerProcess], client: BufferClient) -> None:
+            self.server, self.restart, self.client = server, restart, client
+            self.killed = threading.Event()
+            self.back = threading.Event()
+
+        def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            if state.global_step != KILL_AT:
+                return
+            self.server.proc.send_signal(signal.SIGKILL)
+            self.server.proc.wait(30)
+            self.killed.set()
+
+            def start_again() -> None:
+                self.back.wait(DOWN_SECONDS)  # an event no one sets yet: a pause the trainer does not wait for
+                self.server = self.restart()
+                self.back.set()
+
+            threading.Thread(target=start_again, daemon=True).start()
+
+        def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            """The worker acks what the last steps trained when TRL stops it, right after this: wait
+            until the restarted server answers the worker's own client, so that those acks can be made."""
+            self.back.wait(RESTART_SECONDS)
+            until(lambda: answers(self.client), RESTART_SECONDS)
+
 
 pytestmark = pytest.mark.faults
 
@@ -42,36 +79,6 @@ STEPS = 8
 KILL_AT = 3  # the step after whose end the server is killed
 DOWN_SECONDS = 1.0  # then restarted this long after, whatever the trainer is doing
 RESTART_SECONDS = 120.0  # a bound on the restart, for a broken run
-
-
-class KillTheServer(TrainerCallback):
-    """SIGKILL the server at the end of step KILL_AT; a thread starts it again on its port, and
-    training does not end before the worker's client reaches it again."""
-
-    def __init__(self, server: ServerProcess, restart: Callable[[], ServerProcess], client: BufferClient) -> None:
-        self.server, self.restart, self.client = server, restart, client
-        self.killed = threading.Event()
-        self.back = threading.Event()
-
-    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        if state.global_step != KILL_AT:
-            return
-        self.server.proc.send_signal(signal.SIGKILL)
-        self.server.proc.wait(30)
-        self.killed.set()
-
-        def start_again() -> None:
-            self.back.wait(DOWN_SECONDS)  # an event no one sets yet: a pause the trainer does not wait for
-            self.server = self.restart()
-            self.back.set()
-
-        threading.Thread(target=start_again, daemon=True).start()
-
-    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        """The worker acks what the last steps trained when TRL stops it, right after this: wait
-        until the restarted server answers the worker's own client, so that those acks can be made."""
-        self.back.wait(RESTART_SECONDS)
-        until(lambda: answers(self.client), RESTART_SECONDS)
 
 
 def answers(client: BufferClient) -> bool:
