@@ -5,6 +5,7 @@ the runs; damage to it is found by each run's read check. Real LMDB in a tempora
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import lmdb
@@ -134,6 +135,38 @@ def test_the_prompt_goes_with_its_last_run(tmp_path: Path, how: str) -> None:
         assert store.verify("t") == []
         store.delete("t", group_ids=[exp.eid.tid for exp in (run(0, 0), run(1, 0), run(2, 0))])
         assert shared(store) == {}
+        assert store.verify("t") == []
+
+
+@pytest.mark.parametrize("layout", ["rows", "records"])
+def test_stale_runs_dropped_inside_a_takes_own_transaction_release_their_prompts_only_if_it_is_kept(
+    tmp_path: Path, layout: str
+) -> None:
+    """A take that moves the trainer's version drops the stale groups in a transaction of its own,
+    nested in the writer's, and their payloads' deletes read the references in one nested in that:
+    kept with a batch, the prompts go with their runs; undone with a take that fills nothing, every
+    count stands as it was."""
+    made = TableConfig.of(name="t", estimator="none", group_size=2, max_staleness=0, evict_stale=True)
+    config = dataclasses.replace(made, storage=dataclasses.replace(made.storage, layout=layout))
+
+    def versioned(task: int, version: int) -> list[trxp.RawItem]:
+        return [
+            trxp.from_experience(Experience(**{**exp.__dict__, "info": {"model_version": version}}))
+            for exp in (run(task, 0), run(task, 1))
+        ]
+
+    with Store(tmp_path / "data", map_size=64 << 20, seed=3) as store:
+        store.create_table(config)
+        store.set_trainer_version("t", 0)
+        for task, version in ((0, 0), (1, 0), (2, 1)):
+            store.put("t", versioned(task, version))
+        before = shared(store)
+        assert sorted(count for count, _ in before.values()) == [2, 2, 2]
+        assert take(store, "t", num_groups=2, trainer_version=1, wait_seconds=0) is None  # two stale, one fresh
+        assert shared(store) == before and store.stats("t")["dropped_stale"] == 0
+        batch = take(store, "t", num_groups=1, trainer_version=1, delivery="consume")
+        assert batch is not None and batch.versions == [1, 1]
+        assert shared(store) == {} and store.stats("t")["dropped_stale"] == 2
         assert store.verify("t") == []
 
 
