@@ -300,8 +300,9 @@ def test_an_empty_payload_is_refused_without_losing_the_worker() -> None:
 
 def test_a_refusal_then_a_push_that_grows_the_region_decode_as_here(ingest: Ingest) -> None:
     """A worker decodes each payload where the server put it in the region (views of it, not a
-    copy): a refused one's views go with its error, so the region grows (is mapped again) for the
-    next, larger push as for any, and that push's entries are whole."""
+    copy): after a refused one, the region grows (is mapped again) for the next, larger push as for
+    any, and that push's entries are whole. (That the refusal's views go with its reply, so that the
+    old map is unmapped at once rather than when a collector frees them, this does not tell.)"""
     worker = ingest._workers[0]
     bad = (BAD_DIR / "prompt_longer_than_tokens.bin").read_bytes()
     assert isinstance(worker.entries(bad), InvalidPayload)  # the refusal, as the worker gives it
