@@ -19,7 +19,7 @@ import lmdb
 
 from expbuf.client.schema.routing import uid_group_key
 
-from ...disk import layout
+from ...disk import chunked, layout
 from ...disk.chunked import Views
 from ...disk.kinds import Entry
 from ...disk.layout import put_rows, u64
@@ -83,7 +83,7 @@ class TableState:
     ) -> None:
         self.txn, self.db, self.config, self.table_id, self.now = txn, dbs, config, table_id, now
         self.extensions = extensions
-        self.views = views  # reads in place of large values, for the payloads its deletes look at (chunked.delete)
+        self.views = views  # reads in place of large values, for the payloads its deletes look at
         self.prefix = layout.table_prefix(table_id)
         self.counters = read_counters(txn, dbs, self.prefix)
         self.ready = ReadyIndex(dbs, txn, self.prefix, buildable=True, rows=config.storage.layout == "rows")
@@ -112,6 +112,11 @@ class TableState:
         """`key` of each name, in their order: a push's uids, its groups' directory keys."""
         prefix = self.prefix
         return [prefix + name.encode() for name in names]
+
+    def delete_payloads(self, keys: Iterable[bytes], sizes: Sequence[int] | None = None) -> None:
+        """Delete these payloads (`keys`; `sizes`, their records' where known) with what they hold
+        elsewhere (chunked.delete), those it looks at read in place (`views`), not copied."""
+        chunked.delete(self.txn, self.db, keys, sizes, self.views)
 
     def item(self, uid: str) -> ItemRecord | None:
         """The uid's record: a live experience's (or a failed one's whose payload is kept), or

@@ -71,11 +71,11 @@ def drop(
     tombstone is forgotten (segments.prune, retire.forget_tombstone)."""
     txn = tt.txn
     if keep is False:  # every one goes (a consume's)
-        chunked.delete(txn, tt.db, keys, sizes, tt.views)
+        tt.delete_payloads(keys, sizes)
     else:
         keeps = _every if keep is True else keep
         gone = [at for at, key in enumerate(keys) if not keeps(key)]
-        chunked.delete(txn, tt.db, [keys[at] for at in gone], [sizes[at] for at in gone], tt.views)
+        tt.delete_payloads([keys[at] for at in gone], [sizes[at] for at in gone])
     if keys and _has_advantages(tt):
         delete_rows(txn, tt.db["adv"], sorted(keys))
     tt.counters.bytes -= sum(sizes)

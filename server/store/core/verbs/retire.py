@@ -14,7 +14,7 @@ from collections.abc import Iterable, Sequence, Set
 
 import lmdb
 
-from ...disk import chunk_reads, chunked, digests, layout
+from ...disk import chunk_reads, digests, layout
 from ...disk.layout import put_rows, u64
 from ...disk.records import DELETED, GroupRecord, ItemRecord
 from ...schema.errors import DAMAGE
@@ -115,7 +115,7 @@ def retire(
     drop_payloads(tt, keys, sizes, places, keep_blobs=keep)
     if keep:  # the quarantined members' payloads go all the same
         damaged.sort()
-        chunked.delete(tt.txn, tt.db, [key for key, _ in damaged], [size for _, size in damaged])
+        tt.delete_payloads([key for key, _ in damaged], [size for _, size in damaged])
     gone = sorted(key for key, _ in tombstones)
     _delete_rows(tt.txn, tt.db["items"], gone)  # the records leave the live ones' pages, which stay dense
     for db, rows in ((tt.db["items"], full), (tt.db["tombs"], tombstones), (tt.db["retired"], marks)):
@@ -190,7 +190,7 @@ def forget_tombstone(tt: TableState, uid: str, rec: ItemRecord) -> None:
     may then be pushed again. Its group goes with its last member, and the group's place
     in the retired index with it."""
     tt.forget_item(uid)
-    chunked.delete(tt.txn, tt.db, [tt.key(uid)], [rec.size])
+    tt.delete_payloads([tt.key(uid)], [rec.size])
     tt.counters.add(rec.state, -1)
     grp = tt.group(rec.group)
     if grp is not None:
@@ -340,7 +340,7 @@ def bury_lost(tt: TableState, lost: Sequence[tuple[str, State, str]]) -> None:
         tt.settle_item(uid, rec)
         tt.counters.add(state, -1)
         tt.counters.add(QUARANTINED, 1)
-    chunked.delete(tt.txn, tt.db, keys)  # no size to go by: each looked at
+    tt.delete_payloads(keys)  # no size to go by: each looked at
     nbytes, places = _live_bytes(tt, {uid for _, _, uid in lost})
     drop_payloads(tt, [], [], places, keep_blobs=True)
     tt.counters.bytes = nbytes
@@ -380,7 +380,7 @@ def quarantine_kept(tt: TableState, uid: str, view: MemberView) -> None:
     """A failed experience whose kept payload is damaged: quarantined alone, its payload gone (a
     rows table's flagged so in its segment's state: row_moves.quarantine_kept)."""
     key = tt.key(uid)
-    chunked.delete(tt.txn, tt.db, [key], [view.size])  # its bytes left the table's when its group failed
+    tt.delete_payloads([key], [view.size])  # its bytes left the table's when its group failed
     if isinstance(view, RowMember):
         row_moves.quarantine_kept(tt, view.group, uid)
     else:

@@ -42,7 +42,6 @@ from dataclasses import dataclass, field
 
 from expbuf.client.schema.routing import uid_group_key
 
-from ...disk import chunked
 from ...disk.layout import expiry_of, rows_under, u64
 from ...disk.records import DELETED
 from ...disk.rows import PENDING as PENDING_ENTRY
@@ -165,7 +164,7 @@ def delete(tt: TableState, uids: Sequence[str], group_ids: Sequence[str]) -> int
     if emptied:  # as a records table's: each group as it stood, without members
         groups = [(grp.group.key, grp.group._replace(rows=())) for grp in emptied]
         tt.extensions.on_retired(tt, Retired(groups, DELETED))
-    chunked.delete(tt.txn, tt.db, keys, sizes, tt.views)
+    tt.delete_payloads(keys, sizes)
     tt.counters.bytes -= freed
     return deleted
 

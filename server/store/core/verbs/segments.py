@@ -17,7 +17,7 @@ import operator
 from collections.abc import Iterable, Mapping, Sequence, Set
 from typing import cast
 
-from ...disk import chunked, layout
+from ...disk import layout
 from ...disk.layout import put_rows, u64
 from ...disk.rows import (
     SEGMENT_GROUPS,
@@ -285,7 +285,7 @@ def prune(tt: TableState, retired_before: float, limit: int = 10_000) -> int:
                     uids = view.members.uids(lo, hi)  # but a deleted member's, gone (its uid maybe pushed again)
                     sizes = view.members.column("size", lo, hi)
                     kept = [i - lo for i in members]
-                    chunked.delete(tt.txn, tt.db, [tt.key(uids[i]) for i in kept], [int(sizes[i] or 0) for i in kept])
+                    tt.delete_payloads([tt.key(uids[i]) for i in kept], [int(sizes[i] or 0) for i in kept])
                 entry = tt.txn.get(tt.key(gkey), db=tt.db["gdir"])
                 if entry is not None and directory_entry(entry) == GroupRef(seg, g):
                     tt.txn.delete(tt.key(gkey), db=tt.db["gdir"])
