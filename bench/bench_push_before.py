@@ -16,6 +16,7 @@ rounds, and the median of the rounds' paired ratios.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -24,6 +25,7 @@ import sys
 import tempfile
 import time
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -67,6 +69,21 @@ def package(tree: Path, into: Path) -> Path:
     for name, folder in LINKS.items():
         (root / name).symlink_to(tree / folder)
     return into
+
+
+@contextlib.contextmanager
+def side_by_side(before: Path) -> Iterator[dict[str, tuple[str, int]]]:
+    """Two `expbuf serve` children on fresh directories, `before`'s and this tree's: their targets and
+    pids by side, stopped after the block."""
+    serve = ("-m", "expbuf.server.cli", "serve", "--port", "0", "--metrics-port", "-1", "--data")
+    with tempfile.TemporaryDirectory(prefix="expbuf-bench-") as tmp:
+        env = {**os.environ, "PYTHONPATH": str(package(before.resolve(), Path(tmp) / "before"))}
+        servers = {"before": Proc(*serve, f"{tmp}/b", env=env), "after": Proc(*serve, f"{tmp}/a")}
+        try:
+            yield {side: (proc.target, proc.proc.pid) for side, proc in servers.items()}
+        finally:
+            for proc in servers.values():
+                proc.stop()
 
 
 def measure(targets: dict[str, tuple[str, int]], rounds: int, shapes: list[str]) -> dict[str, dict]:
@@ -130,16 +147,8 @@ def main() -> None:
     args = parser.parse_args()
     command = f'python bench/bench_push_before.py --before BEFORE --shapes "{args.shapes}" --rounds {args.rounds}'
     load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
-    serve = ("-m", "expbuf.server.cli", "serve", "--port", "0", "--metrics-port", "-1", "--data")
-    with tempfile.TemporaryDirectory(prefix="expbuf-bench-") as tmp:
-        env = {**os.environ, "PYTHONPATH": str(package(Path(args.before).resolve(), Path(tmp) / "before"))}
-        servers = {"before": Proc(*serve, f"{tmp}/b", env=env), "after": Proc(*serve, f"{tmp}/a")}
-        try:
-            targets = {side: (proc.target, proc.proc.pid) for side, proc in servers.items()}
-            results = measure(targets, args.rounds, args.shapes.split(","))
-        finally:
-            for proc in servers.values():
-                proc.stop()
+    with side_by_side(Path(args.before)) as targets:
+        results = measure(targets, args.rounds, args.shapes.split(","))
     section = report(command, load, results)
     if args.note:
         section += args.note + "\n"

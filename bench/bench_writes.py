@@ -125,8 +125,7 @@ def counting(store: Store, counted: Counts) -> None:
     env: Environment = store.environment
     names = {id(db): name for name, db in env.db.items()}
 
-    def run(op: Any, txn: lmdb.Transaction) -> tuple[bool, Any]:
-        fn: Callable[[Any], Any] = op.fn
+    def run(fn: Callable[[Any], Any], txn: lmdb.Transaction) -> tuple[bool, Any]:
         try:
             return True, fn(_Txn(txn, names, counted))
         except lmdb.MapFullError:

@@ -3,7 +3,9 @@
 Every change goes through the writer thread, which takes every request waiting in its
 queue, applies them in one write transaction (each in a nested transaction, so one
 refused request leaves the others intact) and commits once with fsync: concurrent
-callers share the cost of the fsync, and each returns only after that commit. A full
+callers share the cost of the fsync, and each returns only after that commit. Requests of one
+kind that wait side by side may be run together (`together`: pushes of a few experiences, which
+the store stores as one push, services/joined_pushes.py), each still answered alone. A full
 map doubles (once no reader holds a transaction) up to `max_map_size` and the batch is
 retried; a full disk or an I/O error fails the batch, committing nothing. The garbage collector's
 passes wait while a batch's requests run (client/trxp/codec/gc_pause.py): a push of hundreds of
@@ -70,13 +72,21 @@ _DAMAGE = (
 )
 # Snapshots open at once (see snapshot()); each holds one of LMDB's reader slots.
 MAX_SNAPSHOTS = 16
+Request = Callable[["lmdb.Transaction[bytes]"], Any]
+# A request's outcome: whether it stored (else its refusal), and its result or refusal.
+Outcome = tuple[bool, Any]
+# A way to run requests that wait side by side together, in one transaction (in queue order): each
+# one's outcome, as `run_nested` gives one. It runs those it cannot run together one at a time
+# (`run_nested`); a full map (lmdb.MapFullError) it lets out, and the writer runs the batch again.
+Together = Callable[["lmdb.Transaction[bytes]", list[Any]], list[Outcome]]
 
 
 @dataclass(frozen=True)
 class _Op:
-    fn: Callable[[lmdb.Transaction[bytes]], Any]
+    fn: Request
     future: Future[Any]
     background: bool = False
+    together: Together | None = None
 
 
 class Environment:
@@ -200,20 +210,34 @@ class Environment:
 
     # ---- writes ----------------------------------------------------------------------
 
-    def submit(self, fn: Callable[[lmdb.Transaction[bytes]], T], *, background: bool = False) -> T:
+    def submit(
+        self,
+        fn: Callable[[lmdb.Transaction[bytes]], T],
+        *,
+        background: bool = False,
+        together: Together | None = None,
+    ) -> T:
         """Run `fn` in the writer thread's next transaction; return once it is committed. With
         `background`, in a transaction of its own once the requests waiting now are committed
-        (see the module's docstring); its commit wakes no wait_for_change()."""
-        return self.queue(fn, background=background).result()
+        (see the module's docstring); its commit wakes no wait_for_change(). With `together`, it
+        and the requests of the same `together` queued right before or after it in one batch run
+        as `together` runs them."""
+        return self.queue(fn, background=background, together=together).result()
 
-    def queue(self, fn: Callable[[lmdb.Transaction[bytes]], T], *, background: bool = False) -> Future[T]:
+    def queue(
+        self,
+        fn: Callable[[lmdb.Transaction[bytes]], T],
+        *,
+        background: bool = False,
+        together: Together | None = None,
+    ) -> Future[T]:
         """submit() without waiting: the future of `fn`'s result, done once it is committed.
         Requests are applied in the order they are queued."""
         future: Future[T] = Future()
         with self._closing:
             if self._closed or self.readonly:
                 raise StoreClosed("the store is closed" if self._closed else f"{self.path} is open read-only")
-            self._queue.put(_Op(fn, future, background))
+            self._queue.put(_Op(fn, future, background, together))
         return future
 
     def _write_loop(self) -> None:
@@ -257,12 +281,10 @@ class Environment:
             try:
                 with collector_paused():  # what a batch makes, its counts free: no pass need walk it
                     if len(ops) == 1:  # nothing to protect from a refusal: no nested transaction
-                        results.append(self._run(ops[0], parent))
+                        results.append(self._run(ops[0].fn, parent))
                     else:
-                        for op in ops:
-                            child = self.nested(parent)
-                            results.append(self._run(op, child))
-                            (child.commit if results[-1][0] else child.abort)()
+                        for run in runs(ops, _together_of):
+                            results.extend(self._together(run, parent))
                 if any(ok for ok, _ in results):
                     parent.commit()
                 else:
@@ -305,11 +327,37 @@ class Environment:
         (chunked.delete's), aborted once they are read, before `parent` is used again."""
         return self.env.begin(write=True, parent=parent, buffers=True)
 
+    def run_nested(self, fn: Request, parent: lmdb.Transaction[bytes]) -> Outcome:
+        """Run one request in a transaction nested in `parent`, committed where it stores and
+        aborted where it is refused (its refusal its outcome); a full map aborts the whole batch."""
+        child = self.nested(parent)
+        outcome = self._run(fn, child)
+        (child.commit if outcome[0] else child.abort)()
+        return outcome
+
+    def _together(self, run: list[_Op], parent: lmdb.Transaction[bytes]) -> list[Outcome]:
+        """The outcomes of a run of requests (`_runs`), in a transaction nested in `parent`: one
+        alone as `run_nested` runs it, several as their `together` runs them. A `together` that fails
+        otherwise than on a full map fails them all, nothing of theirs kept."""
+        together = run[0].together
+        if len(run) == 1 or together is None:
+            return [self.run_nested(op.fn, parent) for op in run]
+        child = self.nested(parent)
+        try:
+            outcomes = together(child, [op.fn for op in run])
+        except lmdb.MapFullError:
+            raise
+        except Exception as exc:
+            child.abort()
+            return [(False, exc)] * len(run)
+        (child.commit if any(ok for ok, _ in outcomes) else child.abort)()
+        return outcomes
+
     @staticmethod
-    def _run(op: _Op, txn: lmdb.Transaction[bytes]) -> tuple[bool, Any]:
+    def _run(fn: Request, txn: lmdb.Transaction[bytes]) -> Outcome:
         """Run one request; a refusal is its result, a full map aborts the whole batch."""
         try:
-            return True, op.fn(txn)
+            return True, fn(txn)
         except lmdb.MapFullError:
             raise
         except Exception as exc:
@@ -476,6 +524,23 @@ def _disk_usage(path: Path) -> tuple[int, int]:
     except OSError:
         return -1, -1
     return usage.total, usage.free
+
+
+def runs(items: list[T], key: Callable[[T], object]) -> Iterator[list[T]]:
+    """Items as runs, in order: those side by side of one key in one run, each whose key is None a run
+    of its own (a batch's requests by their `together`, joined_pushes' by table and holder)."""
+    run: list[T] = []
+    for item in items:
+        if run and ((mine := key(item)) is None or mine != key(run[0])):
+            yield run
+            run = []
+        run.append(item)
+    if run:
+        yield run
+
+
+def _together_of(op: _Op) -> Together | None:
+    return op.together
 
 
 def _free_bytes(path: Path) -> int:

@@ -34,7 +34,6 @@ in a write of their own, as a read quarantines what it finds.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import threading
 import time
 from collections import deque
@@ -54,7 +53,7 @@ from ..schema.errors import Conflict, DamagedPiece, InsertLimited, NotFound, Tab
 from ..schema.table_config import TableConfig
 from ..tables import admission
 from ..tables.catalog import TableCatalog
-from . import assembly
+from . import assembly, joined_pushes
 from .index_builds import IndexBuilds
 from .staged import StagedPushes
 
@@ -70,7 +69,7 @@ def _any_piece(entries: Sequence[Entry]) -> bool:
 
 
 @dataclass(frozen=True, slots=True)
-class _Ready:
+class Ready:
     """One push, looked up and with its advantages computed ahead, ready for the writer (which
     reads its entries from the push itself: see kinds.Push)."""
 
@@ -125,7 +124,7 @@ class Pushing:
         `may_wait()` is asked: a reason it gives refuses the push that would wait, with it."""
         start = time.monotonic()
         deadline = start + (timeout if timeout is not None else 0.0)
-        todo: deque[_Ready] = deque()
+        todo: deque[Ready] = deque()
         unready: Exception | None = None  # a push that cannot be tried (its table does not exist)
         for push in pushes:
             try:
@@ -145,7 +144,7 @@ class Pushing:
 
     def _in_turn(
         self,
-        todo: deque[_Ready],
+        todo: deque[Ready],
         since: float,
         held: bool,
         deadline: float,
@@ -201,14 +200,14 @@ class Pushing:
                 may_wait = None
             self.environment.wait_for_change(generation, deadline)
 
-    def _dropped(self, ready: _Ready, damaged: DamagedPiece) -> DamagedPiece:
+    def _dropped(self, ready: Ready, damaged: DamagedPiece) -> DamagedPiece:
         """The refusal of a push that met a damaged piece (nothing of it kept), once the rollout's
         pieces are dropped, checked again in the writer (Store.quarantine): its worker may push it
         again from its first piece."""
         self.quarantine(ready.push.table, [damaged.uid])
         return damaged
 
-    def _together(self, ready: _Ready, uid: str, staged: dict[str, list[int]]) -> None:
+    def _together(self, ready: Ready, uid: str, staged: dict[str, list[int]]) -> None:
         """Put together off the writer the rollout that the last piece of `uid` in a push finishes
         (assembly.put_together), the push's entry made the experience it makes; where its rollout
         is not as planned, the piece is left as pushed, for the writer to say what it finds."""
@@ -281,7 +280,7 @@ class Pushing:
 
         self.environment.submit(drop)
 
-    def _ready(self, push: Push) -> _Ready:
+    def _ready(self, push: Push) -> Ready:
         """A push looked up, with the advantages it is expected to compute, computed now; in a
         table that compresses, its large sections' chunks compressed now, off the writer."""
         table_id, config = self.catalog.lookup(push.table)
@@ -292,7 +291,7 @@ class Pushing:
         if _any_piece(push.entries):
             compute = None  # the rollouts its pieces finish are put together in the writer, not foreseen here
         ahead = pushed_advantages.compute_ahead(config, push.entries, compute) if compute is not None else None
-        return _Ready(push, table_id, config, ahead)
+        return Ready(push, table_id, config, ahead)
 
     def _compress(self, push: Push, level: int) -> None:
         """Replace each entry whose section is over MIN_COMPRESSED with its head and zstd frames
@@ -306,18 +305,20 @@ class Pushing:
                 entries[at] = dataclasses.replace(entries[at], blob=made[0], chunks=tuple(made[1]))
         push.entries = entries
 
-    def _submit(self, pushes: list[_Ready], final: bool, blocked: float) -> tuple[list[PutResult], Exception | None]:
-        """`_in_order` in the writer's next transaction; the first push's refusal, or the failure of
-        the whole transaction, as what stopped it."""
+    def _submit(self, pushes: list[Ready], final: bool, blocked: float) -> tuple[list[PutResult], Exception | None]:
+        """`in_order` in the writer's next transaction (a small push stored with those of other callers
+        side by side: joined_pushes.py); the first push's refusal, or the failure of the whole
+        transaction, as what stopped it."""
+        pieces = len(pushes) == 1 and _any_piece(pushes[0].push.entries)
+        key = joined_pushes.joins(pushes, blocked, pieces)
+        request = joined_pushes.PushRequest(self, pushes, final, blocked, key)
         try:
-            return self.environment.submit(
-                functools.partial(self._in_order, pushes=pushes, final=final, blocked=blocked)
-            )
+            return self.environment.submit(request, together=None if key is None else joined_pushes.together)
         except Exception as exc:
             return [], exc
 
-    def _in_order(
-        self, txn: lmdb.Transaction[bytes], pushes: list[_Ready], final: bool, blocked: float
+    def in_order(
+        self, txn: lmdb.Transaction[bytes], pushes: list[Ready], final: bool, blocked: float
     ) -> tuple[list[PutResult], Exception | None]:
         """In the writer's transaction: the pushes in order, each in a transaction nested in `txn`
         (none for a push alone), until one does not store; the results of those that stored, and
@@ -348,6 +349,17 @@ class Pushing:
                 return done, result
             done.append(result)
         return done, None
+
+    def put_joined(self, txn: lmdb.Transaction[bytes], ready: Ready, entries: Sequence[Entry]) -> PutResult | None:
+        """The entries of small pushes into `ready`'s table by its holder stored as one push
+        (joined_pushes.py), in `txn`; None where its table changed since they were looked up, or a
+        rate limit holds them: the caller undoes `txn` then."""
+        table_id, config = self.catalog.lookup(ready.push.table)
+        if table_id != ready.table_id:
+            return None
+        tt = self._state_in(txn, table_id, config)
+        result = self._put(tt, entries, ready.push.holder, False, 0.0, self.in_push, None, self.max_push_bytes)
+        return None if isinstance(result, InsertLimited) else result
 
     @staticmethod
     def _put(

@@ -1,0 +1,217 @@
+"""Small pushes of several callers side by side in the writer's queue, stored as one push
+(services/joined_pushes.py, issue 64): each caller hears what it would have heard had each push been
+sent after the reply of the one before, a refused push refused alone, and the table holds the same
+experiences in the same states, served in the same order."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import threading
+from collections.abc import Iterator, Sequence
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any
+from unittest import mock
+
+import lmdb
+import pytest
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
+
+from expbuf.client import trxp
+from expbuf.server.store import Entry, Store
+from expbuf.server.store.disk.kinds import Push, PutResult
+from expbuf.server.store.schema.sample_spec import TakeSpec
+from expbuf.server.store.schema.table_config import TableConfig
+from expbuf.server.store.services import joined_pushes
+from expbuf.server.store.services.pushing import Pushing
+
+from helpers import make_experience
+
+GROUP = 4
+
+
+def _entry(task: int, run: int, variant: int = 0, response: int = 4) -> Entry:
+    """Run `run` of task `task`; another `variant` is other content under the same uid."""
+    made = make_experience(0, task, run, reward=float(run + 10 * variant), response=response)
+    return Entry.of(trxp.from_experience(made))
+
+
+def _store(path: Path, layout: str = "rows", estimator: str = "none", **grouping: Any) -> Store:
+    store = Store(path)
+    config = TableConfig.of(name="t", estimator=estimator, group_by="task", group_size=GROUP, device="cpu", **grouping)
+    store.create_table(dataclasses.replace(config, storage=dataclasses.replace(config.storage, layout=layout)))
+    return store
+
+
+@contextlib.contextmanager
+def _writer_held(store: Store) -> Iterator[None]:
+    """The writer held in a request of its own while the block queues others: they run in its next
+    batch, side by side, in the order they were queued."""
+    inside, go = threading.Event(), threading.Event()
+    held = store.environment.queue(lambda txn: (inside.set(), go.wait(60)))
+    assert inside.wait(60), "the writer never ran the holding request"
+    try:
+        yield
+    finally:
+        go.set()
+        held.result(60)
+
+
+def _queued(store: Store, pushes: Sequence[Sequence[Entry]]) -> list[Future[Any]]:
+    """Each push queued for the writer as a caller's `put` queues it (Pushing._submit)."""
+    pushing: Pushing = store.pushing
+    futures = []
+    for entries in pushes:
+        ready = pushing._ready(Push("t", list(entries)))
+        key = joined_pushes.joins([ready], 0.0, pieces=False)
+        request = joined_pushes.PushRequest(pushing, [ready], False, 0.0, key)
+        futures.append(store.environment.queue(request, together=joined_pushes.together))
+    return futures
+
+
+def _answer(future: Future[Any]) -> tuple[str, object]:
+    try:
+        done, stop = future.result(60)
+    except Exception as exc:  # a push refused alone
+        return type(exc).__name__, str(exc)
+    assert stop is None and len(done) == 1
+    return "stored", done[0]
+
+
+def _alone(store: Store, entries: Sequence[Entry]) -> tuple[str, object]:
+    try:
+        return "stored", store.put_entries("t", list(entries))
+    except Exception as exc:
+        return type(exc).__name__, str(exc)
+
+
+def _table(store: Store) -> tuple[dict[str, object], list[str]]:
+    """What a table holds: its counts, and its groups as a consume stream serves them (then drained)."""
+    stats = store.stats("t")
+    counts = {name: stats[name] for name in ("pending", "ready", "groups_pending", "groups_ready", "bytes", "pushed")}
+    counts["duplicates"] = store.counters("t").duplicates
+    ready = int(stats["groups_ready"])
+    served = store.sample(TakeSpec("t", num_groups=ready, delivery="consume", wait_seconds=0)) if ready else None
+    return counts, [] if served is None else list(served.uids)
+
+
+def test_small_pushes_side_by_side_are_stored_as_one(tmp_path: Path) -> None:
+    """Pushes of one run each, queued side by side by many callers (GRPO's rollout workers, each with
+    its own runs of a task), are stored by one push; each caller hears its own run stored, and the
+    caller of a group's last run that it completed it."""
+    store = _store(tmp_path / "d")
+    pushes = [[_entry(task, run)] for run in range(GROUP) for task in range(8)]
+    with store, mock.patch.object(Pushing, "put_joined", autospec=True, side_effect=Pushing.put_joined) as joined:
+        with _writer_held(store):
+            futures = _queued(store, pushes)
+        answers = [_answer(future) for future in futures]
+        assert joined.call_count == 1
+        for (kind, result), (entry,) in zip(answers, pushes, strict=True):
+            assert kind == "stored" and isinstance(result, PutResult)
+            assert result.stored == [entry.uid] and not result.duplicates
+            last = entry.uid.split("/")[2] == str(GROUP - 1)
+            assert result.completed_groups == ([entry.group_key("task")] if last else [])
+        counts, served = _table(store)
+        assert counts["groups_ready"] == 8 and counts["pending"] == 0 and counts["pushed"] == len(pushes)
+        assert [uid.split("/")[1] for uid in served[::GROUP]] == [str(task) for task in range(8)]
+
+
+def test_a_refused_push_among_them_is_refused_alone(tmp_path: Path) -> None:
+    """One push that would overfill its group among pushes side by side is refused by name; the others
+    are stored, each as alone, and nothing of the refused one is kept."""
+    store = _store(tmp_path / "d")
+    pushes = [[_entry(0, run)] for run in range(GROUP)] + [[_entry(0, GROUP)]] + [[_entry(1, 0)]]
+    with store:
+        with _writer_held(store):
+            futures = _queued(store, pushes)
+        answers = [_answer(future) for future in futures]
+        assert [kind for kind, _ in answers] == ["stored"] * GROUP + ["GroupClosed", "stored"]
+        assert "already complete" in str(answers[GROUP][1])
+        counts, _ = _table(store)
+        assert counts["pushed"] == GROUP + 1 and counts["groups_pending"] == 1
+
+
+def _pushes(draw: st.DrawFn, runs: list[tuple[int, int, int]]) -> list[list[tuple[int, int, int]]]:
+    """Runs cut into pushes of one to three."""
+    cut, at = [], 0
+    while at < len(runs):
+        size = draw(st.integers(1, 3))
+        cut.append(runs[at : at + size])
+        at += size
+    return cut
+
+
+@st.composite
+def scenarios(draw: st.DrawFn) -> tuple[list[list[tuple[int, int, int]]], list[list[tuple[int, int, int]]]]:
+    """Pushes before, then pushes side by side: runs of 4 tasks (run GROUP overfills its group), each
+    stored once but for a few runs stored before and pushed again side by side (a retry's copy, or
+    with another variant a conflict), in any order."""
+    pool = [(task, run) for task in range(4) for run in range(GROUP + 1)]
+    chosen = draw(st.lists(st.sampled_from(pool), unique=True, min_size=2, max_size=18))
+    cut = draw(st.integers(0, len(chosen) - 2))
+    again = draw(st.lists(st.sampled_from(chosen[:cut]), unique=True, max_size=2)) if cut else []
+    variants = [draw(st.integers(0, 3).map(lambda v: int(v == 3))) for _ in again]
+    side = [(*run, 0) for run in chosen[cut:]] + [(*run, v) for run, v in zip(again, variants, strict=True)]
+    return _pushes(draw, [(*run, 0) for run in chosen[:cut]]), _pushes(draw, draw(st.permutations(side)))
+
+
+@pytest.mark.parametrize("layout", ["rows", "records"])
+@given(scenario=scenarios())
+# group 1 completes side by side before group 0, whose first run came first
+@example(
+    scenario=([], [[(0, 0, 0)], [(1, 0, 0), (1, 1, 0), (1, 2, 0)], [(1, 3, 0)], [(0, 1, 0), (0, 2, 0), (0, 3, 0)]])
+)
+# a push completes groups 1 and 0 in that order, group 0 met side by side before it
+@example(
+    scenario=([], [[(0, 0, 0)], [(1, 0, 0), (1, 1, 0), (1, 2, 0)], [(0, 1, 0), (0, 2, 0)], [(1, 3, 0), (0, 3, 0)]])
+)
+# a retry's copy of a run stored before, pushed after the push that completes its group
+@example(scenario=([[(0, 0, 0), (0, 3, 0)]], [[(0, 1, 0), (0, 2, 0)], [(0, 0, 0)]]))
+@settings(max_examples=40, deadline=None)
+def test_pushes_side_by_side_answer_as_one_after_the_other(
+    tmp_path_factory: pytest.TempPathFactory, layout: str, scenario: tuple[list, list]
+) -> None:
+    """Any pushes side by side in the writer's queue (retries, conflicts, overfilled and closed groups
+    among them), after any pushes before: each caller's answer, the table's counts and the order in
+    which a consume stream serves its groups are those of the same pushes sent one after the other."""
+    before, side_by_side = scenario
+    earlier = [[_entry(*run) for run in push] for push in before]
+    made = [[_entry(*run) for run in push] for push in side_by_side]
+    root = tmp_path_factory.mktemp("joined")
+    with _store(root / "joined", layout) as joined, _store(root / "alone", layout) as alone:
+        for entries in earlier:
+            assert _alone(joined, entries) == _alone(alone, entries)
+        with _writer_held(joined):
+            futures = _queued(joined, made)
+        assert [_answer(future) for future in futures] == [_alone(alone, entries) for entries in made]
+        assert _table(joined) == _table(alone)
+
+
+def test_a_full_map_runs_the_joined_pushes_again(tmp_path: Path) -> None:
+    """A full map met while small pushes are stored as one aborts the batch; the writer grows the map
+    and runs them again, each stored once."""
+    store = Store(tmp_path / "d", map_size=1 << 20)
+    config = TableConfig.of(name="t", estimator="none", group_by="task", group_size=GROUP, device="cpu")
+    store.create_table(dataclasses.replace(config, storage=dataclasses.replace(config.storage, layout="rows")))
+    pushes = [[_entry(task, run, response=2048)] for run in range(GROUP) for task in range(40)]
+    with store:
+        with _writer_held(store):
+            futures = _queued(store, pushes)
+        assert all(_answer(future)[0] == "stored" for future in futures)
+        assert store.environment.env.info()["map_size"] > 1 << 20
+        counts, _ = _table(store)
+        assert counts["pushed"] == len(pushes) and counts["groups_ready"] == 40
+
+
+def test_a_failure_of_the_joined_push_fails_none_of_them(tmp_path: Path) -> None:
+    """Where storing the joined push fails otherwise than by a refusal of one of them (a damaged page,
+    say), nothing of it is kept and each push is stored alone."""
+    store = _store(tmp_path / "d")
+    pushes = [[_entry(task, 0)] for task in range(6)]
+    with store, mock.patch.object(Pushing, "put_joined", side_effect=lmdb.CorruptedError("a page")):
+        with _writer_held(store):
+            futures = _queued(store, pushes)
+        assert [_answer(future)[0] for future in futures] == ["stored"] * len(pushes)
+        assert _table(store)[0]["pending"] == len(pushes)
