@@ -40,7 +40,8 @@ def _entry(task: int, run: int, variant: int = 0, response: int = 4) -> Entry:
 
 def _store(path: Path, layout: str = "rows", estimator: str = "none", **grouping: Any) -> Store:
     store = Store(path)
-    config = TableConfig.of(name="t", estimator=estimator, group_by="task", group_size=GROUP, device="cpu", **grouping)
+    settings = {"group_by": "task", "group_size": GROUP, **grouping}
+    config = TableConfig.of(name="t", estimator=estimator, device="cpu", **settings)
     store.create_table(dataclasses.replace(config, storage=dataclasses.replace(config.storage, layout=layout)))
     return store
 
@@ -103,11 +104,18 @@ def test_small_pushes_side_by_side_are_stored_as_one(tmp_path: Path) -> None:
     caller of a group's last run that it completed it."""
     store = _store(tmp_path / "d")
     pushes = [[_entry(task, run)] for run in range(GROUP) for task in range(8)]
-    with store, mock.patch.object(Pushing, "put_joined", autospec=True, side_effect=Pushing.put_joined) as joined:
+    stored_as_one: list[PutResult | None] = []
+    put_as_one = Pushing.put_joined
+
+    def put_joined(*args: Any) -> PutResult | None:
+        stored_as_one.append(put_as_one(*args))
+        return stored_as_one[-1]
+
+    with store, mock.patch.object(Pushing, "put_joined", autospec=True, side_effect=put_joined):
         with _writer_held(store):
             futures = _queued(store, pushes)
         answers = [_answer(future) for future in futures]
-        assert joined.call_count == 1
+        assert len(stored_as_one) == 1 and stored_as_one[0] is not None
         for (kind, result), (entry,) in zip(answers, pushes, strict=True):
             assert kind == "stored" and isinstance(result, PutResult)
             assert result.stored == [entry.uid] and not result.duplicates
@@ -215,3 +223,123 @@ def test_a_failure_of_the_joined_push_fails_none_of_them(tmp_path: Path) -> None
             futures = _queued(store, pushes)
         assert [_answer(future)[0] for future in futures] == ["stored"] * len(pushes)
         assert _table(store)[0]["pending"] == len(pushes)
+
+
+def _heard(future: Future[Any]) -> str:
+    """What a caller hears, by kind: stored, or the refusal or hold that stopped its push."""
+    try:
+        _, stop = future.result(60)
+    except Exception as exc:
+        return type(exc).__name__
+    return "stored" if stop is None else type(stop).__name__
+
+
+def _heard_alone(store: Store, entries: Sequence[Entry]) -> str:
+    try:
+        store.put_entries("t", list(entries))
+    except Exception as exc:
+        return type(exc).__name__
+    return "stored"
+
+
+def _side_by_side(
+    tmp: Path,
+    layout: str,
+    before: Sequence[Sequence[Entry]],
+    side: Sequence[Sequence[Entry]],
+    after: Sequence[Sequence[Entry]] = (),
+    **settings: Any,
+) -> tuple[list[str], list[str], dict[str, object], dict[str, object]]:
+    """Pushes side by side in one store and one after the other in another, after the same pushes
+    before (a tuple: runs reported failed) and before the same pushes after: what each caller heard
+    in each, and each table's stats and the groups it serves."""
+    kinds: list[list[str]] = []
+    stats: list[dict[str, object]] = []
+    for name in ("joined", "alone"):
+        with _store(tmp / name, layout, **settings) as store:
+            for entries in before:
+                if isinstance(entries, tuple):  # runs reported failed
+                    store.fail_runs("t", [entry.uid for entry in entries], [])
+                else:
+                    assert _heard_alone(store, entries) == "stored"
+            if name == "joined":
+                with _writer_held(store):
+                    futures = _queued(store, side)
+                kinds.append([_heard(future) for future in futures])
+            else:
+                kinds.append([_heard_alone(store, entries) for entries in side])
+            for entries in after:
+                assert _heard_alone(store, entries) == "stored"
+            found = {key: value for key, value in store.stats("t").items() if key != "oldest_age_seconds"}
+            stats.append({**found, "served": _table(store)[1]})
+    return kinds[0], kinds[1], stats[0], stats[1]
+
+
+@pytest.mark.parametrize("layout", ["rows", "records"])
+def test_a_group_of_no_size_pushed_twice_side_by_side(tmp_path: Path, layout: str) -> None:
+    """A table of group_size 0 completes a group with the push that carries it: a second push into it,
+    side by side with the first, is refused (GroupClosed) as it is after the first's reply."""
+    side = [[_entry(0, 0)], [_entry(0, 1)], [_entry(1, 0)]]
+    joined, alone, joined_stats, alone_stats = _side_by_side(tmp_path, layout, [], side, group_size=0)
+    assert alone == ["stored", "GroupClosed", "stored"]
+    assert joined == alone and joined_stats == alone_stats
+
+
+@pytest.mark.parametrize("layout", ["rows", "records"])
+def test_a_failed_run_pushed_after_its_group_completed_short(tmp_path: Path, layout: str) -> None:
+    """A group whose runs 2 and 3 were reported failed completes short with run 1's push; run 2's push
+    after it, side by side, finds it complete (GroupClosed), as it does after run 1's reply."""
+    before = [[_entry(0, 0)], (_entry(0, 2), _entry(0, 3))]
+    side = [[_entry(0, 1)], [_entry(0, 2)]]
+    joined, alone, joined_stats, alone_stats = _side_by_side(tmp_path, layout, before, side, min_group_size=2)
+    assert alone == ["stored", "GroupClosed"]
+    assert joined == alone and joined_stats == alone_stats
+
+
+@pytest.mark.parametrize("size", [1, GROUP])
+def test_a_rate_limit_holds_the_push_it_would_hold_after_the_others(tmp_path: Path, size: int) -> None:
+    """A rate limit lets a push past its band only where the table is on the band's other side, and
+    counts a group's runs as it completes: pushes side by side whose groups complete one by one until
+    the band is left, the next push held, are not let in whole (nor where one completes a group whose
+    runs came before)."""
+    before = [[_entry(task, run) for run in range(size - 1) for task in range(4)]] if size > 1 else []
+    side = [[_entry(task, size - 1)] for task in range(4)]
+    limits = {"samples_per_insert": 1.0, "samples_per_insert_error": size, "min_size_to_sample": 2 * size}
+    joined, alone, joined_stats, alone_stats = _side_by_side(tmp_path, "rows", before, side, group_size=size, **limits)
+    assert alone == ["stored"] * 3 + ["InsertLimited"]
+    assert joined == alone and joined_stats["pushed"] == alone_stats["pushed"]
+
+
+def test_a_group_completed_side_by_side_is_evicted_first_where_it_is_oldest(tmp_path: Path) -> None:
+    """In a records table full in evict mode, a group completed by a push is, with its first run the
+    oldest experience, the first a later push side by side evicts, as after that push's reply."""
+    before = [[_entry(0, 0)], [_entry(1, run) for run in range(GROUP)]]
+    side = [[_entry(0, run)] for run in range(1, GROUP)] + [[_entry(2, 0)]]
+    settings = {"capacity_experiences": 2 * GROUP, "when_full": "evict"}
+    joined, alone, joined_stats, alone_stats = _side_by_side(tmp_path, "records", before, side, **settings)
+    assert alone == ["stored"] * GROUP and alone_stats["groups_ready"] == 1
+    assert joined == alone and joined_stats == alone_stats
+
+
+@pytest.mark.parametrize("layout", ["rows", "records"])
+def test_a_group_dropped_side_by_side_makes_room_for_the_next_push(tmp_path: Path, layout: str) -> None:
+    """A group of one reward dropped (drop_zero_variance) as a push completes it leaves room in a full
+    table for the push after it, side by side, as after its reply: no ready group is evicted."""
+    before = [[_entry(1, run) for run in range(GROUP)], [_entry(0, run, variant=-run / 10) for run in range(GROUP - 1)]]
+    side = [[_entry(0, GROUP - 1, variant=-(GROUP - 1) / 10)], [_entry(2, 0)]]
+    settings = {"capacity_experiences": 2 * GROUP, "when_full": "evict", "drop_zero_variance": True}
+    joined, alone, joined_stats, alone_stats = _side_by_side(tmp_path, layout, before, side, **settings)
+    assert alone == ["stored"] * 2 and alone_stats["groups_ready"] == 1 and alone_stats["evicted_total"] == 0
+    assert joined == alone and joined_stats == alone_stats
+
+
+def test_a_records_table_keeps_the_runs_in_the_order_they_came(tmp_path: Path) -> None:
+    """A records table evicts the groups of its oldest experiences first: runs of two groups pushed
+    side by side, one group's between the other's, take the places in its insertion order they take
+    one after the other, and a full table later evicts the same group."""
+    side = [[_entry(0, 0)], [_entry(1, 0)], [_entry(0, 1)]]
+    after = [[_entry(0, run) for run in range(2, GROUP)], [_entry(1, run) for run in range(1, GROUP)], [_entry(2, 0)]]
+    settings = {"capacity_experiences": 2 * GROUP, "when_full": "evict"}
+    joined, alone, joined_stats, alone_stats = _side_by_side(tmp_path, "records", [], side, after=after, **settings)
+    assert alone == ["stored"] * 3 and alone_stats["served"][0] == "0/1/0/0/r0s0"
+    assert joined == alone and joined_stats == alone_stats

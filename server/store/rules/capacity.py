@@ -50,10 +50,7 @@ def make_room(tt: TableState, count: int, nbytes: int, keep: set[str]) -> None:
     cfg = tt.config
 
     def over(live: int, held: int) -> bool:
-        return bool(
-            (cfg.capacity.experiences and live + count > cfg.capacity.experiences)
-            or (cfg.capacity.bytes and held + nbytes > cfg.capacity.bytes)
-        )
+        return _over(cfg, live + count, held + nbytes)
 
     def over_now() -> bool:
         return over(tt.counters.live(), held_bytes(tt.counters))
@@ -78,6 +75,19 @@ def make_room(tt: TableState, count: int, nbytes: int, keep: set[str]) -> None:
         if not over_now():
             return
     raise TableFull(f"table '{cfg.name}' is full ({cfg.capacity.experiences} experiences, {cfg.capacity.bytes} bytes)")
+
+
+def has_room(tt: TableState, count: int, nbytes: int) -> bool:
+    """Whether `count` experiences of `nbytes` fit in the table as it is, nothing evicted."""
+    return not _over(tt.config, tt.counters.live() + count, held_bytes(tt.counters) + nbytes)
+
+
+def _over(cfg: TableConfig, live: int, held: int) -> bool:
+    """Whether `live` experiences holding `held` bytes pass the table's capacity."""
+    return bool(
+        (cfg.capacity.experiences and live > cfg.capacity.experiences)
+        or (cfg.capacity.bytes and held > cfg.capacity.bytes)
+    )
 
 
 def _evict(tt: TableState, oldest: Iterator[str], over: Callable[[int, int], bool]) -> bool:

@@ -52,6 +52,16 @@ def insert_limit(tt: TableState, entries: Sequence[Entry]) -> InsertLimited | No
     )
 
 
+def inserts_fit(tt: TableState, count: int) -> bool:
+    """Whether `count` inserts keep diff inside the band, where `insert_limit` lets a batch pass that
+    does not fit while diff is on its side of the centre."""
+    spi = tt.config.rate_limiter.samples_per_insert
+    if not spi:
+        return True
+    diff, centre = _diff(tt)
+    return diff + count * spi <= centre + tt.config.rate_limiter.error_buffer
+
+
 def sample_limit(tt: TableState, count: int) -> SampleLimited | None:
     """Why sampling `count` experiences must wait now; None when it may go."""
     cfg = tt.config

@@ -21,14 +21,17 @@ before.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import itertools
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import lmdb
 
+from ..core.table_state.state import TableState
 from ..disk.environment import Outcome, runs
 from ..disk.kinds import Entry, PutResult, group_keys
+from ..rules import capacity
 
 if TYPE_CHECKING:
     from .pushing import Pushing, Ready
@@ -84,13 +87,14 @@ def _as_one(txn: lmdb.Transaction[bytes], run: list[PushRequest]) -> list[Outcom
     readies = [request.pushes[0] for request in run]
     pushes = [ready.push.entries for ready in readies]
     by = readies[0].config.grouping.by
-    entries, last = in_turn(pushes, by)
+    entries, last, spread = in_turn(pushes, by)
     if len({entry.uid for entry in entries}) != len(entries):  # a uid twice: each push's answer its own
         return None
     pushing = run[0].pushing
     child = pushing.environment.nested(txn)
     try:
-        result = pushing.put_joined(child, readies[0], entries)
+        largest = max(map(len, pushes))
+        result = pushing.put_joined(child, readies[0], entries, lambda tt: alike(tt, pushes, entries, spread), largest)
         # a retry's copy, or a stale run, may sit in a push after the one that completes its group
         parts = None if result is None or result.duplicates or result.stale else split(result, pushes, last)
     except lmdb.MapFullError:
@@ -105,20 +109,53 @@ def _as_one(txn: lmdb.Transaction[bytes], run: list[PushRequest]) -> list[Outcom
     return [(True, ([part], None)) for part in parts]
 
 
-def in_turn(pushes: Sequence[Sequence[Entry]], by: str) -> tuple[list[Entry], dict[str, int]]:
+def in_turn(pushes: Sequence[Sequence[Entry]], by: str) -> tuple[list[Entry], dict[str, int], dict[str, list[Entry]]]:
     """The entries of pushes in the order in which one push stores them as the pushes one after the
     other would: by group, each group's runs in push order, the groups in the order of the pushes that
     last bring them runs (and in its order there), so that those they complete take the places in the
-    ready order (and the compute queue) they would; and each group's last push."""
+    ready order (and the compute queue) they would; each group's last push; and the groups whose runs
+    come in more than one push, with their runs."""
     groups: dict[str, list[Entry]] = {}
     turn: dict[str, tuple[int, int]] = {}  # a group's last push, and its first place in that push
+    spread: dict[str, list[Entry]] = {}
     for at, entries in enumerate(pushes):
         for place, (gkey, entry) in enumerate(zip(group_keys(entries, by), entries, strict=True)):
-            groups.setdefault(gkey, []).append(entry)
+            runs_of = groups.setdefault(gkey, [])
+            runs_of.append(entry)
+            if turn.get(gkey, (at, 0))[0] != at:
+                spread[gkey] = runs_of
             if turn.get(gkey, (-1, 0))[0] != at:
                 turn[gkey] = (at, place)
     order = sorted(groups, key=turn.__getitem__)
-    return [entry for gkey in order for entry in groups[gkey]], {gkey: at for gkey, (at, _) in turn.items()}
+    last = {gkey: at for gkey, (at, _) in turn.items()}
+    return [entry for gkey in order for entry in groups[gkey]], last, spread
+
+
+def alike(
+    tt: TableState, pushes: Sequence[Sequence[Entry]], entries: Sequence[Entry], spread: Mapping[str, Sequence[Entry]]
+) -> bool:
+    """Whether `pushes` stored as one push (`entries`, `in_turn`) leave `tt`'s table as they would one
+    after the other, where what each does depends on what those before it did: not where a push
+    completes a group (a table of group_size 0 completes each with its push; a group's runs reported
+    failed count as runs, pushed they add none) that a later one brings runs to, which that one alone
+    is refused for; nor where they need room (a push alone may evict a group one before it completed,
+    or need none where one before it dropped a group); nor in a records table where runs of groups
+    are interleaved (its insertion order, the order in which it evicts, is the order its runs came)."""
+    cfg = tt.config
+    if spread and not cfg.grouping.size:
+        return False
+    if cfg.storage.layout == "records" and not all(
+        a is b for a, b in zip(entries, itertools.chain.from_iterable(pushes), strict=True)
+    ):
+        return False
+    if not capacity.has_room(tt, len(entries), sum([entry.size for entry in entries])):
+        return False
+    if tt.counters.runs_failed:
+        for gkey, runs_of in spread.items():
+            grp = tt.view(gkey)
+            if grp is not None and grp.failed and any(entry.uid in grp.failed for entry in runs_of):
+                return False
+    return True
 
 
 def split(result: PutResult, pushes: Sequence[Sequence[Entry]], last: dict[str, int]) -> list[PutResult]:

@@ -350,16 +350,27 @@ class Pushing:
             done.append(result)
         return done, None
 
-    def put_joined(self, txn: lmdb.Transaction[bytes], ready: Ready, entries: Sequence[Entry]) -> PutResult | None:
+    def put_joined(
+        self,
+        txn: lmdb.Transaction[bytes],
+        ready: Ready,
+        entries: Sequence[Entry],
+        alike: Callable[[TableState], bool],
+        largest: int,
+    ) -> PutResult | None:
         """The entries of small pushes into `ready`'s table by its holder stored as one push
-        (joined_pushes.py), in `txn`; None where its table changed since they were looked up, or a
-        rate limit holds them: the caller undoes `txn` then."""
+        (joined_pushes.py), in `txn`; None where its table changed since they were looked up, where
+        `alike` says that the table as it is would not take them as it takes the pushes one after the
+        other, or where a rate limit holds them, or would hold any of them (the `largest` of them)
+        once the groups the others complete count: the caller undoes `txn` then."""
         table_id, config = self.catalog.lookup(ready.push.table)
         if table_id != ready.table_id:
             return None
         tt = self._state_in(txn, table_id, config)
+        if not alike(tt):
+            return None
         result = self._put(tt, entries, ready.push.holder, False, 0.0, self.in_push, None, self.max_push_bytes)
-        return None if isinstance(result, InsertLimited) else result
+        return None if isinstance(result, InsertLimited) or not limiter.inserts_fit(tt, largest) else result
 
     @staticmethod
     def _put(
