@@ -20,8 +20,10 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from expbuf.client import trxp
+from expbuf.server.advantages.worker import AdvantageWorker
 from expbuf.server.store import Entry, Store
 from expbuf.server.store.disk.kinds import Push, PutResult
+from expbuf.server.store.rules.pushed_advantages import IN_PUSH_LIMIT
 from expbuf.server.store.schema.sample_spec import TakeSpec
 from expbuf.server.store.schema.table_config import TableConfig
 from expbuf.server.store.services import joined_pushes
@@ -248,15 +250,19 @@ def _side_by_side(
     before: Sequence[Sequence[Entry]],
     side: Sequence[Sequence[Entry]],
     after: Sequence[Sequence[Entry]] = (),
+    in_push: bool = False,
     **settings: Any,
 ) -> tuple[list[str], list[str], dict[str, object], dict[str, object]]:
     """Pushes side by side in one store and one after the other in another, after the same pushes
     before (a tuple: runs reported failed) and before the same pushes after: what each caller heard
-    in each, and each table's stats and the groups it serves."""
+    in each, and each table's stats and the groups it serves. With `in_push`, the stores compute the
+    advantages of the groups a push completes in the push, as the server's do."""
     kinds: list[list[str]] = []
     stats: list[dict[str, object]] = []
     for name in ("joined", "alone"):
         with _store(tmp / name, layout, **settings) as store:
+            if in_push:
+                store.in_push = AdvantageWorker(store).in_push
             for entries in before:
                 if isinstance(entries, tuple):  # runs reported failed
                     store.fail_runs("t", [entry.uid for entry in entries], [])
@@ -343,3 +349,42 @@ def test_a_records_table_keeps_the_runs_in_the_order_they_came(tmp_path: Path) -
     joined, alone, joined_stats, alone_stats = _side_by_side(tmp_path, "records", [], side, after=after, **settings)
     assert alone == ["stored"] * 3 and alone_stats["served"][0] == "0/1/0/0/r0s0"
     assert joined == alone and joined_stats == alone_stats
+
+
+@pytest.mark.parametrize("layout", ["rows", "records"])
+def test_groups_completed_side_by_side_get_their_advantages_in_their_pushes(tmp_path: Path, layout: str) -> None:
+    """Each push that completes a group computes its advantages in its transaction (up to
+    IN_PUSH_LIMIT experiences a push): the groups of many pushes side by side, more than that limit
+    together, are ready with their values as after each push's reply, none left to the worker."""
+    size, groups = 64, IN_PUSH_LIMIT // 64 + 1
+    before = [[_entry(task, run) for run in range(size - 1)] for task in range(groups)]
+    side = [[_entry(task, size - 1)] for task in range(groups)]
+    settings = {"estimator": "grpo", "group_size": size}
+    joined, alone, joined_stats, alone_stats = _side_by_side(tmp_path, layout, before, side, in_push=True, **settings)
+    assert alone == ["stored"] * groups and alone_stats["groups_ready"] == groups
+    assert joined == alone and joined_stats == alone_stats
+
+
+@pytest.mark.parametrize("layout", ["rows", "records"])
+def test_groups_completed_side_by_side_get_the_values_of_their_pushes_alone(tmp_path: Path, layout: str) -> None:
+    """Runs of groups whose advantages are computed in the push (grpo, running reward normalisation,
+    which takes the groups in the order they complete), pushed side by side, are stored as one push
+    with the values each group gets one push after the other."""
+    pushes = [[_entry(task, run)] for task in range(2) for run in range(GROUP)] + [
+        [_entry(task, run)] for run in range(GROUP) for task in range(2, 6)
+    ]
+    shaping = {"reward_running_norm": True, "reward_running_norm_minus_mean": True}
+    served: list[list[tuple[str, object]]] = []
+    for name in ("joined", "alone"):
+        with _store(tmp_path / name, layout, estimator="grpo", shaping=shaping) as store:
+            store.in_push = AdvantageWorker(store).in_push
+            if name == "joined":
+                with _writer_held(store):
+                    futures = _queued(store, pushes)
+                assert all(_answer(future)[0] == "stored" for future in futures)
+            else:
+                assert all(_alone(store, entries)[0] == "stored" for entries in pushes)
+            assert store.stats("t")["groups_ready"] == 6
+            batch = store.sample(TakeSpec("t", num_groups=6, delivery="consume", wait_seconds=0))
+            served.append(list(zip(batch.uids, batch.advantages, strict=True)))
+    assert served[0] == served[1]

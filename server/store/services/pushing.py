@@ -361,16 +361,22 @@ class Pushing:
         """The entries of small pushes into `ready`'s table by its holder stored as one push
         (joined_pushes.py), in `txn`; None where its table changed since they were looked up, where
         `alike` says that the table as it is would not take them as it takes the pushes one after the
-        other, or where a rate limit holds them, or would hold any of them (the `largest` of them)
-        once the groups the others complete count: the caller undoes `txn` then."""
+        other, where a rate limit holds them, or would hold any of them (the `largest` of them) once
+        the groups the others complete count, or where it leaves to the advantage worker groups whose
+        advantages it computes in a push (more than a push computes, or a group whose values fail
+        failing the others'): the caller undoes `txn` then."""
         table_id, config = self.catalog.lookup(ready.push.table)
         if table_id != ready.table_id:
             return None
         tt = self._state_in(txn, table_id, config)
         if not alike(tt):
             return None
+        computing = tt.counters.groups_computing
         result = self._put(tt, entries, ready.push.holder, False, 0.0, self.in_push, None, self.max_push_bytes)
-        return None if isinstance(result, InsertLimited) or not limiter.inserts_fit(tt, largest) else result
+        if isinstance(result, InsertLimited) or not limiter.inserts_fit(tt, largest):
+            return None
+        computes = self.in_push is not None and self.in_push(config) is not None
+        return None if computes and tt.counters.groups_computing > computing else result
 
     @staticmethod
     def _put(
