@@ -16,7 +16,11 @@ one among them (which may sit in a push after the one that completes its group),
 kept and each push is stored alone, in a transaction nested of its own, as every push was before: a
 refusal answers only the push it is for, and each caller's answer, and the order in which the groups
 they complete are served, are what they would be had each push been sent after the reply of the one
-before.
+before. So are pushes whose outcome depends on what those before them did (`alike`; a rate limit's
+count and the advantages computed in the push, Pushing.put_joined): those into a table that must
+make room, a group one completes that a later one brings runs to, a records table's interleaved
+groups, a rate limit that would hold one once the groups the others complete count, groups left to
+the advantage worker that each push alone would compute.
 """
 
 from __future__ import annotations
