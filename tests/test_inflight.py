@@ -788,6 +788,8 @@ def recorded_declarations(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, in
     seen: list[tuple[str, int | None]] = []
 
     class Recording(PushMemory):
+        per_call = True  # its wrap reads each call's metadata: made on each call
+
         def wrap(
             self, method: str, handler: grpc.RpcMethodHandler, details: grpc.HandlerCallDetails
         ) -> grpc.RpcMethodHandler:

@@ -82,6 +82,8 @@ def _refuse(handler: grpc.RpcMethodHandler, code: grpc.StatusCode, message: str)
 
 
 class TokenAuth(ServiceInterceptor):
+    per_call = True  # each call's own token
+
     def __init__(self, tokens: Mapping[str, frozenset[str]]) -> None:
         self._tokens = {token.encode(): scopes for token, scopes in tokens.items()}
 

@@ -4,6 +4,7 @@ and `refuse`, the one way a call is refused, with its reason beside its message.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any, NoReturn
 
@@ -16,11 +17,25 @@ SERVICE_PREFIX = "/expbuf.v1.ExperienceBuffer/"
 
 
 class ServiceInterceptor(grpc.ServerInterceptor):
+    """gRPC asks every interceptor for a call's handler on each call. One whose `wrap` reads nothing
+    of the call (`per_call` False) makes its handler once for a method and the handler beneath it,
+    and hands that one out again while the handler beneath is the same: the servicer's handler is,
+    so is each such interceptor's above it, and a push of one experience does not pay for every
+    interceptor's closures and handler again (issue 64)."""
+
+    per_call = False  # True where `wrap` reads the call's details (its metadata): made on each call
+
     def wrap(
         self, method: str, handler: grpc.RpcMethodHandler, details: grpc.HandlerCallDetails
     ) -> grpc.RpcMethodHandler:
-        """The handler to run for `method` (e.g. "Push") instead of `handler`."""
+        """The handler to run for `method` (e.g. "Push") instead of `handler`; from `details`
+        only where `per_call`, else what reads a call's metadata reads it from its context."""
         raise NotImplementedError
+
+    @functools.cached_property
+    def _made(self) -> dict[str, tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler]]:
+        """By method: the handler beneath, and the one `wrap` made of it."""
+        return {}
 
     def intercept_service(
         self,
@@ -30,7 +45,13 @@ class ServiceInterceptor(grpc.ServerInterceptor):
         handler = continuation(details)
         if handler is None or not details.method.startswith(SERVICE_PREFIX):
             return handler
-        return self.wrap(details.method[len(SERVICE_PREFIX) :], handler, details)
+        method = details.method[len(SERVICE_PREFIX) :]
+        if self.per_call:
+            return self.wrap(method, handler, details)
+        made = self._made.get(method)
+        if made is None or made[0] is not handler:  # a race makes it twice, alike: either serves
+            made = self._made[method] = (handler, self.wrap(method, handler, details))
+        return made[1]
 
 
 def refuse(

@@ -216,13 +216,12 @@ class PushMemory(ServiceInterceptor):
     def wrap(
         self, method: str, handler: grpc.RpcMethodHandler, details: grpc.HandlerCallDetails
     ) -> grpc.RpcMethodHandler:
-        declared = declared_bytes(details.invocation_metadata) if method in PUSHES else None
         if method == "Push" and handler.unary_unary:
             behavior = handler.unary_unary
 
             def push(requests: Iterator[Any], context: grpc.ServicerContext) -> Any:
                 try:
-                    request = self._read(requests, context, _given(declared))
+                    request = self._read(requests, context, _declared(context))
                 except Refusal as refusal:
                     refusal.abort(context)
                 if request is None:
@@ -253,7 +252,7 @@ class PushMemory(ServiceInterceptor):
             def admitted(requests: Iterator[Any], context: grpc.ServicerContext) -> Iterator[Any]:
                 """The stream's messages, each holding its memory until the servicer releases it."""
                 owner = object()  # this stream, whose own pushes in progress free the room it waits for
-                size = _given(declared)
+                size = _declared(context)
                 last = 0  # the seq of the stream's last push
                 while True:
                     request = self._read(requests, context, size, self.stream_wait, owner)
@@ -279,20 +278,18 @@ class PushMemory(ServiceInterceptor):
                 return len(data), parse(data) if parse is not None else data
 
             return grpc.stream_unary_rpc_method_handler(
-                self._held_values(handler.unary_unary, declared), sized, handler.response_serializer
+                self._held_values(handler.unary_unary), sized, handler.response_serializer
             )
         return handler
 
-    def _held_values(
-        self, behavior: Callable[[Any, grpc.ServicerContext], Any], declared: int | Refusal | None
-    ) -> Callable[..., Any]:
+    def _held_values(self, behavior: Callable[[Any, grpc.ServicerContext], Any]) -> Callable[..., Any]:
         """PutValues read once InFlight admits it (as a Push is), its values counted until they are
         stored: keyed values (TransferQueue's tensors) come as large as pushes, from as many writers
         at once."""
 
         def held(requests: Iterator[Any], context: grpc.ServicerContext) -> Any:
             try:
-                size = _given(declared)
+                size = _declared(context)
                 reading = self._admit(context, size)
             except Refusal as refusal:
                 refusal.abort(context)
@@ -320,11 +317,10 @@ class PushMemory(ServiceInterceptor):
         return held
 
 
-PUSHES = ("Push", "PushStream", "PutValues")  # the methods whose calls may declare their messages' size
-
-
-def _given(declared: int | Refusal | None) -> int | None:
-    """A call's declaration (declared_bytes), raised where it is not one."""
+def _declared(context: grpc.ServicerContext) -> int | None:
+    """What a call declared of its messages (declared_bytes, from its own metadata: the handler
+    serves every call of its method), raised where it is not one."""
+    declared = declared_bytes(context.invocation_metadata())
     if isinstance(declared, Refusal):
         raise declared
     return declared
