@@ -396,7 +396,14 @@ class RpcMetrics(ServiceInterceptor):
     def wrap(
         self, method: str, handler: grpc.RpcMethodHandler, details: grpc.HandlerCallDetails
     ) -> grpc.RpcMethodHandler:
-        observe = self.metrics.rpc_duration
+        series: dict[str, Histogram] = {}  # this method's, by status code: made once each (none is removed)
+
+        def observe(context: grpc.ServicerContext, outcome: str, seconds: float) -> None:
+            code = _code(context, outcome)
+            found = series.get(code)
+            if found is None:
+                found = series[code] = self.metrics.rpc_duration.labels(method, code)
+            found.observe(seconds)
 
         def timed_unary(behavior: Callable) -> Callable:
             def run(request: Any, context: grpc.ServicerContext) -> Any:
@@ -406,7 +413,7 @@ class RpcMetrics(ServiceInterceptor):
                     outcome = "OK"
                     return result
                 finally:
-                    observe.labels(method, _code(context, outcome)).observe(time.perf_counter() - start)
+                    observe(context, outcome, time.perf_counter() - start)
 
             return run
 
@@ -420,7 +427,7 @@ class RpcMetrics(ServiceInterceptor):
                     outcome = "CANCELLED"
                     raise
                 finally:
-                    observe.labels(method, _code(context, outcome)).observe(time.perf_counter() - start)
+                    observe(context, outcome, time.perf_counter() - start)
 
             return run
 
