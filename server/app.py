@@ -35,6 +35,7 @@ from .advantages.devices import check_device
 from .advantages.start import FAILED, NOT_NEEDED, RUNNING, AdvantageStart
 from .config import ServerConfig
 from .rpc.interceptors.auth import TokenAuth
+from .rpc.interceptors.base import Interceptors, ServiceInterceptor
 from .rpc.interceptors.limits import RESERVED_THREADS, TableStreams, call_limits
 from .rpc.interceptors.metrics import Metrics, RpcMetrics
 from .rpc.interceptors.unreadable import UnreadableRequests
@@ -159,7 +160,7 @@ class ExpbufServer:
             if created:
                 log.info("table created from config: %s", table.described())
         self.metrics = Metrics(self.store, shard=config.shard)
-        interceptors: list[grpc.ServerInterceptor] = [RpcMetrics(self.metrics)]
+        interceptors: list[ServiceInterceptor] = [RpcMetrics(self.metrics)]
         if config.tokens:
             interceptors.append(TokenAuth(config.tokens))
         interceptors.append(UnreadableRequests())  # after the token's check, before any reads a request
@@ -183,7 +184,7 @@ class ExpbufServer:
         few_arenas()
         self.grpc = grpc.server(
             futures.ThreadPoolExecutor(max_workers=config.workers + RESERVED_THREADS, thread_name_prefix="expbuf-rpc"),
-            interceptors=interceptors,
+            interceptors=[Interceptors(interceptors)],
             options=channel_options(config.max_message_bytes)
             + receive_window(config.max_inflight_bytes, config.workers),
         )

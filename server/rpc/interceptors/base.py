@@ -1,11 +1,12 @@
 """What every part of the service shares at its bottom: a base for the server's interceptors,
 which act on the ExperienceBuffer methods only (leaving health checking and reflection alone),
-and `refuse`, the one way a call is refused, with its reason beside its message."""
+`Interceptors`, which gives them to gRPC as one, and `refuse`, the one way a call is refused, with
+its reason beside its message."""
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
 import grpc
@@ -16,12 +17,12 @@ from expbuf.client.schema.reasons import Reason
 SERVICE_PREFIX = "/expbuf.v1.ExperienceBuffer/"
 
 
-class ServiceInterceptor(grpc.ServerInterceptor):
-    """gRPC asks every interceptor for a call's handler on each call. One whose `wrap` reads nothing
-    of the call (`per_call` False) makes its handler once for a method and the handler beneath it,
-    and hands that one out again while the handler beneath is the same: the servicer's handler is,
-    so is each such interceptor's above it, and a push of one experience does not pay for every
-    interceptor's closures and handler again (issue 64)."""
+class ServiceInterceptor:
+    """One of the server's interceptors, run by `Interceptors`, which gRPC asks for a call's handler
+    on each call. One whose `wrap` reads nothing of the call (`per_call` False) makes its handler
+    once for a method and the handler beneath it, and hands that one out again while the handler
+    beneath is the same: the servicer's handler is, so is each such interceptor's above it, and a
+    push of one experience does not pay for every interceptor's closures and handler again (issue 64)."""
 
     per_call = False  # True where `wrap` reads the call's details (its metadata): made on each call
 
@@ -37,6 +38,27 @@ class ServiceInterceptor(grpc.ServerInterceptor):
         """By method: the handler beneath, and the one `wrap` made of it."""
         return {}
 
+    def handler(
+        self, method: str, beneath: grpc.RpcMethodHandler, details: grpc.HandlerCallDetails
+    ) -> grpc.RpcMethodHandler:
+        """The handler of a call of `method` over the one `beneath` it: made by `wrap` on each call
+        where `per_call`, else the one made before for the same handler beneath."""
+        if self.per_call:
+            return self.wrap(method, beneath, details)
+        made = self._made.get(method)
+        if made is None or made[0] is not beneath:  # a race makes it twice, alike: either serves
+            made = self._made[method] = (beneath, self.wrap(method, beneath, details))
+        return made[1]
+
+
+class Interceptors(grpc.ServerInterceptor):
+    """The server's interceptors as one for gRPC, in the order of gRPC's list (the first one's
+    handler outermost): gRPC's pipeline runs a level (two closures and a call) for each interceptor
+    of its list on every call, here one for them all (issue 64)."""
+
+    def __init__(self, parts: Sequence[ServiceInterceptor]) -> None:
+        self.innermost_first = tuple(reversed(parts))
+
     def intercept_service(
         self,
         continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler[Any, Any] | None],
@@ -46,12 +68,9 @@ class ServiceInterceptor(grpc.ServerInterceptor):
         if handler is None or not details.method.startswith(SERVICE_PREFIX):
             return handler
         method = details.method[len(SERVICE_PREFIX) :]
-        if self.per_call:
-            return self.wrap(method, handler, details)
-        made = self._made.get(method)
-        if made is None or made[0] is not handler:  # a race makes it twice, alike: either serves
-            made = self._made[method] = (handler, self.wrap(method, handler, details))
-        return made[1]
+        for part in self.innermost_first:
+            handler = part.handler(method, handler, details)
+        return handler
 
 
 def refuse(
