@@ -1,6 +1,7 @@
 """A gRPC server with no storage, for the service benchmark's transport baseline.
 
-/bench.Raw/Push takes bytes and answers a few bytes; /bench.Raw/Stream answers
+/bench.Raw/Push takes bytes and answers a few bytes (/bench.Raw/Read too, taking its request as a
+stream of one, as expbuf's Push does); /bench.Raw/Stream answers
 `count` messages of `size` bytes (request: b"count,size"). Same thread pool and
 message limits as expbuf serve.
 """
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Iterator
 from concurrent import futures
 
 import grpc
@@ -18,6 +20,12 @@ MAX = 256 << 20
 
 def push(request: bytes, context: grpc.ServicerContext) -> bytes:
     return len(request).to_bytes(8, "little")
+
+
+def read(requests: Iterator[bytes], context: grpc.ServicerContext) -> bytes:
+    """Push's answer, its one message read by the handler as a stream of one (as expbuf's Push is,
+    read only once admitted: server/rpc/push/push_memory.py)."""
+    return push(next(requests), context)
 
 
 def stream(request: bytes, context: grpc.ServicerContext):
@@ -34,6 +42,7 @@ def main() -> None:
     )
     handlers = {
         "Push": grpc.unary_unary_rpc_method_handler(push),
+        "Read": grpc.stream_unary_rpc_method_handler(read),
         "Stream": grpc.unary_stream_rpc_method_handler(stream),
     }
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("bench.Raw", handlers),))
