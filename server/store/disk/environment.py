@@ -1,17 +1,19 @@
 """The LMDB environment of a data directory, and the one thread that writes to it.
 
-Every change goes through the writer thread, which takes every request waiting in its
-queue, applies them in one write transaction (each in a nested transaction, so one
-refused request leaves the others intact) and commits once with fsync: concurrent
-callers share the cost of the fsync, and each returns only after that commit. Requests of one
-kind that wait side by side may be run together (`together`: pushes of a few experiences, which
-the store stores as one push, services/joined_pushes.py), each still answered alone. A full
-map doubles (once no reader holds a transaction) up to `max_map_size` and the batch is
-retried; a full disk or an I/O error fails the batch, committing nothing. The garbage collector's
-passes wait while a batch's requests run (client/trxp/codec/gc_pause.py): a push of hundreds of
-experiences makes thousands of tracked objects (rows, groups, columns) that their reference counts
-free as it ends, which passes mid-batch would only walk (3.6 k instructions an experience of a push
-of groups of one, 5 %: bench/RESULTS.md, "A push's writer, fewer steps (issue 64, again)").
+Every change goes through the writer thread, which takes every request waiting in its queue, applies
+them in one write transaction (each in a nested transaction, so one refused request leaves the
+others intact) and commits once with fsync: concurrent callers share the cost of the fsync, and each
+returns only after that commit. Requests of one kind that wait side by side may be run together
+(`together`: pushes of a few experiences, which the store stores as one push,
+services/joined_pushes.py), each still answered alone. A full map doubles (once no reader holds a
+transaction) up to `max_map_size` and the batch is retried; a full disk or an I/O error fails the
+batch, committing nothing, and so does a failure of the writer's own code (no request's refusal),
+each of its callers told: the thread goes on to the next batch, and no caller is left waiting. A
+request its caller cancelled before it ran is never run. The garbage collector's passes wait while a
+batch's requests run (client/trxp/codec/gc_pause.py): a push of hundreds of experiences makes
+thousands of tracked objects (rows, groups, columns) that their reference counts free as it ends,
+which passes mid-batch would only walk (3.6 k instructions an experience of a push of groups of one,
+5 %: bench/RESULTS.md, "A push's writer, fewer steps (issue 64, again)").
 
 Background work (a chunk of an index build, index_builds.py) goes through the same writer
 with `submit(fn, background=True)`: it runs in a transaction of its own, never in a batch
@@ -32,6 +34,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import fcntl
+import logging
 import os
 import queue
 import shutil
@@ -70,6 +73,7 @@ _DAMAGE = (
     TypeError,
     IndexError,
 )
+log = logging.getLogger("expbuf.store")
 # Snapshots open at once (see snapshot()); each holds one of LMDB's reader slots.
 MAX_SNAPSHOTS = 16
 Request = Callable[["lmdb.Transaction[bytes]"], Any]
@@ -258,6 +262,8 @@ class Environment:
             if op is None:
                 closing = True
                 break
+            if not op.future.set_running_or_notify_cancel():  # its caller cancelled it: never run
+                continue
             (self._later if op.background else requests).append(op)
         if requests:
             self._apply(requests)
@@ -285,6 +291,8 @@ class Environment:
                     else:
                         for run in runs(ops, _together_of):
                             results.extend(self._together(run, parent))
+                if len(results) != len(ops):
+                    raise RuntimeError(f"{len(results)} outcomes for {len(ops)} requests")
                 if any(ok for ok, _ in results):
                     parent.commit()
                 else:
@@ -305,6 +313,11 @@ class Environment:
                     f"free: {_free_bytes(self.path)} bytes; LMDB said: {exc})"
                 )
                 results = [(False, failed)] * len(ops)
+                break
+            except Exception as exc:  # the writer's own failure, no request's refusal: nothing kept, each told
+                parent.abort()
+                log.exception("the store's writer failed a batch of %d requests; nothing of it was stored", len(ops))
+                results = [(False, StoreError(f"the store's writer failed; nothing was stored: {exc!r}"))] * len(ops)
                 break
         if not background and self.env.info()["last_txnid"] != before:
             with self._changed:
