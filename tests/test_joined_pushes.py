@@ -30,7 +30,7 @@ from expbuf.server.store.schema.table_config import TableConfig
 from expbuf.server.store.services import joined_pushes
 from expbuf.server.store.services.pushing import Pushing
 
-from helpers import make_experience
+from helpers import make_experience, wait_for
 
 GROUP = 4
 
@@ -434,3 +434,47 @@ def test_pushes_side_by_side_answer_as_one_after_the_other_in_any_table(
     except AssertionError:  # a push before is refused (a full table): no scenario for this table
         reject()
     assert joined == alone and joined_stats == alone_stats
+
+
+def test_workers_each_pushing_one_run_over_grpc(start_server: Any) -> None:
+    """32 workers (a client each) push the 8 runs of 4 tasks one run a push at once, through a server,
+    into a grpo table, while its writer is held: their pushes wait side by side and are stored as one.
+    Each worker hears its own run stored, exactly one hears each group completed (the one whose run
+    came last), and the 4 groups are served once each with every run and its advantage."""
+    from expbuf.client import BufferClient
+
+    server = start_server()
+    target = f"127.0.0.1:{server.port}"
+    with BufferClient(target, timeout=60) as client:
+        client.create_table("g", estimator="grpo", group_by="task", group_size=8)
+    runs = [make_experience(0, task, run, reward=float(run % 3)) for run in range(8) for task in range(4)]
+    answers: list[Any] = [None] * len(runs)
+
+    def push(at: int) -> None:
+        with BufferClient(target, timeout=60) as worker:
+            answers[at] = worker.push([runs[at]], table="g")
+
+    environment = server.store.environment
+    stored = Pushing.put_joined
+    with mock.patch.object(Pushing, "put_joined", autospec=True, side_effect=stored) as joined:
+        inside, go = threading.Event(), threading.Event()
+        held = environment.queue(lambda txn: (inside.set(), go.wait(60)))
+        assert inside.wait(60)
+        workers = [threading.Thread(target=push, args=(at,)) for at in range(len(runs))]
+        for worker in workers:
+            worker.start()
+        wait_for(lambda: environment._queue.qsize() >= len(runs), "every push waiting for the writer")
+        go.set()
+        held.result(60)
+        for worker in workers:
+            worker.join(60)
+        assert joined.call_count == 1
+    assert [answer.stored for answer in answers] == [[exp.eid.uid] for exp in runs]
+    completed = [gkey for answer in answers for gkey in answer.completed_groups]
+    assert sorted(completed) == [f"0/{task}" for task in range(4)]
+    assert all(answers[at].completed_groups == [f"0/{at % 4}"] for at in range(len(runs) - 4, len(runs)))
+    with BufferClient(target, timeout=60) as client:
+        batch = next(client.sample("g", num_groups=4, max_batches=1, timeout=30, delivery="consume"))
+        served = batch.experiences
+        assert sorted(exp.eid.uid for exp in served) == sorted(exp.eid.uid for exp in runs)
+        assert all(exp.advantages is not None for exp in served)
