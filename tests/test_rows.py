@@ -28,6 +28,8 @@ from expbuf.server.store.disk.rows import (
     encode_member_rows,
     encode_members,
     encode_segment,
+    member_rows,
+    uid_hashes,
 )
 from expbuf.server.store.disk.rows.members import _COLUMNS, _stored, packed
 from expbuf.server.store.schema.states import STATES
@@ -303,8 +305,54 @@ def test_a_push_adds_to_a_plain_head_as_it_adds_to_a_decoded_one(
     known = {member.uid for member in there}
     assert PendingHead.holds(raw, len(there), [m.uid for m in new]) == any(m.uid in known for m in new)
     spilled = head.add(new)
-    assert PendingHead.added(raw, new) == (None if spilled is not None else head.encode())
+    added = PendingHead.added(raw, b"".join(member_rows(new)), b"".join(uid_hashes([m.uid for m in new])))
+    assert added == (None if spilled is not None else head.encode())
     assert PendingHead.plain(PendingHead(created=created).encode()) is None  # no member
+
+
+@given(
+    st.lists(st.lists(members, min_size=1, max_size=6), min_size=1, max_size=5),
+    st.lists(st.lists(members, min_size=1, max_size=3), min_size=5, max_size=5),
+    st.integers(0, 12),
+    st.sampled_from(["none", "failed", "queued", "all kept", "shared", "cut short"]),
+)
+def test_heads_a_push_keeps_pending_are_found_together_as_each_alone(
+    there: list[list[Member]], new: list[list[Member]], size: int, unlike: str
+) -> None:
+    """PendingHead.staying finds, over many heads at once, what `plain` and `holds` find of each:
+    their new members' uids' hashes where every head is plain, keeps rows itself, stays pending
+    (fewer than `size` members after) and holds none of the new uids; else None. `unlike` makes the
+    last head one that is not so (a failed run, a place in the compute queue, every row spilled to
+    a fragment, a new uid already among its members, its hashes cut short)."""
+    new = new[: len(there)]
+    heads = [PendingHead(created=1.0) for _ in there]
+    for head, rows in zip(heads, there, strict=True):
+        head.add(rows)
+    last = heads[-1]
+    if unlike == "failed":
+        last.failed = {"x": "timeout"}
+    elif unlike == "queued":
+        last.queued = 7
+    elif unlike == "all kept":
+        last.inline, last.fragments = b"", 1
+    elif unlike == "shared":
+        new[-1] = [*new[-1], there[-1][0]]
+    raws = [head.encode() for head in heads]
+    if unlike == "cut short":
+        raws[-1] = raws[-1][: PendingHead._HEAD.size + 4]
+    uids = [member.uid for rows in new for member in rows]
+    found = PendingHead.staying(raws, [len(rows) for rows in new], size, uids)
+    plain = [PendingHead.plain(raw) for raw in raws]
+    alone = all(
+        p is not None
+        and head.inline
+        and p[0] + len(rows) < size
+        and not PendingHead.holds(raw, p[0], [m.uid for m in rows])
+        for p, head, raw, rows in zip(plain, heads, raws, new, strict=True)
+    )
+    assert (found is not None) == alone
+    if found is not None:
+        assert found == uid_hashes(uids)
 
 
 def test_a_directory_entry_of_an_unknown_kind_is_refused() -> None:

@@ -200,10 +200,14 @@ def _put_rows(
     not made a `PendingGroup` unless the push leaves it pending: most complete in their push."""
     by_group: Mapping[str, Sequence[Entry]] = _by_group(entries, keys)
     gdir = tt.keys(by_group)  # read, sought and written by this push: encoded once
-    # the directory entries of this push's groups, and the digests of their members stored
-    existing, stored = row_pending.stored(tt, by_group, gdir)
+    held = row_pending.held(tt, gdir)
     uids, admitted = [entry.uid for entry in entries], entries
-    if stored or len(set(uids)) < len(uids):  # some may be stored already, or pushed twice
+    twice = len(set(uids)) < len(uids)
+    if not twice and (found := row_pending.staying(tt, by_group, gdir, held)) is not None:
+        return _grow_pending(tt, entries, by_group, gdir, found, holder, result)
+    # this push's groups as the table has them, and the digests of their members stored
+    existing, stored = row_pending.stored(tt, by_group, gdir, held)
+    if stored or twice:  # some may be stored already, or pushed twice
         fresh, by_group = _screen(tt, entries, keys, stored, result, holder)
         uids, admitted = list(fresh), list(fresh.values())
         gdir = tt.keys(by_group)
@@ -247,6 +251,25 @@ def _put_rows(
     row_pending.keep_all(tt, kept)
     ending.done(compute=compute, ahead=ahead)
     return _stored(tt, result, uids)
+
+
+def _grow_pending(
+    tt: TableState,
+    entries: Sequence[Entry],
+    by_group: Mapping[str, Sequence[Entry]],
+    gdir: Sequence[bytes],
+    found: row_pending.Staying,
+    holder: str,
+    result: PutResult,
+) -> PutResult:
+    """A push of runs to pending groups that all stay pending after it, none of them stored before
+    (row_pending.staying found so): `_put_rows`' steps for such a push, none a group: nothing is
+    refused for its groups (none is opened, complete or overfilled), none completes, and their heads
+    are written as they are, not decoded (row_pending.grow)."""
+    _admit(tt, entries, by_group, holder)
+    make_room(tt, len(entries), sum([entry.size for entry in entries]), set())
+    row_pending.grow(tt, found, gdir, row_pending.joined(tt, by_group))
+    return _stored(tt, result, [entry.uid for entry in entries])
 
 
 def _joining(

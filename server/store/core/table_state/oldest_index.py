@@ -154,6 +154,16 @@ def head_gone(tt: TableState, gkey: str, head: PendingHead) -> None:
         group_gone(tt, gkey)
 
 
+def heads_gone(tt: TableState, gone: Sequence[tuple[str, float]]) -> None:
+    """Pending or computing groups gone, each with when its first member was pushed (read from its
+    head's bytes: PendingHead.outline): their keys, each found by the group's key among the table's
+    where it is not at that time."""
+    prefix, txn, db = tt.prefix, tt.txn, tt.db["oldest"]
+    for gkey, first in gone:
+        if not txn.delete(head_key(prefix, first, gkey), db=db):
+            group_gone(tt, gkey)
+
+
 def group_gone(tt: TableState, gkey: str) -> bool:
     """A pending or computing group gone whose first member's time is not known: its key, if any,
     found by the group's key among the table's; whether there was one."""

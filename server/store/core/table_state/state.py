@@ -407,8 +407,11 @@ class TableState:
 
     # ---- keys of the per-table indexes ---------------------------------------------------
 
-    def pending_key(self, gkey: str, grp: GroupRecord | PendingHead) -> bytes:
-        return self.prefix + layout.micros(grp.created) + gkey.encode()
+    def pending_key(self, gkey: str, grp: GroupRecord | PendingHead | float) -> bytes:
+        """A pending group's key in the pending index: by when it opened (its record's or head's
+        `created`, or that time itself where a head is not decoded: PendingHead.outline)."""
+        created = grp if isinstance(grp, float) else grp.created
+        return self.prefix + layout.micros(created) + gkey.encode()
 
     def retired_key(self, gkey: str, retired: float) -> bytes:
         """A retired group's key in the retired index (when its members became tombstones)."""

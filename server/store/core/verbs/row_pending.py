@@ -9,7 +9,12 @@ which keeps its members' digests as a consumed group's does, its payloads gone.
 
 What a member of such a group costs beyond one of a group pushed whole: its row written in the
 heads each push to the group rewrites (and once more where it spills into a fragment) and its uid's
-hash in the head. The heads a push changes are written together, in key order (`keep_all`).
+hash in the head. The heads a push changes are written together, in key order (`keep_all`). A push
+whose runs all join pending groups that stay pending after it (`staying`: a GRPO worker's push, all
+but the last of a group's runs) adds them to their heads' bytes as they are (`grow`), found and
+written with no step a group beyond each head's own; a push that completes groups reads the rows of
+a head that keeps them all without decoding the rest of it (`view`), and their rows in the indexes
+go found from its bytes too (`_forget_all`).
 """
 
 from __future__ import annotations
@@ -23,7 +28,17 @@ from typing import NamedTuple
 from ...disk.kinds import Entry, members
 from ...disk.layout import put_rows, u64
 from ...disk.rows import PENDING as PENDING_ENTRY
-from ...disk.rows import GroupRef, Member, PendingHead, SegmentView, SegState, fragment_key, group_entry
+from ...disk.rows import (
+    GroupRef,
+    Member,
+    PendingHead,
+    SegmentView,
+    SegState,
+    fragment_key,
+    group_entry,
+    member_rows,
+    uid_hashes,
+)
 from ...disk.rows import uid_hash as _uid_hash
 from ...schema.states import COMPUTING, PENDING, QUARANTINED, State
 from ...schema.views import Groups
@@ -63,28 +78,88 @@ class PendingGroup(NamedTuple):
         return self.head
 
 
+def held(tt: TableState, keys: Sequence[bytes]) -> dict[bytes, bytes]:
+    """The directory entries the table holds of these groups (`keys`: their directory keys), by key,
+    read in one call."""
+    with tt.txn.cursor(db=tt.db["gdir"]) as cur:
+        return dict(cur.getmulti(keys))
+
+
+class Staying(NamedTuple):
+    """A push's runs to pending groups that all stay pending after it, as `staying` found them: each
+    group's head as stored, the new members' uids' hashes in push order, and each group's count of
+    them."""
+
+    raws: list[bytes]
+    hashes: list[bytes]
+    adding: list[int]
+
+
+def staying(
+    tt: TableState, pushed: Mapping[str, Sequence[Entry]], keys: Sequence[bytes], held: Mapping[bytes, bytes]
+) -> Staying | None:
+    """Where every group a push reaches (each with its entries; `keys`: their directory keys, `held`:
+    their directory entries, as `held` reads them) is a pending one whose head is plain and keeps its rows itself,
+    and stays pending after the push, none of its uids among the group's (PendingHead.staying): those
+    heads, for `grow`, found in C over them all with no step a group; None where one is not, or the
+    push opens a group (the push then goes as `stored` reads it). A GRPO worker's push of a run to
+    each of hundreds of tasks, all but the last, is such a push."""
+    if len(held) != len(keys):
+        return None
+    raws, adding = list(map(held.__getitem__, keys)), list(map(len, pushed.values()))
+    uids = [entry.uid for entries in pushed.values() for entry in entries]
+    hashes = PendingHead.staying(raws, adding, tt.config.grouping.size, uids)
+    return None if hashes is None else Staying(raws, hashes, adding)
+
+
+def grow(tt: TableState, found: Staying, keys: Sequence[bytes], joined: Joined) -> None:
+    """The runs of a push that `staying` found join their pending groups (`joined`: their members
+    by group, as `joined` made them; `keys`: the groups' directory keys): each head written with its
+    new members' rows and hashes (PendingHead.added), one call a group and none else, the heads put
+    in key order in one call; a head whose rows would spill goes as `keep_all` keeps it."""
+    rows = member_rows(list(itertools.chain.from_iterable(joined.values())))
+    hashes = found.hashes
+    if len(rows) != len(found.raws):  # a run or more a group: each group's joined
+        cut = list(itertools.accumulate(found.adding, initial=0))
+        rows = [b"".join(rows[a:b]) for a, b in itertools.pairwise(cut)]
+        hashes = [b"".join(hashes[a:b]) for a, b in itertools.pairwise(cut)]
+    grown = list(map(PendingHead.added, found.raws, rows, hashes))
+    put_rows(
+        tt.txn, tt.db["gdir"], sorted((key, head) for key, head in zip(keys, grown, strict=True) if head is not None)
+    )
+    if None in grown:
+        spilled = [(gkey, raw) for gkey, raw, head in zip(joined, found.raws, grown, strict=True) if head is None]
+        keep_all(tt, [(_plain_group(gkey, raw), joined[gkey]) for gkey, raw in spilled])
+
+
+def _plain_group(gkey: str, raw: bytes) -> PendingGroup:
+    """A pending group whose head is plain, as `stored` makes it."""
+    plain = PendingHead.plain(raw)
+    assert plain is not None
+    count, created = plain
+    return PendingGroup(gkey, None, count, NONE_FAILED, created, raw)
+
+
 def stored(
-    tt: TableState, pushed: Mapping[str, Sequence[Entry]], keys: Sequence[bytes]
+    tt: TableState, pushed: Mapping[str, Sequence[Entry]], keys: Sequence[bytes], held: Mapping[bytes, bytes]
 ) -> tuple[dict[str, PendingGroup | None], dict[str, bytes]]:
-    """Of these groups (each with the entries a push brings it; `keys`: their directory keys, `tt.keys`),
-    those the table has: pending (a `PendingGroup`) or complete (None; computing too); and the stored
-    digests of their members (uid -> digest), for a retried push's duplicates (a deleted member's is
-    not): one directory read a group, one segment and its state read a segment, and a pending or
-    computing group's rows read only where one of the entries' uids' hashes is among its head's."""
+    """Of these groups (each with the entries a push brings it; `keys`: their directory keys, `tt.keys`;
+    `held`: their directory entries, as `held` reads them), those the table has: pending (a `PendingGroup`) or
+    complete (None; computing too); and the stored digests of their members (uid -> digest), for a
+    retried push's duplicates (a deleted member's is not): one segment and its state read a segment,
+    and a pending or computing group's rows read only where one of the entries' uids' hashes is among
+    its head's."""
     found: dict[str, PendingGroup | None] = {}
     digests: dict[str, bytes] = {}
     views: dict[int, tuple[SegmentView, SegState]] = {}
-    with tt.txn.cursor(db=tt.db["gdir"]) as cur:
-        held = dict(cur.getmulti(keys))
     if not held:  # groups the push opens, all of them
         return found, digests
     raws = list(map(held.get, keys))
-    size = tt.config.grouping.size
     for (gkey, entries), raw in zip(pushed.items(), raws, strict=True):
         if raw is None:
             continue
         plain = PendingHead.plain(raw) if raw[0] == PENDING_ENTRY else None
-        if plain is not None and plain[0] + len(entries) < size:  # pending after the push: not decoded
+        if plain is not None:  # not decoded: kept pending (`keep_all`) or completed (`view`) from its bytes
             count, created = plain
             found[gkey] = PendingGroup(gkey, None, count, NONE_FAILED, created, raw)
             if PendingHead.holds(raw, count, [pushed.uid for pushed in entries]):
@@ -177,6 +252,8 @@ def joined(tt: TableState, by_group: Mapping[str, Sequence[Entry]]) -> dict[str,
 def view(tt: TableState, grp: PendingGroup, new: Sequence[Member]) -> RowGroup:
     """A pending group's view with its new members: its earlier ones read from its fragments and head
     (those whose rows damage lost, as TableState.pending_members has them)."""
+    if grp.head is None and grp.raw is not None and (read := PendingHead.plain_rows(grp.raw, grp.size)) is not None:
+        return RowGroup(grp.key, PENDING, (*read, *new), NONE_FAILED, created=grp.created)
     entry = grp.decoded()
     rows, damaged, lost = ((), frozenset[str](), 0) if entry is None else tt.pending_members(grp.key, entry)
     failed = MappingProxyType(dict(grp.failed))
@@ -219,8 +296,8 @@ def keep_all(tt: TableState, changed: Sequence[Kept]) -> None:
     run each): each head, and each new fragment, put in key order in one call a database."""
     heads, fragments, indexed = [], [], []
     for grp, new in changed:
-        if grp.head is None and grp.raw is not None and new and not grp.failed:
-            added = PendingHead.added(grp.raw, new)  # a plain head's: as the rest do it, not decoded
+        if grp.head is None and grp.raw is not None and new and not grp.failed:  # a plain head's: not decoded
+            added = PendingHead.added(grp.raw, b"".join(member_rows(new)), b"".join(uid_hashes([m.uid for m in new])))
             if added is not None:
                 heads.append((tt.key(grp.key), added))
                 continue
@@ -254,7 +331,7 @@ def left(tt: TableState, gkey: str, head: PendingHead, rows: Sequence[Member], l
     fails it with them (TableState.pending_members); with neither, its fragments and pending index row
     go (its directory entry is the caller's)."""
     if not rows and not lost:
-        _forget(tt, gkey)
+        _forget(tt, gkey, head)
         return
     now = rows[0].created if rows else None
     if lost:  # its first member's row may be one damage lost: its key found by the group's
@@ -271,13 +348,35 @@ def left(tt: TableState, gkey: str, head: PendingHead, rows: Sequence[Member], l
     tt.txn.put(tt.key(gkey), head.encode(), db=tt.db["gdir"])
 
 
-def _forget(tt: TableState, gkey: str) -> PendingHead | None:
-    """A pending or computing group's fragments and its row in the pending index or the compute queue
-    go (it completes or leaves); its directory entry is overwritten by its segment's. Returns its
-    head, None for a group never written."""
-    entry = head(tt, gkey)
-    if entry is None:
-        return None  # opened and closed by one request: never written
+def _forget_all(tt: TableState, gkeys: Sequence[str]) -> dict[str, PendingHead]:
+    """Pending or computing groups complete or leave together: their heads read in one call, each
+    `_forget`; a plain head that keeps every member itself (PendingHead.outline: what a push
+    completes most) is not decoded, its rows in the pending index and the index of the oldest found
+    from its bytes. Returns the heads it decoded, by group (a computing group's names its place in
+    the compute queue); a group opened and closed by one request was never written and has none."""
+    keys = tt.keys(gkeys)
+    entries = held(tt, keys)
+    heads: dict[str, PendingHead] = {}
+    plain: list[tuple[str, float]] = []
+    txn, pending = tt.txn, tt.db["pending"]
+    for gkey, key in zip(gkeys, keys, strict=True):
+        raw = entries.get(key)
+        outline = None if raw is None else PendingHead.outline(raw)
+        if outline is not None:
+            created, first = outline
+            txn.delete(tt.pending_key(gkey, created), db=pending)
+            plain.append((gkey, first))
+        elif raw is not None and isinstance(entry := group_entry(gkey, raw), PendingHead):
+            _forget(tt, gkey, entry)
+            heads[gkey] = entry
+    oldest_index.heads_gone(tt, plain)
+    return heads
+
+
+def _forget(tt: TableState, gkey: str, entry: PendingHead) -> None:
+    """A pending or computing group's fragments and its rows in the index of the oldest and in the
+    pending index or the compute queue go (it completes or leaves); its directory entry is
+    overwritten by its segment's, or deleted, by the caller."""
     oldest_index.head_gone(tt, gkey, entry)
     for number in range(entry.fragments):
         tt.txn.delete(fragment_key(tt.prefix, gkey, number), db=tt.db["frags"])
@@ -285,7 +384,6 @@ def _forget(tt: TableState, gkey: str) -> PendingHead | None:
         tt.txn.delete(tt.pending_key(gkey, entry), db=tt.db["pending"])
     else:
         tt.txn.delete(tt.queued_key(entry), db=tt.db["compute"])
-    return entry
 
 
 def complete(tt: TableState, groups: Sequence[tuple[RowGroup, bool, bool]], was: State = PENDING) -> None:
@@ -304,8 +402,9 @@ def complete(tt: TableState, groups: Sequence[tuple[RowGroup, bool, bool]], was:
         segments.complete_ready(tt, segments.wholes(views), was)
         return
     whole, places = [], []
-    for grp, partial, written in groups:
-        entry = _forget(tt, grp.key) if written else None
+    heads = _forget_all(tt, [grp.key for grp, _, written in groups if written])
+    for grp, partial, _ in groups:
+        entry = heads.get(grp.key)
         placed = None
         if entry is not None and entry.queued is not None:
             partial, placed = entry.partial, entry.placed
@@ -364,7 +463,7 @@ def leave(tt: TableState, groups: Groups, state: State, damaged: Set[str] = froz
     damaged = _found_damaged(tt, views, damaged, state)
     for grp in views:
         pieces.drop_group(tt, grp.key)
-        _forget(tt, grp.key)
+    _forget_all(tt, [grp.key for grp in views])
     whole = [segments.whole(g.key, g.created, g.rows, failed=g.failed) for g in views]
     segments.write(tt, whole, state, quarantined=damaged)
     counters = tt.counters

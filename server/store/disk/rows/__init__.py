@@ -25,8 +25,18 @@ from .directory import (
     group_entry,
     group_refs,
     uid_hash,
+    uid_hashes,
 )
-from .members import ROWS, Member, MemberBlock, decode_member_rows, encode_member_rows, encode_members, first_created
+from .members import (
+    ROWS,
+    Member,
+    MemberBlock,
+    decode_member_rows,
+    encode_member_rows,
+    encode_members,
+    first_created,
+    member_rows,
+)
 from .runs import RowLease, RunRow, decode_lease
 from .segments import (
     SEGMENT_GROUPS,
@@ -43,5 +53,5 @@ __all__ = [
     "PENDING", "REF", "ROWS", "SEGMENT_GROUPS", "SEGMENT_MEMBERS", "Group", "GroupRef", "Member", "MemberBlock",
     "PendingHead", "RowLease", "RunRow", "SegState", "SegmentView", "agreeing", "append_groups", "decode_lease",
     "decode_member_rows", "directory_entry", "encode_member_rows", "encode_members", "encode_segment",
-    "first_created", "fragment_key", "group_entry", "group_refs", "uid_hash",
+    "first_created", "fragment_key", "group_entry", "group_refs", "member_rows", "uid_hash", "uid_hashes",
 ]  # fmt: skip

@@ -7,6 +7,7 @@ members.encode_member_rows) until the group completes.
 from __future__ import annotations
 
 import itertools
+import operator
 import struct
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -18,7 +19,7 @@ from ...schema.errors import DAMAGE, DamagedGroup
 from ...schema.states import COMPUTING, State
 from ...schema.states import PENDING as PENDING_STATE
 from ..records import _pack_str, _unpack_str
-from .members import _NONE_INT, Member, decode_member_rows, encode_member_rows
+from .members import _NONE_INT, Member, decode_member_rows, encode_member_rows, first_created, rows_onto
 
 
 def fragment_key(prefix: bytes, gkey: str, number: int) -> bytes:
@@ -31,6 +32,11 @@ def uid_hash(uid: str) -> int:
     """What a pending group's head keeps of a member's uid: a retried push is screened against it
     without the group's fragments read."""
     return xxhash.xxh3_64_intdigest(uid.encode())
+
+
+def uid_hashes(uids: Iterable[str]) -> list[bytes]:
+    """`uid_hash` of each uid, as a head keeps them (PendingHead.added), made in C, no step a uid."""
+    return list(map(_HASH.pack, map(xxhash.xxh3_64_intdigest, map(str.encode, uids))))
 
 
 # A pending head's members kept in it (its `inline` rows) are written as its next fragment once they
@@ -178,18 +184,81 @@ class PendingHead:
         return False
 
     @classmethod
-    def added(cls, data: bytes, members: Sequence[Member]) -> bytes | None:
-        """A `plain` head's encoding with `members` added, the bytes decode(data), add(members) and
-        encode() make, without the head decoded: a push adds a run to hundreds of them. None where
-        their rows would spill from it (`add` writes its fragment then)."""
+    def added(cls, data: bytes, rows: bytes, hashes: bytes) -> bytes | None:
+        """A `plain` head's encoding with members added (their rows: members.member_rows', joined; their
+        uids' hashes: `uid_hashes`', joined), the bytes decode(data), add(members) and encode() make,
+        without the head decoded: a push adds a run to hundreds of them. None where their rows would
+        spill from it (`add` writes its fragment then)."""
         _, flags, count, fragments, created = cls._HEAD.unpack_from(data)
-        end = cls._HEAD.size + 8 * count
-        rows = encode_member_rows(members, onto=data[end:] if flags & cls._INLINE else b"")
-        if len(rows) > SPILL_BYTES:
+        end, adding = cls._HEAD.size + 8 * count, len(hashes) // 8
+        inline = rows_onto(data[end:] if flags & cls._INLINE else b"", rows, adding)
+        if len(inline) > SPILL_BYTES:
             return None
-        hashes = struct.pack(f"<{len(members)}Q", *[uid_hash(member.uid) for member in members])
-        head = cls._HEAD.pack(PENDING, cls._INLINE, count + len(members), fragments, created)
-        return b"".join([head, data[cls._HEAD.size : end], hashes, rows])
+        head = cls._HEAD.pack(PENDING, cls._INLINE, count + adding, fragments, created)
+        return b"".join([head, data[cls._HEAD.size : end], hashes, inline])
+
+    @classmethod
+    def staying(
+        cls, raws: Sequence[bytes], adding: Sequence[int], size: int, uids: Sequence[str]
+    ) -> list[bytes] | None:
+        """Where each of these heads is `plain`, keeps rows itself and stays pending with `adding`
+        members more (fewer than `size` in all), none of the new members' uids (`uids`, each head's
+        `adding` in turn) among its own: their uids' hashes (`uid_hashes`); None where one is not (or,
+        rarely, where a hash is found across two of its own: `holds` tells those apart), each head
+        read then as `plain` and `holds` read it. Read in C over them all, no step a head: a GRPO
+        worker's push reaches hundreds, all such heads."""
+        if not size or not raws:
+            return None
+        try:
+            kinds, flags, counts, _, _ = zip(*map(cls._HEAD.unpack_from, raws), strict=True)
+        except struct.error:
+            return None
+        if kinds.count(PENDING) != len(raws) or flags.count(cls._INLINE) != len(raws) or 0 in counts:
+            return None
+        if max(map(operator.add, counts, adding)) >= size:
+            return None
+        ends = list(map(cls._HEAD.size.__add__, map((8).__mul__, counts)))
+        if not all(map(operator.le, ends, map(len, raws))):  # one cut short of its hashes: damage
+            return None
+        if len(uids) != len(raws):  # a run or more a group: each head as many times as it takes runs
+            raws = list(itertools.chain.from_iterable(map(itertools.repeat, raws, adding)))
+            ends = list(itertools.chain.from_iterable(map(itertools.repeat, ends, adding)))
+        hashes = uid_hashes(uids)
+        return hashes if max(map(bytes.find, raws, hashes, itertools.repeat(cls._HEAD.size), ends)) < 0 else None
+
+    @classmethod
+    def outline(cls, data: bytes) -> tuple[float, float] | None:
+        """Of a `plain` head that keeps every member itself (no fragment): when it opened and when its
+        first member was pushed (its rows in the pending index and the index of the oldest), the rest
+        of it not decoded, as a push completes hundreds of them; None for any other head, and for one
+        whose first row does not read (decoding it names the damage)."""
+        plain = cls.plain(data) if data[0] == PENDING else None
+        rows = None if plain is None else cls._kept(data, plain[0])
+        try:
+            first = None if rows is None else first_created(rows)
+        except DAMAGE:
+            return None
+        return None if plain is None or first is None else (plain[1], first)
+
+    @classmethod
+    def plain_rows(cls, data: bytes, count: int) -> list[Member] | None:
+        """The rows of a `plain` head of `count` members that keeps them all itself (no fragment), read
+        without the head decoded: a push completes hundreds of them. None for one with fragments, or
+        whose rows do not read as its `count` members (read then as any other head is:
+        TableState.pending_members names the damage)."""
+        rows = cls._kept(data, count)
+        try:
+            found = None if rows is None else decode_member_rows(rows)
+        except DAMAGE:
+            return None
+        return found if found is not None and len(found) == count else None
+
+    @classmethod
+    def _kept(cls, data: bytes, count: int) -> memoryview | None:
+        """The rows of a head of `count` members that keeps them all itself (no fragment); None for
+        any other."""
+        _, flags, _, fragments, _ = cls._HEAD.unpack_from(data)
+        return None if fragments or not flags & cls._INLINE else memoryview(data)[cls._HEAD.size + 8 * count :]
 
     def inline_rows(self) -> list[Member]:
         """The members its head keeps (`inline`), after those of its fragments in push order."""

@@ -334,25 +334,33 @@ _COUNT = struct.Struct("<I")
 
 def encode_member_rows(members: Sequence[Member], onto: bytes = b"") -> bytes:
     """Members as rows (a fragment's value, or a pending head's latest members): a count, then each
-    member's row, uid and segments; after those `onto` holds (rows of this form) where it is given.
-    Each member's fields are unpacked as a tuple, not read by name: a push to hundreds of pending
-    groups encodes a row for each."""
-    parts = [_COUNT.pack(len(members) + (_COUNT.unpack_from(onto)[0] if onto else 0)), onto[_COUNT.size :]]
-    pack, nan = _ROW.pack, math.nan
+    member's row, uid and segments (`member_rows`); after those `onto` holds (rows of this form)
+    where it is given."""
+    return rows_onto(onto, b"".join(member_rows(members)), len(members))
+
+
+def rows_onto(onto: bytes | memoryview, rows: bytes, count: int) -> bytes:
+    """`count` rows of `member_rows` (joined: `rows`) after those `onto` holds (`encode_member_rows`'
+    form; empty: none), with the count of them all before."""
+    total = _COUNT.pack(count + (_COUNT.unpack_from(onto)[0] if onto else 0))
+    return b"".join([total, onto[_COUNT.size :], rows])
+
+
+def member_rows(members: Sequence[Member]) -> list[bytes]:
+    """Each member's row, uid and segments as `encode_member_rows` writes them after its count: a push
+    to hundreds of pending groups encodes its members' rows in one call, each group's head then takes
+    its own (PendingHead.added). Each member's fields are unpacked as a tuple, not read by name."""
+    pack, nan, found = _ROW.pack, math.nan, []
     for member in members:
         text, digest, size, seq, created, step, length, generated, version, reward, priority, adv, shaped, segs = member
         uid = text.encode()
-        parts.append(
-            pack(
-                digest, size, seq, created, step, length, generated, _NONE_INT if version is None else version,
-                nan if reward is None else reward, priority, nan if adv is None else adv,
-                nan if shaped is None else shaped, len(uid), len(segs),
-            )
-        )  # fmt: skip
-        parts.append(uid)
-        if segs:
-            parts.append(struct.pack(f"<{len(segs)}q", *segs))
-    return b"".join(parts)
+        row = pack(
+            digest, size, seq, created, step, length, generated, _NONE_INT if version is None else version,
+            nan if reward is None else reward, priority, nan if adv is None else adv,
+            nan if shaped is None else shaped, len(uid), len(segs),
+        ) + uid  # fmt: skip
+        found.append(row + struct.pack(f"<{len(segs)}q", *segs) if segs else row)
+    return found
 
 
 def decode_member_rows(data: bytes | memoryview) -> list[Member]:
