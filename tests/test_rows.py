@@ -311,13 +311,13 @@ def test_a_push_adds_to_a_plain_head_as_it_adds_to_a_decoded_one(
 
 
 @given(
-    st.lists(st.lists(members, min_size=1, max_size=6), min_size=1, max_size=5),
+    st.lists(st.lists(members, min_size=1, max_size=16), min_size=1, max_size=5),
     st.lists(st.lists(members, min_size=1, max_size=3), min_size=5, max_size=5),
-    st.integers(0, 12),
-    st.sampled_from(["none", "failed", "queued", "all kept", "shared", "cut short"]),
+    st.integers(-2, 3),
+    st.sampled_from(["none"] * 5 + ["failed", "queued", "all kept", "shared", "cut short"]),
 )
 def test_heads_a_push_keeps_pending_are_found_together_as_each_alone(
-    there: list[list[Member]], new: list[list[Member]], size: int, unlike: str
+    there: list[list[Member]], new: list[list[Member]], room: int, unlike: str
 ) -> None:
     """PendingHead.staying finds, over many heads at once, what `plain` and `holds` find of each:
     their new members' uids' hashes where every head is plain, keeps rows itself, stays pending
@@ -325,6 +325,7 @@ def test_heads_a_push_keeps_pending_are_found_together_as_each_alone(
     last head one that is not so (a failed run, a place in the compute queue, every row spilled to
     a fragment, a new uid already among its members, its hashes cut short)."""
     new = new[: len(there)]
+    size = max(0, max(map(len, there)) + 3 + room)  # room to spare after the push, or none
     heads = [PendingHead(created=1.0) for _ in there]
     for head, rows in zip(heads, there, strict=True):
         head.add(rows)
@@ -353,6 +354,18 @@ def test_heads_a_push_keeps_pending_are_found_together_as_each_alone(
     assert (found is not None) == alone
     if found is not None:
         assert found == uid_hashes(uids)
+
+
+@given(number, st.lists(st.lists(members, min_size=1, max_size=16), min_size=1, max_size=4))
+def test_heads_a_push_opens_are_made_together_as_each_alone(created: float, new: list[list[Member]]) -> None:
+    """PendingHead.opened makes the bytes a new head of each group makes with its first members added
+    (`add`, `encode`), for them all at once; None where one's rows spill into a fragment."""
+    heads = [PendingHead(created=created) for _ in new]
+    spilled = [head.add(rows) for head, rows in zip(heads, new, strict=True)]
+    rows = [b"".join(member_rows(added)) for added in new]
+    hashes = [b"".join(uid_hashes([member.uid for member in added])) for added in new]
+    made = PendingHead.opened(created, rows, hashes, [len(added) for added in new])
+    assert made == (None if any(part is not None for part in spilled) else [head.encode() for head in heads])
 
 
 def test_a_directory_entry_of_an_unknown_kind_is_refused() -> None:

@@ -224,6 +224,9 @@ def _put_rows(
         result.completed_groups.extend(joined)
         result.dropped_groups.extend(ending.complete_opened(joined, gdir))
         joined = {}
+    elif not groups and max(map(len, joined.values()), default=size) < size:  # it opens every group and fills none
+        row_pending.open_all(tt, joined, gdir)
+        return _stored(tt, result, uids)
     kept: list[row_pending.Kept] = []  # the groups left pending: row_pending.keep_all
     for gkey, new in joined.items():
         pending = groups.get(gkey)

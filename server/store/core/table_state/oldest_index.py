@@ -154,6 +154,13 @@ def head_gone(tt: TableState, gkey: str, head: PendingHead) -> None:
         group_gone(tt, gkey)
 
 
+def heads_opened(tt: TableState, keys: Sequence[bytes], when: float) -> None:
+    """Pending groups opened by one request, each with its first member pushed at `when` (`keys`:
+    their keys, encoded): their keys, made in C over them all."""
+    begin = tt.prefix + stamp(when) + HEAD
+    put_rows(tt.txn, tt.db["oldest"], sorted(zip(map(begin.__add__, keys), itertools.repeat(b""))))
+
+
 def heads_gone(tt: TableState, gone: Sequence[tuple[str, float]]) -> None:
     """Pending or computing groups gone, each with when its first member was pushed (read from its
     head's bytes: PendingHead.outline): their keys, each found by the group's key among the table's

@@ -413,6 +413,10 @@ class TableState:
         created = grp if isinstance(grp, float) else grp.created
         return self.prefix + layout.micros(created) + gkey.encode()
 
+    def pending_keys(self, names: Iterable[bytes], created: float) -> list[bytes]:
+        """`pending_key` of groups opened at `created` (`names`: their keys, encoded), made in C."""
+        return list(map((self.prefix + layout.micros(created)).__add__, names))
+
     def retired_key(self, gkey: str, retired: float) -> bytes:
         """A retired group's key in the retired index (when its members became tombstones)."""
         return self.prefix + layout.micros(retired) + gkey.encode()

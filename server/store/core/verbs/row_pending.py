@@ -12,9 +12,10 @@ heads each push to the group rewrites (and once more where it spills into a frag
 hash in the head. The heads a push changes are written together, in key order (`keep_all`). A push
 whose runs all join pending groups that stay pending after it (`staying`: a GRPO worker's push, all
 but the last of a group's runs) adds them to their heads' bytes as they are (`grow`), found and
-written with no step a group beyond each head's own; a push that completes groups reads the rows of
-a head that keeps them all without decoding the rest of it (`view`), and their rows in the indexes
-go found from its bytes too (`_forget_all`).
+written with no step a group beyond each head's own; one that opens every group it reaches and
+fills none (its first runs) writes their heads and index rows with no step a group (`open_all`); a
+push that completes groups reads the rows of a head that keeps them all without decoding the rest
+of it (`view`), and their rows in the indexes go found from its bytes too (`_forget_all`).
 """
 
 from __future__ import annotations
@@ -117,12 +118,7 @@ def grow(tt: TableState, found: Staying, keys: Sequence[bytes], joined: Joined) 
     by group, as `joined` made them; `keys`: the groups' directory keys): each head written with its
     new members' rows and hashes (PendingHead.added), one call a group and none else, the heads put
     in key order in one call; a head whose rows would spill goes as `keep_all` keeps it."""
-    rows = member_rows(list(itertools.chain.from_iterable(joined.values())))
-    hashes = found.hashes
-    if len(rows) != len(found.raws):  # a run or more a group: each group's joined
-        cut = list(itertools.accumulate(found.adding, initial=0))
-        rows = [b"".join(rows[a:b]) for a, b in itertools.pairwise(cut)]
-        hashes = [b"".join(hashes[a:b]) for a, b in itertools.pairwise(cut)]
+    rows, hashes = _joined_rows(joined, found.adding, found.hashes)
     grown = list(map(PendingHead.added, found.raws, rows, hashes))
     put_rows(
         tt.txn, tt.db["gdir"], sorted((key, head) for key, head in zip(keys, grown, strict=True) if head is not None)
@@ -130,6 +126,36 @@ def grow(tt: TableState, found: Staying, keys: Sequence[bytes], joined: Joined) 
     if None in grown:
         spilled = [(gkey, raw) for gkey, raw, head in zip(joined, found.raws, grown, strict=True) if head is None]
         keep_all(tt, [(_plain_group(gkey, raw), joined[gkey]) for gkey, raw in spilled])
+
+
+def open_all(tt: TableState, joined: Joined, keys: Sequence[bytes]) -> None:
+    """Groups a push opens and leaves pending (`joined`: their members, as `joined` made them, pushed
+    now; `keys`: their directory keys), none of their runs reported failed: their heads with their
+    members' rows and hashes (PendingHead.opened), and their rows in the pending index and the index
+    of the oldest, as `keep_all` writes each group it opens, made in C over them all with no step a
+    group; as `keep_all` writes them where one's rows spill. A GRPO worker's first runs open such
+    groups, hundreds a push."""
+    counts = list(map(len, joined.values()))
+    rows, hashes = _joined_rows(joined, counts, uid_hashes([member.uid for new in joined.values() for member in new]))
+    made = PendingHead.opened(tt.now, rows, hashes, counts)
+    if made is None:
+        keep_all(tt, [(opening(tt, gkey), new) for gkey, new in joined.items()])
+        return
+    names = list(map(str.encode, joined))
+    put_rows(tt.txn, tt.db["pending"], sorted(zip(tt.pending_keys(names, tt.now), itertools.repeat(b""))))
+    oldest_index.heads_opened(tt, names, tt.now)
+    put_rows(tt.txn, tt.db["gdir"], sorted(zip(keys, made, strict=True)))
+
+
+def _joined_rows(joined: Joined, counts: Sequence[int], hashes: list[bytes]) -> tuple[list[bytes], list[bytes]]:
+    """Each group's new members' rows (`member_rows`', made in one call for them all) and uids'
+    hashes (`hashes`: each member's, in push order), joined a group where one takes more than one
+    (`counts`)."""
+    rows = member_rows(list(itertools.chain.from_iterable(joined.values())))
+    if len(rows) == len(counts):  # a run a group
+        return rows, hashes
+    cut = list(itertools.pairwise(itertools.accumulate(counts, initial=0)))
+    return [b"".join(rows[a:b]) for a, b in cut], [b"".join(hashes[a:b]) for a, b in cut]
 
 
 def _plain_group(gkey: str, raw: bytes) -> PendingGroup:

@@ -19,7 +19,15 @@ from ...schema.errors import DAMAGE, DamagedGroup
 from ...schema.states import COMPUTING, State
 from ...schema.states import PENDING as PENDING_STATE
 from ..records import _pack_str, _unpack_str
-from .members import _NONE_INT, Member, decode_member_rows, encode_member_rows, first_created, rows_onto
+from .members import (
+    _NONE_INT,
+    Member,
+    counted_rows,
+    decode_member_rows,
+    encode_member_rows,
+    first_created,
+    rows_onto,
+)
 
 
 def fragment_key(prefix: bytes, gkey: str, number: int) -> bytes:
@@ -196,6 +204,21 @@ class PendingHead:
             return None
         head = cls._HEAD.pack(PENDING, cls._INLINE, count + adding, fragments, created)
         return b"".join([head, data[cls._HEAD.size : end], hashes, inline])
+
+    @classmethod
+    def opened(
+        cls, created: float, rows: Sequence[bytes], hashes: Sequence[bytes], counts: Sequence[int]
+    ) -> list[bytes] | None:
+        """The heads of groups one request opens at `created`, none of their runs reported failed, each
+        with its first `counts` members' rows and uids' hashes (each group's joined: `member_rows`',
+        `uid_hashes`'): the bytes a new head's `add` and `encode` make, made in C over them all, no
+        step a head; None where one's rows would spill from it (`add` writes its fragment then)."""
+        inline = counted_rows(rows, counts)
+        if max(map(len, inline), default=0) > SPILL_BYTES:
+            return None
+        kind, flags, none, when = map(itertools.repeat, (PENDING, cls._INLINE, 0, created))
+        first = map(cls._HEAD.pack, kind, flags, counts, none, when)  # no fragment
+        return list(map(b"".join, zip(first, hashes, inline, strict=True)))
 
     @classmethod
     def staying(

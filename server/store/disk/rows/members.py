@@ -11,8 +11,9 @@ from __future__ import annotations
 import functools
 import itertools
 import math
+import operator
 import struct
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import NamedTuple
 
 ROWS = 1  # the rows' own layout, the first byte of a segment and of its state
@@ -344,6 +345,12 @@ def rows_onto(onto: bytes | memoryview, rows: bytes, count: int) -> bytes:
     form; empty: none), with the count of them all before."""
     total = _COUNT.pack(count + (_COUNT.unpack_from(onto)[0] if onto else 0))
     return b"".join([total, onto[_COUNT.size :], rows])
+
+
+def counted_rows(rows: Iterable[bytes], counts: Iterable[int]) -> list[bytes]:
+    """`encode_member_rows`' form of each of these: `count` rows of `member_rows`, joined (`rows`),
+    their count before them, made in C over them all, no step one."""
+    return list(map(operator.add, map(_COUNT.pack, counts), rows))
 
 
 def member_rows(members: Sequence[Member]) -> list[bytes]:
