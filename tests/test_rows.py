@@ -292,11 +292,16 @@ def test_a_push_adds_to_a_plain_head_as_it_adds_to_a_decoded_one(
     """PendingHead.added makes the bytes of a head decoded, added to and encoded again (`add`), where
     the head is plain (members, no failed runs, no place in the compute queue) and the new rows stay
     in it; `plain` reads its count and time, `holds` finds its members' uids' hashes (none of the new
-    members' whose uid is not among them); any other head is not plain."""
+    members' whose uid is not among them); any other head is not plain. Of a plain head that keeps
+    every member itself, `outline` reads when it opened and when its first member was pushed, and
+    `plain_rows` its members; of any other, neither."""
     head = PendingHead(created=created, fragments=fragments, failed=failed, queued=queued)
     head.add(there)
     raw = head.encode()
     plain = PendingHead.plain(raw)
+    kept = plain is not None and not head.fragments
+    assert PendingHead.outline(raw) == ((created, there[0].created) if kept else None)
+    assert PendingHead.plain_rows(raw, len(there)) == (there if kept else None)
     if failed or queued is not None:
         assert plain is None
         return

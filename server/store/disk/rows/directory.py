@@ -255,13 +255,17 @@ class PendingHead:
         first member was pushed (its rows in the pending index and the index of the oldest), the rest
         of it not decoded, as a push completes hundreds of them; None for any other head, and for one
         whose first row does not read (decoding it names the damage)."""
-        plain = cls.plain(data) if data[0] == PENDING else None
-        rows = None if plain is None else cls._kept(data, plain[0])
+        if len(data) < cls._HEAD.size:
+            return None
+        kind, flags, count, fragments, created = cls._HEAD.unpack_from(data)
+        end = cls._HEAD.size + 8 * count
+        if kind != PENDING or flags != cls._INLINE or fragments or not count or len(data) < end:
+            return None
         try:
-            first = None if rows is None else first_created(rows)
+            first = first_created(memoryview(data)[end:])
         except DAMAGE:
             return None
-        return None if plain is None or first is None else (plain[1], first)
+        return None if first is None else (created, first)
 
     @classmethod
     def plain_rows(cls, data: bytes, count: int) -> list[Member] | None:
@@ -269,19 +273,14 @@ class PendingHead:
         without the head decoded: a push completes hundreds of them. None for one with fragments, or
         whose rows do not read as its `count` members (read then as any other head is:
         TableState.pending_members names the damage)."""
-        rows = cls._kept(data, count)
+        _, flags, _, fragments, _ = cls._HEAD.unpack_from(data)
+        if fragments or flags != cls._INLINE:
+            return None
         try:
-            found = None if rows is None else decode_member_rows(rows)
+            found = decode_member_rows(memoryview(data)[cls._HEAD.size + 8 * count :])
         except DAMAGE:
             return None
-        return found if found is not None and len(found) == count else None
-
-    @classmethod
-    def _kept(cls, data: bytes, count: int) -> memoryview | None:
-        """The rows of a head of `count` members that keeps them all itself (no fragment); None for
-        any other."""
-        _, flags, _, fragments, _ = cls._HEAD.unpack_from(data)
-        return None if fragments or not flags & cls._INLINE else memoryview(data)[cls._HEAD.size + 8 * count :]
+        return found if len(found) == count else None
 
     def inline_rows(self) -> list[Member]:
         """The members its head keeps (`inline`), after those of its fragments in push order."""
