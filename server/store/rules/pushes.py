@@ -204,7 +204,7 @@ def _put_rows(
     uids, admitted = [entry.uid for entry in entries], entries
     twice = len(set(uids)) < len(uids)
     if not twice and (found := row_pending.staying(tt, by_group, gdir, held)) is not None:
-        return _grow_pending(tt, entries, by_group, gdir, found, holder, result)
+        return _grow_pending(tt, entries, uids, by_group, gdir, found, holder, result)
     # this push's groups as the table has them, and the digests of their members stored
     existing, stored = row_pending.stored(tt, by_group, gdir, held)
     if stored or twice:  # some may be stored already, or pushed twice
@@ -259,20 +259,21 @@ def _put_rows(
 def _grow_pending(
     tt: TableState,
     entries: Sequence[Entry],
+    uids: list[str],
     by_group: Mapping[str, Sequence[Entry]],
     gdir: Sequence[bytes],
     found: row_pending.Staying,
     holder: str,
     result: PutResult,
 ) -> PutResult:
-    """A push of runs to pending groups that all stay pending after it, none of them stored before
-    (row_pending.staying found so): `_put_rows`' steps for such a push, none a group: nothing is
+    """A push of runs (`entries`, their `uids`) to pending groups that all stay pending after it, none
+    of them stored before (row_pending.staying found so): `_put_rows`' steps for such a push, none a group: nothing is
     refused for its groups (none is opened, complete or overfilled), none completes, and their heads
     are written as they are, not decoded (row_pending.grow)."""
     _admit(tt, entries, by_group, holder)
     make_room(tt, len(entries), sum([entry.size for entry in entries]), set())
     row_pending.grow(tt, found, gdir, row_pending.joined(tt, by_group))
-    return _stored(tt, result, [entry.uid for entry in entries])
+    return _stored(tt, result, uids)
 
 
 def _joining(
