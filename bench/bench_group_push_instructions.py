@@ -11,6 +11,9 @@ instructions an experience measured:
 - spread: run r of 256 tasks a push, as bench_group_pushes.py's spread, the same experiences; and its
   pushes apart: the `opening` push (the first runs, each opening its group), the `middle` ones (each
   run joining a group that stays pending) and the `completing` one (each run the last of its group);
+- staggered: run r of task t in push r + t mod G, each push's groups opening, filling and completing
+  side by side (tasks begun at different times: each push but the first and last G - 1 reaches
+  every task);
 - trickle: 256 tasks' first G - 1 runs spread (not counted), then their last runs 4 a push (each push
   completing 4 groups: workers finishing their last runs one after the other), those pushes alone.
 With `--before`, another checkout's (its compiled codec built) beside this tree's, and published
@@ -51,6 +54,12 @@ def batches(group: int, way: str) -> tuple[list[list[Entry]], list[list[Entry]]]
     spread = pushes_bench.pushes(made, group, True)
     if way == "spread":
         return [], spread
+    if way == "staggered":  # task t's run r in push r + t % group: each push's groups at every stage
+        tasks = [made[at : at + group] for at in range(0, len(made), group)]
+        return [], [
+            [runs[step - task % group] for task, runs in enumerate(tasks) if 0 <= step - task % group < group]
+            for step in range(2 * group - 1)
+        ]
     if way in SPREAD_PARTS:  # the first 256 tasks' pushes: the opening one, those in the middle, the last
         tasks = spread[:group]
         parts = {"opening": (0, 1), "middle": (1, group - 1), "completing": (group - 1, group)}
@@ -85,7 +94,7 @@ def instructions(group: int, way: str, tree: Path | None = None) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--group", type=int, default=8)
-    parser.add_argument("--ways", default="whole,spread,opening,middle,completing,trickle")
+    parser.add_argument("--ways", default="whole,spread,opening,middle,completing,staggered,trickle")
     parser.add_argument("--before", type=Path)
     parser.add_argument("--out", type=Path)
     parser.add_argument("--child", help=argparse.SUPPRESS)
@@ -96,7 +105,8 @@ def main() -> None:
     about = (
         f"Instructions an experience of a rows table's pushes of 256 experiences of 8 KB in groups of "
         f"{args.group} (callgrind, every thread): whole groups a push; spread, run r of 256 tasks a push, "
-        "and its opening, middle and completing pushes apart; trickle, the last runs 4 a push."
+        "and its opening, middle and completing pushes apart; staggered, run r of task t in push r + t mod "
+        f"{args.group}; trickle, the last runs 4 a push."
     )
 
     def count(way: str, tree: Path | None) -> float:

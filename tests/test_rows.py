@@ -319,46 +319,53 @@ def test_a_push_adds_to_a_plain_head_as_it_adds_to_a_decoded_one(
     st.lists(st.lists(members, min_size=1, max_size=16), min_size=1, max_size=5),
     st.lists(st.lists(members, min_size=1, max_size=3), min_size=5, max_size=5),
     st.integers(-2, 3),
-    st.sampled_from(["none"] * 5 + ["failed", "queued", "all kept", "shared", "cut short"]),
+    st.lists(
+        st.sampled_from(["none"] * 5 + ["failed", "queued", "all kept", "shared", "cut short", "absent"]),
+        min_size=5,
+        max_size=5,
+    ),
 )
 def test_heads_a_push_keeps_pending_are_found_together_as_each_alone(
-    there: list[list[Member]], new: list[list[Member]], room: int, unlike: str
+    there: list[list[Member]], new: list[list[Member]], room: int, unlike: list[str]
 ) -> None:
-    """PendingHead.staying finds, over many heads at once, what `plain` and `holds` find of each:
-    their new members' uids' hashes where every head is plain, keeps rows itself, stays pending
-    (fewer than `size` members after) and holds none of the new uids; else None. `unlike` makes the
-    last head one that is not so (a failed run, a place in the compute queue, every row spilled to
-    a fragment, a new uid already among its members, its hashes cut short)."""
+    """PendingHead.staying finds, over many directory entries at once, what `plain` and `holds` find
+    of each: the heads that are plain, keep their rows themselves, stay pending (fewer than `size`
+    members after) and hold none of their new uids, with those uids' hashes. `unlike` makes a head
+    one that is not so (a failed run, a place in the compute queue, every row spilled to a fragment,
+    a new uid already among its members, its hashes cut short, a group not there)."""
     new = new[: len(there)]
     size = max(0, max(map(len, there)) + 3 + room)  # room to spare after the push, or none
     heads = [PendingHead(created=1.0) for _ in there]
     for head, rows in zip(heads, there, strict=True):
         head.add(rows)
-    last = heads[-1]
-    if unlike == "failed":
-        last.failed = {"x": "timeout"}
-    elif unlike == "queued":
-        last.queued = 7
-    elif unlike == "all kept":
-        last.inline, last.fragments = b"", 1
-    elif unlike == "shared":
-        new[-1] = [*new[-1], there[-1][0]]
-    raws = [head.encode() for head in heads]
-    if unlike == "cut short":
-        raws[-1] = raws[-1][: PendingHead._HEAD.size + 4]
+    for at, (head, how) in enumerate(zip(heads, unlike, strict=False)):
+        if how == "failed":
+            head.failed = {"x": "timeout"}
+        elif how == "queued":
+            head.queued = 7
+        elif how == "all kept":
+            head.inline, head.fragments = b"", 1
+        elif how == "shared":
+            new[at] = [*new[at], there[at][0]]
+    raws: list[bytes | None] = [head.encode() for head in heads]
+    for at, how in enumerate(unlike[: len(raws)]):
+        if how == "cut short":
+            raws[at] = bytes(raws[at] or b"")[: PendingHead._HEAD.size + 4]
+        elif how == "absent":
+            raws[at] = None
     uids = [member.uid for rows in new for member in rows]
-    found = PendingHead.staying(raws, [len(rows) for rows in new], size, uids)
-    plain = [PendingHead.plain(raw) for raw in raws]
-    alone = all(
-        p is not None
+    found, hashes = PendingHead.staying(raws, [len(rows) for rows in new], size, uids)
+    staying = [
+        at
+        for at, (raw, head, rows) in enumerate(zip(raws, heads, new, strict=True))
+        if raw is not None
+        and (p := PendingHead.plain(raw)) is not None
         and head.inline
         and p[0] + len(rows) < size
         and not PendingHead.holds(raw, p[0], [m.uid for m in rows])
-        for p, head, raw, rows in zip(plain, heads, raws, new, strict=True)
-    )
-    assert (found is not None) == alone
-    if found is not None:
-        assert found == uid_hashes(uids)
+    ]
+    assert found == staying
+    assert hashes == [b"".join(uid_hashes([m.uid for m in new[at]])) for at in staying]
 
 
 @given(number, st.lists(st.lists(members, min_size=1, max_size=16), min_size=1, max_size=4))

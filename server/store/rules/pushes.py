@@ -203,36 +203,43 @@ def _put_rows(
     held = row_pending.held(tt, gdir)
     uids, admitted = [entry.uid for entry in entries], entries
     twice = len(set(uids)) < len(uids)
-    if not twice and (found := row_pending.staying(tt, by_group, gdir, held)) is not None:
-        return _grow_pending(tt, entries, uids, by_group, gdir, found, holder, result)
-    # this push's groups as the table has them, and the digests of their members stored
-    existing, stored = row_pending.stored(tt, by_group, gdir, held)
+    # the groups that stay pending with plain heads, none of their new uids there: no step a group
+    stay = None if twice else row_pending.staying(tt, by_group, gdir, held)
+    if stay is not None and len(stay.gkeys) == len(by_group):  # every group: nothing else to look at
+        return _grow_pending(tt, entries, uids, by_group, stay, holder, result)
+    rest, rest_keys = _rest(tt, by_group, gdir, stay)
+    # the other groups as the table has them, and the digests of their members stored
+    existing, stored = row_pending.stored(tt, rest, rest_keys, held)
     if stored or twice:  # some may be stored already, or pushed twice
         fresh, by_group = _screen(tt, entries, keys, stored, result, holder)
         uids, admitted = list(fresh), list(fresh.values())
         gdir = tt.keys(by_group)
-    opened = [key for gkey, key in zip(by_group, gdir, strict=True) if gkey not in existing] if existing else gdir
-    _refuse_headless(tt, opened, by_group)
+        rest, rest_keys = _rest(tt, by_group, gdir, stay)
+    opened = [key for gkey, key in zip(rest, rest_keys, strict=True) if gkey not in existing] if existing else rest_keys
+    _refuse_headless(tt, opened, rest)
     _admit(tt, admitted, by_group, holder)
     size = tt.config.grouping.size
-    groups = _joining(tt, by_group, existing)
-    row_pending.opened_by_push(tt, len(by_group) - len(groups))
+    groups = _joining(tt, rest, existing)
+    row_pending.opened_by_push(tt, len(rest) - len(groups))
     make_room(tt, len(admitted), sum([entry.size for entry in admitted]), set())
     ending = Ending(tt)
     joined = row_pending.joined(tt, by_group)
-    if not groups and min(map(len, joined.values()), default=size) >= size:  # it opens every group and fills each
+    if stay is None and not groups and min(map(len, joined.values()), default=size) >= size:  # opens and fills each
         result.completed_groups.extend(joined)
         result.dropped_groups.extend(ending.complete_opened(joined, gdir))
         joined = {}
-    elif not groups and max(map(len, joined.values()), default=size) < size:  # it opens every group and fills none
+    elif stay is None and not groups and max(map(len, joined.values()), default=size) < size:  # opens, fills none
         row_pending.open_all(tt, joined, gdir)
         return _stored(tt, result, uids)
     kept: list[row_pending.Kept] = []  # the groups left pending: row_pending.keep_all
+    opening: list[str] = []  # those it opens and leaves pending: row_pending.open_all
     for gkey, new in joined.items():
+        if gkey not in rest:  # one that `stay` holds: row_pending.grow
+            continue
         pending = groups.get(gkey)
         if pending is None:  # opened by this push, none of its runs reported failed
             if size and len(new) < size:
-                kept.append((row_pending.opening(tt, gkey), new))
+                opening.append(gkey)
                 continue
             result.completed_groups.append(gkey)
             if not ending.complete(gkey, row_pending.view_new(tt, gkey, new), partial=False, indexed=False):
@@ -252,8 +259,22 @@ def _put_rows(
         else:
             tt.counters.groups_short += bool(pending.failed)
     row_pending.keep_all(tt, kept)
+    row_pending.open_all(tt, {gkey: joined[gkey] for gkey in opening}, tt.keys(opening))
+    if stay is not None:
+        row_pending.grow(tt, stay, joined)
     ending.done(compute=compute, ahead=ahead)
     return _stored(tt, result, uids)
+
+
+def _rest(
+    tt: TableState, by_group: Mapping[str, Sequence[Entry]], gdir: list[bytes], stay: row_pending.Staying | None
+) -> tuple[Mapping[str, Sequence[Entry]], list[bytes]]:
+    """A push's groups other than those `stay` holds, with their directory keys."""
+    if stay is None:
+        return by_group, gdir
+    held = set(stay.gkeys)
+    rest = {gkey: entries for gkey, entries in by_group.items() if gkey not in held}
+    return rest, tt.keys(rest)
 
 
 def _grow_pending(
@@ -261,18 +282,17 @@ def _grow_pending(
     entries: Sequence[Entry],
     uids: list[str],
     by_group: Mapping[str, Sequence[Entry]],
-    gdir: Sequence[bytes],
     found: row_pending.Staying,
     holder: str,
     result: PutResult,
 ) -> PutResult:
     """A push of runs (`entries`, their `uids`) to pending groups that all stay pending after it, none
-    of them stored before (row_pending.staying found so): `_put_rows`' steps for such a push, none a group: nothing is
-    refused for its groups (none is opened, complete or overfilled), none completes, and their heads
-    are written as they are, not decoded (row_pending.grow)."""
+    of them stored before (row_pending.staying found so): `_put_rows`' steps for such a push, none a
+    group: nothing is refused for its groups (none is opened, complete or overfilled), none completes,
+    and their heads are written as they are, not decoded (row_pending.grow)."""
     _admit(tt, entries, by_group, holder)
     make_room(tt, len(entries), sum([entry.size for entry in entries]), set())
-    row_pending.grow(tt, found, gdir, row_pending.joined(tt, by_group))
+    row_pending.grow(tt, found, row_pending.joined(tt, by_group))
     return _stored(tt, result, uids)
 
 

@@ -9,13 +9,14 @@ which keeps its members' digests as a consumed group's does, its payloads gone.
 
 What a member of such a group costs beyond one of a group pushed whole: its row written in the
 heads each push to the group rewrites (and once more where it spills into a fragment) and its uid's
-hash in the head. The heads a push changes are written together, in key order (`keep_all`). A push
-whose runs all join pending groups that stay pending after it (`staying`: a GRPO worker's push, all
-but the last of a group's runs) adds them to their heads' bytes as they are (`grow`), found and
-written with no step a group beyond each head's own; one that opens every group it reaches and
-fills none (its first runs) writes their heads and index rows with no step a group (`open_all`); a
-push that completes groups reads the rows of a head that keeps them all without decoding the rest
-of it (`view`), and their rows in the indexes go found from its bytes too (`_forget_all`).
+hash in the head. The heads a push changes are written together, in key order (`keep_all`). The
+runs a push brings to pending groups that stay pending after it (`staying`: a GRPO worker's push,
+all but the last of a group's runs) are added to their heads' bytes as they are (`grow`), found and
+written with no step a group beyond each head's own (where every group of the push is such, none
+at all); the groups it opens and leaves pending (the first runs) get their heads and index rows
+with no step a group (`open_all`); and the groups it completes have the rows of a head that keeps
+them all read without the rest of it decoded (`view`), their rows in the indexes found from its
+bytes too (`_forget_all`).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import itertools
 import logging
 from collections.abc import Iterator, Mapping, Sequence, Set
 from types import MappingProxyType
-from typing import NamedTuple
+from typing import NamedTuple, cast
 
 from ...disk.kinds import Entry, members
 from ...disk.layout import put_rows, u64
@@ -87,44 +88,57 @@ def held(tt: TableState, keys: Sequence[bytes]) -> dict[bytes, bytes]:
 
 
 class Staying(NamedTuple):
-    """A push's runs to pending groups that all stay pending after it, as `staying` found them: each
-    group's head as stored, the new members' uids' hashes in push order, and each group's count of
-    them."""
+    """Of a push's groups, those that are pending with a plain head keeping its rows itself, and stay
+    pending after it, none of their new uids among theirs, as `staying` found them: their keys, their
+    directory keys, their heads as stored, and their new members' uids' hashes, each group's joined."""
 
+    gkeys: list[str]
+    keys: list[bytes]
     raws: list[bytes]
     hashes: list[bytes]
-    adding: list[int]
 
 
 def staying(
     tt: TableState, pushed: Mapping[str, Sequence[Entry]], keys: Sequence[bytes], held: Mapping[bytes, bytes]
 ) -> Staying | None:
-    """Where every group a push reaches (each with its entries; `keys`: their directory keys, `held`:
-    their directory entries, as `held` reads them) is a pending one whose head is plain and keeps its rows itself,
-    and stays pending after the push, none of its uids among the group's (PendingHead.staying): those
-    heads, for `grow`, found in C over them all with no step a group; None where one is not, or the
-    push opens a group (the push then goes as `stored` reads it). A GRPO worker's push of a run to
-    each of hundreds of tasks, all but the last, is such a push."""
-    if len(held) != len(keys):
+    """Of the groups a push reaches (each with its entries; `keys`: their directory keys, `held`:
+    their directory entries, as `held` reads them), those pending ones whose head is plain and keeps
+    its rows itself, that stay pending after the push, none of its uids among the group's
+    (PendingHead.staying), for `grow`: found in C over them all but for a step a group to pick them
+    out; None where there are none (each group then goes as `stored` reads it). A GRPO worker's push
+    of a run to each of hundreds of tasks, all but the last, reaches such groups alone."""
+    if not held:  # it opens every group
         return None
-    raws, adding = list(map(held.__getitem__, keys)), list(map(len, pushed.values()))
     uids = [entry.uid for entries in pushed.values() for entry in entries]
-    hashes = PendingHead.staying(raws, adding, tt.config.grouping.size, uids)
-    return None if hashes is None else Staying(raws, hashes, adding)
+    raws = list(map(held.get, keys))
+    found, hashes = PendingHead.staying(raws, list(map(len, pushed.values())), tt.config.grouping.size, uids)
+    if not found:
+        return None
+    names = list(pushed)
+    if len(found) == len(names):  # every group: none picked out
+        return Staying(names, list(keys), cast("list[bytes]", raws), hashes)
+    heads = [raw for raw in (raws[at] for at in found) if raw is not None]  # each is: PendingHead.staying
+    return Staying([names[at] for at in found], [keys[at] for at in found], heads, hashes)
 
 
-def grow(tt: TableState, found: Staying, keys: Sequence[bytes], joined: Joined) -> None:
-    """The runs of a push that `staying` found join their pending groups (`joined`: their members
-    by group, as `joined` made them; `keys`: the groups' directory keys): each head written with its
-    new members' rows and hashes (PendingHead.added), one call a group and none else, the heads put
-    in key order in one call; a head whose rows would spill goes as `keep_all` keeps it."""
-    rows, hashes = _joined_rows(joined, found.adding, found.hashes)
-    grown = list(map(PendingHead.added, found.raws, rows, hashes))
+def grow(tt: TableState, found: Staying, joined: Joined) -> None:
+    """The runs of a push that `staying` found join their pending groups (`joined`: the push's
+    members by group, as `joined` made them): each head written with its new members' rows and
+    hashes (PendingHead.added), one call a group and none else, the heads put in key order in one
+    call; a head whose rows would spill goes as `keep_all` keeps it."""
+    new = [joined[gkey] for gkey in found.gkeys]
+    rows = member_rows(list(itertools.chain.from_iterable(new)))
+    if len(rows) != len(new):  # a run or more a group: each group's joined
+        cut = itertools.pairwise(itertools.accumulate(map(len, new), initial=0))
+        rows = [b"".join(rows[a:b]) for a, b in cut]
+    grown = list(map(PendingHead.added, found.raws, rows, found.hashes))
     put_rows(
-        tt.txn, tt.db["gdir"], sorted((key, head) for key, head in zip(keys, grown, strict=True) if head is not None)
+        tt.txn,
+        tt.db["gdir"],
+        sorted((key, head) for key, head in zip(found.keys, grown, strict=True) if head is not None),
     )
     if None in grown:
-        spilled = [(gkey, raw) for gkey, raw, head in zip(joined, found.raws, grown, strict=True) if head is None]
+        spilled = [(gkey, raw) for gkey, raw, head in zip(found.gkeys, found.raws, grown, strict=True) if head is None]
         keep_all(tt, [(_plain_group(gkey, raw), joined[gkey]) for gkey, raw in spilled])
 
 
@@ -135,8 +149,14 @@ def open_all(tt: TableState, joined: Joined, keys: Sequence[bytes]) -> None:
     of the oldest, as `keep_all` writes each group it opens, made in C over them all with no step a
     group; as `keep_all` writes them where one's rows spill. A GRPO worker's first runs open such
     groups, hundreds a push."""
+    if not joined:
+        return
     counts = list(map(len, joined.values()))
-    rows, hashes = _joined_rows(joined, counts, uid_hashes([member.uid for new in joined.values() for member in new]))
+    flat = list(itertools.chain.from_iterable(joined.values()))
+    rows, hashes = member_rows(flat), uid_hashes([member.uid for member in flat])
+    if len(rows) != len(counts):  # a run or more a group: each group's joined
+        cut = list(itertools.pairwise(itertools.accumulate(counts, initial=0)))
+        rows, hashes = [b"".join(rows[a:b]) for a, b in cut], [b"".join(hashes[a:b]) for a, b in cut]
     made = PendingHead.opened(tt.now, rows, hashes, counts)
     if made is None:
         keep_all(tt, [(opening(tt, gkey), new) for gkey, new in joined.items()])
@@ -145,17 +165,6 @@ def open_all(tt: TableState, joined: Joined, keys: Sequence[bytes]) -> None:
     put_rows(tt.txn, tt.db["pending"], sorted(zip(tt.pending_keys(names, tt.now), itertools.repeat(b""))))
     oldest_index.heads_opened(tt, names, tt.now)
     put_rows(tt.txn, tt.db["gdir"], sorted(zip(keys, made, strict=True)))
-
-
-def _joined_rows(joined: Joined, counts: Sequence[int], hashes: list[bytes]) -> tuple[list[bytes], list[bytes]]:
-    """Each group's new members' rows (`member_rows`', made in one call for them all) and uids'
-    hashes (`hashes`: each member's, in push order), joined a group where one takes more than one
-    (`counts`)."""
-    rows = member_rows(list(itertools.chain.from_iterable(joined.values())))
-    if len(rows) == len(counts):  # a run a group
-        return rows, hashes
-    cut = list(itertools.pairwise(itertools.accumulate(counts, initial=0)))
-    return [b"".join(rows[a:b]) for a, b in cut], [b"".join(hashes[a:b]) for a, b in cut]
 
 
 def _plain_group(gkey: str, raw: bytes) -> PendingGroup:

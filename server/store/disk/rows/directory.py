@@ -11,7 +11,7 @@ import operator
 import struct
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import NamedTuple, cast
 
 import xxhash
 
@@ -206,6 +206,23 @@ class PendingHead:
         return b"".join([head, data[cls._HEAD.size : end], hashes, inline])
 
     @classmethod
+    def _every_staying(
+        cls, raws: Sequence[bytes], adding: Sequence[int], size: int, uids: Sequence[str]
+    ) -> list[bytes] | None:
+        """`staying`'s hashes where every one of these heads stays (a GRPO worker's push reaches such
+        heads alone), found with no step a head at all; None where one may not."""
+        kinds, flags, counts, _, _ = zip(*map(cls._HEAD.unpack_from, raws), strict=True)
+        if kinds.count(PENDING) != len(raws) or flags.count(cls._INLINE) != len(raws) or 0 in counts:
+            return None
+        if max(map(operator.add, counts, adding)) >= size or len(uids) != len(raws):
+            return None
+        ends = list(map(cls._HEAD.size.__add__, map((8).__mul__, counts)))
+        if not all(map(operator.le, ends, map(len, raws))):
+            return None
+        hashes = uid_hashes(uids)
+        return hashes if max(map(bytes.find, raws, hashes, itertools.repeat(cls._HEAD.size), ends)) < 0 else None
+
+    @classmethod
     def opened(
         cls, created: float, rows: Sequence[bytes], hashes: Sequence[bytes], counts: Sequence[int]
     ) -> list[bytes] | None:
@@ -222,32 +239,58 @@ class PendingHead:
 
     @classmethod
     def staying(
-        cls, raws: Sequence[bytes], adding: Sequence[int], size: int, uids: Sequence[str]
-    ) -> list[bytes] | None:
-        """Where each of these heads is `plain`, keeps rows itself and stays pending with `adding`
-        members more (fewer than `size` in all), none of the new members' uids (`uids`, each head's
-        `adding` in turn) among its own: their uids' hashes (`uid_hashes`); None where one is not (or,
-        rarely, where a hash is found across two of its own: `holds` tells those apart), each head
-        read then as `plain` and `holds` read it. Read in C over them all, no step a head: a GRPO
-        worker's push reaches hundreds, all such heads."""
-        if not size or not raws:
-            return None
-        try:
-            kinds, flags, counts, _, _ = zip(*map(cls._HEAD.unpack_from, raws), strict=True)
-        except struct.error:
-            return None
-        if kinds.count(PENDING) != len(raws) or flags.count(cls._INLINE) != len(raws) or 0 in counts:
-            return None
-        if max(map(operator.add, counts, adding)) >= size:
-            return None
+        cls, raws: Sequence[bytes | None], adding: Sequence[int], size: int, uids: Sequence[str]
+    ) -> tuple[list[int], list[bytes]]:
+        """Of these directory entries (None: a group not there), each taking `adding` new members (their
+        `uids`, each entry's in turn), those that are `plain` heads keeping rows themselves and staying
+        pending with them (fewer than `size` members in all), none of their new uids among their own
+        (nor, rarely, found across two of their hashes: `holds` tells those apart): their indexes, and
+        their new members' uids' hashes (`uid_hashes`'), each head's joined. A push's runs join such
+        heads as they are (`added`); any other entry is read as `plain` and `holds` read it. Read in C
+        over them all, but for a step a head to pick them out: a GRPO worker's push reaches hundreds."""
+        present = cast("Sequence[bytes]", raws)  # where None is not among them
+        if size and None not in raws and min(map(len, present), default=0) >= cls._HEAD.size:
+            every = cls._every_staying(present, adding, size, uids)
+            if every is not None:
+                return list(range(len(raws))), every
+        at: list[int] = []
+        heads: list[bytes] = []
+        for number, raw in enumerate(raws if size else ()):
+            if raw is not None and len(raw) >= cls._HEAD.size:
+                at.append(number)
+                heads.append(raw)
+        if not heads:
+            return [], []
+        kinds, flags, counts, _, _ = zip(*map(cls._HEAD.unpack_from, heads), strict=True)
         ends = list(map(cls._HEAD.size.__add__, map((8).__mul__, counts)))
-        if not all(map(operator.le, ends, map(len, raws))):  # one cut short of its hashes: damage
-            return None
-        if len(uids) != len(raws):  # a run or more a group: each head as many times as it takes runs
-            raws = list(itertools.chain.from_iterable(map(itertools.repeat, raws, adding)))
-            ends = list(itertools.chain.from_iterable(map(itertools.repeat, ends, adding)))
-        hashes = uid_hashes(uids)
-        return hashes if max(map(bytes.find, raws, hashes, itertools.repeat(cls._HEAD.size), ends)) < 0 else None
+        after = map(operator.add, counts, [adding[number] for number in at])
+        fit = zip(
+            map(PENDING.__eq__, kinds), map(cls._INLINE.__eq__, flags), counts, map(size.__gt__, after),
+            map(operator.le, ends, map(len, heads)), strict=True,
+        )  # fmt: skip
+        chosen = [(number, raw, end) for number, raw, end, ok in zip(at, heads, ends, map(all, fit), strict=True) if ok]
+        if len(uids) == len(raws):  # a run a group: each head's one hash sought in C
+            mine = uid_hashes([uids[number] for number, _, _ in chosen])
+            sought = map(
+                bytes.find,
+                [raw for _, raw, _ in chosen],
+                mine,
+                itertools.repeat(cls._HEAD.size),
+                [e for *_, e in chosen],
+            )
+            kept = [
+                (number, hashed)
+                for (number, _, _), hashed, found in zip(chosen, mine, sought, strict=True)
+                if found < 0
+            ]
+        else:
+            starts = list(itertools.accumulate(adding, initial=0))
+            kept = []
+            for number, raw, end in chosen:
+                mine = uid_hashes(uids[starts[number] : starts[number + 1]])
+                if all(raw.find(hashed, cls._HEAD.size, end) < 0 for hashed in mine):
+                    kept.append((number, b"".join(mine)))
+        return [number for number, _ in kept], [hashed for _, hashed in kept]
 
     @classmethod
     def outline(cls, data: bytes) -> tuple[float, float] | None:
