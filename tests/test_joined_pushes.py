@@ -439,8 +439,9 @@ def test_pushes_side_by_side_answer_as_one_after_the_other_in_any_table(
 def test_workers_each_pushing_one_run_over_grpc(start_server: Any) -> None:
     """32 workers (a client each) push the 8 runs of 4 tasks one run a push at once, through a server,
     into a grpo table, while its writer is held: their pushes wait side by side and are stored as one.
-    Each worker hears its own run stored, exactly one hears each group completed (the one whose run
-    came last), and the 4 groups are served once each with every run and its advantage."""
+    Each worker hears its own run stored, exactly one hears each group completed (one of its own
+    workers: the one whose run reached the writer last), and the 4 groups are served once each with
+    every run and its advantage."""
     from expbuf.client import BufferClient
 
     server = start_server()
@@ -472,7 +473,9 @@ def test_workers_each_pushing_one_run_over_grpc(start_server: Any) -> None:
     assert [answer.stored for answer in answers] == [[exp.eid.uid] for exp in runs]
     completed = [gkey for answer in answers for gkey in answer.completed_groups]
     assert sorted(completed) == [f"0/{task}" for task in range(4)]
-    assert all(answers[at].completed_groups == [f"0/{at % 4}"] for at in range(len(runs) - 4, len(runs)))
+    # which worker's run reached the writer last the workers' threads decide, not the order they began in:
+    # the one that hears a group completed is one of that group's (the store's tests fix the order)
+    assert all(answer.completed_groups in ([], [f"0/{at % 4}"]) for at, answer in enumerate(answers))
     with BufferClient(target, timeout=60) as client:
         batch = next(client.sample("g", num_groups=4, max_batches=1, timeout=30, delivery="consume"))
         served = batch.experiences

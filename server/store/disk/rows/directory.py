@@ -207,14 +207,15 @@ class PendingHead:
 
     @classmethod
     def _every_staying(
-        cls, raws: Sequence[bytes], adding: Sequence[int], size: int, uids: Sequence[str]
+        cls, raws: Sequence[bytes], header: tuple[tuple[int, ...], ...], room: bool, uids: Sequence[str]
     ) -> list[bytes] | None:
         """`staying`'s hashes where every one of these heads stays (a GRPO worker's push reaches such
-        heads alone), found with no step a head at all; None where one may not."""
-        kinds, flags, counts, _, _ = zip(*map(cls._HEAD.unpack_from, raws), strict=True)
+        heads alone), found with no step a head at all; None where one may not. `header`: their kinds,
+        flags and counts; `room`: whether each has room for its new members."""
+        kinds, flags, counts = header
         if kinds.count(PENDING) != len(raws) or flags.count(cls._INLINE) != len(raws) or 0 in counts:
             return None
-        if max(map(operator.add, counts, adding)) >= size or len(uids) != len(raws):
+        if not room or len(uids) != len(raws):
             return None
         ends = list(map(cls._HEAD.size.__add__, map((8).__mul__, counts)))
         if not all(map(operator.le, ends, map(len, raws))):
@@ -250,7 +251,11 @@ class PendingHead:
         over them all, but for a step a head to pick them out: a GRPO worker's push reaches hundreds."""
         present = cast("Sequence[bytes]", raws)  # where None is not among them
         if size and None not in raws and min(map(len, present), default=0) >= cls._HEAD.size:
-            every = cls._every_staying(present, adding, size, uids)
+            kinds, flags, counts, _, _ = zip(*map(cls._HEAD.unpack_from, present), strict=True)
+            after = list(map(operator.add, counts, adding))
+            if min(after) >= size:  # none stays: the push completes (or overfills) every group
+                return [], []
+            every = cls._every_staying(present, (kinds, flags, counts), max(after) < size, uids)
             if every is not None:
                 return list(range(len(raws))), every
         at: list[int] = []
