@@ -268,9 +268,9 @@ class PendingHead:
             return [], []
         kinds, flags, counts, _, _ = zip(*map(cls._HEAD.unpack_from, heads), strict=True)
         ends = list(map(cls._HEAD.size.__add__, map((8).__mul__, counts)))
-        after = map(operator.add, counts, [adding[number] for number in at])
+        reached = map(operator.add, counts, [adding[number] for number in at])
         fit = zip(
-            map(PENDING.__eq__, kinds), map(cls._INLINE.__eq__, flags), counts, map(size.__gt__, after),
+            map(PENDING.__eq__, kinds), map(cls._INLINE.__eq__, flags), counts, map(size.__gt__, reached),
             map(operator.le, ends, map(len, heads)), strict=True,
         )  # fmt: skip
         chosen = [(number, raw, end) for number, raw, end, ok in zip(at, heads, ends, map(all, fit), strict=True) if ok]
