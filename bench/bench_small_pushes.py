@@ -12,7 +12,7 @@ of 256 held, each confirmed (consumed) by the next take, one durable commit each
 experience of the fill and of the drain (this process: the store's writer thread included), and
 bytes the fill wrote to storage an experience (/proc/self/io), medians of the rounds, and the
 segments the table kept. With --without-growth, "before" is this tree with every push's groups in
-segments of their own (core/verbs/segments.GROW_BELOW = 0), as before the newest segment grew. With
+segments of their own (core/verbs/rows/segments.GROW_BELOW = 0), as before the newest segment grew. With
 --before TREE (an earlier checkout of expbuf, its compiled codec beside it), each round runs that
 tree's store in a process of its own beside this tree's, which goes first alternating.
 """
@@ -40,7 +40,7 @@ from bench_take_floor import entries  # noqa: E402
 from results import publish, section  # noqa: E402
 
 from expbuf.server.store import Store  # noqa: E402
-from expbuf.server.store.core.verbs import segments  # noqa: E402
+from expbuf.server.store.core.verbs.rows import segments  # noqa: E402
 from expbuf.server.store.schema.sample_spec import TakeSpec  # noqa: E402
 from expbuf.server.store.schema.table_config import TableConfig  # noqa: E402
 

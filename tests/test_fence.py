@@ -39,6 +39,7 @@ ROOM_PROBES = [
     ("server/store/core/ordering/indexes.py", "..table_state.counters", "The table core imports only downward"),
     ("server/store/core/whole_table/verify.py", ".reading", "The table core's whole-table work is independent"),
     ("server/store/core/verbs/pieces.py", ".retire", "The table core's verbs import only downward"),
+    ("server/store/core/verbs/rows/pending.py", ".ends", "A rows table's verbs import only downward"),
     ("server/store/core/table_state/counters.py", ".state", "The table state imports only downward"),
     ("server/store/core/ordering/indexes.py", ".orders", "The orders of ready groups import only downward"),
     ("server/store/schema/errors.py", ".states", "The store's schema imports only downward"),

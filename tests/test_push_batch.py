@@ -24,7 +24,8 @@ from expbuf.client.trxp.codec import partial
 from expbuf.server.store import Entry, Store
 from expbuf.server.store.core.table_state.pending_reads import holding_payloads, uids_under
 from expbuf.server.store.core.table_state.views import RowGroup, row_groups
-from expbuf.server.store.core.verbs import row_pending, segments
+from expbuf.server.store.core.verbs.rows import pending as row_pending
+from expbuf.server.store.core.verbs.rows import segments
 from expbuf.server.store.disk import chunk_heads, chunked, shared_prompts
 from expbuf.server.store.disk.chunk_heads import HEAD_MAGIC, ZSTD_MAGIC
 from expbuf.server.store.disk.rows import Member

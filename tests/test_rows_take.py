@@ -999,7 +999,7 @@ def test_a_runs_places_give_the_ranges_and_ends_a_list_of_them_gives(places: ran
     """A fifo or lifo take's places are a range, read at its ends (picks.extent, row_select.ranges)
     rather than walked or sorted: the same ranges and least and greatest place as a list of them."""
     from expbuf.server.store.core.table_state.picks import extent
-    from expbuf.server.store.core.verbs.row_select import ranges
+    from expbuf.server.store.core.verbs.rows.select import ranges
 
     listed = list(places)
     assert ranges(places) == ranges(listed) == ([(3, 6)] if len(listed) == 6 else [(g, 1) for g in listed])

@@ -81,7 +81,7 @@ def rows_writes(groups: int) -> tuple[dict[str, int], dict[str, int]]:
     """A rows table's (issue 64): no record per member or group. A take writes its segment's state row
     once and cuts the one run it took from (pushes of BATCH make segments of BATCH members, of 64
     groups at most, so a batch of BATCH is one run, whole: a push of 8 groups or more makes its own,
-    core/verbs/segments.GROW_BELOW); a confirm writes the state again, deletes
+    core/verbs/rows/segments.GROW_BELOW); a confirm writes the state again, deletes
     the payloads and names the segment, all of whose groups retired, in the retired index, and takes
     it out of the index of the oldest live (it holds none)."""
     take = {"put sstate": 1, "del runs": 1, "put leases": 1, "put counters": 1}

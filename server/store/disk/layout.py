@@ -62,7 +62,7 @@ OWN = (
     *DIRECTORY, "items", "blobs", "adv", "groups", "order", "pending", "compute", "retired", "counters", "cooling",
     "tombs", "ledger", "chunks", "staged", "shared", "shared_refs", "kv", "partials",
 )  # fmt: skip
-# The databases of the rows a table of layout "rows" keeps (issue 64, disk/rows/; core/verbs/segments.py
+# The databases of the rows a table of layout "rows" keeps (issue 64, disk/rows/; core/verbs/rows/segments.py
 # writes them): gdir, T + group key -> a complete group's GroupRef or a pending group's head;
 # segs, T + seg -> a segment; sstate, T + seg -> its SegState; runs, T + rseq -> a RunRow of ready
 # groups (the ready order of a rows table, apart from the records' `ready` while both layouts live);

@@ -11,8 +11,8 @@ from collections.abc import Callable, Iterator
 
 from ..core.table_state.counters import Counters
 from ..core.table_state.state import TableState
-from ..core.verbs import row_moves
 from ..core.verbs.retire import retire
+from ..core.verbs.rows import moves as row_moves
 from ..core.whole_table.reading import oldest_groups
 from ..schema.errors import TableFull, TooLarge
 from ..schema.states import EVICTED, READY

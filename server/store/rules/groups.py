@@ -22,10 +22,12 @@ from ..core.table_state.events import Pushed
 from ..core.table_state.state import TableState
 from ..core.table_state.views import RowGroup
 from ..core.verbs import groups as core_groups
-from ..core.verbs import pieces, row_pending
+from ..core.verbs import pieces
 from ..core.verbs.compute import still_queued, store_advantages, store_row_advantages
 from ..core.verbs.groups import Closed
 from ..core.verbs.retire import retire
+from ..core.verbs.rows import ends as row_ends
+from ..core.verbs.rows import pending as row_pending
 from ..disk.kinds import Ahead, Compute, FailResult, ShapingUpdate
 from ..schema.errors import (
     DROP_DAMAGED_GROUP,
@@ -92,7 +94,7 @@ class Ending:
         """Groups of a rows table this request opened and completes with these members, none of their
         runs reported failed, as `complete` takes each (not partial, not indexed), at once; the keys of
         those the zero-variance filter drops instead. Where no filter or estimator reads them, they
-        go to their segments as they are, no view made of each (row_pending.complete_opened, with
+        go to their segments as they are, no view made of each (row_ends.complete_opened, with
         their directory keys as the push encoded them: `keys`, in `joined`'s order)."""
         tt = self.tt
         if not tt.config.grouping.drop_zero_variance and tt.config.advantages.estimator == "none":
@@ -141,10 +143,10 @@ class Ending:
         core_groups.complete(self.tt, self.closed, ready=ready, computing=computing)
         # before `rows`: a push that opens and completes every group completes no other
         for joined, keys in self.opened:
-            row_pending.complete_opened(self.tt, joined, keys)
+            row_ends.complete_opened(self.tt, joined, keys)
         rows, estimated = self.rows, self.tt.config.advantages.estimator != "none"
         if rows and not estimated:
-            row_pending.complete(self.tt, rows)
+            row_ends.complete(self.tt, rows)
         elif rows and compute is None:  # queued, computing, as a records table's are in complete
             compute_rows_in_push(self.tt, rows, None, None)
         for state, groups in self.gone.items():
@@ -181,7 +183,7 @@ def finish_compute(
     ending = Ending(tt)
     below: list[tuple[str, GroupView]] = []
     computed: list[Members] = []
-    rows: list[tuple[RowGroup, bool, bool]] = []  # a rows table's: completing as row_pending.complete has it
+    rows: list[tuple[RowGroup, bool, bool]] = []  # a rows table's: completing as row_ends.complete has it
     for gkey in dict.fromkeys([*ready, *dropped, *failed]):
         grp = tt.view(gkey)
         if grp is None or grp.state != COMPUTING or not (places is None or still_queued(tt, gkey, places.get(gkey))):
@@ -214,7 +216,7 @@ def expire_groups(tt: TableState, created_before: float) -> int:
     """Release (flagged partial) or drop incomplete groups created before the cutoff; returns how many.
     A rows table's whose head does not decode, or is lost, cannot be ended from what is stored: it
     leaves the pending index, so that the upkeep meets it once and times out the others, logged, and is left to
-    `expbuf check` and a Delete naming it (core/verbs/row_deletes.py)."""
+    `expbuf check` and a Delete naming it (core/verbs/rows/deletes.py)."""
     ending = Ending(tt)
     timed_out = 0
     for gkey, key in core_groups.expired(tt, created_before):

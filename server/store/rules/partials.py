@@ -60,8 +60,9 @@ from expbuf.client.trxp.stored.pieces import Bytes
 from ..core.table_state.events import Pushed, Resent
 from ..core.table_state.pending_reads import missing
 from ..core.table_state.state import TableState
-from ..core.verbs import pieces, row_pending
+from ..core.verbs import pieces
 from ..core.verbs.groups import open_pending
+from ..core.verbs.rows import pending as row_pending
 from ..disk import digests, piece_rows
 from ..disk.chunk_heads import CHUNK_BYTES
 from ..disk.kinds import Entry

@@ -15,9 +15,9 @@ from collections.abc import Sequence
 from ..core.ordering.ready import Row
 from ..core.table_state.state import TableState
 from ..core.table_state.views import RowGroup, row_members
-from ..core.verbs import row_pending
 from ..core.verbs.compute import queue, queued, store_advantages, store_row_advantages
 from ..core.verbs.retire import retire
+from ..core.verbs.rows import ends as row_ends
 from ..disk.kinds import Ahead, Compute, ComputeJob, Entry, ShapingUpdate
 from ..schema.states import DROPPED, PENDING
 from ..schema.table_config import TableConfig
@@ -56,9 +56,9 @@ def compute_in_push(
 def compute_rows_in_push(
     tt: TableState, groups: Sequence[tuple[RowGroup, bool, bool]], compute: Compute | None, ahead: Ahead | None
 ) -> None:
-    """A rows table's groups a request completed (as row_pending.complete takes them), with their
+    """A rows table's groups a request completed (as row_ends.complete takes them), with their
     advantages computed in its transaction, go into their segments ready with their values, written
-    once; queued for the worker instead (row_pending.queue), computing, where `computed` gives no
+    once; queued for the worker instead (row_ends.queue), computing, where `computed` gives no
     values (a request without `compute`: a seal, a timeout, runs reported failed, a push before the
     server's computation is at hand)."""
     if not groups:
@@ -66,7 +66,7 @@ def compute_rows_in_push(
     computing = [(grp.key, grp, row_members(grp)) for grp, _, _ in groups]
     outcome = _computed(tt, computing, compute, ahead)
     if outcome is None:
-        row_pending.queue(tt, groups)
+        row_ends.queue(tt, groups)
         return
     values, dropped, shaping = outcome
     add_shaping(tt, shaping)

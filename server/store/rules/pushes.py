@@ -14,7 +14,7 @@ from ..core.ordering.ready import Row
 from ..core.table_state.events import Inserted, Pushed, Resent
 from ..core.table_state.state import TableState
 from ..core.verbs import groups as core_groups
-from ..core.verbs import row_pending
+from ..core.verbs.rows import pending as row_pending
 from ..disk import digests
 from ..disk.kinds import Ahead, Compute, Entry, PutResult, group_keys
 from ..schema.errors import (

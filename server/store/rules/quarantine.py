@@ -38,9 +38,10 @@ from collections.abc import Iterable, Sequence
 from ..core.table_state.read_check import payload_problem
 from ..core.table_state.state import TableState
 from ..core.table_state.views import RowGroup
-from ..core.verbs import retire, row_moves
+from ..core.verbs import retire
 from ..core.verbs.groups import remade, remade_computing
-from ..core.verbs.row_pending import LOST_ROW
+from ..core.verbs.rows import moves as row_moves
+from ..core.verbs.rows.ends import LOST_ROW
 from ..disk import chunk_reads
 from ..schema.states import COMPUTING, FAILED, LIVE, PENDING
 from ..schema.views import GroupView, MemberView
@@ -99,7 +100,7 @@ def quarantine_lost(tt: TableState, groups: Sequence[tuple[str, GroupView]]) -> 
 
 def _quarantine_damaged_rows(tt: TableState, groups: Sequence[tuple[str, GroupView]]) -> None:
     """A rows table's pending or computing `groups` some of whose rows damage lost fail, the members
-    made from their payloads quarantined (row_pending.leave counts and logs those whose payloads are
+    made from their payloads quarantined (row_ends.leave counts and logs those whose payloads are
     lost too)."""
     failing = [
         (gkey, grp)

@@ -10,7 +10,7 @@ retires it (Trinity's `use_count_limit`). With `priority_noise`, a Gaussian of t
 deviation is added to each lowered priority (Trinity's `sigma`).
 
 A cooling group is leased to no one (state leased, no lease) until its time comes
-(core/verbs/requeue.py keeps it; a rows table's group, core/verbs/row_requeue.py): the table's next
+(core/verbs/requeue.py keeps it; a rows table's group, core/verbs/rows/requeue.py): the table's next
 take makes the groups whose time has come ready again, in that order, so a reader waiting for them
 gets them at its next attempt; until then the table's counts show them as leased.
 """
@@ -22,8 +22,9 @@ from collections.abc import Sequence
 
 from ..core.table_state.state import TableState
 from ..core.verbs import requeue as records
-from ..core.verbs import row_moves, row_requeue
 from ..core.verbs.retire import retire
+from ..core.verbs.rows import moves as row_moves
+from ..core.verbs.rows import requeue as row_requeue
 from ..schema.states import CONSUMED
 from ..schema.table_config import TableConfig
 from ..schema.views import Members

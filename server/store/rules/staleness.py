@@ -29,8 +29,8 @@ from expbuf.client.trxp.codec import segments
 
 from ..core.table_state.events import TableExtension
 from ..core.table_state.state import TableState
-from ..core.verbs import row_moves
 from ..core.verbs.retire import retire
+from ..core.verbs.rows import moves as row_moves
 from ..schema.errors import VersionJump
 from ..schema.states import DROPPED, READY
 from ..schema.table_config import TableConfig
@@ -108,7 +108,7 @@ def evict_stale(tt: TableState, limit: int = EVICT_LIMIT) -> int:
     if bound is None:
         return 0
     stale = list(dict.fromkeys(tt.ready.below_version(bound, limit)))
-    if tt.config.storage.layout == "rows":  # its groups leave their segments' runs (row_moves.py)
+    if tt.config.storage.layout == "rows":  # its groups leave their segments' runs (core/verbs/rows/moves.py)
         gone = row_moves.retire_ready(tt, stale, DROPPED) if stale else 0
     else:
         groups = [(gkey, grp) for gkey in stale if (grp := tt.view(gkey)) is not None and grp.state == READY]

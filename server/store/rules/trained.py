@@ -7,8 +7,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from ..core.table_state.state import TableState
-from ..core.verbs import leases, row_moves
+from ..core.verbs import leases
 from ..core.verbs.retire import consume
+from ..core.verbs.rows import moves as row_moves
 from ..schema.errors import Forbidden, GroupIncomplete, clip, taken_with
 from ..schema.states import LEASED, READY, RETIRED
 from ..schema.views import GroupView

@@ -236,7 +236,7 @@ class DamagedGroup(StoreError):
     """A rows table's pending or computing group whose head (its directory entry) no longer decodes,
     or is lost (`lost`: an index still names the group), met by a request that changes or ends it:
     what it holds cannot be read, so nothing of the request is stored, and `expbuf check` names the
-    group. A Delete naming such a group by its id removes it whole (core/verbs/row_deletes.py), which
+    group. A Delete naming such a group by its id removes it whole (core/verbs/rows/deletes.py), which
     the refusal says where the entry is a pending or computing group's (`pending`), not a complete
     group's place, which its segment still holds."""
 

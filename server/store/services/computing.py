@@ -112,7 +112,7 @@ class Computing:
         """Computing groups the backlog could not read (their own record lost or undecodable): a
         records table's fail, their records remade from their members' (quarantine.py); a rows
         table's head names no member to fail, so each is logged once (the worker passes over it at
-        every pass) and left to `expbuf check` and to a Delete naming it (core/verbs/row_deletes.py)."""
+        every pass) and left to `expbuf check` and to a Delete naming it (core/verbs/rows/deletes.py)."""
 
         def fail(tt: TableState) -> bool:
             if tt.config.storage.layout == "rows":

@@ -23,7 +23,8 @@ import lmdb
 
 from ..core.table_state.counters import read_counters
 from ..core.table_state.state import TableState
-from ..core.verbs import leases, pieces, retire, row_deletes
+from ..core.verbs import leases, pieces, retire
+from ..core.verbs.rows import deletes as row_deletes
 from ..core.whole_table.verify import records
 from ..disk import chunked, layout, shared_prompts
 from ..ledger.check import verify_ledger

@@ -22,8 +22,12 @@ from ..core.table_state import picks, rate_counts
 from ..core.table_state.events import Taken
 from ..core.table_state.read_check import Unservable
 from ..core.table_state.state import TableState
-from ..core.verbs import requeue, row_leases, row_moves, row_requeue, row_select
+from ..core.verbs import requeue
 from ..core.verbs.retire import retire
+from ..core.verbs.rows import leases as row_leases
+from ..core.verbs.rows import moves as row_moves
+from ..core.verbs.rows import requeue as row_requeue
+from ..core.verbs.rows import select as row_select
 from ..core.verbs.take import Payloads, lease, read_batch, read_rows, select
 from ..core.whole_table.reading import batch_rows
 from ..disk.kinds import Sampled

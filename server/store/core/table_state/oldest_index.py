@@ -11,11 +11,11 @@ What a segment's oldest live member is (`in_segment`): the least creation time o
 every group is live and no member deleted, else of each live group's first member not deleted (a
 group's members are in push order). A pending or computing group's is its first member in push order
 (its first fragment's first, or its head's where it has no fragment). A segment's key comes with it, written live
-(core/verbs/segments.write); it moves when its state row is written with another live shape (a
-group leaving the live states, a member deleted: core/verbs/row_select.Segments.save), never for a
+(core/verbs/rows/segments.write); it moves when its state row is written with another live shape (a
+group leaving the live states, a member deleted: core/verbs/rows/select.Segments.save), never for a
 take or a give-back, which move groups between live states, and goes once none of its members is
 live. A group's key comes with its first member, moves when a Delete writes its members again,
-and goes with its head (core/verbs/row_pending.py).
+and goes with its head (core/verbs/rows/pending.py).
 
 A directory whose rows tables were written without the database gets it built in its open's
 transaction (`build`, core/whole_table/migrate.py).

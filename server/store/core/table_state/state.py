@@ -245,7 +245,7 @@ class TableState:
         whose payloads are not stored either."""
         try:
             rows = self.pending_rows(gkey, head)
-            if len(rows) == len(head.hashes):  # else a Delete left the hashes of those lost (row_pending.left)
+            if len(rows) == len(head.hashes):  # else a Delete left the hashes of those lost (rows/ends.left)
                 return tuple(rows), frozenset(), 0
         except DAMAGE:
             pass
@@ -286,7 +286,7 @@ class TableState:
     def existing_view(self, gkey: str) -> GroupView:
         """The view of a group an index or a member names, which exists while they do. One whose record
         (a rows table's directory entry) is lost, or does not decode, is refused (DamagedGroup): a Delete
-        naming a pending or computing one removes it (core/verbs/row_deletes.py, groups.remade_lost)."""
+        naming a pending or computing one removes it (core/verbs/rows/deletes.py, groups.remade_lost)."""
         if self.config.storage.layout == "rows":
             grp = self._row_group(gkey)
             if grp is None:

@@ -27,7 +27,7 @@ from ..table_state.pending_reads import missing, pending_rows, stored
 from ..table_state.read_check import payload_problem
 from ..table_state.state import TableState
 from ..table_state.views import RowGroup, RowMember, group_record, member_record
-from . import row_pending
+from .rows import ends as row_ends
 
 
 def backlog(
@@ -47,7 +47,7 @@ def backlog(
     Payloads are read only for estimators that need token-level data, each checked against its
     digest: a group with a damaged one is left out, its damaged members' uids listed by table in
     `damaged` (for the caller to quarantine); the others work from the item records (a rows table's
-    from its computing groups' heads and fragments: row_pending.queue). A group with
+    from its computing groups' heads and fragments: row_ends.queue). A group with
     a member whose record the directory lost is left out too, its key listed by table in `lost`
     (for the caller to fail); one whose own record (a rows table's: its head) is lost or does not
     decode is passed over, listed by table in `unreadable` with why (for the caller to log: it
@@ -213,7 +213,7 @@ def store_row_advantages(
     shaping: ShapingUpdate | None,
     was: State,
 ) -> None:
-    """A rows table's groups' values (as `row_pending.complete` takes the groups: with whether each
+    """A rows table's groups' values (as `row_ends.complete` takes the groups: with whether each
     completes partial and was written) go into their members' rows, written once, into the segments
     the groups become ready in (token-level ones into the adv database, as a records table's)."""
     done = []
@@ -227,4 +227,4 @@ def store_row_advantages(
                 member = member._replace(advantage=advantage)
             rows.append(member)
         done.append((grp._replace(rows=tuple(rows)), partial, written))
-    row_pending.complete(tt, done, was)
+    row_ends.complete(tt, done, was)

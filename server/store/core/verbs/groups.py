@@ -5,7 +5,7 @@ a report of failed runs, a seal or a timeout decides about its groups is rules/g
 
 A group whose own record is lost or does not decode is remade from what is left of it, so that it can
 leave as any other does: a ready or computing one fails (rules/quarantine.py); a pending or computing one, as a
-rows table's whose head is lost (row_deletes.py), is removed whole by a Delete naming it or one of its
+rows table's whose head is lost (rows/deletes.py), is removed whole by a Delete naming it or one of its
 members, or by `expbuf repair` (retire.delete, .remove_lost_groups), its members counted damaged.
 """
 
@@ -29,7 +29,7 @@ from ..table_state import rate_counts
 from ..table_state.state import TableState
 from ..table_state.views import RowGroup, group_record
 from . import payloads, pieces
-from .row_deletes import damage_of
+from .rows.deletes import damage_of
 
 # A pending group about to complete: its key, view, members' views (closing), and whether it is in
 # the pending index.
@@ -62,7 +62,7 @@ def keep(tt: TableState, gkey: str, grp: GroupView) -> None:
 
 def record_failed(grp: GroupView, uid: str, reason: str) -> GroupView:
     """A run reported failed: one of the group's runs, not a member. Returns the group's view with
-    it (a rows table's is a new view, for row_pending.keep to write)."""
+    it (a rows table's is a new view, for rows/pending.keep to write)."""
     why = clip(reason or "failed", 200)
     if isinstance(grp, RowGroup):
         return grp._replace(failed={**grp.failed, uid: why})
@@ -260,7 +260,7 @@ def _remade(
 
 def remade_lost(tt: TableState, gkey: str, *, named: bool = False) -> str | None:
     """Group `gkey`'s record remade where it is lost, or does not decode, and what is left of the group
-    says it was pending or computing: returns what damage left of its record (row_deletes.damage_of).
+    says it was pending or computing: returns what damage left of its record (rows/deletes.damage_of).
     None where it is no such group: its record is there, nothing of it is left, or its members say it
     was complete (a ready group whose record is lost fails when a sample meets it: quarantine.py). A
     group the caller did not find `named` in an index is looked for only where a member's record is."""

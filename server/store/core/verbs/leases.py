@@ -19,8 +19,8 @@ from ...schema.views import Members
 from ..table_state import rate_counts
 from ..table_state.state import TableState
 from ..table_state.views import group_record, member_record
-from . import row_leases
 from .retire import retire
+from .rows import leases as row_leases
 
 Dbs = Mapping[str, lmdb._Database]
 # A lease of a records table's groups, or of a rows table's runs (disk/rows/).

@@ -1,7 +1,7 @@
 """A push's new payloads stored, in push order, and counted pending with their bytes, places in the
 insertion order (next_seq) and versions; and payloads leaving with their token-level advantages, a
 failed group's kept for Get where a records table's are (`kept`): a records table's and a rows
-table's alike (groups.py, row_pending.py, retire.py, row_moves.py)."""
+table's alike (groups.py, rows/pending.py, retire.py, rows/moves.py)."""
 
 from __future__ import annotations
 

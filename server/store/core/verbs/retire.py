@@ -24,7 +24,11 @@ from ..table_state import rate_counts
 from ..table_state.events import Retired
 from ..table_state.state import TableState
 from ..table_state.views import RowGroup, RowMember, group_record, member_record
-from . import groups, payloads, pieces, row_deletes, row_moves, row_pending, segments
+from . import groups, payloads, pieces
+from .rows import deletes as row_deletes
+from .rows import ends as row_ends
+from .rows import moves as row_moves
+from .rows import segments
 
 log = logging.getLogger("expbuf.store")
 
@@ -49,9 +53,9 @@ def retire(
     in passes, one per database, over all the groups; a record not read yet in this transaction
     becomes a tombstone without being decoded (one a damaged page cut short is lost, as `item`
     reads it). The table's extensions hear of it first
-    (`Retired`). A rows table's pending groups leave as row_pending.retire has it."""
+    (`Retired`). A rows table's pending groups leave as row_ends.retire has it."""
     if groups and isinstance(groups[0][1], RowGroup):
-        row_pending.retire(tt, groups, state, quarantined)
+        row_ends.retire(tt, groups, state, quarantined)
         return
     tt.extensions.on_retired(tt, Retired(groups, state))
     records = [(gkey, group_record(grp)) for gkey, grp in groups]

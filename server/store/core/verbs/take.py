@@ -25,7 +25,7 @@ from ..table_state import picks
 from ..table_state.read_check import Unservable, all_unservable, unservable
 from ..table_state.state import TableState
 from ..table_state.views import group_record, member_record
-from . import row_select
+from .rows import select as row_select
 
 
 def select(tt: TableState, spec: TakeSpec, rng: random.Random) -> tuple[list[tuple[str, GroupView]], int, list[str]]:

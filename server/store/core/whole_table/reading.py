@@ -106,7 +106,7 @@ def lease_groups(
 def segment(reader: Reader, dbs: Dbs, key: bytes) -> tuple[SegmentView, SegState]:
     """A rows table's segment, by its key (T + its id): its rows and its state, which agree. Raises where
     either is not stored or damage left it undecodable (StoreError, ValueError, ...), as a take finds it
-    (row_select.Segments.readable), for a read to pass over its groups as a take does."""
+    (core/verbs/rows/select.Segments.readable), for a read to pass over its groups as a take does."""
     view = SegmentView(stored(reader, key, dbs["segs"], "segment"))
     return agreeing(view, SegState.decode(stored(reader, key, dbs["sstate"], "segment state")))
 

@@ -41,9 +41,10 @@ from ..ordering.indexes import ReadyOrder
 from ..ordering.ready import forget_builds, in_use, keeps, mark_in_use
 from ..table_state.events import TableExtension
 from ..table_state.state import TableState
-from ..verbs import row_pending, segments
-from ..verbs.row_requeue import COOLING_PRIORITY
-from ..verbs.row_select import NO_LEASE, Segments
+from ..verbs.rows import pending as row_pending
+from ..verbs.rows import segments
+from ..verbs.rows.requeue import COOLING_PRIORITY
+from ..verbs.rows.select import NO_LEASE, Segments
 
 
 def to_rows(txn: lmdb.Transaction[bytes], env: lmdb.Environment, dbs: dict[str, lmdb._Database]) -> int:

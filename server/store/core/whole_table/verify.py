@@ -200,7 +200,7 @@ def _prefix_count(tt: TableState, name: str) -> int:
 RECORDS_ONLY = ("items", "tombs", "groups", "order")
 
 
-# How a pending or computing group whose head does not decode is removed (core/verbs/row_deletes.py).
+# How a pending or computing group whose head does not decode is removed (core/verbs/rows/deletes.py).
 REMOVE_DAMAGED = "a pending group's: `expbuf repair`, or a Delete naming the group, removes it"
 
 
@@ -343,7 +343,7 @@ def rows(tt: TableState) -> list[str]:
 
 
 def _pending(tt: TableState, heads: dict[str, PendingHead], counts: dict[str, int], oldest: set[bytes]) -> list[str]:
-    """The problems of a rows table's pending and computing groups (core/verbs/row_pending.py), their
+    """The problems of a rows table's pending and computing groups (core/verbs/rows/pending.py), their
     members counted and their keys in the index of the oldest added to `oldest`: each head's fragments
     and its own rows decode and hold the members its hashes name, in order, each payload present and the one pushed;
     the pending index names each pending head once, at its creation time, and the compute queue each
@@ -451,7 +451,7 @@ def _row_payload(member: Member, state: State, blob: Stored | None) -> str | Non
 def _lease_holds(state: State, tag: str, named: str | None, cooling: bool) -> bool:
     """Whether a rows table's group in `state`, its lease tag `tag` (hex), is held as the lease of runs
     naming it (`named`: its id; None: none) says: a leased group's tag is the id of the lease that
-    names it, or zero where it is cooling (`cooling`: the cooling index names it, core/verbs/row_requeue.py)
+    names it, or zero where it is cooling (`cooling`: the cooling index names it, core/verbs/rows/requeue.py)
     and no lease names it; any other group's tag is zero, and only a retired one may still be named
     (retired as trained, it left its lease, which goes on)."""
     if state == LEASED:

@@ -115,7 +115,7 @@ def append_groups(view: SegmentView, groups: Sequence[Group]) -> bytes:
     """The segment of `view`'s groups then `groups`, at its rseq and completion time: encode_segment's
     bytes of them all, made of `view`'s columns and the new groups' end to end, none of its groups
     read (a table's newest segment, untouched since it was written, grown by the groups completed
-    after it: core/verbs/segments.py)."""
+    after it: core/verbs/rows/segments.py)."""
     made, held = _columns(groups), view.groups
     count = held + len(groups)
     if count >= 1 << 16:

@@ -12,7 +12,7 @@ members are flagged in their segment's state (`SegState.DELETED`: never served, 
 duplicate again), and a group deleted whole also leaves its run (or lease: a lease of runs goes on
 without it) and its directory entry, its state byte retired (dropped: it counts no member), so that
 its segment retires and is forgotten in time as one whose groups all retired; a pending group's
-members left are written again in its head (row_pending.left). A pending or computing group whose
+members left are written again in its head (ends.left). A pending or computing group whose
 head does not decode, or is lost, named or one of its members named, is removed whole (below), as a
 records table's whose record is; a member named of a complete group whose directory entry does not
 decode or is lost is refused (DamagedGroup), as a records table's ready group's is.
@@ -42,21 +42,31 @@ from dataclasses import dataclass, field
 
 from expbuf.client.schema.routing import uid_group_key
 
-from ...disk.layout import expiry_of, rows_under, u64
-from ...disk.records import DELETED
-from ...disk.rows import PENDING as PENDING_ENTRY
-from ...disk.rows import REF, Member, PendingHead, SegState, decode_member_rows, directory_entry, fragment_key, uid_hash
-from ...schema.errors import DAMAGE, DamagedGroup
-from ...schema.states import COMPUTING, DROPPED, FAILED, LIVE, PENDING, QUARANTINED, READY, RETIRED, State
-from ..table_state import oldest_index, rate_counts
-from ..table_state.events import Retired
-from ..table_state.pending_reads import readable_rows
-from ..table_state.picks import Picked
-from ..table_state.state import TableState
-from ..table_state.views import RowGroup, RowMember, quarantined, row_members
-from . import payloads, pieces, row_moves, row_pending, row_select
-from .row_select import NO_LEASE, Segments
+from ....disk.layout import expiry_of, rows_under, u64
+from ....disk.records import DELETED
+from ....disk.rows import PENDING as PENDING_ENTRY
+from ....disk.rows import (
+    REF,
+    Member,
+    PendingHead,
+    SegState,
+    decode_member_rows,
+    directory_entry,
+    fragment_key,
+    uid_hash,
+)
+from ....schema.errors import DAMAGE, DamagedGroup
+from ....schema.states import COMPUTING, DROPPED, FAILED, LIVE, PENDING, QUARANTINED, READY, RETIRED, State
+from ...table_state import oldest_index, rate_counts
+from ...table_state.events import Retired
+from ...table_state.pending_reads import readable_rows
+from ...table_state.picks import Picked
+from ...table_state.state import TableState
+from ...table_state.views import RowGroup, RowMember, quarantined, row_members
+from .. import payloads, pieces
+from . import ends, moves, pending, select
 from .segments import retired
+from .select import NO_LEASE, Segments
 
 log = logging.getLogger("expbuf.store")
 
@@ -158,7 +168,7 @@ def delete(tt: TableState, uids: Sequence[str], group_ids: Sequence[str]) -> int
         elif not grp.emptied:
             assert grp.head is not None
             rows = [m for m in grp.group.rows if m.uid not in grp.gone]
-            row_pending.left(tt, grp.group.key, grp.head, rows, grp.lost)
+            ends.left(tt, grp.group.key, grp.head, rows, grp.lost)
     _gone(tt, segments, [grp for grp in changed if grp.emptied])
     segments.save()
     if emptied:  # as a records table's: each group as it stood, without members
@@ -189,14 +199,14 @@ def _remove_member_s_group(tt: TableState, gkey: str) -> int:
 
 def _read(tt: TableState, segments: Segments, gkey: str) -> _Touched | None:
     """The group of this key as a delete meets it; None: the table has none."""
-    head = row_pending.head(tt, gkey)
+    head = pending.head(tt, gkey)
     if head is not None:
         rows = tuple(readable_rows(tt.txn, tt.db, tt.prefix, gkey, head))
         now = head.state  # a computing one waits for the worker
         group = RowGroup(gkey, now, rows, dict(head.failed), created=head.created)
         read = {uid_hash(row.uid) for row in rows}
         return _Touched(group, row_members(group), head=head, lost=[h for h in head.hashes if h not in read])
-    picked = row_select.complete_groups(tt, segments, [gkey])
+    picked = select.complete_groups(tt, segments, [gkey])
     if not picked:
         return None
     p = picked[0]
@@ -210,7 +220,7 @@ def _gone(tt: TableState, segments: Segments, groups: Sequence[_Touched]) -> Non
     """Groups left without members go: a complete one's directory entry, and a live one's run (its
     state byte retired, no lease's), its segment retired with its last live group; a pending one's
     head, fragments and pending index row; the runs any of them holds in pieces."""
-    row_moves.unready(tt, [grp.picked for grp in groups if grp.picked is not None and grp.group.state == READY])
+    moves.unready(tt, [grp.picked for grp in groups if grp.picked is not None and grp.group.state == READY])
     ended: set[int] = set()
     for grp in groups:
         gkey, state = grp.group.key, grp.group.state
@@ -223,7 +233,7 @@ def _gone(tt: TableState, segments: Segments, groups: Sequence[_Touched]) -> Non
             row.set_lease(grp.picked.at, NO_LEASE)
             ended.add(grp.picked.seg)
         elif grp.head is not None:
-            row_pending.left(tt, gkey, grp.head, [])
+            ends.left(tt, gkey, grp.head, [])
         tt.txn.delete(tt.key(gkey), db=tt.db["gdir"])
     for seg in sorted(ended):
         row = segments.state(seg)

@@ -3,7 +3,7 @@ in completion order, into segments of at most SEGMENT_GROUPS groups and SEGMENT_
 (a larger group alone), each with its state (SegState), a directory entry per group (GroupRef)
 and one run of ready groups (RunRow) keyed by the rseq of its first group. A pending group that
 leaves without becoming ready (dropped) goes into a segment of its retired state, which keeps its
-members' digests as a consumed group's does (row_pending.py).
+members' digests as a consumed group's does (ends.py).
 
 A segment's id is the rseq its first group took: rseqs are the table's own, unique and
 increasing, so no other counter is kept for segments.
@@ -17,9 +17,9 @@ import operator
 from collections.abc import Iterable, Mapping, Sequence, Set
 from typing import cast
 
-from ...disk import layout
-from ...disk.layout import put_rows, u64
-from ...disk.rows import (
+from ....disk import layout
+from ....disk.layout import put_rows, u64
+from ....disk.rows import (
     SEGMENT_GROUPS,
     SEGMENT_MEMBERS,
     Group,
@@ -33,12 +33,12 @@ from ...disk.rows import (
     encode_segment,
     group_refs,
 )
-from ...schema.states import FAILED, PENDING, QUARANTINED, READY, RETIRED, State
-from ...schema.views import Groups
-from ..table_state import oldest_index, rate_counts
-from ..table_state.events import Moved
-from ..table_state.state import TableState
-from ..table_state.views import NONE_FAILED, RowGroup, row_groups
+from ....schema.states import FAILED, PENDING, QUARANTINED, READY, RETIRED, State
+from ....schema.views import Groups
+from ...table_state import oldest_index, rate_counts
+from ...table_state.events import Moved
+from ...table_state.state import TableState
+from ...table_state.views import NONE_FAILED, RowGroup, row_groups
 
 # A request completing fewer ready groups than this puts them into the table's newest segment where it
 # can (`_grow_tail`). One completing more makes a segment of its own, whose per-segment cost its take
@@ -149,7 +149,7 @@ def write(
     retired ones in segments that say they retired now (their members' digests kept there: a
     retried push of one is a duplicate). With `places` (the rseq each group took when it completed:
     computing groups'), each group goes into a segment of its own there, in the ready order's place
-    it took then. With `times`, each group's deliveries so far (a requeued group's: row_requeue.py);
+    it took then. With `times`, each group's deliveries so far (a requeued group's: requeue.py);
     the members of `quarantined` (failed groups' damaged ones) flagged so. Without `indexed`, ready
     ones are not added to the indexes the table keeps: an upgrade's groups are there at their places
     already (whole_table/to_rows.py). Fewer than GROW_BELOW ready groups that take the next places
@@ -195,7 +195,7 @@ def write(
         states.append((key, row.encode()))
         if state == READY:
             runs.append((key, RunRow(seg, 0, len(part)).encode()))
-            if indexed and tt.ready.indexing():  # the indexes a take in another order read (row_select.py)
+            if indexed and tt.ready.indexing():  # the indexes a take in another order read (select.py)
                 tt.ready.add_many([(g.key.encode(), seg + at, g.priority, g.version) for at, g in enumerate(part)])
     put_rows(tt.txn, tt.db["segs"], segs)
     put_rows(tt.txn, tt.db["sstate"], states)

@@ -21,19 +21,19 @@ from __future__ import annotations
 import struct
 from collections.abc import Sequence
 
-from ...disk import layout
-from ...disk.layout import put_rows
-from ...disk.rows import Group, SegState
-from ...schema.states import LEASED, READY, RETIRED
-from ...schema.views import Groups, Members
-from ..table_state.events import Moved
-from ..table_state.picks import Picked
-from ..table_state.state import TableState
+from ....disk import layout
+from ....disk.layout import put_rows
+from ....disk.rows import Group, SegState
+from ....schema.states import LEASED, READY, RETIRED
+from ....schema.views import Groups, Members
+from ...table_state.events import Moved
+from ...table_state.picks import Picked
+from ...table_state.state import TableState
 from . import segments as rows
-from .row_deletes import EMPTIED
-from .row_leases import hold
-from .row_moves import count_moved, unready
-from .row_select import NO_LEASE, Segments, unleased
+from .deletes import EMPTIED
+from .leases import hold
+from .moves import count_moved, unready
+from .select import NO_LEASE, Segments, unleased
 
 COOLING_PRIORITY = struct.Struct("<d")  # a cooling row's value: the priority its group is ready again with
 

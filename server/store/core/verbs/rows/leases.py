@@ -9,22 +9,22 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 
-from ...disk.layout import put_rows
-from ...disk.records import Counted
-from ...disk.rows import RowLease, RunRow
-from ...schema.states import CONSUMED, LEASED, READY
-from ...schema.views import Members
-from ..table_state import rate_counts
-from ..table_state.events import Moved
-from ..table_state.picks import Picked, Picks, Views, ascending, moved_view, picks, views
-from ..table_state.state import TableState
-from .row_moves import count_moved, mark, retire
-from .row_select import NO_LEASE, Segments, placed, run_key, taken
+from ....disk.layout import put_rows
+from ....disk.records import Counted
+from ....disk.rows import RowLease, RunRow
+from ....schema.states import CONSUMED, LEASED, READY
+from ....schema.views import Members
+from ...table_state import rate_counts
+from ...table_state.events import Moved
+from ...table_state.picks import Picked, Picks, Views, ascending, moved_view, picks, views
+from ...table_state.state import TableState
+from .moves import count_moved, mark, retire
+from .select import NO_LEASE, Segments, placed, run_key, taken
 
 
 def hold(tt: TableState, segments: Segments, picked: Sequence[Picked], lease_id: str) -> list[tuple[int, int, int]]:
     """Picked groups (ready, out of their runs) leased under `lease_id` (to no one where it is "": a
-    cooling group, row_requeue.py): their state bytes and lease tags; returns the lease's runs
+    cooling group, requeue.py): their state bytes and lease tags; returns the lease's runs
     (segment, first group, groups)."""
     mark(segments, picked, LEASED, bytes.fromhex(lease_id) if lease_id else NO_LEASE)
     count_moved(tt, LEASED, picked)
@@ -38,7 +38,7 @@ def _lease_runs(picked: Sequence[Picked]) -> list[tuple[int, int, int]]:
     """Picked groups as runs (segment, first group, groups) of consecutive ones, in the order picked,
     as a records table's lease names its groups: a lease's rank parts are read in the batch's order
     (reading.lease_groups; the client's batch.rank_parts splits the batch so), and a table that
-    reuses requeues a held batch's replayed groups in the order they were taken (row_requeue.py). A
+    reuses requeues a held batch's replayed groups in the order they were taken (requeue.py). A
     lifo or priority take that reaches groups out of their places' order keeps a run for each."""
     runs: list[tuple[int, int, int]] = []
     for run in Picks.of(picked).runs:

@@ -10,18 +10,19 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Sequence, Set
 
-from ...disk.layout import put_rows
-from ...disk.rows import RunRow, SegState
-from ...schema.states import COMPUTING, CONSUMED, EVICTED, FAILED, LEASED, PENDING, QUARANTINED, READY, RETIRED, State
-from ...schema.views import Groups, GroupView
-from ..table_state import rate_counts
-from ..table_state.events import Retired
-from ..table_state.pending_reads import missing
-from ..table_state.picks import Picked, Picks, as_they_are, moved_view, picks
-from ..table_state.state import TableState
-from . import payloads, pieces, row_pending
-from .row_select import NO_LEASE, Segments, complete_groups, placed, ranges, ready_runs, run_key, unleased
+from ....disk.layout import put_rows
+from ....disk.rows import RunRow, SegState
+from ....schema.states import COMPUTING, CONSUMED, EVICTED, FAILED, LEASED, PENDING, QUARANTINED, READY, RETIRED, State
+from ....schema.views import Groups, GroupView
+from ...table_state import rate_counts
+from ...table_state.events import Retired
+from ...table_state.pending_reads import missing
+from ...table_state.picks import Picked, Picks, as_they_are, moved_view, picks
+from ...table_state.state import TableState
+from .. import payloads, pieces
+from . import ends
 from .segments import retired
+from .select import NO_LEASE, Segments, complete_groups, placed, ranges, ready_runs, run_key, unleased
 
 
 def unready(tt: TableState, picked: Sequence[Picked]) -> None:
@@ -159,14 +160,14 @@ def fail(tt: TableState, groups: Groups, damaged: Set[str]) -> None:
     """Groups found damaged fail together, never to be served, heard of in one `Retired` event as a
     records table's are: the `damaged` members' payloads gone, the others' kept (payloads.kept); the
     complete ones (ready, or leased: their lease goes on without them) out of their runs, the pending
-    or computing ones as row_pending.leave has them."""
+    or computing ones as ends.leave has them."""
     tt.extensions.on_retired(tt, Retired(groups, FAILED))
     segments = Segments(tt)
     complete = [gkey for gkey, grp in groups if grp.state not in (PENDING, COMPUTING)]
     picked = [p for p in complete_groups(tt, segments, complete) if p.state in (READY, LEASED)]
     unready(tt, [p for p in picked if p.state == READY])
     _leave(tt, segments, picked, FAILED, damaged)  # a leased one under its lease: its sample forgotten too
-    row_pending.leave(tt, [(gkey, grp) for gkey, grp in groups if grp.state in (PENDING, COMPUTING)], FAILED, damaged)
+    ends.leave(tt, [(gkey, grp) for gkey, grp in groups if grp.state in (PENDING, COMPUTING)], FAILED, damaged)
 
 
 def retire_ready(tt: TableState, gkeys: Sequence[str], state: State) -> int:

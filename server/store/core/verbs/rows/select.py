@@ -4,7 +4,7 @@ read once and its members' columns once a run; in any other order, or with a low
 from the index the order reads (core/ordering/), as a records table's take does, each group it names
 found through its directory entry (2.7). A rows table keeps such an index from the first request
 that read it (ready.ReadyIndex), so a table taken in fifo or lifo order alone writes none. Nothing
-here writes: what the picked groups become is row_moves.py's and row_leases.py's; what a pick holds
+here writes: what the picked groups become is moves.py's and leases.py's; what a pick holds
 is table_state/picks.py's.
 """
 
@@ -15,19 +15,19 @@ import operator
 import random
 from collections.abc import Generator, Iterable, Sequence
 
-from ...disk.layout import next_prefix, put_rows, u64
-from ...disk.rows import GroupRef, RunRow, SegmentView, SegState, agreeing, directory_entry
-from ...disk.snapshot import Snapshot
-from ...schema.errors import DAMAGE
-from ...schema.sample_spec import TakeSpec
-from ...schema.states import READY, State
-from ...schema.views import Members
-from ..ordering.ready import BUILD_CHUNK, IndexBuilding
-from ..table_state import oldest_index
-from ..table_state.counters import read_counters
-from ..table_state.pending_reads import missing
-from ..table_state.picks import Picked, Picks, picks
-from ..table_state.state import TableState
+from ....disk.layout import next_prefix, put_rows, u64
+from ....disk.rows import GroupRef, RunRow, SegmentView, SegState, agreeing, directory_entry
+from ....disk.snapshot import Snapshot
+from ....schema.errors import DAMAGE
+from ....schema.sample_spec import TakeSpec
+from ....schema.states import READY, State
+from ....schema.views import Members
+from ...ordering.ready import BUILD_CHUNK, IndexBuilding
+from ...table_state import oldest_index
+from ...table_state.counters import read_counters
+from ...table_state.pending_reads import missing
+from ...table_state.picks import Picked, Picks, picks
+from ...table_state.state import TableState
 
 NO_LEASE = bytes(SegState.LEASE)
 
@@ -248,7 +248,7 @@ def placed(picked: Sequence[Picked]) -> list[tuple[bytes, int, float, int | None
 
 def unleased(tt: TableState, segments: Segments, gkeys: Iterable[str], now: State) -> Picks:
     """The groups of these keys the table holds in state `now` under no lease (ready ones, or cooling
-    ones: row_requeue.py), in that order, the members of each segment's read together (`picks`)."""
+    ones: requeue.py), in that order, the members of each segment's read together (`picks`)."""
     places: list[tuple[int, int]] = []
     for gkey in gkeys:
         raw = tt.txn.get(tt.key(gkey), db=tt.db["gdir"])
@@ -287,5 +287,5 @@ def taken(picked: Sequence[Picked]) -> list[Members]:
 def newest_seq(snapshot: Snapshot, tt: TableState) -> int:
     """The insertion number of the newest experience a snapshot holds of a rows table (-1: none): the
     one before the next its counters name. Its newest segment's last member would not do: a group
-    requeued by reuse (row_requeue.py) goes into the newest segment with members pushed long before."""
+    requeued by reuse (requeue.py) goes into the newest segment with members pushed long before."""
     return read_counters(snapshot, tt.db, tt.prefix).next_seq - 1
