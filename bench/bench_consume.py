@@ -85,7 +85,7 @@ STAGES = (
     ("take: leave the ready index (ready runs)", ("ReadyIndex.remove_many ", "unready ")),
     ("take: the rest (states, records written, lease)", "take "),
     ("reply: splice the batch and frame it", "sample_reply "),
-    ("write loop and hand-offs", "Environment._write_loop"),
+    ("write loop and hand-offs", ("Writer._write_loop", "Environment._write_loop")),  # the latter: earlier trees
     ("gRPC: the stream's handler and messages", "stream_batches "),
     ("gRPC: the server's polling thread", "_serve "),
 )

@@ -136,11 +136,11 @@ def store_child(pushers: int, count: int) -> None:
 
     from expbuf.client import trxp
     from expbuf.server.store import Entry, Store
-    from expbuf.server.store.disk import environment
+    from expbuf.server.store.disk.environment import writer
     from expbuf.server.store.schema.table_config import TableConfig
 
     spent = [0.0]
-    apply = environment.Environment._apply
+    apply = writer.Writer._apply
 
     def timed(self: object, *args: object, **kwargs: object) -> object:
         began = time.thread_time()
@@ -149,7 +149,7 @@ def store_child(pushers: int, count: int) -> None:
         finally:
             spent[0] += time.thread_time() - began
 
-    environment.Environment._apply = timed  # type: ignore[method-assign]
+    writer.Writer._apply = timed  # type: ignore[method-assign]
     made = [Entry.of(item) for index in range(count) for item in trxp.parse(payload(0, index))]
     config = TableConfig.of(name="t", estimator="none", group_by="task", group_size=GROUP, device="cpu")
     config = dataclasses.replace(config, storage=dataclasses.replace(config.storage, layout="rows"))

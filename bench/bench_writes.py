@@ -133,8 +133,8 @@ def counting(store: Store, counted: Counts) -> None:
         except Exception as exc:
             return False, exc
 
-    env._run = run  # type: ignore[method-assign]
-    env.env = _Env(env.env, names, counted)  # type: ignore[assignment]
+    env.writer._run = run  # type: ignore[method-assign]
+    env.env = env.writer.env = _Env(env.env, names, counted)  # type: ignore[assignment]
 
 
 def entries(n: int, group: int, start: int = 0, size: int = 0) -> list[Entry]:

@@ -43,7 +43,7 @@ STAGES = (
     ("pack each experience (Entry.of: repack, XXH3-128)", "Entry.of "),
     ("store the push (records, indexes, LMDB puts)", "put ("),  # pushes.put
     ("store: table and counters around the put", "Store.put_entries"),
-    ("write loop and hand-offs", "Environment._write_loop"),
+    ("write loop and hand-offs", ("Writer._write_loop", "Environment._write_loop")),  # the latter: earlier trees
     ("ingest processes: hand-off and results", "Ingest."),
     ("gRPC: receive, unpack the request, reply", "_unary_response_in_pool"),
     ("gRPC: the server's polling thread", "_serve "),

@@ -269,7 +269,7 @@ def test_a_chunk_staged_in_the_commit_that_drops_its_table_is_refused(store: Sto
 
     held = store.environment.queue(hold)  # the writer waits here; what is queued meanwhile is one batch
     assert holding.wait(30)
-    queued = store.environment._queue.qsize
+    queued = store.environment.writer._queue.qsize
     dropping = threading.Thread(target=store.drop_table, args=("big",))
     dropping.start()
     while queued() < 1:  # the drop is in the batch first

@@ -44,6 +44,7 @@ ROOM_PROBES = [
     ("server/store/core/ordering/indexes.py", ".orders", "The orders of ready groups import only downward"),
     ("server/store/schema/errors.py", ".states", "The store's schema imports only downward"),
     ("server/store/disk/rows/members.py", ".runs", "The rows import only downward"),
+    ("server/store/disk/environment/readers.py", ".writer", "The LMDB environment imports only downward"),
     ("server/store/rules/groups.py", "..disk.rows", "Only the table core reads and writes the rows"),
     ("server/config.py", ".app", "The server imports only downward, the storage engine at the bottom"),
     ("server/rpc/interceptors/base.py", "...service", "The gRPC service imports only downward"),

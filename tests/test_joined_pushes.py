@@ -464,7 +464,7 @@ def test_workers_each_pushing_one_run_over_grpc(start_server: Any) -> None:
         workers = [threading.Thread(target=push, args=(at,)) for at in range(len(runs))]
         for worker in workers:
             worker.start()
-        wait_for(lambda: environment._queue.qsize() >= len(runs), "every push waiting for the writer")
+        wait_for(lambda: environment.writer._queue.qsize() >= len(runs), "every push waiting for the writer")
         go.set()
         held.result(60)
         for worker in workers:

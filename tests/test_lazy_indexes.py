@@ -285,9 +285,9 @@ class Writes:
         self.batches: list[tuple[int, int]] = []  # each write transaction's chunks and other requests
         self.waited: list[int] = []  # the chunks committed while each push waited
         self._who, self._lock, self._queued = UNWATCHED, threading.Lock(), dict[int, int]()
-        env = store.environment
+        env, writer = store.environment, store.environment.writer
         counting(store, cast(Counts, self))
-        build_step, submit, apply, queue = core_ready.ReadyIndex.build_step, env.submit, env._apply, env._queue
+        build_step, submit, apply, queue = core_ready.ReadyIndex.build_step, env.submit, writer._apply, writer._queue
         watch = self
 
         def step(
@@ -331,8 +331,8 @@ class Writes:
 
         monkeypatch.setattr(core_ready.ReadyIndex, "build_step", step)
         monkeypatch.setattr(env, "submit", asked)
-        monkeypatch.setattr(env, "_apply", applied)
-        monkeypatch.setattr(env, "_queue", Queue())  # the writer waits on `queue` itself
+        monkeypatch.setattr(writer, "_apply", applied)
+        monkeypatch.setattr(writer, "_queue", Queue())  # the writer waits on `queue` itself
 
     def __getitem__(self, key: str) -> int:
         return self.by_thread[self._who][key]

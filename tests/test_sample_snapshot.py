@@ -79,9 +79,9 @@ def test_payloads_stored_in_the_sampling_commit_are_the_new_ones(store: Store) -
         thread.start()
         threads.append(thread)
         deadline = time.monotonic() + 30
-        while environment._queue.qsize() < queued and time.monotonic() < deadline:
+        while environment.writer._queue.qsize() < queued and time.monotonic() < deadline:
             time.sleep(0.001)
-        assert environment._queue.qsize() == queued  # each request queued behind the previous one
+        assert environment.writer._queue.qsize() == queued  # each request queued behind the previous one
     batches_before = environment.batches
     go.set()
     for thread in threads:
@@ -200,7 +200,7 @@ def test_concurrent_held_batches_through_map_growth_are_each_delivered_once(tmp_
     assert not any(thread.is_alive() for thread in threads) and errors == [] and wrong == []
     assert sorted(delivered) == sorted(packed)
     assert s.storage_info()["map_size"] > 1 << 20
-    assert s.environment._readers == 0
+    assert s.environment.readers._readers == 0
     stats = s.stats("plain")
     assert (stats["consumed"], stats["leased"], stats["ready"]) == (len(packed), 0, 0)
     assert s.verify("plain") == []

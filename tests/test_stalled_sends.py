@@ -88,7 +88,7 @@ def fill(server: ExpbufServer, kind: str) -> list[str]:
 def snapshots(server: ExpbufServer) -> int:
     """The read snapshots that replies are cut from, open now (none once every reply is sent or let
     go of: no count of readers, which a call that has just ended may still hold for a moment)."""
-    return sum(1 for ref in server.store.environment._snapshots if (snap := ref()) is not None and snap.open)
+    return sum(1 for ref in server.store.environment.readers._snapshots if (snap := ref()) is not None and snap.open)
 
 
 @pytest.mark.parametrize("columns", [False, True], ids=["trxp", "columns"])

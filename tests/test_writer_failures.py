@@ -1,4 +1,4 @@
-"""The store's writer thread outlives what goes wrong around its requests (disk/environment.py): a
+"""The store's writer thread outlives what goes wrong around its requests (disk/environment/writer.py): a
 request its caller cancelled before it ran is never run, and a failure of the writer's own (no
 request's refusal) fails that batch's requests, nothing of them kept, where either one ended the
 thread before and left every later caller waiting for good."""

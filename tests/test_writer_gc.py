@@ -1,4 +1,4 @@
-"""The writer's batches run without the garbage collector's passes (disk/environment.py): a push of
+"""The writer's batches run without the garbage collector's passes (disk/environment/writer.py): a push of
 hundreds of experiences makes thousands of tracked objects (its members' rows, its groups, their
 segments' columns) that its own reference counts free, so a pass that walks them finds nothing to
 collect. None starts on the writer's thread while a push is stored (but the one due as it ends); the
@@ -32,7 +32,7 @@ def _writer_ident(store: Store) -> int:
 def test_no_pass_runs_on_the_writer_while_a_push_is_stored(tmp_path: Path, layout: str) -> None:
     """Four pushes of 256 experiences, hundreds of tracked objects each, many times the low first
     threshold passes_started sets: no pass starts on the writer's thread while it runs a request
-    (Environment._run), where without the pause 55 did with rows, 79 with records; the pass due runs
+    (Writer._run), where without the pause 55 did with rows, 79 with records; the pass due runs
     once the batch's requests are done, and the collector runs as it ran before once they are stored."""
     with Store(tmp_path) as store:
         store.create_table(TableConfig.of(name="t", layout=layout, **ONES))

@@ -1,6 +1,6 @@
 """The LMDB storage engine behind the expbuf server: one object that every caller uses.
 
-`Store` is a façade. It composes the environment (environment.py: the LMDB environment and
+`Store` is a façade. It composes the environment (disk/environment/: the LMDB environment and
 its writer thread), the table catalog (catalog.py) with each table's extensions (extensions.py:
 the store's own its settings call for, and the kinds it names), and its services: pushes
 (pushing.py), reads (reads.py), sampling (sampling.py), the prompt ledger's claims (claims.py),
@@ -36,7 +36,7 @@ from .core.verbs import retire
 from .core.whole_table import reading
 from .core.whole_table.migrate import migrate
 from .disk import chunked, layout, residency
-from .disk.environment import Environment
+from .disk.environment import Environment, Writer
 from .disk.kinds import Compute, Entry, FailResult, PutResult
 from .disk.stored_advantages import FinishBatch
 from .forward import Forwarded
@@ -446,7 +446,7 @@ class Store(ServiceCalls):
     def wait_for_change(self, generation: int, timeout: float) -> bool:
         return self.environment.wait_for_change(generation, time.monotonic() + timeout)
 
-    wake = Forwarded("environment", Environment.wake)
+    wake = Forwarded("environment.writer", Writer.wake)
 
     compute_backlog = Forwarded("computing", Computing.compute_backlog)
     finish_compute = Forwarded("computing", Computing.finish_compute)

@@ -13,7 +13,7 @@ by an earlier release, or an order registered since) has it built here, from the
 by the time a trainer asks it is there.
 
 How: one thread (`IndexBuilds`) takes the builds a chunk at a time: BUILD_CHUNK ready groups
-indexed in a write transaction of the writer's background lane (environment.py), which runs
+indexed in a write transaction of the writer's background lane (disk/environment/writer.py), which runs
 alone, after the requests waiting when it comes, so a request waits for at most one chunk.
 While no request waits for it, a build takes at most BUILD_SHARE of the time (it pauses after
 each chunk): it shares the writer and the interpreter with the requests, and at full pace it

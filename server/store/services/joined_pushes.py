@@ -5,7 +5,7 @@ its own runs of a task) send pushes of one experience or a few, and each such pu
 some 100 µs of its own beside its experiences' (its table's state and counters read and written, its
 groups looked up, its heads and rows written, a nested transaction), where a push of hundreds shares
 that among them. The writer runs the requests waiting side by side in one transaction
-(disk/environment.py); those of them that are one small push each (fewer than JOIN_BELOW
+(disk/environment/writer.py); those of them that are one small push each (fewer than JOIN_BELOW
 experiences, no piece of a partial rollout, no advantages computed ahead, not held by a rate limit
 before), into one table by one holder, with no uid twice among them, are stored as one push of all
 their experiences (`in_turn`), and each caller hears its own part of its result (`split`): the
