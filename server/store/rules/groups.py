@@ -57,8 +57,9 @@ class Ending:
     `done`: the table's extensions hear one event for them all (one per state they leave as),
     never one per group."""
 
-    def __init__(self, tt: TableState) -> None:
+    def __init__(self, tt: TableState, heads: Mapping[bytes, bytes] | None = None) -> None:
         self.tt = tt
+        self.heads = heads  # a rows table's: the directory entries the request read, unchanged since
         self.closed: list[Closed] = []
         self.rows: list[tuple[RowGroup, bool, bool]] = []  # a rows table's: (view, partial, written)
         # a rows table's, as complete_opened took them, each with its groups' directory keys
@@ -146,7 +147,7 @@ class Ending:
             row_ends.complete_opened(self.tt, joined, keys)
         rows, estimated = self.rows, self.tt.config.advantages.estimator != "none"
         if rows and not estimated:
-            row_ends.complete(self.tt, rows)
+            row_ends.complete(self.tt, rows, heads=self.heads)
         elif rows and compute is None:  # queued, computing, as a records table's are in complete
             compute_rows_in_push(self.tt, rows, None, None)
         for state, groups in self.gone.items():

@@ -222,7 +222,7 @@ def _put_rows(
     groups = _joining(tt, rest, existing)
     row_pending.opened_by_push(tt, len(rest) - len(groups))
     make_room(tt, len(admitted), sum([entry.size for entry in admitted]), set())
-    ending = Ending(tt)
+    ending = Ending(tt, held)  # the completing groups' heads, as read above: not read again
     joined = row_pending.joined(tt, by_group)
     if stay is None and not groups and min(map(len, joined.values()), default=size) >= size:  # opens and fills each
         result.completed_groups.extend(joined)

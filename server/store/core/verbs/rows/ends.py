@@ -11,7 +11,7 @@ indexes found from their heads' bytes where those keep every member themselves (
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence, Set
+from collections.abc import Mapping, Sequence, Set
 
 from ....disk.rows import (
     Member,
@@ -65,14 +65,17 @@ def left(tt: TableState, gkey: str, head: PendingHead, rows: Sequence[Member], l
     tt.txn.put(tt.key(gkey), head.encode(), db=tt.db["gdir"])
 
 
-def _forget_all(tt: TableState, gkeys: Sequence[str]) -> dict[str, PendingHead]:
-    """Pending or computing groups complete or leave together: their heads read in one call, each
-    `_forget`; a plain head that keeps every member itself (PendingHead.outline: what a push
-    completes most) is not decoded, its rows in the pending index and the index of the oldest found
-    from its bytes. Returns the heads it decoded, by group (a computing group's names its place in
-    the compute queue); a group opened and closed by one request was never written and has none."""
+def _forget_all(
+    tt: TableState, gkeys: Sequence[str], read: Mapping[bytes, bytes] | None = None
+) -> dict[str, PendingHead]:
+    """Pending or computing groups complete or leave together: their heads read in one call (or as
+    the request read them: `read`, by directory key, where it holds every one), each `_forget`; a
+    plain head that keeps every member itself (PendingHead.outline: what a push completes most) is
+    not decoded, its rows in the pending index and the index of the oldest found from its bytes.
+    Returns the heads it decoded, by group (a computing group's names its place in the compute
+    queue); a group opened and closed by one request was never written and has none."""
     keys = tt.keys(gkeys)
-    entries = held(tt, keys)
+    entries = read if read is not None and all(key in read for key in keys) else held(tt, keys)
     heads: dict[str, PendingHead] = {}
     plain: list[tuple[str, float]] = []
     txn, pending = tt.txn, tt.db["pending"]
@@ -103,13 +106,20 @@ def _forget(tt: TableState, gkey: str, entry: PendingHead) -> None:
         tt.txn.delete(tt.queued_key(entry), db=tt.db["compute"])
 
 
-def complete(tt: TableState, groups: Sequence[tuple[RowGroup, bool, bool]], was: State = PENDING) -> None:
+def complete(
+    tt: TableState,
+    groups: Sequence[tuple[RowGroup, bool, bool]],
+    was: State = PENDING,
+    heads: Mapping[bytes, bytes] | None = None,
+) -> None:
     """Pending (or computing: `was`) groups become ready together, in the ready order's next places,
     as groups pushed whole do: each with whether it completes partial (sealed, timed out, runs
     reported failed) and whether it was written (`keep`; a group opened and filled by one push never
     is). A computing group's head says whether it completed partial, and its place in the ready
     order: the rseq it took when it completed, a records table's group's. No groups (those a push
-    completed all dropped by its computation): nothing moves, and an extension hears of nothing."""
+    completed all dropped by its computation): nothing moves, and an extension hears of nothing.
+    `heads`: their directory entries as the request read them (pending.held), unchanged since, by
+    directory key (a push that completes them read them first): not read again."""
     if not groups:
         return
     views, partials, writes = zip(*groups, strict=True)
@@ -119,9 +129,9 @@ def complete(tt: TableState, groups: Sequence[tuple[RowGroup, bool, bool]], was:
         segments.complete_ready(tt, segments.wholes(views), was)
         return
     whole, places = [], []
-    heads = _forget_all(tt, [grp.key for grp, _, written in groups if written])
+    decoded = _forget_all(tt, [grp.key for grp, _, written in groups if written], heads)
     for grp, partial, _ in groups:
-        entry = heads.get(grp.key)
+        entry = decoded.get(grp.key)
         placed = None
         if entry is not None and entry.queued is not None:
             partial, placed = entry.partial, entry.placed
