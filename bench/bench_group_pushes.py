@@ -14,10 +14,12 @@ pushes them into a fresh data directory, BATCH a push, two ways:
 
 CPU microseconds an experience of the pushes (`Store.put_entries`, this process: the writer's thread
 included) and bytes they wrote to storage (/proc/self/io), medians of the rounds; which goes first
-turns. The drain is not measured. With `--estimator`, the tables compute that estimator's advantages
-in the pushes that complete their groups, as a server's do (AdvantageWorker.in_push, on the CPU), and
-the worker those a push leaves (one completing more than IN_PUSH_LIMIT experiences): its CPU is
-counted with the pushes'.
+turns. A spread group's CPU is also given by push: the opening one (each run the first of its group),
+those in the middle (each run joining a group that stays pending) and the completing one, a run each.
+The drain is not measured. With `--estimator`, the tables compute that estimator's advantages in the
+pushes that complete their groups, as a server's do (AdvantageWorker.in_push, on the CPU), and the
+worker those a push leaves (one completing more than IN_PUSH_LIMIT experiences): its CPU is counted
+with the pushes'.
 """
 
 from __future__ import annotations
@@ -73,8 +75,21 @@ def written() -> int:
         return next(int(line.split()[1]) for line in io if line.startswith("write_bytes"))
 
 
-def push_all(path: Path, layout: str, group: int, batches: list[list[Entry]], estimator: str) -> tuple[float, int]:
-    """CPU seconds of the pushes into a fresh table of `layout`, and the bytes they wrote; every group
+# A spread push's place among its group's G pushes: the first, those between, the last.
+PHASES = ("opening", "middle", "completing")
+
+
+def phase(index: int, group: int) -> str:
+    """Which of PHASES the spread push `index` (in `pushes`' order) is."""
+    at = index % group
+    return PHASES[0] if at == 0 else PHASES[2] if at == group - 1 else PHASES[1]
+
+
+def push_all(
+    path: Path, layout: str, group: int, batches: list[list[Entry]], estimator: str, spread: bool = False
+) -> tuple[float, int, dict[str, float]]:
+    """CPU seconds of the pushes into a fresh table of `layout`, the bytes they wrote, and (`spread`)
+    the CPU seconds of each of PHASES' pushes (the worker's after them not among them); every group
     ready after them."""
     config = TableConfig.of(name="t", estimator=estimator, group_by="task", group_size=group, device="cpu")
     config = dataclasses.replace(config, storage=dataclasses.replace(config.storage, layout=layout))
@@ -87,44 +102,57 @@ def push_all(path: Path, layout: str, group: int, batches: list[list[Entry]], es
             store.in_push = worker.in_push
         store.create_table(config)
         start, wrote = time.process_time(), written()
-        for batch in batches:
+        by_phase = dict.fromkeys(PHASES, 0.0) if spread else {}
+        for index, batch in enumerate(batches):
+            began = time.process_time()
             store.put_entries("t", batch)
+            if spread:
+                by_phase[phase(index, group)] += time.process_time() - began
         while worker is not None and worker.run_once():  # what the pushes left to the worker
             pass
         spent, wrote = time.process_time() - start, written() - wrote
         stats = store.stats("t")
         assert stats["ready"] == sum(map(len, batches)) and stats["groups_pending"] == 0, stats
-    return spent, wrote
+    return spent, wrote, by_phase
 
 
 Found = dict[int, dict[str, list[float]]]  # group size -> way -> a value a round
 
 
-def measure(count: int, rounds: int, groups: list[int], estimator: str) -> tuple[Found, Found]:
-    """CPU µs and bytes written an experience, by group size and way, a value a round."""
+def measure(count: int, rounds: int, groups: list[int], estimator: str) -> tuple[Found, Found, Found]:
+    """CPU µs and bytes written an experience, by group size and way, a value a round; and CPU µs a
+    run of a spread group's pushes, by group size and "layout phase" (`PHASES`), a value a round."""
     results: Found = {}
     wrote: Found = {}
+    phases: Found = {}
     tasks = itertools.count(step=count)
     for group in groups:
         found: dict[str, list[float]] = {way: [] for way in WAYS}
         written_by: dict[str, list[float]] = {way: [] for way in WAYS}
+        by_phase: dict[str, list[float]] = {}
         for round_ in range(rounds):
             made = experiences(count, group, next(tasks))
             for way in WAYS[round_ % len(WAYS) :] + WAYS[: round_ % len(WAYS)]:
                 layout, how = way.split()
                 with tempfile.TemporaryDirectory(prefix="expbuf-groups-") as data:
-                    spent, nbytes = push_all(Path(data), layout, group, pushes(made, group, how == "spread"), estimator)
+                    spread = how == "spread"
+                    spent, nbytes, parts = push_all(
+                        Path(data), layout, group, pushes(made, group, spread), estimator, spread
+                    )
                 found[way].append(spent / count * 1e6)
                 written_by[way].append(nbytes / count)
-        results[group], wrote[group] = found, written_by
+                pushed = {PHASES[0]: count // group, PHASES[1]: count // group * (group - 2), PHASES[2]: count // group}
+                for name, seconds in parts.items():  # runs of each phase: a group's first, middle, last
+                    by_phase.setdefault(f"{layout} {name}", []).append(seconds / pushed[name] * 1e6)
+        results[group], wrote[group], phases[group] = found, written_by, by_phase
         print(group, {way: [f"{value:.1f}" for value in values] for way, values in found.items()})
-    return results, wrote
+    return results, wrote, phases
 
 
 RATIOS = (("records spread", "records whole"), ("rows spread", "rows whole"), ("records spread", "rows spread"))
 
 
-def report(command: str, load: str, count: int, results: Found, wrote: Found, heading: str) -> str:
+def report(command: str, load: str, count: int, results: Found, wrote: Found, phases: Found, heading: str) -> str:
     lines = [
         heading,
         "",
@@ -143,6 +171,16 @@ def report(command: str, load: str, count: int, results: Found, wrote: Found, he
     lines += ["| groups of | " + " | ".join(WAYS) + " |", "| ---: |" + " ---: |" * len(WAYS)]
     for group, found in wrote.items():
         lines.append(f"| {group} | " + " | ".join(f"{statistics.median(found[way]):,.0f}" for way in WAYS) + " |")
+    lines += ["", "CPU µs a run of a spread group's pushes, by push (a whole group's: µs an experience), medians:", ""]
+    lines += ["| groups of | layout | whole | " + " | ".join(PHASES) + " | spread / whole |"]
+    lines += ["| ---: | --- |" + " ---: |" * 5]
+    for group, found in phases.items():
+        for layout in ("records", "rows"):
+            cells = [statistics.median(results[group][f"{layout} whole"])]
+            cells += [statistics.median(found[f"{layout} {name}"]) for name in PHASES]
+            ratio = statistics.median(results[group][f"{layout} spread"]) / cells[0]
+            shown = " | ".join(f"{cell:.1f}" for cell in cells)
+            lines.append(f"| {group} | {layout} | {shown} | {ratio:.2f}x |")
     return "\n".join(lines) + "\n"
 
 
@@ -160,8 +198,8 @@ def main() -> None:
     command = ("python bench/bench_group_pushes.py " + " ".join(sys.argv[1:])).strip()
     load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
     heading = HEADING if args.estimator == "none" else f"{HEADING}, {args.estimator} computed in the pushes"
-    results, wrote = measure(args.experiences, args.rounds, groups, args.estimator)
-    section = report(command, load, args.experiences, results, wrote, heading)
+    results, wrote, phases = measure(args.experiences, args.rounds, groups, args.estimator)
+    section = report(command, load, args.experiences, results, wrote, phases, heading)
     print(section)
     write_section(Path(args.out), heading, section)
 
