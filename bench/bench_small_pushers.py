@@ -136,11 +136,15 @@ def store_child(pushers: int, count: int) -> None:
 
     from expbuf.client import trxp
     from expbuf.server.store import Entry, Store
-    from expbuf.server.store.disk.environment import writer
     from expbuf.server.store.schema.table_config import TableConfig
 
+    try:
+        from expbuf.server.store.disk.environment.writer import Writer
+    except ImportError:  # a tree before the writer had a class of its own (--before)
+        from expbuf.server.store.disk.environment import Environment as Writer  # type: ignore[assignment]
+
     spent = [0.0]
-    apply = writer.Writer._apply
+    apply = Writer._apply
 
     def timed(self: object, *args: object, **kwargs: object) -> object:
         began = time.thread_time()
@@ -149,7 +153,7 @@ def store_child(pushers: int, count: int) -> None:
         finally:
             spent[0] += time.thread_time() - began
 
-    writer.Writer._apply = timed  # type: ignore[method-assign]
+    Writer._apply = timed  # type: ignore[method-assign]
     made = [Entry.of(item) for index in range(count) for item in trxp.parse(payload(0, index))]
     config = TableConfig.of(name="t", estimator="none", group_by="task", group_size=GROUP, device="cpu")
     config = dataclasses.replace(config, storage=dataclasses.replace(config.storage, layout="rows"))

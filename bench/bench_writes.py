@@ -133,8 +133,9 @@ def counting(store: Store, counted: Counts) -> None:
         except Exception as exc:
             return False, exc
 
-    env.writer._run = run  # type: ignore[method-assign]
-    env.env = env.writer.env = _Env(env.env, names, counted)  # type: ignore[assignment]
+    writer = getattr(env, "writer", env)  # a tree before the writer had a class of its own (--before)
+    writer._run = run  # type: ignore[method-assign]
+    env.env = writer.env = _Env(env.env, names, counted)  # type: ignore[assignment]
 
 
 def entries(n: int, group: int, start: int = 0, size: int = 0) -> list[Entry]:

@@ -156,6 +156,7 @@ class Ending:
         if rows and estimated and compute is not None:  # after the others leave, as put's compute_in_push
             compute_rows_in_push(self.tt, rows, compute, ahead)
         self.closed, self.rows, self.opened, self.gone, self.lost = [], [], [], {}, []
+        self.heads = None  # read before what was just written: not for a later step's groups
 
 
 def finish_compute(
