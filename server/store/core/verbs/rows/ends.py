@@ -5,7 +5,8 @@ its fragments read once and deleted then; dropped (timed out, too few runs, all 
 claim ended) or failed, it goes into a segment of its own retired state (`retire`, `leave`), which
 keeps its members' digests as a consumed group's does, its payloads gone; a Delete that takes some
 of its members writes the rest again (`left`). The groups a push completes have their rows in the
-indexes found from their heads' bytes where those keep every member themselves (`_forget_all`).
+indexes found from their heads' bytes where those keep every member themselves (`_forget_all`),
+the heads as the push read them (rules/groups.Ending's `heads`), not read again.
 """
 
 from __future__ import annotations

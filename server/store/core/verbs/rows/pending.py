@@ -13,7 +13,7 @@ all but the last of a group's runs) are added to their heads' bytes as they are 
 written with no step a group beyond each head's own (where every group of the push is such, none
 at all); the groups it opens and leaves pending (the first runs) get their heads and index rows
 with no step a group (`open_all`); and the groups it completes have the rows of a head that keeps
-them all read without the rest of it decoded (`view`). How a pending group ends is ends.py's.
+them all read without the rest of it decoded (`view`).
 """
 
 from __future__ import annotations
