@@ -207,14 +207,14 @@ def _put_rows(
     stay = None if twice else row_pending.staying(tt, by_group, gdir, held)
     if stay is not None and len(stay.gkeys) == len(by_group):  # every group: nothing else to look at
         return _grow_pending(tt, entries, uids, by_group, stay, holder, result)
-    rest, rest_keys = _rest(tt, by_group, gdir, stay)
+    rest, rest_keys = _rest(by_group, gdir, stay)
     # the other groups as the table has them, and the digests of their members stored
     existing, stored = row_pending.stored(tt, rest, rest_keys, held)
     if stored or twice:  # some may be stored already, or pushed twice
         fresh, by_group = _screen(tt, entries, keys, stored, result, holder)
         uids, admitted = list(fresh), list(fresh.values())
         gdir = tt.keys(by_group)
-        rest, rest_keys = _rest(tt, by_group, gdir, stay)
+        rest, rest_keys = _rest(by_group, gdir, stay)
     opened = [key for gkey, key in zip(rest, rest_keys, strict=True) if gkey not in existing] if existing else rest_keys
     _refuse_headless(tt, opened, rest)
     _admit(tt, admitted, by_group, holder)
@@ -267,14 +267,15 @@ def _put_rows(
 
 
 def _rest(
-    tt: TableState, by_group: Mapping[str, Sequence[Entry]], gdir: list[bytes], stay: row_pending.Staying | None
+    by_group: Mapping[str, Sequence[Entry]], gdir: list[bytes], stay: row_pending.Staying | None
 ) -> tuple[Mapping[str, Sequence[Entry]], list[bytes]]:
-    """A push's groups other than those `stay` holds, with their directory keys."""
+    """A push's groups other than those `stay` holds, with their directory keys (`gdir`'s, in the
+    push's order)."""
     if stay is None:
         return by_group, gdir
-    held = set(stay.gkeys)
-    rest = {gkey: entries for gkey, entries in by_group.items() if gkey not in held}
-    return rest, tt.keys(rest)
+    staying = set(stay.gkeys)
+    others = [(gkey, key) for gkey, key in zip(by_group, gdir, strict=True) if gkey not in staying]
+    return {gkey: by_group[gkey] for gkey, _ in others}, [key for _, key in others]
 
 
 def _grow_pending(

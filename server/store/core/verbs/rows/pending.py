@@ -120,9 +120,8 @@ def grow(tt: TableState, found: Staying, joined: Joined) -> None:
     call; a head whose rows would spill goes as `keep_all` keeps it."""
     new = [joined[gkey] for gkey in found.gkeys]
     rows = member_rows(list(itertools.chain.from_iterable(new)))
-    if len(rows) != len(new):  # a run or more a group: each group's joined
-        cut = itertools.pairwise(itertools.accumulate(map(len, new), initial=0))
-        rows = [b"".join(rows[a:b]) for a, b in cut]
+    if len(rows) != len(new):  # a run or more a group (a GRPO worker's push: one each, nothing counted)
+        rows = _each_group(rows, list(map(len, new)))
     grown = list(map(PendingHead.added, found.raws, rows, found.hashes))
     put_rows(
         tt.txn,
@@ -131,7 +130,7 @@ def grow(tt: TableState, found: Staying, joined: Joined) -> None:
     )
     if None in grown:
         spilled = [(gkey, raw) for gkey, raw, head in zip(found.gkeys, found.raws, grown, strict=True) if head is None]
-        keep_all(tt, [(_plain_group(gkey, raw), joined[gkey]) for gkey, raw in spilled])
+        keep_all(tt, [(cast("PendingGroup", _plain_group(gkey, raw)), joined[gkey]) for gkey, raw in spilled])
 
 
 def open_all(tt: TableState, joined: Joined, keys: Sequence[bytes]) -> None:
@@ -146,10 +145,7 @@ def open_all(tt: TableState, joined: Joined, keys: Sequence[bytes]) -> None:
     counts = list(map(len, joined.values()))
     flat = list(itertools.chain.from_iterable(joined.values()))
     rows, hashes = member_rows(flat), uid_hashes([member.uid for member in flat])
-    if len(rows) != len(counts):  # a run or more a group: each group's joined
-        cut = list(itertools.pairwise(itertools.accumulate(counts, initial=0)))
-        rows, hashes = [b"".join(rows[a:b]) for a, b in cut], [b"".join(hashes[a:b]) for a, b in cut]
-    made = PendingHead.opened(tt.now, rows, hashes, counts)
+    made = PendingHead.opened(tt.now, _each_group(rows, counts), _each_group(hashes, counts), counts)
     if made is None:
         keep_all(tt, [(opening(tt, gkey), new) for gkey, new in joined.items()])
         return
@@ -159,10 +155,22 @@ def open_all(tt: TableState, joined: Joined, keys: Sequence[bytes]) -> None:
     put_rows(tt.txn, tt.db["gdir"], sorted(zip(keys, made, strict=True)))
 
 
-def _plain_group(gkey: str, raw: bytes) -> PendingGroup:
-    """A pending group whose head is plain, as `stored` makes it."""
+def _each_group(parts: list[bytes], counts: list[int]) -> list[bytes]:
+    """Parts made a member each (rows, hashes), joined a group each (`counts`: each group's members),
+    in C; as they are where each group has one."""
+    if len(parts) == len(counts):
+        return parts
+    cut = itertools.pairwise(itertools.accumulate(counts, initial=0))
+    return [b"".join(parts[a:b]) for a, b in cut]
+
+
+def _plain_group(gkey: str, raw: bytes) -> PendingGroup | None:
+    """A pending group as a push meets it where its head is `plain`, not decoded (kept pending by
+    `keep_all` or completed by `view` from its bytes); None for any other head (every head `staying`
+    picks out is plain)."""
     plain = PendingHead.plain(raw)
-    assert plain is not None
+    if plain is None:
+        return None
     count, created = plain
     return PendingGroup(gkey, None, count, NONE_FAILED, created, raw)
 
@@ -185,11 +193,10 @@ def stored(
     for (gkey, entries), raw in zip(pushed.items(), raws, strict=True):
         if raw is None:
             continue
-        plain = PendingHead.plain(raw) if raw[0] == PENDING_ENTRY else None
-        if plain is not None:  # not decoded: kept pending (`keep_all`) or completed (`view`) from its bytes
-            count, created = plain
-            found[gkey] = PendingGroup(gkey, None, count, NONE_FAILED, created, raw)
-            if PendingHead.holds(raw, count, [pushed.uid for pushed in entries]):
+        plain = _plain_group(gkey, raw) if raw[0] == PENDING_ENTRY else None
+        if plain is not None:
+            found[gkey] = plain
+            if PendingHead.holds(raw, plain.size, [pushed.uid for pushed in entries]):
                 digests.update(_pending_digests(tt, gkey, PendingHead.decode(raw)))
             continue
         read = group_entry(gkey, raw)
