@@ -13,13 +13,13 @@ pushes them into a fresh data directory, BATCH a push, two ways:
   pending groups, the worst case for a group kept pending.
 
 CPU microseconds an experience of the pushes (`Store.put_entries`, this process: the writer's thread
-included) and bytes they wrote to storage (/proc/self/io), medians of the rounds; which goes first
-turns. A spread group's CPU is also given by push: the opening one (each run the first of its group),
-those in the middle (each run joining a group that stays pending) and the completing one, a run each.
-The drain is not measured. With `--estimator`, the tables compute that estimator's advantages in the
-pushes that complete their groups, as a server's do (AdvantageWorker.in_push, on the CPU), and the
-worker those a push leaves (one completing more than IN_PUSH_LIMIT experiences): its CPU is counted
-with the pushes'.
+included) and bytes they handed to write calls (LMDB's pages: storage_writes.py), medians of the
+rounds; which goes first turns. A spread group's CPU is also given by push: the opening one (each
+run the first of its group), those in the middle (each run joining a group that stays pending) and
+the completing one, a run each. The drain is not measured. With `--estimator`, the tables compute
+that estimator's advantages in the pushes that complete their groups, as a server's do
+(AdvantageWorker.in_push, on the CPU), and the worker those a push leaves (one completing more than
+IN_PUSH_LIMIT experiences): its CPU is counted with the pushes'.
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ sys.path.insert(0, str(HERE))
 
 from bench_reverb import make_pushes  # noqa: E402
 from results import write_section  # noqa: E402
+from storage_writes import written  # noqa: E402
 
 from expbuf.client import EID, trxp  # noqa: E402
 from expbuf.server.store import Entry, Store  # noqa: E402
@@ -67,12 +68,6 @@ def pushes(made: list[Entry], group: int, spread: bool) -> list[list[Entry]]:
         tasks = made[block : block + BATCH * group]
         found.extend([tasks[task * group + r] for task in range(len(tasks) // group)] for r in range(group))
     return found
-
-
-def written() -> int:
-    """Bytes this process has had written to storage (/proc/self/io), the commits' pages and fsyncs."""
-    with open("/proc/self/io") as io:
-        return next(int(line.split()[1]) for line in io if line.startswith("write_bytes"))
 
 
 # A spread push's place among its group's G pushes: the first, those between, the last.
@@ -167,7 +162,7 @@ def report(command: str, load: str, count: int, results: Found, wrote: Found, ph
         median = {way: statistics.median(found[way]) for way in WAYS}
         cells = [f"{median[way]:.1f}" for way in WAYS] + [f"**{median[a] / median[b]:.2f}x**" for a, b in RATIOS]
         lines.append(f"| {group} | " + " | ".join(cells) + " |")
-    lines += ["", "Bytes written to storage an experience (/proc/self/io), medians of the rounds:", ""]
+    lines += ["", "Bytes written an experience (LMDB's pages handed to write calls: storage_writes.py), medians:", ""]
     lines += ["| groups of | " + " | ".join(WAYS) + " |", "| ---: |" + " ---: |" * len(WAYS)]
     for group, found in wrote.items():
         lines.append(f"| {group} | " + " | ".join(f"{statistics.median(found[way]):,.0f}" for way in WAYS) + " |")

@@ -11,8 +11,8 @@ read from a read snapshot and its XXH3-128 digest checked, then deleted; three f
 turn in one environment, so that the later ones allocate from a freelist the earlier left. A pack of
 1 is a value an experience (keyed by uid: the store's layout); a pack of N, values of N payloads end
 to end (keyed by segment and first member), each member checked on its slice. CPU µs (this process)
-and bytes written to storage (/proc/self/io) an experience, medians of the rounds; which pack goes
-first turns.
+and bytes written (LMDB's pages handed to write calls: storage_writes.py) an experience, medians of
+the rounds; which pack goes first turns.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import results  # noqa: E402
+from storage_writes import written  # noqa: E402
 
 SIZE = 8723  # the stored one-item payload of bench_reverb's 8 KB experience
 PER_SEGMENT = 256
@@ -40,11 +41,6 @@ PREFIX = b"\0\0\0\1"
 HEADING = "## Payloads packed several to a value, in py-lmdb (issue 64)"
 COLUMNS = ["payloads a value", "value bytes", "push CPU µs", "push vs", "push bytes written"]
 COLUMNS += ["consume CPU µs", "consume vs", "consume bytes written"]
-
-
-def written() -> int:
-    fields = dict(line.split(": ") for line in Path("/proc/self/io").read_text().splitlines())
-    return int(fields["write_bytes"])
 
 
 def value_keys(segment: int, pack: int) -> list[bytes]:

@@ -10,8 +10,8 @@ the same 8 KB experiences (bench_reverb's shape) in pushes of each size, one dur
 (`Store.put_entries`, one after the other), then drains it as a Sample stream's server does: takes
 of 256 held, each confirmed (consumed) by the next take, one durable commit each. CPU µs an
 experience of the fill and of the drain (this process: the store's writer thread included), and
-bytes the fill wrote to storage an experience (/proc/self/io), medians of the rounds, and the
-segments the table kept. With --without-growth, "before" is this tree with every push's groups in
+bytes the fill wrote an experience (LMDB's pages handed to write calls: storage_writes.py), medians
+of the rounds, and the segments the table kept. With --without-growth, "before" is this tree with every push's groups in
 segments of their own (core/verbs/rows/segments.GROW_BELOW = 0), as before the newest segment grew. With
 --before TREE (an earlier checkout of expbuf, its compiled codec beside it), each round runs that
 tree's store in a process of its own beside this tree's, which goes first alternating.
@@ -35,9 +35,9 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 from bench_consume import package  # noqa: E402
-from bench_group_pushes import written  # noqa: E402
 from bench_take_floor import entries  # noqa: E402
 from results import publish, section  # noqa: E402
+from storage_writes import written  # noqa: E402
 
 from expbuf.server.store import Store  # noqa: E402
 from expbuf.server.store.schema.sample_spec import TakeSpec  # noqa: E402

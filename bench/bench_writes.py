@@ -38,6 +38,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
 
 from results import write_section  # noqa: E402
+from storage_writes import written  # noqa: E402
 
 from expbuf.client import EID, Experience, trxp  # noqa: E402
 from expbuf.server.store import Entry, Store  # noqa: E402
@@ -206,14 +207,6 @@ def counts(n: int, group: int, layout: str = "records") -> dict[str, dict[str, f
     return {stage: {k: v / (3 * n if stage == "push" else n) for k, v in c.items()} for stage, c in stages.items()}
 
 
-def _written() -> int:
-    """The bytes this process has sent to storage (Linux's /proc/self/io): LMDB's page writes."""
-    for line in Path("/proc/self/io").read_text().splitlines():
-        if line.startswith("write_bytes:"):
-            return int(line.split()[1])
-    return 0
-
-
 def speed(n: int, group: int, size: int) -> dict[str, float]:
     """Experiences per second of durable pushes, consumes, a consume stream's takes, and leases
     then acks (64 at a time), the process's CPU µs per experience of each (steadier than wall
@@ -223,11 +216,11 @@ def speed(n: int, group: int, size: int) -> dict[str, float]:
     out: dict[str, float] = {}
 
     def timed(name: str, count: int, fn: Callable[[], None]) -> None:
-        wall, cpu, written = time.perf_counter(), time.process_time(), _written()
+        wall, cpu, wrote = time.perf_counter(), time.process_time(), written()
         fn()
         out[name] = count / (time.perf_counter() - wall)
         out[name + "_cpu_us"] = (time.process_time() - cpu) / count * 1e6
-        out[name + "_bytes"] = (_written() - written) / count
+        out[name + "_bytes"] = (written() - wrote) / count
 
     def push() -> None:
         for batch in writes:
@@ -294,12 +287,12 @@ def pushes(n: int, group: int, size: int, layout: str) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         store = Store(Path(tmp) / "d", map_size=4 << 30)
         store.create_table(_table(group, layout))
-        wall, cpu, written = time.perf_counter(), time.process_time(), _written()
+        wall, cpu, wrote = time.perf_counter(), time.process_time(), written()
         for batch in writes:
             store.put_entries("t", batch)
         out["rate"] = 3 * n / (time.perf_counter() - wall)
         out["cpu_us"] = (time.process_time() - cpu) / (3 * n) * 1e6
-        out["bytes"] = (_written() - written) / (3 * n)
+        out["bytes"] = (written() - wrote) / (3 * n)
         store.close()
     return out
 
