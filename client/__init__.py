@@ -45,7 +45,7 @@ if TYPE_CHECKING:
         TableStats,
     )
     from .rpc.connection import Tls
-    from .schema.experience import EID, Experience
+    from .schema.experience import EID, Experience, ordered_id
     from .schema.prompts import Claim, DatasetInfo, EpochCounts, Prompt, PromptPage, PromptState, PromptStats
     from .trxp import TrxpError, decode, encode
     from .trxp.column_batch.build import ColumnBatch
@@ -128,6 +128,7 @@ _HOMES = {
     "UnavailableError": "errors",
     "EID": "schema.experience",
     "Experience": "schema.experience",
+    "ordered_id": "schema.experience",
     "Claim": "schema.prompts",
     "DatasetInfo": "schema.prompts",
     "EpochCounts": "schema.prompts",
@@ -206,4 +207,5 @@ __all__ = [
     "UnavailableError",
     "decode",
     "encode",
+    "ordered_id",
 ]

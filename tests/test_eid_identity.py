@@ -57,10 +57,10 @@ def test_a_run_built_again_with_other_content_is_refused_naming_its_uid(client: 
 
 def test_an_eid_names_its_uid_as_trinitys_does_and_without_one_is_unique() -> None:
     """Trinity-RFT's defaults (batch and task empty, run and step 0); a given batch or task makes
-    the suffix empty (the uid the same each time, as a prompt's `eid(run)`), none leaves it random."""
+    the suffix empty (the uid the same each time, as a prompt's `eid(run)`), none makes it new."""
     ours, theirs = EID(), TrinityEID()
     assert (ours.batch, ours.task, ours.run, ours.step) == (theirs.batch, theirs.task, theirs.run, theirs.step)
-    assert re.fullmatch(r"[0-9a-f]{6}", ours.suffix) and EID().suffix != ours.suffix
+    assert re.fullmatch(r"[0-9a-f]{24}", ours.suffix) and EID().suffix != ours.suffix
     assert EID(batch=3, task=0, run=1).uid == "3/0/1/0/" == EID(batch=3, task=0, run=1).uid
     assert EID(task="t").uid == "/t/0/0/" and EID(batch=0).uid == "0//0/0/"
     assert EID(batch=3, task=0, run=1, suffix="x").uid == "3/0/1/0/x" == TrinityEID(3, 0, 1, 0, "x").uid
@@ -94,3 +94,12 @@ def test_experiences_without_an_eid_are_each_their_own_in_a_table_that_does_not_
         result = client.push([Experience(tokens=torch.arange(6), prompt_length=2, reward=1.0)], table="single")
         assert len(result.stored) == 1 and result.stored[0].startswith("//0/0/")
     assert client.stats("single")["single"].pushed == 2
+
+
+def test_eids_without_a_batch_or_task_never_share_a_uid_and_sort_as_they_were_made() -> None:
+    """Each gets a suffix of its own: 6 random hex digits (Trinity-RFT's) were shared by two of some
+    thousands, and the second one's push refused as a conflict with the first; and their uids sort in
+    the order they were made, so that a table's keys land in push order."""
+    made = [EID().uid for _ in range(200_000)]
+    assert len(set(made)) == len(made)
+    assert made == sorted(made)

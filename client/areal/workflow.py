@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import uuid
 from typing import Any
 
 from areal.api.workflow_api import RolloutWorkflow
@@ -20,7 +19,7 @@ from areal.utils.dynamic_import import import_from_string
 
 from ..client import BufferClient, BufferError
 from ..kit.tables import connect, table_info
-from ..schema.experience import EID, Experience
+from ..schema.experience import EID, Experience, ordered_id
 from ..schema.routing import GROUP_KEY_OF
 from .convert import from_areal
 
@@ -88,7 +87,7 @@ class ExpbufWorkflow(RolloutWorkflow):
         results = await asyncio.gather(*[self.workflow.arun_episode(engine, data) for _ in range(self.group_size)])
         valid = [r for r in results if r is not None]
         if valid:
-            exps = self._experiences(valid, uuid.uuid4().hex)
+            exps = self._experiences(valid, ordered_id())  # the table's keys in push order
             whole = len(valid) == self.group_size and not _is_interactions(valid[0])
             if whole and len(exps) < self._table_group_size:
                 raise ValueError(

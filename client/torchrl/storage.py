@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import inspect
 import json
-import uuid
 from collections import OrderedDict
 from pathlib import Path
 from typing import Any
@@ -37,7 +36,7 @@ from expbuf.client.client import BufferClient
 from expbuf.client.errors import FailedPreconditionError
 from expbuf.client.kit.tables import table_info
 from expbuf.client.results import Batch, TableInfo
-from expbuf.client.schema.experience import EID, Experience
+from expbuf.client.schema.experience import EID, Experience, ordered_id
 from expbuf.client.schema.reasons import Reason
 from expbuf.client.trxp.codec.gc_pause import collector_paused
 
@@ -204,7 +203,7 @@ class ExpbufStorage(LazyStackStorage):
                 )
 
     def _experience(self, task: str, group: str | list[Any], element: TensorDictBase) -> Experience:
-        return convert.to_experience(element, EID(task=task, suffix=uuid.uuid4().hex), group)
+        return convert.to_experience(element, EID(task=task, suffix=ordered_id()), group)
 
     def _push(self, pending: dict[str, list[Experience]]) -> None:
         """One push of every group's members into the rounds this writer knows to have room."""
