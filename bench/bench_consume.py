@@ -44,6 +44,7 @@ from bench_reverb import make_pushes, restamp  # noqa: E402
 from bench_writes import counts  # noqa: E402
 from profile_push import busy_samples  # noqa: E402
 from results import write_section  # noqa: E402
+from storage_writes import written  # noqa: E402
 
 from expbuf.client import EID, BufferClient, trxp  # noqa: E402
 
@@ -142,13 +143,12 @@ class Server:
             time.sleep(0.1)
 
     def usage(self) -> tuple[float, int, int, int]:
-        """The process's CPU seconds (user and system), bytes written to storage, and minor and
+        """The process's CPU seconds (user and system), bytes handed to write calls (storage_writes.py), and minor and
         major page faults so far."""
         fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
         ticks = os.sysconf("SC_CLK_TCK")
         cpu = (int(fields[11]) + int(fields[12])) / ticks
-        io = dict(line.split(": ") for line in Path(f"/proc/{self.proc.pid}/io").read_text().splitlines())
-        return cpu, int(io["write_bytes"]), int(fields[7]), int(fields[9])
+        return cpu, written(self.proc.pid), int(fields[7]), int(fields[9])
 
     def threads(self) -> dict[str, float]:
         """CPU seconds so far of the server's threads by part (THREAD_PARTS), each thread named as

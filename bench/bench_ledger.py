@@ -43,6 +43,7 @@ from bench_push_before import package  # noqa: E402
 from bench_service import Proc  # noqa: E402
 from bench_store import experience  # noqa: E402
 from results import write_section  # noqa: E402
+from storage_writes import written  # noqa: E402
 
 from expbuf.client import EID, BufferClient, Experience  # noqa: E402
 
@@ -61,12 +62,10 @@ def heading(per_push: int) -> str:
 
 
 def server_use(pid: int) -> tuple[float, int]:
-    """The server's CPU seconds and the bytes it has sent to storage (LMDB's pages), from /proc:
+    """The server's CPU seconds and the bytes it has handed to write calls (LMDB's pages), from /proc:
     steadier than wall time on a busy machine."""
     fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
-    io = dict(line.split(": ") for line in Path(f"/proc/{pid}/io").read_text().splitlines())
-    written = int(io["write_bytes"])
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK"), written
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK"), written(pid)
 
 
 class Side:
