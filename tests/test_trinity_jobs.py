@@ -592,16 +592,16 @@ def test_queue_test_scenario_without_eids(server: ExpbufServer, table: Table, ca
             await writer.write(batch)
         read = [await reader.read() for _ in range(2)]
         assert [len(r) for r in read] == [4, 4]
-        # Each experience without an eid is a group of its own: its task is its eid's suffix.
-        sent = {exp.eid.suffix: exp for exp in written}
-        assert sorted(e.eid.tid for e in read[0] + read[1]) == sorted(f"/{suffix}" for suffix in sent)
+        # Each experience without an eid is a group of its own: a new task, set on its eid as written.
+        sent = {exp.eid.tid: exp for exp in written}
+        assert len(sent) == 8 and all(re.fullmatch(r"/[0-9a-f]{24}", tid) for tid in sent)
+        assert sorted(e.eid.tid for e in read[0] + read[1]) == sorted(sent)
         for got in read[0] + read[1]:
-            assert got.tokens.dtype == torch.float32 and torch.equal(got.tokens, sent[got.eid.suffix].tokens)
+            assert got.tokens.dtype == torch.float32 and torch.equal(got.tokens, sent[got.eid.tid].tokens)
         with caplog.at_level(logging.WARNING, logger="expbuf.client.trinity.buffer"):
             await writer.write(written[:2])  # a retried write: stored once, and the writer says so
-        assert (
-            f"2 of 2 experiences written to table 'jobs' were stored already (first: /{written[0].eid.suffix}/0/0/"
-            in (caplog.text)
+        assert f"2 of 2 experiences written to table 'jobs' were stored already (first: {written[0].eid.uid})" in (
+            caplog.text
         )
         await writer.write(exps(4, mask=True))
         assert len(await reader.read(batch_size=4)) == 4
@@ -612,6 +612,34 @@ def test_queue_test_scenario_without_eids(server: ExpbufServer, table: Table, ca
             await reader.read(batch_size=1)
 
     asyncio.run(scenario())
+
+
+def test_experiences_without_eids_whose_suffixes_agree_are_each_stored(server: ExpbufServer, table: Table) -> None:
+    """Trinity-RFT's EID draws 6 random hex digits as a suffix, which two of some thousands share: two
+    experiences without an eid that share one are each a group of their own, both stored (the second
+    was refused as a conflict with the first), and the same objects written again are stored once."""
+    table(group_by="task", group_size=0, estimator="none")
+    config = buffer_config(server, 2, max_read_timeout=3.0)
+    exps = [
+        Experience(
+            tokens=torch.tensor([1.0, 2.0, float(i)]), prompt_length=1, reward=float(i), eid=EID(suffix="abcdef")
+        )
+        for i in range(2)
+    ]
+
+    async def scenario() -> None:
+        writer = trinity.buffer.get_buffer_writer(config)
+        reader = trinity.buffer.get_buffer_reader(config)
+        assert await writer.acquire() == 1
+        await writer.write(exps)
+        await writer.write(exps)  # a retried write of the same objects
+        read = await reader.read()
+        assert sorted(float(got.tokens[2]) for got in read) == [0.0, 1.0]
+        assert {got.eid.uid for got in read} == {exp.eid.uid for exp in exps} and exps[0].eid.uid != exps[1].eid.uid
+        assert await writer.release() == 0
+
+    asyncio.run(scenario())
+    assert BufferClient(f"127.0.0.1:{server.port}").stats(TABLE)[TABLE].pushed == 2
 
 
 def test_sql_test_scenario_reads_the_newer_experiences(server: ExpbufServer, table: Table) -> None:

@@ -20,6 +20,7 @@ from trinity.common.experience import Experience
 from expbuf.client.client import BufferError, PushResult
 from expbuf.client.kit.location import connect, parse
 from expbuf.client.kit.retry import Retry
+from expbuf.client.schema.experience import ordered_id
 from expbuf.client.schema.reasons import Reason
 from expbuf.client.schema.routing import GROUP_KEY_OF
 
@@ -49,16 +50,16 @@ def _prompt_groups(data: list[Experience]) -> list[Experience]:
 
 
 def _distinct_groups(data: list[Experience]) -> list[Experience]:
-    """Experiences written without an eid (no batch, no task) each get a group of their own:
-    their task becomes their eid's unique suffix, instead of all sharing the group '/'."""
-    out = []
+    """Experiences written without an eid (no batch, no task) each get a group of their own, instead
+    of all sharing the group '/': a new `ordered_id` as their task, set on their own eid as they are
+    written, so that the same objects written again (a retried write) are the same uids, stored once.
+    Their suffix (Trinity-RFT's: 6 random hex digits) was their task before, which two of some
+    thousands shared: the write of the second was refused as a conflict with the first."""
     for exp in data:
         eid = exp.eid
         if str(eid.batch) == "" and str(eid.task) == "":
-            exp = copy.copy(exp)
-            exp.eid = dataclasses.replace(eid, task=eid.suffix)
-        out.append(exp)
-    return out
+            eid.task = ordered_id()
+    return data
 
 
 def _prioritised(exp: Experience) -> Experience:
