@@ -26,7 +26,7 @@ from expbuf.server.store.schema.errors import StorageFull, TableFull, TooLarge
 from expbuf.server.store.schema.table_config import MAX_SECONDS, ConfigError, TableConfig
 
 from conftest import Servers
-from helpers import group_items, make_experience, take
+from helpers import StoppedClock, group_items, make_experience, take
 
 
 def refused(call: object, *args: object, **kwargs: object) -> grpc.RpcError:
@@ -134,6 +134,23 @@ def test_one_damaged_table_does_not_stop_the_upkeep_of_the_others(tmp_path: Path
         assert store.maintenance_failures == 0
         passed = [m for m in messages if "pending group 9/9 passed over by its timeout" in m]
         assert len(passed) == 1 and "Delete the group by its id" in passed[0]
+
+
+def test_an_upkeep_pass_whose_batch_fills_the_map_times_out_its_groups_when_run_again(tmp_path: Path) -> None:
+    """A pass whose batch meets a full map is run again once the map has grown: it times out the
+    groups the undone attempt timed out, and says so. The attempt had already marked the pass's
+    sweep done and the table idle (in memory, which the abort did not undo), so the pass run again
+    visited nothing, and the table's groups waited for the next sweep (30 s) or write."""
+    clock = StoppedClock()
+    with Store(tmp_path, clock=clock, map_size=1 << 20) as store:
+        config = TableConfig.of("t", estimator="none", group_size=4, group_timeout_seconds=5)
+        store.create_table(dataclasses.replace(config, storage=dataclasses.replace(config.storage, layout="rows")))
+        store.put("t", [trxp.from_experience(make_experience(0, task, 0, reward=1.0)) for task in range(600)])
+        size = store.environment.env.info()["map_size"]
+        clock.now += 10
+        done = store.tick()
+        assert store.environment.env.info()["map_size"] > size  # the pass's batch filled the map
+        assert done["groups_timed_out"] == 600 and store.stats("t")["groups_pending"] == 0
 
 
 # ---- sample requests ------------------------------------------------------------

@@ -431,7 +431,12 @@ class Store(ServiceCalls):
         def end_lease(txn: lmdb.Transaction[bytes], lease_id: str) -> int:
             return self.sampling.leases.end(txn, lease_id, requeue=True, expired=True)
 
-        done = self.environment.submit(lambda txn: self.upkeep.run(txn, now, end_lease))
+        try:
+            done = self.environment.submit(lambda txn: self.upkeep.run(txn, now, end_lease))
+        except BaseException:
+            self.upkeep.settled(committed=False)
+            raise
+        self.upkeep.settled(committed=True)
         for building in self.upkeep.take_builds():  # an index a table's upkeep needs: used once built
             self.builds.want(building)
         return done

@@ -20,7 +20,7 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Callable
-from typing import TypeVar
+from typing import NamedTuple, TypeVar
 
 import lmdb
 
@@ -51,6 +51,7 @@ class Upkeep:
         self._active: set[int] = set()  # ids of the tables the next pass visits
         self._last_sweep = float("-inf")
         self._builds: list[IndexBuilding] = []  # indexes a piece needed that its table is still building
+        self._attempt: _Before | None = None  # as the pass under way found them: `run`, `settled`
 
     def mark(self, table_id: int) -> None:
         """A table was written to: the next pass visits it (called in the writer's transaction)."""
@@ -63,7 +64,13 @@ class Upkeep:
         end_lease: Callable[[lmdb.Transaction[bytes], str], int],
     ) -> dict[str, int]:
         """One round of upkeep: expired leases (`end_lease` requeues one, the sampling
-        service's) and grants, then every table; counts of what was done."""
+        service's) and grants, then every table; counts of what was done. Run in the writer's
+        batch, which a full map undoes and runs again once the map has grown: what the pass keeps
+        in memory (the tables to visit, the time of the last sweep, the count of failures, the
+        builds wanted) is taken back to how it found them before it runs again (`settled`)."""
+        if self._attempt is not None:  # an earlier attempt of this pass was undone with its batch
+            self._undo(self._attempt)
+        self._attempt = _Before(set(self._active), self._last_sweep, self.failures, len(self._builds))
         tables = self.catalog.entries()
         done = dict.fromkeys(
             (
@@ -176,6 +183,22 @@ class Upkeep:
             tt.save()
         return timed_out, pruned, stale
 
+    def settled(self, committed: bool) -> None:
+        """The pass's batch is over: committed, what it keeps in memory stands; refused (a full map
+        that could not grow, a failed disk), it is taken back, as the batch's writes were. Passes
+        run one at a time (the server's upkeep loop, app.py), each settled before the next."""
+        if not committed and self._attempt is not None:
+            self._undo(self._attempt)
+        self._attempt = None
+
+    def _undo(self, before: _Before) -> None:
+        """What the pass under way kept in memory taken back to how it found it: the tables it was to
+        visit visited again (with those marked since: a table visited twice does nothing twice), the
+        sweep it began not begun, its failures and builds not counted."""
+        self._active |= before.active
+        self._last_sweep, self.failures = before.last_sweep, before.failures
+        del self._builds[before.builds :]
+
     def take_builds(self) -> list[IndexBuilding]:
         """The indexes pieces of the last pass needed and their tables did not keep yet: the
         store has them built in the background (index_builds.py), and a pass after that does
@@ -207,3 +230,13 @@ class Upkeep:
             return None
         child.commit()
         return result
+
+
+class _Before(NamedTuple):
+    """What an upkeep pass keeps in memory, as the pass found it: its tables to visit, the time of
+    the last sweep, the failures counted and the builds wanted (their number)."""
+
+    active: set[int]
+    last_sweep: float
+    failures: int
+    builds: int
