@@ -4,6 +4,7 @@ a real `expbuf serve`."""
 from __future__ import annotations
 
 import logging
+import re
 from typing import Any
 
 import pytest
@@ -129,6 +130,7 @@ def test_groups_reach_expbuf_and_areal_gets_its_trajectories(child_server: Serve
     for group in groups:
         assert [e.eid.run for e in group] == [0, 1, 2, 3]
         assert len({e.eid.task for e in group}) == 1
+        assert re.fullmatch(r"[0-9a-f]{24}", group[0].eid.task)  # an ordered_id: the table's keys in push order
         assert all(e.info["model_version"] == 5 for e in group)
         assert all(e.advantages is not None for e in group)  # the table's grpo ran on the group
         returned = by_prompt[group[0].tokens[0].item()]
