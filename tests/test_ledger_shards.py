@@ -16,6 +16,7 @@ import pytest
 from expbuf.client import trxp
 from expbuf.client.schema.routing import ShardMap
 from expbuf.server.store import Store
+from expbuf.server.store.ledger import claim_life
 from expbuf.server.store.ledger.claimed import Claimed
 from expbuf.server.store.ledger.hand_out import STEP_HASHES
 from expbuf.server.store.ledger.records import (
@@ -169,6 +170,33 @@ def test_a_claim_on_a_shard_of_many_shards_lets_the_writer_go_as_it_steps(tmp_pa
         order = [permuted(5, 0, 1000, position) for position in range(1000)]
         assert [c.index for c in claimed] == [index for index in order if index in {c.index for c in claimed}]
         assert store.verify("t") == []
+
+
+def test_a_claim_whose_later_step_is_refused_hands_out_what_its_earlier_steps_claimed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A claim goes on in a transaction of its own where its cursor reaches an epoch whose part is not
+    counted yet: one refused there (a full map that cannot grow) answers with the prompts its earlier
+    transactions claimed, which are durable and held for the caller; it raised, and they stayed
+    claimed by a caller that never learned which they were, until their claims ended."""
+    steps: list[object] = []
+    original = claim_life.ClaimRules.claim
+
+    def claim(self: claim_life.ClaimRules, *args: object, **kwargs: object) -> object:
+        steps.append(original(self, *args, **kwargs))
+        if len(steps) == 2:  # the claim's second transaction meets a full map
+            raise lmdb.MapFullError("the map is full")
+        return steps[-1]
+
+    monkeypatch.setattr(claim_life.ClaimRules, "claim", claim)
+    size = 8 << 20  # max_map_size: the map cannot grow, the batch is refused (StorageFull)
+    with Store(tmp_path / "s0", map_size=size, max_map_size=size, seed=1) as store:
+        store.create_table(TableConfig.of(name="t", group_size=2, estimator="none"))
+        store.claims.create("t", sharded("math", "s0", size=12, epochs=3, seed=7))
+        got, done = store.claims.claim("t", "math", 12, seconds=600, owner="worker-1")
+        held = [(epoch, index) for epoch, index, _ in store.claims.prompts("t", "math", states=["claimed"]).prompts]
+        assert len(steps) == 2 and got and not done
+        assert sorted((c.epoch, c.index) for c in got) == sorted(held)
 
 
 def ledger_entries(store: Store) -> int:

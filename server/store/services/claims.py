@@ -157,7 +157,10 @@ class Claims:
         whose cursor spent its share of a transaction (ledger.STEP_HASHES) goes on in the
         next, the writer let go in between; one whose cursor reached an epoch whose part (a
         shard's) is not counted counts it here, with the epochs after it that as many hashes
-        count, and goes on with them."""
+        count, and goes on with them. A step that fails after earlier ones claimed prompts (a full
+        map, a failing disk) answers with those, which are durable and held for the caller, and
+        the dataset as not done: the failure meets the caller's next call. Raised, it would leave
+        them claimed by a caller that never learned which they were."""
         check_claim(count, owner, wait)
         check_seconds("lease_seconds", seconds, low=0.0, high=MAX_LEASE_SECONDS, low_open=True)
         deadline = time.monotonic() + wait
@@ -167,15 +170,24 @@ class Claims:
             generation = self.environment.generation
             claim = functools.partial(self.ledger.claim, name=name, count=count - len(claimed), seconds=seconds,
                                       owner=owner, holder=holder, parts=parts)  # fmt: skip
-            step = self._in_table(table, claim)
+            try:
+                step = self._in_table(table, claim)
+            except Exception:
+                if claimed:
+                    return claimed, False
+                raise
             claimed += step.claimed
             stopped = stop is not None and stop()
             if step.uncounted is not None and not stopped:  # counted outside the writer, then on
-                (ds,) = self.datasets(table, name, by_epoch=False)
                 try:
+                    (ds,) = self.datasets(table, name, by_epoch=False)
                     parts = count_parts(ds, step.uncounted, STEP_HASHES, stop)
                 except Cancelled:
                     return claimed, step.done
+                except Exception:
+                    if claimed:
+                        return claimed, False
+                    raise
                 continue
             if step.more and not stopped:  # its share of the writer spent: it goes on in another transaction
                 continue
