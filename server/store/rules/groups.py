@@ -252,8 +252,6 @@ def fail_runs(tt: TableState, failures: Sequence[tuple[str, str]], holder: str) 
     twice counts once; a run pushed later rejoins its group as a member. `holder` is who
     reports (as a push's)."""
     grouping = tt.config.grouping
-    if tt.txn.get(tt.config.name.encode(), db=tt.db["tables"]) is None:
-        raise NotFound(f"table '{tt.config.name}' does not exist")
     if not grouping.size:
         raise InvalidRequest(
             f"table '{tt.config.name}' completes a group with the push that carries it (group_size = 0): "

@@ -24,7 +24,6 @@ from ..schema.errors import (
     GroupOverfilled,
     InvalidPayload,
     InvalidRequest,
-    NotFound,
     clip,
 )
 from ..schema.states import PENDING, RETIRED
@@ -52,8 +51,6 @@ def put(
     With `compute` (the table's advantage computation, where the server gives one), the groups
     it completes get their advantages in its transaction (`ahead`: computed before it;
     compute_in_push)."""
-    if tt.txn.get(tt.config.name.encode(), db=tt.db["tables"]) is None:
-        raise NotFound(f"table '{tt.config.name}' does not exist")
     result = PutResult()
     rows = tt.config.storage.layout == "rows"
     keys = group_keys(entries, tt.config.grouping.by)

@@ -62,7 +62,7 @@ class Values:
         kv = dbs["kv"]
 
         def op(txn: lmdb.Transaction[bytes]) -> int:
-            self._exists(table, table_id)
+            self._exists(txn, table, table_id)
             counters = read_counters(txn, dbs, prefix)
             added, new, rows = 0, 0, []
             for key, name, value in zip(keys, names, values, strict=True):
@@ -118,7 +118,7 @@ class Values:
         kv = dbs["kv"]
 
         def op(txn: lmdb.Transaction[bytes]) -> int:
-            self._exists(table, table_id)
+            self._exists(txn, table, table_id)
             counters = read_counters(txn, dbs, prefix)
             cleared = 0
             for key, name in zip(keys, names, strict=True):
@@ -157,11 +157,11 @@ class Values:
         table_id, _ = self.catalog.lookup(table)
         return layout.table_prefix(table_id)
 
-    def _exists(self, table: str, table_id: int) -> None:
-        """Refuse a change to a table dropped since it was looked up: its counters and values would
-        outlive it."""
-        if self.catalog.by_id(table_id) is None:
-            raise NotFound(f"table '{clip(table)}' was dropped")
+    def _exists(self, txn: lmdb.Transaction[bytes], table: str, table_id: int) -> None:
+        """Refuse a change to a table dropped since it was looked up (by a request before this one in
+        its batch, too: TableCatalog.holds): its counters and values would outlive it."""
+        if not self.catalog.holds(txn, table_id, table):
+            raise NotFound(f"table '{clip(table)}' does not exist")
 
 
 def _held(was: ValueRecord | None, key: str, owner: str) -> ValueRecord | None:

@@ -1,15 +1,25 @@
 """The table catalog: every table's name, id and configuration, read at open and kept in
 memory (the `tables` database is its durable form), each table's extensions, and the door to
-a table's state in a transaction, with its extensions attached."""
+a table's state in a transaction, with its extensions attached.
+
+The memory follows the disk after each create and drop commits; until then a request in the same
+batch (one queued after a drop) still finds the table there. So the door checks the table's
+stored record in the request's own transaction (`holds`: the record's bytes as memory knows them)
+and refuses one dropped, or dropped and made again, NotFound: nothing of it is stored under a
+table that is gone. And each create and drop sets memory from the stored record once committed,
+under a lock, so that a drop and a create of one name in one batch leave memory as they left the
+disk whichever of their callers wakes first."""
 
 from __future__ import annotations
 
 import json
+import threading
 import warnings
 from collections.abc import Callable
 from typing import TypeVar
 
 import lmdb
+import xxhash
 
 from ..core.ordering import ready
 from ..core.table_state.counters import read_counters
@@ -17,6 +27,7 @@ from ..core.table_state.events import TableExtension
 from ..core.table_state.state import TableState
 from ..core.verbs import leases
 from ..disk import layout
+from ..disk.batch_rows import Reader
 from ..disk.environment import Environment
 from ..ledger.rules import Ledger
 from ..rules.extensions import ExtensionKinds, Extensions, warn_earlier
@@ -41,6 +52,8 @@ class TableCatalog:
         self._tables: dict[str, tuple[int, TableConfig]] = {}
         self._names: dict[int, str] = {}  # table id -> name
         self._extensions: dict[int, Extensions] = {}  # table id -> its extensions
+        self._stamps: dict[int, int] = {}  # table id -> the hash of its stored record (`holds`)
+        self._changing = threading.Lock()  # a create's or a drop's memory set from the disk (`_settle`)
         self._stale_eviction = StaleEviction()  # stateless: one serves every table that runs it
         self._everywhere: list[TableExtension] = []  # run on every table (Store.extensions, deprecated)
         with environment.read() as txn:
@@ -52,11 +65,12 @@ class TableCatalog:
                         f"{kinds.refusal(config.name, config.extensions)}: register each kind it names before the "
                         "data directory opens (Store(extensions={NAME: Kind}), ExpbufServer(config, extensions=...))"
                     )
-                self._add(name.decode(), record["id"], config)
+                self._add(name.decode(), record["id"], config, raw)
 
-    def _add(self, name: str, table_id: int, config: TableConfig) -> None:
+    def _add(self, name: str, table_id: int, config: TableConfig, raw: bytes) -> None:
         self._tables[name] = (table_id, config)
         self._names[table_id] = name
+        self._stamps[table_id] = _stamp(raw)
         if table_id not in self._extensions:  # a table found again (exist_ok) keeps its instances
             self._extensions[table_id] = Extensions(
                 [*self._own(config), *self.kinds.make(config.extensions), *self._everywhere]
@@ -121,17 +135,28 @@ class TableCatalog:
 
     # ---- a table's state in a transaction --------------------------------------------------
 
+    def holds(self, txn: Reader, table_id: int, name: str) -> bool:
+        """Whether `txn` holds table `table_id` under `name` as memory knows it: not dropped, nor
+        dropped and made again, by a request before this one in its batch."""
+        raw = txn.get(name.encode(), db=self.db["tables"])
+        return raw is not None and _stamp(raw) == self._stamps.get(table_id)
+
     def state(
         self, txn: lmdb.Transaction[bytes], table_id: int, config: TableConfig, now: float | None = None
     ) -> TableState:
-        extensions = self._extensions.get(table_id, _NO_EXTENSIONS)  # none for a table dropped meanwhile
+        """A table's state in `txn`; NotFound where `txn` no longer holds the table (`holds`)."""
+        if not self.holds(txn, table_id, config.name):
+            raise NotFound(f"table '{clip(config.name)}' does not exist")
+        extensions = self._extensions.get(table_id, _NO_EXTENSIONS)
         now = self.clock() if now is None else now
         return TableState(txn, self.db, table_id, config, now, extensions, self.environment.views)
 
     def state_of(self, txn: lmdb.Transaction[bytes], table_id: int) -> TableState | None:
         """The state of the table with this id; None for a dropped table."""
         table = self.by_id(table_id)
-        return None if table is None else self.state(txn, table_id, table[1])
+        if table is None or not self.holds(txn, table_id, table[0]):
+            return None
+        return self.state(txn, table_id, table[1])
 
     # ---- changes -------------------------------------------------------------------------
 
@@ -145,7 +170,7 @@ class TableCatalog:
             self.environment.open_rows()
         db = self.db
 
-        def op(txn: lmdb.Transaction[bytes]) -> tuple[bool, int]:
+        def op(txn: lmdb.Transaction[bytes]) -> tuple[bool, int, bytes]:
             raw = txn.get(config.name.encode(), db=db["tables"])
             if raw is None and never is not None:  # one made before this check is left as it is
                 raise ConfigError(never)
@@ -156,21 +181,22 @@ class TableCatalog:
                 other = differences(TableConfig.from_stored(record["config"], record.get("v", 1)), config)
                 if other:
                     raise Conflict(f"table '{config.name}' already exists with other settings: {'; '.join(other)}")
-                return False, record["id"]
+                return False, record["id"], bytes(raw)
             table_id = int(txn.get(b"next_table_id", b"1", db=db["meta"]))
             txn.put(b"next_table_id", str(table_id + 1).encode(), db=db["meta"])
             record = {"id": table_id, "config": config.to_stored(), "created": self.clock(), "v": CONFIG_VERSION}
-            txn.put(config.name.encode(), json.dumps(record).encode(), db=db["tables"])
+            stored = json.dumps(record).encode()
+            txn.put(config.name.encode(), stored, db=db["tables"])
             # A new table keeps every index from its creation, so that no request in a new order
             # waits for a build (index_builds.py says why); the mark names them all, so an order
             # registered later has its index built in the background. A rows table (issue 64)
             # keeps one from the first request that reads it (ready.ReadyIndex), but the version
             # index where it evicts stale groups, which a push's version report reads.
             ready.mark_in_use(txn, db, layout.table_prefix(table_id), ready.kept_from_creation(db, config))
-            return True, table_id
+            return True, table_id, stored
 
-        created, table_id = self.environment.submit(op)
-        self._add(config.name, table_id, config)
+        created, table_id, raw = self.environment.submit(op)
+        self._settle(config.name, table_id, config, raw)
         return created
 
     def drop(self, name: str) -> int:
@@ -190,10 +216,23 @@ class TableCatalog:
             return counters.live()
 
         dropped = self.environment.submit(op)
-        self._tables.pop(name, None)
-        self._names.pop(table_id, None)
-        self._extensions.pop(table_id, None)
+        self._settle(name, table_id)
         return dropped
+
+    def _settle(self, name: str, table_id: int, config: TableConfig | None = None, raw: bytes = b"") -> None:
+        """Memory set from the disk once a create (`config`, the record it found or wrote: `raw`) or a
+        drop of table `table_id` under `name` has committed: kept (a create's) where the disk holds
+        that record now, else forgotten, and the name's entry left to another table of the name."""
+        with self._changing, self.environment.read() as txn:
+            now = txn.get(name.encode(), db=self.db["tables"])
+            if config is not None and now is not None and _stamp(now) == _stamp(raw):
+                self._add(name, table_id, config, raw)
+                return
+            if self._tables.get(name, (None,))[0] == table_id:
+                del self._tables[name]
+            self._names.pop(table_id, None)
+            self._extensions.pop(table_id, None)
+            self._stamps.pop(table_id, None)
 
 
 class EveryTable:
@@ -216,3 +255,8 @@ class EveryTable:
         warn_earlier(type(extension), stacklevel=2)
         self._catalog.run_everywhere(extension)
         return extension
+
+
+def _stamp(raw: bytes | memoryview) -> int:
+    """A stored table record's hash: which record of a name memory knows (`TableCatalog.holds`)."""
+    return xxhash.xxh3_64_intdigest(raw)
