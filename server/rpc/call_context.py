@@ -119,6 +119,13 @@ def remaining(context: grpc.ServicerContext, limit: float | None = None) -> floa
     return left if limit is None else min(left, limit)
 
 
+def ended(context: grpc.ServicerContext) -> Callable[[], bool]:
+    """Whether a call has ended (its client cancelled, went away or passed its deadline): what a
+    call that waits for room or data looks at, so that it stops waiting, and gives back the memory,
+    the worker and the slot it holds, once no one waits for its answer."""
+    return lambda: not context.is_active()
+
+
 def max_wait_note(seconds: float) -> str:
     """What a refusal at the end of a wait adds when the server's max_wait_seconds ended it."""
     return f" (the server's max_wait_seconds = {seconds:g}, EXPBUF_MAX_WAIT_SECONDS)"

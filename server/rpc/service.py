@@ -45,6 +45,7 @@ from .call_context import (
     CALL_TABLE,
     MIN_REPLY_BYTES,
     RefusalLog,
+    ended,
     ids_of,
     max_wait_note,
     noted,
@@ -184,8 +185,9 @@ class ExperienceBufferService(LedgerServicer, ReadServicer, ValuesServicer, pb_g
             request.drop_payload()
         timeout, note = room_wait(context, self.max_wait_seconds)
         try:  # a push that finds it must wait for room is a call that waits idle (rpc/interceptors/limits.py)
+            holder, may_wait = self._owner(context), MAY_WAIT.get()
             result = self.store.put_entries(
-                table, entries, timeout=timeout, holder=self._owner(context), may_wait=MAY_WAIT.get()
+                table, entries, timeout=timeout, holder=holder, may_wait=may_wait, stop=ended(context)
             )
         except (TableFull, InsertLimited) as exc:
             raise noted(exc, note) from None
@@ -403,7 +405,9 @@ class ExperienceBufferService(LedgerServicer, ReadServicer, ValuesServicer, pb_g
         asked = min(request.wait_seconds, self.max_wait_seconds)  # a waiting Admit holds a worker thread
         wait = remaining(context, asked) if request.wait_seconds > 0 else 0.0
         seconds = request.grant_seconds or 300.0
-        grant = self.store.admit(table, request.count, wait=wait, grant_seconds=seconds, holder=self._owner(context))
+        grant = self.store.admit(
+            table, request.count, wait=wait, grant_seconds=seconds, holder=self._owner(context), stop=ended(context)
+        )
         admitted = self.metrics.of_table(self.metrics.admission, table, "granted" if grant.count else "no_room")
         if admitted is not None:  # else dropped since
             admitted.inc()

@@ -54,6 +54,7 @@ if TYPE_CHECKING:
     from .core.whole_table.pages import Page as Page
     from .disk.chunk_heads import CHUNK_BYTES as CHUNK_BYTES
     from .disk.chunked import Staging as Staging
+    from .disk.environment import STOP_POLL_SECONDS as STOP_POLL_SECONDS
     from .disk.environment import Environment as Environment
     from .disk.kinds import Compute as Compute
     from .disk.kinds import Computed as Computed
@@ -129,7 +130,7 @@ _HOMES: dict[str, tuple[str | tuple[str, str], ...]] = {
     ".core.whole_table.pages": ("Page",),
     ".disk.chunk_heads": ("CHUNK_BYTES",),
     ".disk.chunked": ("Staging",),
-    ".disk.environment": ("Environment",),
+    ".disk.environment": ("STOP_POLL_SECONDS", "Environment"),
     ".disk.kinds": (
         "Compute",
         "Computed",

@@ -36,7 +36,7 @@ from .core.verbs import retire
 from .core.whole_table import reading
 from .core.whole_table.migrate import migrate
 from .disk import chunked, layout, residency
-from .disk.environment import Environment, Writer
+from .disk.environment import STOP_POLL_SECONDS, Environment, Writer
 from .disk.kinds import Compute, Entry, FailResult, PutResult
 from .disk.stored_advantages import FinishBatch
 from .forward import Forwarded
@@ -269,18 +269,27 @@ class Store(ServiceCalls):
     # ---- admission -----------------------------------------------------------------------
 
     def admit(
-        self, table: str, count: int, *, wait: float = 0.0, grant_seconds: float = 300.0, holder: str = ""
+        self,
+        table: str,
+        count: int,
+        *,
+        wait: float = 0.0,
+        grant_seconds: float = 300.0,
+        holder: str = "",
+        stop: Callable[[], bool] | None = None,
     ) -> admission.RolloutGrant:
         """How many of `count` rollouts may start now (admission.py), under a grant that
         expires after grant_seconds unless finished (by `holder` alone: the caller's token
-        fingerprint with tokens on); waits up to `wait` for room."""
+        fingerprint with tokens on); waits up to `wait` for room, or until `stop()` says the call
+        ended (none granted then: a rollout worker gone takes no room that comes back)."""
         deadline = time.monotonic() + wait
         while True:
             generation = self.environment.generation
             granted = self._in_table(table, lambda tt: admission.grant(tt, count, grant_seconds, holder))
-            if granted.count or time.monotonic() >= deadline:
+            if granted.count or time.monotonic() >= deadline or (stop is not None and stop()):
                 return granted
-            self.environment.wait_for_change(generation, deadline)
+            until = deadline if stop is None else min(deadline, time.monotonic() + STOP_POLL_SECONDS)
+            self.environment.wait_for_change(generation, until)
 
     def finish_grant(self, table: str, grant_id: str, accepted: int | None = None, holder: str = "") -> int:
         """End a grant: `accepted` rollouts stay counted (None: all); returns those given back.

@@ -14,6 +14,9 @@ from collections.abc import Callable
 
 from expbuf.client.rpc.wire import MESSAGE_BYTES
 
+from ...store import STOP_POLL_SECONDS
+
+Stop = Callable[[], bool]  # whether the call a wait is for has ended (call_context.ended)
 TRIM_AFTER = 16 << 20  # payload bytes pushed since the last trim that make one worth it
 # How long no push may have held memory before it is handed back. A trim at the moment the last push
 # in flight ended gave a lone pusher's stream its heap back every 16 MiB, and its next pushes
@@ -81,24 +84,31 @@ class InFlight:
     def waiting(self) -> int:
         return self._waiting
 
-    def admit(self, timeout: float, owner: object = None) -> str | None:
-        """Wait until a push may read its message, up to `timeout`; the refusal if it may not. The
-        time is counted only while `owner` (a stream) holds nothing: its own pushes give back theirs."""
+    def admit(self, timeout: float, owner: object = None, stop: Stop | None = None) -> str | None:
+        """Wait until a push may read its message, up to `timeout` or until `stop()` says its call
+        ended; the refusal if it may not. The time is counted only while `owner` (a stream) holds
+        nothing: its own pushes give back theirs."""
         with self._changed:
-            return self._wait_for(lambda: self._held < self.limit, timeout, owner, "")
+            return self._wait_for(lambda: self._held < self.limit, timeout, owner, "", stop)
 
     def fits(self, size: int) -> bool:
         """Whether `size` bytes fit beside what is held now."""
         return self._held + size <= self.limit
 
     def reserve(
-        self, size: int, timeout: float, owner: object = None, what: str = "", reading: bool = False
+        self,
+        size: int,
+        timeout: float,
+        owner: object = None,
+        what: str = "",
+        reading: bool = False,
+        stop: Stop | None = None,
     ) -> Callable[[], None] | str:
         """Hold `size` bytes (at most the limit: what a push in chunks announces, or, `reading`, what
         a message to be read may be) once they fit beside what is held, waiting as admit() does;
         the function that gives them back, or the refusal (after `what`)."""
         with self._changed:
-            refused = self._wait_for(lambda: self._held + size <= self.limit, timeout, owner, what)
+            refused = self._wait_for(lambda: self._held + size <= self.limit, timeout, owner, what, stop)
             if refused is not None:
                 return refused
             release = self.hold(size, owner)
@@ -128,15 +138,21 @@ class InFlight:
             )
         return line
 
-    def _wait_for(self, fits: Callable[[], bool], timeout: float, owner: object, what: str) -> str | None:
-        """Wait (the lock held) until `fits()`, as admit() says; the refusal, after `what`, if not in time."""
+    def _wait_for(
+        self, fits: Callable[[], bool], timeout: float, owner: object, what: str, stop: Stop | None = None
+    ) -> str | None:
+        """Wait (the lock held) until `fits()`, as admit() says; the refusal, after `what`, if not in
+        time, or once `stop()` (looked at every STOP_POLL_SECONDS) says its call ended."""
         deadline = None
+        poll = None if stop is None else STOP_POLL_SECONDS
         self._waiting += 1
         try:
             while not fits():
+                if stop is not None and stop():
+                    return f"{what}the call ended while it waited for room under max_inflight_bytes"
                 if self._owners.get(owner):
                     deadline = None
-                    self._changed.wait()
+                    self._changed.wait(poll)
                     continue
                 if deadline is None:
                     deadline = time.monotonic() + timeout
@@ -146,7 +162,7 @@ class InFlight:
                         f"{what}{self.holders()}, the limit is max_inflight_bytes = {self.limit} (raise it with "
                         "EXPBUF_MAX_INFLIGHT_BYTES or in the config file, or retry later)"
                     )
-                self._changed.wait(left)
+                self._changed.wait(left if poll is None else min(left, poll))
             return None
         finally:
             self._waiting -= 1

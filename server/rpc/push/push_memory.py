@@ -38,6 +38,7 @@ import grpc
 from expbuf.client.rpc.wire import MESSAGE_BYTES
 from expbuf.client.schema.reasons import Reason
 
+from ..call_context import ended
 from ..interceptors.base import ServiceInterceptor, refuse
 from ..interceptors.limits import MAY_WAIT
 from .inflight import InFlight
@@ -202,13 +203,13 @@ class PushMemory(ServiceInterceptor):
                 f"message, and it may not wait for room: {busy}",
                 Reason.BUSY,
             )
-        wait = min(most, remaining(context))
+        wait, stop = min(most, remaining(context)), ended(context)  # a call gone waits no more
         if expect is None:
-            refused = inflight.admit(wait, owner)
+            refused = inflight.admit(wait, owner, stop)
             if refused is not None:
                 raise Refusal(grpc.StatusCode.RESOURCE_EXHAUSTED, refused, Reason.INFLIGHT_FULL)
             return _nothing
-        held = inflight.reserve(expect, wait, owner, reading=True)
+        held = inflight.reserve(expect, wait, owner, reading=True, stop=stop)
         if isinstance(held, str):
             raise Refusal(grpc.StatusCode.RESOURCE_EXHAUSTED, held, Reason.INFLIGHT_FULL)
         return held

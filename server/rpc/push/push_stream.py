@@ -30,7 +30,7 @@ from expbuf.proto.v1 import buffer_pb2 as pb
 
 from ...store import Push, PutResult, Store
 from ...store.schema.errors import InsertLimited, TableFull
-from ..call_context import CALL_TABLE, noted, room_wait
+from ..call_context import CALL_TABLE, ended, noted, room_wait
 from ..interceptors.base import refuse
 from ..interceptors.limits import IdleMessages
 from .ingest import Ingest
@@ -132,7 +132,7 @@ def _store(
 ) -> Iterator[pb.PushReply]:
     """Store pushes in one request to the writer; each one's reply once it is durable."""
     timeout, note = room_wait(context, max_wait)
-    results = store.put_in_order([parsed.push for parsed in pushes], timeout=timeout)
+    results = store.put_in_order([parsed.push for parsed in pushes], timeout=timeout, stop=ended(context))
     try:
         for parsed in pushes:
             CALL_TABLE.set(parsed.push.table)

@@ -31,7 +31,7 @@ from ...store import (
     shown_owner,
 )
 from ...store.schema.errors import InvalidRequest, TooLarge, check_names, clip
-from ..call_context import MIN_REPLY_BYTES, refusals, remaining
+from ..call_context import MIN_REPLY_BYTES, ended, refusals, remaining
 from .base import ServicerBase
 
 # A ClaimReply's or ListPromptsReply's fields beside its prompts: done, and where a page ended.
@@ -166,7 +166,7 @@ class LedgerServicer(ServicerBase):
             request.table or "default",
             wanted,
             exist_ok=request.exist_ok,
-            stop=lambda: not context.is_active(),  # a shard's part may take a while to count
+            stop=ended(context),  # a shard's part may take a while to count
         )
         return pb.CreateDatasetReply(dataset=info_of(record), created=created)
 
@@ -212,7 +212,7 @@ class LedgerServicer(ServicerBase):
             owner=request.owner,
             holder=self._owner(context),
             wait=remaining(context, asked),
-            stop=lambda: not context.is_active(),
+            stop=ended(context),
         )
         prompts = [prompt_of(request.dataset, c) for c in claimed]
         for prompt in prompts:

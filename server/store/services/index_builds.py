@@ -45,7 +45,7 @@ import lmdb
 from ..core.ordering.indexes import Index, ReadyOrder
 from ..core.ordering.ready import BuildStep, IndexBuilding, ReadyIndex, builds
 from ..disk import layout, residency
-from ..disk.environment import Environment
+from ..disk.environment import STOP_POLL_SECONDS, Environment
 from ..rules.quarantine import fail_lost_groups
 from ..schema.errors import IndexNotReady, StoreClosed, clip
 from ..tables.catalog import TableCatalog
@@ -56,7 +56,6 @@ RELEASE_CHUNKS = 64  # some 16,000 ready groups' records between two releases of
 # The most of the time a build takes while no request waits for it.
 BUILD_SHARE = 0.5
 PROGRESS_SECONDS = 30.0
-POLL_SECONDS = 0.25  # how often a request waiting for a build looks at its `stop`
 
 
 @dataclass(frozen=True)
@@ -277,7 +276,8 @@ class IndexBuilds:
                         raise job.error
                     if self._stopping:
                         raise StoreClosed("the store is closed")
-                    left = POLL_SECONDS if deadline is None else min(POLL_SECONDS, deadline - time.monotonic())
+                    poll = STOP_POLL_SECONDS
+                    left = poll if deadline is None else min(poll, deadline - time.monotonic())
                     if left <= 0:
                         raise self._not_ready(job)
                     self._changed.wait(left)

@@ -46,10 +46,10 @@ import lmdb
 from ..core.ordering.ready import IndexBuilding
 from ..core.table_state.state import TableState
 from ..disk import chunk_heads, chunked, layout, zstd_workers
-from ..disk.environment import Environment
+from ..disk.environment import STOP_POLL_SECONDS, Environment
 from ..disk.kinds import Ahead, Compute, Entry, MayWait, Push, PutResult
 from ..rules import capacity, limiter, partials, pushed_advantages, pushes
-from ..schema.errors import Conflict, DamagedPiece, InsertLimited, NotFound, TableFull
+from ..schema.errors import Cancelled, Conflict, DamagedPiece, InsertLimited, NotFound, TableFull
 from ..schema.table_config import TableConfig
 from ..tables import admission
 from ..tables.catalog import TableCatalog
@@ -109,19 +109,27 @@ class Pushing:
         timeout: float | None = None,
         holder: str = "",
         may_wait: MayWait | None = None,
+        stop: Callable[[], bool] | None = None,
     ) -> PutResult:
         """Store validated entries durably. A full table in block mode, or a rate limit that holds
-        the push, waits until timeout."""
-        (result,) = self.put_in_order([Push(table, entries, holder)], timeout=timeout, may_wait=may_wait)
+        the push, waits until timeout, or until `stop()` says its call ended (Cancelled)."""
+        (result,) = self.put_in_order([Push(table, entries, holder)], timeout=timeout, may_wait=may_wait, stop=stop)
         return result
 
     def put_in_order(
-        self, pushes: Sequence[Push], *, timeout: float | None = None, may_wait: MayWait | None = None
+        self,
+        pushes: Sequence[Push],
+        *,
+        timeout: float | None = None,
+        may_wait: MayWait | None = None,
+        stop: Callable[[], bool] | None = None,
     ) -> Iterator[PutResult]:
         """Store pushes durably, in order, each as `put` would; yields each one's result once it is
         durable. A refused push raises after the results of those before it, and none after it is
         stored. They share one deadline, `timeout` from now. Before they first wait for room,
-        `may_wait()` is asked: a reason it gives refuses the push that would wait, with it."""
+        `may_wait()` is asked: a reason it gives refuses the push that would wait, with it. A push
+        that waits for room looks at `stop()` (whether its call has ended) every STOP_POLL_SECONDS,
+        and ends Cancelled once it says so, giving back what its call holds."""
         start = time.monotonic()
         deadline = start + (timeout if timeout is not None else 0.0)
         todo: deque[Ready] = deque()
@@ -135,7 +143,7 @@ class Pushing:
         since, held = start, False  # when the first push of `todo` was first tried; whether a rate limit held it
         staged: dict[str, list[int]] = {}  # by table: the sets of the rollouts put together off the writer
         try:
-            yield from self._in_turn(todo, since, held, deadline, may_wait, staged)
+            yield from self._in_turn(todo, since, held, deadline, may_wait, staged, stop)
         finally:
             for table, sets in staged.items():
                 self.drop_staged(table, sets)  # those of the pushes that did not store them
@@ -150,8 +158,10 @@ class Pushing:
         deadline: float,
         may_wait: MayWait | None,
         staged: dict[str, list[int]],
+        gone: Callable[[], bool] | None,
     ) -> Iterator[PutResult]:
-        """put_in_order's turns at the writer, each taking the pushes of `todo` that store."""
+        """put_in_order's turns at the writer, each taking the pushes of `todo` that store (`gone`:
+        put_in_order's `stop`)."""
         together = 0  # the rollouts put together off the writer for the first push of `todo`
         while todo:
             generation = self.environment.generation
@@ -198,7 +208,13 @@ class Pushing:
                 if refused is not None:
                     raise type(stop)(f"{stop}; the push may not wait: {refused}")
                 may_wait = None
-            self.environment.wait_for_change(generation, deadline)
+            if gone is None:
+                self.environment.wait_for_change(generation, deadline)
+                continue
+            if gone():
+                table = todo[0].push.table
+                raise Cancelled(f"a push to table '{table}' ended while it waited for room; nothing of it was stored")
+            self.environment.wait_for_change(generation, min(deadline, time.monotonic() + STOP_POLL_SECONDS))
 
     def _dropped(self, ready: Ready, damaged: DamagedPiece) -> DamagedPiece:
         """The refusal of a push that met a damaged piece (nothing of it kept), once the rollout's

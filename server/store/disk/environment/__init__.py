@@ -16,6 +16,9 @@ without its lock file, so it works on a read-only copy and writes nothing.
 
 from .lmdb_env import Environment, Migration
 from .readers import MAX_SNAPSHOTS
-from .writer import Outcome, Request, Together, Writer, runs
+from .writer import STOP_POLL_SECONDS, Outcome, Request, Together, Writer, runs
 
-__all__ = ["MAX_SNAPSHOTS", "Environment", "Migration", "Outcome", "Request", "Together", "Writer", "runs"]
+__all__ = [
+    "MAX_SNAPSHOTS", "STOP_POLL_SECONDS", "Environment", "Migration", "Outcome", "Request", "Together", "Writer",
+    "runs",
+]  # fmt: skip

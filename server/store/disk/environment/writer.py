@@ -46,6 +46,9 @@ from .readers import Readers
 T = TypeVar("T")
 log = logging.getLogger("expbuf.store")
 Request = Callable[["lmdb.Transaction[bytes]"], Any]
+# How often a caller that waits for a change (wait_for_change) looks whether its call has ended: a
+# push waiting for room, a Sample waiting for data, an Admit or a Claim, whose client went away.
+STOP_POLL_SECONDS = 0.25
 # A request's outcome: whether it stored (else its refusal), and its result or refusal.
 Outcome = tuple[bool, Any]
 # A way to run requests that wait side by side together, in one transaction (in queue order): each
