@@ -158,6 +158,40 @@ def test_an_idle_worker_that_dies_is_reaped_and_replaced_at_once(ingest: Ingest)
     assert ingest._workers[0] is replacement  # the push found it ready
 
 
+def test_a_worker_that_dies_while_none_can_start_leaves_pushes_decoded_here_until_one_can(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An idle worker that dies while its replacement cannot start (no file descriptors, say) keeps
+    its place in the pool, closed: a push that takes it decodes here, and one RETRY_SECONDS later
+    starts a worker again. Its place was lost: pushes then waited for an idle worker for good."""
+    pool = Ingest(1)
+    pool.start()
+    try:
+        worker, made = pool._workers[0], ingest_module._Worker
+
+        def cannot_start(max_metadata_bytes: int) -> ingest_module._Worker:
+            raise OSError(24, "Too many open files")
+
+        monkeypatch.setattr(ingest_module, "_Worker", cannot_start)
+        monkeypatch.setattr(ingest_module, "RETRY_SECONDS", 1.0)
+        os.kill(worker.process.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        while not worker.closed and time.monotonic() < deadline:  # the watch found it dead and could not replace it
+            time.sleep(0.05)
+        assert worker.closed and pool._idle == [worker]
+        data = payload("grpo_group.trxp")
+        with ThreadPoolExecutor(2) as threads:  # two pushes at once: each takes the place in turn
+            decoded = [call.result(30) for call in [threads.submit(pool._in_worker, data) for _ in range(2)]]
+        assert decoded == [entries_of(data)] * 2 and pool._idle == [worker]
+        monkeypatch.setattr(ingest_module, "_Worker", made)
+        time.sleep(1.0)
+        assert pool._in_worker(data) == entries_of(data)
+        replacement = pool._workers[0]
+        assert replacement is not worker and not replacement.closed and replacement.process.poll() is None
+    finally:
+        pool.close()
+
+
 def _state(pid: int) -> str:
     return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
 

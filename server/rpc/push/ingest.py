@@ -98,6 +98,7 @@ class _Worker:
             theirs.close()
         self.conn = Connection(ours.detach())
         self.same = False  # whether it makes entries as the server does: known once ready()
+        self.closed = False  # ended: a place in the pool kept for a worker that could not start
 
     def ready(self) -> None:
         """Wait until the process has imported everything (started now, not at the first push), and
@@ -143,6 +144,7 @@ class _Worker:
             region.release()
 
     def close(self) -> None:
+        self.closed = True
         self.conn.close()  # the process ends when its connection does
         try:
             self.process.wait(timeout=5)
@@ -222,17 +224,14 @@ class Ingest:
             with self._free:
                 if self._closing():
                     return
-                dead = [worker for worker in self._idle if worker.process.poll() is not None]
+                dead = [worker for worker in self._idle if not worker.closed and worker.process.poll() is not None]
                 for worker in dead:
                     self._idle.remove(worker)
             for worker in dead:
                 log.warning("an ingest process died (exit code %s); starting a new one", worker.process.returncode)
-                try:
-                    self._give_back(self._replace(worker))
-                except Exception:  # cannot start one now: a push finds the slot empty and decodes here
-                    if self._closing():  # closed while the new one started: no push needs it
-                        return
-                    log.exception("cannot start an ingest process; retrying when a push needs one")
+                self._give_back(self._replacement(worker))
+                if self._closing():
+                    return
             time.sleep(WATCH_SECONDS)
 
     def _closing(self) -> bool:
@@ -263,11 +262,14 @@ class Ingest:
                 return entries_of(payload, self._limit)
             worker = self._idle.pop()
         returned: _Worker | None = worker
+        if worker.closed:  # a place whose worker could not start: one is started again, or it is decoded here
+            self._give_back(self._replacement(worker))
+            return entries_of(payload, self._limit)
         try:
             result = worker.entries(payload)
         except Exception:  # died, or killed mid-reply: its connection can no longer be trusted
             log.warning("an ingest process failed; starting a new one, and decoding this push here", exc_info=True)
-            returned = self._replace(worker)
+            returned = self._replacement(worker)
             result = None
         finally:
             self._give_back(returned)
@@ -275,14 +277,29 @@ class Ingest:
             raise result
         return entries_of(payload, self._limit) if result is None else result
 
-    def _replace(self, broken: _Worker) -> _Worker | None:
-        """A new worker in place of a broken one (none once the pool is closed)."""
+    def _replacement(self, broken: _Worker) -> _Worker | None:
+        """What takes a broken worker's place in the pool: a new worker (none once the pool is
+        closed); or, where none can start now (no file descriptors, no memory for a process), the
+        broken one itself, closed: a push that takes it decodes here, and one RETRY_SECONDS later
+        starts a worker again. Its place is never left empty: a push waits for an idle worker
+        while the pool holds any (`_in_worker`), and would wait for good."""
         broken.close()
         with self._free:
             if self._closed:
                 return None
-        worker = _Worker(self.max_metadata_bytes)
-        worker.ready()
+            if time.monotonic() < self._retry_at:
+                return broken
+        worker = None
+        try:
+            worker = _Worker(self.max_metadata_bytes)
+            worker.ready()
+        except Exception:
+            if worker is not None:  # it ends now, not with the interpreter
+                worker.close()
+            log.exception("cannot start an ingest process; a push tries again in %d s", RETRY_SECONDS)
+            with self._free:
+                self._retry_at = time.monotonic() + RETRY_SECONDS
+            return broken
         with self._free:
             self._workers[self._workers.index(broken)] = worker
         return worker
