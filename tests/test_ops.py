@@ -318,7 +318,8 @@ def test_json_logs_and_stats_view(tmp_path: Path) -> None:
             check=True,
         ).stdout
     finally:
-        assert proc.stop(signal.SIGTERM) == 0
+        code = proc.stop(signal.SIGTERM)
+        assert code == 0, f"exit code {code}; the server's log ends:\n" + "".join(proc.log[-40:])
     lines = [json.loads(line) for line in proc.log]
     assert all({"ts", "level", "logger", "message"} <= set(line) for line in lines)
     messages = [line["message"] for line in lines]
