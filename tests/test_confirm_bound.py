@@ -148,6 +148,29 @@ def test_the_bound_runs_while_the_stream_waits_for_data(start_server: Servers) -
         assert _rest(client) == [tuple(held.uids)]
 
 
+@pytest.mark.parametrize("step", [1.002, 2.0])
+def test_a_stream_that_runs_dry_delivers_the_batch_it_sent_ahead_before_it_ends(
+    start_server: Servers, step: float
+) -> None:
+    """A consume stream whose table runs dry while a batch it sent ahead waits in the client: the
+    stream ends NOT_READY only once that batch is confirmed (handed to the caller) and delivered, or
+    given back with a client that stops. It ended at the end of the wait for data and gave the batch
+    back, while the client, the status not yet come, handed it to its caller and confirmed it too
+    late (a step just past the wait): trained on, and then delivered again to the next consumer."""
+    server = start_server()
+    with BufferClient(f"127.0.0.1:{server.port}") as client:
+        client.create_table("t", group_size=2, estimator="none")
+        fill(client, 2)
+        trained: list[str] = []
+        with pytest.raises(DeadlineExceededError, match="did not have 1 group ready within 1s"):
+            for batch in client.sample("t", num_groups=1, delivery="consume", timeout=1.0):  # window 2, prefetch 1
+                trained += batch.uids
+                time.sleep(step)  # a training step, past the wait for data
+        stats = settle(client, lambda s: s.leased == 0)
+        assert len(trained) == 4 and (stats.consumed, stats.ready) == (4, 0)
+        assert _rest(client) == []
+
+
 def test_the_bound_is_a_step_not_the_time_since_a_batch_was_sent(start_server: Servers) -> None:
     """With a window of 4 each batch is sent about three steps before the caller takes it,
     longer than the bound: counted from the confirmation before it, each step (well within

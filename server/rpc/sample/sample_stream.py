@@ -177,7 +177,11 @@ def stream_batches(
 
     Returns None through StopIteration when the stream ends; raises DEADLINE_EXCEEDED
     (through `context.abort`) when no batch could be made in time or a batch was not
-    confirmed in time, UNAVAILABLE when the server stops (`draining`).
+    confirmed in time, UNAVAILABLE when the server stops (`draining`). A stream that finds no
+    data for its next batch while batches it sent wait in the client ends only once those are
+    confirmed (delivered) or the client is gone: the client hands a batch to its caller and
+    confirms it without knowing whether the stream has ended, and one given back as the stream
+    ended would be trained on and delivered again.
     """
     client = ClientSide(requests, context)
     window = _Window(store, spec, client, owner, confirm_seconds)
@@ -194,6 +198,14 @@ def stream_batches(
                         draining.end("Sample", context)
                     if window.overdue():
                         window.end_overdue(context)
+                    if window.unconfirmed:  # batches sent ahead: confirmed (delivered) before the stream ends
+                        if window.confirm_each():
+                            continue  # the next batch's wait for data counts from the last confirmation
+                        if client.interrupted and not client.done:
+                            draining.end("Sample", context)
+                        if window.overdue() and not client.done:
+                            window.end_overdue(context)
+                        break
                     if spec.allow_partial:
                         return
                     refuse(
