@@ -1,8 +1,9 @@
 """What the order of a table's uids costs its store: the same pushes and consumes with uids that come
 in push order, as Trinity-RFT's eids do (batch = the explorer's step, task = the index in it), beside
-uids in no order, as the eids of verl's agent loop, AReaL's workflow and TorchRL's storage are (a
-group's task is verl's uuid4, a uuid4 hex, a digest of the prompt); and, under both, raw LMDB's least:
-the same stored values put and deleted under the same keys.
+uids in no order, as the eids of verl's agent loop and TorchRL's storage are (a group's task is
+verl's uuid4, a digest of the prompt; AReaL's workflow's was a uuid4 hex), and uids whose task is
+an `ordered_id()` (AReaL's workflow's now); and, under each, raw LMDB's least: the same stored
+values put and deleted under the same keys.
 
     .venv/bin/python bench/bench_uid_order.py [--live 50000] [--steps 40] [--rounds 3] [--groups 1,8]
         [--out bench/RESULTS.md]
@@ -45,24 +46,28 @@ from bench_reverb import make_pushes  # noqa: E402
 from results import publish, section  # noqa: E402
 from storage_writes import written  # noqa: E402
 
-from expbuf.client import EID, trxp  # noqa: E402
+from expbuf.client import EID, ordered_id, trxp  # noqa: E402
 from expbuf.server.store import Entry, Store  # noqa: E402
 from expbuf.server.store.schema.sample_spec import TakeSpec  # noqa: E402
 from expbuf.server.store.schema.table_config import TableConfig  # noqa: E402
 
 HEADING = "## The order of a table's uids (issue 64)"
 PUSH = 256
-ORDERS = ("in order", "no order")
+ORDERS = ("in order", "no order", "ordered_id")
 PREFIX = b"T000"  # a stand-in table prefix for the raw side's keys
 
 
 def eids(order: str, group: int) -> Callable[[int], EID]:
     """Experience n's eid: groups of `group` runs; in order, PUSH // group tasks an explorer step (as
     Trinity-RFT numbers them); in no order, 32 hex digits of a digest a task (as a uuid4 hex, verl's
-    and AReaL's, or TorchRL's digest of the prompt are), the same in every round."""
+    and AReaL's, or TorchRL's digest of the prompt are), the same in every round; `ordered_id`, an
+    ordered_id() a task, made as the experience is (AReaL's workflow names an episode's group so)."""
     tasks = PUSH // group
     if order == "in order":
         return lambda n: EID(batch=n // PUSH, task=n // group % tasks, run=n % group)
+    if order == "ordered_id":
+        named: dict[int, str] = {}
+        return lambda n: EID(batch="areal", task=named.setdefault(n // group, ordered_id()), run=n % group)
     return lambda n: EID(batch="verl", task=hashlib.md5(str(n // group).encode()).hexdigest(), run=n % group)
 
 
@@ -163,27 +168,23 @@ def measure(live: int, rounds: int, steps: int, groups: list[int]) -> dict[tuple
 
 
 def report(command: str, load: str, live: int, steps: int, found: dict[tuple[int, str, str], list[Found]]) -> str:
+    """A row a group size, side and order of uids: medians, and each beside the same side in order."""
+
     def median(key: tuple[int, str, str], name: str) -> float:
         return statistics.median(getattr(figures, name) for figures in found[key])
 
     rows = []
     for group, side in sorted({(group, side) for group, side, _ in found}, key=lambda k: (k[0], k[1] != "store")):
-        cells = []
-        for name in ("push", "consume"):
-            ordered, unordered = median((group, side, ORDERS[0]), name), median((group, side, ORDERS[1]), name)
-            cells += [f"{ordered:.1f}", f"{unordered:.1f}", f"**{unordered / ordered:.2f}x**"]
-        ordered, unordered = median((group, side, ORDERS[0]), "wrote"), median((group, side, ORDERS[1]), "wrote")
-        cells += [f"{ordered:,.0f}", f"{unordered:,.0f}", f"**{unordered / ordered:.2f}x**"]
-        rows.append(f"| {group} | {side} | " + " | ".join(cells) + " |")
-    columns = ["groups of", "side", "push µs in order", "no order", "no / in order"]
-    columns += [
-        "consume µs in order",
-        "no order",
-        "no / in order",
-        "bytes written in order",
-        "no order",
-        "no / in order",
-    ]
+        base = {name: median((group, side, ORDERS[0]), name) for name in ("push", "consume", "wrote")}
+        for order in ORDERS:
+            if (group, side, order) not in found:
+                continue
+            got = {name: median((group, side, order), name) for name in base}
+            cells = [f"{got['push']:.1f}", f"{got['consume']:.1f}", f"{got['wrote']:,.0f}"]
+            cells += [f"**{got[name] / base[name]:.2f}x**" for name in base]
+            rows.append(f"| {group} | {side} | {order} | " + " | ".join(cells) + " |")
+    columns = ["groups of", "side", "uids", "push µs", "consume µs", "bytes written"]
+    columns += ["push / in order", "consume / in order", "bytes / in order"]
     about = (
         f"2 cores (load average {load} at the start); {live:,} experiences of 8 KB held, then {steps} steps of a push "
         f"of {PUSH} and a consume of {PUSH}; CPU µs an experience and bytes handed to write calls an experience "
