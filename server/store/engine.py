@@ -36,7 +36,7 @@ from .core.verbs import retire
 from .core.whole_table import reading
 from .core.whole_table.migrate import migrate
 from .disk import chunked, layout, residency
-from .disk.environment import STOP_POLL_SECONDS, Environment, Writer
+from .disk.environment import Environment, Writer
 from .disk.kinds import Compute, Entry, FailResult, PutResult
 from .disk.stored_advantages import FinishBatch
 from .forward import Forwarded
@@ -288,8 +288,7 @@ class Store(ServiceCalls):
             granted = self._in_table(table, lambda tt: admission.grant(tt, count, grant_seconds, holder))
             if granted.count or time.monotonic() >= deadline or (stop is not None and stop()):
                 return granted
-            until = deadline if stop is None else min(deadline, time.monotonic() + STOP_POLL_SECONDS)
-            self.environment.wait_for_change(generation, until)
+            self.environment.wait_for_change(generation, deadline, poll=stop is not None)
 
     def finish_grant(self, table: str, grant_id: str, accepted: int | None = None, holder: str = "") -> int:
         """End a grant: `accepted` rollouts stay counted (None: all); returns those given back.

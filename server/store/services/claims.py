@@ -20,7 +20,7 @@ from expbuf.client.schema.call_limits import MAX_LEASE_SECONDS, MAX_REWARDS
 from expbuf.client.schema.prompts import MAX_PROMPTS_PER_CALL
 
 from ..core.table_state.state import TableState
-from ..disk.environment import STOP_POLL_SECONDS, Environment
+from ..disk.environment import Environment
 from ..ledger.claimed import Claimed
 from ..ledger.hand_out import STEP_HASHES
 from ..ledger.prompt_stats import KeptStats, read_stats
@@ -193,7 +193,7 @@ class Claims:
                 continue
             if claimed or step.done or time.monotonic() >= deadline or stopped:
                 return claimed, step.done
-            self.environment.wait_for_change(generation, min(deadline, time.monotonic() + STOP_POLL_SECONDS))
+            self.environment.wait_for_change(generation, deadline, poll=True)
 
     def renew(
         self, table: str, name: str, prompts: Sequence[tuple[int, int, int]], seconds: float, *, holder: str = ""

@@ -46,7 +46,7 @@ import lmdb
 from ..core.ordering.ready import IndexBuilding
 from ..core.table_state.state import TableState
 from ..disk import chunk_heads, chunked, layout, zstd_workers
-from ..disk.environment import STOP_POLL_SECONDS, Environment
+from ..disk.environment import Environment
 from ..disk.kinds import Ahead, Compute, Entry, MayWait, Push, PutResult
 from ..rules import capacity, limiter, partials, pushed_advantages, pushes
 from ..schema.errors import Cancelled, Conflict, DamagedPiece, InsertLimited, NotFound, TableFull
@@ -208,13 +208,10 @@ class Pushing:
                 if refused is not None:
                     raise type(stop)(f"{stop}; the push may not wait: {refused}")
                 may_wait = None
-            if gone is None:
-                self.environment.wait_for_change(generation, deadline)
-                continue
-            if gone():
+            if gone is not None and gone():
                 table = todo[0].push.table
                 raise Cancelled(f"a push to table '{table}' ended while it waited for room; nothing of it was stored")
-            self.environment.wait_for_change(generation, min(deadline, time.monotonic() + STOP_POLL_SECONDS))
+            self.environment.wait_for_change(generation, deadline, poll=gone is not None)
 
     def _dropped(self, ready: Ready, damaged: DamagedPiece) -> DamagedPiece:
         """The refusal of a push that met a damaged piece (nothing of it kept), once the rollout's

@@ -18,7 +18,7 @@ import lmdb
 
 from ..core.ordering.ready import IndexBuilding
 from ..core.table_state.state import TableState
-from ..disk.environment import STOP_POLL_SECONDS, Environment
+from ..disk.environment import Environment
 from ..disk.kinds import Sampled
 from ..disk.stored_advantages import FinishBatch, StageCounts
 from ..rules import staleness
@@ -139,7 +139,7 @@ class Sampling:
                 return result
             if stop is not None and stop():
                 return None
-            self.environment.wait_for_change(generation, min(deadline, time.monotonic() + STOP_POLL_SECONDS))
+            self.environment.wait_for_change(generation, deadline, poll=True)
 
     def _isolated(self, txn: lmdb.Transaction[bytes], fn: Callable[[lmdb.Transaction[bytes]], T]) -> T | _Refused:
         """`fn` in a transaction nested in txn: a refusal undoes only its own changes and is

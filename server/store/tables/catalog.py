@@ -147,16 +147,21 @@ class TableCatalog:
         """A table's state in `txn`; NotFound where `txn` no longer holds the table (`holds`)."""
         if not self.holds(txn, table_id, config.name):
             raise NotFound(f"table '{clip(config.name)}' does not exist")
-        extensions = self._extensions.get(table_id, _NO_EXTENSIONS)
-        now = self.clock() if now is None else now
-        return TableState(txn, self.db, table_id, config, now, extensions, self.environment.views)
+        return self._state(txn, table_id, config, now)
 
     def state_of(self, txn: lmdb.Transaction[bytes], table_id: int) -> TableState | None:
         """The state of the table with this id; None for a dropped table."""
         table = self.by_id(table_id)
         if table is None or not self.holds(txn, table_id, table[0]):
             return None
-        return self.state(txn, table_id, table[1])
+        return self._state(txn, table_id, table[1])
+
+    def _state(
+        self, txn: lmdb.Transaction[bytes], table_id: int, config: TableConfig, now: float | None = None
+    ) -> TableState:
+        extensions = self._extensions.get(table_id, _NO_EXTENSIONS)
+        now = self.clock() if now is None else now
+        return TableState(txn, self.db, table_id, config, now, extensions, self.environment.views)
 
     # ---- changes -------------------------------------------------------------------------
 

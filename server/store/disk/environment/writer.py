@@ -281,9 +281,12 @@ class Writer:
         """Counts committed batches of requests; wait_for_change() waits for the next."""
         return self._generation
 
-    def wait_for_change(self, generation: int, deadline: float) -> bool:
+    def wait_for_change(self, generation: int, deadline: float, *, poll: bool = False) -> bool:
         """Wait until a batch after `generation` is committed, wake() is called, or the monotonic
-        deadline; whether a batch was committed."""
+        deadline (with `poll`, at most STOP_POLL_SECONDS: its caller looks again whether its call
+        has ended); whether a batch was committed."""
+        if poll:
+            deadline = min(deadline, time.monotonic() + STOP_POLL_SECONDS)
         with self._changed:
             if self._generation == generation:
                 self._changed.wait(max(0.0, deadline - time.monotonic()))
