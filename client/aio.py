@@ -19,7 +19,7 @@ import grpc
 import grpc.aio
 
 from .errors import ExpbufError
-from .prefetch import Outcome, Prefetcher
+from .prefetch import Outcome, Prefetcher, undecoded
 from .pushers.aio import AsyncPusher
 from .results import AsyncBatch, Batch
 from .rpc import aio_status, calls, declare
@@ -213,14 +213,28 @@ class AsyncBufferClient(ServerCalls, Awaiting, ClientBase):
         parts = Parts()
         status = aio_status.StreamStatus(call)
         outcomes: asyncio.Queue[Outcome] = asyncio.Queue()
+        handing, writing = calls.Handing(), asyncio.Lock()
 
         def decode(reply: SampleReplyParts) -> AsyncBatch:
             return calls.batch(reply, table, self, AsyncBatch, columnar=bool(spec.fields))
 
+        async def read() -> SampleReplyParts | None:
+            while (reply := await _read_whole(call, parts)) is not None:
+                if not reply.rest.stopping:
+                    return reply
+                async with writing:  # the server is stopping: what was handed over, at once
+                    if (answer := handing.answer()) is not None:
+                        with contextlib.suppress(grpc.RpcError, asyncio.InvalidStateError):  # ended: its end follows
+                            await call.write(answer)
+            return None
+
         async def next_batch() -> Batch | None:
-            if ahead is not None:
+            if ahead is None:
+                reply = await read()
+            elif spec.ahead:
                 return ahead.take(await outcomes.get())
-            reply = await _read_whole(call, parts)
+            else:
+                reply = ahead.take(await outcomes.get())
             return None if reply is None else decode(reply)
 
         async def passed() -> None:  # the outcomes after the caller stopped, to the stream's end
@@ -228,20 +242,23 @@ class AsyncBufferClient(ServerCalls, Awaiting, ClientBase):
                 ahead.skip(await outcomes.get())
 
         ahead: Prefetcher | None = None
-        received, seconds = 0, 0.0  # seconds: the server's confirm bound, as its replies say
+        seconds = 0.0  # the server's confirm bound, as its replies say
         try:
-            await call.write(spec.request(self.max_message_bytes))
-            if spec.ahead:
+            await call.write(spec.request(self.max_message_bytes, answers_stopping=True))
+            if spec.max_batches != 1:  # replies come ahead: read them as they come (prefetch.py)
                 loop = asyncio.get_running_loop()
-                read = _reader(lambda: _read_whole(call, parts), loop)
-                ahead = Prefetcher(read, decode, spec.ahead, _deliverer(outcomes, loop))
+                decoding = decode if spec.ahead else undecoded
+                ahead = Prefetcher(_reader(read, loop), decoding, spec.ahead, _deliverer(outcomes, loop))
                 call.add_done_callback(ahead.call_done)
             while (batch := await next_batch()) is not None:
                 seconds = batch.confirm_seconds
                 batch = calls.handed(batch, spec.lease_seconds, confirmed)
-                received += 1
+                async with writing:
+                    if (confirmation := handing.hand()) is not None:
+                        await call.write(confirmation)
+                if confirmation is None:  # the server is stopping: not handed over; the end follows
+                    continue
                 confirmed = time.monotonic()
-                await call.write(calls.confirmation(received))
                 yield batch
         except grpc.RpcError:  # the stream ended: by its own status, raised unless OK
             error = await status.error()
@@ -252,7 +269,8 @@ class AsyncBufferClient(ServerCalls, Awaiting, ClientBase):
                 ahead.stop()
             if not call.done():  # the caller stopped early: end the stream cleanly
                 with contextlib.suppress(grpc.RpcError, asyncio.TimeoutError, asyncio.InvalidStateError):
-                    await call.write(calls.confirmation(received, stop=True))
+                    async with writing:
+                        await call.write(calls.confirmation(handing.received, stop=True))
                     await asyncio.wait_for(_drain(call) if ahead is None else passed(), calls.STOP_SECONDS)
                 call.cancel()
             if ahead is not None:  # its thread reads the stream to its end

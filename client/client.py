@@ -24,7 +24,7 @@ from expbuf.proto.v1 import buffer_pb2 as pb
 
 from .errors import BufferError as BufferError  # the old name, for code that imports it from here
 from .errors import ExpbufError
-from .prefetch import Outcome, Prefetcher
+from .prefetch import Outcome, Prefetcher, undecoded
 from .pushers.blocking import Pusher
 from .results import (
     AsyncBatch,
@@ -69,11 +69,6 @@ __all__ = [
 ]
 
 
-def _as_read(reply: SampleReplyParts) -> SampleReplyParts:
-    """A reply read ahead with prefetch=0, handed on to be decoded on the caller's thread."""
-    return reply
-
-
 class SampleRequests:
     """The request side of a blocking Sample stream: the request, then one confirmation
     per batch received, until closed."""
@@ -92,7 +87,10 @@ class SampleRequests:
         return request
 
     def confirm(self, received: int, *, stop: bool = False) -> None:
-        self._queue.put(calls.confirmation(received, stop=stop))
+        self.send(calls.confirmation(received, stop=stop))
+
+    def send(self, request: pb.SampleRequest) -> None:
+        self._queue.put(request)
 
     def close(self) -> None:
         self._queue.put(None)
@@ -255,16 +253,22 @@ class BufferClient(ServerCalls, Blocking, ClientBase):
         order = self._orders.check(spec.order)
         if order is not None:  # a registered order's name: the server's orders are asked for first
             self._run(order)
-        requests = SampleRequests(spec.request(self.max_message_bytes))
+        requests = SampleRequests(spec.request(self.max_message_bytes, answers_stopping=True))
         confirmed = time.monotonic()  # the last confirmation sent (the request, before the first)
         stream = self._sample(requests, metadata=self._metadata)
         outcomes: queue.SimpleQueue[Outcome[Any]] = queue.SimpleQueue()
         parts = Parts()
+        handing, sending = calls.Handing(), threading.Lock()
 
         def read() -> SampleReplyParts | None:
             while (reply := next(stream, None)) is not None:
-                if (whole := parts.add(reply)) is not None:
+                if (whole := parts.add(reply)) is None:
+                    continue
+                if not whole.rest.stopping:
                     return whole
+                with sending:  # the server is stopping: what was handed over, at once
+                    if (answer := handing.answer()) is not None:
+                        requests.send(answer)
             parts.end()
             return None
 
@@ -283,18 +287,21 @@ class BufferClient(ServerCalls, Blocking, ClientBase):
         ahead: Prefetcher[Any] | None = None
         if spec.ahead:
             ahead = Prefetcher(read, decode, spec.ahead, outcomes.put)
-        elif spec.window > 1 and spec.max_batches != 1:  # replies come ahead: read them as they come (prefetch.py)
-            ahead = Prefetcher(read, _as_read, 0, outcomes.put)
+        elif spec.max_batches != 1:  # replies come ahead: read them as they come (prefetch.py)
+            ahead = Prefetcher(read, undecoded, 0, outcomes.put)
         if ahead is not None:
             stream.add_done_callback(ahead.call_done)
-        received, seconds = 0, 0.0  # seconds: the server's confirm bound, as its replies say
+        seconds = 0.0  # the server's confirm bound, as its replies say
         try:
             while (batch := next_batch()) is not None:
                 seconds = batch.confirm_seconds
                 batch = calls.handed(batch, spec.lease_seconds, confirmed)
-                received += 1
+                with sending:
+                    if (confirmation := handing.hand()) is not None:
+                        requests.send(confirmation)
+                if confirmation is None:  # the server is stopping: not handed over; the end follows
+                    continue
                 confirmed = time.monotonic()
-                requests.confirm(received)
                 yield batch
         except grpc.RpcError as exc:
             raise calls.ended_late(exc.code(), table, seconds, confirmed) or self._error(exc) from None
@@ -303,7 +310,8 @@ class BufferClient(ServerCalls, Blocking, ClientBase):
                 ahead.stop()
             timer = threading.Timer(calls.STOP_SECONDS, stream.cancel)
             if stream.running():  # the caller stopped early: end the stream cleanly
-                requests.confirm(received, stop=True)
+                with sending:
+                    requests.confirm(handing.received, stop=True)
                 timer.start()
                 if ahead is None:
                     with contextlib.suppress(grpc.RpcError):

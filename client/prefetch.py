@@ -21,12 +21,13 @@ Both clients use it. The blocking client's `read` is its stream's next reply; th
 client's reads on its event loop, so there only the decode runs on this thread. Each client
 hands the outcomes to `take` in the order `deliver` got them, confirming each batch it returns.
 
-The blocking client reads ahead even with prefetch=0 (`depth` 0: the reader alone, the replies
-decoded on the caller's thread), wherever its window lets the server send ahead: gRPC's blocking
-stream tells of its end only once every reply before it was read, so a caller that asks for a
-reply sent ahead would otherwise get it after the server had ended the stream and given it back,
-and train on a batch the buffer holds again. (The asyncio client learns of the end from its
-confirmation's write, which fails.)
+Both clients read ahead even with prefetch=0 (`depth` 0: the reader alone, the replies decoded
+on the caller's thread, `undecoded`) on any stream of more than one batch, where the server sends
+one ahead while the caller works (with a window of 1 too): a gRPC stream tells of its end only
+once every reply before it was read, so a caller that asks for a reply sent ahead would otherwise
+get it after the server had ended the stream and given it back, and train on a batch the buffer
+holds again; and the reader answers at once a server's word that it is stopping
+(calls.Handing), whatever the caller is doing.
 """
 
 from __future__ import annotations
@@ -43,6 +44,11 @@ from .rpc.sample_reply import SampleReplyParts
 THREAD_NAME = "expbuf-prefetch"
 READER_NAME = "expbuf-sample-reader"  # the thread that reads a stream's replies as they come
 T = TypeVar("T", Batch, SampleReplyParts)
+
+
+def undecoded(reply: SampleReplyParts) -> SampleReplyParts:
+    """A reply read ahead with prefetch=0, handed on to be decoded on the caller's thread."""
+    return reply
 
 
 @dataclass(frozen=True)

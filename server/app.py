@@ -307,7 +307,7 @@ class ExpbufServer:
         other running RPCs finish within grace, commit, close."""
         self.health.enter_graceful_shutdown()
         stopped = self.grpc.stop(grace)  # no new RPCs from now on
-        self.service.draining.begin()
+        self.service.draining.begin(grace)
         self.store.wake()  # Sample streams waiting for data see the stop at once
         stopped.wait()
         ended = self.service.draining.ended

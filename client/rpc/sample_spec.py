@@ -147,9 +147,11 @@ class SampleSpec:
         one = replace(self, timeout=0.0, max_batches=1, allow_partial=allow_partial)
         return replace(one, num_groups=size) if self.by_groups else replace(one, batch_size=size)
 
-    def request(self, max_reply_bytes: int) -> pb.SampleRequest:
+    def request(self, max_reply_bytes: int, *, answers_stopping: bool = False) -> pb.SampleRequest:
         """The first message of the Sample stream, for a client that receives messages of up to
-        `max_reply_bytes` (a larger batch comes in parts)."""
+        `max_reply_bytes` (a larger batch comes in parts) and, with `answers_stopping`, answers
+        a server's word that it is stopping (calls.Handing; a held batch's stream does not: it
+        delivers its batch only once the stream has ended)."""
         return pb.SampleRequest(
             table=self.table,
             batch_size=self.batch_size or 0,
@@ -168,4 +170,5 @@ class SampleSpec:
             compact_advantages=True,
             fields=self.fields or (),
             max_reply_bytes=max_reply_bytes,
+            answers_stopping=answers_stopping,
         )

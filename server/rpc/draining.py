@@ -8,12 +8,19 @@ UNAVAILABLE, the status of a server that went away, which the clients answer by 
 the restarted server: a PushStream once it has answered every push it had read, a Sample stream
 between batches (a batch not yet confirmed returns to the buffer, as on any broken stream). The
 stop then lasts as long as the work in flight.
+
+A Sample stream with batches sent ahead first tells a client that answers it that it is stopping,
+and waits for the client's count of the batches it handed over, within the grace less
+ANSWER_MARGIN (`answer_seconds`): the client may be handing one over as the status travels, and
+that batch would be trained on and, back in the buffer, served again.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 import threading
+import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 from typing import NoReturn
@@ -24,6 +31,9 @@ from expbuf.client.schema.reasons import Reason
 
 from .interceptors.base import refuse
 
+# What a stopping stream keeps of the grace for its status to reach the client before gRPC cancels
+# the call: a wait for a client's answer ends this long before the grace does.
+ANSWER_MARGIN = 1.0
 SHUTTING_DOWN = (
     "the server is shutting down; send again on a new stream (the expbuf clients do so for UNAVAILABLE), "
     "to this server once it is back or to another"
@@ -36,6 +46,7 @@ class Draining:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._stopping = False
+        self._until = math.inf  # when the stop's grace ends (monotonic clock)
         self._wakes: set[Callable[[], None]] = set()
         self.ended: Counter[str] = Counter()  # streams ended by the stop, by method
 
@@ -43,13 +54,20 @@ class Draining:
     def stopping(self) -> bool:
         return self._stopping
 
-    def begin(self) -> None:
-        """The stop began: wake every open stream, so that each ends at its next safe point."""
+    def begin(self, grace: float | None) -> None:
+        """The stop began, with `grace` seconds for the calls in flight (None: none): wake every
+        open stream, so that each ends at its next safe point."""
         with self._lock:
             self._stopping = True
+            self._until = time.monotonic() + (grace or 0.0)
             wakes = list(self._wakes)
         for wake in wakes:
             wake()
+
+    def answer_seconds(self) -> float:
+        """How long a stopping stream may wait for its client's answer: the grace left, less
+        ANSWER_MARGIN (0 when none is left)."""
+        return max(0.0, self._until - time.monotonic() - ANSWER_MARGIN)
 
     @contextlib.contextmanager
     def watching(self, wake: Callable[[], None]) -> Iterator[None]:

@@ -296,6 +296,7 @@ class ExperienceBufferService(LedgerServicer, ReadServicer, ValuesServicer, pb_g
                 draining=self.draining,
                 bound=bound,
                 confirm_seconds=self.max_confirm_seconds,
+                answers_stopping=first.answers_stopping,
             )
         except DamagedPayload as exc:  # found as its reply was built: the batch went back unsent
             self._refuse_damaged(

@@ -27,8 +27,8 @@ import pytest
 from expbuf.client import AsyncBufferClient, BufferClient, PushResult, UnavailableError, trxp
 from expbuf.proto.v1 import buffer_pb2 as pb
 
-from faultkit import SampleStream, channel, group, payload, stats, stub
-from helpers import ServerProcess
+from faultkit import SampleStream, SlowReplies, channel, group, payload, sample_all, stats, stub
+from helpers import ServerProcess, wait_for
 
 pytestmark = pytest.mark.faults
 log = logging.getLogger(__name__)
@@ -198,3 +198,110 @@ def test_a_consumed_batch_not_confirmed_at_a_stop_is_back_after_the_restart_and_
             again.next()
         assert waited.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED, "the confirmed batch was delivered again"
         assert not set(confirmed) & set(unconfirmed)
+
+
+SLOW = 3.0  # seconds the server's bytes take to reach the client through SlowReplies
+
+
+@pytest.mark.parametrize(("kind", "window"), [("blocking", 2), ("asyncio", 2), ("blocking", 1)])
+def test_a_batch_sent_ahead_and_handed_over_while_the_stop_travels_is_delivered_once(
+    tmp_path: Path, serve: Callable[..., ServerProcess], kind: str, window: int
+) -> None:
+    """A trainer's sample() has a batch and `window` more sent ahead when the server stops,
+    and its replies take SLOW seconds to arrive: it asks for the next batch after the server ended
+    the stream, before the end has reached it. The server gave them back as it stopped; a client
+    that took one then was trained on a batch the restarted server served again. Now the server
+    tells the client it is stopping and waits for its answer: they are not handed over,
+    the caller gets UNAVAILABLE, and after the restart every experience is delivered once."""
+    data = str(tmp_path / "data")
+    server = serve(data)
+    with channel(server.target) as chan:
+        buffer = stub(chan)
+        for task in range(4):
+            buffer.Push(pb.PushRequest(payload=trxp.build(group("s", task, 1))), timeout=30)
+    proxy = SlowReplies(server.target)
+    handed: list[list[str]] = []
+    outcome: list[BaseException] = []
+    codes: list[int] = []
+    stopper = threading.Thread(target=lambda: codes.append(stopped(server)))
+
+    def sent_ahead() -> None:  # the batches after the first are at the client, unconfirmed
+        with channel(server.target) as chan:
+            wait_for(lambda: stats(stub(chan)).ready == 3 - window, "the batches sent ahead")
+        assert proxy.flushed(), "the batches sent ahead did not reach the client"
+        proxy.delay = SLOW
+
+    if kind == "blocking":
+        with BufferClient(proxy.target, timeout=60) as client:
+            batches = client.sample("default", num_groups=1, window=window, timeout=60)
+            handed.append(list(next(batches).uids))
+            sent_ahead()
+            stopper.start()
+            time.sleep(SLOW / 2)  # the server has stopped the stream; its end is on its way
+            try:
+                handed.extend(list(batch.uids) for batch in batches)
+            except UnavailableError as exc:
+                outcome.append(exc)
+    else:
+
+        async def consume() -> None:
+            async with AsyncBufferClient(proxy.target, timeout=60) as client:
+                batches = client.sample("default", num_groups=1, window=window, timeout=60)
+                handed.append(list((await anext(batches)).uids))
+                await asyncio.to_thread(sent_ahead)
+                stopper.start()
+                await asyncio.sleep(SLOW / 2)  # the server has stopped the stream; its end is on its way
+                try:
+                    async for batch in batches:
+                        handed.append(list(batch.uids))
+                except UnavailableError as exc:
+                    outcome.append(exc)
+
+        asyncio.run(consume())
+    stopper.join()
+    proxy.close()
+    assert codes == [0], "".join(server.log)
+    assert len(outcome) == 1 and "shutting down" in str(outcome[0]), (outcome, handed)
+    assert ended_by_the_stop(server) == [1], "".join(server.log)
+    server = serve(data)
+    with channel(server.target) as chan:
+        request = pb.SampleRequest(num_groups=4, delivery=pb.DELIVERY_CONSUME, allow_partial=True, max_batches=1)
+        after = [uid for reply in sample_all(stub(chan), request) for uid in reply.uids]
+    trained = [uid for uids in handed for uid in uids]
+    assert not set(trained) & set(after), f"trained before the stop and served again after it: {trained}, {after}"
+    assert sorted(trained + after) == sorted(item.uid for task in range(4) for item in group("s", task, 1))
+
+
+def test_a_raw_client_that_answers_the_stop_has_the_batches_it_counts_delivered(
+    tmp_path: Path, serve: Callable[..., ServerProcess]
+) -> None:
+    """The wire as a raw client sees it: with answers_stopping, a stop while batches sent ahead wait
+    unconfirmed comes first as a reply with `stopping` alone, saying how long the server waits; the
+    answer's count is delivered (here the batch sent ahead, handed over as the stop came), the rest
+    return to the buffer, and the stream ends UNAVAILABLE."""
+    data = str(tmp_path / "data")
+    server = serve(data)
+    with channel(server.target) as chan:
+        buffer = stub(chan)
+        buffer.Push(pb.PushRequest(payload=trxp.build([i for t in range(3) for i in group("a", t, 1)])), timeout=30)
+        request = pb.SampleRequest(
+            num_groups=1, delivery=pb.DELIVERY_CONSUME, wait_seconds=60, window=2, answers_stopping=True
+        )
+        stream = SampleStream(buffer, request)
+        first = list(stream.next().uids)
+        second, third = (list(next(stream.call).uids) for _ in range(2))  # sent ahead, not confirmed
+        stopper = threading.Thread(target=stopped, args=(server,))
+        stopper.start()
+        said = next(stream.call)
+        assert said.stopping and not said.uids and 0 < said.confirm_seconds <= 9, said
+        stream.received = 2  # the second was handed over; the third was not
+        stream.stop_now()
+        with pytest.raises(grpc.RpcError) as ended:
+            next(stream.call)
+        assert ended.value.code() == grpc.StatusCode.UNAVAILABLE, ended.value
+        stopper.join()
+    server = serve(data)
+    with channel(server.target) as chan:
+        request = pb.SampleRequest(num_groups=3, delivery=pb.DELIVERY_CONSUME, allow_partial=True, max_batches=1)
+        after = [uid for reply in sample_all(stub(chan), request) for uid in reply.uids]
+    assert after == third, (first, second, third, after)

@@ -14,11 +14,12 @@ and the Sample stream's pieces (`sample_stream.py`).
 
 from .attempts import Attempts, one_reply
 from .push_calls import Items, payload, payload_uids, push, push_requests, push_result
-from .sample_stream import STOP_SECONDS, Orders, batch, confirm_by, confirmation, ended_late, handed
+from .sample_stream import STOP_SECONDS, Handing, Orders, batch, confirm_by, confirmation, ended_late, handed
 
 __all__ = [
     "STOP_SECONDS",
     "Attempts",
+    "Handing",
     "Items",
     "Orders",
     "batch",

@@ -63,6 +63,35 @@ def confirmation(received: int, *, stop: bool = False) -> pb.SampleRequest:
     return pb.SampleRequest(received=received, stop=stop)
 
 
+class Handing:
+    """The batches a sample() stream's client has handed to its caller, each confirmed as it goes,
+    and whether the server said it is stopping (SampleReply.stopping): the client answers that at
+    once with the count handed over, and hands over none after it, so that no batch is both
+    trained on and back in the buffer after the restart. Each client calls `hand` and `answer`
+    under a lock of its own kind and sends what they return under it, so that no confirmation
+    follows the answer."""
+
+    def __init__(self) -> None:
+        self.received = 0
+        self.stopping = False
+
+    def hand(self) -> pb.SampleRequest | None:
+        """The confirmation of one more batch handed over; None once the server said it is
+        stopping: the batch is not handed over (it returns to the buffer)."""
+        if self.stopping:
+            return None
+        self.received += 1
+        return confirmation(self.received)
+
+    def answer(self) -> pb.SampleRequest | None:
+        """The answer to the server's word that it is stopping (None after the first): the
+        batches handed over, and nothing more asked for."""
+        if self.stopping:
+            return None
+        self.stopping = True
+        return confirmation(self.received, stop=True)
+
+
 def batch(reply: SampleReplyParts, table: str, leases: Leases | None, kind: type[B], *, columnar: bool = False) -> B:
     """A sampled batch, decoded (the checks a reader relies on), that acknowledges, gives
     back and renews through `leases` (the client's). The client confirms a batch only once

@@ -23,7 +23,11 @@ both sides see, so a client measures it on its own clock and never hands over a 
 confirmation would reach too late (client/rpc/calls/sample_stream.py).
 
 When the server stops, the stream ends between batches with UNAVAILABLE (rpc/draining.py): what the
-client confirmed by then is delivered, and the rest returns to the buffer.
+client confirmed by then is delivered, and the rest returns to the buffer. A client that may be
+handing a batch sent ahead to its caller just then would confirm it too late, and the batch would
+be served again after the restart: so a client that says it answers (`answers_stopping`) is told
+first (a reply with `stopping`), and the stream waits, within the stop's grace, for its count of
+the batches it handed over; it hands over none after the message.
 """
 
 from __future__ import annotations
@@ -138,6 +142,11 @@ class ClientSide:
         with self._changed:
             return self._changed.wait_for(lambda: self.terminated, seconds)
 
+    def wait_done(self, seconds: float) -> None:
+        """Wait until the client asks for nothing more or goes, at most `seconds`."""
+        with self._changed:
+            self._changed.wait_for(lambda: self.done, seconds)
+
     def confirmed(self) -> tuple[int, float]:
         """The batches confirmed, and when the last confirmation came (monotonic clock)."""
         with self._changed:
@@ -167,6 +176,7 @@ def stream_batches(
     draining: Draining,
     confirm_seconds: float,
     bound: str = "",
+    answers_stopping: bool = False,
 ) -> Iterator[bytes]:
     """The replies of one stream, each batch's messages made by `reply(batch, seconds)` (one, or
     its parts): `seconds` is how long
@@ -181,10 +191,11 @@ def stream_batches(
     data for its next batch while batches it sent wait in the client ends only once those are
     confirmed (delivered) or the client is gone: the client hands a batch to its caller and
     confirms it without knowing whether the stream has ended, and one given back as the stream
-    ended would be trained on and delivered again.
+    ended would be trained on and delivered again. For the same reason a client that
+    `answers_stopping` is told of a stop before its stream ends (`_Window.end_at_stop`).
     """
     client = ClientSide(requests, context)
-    window = _Window(store, spec, client, owner, confirm_seconds)
+    window = _Window(store, spec, client, owner, confirm_seconds, answers_stopping)
     try:
         with draining.watching(client.interrupt):
             while True:
@@ -195,14 +206,14 @@ def stream_batches(
                     if client.stopped or client.broken or not context.is_active():
                         return
                     if client.interrupted:
-                        draining.end("Sample", context)
+                        yield from window.end_at_stop(draining, context)
                     if window.overdue():
                         window.end_overdue(context)
                     if window.unconfirmed:  # batches sent ahead: confirmed (delivered) before the stream ends
                         if window.confirm_each():
                             continue  # the next batch's wait for data counts from the last confirmation
                         if client.interrupted and not client.done:
-                            draining.end("Sample", context)
+                            yield from window.end_at_stop(draining, context)
                         if window.overdue() and not client.done:
                             window.end_overdue(context)
                         break
@@ -224,7 +235,7 @@ def stream_batches(
                     window.confirm_each() if last else client.wait_confirmed(window.sent - spec.window + 1, window.due)
                 ):
                     if client.interrupted and not client.done:
-                        draining.end("Sample", context)
+                        yield from window.end_at_stop(draining, context)
                     if window.overdue() and not client.done:
                         window.end_overdue(context)
                     break
@@ -241,9 +252,12 @@ class _Window:
     """The batches of one stream sent and not yet delivered: the unconfirmed ones, in the
     order sent, and the confirmed ones that the next take's commit delivers."""
 
-    def __init__(self, store: Store, spec: TakeSpec, client: ClientSide, owner: str, seconds: float) -> None:
+    def __init__(
+        self, store: Store, spec: TakeSpec, client: ClientSide, owner: str, seconds: float, answers: bool
+    ) -> None:
         self.store, self.spec, self.client, self.owner = store, spec, client, owner
         self.seconds = seconds  # max_confirm_seconds
+        self.answers = answers  # the client answers a reply that says the server is stopping
         self.sent = 0
         self.unconfirmed: deque[Sampled] = deque()
         self.sent_at: deque[float] = deque()  # when each unconfirmed batch was sent (monotonic clock)
@@ -322,6 +336,17 @@ class _Window:
             "went back to the buffer, and a confirmation sent now delivers nothing; open a new stream",
             Reason.UNCONFIRMED,
         )
+
+    def end_at_stop(self, draining: Draining, context: grpc.ServicerContext) -> Iterator[bytes]:
+        """End the stream, the server stopping: UNAVAILABLE, its unconfirmed batches back in the
+        buffer as it closes. A client that answers, with batches sent ahead unconfirmed, is told
+        first (SampleReply.stopping, saying how long the stream waits) and hands over none of them
+        after it; its answer confirms those it handed over before, which are then delivered."""
+        seconds = draining.answer_seconds()
+        if self.answers and self.unconfirmed and seconds > 0 and not self.client.done and context.is_active():
+            yield pb.SampleReply(stopping=True, confirm_seconds=seconds).SerializeToString()
+            self.client.wait_done(seconds)
+        draining.end("Sample", context)
 
     def take(self, seconds: float, context: grpc.ServicerContext) -> Sampled | None:
         """The next batch, delivering the confirmed ones in its commit. A confirmation that
