@@ -8,7 +8,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import logging
+import socket
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent import futures
 from dataclasses import dataclass
@@ -39,6 +42,7 @@ from conftest import Servers
 from helpers import make_experience, scrape
 
 Outcome = PushResult | ExpbufError
+log = logging.getLogger(__name__)
 
 
 def group(batch: str, task: int, size: int = 4, reward: float = 1.0) -> list[Any]:
@@ -622,3 +626,42 @@ def sharded_push_then_flush(kind: str, target: str, pushes: Sequence[Any], windo
             return list(await asyncio.gather(*pending, return_exceptions=True))
 
     return blocking() if kind == "blocking" else asyncio.run(asyncio_())
+
+
+@pytest.mark.parametrize("kind", sorted(PUSHERS))
+def test_a_push_to_a_server_that_never_answers_fails_at_its_own_timeout(kind: str) -> None:
+    """A pusher made with wait_for_ready whose server never answers (a port that takes
+    connections and says nothing) waits for it: each push fails DEADLINE_EXCEEDED at its own
+    `timeout`, saying that whether it was stored is unknown, and naming its uids. It ran on to
+    its stream's deadline, twice the timeout (a push joins a stream up to `timeout` after it
+    opened), and a push sent again after a broken stream to that of its new stream."""
+    timeout = 1.5
+    silent = socket.create_server(("127.0.0.1", 0))  # listens, never accepts: gRPC's handshake never ends
+    target = f"127.0.0.1:{silent.getsockname()[1]}"
+    items = group(kind, 0)
+    began = time.monotonic()
+    try:
+        if kind == "blocking":
+            with BufferClient(target, wait_for_ready=True) as client, client.pusher(timeout=timeout) as pusher:
+                future = pusher.push(items)
+                outcome = future.exception(timeout=60)
+        else:
+
+            async def body() -> BaseException | None:
+                async with (
+                    AsyncBufferClient(target, wait_for_ready=True) as client,
+                    client.pusher(timeout=timeout) as pusher,
+                ):
+                    future = await pusher.push(items)
+                    await asyncio.wait([future], timeout=60)
+                    return future.exception()
+
+            outcome = asyncio.run(body())
+    finally:
+        silent.close()
+    log.info("the push failed %.2f s after it was made, its timeout %g s", time.monotonic() - began, timeout)
+    assert isinstance(outcome, ExpbufError), outcome
+    assert outcome.code == grpc.StatusCode.DEADLINE_EXCEEDED, outcome
+    assert f"not answered within the pusher's timeout of {timeout:g}s" in outcome.details, outcome
+    assert "whether it was stored is unknown" in outcome.details
+    assert list(outcome.uids) == uids(items)

@@ -28,7 +28,10 @@ class _Open:
         self.call = client.push_stream(window.stream_seconds, message_bytes=window.message_bytes)
         self.status = StreamStatus(self.call)
         self.closed = False
+        self.connected = False  # its call's metadata went: a write no longer waits for the connection
+        self.cancelled = False  # by the pusher, every push on it failed at its deadline (`_look_due`)
         self.watch: asyncio.TimerHandle | None = None  # the look at whether it has gone quiet (Stream.quiet)
+        self.due: asyncio.TimerHandle | None = None  # the look at its pushes' deadlines (PushWindow.overdue)
 
 
 W = TypeVar("W", bound=Ordered[Any])
@@ -157,10 +160,17 @@ class AsyncPusher(AsyncOrderedFutures[PushWindow]):
                 stream = self._stream = _Open(self._window, self._client)
                 self._spawn(self._read(stream))
             stream.state.sent.extend(pushes)
+            self._watch_due(stream)
             try:
+                if not stream.connected:  # a server away (wait_for_ready): no later than the first deadline
+                    due = stream.state.first_due() or time.monotonic()
+                    await asyncio.wait_for(stream.call.wait_for_connection(), max(0.0, due - time.monotonic()))
+                    stream.connected = True
                 for pending in pushes:
                     for request in pending.requests(self._window.chunk_bytes):
                         await stream.call.write(request)
+            except TimeoutError:  # grpc.aio's write after a cancel would wait for the connection for good
+                self._look_due(stream)
             except (grpc.RpcError, asyncio.InvalidStateError):  # the stream ended: its reader decides
                 pass
             stream.state.last_sent = time.monotonic()
@@ -168,6 +178,27 @@ class AsyncPusher(AsyncOrderedFutures[PushWindow]):
                 await self._end(stream)
             else:
                 self._watch(stream)
+
+    def _watch_due(self, stream: _Open) -> None:
+        """Look at `stream`'s pushes when the earliest of their deadlines passes."""
+        due = stream.state.first_due()
+        if due is not None and stream.due is None:
+            stream.due = asyncio.get_running_loop().call_later(max(0.0, due - time.monotonic()), self._look_due, stream)
+
+    def _look_due(self, stream: _Open) -> None:
+        """Fail the pushes past their deadline; a stream left with nothing to wait for is
+        cancelled (a server gone would hold it, and close() with it, until its own deadline)."""
+        if stream.due is not None:
+            stream.due.cancel()
+            stream.due = None
+        if self._window.overdue(stream.state) and stream.state.sent:
+            stream.closed = stream.cancelled = True
+            if self._stream is stream:
+                self._stream = None
+            stream.call.cancel()
+        else:
+            self._watch_due(stream)
+        self._settle()
 
     def _watch(self, stream: _Open) -> None:
         """End `stream` once it has gone quiet with pushes unanswered (Stream.quiet), looking
@@ -195,15 +226,22 @@ class AsyncPusher(AsyncOrderedFutures[PushWindow]):
         task.add_done_callback(self._tasks.discard)
 
     async def _read(self, stream: _Open) -> None:
-        with contextlib.suppress(grpc.RpcError):  # how the stream ended is read below
-            while (reply := await stream.call.read()) is not grpc.aio.EOF:
-                again = self._window.answered(stream.state, reply)
-                self._settle()
-                if again:  # on a new stream: this one answers what it has, then ends
-                    async with self._writing:
-                        await self._end(stream)
-                    await self._send(again)
+        try:
+            with contextlib.suppress(grpc.RpcError):  # how the stream ended is read below
+                while (reply := await stream.call.read()) is not grpc.aio.EOF:
+                    again = self._window.answered(stream.state, reply)
+                    self._settle()
+                    if again:  # on a new stream: this one answers what it has, then ends
+                        async with self._writing:
+                            await self._end(stream)
+                        await self._send(again)
+        except asyncio.CancelledError:  # grpc.aio's read of a call the pusher cancelled raises it
+            if not stream.cancelled:
+                raise
         stream.closed = True
+        if stream.due is not None:
+            stream.due.cancel()
+            stream.due = None
         again, pause = self._window.ended(stream.state, await stream.status.error())
         if self._stream is stream:
             self._stream = None

@@ -10,6 +10,7 @@ import queue
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any, Generic, TypeVar
 
@@ -46,6 +47,19 @@ class _Open:
         self.requests = _Requests(window.chunk_bytes)
         self.replies = client.push_stream(window.stream_seconds, iter(self.requests), window.message_bytes)
         self.watch: threading.Timer | None = None  # the look at whether it has gone quiet (Stream.quiet)
+        self.due: threading.Timer | None = None  # the look at its pushes' deadlines (PushWindow.overdue)
+
+
+def _started(delay: float, look: Callable[[_Open], None], stream: _Open) -> threading.Timer | None:
+    """A look at `stream` in `delay` seconds, on a timer's thread; None where no thread can start
+    (the next push looks again)."""
+    timer = threading.Timer(delay, look, (stream,))
+    timer.daemon = True
+    try:
+        timer.start()
+    except RuntimeError:  # can't start new thread
+        return None
+    return timer
 
 
 W = TypeVar("W", bound=Ordered[Any])
@@ -177,18 +191,30 @@ class Pusher(OrderedFutures[PushWindow]):
             self._end(stream)
             return
         if stream.watch is None:
-            watch = threading.Timer(delay, self._look, (stream,))
-            watch.daemon = True
-            try:
-                watch.start()
-            except RuntimeError:  # can't start new thread: the next push looks again
-                return
-            stream.watch = watch
+            stream.watch = _started(delay, self._look, stream)
 
     def _look(self, stream: _Open) -> None:
         with self._changed:
             stream.watch = None
             self._watch(stream)
+
+    def _watch_due(self, stream: _Open) -> None:
+        """Look at `stream`'s pushes when the earliest of their deadlines passes (under the lock)."""
+        due = stream.state.first_due()
+        if due is not None and stream.due is None:
+            stream.due = _started(max(0.0, due - time.monotonic()), self._look_due, stream)
+
+    def _look_due(self, stream: _Open) -> None:
+        """Fail the pushes past their deadline; a stream left with nothing to wait for is
+        cancelled (a server gone would hold it, and close() with it, until its own deadline)."""
+        with self._changed:
+            stream.due = None
+            if self._window.overdue(stream.state) and stream.state.sent:
+                self._end(stream)
+                stream.replies.cancel()
+            else:
+                self._watch_due(stream)
+        self._settle()
 
     def _send(self, pushes: list[Pending]) -> None:
         """Send pushes on the current stream, a new one if it takes no more (under the lock)."""
@@ -203,6 +229,7 @@ class Pusher(OrderedFutures[PushWindow]):
             self._stream.state.sent.append(pending)
             self._stream.requests.send(pending)
         self._stream.state.last_sent = time.monotonic()
+        self._watch_due(self._stream)
         if self._window.ends_streams:
             self._end(self._stream)
         else:
@@ -225,6 +252,9 @@ class Pusher(OrderedFutures[PushWindow]):
             again, pause = self._window.ended(stream.state, error)
             if self._stream is stream:
                 self._stream = None
+            if stream.due is not None:
+                stream.due.cancel()
+                stream.due = None
         self._settle()
         if again:
             time.sleep(pause)

@@ -18,8 +18,10 @@ fails UNAVAILABLE naming its uids. A stream that reaches its deadline (DEADLINE_
 reason of the server's: the client's own, or a proxy's) is no push's refusal: the server may
 have read and stored any push unanswered on it, and go on storing them after the call ended, so
 each goes again while its deadline lasts and then fails saying that whether it was stored is
-unknown, never that it was not. The server answers a stream's pushes in order, so an answer to a
-later push than the oldest unanswered says the server never got those before it: their messages
+unknown, never that it was not. A push still unanswered at its own deadline fails so then,
+whatever its stream does (PushWindow.overdue): a stream may run on for as long again. The server
+answers a stream's pushes in order, so an answer to a later push than the oldest unanswered says
+the server never got those before it: their messages
 were lost on the way (gRPC's transparent retry can report a message sent that never went:
 connection.RETRIED_METHODS). So was a chunk of a push in chunks that the server refuses as cut
 short (Reason.CUT_SHORT: it read the push's next push, or the stream's end, before its last chunk,
@@ -117,6 +119,11 @@ class Stream:
     sent: deque[Pending] = field(default_factory=deque)
     last_sent: float = 0.0  # monotonic
 
+    def first_due(self) -> float | None:
+        """The earliest deadline of a push unanswered on the stream that has no outcome yet
+        (monotonic clock); None where there is none."""
+        return min((pending.deadline for pending in self.sent if pending.outcome is None), default=None)
+
     def quiet(self) -> float | None:
         """How long until the stream has had no push sent on it for QUIET with pushes still
         unanswered (0: it has, and ends now), so that its last push's loss is known while its
@@ -206,8 +213,25 @@ class PushWindow(Ordered[Pending]):
     @property
     def stream_seconds(self) -> float:
         """A stream's deadline: a push joins one only in its first `timeout` seconds, so each
-        push has at least the client's timeout, as a push alone has."""
+        push has at least the client's timeout, as a push alone has. A push unanswered at its own
+        deadline fails then, not at its stream's (`overdue`)."""
         return 2 * self.timeout
+
+    def overdue(self, stream: Stream) -> bool:
+        """Fail each push unanswered on `stream` whose deadline has passed, DEADLINE_EXCEEDED and
+        whether it was stored unknown, as a push alone is at its deadline: its stream may run on
+        for as long again (a push joins one up to `timeout` after it opened), and a stream that
+        waits for a server that went away (wait_for_ready) waits out its whole deadline. Whether
+        every push sent on `stream` has an outcome now: nothing is left to wait for on it."""
+        now = time.monotonic()
+        for pending in stream.sent:
+            if pending.outcome is None and now >= pending.deadline:
+                pending.fail(
+                    grpc.StatusCode.DEADLINE_EXCEEDED,
+                    f"not answered within the pusher's timeout of {self.timeout:g}s",
+                    ": whether it was stored is unknown, and pushing it again is safe",
+                )
+        return all(pending.outcome is not None for pending in stream.sent)
 
     @contextlib.contextmanager
     def draining(self) -> Iterator[None]:
@@ -248,11 +272,13 @@ class PushWindow(Ordered[Pending]):
         while the pusher's retries and their deadlines last; the others fail, not stored."""
         numbers = [pending.number for pending in stream.sent]
         skipped = numbers.index(reply.seq) if reply.seq in numbers else 0
-        lost = [stream.sent.popleft() for _ in range(skipped)]
+        lost = [pending for pending in (stream.sent.popleft() for _ in range(skipped)) if pending.outcome is None]
         if not stream.sent:
             return []
         pending = stream.sent.popleft()
-        if reply.seq != pending.number:
+        if pending.outcome is not None:  # failed at its deadline (`overdue`), its caller told so
+            pass
+        elif reply.seq != pending.number:
             pending.fail(grpc.StatusCode.INTERNAL, f"PushStream answered seq {reply.seq}, not {pending.number}")
         else:
             pending.outcome = calls.push_result(reply)
@@ -262,7 +288,8 @@ class PushWindow(Ordered[Pending]):
     def ended(self, stream: Stream, exc: grpc.RpcError | None) -> tuple[list[Pending], float]:
         """`stream` ended (with `exc`, or without an error): the pushes to send again, in order,
         after the pause returned; the others unanswered on it have failed."""
-        sent, stream.sent = list(stream.sent), deque()
+        sent = [pending for pending in stream.sent if pending.outcome is None]  # not failed at their deadline
+        stream.sent = deque()
         if not sent:
             return [], 0.0
         if exc is None:  # the server answers every push it read before it ends a stream ended by the pusher
