@@ -39,7 +39,7 @@ from expbuf.client.shards.aio import AsyncShardedBufferClient
 from expbuf.client.shards.blocking import ShardedBufferClient
 
 from conftest import Servers
-from helpers import make_experience, scrape
+from helpers import SlowReplies, make_experience, scrape
 
 Outcome = PushResult | ExpbufError
 log = logging.getLogger(__name__)
@@ -665,3 +665,31 @@ def test_a_push_to_a_server_that_never_answers_fails_at_its_own_timeout(kind: st
     assert f"not answered within the pusher's timeout of {timeout:g}s" in outcome.details, outcome
     assert "whether it was stored is unknown" in outcome.details
     assert list(outcome.uids) == uids(items)
+
+
+def test_a_push_failed_at_its_deadline_before_it_went_is_not_sent_and_the_next_one_is_stored(
+    start_server: Servers,
+) -> None:
+    """Pushes A, B and C join one stream while the server does not answer the connection
+    (wait_for_ready); A and B fail at their deadlines while C still has time. When the connection
+    opens, gRPC takes the stream's messages: B, whose body went with its failure, went as an empty
+    push, and its refusal was taken for C's, which was neither stored nor sent again. Now a push
+    that failed before its messages went sends none, and C is stored."""
+    server = start_server()
+    proxy = SlowReplies(f"127.0.0.1:{server.port}")
+    proxy.hold()
+    items = [group("gate", task) for task in range(3)]
+    with BufferClient(proxy.target, timeout=3.0, wait_for_ready=True) as client:
+        pusher = client.pusher(window=8)
+        pushed = []
+        for items_of in items:  # deadlines 0.5 s, then 1 s apart
+            pushed.append(pusher.push(items_of))
+            time.sleep(0.5 * len(pushed))
+        futures.wait(pushed[:2], timeout=60)  # past their deadlines, unsent; C not yet
+        proxy.release()
+        pusher.close()
+    proxy.close()
+    outcomes = [future.exception() or future.result() for future in pushed]
+    for outcome in outcomes[:2]:
+        assert isinstance(outcome, ExpbufError) and outcome.code == grpc.StatusCode.DEADLINE_EXCEEDED, outcome
+    assert isinstance(outcomes[2], PushResult) and outcomes[2].stored == uids(items[2]), outcomes[2]

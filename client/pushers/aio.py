@@ -32,6 +32,7 @@ class _Open:
         self.cancelled = False  # by the pusher, every push on it failed at its deadline (`_look_due`)
         self.watch: asyncio.TimerHandle | None = None  # the look at whether it has gone quiet (Stream.quiet)
         self.due: asyncio.TimerHandle | None = None  # the look at its pushes' deadlines (PushWindow.overdue)
+        self.due_at = 0.0  # when that look is (monotonic clock)
 
 
 W = TypeVar("W", bound=Ordered[Any])
@@ -180,10 +181,15 @@ class AsyncPusher(AsyncOrderedFutures[PushWindow]):
                 self._watch(stream)
 
     def _watch_due(self, stream: _Open) -> None:
-        """Look at `stream`'s pushes when the earliest of their deadlines passes."""
+        """Look at `stream`'s pushes when the earliest of their deadlines passes, sooner than the
+        look set where a push sent again joins it with an earlier deadline."""
         due = stream.state.first_due()
-        if due is not None and stream.due is None:
-            stream.due = asyncio.get_running_loop().call_later(max(0.0, due - time.monotonic()), self._look_due, stream)
+        if due is None or (stream.due is not None and stream.due_at <= due):
+            return
+        if stream.due is not None:
+            stream.due.cancel()
+        loop = asyncio.get_running_loop()
+        stream.due, stream.due_at = loop.call_later(max(0.0, due - time.monotonic()), self._look_due, stream), due
 
     def _look_due(self, stream: _Open) -> None:
         """Fail the pushes past their deadline; a stream left with nothing to wait for is

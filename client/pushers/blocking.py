@@ -48,6 +48,7 @@ class _Open:
         self.replies = client.push_stream(window.stream_seconds, iter(self.requests), window.message_bytes)
         self.watch: threading.Timer | None = None  # the look at whether it has gone quiet (Stream.quiet)
         self.due: threading.Timer | None = None  # the look at its pushes' deadlines (PushWindow.overdue)
+        self.due_at = 0.0  # when that look is (monotonic clock)
 
 
 def _started(delay: float, look: Callable[[_Open], None], stream: _Open) -> threading.Timer | None:
@@ -199,10 +200,14 @@ class Pusher(OrderedFutures[PushWindow]):
             self._watch(stream)
 
     def _watch_due(self, stream: _Open) -> None:
-        """Look at `stream`'s pushes when the earliest of their deadlines passes (under the lock)."""
+        """Look at `stream`'s pushes when the earliest of their deadlines passes, sooner than the
+        look set where a push sent again joins it with an earlier deadline (under the lock)."""
         due = stream.state.first_due()
-        if due is not None and stream.due is None:
-            stream.due = _started(max(0.0, due - time.monotonic()), self._look_due, stream)
+        if due is None or (stream.due is not None and stream.due_at <= due):
+            return
+        if stream.due is not None:
+            stream.due.cancel()
+        stream.due, stream.due_at = _started(max(0.0, due - time.monotonic()), self._look_due, stream), due
 
     def _look_due(self, stream: _Open) -> None:
         """Fail the pushes past their deadline; a stream left with nothing to wait for is

@@ -92,7 +92,13 @@ class Pending:
     outcome: PushResult | ExpbufError | None = None
 
     def requests(self, chunk_bytes: int) -> Iterator[bytes]:
-        return calls.push_requests(self.body, self.table, chunk_bytes, self.number)
+        """Its messages; none once it has failed (at its deadline, `PushWindow.overdue`) before
+        they went: its body is gone, and the server, answering the pushes after it, shows it
+        never came. The body is read before the outcome, which `fail` sets before it drops it."""
+        body = self.body
+        if self.outcome is not None:
+            return iter(())
+        return calls.push_requests(body, self.table, chunk_bytes, self.number)
 
     def fail(self, code: grpc.StatusCode, details: str, why: str = "", reason: str | None = None) -> None:
         """Fail with the error of `code`, naming the push and its uids (read from its payload only now)."""

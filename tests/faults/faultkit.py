@@ -7,7 +7,6 @@ import copy
 import functools
 import os
 import queue
-import socket
 import subprocess
 import threading
 import time
@@ -338,68 +337,3 @@ def consume_sampler(
                 if exc.code() not in GONE:
                     ledger.unexpected(_of("a consume sampler", table), exc)
                 return
-
-
-class SlowReplies:
-    """A TCP proxy on a free loopback port in front of `target` that hands the server's bytes on
-    `delay` seconds after they came (0 until set: gRPC's connection setup has a short bound), and
-    the client's at once: a slow way back, which a status sent after a stream's replies travels
-    too, as on a long link or through a busy load balancer."""
-
-    def __init__(self, target: str) -> None:
-        host, port = target.rsplit(":", 1)
-        self._backend = (host, int(port))
-        self.delay = 0.0
-        self._pending = 0  # server bytes read and not yet handed on
-        self._changed = threading.Condition()
-        self._listener = socket.create_server(("127.0.0.1", 0))
-        self.target = f"127.0.0.1:{self._listener.getsockname()[1]}"
-        threading.Thread(target=self._accept, name="slow-replies", daemon=True).start()
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                client, _ = self._listener.accept()
-            except OSError:  # closed
-                return
-            server = socket.create_connection(self._backend)
-            threading.Thread(target=self._pump, args=(client, server, False), daemon=True).start()
-            threading.Thread(target=self._pump, args=(server, client, True), daemon=True).start()
-
-    def _pump(self, source: socket.socket, sink: socket.socket, slow: bool) -> None:
-        held: queue.SimpleQueue[tuple[float, bytes]] = queue.SimpleQueue()
-
-        def send() -> None:
-            while True:
-                due, data = held.get()
-                time.sleep(max(0.0, due - time.monotonic()))
-                with contextlib.suppress(OSError):
-                    if data:
-                        sink.sendall(data)
-                    else:
-                        sink.shutdown(socket.SHUT_WR)
-                with self._changed:
-                    self._pending -= len(data) if slow else 0
-                    self._changed.notify_all()
-                if not data:
-                    return
-
-        threading.Thread(target=send, daemon=True).start()
-        while True:
-            try:
-                data = source.recv(1 << 16)
-            except OSError:
-                data = b""
-            with self._changed:
-                self._pending += len(data) if slow else 0
-            held.put((time.monotonic() + (self.delay if slow else 0.0), data))
-            if not data:
-                return
-
-    def flushed(self, timeout: float = 30) -> bool:
-        """Wait until every byte the server has sent so far has reached the client."""
-        with self._changed:
-            return self._changed.wait_for(lambda: self._pending == 0, timeout)
-
-    def close(self) -> None:
-        self._listener.close()

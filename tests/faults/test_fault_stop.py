@@ -27,8 +27,8 @@ import pytest
 from expbuf.client import AsyncBufferClient, BufferClient, PushResult, UnavailableError, trxp
 from expbuf.proto.v1 import buffer_pb2 as pb
 
-from faultkit import SampleStream, SlowReplies, channel, group, payload, sample_all, stats, stub
-from helpers import ServerProcess, wait_for
+from faultkit import SampleStream, channel, group, payload, sample_all, stats, stub
+from helpers import ServerProcess, SlowReplies, wait_for
 
 pytestmark = pytest.mark.faults
 log = logging.getLogger(__name__)
@@ -305,3 +305,45 @@ def test_a_raw_client_that_answers_the_stop_has_the_batches_it_counts_delivered(
         request = pb.SampleRequest(num_groups=3, delivery=pb.DELIVERY_CONSUME, allow_partial=True, max_batches=1)
         after = [uid for reply in sample_all(stub(chan), request) for uid in reply.uids]
     assert after == third, (first, second, third, after)
+
+
+def test_a_stop_waits_no_longer_once_every_batch_sent_is_confirmed(
+    tmp_path: Path, serve: Callable[..., ServerProcess]
+) -> None:
+    """A sample() of one batch (max_batches=1) reads its stream only when its caller asks, so it
+    reads the server's word that it stops only then. The batch, on its slow way when the stop
+    began, is handed over and confirmed as it arrives; the server waited on for the answer, the
+    stop's whole grace less a second (10 s here), though nothing was left to hand over. Its stop
+    now ends with the confirmation (the time is logged, and bounded only well above it), and the
+    batch is delivered once."""
+    data = str(tmp_path / "data")
+    server = serve(data)
+    with channel(server.target) as chan:
+        stub(chan).Push(pb.PushRequest(payload=trxp.build(group("one", 0, 1))), timeout=30)
+        wait_for(lambda: stats(stub(chan)).ready == 1, "the group ready")
+    proxy = SlowReplies(server.target)
+    took: list[float] = []
+
+    def stop_once_sent() -> None:
+        with channel(server.target) as chan:
+            wait_for(lambda: stats(stub(chan)).ready == 0, "the batch sent")
+        began = time.monotonic()
+        assert stopped(server) == 0, "".join(server.log)
+        took.append(time.monotonic() - began)
+
+    with BufferClient(proxy.target, timeout=60) as client:
+        client.stats("default")  # connected while the way back is quick
+        proxy.delay = SLOW
+        batches = client.sample("default", num_groups=1, max_batches=1, timeout=60, delivery="consume")
+        stopper = threading.Thread(target=stop_once_sent)
+        stopper.start()
+        handed = list(next(batches).uids)
+        stopper.join()
+        with pytest.raises(UnavailableError):
+            next(batches)
+    proxy.close()
+    assert took and took[0] < SLOW + 4, f"the stop took {took[0]:.1f}s: it waited for an answer it did not need"
+    server = serve(data)
+    with channel(server.target) as chan:
+        s = stats(stub(chan))
+        assert (s.consumed, s.ready, s.leased) == (1, 0, 0), (handed, s)

@@ -142,10 +142,11 @@ class ClientSide:
         with self._changed:
             return self._changed.wait_for(lambda: self.terminated, seconds)
 
-    def wait_done(self, seconds: float) -> None:
-        """Wait until the client asks for nothing more or goes, at most `seconds`."""
+    def wait_done(self, seconds: float, sent: int) -> None:
+        """Wait until the client asks for nothing more, goes, or has confirmed the `sent`
+        batches (nothing is left that it could hand over), at most `seconds`."""
         with self._changed:
-            self._changed.wait_for(lambda: self.done, seconds)
+            self._changed.wait_for(lambda: self.done or self.received >= sent, seconds)
 
     def confirmed(self) -> tuple[int, float]:
         """The batches confirmed, and when the last confirmation came (monotonic clock)."""
@@ -341,11 +342,13 @@ class _Window:
         """End the stream, the server stopping: UNAVAILABLE, its unconfirmed batches back in the
         buffer as it closes. A client that answers, with batches sent ahead unconfirmed, is told
         first (SampleReply.stopping, saying how long the stream waits) and hands over none of them
-        after it; its answer confirms those it handed over before, which are then delivered."""
+        after it; its answer confirms those it handed over before, which are then delivered. The
+        wait ends too once every batch sent is confirmed: a client that reads its stream only when
+        its caller asks (a stream of one batch) answers late, with nothing left to hand over."""
         seconds = draining.answer_seconds()
         if self.answers and self.unconfirmed and seconds > 0 and not self.client.done and context.is_active():
             yield pb.SampleReply(stopping=True, confirm_seconds=seconds).SerializeToString()
-            self.client.wait_done(seconds)
+            self.client.wait_done(seconds, self.sent)
         draining.end("Sample", context)
 
     def take(self, seconds: float, context: grpc.ServicerContext) -> Sampled | None:
