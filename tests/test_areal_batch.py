@@ -3,14 +3,17 @@ actor (its advantage computation, with and without the table's advantages)."""
 
 from __future__ import annotations
 
+import contextlib
+import signal
 import sys
 import types
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
 
-from expbuf.client import EID, BufferClient, BufferError
+from expbuf.client import EID, BufferClient, BufferError, UnavailableError
 
 from helpers import ServerProcess
 
@@ -158,3 +161,35 @@ def test_set_version_reaches_the_table_when_areals_trainer_calls_it(child_server
     assert (rollout.get_version(), rollout.get_capacity()) == (3, (0 + 3 + 1) * 2)
     source.set_version(4)
     assert source.get_version() == 4 and rollout.get_capacity() == (0 + 4 + 1) * 2
+
+
+def test_a_trained_batch_whose_ack_fails_is_acked_later_and_never_served_again(
+    tmp_path: Path, serve: Callable[..., ServerProcess]
+) -> None:
+    """The server goes away during a step: the next prepare_batch's ack of the trained batch
+    fails (made again for the client's timeout) and raises. The batch was let go of and its lease
+    left to run out (renewed while the source lived), so its groups were served again; it is now
+    kept, acked at the next prepare_batch once the server is back (the trainer goes on after an
+    UNAVAILABLE while its channel reconnects), and close() gives back only the batch no step used."""
+    data = str(tmp_path / "data")
+    server = serve(data)
+    port = server.port
+    with BufferClient(server.target) as client:
+        client.create_table("acks", group_size=4)
+        push_groups(client, "acks", [1, 1, 1])
+    trainer = BufferClient(server.target, timeout=5)
+    source = ExpbufBatchSource(trainer, "acks", max_head_offpolicyness=10, version_provider=Version(1))
+    source.prepare_batch(num_groups=1)  # trained on
+    assert server.stop(signal.SIGTERM) == 0, "".join(server.log)
+    with pytest.raises(UnavailableError):
+        source.prepare_batch(num_groups=1)  # its ack of the trained batch fails
+    server = serve(data, "--port", str(port))
+    for _ in range(20):  # a trainer goes on once the server is back
+        with contextlib.suppress(UnavailableError):
+            source.prepare_batch(num_groups=1)  # the trained batch acked first; another taken
+            break
+    source.close()  # that one goes back: no step used it
+    trainer.close()
+    with BufferClient(server.target) as client:
+        stats = client.stats("acks")["acks"]
+    assert (stats.consumed, stats.leased, stats.ready) == (4, 0, 8), stats

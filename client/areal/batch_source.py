@@ -53,6 +53,7 @@ class ExpbufBatchSource:
         self._group_key = GROUP_KEY_OF.get(table_info(self.client, table).group_by, "uid")
         self._version = 0
         self._held: Batch | None = None
+        self._trained = False  # the held batch was trained on: its ack failed, and is made again
         renewals = self.client.clone(timeout=lease_seconds / RENEWALS_PER_LEASE)
         self._keeper = LeaseKeeper(self.client, table, lease_seconds, renewals=renewals)
         weakref.finalize(self, self._keeper.close)  # a source dropped unclosed renews nothing more
@@ -69,17 +70,27 @@ class ExpbufBatchSource:
         self._version = version
 
     def ack(self) -> None:
-        """The trainer is done with the last batch: its groups leave the table."""
-        held, self._held = self._held, None
+        """The trainer is done with the last batch: its groups leave the table. The ack is made
+        again while the server is unavailable, for the client's timeout (a restart); where it still
+        fails it raises, and the batch stays held, its lease renewed, to be acked at the next
+        prepare_batch or at close(): a trained batch is never served again."""
+        held = self._held
         if held is not None:
-            self._keeper.ack(held.lease_id)
+            self._trained = True
+            self._keeper.ack(held.lease_id, retry_for=self.client.timeout)
+            self._held, self._trained = None, False
 
     def close(self) -> None:
-        """Stop renewing; the batch held, which no step is known to have trained, goes back now."""
+        """Stop renewing. The batch held goes back now where no step is known to have trained it,
+        and is acked where one did (its ack failed before)."""
         held, self._held = self._held, None
-        if held is not None:
-            self._keeper.give_back(held.lease_id)
-        self._keeper.close()
+        try:
+            if held is not None and self._trained:
+                self._keeper.ack(held.lease_id, retry_for=self.client.timeout, tried=True)
+            elif held is not None:
+                self._keeper.give_back(held.lease_id)
+        finally:
+            self._keeper.close()
 
     def prepare_batch(
         self,
