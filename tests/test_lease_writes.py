@@ -68,10 +68,36 @@ def test_a_batch_held_for_a_stream_that_never_confirmed_it_comes_back_uncounted(
         store.put("t", group_items(1, 0, 2, reward=0.0))
         before = _records(store, "t")
         batch = store.sample(TakeSpec("t", num_groups=1), hold=True)
-        assert batch is not None and store.stats("t")["sampled"] == 2
+        assert batch is not None and store.stats("t")["sampled"] == 0  # counted once its client has it
         assert store.release_holds() == 2
         assert _records(store, "t") == before and set(_listed(store, "t").values()) == {("ready", 0)}
         assert store.stats("t")["sampled"] == 0 and store.verify("t") == []
+
+
+@pytest.mark.parametrize("end", ["confirm_lease", "confirm_consume", "confirm_replay", "ack", "nack", "renew"])
+def test_a_held_batch_counts_as_sampled_once_its_client_has_it(tmp_path: Path, end: str) -> None:
+    """A batch held for a stream counts as sampled (the counters Prometheus exports as counters,
+    which must never go down) when its client has it: confirmed, or acked, nacked or renewed by
+    it first; then once only, whatever follows."""
+    with Store(tmp_path) as store:
+        store.create_table(TableConfig.of("t", estimator="none", group_size=2))
+        store.put("t", group_items(1, 0, 2, reward=0.0))
+        delivery = end.removeprefix("confirm_") if end.startswith("confirm_") else "lease"
+        spec = TakeSpec("t", num_groups=1, delivery=delivery)
+        batch = store.sample(spec, hold=True)
+        assert batch is not None and store.stats("t")["sampled"] == 0
+        size = sum(len(blob) for blob in batch.blobs)
+        if end.startswith("confirm_"):
+            store.confirm(batch.lease_id, spec)
+        elif end == "renew":
+            store.renew(batch.lease_id, 60, "t")
+        else:
+            assert getattr(store, end)(batch.lease_id) == 2
+        assert (store.stats("t")["sampled"], store.stats("t")["bytes_sampled"]) == (2, size)
+        if end in ("confirm_lease", "renew"):
+            assert store.ack(batch.lease_id) == 2
+        assert (store.stats("t")["sampled"], store.stats("t")["bytes_sampled"]) == (2, size)
+        assert store.verify("t") == []
 
 
 def test_a_format_3_leased_group_stays_leased_and_its_lease_counts_when_it_ends(
@@ -104,7 +130,7 @@ def test_a_held_batch_whose_groups_are_deleted_before_it_comes_back_unsent_is_un
         store.create_table(TableConfig.of("t", estimator="none", group_size=2))
         store.put("t", group_items(1, 0, 2, reward=0.0) + group_items(1, 1, 2, reward=1.0))
         batch = store.sample(TakeSpec("t", num_groups=2), hold=True)
-        assert batch is not None and store.stats("t")["sampled"] == 4
+        assert batch is not None and store.stats("t")["sampled"] == 0
         assert store.delete("t", uids=[batch.uids[3]], group_ids=[batch.group_ids[0]]) == 3
         assert store.release_holds() == 1
         stats = store.stats("t")
@@ -114,21 +140,30 @@ def test_a_held_batch_whose_groups_are_deleted_before_it_comes_back_unsent_is_un
 
 
 @pytest.mark.usefixtures("records_layout")  # a lease of groups an earlier release wrote, before rows
-def test_a_held_batch_an_earlier_release_leased_comes_back_uncounted_by_the_members_it_finds(tmp_path: Path) -> None:
-    """A hold whose lease an earlier release wrote (without what its take counted) comes back, at the
-    next start, uncounted by the members still under it, as that release did."""
+@pytest.mark.parametrize("wrote", ["nothing", "its count"])
+def test_a_held_batch_an_earlier_release_leased_comes_back_uncounted(tmp_path: Path, wrote: str) -> None:
+    """A hold whose lease an earlier release wrote, which counted it as sampled at its take, comes
+    back at the next start uncounted: by what its take counted, or, a release before that wrote
+    nothing of it, by the members still under it, as those releases did. (Made here from a hold
+    whose client renewed it, so counted, its lease written back as theirs.)"""
     with Store(tmp_path) as store:
         store.create_table(TableConfig.of("t", estimator="none", group_size=2))
         store.put("t", group_items(1, 0, 2, reward=0.0))
         batch = store.sample(TakeSpec("t", num_groups=1), hold=True)
-        assert batch is not None and store.stats("t")["sampled"] == 2
+        assert batch is not None
+        store.renew(batch.lease_id, 60, "t")
+        assert store.stats("t")["sampled"] == 2
     env = lmdb.open(str(tmp_path), max_dbs=layout.MAX_DBS)
     with env.begin(write=True) as txn:
         leases = env.open_db(b"leases", txn=txn)
         lease = Lease.decode(txn.get(batch.lease_id.encode(), db=leases))
-        assert lease.counted == (2, sum(len(blob) for blob in batch.blobs), 0)
-        lease.counted = None
+        assert lease.counted == (2, sum(len(blob) for blob in batch.blobs), 0) and not lease.deferred
+        lease.expires = None  # held, as the earlier release left it (its expiry row goes too)
+        lease.counted = None if wrote == "nothing" else lease.counted
         txn.put(batch.lease_id.encode(), lease.encode(), db=leases)
+        expiry = env.open_db(b"lease_exp", txn=txn)
+        assert [key for key, _ in txn.cursor(db=expiry)]
+        txn.drop(expiry, delete=False)
     env.close()
     with Store(tmp_path) as store:
         assert store.release_holds() == 2

@@ -136,6 +136,36 @@ def test_metrics_after_a_known_workload(start_server: Servers) -> None:
         assert value(again, name, **labels) == value(m, name, **labels)
 
 
+def test_the_sampled_counters_count_batches_delivered_and_never_go_down(
+    start_server: Servers, table_layout: str
+) -> None:
+    """A trainer's sample() with batches sent ahead that it leaves after one: the two sent ahead
+    go back unconfirmed. They were counted as sampled at their take and taken out of the counters
+    at the give-back, so Prometheus saw its counters go down (read as a reset: rate() spikes), and
+    the staleness histogram counted them as they went out. Now a batch held for a stream counts
+    once its client confirms it has it, and a give-back has nothing to take out."""
+    server = start_server()
+    with BufferClient(f"127.0.0.1:{server.port}", timeout=20) as c:
+        c.create_table("t", estimator="none")
+        c.push(trxp.build([item for task in range(4) for item in group_items(1, task, 1)]), table="t")
+        batches = c.sample("t", num_groups=1, window=2, timeout=20, delivery="consume")
+        first = next(batches)
+        wait_until(lambda: c.stats("t")["t"].ready == 1)  # two more sent ahead, held
+        seen = [scrape(server.metrics_port)]
+        batches.close()  # they go back
+        seen.append(scrape(server.metrics_port))
+        stats = c.stats("t")["t"]
+    assert (stats.sampled, stats.consumed, stats.ready) == (1, 1, 3), stats
+    size = len(trxp.pack_item(trxp.parse(first.payload)[0]))
+    for name, delivered in (
+        ("expbuf_experiences_sampled_total", 1),
+        ("expbuf_bytes_sampled_total", size),
+        ("expbuf_sample_staleness_versions_count", 1),
+    ):
+        values = [value(m, name, table="t") for m in seen]
+        assert values == [delivered, delivered], (name, values)
+
+
 def test_a_dropped_table_leaves_no_series_and_a_new_one_of_its_name_starts_from_zero(start_server: Servers) -> None:
     """Every per-table series goes with its table: those the server counts itself (refusals,
     admissions, staleness, advantage time) as those read from the store. Else a scrape grows with

@@ -267,7 +267,6 @@ class ExperienceBufferService(LedgerServicer, ReadServicer, ValuesServicer, pb_g
         limit = min(self.max_message_bytes, first.max_reply_bytes or self.max_message_bytes)
 
         def reply(batch: Sampled, confirm_seconds: float) -> Iterator[bytes]:
-            self._observe_staleness(spec.table, batch)  # from the sample's own transaction
             try:
                 yield from sample_reply(batch, spec, confirm_seconds, limit, parts=first.max_reply_bytes > 0)
             except ReplyTooLarge as exc:
@@ -297,6 +296,7 @@ class ExperienceBufferService(LedgerServicer, ReadServicer, ValuesServicer, pb_g
                 bound=bound,
                 confirm_seconds=self.max_confirm_seconds,
                 answers_stopping=first.answers_stopping,
+                delivered=lambda batch: self._observe_staleness(spec.table, batch),  # from the take's transaction
             )
         except DamagedPayload as exc:  # found as its reply was built: the batch went back unsent
             self._refuse_damaged(

@@ -178,13 +178,14 @@ def stream_batches(
     confirm_seconds: float,
     bound: str = "",
     answers_stopping: bool = False,
+    delivered: Callable[[Sampled], None] | None = None,
 ) -> Iterator[bytes]:
     """The replies of one stream, each batch's messages made by `reply(batch, seconds)` (one, or
     its parts): `seconds` is how long
     the batch may wait for its confirmation, counted from the confirmation before it.
     `timeout()` is how long the next batch may wait for data; `bound` says what set it,
     when the server shortened what the client asked. `confirm_seconds` is the server's
-    max_confirm_seconds.
+    max_confirm_seconds. `delivered` hears of each batch once its client has confirmed it.
 
     Returns None through StopIteration when the stream ends; raises DEADLINE_EXCEEDED
     (through `context.abort`) when no batch could be made in time or a batch was not
@@ -196,7 +197,7 @@ def stream_batches(
     `answers_stopping` is told of a stop before its stream ends (`_Window.end_at_stop`).
     """
     client = ClientSide(requests, context)
-    window = _Window(store, spec, client, owner, confirm_seconds, answers_stopping)
+    window = _Window(store, spec, client, owner, confirm_seconds, answers_stopping, delivered)
     try:
         with draining.watching(client.interrupt):
             while True:
@@ -254,9 +255,17 @@ class _Window:
     order sent, and the confirmed ones that the next take's commit delivers."""
 
     def __init__(
-        self, store: Store, spec: TakeSpec, client: ClientSide, owner: str, seconds: float, answers: bool
+        self,
+        store: Store,
+        spec: TakeSpec,
+        client: ClientSide,
+        owner: str,
+        seconds: float,
+        answers: bool,
+        delivered: Callable[[Sampled], None] | None,
     ) -> None:
         self.store, self.spec, self.client, self.owner = store, spec, client, owner
+        self.delivered = delivered
         self.seconds = seconds  # max_confirm_seconds
         self.answers = answers  # the client answers a reply that says the server is stopping
         self.sent = 0
@@ -301,8 +310,11 @@ class _Window:
     def _collect(self) -> None:
         """Move the batches the client has confirmed out of the window."""
         while self.unconfirmed and self.sent - len(self.unconfirmed) < self.client.received:
-            self.confirmed.append(self.unconfirmed.popleft().lease_id)
+            batch = self.unconfirmed.popleft()
+            self.confirmed.append(batch.lease_id)
             self.sent_at.popleft()
+            if self.delivered is not None:
+                self.delivered(batch)
 
     def due(self) -> float:
         """When the oldest batch the client has not confirmed is overdue (monotonic clock):
@@ -414,6 +426,8 @@ class _Window:
         for batch in self.unconfirmed:
             if delivered:  # it closed its side and did not cancel: the stream ends normally
                 self.store.confirm(batch.lease_id, self.spec, self.owner)
+                if self.delivered is not None:
+                    self.delivered(batch)
             else:  # stopped, cancelled or broken before the client had it
                 with contextlib.suppress(StoreError):  # acked meanwhile, or the table was dropped
                     self.store.give_back(batch.lease_id, self.spec.table, self.owner)

@@ -383,13 +383,19 @@ class Counted(NamedTuple):
 
 _LEASE = struct.Struct("<Id")  # table id, expires (NaN: held)
 _COUNTED = struct.Struct("<QQQ")
+_DEFERRED = b"\x01"  # after a held lease's count: it counts once the batch is confirmed
 
 
-def pack_lease(table_id: int, expires: float | None, owner: str, held: bytes, counted: Counted | None) -> bytes:
+def pack_lease(
+    table_id: int, expires: float | None, owner: str, held: bytes, counted: Counted | None, deferred: bool
+) -> bytes:
     """A lease's value: its table, expiry and owner, then `held` (what it holds, as its kind of lease
-    writes it), then what its take counted, if it says."""
+    writes it), then what its take counted, if it says, and a byte where that count waits for the
+    batch's confirmation (`deferred`)."""
     value = _LEASE.pack(table_id, _opt_float(expires)) + _pack_str(owner) + held
-    return value if counted is None else value + _COUNTED.pack(*counted)
+    if counted is None:
+        return value
+    return value + _COUNTED.pack(*counted) + (_DEFERRED if deferred else b"")
 
 
 def unpack_lease(data: bytes | memoryview) -> tuple[int, float | None, str, int]:
@@ -399,9 +405,12 @@ def unpack_lease(data: bytes | memoryview) -> tuple[int, float | None, str, int]
     return table_id, _float_or_none(expires), owner, pos
 
 
-def counted_at(data: bytes | memoryview, pos: int) -> Counted | None:
-    """What a lease's take counted, where `pos`, the end of what it holds, is not the value's end."""
-    return Counted(*_COUNTED.unpack_from(data, pos)) if pos < len(data) else None
+def counted_at(data: bytes | memoryview, pos: int) -> tuple[Counted | None, bool]:
+    """What a lease's take counted, where `pos`, the end of what it holds, is not the value's end;
+    and whether that count waits for the batch's confirmation (a byte after it)."""
+    if pos >= len(data):
+        return None, False
+    return Counted(*_COUNTED.unpack_from(data, pos)), len(data) > pos + _COUNTED.size
 
 
 @dataclass(slots=True, kw_only=True)
@@ -413,19 +422,24 @@ class Lease:
     groups: list[str]
     expires: float | None
     owner: str = ""
-    # A held batch's: what its take counted as sampled (experiences, bytes, tokens masked), which a
-    # give-back unsent takes back whole, whatever was deleted of it meanwhile. None: not held, or
-    # held by a release that did not write it (its give-back counts the members it finds).
+    # A held batch's: what its take found to count as sampled (experiences, bytes, tokens masked),
+    # counted once its client has it (`deferred`), whatever was deleted of it meanwhile. Not
+    # deferred: a hold of a release that counted it at the take, which a give-back unsent takes back.
+    # None: not held, or held by a release that did not write it (its give-back counts the members
+    # it finds).
     counted: Counted | None = None
+    deferred: bool = False
 
     def encode(self) -> bytes:
-        return pack_lease(self.table_id, self.expires, self.owner, _pack_strs(self.groups), self.counted)
+        groups = _pack_strs(self.groups)
+        return pack_lease(self.table_id, self.expires, self.owner, groups, self.counted, self.deferred)
 
     @classmethod
     def decode(cls, data: bytes | memoryview) -> Lease:
         table_id, expires, owner, pos = unpack_lease(data)
         groups, pos = _unpack_strs(data, pos)
-        return cls(table_id=table_id, groups=groups, expires=expires, owner=owner, counted=counted_at(data, pos))
+        counted, deferred = counted_at(data, pos)
+        return cls(table_id=table_id, groups=groups, expires=expires, owner=owner, counted=counted, deferred=deferred)
 
     @classmethod
     def from_v1(cls, rec: dict[str, Any]) -> Lease:

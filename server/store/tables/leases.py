@@ -13,6 +13,10 @@ A leased batch's groups are LEASED and name their lease; the lease is a record u
   hold whose stream is gone (`release_holds`): back, uncounted. Groups no longer under the
   lease (deleted meanwhile) are left alone.
 
+A held batch counts as sampled (the table's counters, which Prometheus exports as counters) only
+once its client has it: confirmed, or acked, nacked or renewed (core/verbs/leases.delivered), so
+that a batch sent ahead and given back leaves no count to take back.
+
 A caller's request names its table and token: a lease of another table is not found, and one
 taken with another token is refused (`checked`). Every step runs in the writer's transaction
 it is given. The sampling service asks this module for each step (services/sampling.py), and
@@ -72,6 +76,8 @@ class TableLeases:
         lease = self.checked(txn, lease_id, table, owner)
         tt = self.catalog.state_of(txn, lease.table_id)
         now = self.catalog.clock() if tt is None else tt.now
+        if tt is not None and leases.delivered(tt, lease):
+            tt.save()
         leases.set_expiry(txn, self.db, lease_id, lease, now + seconds)
         count = 0 if tt is None else leases.held(tt, lease_id, lease)
         return now + seconds, count
@@ -92,6 +98,8 @@ class TableLeases:
         tt = self.catalog.state_of(txn, lease.table_id)
         if tt is None:  # the table was dropped
             return 0
+        if leases.delivered(tt, lease):
+            tt.save()
         if spec.delivery == "lease":
             leases.set_expiry(txn, self.db, lease_id, lease, tt.now + spec.lease_seconds)
             return leases.held(tt, lease_id, lease)
@@ -124,6 +132,8 @@ class TableLeases:
         if tt is None:  # the table was dropped
             return 0
         held = lease.expires is None  # a batch held for its stream: not confirmed, or its confirmation on its way
+        if not (requeue and unsent):  # an ack or a nack (its client has it), or a confirmed consume
+            leases.delivered(tt, lease)
         if requeue:
             quarantine_lost(tt, leases.leased_groups(tt, lease_id, lease))
         count = leases.groups_back(tt, lease_id, lease, requeue=requeue, unsent=requeue and unsent and held)

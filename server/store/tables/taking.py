@@ -162,9 +162,10 @@ def take(
         reuse.replayed(tt, taken, rng)
     elif delivery == "lease":
         lease(tt, chosen, taken, batch.lease_id)
-    tt.counters.sampled += batch.counted.experiences
-    tt.counters.bytes_sampled += batch.counted.nbytes
-    tt.counters.tokens_masked += batch.counted.tokens_masked
+    if not hold:  # a batch held for a stream counts once its client has it (leases.delivered)
+        tt.counters.sampled += batch.counted.experiences
+        tt.counters.bytes_sampled += batch.counted.nbytes
+        tt.counters.tokens_masked += batch.counted.tokens_masked
     rate_counts.taken(tt, batch.counted.experiences)
     batch.newest_version = tt.counters.max_version
     batch.trainer_version = tt.counters.trainer_version

@@ -47,15 +47,29 @@ def grant_row(txn: lmdb.Transaction[bytes], dbs: Dbs, batch: Sampled, table_id: 
     """The lease of a batch just taken (its groups LEASED under `batch.lease_id`): held
     until confirmed, or running until `batch.lease_expires`."""
     expires = None if hold else batch.lease_expires
-    counted = batch.counted if hold else None  # what a give-back unsent takes back
+    counted = batch.counted if hold else None  # counted as sampled once the client has it (`delivered`)
     if batch.lease_runs:  # a rows table's batch
         value = row_leases.lease_row(table_id, batch.lease_runs, expires, owner, counted)
     else:
         groups = list(dict.fromkeys(batch.group_ids))
-        value = Lease(table_id=table_id, groups=groups, expires=expires, owner=owner, counted=counted).encode()
+        lease = Lease(table_id=table_id, groups=groups, expires=expires, owner=owner, counted=counted, deferred=hold)
+        value = lease.encode()
     txn.put(batch.lease_id.encode(), value, db=dbs["leases"])
     if expires is not None:
         txn.put(layout.expiry_key(expires, batch.lease_id), b"", db=dbs["lease_exp"])
+
+
+def delivered(tt: TableState, lease: AnyLease) -> bool:
+    """A batch held for its stream is the client's now (confirmed; or acked, nacked or renewed,
+    which its client may do once it has it): what its take found counts as sampled now, where the
+    take left it to this (`Lease.deferred`). Whether the counters changed."""
+    if lease.expires is not None or not lease.deferred or lease.counted is None:
+        return False
+    counted, lease.deferred = lease.counted, False
+    tt.counters.sampled += counted.experiences
+    tt.counters.bytes_sampled += counted.nbytes
+    tt.counters.tokens_masked += counted.tokens_masked
+    return True
 
 
 def set_expiry(txn: lmdb.Transaction[bytes], dbs: Dbs, lease_id: str, lease: AnyLease, expires: float) -> None:
@@ -135,10 +149,11 @@ def groups_back(tt: TableState, lease_id: str, lease: AnyLease, *, requeue: bool
     """The groups of a lease go back to ready (`requeue`) or are consumed; returns the
     experiences. Only a batch that goes back sampled rewrites its members' records (their times
     sampled). `unsent`: a batch held for a stream that never confirmed it is not sampled after
-    all: what its take counted leaves the table's counters (a lease a release before
-    `Lease.counted` wrote: the members still under it, as it did), and the members still under
-    it leave the rate limiter's count (a member deleted meanwhile took its lease's sample out of
-    that count as it left: rate_counts.forget)."""
+    all: the members still under it leave the rate limiter's count (a member deleted meanwhile took
+    its lease's sample out of that count as it left: rate_counts.forget); and where its take
+    counted it (a hold of an earlier release: not `Lease.deferred`), what it counted leaves the
+    table's counters (a lease a release before `Lease.counted` wrote: the members still under it,
+    as it did)."""
     if isinstance(lease, RowLease):
         return row_leases.end(tt, lease_id, lease, requeue=requeue, unsent=unsent)
     ended = leased_groups(tt, lease_id, lease)
@@ -150,10 +165,11 @@ def groups_back(tt: TableState, lease_id: str, lease: AnyLease, *, requeue: bool
     back: list[Members] = [(gkey, grp, tt.members(grp)) for gkey, grp in ended]
     if unsent:
         recs = [rec for _, _, members in back for rec in members.values()]
-        counted = lease.counted or Counted(len(recs), sum(rec.size for rec in recs), 0)
-        tt.counters.sampled -= counted.experiences
-        tt.counters.bytes_sampled -= counted.nbytes
-        tt.counters.tokens_masked -= counted.tokens_masked
+        if not lease.deferred:
+            counted = lease.counted or Counted(len(recs), sum(rec.size for rec in recs), 0)
+            tt.counters.sampled -= counted.experiences
+            tt.counters.bytes_sampled -= counted.nbytes
+            tt.counters.tokens_masked -= counted.tokens_masked
         rate_counts.given_back(tt, len(recs))
     _ready_again(tt, back, sampled=not unsent)  # sampled: the records count it now (a consumed one's need not)
     return sum(len(grp.members) for _, grp in ended)

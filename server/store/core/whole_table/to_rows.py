@@ -237,6 +237,11 @@ def _leases(
             else:
                 runs.append(RunRow(ref.seg, ref.group, 1))
         row = RowLease(
-            table_id=lease.table_id, runs=runs, expires=lease.expires, owner=lease.owner, counted=lease.counted
+            table_id=lease.table_id,
+            runs=runs,
+            expires=lease.expires,
+            owner=lease.owner,
+            counted=lease.counted,
+            deferred=lease.deferred,
         )
         txn.put(bytes(key), row.encode(), db=dbs["leases"])

@@ -35,17 +35,19 @@ class RunRow(NamedTuple):
 class RowLease:
     """A batch of one table's groups handed out together, named by runs (records.Lease names groups).
     `expires` None: held for a Sample stream until the client confirms it; `owner` binds it to the
-    token that took it; `counted`, what its take counted as sampled (records.Lease.counted)."""
+    token that took it; `counted`, what its take found to count as sampled, and whether that waits
+    for the batch's confirmation (records.Lease.counted, .deferred)."""
 
     table_id: int
     runs: list[RunRow]
     expires: float | None
     owner: str = ""
     counted: Counted | None = None
+    deferred: bool = False
 
     def encode(self) -> bytes:
         held = struct.pack("<II", _RUNS_MARK, len(self.runs)) + b"".join(run.encode() for run in self.runs)
-        return pack_lease(self.table_id, self.expires, self.owner, held, self.counted)
+        return pack_lease(self.table_id, self.expires, self.owner, held, self.counted, self.deferred)
 
     @classmethod
     def decode(cls, data: bytes | memoryview) -> RowLease:
@@ -55,8 +57,8 @@ class RowLease:
             raise ValueError("a lease of groups, not of runs")
         pos += 8
         runs = [RunRow.decode(data, pos + _RUN.size * k) for k in range(count)]
-        counted = counted_at(data, pos + _RUN.size * count)
-        return cls(table_id=table_id, runs=runs, expires=expires, owner=owner, counted=counted)
+        counted, deferred = counted_at(data, pos + _RUN.size * count)
+        return cls(table_id=table_id, runs=runs, expires=expires, owner=owner, counted=counted, deferred=deferred)
 
 
 def decode_lease(data: bytes | memoryview) -> Lease | RowLease:

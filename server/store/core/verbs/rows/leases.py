@@ -56,9 +56,12 @@ def _lease_runs(picked: Sequence[Picked]) -> list[tuple[int, int, int]]:
 def lease_row(
     table_id: int, runs: Sequence[tuple[int, int, int]], expires: float | None, owner: str, counted: Counted | None
 ) -> bytes:
-    """The value of a lease of runs."""
+    """The value of a lease of runs; one `counted` is held, its count deferred to its confirmation."""
     row_runs = [RunRow(*run) for run in runs]
-    return RowLease(table_id=table_id, runs=row_runs, expires=expires, owner=owner, counted=counted).encode()
+    deferred = counted is not None
+    return RowLease(
+        table_id=table_id, runs=row_runs, expires=expires, owner=owner, counted=counted, deferred=deferred
+    ).encode()
 
 
 def leased(tt: TableState, segments: Segments, lease_id: str, lease: RowLease, *, ending: bool = False) -> Picks:
@@ -90,19 +93,21 @@ def held(tt: TableState, lease_id: str, lease: RowLease) -> int:
 
 def end(tt: TableState, lease_id: str, lease: RowLease, *, requeue: bool, unsent: bool) -> int:
     """A lease of runs ends: its groups consumed, or back to ready (`requeue`), counted as sampled
-    unless `unsent` (a batch held for a stream that never sent it: what its take counted leaves the
-    table's counters and the rate limiter's count); returns the experiences."""
+    unless `unsent` (a batch held for a stream that never sent it: it leaves the rate limiter's
+    count, and the table's counters where its take counted it: `RowLease.deferred`); returns the
+    experiences."""
     segments = Segments(tt)
     picked = leased(tt, segments, lease_id, lease, ending=not requeue)
     count = picked.members()
     if not requeue:  # the groups leave their lease, then the table
         retire(tt, segments, picked, CONSUMED)
         return count
-    if unsent:
+    if unsent and not lease.deferred:  # a hold of a release that counted it at the take
         counted = lease.counted or Counted(count, sum(picked.spans().column("size")), 0)
         tt.counters.sampled -= counted.experiences
         tt.counters.bytes_sampled -= counted.nbytes
         tt.counters.tokens_masked -= counted.tokens_masked
+    if unsent:
         rate_counts.given_back(tt, count)
     back(tt, segments, picked, sampled=not unsent)
     return count
