@@ -260,8 +260,8 @@ class AsyncBufferClient(ServerCalls, Awaiting, ClientBase):
                     continue
                 confirmed = time.monotonic()
                 yield batch
-        except grpc.RpcError:  # the stream ended: by its own status, raised unless OK
-            error = await status.error()
+        except (grpc.RpcError, asyncio.InvalidStateError):  # the stream ended (a write after its end: the latter)
+            error = await status.error()  # by its own status, raised unless OK
             if error is not None:
                 raise calls.ended_late(error.code(), table, seconds, confirmed) or self._error(error) from None
         finally:
