@@ -14,16 +14,18 @@ from __future__ import annotations
 
 import gc
 import pickle
+import signal
 import threading
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 import torch
 
-from expbuf.client import BufferClient, DeadlineExceededError
+from expbuf.client import BufferClient, DeadlineExceededError, UnavailableError
 
-from helpers import passes_started
+from helpers import ServerProcess, passes_started
 from pages import code_blocks, page
 
 
@@ -424,3 +426,29 @@ def test_drop_last_and_allow_partial_that_disagree_are_refused_by_name() -> None
     with pytest.raises(ValueError, match="drop_last is 1; it must be True or False"):
         ExpbufSampler(drop_last=1)
     assert ExpbufSampler(drop_last=False, allow_partial=True).options["allow_partial"] is True
+
+
+def test_a_batch_whose_ack_failed_is_acked_at_close_never_given_back(
+    tmp_path: Path, serve: Callable[..., ServerProcess]
+) -> None:
+    """The server restarts after the last step: the sampler's ack() fails and keeps the batch, and
+    close() gave it back as a batch no step had trained, so it was served again. It acks it now
+    (made again while the server is unavailable, for the client's timeout)."""
+    data = str(tmp_path / "data")
+    server = serve(data)
+    port = server.port
+    with BufferClient(server.target) as admin:
+        admin.create_table("acks", group_size=2, estimator="grpo")
+    rb = ReplayBuffer(
+        storage=ExpbufStorage(server.target, "acks", timeout=5), sampler=ExpbufSampler(timeout=5), batch_size=2
+    )
+    rb.extend(groups(["a", "b"], 2))
+    trained = uids_of(rb.sample())
+    assert server.stop(signal.SIGTERM) == 0, "".join(server.log)
+    with pytest.raises(UnavailableError):
+        rb.sampler.ack()  # after the last step, as the sampler's docs say
+    server = serve(data, "--port", str(port))
+    rb.sampler.close()
+    with BufferClient(server.target, wait_for_ready=True) as admin:
+        stats = admin.stats("acks")["acks"]
+        assert (stats.consumed, stats.leased, stats.ready) == (2, 0, 2), (trained, stats)

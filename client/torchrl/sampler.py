@@ -129,6 +129,7 @@ class ExpbufSampler(Sampler):
         self.ranks, self.rank, self.process_group = ranks, rank, process_group
         self.split: dict[str, Any] = {"balance": balance, "equal": equal}
         self._last: Batch | None = None  # the batch drawn last, not yet acknowledged
+        self._trained = False  # its step returned: its ack was tried, and failed (it is made again, never given back)
         self._given_back: list[str] = []  # leases of interrupted draws, to give back once the server answers
         self._restored: str | None = None  # the lease a loaded checkpoint named, to acknowledge
         self._keeper: LeaseKeeper | None = None
@@ -306,8 +307,9 @@ class ExpbufSampler(Sampler):
             self._restored = None
         if self._last is None:
             return
-        self._keeper_of(storage).ack(self._last.lease_id, retry_for=storage.client.timeout)
-        self._last = None
+        tried, self._trained = self._trained, True
+        self._keeper_of(storage).ack(self._last.lease_id, retry_for=storage.client.timeout, tried=tried)
+        self._last, self._trained = None, False
 
     def ack(self) -> None:
         """Acknowledge the batch drawn last now: after the last step, when no sample follows."""
@@ -317,15 +319,20 @@ class ExpbufSampler(Sampler):
 
     def close(self) -> None:
         """Stop renewing. The batch drawn last goes back to the table now (its step is not known to
-        have finished: call `ack` first when it has)."""
+        have finished: call `ack` first when it has); one whose ack was tried and failed is acked
+        (made again while the server is unavailable, for the client's timeout), never given back."""
         with self._lock:
-            for batch in (self._last, self._next):
-                if batch is not None:
-                    self._put_back(batch)
-            self._last = self._next = None
-            if self._keeper is not None:
-                self._keeper.close()
-                self._keeper = None
+            try:
+                if self._last is not None and self._trained and self._source is not None:
+                    self._ack_last(self._source)
+                for batch in (self._last, self._next):
+                    if batch is not None:
+                        self._put_back(batch)
+            finally:
+                self._last = self._next = None
+                if self._keeper is not None:
+                    self._keeper.close()
+                    self._keeper = None
 
     # ------------------------------------------------------------------ TorchRL's sampler interface
 
