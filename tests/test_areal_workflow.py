@@ -5,13 +5,16 @@ from __future__ import annotations
 
 import logging
 import re
+import threading
 from typing import Any
 
 import pytest
 import torch
 
 from expbuf.client import BufferClient
+from expbuf.server.app import ExpbufServer
 
+from conftest import Servers
 from helpers import ServerProcess
 
 
@@ -196,3 +199,27 @@ def test_rejected_runs_are_reported_failed_and_the_table_completes_or_drops_the_
     run_executor(ExpbufWorkflow(two_rejected, child_server.target, "areal_short", group_size=4), [[3]])
     stats = client.stats("areal_short")["areal_short"]
     assert (stats.groups_dropped, stats.groups_ready, stats.pushed) == (1, 0, 5)  # 2 of 4: too few
+
+
+def test_a_group_pushed_while_the_server_restarts_waits_for_it_and_is_stored(start_server: Servers) -> None:
+    """The server is away for 1.5 s as a group's runs are pushed: the push raised UNAVAILABLE after
+    gRPC's own retries (under a second), AReaL's executor counted the rollout rejected, and the
+    generated group was lost. It waits for the server (for the client's timeout): the same uids
+    pushed again are stored once."""
+    server = start_server()
+    port = server.port
+    target = f"127.0.0.1:{port}"
+    with BufferClient(target) as admin:
+        admin.create_table("rlvr", group_size=4)
+    workflow = ExpbufWorkflow(ScriptedRLVR(), target, "rlvr", group_size=4)
+    start_server.stop(server)
+    restarted: list[ExpbufServer] = []
+    back = threading.Timer(1.5, lambda: restarted.append(start_server(port=port)))
+    back.start()
+    try:
+        trajectories, stats = run_executor(workflow, [[1, 2]])
+    finally:
+        back.join()
+    assert stats.accepted == 1 and len(trajectories) == 1
+    with BufferClient(target) as client:
+        assert [len(g) for g in whole_groups(client, "rlvr", 1)] == [4]

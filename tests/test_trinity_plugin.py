@@ -10,6 +10,7 @@ import logging
 import os
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -20,6 +21,7 @@ import pytest
 import torch
 
 from expbuf.client import BufferClient, BufferError, Tls
+from expbuf.server.app import ExpbufServer
 from expbuf.server.config import TlsConfig
 
 from conftest import Servers
@@ -545,3 +547,37 @@ def test_table_settings_in_the_path_are_refused_with_where_they_go() -> None:
     for name in ("max_staleness=2", "batch_size=8", "on_stale=drop", "samples_per_insert=2"):
         with pytest.raises(ValueError, match=r"setting of the table.*TOML \[\[tables\]\] or with create_table"):
             parse(f"expbuf://h:1/t?{name}", env={})
+
+
+def test_a_server_restart_of_a_second_or_two_is_ridden_out_by_the_writer_and_the_reader(
+    start_server: Servers,
+) -> None:
+    """The server goes away for 1.5 s, once under a write and once under a read: each waits for it
+    (for the client's timeout) rather than raising UNAVAILABLE after gRPC's own retries (under a
+    second), which ended Trinity's training loop and lost the written group; the read acks the
+    batch before it, trained."""
+    server = start_server()
+    port = server.port
+    with BufferClient(f"127.0.0.1:{port}") as admin:
+        admin.create_table(TABLE, group_size=4, estimator="grpo")
+    config = buffer_config(port, batch_size=4)
+    writer, reader = trinity.buffer.get_buffer_writer(config), trinity.buffer.get_buffer_reader(config)
+    asyncio.run(writer.write(group(0, [1.0, 0.0, 2.0, 0.5])))
+    first = asyncio.run(reader.read())
+    second_group = group(1, [0.0, 0.0, 1.0, 3.0])
+    read: list[list[Experience]] = []
+    for call in (lambda: asyncio.run(writer.write(second_group)), lambda: read.append(asyncio.run(reader.read()))):
+        start_server.stop(server)
+        restarted: list[ExpbufServer] = []
+        back = threading.Timer(1.5, lambda into=restarted: into.append(start_server(port=port)))
+        back.start()
+        try:
+            call()
+        finally:
+            back.join()
+        server = restarted[0]
+    assert sorted({e.eid.tid for e in first}) == ["3/0"] and sorted({e.eid.tid for e in read[0]}) == ["3/1"]
+    check_whole_groups(read[0], second_group)
+    with BufferClient(f"127.0.0.1:{port}") as admin:
+        stats = admin.stats(TABLE)[TABLE]
+    assert (stats.consumed, stats.leased, stats.ready) == (4, 4, 0), stats

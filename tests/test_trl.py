@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import threading
 from collections import defaultdict
 from pathlib import Path
 
@@ -379,3 +380,33 @@ def test_a_batch_given_back_while_the_server_is_away_is_given_back_once_it_is_ba
             stats = client.stats("g")["g"]
             assert (stats.leased, stats.ready) == (0, 2) and not failures
             keeper.close()
+
+
+def test_a_restart_as_training_ends_leaves_no_trained_batch_unacked(start_server: Servers, tmp_path: Path) -> None:
+    """The server goes away as the last step ends, for 1.5 s: TRL's `finally` stops the worker, whose
+    last round's ack failed and was never made again, so the trained groups' lease ran out and they
+    were served again. stop() now makes its rounds again while acks are left and the server is
+    unavailable, for the client's timeout."""
+    server = start_server()
+    port = server.port
+    client = BufferClient(f"127.0.0.1:{port}", timeout=10)
+    client.create_table("a", group_size=2)
+    for task in range(2):
+        client.push(group(task, [1.0, 0.0], version=1, mark=2 * task), table="a")
+    worker = started(ExpbufRolloutWorker(client, "a", num_groups=2, wait_seconds=0.5), trl_args(tmp_path))
+    take(worker, 4)
+    for _ in range(2):
+        worker.callback.on_step_end(None, None, None)
+    start_server.stop(server)
+    restarted = []
+    back = threading.Timer(1.5, lambda: restarted.append(start_server(port=port)))
+    back.start()
+    try:
+        worker.callback.on_step_end(None, None, None)  # step 3: the batch is due, its ack queued
+        worker.callback.on_train_end(None, None, None)
+        worker.stop()  # TRL's finally
+    finally:
+        back.join()
+    assert worker.reporter.pending() == 0
+    assert client.stats("a")["a"].consumed == 4
+    client.close()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import signal
+import threading
 import time
 import tomllib
 from collections.abc import Callable, Iterator
@@ -314,6 +315,36 @@ def test_source_leases_last_while_the_trainer_lives_and_go_back_when_it_closes(
     buffer.close()  # the third step never ended: its group goes back now
     after = stats(client, "verl_renew")
     assert (after.groups_leased, after.groups_ready, after.leases_expired) == (0, 2, 0)
+
+
+def test_a_restart_as_training_ends_leaves_no_trained_step_unacked(tmp_path: Path) -> None:
+    """The server goes away as the last step ends, for 1.5 s, and the trainer closes the buffer: its
+    last round failed and close() gave back every lease, the trained step's too (or, that failing
+    as well, left it to run out), so the trained group was served again. close() now makes its
+    last round again while the server is unavailable, for the client's timeout."""
+    data = str(tmp_path / "data")
+    first = ServerProcess(data)
+    port = first.port
+    with BufferClient(first.target) as admin:
+        admin.create_table("verl_close", group_by="task", group_size=2, estimator="grpo")
+        admin.push(explorer_group("a", 1, [0.0, 1.0]), "verl_close")
+    buffer = build(first.target, "verl_close", threshold=None, mode="source")
+    meta, _ = buffer.sample(global_steps=1, partition_id=TRAIN, batch_size=1)
+    assert first.stop(signal.SIGTERM) == 0, "".join(first.log)
+    step_end(meta)  # trained: verl clears the step's keys
+    restarted: list[ServerProcess] = []
+    back = threading.Timer(1.5, lambda: restarted.append(ServerProcess(data, "--port", str(port))))
+    back.start()
+    try:
+        buffer.close()
+    finally:
+        back.join()
+    try:
+        with BufferClient(restarted[0].target) as admin:
+            after = stats(admin, "verl_close")
+        assert (after.consumed, after.groups_leased, after.groups_ready) == (2, 0, 0), after
+    finally:
+        assert restarted[0].stop(signal.SIGTERM) == 0
 
 
 def test_source_gives_each_group_of_a_table_grouped_finer_than_by_task_its_own_uid(

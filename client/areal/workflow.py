@@ -18,6 +18,7 @@ from areal.utils.data import concat_padded_tensors
 from areal.utils.dynamic_import import import_from_string
 
 from ..client import BufferClient, BufferError
+from ..kit.retry import retried
 from ..kit.tables import connect, table_info
 from ..schema.experience import EID, Experience, ordered_id
 from ..schema.routing import GROUP_KEY_OF
@@ -130,7 +131,8 @@ class ExpbufWorkflow(RolloutWorkflow):
 
     def _push(self, exps: list[Experience], failed: list[str]) -> None:
         """Push a group's runs; report its rejected runs failed (`failed`), or seal it short."""
-        result = self.client.push(exps, table=self.table)
+        # a server that restarts is waited for: the same uids, pushed again, are stored once
+        result = retried(lambda: self.client.push(exps, table=self.table), self.client.timeout)
         if result.stale:
             log.warning("expbuf table '%s' dropped %d stale experiences of this group", self.table, len(result.stale))
         if failed:

@@ -7,8 +7,13 @@ a second, and one that stays away is not asked more than twice a second by any a
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
+from typing import TypeVar
 
+from ..errors import UnavailableError
 from ..rpc.connection import BACKOFF, Backoff
+
+T = TypeVar("T")
 
 
 class Retry:
@@ -36,3 +41,18 @@ class Retry:
     def reset(self) -> None:
         """The step succeeded: the next failure starts again from the shortest pause and a new bound."""
         self._failures, self._deadline = 0, None
+
+
+def retried(step: Callable[[], T], within: float) -> T:
+    """`step`, made again after Retry's pauses while the server is unavailable (a restart), for at
+    most `within` seconds from the first failure; then what failed is raised. For a step that is
+    safe to make twice (a push of the same uids, an ack as one tried before)."""
+    retry = Retry(within)
+    while True:
+        try:
+            return step()
+        except UnavailableError:
+            pause = retry.pause()
+            if pause is None:
+                raise
+            time.sleep(pause)

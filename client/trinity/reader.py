@@ -23,6 +23,7 @@ from expbuf.client.client import Batch, BufferError
 from expbuf.client.kit.batches import take_one
 from expbuf.client.kit.lease_keeper import RENEWALS_PER_LEASE, LeaseKeeper
 from expbuf.client.kit.location import connect, parse
+from expbuf.client.kit.retry import retried
 from expbuf.client.trxp.codec.gc_pause import collector_paused
 
 from . import settings
@@ -239,19 +240,22 @@ class ExpbufReader(BufferReader):
         """One batch of `groups` whole groups (fewer with `partial`), or None if none came in `wait` s."""
         if delivery == "consume" and not self._group:
             delivery = "lease"
-        try:
-            batch = take_one(
-                self._client,
-                self.location.table,
-                lambda broken: self._give_back([broken]),
-                num_groups=groups,
-                order=self.location.order,
-                delivery=delivery,
-                lease_seconds=self.location.lease_seconds,
-                timeout=wait,
-                min_model_version=min_version,
-                allow_partial=partial,
-                trainer_version=version,
+        try:  # a server that restarts is waited for, as the writers wait for it
+            batch = retried(
+                lambda: take_one(
+                    self._client,
+                    self.location.table,
+                    lambda broken: self._give_back([broken]),
+                    num_groups=groups,
+                    order=self.location.order,
+                    delivery=delivery,
+                    lease_seconds=self.location.lease_seconds,
+                    timeout=wait,
+                    min_model_version=min_version,
+                    allow_partial=partial,
+                    trainer_version=version,
+                ),
+                self._client.timeout,
             )  # None: a partial request ends its stream empty when nothing is left
         except BufferError as exc:
             if exc.code == grpc.StatusCode.DEADLINE_EXCEEDED:
@@ -286,7 +290,8 @@ class ExpbufReader(BufferReader):
         """Acknowledge the batch handed out last: the training step that used it is over."""
         while self._leases:
             lease = self._leases[0]
-            self._keeper.ack(lease, tried=lease in self._restored)  # a checkpoint's may have been acked since
+            tried = lease in self._restored  # a checkpoint's may have been acked since
+            self._keeper.ack(lease, retry_for=self._client.timeout, tried=tried)
             self._restored.discard(lease)
             self._leases.pop(0)
 

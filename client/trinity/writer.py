@@ -19,7 +19,7 @@ from trinity.common.experience import Experience
 
 from expbuf.client.client import BufferError, PushResult
 from expbuf.client.kit.location import connect, parse
-from expbuf.client.kit.retry import Retry
+from expbuf.client.kit.retry import Retry, retried
 from expbuf.client.schema.experience import ordered_id
 from expbuf.client.schema.reasons import Reason
 from expbuf.client.schema.routing import GROUP_KEY_OF
@@ -145,8 +145,8 @@ class ExpbufWriter(BufferWriter):
         payload = Experience.serialize_many(data)
         full = Retry()  # no bound: a full table blocks the writer, as Trinity's queue does
         while True:
-            try:
-                result = self._client.push(payload, self.location.table)
+            try:  # a server that restarts is waited for (the eids are the objects' own: stored once)
+                result = retried(lambda: self._client.push(payload, self.location.table), self._client.timeout)
                 break
             except BufferError as exc:
                 if exc.reason == Reason.TABLE_FULL:

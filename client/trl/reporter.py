@@ -22,6 +22,7 @@ import grpc
 from ..client import BufferClient
 from ..errors import ExpbufError
 from ..kit.lease_keeper import LeaseKeeper
+from ..kit.retry import Retry
 from ..results import Batch
 
 log = logging.getLogger("expbuf.trl")
@@ -76,13 +77,26 @@ class Reporter:
         self._thread.start()
 
     def stop(self) -> None:
-        """End the thread, then make one last round here: acks first, then what goes back."""
+        """End the thread, then make the last rounds here: acks first, then what goes back; again
+        while acks are left and the server is unavailable, for the client's timeout, so that a
+        trained batch is not left to its lease's end (and served again) by a restart as training
+        ends."""
         self._stop.set()
         self._wake.set()
         if self._thread is not None:
             self._thread.join()
             self._thread = None
-        self.round()
+        retry = Retry(self.client.timeout)
+        while True:
+            self.round()
+            with self._lock:
+                left = len(self._acks)
+            pause = retry.pause() if left else None
+            if pause is None:
+                break
+            time.sleep(pause)
+        if left:
+            log.warning("expbuf table %s: %d trained batches not acked; back when their leases end", self.table, left)
 
     def set_version(self, version: int) -> None:
         with self._lock:

@@ -35,6 +35,7 @@ from verl.trainer.ppo.v1.replay_buffer import ReplayBufferAsync
 from expbuf.client import BufferClient, BufferError, FailedPreconditionError, TableInfo
 from expbuf.client.kit.batches import take_one
 from expbuf.client.kit.lease_keeper import RENEWALS_PER_LEASE, LeaseKeeper
+from expbuf.client.kit.retry import retried
 from expbuf.client.kit.tables import table_info
 from expbuf.client.verl import settings as settings_mod
 from expbuf.client.verl.convert import VERL_BATCH, Row, from_verl, parse_key, to_verl
@@ -317,8 +318,8 @@ class ExpbufReplayBuffer(ReplayBufferAsync):
         self._stopped.set()
         self._wake.set()
         self._thread.join(timeout=30)
-        try:
-            self.sync_once()
+        try:  # while the server restarts, for the client's timeout: its acks are of trained steps
+            retried(self.sync_once, self.client.timeout)
         except Exception:
             logger.exception("expbuf table %s: last mirror round failed", self.table)
         self._give_back()
