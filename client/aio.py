@@ -110,7 +110,7 @@ class AsyncHeldBatch:
         except ExpbufError:
             await self.give_back()
             raise
-        with contextlib.suppress(grpc.RpcError):  # how it ended is read below
+        with contextlib.suppress(grpc.RpcError, asyncio.InvalidStateError):  # how it ended is read below
             await self._call.write(calls.confirmation(1))
             await _drain(self._call)  # nothing more comes: the stream ends once the batch is delivered
         error = await self._status.error()
@@ -277,18 +277,26 @@ class AsyncBufferClient(ServerCalls, Awaiting, ClientBase):
                 await passed()
                 ahead.join()
 
-    async def _hold(self, spec: SampleSpec) -> AsyncHeldBatch | None:
-        """As BufferClient._hold: the one batch of `spec` held unconfirmed (AsyncHeldBatch); None
-        where the stream ended without one."""
+    async def _hold(self, spec: SampleSpec, within: float = 0.0) -> AsyncHeldBatch | None:
+        """As BufferClient._hold: the one batch of `spec` held unconfirmed (AsyncHeldBatch) for at
+        most `within` and twice the client's timeout, cancelled where no answer comes within the
+        client's timeout; None where the stream ended without one."""
         order = self._orders.check(spec.order)
         if order is not None:
             await self._run(order)
         since = time.monotonic()
-        call = self._sample(metadata=self._metadata)
+        call = self._sample(metadata=self._metadata, timeout=within + 2 * self.timeout)
         status = aio_status.StreamStatus(call)
-        try:
+
+        async def answered() -> SampleReplyParts | None:
             await call.write(spec.request(self.max_message_bytes))
-            reply = await _read_whole(call, Parts())
+            return await _read_whole(call, Parts())
+
+        try:
+            reply = await asyncio.wait_for(answered(), self.timeout)
+        except TimeoutError:
+            call.cancel()
+            raise calls.unanswered(spec.table, self.timeout) from None
         except grpc.RpcError:  # the stream ended: by its own status
             error = await status.error()
             if error is None:

@@ -324,20 +324,33 @@ class BufferClient(ServerCalls, Blocking, ClientBase):
             timer.cancel()
             requests.close()
 
-    def _hold(self, spec: SampleSpec) -> HeldBatch | None:
+    def _hold(self, spec: SampleSpec, within: float = 0.0) -> HeldBatch | None:
         """The one batch of `spec` (`max_batches=1`: a sharded client's part), held unconfirmed
         (HeldBatch); None where the stream ended without one (allow_partial, none ready). A batch
-        that cannot be decoded raises DataLossError and goes back to the buffer uncounted."""
+        that cannot be decoded raises DataLossError and goes back to the buffer uncounted.
+        `within`: how long it may be held before it is delivered or given back; its stream ends
+        (DEADLINE_EXCEEDED) past that and twice the client's timeout (its answer, its delivery),
+        and it is cancelled where no answer comes within the client's timeout (calls.unanswered),
+        so a shard that stops answering holds the call no longer (the part is then left out)."""
         order = self._orders.check(spec.order)
         if order is not None:
             self._run(order)
         requests = SampleRequests(spec.request(self.max_message_bytes))
         since = time.monotonic()
-        stream = self._sample(requests, metadata=self._metadata)
+        stream = self._sample(requests, metadata=self._metadata, timeout=within + 2 * self.timeout)
         parts, reply = Parts(), None
+        silent = threading.Event()
+
+        def cancel() -> None:
+            silent.set()
+            stream.cancel()
+
+        waiting = threading.Timer(self.timeout, cancel)
+        waiting.start()
         try:
             while reply is None and (message := next(stream, None)) is not None:
                 reply = parts.add(message)
+            waiting.cancel()
             if reply is None:
                 parts.end()
                 requests.close()
@@ -345,8 +358,9 @@ class BufferClient(ServerCalls, Blocking, ClientBase):
             batch = calls.batch(reply, spec.table, self, Batch, columnar=bool(spec.fields))
             return HeldBatch(self, spec, since, stream, requests, batch)
         except grpc.RpcError as exc:
+            waiting.cancel()
             requests.close()
-            raise self._error(exc) from None
+            raise (calls.unanswered(spec.table, self.timeout) if silent.is_set() else self._error(exc)) from None
         except ExpbufError:
             _stop(stream, requests)
             raise

@@ -7,6 +7,7 @@ outcomes are answered here."""
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -23,7 +24,7 @@ from expbuf.client.shards.blocking import AsyncShardedBufferClient, ShardedBuffe
 from expbuf.client.shards.poll import POLL_SECONDS, Wait
 
 from conftest import Servers
-from helpers import make_experience
+from helpers import SlowReplies, make_experience
 from test_sharding import drain, groups, in_process_shards
 
 Sharded = ShardedBufferClient | AsyncShardedBufferClient
@@ -277,3 +278,39 @@ def test_parts_that_come_in_different_rounds_make_a_whole_batch_under_a_short_ma
         stats = {shard: one["t"] for shard, one in after.shard_stats("t").items()}
     assert [(stats[shard].ready, stats[shard].consumed) for shard in ("free", "full")] == [(0, 2), (0, 2)]
     assert stats["full"].sampled == 2
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_shard_that_stops_answering_as_its_part_is_held_leaves_it_out_in_bounded_time(
+    start_server: Servers, tmp_path: Path, kind: type[Sharded]
+) -> None:
+    """One shard answers the ready probe, then says nothing more (a frozen process, a partition with
+    no reset) as the parts are asked for: its part's stream had no deadline, so the sample waited
+    for it for good, the other shard's part held meanwhile. Each part's stream now ends within the
+    time the batch is gathered for and twice the client's timeout: the trainer gets the other part,
+    `partial` set, delivered once."""
+    free = start_server(tmp_path / "free")
+    frozen = SlowReplies(f"127.0.0.1:{start_server(tmp_path / 'full').port}")
+    targets = {"free": f"127.0.0.1:{free.port}", "full": frozen.target}
+    with ShardedBufferClient(targets) as setup:
+        setup.create_table("t", group_size=2, estimator="none")
+        setup.push(groups(0, range(8), range(2)), table="t")
+        on = {shard: stats["t"].ready for shard, stats in setup.shard_stats("t").items()}
+    assert on["free"] and on["full"]
+
+    def freeze(step: Any) -> None:
+        if isinstance(step, list) and any(call.method == "_hold" for call in step):
+            frozen.hold()
+
+    ask = {"num_groups": 8, "max_batches": 1, "delivery": "consume", "timeout": 1.0}
+    out: list[Any] = []
+    sampling = threading.Thread(target=lambda: out.extend(samples(kind, targets, [ask], freeze)), daemon=True)
+    sampling.start()
+    sampling.join(120)
+    frozen.release()
+    assert not sampling.is_alive(), "the sample waited for a shard that said nothing"
+    (([batch], _),) = out
+    assert batch.shards == ["free"] and batch.partial and len(batch.uids) == on["free"]
+    with BufferClient(targets["free"]) as one:
+        assert one.stats("t")["t"].consumed == on["free"]
+    frozen.close()

@@ -68,6 +68,10 @@ class Poll:
         self._late = False
         self._ready: Mapping[str, int] = {}
 
+    def left(self, now: float) -> float:
+        """The seconds left before the batch is given up on (its parts held no longer)."""
+        return max(0.0, self._deadline - now)
+
     def look(self, ready: Mapping[str, int], now: float) -> Next:
         """What to do given each answering shard's ready count (shards that did not answer are absent)."""
         self._ready, self._late = ready, now >= self._deadline

@@ -78,7 +78,7 @@ class SamplePlans(Planned):
         step = poll.look((yield from self._ready(spec.table, poll.key)), time.monotonic())
         while True:
             if isinstance(step, Ask):
-                fetched, refused = yield from self._fetch(spec, step.parts, step.late)
+                fetched, refused = yield from self._fetch(spec, step.parts, step.late, poll.left(time.monotonic()))
                 parts += fetched
                 if refused:
                     raise shard_error(refused, self.shard_map.targets)
@@ -126,12 +126,13 @@ class SamplePlans(Planned):
         return counts
 
     def _fetch(
-        self, spec: SampleSpec, want: Mapping[str, int], late: bool
+        self, spec: SampleSpec, want: Mapping[str, int], late: bool, within: float
     ) -> Plan[tuple[Parts, dict[str, BufferError]]]:
-        """One batch of each shard's part, in parallel, each held (`_hold`), and the shards that
-        refused theirs; a shard that cannot give its part now gives nothing (taken by another
-        trainer meanwhile, filtered out, or the shard went down)."""
-        calls = [Call(shard, "_hold", (spec.part(count, late),)) for shard, count in want.items()]
+        """One batch of each shard's part, in parallel, each held (`_hold`, for at most `within`,
+        the time the batch is gathered for), and the shards that refused theirs; a shard that
+        cannot give its part now gives nothing (taken by another trainer meanwhile, filtered out,
+        or the shard went down)."""
+        calls = [Call(shard, "_hold", (spec.part(count, late), within)) for shard, count in want.items()]
         results, errors = self._sort(calls, (yield from self._exchange(calls)))
         refused = {shard: exc for shard, exc in errors.items() if not is_down(exc)}
         return [(shard, held) for shard, held in results.items() if held is not None], refused

@@ -14,7 +14,17 @@ and the Sample stream's pieces (`sample_stream.py`).
 
 from .attempts import Attempts, one_reply
 from .push_calls import Items, payload, payload_uids, push, push_requests, push_result
-from .sample_stream import STOP_SECONDS, Handing, Orders, batch, confirm_by, confirmation, ended_late, handed
+from .sample_stream import (
+    STOP_SECONDS,
+    Handing,
+    Orders,
+    batch,
+    confirm_by,
+    confirmation,
+    ended_late,
+    handed,
+    unanswered,
+)
 
 __all__ = [
     "STOP_SECONDS",
@@ -33,4 +43,5 @@ __all__ = [
     "push",
     "push_requests",
     "push_result",
+    "unanswered",
 ]

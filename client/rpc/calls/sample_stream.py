@@ -159,6 +159,16 @@ def late(table: str, seconds: float, since: float) -> DeadlineExceededError | No
     )
 
 
+def unanswered(table: str, seconds: float) -> DeadlineExceededError:
+    """The error of a held part (a sharded client's) its shard did not answer within `seconds`, the
+    client's timeout: a shard that stopped answering, left out as one that is down."""
+    return DeadlineExceededError(
+        grpc.StatusCode.DEADLINE_EXCEEDED,
+        f"no answer to a sample of table '{table}' within the client's timeout of {seconds:g}s: the stream was "
+        "cancelled, and whatever the shard took for it goes back to its buffer",
+    )
+
+
 def ended_late(code: grpc.StatusCode, table: str, seconds: float, since: float) -> DeadlineExceededError | None:
     """What a Sample stream that ended with `code` was, when the server cancelled it because its
     client came late (`late`: the server ends a stream whose reply its client has not taken for
