@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import itertools
 import json
 import re
 import signal
@@ -62,7 +63,7 @@ from expbuf.proto.v1 import buffer_pb2_grpc as pb_grpc
 from expbuf.server.app import ExpbufServer
 
 from conftest import Servers
-from helpers import ServerProcess, make_experience, scrape
+from helpers import ServerProcess, SlowReplies, make_experience, scrape
 
 NAMES = ("s0", "s1", "s2")
 
@@ -1205,3 +1206,46 @@ def test_async_client_runs_the_ledger_across_shards(shards: Shards) -> None:
             assert (reported.total("trained"), reported.total("claimed")) == (6, 3)
 
     asyncio.run(run())
+
+
+def test_an_asyncio_push_cancelled_as_a_shard_holds_its_part_is_made_and_the_pushes_after_it_complete(
+    start_server: Servers, tmp_path: Path
+) -> None:
+    """A caller's asyncio.wait_for cancels a push whose part waits for a shard that reads nothing
+    (flow control: its connection held): the part already handed to that shard's pusher was never
+    reported back, the push never had an outcome, and as futures complete in order, no push after
+    it ever completed, nor flush(). The push is made all the same now, and those after it complete."""
+    first = start_server(tmp_path / "first")
+    held = SlowReplies(f"127.0.0.1:{start_server(tmp_path / 'second').port}")
+    targets = {"first": f"127.0.0.1:{first.port}", "second": held.target}
+    with ShardedBufferClient(targets) as setup:
+        setup.create_table("t", group_size=1, estimator="none", group_by="none")
+        owner = setup.shard_map.owner
+
+    def on(shard: str, count: int, batch: int, response: int = 4) -> list:
+        made = (make_experience(batch, task, 0, response=response) for task in range(1000))
+        return list(itertools.islice((e for e in made if owner(e.eid.uid) == shard), count))
+
+    async def push_all() -> tuple[int, int]:
+        async with (
+            AsyncShardedBufferClient(targets, timeout=5.0) as client,
+            client.pusher("t", window=4) as pusher,
+        ):
+            await (await pusher.push(on("first", 1, 0) + on("second", 1, 1)))
+            held.hold()  # the second shard reads nothing more
+            big = on("second", 3, 2, response=2_000_000) + on("first", 1, 2)
+            with pytest.raises(TimeoutError):
+                await asyncio.wait_for(pusher.push(big), 2.0)
+            held.release()
+            later = await pusher.push(on("first", 1, 3) + on("second", 1, 4))
+            result = await asyncio.wait_for(later, 60)
+            await asyncio.wait_for(pusher.flush(), 60)
+            return len(result.stored), pusher.in_flight
+
+    out: list[tuple[int, int]] = []
+    pushing = threading.Thread(target=lambda: out.append(asyncio.run(push_all())), daemon=True)
+    pushing.start()
+    pushing.join(180)
+    held.release()
+    assert out == [(2, 0)], "the pushes after the cancelled one never completed"
+    held.close()

@@ -195,13 +195,23 @@ class AsyncShardedPusher(ShardPushers[AsyncPusher], AsyncOrderedFutures[ShardWin
         self._ask_group_by = group_by  # the table's grouping, from the shards (the client's plan)
         AsyncOrderedFutures.__init__(self, ShardWindow(window))
         self._sending = asyncio.Lock()  # a push's parts reach each shard's pusher in push order
+        self._making: set[asyncio.Task[asyncio.Future[PushResult]]] = set()  # pushes whose parts are being sent
 
     async def push(self, items: calls.Items) -> asyncio.Future[PushResult]:
         """Push TRXP bytes, experiences or a ColumnBatch; the future completes when every part is durable
-        or one has failed."""
+        or one has failed. A push whose caller is cancelled as it waits (for room, or for a shard to
+        read a part) is made all the same: a push with a part never handed to its shard's pusher
+        would never complete, nor any push after it."""
         if self._group_by is None:
             self._group_by = await self._ask_group_by()
         parts = split(self._client, items, self._group_by)
+        making = asyncio.ensure_future(self._make(parts))
+        self._making.add(making)
+        making.add_done_callback(self._making.discard)
+        return await asyncio.shield(making)
+
+    async def _make(self, parts: Parts | ExpbufError) -> asyncio.Future[PushResult]:
+        """The push of `parts`, its future; every part handed to its shard's pusher, in push order."""
         future: asyncio.Future[PushResult] = asyncio.get_running_loop().create_future()
         async with self._sending:
             await self._room()
@@ -216,6 +226,7 @@ class AsyncShardedPusher(ShardPushers[AsyncPusher], AsyncOrderedFutures[ShardWin
     async def flush(self) -> None:
         """Wait until every push made so far is durable or has failed: each shard's pusher waits
         for its parts first, which ends its stream (AsyncPusher.flush)."""
+        await asyncio.gather(*self._making, return_exceptions=True)  # pushes whose callers were cancelled
         for pusher in self._all():
             await pusher.flush()
         await super().flush()
