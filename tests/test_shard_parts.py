@@ -280,6 +280,20 @@ def test_parts_that_come_in_different_rounds_make_a_whole_batch_under_a_short_ma
     assert stats["full"].sampled == 2
 
 
+def behind_a_proxy(start_server: Servers, root: Path) -> tuple[dict[str, str], SlowReplies, dict[str, int]]:
+    """Two in-process shards, "full" reached through a SlowReplies proxy, with table t of groups on
+    both: their targets, the proxy, and each shard's ready count."""
+    free = start_server(root / "free")
+    proxy = SlowReplies(f"127.0.0.1:{start_server(root / 'full').port}")
+    targets = {"free": f"127.0.0.1:{free.port}", "full": proxy.target}
+    with ShardedBufferClient(targets) as setup:
+        setup.create_table("t", group_size=2, estimator="none")
+        setup.push(groups(0, range(8), range(2)), table="t")
+        on = {shard: stats["t"].ready for shard, stats in setup.shard_stats("t").items()}
+    assert on["free"] and on["full"]
+    return targets, proxy, on
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_a_shard_that_stops_answering_as_its_part_is_held_leaves_it_out_in_bounded_time(
     start_server: Servers, tmp_path: Path, kind: type[Sharded]
@@ -289,14 +303,7 @@ def test_a_shard_that_stops_answering_as_its_part_is_held_leaves_it_out_in_bound
     for it for good, the other shard's part held meanwhile. Each part's stream now ends within the
     time the batch is gathered for and twice the client's timeout: the trainer gets the other part,
     `partial` set, delivered once."""
-    free = start_server(tmp_path / "free")
-    frozen = SlowReplies(f"127.0.0.1:{start_server(tmp_path / 'full').port}")
-    targets = {"free": f"127.0.0.1:{free.port}", "full": frozen.target}
-    with ShardedBufferClient(targets) as setup:
-        setup.create_table("t", group_size=2, estimator="none")
-        setup.push(groups(0, range(8), range(2)), table="t")
-        on = {shard: stats["t"].ready for shard, stats in setup.shard_stats("t").items()}
-    assert on["free"] and on["full"]
+    targets, frozen, on = behind_a_proxy(start_server, tmp_path)
 
     def freeze(step: Any) -> None:
         if isinstance(step, list) and any(call.method == "_hold" for call in step):
@@ -314,3 +321,35 @@ def test_a_shard_that_stops_answering_as_its_part_is_held_leaves_it_out_in_bound
     with BufferClient(targets["free"]) as one:
         assert one.stats("t")["t"].consumed == on["free"]
     frozen.close()
+
+
+def test_an_asyncio_sample_cancelled_as_its_parts_come_in_gives_back_those_it_holds(
+    start_server: Servers, tmp_path: Path
+) -> None:
+    """A trainer's asyncio.wait_for cancels a sharded sample while one shard is slow to hand over its
+    part: the other shard's part, taken and held, stayed held (invisible to every trainer, its
+    stream open) until the client closed or the shard's max_confirm_seconds. It goes back as the
+    call ends."""
+    targets, slow, on = behind_a_proxy(start_server, tmp_path)
+    ready = on["free"]
+
+    async def cancelled() -> None:
+        async with AsyncShardedBufferClient(targets, timeout=5.0) as client:
+            driven = client._step
+
+            async def step(step: Any) -> Any:
+                if isinstance(step, list) and any(call.method == "_hold" for call in step):
+                    slow.delay = 2.0  # the full shard turns slow after its ready probe
+                return await driven(step)
+
+            client._step = step  # type: ignore[method-assign]
+            batches = client.sample("t", num_groups=8, timeout=5.0, max_batches=1)
+            with pytest.raises(TimeoutError):
+                await asyncio.wait_for(anext(batches), 1.0)
+            await batches.aclose()
+            with BufferClient(targets["free"]) as one:
+                stats = one.stats("t")["t"]
+            assert (stats.ready, stats.leased, stats.sampled) == (ready, 0, 0), stats
+
+    asyncio.run(cancelled())
+    slow.close()

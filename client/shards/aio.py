@@ -10,7 +10,7 @@ import asyncio
 from collections.abc import AsyncIterator
 from typing import Any, Unpack
 
-from ..aio import AsyncBufferClient
+from ..aio import AsyncBufferClient, AsyncHeldBatch
 from ..errors import BufferError
 from ..rpc.api import ShardCalls
 from ..rpc.declare import AwaitingShards, Turns
@@ -51,7 +51,13 @@ class AsyncShardedBufferClient(ShardPlans, AwaitingShards, ShardCalls):
         if isinstance(step, Wait):
             await asyncio.sleep(step.seconds)
             return None
-        return await asyncio.gather(*(self._call(call) for call in step))
+        made = [asyncio.ensure_future(self._call(call)) for call in step]
+        try:
+            return await asyncio.gather(*made)
+        except asyncio.CancelledError:  # the parts its calls took by then go back (the others' calls end)
+            taken = [task.result() for task in made if task.done() and not task.cancelled()]
+            await asyncio.shield(_given_back([part for part in taken if isinstance(part, AsyncHeldBatch)]))
+            raise
 
     async def _run(self, plan: Plan[T]) -> T:
         turns = Turns(plan)
@@ -75,8 +81,32 @@ class AsyncShardedBufferClient(ShardPlans, AwaitingShards, ShardCalls):
     ) -> AsyncIterator[ShardBatch]:
         """As ShardedBufferClient.sample; leased batches' ack()/nack() return coroutines."""
         spec = SampleSpec(table, batch_size, num_groups, **options)
-        for step in (turns := Turns(self._sample(spec, self, AsyncShardBatch))):
-            if isinstance(step, Emit):
-                yield step.batch
-            else:
-                turns.answer(await self._step(step))
+        held: list[AsyncHeldBatch] = []  # parts taken and neither delivered nor given back yet
+        try:
+            for step in (turns := Turns(self._sample(spec, self, AsyncShardBatch))):
+                if isinstance(step, Emit):
+                    yield step.batch
+                    continue
+                answers = await self._step(step)
+                _follow(held, step, answers)
+                turns.answer(answers)
+        except (asyncio.CancelledError, GeneratorExit):  # a caller that left mid-batch: its parts go back
+            await asyncio.shield(_given_back(held))
+            raise
+
+
+def _follow(held: list[AsyncHeldBatch], step: Any, answers: Any) -> None:
+    """Keep `held` to the parts a sample's plan holds: those its step took (`_hold`), less those it
+    delivered or gave back."""
+    if isinstance(step, Wait):
+        return
+    for call, answer in zip(step, answers, strict=True):
+        if call.method == "_hold" and isinstance(answer, AsyncHeldBatch):
+            held.append(answer)
+        elif call.method in ("deliver", "give_back") and call.on in held:
+            held.remove(call.on)
+
+
+async def _given_back(parts: list[AsyncHeldBatch]) -> None:
+    """Parts of a batch no caller will have, back to their shards' buffers uncounted."""
+    await asyncio.gather(*(part.give_back() for part in parts), return_exceptions=True)
