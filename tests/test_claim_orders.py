@@ -362,7 +362,7 @@ def test_prompts_trained_outside_expbuf_are_reported_with_their_rewards(client: 
     with pytest.raises(ValueError, match=r"prompt d/0/\d+ has rewards 0.5; give the rewards of its runs, a list"):
         client.report_prompts({claimed[0]: 0.5})
     assert client.report_prompts(outcomes) == 8
-    assert client.report_prompts(outcomes) == 0  # a report sent again finds the claims ended: nothing twice
+    assert client.report_prompts(outcomes) == 8  # a report sent again (its reply lost) says what the first took
     info = client.ledger("t", "d")
     assert info.counts[0].trained == 8 and info.total("claimed") == 0
     stats = {p.index: p.stats for p in client.list_prompts("t", "d").prompts}

@@ -101,6 +101,17 @@ def test_a_prompts_life_from_claim_to_trained(client: BufferClient) -> None:
     assert client.datasets("t") == [client.ledger("t", "math")]
 
 
+def test_a_report_made_again_counts_what_the_first_took(client: BufferClient) -> None:
+    """A ReportPrompts whose reply was lost is made again (gRPC's retry, or its caller): it found the
+    prompts trained and said 0, so a caller took their claims for ended and handed them out again."""
+    client.create_dataset("t", "again", 4)
+    claim = client.claim("t", "again", 4, lease_seconds=60)
+    outcomes = {prompt: [1.0] for prompt in claim.prompts}
+    assert client.report_prompts(outcomes) == 4
+    assert client.report_prompts(outcomes) == 4
+    assert client.ledger("t", "again").total("trained") == 4
+
+
 def test_a_push_into_an_ended_attempt_is_refused_naming_it(client: BufferClient) -> None:
     client.create_dataset("t", "math", 2)
     (prompt,) = client.claim("t", "math", lease_seconds=60).prompts

@@ -9,6 +9,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import signal
+import threading
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -243,3 +245,36 @@ def test_a_max_in_flight_the_explorers_unreported_steps_fill_is_refused_by_name(
         assert len(asyncio.run(tasks.read())) == BATCH
         with pytest.raises(ValueError, match=r"max_in_flight=4 and this explorer holds all 4 of its claims"):
             asyncio.run(tasks.read())  # its feedback comes only after this read: it would wait for ever
+
+
+def test_a_steps_feedback_as_the_server_restarts_is_reported_and_the_run_trains_every_prompt(
+    tmp_path: Path,
+) -> None:
+    """The server is away for 1.5 s as a step's feedback is reported: the report raised after gRPC's
+    own retries and was logged, its claims renewed for hold_seconds (6 h by default), and the run
+    ended with those prompts claimed and the dataset not done. The report waits for the server (for
+    the client's timeout): every prompt is trained and none is left claimed."""
+    with servers() as start:
+        data = str(tmp_path / "data")
+        server = start(data)
+        port = server.port
+        with BufferClient(server.target) as admin:
+            admin.create_table("grpo", group_size=0, estimator="none")
+        tasks = scheduler(server.target, rows(tmp_path, rows=2 * BATCH), {}, epochs=1)
+        first = [task.index["index"] for task in asyncio.run(tasks.read())]
+        assert server.stop(signal.SIGTERM) == 0
+        restarted: list[ServerProcess] = []
+        back = threading.Timer(1.5, lambda: restarted.append(start(data, "--port", str(port))))
+        back.start()
+        try:
+            report(tasks, first, set())
+        finally:
+            back.join()
+        second = [task.index["index"] for task in asyncio.run(tasks.read())]
+        report(tasks, second, set())
+        with pytest.raises(StopAsyncIteration):
+            asyncio.run(tasks.read())
+        with BufferClient(restarted[0].target) as admin:
+            info = admin.ledger("grpo", "math")
+    assert sorted(first + second) == list(range(2 * BATCH))
+    assert info.done and (info.total("claimed"), info.total("trained")) == (0, 2 * BATCH)

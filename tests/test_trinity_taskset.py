@@ -513,3 +513,28 @@ def test_the_keeper_renews_more_claims_than_one_call_may_name(server: ExpbufServ
     page = admin.list_prompts(TABLE, "wide", states=["claimed"], limit=10)
     assert len(page.prompts) == 10 and min(p.expires for p in page.prompts) > max(p.expires for p in held) + 500
     keeper.close()
+
+
+def test_a_read_as_the_server_restarts_waits_for_it(start_server: Servers, tmp_path: Path) -> None:
+    """The server is away for 1.5 s as the explorer reads its next step: the claim raised UNAVAILABLE
+    after gRPC's own retries, and Trinity's explorer ended its loop on it, the epoch unfinished.
+    The read waits for the server (for the client's timeout) and takes the next prompts."""
+    server = start_server()
+    port = server.port
+    with BufferClient(f"127.0.0.1:{port}") as client:
+        client.create_table(TABLE, group_by="task", group_size=0, estimator="grpo")
+        client.create_dataset(TABLE, DATASET, SIZE)
+    taskset = trinity.buffer.get_buffer_reader(
+        taskset_config(server, tmp_path, f"dataset={DATASET}&source=SOURCE", total_epochs=1)
+    )
+    first = [task.index["index"] for task in asyncio.run(taskset.read())]
+    start_server.stop(server)
+    restarted: list[ExpbufServer] = []
+    back = threading.Timer(1.5, lambda: restarted.append(start_server(port=port)))
+    back.start()
+    try:
+        second = [task.index["index"] for task in asyncio.run(taskset.read())]
+    finally:
+        back.join()
+        taskset.close()
+    assert len(first) == len(second) == 2 and not set(first) & set(second)

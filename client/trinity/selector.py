@@ -42,6 +42,7 @@ from trinity.buffer.selector.selector import BaseSelector
 
 from expbuf.client.errors import BufferError, NotFoundError, PermissionDeniedError
 from expbuf.client.kit.location import connect, is_expbuf_path, parse
+from expbuf.client.kit.retry import retried
 from expbuf.client.schema.prompts import MAX_PROMPTS_PER_CALL, Prompt
 
 from .claims import RENEWALS_PER_CLAIM, ClaimKeeper
@@ -123,10 +124,13 @@ class ExpbufSelector(BaseSelector):
         location = self.location
         self._asked += batch_size
         count = min(batch_size + self._owed, MAX_PROMPTS_PER_CALL)
-        while True:
-            claim = self._client.claim(
-                location.table, self.dataset, count, lease_seconds=location.lease_seconds,
-                owner=self._owner, wait=POLL_SECONDS,
+        while True:  # a server that restarts is waited for (a claim whose reply was lost: back within a lease)
+            claim = retried(
+                lambda: self._client.claim(
+                    location.table, self.dataset, count, lease_seconds=location.lease_seconds,
+                    owner=self._owner, wait=POLL_SECONDS,
+                ),
+                self._client.timeout,
             )  # fmt: skip
             if claim.prompts:
                 break
@@ -151,7 +155,7 @@ class ExpbufSelector(BaseSelector):
         gives a step's feedback only after later reads, so this read cannot wait for them.
         Refused when the dataset's max_in_flight is full of them (nothing could make room)."""
         try:
-            info = self._client.ledger(self.location.table, self.dataset)
+            info = retried(lambda: self._client.ledger(self.location.table, self.dataset), self._client.timeout)
         except PermissionDeniedError:
             return False  # no sample scope: the claim's `done` ends the explorer
         claimed, mine = info.total("claimed"), len(self._keeper.held())
@@ -169,9 +173,11 @@ class ExpbufSelector(BaseSelector):
         is the oldest one handed out that holds every index named (one naming none, of a step whose
         every task failed, the oldest: scheduler.py gives it); its tasks not named (no experience came
         of them) are released, to go out again, on top of a later step. A value that
-        is not a finite number leaves its prompt out; a report the server does not take is logged,
-        its claims ending with their lease. The last step's feedback ends the run: the prompts it
-        could not hand out again are named."""
+        is not a finite number leaves its prompt out. The report and the release are made again
+        while the server is unavailable (for the client's timeout); one that still fails is logged,
+        its claims no longer renewed, ending within their lease. A prompt whose claim had ended
+        (the report does not take it) goes out again, as a released one does. The last step's
+        feedback ends the run: the prompts it could not hand out again are named."""
         named = {int(index): float(value) for index, value in zip(indices, values, strict=True)}
         step = next((s for s in self._steps if set(named) <= {p.index for p in s}), None)
         if step is None:
@@ -180,16 +186,18 @@ class ExpbufSelector(BaseSelector):
         self._steps.remove(step)
         outcomes = {p: [named[p.index]] for p in step if p.index in named and math.isfinite(named[p.index])}
         left = [p for p in step if p not in outcomes]
-        unsettled = step  # prompts that go out again: released, or whose claims end
+        unsettled = len(step)  # prompts that go out again: released, or whose claims end
+        within = self._client.timeout
         try:
             if outcomes:
-                self._client.report_prompts(outcomes)
-                unsettled = left
+                taken = retried(lambda: self._client.report_prompts(outcomes), within)
+                unsettled = len(left) + len(outcomes) - taken
             if left:
-                self._client.release_claims(left)
+                retried(lambda: self._client.release_claims(left), within)
         except BufferError as exc:
             log.warning("expbuf: the outcomes of %d prompts were not reported (%s); their claims end", len(step), exc)
-        self._owed += len(unsettled)
+            self._keeper.let_go(step)
+        self._owed += unsettled
         if step is self._last and (self._stopped or self._asked >= self._total):
             self._say_untrained()
 

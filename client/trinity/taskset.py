@@ -37,7 +37,8 @@ from trinity.common.constants import StorageType
 
 from expbuf.client.errors import BufferError, NotFoundError, PermissionDeniedError
 from expbuf.client.kit.location import connect, parse
-from expbuf.client.schema.prompts import Prompt
+from expbuf.client.kit.retry import retried
+from expbuf.client.schema.prompts import DatasetInfo, Prompt
 
 from .claims import RENEWALS_PER_CLAIM, ClaimKeeper
 
@@ -172,20 +173,27 @@ class ExpbufTaskset(BufferReader):
 
     def _claim(self, size: int) -> list[Prompt] | None:
         location = self.location
-        while True:
-            claim = self._client.claim(
-                location.table,
-                location.dataset,
-                size,
-                lease_seconds=location.lease_seconds,
-                owner=self._owner,
-                wait=POLL_SECONDS,
+        while True:  # a server that restarts is waited for (a claim whose reply was lost: back within a lease)
+            claim = retried(
+                lambda: self._client.claim(
+                    location.table,
+                    location.dataset,
+                    size,
+                    lease_seconds=location.lease_seconds,
+                    owner=self._owner,
+                    wait=POLL_SECONDS,
+                ),
+                self._client.timeout,
             )
             if claim.prompts:
                 self._keeper.hold(claim.prompts)
                 return claim.prompts
             if claim.done or self._nothing_to_wait_for():
                 return None
+
+    def _ledger(self) -> DatasetInfo:
+        """The dataset's ledger, asked again while the server is unavailable (for the client's timeout)."""
+        return retried(lambda: self._client.ledger(self.location.table, self.location.dataset), self._client.timeout)
 
     def _nothing_to_wait_for(self) -> bool:
         """Whether no prompt waits to go out and every claim is an explorer's: this reader's own,
@@ -199,7 +207,7 @@ class ExpbufTaskset(BufferReader):
         if not self._sees_ledger:
             return False
         try:
-            info = self._client.ledger(self.location.table, self.location.dataset)
+            info = self._ledger()
         except PermissionDeniedError:
             log.warning("expbuf: this token cannot read the dataset (no sample scope); the explorer ends once done")
             self._sees_ledger = False
@@ -221,7 +229,7 @@ class ExpbufTaskset(BufferReader):
             return True
         if not self._explorers_hold_every_claim():
             return False
-        return not self._client.ledger(self.location.table, self.location.dataset).total("pending")
+        return not self._ledger().total("pending")
 
     def _explorers_hold_every_claim(self) -> bool:
         """Whether every claim on the dataset is a Trinity explorer's (its owner names one)."""

@@ -20,7 +20,7 @@ from ..schema.views import GroupView
 from . import binned, prompt_stats
 from .claim_life import entry, held, send_back, unexpire
 from .datasets import DatasetRules, dataset, save
-from .hand_out import put_prompt
+from .hand_out import prompt_of, put_prompt
 from .orders import order_of
 from .records import DatasetRecord, group_key
 from .states import CLAIMED, DROPPED, GENERATED, TRAINED
@@ -37,12 +37,16 @@ class OutcomeRules(DatasetRules):
         held their runs), each (epoch, index, attempt) with its runs' rewards: each prompt still
         claimed by that attempt is trained, its statistics taking the rewards, as its group's
         events would have made it. Refuses, storing nothing, a prompt whose attempt's group the
-        table holds (that group's events move the prompt). Returns the claims that still held."""
+        table holds (that group's events move the prompt). Returns the claims that still held, and
+        those this attempt's report trained already: a report made again (its reply lost) counts
+        what the first one took, as its caller would have heard."""
         ds = dataset(tt, name)
         reported = 0
         for epoch, index, attempt, rewards in outcomes:
             rec = held(tt, name, epoch, index, attempt, holder)
             if rec is None:
+                done = prompt_of(tt, name, epoch, index)
+                reported += done is not None and done.state == TRAINED and done.attempt == attempt
                 continue
             gkey = group_key(name, epoch, index, attempt)
             if tt.view(gkey) is not None:
