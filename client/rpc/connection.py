@@ -136,7 +136,9 @@ BACKOFF = Backoff()
 
 def service_config(retries: int) -> str:
     """The channel's service config: RETRIED_METHODS retried on UNAVAILABLE up to `retries`
-    times (none: no policy), with the pauses of BACKOFF."""
+    times (none: no policy), with the pauses of BACKOFF; and on CANCELLED, which a server answers
+    to a call that arrives as its stop begins, before any of it ran (gRPC never retries a call its
+    own client cancelled)."""
     if retries <= 0:
         return json.dumps({"methodConfig": []})
     policy = {
@@ -144,7 +146,7 @@ def service_config(retries: int) -> str:
         "initialBackoff": f"{BACKOFF.initial:g}s",
         "maxBackoff": f"{BACKOFF.most:g}s",
         "backoffMultiplier": BACKOFF.multiplier,
-        "retryableStatusCodes": ["UNAVAILABLE"],
+        "retryableStatusCodes": ["UNAVAILABLE", "CANCELLED"],
     }
     names = [{"service": SERVICE, "method": method} for method in sorted(RETRIED_METHODS)]
     return json.dumps({"methodConfig": [{"name": names, "retryPolicy": policy}]})
