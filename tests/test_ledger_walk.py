@@ -85,11 +85,14 @@ class Walk:
         return got[0]
 
     def got(self, name: str, gkeys: list[str]) -> None:
-        """The trainer got these groups of a table."""
+        """The trainer got these groups of a table (an attempt's twice is one training: a report of
+        it made again counts what the first took)."""
         for gkey in dict.fromkeys(gkeys):
             named = read_group_key(gkey)
             assert named is not None
-            self.trained[name].setdefault(named[1:3], []).append(gkey)
+            trained = self.trained[name].setdefault(named[1:3], [])
+            if gkey not in trained:
+                trained.append(gkey)
 
     def check(self) -> None:
         for name in TABLES:

@@ -111,8 +111,8 @@ class PromptCalls(ClientSettings):
         """Prompts whose groups were generated and trained outside expbuf (a framework's own queue
         held their runs), each with its runs' rewards (`{prompt: [rewards]}` or pairs): each
         prompt still claimed is trained, its statistics taking the rewards, so a claim order
-        learns from them. Returns the prompts whose claims still held (and those a report of the same
-        attempt trained already: one made again after its reply was lost). A prompt whose group is in
+        learns from them. Returns the prompts whose claims still held (and those trained at that
+        attempt already: a report made again after its reply was lost). A prompt whose group is in
         the table is refused (AlreadyExistsError): its group's events move it. Sharded: each
         prompt on its shard (ShardError: `result` what the shards that answered took)."""
         reported = 0

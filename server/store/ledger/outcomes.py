@@ -38,7 +38,7 @@ class OutcomeRules(DatasetRules):
         claimed by that attempt is trained, its statistics taking the rewards, as its group's
         events would have made it. Refuses, storing nothing, a prompt whose attempt's group the
         table holds (that group's events move the prompt). Returns the claims that still held, and
-        those this attempt's report trained already: a report made again (its reply lost) counts
+        the prompts trained at that attempt already: a report made again (its reply lost) counts
         what the first one took, as its caller would have heard."""
         ds = dataset(tt, name)
         reported = 0
