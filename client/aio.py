@@ -139,6 +139,7 @@ class AsyncBufferClient(ServerCalls, Awaiting, ClientBase):
 
     async def close(self) -> None:
         """Close the channels; calls in flight are cancelled."""
+        self.closed = True
         await self._channel.close()
         await self._unretried_channel.close()
         await self._chunks_channel.close()

@@ -168,6 +168,7 @@ class BufferClient(ServerCalls, Blocking, ClientBase):
 
     def close(self) -> None:
         """Close the channels; calls in flight are cancelled."""
+        self.closed = True
         self._channel.close()
         self._unretried_channel.close()
         self._chunks_channel.close()

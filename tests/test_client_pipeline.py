@@ -693,3 +693,22 @@ def test_a_push_failed_at_its_deadline_before_it_went_is_not_sent_and_the_next_o
     for outcome in outcomes[:2]:
         assert isinstance(outcome, ExpbufError) and outcome.code == grpc.StatusCode.DEADLINE_EXCEEDED, outcome
     assert isinstance(outcomes[2], PushResult) and outcomes[2].stored == uids(items[2]), outcomes[2]
+
+
+def test_a_push_in_flight_when_its_client_closes_fails_as_perhaps_stored_not_sent_again(
+    start_server: Servers,
+) -> None:
+    """The client's own close() cancels its pusher's stream (CANCELLED, as a stopping server's
+    cancel of a new stream is): that one is not sent again on a closed channel; the push fails,
+    whether it was stored unknown."""
+    server = start_server()
+    client = BufferClient(f"127.0.0.1:{server.port}", timeout=30)
+    client.create_table("closing", group_size=4)
+    pusher = client.pusher("closing")
+    with writer_held(server):
+        future = pusher.push(group("closing", 0))
+        wait_until(lambda: server.inflight.held > 0, "the server did not read the push")
+        client.close()
+        outcome = future.exception(timeout=30)
+    assert isinstance(outcome, ExpbufError) and outcome.code == grpc.StatusCode.CANCELLED, outcome
+    assert "the pusher's call was cancelled, whether it was stored is unknown" in outcome.details

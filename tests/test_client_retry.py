@@ -66,7 +66,7 @@ class Front:
         self._refused: Counter[str] = Counter()
         self._lost: Counter[str] = Counter()
         self._forwarded: dict[str, int] = {}  # of a held method, the calls still to forward
-        self._delay, self._read = 0.0, 0
+        self._delay, self._read, self._code = 0.0, 0, grpc.StatusCode.UNAVAILABLE
         self._lock = threading.Lock()
         self._backend = grpc.insecure_channel(backend, options=MESSAGE_OPTIONS)
         self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=8), options=MESSAGE_OPTIONS)
@@ -79,8 +79,15 @@ class Front:
         self._server.stop(None).wait()
         self._backend.close()
 
-    def refuse(self, method: str, times: int, delay: float = 0.0, read: int | None = 0) -> None:
-        self._refused[method], self._delay, self._read = times, delay, read
+    def refuse(
+        self,
+        method: str,
+        times: int,
+        delay: float = 0.0,
+        read: int | None = 0,
+        code: grpc.StatusCode = grpc.StatusCode.UNAVAILABLE,
+    ) -> None:
+        self._refused[method], self._delay, self._read, self._code = times, delay, read, code
 
     def lose(self, method: str, times: int) -> None:
         self._lost[method] = times
@@ -114,7 +121,7 @@ class Front:
                 for _ in itertools.islice(request, self._read):
                     pass
             time.sleep(self._delay)
-            context.abort(grpc.StatusCode.UNAVAILABLE, "the front's server is away")
+            context.abort(self._code, "the front's server is away")
         return lost
 
     def _handler(self, method: Any) -> grpc.RpcMethodHandler:
@@ -815,3 +822,17 @@ def test_calls_made_as_the_server_restarts_wait_for_it_none_cancelled(start_serv
         for caller in callers:
             caller.join()
     assert outcomes["ok"] and set(outcomes) == {"ok"}, outcomes
+
+
+@pytest.mark.parametrize("kind", ["pusher", "asyncio pusher"])
+def test_a_pushers_stream_the_server_cancels_as_its_stop_begins_is_sent_again(front: Front, kind: str) -> None:
+    """A server whose stop begins cancels the calls that arrive just then (CANCELLED, nothing of them
+    read), a pusher's new stream among them: the pusher took that for its own channel's close and
+    failed the push as perhaps stored. It sends it again, as after UNAVAILABLE, and it is stored."""
+    with BufferClient(front.target) as client:
+        client.create_table("t", group_size=4, exist_ok=True)
+    front.refuse("PushStream", 1, code=grpc.StatusCode.CANCELLED)
+    data = trxp.build(group_items(7, 0, 4))
+    (outcome,) = pushes_at_once(kind, front.target, [data], 10)
+    assert isinstance(outcome, PushResult) and len(outcome.stored) == 4, outcome
+    assert front.attempts("PushStream") == 2

@@ -248,7 +248,7 @@ class AsyncPusher(AsyncOrderedFutures[PushWindow]):
         if stream.due is not None:
             stream.due.cancel()
             stream.due = None
-        again, pause = self._window.ended(stream.state, await stream.status.error())
+        again, pause = self._window.ended(stream.state, await stream.status.error(), self._client.closed)
         if self._stream is stream:
             self._stream = None
         self._settle()

@@ -254,7 +254,7 @@ class Pusher(OrderedFutures[PushWindow]):
             error = exc
         stream.requests.close()  # gRPC's thread that sends them may be waiting for one
         with self._changed:
-            again, pause = self._window.ended(stream.state, error)
+            again, pause = self._window.ended(stream.state, error, self._client.closed)
             if self._stream is stream:
                 self._stream = None
             if stream.due is not None:

@@ -191,6 +191,7 @@ class PushTarget(Protocol):
     retries: int
     push_chunk_bytes: int
     max_message_bytes: int
+    closed: bool  # its close() began
 
     def push_stream(
         self, seconds: float, requests: Iterator[Any] | None = None, message_bytes: int | None = None
@@ -291,9 +292,11 @@ class PushWindow(Ordered[Pending]):
             pending.body = b""
         return self._lost(lost, f"PushStream answered seq {reply.seq} first: the server never got this push")
 
-    def ended(self, stream: Stream, exc: grpc.RpcError | None) -> tuple[list[Pending], float]:
+    def ended(self, stream: Stream, exc: grpc.RpcError | None, closed: bool) -> tuple[list[Pending], float]:
         """`stream` ended (with `exc`, or without an error): the pushes to send again, in order,
-        after the pause returned; the others unanswered on it have failed."""
+        after the pause returned; the others unanswered on it have failed. `closed`: the client's
+        close() began, so a CANCELLED is its own; otherwise the server's (a stream that arrived as
+        its stop began), which is taken as UNAVAILABLE."""
         sent = [pending for pending in stream.sent if pending.outcome is None]  # not failed at their deadline
         stream.sent = deque()
         if not sent:
@@ -301,10 +304,12 @@ class PushWindow(Ordered[Pending]):
         if exc is None:  # the server answers every push it read before it ends a stream ended by the pusher
             return self._lost(sent, "PushStream ended without answering it: the server never got this push"), 0.0
         code, details = exc.code(), exc.details() or ""
-        if code == grpc.StatusCode.CANCELLED:  # on this side: the channel closed
+        if code == grpc.StatusCode.CANCELLED and closed:  # on this side: the channel closed
             for pending in sent:
                 pending.fail(code, details, ": the pusher's call was cancelled, whether it was stored is unknown")
             return [], 0.0
+        if code == grpc.StatusCode.CANCELLED:  # the server's: it cancels calls that arrive as its stop begins
+            code = grpc.StatusCode.UNAVAILABLE
         reason = reason_of(exc.trailing_metadata())
         if code == grpc.StatusCode.DEADLINE_EXCEEDED and reason == Reason.IDLE:
             return self._in_time(sent, code, details), 0.0  # pushes sent as the server ended the idle stream

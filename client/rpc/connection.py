@@ -280,6 +280,7 @@ class ClientBase:
 
     _insecure_channel: Callable[..., Any]
     _secure_channel: Callable[..., Any]
+    closed = False  # its close() began: a call cancelled since is its own, not a server's
 
     def __init__(
         self,
