@@ -140,8 +140,7 @@ class SampleStream:
 
     def stop(self) -> list[pb.SampleReply]:
         """Confirm what arrived and ask for nothing more; what the server still sent."""
-        self._out.put(pb.SampleRequest(received=self.received, stop=True))
-        self._out.put(None)
+        self.stop_now()
         return list(self.call)
 
     def stop_now(self) -> None:

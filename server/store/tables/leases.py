@@ -98,9 +98,10 @@ class TableLeases:
         tt = self.catalog.state_of(txn, lease.table_id)
         if tt is None:  # the table was dropped
             return 0
-        if leases.delivered(tt, lease):
-            tt.save()
+        counted = leases.delivered(tt, lease)
         if spec.delivery == "lease":
+            if counted:
+                tt.save()
             leases.set_expiry(txn, self.db, lease_id, lease, tt.now + spec.lease_seconds)
             return leases.held(tt, lease_id, lease)
         leases.delete(txn, self.db, lease_id, lease)
