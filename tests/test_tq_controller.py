@@ -7,9 +7,13 @@ A real expbuf server on loopback, real LMDB."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import pickle
 import signal
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -21,6 +25,7 @@ from expbuf.client import BufferClient
 from expbuf.client.errors import PermissionDeniedError
 
 from conftest import Servers
+from helpers import SlowReplies
 
 
 def import_frameworks() -> None:
@@ -164,34 +169,69 @@ def test_a_killed_controller_comes_back_with_every_key_field_and_consumption(
         tq.close()
 
 
-def test_a_controller_that_cannot_journal_answers_nothing_more_and_comes_back_from_what_was_acknowledged(
+def test_a_controller_waits_out_its_journal_server_and_keeps_the_change_it_was_making(
     ray_cluster: ModuleType, start_server: Servers, tmp_path: Any
 ) -> None:
+    """The journal's server away longer than `wait_s`: the controller answers the put that
+    changed its state once the server is back and has kept the change (never a failure that a
+    restart would contradict); a restart after it comes back with it."""
     storage = start_server()
     journal = start_server(data=tmp_path / "journal")  # the controller's journal on a server of its own
     settings = OmegaConf.create(
         {
             "backend": {"storage_backend": "Expbuf", "Expbuf": {"target": f"127.0.0.1:{storage.port}", "table": "tq"}},
-            "controller": {"Expbuf": {"target": f"127.0.0.1:{journal.port}", "wait_s": 2}},
+            "controller": {"Expbuf": {"target": f"127.0.0.1:{journal.port}", "wait_s": 1}},
         }
     )
     tq.init(settings)
     try:
         tq.kv_batch_put(keys=["a", "b"], partition_id="train", fields=fields(0, 2))
         start_server.stop(journal)
-        with pytest.raises(RuntimeError, match="could not journal"):
-            tq.kv_batch_put(keys=["c"], partition_id="train", fields=fields(2, 1))
-        journal = start_server(data=tmp_path / "journal", port=journal.port)
-        with pytest.raises(RuntimeError, match="answers nothing more"):
-            tq.kv_list("train")  # it changed its state and could not keep the change: it stops
+        with ThreadPoolExecutor(1) as pool:
+            put = pool.submit(tq.kv_batch_put, keys=["c"], partition_id="train", fields=fields(2, 1))
+            time.sleep(3)  # three times wait_s
+            assert not put.done()  # no answer while the change is not kept
+            journal = start_server(data=tmp_path / "journal", port=journal.port)
+            put.result(timeout=60)
+        assert sorted(tq.kv_list("train")["train"]) == ["a", "b", "c"]  # it goes on
 
         kill_controller(ray_cluster)
         tq.init(settings)
-        assert sorted(tq.kv_list("train")["train"]) == ["a", "b"]  # what was acknowledged
-        tq.kv_batch_put(keys=["c"], partition_id="train", fields=fields(2, 1))
+        assert sorted(tq.kv_list("train")["train"]) == ["a", "b", "c"]
         assert tq.kv_batch_get(keys=["a", "c"], partition_id="train")["reward"].tolist() == [0.0, 2.0]
     finally:
         tq.close()
+
+
+def test_a_fetch_whose_journal_put_was_kept_and_its_answer_lost_hands_its_samples_out(
+    start_server: Servers, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A fetch's journal entry the server kept while its answer came after the client's timeout:
+    the controller puts the same entry again until the server answers, then hands the samples
+    out, never an error for samples that its journal (and so a restart) holds as consumed."""
+    server = start_server()
+    proxy = SlowReplies(f"127.0.0.1:{server.port}")
+    with (
+        BufferClient(f"127.0.0.1:{server.port}") as direct,
+        BufferClient(proxy.target, timeout=1.0, wait_for_ready=True) as client,
+    ):
+        direct.create_table("tq")
+        live = DurableController()
+        live._journal = Journal(client, "tq")
+        assert insert(live, "p", 3) == [0, 1, 2]
+        produced(live, "p", [0, 1, 2])
+        proxy.delay = 2.5  # the server's answers come after the client's timeout
+        threading.Timer(1.5, setattr, (proxy, "delay", 0.0)).start()  # then in time again
+        with caplog.at_level(logging.WARNING, logger="expbuf.transferqueue"):
+            assert fetch(live, "p", 2) == [0, 1]
+        assert "controller/journal/00000000000000000003 is unsettled (DEADLINE_EXCEEDED" in caplog.text
+        assert live._stopped is None
+
+        restarted = DurableController()
+        restarted._restore(*Journal(direct, "tq").load())
+        _, consumed = restarted.get_consumption_status("p", "actor")
+        assert consumed is not None and consumed.tolist() == [1, 1, 0]  # what was handed out, no more
+        assert fetch(live, "p", 1) == [2]
 
 
 def ask(controller: Any, kind: ZMQRequestType, **body: Any) -> Any:
@@ -203,6 +243,20 @@ def insert(controller: Any, partition: str, count: int) -> list[int]:
     """The indexes an insert of `count` samples into `partition` is given."""
     meta = ask(controller, ZMQRequestType.GET_META, data_fields=["x"], batch_size=count, partition_id=partition,
                mode="insert")["metadata"]  # fmt: skip
+    return list(meta.global_indexes)
+
+
+def produced(controller: Any, partition: str, indexes: list[int]) -> None:
+    """Tell `controller` that field x of `indexes` is stored, as a producer's put does."""
+    schema = {"x": {"dtype": torch.float32, "shape": (1,), "is_nested": False}}
+    assert ask(controller, ZMQRequestType.NOTIFY_DATA_UPDATE, partition_id=partition, global_indexes=indexes,
+               field_schema=schema)["success"]  # fmt: skip
+
+
+def fetch(controller: Any, partition: str, count: int) -> list[int]:
+    """The indexes a fetch of up to `count` samples of field x by task "actor" is handed."""
+    meta = ask(controller, ZMQRequestType.GET_META, data_fields=["x"], batch_size=count, partition_id=partition,
+               mode="fetch", task_name="actor")["metadata"]  # fmt: skip
     return list(meta.global_indexes)
 
 

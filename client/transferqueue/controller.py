@@ -23,8 +23,10 @@ configured (`target` or `shards`, `table`, `token`, `snapshot_every`, `wait_s`; 
 TransferQueue hands a fetched sample out once (a fetch marks it consumed when it answers), so a
 consumer that dies between a fetch and its training loses that batch, as TransferQueue does
 without expbuf; `get_consumption_status` shows such samples as consumed and, until cleared, still
-stored. A journal write that fails past `wait_s` (the expbuf server gone for longer) stops the
-controller answering: start it again, and it comes back from what was acknowledged.
+stored. A journal write the server has not answered (away past `wait_s`, its answer lost) may have
+been kept, so it is made again until the server answers (journal.py), and the request is answered
+after it; one the server refuses stops the controller answering: start it again, and it comes back
+from what was acknowledged.
 """
 
 from __future__ import annotations
@@ -167,7 +169,7 @@ class DurableController(TransferQueueController.__ray_actor_class__):
         if self._journal is None:
             settings = JournalSettings.from_conf(conf)
             if settings is not None:
-                # a journal write waits out a restart of the server for up to wait_s, as documented
+                # each journal write waits up to wait_s, and one unanswered is made again (journal.py)
                 client = connect(settings.where, settings.wait_s)
                 open_table(client, settings.table, f"controller.{BACKEND}")
                 journal = Journal(client, settings.table, settings.snapshot_every)

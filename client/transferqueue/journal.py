@@ -11,16 +11,26 @@ Keys, under "controller/" in the table (TransferQueue's own keys are "{index}@{f
 
 The head is written after the snapshot's parts and before anything is cleared: a crash at any
 point leaves either the old head with all its entries, or the new one.
+
+A put the server may have kept without saying so (its answer lost, or the server away past the
+client's timeout) is made again, the same key and bytes, until the server answers: the controller
+answers its request after that, so it never tells a client a change failed that a restart would
+replay (a fetch's samples consumed, never handed out).
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import logging
+import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 
+import grpc
+
 from ..client import BufferClient, BufferError
+from ..kit.retry import Retry
 from ..shards.blocking import ShardedBufferClient
 from .storage import get_in_halves
 
@@ -28,6 +38,11 @@ PREFIX = "controller/"
 HEAD = PREFIX + "head"
 READ_AHEAD = 64  # entries asked for in one GetValues on load
 CLEAR_AT_ONCE = 4096
+# A put failed so may still have been kept: the server away past the timeout, its answer lost, or
+# the call cancelled as the server stopped. Any other code is a refusal, which keeps nothing.
+UNSETTLED = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED})
+
+log = logging.getLogger("expbuf.transferqueue")
 
 
 def entry_key(seq: int) -> str:
@@ -95,7 +110,7 @@ class Journal:
         than one put carries: the caller takes a snapshot instead, which covers it."""
         if len(entry) > self.limit:
             return False
-        self.client.put_values([entry_key(self.seq + 1)], [entry], self.table)
+        self._put(entry_key(self.seq + 1), entry)
         self.seq += 1
         return True
 
@@ -110,12 +125,33 @@ class Journal:
         generation = self.head.generation + 1
         parts = [state[at : at + self.limit] for at in range(0, len(state), self.limit)] or [b""]
         for part, blob in enumerate(parts):
-            self.client.put_values([part_key(generation, part)], [blob], self.table)
+            self._put(part_key(generation, part), blob)
         head = JournalHead(generation, len(parts), self.seq, self.head.generation, self.head.parts, self.head.seq)
-        self.client.put_values([HEAD], [json.dumps(asdict(head)).encode()], self.table)
+        self._put(HEAD, json.dumps(asdict(head)).encode())
         self.head = head
         with contextlib.suppress(BufferError):  # what is left, the next load clears
             self._clear_before(head)
+
+    def _put(self, key: str, value: bytes) -> None:
+        """Store `value` under `key`, made again while the server has not said whether it kept it
+        (each try waits for it up to the client's timeout): which the put settles, either way,
+        before the caller answers anyone. A refusal is raised at once."""
+        retry = Retry()
+        while True:
+            try:
+                self.client.put_values([key], [value], self.table)
+                return
+            except BufferError as exc:
+                if exc.code not in UNSETTLED:
+                    raise
+                pause = retry.pause()
+                assert pause is not None  # a Retry without a bound always pauses
+                log.warning(
+                    "expbuf table %r: the controller's put of %s is unsettled (%s: %s); it is made again, "
+                    "and the controller answers nothing until the server answers it",
+                    self.table, key, exc.code.name, exc.details,
+                )  # fmt: skip
+                time.sleep(pause)
 
     def _clear_before(self, head: JournalHead) -> None:
         """Clear the previous snapshot's parts and the entries the standing one covers (clearing
