@@ -11,6 +11,7 @@ import contextlib
 import logging
 import signal
 import threading
+import time
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -56,15 +57,15 @@ def value(index: int) -> float:
 
 
 def scheduler(
-    target: str, source: Path, explorer_state: dict, epochs: int = EPOCHS, **settings: object
+    target: str, source: Path, explorer_state: dict, epochs: int = EPOCHS, query: str = "", **settings: object
 ) -> TasksetScheduler:
-    """Trinity's scheduler of a job whose file taskset names the selector `expbuf`: medium tasks
-    first (the pools order, the easy and hard pools without a share)."""
+    """Trinity's scheduler of a job whose file taskset names the selector `expbuf` (its path's
+    options `query`): medium tasks first (the pools order, the easy and hard pools without a share)."""
     config = Config()
     config.buffer.batch_size, config.buffer.total_epochs = BATCH, epochs
     kwargs = {
         **settings,
-        "path": f"expbuf://{target}/grpo",
+        "path": f"expbuf://{target}/grpo{query}",
         "dataset": "math",
         "order": "pools",
         "order_options": {"easy_share": 0.0, "hard_share": 0.0},
@@ -211,6 +212,29 @@ def test_a_prompt_released_goes_out_again_before_the_run_ends_or_is_named_at_its
     assert sorted(i for step in read for i in step) == sorted([*range(12), read[0][0]])  # every prompt went out
     assert (info.total("trained"), info.total("pending"), info.total("claimed")) == (11, 1, 0)
     assert f"prompts not trained in this run: 1 (epoch/index: 0/{read[1][0]})" in caplog.text
+
+
+def test_prompts_whose_claims_ended_before_their_feedback_go_out_again_within_the_run(tmp_path: Path) -> None:
+    """A step's feedback comes after its claims ended (held past hold_seconds, their lease run
+    out): the report trains none of them, and they go out again on top of the next step, so the
+    run still trains every prompt and leaves none pending or claimed."""
+    query = "?lease_seconds=1&hold_seconds=0.2"
+    with served(tmp_path, rows(tmp_path, rows=2 * BATCH), epochs=1, query=query) as (target, tasks):
+        first = [task.index["index"] for task in asyncio.run(tasks.read())]
+        with BufferClient(target) as admin:
+            deadline = time.monotonic() + 30
+            while admin.ledger("grpo", "math").total("claimed") and time.monotonic() < deadline:
+                time.sleep(0.2)  # the keeper lets them go after hold_seconds; their lease then runs out
+            assert not admin.ledger("grpo", "math").total("claimed")
+        report(tasks, first, set())
+        second = [task.index["index"] for task in asyncio.run(tasks.read())]
+        report(tasks, second, set())
+        with pytest.raises(StopAsyncIteration):
+            asyncio.run(tasks.read())
+        with BufferClient(target) as admin:
+            info = admin.ledger("grpo", "math")
+    assert sorted(second) == list(range(2 * BATCH))  # the ended four on top of the step's own four
+    assert info.done and (info.total("trained"), info.total("pending"), info.total("claimed")) == (2 * BATCH, 0, 0)
 
 
 def test_a_step_whose_every_task_failed_releases_its_prompts_as_a_step_with_one_failed_does(tmp_path: Path) -> None:
