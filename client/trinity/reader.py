@@ -195,7 +195,7 @@ class ExpbufReader(BufferReader):
             # A fixed-size read waits for all its groups (a partial take would return what is there
             # after one poll); it takes fewer only at the end of data. Varying sizes take what fits.
             partial = done or (groups > 1 and not self._group)
-            batch = self._take(delivery, groups, wait, partial, min_version, version)
+            batch = self._take(delivery, groups, wait, partial, min_version, version, deadline)
             if batch is None:
                 if done:
                     break
@@ -235,9 +235,18 @@ class ExpbufReader(BufferReader):
         return self.location.delivery
 
     def _take(
-        self, delivery: str, groups: int, wait: float, partial: bool, min_version: int | None, version: int | None
+        self,
+        delivery: str,
+        groups: int,
+        wait: float,
+        partial: bool,
+        min_version: int | None,
+        version: int | None,
+        deadline: float,
     ) -> Batch | None:
-        """One batch of `groups` whole groups (fewer with `partial`), or None if none came in `wait` s."""
+        """One batch of `groups` whole groups (fewer with `partial`), or None if none came in `wait` s.
+        A server that cannot be reached is tried again for the client's timeout, and no longer than
+        the read's `deadline` (max_read_timeout): a reader that cannot reach it ends by its timeout."""
         if delivery == "consume" and not self._group:
             delivery = "lease"
         try:  # a server that restarts is waited for, as the writers wait for it
@@ -255,7 +264,7 @@ class ExpbufReader(BufferReader):
                     allow_partial=partial,
                     trainer_version=version,
                 ),
-                self._client.timeout,
+                min(self._client.timeout, max(0.0, deadline - time.monotonic())),
             )  # None: a partial request ends its stream empty when nothing is left
         except BufferError as exc:
             if exc.code == grpc.StatusCode.DEADLINE_EXCEEDED:
