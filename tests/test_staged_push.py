@@ -10,6 +10,7 @@ from __future__ import annotations
 import signal
 import threading
 import time
+import tracemalloc
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -32,9 +33,12 @@ from expbuf.client.rpc.wire import reason_of
 from expbuf.client.schema.reasons import Reason
 from expbuf.proto.v1 import buffer_pb2 as pb
 from expbuf.proto.v1 import buffer_pb2_grpc as pb_grpc
+from expbuf.server.rpc.push.ingest import Stager
+from expbuf.server.store import Store
 from expbuf.server.store.disk import chunk_heads
 from expbuf.server.store.disk.chunk_heads import CHUNK_BYTES
 from expbuf.server.store.disk.environment import Environment
+from expbuf.server.store.schema.table_config import TableConfig
 
 from helpers import ServerProcess, make_experience, scrape, servers, wait_ready
 
@@ -147,6 +151,28 @@ def test_a_staged_push_whose_data_ends_in_empty_tensors_is_stored(
         assert client.push(pushed, table=table).stored == [one.eid.uid for one in group]
         (empty,) = client.get([group[2].eid.uid], table=table)
     assert empty.logprobs.numel() == 0 and torch.equal(empty.tokens, group[2].tokens)
+
+
+def test_a_client_chunk_of_many_store_chunks_holds_no_more_than_its_push_reserves(tmp_path: Path) -> None:
+    """A client may send its push in chunks up to a message (256 MiB by default), where expbuf's
+    clients send 4 MiB: the server cuts each into the store's chunks, staging each before it reads
+    the next, so the pieces it makes at once stay within what the push reserves of
+    max_inflight_bytes (`holds`). Fed whole, a chunk of 51 MiB held its 48 MiB of pieces at once."""
+    payload = memoryview(trxp.encode([make_experience("p", 0, 0, response=6_000_000)]))
+    with Store(tmp_path / "data", map_size=1 << 30) as store:
+        store.create_table(TableConfig.of(name="t", group_size=1, estimator="none", device="cpu"))
+        staged = Stager(store, 1 << 20).open("t", payload[: 1 << 20], len(payload))
+        assert staged is not None and len(payload) > 12 * CHUNK_BYTES
+        staged.open(timeout=10.0)
+        tracemalloc.start()
+        try:
+            staged.feed(payload[staged.payload.head_length :])  # the rest of the push, one client chunk
+            _, peak = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+        (entry,) = staged.entries()
+    assert peak <= staged.holds + (64 << 10), (peak, staged.holds)  # and the few objects beside the pieces
+    assert entry.uid == "p/0/0/0/r0s0"
 
 
 def test_a_refused_or_duplicate_push_leaves_nothing_staged(server: ServerProcess, tmp_path: Path) -> None:

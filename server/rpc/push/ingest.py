@@ -379,12 +379,18 @@ class StagedPush:
 
     @property
     def holds(self) -> int:
-        """The most of the push the server holds at once: StreamedPayload.holds, and the chunks
-        waiting for the writer."""
-        return self.payload.holds + STAGING * CHUNK_BYTES
+        """The most of the push the server holds at once: StreamedPayload.holds (a piece of each
+        large item being filled among the rest), the chunks waiting for the writer, and the one
+        `feed` holds while it waits for room among them."""
+        return self.payload.holds + (STAGING + 1) * CHUNK_BYTES
 
     def feed(self, data: memoryview) -> None:
-        self._stage(self.payload.feed(data))
+        """The push's next bytes, fed a store's chunk at a time, the pieces each fills staged before
+        the next is read: a client's chunk of any size (up to a message) holds no more pieces at
+        once than `holds` counts, where fed whole it filled all of its pieces first (a chunk of 96
+        MiB: 92 MiB of them held beside it, uncounted in max_inflight_bytes)."""
+        for at in range(0, len(data), CHUNK_BYTES):
+            self._stage(self.payload.feed(data[at : at + CHUNK_BYTES]))
 
     def _stage(self, pieces: list[Piece]) -> None:
         for item, number, data in pieces:
