@@ -39,16 +39,17 @@ class Exp:
     reward: float
     mask: list[bool]
     token_rewards: list[float] | None = None
+    suffix: str = "s"  # several experiences of one step (its model calls) differ by it
 
     @property
     def uid(self) -> str:
-        return f"0/{self.task}/{self.run}/{self.step}/s"
+        return f"0/{self.task}/{self.run}/{self.step}/{self.suffix}"
 
     def build(self, cls: type = Experience, eid_cls: type = EID) -> object:
         """An Experience of the given class (expbuf's or Trinity-RFT's)."""
         n = len(self.mask)
         return cls(
-            eid=eid_cls(batch=0, task=self.task, run=self.run, step=self.step, suffix="s"),
+            eid=eid_cls(batch=0, task=self.task, run=self.run, step=self.step, suffix=self.suffix),
             tokens=torch.arange(3 + n, dtype=torch.int32),
             prompt_length=3,
             logprobs=torch.full((n,), -0.5),
@@ -423,6 +424,26 @@ def test_step_wise_grpo_takes_the_highest_step_as_the_last() -> None:
     mean, std = statistics.fmean(rewards.values()), statistics.stdev(rewards.values())
     for e in exps:
         assert float(got[e.uid][0][0]) == pytest.approx((rewards[e.run] - mean) / (std + 1e-6), abs=1e-6)
+
+
+@pytest.mark.parametrize(("name", "params"), MULTI_STEP_CASES)
+def test_step_wise_grpo_takes_one_last_experience_a_run_where_its_last_step_made_several(
+    name: str, params: dict
+) -> None:
+    """Trinity-RFT's step-wise workflows give every model call of a step an experience of that
+    step and its reward: a run's last step may hold several, and Trinity takes the last listed
+    (run 0's two calls at step 1 here; run 3's every experience at step 0). Counted each, the
+    group's mean and std took both and run 0's advantage was their sum (1.46 against 0.87)."""
+    calls = [
+        Exp(0, 0, 0, 0.0, [True, True]), Exp(0, 0, 1, 1.0, [True, True], suffix="a"),
+        Exp(0, 0, 1, 1.0, [True], suffix="b"),
+        Exp(0, 1, 0, 0.0, [True, True]), Exp(0, 1, 1, 0.0, [True]),
+        Exp(0, 2, 0, 0.0, [True]), Exp(0, 2, 1, 1.0, [True, True, True]),
+        Exp(0, 3, 0, 0.5, [True], suffix="a"), Exp(0, 3, 0, 0.0, [True, True], suffix="b"),
+        Exp(1, 0, 0, 2.0, [True], suffix="a"), Exp(1, 0, 0, 1.0, [True], suffix="b"),
+        Exp(1, 1, 0, 0.0, [True, True]),
+    ]  # fmt: skip
+    assert_same(ours(name, params, calls), theirs(name, params, calls))
 
 
 @pytest.mark.parametrize("name", ["grpo", "step_wise_grpo"])

@@ -198,6 +198,18 @@ def grpo(b: FlatBatch, epsilon: float, std_threshold: float | None, std_cal_leve
     return Advantages(scalar=scalar, drop_groups=drop)
 
 
+def _last_of_each_run(run: Tensor, step: Tensor, runs: int) -> Tensor:
+    """Which experience is each run's last (a mask): of its highest step, the one listed last.
+    Trinity-RFT takes a run's last experience in its list, and its step-wise workflows list a
+    run's experiences in step order, one per model call, several to a step where a step made
+    several calls: one experience a run, never each of its last step's."""
+    order = torch.arange(run.numel(), dtype=torch.int64, device=run.device)
+    key = step.to(torch.int64) * max(run.numel(), 1) + order
+    latest = torch.zeros(runs, dtype=torch.int64, device=run.device)
+    latest = latest.scatter_reduce(0, run, key, reduce="amax", include_self=False)
+    return key == latest[run]
+
+
 def step_wise_grpo(
     b: FlatBatch, epsilon: float, enable_step_norm: str, std_cal_level: str, std_threshold: float | None
 ) -> Advantages:
@@ -205,9 +217,7 @@ def step_wise_grpo(
     last step's advantage (divided by the run's number of steps with enable_step_norm).
     With std_cal_level 'batch' the std is over the last steps of the sampled batch."""
     runs = int(b.run.max()) + 1 if b.run.numel() else 0
-    last_step = torch.full((runs,), -1, dtype=b.step.dtype, device=b.step.device)
-    last_step = last_step.scatter_reduce(0, b.run, b.step, reduce="amax")
-    last = (b.step == last_step[b.run]).nonzero().squeeze(1)
+    last = _last_of_each_run(b.run, b.step, runs).nonzero().squeeze(1)
     size = b.num_groups
     count, mean, std = _group_mean_std(b.rewards[last], b.group[last], size)
     drop = _below_threshold(count, std, std_threshold)
@@ -408,8 +418,7 @@ def finish_grpo(rows: SampledRows, epsilon: float, **_: object) -> Tensor:
 def finish_step_wise_grpo(rows: SampledRows, epsilon: float, **_: object) -> Tensor:
     """The pending value over (std of the batch's last-step rewards + epsilon)."""
     runs = int(rows.run.max()) + 1 if rows.run.numel() else 0
-    last_step = torch.full((runs,), -1, dtype=rows.step.dtype).scatter_reduce(0, rows.run, rows.step, reduce="amax")
-    last = rows.step == last_step[rows.run]
+    last = _last_of_each_run(rows.run, rows.step, runs)
     return rows.pending / (_batch_std(rows.rewards[last]) + epsilon)
 
 
