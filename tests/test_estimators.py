@@ -309,6 +309,18 @@ def test_reinforce_pp_baseline_whitens_over_the_batch() -> None:
         assert torch.allclose(got[e.uid][0].double(), want.double(), atol=1e-5)
 
 
+def test_multi_turn_discount_takes_a_runs_experiences_of_one_step_in_push_order() -> None:
+    """Experiences of a run that share a step (a turn's several model calls) are its turns in the
+    order they were pushed: the sort by step kept no order among them (torch's argsort, unstable
+    past some 100 experiences), so their returns came out in any order."""
+    exps = [Exp(0, 0, step, float(at), [True], suffix=f"{at:03d}") for at in range(120) for step in (at // 40,)]
+    got = ours("multi_turn_discount", {"turn_level_discount": 0.5}, exps)
+    running = 0.0
+    for e in reversed(exps):
+        running = e.reward + 0.5 * running
+        assert float(got[e.uid][0][0]) == pytest.approx(running, rel=1e-6), e.uid
+
+
 def test_discounted_return_and_multi_turn_discount() -> None:
     exps = random_batch(7, multi_step=True)
     got = ours("discounted_return", {"gamma": 0.9}, exps)

@@ -362,7 +362,7 @@ def multi_turn_discount(b: FlatBatch, turn_level_discount: float) -> Advantages:
 
     Vectorised over runs, one step per turn of the longest run."""
     runs = int(b.run.max()) + 1 if b.run.numel() else 0
-    order = torch.argsort(b.run * (int(b.step.max()) + 1) + b.step)
+    order = torch.argsort(b.run * (int(b.step.max()) + 1) + b.step, stable=True)  # a step's experiences in push order
     sorted_run = b.run[order]
     first = torch.searchsorted(sorted_run, torch.arange(runs, device=b.run.device))
     position = torch.empty_like(order)
