@@ -38,6 +38,7 @@ from .rpc.interceptors.auth import TokenAuth
 from .rpc.interceptors.base import Interceptors, ServiceInterceptor
 from .rpc.interceptors.limits import RESERVED_THREADS, TableStreams, call_limits
 from .rpc.interceptors.metrics import Metrics, RpcMetrics
+from .rpc.interceptors.reflection import ReflectionLimits
 from .rpc.interceptors.unreadable import UnreadableRequests
 from .rpc.push.inflight import InFlight, few_arenas, receive_window
 from .rpc.push.ingest import Ingest, Stager
@@ -184,7 +185,7 @@ class ExpbufServer:
         few_arenas()
         self.grpc = grpc.server(
             futures.ThreadPoolExecutor(max_workers=config.workers + RESERVED_THREADS, thread_name_prefix="expbuf-rpc"),
-            interceptors=[Interceptors(interceptors)],
+            interceptors=[ReflectionLimits(), Interceptors(interceptors)],
             options=channel_options(config.max_message_bytes)
             + receive_window(config.max_inflight_bytes, config.workers),
         )

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import pickle
+import queue
 import signal
 import socket
 import struct
 import threading
+import time
 from collections import Counter
+from concurrent import futures
 from pathlib import Path
 
 import grpc
@@ -16,12 +19,14 @@ import pytest
 import safetensors.torch
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection, reflection_pb2, reflection_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
 from expbuf.client import AsyncBufferClient, BufferClient, BufferError, trxp
 from expbuf.client.errors import AlreadyExistsError
 from expbuf.client.torch import ExperienceDataset
 from expbuf.server.app import ExpbufServer
+from expbuf.server.rpc.interceptors.reflection import ReflectionLimits
 
 from conftest import BAD_DIR, BAD_README, MANIFEST, Servers, payload
 from helpers import ServerProcess, check_against_manifest, group_items
@@ -249,6 +254,33 @@ def test_health_and_reflection(server: ExpbufServer) -> None:
         assert status.status == health_pb2.HealthCheckResponse.SERVING
         services = set(ProtoReflectionDescriptorDatabase(channel).get_services())
     assert {"expbuf.v1.ExperienceBuffer", "grpc.health.v1.Health"} <= services
+
+
+def test_a_reflection_stream_left_open_is_ended_after_its_time() -> None:
+    """A reflection stream that sends nothing more is cancelled REFLECTION_SECONDS after it opened
+    (here 0.5 s), giving back its thread and its place; one past the most open is refused."""
+    server = grpc.server(futures.ThreadPoolExecutor(4), interceptors=[ReflectionLimits(streams=1, seconds=0.5)])
+    reflection.enable_server_reflection((reflection.SERVICE_NAME,), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    hold: queue.SimpleQueue = queue.SimpleQueue()
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+            idle = stub.ServerReflectionInfo(iter(hold.get, None), timeout=30)
+            time.sleep(0.1)
+            with pytest.raises(grpc.RpcError) as refused:
+                list(stub.ServerReflectionInfo(iter([]), timeout=5))
+            assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            with pytest.raises(grpc.RpcError) as ended:
+                list(idle)
+            assert ended.value.code() == grpc.StatusCode.CANCELLED
+            listed = reflection_pb2.ServerReflectionRequest(list_services="")
+            (reply,) = stub.ServerReflectionInfo(iter([listed]), timeout=5)
+            assert [service.name for service in reply.list_services_response.service] == [reflection.SERVICE_NAME]
+    finally:
+        hold.put(None)
+        server.stop(None)
 
 
 def test_async_client(server: ExpbufServer) -> None:

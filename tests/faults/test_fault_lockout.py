@@ -27,6 +27,7 @@ from typing import Any
 
 import grpc
 import pytest
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from expbuf.client import BufferClient, trxp
 from expbuf.client.rpc.connection import DEFAULT_PUSH_CHUNK_BYTES
@@ -34,6 +35,8 @@ from expbuf.client.rpc.frames import most_push_request
 from expbuf.client.rpc.wire import BUSY
 from expbuf.proto.v1 import buffer_pb2 as pb
 from expbuf.proto.v1 import buffer_pb2_grpc as pb_grpc
+from expbuf.server.rpc.interceptors.limits import RESERVED_THREADS
+from expbuf.server.rpc.interceptors.reflection import REFLECTION_STREAMS
 
 from faultkit import channel, healthy, payload, sample_all, stats, stub
 from helpers import ServerProcess, group_items, make_experience, scrape, wait_for, wait_ready
@@ -182,6 +185,50 @@ def test_idle_calls_leave_push_ack_and_stats_answered(
             assert acked.acked
             assert {t.name for t in tables} >= {"default", "leased", "empty", "full"}
             assert not any(call.done() for call in calls if call not in refused), "an accepted idle call ended"
+        finally:
+            for hold in holds:
+                hold.put(None)
+            for call in calls:
+                call.cancel()
+
+
+def idle_reflection(chan: grpc.Channel, holds: list[queue.SimpleQueue]) -> grpc.Call:
+    """A server-reflection stream (grpcurl's, open to any client) that sends nothing."""
+    hold: queue.SimpleQueue = queue.SimpleQueue()
+    holds.append(hold)
+    return reflection_pb2_grpc.ServerReflectionStub(chan).ServerReflectionInfo(iter(hold.get, None), timeout=60)
+
+
+def test_idle_reflection_streams_leave_every_call_answered(tmp_path: Path, serve: Callable[..., ServerProcess]) -> None:
+    """Reflection is open to every client and its stream holds a thread while open: 70 idle ones
+    from a client with no token took every thread and nothing was answered, health checks
+    included. All but REFLECTION_STREAMS are refused; a push, Stats, health, and reflection once
+    they end, are answered."""
+    server = serve(str(tmp_path / "data"), env=RAISED_CAPS | NO_SHARES)
+    holds: list[queue.SimpleQueue] = []
+    with channel(server.target) as chan:
+        buffer = stub(chan)
+        calls = [idle_reflection(chan, holds) for _ in range(WORKERS + RESERVED_THREADS)]
+        try:
+            refused = settled(calls, REFLECTION_STREAMS, "idle reflection streams")
+            assert "reflection streams are open" in refused[0].details()
+            data, uids = payload("during", 0)
+            assert list(buffer.Push(pb.PushRequest(table="default", payload=data), timeout=10).stored_uids) == uids
+            assert {t.name for t in buffer.Stats(pb.StatsRequest(), timeout=10).tables} >= {"default"}
+            assert healthy(chan)
+            for call in calls:
+                call.cancel()
+            listed = reflection_pb2.ServerReflectionRequest(list_services="")
+
+            def listing() -> set[str]:
+                asked = reflection_pb2_grpc.ServerReflectionStub(chan).ServerReflectionInfo(iter([listed]), timeout=10)
+                try:
+                    return {service.name for reply in asked for service in reply.list_services_response.service}
+                except grpc.RpcError as exc:  # the streams cancelled may not have ended yet
+                    assert exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, exc
+                    return set()
+
+            wait_for(lambda: "expbuf.v1.ExperienceBuffer" in listing(), "reflection answered once its streams ended")
         finally:
             for hold in holds:
                 hold.put(None)

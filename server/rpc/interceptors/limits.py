@@ -22,11 +22,11 @@ Claim with a wait for prompts. Each of those classes has its own cap (`max_sampl
   trainer's ack, which may be what makes room, is answered even when its scope's share is full;
   admin calls have ADMIN_THREADS of their own beyond those, so they always get in.
 
-The thread pool has RESERVED_THREADS more than `workers` (those included), so health checks,
-reflection and the refusals themselves are always answered. A call refused here did nothing: its
-refusal carries the trailing metadata `wire.BUSY`, and the clients make a waiting claim or admit
-so refused again while its wait lasts, and a push until its deadline (client/rpc/calls/attempts.py;
-a pusher's, client/pushers/pipeline.py).
+The thread pool has RESERVED_THREADS more than `workers` (those included, and reflection's few
+streams: reflection.py), so health checks, reflection and the refusals themselves are always
+answered. A call refused here did nothing: its refusal carries the trailing metadata `wire.BUSY`,
+and the clients make a waiting claim or admit so refused again while its wait lasts, and a push
+until its deadline (client/rpc/calls/attempts.py; a pusher's, client/pushers/pipeline.py).
 """
 
 from __future__ import annotations
@@ -47,13 +47,14 @@ from expbuf.client.schema.reasons import Reason
 from ...store import MayWait
 from .auth import scope_of
 from .base import ServiceInterceptor, refuse
+from .reflection import REFLECTION_STREAMS
 
 if TYPE_CHECKING:
     from ...config import ServerConfig
 
 ACK_THREADS = 2
 ADMIN_THREADS = 2
-RESERVED_THREADS = ACK_THREADS + ADMIN_THREADS + 2
+RESERVED_THREADS = ACK_THREADS + ADMIN_THREADS + REFLECTION_STREAMS + 2  # and health checks, refusals
 # The calls that never wait, and may take ACK_THREADS beyond the workers.
 NEVER_WAITING = frozenset({"Ack", "Nack", "Renew", "Retire", "Stats"})
 # The calls that wait only when asked to (a request's wait_seconds), each class with its own cap.
