@@ -37,7 +37,7 @@ from expbuf.server.config import ServerConfig
 from expbuf.server.store.schema import errors
 
 from conftest import BAD_DIR, Servers
-from helpers import make_experience, scrape
+from helpers import make_experience, scrape, wait_for
 
 # What each refusal answers: the gRPC status and the reason on expbuf_refused_total.
 EXPECTED = {
@@ -268,6 +268,64 @@ def test_the_interceptors_refusals_carry_their_reasons(start_server: Servers) ->
             "no token": Reason.UNAUTHENTICATED,
             "no scope": Reason.FORBIDDEN,
         }
+
+
+def test_the_interceptors_refusals_are_counted_by_their_reason(start_server: Servers) -> None:
+    """Refusals for want of room (busy, streams_full, too_large as inflight_full is) and a token's
+    (unauthenticated, forbidden), made before a method runs, count on expbuf_refused_total as the
+    store's do: the ExpbufPushesHeldBack alert watches the room's, and only table_full was counted."""
+    server = start_server(
+        tokens={"job": frozenset({"push", "sample", "admin"}), "pusher": frozenset({"push"})},
+        max_sample_streams=2, max_table_streams=1, max_inflight_bytes=1 << 20,
+    )  # fmt: skip
+    target = f"127.0.0.1:{server.port}"
+    job = (("authorization", "Bearer job"),)
+    with (
+        BufferClient(target, retries=0, token="job") as client,
+        BufferClient(target, retries=0) as anonymous,
+        BufferClient(target, retries=0, token="pusher") as pusher,
+        grpc.insecure_channel(target) as channel,
+    ):
+        for table in ("t", "u", "w"):
+            client.create_table(table, group_by="none", estimator="none")
+        stub = pb_grpc.ExperienceBufferStub(channel)
+        found: dict[str, str | None] = {}
+
+        def sample(table: str, wait: float) -> grpc.Call:
+            request = pb.SampleRequest(table=table, num_groups=5, wait_seconds=wait, delivery=pb.DELIVERY_CONSUME)
+            return stub.Sample(iter([request]), timeout=30, metadata=job)
+
+        def refused(what: str, table: str) -> bool:
+            """Another Sample stream, refused once those held are open (before, it ends empty)."""
+            try:
+                list(sample(table, 0))
+            except grpc.RpcError as exc:
+                found[what] = reason_of(exc.trailing_metadata())
+            return what in found
+
+        held = [sample("t", 20)]
+        try:
+            wait_for(lambda: refused("the table's second stream", "t"), "the table's second stream refused")
+            held.append(sample("u", 20))
+            wait_for(lambda: refused("the server's third stream", "w"), "the server's third stream refused")
+        finally:
+            for call in held:
+                call.cancel()
+        larger = pb.PushRequest(table="t", seq=1, payload=b"x" * 1000, total_bytes=2 << 20)
+        with pytest.raises(grpc.RpcError) as too_large:
+            list(stub.PushStream(iter([larger]), timeout=10, metadata=job))
+        found["a push in chunks past max_inflight_bytes"] = reason_of(too_large.value.trailing_metadata())
+        found.update(reasons_of({"no token": lambda: anonymous.stats(), "no scope": lambda: pusher.stats()}))
+    assert found == {
+        "the table's second stream": Reason.STREAMS_FULL,
+        "the server's third stream": Reason.BUSY,
+        "a push in chunks past max_inflight_bytes": Reason.TOO_LARGE,
+        "no token": Reason.UNAUTHENTICATED,
+        "no scope": Reason.FORBIDDEN,
+    }
+    counted = refusals(server.metrics_port)
+    for reason in found.values():
+        assert sum(value for (_, named), value in counted.items() if named == reason) >= 1, (reason, counted)
 
 
 def test_an_error_keeps_its_reason_across_processes() -> None:

@@ -17,28 +17,15 @@ import grpc
 
 from expbuf.client import trxp
 from expbuf.client.schema.reasons import Reason
-from expbuf.proto.v1 import buffer_pb2 as pb
 
 from ..store.schema.errors import InvalidRequest, StoreError, clip
-from .interceptors.base import refuse
+from .interceptors.base import CALL_TABLE, refuse, table_of
 
 log = logging.getLogger("expbuf.service")
 
-# The table the current call is on, for a refusal's log line and metric: set when a call
-# starts, and again by a stream once its first message names the table.
-CALL_TABLE: ContextVar[str] = ContextVar("expbuf_call_table", default="default")
 # The least max_reply_bytes a client may say it receives (a SampleRequest's, a ClaimRequest's), as
 # the least max_message_bytes; 0 says nothing, the server's max_message_bytes alone bounds a reply.
 MIN_REPLY_BYTES = 1024
-
-
-def table_of(request: Any) -> str:
-    """The table a request names (CreateTable and DropTable name it their own way)."""
-    if isinstance(request, pb.CreateTableRequest):
-        return request.config.name
-    if isinstance(request, pb.DropTableRequest):
-        return request.name
-    return getattr(request, "table", "") or "default"
 
 
 class RefusalLog:
@@ -85,9 +72,7 @@ def refusals(method: Callable) -> Callable:
             code, reason = grpc.StatusCode.INTERNAL, Reason.INTERNAL
             self.refusal_log(logging.ERROR, "%s on table %s failed", method.__name__, clip(table), exc_info=True)
             exc = RuntimeError(f"internal error in {method.__name__}: {type(exc).__name__}: {clip(str(exc), 300)}")
-        refused = self.metrics.refused
-        (self.metrics.of_table(refused, table, reason) or refused.labels("unknown", reason)).inc()
-        refuse(context, code, clip(str(exc), 1000), reason)
+        refuse(context, code, clip(str(exc), 1000), reason)  # counted by its trailer (interceptors/metrics.py)
 
     if inspect.isgeneratorfunction(method):  # a stream's reply: its refusals come as it is iterated
 

@@ -42,7 +42,6 @@ from ..store.schema.errors import (
 from ..store.schema.sample_spec import TakeSpec
 from ..store.schema.table_config import TableConfig
 from .call_context import (
-    CALL_TABLE,
     MIN_REPLY_BYTES,
     RefusalLog,
     ended,
@@ -54,7 +53,7 @@ from .call_context import (
     room_wait,
 )
 from .draining import Draining
-from .interceptors.base import refuse
+from .interceptors.base import CALL_TABLE, refuse
 from .interceptors.limits import MAY_WAIT, Interrupted, TableStreams
 from .interceptors.metrics import Metrics
 from .push import push_stream

@@ -1,20 +1,36 @@
 """What every part of the service shares at its bottom: a base for the server's interceptors,
 which act on the ExperienceBuffer methods only (leaving health checking and reflection alone),
-`Interceptors`, which gives them to gRPC as one, and `refuse`, the one way a call is refused, with
-its reason beside its message."""
+`Interceptors`, which gives them to gRPC as one, `refuse`, the one way a call is refused, with
+its reason beside its message, and the table a call is on (`CALL_TABLE`), which its refusal is
+counted against."""
 
 from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
+from contextvars import ContextVar
 from typing import Any, NoReturn
 
 import grpc
 
 from expbuf.client.rpc.wire import BUSY, refusal_trailer
 from expbuf.client.schema.reasons import Reason
+from expbuf.proto.v1 import buffer_pb2 as pb
 
 SERVICE_PREFIX = "/expbuf.v1.ExperienceBuffer/"
+# The table the current call is on, for a refusal's log line and metric: set when a call starts
+# (none yet where its request is a stream, or is read later), and again by a stream once its first
+# message names the table.
+CALL_TABLE: ContextVar[str] = ContextVar("expbuf_call_table", default="")
+
+
+def table_of(request: Any) -> str:
+    """The table a request names (CreateTable and DropTable name it their own way)."""
+    if isinstance(request, pb.CreateTableRequest):
+        return request.config.name
+    if isinstance(request, pb.DropTableRequest):
+        return request.name
+    return getattr(request, "table", "") or "default"
 
 
 class ServiceInterceptor:

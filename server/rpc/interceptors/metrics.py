@@ -17,14 +17,17 @@ from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import grpc
+from google.protobuf.message import Message
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from expbuf.client.rpc.wire import reason_of
+
 from ...advantages.moments import RunningMoments
 from ...store import LIVE, PASS_BANDS, PROMPT_STATES, DatasetRecord, IndexBuild, ScrubStatus, Store
 from ...store.schema.errors import NotFound
-from .base import ServiceInterceptor
+from .base import CALL_TABLE, ServiceInterceptor, table_of
 
 GROUP_STATES = LIVE
 EXPERIENCE_STATES = (*LIVE, "consumed", "quarantined")
@@ -388,7 +391,10 @@ class Metrics:
 
 
 class RpcMetrics(ServiceInterceptor):
-    """Times every RPC of the ExperienceBuffer service and records its status code."""
+    """Times every RPC of the ExperienceBuffer service and records its status code; counts each
+    refusal by its table and reason, from the trailer every refusal carries (base.refuse), so that
+    one refused by an interceptor (busy, inflight_full, a token's) counts as one refused by the
+    store does. The outermost interceptor: it sees every call's end."""
 
     def __init__(self, metrics: Metrics) -> None:
         self.metrics = metrics
@@ -404,9 +410,18 @@ class RpcMetrics(ServiceInterceptor):
             if found is None:
                 found = series[code] = self.metrics.rpc_duration.labels(method, code)
             found.observe(seconds)
+            if code != "OK" and (reason := reason_of(context.trailing_metadata())) is not None:
+                refused, table = self.metrics.refused, CALL_TABLE.get()
+                (self.metrics.of_table(refused, table, reason) or refused.labels("unknown", reason)).inc()
+
+        def begin(request: Any) -> None:
+            """The call's table where its request names it (a stream's, or a message read later,
+            names it when read: "" until then, counted as unknown)."""
+            CALL_TABLE.set(table_of(request) if isinstance(request, Message) else "")
 
         def timed_unary(behavior: Callable) -> Callable:
             def run(request: Any, context: grpc.ServicerContext) -> Any:
+                begin(request)
                 start, outcome = time.perf_counter(), "UNKNOWN"
                 try:
                     result = behavior(request, context)
@@ -419,6 +434,7 @@ class RpcMetrics(ServiceInterceptor):
 
         def timed_stream(behavior: Callable) -> Callable:
             def run(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
+                begin(request)
                 start, outcome = time.perf_counter(), "UNKNOWN"
                 try:
                     yield from behavior(request, context)

@@ -30,8 +30,8 @@ from expbuf.proto.v1 import buffer_pb2 as pb
 
 from ...store import Push, PutResult, Store
 from ...store.schema.errors import InsertLimited, TableFull
-from ..call_context import CALL_TABLE, ended, noted, room_wait
-from ..interceptors.base import refuse
+from ..call_context import ended, noted, room_wait
+from ..interceptors.base import CALL_TABLE, refuse
 from ..interceptors.limits import IdleMessages
 from .ingest import Ingest
 from .push_request import PushMessage, Refusal
