@@ -227,23 +227,55 @@ def test_a_lease_is_bound_to_the_token_that_took_it(start_server: Servers) -> No
 
 
 def test_eviction_never_takes_a_pending_group(tmp_path: Path) -> None:
+    """A group takes its group_size places as it opens: pushes that open groups evict the oldest
+    ready groups for them, never a pending one, and are refused where only pending ones are left."""
     with Store(tmp_path) as store:
         store.create_table(
-            TableConfig.of("ring", estimator="none", group_size=4, capacity_experiences=6, when_full="evict")
+            TableConfig.of("ring", estimator="none", group_size=4, capacity_experiences=8, when_full="evict")
         )
         pending = group_items(1, 0, 4)
-        store.put("ring", pending[:2])
-        store.put("ring", group_items(1, 1, 4))  # fits: 2 pending + 4
+        store.put("ring", pending[:2])  # 1/0 takes 4 places
+        store.put("ring", group_items(1, 1, 4))  # fits: 4 + 4
         store.put("ring", group_items(1, 2, 4))  # evicts the ready group 1/1, never the pending 1/0
         assert store.stats("ring")["evicted"] == 4
-        assert store.put("ring", pending[2:]).completed_groups == ["1/0"]  # evicts 1/2, not refused
-        store.put("ring", group_items(1, 4, 4)[:2])
+        assert store.put("ring", pending[2:]).completed_groups == ["1/0"]  # its places are its own
+        assert store.stats("ring")["evicted"] == 4
+        store.put("ring", group_items(1, 4, 4)[:2])  # evicts 1/2
         store.put("ring", group_items(1, 5, 4)[:2])  # evicts the ready 1/0
-        assert store.stats("ring")["pending"] == 4
-        with pytest.raises(TableFull, match="is full"):
+        assert store.stats("ring")["pending"] == 4 and store.stats("ring")["evicted"] == 12
+        with pytest.raises(TableFull, match="its groups still open hold 4 places"):
             store.put("ring", group_items(1, 6, 4))  # only pending groups are left: none is evicted
         assert store.stats("ring")["pending"] == 4
         assert store.verify("ring") == []
+
+
+@pytest.mark.parametrize("layout", ["records", "rows"])
+@pytest.mark.parametrize("when_full", ["evict", "block"])
+def test_runs_that_finish_open_groups_are_stored_whatever_the_table_holds(
+    tmp_path: Path, layout: str, when_full: str
+) -> None:
+    """GRPO's workers push each run as it ends, so several groups are open at once: a group takes
+    its group_size places as it opens, and its later runs need none. Counted a place a run, groups
+    left open filled the table, and the runs that would complete them were refused (evict: at once;
+    block: at their deadline) for good, nothing pending being evicted."""
+    config = TableConfig.of("t", estimator="none", group_size=4, capacity_experiences=8, when_full=when_full)
+    config = dataclasses.replace(config, storage=dataclasses.replace(config.storage, layout=layout))
+    with Store(tmp_path) as store:
+        store.create_table(config)
+        a, b, c = (group_items(1, task, 4) for task in range(3))
+        refused = []
+        for runs in (a[:3], b[:3], c[:2]):  # two groups open take all 8 places, with 6 experiences held
+            try:
+                store.put("t", runs, timeout=0.2)
+            except TableFull as exc:  # a third group: no room (a pending group is never evicted)
+                refused.append(str(exc))
+        assert store.put("t", a[3:]).completed_groups == ["1/0"]
+        assert store.put("t", b[3:]).completed_groups == ["1/1"]
+        assert len(refused) == 1 and "its groups still open hold 2 places" in refused[0]
+        if when_full == "evict":
+            store.put("t", c[:2])  # evicts the oldest ready group for its places
+            assert store.stats("t")["evicted"] == 4
+        assert store.verify("t") == []
 
 
 def test_push_larger_than_a_blocking_table_is_refused_at_once(client: BufferClient) -> None:

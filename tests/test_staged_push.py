@@ -62,7 +62,7 @@ def counts(data: Path) -> dict[str, int]:
 
 
 # a cap smaller than one push: a push whose items are staged holds a piece of each
-SMALL_CAP = {"EXPBUF_MAX_INFLIGHT_BYTES": str(20 << 20)}
+SMALL_CAP = {"EXPBUF_MAX_INFLIGHT_BYTES": str(22 << 20)}
 
 
 @pytest.fixture
@@ -120,7 +120,7 @@ def test_a_batch_of_columns_is_staged_as_it_arrives_and_stored_as_its_experience
     server: ServerProcess, tmp_path: Path
 ) -> None:
     """Its one-value columns and tensors come in the store's order, so the server stages its large
-    experiences as it stages a TRXP push's: 2 x 18 MB under a max_inflight_bytes of 20 MiB, which a
+    experiences as it stages a TRXP push's: 2 x 18 MB under a max_inflight_bytes of 22 MiB, which a
     push read whole could not take; the same bytes as the experiences pushed whole (duplicates)."""
     group = [make_experience("c", 0, run, response=RESPONSE if run != 1 else 7) for run in range(3)]
     columns = columns_of(group)

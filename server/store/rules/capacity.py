@@ -1,6 +1,10 @@
 """A table's capacity in experiences and bytes: a push that would pass it evicts the
 oldest ready groups (evict mode) or is refused (block mode: the pusher may wait for room;
-a push larger than the capacity on its own is refused at once). The pieces of rollouts held in
+a push larger than the capacity on its own is refused at once). In a table of groups of a fixed
+size, a group takes its group_size places of capacity_experiences when it opens (`reserved`), and
+its later runs take none: runs pushed as they finish (GRPO's workers) fill groups whose places
+are theirs already, so pending groups never fill a table against their own last runs, which,
+refused, would leave them pending for good (nothing pending is evicted). The pieces of rollouts held in
 pieces count in its bytes (a worker whose rollouts never finish cannot fill the disk), a piece
 making room as a push does, and so do the table's keyed values (value_records.py), whose put is
 refused where it would pass the capacity: no value is evicted, nor an experience for one."""
@@ -42,27 +46,40 @@ def room_for_values(cfg: TableConfig, counters: Counters, added: int) -> None:
     )
 
 
-def make_room(tt: TableState, count: int, nbytes: int, keep: set[str]) -> None:
-    """Room for `count` experiences of `nbytes` in the table: evict the oldest ready groups
-    (never pending ones, which still take members, nor leased ones) or refuse. A records table's
-    oldest are those of its oldest experiences; a rows table's, the first in its ready order (the
-    order they completed in: row_moves.evict)."""
+def reserved(tt: TableState) -> int:
+    """The places a table's pending groups of a fixed size hold for the runs still to come."""
+    size = tt.config.grouping.size
+    return max(0, tt.counters.groups_pending * size - tt.counters.pending) if size else 0
+
+
+def make_room(tt: TableState, runs: int, nbytes: int, keep: set[str], opened: int = 0) -> None:
+    """Room for a push of `runs` experiences of `nbytes` that opens `opened` groups (counted among
+    the table's pending groups already): evict the oldest ready groups (never pending ones, which
+    still take members, nor leased ones) or refuse. In groups of a fixed size the push takes
+    group_size places for each group it opens and none for its runs joining open groups, whose places
+    they hold (`reserved`), so a push that opens none is bounded by capacity_bytes alone; otherwise a
+    place an experience. A records table's oldest are those of its oldest experiences; a rows
+    table's, the first in its ready order (the order they completed in: row_moves.evict)."""
     cfg = tt.config
+    size = cfg.grouping.size
+    places = opened * size if size else runs
+    open_places = reserved(tt) - opened * size if places else 0  # the other open groups'
 
     def over(live: int, held: int) -> bool:
-        return _over(cfg, live + count, held + nbytes)
+        return _over(cfg, live + open_places + places if places else 0, held + nbytes)
 
     def over_now() -> bool:
         return over(tt.counters.live(), held_bytes(tt.counters))
 
     if not over_now():
         return
-    if (cfg.capacity.experiences and count > cfg.capacity.experiences) or (
+    if (cfg.capacity.experiences and places > cfg.capacity.experiences) or (
         cfg.capacity.bytes and nbytes > cfg.capacity.bytes
     ):
         raise TooLarge(
-            f"table '{cfg.name}': {count} experiences of {nbytes} bytes exceed its capacity "
-            f"({cfg.capacity.experiences} experiences, {cfg.capacity.bytes} bytes) on their own"
+            f"table '{cfg.name}': {runs} experiences of {nbytes} bytes"
+            + (f" opening {opened} groups of {size} places each" if size and places != runs else "")
+            + f" exceed its capacity ({cfg.capacity.experiences} experiences, {cfg.capacity.bytes} bytes) on their own"
         )
     if cfg.capacity.when_full == "evict" and cfg.storage.layout == "rows":
         tt.counters.evicted_total += row_moves.evict(tt, over, tt.counters.live(), held_bytes(tt.counters))
@@ -74,16 +91,21 @@ def make_room(tt: TableState, count: int, nbytes: int, keep: set[str]) -> None:
             pass
         if not over_now():
             return
-    raise TableFull(f"table '{cfg.name}' is full ({cfg.capacity.experiences} experiences, {cfg.capacity.bytes} bytes)")
+    raise TableFull(
+        f"table '{cfg.name}' is full ({cfg.capacity.experiences} experiences, {cfg.capacity.bytes} bytes"
+        + (f"; its groups still open hold {open_places} places for their runs to come)" if open_places else ")")
+    )
 
 
 def has_room(tt: TableState, count: int, nbytes: int) -> bool:
-    """Whether `count` experiences of `nbytes` fit in the table as it is, nothing evicted."""
-    return not _over(tt.config, tt.counters.live() + count, held_bytes(tt.counters) + nbytes)
+    """Whether `count` experiences of `nbytes` fit in the table as it is, nothing evicted, each
+    taking a place (as many as `places` gives, or more)."""
+    return not _over(tt.config, tt.counters.live() + reserved(tt) + count, held_bytes(tt.counters) + nbytes)
 
 
 def _over(cfg: TableConfig, live: int, held: int) -> bool:
-    """Whether `live` experiences holding `held` bytes pass the table's capacity."""
+    """Whether `live` places (experiences, and those open groups hold) holding `held` bytes pass the
+    table's capacity."""
     return bool(
         (cfg.capacity.experiences and live > cfg.capacity.experiences)
         or (cfg.capacity.bytes and held > cfg.capacity.bytes)

@@ -41,6 +41,7 @@ from ..schema.errors import (
 )
 from ..schema.states import COMPUTING, DROPPED, FAILED, PENDING, State
 from ..schema.views import GroupView, Members
+from .capacity import make_room
 from .pushed_advantages import (
     add_shaping,
     compute_rows_in_push,
@@ -266,15 +267,16 @@ def fail_runs(tt: TableState, failures: Sequence[tuple[str, str]], holder: str) 
             raise InvalidRequest(f"{clip(uid)!r} is not an experience uid (batch/task/run/step/suffix)")
     gkeys = list(dict.fromkeys(key for key in keys if key is not None))
     tt.extensions.on_pushed(tt, Pushed(gkeys, holder, "FailRuns"))  # a claim's checks
+    opened = 0  # groups the reports open: each takes its places, as a push that opens it (capacity.py)
     for (uid, reason), gkey in zip(failures, keys, strict=True):
         assert gkey is not None
         grp = touched.get(gkey) or tt.view(gkey)
         if uid in grp.members if rows and grp is not None else tt.member(uid) is not None:
             raise Conflict(f"uid {clip(uid)} was pushed: a run pushed cannot be reported failed")
         if grp is None and rows:
-            grp = row_pending.opened(tt, gkey)
+            grp, opened = row_pending.opened(tt, gkey), opened + 1
         elif grp is None:
-            grp = core_groups.new(tt)
+            grp, opened = core_groups.new(tt), opened + 1
             core_groups.pend(tt, gkey, grp)
         elif grp.state != PENDING:
             raise GroupClosed(f"group {clip(gkey)} is already complete ({grp.state}): its runs are all known")
@@ -286,6 +288,7 @@ def fail_runs(tt: TableState, failures: Sequence[tuple[str, str]], holder: str) 
             pieces.drop(tt, uid)
             result.recorded.append(uid)
         touched[gkey] = grp
+    make_room(tt, 0, 0, set(), opened)
     ending = Ending(tt)
     for gkey, grp in touched.items():
         if len(grp.members) + len(grp.failed) < grouping.size:

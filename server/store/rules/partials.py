@@ -103,10 +103,13 @@ class OffWriter(Exception):
         self.uid = uid
 
 
-def take(tt: TableState, entries: Sequence[Entry], room: Callable[[int], None], most: int, holder: str) -> PiecesTaken:
+def take(
+    tt: TableState, entries: Sequence[Entry], room: Callable[[int, int], None], most: int, holder: str
+) -> PiecesTaken:
     """Store the pieces among a push's entries, in order, and put together the rollouts whose last
-    piece came; an entry pushed whole replaces any pieces of its uid. `room(size)` makes room in
-    the table for each piece stored (capacity.py), as the rollout it finishes makes for itself; a
+    piece came; an entry pushed whole replaces any pieces of its uid. `room(size, opened)` makes room
+    in the table for each piece stored and each group a piece opens (capacity.py), as the rollout it
+    finishes makes for itself; a
     rollout may take `most` bytes (the largest push), and the table's capacity_bytes (`bounded`).
     `holder` is who pushes (pushes.put)."""
     taken = PiecesTaken()
@@ -128,7 +131,8 @@ def take(tt: TableState, entries: Sequence[Entry], room: Callable[[int], None], 
         if head is not None and offset < held and (offset, piece.digest.hex(), piece.size) in head.pieces:
             taken.duplicates.append(entry.uid)
             continue
-        _open_group(tt, gkey)  # a group complete without it says so, not the tokens it does not hold
+        if _open_group(tt, gkey):  # a group complete without it says so, not the tokens it does not hold
+            room(0, 1)  # its places, as a push that opens it takes
         if offset != held:
             raise Conflict(
                 f"a piece of rollout {clip(entry.uid)} continues at token {offset}, but the buffer holds "
@@ -137,7 +141,7 @@ def take(tt: TableState, entries: Sequence[Entry], room: Callable[[int], None], 
         bounded(tt, entry.uid, (0 if head is None else piece_rows.size(head)) + piece.size, most)
         (item,) = parse(piece.blob, trusted=True)
         if more:
-            room(piece.size)
+            room(piece.size, 0)
         whole = _add(tt, entry, item, head, more)
         if whole is None:
             taken.stored.append(entry.uid)
@@ -201,21 +205,24 @@ def bounded(tt: TableState, uid: str, size: int, most: int) -> None:
     )
 
 
-def _open_group(tt: TableState, gkey: str) -> None:
+def _open_group(tt: TableState, gkey: str) -> bool:
     """The pending group a piece's rollout is to join, opened if none of its runs arrived (as a
     report of a failed run opens it), so that its timeout, a seal and the ledger's end of a claim
     reach the rollouts held in pieces; a complete group takes no more pieces. With group_size 0
     no group waits: none is opened, and one that exists is complete (its rollout's last piece
-    would be refused)."""
+    would be refused). Whether it opened the group."""
     grp = tt.view(gkey)
     if grp is None and not tt.config.grouping.size:
-        return
+        return False
     if grp is None and tt.config.storage.layout == "rows":
         row_pending.open_pending(tt, gkey)
-    elif grp is None:
+        return True
+    if grp is None:
         open_pending(tt, gkey)
-    elif grp.state != PENDING:
+        return True
+    if grp.state != PENDING:
         raise GroupClosed(f"group {clip(gkey)} is already complete ({grp.state}); it takes no more pieces")
+    return False
 
 
 def _follows(uid: str, head: PieceHead | None, item: RawItem) -> partial.Versions:

@@ -74,7 +74,7 @@ def put(
             core_groups.forget_failed(grp, [entry.uid for entry in members])
         _no_overfill(tt, gkey, len(grp.members), grp.failed, len(members))
         groups[gkey] = grp
-    make_room(tt, len(fresh), sum([entry.size for entry in fresh.values()]), set(groups))
+    make_room(tt, len(fresh), sum([entry.size for entry in fresh.values()]), set(groups), len(opened))
     core_groups.add_members(tt, by_group, groups)
     ending = Ending(tt)
     for gkey, grp in groups.items():
@@ -218,7 +218,7 @@ def _put_rows(
     size = tt.config.grouping.size
     groups = _joining(tt, rest, existing)
     row_pending.opened_by_push(tt, len(rest) - len(groups))
-    make_room(tt, len(admitted), sum([entry.size for entry in admitted]), set())
+    make_room(tt, len(admitted), sum([entry.size for entry in admitted]), set(), len(rest) - len(groups))
     ending = Ending(tt, held)  # the completing groups' heads, as read above: not read again
     joined = row_pending.joined(tt, by_group)
     if stay is None and not groups and min(map(len, joined.values()), default=size) >= size:  # opens and fills each

@@ -417,10 +417,12 @@ class Pushing:
             tt.save()
         if held is not None:
             return held
+
+        def room(size: int, opened: int) -> None:
+            capacity.make_room(tt, 0, size, set(), opened)
+
         pieces = (  # with none, a rollout pushed whole still replaces the pieces held of it
-            partials.take(tt, entries, lambda size: capacity.make_room(tt, 0, size, set()), most, holder)
-            if has_pieces or tt.counters.partials
-            else None
+            partials.take(tt, entries, room, most, holder) if has_pieces or tt.counters.partials else None
         )
         kept, stale = admission.screen(tt, entries if pieces is None else pieces.entries)
         compute = in_push(tt.config) if in_push is not None else None
