@@ -176,7 +176,8 @@ def test_a_worker_that_dies_while_none_can_start_leaves_pushes_decoded_here_unti
         monkeypatch.setattr(ingest_module, "RETRY_SECONDS", 1.0)
         os.kill(worker.process.pid, signal.SIGKILL)
         deadline = time.monotonic() + 60
-        while not worker.closed and time.monotonic() < deadline:  # the watch found it dead and could not replace it
+        # the watch found it dead, could not replace it, and put it back in its place
+        while not (worker.closed and pool._idle == [worker]) and time.monotonic() < deadline:
             time.sleep(0.05)
         assert worker.closed and pool._idle == [worker]
         data = payload("grpo_group.trxp")
