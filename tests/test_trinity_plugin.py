@@ -461,6 +461,37 @@ def test_expbuf_advantage_fn_keeps_the_buffers_advantages(start_server: Servers)
         fn(SimpleNamespace(batch={"token_level_rewards": advantages}))
 
 
+@pytest.mark.parametrize("kl_penalty_fn", ["none", "k2"])
+def test_expbuf_advantage_fn_refuses_rewards_the_trainer_changed(kl_penalty_fn: str) -> None:
+    """Trinity's trainer puts algorithm.kl_penalty_fn's KL penalty in a batch's rewards before its
+    advantage function, for algorithms computing advantages there: the buffer's advantages, from
+    the rewards as pushed, would leave it out, silently. Refused, naming the setting; none passes."""
+    from trinity.algorithm.kl_fn import KL_FN
+    from verl import DataProto
+
+    rows, length = 4, 3
+    scores = torch.zeros(rows, length)
+    scores[:, -1] = torch.tensor([0.0, 1.0, 1.0, 7.0])
+    batch = DataProto.from_dict(
+        {
+            "responses": torch.ones(rows, length, dtype=torch.long),
+            "attention_mask": torch.ones(rows, 2 + length, dtype=torch.long),
+            "response_mask": torch.ones(rows, length),
+            "token_level_scores": scores,
+            "old_log_probs": torch.full((rows, length), -0.5),
+            "ref_log_prob": torch.full((rows, length), -0.9),
+            "advantages": torch.ones(rows, length),
+        }
+    )
+    penalized, _ = KL_FN.get(kl_penalty_fn)(kl_coef=0.1).apply_kl_penalty_to_reward(batch)
+    fn = ADVANTAGE_FN.get("expbuf")()
+    if kl_penalty_fn == "none":
+        assert fn(penalized)[0] is penalized
+    else:
+        with pytest.raises(ValueError, match="kl_penalty_fn"):
+            fn(penalized)
+
+
 def test_import_expbuf_client_loads_no_trinity() -> None:
     code = "import sys, expbuf.client; print(sorted(m for m in sys.modules if m.split('.')[0] == 'trinity'))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
