@@ -10,10 +10,11 @@ A reply larger than one message (a group of long rollouts can pass gRPC's 2 GiB,
 server's `max_message_bytes`) goes in parts (SampleReply.part): its runs of bytes are made
 once and kept by the batch's snapshot (copied, should the snapshot have to end first), and
 each part is cut from them as it is sent, under the snapshot only while it is cut, so the
-server holds one part of the batch at a time, not the batch, and a slow reader never holds the
-snapshot that a map resize waits for. A part its client is slow to take (one that waits in gRPC's
-send stalled_sends.SNAPSHOT_SECONDS) lets go of the snapshot: the rest of the reply is copied out
-of the map first. Every message is a copy, so the snapshot ends before the last is sent.
+server holds one part of the batch at a time, not the batch, while its client reads, and a slow
+reader never holds the snapshot that a map resize waits for. A part its client is slow to take
+(one that waits in gRPC's send stalled_sends.SNAPSHOT_SECONDS) lets go of the snapshot: the rest of
+the reply is copied out of the map first, and held until the client reads it or the call ends.
+Every message is a copy, so the snapshot ends before the last is sent.
 """
 
 from __future__ import annotations
