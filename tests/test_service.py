@@ -23,13 +23,13 @@ from grpc_reflection.v1alpha import reflection, reflection_pb2, reflection_pb2_g
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
 from expbuf.client import AsyncBufferClient, BufferClient, BufferError, trxp
-from expbuf.client.errors import AlreadyExistsError
+from expbuf.client.errors import AlreadyExistsError, NotFoundError
 from expbuf.client.torch import ExperienceDataset
 from expbuf.server.app import ExpbufServer
 from expbuf.server.rpc.interceptors.reflection import ReflectionLimits
 
 from conftest import BAD_DIR, BAD_README, MANIFEST, Servers, payload
-from helpers import ServerProcess, check_against_manifest, group_items
+from helpers import ServerProcess, check_against_manifest, group_items, make_experience
 
 
 @pytest.fixture
@@ -254,6 +254,26 @@ def test_health_and_reflection(server: ExpbufServer) -> None:
         assert status.status == health_pb2.HealthCheckResponse.SERVING
         services = set(ProtoReflectionDescriptorDatabase(channel).get_services())
     assert {"expbuf.v1.ExperienceBuffer", "grpc.health.v1.Health"} <= services
+
+
+def test_a_stream_of_a_table_dropped_and_made_again_ends_not_found(client: BufferClient) -> None:
+    """A trainer's stream whose table an operator drops and makes again under its name (the next
+    run's) ends NOT_FOUND once it has handed over what was on its way: it went on to the new
+    table's data, taken by a trainer of the run before (a helper's repro)."""
+    client.create_table("t", group_by="none", estimator="none")
+    client.push([make_experience("old", task, 0) for task in range(6)], table="t")
+    stream = client.sample("t", batch_size=2, delivery="lease", lease_seconds=60, timeout=3, window=1, prefetch=0)
+    seen = list(next(stream).uids)  # and the next batch is sent ahead meanwhile
+    client.drop_table("t")
+    client.create_table("t", group_by="none", estimator="none")
+    client.push([make_experience("new", task, 0) for task in range(6)], table="t")
+    with pytest.raises(NotFoundError) as ended:
+        for batch in stream:
+            seen += batch.uids
+    stream.close()
+    assert all(uid.startswith("old/") for uid in seen), seen
+    assert "dropped since this stream's first batch" in str(ended.value) or "does not exist" in str(ended.value)
+    assert client.stats()["t"].ready == 6  # the new run's, untouched
 
 
 def test_a_reflection_stream_left_open_is_ended_after_its_time() -> None:

@@ -272,6 +272,7 @@ class _Window:
         self.unconfirmed: deque[Sampled] = deque()
         self.sent_at: deque[float] = deque()  # when each unconfirmed batch was sent (monotonic clock)
         self.confirmed: list[str] = []  # held leases whose batches the client has, to deliver
+        self.table_id: int | None = None  # the table its first batch came from: not another made under its name
 
     def sending(self, batch: Sampled) -> float:
         """The batch goes out now; returns how long it may wait for its confirmation, counted
@@ -385,8 +386,11 @@ class _Window:
                 owner=self.owner,
                 stop=stop,
                 confirm=self.confirmed,
+                table_id=self.table_id,
             )
             self.confirmed = []
+            if batch is not None:
+                self.table_id = batch.table_id
             if batch is not None or client.received == seen or client.stopped or client.broken or client.interrupted:
                 return batch
             if not context.is_active() or time.monotonic() >= deadline:

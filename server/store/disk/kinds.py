@@ -239,6 +239,7 @@ class Sampled:
     counted: Counted | None = None  # what its take counted as sampled (a held batch's lease keeps it)
     # a rows table's leased batch: its groups as runs (segment, first group, groups), its lease's
     lease_runs: list[tuple[int, int, int]] = field(default_factory=list)
+    table_id: int = 0  # the table it was taken from (Sampling.sample): a stream's next takes name it
 
     @property
     def payload(self) -> bytes:

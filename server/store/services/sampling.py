@@ -22,7 +22,7 @@ from ..disk.environment import Environment
 from ..disk.kinds import Sampled
 from ..disk.stored_advantages import FinishBatch, StageCounts
 from ..rules import staleness
-from ..schema.errors import SampleLimited
+from ..schema.errors import NotFound, SampleLimited, clip
 from ..schema.sample_spec import TakeSpec
 from ..schema.table_config import TableConfig
 from ..tables.catalog import TableCatalog
@@ -74,6 +74,7 @@ class Sampling:
         owner: str = "",
         stop: Callable[[], bool] | None = None,
         confirm: str | Sequence[str] = "",
+        table_id: int | None = None,
     ) -> Sampled | None:
         """Select whole ready groups; None if not enough arrived within the wait.
 
@@ -90,6 +91,8 @@ class Sampling:
         whose index the table is still building in the background (index_builds.py) waits for
         the build within the same deadline, then is tried again; past it, IndexNotReady (a rows
         table's build at the first request that reads its index is waited for whatever the deadline).
+        `table_id`: the table a stream's batches came from (Sampled.table_id); NotFound once the
+        table of the name is another, made again after a drop, which a stream never goes on to.
         """
         start = time.monotonic()
         deadline = start + (spec.wait_seconds if timeout is None else timeout)
@@ -99,14 +102,19 @@ class Sampling:
             generation = self.environment.generation
             final = time.monotonic() >= deadline
             blocked = time.monotonic() - start if held else 0.0
-            table_id, config = self.catalog.lookup(spec.table)  # at each attempt: it may have been dropped
+            found, config = self.catalog.lookup(spec.table)  # at each attempt: it may have been dropped
+            if table_id is not None and found != table_id:
+                raise NotFound(
+                    f"table '{clip(spec.table)}' was dropped since this stream's first batch; the table made again "
+                    "under its name is another: open a stream on it"
+                )
 
             def attempt(
                 txn: lmdb.Transaction[bytes],
                 f: bool = final,
                 b: float = blocked,
                 a: tuple[str, ...] = confirms,
-                i: int = table_id,
+                i: int = found,
                 c: TableConfig = config,
             ) -> Sampled | SampleLimited | _Refused | None:
                 def take_in(t: lmdb.Transaction[bytes]) -> Sampled | SampleLimited | None:
@@ -136,6 +144,8 @@ class Sampling:
                     raise result
                 held = True
             elif result is not None or final:
+                if result is not None:
+                    result.table_id = found
                 return result
             if stop is not None and stop():
                 return None
