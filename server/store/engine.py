@@ -125,8 +125,10 @@ class Store(ServiceCalls):
         self.extensions = EveryTable(self.catalog)
         # The lazy indexes a table lacks, built in the background from here (index_builds.py).
         self.builds = IndexBuilds(self.environment, self.catalog)
-        self.sampling = Sampling(self.environment, self.catalog, random.Random(seed), batch_stage, self.builds)
         self.upkeep = Upkeep(self.environment.env, self.catalog)
+        self.sampling = Sampling(
+            self.environment, self.catalog, random.Random(seed), batch_stage, self.builds, self.upkeep.mark
+        )
         self.claims = Claims(self.environment, self.catalog, self.ledger, self.upkeep.mark)
         self.pushing = Pushing(
             self.environment, self.catalog, self._state_in, self.builds, self._quarantine_found, max_push_bytes

@@ -51,10 +51,12 @@ class Sampling:
         rng: random.Random,
         finish: FinishBatch | None,
         builds: IndexBuilds,
+        requeued: Callable[[int], None],
     ) -> None:
         self.environment, self.catalog, self.rng, self.finish, self.builds = environment, catalog, rng, finish, builds
         self.db = environment.db
-        self.leases = TableLeases(catalog)  # a lease's life (tables/leases.py): this service asks it each step
+        # a lease's life (tables/leases.py): this service asks it each step; `requeued`: upkeep.mark
+        self.leases = TableLeases(catalog, requeued)
         self._batch_counts: dict[int, StageCounts] = {}  # by table id: the batch stage's clip counts
 
     def stage_counts(self, table_id: int) -> StageCounts:

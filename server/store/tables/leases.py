@@ -26,6 +26,7 @@ the upkeep for the expired ones (services/upkeep.py).
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 
 import lmdb
 
@@ -43,9 +44,10 @@ from .catalog import TableCatalog
 class TableLeases:
     """Every lease of a data directory's tables, over its catalog (the tables' states)."""
 
-    def __init__(self, catalog: TableCatalog) -> None:
+    def __init__(self, catalog: TableCatalog, requeued: Callable[[int], None]) -> None:
         self.catalog = catalog
         self.db = catalog.db
+        self.requeued = requeued  # a table whose groups came back: the next upkeep pass visits it (evict_stale)
 
     def grant(self, txn: lmdb.Transaction[bytes], batch: Sampled, table_id: int, *, hold: bool, owner: str) -> None:
         """The lease of a batch just taken (its groups LEASED under `batch.lease_id`): held
@@ -138,6 +140,8 @@ class TableLeases:
         if requeue:
             quarantine_lost(tt, leases.leased_groups(tt, lease_id, lease))
         count = leases.groups_back(tt, lease_id, lease, requeue=requeue, unsent=requeue and unsent and held)
+        if requeue and count:
+            self.requeued(lease.table_id)
         if expired:
             tt.counters.leases_expired += 1
         tt.save()
