@@ -5,6 +5,7 @@ table's pushes or samples for good; a table stuck by an older build recovers at 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -14,7 +15,7 @@ from expbuf.client import trxp
 from expbuf.server.store import Entry, Store
 from expbuf.server.store.core.table_state.rate_counts import INSERTED, SAMPLED
 from expbuf.server.store.disk import layout
-from expbuf.server.store.schema.errors import InsertLimited
+from expbuf.server.store.schema.errors import InsertLimited, SampleLimited, TableFull
 from expbuf.server.store.schema.sample_spec import TakeSpec
 from expbuf.server.store.schema.table_config import TableConfig
 
@@ -178,3 +179,33 @@ def test_a_table_stuck_by_an_older_build_recovers_at_open(tmp_path: Path) -> Non
         assert diff(store) == 0
     with Store(tmp_path) as store:  # counted once: a later open leaves the counters alone
         assert diff(store) == 0
+
+
+@pytest.mark.parametrize("layout", ["records", "rows"])
+def test_a_full_blocking_table_lets_the_samples_go_that_would_make_room(tmp_path: Path, layout: str) -> None:
+    """samples_per_insert holds samples until more is inserted; a full blocking table holds inserts
+    until a sample makes room (replayed groups leave after max_times_sampled). Once the table is
+    full of groups sampled fewer times than that, each side waited for the other for good (a
+    helper's audit): samples now go while no insert can come."""
+    config = TableConfig.of(
+        name="t", estimator="none", group_size=1, capacity_experiences=8, when_full="block",
+        samples_per_insert=1.0, samples_per_insert_error=2.0, max_times_sampled=3,
+    )  # fmt: skip
+    with Store(tmp_path) as store:
+        store.create_table(dataclasses.replace(config, storage=dataclasses.replace(config.storage, layout=layout)))
+        pushed, moved = 0, []
+        for step in range(80):  # a push and a replay a step, as a rollout worker and a trainer side by side
+            try:
+                store.put("t", group_items(1, pushed, 1), timeout=0)
+                pushed += 1
+                moved.append((step, "push"))
+            except (TableFull, InsertLimited):
+                pass
+            try:
+                store.sample(TakeSpec("t", num_groups=1, delivery="replay", order="uniform"))
+                moved.append((step, "sample"))
+            except SampleLimited:
+                pass
+        later = {kind for step, kind in moved if step >= 40}
+        assert later == {"push", "sample"}, moved[-6:]  # both still move: neither holds the other
+        assert store.verify("t") == []

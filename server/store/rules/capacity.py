@@ -103,6 +103,15 @@ def has_room(tt: TableState, count: int, nbytes: int) -> bool:
     return not _over(tt.config, tt.counters.live() + reserved(tt) + count, held_bytes(tt.counters) + nbytes)
 
 
+def inserts_wait_for_samples(tt: TableState) -> bool:
+    """Whether no insert can come until a sample makes room: a blocking table full, with no open
+    group whose runs may still complete it. The rate limiter then lets samples go, which it would
+    hold until more is inserted: each side waiting for the other, for good."""
+    cfg = tt.config
+    places = cfg.grouping.size or 1
+    return cfg.capacity.when_full == "block" and not reserved(tt) and not has_room(tt, places, 1)
+
+
 def _over(cfg: TableConfig, live: int, held: int) -> bool:
     """Whether `live` places (experiences, and those open groups hold) holding `held` bytes pass the
     table's capacity."""
