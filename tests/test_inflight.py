@@ -880,6 +880,28 @@ def test_an_idle_pusher_holds_its_next_message_until_the_idle_timeout_ends_its_s
         assert len(pusher.push(second).result(timeout=30).stored) == 1
 
 
+def test_a_push_that_declares_nothing_and_sends_nothing_ends_after_the_idle_time(start_server: Servers) -> None:
+    """A raw Push that declares no size and never sends its message holds a worker: its read was
+    bounded by max_message_bytes at push_min_mb_per_second (47 minutes by default), and 48 such
+    calls refused every rollout worker busy. It now ends after push_stream_idle_seconds."""
+    server = start_server(push_stream_idle_seconds=1)
+    release = threading.Event()
+
+    def nothing() -> Iterator[bytes]:
+        release.wait(60)
+        return
+        yield
+
+    with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        call = channel.stream_unary("/expbuf.v1.ExperienceBuffer/Push").future(nothing(), timeout=60)
+        try:
+            with pytest.raises(grpc.RpcError) as ended:
+                call.result(timeout=20)  # 1 s, looked at once a second
+        finally:
+            release.set()
+    assert ended.value.code() in (grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED)
+
+
 @pytest.mark.parametrize("method", ["Push", "PutValues"])
 def test_a_unary_call_whose_message_never_comes_gives_its_room_back(start_server: Servers, method: str) -> None:
     """A client that opens a Push (or a PutValues) declaring a 1 MiB message and never sends it held
