@@ -132,7 +132,7 @@ def payloads_for(kind: str) -> tuple[dict[str, object], list[pb.PushRequest], gr
         refused = trxp.build(group_items("r", 0, 2, reward=0.0, **version))  # the first push's uids, other bytes
         code, words = grpc.StatusCode.ALREADY_EXISTS, "r/0/0/0/r0s0"
     elif kind == "full":
-        table |= {"group_size": 6, "capacity_experiences": 6, "when_full": "evict"}  # pending groups: none to evict
+        table |= {"group_size": 6, "capacity_experiences": 12, "when_full": "evict"}  # two open groups: none to evict
         refused = trxp.build(group_items("r", 2, 4, **version))
         code, words = grpc.StatusCode.RESOURCE_EXHAUSTED, "is full"
     elif kind == "stale":
