@@ -272,6 +272,9 @@ def test_runs_that_finish_open_groups_are_stored_whatever_the_table_holds(
         assert store.put("t", a[3:]).completed_groups == ["1/0"]
         assert store.put("t", b[3:]).completed_groups == ["1/1"]
         assert len(refused) == 1 and "its groups still open hold 2 places" in refused[0]
+        gone = group_items(1, 9, 4)
+        dropped = store.fail_runs("t", [item.uid for item in gone], ["timeout"] * 4).dropped_groups
+        assert dropped == ["1/9"] and store.stats("t")["evicted"] == 0  # a group that opens and ends takes no place
         if when_full == "evict":
             store.put("t", c[:2])  # evicts the oldest ready group for its places
             assert store.stats("t")["evicted"] == 4

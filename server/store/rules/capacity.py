@@ -52,10 +52,11 @@ def reserved(tt: TableState) -> int:
     return max(0, tt.counters.groups_pending * size - tt.counters.pending) if size else 0
 
 
-def make_room(tt: TableState, runs: int, nbytes: int, keep: set[str], opened: int = 0) -> None:
+def make_room(tt: TableState, runs: int, nbytes: int, keep: set[str], opened: int = 0, closing: int = 0) -> None:
     """Room for a push of `runs` experiences of `nbytes` that opens `opened` groups (counted among
-    the table's pending groups already): evict the oldest ready groups (never pending ones, which
-    still take members, nor leased ones) or refuse. In groups of a fixed size the push takes
+    the table's pending groups already, as are the `closing` ones it opens and ends, which take no
+    place: a report of every run of a new group failed): evict the oldest ready groups (never
+    pending ones, which still take members, nor leased ones) or refuse. In groups of a fixed size the push takes
     group_size places for each group it opens and none for its runs joining open groups, whose places
     they hold (`reserved`), so a push that opens none is bounded by capacity_bytes alone; otherwise a
     place an experience. A records table's oldest are those of its oldest experiences; a rows
@@ -63,7 +64,7 @@ def make_room(tt: TableState, runs: int, nbytes: int, keep: set[str], opened: in
     cfg = tt.config
     size = cfg.grouping.size
     places = opened * size if size else runs
-    open_places = reserved(tt) - opened * size if places else 0  # the other open groups'
+    open_places = reserved(tt) - (opened + closing) * size if places else 0  # the other open groups'
 
     def over(live: int, held: int) -> bool:
         return _over(cfg, live + open_places + places if places else 0, held + nbytes)

@@ -267,16 +267,18 @@ def fail_runs(tt: TableState, failures: Sequence[tuple[str, str]], holder: str) 
             raise InvalidRequest(f"{clip(uid)!r} is not an experience uid (batch/task/run/step/suffix)")
     gkeys = list(dict.fromkeys(key for key in keys if key is not None))
     tt.extensions.on_pushed(tt, Pushed(gkeys, holder, "FailRuns"))  # a claim's checks
-    opened = 0  # groups the reports open: each takes its places, as a push that opens it (capacity.py)
+    opened: set[str] = set()  # groups the reports open: those left open take their places (capacity.py)
     for (uid, reason), gkey in zip(failures, keys, strict=True):
         assert gkey is not None
         grp = touched.get(gkey) or tt.view(gkey)
         if uid in grp.members if rows and grp is not None else tt.member(uid) is not None:
             raise Conflict(f"uid {clip(uid)} was pushed: a run pushed cannot be reported failed")
         if grp is None and rows:
-            grp, opened = row_pending.opened(tt, gkey), opened + 1
+            grp = row_pending.opened(tt, gkey)
+            opened.add(gkey)
         elif grp is None:
-            grp, opened = core_groups.new(tt), opened + 1
+            grp = core_groups.new(tt)
+            opened.add(gkey)
             core_groups.pend(tt, gkey, grp)
         elif grp.state != PENDING:
             raise GroupClosed(f"group {clip(gkey)} is already complete ({grp.state}): its runs are all known")
@@ -288,7 +290,8 @@ def fail_runs(tt: TableState, failures: Sequence[tuple[str, str]], holder: str) 
             pieces.drop(tt, uid)
             result.recorded.append(uid)
         touched[gkey] = grp
-    make_room(tt, 0, 0, set(), opened)
+    left_open = sum(len(touched[gkey].members) + len(touched[gkey].failed) < grouping.size for gkey in opened)
+    make_room(tt, 0, 0, set(), left_open, len(opened) - left_open)  # one every run of which failed takes none
     ending = Ending(tt)
     for gkey, grp in touched.items():
         if len(grp.members) + len(grp.failed) < grouping.size:
