@@ -326,6 +326,8 @@ def test_the_interceptors_refusals_are_counted_by_their_reason(start_server: Ser
     counted = refusals(server.metrics_port)
     for reason in found.values():
         assert sum(value for (_, named), value in counted.items() if named == reason) >= 1, (reason, counted)
+    assert counted[("t", Reason.TOO_LARGE)] == 1  # its first chunk named its table (read on the stream's thread)
+    assert ("default", Reason.STREAMS_FULL) not in counted and ("default", Reason.BUSY) not in counted
 
 
 def test_an_error_keeps_its_reason_across_processes() -> None:

@@ -14,6 +14,7 @@ from contextvars import ContextVar
 from typing import Any
 
 import grpc
+from google.protobuf.message import Message
 
 from expbuf.client import trxp
 from expbuf.client.schema.reasons import Reason
@@ -78,7 +79,8 @@ def refusals(method: Callable) -> Callable:
 
         @functools.wraps(method)
         def stream(self: Any, request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
-            CALL_TABLE.set(table_of(request))
+            if isinstance(request, Message):  # a stream of requests names its table as it is read
+                CALL_TABLE.set(table_of(request))
             try:
                 yield from method(self, request, context)
             except Exception as exc:

@@ -39,7 +39,7 @@ from expbuf.client.rpc.wire import MESSAGE_BYTES
 from expbuf.client.schema.reasons import Reason
 
 from ..call_context import ended
-from ..interceptors.base import ServiceInterceptor, refuse
+from ..interceptors.base import CALL_TABLE, ServiceInterceptor, refuse
 from ..interceptors.limits import MAY_WAIT
 from .inflight import InFlight
 from .ingest import Stager
@@ -238,6 +238,7 @@ class PushMemory(ServiceInterceptor):
                         "Push: the call carried no message",
                         Reason.INVALID_REQUEST,
                     )
+                CALL_TABLE.set(request.table or "default")
                 try:
                     if request.total_bytes > len(request.payload) or request.offset:
                         refuse(
@@ -270,7 +271,11 @@ class PushMemory(ServiceInterceptor):
                         raise _orphan(last, request.offset)
                     last = request.seq
                     if request.total_bytes > len(request.payload):
-                        request = yield from self.chunks.read(request, requests, context, owner)
+                        try:
+                            request = yield from self.chunks.read(request, requests, context, owner)
+                        except Refusal as refusal:  # read on the stream's reader thread: counted on its table
+                            refusal.table = request.table or "default"
+                            raise
                     yield request
 
             def push_stream(requests: Iterator[Any], context: grpc.ServicerContext) -> Iterator[Any]:

@@ -21,7 +21,7 @@ from expbuf.client.schema.reasons import Reason
 from expbuf.client.trxp import varints
 
 from ...store import Entry
-from ..interceptors.base import refuse
+from ..interceptors.base import CALL_TABLE, refuse
 
 
 @dataclass(slots=True)
@@ -53,8 +53,11 @@ class Refusal(Exception):
     def __init__(self, code: grpc.StatusCode, details: str, reason: Reason) -> None:
         super().__init__(details)
         self.code, self.details, self.reason = code, details, reason
+        self.table = ""  # the table its message named, where it was read on another thread than the call's
 
     def abort(self, context: grpc.ServicerContext) -> NoReturn:
+        if self.table:
+            CALL_TABLE.set(self.table)  # the call's refusal is counted against it (interceptors/metrics.py)
         refuse(context, self.code, self.details, self.reason)
 
 
