@@ -522,13 +522,13 @@ def test_stale_groups_stay_without_evict_stale_and_go_when_the_trainer_advances(
 
 
 @pytest.mark.parametrize("layout", ["records", "rows"])
-@pytest.mark.parametrize("back", ["expired", "nacked"])
+@pytest.mark.parametrize("back", ["expired", "nacked", "replayed"])
 def test_groups_back_from_a_lease_below_the_bound_go_at_the_next_upkeep_pass(
     tmp_path: Path, layout: str, back: str
 ) -> None:
     """Groups leased while the trainer's version passed them, back ready (a lease that expired, a
-    nack): the next upkeep pass evicts them. A rows table's waited for its 30 s sweep, counted
-    ready and in its capacity meanwhile (a helper's audit)."""
+    nack, a replayed batch its stream's client confirmed): the next upkeep pass evicts them. A rows
+    table's waited for its 30 s sweep, counted ready and in its capacity meanwhile (a helper's audit)."""
     now = [1000.0]
     with Store(tmp_path, clock=lambda: now[0]) as store:
         made = TableConfig.of(name="t", estimator="none", group_size=1, max_staleness=0, evict_stale=True)
@@ -536,12 +536,15 @@ def test_groups_back_from_a_lease_below_the_bound_go_at_the_next_upkeep_pass(
         for task in range(3):
             store.put("t", group_items(1, task, 1, version=1))
         store.tick()  # the first pass, a sweep
-        out = store.sample(TakeSpec("t", num_groups=2, delivery="lease", lease_seconds=5))
+        spec = TakeSpec("t", num_groups=2, delivery="replay" if back == "replayed" else "lease", lease_seconds=5)
+        out = store.sample(spec, hold=back == "replayed")
         store.set_trainer_version("t", 2)  # bound 2: the ready group goes, the leased two stay out
         now[0] += 1
         store.tick()
         if back == "nacked":
             store.nack(out.lease_id, "t")
+        elif back == "replayed":
+            assert store.confirm(out.lease_id, spec) == 2
         now[0] += 6  # the lease's end, had it not been nacked
         store.tick()
         stats = store.stats("t")

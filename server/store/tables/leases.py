@@ -111,6 +111,8 @@ class TableLeases:
         taken = leases.replayed_back(tt, lease_id, lease)
         reuse.replayed(tt, taken, rng)
         tt.save()
+        if taken:  # back ready, as a lease's end puts them: the next upkeep pass visits the table
+            self.requeued(lease.table_id)
         return sum(len(recs) for _, _, recs in taken)
 
     def end(
