@@ -181,22 +181,36 @@ def test_a_table_stuck_by_an_older_build_recovers_at_open(tmp_path: Path) -> Non
         assert diff(store) == 0
 
 
+ITEM_BYTES = Entry.of(group_items(1, 0, 1)[0]).size
+# (table settings, runs a push): groups of 1 and experiences bounded; groups pushed whole (group_size 0)
+# of 2 into 9 places; bytes bounded with room for less than one more.
+FULL_SHAPES = {
+    "places": ({"group_size": 1, "capacity_experiences": 8}, 1),
+    "whole groups": ({"group_size": 0, "capacity_experiences": 9}, 2),
+    "bytes": ({"group_size": 1, "capacity_bytes": ITEM_BYTES * 17 // 2}, 1),
+}
+
+
 @pytest.mark.parametrize("layout", ["records", "rows"])
-def test_a_full_blocking_table_lets_the_samples_go_that_would_make_room(tmp_path: Path, layout: str) -> None:
+@pytest.mark.parametrize("shape", FULL_SHAPES)
+def test_a_full_blocking_table_lets_the_samples_go_that_would_make_room(
+    tmp_path: Path, layout: str, shape: str
+) -> None:
     """samples_per_insert holds samples until more is inserted; a full blocking table holds inserts
     until a sample makes room (replayed groups leave after max_times_sampled). Once the table is
     full of groups sampled fewer times than that, each side waited for the other for good (a
-    helper's audit): samples now go while no insert can come."""
+    helper's audit): samples now go while no insert can come, however the table is bounded."""
+    settings, runs = FULL_SHAPES[shape]
     config = TableConfig.of(
-        name="t", estimator="none", group_size=1, capacity_experiences=8, when_full="block",
-        samples_per_insert=1.0, samples_per_insert_error=2.0, max_times_sampled=3,
+        name="t", estimator="none", when_full="block", samples_per_insert=1.0, samples_per_insert_error=2.0,
+        max_times_sampled=3, **settings,
     )  # fmt: skip
     with Store(tmp_path) as store:
         store.create_table(dataclasses.replace(config, storage=dataclasses.replace(config.storage, layout=layout)))
         pushed, moved = 0, []
         for step in range(80):  # a push and a replay a step, as a rollout worker and a trainer side by side
             try:
-                store.put("t", group_items(1, pushed, 1), timeout=0)
+                store.put("t", group_items(1, pushed, runs), timeout=0)
                 pushed += 1
                 moved.append((step, "push"))
             except (TableFull, InsertLimited):

@@ -105,12 +105,18 @@ def has_room(tt: TableState, count: int, nbytes: int) -> bool:
 
 
 def inserts_wait_for_samples(tt: TableState) -> bool:
-    """Whether no insert can come until a sample makes room: a blocking table full, with no open
-    group whose runs may still complete it. The rate limiter then lets samples go, which it would
-    hold until more is inserted: each side waiting for the other, for good."""
-    cfg = tt.config
-    places = cfg.grouping.size or 1
-    return cfg.capacity.when_full == "block" and not reserved(tt) and not has_room(tt, places, 1)
+    """Whether no insert can come until a sample makes room: a blocking table without room for a
+    group of the size and bytes of those it holds (group_size, else their mean), with no open group
+    whose runs may still complete it. The rate limiter then lets samples go, which it would hold
+    until more is inserted: each side waiting for the other, for good."""
+    cfg, counters = tt.config, tt.counters
+    if cfg.capacity.when_full != "block" or reserved(tt):
+        return False
+    live = counters.live()
+    groups = counters.groups_computing + counters.groups_ready + counters.groups_leased
+    places = cfg.grouping.size or (-(-live // groups) if groups else 1)
+    nbytes = -(-counters.bytes * places // live) if live else 1
+    return not has_room(tt, places, nbytes)
 
 
 def _over(cfg: TableConfig, live: int, held: int) -> bool:
