@@ -134,15 +134,16 @@ class Journal:
 
     def _put(self, key: str, value: bytes) -> None:
         """Store `value` under `key`, made again while the server has not said whether it kept it
-        (each try waits for it up to the client's timeout): which the put settles, either way,
-        before the caller answers anyone. A refusal is raised at once."""
+        (each try waits for it up to the client's timeout), or refused it busy (it did nothing: a
+        server short of room for the moment): which the put settles, either way, before the caller
+        answers anyone. Any other refusal is raised at once."""
         retry = Retry()
         while True:
             try:
                 self.client.put_values([key], [value], self.table)
                 return
             except BufferError as exc:
-                if exc.code not in UNSETTLED:
+                if exc.code not in UNSETTLED and not exc.busy:  # busy: refused having done nothing, made again
                     raise
                 pause = retry.pause()
                 assert pause is not None  # a Retry without a bound always pauses
