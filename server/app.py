@@ -185,7 +185,7 @@ class ExpbufServer:
         few_arenas()
         self.grpc = grpc.server(
             futures.ThreadPoolExecutor(max_workers=config.workers + RESERVED_THREADS, thread_name_prefix="expbuf-rpc"),
-            interceptors=[ReflectionLimits(), Interceptors(interceptors)],
+            interceptors=[Interceptors(interceptors, others=ReflectionLimits())],
             options=channel_options(config.max_message_bytes)
             + receive_window(config.max_inflight_bytes, config.workers),
         )

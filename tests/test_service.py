@@ -26,6 +26,7 @@ from expbuf.client import AsyncBufferClient, BufferClient, BufferError, trxp
 from expbuf.client.errors import AlreadyExistsError, NotFoundError
 from expbuf.client.torch import ExperienceDataset
 from expbuf.server.app import ExpbufServer
+from expbuf.server.rpc.interceptors.base import Interceptors
 from expbuf.server.rpc.interceptors.reflection import ReflectionLimits
 
 from conftest import BAD_DIR, BAD_README, MANIFEST, Servers, payload
@@ -279,7 +280,8 @@ def test_a_stream_of_a_table_dropped_and_made_again_ends_not_found(client: Buffe
 def test_a_reflection_stream_left_open_is_ended_after_its_time() -> None:
     """A reflection stream that sends nothing more is cancelled REFLECTION_SECONDS after it opened
     (here 0.5 s), giving back its thread and its place; one past the most open is refused."""
-    server = grpc.server(futures.ThreadPoolExecutor(4), interceptors=[ReflectionLimits(streams=1, seconds=0.5)])
+    limits = Interceptors([], others=ReflectionLimits(streams=1, seconds=0.5))
+    server = grpc.server(futures.ThreadPoolExecutor(4), interceptors=[limits])
     reflection.enable_server_reflection((reflection.SERVICE_NAME,), server)
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()

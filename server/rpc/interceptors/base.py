@@ -1,6 +1,6 @@
 """What every part of the service shares at its bottom: a base for the server's interceptors,
-which act on the ExperienceBuffer methods only (leaving health checking and reflection alone),
-`Interceptors`, which gives them to gRPC as one, `refuse`, the one way a call is refused, with
+which act on the ExperienceBuffer methods only (health checking is left alone, reflection only
+bounded: reflection.py), `Interceptors`, which gives them to gRPC as one, `refuse`, the one way a call is refused, with
 its reason beside its message, and the table a call is on (`CALL_TABLE`), which its refusal is
 counted against."""
 
@@ -72,8 +72,13 @@ class Interceptors(grpc.ServerInterceptor):
     handler outermost): gRPC's pipeline runs a level (two closures and a call) for each interceptor
     of its list on every call, here one for them all (issue 64)."""
 
-    def __init__(self, parts: Sequence[ServiceInterceptor]) -> None:
+    def __init__(
+        self,
+        parts: Sequence[ServiceInterceptor],
+        others: Callable[[str, grpc.RpcMethodHandler], grpc.RpcMethodHandler] | None = None,
+    ) -> None:
         self.innermost_first = tuple(reversed(parts))
+        self.others = others  # for the methods outside the service (reflection.py's bounds on reflection)
 
     def intercept_service(
         self,
@@ -81,8 +86,10 @@ class Interceptors(grpc.ServerInterceptor):
         details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler[Any, Any] | None:
         handler = continuation(details)
-        if handler is None or not details.method.startswith(SERVICE_PREFIX):
-            return handler
+        if handler is None:
+            return None
+        if not details.method.startswith(SERVICE_PREFIX):
+            return handler if self.others is None else self.others(details.method, handler)
         method = details.method[len(SERVICE_PREFIX) :]
         for part in self.innermost_first:
             handler = part.handler(method, handler, details)

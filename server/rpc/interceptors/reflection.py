@@ -9,7 +9,7 @@ REFLECTION_SECONDS after it opened (grpcurl's take milliseconds).
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import grpc
@@ -19,20 +19,17 @@ REFLECTION_STREAMS = 2
 REFLECTION_SECONDS = 10.0
 
 
-class ReflectionLimits(grpc.ServerInterceptor):
-    """Bounds reflection's streams: how many are open at once, and for how long."""
+class ReflectionLimits:
+    """Bounds reflection's streams: how many are open at once, and for how long (base.Interceptors
+    hands it the handlers of the methods outside expbuf's service)."""
 
     def __init__(self, streams: int = REFLECTION_STREAMS, seconds: float = REFLECTION_SECONDS) -> None:
         self._open = threading.BoundedSemaphore(streams)
         self.streams, self.seconds = streams, seconds
 
-    def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler[Any, Any] | None],
-        details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler[Any, Any] | None:
-        handler = continuation(details)
-        if handler is None or handler.stream_stream is None or not details.method.startswith(REFLECTION_PREFIX):
+    def __call__(self, method: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+        """`handler` of `method`, bounded where it is reflection's stream."""
+        if handler.stream_stream is None or not method.startswith(REFLECTION_PREFIX):
             return handler
         inner = handler.stream_stream
 
