@@ -99,8 +99,9 @@ def make_room(tt: TableState, runs: int, nbytes: int, keep: set[str], opened: in
 
 
 def has_room(tt: TableState, count: int, nbytes: int) -> bool:
-    """Whether `count` experiences of `nbytes` fit in the table as it is, nothing evicted, each
-    taking a place (as many as `places` gives, or more)."""
+    """Whether `count` places and `nbytes` fit in the table as it is, beside its open groups'
+    places, nothing evicted (joined pushes ask with a place an experience: no fewer than
+    make_room takes, so what fits here fits there)."""
     return not _over(tt.config, tt.counters.live() + reserved(tt) + count, held_bytes(tt.counters) + nbytes)
 
 
