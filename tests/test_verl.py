@@ -183,6 +183,39 @@ def test_expbuf_experiences_survive_verl_exactly() -> None:
     assert trxp_content(from_verl(rows)) == trxp_content(experiences)
 
 
+def test_rollouts_told_apart_by_suffix_alone_are_sessions_of_their_own_and_steps_go_in_order() -> None:
+    """verl's GRPO takes a session's last index as its outcome. A group whose members all name one
+    run and one step (expbuf's TorchRL storage writes them so) was one session of four outputs: a
+    GRPO group of one, each rollout given the last one's reward. Each is a session now, and a
+    run's steps take their indexes in step order whatever order they came in (a helper's audit)."""
+    from verl.trainer.ppo.v1.utils import compute_advantage_for_multi_trajectories
+
+    base = {"prompt_length": 2, "logprobs": torch.full((2,), -0.5), "action_mask": torch.ones(2, dtype=torch.bool)}
+    rollouts = [
+        Experience(tokens=torch.tensor([5, 6, 10 + n, 11]), eid=EID("0", "q", 0, 0, f"s{n}"), reward=float(n), **base)
+        for n in range(4)
+    ]
+    rows = to_verl(rollouts, ["0/q"] * 4)
+    assert [r.key.rsplit("_", 2)[1:] for r in rows] == [["0", "0"], ["1", "0"], ["2", "0"], ["3", "0"]]
+    data = DataProto.from_dict(
+        tensors={
+            "responses": torch.stack([r.fields["responses"] for r in rows]),
+            "response_mask": torch.stack([r.fields["response_mask"] for r in rows]),
+            "token_level_rewards": torch.stack([r.fields["rm_scores"] for r in rows]),
+        },
+        non_tensors={"uid": np.array([r.fields["uid"] for r in rows], dtype=object)},
+    )
+    out = compute_advantage_for_multi_trajectories(data, batch_keys=[r.key for r in rows], adv_estimator="grpo")
+    assert len(set(out.batch["advantages"][:, 0].tolist())) == 4  # one GRPO group of four rollouts
+
+    steps = [
+        Experience(tokens=torch.tensor([5, 6, 7, 8]), eid=EID("b", "q", run, step, "x"), reward=run + 0.5, **base)
+        for run, step in ((1, 1), (0, 0), (1, 0), (0, 1))
+    ]
+    assert [r.key.rsplit("_", 2)[1:] for r in to_verl(steps)] == [["1", "1"], ["0", "0"], ["1", "0"], ["0", "1"]]
+    assert trxp_content(from_verl(to_verl(steps))) == trxp_content(steps)
+
+
 def trxp_content(experiences: list[Experience]) -> tuple[dict, bytes]:
     """What a TRXP payload says: its metadata as data (pickle's memo of shared objects aside) and its tensors."""
     payload = trxp.encode(experiences)

@@ -163,17 +163,50 @@ def _experience(row: Row) -> Experience:
 
 
 def to_verl(experiences: list[Experience], group_ids: Sequence[str] | None = None) -> list[Row]:
-    """verl trajectory rows of experiences; indexes within a session follow the input order
-    for experiences that did not come from verl. `group_ids` (a sampled batch's, one per
-    experience) make each group of the table one verl uid."""
+    """verl trajectory rows of experiences (their sessions and indexes: `_places`). `group_ids` (a
+    sampled batch's, one per experience) make each group of the table one verl uid."""
     if group_ids is not None and len(group_ids) != len(experiences):
         raise ValueError(f"{len(group_ids)} group ids for {len(experiences)} experiences; expected one each")
-    next_index: dict[tuple[str, int], int] = {}
     groups = group_ids if group_ids is not None else [None] * len(experiences)
-    return [_row(exp, next_index, group) for exp, group in zip(experiences, groups, strict=True)]
+    places = _places(experiences, groups)
+    return [_row(exp, *place, group) for exp, place, group in zip(experiences, places, groups, strict=True)]
 
 
-def _row(exp: Experience, next_index: dict[tuple[str, int], int], group_id: str | None = None) -> Row:
+def _from_verl(eid: EID, uid: str) -> bool:
+    """Whether an experience is a verl trajectory's (its eid made by `from_verl`)."""
+    return str(eid.batch) == VERL_BATCH and eid.suffix == SUFFIX and uid == str(eid.task)
+
+
+def _places(experiences: list[Experience], groups: Sequence[str | None]) -> list[tuple[int, int]]:
+    """Each experience's verl session and index. A verl trajectory's are its own. verl's GRPO takes
+    a session's last index as its outcome, so the others get a session a run and their outputs in
+    step order (ties in the order given); where every member of a group names one run and one
+    step (a producer that tells its rollouts apart by suffix alone, as expbuf's TorchRL storage
+    does, or one that leaves the run unset), a session each: one session, their GRPO group was of one."""
+    places: list[tuple[int, int]] = [(0, 0)] * len(experiences)
+    foreign: dict[str, list[int]] = {}
+    for at, (exp, group) in enumerate(zip(experiences, groups, strict=True)):
+        uid = verl_uid(exp.eid, group)
+        if _from_verl(exp.eid, uid):
+            places[at] = (int(exp.eid.run), int(exp.eid.step))
+        else:
+            foreign.setdefault(uid, []).append(at)
+    for members in foreign.values():
+        runs_steps = {(int(experiences[at].eid.run), int(experiences[at].eid.step)) for at in members}
+        if len(members) > 1 and len(runs_steps) == 1:
+            for session, at in enumerate(members):
+                places[at] = (session, 0)
+            continue
+        by_run: dict[int, list[int]] = {}
+        for at in members:
+            by_run.setdefault(int(experiences[at].eid.run), []).append(at)
+        for run, ats in by_run.items():
+            for index, at in enumerate(sorted(ats, key=lambda a: int(experiences[a].eid.step))):
+                places[at] = (run, index)
+    return places
+
+
+def _row(exp: Experience, session: int, index: int, group_id: str | None = None) -> Row:
     for name in ("chosen", "rejected"):
         if getattr(exp, name, None) is not None:
             raise ValueError(f"experience {exp.eid.uid}: {name} (a DPO pair) has no field in verl's V1 trainer")
@@ -185,13 +218,8 @@ def _row(exp: Experience, next_index: dict[tuple[str, int], int], group_id: str 
     eid = exp.eid
     own: dict[str, Any] = {}
     uid = verl_uid(eid, group_id)
-    if str(eid.batch) == VERL_BATCH and eid.suffix == SUFFIX and uid == str(eid.task):
-        session, index = int(eid.run), int(eid.step)
-    else:
-        session = int(eid.run)
-        index = next_index.get((uid, session), 0)
+    if not _from_verl(eid, uid):  # its eid and info kept, for the way back (from_verl)
         own["eid"], own["info_keys"] = eid.to_dict(), list(info)
-    next_index[(uid, session)] = index + 1
     mask = exp.action_mask
     if mask is None:  # verl needs a mask: all ones, remembered as absent
         mask, own["no_action_mask"] = torch.ones(n, dtype=torch.bool), True
