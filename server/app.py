@@ -287,8 +287,19 @@ class ExpbufServer:
         )
         return self
 
+    @property
+    def broken(self) -> str | None:
+        """Why the server must stop, the store taking no more writes (Store.broken): its health says
+        NOT_SERVING from then on, and `expbuf serve` stops it and exits 3 for its supervisor to start
+        it again; None while it serves."""
+        return self.store.broken
+
     def _maintain(self) -> None:
         while not self._stop.wait(MAINTENANCE_SECONDS):
+            if self.store.broken is not None:
+                self.health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+                self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.NOT_SERVING)
+                return
             try:
                 done = self.store.tick()
             except Exception:

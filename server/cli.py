@@ -79,7 +79,10 @@ def _serve(args: argparse.Namespace) -> int:
         log.error("cannot start: %s", exc)
         return 2
     while not stop.wait(0.5):  # a timed wait: a signal taken by another thread still reaches its handler
-        pass
+        if server.broken is not None:
+            log.error("stopping: the store can take no more writes (%s); start the server again", server.broken)
+            server.stop()
+            return 3
     log.info("shutting down: no new RPCs; finishing those in flight")
     server.stop()
     return 0

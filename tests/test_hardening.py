@@ -10,11 +10,13 @@ import logging
 import math
 import time
 from pathlib import Path
+from typing import Any
 
 import grpc
 import lmdb
 import pytest
 import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from expbuf.client import BufferClient, BufferError, trxp
 from expbuf.client.rpc.wire import WireError
@@ -22,11 +24,11 @@ from expbuf.proto.v1 import buffer_pb2 as pb
 from expbuf.proto.v1 import buffer_pb2_grpc as pb_grpc
 from expbuf.server.app import ExpbufServer
 from expbuf.server.store import Store
-from expbuf.server.store.schema.errors import StorageFull, TableFull, TooLarge
+from expbuf.server.store.schema.errors import StorageFull, StoreClosed, TableFull, TooLarge
 from expbuf.server.store.schema.table_config import MAX_SECONDS, ConfigError, TableConfig
 
 from conftest import Servers
-from helpers import StoppedClock, group_items, make_experience, take
+from helpers import StoppedClock, group_items, make_experience, take, wait_for
 
 
 def refused(call: object, *args: object, **kwargs: object) -> grpc.RpcError:
@@ -314,6 +316,69 @@ def test_full_disk_or_map_names_the_place(tmp_path: Path) -> None:
                 store.put("t", [trxp.from_experience(make_experience(1, task, 0, response=4000, prompt=4000))])
         assert str(tmp_path) in str(info.value) and "max_map_size" in str(info.value)
         assert store.verify("t") == []
+
+
+class PanicsAtWrite:
+    """The store's LMDB environment, whose write transactions fail as LMDB's do once it has
+    panicked (a failed write of its meta page: an I/O error), until `panics` is cleared."""
+
+    def __init__(self, env: lmdb.Environment) -> None:
+        self.env, self.panics = env, True
+
+    def begin(self, *args: Any, **kwargs: Any) -> lmdb.Transaction:
+        if self.panics and kwargs.get("write"):
+            raise lmdb.PanicError("mdb_txn_begin: MDB_PANIC: Update of meta page failed or environment had fatal error")
+        return self.env.begin(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.env, name)
+
+
+def test_a_store_whose_environment_panics_refuses_every_write_at_once(tmp_path: Path) -> None:
+    """LMDB's panic (or a map it could not grow) outside any request killed the writer thread: the
+    request and every later one waited for good, and the server could not be stopped. Each is now
+    refused at once, naming why, and the store says it is broken."""
+    with Store(tmp_path) as store:
+        store.create_table(TableConfig.of("t", estimator="none", group_by="none"))
+        writer = store.environment.writer
+        panicking = PanicsAtWrite(writer.env)
+        writer.env = panicking
+        try:
+            for _ in range(2):
+                with pytest.raises(StoreClosed, match=r"can take no more writes .*MDB_PANIC"):
+                    store.put("t", group_items(1, 0, 1), timeout=5)
+            assert store.broken is not None and "PanicError" in store.broken
+        finally:
+            panicking.panics = False
+            writer.env = panicking.env
+
+
+def test_a_server_whose_store_panics_says_not_serving(start_server: Servers) -> None:
+    """Its health turns NOT_SERVING (a load balancer stops sending, an orchestrator restarts it),
+    where it said SERVING while every write hung; `expbuf serve` then stops it, exiting 3."""
+    server = start_server()
+    writer = server.store.environment.writer
+    panicking = PanicsAtWrite(writer.env)
+    writer.env = panicking
+    try:
+        with BufferClient(f"127.0.0.1:{server.port}", retries=0, timeout=10) as client:
+            with pytest.raises(BufferError) as refused:
+                client.push([make_experience(1, 0, 0)])
+            assert refused.value.code == grpc.StatusCode.UNAVAILABLE
+        with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+            health = health_pb2_grpc.HealthStub(channel)
+            wait_for(
+                lambda: (
+                    health.Check(health_pb2.HealthCheckRequest(), timeout=5).status
+                    == health_pb2.HealthCheckResponse.NOT_SERVING
+                ),
+                "health NOT_SERVING",
+                30,
+            )
+        assert server.broken is not None
+    finally:
+        panicking.panics = False
+        writer.env = panicking.env
 
 
 def test_refusals_name_their_table_and_bound_metric_labels(server: ExpbufServer, stub, caplog) -> None:

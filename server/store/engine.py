@@ -208,6 +208,12 @@ class Store(ServiceCalls):
         return self.catalog.state(txn, table_id, config)
 
     @property
+    def broken(self) -> str | None:
+        """Why the store can take no more writes (LMDB's panic, a map it could not grow), which
+        only a restart mends; None while it can."""
+        return self.environment.writer.broken
+
+    @property
     def maintenance_failures(self) -> int:
         """Pieces of upkeep skipped because they failed (see upkeep.py)."""
         return self.upkeep.failures

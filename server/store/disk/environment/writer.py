@@ -90,6 +90,8 @@ class Writer:
         self._later: collections.deque[_Op] = collections.deque()  # background ops met, run after a batch
         self._closed = False
         self._closing = threading.Lock()
+        # why the environment can take no more writes (LMDB's panic, a map it could not grow); None: it can
+        self.broken: str | None = None
         self._thread = threading.Thread(target=self._write_loop, name="expbuf-writer", daemon=True)
         if not readonly:
             self._thread.start()
@@ -133,8 +135,23 @@ class Writer:
         with self._closing:
             if self._closed or self.readonly:
                 raise StoreClosed("the store is closed" if self._closed else f"{self.path} is open read-only")
+            if self.broken is not None:
+                raise self._refusal()
             self._queue.put(_Op(fn, future, background, together))
         return future
+
+    def _refusal(self) -> StoreClosed:
+        return StoreClosed(
+            f"the store of {self.path} can take no more writes ({self.broken}); the server stops: "
+            "what was acknowledged is on disk, and a restart serves it"
+        )
+
+    def _broke(self, why: str) -> None:
+        """The environment can take no more writes: every request from now on is refused at once,
+        and the server, which watches `broken`, stops."""
+        if self.broken is None:
+            self.broken = why
+            log.critical("the store of %s can take no more writes: %s; the server stops", self.path, why)
 
     def _write_loop(self) -> None:
         while self._write_batch():
@@ -158,12 +175,27 @@ class Writer:
                 continue
             (self._later if op.background else requests).append(op)
         if requests:
-            self._apply(requests)
+            self._apply_or_fail(requests)
         while self._later:
-            self._apply([self._later.popleft()], background=True)
+            self._apply_or_fail([self._later.popleft()], background=True)
             if not closing:
                 break
         return not closing
+
+    def _apply_or_fail(self, ops: list[_Op], *, background: bool = False) -> None:
+        """`_apply`, or, where the environment broke (now or before), each op refused at once: the
+        thread lives on, so that no caller waits for good on a request queued to a writer gone."""
+        if self.broken is None:
+            try:
+                self._apply(ops, background=background)
+                return
+            except BaseException as exc:  # outside any request: LMDB's panic, a map that could not grow
+                self._broke(f"{type(exc).__name__}: {exc}")
+                log.exception("the store's writer failed outside its requests")
+        refusal = self._refusal()
+        for op in ops:
+            if not op.future.done():
+                op.future.set_exception(refusal)
 
     def _apply(self, ops: list[_Op], *, background: bool = False) -> None:
         """Run ops in one transaction, each nested so a refusal undoes only itself. Only a
