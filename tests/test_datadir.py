@@ -4,21 +4,24 @@ and counter where that release left them (tests/fixtures/datadir_v1, made by mak
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from expbuf.client import decode
+from expbuf.client import decode, trxp
 from expbuf.server.advantages.batch_stage import finish_batch
 from expbuf.server.advantages.worker import AdvantageWorker
 from expbuf.server.store import Store
 from expbuf.server.store.disk import layout
+from expbuf.server.store.schema.table_config import TableConfig
 
 import cli_forks
 from conftest import FIXTURES
-from helpers import group_items, take
+from helpers import group_items, make_experience, take
 
 V1 = FIXTURES / "datadir_v1"
 MANIFEST = json.loads((V1 / "manifest.json").read_text())
@@ -137,3 +140,35 @@ def test_check_says_an_older_format_is_brought_up_to_date_at_start_and_then_pass
     after = check()
     assert after.returncode == 0 and not after.stderr, after.stderr
     assert sorted(after.stdout.splitlines()) == sorted(f"{table}: ok" for table in MANIFEST["stats"])
+
+
+OPEN_AND_SAMPLE = """
+import sys
+from pathlib import Path
+from expbuf.server.store import Store
+from expbuf.server.store.schema.errors import StoreError
+from expbuf.server.store.schema.sample_spec import TakeSpec
+try:
+    with Store(Path(sys.argv[1])) as store:
+        store.sample(TakeSpec("t", num_groups=60, delivery="replay", allow_partial=True))
+except StoreError as exc:
+    print(exc)
+"""
+
+
+@pytest.mark.parametrize("cut", ["half", "the last pages"])
+def test_a_data_file_cut_short_is_refused_naming_it_where_it_killed_the_process(tmp_path: Path, cut: str) -> None:
+    """A data.mdb shorter than the pages its last commit uses (a copy or a restore that did not
+    finish): an open, and `expbuf check`, died with SIGBUS and no word at the first read of a page
+    past its end (a helper's audit). Refused now, naming the file's size and what it needs."""
+    data = tmp_path / "data"
+    with Store(data, map_size=1 << 22) as store:
+        store.create_table(TableConfig.of("t", estimator="none", group_by="none"))
+        for task in range(60):
+            store.put("t", [trxp.from_experience(make_experience(1, task, 0, response=3000))])
+    size = (data / "data.mdb").stat().st_size
+    os.truncate(data / "data.mdb", size // 2 if cut == "half" else size - 128 * 1024)
+    opened = subprocess.run([sys.executable, "-c", OPEN_AND_SAMPLE, str(data)], capture_output=True, text=True)
+    assert opened.returncode == 0 and "the file was cut short" in opened.stdout, (opened.returncode, opened.stderr)
+    checked = cli_forks.run("check", "--data", str(data))
+    assert checked.returncode == 1 and "the file was cut short" in checked.stdout, (checked.returncode, checked.stderr)

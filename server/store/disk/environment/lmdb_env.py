@@ -102,6 +102,7 @@ class Environment:
                 self.env = lmdb.open(
                     str(self.path), max_dbs=layout.MAX_DBS, readonly=True, lock=False, readahead=False, create=False
                 )
+                self._whole()
                 self.db = {}
                 for name in names + layout.ROWS:
                     try:
@@ -113,9 +114,24 @@ class Environment:
             self.env = lmdb.open(
                 str(self.path), map_size=map_size, max_dbs=layout.MAX_DBS, sync=True, metasync=True, readahead=False
             )
+            self._whole()
             self._migrate(names)
         except _DAMAGE as exc:
             raise Damaged(self.path, f"{type(exc).__name__}: {exc}") from None
+
+    def _whole(self) -> None:
+        """Refuse a data file shorter than the pages its last commit uses (a copy or a restore cut
+        short): LMDB maps the file, and a read of a page past its end ended the process with SIGBUS
+        and no word, at the open or at the first read of that page, in `serve` and in `check`
+        alike. Without a writable map, the pages a commit uses are always in the file."""
+        used = (self.env.info()["last_pgno"] + 1) * self.env.stat()["psize"]
+        size = (self.path / "data.mdb").stat().st_size
+        if size < used:
+            raise Damaged(
+                self.path,
+                f"data.mdb is {size} bytes, and its last commit uses {used}: the file was cut short (a copy or a "
+                "restore that did not finish?); restore it whole",
+            )
 
     def _migrate(self, names: tuple[str, ...]) -> None:
         """Open the databases and bring the directory to the current format, growing the map if
