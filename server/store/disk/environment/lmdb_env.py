@@ -178,13 +178,13 @@ class Environment:
         """The map's size, its bound (max_map_size) and use, the room on the data directory's disk
         (both bound what the store can hold: an operator's alerts read them), and the prompts stored
         once for the runs that share them (shared_prompts.py): how many, and the bytes of their pages."""
-        info, stat = self.env.info(), self.env.stat()
+        with self.read() as txn:  # as a reader: never across a resize of the map, which it would see half done
+            info, stat = self.env.info(), self.env.stat()
+            shared = txn.stat(self.db["shared"]) if "shared" in self.db else None
         disk_bytes, disk_free = disk_usage(self.path)
         used = (info["last_pgno"] + 1) * stat["psize"]
         prompts = prompt_bytes = 0
-        if "shared" in self.db:
-            with self.read() as txn:
-                shared = txn.stat(self.db["shared"])
+        if shared is not None:
             prompts = shared["entries"]
             prompt_bytes = (shared["branch_pages"] + shared["leaf_pages"] + shared["overflow_pages"]) * shared["psize"]
         return {
