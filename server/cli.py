@@ -168,6 +168,7 @@ def _check(args: argparse.Namespace) -> int:
         raise CommandError(f"{args.data}: {exc}") from None
     try:
         with environment.read() as txn:
+            _refuse_newer(environment, txn, "check")
             upgrade = _upgrade_only(environment, txn)
             if upgrade:  # not damage: what the next start brings up to date
                 print(f"{args.data}: {upgrade}")
@@ -214,6 +215,7 @@ def _repair(args: argparse.Namespace) -> int:
         reader = Environment(args.data, readonly=True)
         try:
             with reader.read() as txn:
+                _refuse_newer(reader, txn, "repair")
                 upgrade = _upgrade_only(reader, txn)
                 damage = (
                     [f"no {', '.join(reader.missing)} database(s)"]
@@ -245,6 +247,18 @@ def _repair(args: argparse.Namespace) -> int:
 # but the strays, and finds them from the directory's own records.
 _FIRST = "run expbuf serve once to bring it up to date, then expbuf repair"
 _CHECK = "expbuf check names the damage; expbuf repair drops only what nothing reads"
+
+
+def _refuse_newer(environment: Environment, txn: lmdb.Transaction[bytes], command: str) -> None:
+    """Refuse a directory a later release wrote, as `expbuf serve` does: it is not damaged."""
+    from .store import FORMAT, newer_format
+
+    newer = newer_format(txn, environment.db) if "meta" in environment.db else None
+    if newer is not None:
+        raise CommandError(
+            f"{environment.path}: data directory format {newer}, newer than this expbuf reads (up to {FORMAT}): "
+            f"{command} it with the release that wrote it, or a newer one"
+        )
 
 
 def _upgrade_only(environment: Environment, txn: lmdb.Transaction[bytes]) -> str | None:

@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import lmdb
 import pytest
 
 from expbuf.client import decode, trxp
@@ -172,3 +173,20 @@ def test_a_data_file_cut_short_is_refused_naming_it_where_it_killed_the_process(
     assert opened.returncode == 0 and "the file was cut short" in opened.stdout, (opened.returncode, opened.stderr)
     checked = cli_forks.run("check", "--data", str(data))
     assert checked.returncode == 1 and "the file was cut short" in checked.stdout, (checked.returncode, checked.stderr)
+
+
+def test_check_and_repair_refuse_a_newer_format_as_serve_does_not_as_damage(tmp_path: Path) -> None:
+    """A directory a later release wrote: `expbuf serve` refuses it, naming its format; check
+    called it damaged ('the format record is b"12", not 11') and went on to check its tables with
+    this release's rules, and repair refused it as damaged (a helper's audit)."""
+    data = tmp_path / "data"
+    with Store(data) as store:
+        store.create_table(TableConfig.of("t", estimator="none", group_by="none"))
+    env = lmdb.open(str(data), max_dbs=layout.MAX_DBS)
+    with env.begin(write=True) as txn:
+        txn.put(b"format", str(layout.FORMAT + 1).encode(), db=env.open_db(b"meta", txn=txn))
+    env.close()
+    for command in ("check", "repair"):
+        ran = cli_forks.run(command, "--data", str(data))
+        newer = f"data directory format {layout.FORMAT + 1}, newer than this expbuf reads (up to {layout.FORMAT})"
+        assert ran.returncode == 2 and newer in ran.stderr, (command, ran.returncode, ran.stdout, ran.stderr)

@@ -115,6 +115,7 @@ if TYPE_CHECKING:
     from .services.staged import StagedShare as StagedShare
     from .tables import integrity
     from .tables.admission import RolloutGrant as RolloutGrant
+    from .tables.integrity import newer_format as newer_format
     from .tables.integrity import older_format as older_format
 
     quarantined_by_table, repair_directory, scan_directory = integrity.quarantined, integrity.repair, integrity.scan
@@ -175,6 +176,7 @@ _HOMES: dict[str, tuple[str | tuple[str, str], ...]] = {
     ".services.staged": ("StagedShare",),
     ".tables.admission": ("RolloutGrant",),
     ".tables.integrity": (
+        "newer_format",
         "older_format",
         ("quarantined", "quarantined_by_table"),
         ("repair", "repair_directory"),

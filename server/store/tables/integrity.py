@@ -111,6 +111,13 @@ def older_format(txn: lmdb.Transaction[bytes], dbs: dict[str, lmdb._Database]) -
     return int(raw) if raw.isdigit() and 0 < int(raw) < layout.FORMAT else None
 
 
+def newer_format(txn: lmdb.Transaction[bytes], dbs: dict[str, lmdb._Database]) -> int | None:
+    """The format of a directory a later release wrote, which this one does not read (its server
+    refuses it; its check and repair must not take it for damage); None for any other."""
+    raw = txn.get(b"format", db=dbs["meta"])
+    return int(raw) if raw is not None and raw.isdigit() and int(raw) > layout.FORMAT else None
+
+
 def _directory(
     txn: lmdb.Transaction[bytes],
     dbs: dict[str, lmdb._Database],
