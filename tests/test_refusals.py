@@ -8,6 +8,7 @@ import asyncio
 import importlib
 import pickle
 import pkgutil
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -291,24 +292,48 @@ def test_the_interceptors_refusals_are_counted_by_their_reason(start_server: Ser
         stub = pb_grpc.ExperienceBufferStub(channel)
         found: dict[str, str | None] = {}
 
+        release = threading.Event()
+
         def sample(table: str, wait: float) -> grpc.Call:
+            """A Sample stream; held (`wait`) with its side open, as a trainer's is, until released."""
             request = pb.SampleRequest(table=table, num_groups=5, wait_seconds=wait, delivery=pb.DELIVERY_CONSUME)
-            return stub.Sample(iter([request]), timeout=30, metadata=job)
+
+            def requests() -> Iterator[pb.SampleRequest]:
+                yield request
+                if wait:
+                    release.wait(30)
+
+            return stub.Sample(requests(), timeout=30, metadata=job)
 
         def refused(what: str, table: str) -> bool:
-            """Another Sample stream, refused once those held are open (before, it ends empty)."""
+            """Another Sample stream, refused for room once those held are open (before, it finds
+            the table empty: not_ready)."""
             try:
                 list(sample(table, 0))
             except grpc.RpcError as exc:
-                found[what] = reason_of(exc.trailing_metadata())
+                if (reason := reason_of(exc.trailing_metadata())) != Reason.NOT_READY:
+                    found[what] = reason
             return what in found
 
-        held = [sample("t", 20)]
+        held: list[grpc.Call] = []
+
+        def hold_then_refused(held_table: str, what: str, table: str) -> None:
+            """A stream held on `held_table` (opened again where a probe took its place first and it
+            was refused), then a probe on `table` refused for room."""
+            held.append(sample(held_table, 20))
+
+            def step() -> bool:
+                if held[-1].done():
+                    held[-1] = sample(held_table, 20)
+                return refused(what, table)
+
+            wait_for(step, what)
+
         try:
-            wait_for(lambda: refused("the table's second stream", "t"), "the table's second stream refused")
-            held.append(sample("u", 20))
-            wait_for(lambda: refused("the server's third stream", "w"), "the server's third stream refused")
+            hold_then_refused("t", "the table's second stream", "t")
+            hold_then_refused("u", "the server's third stream", "w")
         finally:
+            release.set()
             for call in held:
                 call.cancel()
         larger = pb.PushRequest(table="t", seq=1, payload=b"x" * 1000, total_bytes=2 << 20)
