@@ -39,7 +39,7 @@ from expbuf.client.shards.aio import AsyncShardedBufferClient
 from expbuf.client.shards.blocking import ShardedBufferClient
 
 from conftest import Servers
-from helpers import SlowReplies, make_experience, scrape
+from helpers import SlowReplies, group_items, make_experience, scrape
 
 Outcome = PushResult | ExpbufError
 log = logging.getLogger(__name__)
@@ -712,3 +712,74 @@ def test_a_push_in_flight_when_its_client_closes_fails_as_perhaps_stored_not_sen
         outcome = future.exception(timeout=30)
     assert isinstance(outcome, ExpbufError) and outcome.code == grpc.StatusCode.CANCELLED, outcome
     assert "the pusher's call was cancelled, whether it was stored is unknown" in outcome.details
+
+
+def test_an_asyncio_push_whose_caller_is_cancelled_mid_write_leaves_the_pusher_going(start_server: Servers) -> None:
+    """`asyncio.wait_for(pusher.push(big), t)` whose time runs out while the push's chunks are
+    written: grpc.aio cancels a stream whose write is cancelled, and the pushes in flight beside it
+    and every later one then waited out the pusher's timeout and failed, nothing stored (a helper's
+    audit). The push is written by the pusher's own task now: it goes on, and so do the others."""
+    server = start_server()
+    target = f"127.0.0.1:{server.port}"
+    with BufferClient(target) as admin:
+        admin.create_table("t", group_size=2, estimator="none")
+    small = [trxp.build(group_items(1, task, 2)) for task in range(3)]
+    big = trxp.build([trxp.from_experience(make_experience(2, 0, run, response=3_000_000)) for run in range(2)])
+
+    async def body() -> list[PushResult]:
+        async with AsyncBufferClient(target, timeout=10) as client:
+            pusher = client.pusher("t", window=4)
+            futures = [await pusher.push(small[0]), await pusher.push(small[1])]
+            with pytest.raises(TimeoutError):
+                await asyncio.wait_for(pusher.push(big), 0.01)  # cut while its chunks are written
+            futures.append(await pusher.push(small[2]))
+            results = [await future for future in futures]
+            await pusher.close()
+            return results
+
+    results = asyncio.run(body())
+    assert [len(result.stored) for result in results] == [2, 2, 2]
+    with BufferClient(target) as admin:
+        assert admin.stats()["t"].ready == 8  # the big push went on too
+
+
+@pytest.mark.parametrize("kind", ["blocking", "asyncio"])
+def test_a_client_closed_under_its_pusher_fails_the_pushes_in_flight_at_once(start_server: Servers, kind: str) -> None:
+    """The client closed while its pusher's pushes wait for a server that says nothing: they fail
+    CANCELLED (whether stored unknown) at once. The asyncio pusher took the channel's cancel for an
+    error of its own and left them to their deadline; both, sending them again after the stream
+    ended, opened a stream on the closed channel, which raised, leaving them pending for good (a
+    helper's audit)."""
+    server = start_server()
+    with BufferClient(f"127.0.0.1:{server.port}") as admin:
+        admin.create_table("t", group_size=2, estimator="none")
+    proxy = SlowReplies(f"127.0.0.1:{server.port}")
+    proxy.hold()  # the server says nothing: the pushes stay in flight
+    payloads = [trxp.build(group_items(1, task, 2)) for task in range(4)]
+    try:
+        if kind == "blocking":
+            client = BufferClient(proxy.target, timeout=5)
+            pusher = client.pusher("t", window=4)
+            pushed = [pusher.push(payload) for payload in payloads]
+            time.sleep(0.3)
+            client.close()
+            done, _ = futures.wait(pushed, timeout=15)
+            errors = [future.exception() for future in done]
+            pusher.close()
+        else:
+
+            async def body() -> list[BaseException | None]:
+                client = AsyncBufferClient(proxy.target, timeout=5)
+                pusher = client.pusher("t", window=4)
+                pushed = [await pusher.push(payload) for payload in payloads]
+                await asyncio.sleep(0.3)
+                await client.close()
+                done, _ = await asyncio.wait(pushed, timeout=15)
+                await pusher.close()
+                return [future.exception() for future in done]
+
+            errors = asyncio.run(body())
+    finally:
+        proxy.release()
+    assert len(errors) == 4
+    assert all(isinstance(e, ExpbufError) and e.code == grpc.StatusCode.CANCELLED for e in errors), errors

@@ -38,6 +38,13 @@ class _Open:
 W = TypeVar("W", bound=Ordered[Any])
 
 
+def _nobody_reads(future: asyncio.Future[PushResult]) -> None:
+    """The outcome of a push whose caller was cancelled before it got the push's future: read, so
+    that asyncio logs no exception never retrieved."""
+    if not future.cancelled():
+        future.exception()
+
+
 class AsyncOrderedFutures(Generic[W]):
     """An asyncio pusher's futures, one per push, completed in the order of the pushes."""
 
@@ -109,7 +116,14 @@ class AsyncPusher(AsyncOrderedFutures[PushWindow]):
         future: asyncio.Future[PushResult] = asyncio.get_running_loop().create_future()
         self._futures[pending.number] = future
         if pending.outcome is None:
-            await self._send([pending])
+            # the pusher's own task: a caller cancelled (asyncio.wait_for, a task's cancel) while its
+            # message is written never cuts the stream, which grpc.aio cancels with an interrupted write
+            sending = self._spawn(self._send([pending]))
+            try:
+                await asyncio.shield(sending)
+            except asyncio.CancelledError:
+                future.add_done_callback(_nobody_reads)  # the push goes on; its caller is gone
+                raise
         self._settle()
         return future
 
@@ -152,8 +166,15 @@ class AsyncPusher(AsyncOrderedFutures[PushWindow]):
 
     async def _send(self, pushes: list[Pending]) -> None:
         """Send pushes on the current stream, a new one if it takes no more. A stream's reader
-        decides for every push on it once it ends, so they join it before any write."""
+        decides for every push on it once it ends, so they join it before any write. Pushes to
+        send again after the client closed fail CANCELLED: no stream opens on a closed channel."""
         async with self._writing:
+            if self._client.closed:
+                why = ": whether it was stored is unknown"
+                for pending in pushes:
+                    pending.fail(grpc.StatusCode.CANCELLED, "the client was closed", why)
+                self._settle()
+                return
             stream = self._stream
             if stream is None or stream.closed or not self._window.takes(stream.state):
                 if stream is not None:
@@ -225,11 +246,12 @@ class AsyncPusher(AsyncOrderedFutures[PushWindow]):
         async with self._writing:
             await self._end(stream)
 
-    def _spawn(self, work: Coroutine[Any, Any, None]) -> None:
+    def _spawn(self, work: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
         """Run `work` as a task of the pusher's, which close() waits for."""
         task = asyncio.create_task(work)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        return task
 
     async def _read(self, stream: _Open) -> None:
         try:
@@ -241,8 +263,8 @@ class AsyncPusher(AsyncOrderedFutures[PushWindow]):
                         async with self._writing:
                             await self._end(stream)
                         await self._send(again)
-        except asyncio.CancelledError:  # grpc.aio's read of a call the pusher cancelled raises it
-            if not stream.cancelled:
+        except asyncio.CancelledError:  # grpc.aio's read of a call cancelled: by the pusher, or the client's close
+            if not (stream.cancelled or self._client.closed):
                 raise
         stream.closed = True
         if stream.due is not None:

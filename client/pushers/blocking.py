@@ -222,7 +222,14 @@ class Pusher(OrderedFutures[PushWindow]):
         self._settle()
 
     def _send(self, pushes: list[Pending]) -> None:
-        """Send pushes on the current stream, a new one if it takes no more (under the lock)."""
+        """Send pushes on the current stream, a new one if it takes no more (under the lock).
+        Pushes to send again after the client closed fail CANCELLED: no stream opens on a closed
+        channel (its reader thread died opening one, the pushes left to no one)."""
+        if self._client.closed:
+            why = ": whether it was stored is unknown"
+            for pending in pushes:
+                pending.fail(grpc.StatusCode.CANCELLED, "the client was closed", why)
+            return
         if self._stream is None or not self._window.takes(self._stream.state):
             if self._stream is not None:
                 self._end(self._stream)
@@ -265,3 +272,4 @@ class Pusher(OrderedFutures[PushWindow]):
             time.sleep(pause)
             with self._changed:
                 self._send(again)
+            self._settle()
