@@ -215,6 +215,18 @@ class AsyncBufferClient(ServerCalls, Awaiting, ClientBase):
         status = aio_status.StreamStatus(call)
         outcomes: asyncio.Queue[Outcome] = asyncio.Queue()
         handing, writing = calls.Handing(), asyncio.Lock()
+        # The confirmation of the batch handed over last, written on a task of its own: a batch is
+        # handed over and yielded with no await between, so a cancel of the caller (asyncio.wait_for)
+        # never lands after the confirmation went and before the caller has the batch, which was then
+        # consumed (or leased) and never had; nor does it cut the write (grpc.aio ends a stream whose
+        # write is cancelled, and the batch had would be served again).
+        on_its_way: list[asyncio.Future[None]] = []
+
+        async def written() -> None:
+            """The confirmation on its way written (under `writing`, before any other message)."""
+            if on_its_way:
+                await asyncio.shield(on_its_way[0])
+                on_its_way.clear()
 
         def decode(reply: SampleReplyParts) -> AsyncBatch:
             return calls.batch(reply, table, self, AsyncBatch, columnar=bool(spec.fields))
@@ -224,8 +236,9 @@ class AsyncBufferClient(ServerCalls, Awaiting, ClientBase):
                 if not reply.rest.stopping:
                     return reply
                 async with writing:  # the server is stopping: what was handed over, at once
-                    if (answer := handing.answer()) is not None:
-                        with contextlib.suppress(grpc.RpcError, asyncio.InvalidStateError):  # ended: its end follows
+                    with contextlib.suppress(grpc.RpcError, asyncio.InvalidStateError):  # ended: its end follows
+                        await written()
+                        if (answer := handing.answer()) is not None:
                             await call.write(answer)
             return None
 
@@ -255,8 +268,9 @@ class AsyncBufferClient(ServerCalls, Awaiting, ClientBase):
                 seconds = batch.confirm_seconds
                 batch = calls.handed(batch, spec.lease_seconds, confirmed)
                 async with writing:
+                    await written()
                     if (confirmation := handing.hand()) is not None:
-                        await call.write(confirmation)
+                        on_its_way.append(asyncio.ensure_future(call.write(confirmation)))
                 if confirmation is None:  # the server is stopping: not handed over; the end follows
                     continue
                 confirmed = time.monotonic()
@@ -268,6 +282,9 @@ class AsyncBufferClient(ServerCalls, Awaiting, ClientBase):
         finally:
             if ahead is not None:
                 ahead.stop()
+            with contextlib.suppress(grpc.RpcError, asyncio.InvalidStateError):  # the stream's end says how
+                async with writing:
+                    await written()
             if not call.done():  # the caller stopped early: end the stream cleanly
                 with contextlib.suppress(grpc.RpcError, asyncio.TimeoutError, asyncio.InvalidStateError):
                     async with writing:
