@@ -282,14 +282,22 @@ class AsyncBufferClient(ServerCalls, Awaiting, ClientBase):
         finally:
             if ahead is not None:
                 ahead.stop()
-            with contextlib.suppress(grpc.RpcError, asyncio.InvalidStateError):  # the stream's end says how
+            stopping = not call.done()  # the caller stopped early: end the stream cleanly
+
+            async def end() -> None:
+                """The confirmation on its way written, and where the caller stopped early, the stop
+                and the stream read to its end; bounded whole (a write that never goes, as on a
+                call made for another event loop, waited for good)."""
                 async with writing:
                     await written()
-            if not call.done():  # the caller stopped early: end the stream cleanly
-                with contextlib.suppress(grpc.RpcError, asyncio.TimeoutError, asyncio.InvalidStateError):
-                    async with writing:
+                    if stopping and not call.done():
                         await call.write(calls.confirmation(handing.received, stop=True))
-                    await asyncio.wait_for(_drain(call) if ahead is None else passed(), calls.STOP_SECONDS)
+                if stopping:
+                    await (_drain(call) if ahead is None else passed())
+
+            with contextlib.suppress(grpc.RpcError, asyncio.TimeoutError, asyncio.InvalidStateError):
+                await asyncio.wait_for(end(), calls.STOP_SECONDS)
+            if stopping:
                 call.cancel()
             if ahead is not None:  # its thread reads the stream to its end
                 await passed()

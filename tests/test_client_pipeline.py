@@ -823,3 +823,40 @@ def test_an_asyncio_sample_cancelled_as_it_confirms_never_loses_the_batch(
     with BufferClient(target) as admin:
         stats = admin.stats()["t"]
     assert stats.consumed == had and stats.ready == 4 - had
+
+
+def test_an_asyncio_sample_made_for_another_event_loop_ends_under_its_wait_for(start_server: Servers) -> None:
+    """A client made where another event loop is current, then used in asyncio.run: its Sample
+    call's writes never go (the call is the other loop's), and sample() under asyncio.wait_for(..., 3) hung for
+    good, its end awaiting a stop that could not be written (a helper's audit). The end is bounded
+    whole now (STOP_SECONDS): the wait_for's TimeoutError comes."""
+    server = start_server()
+    target = f"127.0.0.1:{server.port}"
+    with BufferClient(target) as admin:
+        admin.create_table("t", group_size=1, estimator="none")
+        admin.push([make_experience(1, task, 0) for task in range(2)], table="t")
+    other = asyncio.new_event_loop()
+    asyncio.set_event_loop(other)  # the loop current where the client is made (module level, say)
+    try:
+        client = AsyncBufferClient(target, timeout=5)
+    finally:
+        asyncio.set_event_loop(None)
+    outcome: list[BaseException | None] = []
+
+    async def first() -> None:
+        async for _ in client.sample("t", num_groups=1, max_batches=0, delivery="replay"):
+            return
+
+    def run() -> None:
+        try:
+            asyncio.run(asyncio.wait_for(first(), 3))
+            outcome.append(None)
+        except BaseException as exc:
+            outcome.append(exc)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(60)
+    assert not thread.is_alive(), "sample() under wait_for(..., 3) still waiting after 60 s"
+    other.close()
+    assert outcome and (outcome[0] is None or isinstance(outcome[0], (TimeoutError, RuntimeError))), outcome
