@@ -664,3 +664,12 @@ class SlowReplies:
 
     def close(self) -> None:
         self._listener.close()
+
+
+def held_writer(environment: Environment) -> tuple[threading.Event, futures.Future[object]]:
+    """The writer held inside a request of its own until the event is set: what is queued meanwhile
+    runs in its next batch."""
+    inside, go = threading.Event(), threading.Event()
+    held = environment.queue(lambda txn: (inside.set(), go.wait(60)))
+    assert inside.wait(60), "the writer never ran the holding request"
+    return go, held

@@ -5,9 +5,7 @@ thread before and left every later caller waiting for good."""
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Iterator
-from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -18,20 +16,13 @@ from expbuf.server.store import Store
 from expbuf.server.store.disk.environment import Environment
 from expbuf.server.store.schema.errors import StoreError
 
+from helpers import held_writer
+
 
 @pytest.fixture
 def store(tmp_path: Path) -> Iterator[Store]:
     with Store(tmp_path) as opened:
         yield opened
-
-
-def _held(environment: Environment) -> tuple[threading.Event, Future[Any]]:
-    """The writer held inside a request of its own until the event is set: what is queued meanwhile
-    runs in its next batch."""
-    inside, go = threading.Event(), threading.Event()
-    held = environment.queue(lambda txn: (inside.set(), go.wait(60)))
-    assert inside.wait(60), "the writer never ran the holding request"
-    return go, held
 
 
 def _put(key: bytes) -> Any:
@@ -48,7 +39,7 @@ def _stored(environment: Environment, key: bytes) -> bool:
 
 def test_a_cancelled_request_is_not_run_and_the_writer_goes_on(store: Store) -> None:
     environment = store.environment
-    go, held = _held(environment)
+    go, held = held_writer(environment)
     cancelled = environment.queue(_put(b"cancelled"))
     kept = environment.queue(_put(b"kept"))
     assert cancelled.cancel()
@@ -67,7 +58,7 @@ def test_a_failure_of_the_writer_itself_fails_its_batch_and_the_writer_goes_on(s
         return [(True, fn(txn)) for fn in fns[:-1]]
 
     environment = store.environment
-    go, held = _held(environment)
+    go, held = held_writer(environment)
     batch = [environment.queue(_put(key), together=short) for key in (b"a", b"b", b"c")]
     go.set()
     held.result(60)

@@ -270,7 +270,7 @@ class Pushing:
                 raise NotFound(f"table '{table}' was dropped (and made again) while the push was read; push it again")
             chunked.stage(txn, dbs, layout.table_prefix(table_id), set_id, index, stored, now)
 
-        return self.environment.queue(write)
+        return self.environment.queue(write, grows=True)
 
     def drop_staged(self, table: str, set_ids: Sequence[int]) -> None:
         """Those of the sets a push in chunks staged that are staged still go (chunked.drop_set): a
@@ -326,7 +326,9 @@ class Pushing:
         key = joined_pushes.joins(pushes, blocked, pieces)
         request = joined_pushes.PushRequest(self, pushes, final, blocked, key)
         try:
-            return self.environment.submit(request, together=None if key is None else joined_pushes.together)
+            return self.environment.submit(
+                request, together=None if key is None else joined_pushes.together, grows=True
+            )
         except Exception as exc:
             return [], exc
 

@@ -78,7 +78,7 @@ class Values:
             write_counters(txn, dbs, prefix, counters)
             return len(names)
 
-        return self.environment.submit(op)
+        return self.environment.submit(op, grows=True)
 
     def get(
         self, table: str, keys: Sequence[str], limit: int | None = None, owner: str | None = None

@@ -15,6 +15,7 @@ from ...schema.errors import Damaged, StorageFull
 from .. import layout
 from .directory import disk_usage, lock
 from .readers import Readers
+from .room import Room
 from .writer import Writer
 
 # What brings a directory to the current format (migrate.py's `migrate`), given by the Store:
@@ -68,8 +69,15 @@ class Environment:
             os.close(self._lock_fd)
             raise
         self.readers = Readers(self.env)
+        room = None if readonly else Room(self.env, self.path, self._lock_fd, max_map_size)
         self.writer = Writer(
-            self.env, self.path, self.readers, max_map_size=max_map_size, batch_limit=batch_limit, readonly=readonly
+            self.env,
+            self.path,
+            self.readers,
+            max_map_size=max_map_size,
+            batch_limit=batch_limit,
+            readonly=readonly,
+            room=room,
         )
         writer = self.writer
         self.submit, self.queue, self.wait_for_change, self.wake = (
