@@ -69,7 +69,7 @@ class Environment:
             os.close(self._lock_fd)
             raise
         self.readers = Readers(self.env)
-        room = None if readonly else Room(self.env, self.path, self._lock_fd, max_map_size)
+        room = None if readonly else Room(self.env, self.path, self._lock_fd, max_map_size, self.db)
         self.writer = Writer(
             self.env,
             self.path,

@@ -3,16 +3,19 @@
 LMDB writes every page a transaction changes to a free page (copy on write), so a consume, an ack
 or a delete needs free pages as a push does: a store filled to its last page refused every write
 for good, the consumes that would have emptied it included. So pushes (the writer's `grows`
-requests) stop `reserve` bytes short of the end: the map they run under is held `reserve` below
-its bound (the writer's `ceiling`), and a batch they fill runs again without them, the map let
-into the reserve for its other requests (`limit`).
+requests) must leave `reserve` bytes of the store's room free: a batch of them that would leave
+less is run again without them (writer.py), and its other requests go on in the reserve. The room
+is counted in pages in use (each database's, in the batch's own transaction), not up to LMDB's last
+page: the pages consumes free below it are room again, and pushes that take them leave the reserve
+as it was. Counting costs some 50 µs, so a batch counts only where the store is within NEAR
+reserves of its end.
 
 The disk's end is not the map's: a full disk fails a commit's page writes, wherever the map's bound
-is. On a disk whose free bytes run low (under LOW_DISK reserves), the data file is extended ahead
-of its last page by two to three reserves (posix_fallocate): those pages are the file's own when
-the disk fills, and once the disk gives no more (`tight`), pushes run under the file's end less
-the reserve and the rest runs under the file's end. A look at the disk costs a syscall once the map
-has grown a quarter of a reserve since the last; a disk with room is never written ahead.
+is. On a disk whose free bytes run low (under LOW_DISK reserves), the data file is extended ahead of
+its last page by three reserves (posix_fallocate) and its end is the store's end for pushes: those
+pages are the file's own when the disk fills. A push that would pass it extends the file first
+where the disk still has room; where it has none (`tight`), the push is refused. A disk with room
+is never written ahead; a look at it costs a syscall each quarter reserve the file grows.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+from collections.abc import Mapping
 from pathlib import Path
 
 import lmdb
@@ -28,80 +32,111 @@ from .directory import disk_usage, free_bytes
 
 log = logging.getLogger("expbuf.store")
 # The bytes kept for what makes room, at most: enough for a consume of the largest take (65,536
-# experiences: their tombstones and the pages their deletes change).
+# experiences of groups of one: their tombstones and the pages their deletes change, 19 MB).
 RESERVE = 32 << 20
+# The least kept, where the map's bound or the disk is small (never more than half the map): LMDB
+# reuses a page freed by a transaction only two transactions later, so the reserve must hold a few
+# consumes' pages (a consume of 8 small groups of a records table changes some 60).
+MIN_RESERVE = 1 << 20
 # The data file is written ahead of its last page once the disk's free bytes are below this many reserves.
 LOW_DISK = 16
+# A batch with pushes counts the pages in use where the store's end is nearer than this many reserves.
+NEAR = 4
 # What posix_fallocate fails with where the disk (or the process's share of it) is full.
 _FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+# Pages in use that no named database counts: the two meta pages and the main database's.
+_UNCOUNTED_PAGES = 4
 
 
 class Room:
-    """How far a data directory's pushes, and its other writes, may take the map: its bound less a
-    reserve, and the disk's end where the disk is full."""
+    """How much room a data directory's pushes may take: the map's bound, or the data file's end on
+    a disk that runs low, less a reserve."""
 
-    def __init__(self, env: lmdb.Environment, path: Path, fd: int, max_map_size: int) -> None:
-        self.env, self.path, self._fd = env, path, fd
+    def __init__(
+        self, env: lmdb.Environment, path: Path, fd: int, max_map_size: int, dbs: Mapping[str, lmdb._Database]
+    ) -> None:
+        self.env, self.path, self._fd, self._dbs = env, path, fd, dbs
         self.max_map_size = max_map_size
         self._psize = env.stat()["psize"]
         disk = disk_usage(path)[0]
         # RESERVE, or less where the map's bound or the disk is small (an eighth, a sixteenth of it)
-        self.reserve = min(RESERVE, max_map_size // 8, disk // 16 if disk > 0 else RESERVE)
+        fits = min(RESERVE, max_map_size // 8, disk // 16 if disk > 0 else RESERVE)
+        self.reserve = max(fits, min(MIN_RESERVE, max_map_size // 2))
         self.ahead = 0  # where the data file was written ahead to (posix_fallocate); 0: not written ahead
-        self.tight = False  # the disk gave no more: the file's end bounds the map
+        self.tight = False  # the disk had no room to write the file further ahead
         self._look_at = 0  # the map's use at which the disk is looked at next
         self._can_write_ahead = True  # False on a file system without posix_fallocate
+        self.after_commit(env.info()["last_pgno"])  # a store opened on a disk that runs low is written ahead at once
 
-    def used(self, last_pgno: int | None = None) -> int:
-        """The bytes of the map up to its last page in use (LMDB's last_pgno, read now where not given)."""
-        return ((self.env.info()["last_pgno"] if last_pgno is None else last_pgno) + 1) * self._psize
+    def used(self) -> int:
+        """The bytes of the map up to its last page in use (LMDB's last_pgno, of the last commit)."""
+        return (self.env.info()["last_pgno"] + 1) * self._psize
 
-    def limit(self, used: int) -> int:
-        """How far the map may grow for what makes room: max_map_size, or the file's end where the disk is full."""
-        return min(self.max_map_size, max(self.ahead, used)) if self.tight else self.max_map_size
+    def end(self) -> int:
+        """The store's end for pushes: max_map_size, or the data file's end where it was written ahead."""
+        return min(self.max_map_size, self.ahead) if self.ahead else self.max_map_size
 
-    def ceiling(self, used: int) -> int:
-        """How far the map may grow for pushes: `limit` less the reserve (never below what is in use)."""
-        return max(self.limit(used) - self.reserve, used)
+    def near(self) -> bool:
+        """Whether the store's last page is within NEAR reserves of its end: a batch with pushes counts its room."""
+        return self.used() + NEAR * self.reserve > self.end()
 
-    def after_commit(self, used: int) -> None:
-        """Look at the disk once the map's use has grown a quarter of a reserve since the last look,
-        and write the file ahead where the disk runs low."""
+    def short(self, txn: lmdb.Transaction[bytes]) -> bool:
+        """Whether the batch in `txn` leaves less than the reserve free (its pages in use counted in
+        it); where the file was written ahead and the disk has room, it is written further first."""
+        in_use = _UNCOUNTED_PAGES
+        for db in self._dbs.values():
+            stat = txn.stat(db)
+            in_use += stat["branch_pages"] + stat["leaf_pages"] + stat["overflow_pages"]
+        in_use *= self._psize
+        if self.ahead and in_use + 2 * self.reserve > self.ahead:
+            self.write_ahead(max(in_use, self.used()))
+        return self.end() - in_use < self.reserve
+
+    def left(self) -> int:
+        """The bytes between the last page in use and the store's end, for a refusal to name."""
+        return max(self.end() - self.used(), 0)
+
+    def after_commit(self, last_pgno: int) -> None:
+        """Look at the disk once the map's use (to `last_pgno`, the last commit's) has grown a quarter
+        of a reserve since the last look: write the file ahead where the disk runs low, and no more
+        once it has twice that room again."""
+        used = (last_pgno + 1) * self._psize
         if used < self._look_at:
             return
         self._look_at = used + self.reserve // 4
-        if self.tight or free_bytes(self.path) < LOW_DISK * self.reserve:
+        free = free_bytes(self.path)
+        if self.ahead and not self.tight and free >= 2 * LOW_DISK * self.reserve:
+            self.ahead = 0  # the disk has room again: the map's bound is the end, and nothing is counted
+        elif self.ahead or 0 <= free < LOW_DISK * self.reserve:
             self.write_ahead(used)
 
-    def write_ahead(self, used: int) -> bool:
-        """Extend the data file to three reserves past its last page in use (once it is less than two
-        ahead); False where the disk had no room for it, which makes the store `tight`."""
+    def write_ahead(self, used: int) -> None:
+        """Extend the data file to three reserves past `used` (where it is less than two ahead); where
+        the disk has no room for it, the store is `tight`, its pushes bound to the file's end."""
         reserve = self.reserve
         if not self._can_write_ahead or self.ahead >= used + 2 * reserve:
-            return not self.tight
+            return
+        start = max(self.ahead, used)
         try:
-            os.posix_fallocate(self._fd, used, 3 * reserve)
+            os.posix_fallocate(self._fd, start, used + 3 * reserve - start)
         except OSError as exc:
             if exc.errno not in _FULL:
                 self._can_write_ahead = False
                 log.warning(
-                    "the data file of %s cannot be written ahead (%s): a full disk may stop consumes",
-                    self.path,
-                    exc,
+                    "the data file of %s cannot be written ahead (%s): a full disk may stop consumes", self.path, exc
                 )
-                return True
+                return
+            self.ahead = max(self.ahead, os.fstat(self._fd).st_size)
             if not self.tight:
                 log.error(
-                    "the disk of %s is full (%s free): pushes are refused; consumes, acks and deletes go on in the "
-                    "%d bytes kept for them",
+                    "the disk of %s is full (%s bytes free): pushes are refused; consumes, acks and deletes go on "
+                    "in the %d bytes of the data file past its last page",
                     self.path,
                     free_bytes(self.path),
-                    max(self.ahead - used, 0),
+                    max(self.ahead - self.used(), 0),
                 )
-            self.ahead = max(self.ahead, os.fstat(self._fd).st_size)
             self.tight = True
-            return False
+            return
         if self.tight:
             log.warning("the disk of %s has room again: pushes are taken", self.path)
         self.ahead, self.tight = used + 3 * reserve, False
-        return True

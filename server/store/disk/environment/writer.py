@@ -6,12 +6,12 @@ concurrent callers share the cost of the fsync, and each returns only after that
 of one kind that wait side by side may be run together (`together`: pushes of a few experiences,
 which the store stores as one push, services/joined_pushes.py), each still answered alone. A full
 map doubles (once no reader holds a transaction: readers.py) up to `max_map_size` and the batch is
-retried. Pushes (`grows`) stop short of the map's end and of a full disk's by a reserve (room.py):
-a batch they fill runs again without them, its consumes, acks and deletes let into the reserve, so
-a full store still empties. A full disk or an I/O error the reserve does not cover fails the
-batch's pushes and runs the rest again once; a failure of the writer's own code (no request's
-refusal) fails the batch, committing nothing, each of its callers told: the thread goes on to the
-next batch, and no caller is left waiting. A request its caller cancelled before it ran is never
+retried. Pushes (`grows`) leave a reserve of the store's room free (room.py): a batch that would
+leave less, or that fills the map or a full disk, runs again without its pushes, so that its
+consumes, acks and deletes go on and a full store still empties. A full disk or an I/O error fails
+a batch with no pushes, committing nothing, and so does a failure of the writer's own code (no
+request's refusal), each of its callers told: the thread goes on to the next batch, and no caller
+is left waiting. A request its caller cancelled before it ran is never
 run. The garbage collector's passes wait while a batch's requests run
 (client/trxp/codec/gc_pause.py): a push of hundreds of experiences makes thousands of tracked
 objects (rows, groups, columns) that their reference counts free as it ends, which passes
@@ -67,7 +67,11 @@ class _Op:
     future: Future[Any]
     background: bool = False
     together: Together | None = None
-    grows: bool = False  # a push: kept out of the room reserved for what makes room (room.py)
+    grows: bool = False  # a push: it leaves the room reserved for what makes room (room.py)
+
+
+class _ReserveReached(Exception):
+    """A batch's pushes would leave less than the reserve free: it is run again without them."""
 
 
 class Writer:
@@ -101,7 +105,6 @@ class Writer:
         self.broken: str | None = None
         self._thread = threading.Thread(target=self._write_loop, name="expbuf-writer", daemon=True)
         if not readonly:
-            self._fit_map(self.env.info())  # an open's map_size past the pushes' ceiling comes down to it
             self._thread.start()
 
     def stop(self) -> bool:
@@ -128,8 +131,8 @@ class Writer:
         `background`, in a transaction of its own once the requests waiting now are committed
         (see the module's docstring); its commit wakes no wait_for_change(). With `together`, it
         and the requests of the same `together` queued right before or after it in one batch run
-        as `together` runs them. With `grows` (a push), it is refused StorageFull rather than take
-        the room kept for what makes room (room.py); a background request is held out of it too."""
+        as `together` runs them. With `grows` (a push), it is refused StorageFull rather than
+        leave less than the room kept for what makes room (room.py)."""
         return self.queue(fn, background=background, together=together, grows=grows).result()
 
     def queue(
@@ -148,7 +151,7 @@ class Writer:
                 raise StoreClosed("the store is closed" if self._closed else f"{self.path} is open read-only")
             if self.broken is not None:
                 raise self._refusal()
-            self._queue.put(_Op(fn, future, background, together, grows or background))
+            self._queue.put(_Op(fn, future, background, together, grows))
         return future
 
     def _refusal(self) -> StoreClosed:
@@ -213,15 +216,13 @@ class Writer:
         a change for wait_for_change(): a caller that retries a request which changed nothing (a
         sample waiting for data, a push waiting for room) sleeps until someone else's change instead
         of spinning. A background op's commit does not count either: it changes nothing such a
-        caller waits for. After it, the disk is looked at (Room.after_commit) and the map brought
-        back to the pushes' ceiling where it passed it."""
+        caller waits for. After it, the disk is looked at (Room.after_commit)."""
         self.batches += 1
         before = self.env.info()["last_txnid"]
         results = self._committed(ops)
         info = self.env.info()
         if self.room is not None:
-            self.room.after_commit(self.room.used(info["last_pgno"]))
-            self._fit_map(info)
+            self.room.after_commit(info["last_pgno"])
         if not background and info["last_txnid"] != before:
             with self._changed:
                 self._generation += 1
@@ -234,26 +235,34 @@ class Writer:
 
     def _committed(self, ops: list[_Op]) -> list[Outcome]:
         """Each op's outcome, run in one transaction, each nested so a refusal undoes only itself,
-        committed where any stored. A full map grows, up to the pushes' ceiling, and the batch runs
-        again; past it, or where the disk failed a write, the batch runs again without its pushes
-        (`_without_pushes`)."""
+        committed where any stored. A full map grows and the batch runs again; a batch whose pushes
+        would leave less than the reserve free, or that fills the map at max_map_size, or that the
+        disk failed, runs again without its pushes (`_without_pushes`)."""
+        pushes = any(op.grows for op in ops)
         while True:
             try:
-                return self._attempt(ops)
+                return self._attempt(ops, pushes and self.room is not None and self.room.near())
+            except _ReserveReached:
+                return self._without_pushes(ops, self._full())
             except lmdb.MapFullError:
-                if not self._grow():
+                if self._grow():
+                    continue
+                if pushes:
                     return self._without_pushes(ops, self._full())
+                return [(False, self._full(kept=False))] * len(ops)
             except lmdb.PanicError:  # the environment takes no more writes: _apply_or_fail's to say
                 raise
             except lmdb.Error as exc:  # a full disk or an I/O error: nothing was committed
-                return self._without_pushes(ops, self._failed_write(exc))
+                refusal = self._failed_write(exc)
+                return self._without_pushes(ops, refusal) if pushes else [(False, refusal)] * len(ops)
             except Exception as exc:  # the writer's own failure, no request's refusal: nothing kept, each told
                 log.exception("the store's writer failed a batch of %d requests; nothing of it was stored", len(ops))
                 return [(False, StoreError(f"the store's writer failed; nothing was stored: {exc!r}"))] * len(ops)
 
-    def _attempt(self, ops: list[_Op]) -> list[Outcome]:
+    def _attempt(self, ops: list[_Op], count_room: bool) -> list[Outcome]:
         """Each op's outcome, run in one transaction (in a nested one each where there are several),
-        committed where any stored, else aborted; what LMDB raises aborts it all."""
+        committed where any stored, else aborted; what LMDB raises aborts it all. With `count_room`,
+        _ReserveReached where the batch would leave less than the reserve free (Room.short)."""
         results: list[Outcome] = []
         parent = self.env.begin(write=True)
         try:
@@ -265,10 +274,12 @@ class Writer:
                         results.extend(self._together(run, parent))
             if len(results) != len(ops):
                 raise RuntimeError(f"{len(results)} outcomes for {len(ops)} requests")
-            if any(ok for ok, _ in results):
-                parent.commit()
-            else:
+            if not any(ok for ok, _ in results):
                 parent.abort()
+                return results
+            if count_room and self.room is not None and self.room.short(parent):
+                raise _ReserveReached
+            parent.commit()
         except BaseException:
             parent.abort()
             raise
@@ -276,54 +287,42 @@ class Writer:
 
     def _without_pushes(self, ops: list[_Op], refusal: StorageFull) -> list[Outcome]:
         """A full batch's outcomes: its pushes refused with `refusal`, the rest run again in a
-        transaction of their own, the map let into the room kept for them (Room.limit; `_apply`
-        brings it back after). Where that is full too, they are refused with what filled it."""
+        transaction of their own, in the room kept for them."""
         rest = [op for op in ops if not op.grows]
-        again: list[Outcome] = []
-        if rest:
-            if self.room is not None and self.env.info()["map_size"] < (limit := self.room.limit(self.room.used())):
-                self._readers.resize(limit)
-            try:
-                again = self._attempt(rest)
-            except lmdb.MapFullError:
-                again = [(False, self._full(kept=False))] * len(rest)
-            except lmdb.PanicError:
-                raise
-            except lmdb.Error as exc:
-                again = [(False, self._failed_write(exc))] * len(rest)
-            except Exception as exc:
-                log.exception("the store's writer failed a batch of %d requests; nothing of it was stored", len(rest))
-                again = [(False, StoreError(f"the store's writer failed; nothing was stored: {exc!r}"))] * len(rest)
-        outcomes = iter(again)
-        return [(False, refusal) if op.grows else next(outcomes) for op in ops]
+        again = iter(self._committed(rest) if rest else [])
+        return [(False, refusal) if op.grows else next(again) for op in ops]
 
     def _full(self, *, kept: bool = True) -> StorageFull:
-        """The refusal of a push past the pushes' ceiling (`kept`: the map's, or a full disk's), or of
-        what found no room in the reserve either."""
-        if kept and self.room is not None and self.room.tight:
+        """The refusal of pushes that would leave less than the reserve (`kept`), or of what found
+        the map full at max_map_size even so: a full disk's where the data file bounds the store."""
+        room = self.room
+        if room is not None and room.ahead and (room.tight or not kept):
             return self._disk_full()
         less = ""
-        if kept and self.room is not None:
-            less = f" less the {self.room.reserve} bytes kept for consumes, acks and deletes, which make room"
+        if kept and room is not None:
+            less = f" less the {room.reserve} bytes kept for consumes, acks and deletes, which make room"
         return StorageFull(
             f"the LMDB map of {self.path} is full: it reached max_map_size ({self.max_map_size} bytes){less}; "
             "consume or delete experiences, or give the store a larger max_map_size"
         )
 
     def _disk_full(self, said: str = "") -> StorageFull:
-        assert self.room is not None
+        room = self.room
+        assert room is not None
         return StorageFull(
-            f"the disk of {self.path} is full (free: {free_bytes(self.path)} bytes): pushes are refused, and the "
-            f"last {self.room.reserve} bytes of its data file are kept for consumes, acks and deletes, which make "
-            f"room; free some of the disk, or consume or delete experiences{said}"
+            f"the disk of {self.path} is full (free: {free_bytes(self.path)} bytes): pushes are refused, and "
+            f"the {room.left()} bytes of its data file past its last page are kept for consumes, acks and "
+            f"deletes, which make room; free some of the disk, or consume or delete experiences{said}"
         )
 
     def _failed_write(self, exc: lmdb.Error) -> StorageFull:
         """The refusal of a batch whose write failed (nothing of it committed): a full disk's where the
-        disk has no room for the data file to be written ahead (which keeps pushes within it from now
-        on), else an I/O error's."""
-        if self.room is not None and not self.room.write_ahead(self.room.used()):
-            return self._disk_full(f" (LMDB said: {exc})")
+        disk has no room for the data file to be written ahead (which bounds pushes to the file from
+        now on), else an I/O error's."""
+        if self.room is not None:
+            self.room.write_ahead(self.room.used())
+            if self.room.tight:
+                return self._disk_full(f" (LMDB said: {exc})")
         return StorageFull(
             f"writing to {self.path} failed; nothing was stored (is its disk full or failing? "
             f"free: {free_bytes(self.path)} bytes; LMDB said: {exc})"
@@ -377,27 +376,12 @@ class Writer:
             return False, exc
 
     def _grow(self) -> bool:
-        """Double the map once no reader holds a transaction (Readers.resize), up to the pushes'
-        ceiling (Room.ceiling; max_map_size where read-only); False at it. A store the full disk held
-        to its file (Room.tight) looks whether the disk has room again first."""
-        size, ceiling = self.env.info()["map_size"], self._ceiling()
-        if size >= ceiling and self.room is not None and self.room.tight and self.room.write_ahead(self.room.used()):
-            ceiling = self._ceiling()
-        if size >= ceiling:
+        """Double the map once no reader holds a transaction (Readers.resize); False at max_map_size."""
+        size = self.env.info()["map_size"]
+        if size >= self.max_map_size:
             return False
-        self._readers.resize(min(size * 2, ceiling))
+        self._readers.resize(min(size * 2, self.max_map_size))
         return True
-
-    def _ceiling(self) -> int:
-        return self.max_map_size if self.room is None else self.room.ceiling(self.room.used())
-
-    def _fit_map(self, info: lmdb._InfoDict) -> None:
-        """Bring the map down to the pushes' ceiling where it is past it: an open's map_size, a batch
-        let into the reserve, a disk found full (LMDB keeps it no smaller than the pages in use)."""
-        if self.room is not None and info["map_size"] > (
-            ceiling := self.room.ceiling(self.room.used(info["last_pgno"]))
-        ):
-            self._readers.resize(ceiling)
 
     @property
     def generation(self) -> int:
