@@ -39,6 +39,7 @@ from .rpc.interceptors.base import Interceptors, ServiceInterceptor
 from .rpc.interceptors.limits import RESERVED_THREADS, TableStreams, call_limits
 from .rpc.interceptors.metrics import Metrics, RpcMetrics
 from .rpc.interceptors.reflection import ReflectionLimits
+from .rpc.interceptors.reply_memory import ReplyMemory
 from .rpc.interceptors.unreadable import UnreadableRequests
 from .rpc.push.inflight import InFlight, few_arenas, receive_window
 from .rpc.push.ingest import Ingest, Stager
@@ -169,6 +170,8 @@ class ExpbufServer:
         interceptors.append(self.call_limits)
         interceptors.append(PassBytes())
         interceptors.append(StalledSends(config.confirm_seconds, heard={"Sample": Confirmations}))
+        self.reply_memory = ReplyMemory(config.max_inflight_bytes)
+        interceptors.append(self.reply_memory)
         self.inflight = InFlight(config.max_inflight_bytes)
         interceptors.append(
             PushMemory(

@@ -47,4 +47,5 @@ class Reason(StrEnum):
     TOO_SLOW = "too_slow"  # a push in chunks came slower than push_min_mb_per_second
     CUT_SHORT = "cut_short"  # a push in chunks ended short of its total_bytes, or skipped an offset: a chunk never came
     INFLIGHT_FULL = "inflight_full"  # pushes and PutValues in progress held max_inflight_bytes the whole wait
+    REPLIES_FULL = "replies_full"  # replies of reads their clients have not taken hold the server's bound
     STREAMS_FULL = "streams_full"  # max_table_streams Sample streams are open on the table

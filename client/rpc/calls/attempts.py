@@ -12,6 +12,7 @@ from typing import Any, Generic, TypeVar
 import grpc
 
 from ...errors import ExpbufError
+from ...schema.call_limits import LARGE_REPLIES
 from ..connection import BACKOFF
 from ..declare import Chunked, Unary
 
@@ -27,7 +28,8 @@ class Attempts(Generic[R]):
     what is left of it; once its wait is spent, it is made once more without waiting, so that it
     answers with what there is. A push, which waits for room in a full table in block mode, or
     for the rate limit (or, as a PutValues does, for max_inflight_bytes), is made as it was: it
-    stored nothing, and is stored once however often it is sent. No attempt ends past the first
+    stored nothing, and is stored once however often it is sent. So is a read whose reply the
+    server would not hold beside the replies its clients have not taken (`replies_full`). No attempt ends past the first
     one's deadline (the call's timeout, else the client's `timeout`); the refusal that comes when
     none may start before it is the caller's, and so it is when the last one started has too
     little of that deadline left for its answer to come back (`answer`).
@@ -42,6 +44,7 @@ class Attempts(Generic[R]):
         self.call = call
         start = time.monotonic()
         self._pushes = isinstance(call, Chunked) or call.method in ("Push", "PutValues")
+        self._reads = isinstance(call, Unary) and call.method in LARGE_REPLIES  # refused busy: replies_full
         self._waits_until = start + _wait(call)
         self._deadline = start + (call.timeout or timeout)
         self._made = 0  # attempts made again
@@ -57,7 +60,7 @@ class Attempts(Generic[R]):
             return 0.0
         waits = _wait(call) > 0  # not once it is made without waiting
         resend = error.code == grpc.StatusCode.UNAVAILABLE and self._resends > 0
-        if not (error.busy and (waits or self._pushes)) and not resend:
+        if not (error.busy and (waits or self._pushes or self._reads)) and not resend:
             return None
         if error.busy:
             self._kept_out = error

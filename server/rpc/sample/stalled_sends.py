@@ -1,7 +1,10 @@
 """Calls whose client takes no more of their replies: a streamed reply's message that waits in
 gRPC's send longer than max_confirm_seconds, counted from the later of its send's start and the
 client's last message that moved its call on (a Sample stream's confirmation of a batch not
-confirmed before, or its stop), ends its call.
+confirmed before, or its stop), ends its call; so does the reply of a read that may be large
+(call_limits.LARGE_REPLIES: Get, GetValues, ...), which gRPC holds once its handler has ended,
+counted from that end until its call's (add_callback), and whose bytes are bounded meanwhile
+(interceptors/reply_memory.py).
 
 A client that hangs with its call open (a stuck trainer, a receive thread behind a deadlock) and
 reads no more leaves the server's thread in gRPC's send, waiting for flow-control room that never
@@ -31,6 +34,8 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import grpc
+
+from expbuf.client.schema.call_limits import LARGE_REPLIES
 
 from ..call_context import made_watched
 from ..interceptors.base import ServiceInterceptor
@@ -85,6 +90,19 @@ class StalledSends(ServiceInterceptor):
             return grpc.unary_stream_rpc_method_handler(
                 unary_stream, handler.request_deserializer, handler.response_serializer
             )
+        if handler.unary_unary and method in LARGE_REPLIES:
+            answer = handler.unary_unary
+
+            def unary_unary(request: Any, context: grpc.ServicerContext) -> Any:
+                reply = answer(request, context)
+                serial = self._start(_Call(method, context), [])
+                if not context.add_callback(lambda: self._taken(serial)):  # the call ended already
+                    self._taken(serial)
+                return reply
+
+            return grpc.unary_unary_rpc_method_handler(
+                unary_unary, handler.request_deserializer, handler.response_serializer
+            )
         return handler
 
     def _watched(self, messages: Iterator[Any], call: _Call) -> Iterator[Any]:
@@ -105,6 +123,11 @@ class StalledSends(ServiceInterceptor):
             close = getattr(messages, "close", None)
             if close is not None:  # a generator's own clean-up (a Sample stream gives back its batches) runs now
                 close()
+
+    def _taken(self, serial: int) -> None:
+        """A unary reply's call ended: its client took it, or the call was cancelled."""
+        with self._changed:
+            self._sending.pop(serial, None)
 
     def _start(self, call: _Call, let_go: list[Callable[[], None]]) -> int:
         serial = next(self._serial)
