@@ -19,6 +19,7 @@ from expbuf.client.rpc.wire import BUSY
 from expbuf.client.schema.reasons import Reason
 from expbuf.proto.v1 import buffer_pb2 as pb
 from expbuf.proto.v1 import buffer_pb2_grpc as pb_grpc
+from expbuf.server.app import ExpbufServer
 
 from conftest import Servers
 from helpers import make_experience, wait_for
@@ -72,7 +73,7 @@ class StopsReading:
                 sock.close()
 
 
-def _serving_one(start_server: Servers, confirm_seconds: float) -> tuple[object, str]:
+def _serving_one(start_server: Servers, confirm_seconds: float) -> tuple[ExpbufServer, str]:
     """A server holding one experience of about 9 MB; (the server, its uid)."""
     server = start_server(max_inflight_bytes=LIMIT, max_confirm_seconds=confirm_seconds)
     item = trxp.from_experience(make_experience(0, 0, 0, response=1_000_000))
@@ -98,7 +99,7 @@ def _stalled_reads(proxy: StopsReading, uid: str, count: int) -> tuple[grpc.Chan
 
 def test_a_client_that_reads_no_more_holds_its_share_and_others_read_on(start_server: Servers) -> None:
     server, uid = _serving_one(start_server, 60)
-    port, memory = server.port, server.reply_memory  # type: ignore[attr-defined]
+    port, memory = server.port, server.reply_memory
     proxy = StopsReading(port)
     try:
         channel, calls = _stalled_reads(proxy, uid, 12)
