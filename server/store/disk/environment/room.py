@@ -66,7 +66,9 @@ class Room:
         self.tight = False  # the disk had no room to write the file further ahead
         self._look_at = 0  # the map's use at which the disk is looked at next
         self._can_write_ahead = True  # False on a file system without posix_fallocate
-        self.after_commit(env.info()["last_pgno"])  # a store opened on a disk that runs low is written ahead at once
+        self._largest = 0  # the most a batch has moved the last page in use, in bytes
+        last = env.info()["last_pgno"]
+        self.after_commit(last, last)  # a store opened on a disk that runs low is written ahead at once
 
     def used(self) -> int:
         """The bytes of the map up to its last page in use (LMDB's last_pgno, of the last commit)."""
@@ -77,8 +79,10 @@ class Room:
         return min(self.max_map_size, self.ahead) if self.ahead else self.max_map_size
 
     def near(self) -> bool:
-        """Whether the store's last page is within NEAR reserves of its end: a batch with pushes counts its room."""
-        return self.used() + NEAR * self.reserve > self.end()
+        """Whether the store's last page is within NEAR reserves of its end, and the most a batch has
+        moved it: a batch with pushes counts its room (a batch larger than any before may still take
+        some of the reserve where it starts farther from the end)."""
+        return self.used() + NEAR * self.reserve + self._largest > self.end()
 
     def short(self, txn: lmdb.Transaction[bytes]) -> bool:
         """Whether the batch in `txn` leaves less than the reserve free (its pages in use counted in
@@ -96,11 +100,12 @@ class Room:
         """The bytes between the last page in use and the store's end, for a refusal to name."""
         return max(self.end() - self.used(), 0)
 
-    def after_commit(self, last_pgno: int) -> None:
-        """Look at the disk once the map's use (to `last_pgno`, the last commit's) has grown a quarter
-        of a reserve since the last look: write the file ahead where the disk runs low, and no more
-        once it has twice that room again."""
+    def after_commit(self, last_pgno: int, before: int) -> None:
+        """Note how far the batch moved the last page in use (from `before` to `last_pgno`), and look at
+        the disk once the map's use has grown a quarter of a reserve since the last look: write the file
+        ahead where the disk runs low, and no more once it has twice that room again."""
         used = (last_pgno + 1) * self._psize
+        self._largest = max(self._largest, (last_pgno - before) * self._psize)
         if used < self._look_at:
             return
         self._look_at = used + self.reserve // 4

@@ -218,12 +218,12 @@ class Writer:
         of spinning. A background op's commit does not count either: it changes nothing such a
         caller waits for. After it, the disk is looked at (Room.after_commit)."""
         self.batches += 1
-        before = self.env.info()["last_txnid"]
+        before = self.env.info()
         results = self._committed(ops)
         info = self.env.info()
         if self.room is not None:
-            self.room.after_commit(info["last_pgno"])
-        if not background and info["last_txnid"] != before:
+            self.room.after_commit(info["last_pgno"], before["last_pgno"])
+        if not background and info["last_txnid"] != before["last_txnid"]:
             with self._changed:
                 self._generation += 1
                 self._changed.notify_all()
