@@ -16,7 +16,7 @@ import sys
 import threading
 import time
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent import futures
 from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
@@ -174,9 +174,11 @@ class Conversation:
 
 
 @contextlib.contextmanager
-def serving(servicer: pb_grpc.ExperienceBufferServicer) -> Iterator[str]:
+def serving(
+    servicer: pb_grpc.ExperienceBufferServicer, interceptors: Sequence[grpc.ServerInterceptor] = ()
+) -> Iterator[str]:
     """A servicer of the test's own (one that misbehaves on purpose) on a free loopback port; its target."""
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), interceptors=interceptors)
     pb_grpc.add_ExperienceBufferServicer_to_server(servicer, server)
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()

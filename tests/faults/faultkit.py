@@ -20,8 +20,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from expbuf.client import trxp
 from expbuf.proto.v1 import buffer_pb2 as pb
 from expbuf.proto.v1 import buffer_pb2_grpc as pb_grpc
+from expbuf.server.rpc.interceptors.base import Interceptors
 from expbuf.server.rpc.interceptors.metrics import Metrics
 from expbuf.server.rpc.push.inflight import TRIM_IDLE
+from expbuf.server.rpc.sample.replies import PassBytes
 from expbuf.server.rpc.service import ExperienceBufferService
 from expbuf.server.store import Store
 
@@ -43,9 +45,9 @@ def scaled(count: int) -> int:
 @contextlib.contextmanager
 def service_over(store: Store) -> Iterator[str]:
     """The gRPC service over a Store built here (for settings `expbuf serve` has no flag for),
-    on a free loopback port; its target."""
+    on a free loopback port; its target. Its streams' replies go out as the server's do (PassBytes)."""
     service = ExperienceBufferService(store, metrics=Metrics(store), max_message_bytes=16 << 20, advantage_device="cpu")
-    with serving(service) as target:
+    with serving(service, [Interceptors([PassBytes()])]) as target:
         yield target
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from expbuf.client import trxp
+from expbuf.client import BufferClient, trxp
 from expbuf.proto.v1 import buffer_pb2 as pb
 from expbuf.server.store import Store
 
@@ -58,6 +58,17 @@ def test_full_map_refuses_pushes_whole_and_keeps_serving(tmp_path: Path, small_m
             f"the refusal should say the map or disk is full, and where: {details!r}"
         )
         assert stored, "the first push already failed"
+        for task in range(10_000):  # small experiences, one a push, fill the pages the groups left
+            try:
+                reply = buffer.Push(
+                    pb.PushRequest(
+                        table=TABLE, payload=trxp.build(group_items("last", task, 1, response=500, prompt=500))
+                    )
+                )
+            except grpc.RpcError as exc:
+                assert exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, exc
+                break
+            stored += reply.stored_uids
 
         get = buffer.Get(pb.GetRequest(table=TABLE, uids=refused), timeout=10)
         assert list(get.missing_uids) == refused, "a refused push left part of its group stored"
@@ -66,4 +77,16 @@ def test_full_map_refuses_pushes_whole_and_keeps_serving(tmp_path: Path, small_m
         s = stats(buffer, TABLE)
         assert s.pushed == len(stored) and s.ready == len(stored) and s.groups_pending == 0, s
         assert buffer.ServerInfo(pb.ServerInfoRequest(), timeout=10).lmdb_map_used_ratio > 0.5
+    # a trainer's Sample stream consumes every group of the full store, and pushes are taken again
+    groups = sum(uid.startswith("full") for uid in stored) // 4 + sum(uid.startswith("last") for uid in stored)
+    with BufferClient(target, timeout=30) as client:
+        consumed = [
+            uid
+            for batch in client.sample(TABLE, num_groups=1, delivery="consume", max_batches=groups)
+            for uid in batch.uids
+        ]
+        assert sorted(consumed) == sorted(stored)
+    with channel(target) as chan:
+        items = group_items("again", 0, 4, response=2000)
+        assert stub(chan).Push(pb.PushRequest(table=TABLE, payload=trxp.build(items)), timeout=30).stored_uids
     assert store.verify(TABLE) == []
