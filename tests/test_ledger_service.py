@@ -154,6 +154,30 @@ def test_a_claim_waits_for_a_prompt_to_come_back(client: BufferClient) -> None:
     assert client.claim("t", "math", wait=5).done
 
 
+def test_a_claim_that_waits_commits_nothing_while_nothing_comes(client: BufferClient, server: ExpbufServer) -> None:
+    """A claim with nothing to hand out sleeps until a change or its wait's end: each pass wrote the
+    dataset again, its commit counted as a change, and the claim woke itself at once (some 1,300
+    commits a second for its whole wait, every waiting Sample on the server woken by each)."""
+    client.create_dataset("t", "math", 1)
+    assert len(client.claim("t", "math", lease_seconds=60).prompts) == 1
+    before = server.store.environment.batches
+    started = time.monotonic()
+    assert client.claim("t", "math", wait=1).prompts == []
+    assert time.monotonic() - started >= 0.9
+    assert server.store.environment.batches - before < 20, server.store.environment.batches - before
+
+
+def test_a_listed_prompt_is_the_claimed_one_and_can_be_reported(client: BufferClient) -> None:
+    """list_prompts gives each prompt with its stats; such a prompt is equal to the one claimed (same
+    dataset, epoch, index and attempt, whatever its state, owner, end or stats), and can be reported:
+    its stats made it unhashable, and report_prompts raised TypeError."""
+    client.create_dataset("t", "math", 1)
+    (claimed,) = client.claim("t", "math", lease_seconds=60).prompts
+    (listed,) = client.list_prompts("t", "math").prompts
+    assert listed.stats is not None and listed == claimed and hash(listed) == hash(claimed)
+    assert client.report_prompts({listed: [1.0]}) == 1
+
+
 def test_claims_are_bound_to_the_token_that_took_them(start_server: Servers) -> None:
     server = start_server(tokens={"a": frozenset({"push", "sample", "admin"}), "b": frozenset({"push", "sample"})})
     target = f"127.0.0.1:{server.port}"

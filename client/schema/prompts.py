@@ -75,7 +75,9 @@ class PromptStats:
 class Prompt:
     """One prompt of a dataset: index `index` of epoch `epoch`, at attempt `attempt`. Its
     experiences carry EID batch `batch` and task `task` (`eid(run)`), so that they make the
-    prompt's group; its claim ends at `expires` (Unix time, the server's clock) unless renewed."""
+    prompt's group; its claim ends at `expires` (Unix time, the server's clock) unless renewed. Two
+    are equal, and hash alike, where they name the same attempt of the same prompt: a prompt as
+    ListPrompts gives it (its state, owner and stats) is the one claimed, renewed or reported."""
 
     dataset: str
     epoch: int
@@ -83,11 +85,11 @@ class Prompt:
     attempt: int
     batch: str
     task: str
-    expires: float
+    expires: float = field(compare=False)
     table: str = "default"
-    state: PromptState = PromptState.CLAIMED  # as ListPrompts reports it
-    owner: str = ""
-    stats: PromptStats | None = None  # ListPrompts only
+    state: PromptState = field(default=PromptState.CLAIMED, compare=False)  # as ListPrompts reports it
+    owner: str = field(default="", compare=False)
+    stats: PromptStats | None = field(default=None, compare=False)  # ListPrompts only
 
     def eid(self, run: int, step: int = 0, suffix: str = "") -> EID:
         """The EID of this attempt's experience of run `run` (and step `step`): its uid is the

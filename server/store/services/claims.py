@@ -21,12 +21,13 @@ from expbuf.client.schema.prompts import MAX_PROMPTS_PER_CALL
 
 from ..core.table_state.state import TableState
 from ..disk.environment import Environment
-from ..ledger.claimed import Claimed
+from ..ledger.claimed import Claimed, ClaimStep
 from ..ledger.hand_out import STEP_HASHES
 from ..ledger.prompt_stats import KeptStats, read_stats
 from ..ledger.records import (
     DatasetRecord,
     PromptRecord,
+    dataset_key,
     read_dataset,
     read_datasets,
     read_epochs,
@@ -68,6 +69,15 @@ def check_refs(prompts: Sized, call: str) -> None:
 def shown_owner(owner: str) -> str:
     """An owner as replies show it: one stored before owners were bounded is cut to the bound."""
     return owner.encode()[:MAX_OWNER_BYTES].decode(errors="ignore")
+
+
+class _Unchanged(Exception):
+    """A claim's step that handed out nothing and left its dataset as it was: its transaction is
+    undone (a commit would wake every caller that waits for a change, this claim among them)."""
+
+    def __init__(self, step: ClaimStep) -> None:
+        super().__init__("nothing to hand out")
+        self.step = step
 
 
 @dataclass(frozen=True)
@@ -166,12 +176,17 @@ class Claims:
         deadline = time.monotonic() + wait
         claimed: list[Claimed] = []
         parts: dict[int, int] = {}
+        waited = False
         while True:
+            if waited and stop is not None and stop():  # gone while it waited: nothing claimed for no one
+                return claimed, False
             generation = self.environment.generation
             claim = functools.partial(self.ledger.claim, name=name, count=count - len(claimed), seconds=seconds,
                                       owner=owner, holder=holder, parts=parts)  # fmt: skip
             try:
-                step = self._in_table(table, claim)
+                step = self._in_table(table, functools.partial(self._step, name=name, claim=claim))
+            except _Unchanged as unchanged:
+                step = unchanged.step
             except Exception:
                 if claimed:
                     return claimed, False
@@ -194,6 +209,19 @@ class Claims:
             if claimed or step.done or time.monotonic() >= deadline or stopped:
                 return claimed, step.done
             self.environment.wait_for_change(generation, deadline, poll=True)
+            waited = True
+
+    @staticmethod
+    def _step(tt: TableState, name: str, claim: Callable[[TableState], ClaimStep]) -> ClaimStep:
+        """One transaction of a claim (`claim`: ledger.claim's); _Unchanged where it handed out nothing
+        and left the dataset's record as it was (no claim of the dataset ended, its cursor did not
+        move): a claim that waits looks again after the next change, and writes nothing meanwhile."""
+        key, db = dataset_key(tt.table_id, name), tt.db["ledger"]
+        before = tt.txn.get(key, db=db)
+        step = claim(tt)
+        if not (step.claimed or step.more or step.done) and step.uncounted is None and tt.txn.get(key, db=db) == before:
+            raise _Unchanged(step)
+        return step
 
     def renew(
         self, table: str, name: str, prompts: Sequence[tuple[int, int, int]], seconds: float, *, holder: str = ""
