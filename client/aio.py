@@ -12,7 +12,8 @@ import asyncio
 import contextlib
 import functools
 import time
-from collections.abc import AsyncIterator, Callable, Coroutine
+import weakref
+from collections.abc import AsyncGenerator, Callable, Coroutine
 from typing import Any, TypeVar, Unpack, cast
 
 import grpc
@@ -123,6 +124,25 @@ class AsyncHeldBatch:
         await _stop(self._call)
 
 
+# A caller's step longer than this may have blocked the event loop (a step that does not await):
+# before the next batch is handed over, the loop runs what gRPC received meanwhile (`_caught_up`),
+# for at most CATCH_UP_SECONDS (1 % of such a step at most).
+LONG_STEP = 1.0
+CATCH_UP_SECONDS = 0.01
+
+
+async def _caught_up(seen: Callable[[], bool]) -> None:
+    """Give the event loop its turns, until `seen()` or CATCH_UP_SECONDS: a stop the server announced,
+    or the stream's end, that came while a step blocked the loop is read before a batch decoded
+    ahead is handed over (handed over, it was trained, and served again after the server's restart).
+    A step that awaits left the loop free: what came is seen at once."""
+    deadline = time.monotonic() + CATCH_UP_SECONDS
+    turns = 0
+    while not seen() and time.monotonic() < deadline:
+        await asyncio.sleep(0 if turns < 8 else 0.001)  # the ready callbacks first, then gRPC's poller's
+        turns += 1
+
+
 class AsyncBufferClient(ServerCalls, Awaiting, ClientBase):
     """asyncio client with the methods of BufferClient, as coroutines:
 
@@ -138,7 +158,11 @@ class AsyncBufferClient(ServerCalls, Awaiting, ClientBase):
     _secure_channel = staticmethod(grpc.aio.secure_channel)
 
     async def close(self) -> None:
-        """Close the channels; calls in flight are cancelled."""
+        """Close the channels; calls in flight are cancelled. A `sample()` stream still open ends
+        first, as BufferClient.close ends one."""
+        for batches in list(self._samples):
+            with contextlib.suppress(RuntimeError):  # iterated now by another task: the cancel ends it
+                await batches.aclose()
         self.closed = True
         await self._channel.close()
         await self._unretried_channel.close()
@@ -195,16 +219,29 @@ class AsyncBufferClient(ServerCalls, Awaiting, ClientBase):
         asyncio Future of the PushResult once the push is on its way. See AsyncPusher."""
         return AsyncPusher(self, table, window, timeout)
 
-    async def sample(
+    def sample(
         self,
         table: str = "default",
         batch_size: int | None = None,
         num_groups: int | None = None,
         **options: Unpack[SampleOptions],
-    ) -> AsyncIterator[Batch]:
+    ) -> AsyncGenerator[Batch, None]:
         """Stream batches as BufferClient.sample does; leased batches' ack()/nack() are coroutines.
         The batches decoded ahead (`prefetch`) are decoded on a thread of the stream's own, off
         the event loop, so a trainer's coroutine runs while they are."""
+        batches = self._batches(table, batch_size, num_groups, options)
+        self._samples.add(batches)
+        return batches
+
+    @functools.cached_property
+    def _samples(self) -> weakref.WeakSet[AsyncGenerator[Batch, None]]:
+        """The streams of `sample()` made and not yet collected, which close() ends first."""
+        return weakref.WeakSet()
+
+    async def _batches(
+        self, table: str, batch_size: int | None, num_groups: int | None, options: SampleOptions
+    ) -> AsyncGenerator[Batch, None]:
+        """sample()'s stream (its settings checked at its first batch, as before)."""
         spec = SampleSpec(table, batch_size, num_groups, **options)
         order = self._orders.check(spec.order)
         if order is not None:  # a registered order's name: the server's orders are asked for first
@@ -267,6 +304,10 @@ class AsyncBufferClient(ServerCalls, Awaiting, ClientBase):
             while (batch := await next_batch()) is not None:
                 seconds = batch.confirm_seconds
                 batch = calls.handed(batch, spec.lease_seconds, confirmed)
+                if time.monotonic() - confirmed > LONG_STEP:  # the loop perhaps blocked: what came meanwhile first
+                    await _caught_up(lambda: call.done() or handing.stopping)
+                if call.done():  # ended (the server gave the batch back): not handed over; the end follows
+                    continue
                 async with writing:
                     await written()
                     if (confirmation := handing.hand()) is not None:

@@ -167,11 +167,22 @@ class BufferClient(ServerCalls, Blocking, ClientBase):
     _secure_channel = staticmethod(grpc.secure_channel)
 
     def close(self) -> None:
-        """Close the channels; calls in flight are cancelled."""
+        """Close the channels; calls in flight are cancelled. A `sample()` stream still open (its
+        generator kept) ends first as leaving its loop ends it: the batch handed over is delivered,
+        those on their way go back to the buffer. Its confirmation was still to be sent, and the
+        cancel gave the batch back: it was served again while its caller trained on it."""
+        for batches in list(self._samples):
+            with contextlib.suppress(ValueError):  # iterated on another thread now: the cancel ends it
+                batches.close()
         self.closed = True
         self._channel.close()
         self._unretried_channel.close()
         self._chunks_channel.close()
+
+    @functools.cached_property
+    def _samples(self) -> weakref.WeakSet[Generator[Batch, None, None]]:
+        """The streams of `sample()` made and not yet collected, which close() ends first."""
+        return weakref.WeakSet()
 
     @functools.cached_property
     def _orders(self) -> calls.Orders:
@@ -250,6 +261,14 @@ class BufferClient(ServerCalls, Blocking, ClientBase):
         caller's step outlasts that, the next batch raises DeadlineExceededError naming the
         setting, the batches on their way went back to the buffer, and none is handed over.
         """
+        batches = self._batches(table, batch_size, num_groups, options)
+        self._samples.add(batches)
+        return batches
+
+    def _batches(
+        self, table: str, batch_size: int | None, num_groups: int | None, options: SampleOptions
+    ) -> Generator[Batch, None, None]:
+        """sample()'s stream (its settings checked at its first batch, as before)."""
         spec = SampleSpec(table, batch_size, num_groups, **options)
         order = self._orders.check(spec.order)
         if order is not None:  # a registered order's name: the server's orders are asked for first

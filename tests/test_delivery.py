@@ -12,13 +12,13 @@ from pathlib import Path
 import grpc
 import pytest
 
-from expbuf.client import BufferClient
+from expbuf.client import BufferClient, ExpbufError
 from expbuf.proto.v1 import buffer_pb2 as pb
 from expbuf.proto.v1 import buffer_pb2_grpc as pb_grpc
 from expbuf.server.rpc.sample import sample_stream
 
 from conftest import Servers
-from helpers import Conversation, fill, group_items, settle
+from helpers import Conversation, SlowReplies, fill, group_items, settle
 
 
 @pytest.fixture
@@ -457,3 +457,114 @@ def test_a_nack_of_a_batch_the_client_has_counts_it_sampled_whatever_its_confirm
     stats = settle(client, lambda s: s.leased == 0)
     assert (stats.sampled, stats.ready) == (2, 2)
     assert [e.times_sampled for e in client.list_experiences("t").experiences] == [1, 1]
+
+
+def test_a_stream_whose_next_take_is_refused_gives_back_no_batch_its_client_hands_over(start_server: Servers) -> None:
+    """The rate limiter refuses a stream's next take at its deadline while a batch sent ahead waits in
+    the client, whose way back is slow: the client hands that batch over and confirms it before it
+    hears the refusal. The stream ends with the refusal only once its batches sent ahead are
+    confirmed (delivered), as it does when it finds no data: it ended at once and gave the batch
+    back, and it was served again and trained twice."""
+    server = start_server()
+    proxy = SlowReplies(f"127.0.0.1:{server.port}")
+    with BufferClient(f"127.0.0.1:{server.port}") as admin, BufferClient(proxy.target, timeout=10) as slow:
+        admin.create_table(
+            "t", group_size=2, estimator="none", samples_per_insert=1.0, min_size_to_sample=3,
+            samples_per_insert_error=1.0,
+        )  # fmt: skip
+        fill(admin, 5)  # 10 inserted: the limiter lets 4 batches of one group through
+        slow.stats("t")  # connected while the way back is quick
+        proxy.delay = 1.0
+        handed: list[str] = []
+        with pytest.raises(ExpbufError, match="samples_per_insert"):
+            for batch in slow.sample("t", num_groups=1, window=2, timeout=2.0, delivery="consume"):
+                handed.append(batch.group_ids[0])
+                if len(handed) == 3:
+                    time.sleep(2.4)  # the step: the take after the window's is refused meanwhile
+        stats = settle(admin, lambda s: s.leased == 0)
+        assert stats.consumed == 2 * len(handed) and stats.ready == 10 - 2 * len(handed), (handed, stats)
+    proxy.close()
+
+
+@pytest.mark.parametrize("window", [1, 2])
+def test_a_client_closed_with_its_stream_open_delivers_the_batch_it_handed_over(server, window: int) -> None:
+    """`with BufferClient(...) as c: batch = next(c.sample(...))`, the batch trained after the client
+    closed: its confirmation waited to be sent, and the close cancelled the stream, so the server gave
+    the batch back and served it again. The close now ends each open stream as its generator's end
+    does: what was handed over is confirmed, the rest given back."""
+    target = f"127.0.0.1:{server.port}"
+    with BufferClient(target) as admin:
+        admin.create_table("t", group_size=2, estimator="none")
+        fill(admin, 6)
+        handed = []
+        for _ in range(4):
+            client = BufferClient(target, timeout=10)
+            batches = client.sample("t", num_groups=1, window=window, delivery="consume")
+            handed.append(next(batches).group_ids[0])
+            client.close()  # the stream still open: `batches` is alive
+            del batches
+        stats = settle(admin, lambda s: s.leased == 0)
+        assert len(set(handed)) == 4 and stats.consumed == 8 and stats.ready == 4, (handed, stats)
+
+
+def test_an_async_client_closed_with_its_stream_open_delivers_the_batch_it_handed_over(server) -> None:
+    import asyncio
+
+    from expbuf.client import AsyncBufferClient
+
+    target = f"127.0.0.1:{server.port}"
+
+    async def handed_one() -> str:
+        async with AsyncBufferClient(target, timeout=10) as client:
+            batches = client.sample("t", num_groups=1, window=2, delivery="consume")
+            return (await anext(batches)).group_ids[0]
+
+    with BufferClient(target) as admin:
+        admin.create_table("t", group_size=2, estimator="none")
+        fill(admin, 6)
+        handed = [asyncio.run(handed_one()) for _ in range(4)]
+        stats = settle(admin, lambda s: s.leased == 0)
+        assert len(set(handed)) == 4 and stats.consumed == 8 and stats.ready == 4, (handed, stats)
+
+
+def test_an_async_client_whose_loop_was_blocked_past_a_stop_hands_over_no_batch_given_back(
+    start_server: Servers, tmp_path: Path
+) -> None:
+    """The server stops while a trainer's step blocks the event loop longer than the server waits
+    for the client's answer: the batch decoded ahead, given back by the server meanwhile, was handed
+    over when the loop ran again (its stream's end not seen yet), trained, and served again after
+    the restart. A stream whose call has ended hands nothing more over."""
+    import asyncio
+    import threading
+
+    from expbuf.client import AsyncBufferClient
+
+    server = start_server(data=tmp_path / "data")
+    target = f"127.0.0.1:{server.port}"
+    with BufferClient(target) as admin:
+        admin.create_table("t", group_size=2, estimator="none")
+        fill(admin, 4)
+    handed: list[str] = []
+
+    async def train() -> None:
+        async with AsyncBufferClient(target, timeout=30) as client:
+            batches = client.sample("t", num_groups=1, window=2, timeout=30, delivery="consume")
+            handed.append((await anext(batches)).group_ids[0])
+            await asyncio.sleep(0.5)  # the next batch comes, and is decoded, meanwhile
+            stopper = threading.Thread(target=lambda: server.stop(grace=3))
+            stopper.start()
+            time.sleep(4.0)  # a step that blocks the loop past the server's wait for an answer
+            with contextlib.suppress(ExpbufError):
+                async for batch in batches:
+                    handed.append(batch.group_ids[0])
+            stopper.join()
+
+    asyncio.run(train())
+    again = start_server(data=tmp_path / "data")
+    with BufferClient(f"127.0.0.1:{again.port}") as client:
+        rest = [
+            group
+            for batch in client.sample("t", num_groups=1, timeout=1, allow_partial=True, delivery="consume")
+            for group in batch.groups
+        ]
+    assert not set(handed) & set(rest) and len(handed) + len(rest) == 4, (handed, rest)

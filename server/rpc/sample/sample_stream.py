@@ -38,7 +38,7 @@ import math
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from dataclasses import replace
 from typing import NoReturn
 
@@ -48,7 +48,7 @@ from expbuf.client.schema.reasons import Reason
 from expbuf.proto.v1 import buffer_pb2 as pb
 
 from ...store import Sampled, Store
-from ...store.schema.errors import InvalidRequest, StoreError
+from ...store.schema.errors import InvalidRequest, NotFound, StoreError
 from ...store.schema.sample_spec import TakeSpec
 from ..draining import Draining
 from ..interceptors.base import refuse
@@ -201,7 +201,11 @@ def stream_batches(
     try:
         with draining.watching(client.interrupt):
             while True:
-                batch = None if client.interrupted else window.take(timeout(), context)
+                try:
+                    batch = None if client.interrupted else window.take(timeout(), context)
+                except StoreError:  # the rate limit at its deadline, an index not built: the stream ends with it
+                    yield from window.settle(draining, context)
+                    raise
                 if batch is None:
                     if client.error is not None:
                         raise client.error
@@ -212,12 +216,8 @@ def stream_batches(
                     if window.overdue():
                         window.end_overdue(context)
                     if window.unconfirmed:  # batches sent ahead: confirmed (delivered) before the stream ends
-                        if window.confirm_each():
+                        if (yield from window.settle(draining, context)):
                             continue  # the next batch's wait for data counts from the last confirmation
-                        if client.interrupted and not client.done:
-                            yield from window.end_at_stop(draining, context)
-                        if window.overdue() and not client.done:
-                            window.end_overdue(context)
                         break
                     if spec.allow_partial:
                         return
@@ -228,7 +228,13 @@ def stream_batches(
                         Reason.NOT_READY,
                     )
                 spec = window.spec = replace(spec, trainer_version=None)  # the first message's version is stored once
-                yield from window.send(batch, reply)
+                sent = window.sent
+                try:
+                    yield from window.send(batch, reply)
+                except StoreError:  # a damaged payload: the batch went back unsent, those before it settle
+                    if window.sent == sent:
+                        yield from window.settle(draining, context)
+                    raise
                 last = batch.partial or window.sent == spec.max_batches
                 # room for one more batch in the window; after the last one, every confirmation,
                 # each delivered as it comes (no take will commit it: a batch the client has is not
@@ -236,10 +242,7 @@ def stream_batches(
                 if not (
                     window.confirm_each() if last else client.wait_confirmed(window.sent - spec.window + 1, window.due)
                 ):
-                    if client.interrupted and not client.done:
-                        yield from window.end_at_stop(draining, context)
-                    if window.overdue() and not client.done:
-                        window.end_overdue(context)
+                    yield from window.unsettled(draining, context)
                     break
                 if last or client.done:
                     break
@@ -364,6 +367,24 @@ class _Window:
             self.client.wait_done(seconds, self.sent)
         draining.end("Sample", context)
 
+    def settle(self, draining: Draining, context: grpc.ServicerContext) -> Generator[bytes, None, bool]:
+        """Before the stream ends (no data for its next batch, or a refusal of it): the batches sent
+        ahead confirmed (delivered) first; whether they were. Its client may be handing one over as
+        the end travels, and confirms it without knowing the stream ended: given back at once, it was
+        served again and trained twice. Where the client will not confirm them, `unsettled`."""
+        if not self.unconfirmed or self.confirm_each():
+            return True
+        yield from self.unsettled(draining, context)
+        return False
+
+    def unsettled(self, draining: Draining, context: grpc.ServicerContext) -> Iterator[bytes]:
+        """The client will not confirm every batch sent: the stream ends as the server stops, or as
+        a batch is overdue (else as its caller ends it), those batches back in the buffer."""
+        if self.client.interrupted and not self.client.done:
+            yield from self.end_at_stop(draining, context)
+        if self.overdue() and not self.client.done:
+            self.end_overdue(context)
+
     def take(self, seconds: float, context: grpc.ServicerContext) -> Sampled | None:
         """The next batch, delivering the confirmed ones in its commit. A confirmation that
         arrives while it waits for data is delivered at once (the wait then goes on): a
@@ -410,10 +431,12 @@ class _Window:
     def deliver_confirmed(self) -> None:
         """Deliver the held batches the client confirmed. If that fails, they stay held, never
         given back: they return only when the server next starts (release_holds), rather than
-        being delivered twice while the client has them."""
+        being delivered twice while the client has them. One whose lease is gone was delivered
+        already: by the commit of a take that then raised (the rate limit at its deadline)."""
         self._collect()
         while self.confirmed:
-            self.store.confirm(self.confirmed[0], self.spec, self.owner)
+            with contextlib.suppress(NotFound):
+                self.store.confirm(self.confirmed[0], self.spec, self.owner)
             self.confirmed.pop(0)
 
     def close(self, context: grpc.ServicerContext) -> None:
