@@ -13,6 +13,7 @@ import grpc
 
 from ...errors import ExpbufError
 from ...schema.call_limits import LARGE_REPLIES
+from ...schema.reasons import Reason
 from ..connection import BACKOFF
 from ..declare import Chunked, Unary
 
@@ -44,7 +45,7 @@ class Attempts(Generic[R]):
         self.call = call
         start = time.monotonic()
         self._pushes = isinstance(call, Chunked) or call.method in ("Push", "PutValues")
-        self._reads = isinstance(call, Unary) and call.method in LARGE_REPLIES  # refused busy: replies_full
+        self._reads = isinstance(call, Unary) and call.method in LARGE_REPLIES  # made again after replies_full
         self._waits_until = start + _wait(call)
         self._deadline = start + (call.timeout or timeout)
         self._made = 0  # attempts made again
@@ -60,7 +61,8 @@ class Attempts(Generic[R]):
             return 0.0
         waits = _wait(call) > 0  # not once it is made without waiting
         resend = error.code == grpc.StatusCode.UNAVAILABLE and self._resends > 0
-        if not (error.busy and (waits or self._pushes or self._reads)) and not resend:
+        unsent = self._reads and error.reason == Reason.REPLIES_FULL  # the replies of reads not yet taken
+        if not (error.busy and (waits or self._pushes or unsent)) and not resend:
             return None
         if error.busy:
             self._kept_out = error

@@ -7,18 +7,21 @@ replies in the server's memory for as long as its connection lived, each of Get,
 GetValues, ListExperiences and ListPrompts up to max_message_bytes, and nothing bounded how many:
 the server grew until the kernel killed it, every trainer's stream with it. `ReplyMemory` counts
 each such reply from its handler's end to its call's end (gRPC's `add_callback`), against `limit`
-for the server and half of it for the calls of one address (a peer's host, whatever its ports).
-A reply that would pass either is refused RESOURCE_EXHAUSTED (`replies_full`, busy: nothing was
-done, and the clients make a read so refused again within its deadline), unless nothing of the
-server's, or the address's, is held: a reply of any size goes alone. A reply under SMALL is not
-counted. What a call holds is given back when its client takes the reply, or its call ends
-otherwise (cancelled, its connection gone, or cut by max_confirm_seconds: sample/stalled_sends.py).
+for the server and half of it for the calls of one address (a peer's host, whatever its ports:
+clients behind one proxy or NAT share it). A call whose address, or the server, holds its bound
+already is refused before its reply is made; a reply that would pass either is refused once made.
+Either refusal is RESOURCE_EXHAUSTED (`replies_full`, busy: nothing was done, and the clients make
+a read so refused again within its deadline). A reply of any size goes where its address holds
+nothing and the server has room for it, or the server holds nothing. A reply under SMALL is not
+counted. The reply is serialised here, once (gRPC is given its bytes), so its size costs nothing
+more. What a call holds is given back when its client takes the reply, or its call ends otherwise
+(cancelled, its connection gone, or cut by max_confirm_seconds: sample/stalled_sends.py).
 """
 
 from __future__ import annotations
 
 import threading
-from typing import Any
+from typing import Any, NoReturn
 
 import grpc
 
@@ -55,42 +58,47 @@ class ReplyMemory(ServiceInterceptor):
     def wrap(
         self, method: str, handler: grpc.RpcMethodHandler, details: grpc.HandlerCallDetails
     ) -> grpc.RpcMethodHandler:
-        if method not in LARGE_REPLIES or handler.unary_unary is None:
+        if method not in LARGE_REPLIES or handler.unary_unary is None or handler.response_serializer is None:
             return handler
-        behavior = handler.unary_unary
+        behavior, serialize = handler.unary_unary, handler.response_serializer
 
-        def unary_unary(request: Any, context: grpc.ServicerContext) -> Any:
-            reply = behavior(request, context)
-            size = reply.ByteSize()
-            if size >= SMALL:
-                self._hold(method, context, size)
-            return reply
+        def unary_unary(request: Any, context: grpc.ServicerContext) -> bytes:
+            address = address_of(context.peer())
+            with self._lock:
+                mine, held = self._by_address.get(address, 0), self.held
+            if mine >= self.limit // 2 or held >= self.limit:  # no room for any reply: refused before it is made
+                self._refuse(method, context, 0, mine, held)
+            data = serialize(behavior(request, context))
+            if len(data) >= SMALL:
+                self._hold(method, context, address, len(data))
+            return data
 
-        return grpc.unary_unary_rpc_method_handler(
-            unary_unary, handler.request_deserializer, handler.response_serializer
-        )
+        return grpc.unary_unary_rpc_method_handler(unary_unary, handler.request_deserializer, _as_is)
 
-    def _hold(self, method: str, context: grpc.ServicerContext, size: int) -> None:
+    def _hold(self, method: str, context: grpc.ServicerContext, address: str, size: int) -> None:
         """Count a reply of `size` bytes until its call ends, or refuse it where it would pass a bound."""
-        address = address_of(context.peer())
         with self._lock:
             mine, held = self._by_address.get(address, 0), self.held
             over = (mine and mine + size > self.limit // 2) or (held and held + size > self.limit)
             if not over:
                 self.held, self._by_address[address] = held + size, mine + size
         if over:
-            refuse(
-                context,
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"the {method} reply of {size} bytes was not sent: the replies of reads that their clients have "
-                f"not taken yet hold {held} bytes of the server's {self.limit} (max_inflight_bytes), {mine} of them "
-                f"this client's address, of the half of it one address may hold; a client that reads no more holds "
-                "its replies until its calls end. Nothing was done: read again",
-                Reason.REPLIES_FULL,
-                busy=True,
-            )
+            self._refuse(method, context, size, mine, held)
         if not context.add_callback(lambda: self._give(address, size)):  # the call ended already
             self._give(address, size)
+
+    def _refuse(self, method: str, context: grpc.ServicerContext, size: int, mine: int, held: int) -> NoReturn:
+        reply = f"the {method} reply of {size} bytes was not sent" if size else f"the {method} reply was not made"
+        refuse(
+            context,
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            f"{reply}: the replies of reads that their clients have not taken yet hold {held} bytes of the "
+            f"server's {self.limit} (max_inflight_bytes), {mine} of them this client's address, of the half of it "
+            "one address may hold; a client that reads no more holds its replies until its calls end. Nothing "
+            "was done: read again",
+            Reason.REPLIES_FULL,
+            busy=True,
+        )
 
     def _give(self, address: str, size: int) -> None:
         with self._lock:
@@ -100,3 +108,8 @@ class ReplyMemory(ServiceInterceptor):
                 self._by_address[address] = left
             else:
                 del self._by_address[address]
+
+
+def _as_is(data: bytes) -> bytes:
+    """A reply serialised already (ReplyMemory's), given to gRPC as it is."""
+    return data

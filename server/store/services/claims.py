@@ -215,7 +215,8 @@ class Claims:
     def _step(tt: TableState, name: str, claim: Callable[[TableState], ClaimStep]) -> ClaimStep:
         """One transaction of a claim (`claim`: ledger.claim's); _Unchanged where it handed out nothing
         and left the dataset's record as it was (no claim of the dataset ended, its cursor did not
-        move): a claim that waits looks again after the next change, and writes nothing meanwhile."""
+        move): a claim that waits looks again after the next change, and writes nothing meanwhile.
+        The claims of the table's other datasets that the step ended go with it: the upkeep ends them."""
         key, db = dataset_key(tt.table_id, name), tt.db["ledger"]
         before = tt.txn.get(key, db=db)
         step = claim(tt)

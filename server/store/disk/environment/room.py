@@ -67,6 +67,7 @@ class Room:
         self._look_at = 0  # the map's use at which the disk is looked at next
         self._can_write_ahead = True  # False on a file system without posix_fallocate
         self._largest = 0  # the most a batch has moved the last page in use, in bytes
+        self.was_short = False  # the last count found less than the reserve free: the next counts first
         last = env.info()["last_pgno"]
         self.after_commit(last, last)  # a store opened on a disk that runs low is written ahead at once
 
@@ -88,13 +89,20 @@ class Room:
         """Whether the batch in `txn` leaves less than the reserve free (its pages in use counted in
         it); where the file was written ahead and the disk has room, it is written further first."""
         in_use = _UNCOUNTED_PAGES
-        for db in self._dbs.values():
+        for db in tuple(self._dbs.values()):  # another thread may add the rows' databases (open_rows)
             stat = txn.stat(db)
             in_use += stat["branch_pages"] + stat["leaf_pages"] + stat["overflow_pages"]
         in_use *= self._psize
         if self.ahead and in_use + 2 * self.reserve > self.ahead:
             self.write_ahead(max(in_use, self.used()))
-        return self.end() - in_use < self.reserve
+        self.was_short = self.end() - in_use < self.reserve
+        return self.was_short
+
+    def short_now(self) -> bool:
+        """`short` of the last commit: while the store is at its reserve, a batch's pushes are
+        refused before they run (a worker's pushes retried there each cost the writer their work)."""
+        with self.env.begin() as txn:
+            return self.short(txn)
 
     def left(self) -> int:
         """The bytes between the last page in use and the store's end, for a refusal to name."""

@@ -239,9 +239,12 @@ class Writer:
         would leave less than the reserve free, or that fills the map at max_map_size, or that the
         disk failed, runs again without its pushes (`_without_pushes`)."""
         pushes = any(op.grows for op in ops)
+        count = pushes and self.room is not None and self.room.near()
+        if count and self.room is not None and self.room.was_short and self.room.short_now():
+            return self._without_pushes(ops, self._full())  # still at the reserve: the pushes not run at all
         while True:
             try:
-                return self._attempt(ops, pushes and self.room is not None and self.room.near())
+                return self._attempt(ops, count)
             except _ReserveReached:
                 return self._without_pushes(ops, self._full())
             except lmdb.MapFullError:
