@@ -48,7 +48,7 @@ from expbuf.client.schema.reasons import Reason
 from expbuf.proto.v1 import buffer_pb2 as pb
 
 from ...store import Sampled, Store
-from ...store.schema.errors import InvalidRequest, NotFound, StoreError
+from ...store.schema.errors import InvalidRequest, StoreError
 from ...store.schema.sample_spec import TakeSpec
 from ..draining import Draining
 from ..interceptors.base import refuse
@@ -408,6 +408,7 @@ class _Window:
                 stop=stop,
                 confirm=self.confirmed,
                 table_id=self.table_id,
+                delivered=self.confirmed.clear,  # committed: not confirmed again where the take then raises
             )
             self.confirmed = []
             if batch is not None:
@@ -431,12 +432,10 @@ class _Window:
     def deliver_confirmed(self) -> None:
         """Deliver the held batches the client confirmed. If that fails, they stay held, never
         given back: they return only when the server next starts (release_holds), rather than
-        being delivered twice while the client has them. One whose lease is gone was delivered
-        already: by the commit of a take that then raised (the rate limit at its deadline)."""
+        being delivered twice while the client has them."""
         self._collect()
         while self.confirmed:
-            with contextlib.suppress(NotFound):
-                self.store.confirm(self.confirmed[0], self.spec, self.owner)
+            self.store.confirm(self.confirmed[0], self.spec, self.owner)
             self.confirmed.pop(0)
 
     def close(self, context: grpc.ServicerContext) -> None:

@@ -77,6 +77,7 @@ class Sampling:
         stop: Callable[[], bool] | None = None,
         confirm: str | Sequence[str] = "",
         table_id: int | None = None,
+        delivered: Callable[[], None] | None = None,
     ) -> Sampled | None:
         """Select whole ready groups; None if not enough arrived within the wait.
 
@@ -95,6 +96,8 @@ class Sampling:
         table's build at the first request that reads its index is waited for whatever the deadline).
         `table_id`: the table a stream's batches came from (Sampled.table_id); NotFound once the
         table of the name is another, made again after a drop, which a stream never goes on to.
+        `delivered` is called once the confirmations are committed, before the take's own refusal
+        (the rate limit at its deadline) is raised: the caller must not confirm them again.
         """
         start = time.monotonic()
         deadline = start + (spec.wait_seconds if timeout is None else timeout)
@@ -134,6 +137,8 @@ class Sampling:
                 if not self.builds.wait(building, deadline, stop):
                     return None
                 continue
+            if confirms and delivered is not None:  # committed, whatever the take's answer raises below
+                delivered()
             confirms = ()
             if isinstance(result, _Refused) and isinstance(result.error, IndexBuilding):
                 if not self.builds.wait(result.error, deadline, stop):  # the confirmations were kept
