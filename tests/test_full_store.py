@@ -20,6 +20,7 @@ from expbuf.client import trxp
 from expbuf.server.store import Store
 from expbuf.server.store.schema.errors import StorageFull
 from expbuf.server.store.schema.table_config import TableConfig
+from expbuf.server.store.services import joined_pushes
 
 from helpers import held_writer, make_experience, take
 
@@ -104,6 +105,27 @@ def test_an_index_a_consume_waits_for_is_built_in_the_reserve(tmp_path: Path) ->
         assert [build for build in store.index_builds() if build.failed] == []
 
 
+def test_a_store_at_its_reserve_refuses_pushes_before_their_work(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Once a count found the store at its reserve, a batch's pushes are refused before they run
+    (the writer's last commit counted), while that holds: rollout workers retrying their refused
+    pushes cost the writer their whole work each time, beside the consumes that make room."""
+    with Store(tmp_path, map_size=1 << 20, max_map_size=2 << 20) as store:
+        store.create_table(TableConfig.of(TABLE, estimator="none", group_by="none"))
+        _fill(store)
+        ran: list[int] = []
+        run = joined_pushes.PushRequest.__call__
+        monkeypatch.setattr(joined_pushes.PushRequest, "__call__", lambda self, txn: (ran.append(1), run(self, txn))[1])
+        for task in range(5):
+            with pytest.raises(StorageFull, match="kept for consumes"):
+                store.put(TABLE, [_item(7, task)])
+        assert ran == [], "a push ran at the reserve"
+        assert _drain(store) > 0
+        store.put(TABLE, [_item(8, 0)])  # room made: the next count lets pushes run again
+        assert ran == [1]
+
+
 def test_a_consume_in_the_batch_of_a_push_the_full_map_refuses_is_committed(tmp_path: Path) -> None:
     """The writer runs a push and a consume waiting side by side in one transaction: where the push
     finds the map full, the consume is run again without it, and commits."""
@@ -150,6 +172,7 @@ sys.path.insert(0, sys.argv[2])
 from pathlib import Path
 from expbuf.server.store import Store
 from expbuf.server.store.schema.errors import StorageFull
+from expbuf.server.store.services import joined_pushes
 from expbuf.server.store.schema.table_config import TableConfig
 from helpers import held_writer
 import test_full_store as t

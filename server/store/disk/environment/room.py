@@ -68,6 +68,7 @@ class Room:
         self._can_write_ahead = True  # False on a file system without posix_fallocate
         self._largest = 0  # the most a batch has moved the last page in use, in bytes
         self.was_short = False  # the last count found less than the reserve free: the next counts first
+        self._short_at = 0  # the pages in use, in bytes, of the commit before the batch found short
         last = env.info()["last_pgno"]
         self.after_commit(last, last)  # a store opened on a disk that runs low is written ahead at once
 
@@ -87,22 +88,35 @@ class Room:
 
     def short(self, txn: lmdb.Transaction[bytes]) -> bool:
         """Whether the batch in `txn` leaves less than the reserve free (its pages in use counted in
-        it); where the file was written ahead and the disk has room, it is written further first."""
-        in_use = _UNCOUNTED_PAGES
-        for db in tuple(self._dbs.values()):  # another thread may add the rows' databases (open_rows)
-            stat = txn.stat(db)
-            in_use += stat["branch_pages"] + stat["leaf_pages"] + stat["overflow_pages"]
-        in_use *= self._psize
+        it); where the file was written ahead and the disk has room, it is written further first.
+        Short, the pages the last commit uses are noted for `still_short`."""
+        in_use = self._in_use(txn)
         if self.ahead and in_use + 2 * self.reserve > self.ahead:
             self.write_ahead(max(in_use, self.used()))
-        self.was_short = self.end() - in_use < self.reserve
-        return self.was_short
+        short = self.end() - in_use < self.reserve
+        if short:
+            with self.env.begin() as committed:
+                self._short_at = self._in_use(committed)
+        self.was_short = short
+        return short
 
-    def short_now(self) -> bool:
-        """`short` of the last commit: while the store is at its reserve, a batch's pushes are
-        refused before they run (a worker's pushes retried there each cost the writer their work)."""
+    def still_short(self) -> bool:
+        """Whether no commit has lowered the pages in use since a count found the store short: its
+        pushes are then refused before they run (a worker's pushes retried at the reserve each cost
+        the writer their work), and after the first commit that frees a page, run and counted again."""
         with self.env.begin() as txn:
-            return self.short(txn)
+            if self._in_use(txn) >= self._short_at:
+                return True
+        self.was_short = False
+        return False
+
+    def _in_use(self, txn: lmdb.Transaction[bytes]) -> int:
+        """The bytes of the pages the databases use in `txn`."""
+        pages = _UNCOUNTED_PAGES
+        for db in tuple(self._dbs.values()):  # another thread may add the rows' databases (open_rows)
+            stat = txn.stat(db)
+            pages += stat["branch_pages"] + stat["leaf_pages"] + stat["overflow_pages"]
+        return pages * self._psize
 
     def left(self) -> int:
         """The bytes between the last page in use and the store's end, for a refusal to name."""

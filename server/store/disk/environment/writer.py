@@ -240,7 +240,7 @@ class Writer:
         disk failed, runs again without its pushes (`_without_pushes`)."""
         pushes = any(op.grows for op in ops)
         count = pushes and self.room is not None and self.room.near()
-        if count and self.room is not None and self.room.was_short and self.room.short_now():
+        if count and self.room is not None and self.room.was_short and self.room.still_short():
             return self._without_pushes(ops, self._full())  # still at the reserve: the pushes not run at all
         while True:
             try:
