@@ -26,6 +26,7 @@ from helpers import make_experience, wait_for
 
 LIMIT = 64 << 20  # max_inflight_bytes: unsent replies hold at most 64 MiB, 32 MiB those of one address
 TABLE = "t"
+BIG = "big"  # a keyed value's key: GetValues answers in one message, as Get does
 OPTIONS = [("grpc.max_receive_message_length", 256 << 20)]
 
 
@@ -74,7 +75,8 @@ class StopsReading:
 
 
 def _serving_one(start_server: Servers, confirm_seconds: float) -> tuple[ExpbufServer, str]:
-    """A server holding one experience of about 9 MB; (the server, its uid)."""
+    """A server holding one experience of about 9 MB, and a keyed value as large (BIG); (the server,
+    the experience's uid)."""
     server = start_server(max_inflight_bytes=LIMIT, max_confirm_seconds=confirm_seconds)
     item = trxp.from_experience(make_experience(0, 0, 0, response=1_000_000))
     with grpc.insecure_channel(f"127.0.0.1:{server.port}", options=OPTIONS) as channel:
@@ -82,6 +84,8 @@ def _serving_one(start_server: Servers, confirm_seconds: float) -> tuple[ExpbufS
         config = pb.TableConfig(name=TABLE, estimator=pb.Estimator(name="none"), group_by=pb.GROUP_BY_NONE)
         stub.CreateTable(pb.CreateTableRequest(config=config), timeout=30)
         stub.Push(pb.PushRequest(table=TABLE, payload=trxp.build([item])), timeout=60)
+    with BufferClient(f"127.0.0.1:{server.port}", timeout=60) as client:
+        client.put_values([BIG], [bytes(9 << 20)], table=TABLE)
     return server, item.uid
 
 
@@ -103,7 +107,7 @@ def test_a_client_that_reads_no_more_holds_its_share_and_others_read_on(start_se
     proxy = StopsReading(port)
     try:
         channel, calls = _stalled_reads(proxy, uid, 12)
-        wait_for(lambda: memory.held > LIMIT // 4, "the stalled reads' replies held")
+        wait_for(lambda: memory.held > LIMIT * 3 // 8, "three stalled replies held: the address's share")
         # 12 replies of 9 MB asked for: those past half the bound are refused, not held
         assert memory.held <= LIMIT // 2, memory.held
         again = StopsReading(port)  # the stalled client's address, reading
@@ -119,11 +123,10 @@ def test_a_client_that_reads_no_more_holds_its_share_and_others_read_on(start_se
             assert BUSY in trailer and Reason.REPLIES_FULL in str(trailer), trailer
             reply = pb_grpc.ExperienceBufferStub(other).Get(pb.GetRequest(table=TABLE, uids=[uid]), timeout=30)
             assert not reply.missing_uids  # another address reads on
-        # expbuf's client reads again while refused busy, and has its reply once the stalled one reads
+        # expbuf's client reads again while refused replies_full, and has its reply once the stalled one reads
         with BufferClient(again.target, timeout=60) as client:
             threading.Timer(1.0, proxy.reading.set).start()
-            got = client.get([uid], table=TABLE)
-            assert [experience.eid.task for experience in got] == [0] and not got.missing_uids
+            assert client.get_values([BIG], table=TABLE) == [bytes(9 << 20)]
         again.close()
         for call in calls:  # the stalled client's reads: each answered, or refused busy
             with contextlib.suppress(grpc.RpcError):
@@ -146,3 +149,29 @@ def test_a_read_whose_reply_waits_past_max_confirm_seconds_is_cut(start_server: 
         channel.close()
     finally:
         proxy.close()
+
+
+def test_the_async_client_reads_again_while_its_address_holds_its_share(start_server: Servers) -> None:
+    """AsyncBufferClient's read refused `replies_full` (its address's share held by a client that
+    reads no more) is made again within its deadline, as the blocking client's is, and has its reply
+    once the share is given back."""
+    import asyncio
+
+    from expbuf.client import AsyncBufferClient
+
+    server, uid = _serving_one(start_server, 60)
+    proxy, again = StopsReading(server.port), StopsReading(server.port)
+    try:
+        channel, _ = _stalled_reads(proxy, uid, 12)
+        wait_for(lambda: server.reply_memory.held > LIMIT * 3 // 8, "three stalled replies held: the address's share")
+
+        async def read() -> list[bytes | None]:
+            async with AsyncBufferClient(again.target, timeout=60) as client:
+                threading.Timer(1.0, proxy.reading.set).start()
+                return await client.get_values([BIG], table=TABLE)
+
+        assert asyncio.run(read()) == [bytes(9 << 20)]
+        channel.close()
+    finally:
+        proxy.close()
+        again.close()
