@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from expbuf.client import BufferClient, DeadlineExceededError, UnavailableError
+from expbuf.client import EID, BufferClient, DeadlineExceededError, Experience, UnavailableError, layout
 
 from helpers import ServerProcess, passes_started
 from pages import code_blocks, page
@@ -33,14 +33,16 @@ def import_frameworks() -> None:
     """Run by tests/conftest.py before this module's tests: not at its import, which every pytest worker does."""
     global torchrl, TensorDict, TensorDictBase, lazy_stack, set_list_to_stack, ReplayBuffer
     global TensorDictMaxValueWriter, TensorDictReplayBuffer, LogProbs, Masks, Text, Tokens, MCAdvantage
-    global ExpbufSampler, ExpbufStorage
+    global ExpbufSampler, ExpbufStorage, from_areal, to_element
     torchrl = pytest.importorskip("torchrl")
     from tensordict import TensorDict, TensorDictBase, lazy_stack, set_list_to_stack
     from torchrl.data import ReplayBuffer, TensorDictMaxValueWriter, TensorDictReplayBuffer
     from torchrl.modules.llm.policies import LogProbs, Masks, Text, Tokens
     from torchrl.objectives.llm import MCAdvantage
 
+    from expbuf.client.areal.convert import from_areal
     from expbuf.client.torchrl import ExpbufSampler, ExpbufStorage
+    from expbuf.client.torchrl.convert import to_element
 
 
 PROMPT = torch.tensor([5, 6, 7])
@@ -155,6 +157,104 @@ def test_a_sampled_element_holds_what_was_extended_under_torchrls_keys(target) -
         assert int(back["policy_version"]) == 7
         full = back["log_probs", "full"]
         assert bool(full[:3].isnan().all()) and torch.equal(full[3:], td["log_probs", "response"])
+
+
+def runs_by_group(admin: BufferClient, table: str) -> dict[str, list[tuple[str, int]]]:
+    """Each group's members as (suffix, run), in the order they were written: a storage's suffix is
+    an `ordered_id`, whose text sorts in the order the writer made it."""
+    listed = admin.list_experiences(table, limit=1000).experiences
+    members: dict[str, list[tuple[str, int]]] = {}
+    for exp in admin.get([e.uid for e in listed], table):
+        members.setdefault(exp.eid.tid, []).append((exp.eid.suffix, int(exp.eid.run)))
+    return {tid: sorted(got) for tid, got in members.items()}
+
+
+def test_each_member_of_a_group_has_its_own_run_in_the_order_written(target) -> None:
+    """A group's members get runs 0 .. group_size - 1 in the order they are written, as the other
+    adapters number a group's runs (AReaL's workflow, TRL's worker): an extend of whole groups,
+    one past a group, `add` one at a time, and a writer's push into a round another writer filled,
+    refused and made again one member at a time (its members then the next round's runs from 0).
+    Every member was run 0, so a group's runs were not told apart: an estimator over runs
+    (step_wise_grpo) took the whole group for one run."""
+    with BufferClient(target) as admin:
+        admin.create_table("runs", group_size=4, estimator="grpo")
+        rb = buffer(target, "runs", 4)
+        data = groups(["a", "b"], 4)
+        rb.extend(data)
+        pushed = {key(td): int(td["tokens", "response"][0]) // 10 - 1 for td in rows(data)}  # element()'s run
+        for exp in admin.get([e.uid for e in admin.list_experiences("runs").experiences], "runs"):
+            element = (exp.info["group"], tuple(layout.split(exp.tokens, exp.prompt_length)[1].tolist()))
+            assert exp.eid.run == pushed[element], (exp.eid.uid, element)  # the element written run-th
+        rb.extend(groups(["c"], 6))  # c's round 0, and two into its round 1
+        for td in rows(groups(["c"], 2, offset=1.0)):
+            rb.add(td)  # c's round 1 filled one at a time
+        late = ReplayBuffer(storage=ExpbufStorage(target, "runs"))  # knows nothing: its push into round 0
+        late.extend(groups(["a"], 4, offset=2.0))  # is refused, and made again one at a time: round 1
+        late.storage.close()
+        members = runs_by_group(admin, "runs")
+        assert len(members) == 5
+        for tid, got in members.items():
+            assert [run for _, run in got] == [0, 1, 2, 3], (tid, got)
+        assert admin.stats("runs")["runs"].pushed == 20  # nothing stored twice
+        admin.create_table("each", group_size=0, estimator="grpo")  # a push's members of a name: one group
+        rb = buffer(target, "each", 3)
+        rb.extend(groups(["a", "b"], 3))
+        rb.extend(groups(["a"], 2))
+        assert sorted([run for _, run in got] for got in runs_by_group(admin, "each").values()) == [
+            [0, 1],
+            [0, 1, 2],
+            [0, 1, 2],
+        ]
+
+
+def test_an_estimator_over_runs_takes_each_member_for_a_run_of_its_own(target) -> None:
+    """step_wise_grpo is grpo over each run's last step: a group of single-turn elements, each its
+    own run, gets MCAdvantage's values, as grpo gives them (not one value for the whole group)."""
+    with BufferClient(target) as admin:
+        admin.create_table("steps", group_size=4, estimator="step_wise_grpo")
+    data = groups(["alpha", "beta"], 4)
+    rb = buffer(target, "steps", 8)
+    rb.extend(data)
+    reference = MCAdvantage(grpo_size=4, prompt_key="query").inv(data.clone())
+    mc = {key(td): float(td["advantage"].reshape(())) for td in rows(reference)}
+    got = {key(td): float(td["advantage"].reshape(())) for td in rows(rb.sample())}
+    assert got.keys() == mc.keys()
+    for name, value in got.items():
+        assert value == pytest.approx(mc[name], rel=1e-5), name
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+def test_token_ids_come_back_as_torch_long_whatever_dtype_they_were_pushed_in(target, dtype) -> None:
+    """AReaL's rows keep their input_ids' dtype (int32 where its padding made them so), and expbuf
+    stores a tensor's dtype: TorchRL's LLM wrappers and losses index embeddings and gather
+    log-probs with token ids, which they take as torch.long, as every other source gives them.
+    A sampled batch's token ids are torch.long whatever dtype they were pushed in."""
+    with BufferClient(target) as admin:
+        admin.create_table("dtypes", group_size=2, estimator="grpo")
+        input_ids = torch.tensor([[5, 6, 7, 40, 41, 0], [5, 6, 7, 50, 51, 52]], dtype=dtype)
+        areal = {
+            "input_ids": input_ids,
+            "attention_mask": torch.tensor([[1, 1, 1, 1, 1, 0], [1, 1, 1, 1, 1, 1]], dtype=torch.bool),
+            "loss_mask": torch.tensor([[0, 0, 0, 1, 1, 0], [0, 0, 0, 1, 1, 1]], dtype=torch.int32),
+            "rewards": torch.tensor([0.0, 1.0]),
+        }
+        exps = from_areal(areal, [EID(batch=0, task="t", run=run) for run in range(2)])
+        assert {exp.tokens.dtype for exp in exps} == {dtype}
+        admin.push(exps, "dtypes")
+        assert {exp.tokens.dtype for exp in admin.get([exp.eid.uid for exp in exps], "dtypes")} == {dtype}
+    batch = buffer(target, "dtypes", 2).sample()
+    for td in rows(batch):
+        for part in ("prompt", "response", "full"):
+            assert td["tokens", part].dtype == torch.long, (part, td["tokens", part].dtype)
+    assert sorted(tuple(td["tokens", "response"].tolist()) for td in rows(batch)) == [(40, 41), (50, 51, 52)]
+
+
+def test_token_ids_stored_as_torch_long_are_not_copied() -> None:
+    """Tokens already torch.long are the experience's own tensor in the element (zero copy)."""
+    exp = Experience(eid=EID(batch=0, task="t"), tokens=torch.arange(6), prompt_length=3, reward=1.0)
+    element = to_element(exp, "query")
+    assert element["tokens", "full"].data_ptr() == exp.tokens.data_ptr()
+    assert element["tokens", "response"].data_ptr() == exp.tokens[3:].data_ptr()
 
 
 def test_a_drawn_batchs_elements_are_made_without_the_collectors_passes(target) -> None:

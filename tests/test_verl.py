@@ -185,8 +185,9 @@ def test_expbuf_experiences_survive_verl_exactly() -> None:
 
 def test_rollouts_told_apart_by_suffix_alone_are_sessions_of_their_own_and_steps_go_in_order() -> None:
     """verl's GRPO takes a session's last index as its outcome. A group whose members all name one
-    run and one step (expbuf's TorchRL storage writes them so) was one session of four outputs: a
-    GRPO group of one, each rollout given the last one's reward. Each is a session now, and a
+    run and one step (expbuf's TorchRL storage wrote them so) was one session of four outputs: a
+    GRPO group of one, each rollout given the last one's reward. Each is a session now (so is each
+    of a group where two members name one run and step: TorchRL writers that shared a round), and a
     run's steps take their indexes in step order whatever order they came in (a helper's audit)."""
     from verl.trainer.ppo.v1.utils import compute_advantage_for_multi_trajectories
 
@@ -207,6 +208,12 @@ def test_rollouts_told_apart_by_suffix_alone_are_sessions_of_their_own_and_steps
     )
     out = compute_advantage_for_multi_trajectories(data, batch_keys=[r.key for r in rows], adv_estimator="grpo")
     assert len(set(out.batch["advantages"][:, 0].tolist())) == 4  # one GRPO group of four rollouts
+
+    shared = [  # two TorchRL writers that filled one round, each counting its own runs
+        Experience(tokens=torch.tensor([5, 6, 7, 8]), eid=EID("0", "q", run, 0, f"w{n}"), reward=float(n), **base)
+        for n, run in enumerate((0, 1, 0, 1))
+    ]
+    assert [r.key.rsplit("_", 2)[1:] for r in to_verl(shared, ["0/q"] * 4)] == [[str(n), "0"] for n in range(4)]
 
     steps = [
         Experience(tokens=torch.tensor([5, 6, 7, 8]), eid=EID("b", "q", run, step, "x"), reward=run + 0.5, **base)

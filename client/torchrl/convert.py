@@ -4,7 +4,8 @@ One element of a TorchRL LLM batch (one dialog turn, as `LLMCollector` writes it
 experience:
 
     TorchRL key                         expbuf Experience
-    ("tokens", "prompt" | "response")   tokens split at prompt_length ("full": both, as written)
+    ("tokens", "prompt" | "response")   tokens split at prompt_length ("full": both, as written);
+                                        sampled back as torch.long, whatever dtype they were pushed in
     ("log_probs", "response")           logprobs ("full": NaN over the prompt, as vLLMWrapper fills it)
     ("masks", "all_assistant_mask")     action_mask over the response (False over the prompt)
     ("masks", "all_attention_mask")     rebuilt: all True (a stored sequence holds no padding)
@@ -37,6 +38,9 @@ REWARD: NestedKey = ("next", "reward")
 VERSION: NestedKey = "policy_version"
 IDENTITY: NestedKey = "expbuf"  # a sampled element's uid and group id
 GROUP_INFO = "group"  # info[...] that keeps an experience's group name
+# Token ids as TorchRL's LLM wrappers and losses take them (embedding lookups, gathers); a stored
+# experience keeps the dtype it was pushed in (AReaL's rows may hold int32).
+TOKEN_DTYPE = torch.long
 
 
 def elements(data: Any) -> list[TensorDictBase]:
@@ -157,9 +161,10 @@ def _advantage(exp: Experience) -> torch.Tensor | None:
 
 def to_element(exp: Experience, group_key: NestedKey) -> TensorDict:
     """One sampled experience as a TorchRL LLM element (a TensorDict of batch size ())."""
-    prompt, response = layout.split(exp.tokens, exp.prompt_length)
+    tokens = exp.tokens.to(TOKEN_DTYPE)  # the tensor itself (no copy) where it is torch.long already
+    prompt, response = layout.split(tokens, exp.prompt_length)
     element = TensorDict(batch_size=[])
-    element["tokens"] = Tokens(prompt=prompt, response=response, full=exp.tokens, padded=False, batch_size=[])
+    element["tokens"] = Tokens(prompt=prompt, response=response, full=tokens, padded=False, batch_size=[])
     assistant = None
     if exp.action_mask is not None:
         assistant = torch.cat([torch.zeros(exp.prompt_length, dtype=torch.bool), exp.action_mask.to(torch.bool)])

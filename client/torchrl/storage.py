@@ -9,8 +9,12 @@ which TorchRL's `ReplayBuffer` reads through `get`; its `state_dict` says where 
 Groups are named as TorchRL's MCAdvantage names them: by the value at `group_key` (the prompt,
 "query", by default). The first `group_size` elements of a name pushed into the table, by any
 writer on any machine, are its group 0, the next ones its group 1, and so on: the eid of an
-element is batch = that round, task = a digest of the name. A writer keeps the open round of
-the names it wrote; a round the server reports complete (another writer filled it) is passed.
+element is batch = that round, task = a digest of the name, run = its place in the round as its
+writer counts it (0 .. group_size - 1 in the order written; the members of one push in a table
+of group_size 0), suffix = an `ordered_id` of its own. A writer keeps the open round of the
+names it wrote; a round the server reports complete (another writer filled it) is passed.
+Writers that share a round each count their own places, so their runs there may repeat (the
+suffix keeps their uids apart): the server's group needs none of them.
 
 The table, not the storage, decides what is kept (its capacity settings: capacity_experiences,
 when_full): the storage has no `max_size` (refused by name, and so is TorchRL's positional
@@ -54,13 +58,16 @@ class _Rounds:
         self.group_size = group_size
         self._open: OrderedDict[str, tuple[int, int]] = OrderedDict()  # task -> (round, members)
 
-    def plan(self, task: str, count: int) -> list[int]:
-        """The rounds of `count` new members: the open one while it has room, then the next ones.
-        A table that completes groups on push takes each push's members as one group."""
+    def plan(self, task: str, count: int) -> list[tuple[int, int]]:
+        """The (round, run) of `count` new members: the open round while it has room, then the next
+        ones, each member's run its place in its round. A table that completes groups on push takes
+        each push's members as one group, runs 0 .. count - 1. The same state plans the same places:
+        a push made again before `stored` or `closed` (after a refusal) has the same uids."""
         round_, members = self._open.get(task, (0, 0))
         if not self.group_size:
-            return [round_] * count
-        return [round_ + (members + i) // self.group_size for i in range(count)]
+            return [(round_, i) for i in range(count)]
+        places = range(members, members + count)
+        return [(round_ + place // self.group_size, place % self.group_size) for place in places]
 
     def stored(self, task: str, count: int) -> None:
         round_, members = self._open.get(task, (0, 0))
@@ -206,11 +213,12 @@ class ExpbufStorage(LazyStackStorage):
         return convert.to_experience(element, EID(task=task, suffix=ordered_id()), group)
 
     def _push(self, pending: dict[str, list[Experience]]) -> None:
-        """One push of every group's members into the rounds this writer knows to have room."""
+        """One push of every group's members into the rounds this writer knows to have room, each
+        member's run its place there."""
         assert self._rounds is not None
         for task, exps in pending.items():
-            for exp, round_ in zip(exps, self._rounds.plan(task, len(exps)), strict=True):
-                exp.eid.batch = round_
+            for exp, (round_, run) in zip(exps, self._rounds.plan(task, len(exps)), strict=True):
+                exp.eid.batch, exp.eid.run = round_, run
         self.client.push([exp for exps in pending.values() for exp in exps], self.table)
         for task, exps in pending.items():
             self._rounds.stored(task, len(exps))

@@ -180,9 +180,10 @@ def _from_verl(eid: EID, uid: str) -> bool:
 def _places(experiences: list[Experience], groups: Sequence[str | None]) -> list[tuple[int, int]]:
     """Each experience's verl session and index. A verl trajectory's are its own. verl's GRPO takes
     a session's last index as its outcome, so the others get a session a run and their outputs in
-    step order (ties in the order given); where every member of a group names one run and one
-    step (a producer that tells its rollouts apart by suffix alone, as expbuf's TorchRL storage
-    does, or one that leaves the run unset), a session each: one session, their GRPO group was of one."""
+    step order (ties in the order given); where two members of a group name one run and one step
+    (a producer that tells its rollouts apart by suffix alone or leaves the run unset, or expbuf's
+    TorchRL writers that share a round, each counting its own runs), a session each: one session
+    made two rollouts turns of one, their GRPO group smaller than it was."""
     places: list[tuple[int, int]] = [(0, 0)] * len(experiences)
     foreign: dict[str, list[int]] = {}
     for at, (exp, group) in enumerate(zip(experiences, groups, strict=True)):
@@ -193,7 +194,7 @@ def _places(experiences: list[Experience], groups: Sequence[str | None]) -> list
             foreign.setdefault(uid, []).append(at)
     for members in foreign.values():
         runs_steps = {(int(experiences[at].eid.run), int(experiences[at].eid.step)) for at in members}
-        if len(members) > 1 and len(runs_steps) == 1:
+        if len(runs_steps) < len(members):
             for session, at in enumerate(members):
                 places[at] = (session, 0)
             continue
