@@ -4,6 +4,7 @@ the same experiences; expbuf's own estimators against their published formulas."
 
 from __future__ import annotations
 
+import logging
 import math
 import random
 import statistics
@@ -143,7 +144,7 @@ def trinity_verl_data(exps: list):  # Trinity-RFT Experiences -> verl DataProto
         mask[i, :n] = e.action_mask
         if every:
             rewards[i, :n] = e.token_level_reward
-        else:
+        elif n:  # an empty response holds no token to put its reward on (Trinity's trainer: 0)
             rewards[i, n - 1] = e.reward
     return DataProto.from_dict(
         tensors={"token_level_rewards": rewards, "response_mask": mask},
@@ -283,6 +284,52 @@ def per_group(exps: list[Exp]) -> dict[int, list[Exp]]:
     for e in exps:
         out.setdefault(e.task, []).append(e)
     return out
+
+
+def trinity_trained(name: str, params: dict, exps: list[Exp]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Trinity-RFT's values as its trainer computes them: its Experiences through its own
+    conversion to verl's DataProto (trainer/verl/utils.py to_data_proto), each reward at its
+    response's end, then its registered function; each experience's response part."""
+    registry = pytest.importorskip("trinity.algorithm.advantage_fn")
+    experience = pytest.importorskip("trinity.common.experience")
+    from trinity.trainer.verl.utils import to_data_proto
+
+    built = [e.build(experience.Experience, experience.EID) for e in exps]
+    data = to_data_proto(built, 0, None, logging.getLogger(__name__))
+    data.batch["token_level_rewards"] = data.batch["token_level_scores"]
+    data, _ = registry.ADVANTAGE_FN.get(name)(**params)(data)
+    found = {}
+    for i, e in enumerate(built):  # the returns under the action mask, as expbuf stores them
+        n = len(e.action_mask)
+        found[e.eid.uid] = (data.batch["advantages"][i, :n], data.batch["returns"][i, :n] * e.action_mask)
+    return found
+
+
+@pytest.mark.parametrize("params", [{}, {"gamma": 0.9}])
+def test_an_empty_response_gets_what_trinitys_trainer_gives_it(params: dict) -> None:
+    """A run whose response is empty (its prompt alone: a push takes it) beside two that answered:
+    reinforceplusplus's batch stage raised on its zero-length values, so every Sample of the table
+    failed (a helper's audit). It gets no values, and the others what Trinity-RFT's trainer gives
+    them, with it and without it (its batch whitening counts tokens: an empty response has none)."""
+    name = "reinforceplusplus"
+    exps = [Exp(0, 0, 0, 1.0, []), Exp(0, 1, 0, 0.0, [True, True, True]), Exp(0, 2, 0, 0.5, [True])]
+    got, want = ours(name, params, exps), trinity_trained(name, params, exps)
+    assert got[exps[0].uid][0].numel() == 0
+    assert_same(got, want)
+    assert_same(ours(name, params, exps[1:]), {e.uid: want[e.uid] for e in exps[1:]})
+
+
+@pytest.mark.parametrize("name", ["grpo", "step_wise_grpo"])
+def test_a_batch_std_past_float32s_range_is_served_at_its_largest(name: str) -> None:
+    """Two groups of one, rewards 1e33 (a push takes them): the batch's std is 0, so each value is
+    1e33 / 1e-6, past float32's range, in which a batch carries advantages. Packing it failed every
+    Sample of the batch, again at each retry (a helper's audit); it is served at float32's largest
+    (Trinity-RFT's value is infinite: no infinity is served)."""
+    exps = [Exp(0, 0, 0, 1e33, [True, True]), Exp(1, 0, 0, 1e33, [True])]
+    largest = torch.finfo(torch.float32).max
+    assert torch.isinf(theirs(name, {"std_cal_level": "batch"}, exps)[exps[0].uid][0]).all()
+    got = ours(name, {"std_cal_level": "batch"}, exps)
+    assert [got[e.uid][0].tolist() for e in exps] == [[largest, largest], [largest]]
 
 
 def test_drgrpo() -> None:

@@ -12,7 +12,7 @@ importing this module loads none.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from expbuf.client import trxp
 
@@ -84,6 +84,7 @@ def _finish(
         if batched and not estimator.group_step_in_batch:  # LightRFT clips, then whitens across the batch
             rows.pending = values
             values = estimator.batch_stage()(rows, **args)
+        values = _in_float32(torch, values)
         return [(float(v), rec.response_length) for v, rec in zip(values.tolist(), records, strict=True)]
     lengths, masks, returns = [], [], []
     for record in stored:
@@ -91,15 +92,31 @@ def _finish(
             raise ValueError("a token-level table's experience holds one stored value, not its token-level record")
         length, mask, returned = token_parts(record)
         lengths.append(length)
-        masks.append(torch.frombuffer(bytearray(mask), dtype=torch.float32))
-        returns.append(torch.frombuffer(bytearray(returned), dtype=torch.float32))
+        masks.append(_floats(torch, mask))
+        returns.append(_floats(torch, returned))
     rows.mask, rows.returns = torch.cat(masks).double(), torch.cat(returns).double()
     rows.returns = shaping.clip_advantages(settings, rows.returns, report)  # the returns as advantages, clipped
-    advantages = estimator.batch_stage()(rows, **args)
+    advantages = _in_float32(torch, estimator.batch_stage()(rows, **args))
     return [
         token_record(n, trxp.raw_of(a.float()).data, trxp.raw_of(r).data)
         for a, r, n in zip(advantages.split(lengths), returns, lengths, strict=True)
     ]
+
+
+def _in_float32(torch: Any, values: Any) -> Any:
+    """Finished values within float32's range, in which a batch carries them: a batch's std of 0
+    divides by its epsilon alone (1e-6), so rewards past 3.4e32 would finish past it, fail to pack
+    and fail every Sample of the batch again. Those are served at float32's largest instead (Trinity-
+    RFT's would be infinite; no infinity is served). What ingest stored is finite already."""
+    largest = torch.finfo(torch.float32).max
+    return values.clamp(-largest, largest)
+
+
+def _floats(torch: Any, data: bytes) -> Any:
+    """A stored token-level part as float32s: none for an empty response, which frombuffer refuses."""
+    if not data:
+        return torch.zeros(0, dtype=torch.float32)
+    return torch.frombuffer(bytearray(data), dtype=torch.float32)
 
 
 def _batch_reward(rec: MemberView) -> float:
