@@ -347,6 +347,43 @@ def test_a_sealed_group_drops_its_runs_in_pieces(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("storage", ["rows", "records"])
+def test_a_rollout_in_pieces_dropped_as_stale_leaves_no_empty_group(tmp_path: Path, storage: str) -> None:
+    """A rollout's first piece opens its group; its last, stale (the trainer moved on, on_stale =
+    drop), is dropped as a stale push is. The group stayed pending with nothing in it, counted and
+    holding its places in the table's capacity: two such groups made an empty table of four places
+    refuse every push, for good without a group timeout (a helper's audit). A group left with nothing
+    goes, as if the pieces had never opened it; one that holds another run stays."""
+    config = TableConfig.of(
+        "t", estimator="none", group_size=2, layout=storage, max_staleness=1, on_stale="drop",
+        capacity_experiences=4, when_full="block",
+    )  # fmt: skip
+    with Store(tmp_path / "data", map_size=1 << 24) as store:
+        store.create_table(config)
+        store.set_trainer_version("t", 5)
+        for task in range(3):
+            old = rollout(task=task)
+            old.info["model_version"], old.info["version_segments"] = 3, [[3, 0]]
+            first, last = split(old, [4])
+            assert store.put("t", [trxp.from_experience(first)]).partial == [first.eid.uid]
+            assert store.put("t", [trxp.from_experience(last)]).stale == [last.eid.uid]
+            stats = store.stats("t")
+            assert (stats["groups_pending"], stats["pending"], stats["partials"]) == (0, 0, 0), stats
+        kept = rollout(task=9, run=1)
+        kept.info["model_version"], kept.info["version_segments"] = 5, [[5, 0]]
+        old = rollout(task=9)
+        old.info["model_version"], old.info["version_segments"] = 3, [[3, 0]]
+        first, last = split(old, [4])
+        store.put("t", [trxp.from_experience(kept), trxp.from_experience(first)])
+        assert store.put("t", [trxp.from_experience(last)]).stale == [last.eid.uid]
+        assert (store.stats("t")["groups_pending"], store.stats("t")["pending"]) == (1, 1)
+        fresh = [rollout(task=7, run=run) for run in (0, 1)]
+        for exp in fresh:
+            exp.info["model_version"], exp.info["version_segments"] = 5, [[5, 0]]
+        assert store.put("t", [trxp.from_experience(exp) for exp in fresh]).completed_groups == ["0/7"]
+        assert store.verify("t") == []
+
+
+@pytest.mark.parametrize("storage", ["rows", "records"])
 def test_a_deleted_group_takes_its_runs_in_pieces(tmp_path: Path, storage: str) -> None:
     """A pending group deleted (by its id, or with its last member) leaves the table, and its runs
     in pieces with it: they stayed, counted against the capacity, with no group left to time out.

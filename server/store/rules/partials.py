@@ -60,7 +60,7 @@ from expbuf.client.trxp.stored.pieces import Bytes
 from ..core.table_state.events import Pushed, Resent
 from ..core.table_state.pending_reads import missing
 from ..core.table_state.state import TableState
-from ..core.verbs import pieces
+from ..core.verbs import pieces, retire
 from ..core.verbs.groups import open_pending
 from ..core.verbs.rows import pending as row_pending
 from ..disk import digests, piece_rows
@@ -203,6 +203,14 @@ def bounded(tt: TableState, uid: str, size: int, most: int) -> None:
         f"rollout {clip(uid)} held in pieces would take {size} bytes with this piece, more than {bound}, {what}: "
         "a rollout in pieces is one experience once put together; nothing of this push is stored"
     )
+
+
+def dropped_stale(tt: TableState, uids: Sequence[str]) -> None:
+    """Rollouts a push dropped as stale, some put together from their pieces: the groups those pieces
+    opened (`_open_group`) go where they are left holding nothing (retire.close_bare), as a stale
+    run pushed whole opens none."""
+    if retire.close_bare(tt, uids):
+        tt.save()
 
 
 def _open_group(tt: TableState, gkey: str) -> bool:

@@ -430,6 +430,8 @@ class Pushing:
         compute = in_push(tt.config) if in_push is not None else None
         result = pushes.put(tt, kept, holder=holder, compute=compute, ahead=ahead)
         result.stale = stale
+        if pieces is not None and stale:
+            partials.dropped_stale(tt, stale)
         if pieces is not None:
             answered = {*result.stored, *result.duplicates, *result.stale}
             partials.joinable(tt, pieces.stored, answered, {*result.completed_groups, *result.dropped_groups})

@@ -102,10 +102,10 @@ def drop_deleted(tt: TableState, uids: Iterable[str]) -> list[str]:
         return []
     by = tt.config.grouping.by
     gkeys = dict.fromkeys(uid_group_key(uid, by) or uid for uid in dict.fromkeys(uids) if drop(tt, uid))
-    return [gkey for gkey in gkeys if tt.config.grouping.size and _bare(tt, gkey)]
+    return [gkey for gkey in gkeys if tt.config.grouping.size and bare(tt, gkey)]
 
 
-def _bare(tt: TableState, gkey: str) -> bool:
+def bare(tt: TableState, gkey: str) -> bool:
     """Whether group `gkey` is pending and holds nothing: no member, no run in pieces or reported failed."""
     grp = tt.view(gkey)
     return grp is not None and grp.state == PENDING and not grp.members and not grp.failed and not _held_in(tt, gkey)

@@ -14,6 +14,8 @@ from collections.abc import Iterable, Sequence, Set
 
 import lmdb
 
+from expbuf.client.schema.routing import uid_group_key
+
 from ...disk import chunk_reads, digests, layout
 from ...disk.layout import put_rows, u64
 from ...disk.records import DELETED, GroupRecord, ItemRecord
@@ -28,6 +30,7 @@ from . import groups, payloads, pieces
 from .rows import deletes as row_deletes
 from .rows import ends as row_ends
 from .rows import moves as row_moves
+from .rows import pending as row_pending
 from .rows import segments
 
 log = logging.getLogger("expbuf.store")
@@ -284,6 +287,30 @@ def delete(tt: TableState, uids: Sequence[str], group_ids: Sequence[str]) -> int
                 row_deletes.counted_removed(tt, gkey, grp.state, *lost[gkey])
         tt.forget_group(gkey)
     return deleted
+
+
+def close_bare(tt: TableState, uids: Iterable[str]) -> int:
+    """The pending groups of these uids left holding nothing (no member, no run in pieces or reported
+    failed) go without a word to the extensions, as if never opened: a rollout whose pieces opened
+    its group, then dropped as stale, leaves what a stale run pushed whole leaves, no group (one left
+    pending empty held its places in the capacity until a timeout). Returns how many went."""
+    if not tt.config.grouping.size:
+        return 0
+    by, closed = tt.config.grouping.by, 0
+    for gkey in dict.fromkeys(uid_group_key(uid, by) or uid for uid in uids):
+        if not pieces.bare(tt, gkey):
+            continue
+        if tt.config.storage.layout == "rows":
+            head = row_pending.head(tt, gkey)
+            if head is not None:
+                row_ends.left(tt, gkey, head, [])
+            tt.txn.delete(tt.key(gkey), db=tt.db["gdir"])
+        else:
+            leave_indexes(tt, gkey, tt.existing_group(gkey))
+            tt.forget_group(gkey)
+        tt.counters.add_groups(PENDING, -1)
+        closed += 1
+    return closed
 
 
 def _lost_groups_of(tt: TableState, uids: Sequence[str]) -> dict[str, tuple[str, int]]:
