@@ -175,6 +175,25 @@ def test_a_claim_that_ends_sends_its_prompt_back_first_and_its_old_attempt_is_re
     assert store.sample(TakeSpec("t", num_groups=1)).group_ids == [group_key("math", 0, 0, 1)] * 2
 
 
+def test_a_group_dropped_as_its_claim_ends_is_counted_under_a_reason(store: Store, clock: Clock) -> None:
+    """expbuf_groups_dropped_total's reasons sum to Stats.groups_dropped: a group dropped as its
+    prompt's claim ended was counted in groups_dropped under no reason (a helper's audit)."""
+    from expbuf.server.rpc.interceptors.metrics import StoreCollector
+
+    store.claims.create("t", DatasetRecord("math", size=3))
+    (lost,), _ = store.claims.claim("t", "math", 1, seconds=10)
+    store.put("t", items("math", lost, range(1)))
+    clock.now += 11
+    store.tick()
+    reasons = {
+        sample.labels["reason"]: sample.value
+        for family in StoreCollector(store).collect()
+        for sample in family.samples
+        if sample.name == "expbuf_groups_dropped_total" and sample.labels["table"] == "t"
+    }
+    assert store.stats("t")["groups_dropped"] == 1 and reasons["claim_ended"] == 1 and sum(reasons.values()) == 1
+
+
 def test_release_renew_and_another_tokens_claims(store: Store, clock: Clock) -> None:
     store.claims.create("t", DatasetRecord("math", size=3))
     (a, b), _ = store.claims.claim("t", "math", 2, seconds=10, holder="token-a")

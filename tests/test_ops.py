@@ -51,6 +51,7 @@ from expbuf.server.rpc.interceptors.limits import CallLimits, call_limits
 from expbuf.server.rpc.interceptors.metrics import Metrics, StoreCollector
 from expbuf.server.rpc.service import ExperienceBufferService
 from expbuf.server.store import Store
+from expbuf.server.store.disk import layout
 from expbuf.server.store.schema.estimator_registry import Estimator
 from expbuf.server.store.schema.table_config import ConfigError, TableConfig
 
@@ -134,6 +135,48 @@ def test_metrics_after_a_known_workload(start_server: Servers) -> None:
         ("expbuf_groups_dropped_total", {"table": "dapo", "reason": "zero_variance"}),
     ):
         assert value(again, name, **labels) == value(m, name, **labels)
+
+
+@pytest.mark.parametrize("storage", ["rows", "records"])
+def test_the_evicted_and_failed_totals_stay_once_their_tombstones_are_forgotten(tmp_path: Path, storage: str) -> None:
+    """Stats.evicted is a total since the table was created, as expbuf_evicted_total is: it was the
+    count of evicted tombstones, and fell to 0 as they were forgotten. Failed groups are counted by
+    expbuf_groups_failed_total; expbuf_groups{state="failed"}, a gauge that only grows, stays for
+    this release (a helper's audit)."""
+    from test_store import Clock
+
+    clock = Clock()
+    config = TableConfig.of(
+        "t", estimator="none", group_size=2, layout=storage, tombstone_seconds=10, capacity_experiences=4,
+        when_full="evict",
+    )  # fmt: skip
+    with Store(tmp_path / "data", clock=clock) as store:
+        store.create_table(config)
+        store.put("t", group_items(0, 0, 2, reward=0.0))
+        key = layout.table_prefix(store.catalog.lookup("t")[0]) + b"0/0/1/0/r1s0"
+
+        def damage(txn: Any) -> None:
+            stored = bytearray(txn.get(key, db=store.db["blobs"]))
+            stored[-1] ^= 0xFF
+            txn.put(key, bytes(stored), db=store.db["blobs"])
+
+        store.environment.submit(damage)
+        store.get_payload("t", ["0/0/1/0/r1s0"])  # read, found damaged: quarantined, its group failed
+        for task in (1, 2, 3):
+            store.put("t", group_items(0, task, 2, reward=0.0))  # capacity 4 beside the failed group: one evicted
+        service = ExperienceBufferService(store, metrics=Metrics(store), max_message_bytes=1 << 20,
+                                          advantage_device="cpu")  # fmt: skip
+        before = service._table_stats("t").evicted
+        clock.now += 60
+        store.tick()  # the tombstones, 10 s old, are forgotten (a rows table's with their segment)
+        assert before == service._table_stats("t").evicted == 2
+        collected = {
+            (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+            for family in StoreCollector(store).collect()
+            for sample in family.samples
+        }
+        assert value(collected, "expbuf_evicted_total", table="t") == 2
+        assert value(collected, "expbuf_groups_failed_total", table="t") == 1
 
 
 def test_the_sampled_counters_count_batches_delivered_and_never_go_down(

@@ -459,6 +459,22 @@ def test_a_delete_of_a_uid_held_in_pieces_takes_its_pieces(start_server: Servers
     assert server.store.verify("t") == []
 
 
+@pytest.mark.parametrize("storage", ["rows", "records"])
+def test_pieces_sent_again_after_their_rollout_are_counted_as_duplicates(tmp_path: Path, storage: str) -> None:
+    """A worker that sends its pieces again (a retry after a lost reply) once the rollout they made
+    is stored hears each is a duplicate, and the table counts them as it counts a whole one's
+    (Stats.duplicates, expbuf_duplicates_total): it counted the whole one's alone (a helper's audit)."""
+    whole = rollout(run=1)
+    pieces = [trxp.from_experience(piece) for piece in split(whole, [4, 8])]
+    with Store(tmp_path / "data", map_size=1 << 24) as store:
+        store.create_table(TableConfig.of("t", estimator="none", group_size=3, layout=storage))
+        for piece in pieces:
+            store.put("t", [piece])
+        answered = sum(len(store.put("t", [piece]).duplicates) for piece in pieces)
+        answered += len(store.put("t", [trxp.from_experience(whole)]).duplicates)
+        assert answered == 4 and store.stats("t")["duplicates"] == 4
+
+
 @pytest.mark.parametrize("group_size", [0, 3])
 def test_a_rollout_pushed_whole_replaces_its_pieces(tmp_path: Path, group_size: int) -> None:
     """A rollout pushed whole in a push of no piece left its pieces held (only a push with a piece in

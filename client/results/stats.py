@@ -25,7 +25,8 @@ class TableStats:
     leased: int
     consumed: int
     bytes: int
-    # Groups by state; failed groups' advantages could not be computed, dropped ones were filtered or timed out.
+    # Groups by live state; failed and dropped: totals since the table was created (failed groups'
+    # advantages could not be computed or a member was damaged; dropped ones were filtered or timed out).
     groups_pending: int
     groups_computing: int
     groups_ready: int
@@ -34,7 +35,9 @@ class TableStats:
     groups_dropped: int
     last_failure: str  # why the last failed group failed; empty when none did
     oldest_age_seconds: float
-    min_model_version: int  # -1 when no live experience carries a version
+    # The least and most model versions pushed to the table (never narrowed as experiences leave);
+    # -1 when none carried a version.
+    min_model_version: int
     max_model_version: int
     # Totals since the table was created.
     evicted: int

@@ -74,6 +74,9 @@ _VERSION_STATS = {
     "max_model_version": "max_version",
     "trainer_version": "trainer_version",
 }
+# TableStats fields that carry a store counter of another name: Stats.evicted is a total since the
+# table was created (as expbuf_evicted_total), not the evicted tombstones it holds, which go in time.
+_RENAMED_STATS = {"evicted": "evicted_total"}
 
 
 def sample_spec(request: pb.SampleRequest) -> TakeSpec:
@@ -388,6 +391,8 @@ class ExperienceBufferService(LedgerServicer, ReadServicer, ValuesServicer, pb_g
             if field.name in _VERSION_STATS:
                 version = s[_VERSION_STATS[field.name]]
                 setattr(stats, field.name, -1 if version is None else version)
+            elif field.name in _RENAMED_STATS:
+                setattr(stats, field.name, s[_RENAMED_STATS[field.name]])
             elif field.name in s:
                 setattr(stats, field.name, s[field.name])
         return stats

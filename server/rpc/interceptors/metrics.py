@@ -41,6 +41,7 @@ _STORE_COUNTERS = (
     ("expbuf_duplicates", "Pushed experiences that were already stored with identical bytes.", "duplicates"),
     ("expbuf_leases_expired", "Leases that expired and returned their groups.", "leases_expired"),
     ("expbuf_evicted", "Experiences evicted to make room.", "evicted_total"),
+    ("expbuf_groups_failed", "Groups failed: advantages not computed, or a member found damaged.", "groups_failed"),
     ("expbuf_rollouts_admitted", "Rollouts granted by Admit.", "admitted"),
     ("expbuf_rollouts_expired", "Granted rollouts given back by grants that expired.", "grants_expired"),
     ("expbuf_stale_dropped", "Pushed experiences dropped as staler than max_staleness.", "stale_dropped"),
@@ -59,7 +60,7 @@ _STORE_COUNTERS = (
         "damaged",
     ),
 )
-_DROP_REASONS = ("zero_variance", "timeout", "std_threshold", "stale", "short")
+_DROP_REASONS = ("zero_variance", "timeout", "std_threshold", "stale", "short", "claim_ended")
 _CLIP_STEPS = ("reward", "advantage")  # the shaping steps that clip: counters {step}s_seen and {step}s_clipped
 TableMetric = TypeVar("TableMetric", Counter, Histogram)
 
@@ -87,7 +88,7 @@ class StoreCollector(Collector):
                 experiences.add_metric([table, state], stats[state])
             for state in GROUP_STATES:
                 groups.add_metric([table, state], stats[f"groups_{state}"])
-            groups.add_metric([table, "failed"], stats["groups_failed"])
+            groups.add_metric([table, "failed"], stats["groups_failed"])  # deprecated: expbuf_groups_failed_total
         yield experiences
         yield groups
         for name, text, key in _STORE_COUNTERS:

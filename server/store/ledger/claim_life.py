@@ -233,3 +233,4 @@ def _drop(tt: TableState, groups: list[tuple[str, GroupView]]) -> None:
     if groups:
         retire(tt, groups, GROUP_DROPPED)
         tt.counters.groups_dropped += len(groups)
+        tt.counters.dropped_claim_ended += len(groups)

@@ -145,6 +145,7 @@ def _evict(tt: TableState, oldest: Iterator[str], over: Callable[[int, int], boo
         if not over(live, held):
             break
     if groups:
+        tombstones = tt.counters.evicted  # a member whose record damage lost is quarantined, not evicted
         retire(tt, groups, EVICTED)
-        tt.counters.evicted_total += sum(len(grp.members) for _, grp in groups)
+        tt.counters.evicted_total += tt.counters.evicted - tombstones
     return bool(groups)

@@ -66,6 +66,7 @@ class Counters:
     dropped_std_threshold: int = 0
     dropped_stale: int = 0
     dropped_short: int = 0  # too few of the group's runs succeeded (min_group_size)
+    dropped_claim_ended: int = 0  # its prompt's claim ended first (the prompt ledger)
     runs_failed: int = 0  # runs their workers reported failed (FailRuns)
     groups_short: int = 0  # groups that completed with fewer members than group_size
     tokens_masked: int = 0  # delivered tokens masked out of the action mask as too stale (max_token_staleness)
