@@ -47,7 +47,8 @@ STORED_NOW = (
     )
 )
 ADDED = {
-    "quarantined": 0, "damaged": 0, "dropped_short": 0, "dropped_claim_ended": 0, "runs_failed": 0, "groups_short": 0, "tokens_masked": 0,
+    "quarantined": 0, "damaged": 0, "dropped_short": 0, "dropped_claim_ended": 0, "runs_failed": 0,
+    "groups_short": 0, "tokens_masked": 0,
     "partials": 0, "partial_bytes": 0, "pieces_pushed": 0, "values": 0, "value_bytes": 0,
 }  # fmt: skip
 

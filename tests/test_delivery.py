@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import queue
 import time
 from pathlib import Path
 
@@ -207,6 +208,34 @@ def test_held_batches_of_a_killed_server_come_back(tmp_path: Path, start_server:
     server = start_server(tmp_path)
     assert server.store.stats("t")["leased"] == 0
     assert server.store.stats("t")["ready"] == 2
+
+
+def test_a_later_message_that_does_not_parse_ends_the_stream_at_once(server, client: BufferClient) -> None:
+    """A Sample stream's second message that does not parse (its table not UTF-8): the request check
+    refused it in the stream's reader thread, which died, and the stream held its worker and its batch
+    until max_confirm_seconds (600 s) ended it DEADLINE_EXCEEDED (a helper's audit). It ends at once,
+    INVALID_ARGUMENT naming the field, the batch back in the buffer, as a first message's would."""
+    fill(client, 2)
+    channel = grpc.insecure_channel(f"127.0.0.1:{server.port}")
+    sample = channel.stream_stream(
+        "/expbuf.v1.ExperienceBuffer/Sample",
+        request_serializer=lambda raw: raw,
+        response_deserializer=pb.SampleReply.FromString,
+    )
+    out: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
+    first = pb.SampleRequest(table="t", num_groups=1, delivery=pb.DELIVERY_LEASE, lease_seconds=60, max_batches=2)
+    out.put(first.SerializeToString())
+    started = time.monotonic()
+    call = sample(iter(out.get, None), timeout=20)
+    assert len(next(call).uids) == 2
+    out.put(b"\x0a\x03\xff\xfe\xc3")  # field 1 (table): three bytes that are not UTF-8
+    with pytest.raises(grpc.RpcError) as ended:
+        next(call)
+    out.put(None)
+    assert ended.value.code() == grpc.StatusCode.INVALID_ARGUMENT, ended.value.details()
+    assert "table" in ended.value.details() and time.monotonic() - started < 15
+    assert settle(client, lambda s: s.leased == 0).ready == 4
+    channel.close()
 
 
 def test_a_bad_confirmation_while_waiting_for_data_is_refused(client: BufferClient, stub) -> None:

@@ -89,6 +89,7 @@ class ClientSide:
         self.interrupted = False  # the server is stopping
         self._sent = 0
         self._changed = threading.Condition()
+        self._context = context
         context.add_callback(self._wake)
         threading.Thread(target=self._read, args=(requests,), name="expbuf-sample-reader", daemon=True).start()
 
@@ -118,6 +119,16 @@ class ClientSide:
                 self._changed.notify_all()
         except grpc.RpcError:
             self._wake()
+        except Exception:  # a message the request check refused (interceptors/unreadable.py): it ends the stream
+            if self._context.code() is None:  # no refusal: this reader's own failure ends the stream as a break
+                log.exception("a Sample stream's reader failed; the stream ends, its batches not confirmed go back")
+                self._wake()
+                return
+            details = self._context.details()
+            with self._changed:
+                self.error = InvalidRequest(details.decode(errors="replace") if details else "a message does not parse")
+                self.stopped = True
+                self._changed.notify_all()
 
     def interrupt(self) -> None:
         """The server is stopping: a wait for a confirmation or for data ends now."""
