@@ -194,6 +194,17 @@ def test_a_group_dropped_as_its_claim_ends_is_counted_under_a_reason(store: Stor
     assert store.stats("t")["groups_dropped"] == 1 and reasons["claim_ended"] == 1 and sum(reasons.values()) == 1
 
 
+def test_a_renewal_naming_no_dataset_is_refused_and_ends_no_claim(store: Store, clock: Clock) -> None:
+    """RenewClaims naming a dataset the table does not have (a typo, or the default table by an empty
+    name) answered that every claim named had ended, and its worker gave up claims still held; a
+    release names it NotFound (a helper's audit). A renewal does too, and renews nothing."""
+    store.claims.create("t", DatasetRecord("math", size=3))
+    (held,), _ = store.claims.claim("t", "math", 1, seconds=10)
+    with pytest.raises(NotFound, match="no dataset 'maths'"):
+        store.claims.renew("t", "maths", [(held.epoch, held.index, held.attempt)], 60)
+    assert store.claims.renew("t", "math", [(held.epoch, held.index, held.attempt)], 60)[1] == []
+
+
 def test_release_renew_and_another_tokens_claims(store: Store, clock: Clock) -> None:
     store.claims.create("t", DatasetRecord("math", size=3))
     (a, b), _ = store.claims.claim("t", "math", 2, seconds=10, holder="token-a")

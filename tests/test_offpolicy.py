@@ -20,6 +20,7 @@ from expbuf.client import AsyncBufferClient, BufferClient, BufferError, Permissi
 from expbuf.client.rpc import declare
 from expbuf.client.torch import ExperienceDataset
 from expbuf.proto.v1 import buffer_pb2 as pb
+from expbuf.proto.v1 import buffer_pb2_grpc as pb_grpc
 from expbuf.server.config import load
 from expbuf.server.store import Entry, Store
 from expbuf.server.store.disk import layout
@@ -245,6 +246,19 @@ def test_grants_of_a_killed_worker_come_back(start_server: Servers) -> None:
         with pytest.raises(BufferError) as bad:
             c.admit("t", 1, grant_seconds=-1)
         assert bad.value.code == grpc.StatusCode.INVALID_ARGUMENT
+
+
+@pytest.mark.parametrize("wait", [float("nan"), -1.0, float("inf"), 1e308])
+def test_an_admit_whose_wait_is_out_of_range_is_refused_by_name(server, wait: float) -> None:
+    """Admit took any wait_seconds without a word (NaN and negatives answered at once, inf waited
+    to the deadline, each OK with nothing granted) where Claim and Sample refuse it naming the field
+    (a helper's audit)."""
+    stub = pb_grpc.ExperienceBufferStub(grpc.insecure_channel(f"127.0.0.1:{server.port}"))
+    with BufferClient(f"127.0.0.1:{server.port}", timeout=10) as c:
+        c.create_table("t", estimator="none", max_staleness=1, batch_size=2)
+    with pytest.raises(grpc.RpcError) as bad:
+        stub.Admit(pb.AdmitRequest(table="t", count=1, wait_seconds=wait), timeout=10)
+    assert bad.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "wait_seconds" in bad.value.details()
 
 
 def test_with_tokens_a_grant_is_finished_only_by_the_token_that_took_it(start_server: Servers) -> None:

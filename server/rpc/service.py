@@ -39,7 +39,7 @@ from ..store.schema.errors import (
     check_names,
     clip,
 )
-from ..store.schema.sample_spec import TakeSpec
+from ..store.schema.sample_spec import MAX_WAIT_SECONDS, TakeSpec, check_seconds
 from ..store.schema.table_config import TableConfig
 from .call_context import (
     MIN_REPLY_BYTES,
@@ -407,6 +407,7 @@ class ExperienceBufferService(LedgerServicer, ReadServicer, ValuesServicer, pb_g
     @refusals
     def Admit(self, request: pb.AdmitRequest, context: grpc.ServicerContext) -> pb.AdmitReply:
         table = request.table or "default"
+        check_seconds("wait_seconds", request.wait_seconds, low=0.0, high=MAX_WAIT_SECONDS)  # as a claim's
         asked = min(request.wait_seconds, self.max_wait_seconds)  # a waiting Admit holds a worker thread
         wait = remaining(context, asked) if request.wait_seconds > 0 else 0.0
         seconds = request.grant_seconds or 300.0

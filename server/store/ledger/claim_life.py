@@ -89,7 +89,9 @@ class ClaimRules(DatasetRules):
         self, tt: TableState, name: str, prompts: Sequence[tuple[int, int, int]], seconds: float, holder: str
     ) -> tuple[float, list[tuple[int, int, int]]]:
         """Claims (epoch, index, attempt) now end `seconds` from now; returns when, and the
-        prompts whose claim had already ended (not renewed: give up on them)."""
+        prompts whose claim had already ended (not renewed: give up on them). NotFound where the
+        table has no such dataset: no claim of it is said to have ended."""
+        dataset(tt, name)
         expire(tt)
         expires, ended = tt.now + seconds, []
         for epoch, index, attempt in prompts:
