@@ -17,6 +17,7 @@ import torch
 from expbuf.client import AsyncBufferClient, BufferClient, DataLossError, trxp
 from expbuf.client.schema.experience import EID, Experience
 from expbuf.client.schema.reasons import Reason
+from expbuf.client.trxp.stored.columns import MAX_SHARES, Shares
 from expbuf.proto.v1 import buffer_pb2 as pb
 from expbuf.proto.v1 import buffer_pb2_grpc as pb_grpc
 
@@ -99,6 +100,23 @@ def test_read_fields_read_as_a_jagged_tensordict(client: BufferClient) -> None:
     (sampled,) = client.sample("t", num_groups=3, delivery="lease", max_batches=1, timeout=10, fields=FIELDS)
     td = client.read_fields(sampled.uids, FIELDS, table="t").tensordict()
     assert td.batch_size == torch.Size([9]) and td["tokens"].is_nested and list(td.keys()) == FIELDS
+
+
+def test_more_shares_than_tokens_cost_a_run_a_token_not_a_run_a_share(client: BufferClient) -> None:
+    """A read of 65,536 shares of experiences of a few tokens made a run of rows for every share of
+    every tensor of every experience, empty or not: a 180 KB request cost seconds of the server's CPU,
+    past its deadline (a helper's audit). A share that covers no token makes none; the shares taken
+    still come in the order named, and a read of all of them, in any order, puts the whole back."""
+    shares = Shares(MAX_SHARES, tuple(reversed(range(MAX_SHARES))))
+    runs = shares.positions(40)
+    assert runs == [(t, t + 1) for t in reversed(range(40))]
+    made = {exp.eid.uid: exp for exp in pushed(client, "m")}
+    uids = list(made)
+    read = client.read_fields(uids, ["tokens", "logprobs"], table="m", share=tuple(range(MAX_SHARES)), of=MAX_SHARES)
+    whole = client.read_fields(uids, ["tokens", "logprobs"], table="m")
+    for name in ("tokens", "logprobs"):
+        for k in range(len(uids)):
+            assert torch.equal(read.columns[name].tensors[k], whole.columns[name].tensors[k]), (name, k)
 
 
 @pytest.mark.parametrize("of", [1, 2, 3, 5])

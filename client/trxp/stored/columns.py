@@ -82,6 +82,8 @@ class Shares:
 
     count: int
     take: tuple[int, ...]
+    # each share taken's place in `take`, made at the first experience of fewer tokens than shares taken
+    placed: dict[int, int] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if not 1 <= self.count <= MAX_SHARES:
@@ -98,8 +100,20 @@ class Shares:
             seen.add(share)
 
     def positions(self, length: int) -> Rows:
-        """The runs of positions of an experience of `length` tokens that the shares taken cover."""
-        return [(length * share // self.count, length * (share + 1) // self.count) for share in self.take]
+        """The runs of positions of an experience of `length` tokens that the shares taken cover, in
+        the order taken; a share that covers none (more shares than tokens) is left out, so that a
+        read's work goes with the tokens it reads, not with the shares it names (65,536 shares of
+        each small experience cost a request seconds of the server's CPU)."""
+        count = self.count
+        if len(self.take) <= length:
+            runs = [(length * share // count, length * (share + 1) // count) for share in self.take]
+            return [(a, b) for a, b in runs if a < b]
+        if not self.placed:
+            self.placed.update((share, at) for at, share in enumerate(self.take))
+        # token t is in share ceil((t + 1) * count / length) - 1: each share that holds a token, once
+        held = {((t + 1) * count + length - 1) // length - 1 for t in range(length)}
+        taken = sorted((self.placed[share], share) for share in held if share in self.placed)
+        return [(length * share // count, length * (share + 1) // count) for _, share in taken]
 
     def rows(self, name: bytes, rows: int, length: int | None, response: int) -> Rows | None:
         """The runs of rows of an experience's tensor `name` (as a stored header writes it), of
@@ -109,7 +123,8 @@ class Shares:
             return None
         if name in _RESPONSE and rows == response:
             prompt = length - response
-            return [(max(a - prompt, 0), max(b - prompt, 0)) for a, b in self.positions(length)]
+            runs = [(max(a - prompt, 0), max(b - prompt, 0)) for a, b in self.positions(length)]
+            return [(a, b) for a, b in runs if a < b]
         return self.positions(length) if rows == length else None
 
     def spans(self, found: Sequence[Entry], names: Collection[bytes], response: int) -> Rows:
