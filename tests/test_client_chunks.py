@@ -90,6 +90,22 @@ def test_every_client_pushes_a_large_payload_in_chunks(server: ExpbufServer, kin
     assert calls(server, "PushStream") == (2 if refused_here else 3) and calls(server, "Push") == 1
 
 
+@pytest.mark.parametrize("kind", ["blocking", "asyncio"])
+def test_chunks_as_large_as_a_message_fit_one_with_their_table(server: ExpbufServer, kind: str) -> None:
+    """push_chunk_bytes equal to max_message_bytes (both taken) made every chunk's message larger
+    than the client sends, by its table's name and numbers: each chunked push failed (a helper's
+    audit). A chunk is cut to fit a message with them."""
+    target, body, table = f"127.0.0.1:{server.port}", large(f"fit-{kind}"), "sixty-four-characters-" + "x" * 42
+    with BufferClient(target) as admin:
+        admin.create_table(table, estimator="none")
+    settings = {"max_message_bytes": 1 << 17, "push_chunk_bytes": 1 << 17}
+    make = run_sync(lambda t: BufferClient(t, **settings))
+    if kind == "asyncio":
+        make = run_async(lambda t: AsyncBufferClient(t, **settings))
+    pushed: PushResult = make(target, lambda client: client.push(body, table=table))
+    assert len(pushed.stored) == 2 and calls(server, "PushStream") == 1
+
+
 def test_push_chunk_bytes_0_sends_every_push_whole_and_a_bad_value_is_refused(server: ExpbufServer) -> None:
     target = f"127.0.0.1:{server.port}"
     with BufferClient(target, push_chunk_bytes=0) as client:

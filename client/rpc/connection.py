@@ -27,6 +27,7 @@ from expbuf.proto.v1 import buffer_pb2 as pb
 from expbuf.proto.v1 import buffer_pb2_grpc as pb_grpc
 
 from ..errors import ExpbufError
+from .frames import most_push_request
 from .sample_reply import PARTS_METHODS, parts_method, sample_method
 from .wire import BUSY, MESSAGE_BYTES, reason_of
 
@@ -52,6 +53,9 @@ DEFAULT_TARGET = f"127.0.0.1:{DEFAULT_PORT}"
 DEFAULT_MAX_MESSAGE_BYTES = 256 << 20
 # A push larger than this goes over PushStream in chunks of this size (see PushRequest.total_bytes).
 DEFAULT_PUSH_CHUNK_BYTES = 4 << 20
+# What a chunk's PushRequest holds beside its bytes, at most: the longest table name, its numbers
+# and the bytes' length (of a chunk under 4 GiB).
+CHUNK_ENVELOPE = most_push_request(1 << 32, "t" * 64) - (1 << 32)
 DEFAULT_TIMEOUT = 30.0
 # gRPC makes at most 5 attempts of a call (its retry design caps a policy's maxAttempts there,
 # and grpcio has no setting to raise it): 4 retries after the first.
@@ -334,7 +338,8 @@ class ClientBase:
         self.timeout = timeout
         self.retries = max(0, min(retries, MAX_RETRIES))
         self.wait_for_ready = wait_for_ready
-        self.push_chunk_bytes = push_chunk_bytes
+        # a chunk's message holds its table's name and its numbers beside its bytes: within max_message_bytes
+        self.push_chunk_bytes = min(push_chunk_bytes, max_message_bytes - CHUNK_ENVELOPE) if push_chunk_bytes else 0
         self.max_message_bytes = max_message_bytes
         self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
         self._tls = tls if isinstance(tls, Tls) else Tls() if tls else None
