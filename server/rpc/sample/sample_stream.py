@@ -40,7 +40,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Generator, Iterator
 from dataclasses import replace
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import grpc
 
@@ -120,11 +120,12 @@ class ClientSide:
         except grpc.RpcError:
             self._wake()
         except Exception:  # a message the request check refused (interceptors/unreadable.py): it ends the stream
-            if self._context.code() is None:  # no refusal: this reader's own failure ends the stream as a break
+            context: Any = self._context  # grpc's server context has code() and details(); its stubs name neither
+            if context.code() is None:  # no refusal: this reader's own failure ends the stream as a break
                 log.exception("a Sample stream's reader failed; the stream ends, its batches not confirmed go back")
                 self._wake()
                 return
-            details = self._context.details()
+            details = context.details()
             with self._changed:
                 self.error = InvalidRequest(details.decode(errors="replace") if details else "a message does not parse")
                 self.stopped = True
