@@ -106,6 +106,41 @@ def stream_calls(port: int) -> float:
     )
 
 
+@pytest.mark.parametrize("kind", ["blocking", "asyncio"])
+def test_idle_pushers_give_back_the_room_their_streams_hold(start_server: Servers, kind: str) -> None:
+    """A pusher's open stream holds the server's room for its next message (the most a chunk's, 4
+    MiB): the streams of pushers whose pushes were all answered stayed open up to twice the timeout,
+    so a few hundred idle pushers held all of max_inflight_bytes (at its default) and every other
+    push waited for room until its deadline (a helper's audit). A stream with no push sent on it for
+    pipeline.QUIET ends, and gives its room back: eight pushers in turn each push where four streams
+    hold all the room there is."""
+    server = start_server(max_inflight_bytes=16 << 20)
+    target = f"127.0.0.1:{server.port}"
+    with BufferClient(target) as admin:
+        admin.create_table("t", estimator="none", group_size=1)
+    pushes = [[make_experience(kind, task, 0)] for task in range(8)]
+
+    def blocking() -> list[PushResult]:
+        clients = [BufferClient(target, timeout=8) for _ in pushes]
+        pushers = [client.pusher("t") for client in clients]
+        try:
+            return [pusher.push(items).result() for pusher, items in zip(pushers, pushes, strict=True)]
+        finally:
+            for client in clients:
+                client.close()
+
+    async def asyncio_pushes() -> list[PushResult]:
+        clients = [AsyncBufferClient(target, timeout=8) for _ in pushes]
+        try:
+            return [await (await client.pusher("t").push(items)) for client, items in zip(clients, pushes, strict=True)]
+        finally:
+            for client in clients:
+                await client.close()
+
+    results = blocking() if kind == "blocking" else asyncio.run(asyncio_pushes())
+    assert [len(result.stored) for result in results] == [1] * 8
+
+
 @pytest.mark.parametrize("kind", sorted(PUSHERS))
 def test_every_push_in_a_window_is_answered_in_order_over_one_stream(start_server: Servers, kind: str) -> None:
     server = start_server()
@@ -279,8 +314,9 @@ def test_a_push_sent_as_the_server_ends_an_idle_stream_goes_again_on_a_new_one(
     """A pusher idle past push_stream_idle_seconds pushes as the server ends its stream, before
     it has seen the end: the server read nothing after the pusher's last answered push, so the
     push goes on a new stream and is stored once (it failed DEADLINE_EXCEEDED "PushStream idle"
-    before, the idle end taken for the push's refusal)."""
-    server = start_server(push_stream_idle_seconds=1)
+    before, the idle end taken for the push's refusal). The server's idle bound is below
+    pipeline.QUIET, after which the pusher ends an idle stream itself."""
+    server = start_server(push_stream_idle_seconds=0.3)
     target = f"127.0.0.1:{server.port}"
     first, second = group(kind, 0), group(kind, 1)
     hook = HeldEnd()

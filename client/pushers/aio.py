@@ -228,7 +228,7 @@ class AsyncPusher(AsyncOrderedFutures[PushWindow]):
         self._settle()
 
     def _watch(self, stream: _Open) -> None:
-        """End `stream` once it has gone quiet with pushes unanswered (Stream.quiet), looking
+        """End `stream` once it has gone quiet (Stream.quiet), looking
         again as long as pushes go on it."""
         delay = stream.state.quiet()
         if delay is None or self._stream is not stream or stream.closed:

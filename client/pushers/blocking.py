@@ -183,7 +183,7 @@ class Pusher(OrderedFutures[PushWindow]):
             self._stream = None
 
     def _watch(self, stream: _Open) -> None:
-        """End `stream` once it has gone quiet with pushes unanswered (Stream.quiet), looking
+        """End `stream` once it has gone quiet (Stream.quiet), looking
         again as long as pushes go on it (under the lock)."""
         delay = stream.state.quiet()
         if delay is None or self._stream is not stream:

@@ -35,7 +35,8 @@ it: the next push, or the stream's end. So a pusher that waits for its pushes wi
 send after them (flush(), close()) ends its stream first, and each stream opened while it waits
 (to send a push again) once its pushes are sent: a loss there is known at once, not at the
 stream's deadline. A caller may wait otherwise (a future's result, or room in a window of 1), so a
-stream on which no push went for QUIET while some are unanswered ends too (Stream.quiet).
+stream on which no push went for QUIET while some are unanswered ends too (Stream.quiet); so does
+one with none unanswered, which would hold the server's room for its next message while it idles.
 
 Both resends are made here, by hand. gRPC's retry policy retries a stream only until its first
 reply, and sends again everything the stream carried: a pusher's stream has answered pushes
@@ -66,9 +67,9 @@ from ..rpc.wire import reason_of
 from ..schema.reasons import Reason
 
 MAX_PUSHES_AHEAD = 64  # the most pushes a pipeline keeps in flight (its window)
-# How long a stream may go with no push sent on it while some are unanswered before the pusher
-# ends it (Stream.quiet): an answer comes in milliseconds, and the next push after it opens a
-# stream of its own, which costs it about a round trip.
+# How long a stream may go with no push sent on it before the pusher ends it (Stream.quiet): an
+# answer comes in milliseconds, and the next push after it opens a stream of its own, which costs
+# it about a round trip.
 QUIET = 1.0
 NAMED_UIDS = 32  # the uids an error names; past them, how many more
 
@@ -131,11 +132,13 @@ class Stream:
         return min((pending.deadline for pending in self.sent if pending.outcome is None), default=None)
 
     def quiet(self) -> float | None:
-        """How long until the stream has had no push sent on it for QUIET with pushes still
-        unanswered (0: it has, and ends now), so that its last push's loss is known while its
-        caller waits for it however it waits (a future's result, not flush()); None while none
-        is unanswered (the next push looks again)."""
-        if not self.sent:
+        """How long until the stream has had no push sent on it for QUIET (0: it has, and ends
+        now): with pushes unanswered, so that its last push's loss is known while its caller waits
+        for it however it waits (a future's result, not flush()); with none, so that it gives back
+        what the server holds for its next message (the most a chunk's, max_inflight_bytes: a few
+        hundred idle pushers' streams held all of it, and every other push waited for room). None
+        before any push went on it."""
+        if not self.last_sent:
             return None
         return max(0.0, self.last_sent + QUIET - time.monotonic())
 
