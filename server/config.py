@@ -346,13 +346,79 @@ _ENV = {
 
 
 def parse_tokens(spec: str) -> dict[str, frozenset[str]]:
-    """ "TOKEN:push,sample;TOKEN2:admin" -> {token: scopes} (the EXPBUF_TOKENS form)."""
+    """ "TOKEN:push,sample;TOKEN2:admin" -> {token: scopes} (the EXPBUF_TOKENS form). One that names
+    no token is refused, not taken for "no tokens": set, it replaces the config file's tokens, and an
+    empty one would turn authentication off without a word."""
     tokens = {}
-    for part in filter(None, (p.strip() for p in spec.split(";"))):
+    for number, part in enumerate(filter(None, (p.strip() for p in spec.split(";"))), 1):
         token, sep, scopes = part.rpartition(":")
         if not sep or not token:
             raise ConfigError("EXPBUF_TOKENS entries are TOKEN:scope[,scope...] separated by ';'")
         tokens[token] = frozenset(s.strip() for s in scopes.split(",") if s.strip())
+        if not tokens[token]:
+            raise ConfigError(f"EXPBUF_TOKENS: token {number} has no scopes; give it some of {', '.join(SCOPES)}")
+    if not tokens:
+        raise ConfigError(
+            "EXPBUF_TOKENS names no token: give TOKEN:scope[,scope...] entries separated by ';', or unset it "
+            "(the config file's tokens, or none, then hold)"
+        )
+    return tokens
+
+
+_TLS_KEYS = ("cert", "key", "client_ca")
+_TOKEN_KEYS = ("token", "token_env", "scopes")
+
+
+def _tls_of(path: Path, tls: object) -> TlsConfig:
+    """The [tls] block: each setting a file's path (relative to the config file); another is refused
+    by name, as a misspelt client_ca would otherwise leave TLS one-way without a word."""
+    if not isinstance(tls, dict):
+        raise ConfigError(f"config file {path}: [tls] must be a table of cert, key and client_ca")
+    unknown = sorted(set(tls) - set(_TLS_KEYS))
+    if unknown:
+        raise ConfigError(
+            f"config file {path}: [tls] has no setting {clip(unknown[0], 40)}; its settings are cert, key, client_ca"
+        )
+    if not {"cert", "key"} <= set(tls):
+        raise ConfigError(f"config file {path}: [tls] needs cert and key")
+    for name, value in tls.items():
+        if not isinstance(value, str) or not value:
+            raise ConfigError(f"config file {path}: [tls] {name} must be a file's path, got {clip(repr(value), 60)}")
+    base = path.parent
+    ca = tls.get("client_ca")
+    return TlsConfig(cert=str(base / tls["cert"]), key=str(base / tls["key"]), client_ca=str(base / ca) if ca else None)
+
+
+def _tokens_of(path: Path, entries: object) -> dict[str, frozenset[str]]:
+    """The [[tokens]] blocks: each a token (or the variable holding it) and its scopes, at least one."""
+    if not isinstance(entries, list) or not all(isinstance(entry, dict) for entry in entries):
+        raise ConfigError(f"config file {path}: tokens must be [[tokens]] blocks, each a token and its scopes")
+    tokens = {}
+    for number, entry in enumerate(entries, 1):
+        unknown = sorted(set(entry) - set(_TOKEN_KEYS))
+        if unknown:
+            raise ConfigError(
+                f"config file {path}: [[tokens]] entry {number} has no setting {clip(unknown[0], 40)}; "
+                "its settings are token (or token_env) and scopes"
+            )
+        variable = entry.get("token_env")
+        if "token" in entry and not isinstance(entry["token"], str):
+            raise ConfigError(f"config file {path}: [[tokens]] entry {number}'s token must be a string")
+        token = entry.get("token") or (os.environ.get(variable, "") if isinstance(variable, str) else "")
+        if not token and variable is not None:
+            raise ConfigError(
+                f"config file {path}: [[tokens]] entry {number} reads its token from the variable"
+                f" {clip(variable, 60)}, which is unset or empty in the server's environment"
+            )
+        if not token:
+            raise ConfigError(f"config file {path}: [[tokens]] entry {number} has no token (token or token_env)")
+        scopes = entry.get("scopes")
+        if not isinstance(scopes, list) or not scopes or not all(isinstance(scope, str) for scope in scopes):
+            raise ConfigError(
+                f"config file {path}: [[tokens]] entry {number} has no scopes; give it scopes = [...] of "
+                f"{', '.join(SCOPES)} (a token of none could make no call)"
+            )
+        tokens[token] = frozenset(scopes)
     return tokens
 
 
@@ -366,28 +432,9 @@ def _from_toml(path: Path) -> dict[str, Any]:
     if unknown:
         raise ConfigError(f"config file {path}: unknown setting(s) {', '.join(sorted(unknown))}")
     values: dict[str, Any] = {k: v for k, v in raw.items() if k not in ("tls", "tokens", "tables")}
-    base = path.parent
     if "tls" in raw:
-        tls = raw["tls"]
-        if not isinstance(tls, dict) or not {"cert", "key"} <= set(tls):
-            raise ConfigError(f"config file {path}: [tls] needs cert and key")
-        values["tls"] = TlsConfig(
-            cert=str(base / tls["cert"]),
-            key=str(base / tls["key"]),
-            client_ca=str(base / tls["client_ca"]) if tls.get("client_ca") else None,
-        )
-    tokens = {}
-    for number, entry in enumerate(raw.get("tokens", []), 1):
-        variable = entry.get("token_env")
-        token = entry.get("token") or (os.environ.get(variable, "") if isinstance(variable, str) else "")
-        if not token and variable is not None:
-            raise ConfigError(
-                f"config file {path}: [[tokens]] entry {number} reads its token from the variable"
-                f" {clip(variable, 60)}, which is unset or empty in the server's environment"
-            )
-        if not token:
-            raise ConfigError(f"config file {path}: [[tokens]] entry {number} has no token (token or token_env)")
-        tokens[token] = frozenset(entry.get("scopes", []))
+        values["tls"] = _tls_of(path, raw["tls"])
+    tokens = _tokens_of(path, raw.get("tokens", []))
     if tokens:
         values["tokens"] = tokens
     values["tables"] = tuple(TableConfig.from_settings(t) for t in raw.get("tables", []))
@@ -414,7 +461,17 @@ def load(path: str | None = None, overrides: dict[str, Any] | None = None) -> Se
     if "EXPBUF_TOKENS" in os.environ:
         env["tokens"] = parse_tokens(os.environ["EXPBUF_TOKENS"])
     tls = _server_tls_env()
-    if "cert" in tls or "key" in tls:
-        env["tls"] = TlsConfig(cert=tls.get("cert", ""), key=tls.get("key", ""), client_ca=tls.get("client_ca") or None)
+    if tls:  # each variable sets its own setting over the file's: a CA alone makes the file's TLS mutual
+        was = config.tls or TlsConfig(cert="", key="")
+        cert, key = tls.get("cert", was.cert), tls.get("key", was.key)
+        if not cert or not key:
+            missing, given = ("a key", "EXPBUF_SERVER_TLS_CERT") if cert else ("a certificate", "EXPBUF_SERVER_TLS_KEY")
+            if not cert and not key:
+                missing, given = "a certificate and key", "EXPBUF_SERVER_TLS_CLIENT_CA"
+            raise ConfigError(
+                f"{given} is set without {missing}: give EXPBUF_SERVER_TLS_CERT and EXPBUF_SERVER_TLS_KEY "
+                "(or cert and key in the config file's [tls])"
+            )
+        env["tls"] = TlsConfig(cert=cert, key=key, client_ca=tls.get("client_ca", was.client_ca or "") or None)
     config = replace(config, **env)
     return replace(config, **{k: v for k, v in (overrides or {}).items() if v is not None})

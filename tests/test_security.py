@@ -298,3 +298,59 @@ def test_a_start_with_an_unset_token_variable_names_it(tmp_path: Path) -> None:
     assert done.returncode == 2 and len(lines) == 1, done.stderr
     assert "EXPBUF_TEST_UNSET_TOKEN" in lines[0] and "[[tokens]] entry 2" in lines[0], lines[0]
     assert not (tmp_path / "d").exists()
+
+
+@pytest.mark.parametrize(
+    ("text", "said"),
+    [
+        ('[tls]\ncert = "c.pem"\nkey = "k.pem"\nclient_cA = "ca.pem"\n', "[tls] has no setting client_cA"),
+        ('[tls]\ncert = "c.pem"\nkey = 5\n', "[tls] key must be a file's path"),
+        ('[[tokens]]\ntoken = "t"\nscope = ["push"]\n', "[[tokens]] entry 1 has no setting scope"),
+        ('[[tokens]]\ntoken = "t"\n', "[[tokens]] entry 1 has no scopes"),
+        ('[[tokens]]\ntoken = "t"\nscopes = []\n', "[[tokens]] entry 1 has no scopes"),
+        ('[[tokens]]\ntoken = 5\nscopes = ["push"]\n', "[[tokens]] entry 1's token must be a string"),
+        ('tokens = ["x"]\n', "tokens must be [[tokens]] blocks"),
+    ],
+)
+def test_a_config_that_would_weaken_tls_or_tokens_is_refused_by_name(tmp_path: Path, text: str, said: str) -> None:
+    """A misspelt [tls] key (client_cA) left TLS one-way and [[tokens]] entries of no scopes were
+    taken without a word (a helper's audit): each is refused, naming the file, the block and what."""
+    config = tmp_path / "expbuf.toml"
+    config.write_text(text)
+    with pytest.raises(ConfigError) as refused:
+        load(str(config))
+    assert str(config) in str(refused.value) and said in str(refused.value), refused.value
+
+
+def test_the_environment_changes_the_files_tls_and_tokens_a_setting_at_a_time(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """EXPBUF_SERVER_TLS_CLIENT_CA beside the file's [tls] was ignored, EXPBUF_SERVER_TLS_CERT and
+    _KEY dropped the file's client_ca, a cert without a key failed at the start as "TLS key '': Is a
+    directory", and an empty EXPBUF_TOKENS turned the file's tokens off (a helper's audit). Each
+    variable sets its own setting over the file's; a pair left half set, and an EXPBUF_TOKENS that
+    names no token, are refused by name."""
+    config = tmp_path / "expbuf.toml"
+    config.write_text(
+        '[tls]\ncert = "c.pem"\nkey = "k.pem"\nclient_ca = "ca.pem"\n\n[[tokens]]\ntoken = "t"\nscopes = ["push"]\n'
+    )
+    for name in ("EXPBUF_SERVER_TLS_CERT", "EXPBUF_SERVER_TLS_KEY", "EXPBUF_SERVER_TLS_CLIENT_CA", "EXPBUF_TOKENS"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("EXPBUF_SERVER_TLS_CLIENT_CA", "/etc/other-ca.pem")
+    assert load(str(config)).tls == TlsConfig(str(tmp_path / "c.pem"), str(tmp_path / "k.pem"), "/etc/other-ca.pem")
+    monkeypatch.delenv("EXPBUF_SERVER_TLS_CLIENT_CA")
+    monkeypatch.setenv("EXPBUF_SERVER_TLS_CERT", "/etc/c.pem")
+    monkeypatch.setenv("EXPBUF_SERVER_TLS_KEY", "/etc/k.pem")
+    assert load(str(config)).tls == TlsConfig("/etc/c.pem", "/etc/k.pem", str(tmp_path / "ca.pem"))
+    monkeypatch.delenv("EXPBUF_SERVER_TLS_KEY")
+    assert load(str(config)).tls == TlsConfig("/etc/c.pem", str(tmp_path / "k.pem"), str(tmp_path / "ca.pem"))
+    with pytest.raises(ConfigError, match="EXPBUF_SERVER_TLS_CERT is set without a key"):
+        load()
+    monkeypatch.delenv("EXPBUF_SERVER_TLS_CERT")
+    for empty in ("", ";;", " "):
+        monkeypatch.setenv("EXPBUF_TOKENS", empty)
+        with pytest.raises(ConfigError, match="EXPBUF_TOKENS names no token"):
+            load(str(config))
+    monkeypatch.setenv("EXPBUF_TOKENS", "a:")
+    with pytest.raises(ConfigError, match="EXPBUF_TOKENS: token 1 has no scopes"):
+        load(str(config))
