@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 import signal
 import sys
@@ -16,7 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from expbuf.client import Tls
-from expbuf.client.rpc.connection import call_error
+from expbuf.client.rpc.connection import call_error, checked_target
 
 from . import __version__, logs
 from .commands.datasets import add_dataset_commands
@@ -278,11 +279,32 @@ def _upgrade_only(environment: Environment, txn: lmdb.Transaction[bytes]) -> str
     return None
 
 
+def _target(value: str) -> str:
+    """A --target as a client takes it (HOST:PORT), or the line saying what to change."""
+    try:
+        return checked_target(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _seconds(value: str) -> float:
+    """A number of seconds above 0 (a --watch or --timeout), or the line saying so."""
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = math.nan
+    if not 0 < seconds < math.inf:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a number of seconds above 0")
+    return seconds
+
+
 def _client_options(parser: argparse.ArgumentParser) -> None:
     """Where and how a client command reaches the server; the environment supplies the defaults."""
     env = os.environ.get
     default_target = env("EXPBUF_TARGET") or f"127.0.0.1:{env('EXPBUF_PORT') or 50051}"
-    parser.add_argument("--target", default=default_target, help="HOST:PORT (env EXPBUF_TARGET; default %(default)s)")
+    parser.add_argument(
+        "--target", type=_target, default=default_target, help="HOST:PORT (env EXPBUF_TARGET; default %(default)s)"
+    )
     parser.add_argument("--token", default=env("EXPBUF_TOKEN"), help="a bearer token (env EXPBUF_TOKEN)")
     parser.add_argument("--tls", action="store_true", help="connect with TLS, trusting the system's CAs")
     tls_ca = "CA of the server's certificate; turns TLS on (env EXPBUF_TLS_CA)"
@@ -379,14 +401,14 @@ def build_parser() -> argparse.ArgumentParser:
     serve.set_defaults(func=_serve)
     stats = sub.add_parser("stats", help="show a running server's tables (counts by state, rates, ages)")
     _client_options(stats)
-    stats.add_argument("--watch", type=float, nargs="?", const=2.0, default=0.0, metavar="SECONDS",
+    stats.add_argument("--watch", type=_seconds, nargs="?", const=2.0, default=0.0, metavar="SECONDS",
                        help="refresh every SECONDS (default 2) until Ctrl-C")  # fmt: skip
     stats.add_argument("--count", type=int, default=0, help=argparse.SUPPRESS)
     stats.set_defaults(func=_stats)
     health = sub.add_parser("health", help="standard gRPC health check (for container health checks)")
     _client_options(health)
     health.add_argument(
-        "--timeout", type=float, default=3.0, help="seconds to wait for the answer (default %(default)s)"
+        "--timeout", type=_seconds, default=3.0, help="seconds to wait for the answer (default %(default)s)"
     )
     health.set_defaults(func=_health)
     add_table_commands(sub, _client_options, _client_command)

@@ -137,6 +137,33 @@ def test_export_mistakes_are_one_line(child_server: ServerProcess, tmp_path: Pat
     assert done.returncode == 1 and "NOT_FOUND" in done.stderr and not out.exists(), done.stderr
 
 
+@pytest.mark.parametrize("form", ["trxp", "jsonl"])
+def test_an_export_that_fails_leaves_the_file_it_would_replace_as_it_was(
+    child_server: ServerProcess, tmp_path: Path, form: str
+) -> None:
+    """`expbuf export NOPE --out backup.trxp` deleted an earlier backup.trxp, and a JSON-lines
+    export emptied its file, whatever failed: no such table, a page past the server's bound, no
+    server (a helper's audit). An export is written beside its file and put in its place once whole;
+    a --target without a port is one line, exit code 2."""
+    table = f"kept_{form}"
+    with BufferClient(child_server.target) as client:
+        client.create_table(table, estimator="none")
+        client.push([make_experience(0, 0, 0)], table=table)
+    out = tmp_path / f"backup.{form}"
+    out.write_bytes(b"an earlier export")
+    for args, code in (
+        (("absent",), 1),
+        ((table, "--page", "10001"), 1),
+        ((table, "--target", "127.0.0.1:1"), 1),
+        ((table, "--target", "localhost"), 2),
+    ):
+        target = () if "--target" in args else ("--target", child_server.target)
+        done = cli_forks.run("export", *args, *target, "--format", form, "--out", str(out))
+        assert done.returncode == code and "Traceback" not in done.stderr, (args, done.stderr)
+        assert out.read_bytes() == b"an earlier export", args
+    assert sorted(path.name for path in tmp_path.iterdir()) == [out.name]  # nothing left beside it
+
+
 def test_an_export_whose_reader_leaves_ends_without_a_traceback(child_server: ServerProcess) -> None:
     """`expbuf export t | head -1`: the reader leaves after its first line, the export's next write
     finds the pipe closed, and it ends (exit code 1) with nothing on stderr, not BrokenPipeError's

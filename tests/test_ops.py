@@ -1265,3 +1265,23 @@ def test_a_sample_stream_that_never_sends_its_request_is_ended_naming_the_bound(
         assert "max_wait_seconds = 1" in ended.value.details()
         request = pb.SampleRequest(table="default", num_groups=1, wait_seconds=0.1, allow_partial=True)
         assert list(stub.Sample(iter([request]), timeout=30)) == []  # the slot is free again
+
+
+@pytest.mark.parametrize(
+    ("args", "said"),
+    [
+        (("stats", "--target", "localhost"), "argument --target: target 'localhost' has no port"),
+        (("table", "list", "--target", "localhost"), "argument --target: target 'localhost' has no port"),
+        (("dataset", "list", "t", "--target", "localhost"), "argument --target: target 'localhost' has no port"),
+        (("health", "--target", "localhost"), "argument --target: target 'localhost' has no port"),
+        (("stats", "--watch", "-1"), "argument --watch: '-1' is not a number of seconds above 0"),
+        (("stats", "--watch", "nan"), "argument --watch: 'nan' is not a number of seconds above 0"),
+        (("health", "--timeout", "nan"), "argument --timeout: 'nan' is not a number of seconds above 0"),
+    ],
+)
+def test_a_client_commands_wrong_argument_is_named_without_a_traceback(args: tuple[str, ...], said: str) -> None:
+    """A --target without a port ended `stats`, `table`, `dataset` and `export` in a ValueError's
+    traceback (`health` went to port 443), and `stats --watch -1` or `health --timeout nan` in one of
+    time.sleep's or a DEADLINE_EXCEEDED (a helper's audit): each is argparse's line, exit code 2."""
+    done = cli_forks.run(*args)
+    assert done.returncode == 2 and "Traceback" not in done.stderr and said in done.stderr, done.stderr

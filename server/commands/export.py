@@ -12,9 +12,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import json
 import math
+import os
 import sys
+import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, fields
 from pathlib import Path
@@ -112,6 +115,28 @@ def add_export_command(
     export.set_defaults(func=run)
 
 
+class _Written(contextlib.AbstractContextManager[Any]):
+    """A file written beside `path` (a hidden name in its directory) that takes its place once
+    `whole` is set and it closes; otherwise it goes, and what `path` held stays."""
+
+    def __init__(self, path: Path, *, binary: bool) -> None:
+        if path.is_dir():
+            raise IsADirectoryError(errno.EISDIR, "Is a directory")
+        handle, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".partial")
+        self.path, self.partial, self.whole = path, Path(name), False
+        self.file: Any = os.fdopen(handle, "wb") if binary else os.fdopen(handle, "w", encoding="utf-8")
+
+    def __enter__(self) -> Any:
+        return self.file
+
+    def __exit__(self, *exc: object) -> None:
+        self.file.close()
+        if self.whole:
+            os.replace(self.partial, self.path)
+        else:
+            self.partial.unlink(missing_ok=True)
+
+
 def run_export(args: argparse.Namespace, tls: Tls | None) -> int:
     """Export; a refusal by the server is its status and message, exit code 1, and a mistake in
     what was asked (no --out for TRXP, a page below 0, a file that cannot be written) one line,
@@ -126,20 +151,18 @@ def run_export(args: argparse.Namespace, tls: Tls | None) -> int:
         )
         return 2
     with contextlib.ExitStack() as stack:
-        try:
-            if args.format == "trxp":
-                out: TextIO | BinaryIO = stack.enter_context(open(args.out, "wb"))
-            else:
-                out = stack.enter_context(open(args.out, "w", encoding="utf-8")) if args.out else sys.stdout
+        client = stack.enter_context(BufferClient(args.target, token=args.token, tls=tls, timeout=60))
+        try:  # written beside --out, put in its place once whole: a failed export leaves an earlier file
+            made = _Written(Path(args.out), binary=args.format == "trxp") if args.out else None
         except OSError as exc:
             print(f"expbuf export: --out {args.out}: {exc.strerror or exc}", file=sys.stderr)
             return 2
-        client = stack.enter_context(BufferClient(args.target, token=args.token, tls=tls, timeout=60))
+        out: TextIO | BinaryIO = sys.stdout if made is None else stack.enter_context(made)
         try:
-            return _export(client, args, out)
+            code = _export(client, args, out)
         except BufferError as exc:
             print(f"expbuf export: {exc.code.name}: {exc.details}", file=sys.stderr)
-            if args.format == "trxp":  # written only at the end: an empty file is no export
-                stack.close()
-                Path(args.out).unlink(missing_ok=True)
             return 1
+        if made is not None and code == 0:
+            made.whole = True
+        return code
