@@ -18,6 +18,7 @@ from expbuf.server.advantages.batch_stage import finish_batch
 from expbuf.server.advantages.worker import AdvantageWorker
 from expbuf.server.store import Store
 from expbuf.server.store.disk import layout
+from expbuf.server.store.schema.errors import StoreError
 from expbuf.server.store.schema.table_config import TableConfig
 
 import cli_forks
@@ -190,3 +191,25 @@ def test_check_and_repair_refuse_a_newer_format_as_serve_does_not_as_damage(tmp_
         ran = cli_forks.run(command, "--data", str(data))
         newer = f"data directory format {layout.FORMAT + 1}, newer than this expbuf reads (up to {layout.FORMAT})"
         assert ran.returncode == 2 and newer in ran.stderr, (command, ran.returncode, ran.stdout, ran.stderr)
+
+
+def test_a_directory_whose_format_record_is_gone_is_damage_not_the_first_format(tmp_path: Path) -> None:
+    """A directory of tables without a format record was taken for format 1 (which recorded none):
+    check said a server would bring it up to date, exit 0, and serve ran format 1's upgrade over a
+    later format's records, after which every table failed to read (one byte flipped in its page, a
+    helper's audit). Without format 1's own databases it is damage: check names it, a start refuses
+    it naming the directory, and the first format's directory still upgrades (the tests above)."""
+    data = tmp_path / "data"
+    with Store(data) as store:
+        store.create_table(TableConfig.of("t", estimator="none"))
+        store.put("t", group_items(0, 0, 1))
+    env = lmdb.open(str(data), max_dbs=layout.MAX_DBS)
+    with env.begin(write=True) as txn:
+        assert txn.delete(b"format", db=env.open_db(b"meta", txn=txn))
+    env.close()
+    ran = cli_forks.run("check", "--data", str(data))
+    assert ran.returncode == 1 and "the format record (" in ran.stdout + ran.stderr, (ran.stdout, ran.stderr)
+    with pytest.raises(StoreError, match="its format record is gone"):
+        Store(data)
+    ran = cli_forks.run("check", "--data", str(data))  # the refused start changed nothing
+    assert ran.returncode == 1 and "the format record (" in ran.stdout + ran.stderr

@@ -75,6 +75,18 @@ ROWS = ("gdir", "segs", "sstate", "runs", "frags", "oldest")
 # The indexes a directory written before the order registry keeps: those of the built-in orders.
 BUILT_IN_INDEXES = ("ready", "prio", "slots", "slotof", "byver")
 FORMAT_1_ONLY = ("tasks", "runs", "steps")
+
+
+def unrecorded_format(txn: lmdb.Transaction[bytes], tables: int) -> int | None:
+    """The format of a directory with no format record and `tables` tables: a new one's (FORMAT)
+    where it has none, format 1's (which recorded none) where it has that format's own databases;
+    None where it has tables and not them: its record is lost to damage, and reading it as format
+    1, a server would upgrade a later format's records as format 1's."""
+    if not tables:
+        return FORMAT
+    return 1 if all(txn.get(name.encode()) is not None for name in ("tasks", "steps")) else None
+
+
 MAX_DBS = 64  # the store's own, the indexes of the registered orders, and format 1's while it is upgraded
 
 

@@ -71,8 +71,16 @@ _INDEXES = b"indexes"  # the index databases kept, as a JSON list (absent: the b
 def migrate(txn: lmdb.Transaction[bytes], env: lmdb.Environment, dbs: dict[str, lmdb._Database], path: Path) -> int:
     """Check the format of the directory and bring it to layout.FORMAT; returns the format found."""
     raw = txn.get(_KEY, db=dbs["meta"])
-    # a directory without a recorded format is new, or of format 1 if it holds tables
-    found = int(raw) if raw is not None else (1 if txn.stat(dbs["tables"])["entries"] else layout.FORMAT)
+    if raw is not None:
+        found = int(raw)
+    else:  # a directory without a recorded format is new, or of format 1 if it holds that format's tables
+        unrecorded = layout.unrecorded_format(txn, txn.stat(dbs["tables"])["entries"])
+        if unrecorded is None:
+            raise StoreError(
+                f"data directory {path}: its format record is gone, and its tables are of a later format than 1: "
+                "it is damaged (`expbuf check` names what else); restore it from a copy"
+            )
+        found = unrecorded
     if found > layout.FORMAT:
         raise StoreError(
             f"data directory {path} has format {found}, newer than this expbuf reads (up to {layout.FORMAT}): "
