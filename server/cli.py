@@ -178,7 +178,11 @@ def _check(args: argparse.Namespace) -> int:
                 print(f"(directory): damaged (no {', '.join(environment.missing)} database(s))")
                 return 1
             report = scan_directory(txn, environment.db, time.time())
-            known = quarantined_by_table(txn, environment.db)
+        try:  # a transaction of its own: LMDB ends one a damaged page failed (the scan names that damage)
+            with environment.read() as txn:
+                known = quarantined_by_table(txn, environment.db)
+        except lmdb.Error:
+            known = {}
     finally:
         environment.close()
     for name, problems in report.items():
