@@ -84,6 +84,13 @@ def _server_tls_env() -> dict[str, str]:
 
 
 SCOPES = ("push", "sample", "admin")
+# The plain kinds of settings, by their annotation: what a value must be, and how a refusal says it.
+_KINDS: dict[str, tuple[type | tuple[type, ...], str]] = {
+    "int": (int, "an integer"),
+    "float": ((int, float), "a number"),
+    "str": (str, "a string"),
+}
+_MOST_MESSAGE_BYTES = 2**31 - 1  # gRPC's message lengths are int32
 
 
 @dataclass(frozen=True)
@@ -169,6 +176,21 @@ class ServerConfig:
     # settings stops the start.
     tables: tuple[TableConfig, ...] = ()
 
+    def _check_kinds(self) -> None:
+        """Each setting of a plain kind (an integer, a number, a string; or None where it may be)
+        of that kind, named where not: a TOML value of another kind (host = 5, port = true) would
+        fail later in a traceback, or a bool pass for an integer."""
+        for each in fields(self):
+            kind = str(each.type)
+            optional = kind.endswith(" | None")
+            want = _KINDS.get(kind.removesuffix(" | None"))
+            value = getattr(self, each.name)
+            if want is None or (value is None and optional):
+                continue
+            if isinstance(value, bool) or not isinstance(value, want[0]):
+                maybe = " (or unset)" if optional else ""
+                raise ConfigError(f"{each.name} must be {want[1]}{maybe}, got {clip(repr(value), 60)}")
+
     @property
     def ingest_workers(self) -> int:
         """ingest_processes, or by default one process per core this server may run on but
@@ -221,6 +243,9 @@ class ServerConfig:
         return {"push": default if push is None else push, "sample": default if sample is None else sample}
 
     def __post_init__(self) -> None:
+        self._check_kinds()
+        if not self.data:
+            raise ConfigError("data must name a directory (an empty one would be the working directory)")
         if not isinstance(self.port, int) or not 0 <= self.port <= 65535:
             raise ConfigError(f"port must be a port number (0-65535; 0 picks a free one), got {self.port!r}")
         if not isinstance(self.metrics_port, int) or not -1 <= self.metrics_port <= 65535:
@@ -229,8 +254,11 @@ class ServerConfig:
             )
         if self.log_format not in ("text", "json"):
             raise ConfigError(f"log_format is {self.log_format!r}; expected text or json")
-        if not isinstance(self.max_message_bytes, int) or self.max_message_bytes < 1024:
-            raise ConfigError(f"max_message_bytes must be an integer >= 1024, got {self.max_message_bytes!r}")
+        if not 1024 <= self.max_message_bytes <= _MOST_MESSAGE_BYTES:
+            raise ConfigError(
+                f"max_message_bytes must be an integer from 1024 to {_MOST_MESSAGE_BYTES} (gRPC's bound), "
+                f"got {self.max_message_bytes!r}"
+            )
         processes = self.ingest_processes
         if processes is not None and (not isinstance(processes, int) or not 0 <= processes <= 64):
             raise ConfigError(f"ingest_processes must be an integer from 0 to 64, got {self.ingest_processes!r}")
@@ -424,7 +452,9 @@ def _tokens_of(path: Path, entries: object) -> dict[str, frozenset[str]]:
 
 def _from_toml(path: Path) -> dict[str, Any]:
     try:
-        raw = tomllib.loads(path.read_text())
+        raw = tomllib.loads(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"config file {path}: not UTF-8 text (byte {exc.start}), as TOML is") from None
     except (OSError, tomllib.TOMLDecodeError) as exc:
         raise ConfigError(f"config file {path}: {exc}") from None
     known = {f.name for f in fields(ServerConfig)}
@@ -437,7 +467,10 @@ def _from_toml(path: Path) -> dict[str, Any]:
     tokens = _tokens_of(path, raw.get("tokens", []))
     if tokens:
         values["tokens"] = tokens
-    values["tables"] = tuple(TableConfig.from_settings(t) for t in raw.get("tables", []))
+    tables = raw.get("tables", [])
+    if not isinstance(tables, list) or not all(isinstance(table, dict) for table in tables):
+        raise ConfigError(f"config file {path}: tables must be [[tables]] blocks, each a table's settings")
+    values["tables"] = tuple(TableConfig.from_settings(t) for t in tables)
     names = [table.name for table in values["tables"]]
     twice = sorted({name for name in names if names.count(name) > 1})
     if twice:

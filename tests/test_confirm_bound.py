@@ -301,7 +301,7 @@ def test_max_confirm_seconds_comes_from_the_settings_and_defaults_to_max_wait_se
     assert ServerConfig(max_wait_seconds=30).confirm_seconds == 30
     assert ServerConfig(max_wait_seconds=30, max_confirm_seconds=900).confirm_seconds == 900
     for bad in (0, -1, 86401, "60", True):
-        with pytest.raises(ConfigError, match=r"max_confirm_seconds must be a number of seconds above 0"):
+        with pytest.raises(ConfigError, match=r"max_confirm_seconds must be a number"):
             ServerConfig(max_confirm_seconds=bad)
     config_file = tmp_path / "expbuf.toml"
     config_file.write_text("max_confirm_seconds = 1800\n")

@@ -354,3 +354,35 @@ def test_the_environment_changes_the_files_tls_and_tokens_a_setting_at_a_time(
     monkeypatch.setenv("EXPBUF_TOKENS", "a:")
     with pytest.raises(ConfigError, match="EXPBUF_TOKENS: token 1 has no scopes"):
         load(str(config))
+
+
+@pytest.mark.parametrize(
+    ("text", "said"),
+    [
+        ("host = 5\n", "host must be a string"),
+        ("data = 5\n", "data must be a string"),
+        ('data = ""\n', "data must name a directory"),
+        ("metrics_host = 5\n", "metrics_host must be a string"),
+        ("port = true\n", "port must be an integer"),
+        ("ingest_processes = true\n", "ingest_processes must be an integer"),
+        ("max_sample_streams = true\n", "max_sample_streams must be an integer"),
+        ("max_message_bytes = 2147483648\n", "max_message_bytes must be an integer from 1024 to 2147483647"),
+        ('tables = ["x"]\n', "tables must be [[tables]] blocks"),
+    ],
+)
+def test_a_setting_of_the_wrong_type_is_one_line_naming_it(tmp_path: Path, text: str, said: str) -> None:
+    """A setting of the wrong type ended the start in a traceback (host = 5, data = 5, port = true,
+    tables = ["x"]; max_message_bytes past gRPC's int32 in an OverflowError), or was taken (a bool
+    for an integer), and data = "" served the working directory (a helper's audit)."""
+    config = tmp_path / "expbuf.toml"
+    config.write_text(text)
+    with pytest.raises(ConfigError) as refused:
+        load(str(config))
+    assert said in str(refused.value), refused.value
+
+
+def test_a_config_file_that_is_not_utf_8_is_named(tmp_path: Path) -> None:
+    config = tmp_path / "expbuf.toml"
+    config.write_bytes(b'host = "\xff\xfe"\n')
+    with pytest.raises(ConfigError, match=f"config file {re.escape(str(config))}: .*UTF-8"):
+        load(str(config))
