@@ -37,7 +37,7 @@ def test_the_setting_comes_from_toml_environment_and_flag_and_a_bad_value_is_ref
     assert load(str(toml)).torch_threads == 0
     assert load(str(toml), {"torch_threads": 2}).torch_threads == 2
     for bad in (-1, 1.5, True, "2"):
-        with pytest.raises(ConfigError, match="torch_threads must be an integer from 0"):
+        with pytest.raises(ConfigError, match="torch_threads must be an integer"):
             ServerConfig(data=str(tmp_path), torch_threads=bad)  # type: ignore[arg-type]
 
 
