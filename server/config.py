@@ -243,12 +243,12 @@ class ServerConfig:
         return {"push": default if push is None else push, "sample": default if sample is None else sample}
 
     def __post_init__(self) -> None:
-        self._check_kinds()
+        self._check_kinds()  # each setting's kind, here alone: the checks below are of its range
         if not self.data:
             raise ConfigError("data must name a directory (an empty one would be the working directory)")
-        if not isinstance(self.port, int) or not 0 <= self.port <= 65535:
+        if not 0 <= self.port <= 65535:
             raise ConfigError(f"port must be a port number (0-65535; 0 picks a free one), got {self.port!r}")
-        if not isinstance(self.metrics_port, int) or not -1 <= self.metrics_port <= 65535:
+        if not -1 <= self.metrics_port <= 65535:
             raise ConfigError(
                 f"metrics_port must be -1 (off) or a port number (0 picks a free one), got {self.metrics_port!r}"
             )
@@ -260,35 +260,35 @@ class ServerConfig:
                 f"got {self.max_message_bytes!r}"
             )
         processes = self.ingest_processes
-        if processes is not None and (not isinstance(processes, int) or not 0 <= processes <= 64):
+        if processes is not None and (not 0 <= processes <= 64):
             raise ConfigError(f"ingest_processes must be an integer from 0 to 64, got {self.ingest_processes!r}")
         threads = self.torch_threads
-        if not isinstance(threads, int) or isinstance(threads, bool) or not 0 <= threads <= 1024:
+        if not 0 <= threads <= 1024:
             raise ConfigError(f"torch_threads must be an integer from 0 (torch's default) to 1024, got {threads!r}")
         if self.advantage_worker not in ("when_needed", "at_start"):
             raise ConfigError(f"advantage_worker must be 'when_needed' or 'at_start', got {self.advantage_worker!r}")
-        if not isinstance(self.workers, int) or self.workers < 2:
+        if self.workers < 2:
             raise ConfigError(f"workers must be an integer >= 2, got {self.workers!r}")
         streams = self.max_sample_streams
-        if streams is not None and (not isinstance(streams, int) or not 1 <= streams < self.workers):
+        if streams is not None and (not 1 <= streams < self.workers):
             raise ConfigError(
                 f"max_sample_streams must be an integer from 1 to workers - 1 = {self.workers - 1}, got {streams!r}"
             )
         per_table = self.max_table_streams
-        if per_table is not None and (not isinstance(per_table, int) or not 1 <= per_table <= self.sample_stream_limit):
+        if per_table is not None and (not 1 <= per_table <= self.sample_stream_limit):
             raise ConfigError(
                 f"max_table_streams must be an integer from 1 to max_sample_streams = {self.sample_stream_limit}, "
                 f"got {per_table!r}"
             )
         for name in ("max_push_streams", "max_waiting_admits", "max_waiting_claims", "reserved_workers"):
             value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or not 1 <= value < self.workers):
+            if value is not None and (not 1 <= value < self.workers):
                 raise ConfigError(
                     f"{name} must be an integer from 1 to workers - 1 = {self.workers - 1}, got {value!r}"
                 )
         for name in ("push_scope_workers", "sample_scope_workers"):
             value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or not 0 <= value < self.workers):
+            if value is not None and (not 0 <= value < self.workers):
                 raise ConfigError(
                     f"{name} must be an integer from 0 to workers - 1 = {self.workers - 1}, got {value!r}"
                 )
@@ -302,31 +302,27 @@ class ServerConfig:
             value = getattr(self, name)
             if name == "max_confirm_seconds" and value is None:
                 continue
-            if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value <= 86400:
+            if not 0 < value <= 86400:
                 raise ConfigError(f"{name} must be a number of seconds above 0 and at most 86400, got {value!r}")
         rate = self.push_min_mb_per_second
-        if not isinstance(rate, (int, float)) or isinstance(rate, bool) or not 0 < rate <= 100_000:
+        if not 0 < rate <= 100_000:
             raise ConfigError(f"push_min_mb_per_second must be a number above 0 and at most 100000, got {rate!r}")
         window = self.push_stream_window
-        if not isinstance(window, int) or isinstance(window, bool) or not 1 <= window <= 1024:
+        if not 1 <= window <= 1024:
             raise ConfigError(f"push_stream_window must be an integer from 1 to 1024, got {window!r}")
-        if not isinstance(self.max_inflight_bytes, int) or self.max_inflight_bytes < 1 << 20:
+        if self.max_inflight_bytes < 1 << 20:
             raise ConfigError(f"max_inflight_bytes must be an integer >= 1048576, got {self.max_inflight_bytes!r}")
-        if (
-            not isinstance(self.max_push_bytes, int)
-            or isinstance(self.max_push_bytes, bool)
-            or self.max_push_bytes < 1 << 20
-        ):
+        if self.max_push_bytes < 1 << 20:
             raise ConfigError(f"max_push_bytes must be an integer >= 1048576, got {self.max_push_bytes!r}")
-        if not isinstance(self.max_metadata_bytes, int) or self.max_metadata_bytes < 1 << 16:
+        if self.max_metadata_bytes < 1 << 16:
             raise ConfigError(f"max_metadata_bytes must be an integer >= 65536, got {self.max_metadata_bytes!r}")
         if self.check_at_open not in ("full", "quick"):
             raise ConfigError(f"check_at_open must be 'full' or 'quick', got {self.check_at_open!r}")
         rate = self.scrub_mb_per_second
-        if not isinstance(rate, (int, float)) or isinstance(rate, bool) or not 0 <= rate <= 100_000:
+        if not 0 <= rate <= 100_000:
             raise ConfigError(f"scrub_mb_per_second must be a number from 0 (no scrub) to 100000, got {rate!r}")
         interval = self.scrub_interval_seconds
-        if not isinstance(interval, (int, float)) or isinstance(interval, bool) or not 60 <= interval <= 31_536_000:
+        if not 60 <= interval <= 31_536_000:
             raise ConfigError(
                 f"scrub_interval_seconds must be a number of seconds from 60 to 31536000 (a year), got {interval!r}"
             )
@@ -498,9 +494,8 @@ def load(path: str | None = None, overrides: dict[str, Any] | None = None) -> Se
         was = config.tls or TlsConfig(cert="", key="")
         cert, key = tls.get("cert", was.cert), tls.get("key", was.key)
         if not cert or not key:
-            missing, given = ("a key", "EXPBUF_SERVER_TLS_CERT") if cert else ("a certificate", "EXPBUF_SERVER_TLS_KEY")
-            if not cert and not key:
-                missing, given = "a certificate and key", "EXPBUF_SERVER_TLS_CLIENT_CA"
+            given = " and ".join(SERVER_TLS_ENV[name][0] for name in tls)
+            missing = " and ".join(what for what, have in (("a certificate", cert), ("a key", key)) if not have)
             raise ConfigError(
                 f"{given} is set without {missing}: give EXPBUF_SERVER_TLS_CERT and EXPBUF_SERVER_TLS_KEY "
                 "(or cert and key in the config file's [tls])"

@@ -89,7 +89,7 @@ class ClientSide:
         self.interrupted = False  # the server is stopping
         self._sent = 0
         self._changed = threading.Condition()
-        self._context = context
+        self._context: Any = context  # grpc's server context has code() and details(); its stubs name neither
         context.add_callback(self._wake)
         threading.Thread(target=self._read, args=(requests,), name="expbuf-sample-reader", daemon=True).start()
 
@@ -120,12 +120,11 @@ class ClientSide:
         except grpc.RpcError:
             self._wake()
         except Exception:  # a message the request check refused (interceptors/unreadable.py): it ends the stream
-            context: Any = self._context  # grpc's server context has code() and details(); its stubs name neither
-            if context.code() is None:  # no refusal: this reader's own failure ends the stream as a break
+            if self._context.code() is None:  # no refusal: this reader's own failure ends the stream as a break
                 log.exception("a Sample stream's reader failed; the stream ends, its batches not confirmed go back")
                 self._wake()
                 return
-            details = context.details()
+            details = self._context.details()
             with self._changed:
                 self.error = InvalidRequest(details.decode(errors="replace") if details else "a message does not parse")
                 self.stopped = True

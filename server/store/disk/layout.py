@@ -38,7 +38,7 @@ Every key is at most 4 + 8 + 400 bytes (a uid or group id is at most 400), insid
 from __future__ import annotations
 
 import struct
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 import lmdb
 
@@ -77,12 +77,12 @@ BUILT_IN_INDEXES = ("ready", "prio", "slots", "slotof", "byver")
 FORMAT_1_ONLY = ("tasks", "runs", "steps")
 
 
-def unrecorded_format(txn: lmdb.Transaction[bytes], tables: int) -> int | None:
-    """The format of a directory with no format record and `tables` tables: a new one's (FORMAT)
-    where it has none, format 1's (which recorded none) where it has that format's own databases;
-    None where it has tables and not them: its record is lost to damage, and reading it as format
-    1, a server would upgrade a later format's records as format 1's."""
-    if not tables:
+def unrecorded_format(txn: lmdb.Transaction[bytes], dbs: Mapping[str, lmdb._Database]) -> int | None:
+    """The format of a directory with no format record: a new one's (FORMAT) where it has no table,
+    format 1's (which recorded none) where it has that format's own databases (its "runs" is a
+    rows table's name too); None where it has tables and not them: its record is lost to damage,
+    and reading it as format 1, a server would upgrade a later format's records as format 1's."""
+    if not txn.stat(dbs["tables"])["entries"]:
         return FORMAT
     return 1 if all(txn.get(name.encode()) is not None for name in ("tasks", "steps")) else None
 

@@ -147,6 +147,7 @@ def take(
             taken.stored.append(entry.uid)
         else:
             taken.entries.append(whole)
+    tt.counters.duplicates += len(taken.duplicates)  # as a whole one's are (pushes.put, which saves them)
     return taken
 
 

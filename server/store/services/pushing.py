@@ -436,7 +436,4 @@ class Pushing:
             answered = {*result.stored, *result.duplicates, *result.stale}
             partials.joinable(tt, pieces.stored, answered, {*result.completed_groups, *result.dropped_groups})
             result.partial, result.duplicates = pieces.stored, [*pieces.duplicates, *result.duplicates]
-            if pieces.duplicates:  # counted as a whole one's are (pushes.put)
-                tt.counters.duplicates += len(pieces.duplicates)
-                tt.save()
         return result

@@ -107,7 +107,7 @@ def older_format(txn: lmdb.Transaction[bytes], dbs: dict[str, lmdb._Database]) -
     its next start; None for the current format, a new directory or a damaged format record."""
     raw = txn.get(b"format", db=dbs["meta"])
     if raw is None:
-        return 1 if layout.unrecorded_format(txn, txn.stat(dbs["tables"])["entries"]) == 1 else None
+        return 1 if layout.unrecorded_format(txn, dbs) == 1 else None
     return int(raw) if raw.isdigit() and 0 < int(raw) < layout.FORMAT else None
 
 
@@ -128,7 +128,7 @@ def _directory(
     raw = txn.get(b"format", db=dbs["meta"])
     if raw is not None and (not raw.isdigit() or int(raw) != layout.FORMAT):
         problems.append(f"the format record is {bytes(raw)[:20]!r}, not {layout.FORMAT}")
-    if raw is None and layout.unrecorded_format(txn, txn.stat(dbs["tables"])["entries"]) is None:
+    if raw is None and layout.unrecorded_format(txn, dbs) is None:
         problems.append(f"the format record ({layout.FORMAT}) is gone from a directory of tables of a format after 1")
     next_id = txn.get(b"next_table_id", b"1", db=dbs["meta"])
     if not next_id.isdigit():

@@ -74,7 +74,7 @@ def migrate(txn: lmdb.Transaction[bytes], env: lmdb.Environment, dbs: dict[str, 
     if raw is not None:
         found = int(raw)
     else:  # a directory without a recorded format is new, or of format 1 if it holds that format's tables
-        unrecorded = layout.unrecorded_format(txn, txn.stat(dbs["tables"])["entries"])
+        unrecorded = layout.unrecorded_format(txn, dbs)
         if unrecorded is None:
             raise StoreError(
                 f"data directory {path}: its format record is gone, and its tables are of a later format than 1: "
