@@ -41,7 +41,7 @@ from .disk.kinds import Compute, Entry, FailResult, PutResult
 from .disk.stored_advantages import FinishBatch
 from .forward import Forwarded
 from .ledger.rules import Ledger
-from .rules import groups, partials, staleness
+from .rules import groups, partial_holds, staleness
 from .rules.extensions import ExtensionKinds
 from .rules.quarantine import quarantine_found
 from .rules.trained import retire_trained
@@ -339,10 +339,10 @@ class Store(ServiceCalls):
     def quarantine(self, table: str, uids: Sequence[str]) -> int:
         """Quarantine those of uids whose stored payload is damaged, and drop those held in pieces
         one of whose pieces is, each checked again in the writer's transaction (quarantine.py,
-        partials.drop_damaged); returns how many were."""
+        partial_holds.drop_damaged); returns how many were."""
 
         def op(tt: TableState) -> int:
-            count = quarantine_found(tt, uids) + partials.drop_damaged(tt, uids)
+            count = quarantine_found(tt, uids) + partial_holds.drop_damaged(tt, uids)
             if count:
                 tt.save()
             return count

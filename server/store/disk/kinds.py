@@ -68,7 +68,7 @@ class Entry:
     segments: tuple[int, ...] = ()  # per-token policy versions, flattened (client/trxp/codec/segments.py)
     piece: partial.Mark | None = None  # a piece of a partial rollout: its offset, more to come
     chunks: tuple[bytes, ...] = ()  # with a head for blob: its chunks, compressed off the writer (chunked.compressed)
-    together: PutTogether | None = None  # a last piece's rollout, put together off the writer (rules/partials.py)
+    together: PutTogether | None = None  # a last piece's rollout put together off the writer (partial_assembly.py)
 
     @classmethod
     def of(cls, item: RawItem) -> Entry:
@@ -168,7 +168,7 @@ class PutTogether:
     """A large rollout held in pieces, put together off the writer as a staged chunk set by its
     last piece's push (services/assembly.py): the last piece as pushed, and the pieces (offset,
     digest, size) the rollout was put together with, which it must still hold when the writer
-    stores it in their place (rules/partials.py)."""
+    stores it in their place (rules/partial_assembly.py)."""
 
     piece: Entry
     pieces: tuple[tuple[int, str, int], ...]

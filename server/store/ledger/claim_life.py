@@ -15,7 +15,7 @@ from expbuf.client.schema.prompts import MAX_PROMPTS_PER_CALL
 from ..core.table_state.state import TableState
 from ..core.verbs.retire import retire
 from ..disk import layout
-from ..rules import partials
+from ..rules import partial_holds
 from ..schema.errors import Forbidden, taken_with
 from ..schema.states import DROPPED as GROUP_DROPPED
 from ..schema.states import PENDING as GROUP_PENDING
@@ -198,9 +198,9 @@ def _end_claim(
     ds.count(epoch, CLAIMED, -1)
     send_back(tt, ds, epoch, index, rec)
     if rec.state == PENDING:  # the next attempt's claimant gets the rollouts held in pieces back
-        partials.carry(tt, gkey, prompt_eid(ds.name, epoch, index, rec.attempt))
+        partial_holds.carry(tt, gkey, prompt_eid(ds.name, epoch, index, rec.attempt))
     else:  # dropped, its attempts spent
-        partials.drop_task(tt, gkey)
+        partial_holds.drop_task(tt, gkey)
     grp = tt.view(gkey)
     if grp is not None and grp.state == GROUP_PENDING:  # after the prompt moved on: its event is no news
         dropping.append((gkey, grp))

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 from ..core.table_state.events import Moved, Retired
 from ..core.table_state.state import TableState
-from ..rules import partials
+from ..rules import partial_holds
 from ..schema.errors import Conflict, clip
 from ..schema.states import CONSUMED
 from ..schema.states import DROPPED as GROUP_DROPPED
@@ -63,7 +63,7 @@ class OutcomeRules(DatasetRules):
             ds.count(epoch, TRAINED, 1)
             _learned(tt, ds, epoch, index, list(rewards))
             prompt_stats.trained(tt, name, epoch, index)
-            partials.drop_task(tt, gkey)
+            partial_holds.drop_task(tt, gkey)
             reported += 1
         save(tt, ds)
         return reported

@@ -257,7 +257,7 @@ class DamagedPiece(StoreError):
     """A piece of a rollout held in pieces lost, or not the one pushed (its size and digest, taken at
     its push, are in its rollout's head), or that head no longer decoding (`number` None), found as
     the rollout was read: the rollout cannot be finished from its pieces, which the store drops
-    (rules/partials.drop_damaged)."""
+    (rules/partial_holds.drop_damaged)."""
 
     status = "DATA_LOSS"
     reason = Reason.DAMAGED

@@ -1,4 +1,4 @@
-"""Large rollouts held in pieces put together off the writer (rules/partials.py says when): the
+"""Large rollouts held in pieces put together off the writer (rules/partial_assembly.py): the
 last piece's push reads the rollout's pieces from snapshots, a chunk at a time, into a chunk set
 it stages as a push in chunks stages a large experience (chunked.Staging, Pushing.stage: each chunk
 written in the writer's next commit, shared with the requests waiting then), so that neither the
@@ -24,7 +24,7 @@ from ..disk import layout, piece_rows, residency
 from ..disk.chunk_heads import CHUNK_BYTES
 from ..disk.chunked import Staging
 from ..disk.kinds import Entry, PutTogether
-from ..rules import partials
+from ..rules import partial_assembly
 
 if TYPE_CHECKING:
     from .pushing import Pushing
@@ -58,7 +58,7 @@ def put_together(
     db, key = environment.db, piece_rows.head_key(layout.table_prefix(table_id), last.uid)
     pages = _Pages(environment.path / "data.mdb")
     with environment.read(buffers=True) as txn:
-        planned = partials.plan(txn, db, key, last, earlier, pages)
+        planned = partial_assembly.plan(txn, db, key, last, earlier, pages)
         pages(RELEASE_BYTES)
     if planned is None:
         return None
@@ -70,7 +70,7 @@ def put_together(
         for index, at in enumerate(range(0, planned.section_len, CHUNK_BYTES)):
             chunk = bytearray(min(CHUNK_BYTES, planned.section_len - at))
             with environment.read(buffers=True) as txn:  # no snapshot held while the writer is waited for
-                if not partials.read_section(txn, db, key, planned, at, chunk, pages):
+                if not partial_assembly.read_section(txn, db, key, planned, at, chunk, pages):
                     return None
             while len(writing) >= WINDOW:
                 writing.popleft().result()

@@ -31,7 +31,7 @@ from ..disk.kinds import Sampled
 from ..disk.snapshot import Snapshot
 from ..disk.stored_advantages import FinishBatch, batch_payload
 from ..ledger.claimants import check_reader
-from ..rules import partials
+from ..rules import partial_holds
 from ..rules.staleness import masked_tokens, token_bound
 from ..schema.errors import Busy, DamagedPiece, Forbidden, NotFound, TooLarge, clip, taken_with
 from ..schema.table_config import batch_stage
@@ -103,7 +103,7 @@ class Reads:
         holder: str = "",
     ) -> tuple[bytes, list[str]]:
         """A TRXP batch of the rollouts of tasks `tids` and of `uids` held in pieces, each put
-        together as it stands and marked partial (rules/partials.py), read from a snapshot, off the
+        together as it stands and marked partial (rules/partial_holds.py), read from a snapshot, off the
         writer; with `limit`, as many as a reply of that many bytes holds with the names of the
         others, which are returned to ask for again. A first one too large for the reply comes
         `alone` (for a reply in parts), or is refused, TooLarge. With tokens on, `holder` reads a
@@ -115,7 +115,7 @@ class Reads:
         with self.environment.read() as txn:
             tt = self.catalog.state(txn, table_id, config)
             check_reader(tt, [*tids, *(uid_group_key(uid, "task") or uid for uid in uids)], holder)
-            held = partials.held(tt, tids, uids)
+            held = partial_holds.held(tt, tids, uids)
             budget = limit - _FRAMING - sum(len(uid.encode()) + 4 for uid, _ in held) if limit else 0
             items: list[RawItem] = []
             rest: list[str] = []
@@ -124,7 +124,7 @@ class Reads:
                     rest.append(uid)
                     continue
                 try:
-                    items.append(partials.so_far(tt, uid))
+                    items.append(partial_holds.so_far(tt, uid))
                 except DamagedPiece:
                     damaged.append(uid)
                     continue

@@ -7,7 +7,7 @@ A start checks only the directory's structure (integrity.at_open, quick), and ev
 the payloads it serves (read_check.py); the scrub finds the damage no read has met yet, and
 quarantines it as a read would (quarantine.py, through the store's `quarantine`: a rollout with a
 piece lost or damaged, or whose head no longer decodes, has its pieces dropped,
-partials.drop_damaged), so the next sample, or the rollout's last piece, does not have to. It
+partial_holds.drop_damaged), so the next sample, or the rollout's last piece, does not have to. It
 never holds the writer: it reads in read transactions of at most CHUNK_BYTES or CHUNK_ITEMS (short,
 so the file's old pages are not held either), sleeps between them so that it reads at most
 `mb_per_second` (payloads and their records, and pieces; the counts it reports are of payload and

@@ -56,7 +56,7 @@ class Counters:
     leases_expired: int = 0
     damaged: int = 0  # experiences ever quarantined (their tombstones are forgotten in time, this total is not),
     # the members of pending or computing groups removed whole for a damaged head (rows/deletes.remove_damaged),
-    # and rollouts held in pieces dropped for a piece lost or damaged (partials.drop_damaged)
+    # and rollouts held in pieces dropped for a piece lost or damaged (partial_holds.drop_damaged)
     # monotonic totals for the metrics
     bytes_pushed: int = 0
     bytes_sampled: int = 0
