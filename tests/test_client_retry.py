@@ -761,7 +761,7 @@ def test_a_push_kept_out_past_its_deadline_is_refused_naming_the_limit(start_ser
         assert admin.get(uids(data), table="t").missing_uids == uids(data)
 
 
-@pytest.mark.parametrize("kind", [kind for kind in PUSH_KINDS if "pusher" not in kind])
+@pytest.mark.parametrize("kind", PUSH_KINDS)
 def test_a_push_kept_out_whose_last_attempt_is_not_answered_by_its_deadline_is_refused_naming_the_limit(
     start_server: Servers, kind: str
 ) -> None:
@@ -769,8 +769,8 @@ def test_a_push_kept_out_whose_last_attempt_is_not_answered_by_its_deadline_is_r
     be too little for the answer to come back (the pauses fall close to it, a machine under load):
     here a proxy forwards the first attempt and holds every one after it until its deadline. Its
     caller gets the refusal that kept it out all the same, RESOURCE_EXHAUSTED naming the limit and
-    saying that the last attempt went unanswered, not a bare DEADLINE_EXCEEDED. Nothing is stored.
-    (A pusher's push made again has a deadline of its own, the client's timeout: not here.)"""
+    saying that the last attempt went unanswered, not a bare DEADLINE_EXCEEDED; a pusher's push
+    too (a bare DEADLINE_EXCEEDED once failed CI's run of the test above). Nothing is stored."""
     server = start_server(workers=8, max_push_streams=5)
     target = f"127.0.0.1:{server.port}"
     full_table(target)

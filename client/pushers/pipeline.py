@@ -90,6 +90,7 @@ class Pending:
     deadline: float  # monotonic: no retry starts after it
     attempts: int = 0  # sends after the first, of a push whose stream broke or that the server never got
     kept_out: int = 0  # sends after the first, of a push the server refused as having done nothing
+    refusal: ExpbufError | None = None  # what kept it out last (PushWindow._kept_out)
     outcome: PushResult | ExpbufError | None = None
 
     def requests(self, chunk_bytes: int) -> Iterator[bytes]:
@@ -115,6 +116,17 @@ class Pending:
         error.uids = uids
         self.outcome = error
         self.body = b""
+
+    def unanswered(self, details: str, why: str) -> None:
+        """Fail unanswered at its deadline (DEADLINE_EXCEEDED, `details`), whether it was stored
+        unknown; but for a push the server kept out and that went again, with the refusal that
+        kept it out, as a push alone (calls.Attempts.answer): how much of its deadline its last
+        attempt had is down to where the pauses fell and how loaded the machines are."""
+        if self.refusal is None:
+            self.fail(grpc.StatusCode.DEADLINE_EXCEEDED, details, why)
+        else:
+            refusal = self.refusal
+            self.fail(refusal.code, refusal.details, f": {calls.LAST_UNANSWERED}", refusal.reason)
 
 
 @dataclass(eq=False)
@@ -236,8 +248,7 @@ class PushWindow(Ordered[Pending]):
         now = time.monotonic()
         for pending in stream.sent:
             if pending.outcome is None and now >= pending.deadline:
-                pending.fail(
-                    grpc.StatusCode.DEADLINE_EXCEEDED,
+                pending.unanswered(
                     f"not answered within the pusher's timeout of {self.timeout:g}s",
                     ": whether it was stored is unknown, and pushing it again is safe",
                 )
@@ -362,6 +373,7 @@ class PushWindow(Ordered[Pending]):
         again = []
         for pending in pushes:
             pending.kept_out += 1
+            pending.refusal = ExpbufError(code, details, reason)
             if time.monotonic() + pause >= pending.deadline:
                 pending.fail(code, details, ", refused until its deadline: not stored", reason)
             else:
@@ -378,8 +390,7 @@ class PushWindow(Ordered[Pending]):
             if now < pending.deadline:
                 continue
             if read:
-                pending.fail(
-                    grpc.StatusCode.DEADLINE_EXCEEDED,
+                pending.unanswered(
                     f"not answered in time: the stream it was on reached its deadline ({code.name}: {details})",
                     ": whether it was stored is unknown, and pushing it again is safe",
                 )

@@ -12,7 +12,7 @@ runners make of a call: an attempt made again after a refusal that did nothing (
 and the Sample stream's pieces (`sample_stream.py`).
 """
 
-from .attempts import Attempts, one_reply
+from .attempts import LAST_UNANSWERED, Attempts, one_reply
 from .push_calls import Items, payload, payload_uids, push, push_requests, push_result
 from .sample_stream import (
     STOP_SECONDS,
@@ -27,6 +27,7 @@ from .sample_stream import (
 )
 
 __all__ = [
+    "LAST_UNANSWERED",
     "STOP_SECONDS",
     "Attempts",
     "Handing",

@@ -19,6 +19,12 @@ from ..declare import Chunked, Unary
 
 R = TypeVar("R")
 
+# What a call kept out, then made again and unanswered at its deadline, says of that last attempt
+# (Attempts.answer, a pusher's push: pipeline.Pending.unanswered).
+LAST_UNANSWERED = (
+    "made again until its deadline; the last attempt was not answered by then, so whether it got in is unknown"
+)
+
 
 class Attempts(Generic[R]):
     """The attempts of one call, `call` the next. The server lets only so many calls wait at once
@@ -95,12 +101,7 @@ class Attempts(Generic[R]):
         kept_out = self._kept_out
         if kept_out is None or error.code != grpc.StatusCode.DEADLINE_EXCEEDED or error.reason is not None:
             return error
-        return ExpbufError(
-            kept_out.code,
-            f"{kept_out.details} (made again until its deadline; the last attempt was not answered by then, "
-            "so whether it got in is unknown)",
-            kept_out.reason,
-        )
+        return ExpbufError(kept_out.code, f"{kept_out.details} ({LAST_UNANSWERED})", kept_out.reason)
 
 
 def _wait(call: Unary[Any] | Chunked[Any]) -> float:
