@@ -12,11 +12,13 @@ import pytest
 import torch
 
 from expbuf.client import BufferClient, decode, trxp
+from expbuf.client.errors import ExpbufError
 from expbuf.server.advantages.batch_stage import finish_batch
 from expbuf.server.advantages.worker import AdvantageWorker, compute, estimators
 from expbuf.server.store import Store
-from expbuf.server.store.schema.errors import InvalidRequest
+from expbuf.server.store.schema.errors import BatchStageFailed, InvalidRequest
 from expbuf.server.store.schema.estimator_registry import ESTIMATORS, Estimator, Param, register
+from expbuf.server.store.schema.sample_spec import TakeSpec
 from expbuf.server.store.schema.table_config import ConfigError, TableConfig, batch_stage, group_step_first
 
 from conftest import Servers
@@ -122,6 +124,88 @@ def test_a_group_an_estimator_keeps_failing_on_fails_named_logged_and_counted(
         line for r in caplog.records if r.name == "expbuf.advantages" and "same device" in (line := r.getMessage())
     ]
     assert sum("trying again" in line for line in tries) == 2 and sum("group 1/0" in line for line in tries) == 1
+
+
+def unlucky(rows: estimators.SampledRows, scale: float) -> torch.Tensor:
+    """SCALED's batch stage, but raising on a batch that holds a reward of 13, or rewards of 5 and 7
+    together (an estimator's bug that some data trips)."""
+    rewards = set(rows.rewards.tolist())
+    if 13.0 in rewards or {5.0, 7.0} <= rewards:
+        raise ValueError(f"unlucky rewards {sorted(rewards)}")
+    return minus_batch_max(rows, scale)
+
+
+def pushed_groups(client: BufferClient, table: str, rewards: list[float]) -> list[str]:
+    """A group of 2 runs of each reward (task i of batch 1, in order), computed; their ids."""
+    for task, reward in enumerate(rewards):
+        client.push(trxp.build(group_items(1, task, 2, reward=reward)), table=table)
+    wait_for(lambda: client.stats(table)[table].ready == 2 * len(rewards), "the groups were not computed")
+    return [f"1/{task}" for task in range(len(rewards))]
+
+
+def test_a_batch_stage_that_raises_fails_the_groups_it_raises_on_and_the_stream_goes_on(
+    start_server: Servers, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A table's batch stage that raised on a sampled batch failed the Sample INTERNAL, and its
+    batch went back to the buffer to be taken, and to fail, again: every Sample of the table
+    failed for good, the groups after it never served. The groups the stage raises on alone fail
+    now, named in last_failure and logged; the others of the batch go back; the stream goes on to
+    its next batch. Where no group raises alone (the batch together does), the batch's groups
+    fail."""
+    caplog.set_level(logging.ERROR, logger="expbuf")
+    server = start_server()
+    estimator = dataclasses.replace(SCALED, name="unlucky", batch=unlucky)
+    with registered(estimator) as name, BufferClient(f"127.0.0.1:{server.port}") as client:
+        client.create_table("u", group_size=2, estimator=name)
+        ok, bad, after = pushed_groups(client, "u", [1.0, 13.0, 2.0])
+        served = [b.group_ids for b in client.sample("u", num_groups=2, max_batches=1, delivery="consume", timeout=10)]
+        assert served == [[ok, ok, after, after]]  # the batch of ok and bad: bad failed, ok taken again
+        wait_for(lambda: client.stats("u")["u"].consumed == 4, "the batch served was not consumed")
+        stats = client.stats("u")["u"]
+        assert (stats.groups_failed, stats.ready, stats.leased) == (1, 0, 0), stats
+        assert stats.last_failure == f"group {bad}: its batch stage raised ValueError: unlucky rewards [13.0]"
+        with pytest.raises(ExpbufError, match=r"batch stage raised ValueError: unlucky rewards \[13.0\], over group"):
+            client.get([f"{bad}/0/0/r0s0"], table="u")  # kept (keep_failed), but a Get runs the stage too
+
+        client.create_table("v", group_size=2, estimator=name)
+        five, seven, one, two = pushed_groups(client, "v", [5.0, 7.0, 1.0, 2.0])
+        served = [b.group_ids for b in client.sample("v", num_groups=2, max_batches=1, delivery="consume", timeout=10)]
+        assert served == [[one, one, two, two]]
+        wait_for(lambda: client.stats("v")["v"].consumed == 4, "the batch served was not consumed")
+        stats = client.stats("v")["v"]
+        assert (stats.groups_failed, stats.ready, stats.leased) == (2, 0, 0), stats
+        assert stats.last_failure == f"group {seven}: its batch stage raised ValueError: unlucky rewards [5.0, 7.0]"
+    logged = [r.getMessage() for r in caplog.records if "batch stage" in r.getMessage()]
+    assert len(logged) == 2 and f"group(s) {bad} fail" in logged[0] and f"group(s) {five}, {seven} fail" in logged[1]
+
+
+@pytest.mark.parametrize("layout", ["records", "rows"])
+def test_a_held_batch_whose_stage_raised_fails_those_groups_and_gives_the_others_back(
+    tmp_path: Path, layout: str
+) -> None:
+    """The store's side of the above, in each layout: a held batch's stage raises BatchStageFailed
+    naming the group it raises on alone, with what it raised; Store.fail_stage fails that group and
+    gives the others back, uncounted as sampled, every index and counter consistent."""
+    with (
+        registered(dataclasses.replace(SCALED, name="unlucky", batch=unlucky)) as name,
+        Store(tmp_path, batch_stage=finish_batch) as store,
+    ):
+        store.create_table(TableConfig.of("t", layout=layout, group_size=2, estimator=name))
+        store.put("t", [item for task, r in enumerate([1.0, 13.0, 2.0]) for item in group_items(1, task, 2, reward=r)])
+        assert AdvantageWorker(store).run_once() == 3
+        batch = store.sample(TakeSpec("t", num_groups=2), hold=True)
+        assert batch is not None and batch.group_ids == ["1/0", "1/0", "1/1", "1/1"]
+        with pytest.raises(BatchStageFailed) as raised:
+            batch.finish()
+        assert raised.value.failed == {"1/1": "its batch stage raised ValueError: unlucky rewards [13.0]"}
+        assert store.fail_stage(batch.lease_id, "t", raised.value.failed) == 2
+        stats = store.stats("t")
+        assert [stats[name] for name in ("groups_failed", "ready", "leased", "sampled")] == [1, 4, 0, 0], stats
+        assert stats["last_failure"] == "group 1/1: its batch stage raised ValueError: unlucky rewards [13.0]"
+        assert store.verify("t") == []
+        again = take(store, "t", num_groups=2)
+        assert again is not None and again.group_ids == ["1/0", "1/0", "1/2", "1/2"]
+        again.finish()
 
 
 def test_a_registered_estimator_is_validated_by_its_record() -> None:

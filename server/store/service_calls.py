@@ -25,6 +25,7 @@ class ServiceCalls:
     ack = Forwarded("sampling", Sampling.ack)
     nack = Forwarded("sampling", Sampling.nack)
     give_back = Forwarded("sampling", Sampling.give_back)
+    fail_stage = Forwarded("sampling", Sampling.fail_stage)
     confirm = Forwarded("sampling", Sampling.confirm)
     renew = Forwarded("sampling", Sampling.renew)
     release_holds = Forwarded("sampling", Sampling.release_holds)

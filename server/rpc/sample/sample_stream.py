@@ -48,7 +48,7 @@ from expbuf.client.schema.reasons import Reason
 from expbuf.proto.v1 import buffer_pb2 as pb
 
 from ...store import Sampled, Store
-from ...store.schema.errors import InvalidRequest, StoreError
+from ...store.schema.errors import BatchStageFailed, InvalidRequest, StoreError
 from ...store.schema.sample_spec import TakeSpec
 from ..draining import Draining
 from ..interceptors.base import refuse
@@ -242,6 +242,10 @@ def stream_batches(
                 sent = window.sent
                 try:
                     yield from window.send(batch, reply)
+                except BatchStageFailed:  # its groups it failed on failed, the others back: the next batch
+                    if window.sent != sent:
+                        raise
+                    continue
                 except StoreError:  # a damaged payload: the batch went back unsent, those before it settle
                     if window.sent == sent:
                         yield from window.settle(draining, context)
@@ -312,15 +316,29 @@ class _Window:
             for message in reply(batch, self.sending(batch)):
                 started = True
                 yield message
-        except BaseException:
+        except BaseException as exc:
             if not started:
                 self.unconfirmed.pop()
                 self.sent_at.pop()
                 self.sent -= 1
                 self.client.sending(self.sent)
                 with contextlib.suppress(StoreError):
-                    self.store.give_back(batch.lease_id, self.spec.table, self.owner)
+                    if isinstance(exc, BatchStageFailed):
+                        self._fail_stage(batch, exc)
+                    else:
+                        self.store.give_back(batch.lease_id, self.spec.table, self.owner)
             raise
+
+    def _fail_stage(self, batch: Sampled, exc: BatchStageFailed) -> None:
+        """The batch stage raised over `batch` before it went: the groups it raised on fail, never
+        to be served, the others go back (Store.fail_stage), logged with what it raised; the
+        stream goes on to its next batch."""
+        log.error(
+            "table %s: the batch stage raised over a sampled batch; group(s) %s fail, never to be served, "
+            "and the rest of the batch goes back to the buffer",
+            self.spec.table, ", ".join(list(exc.failed)[:8]), exc_info=exc.__cause__,
+        )  # fmt: skip
+        self.store.fail_stage(batch.lease_id, self.spec.table, exc.failed, self.owner)
 
     def _collect(self) -> None:
         """Move the batches the client has confirmed out of the window."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 import lmdb
@@ -15,7 +16,7 @@ from ..schema.errors import StoreError
 from ..schema.table_config import TableConfig, batch_stage
 from ..schema.views import MemberView
 from .chunk_reads import Deferred
-from .stored_advantages import Advantage, FinishBatch, Stage, StageCounts, advantage_of
+from .stored_advantages import Advantage, FinishBatch, StageCounts, advantage_of
 
 
 class Reader(Protocol):
@@ -89,7 +90,7 @@ class BatchRows:
         token_level = self.txn.get(key, db=self.adv) if self.computed and advantage is None else None
         return advantage_of(advantage, length, None if token_level is None else bytes(token_level))
 
-    def stage(self, counts: StageCounts | None) -> Stage | None:
+    def stage(self, counts: StageCounts | None) -> BoundStage | None:
         """The batch stage still to run on these rows, or None where the table has none. A
         store given no batch stage refuses to take such a batch: its stored values are
         pending, not advantages."""
@@ -100,8 +101,31 @@ class BatchRows:
                 f"table {self.config.name!r} finishes its advantages over each sampled batch, "
                 "and this store was given no batch stage (Store(batch_stage=...))"
             )
-        finish, config, records = self.finish, self.config, self.records
+        return BoundStage(self.finish, self.config, self.records, counts, self.beside, self.beside_advantages)
+
+
+@dataclass
+class BoundStage:
+    """A table's batch stage bound to a batch's rows (`records`), over the rows of the rest of the
+    batch they are part of where they are a rank's part (`beside`), its clip counted in `counts`."""
+
+    finish: FinishBatch
+    config: TableConfig
+    records: list[MemberView]
+    counts: StageCounts | None
+    beside: list[MemberView]
+    beside_stored: list[Advantage]
+
+    def __call__(self, stored: Sequence[Advantage]) -> list[Advantage]:
         if not self.beside:
-            return lambda stored: finish(config, records, stored, counts)
-        beside, beside_stored = self.beside, self.beside_advantages
-        return lambda stored: finish(config, [*records, *beside], [*stored, *beside_stored], counts)[: len(stored)]
+            return self.finish(self.config, self.records, stored, self.counts)
+        finished = self.finish(self.config, [*self.records, *self.beside], [*stored, *self.beside_stored], self.counts)
+        return finished[: len(stored)]
+
+    def raised_over(self, stored: Sequence[Advantage], rows: Sequence[int]) -> Exception | None:
+        """What the stage raises over `rows` of the batch alone (uncounted), None where it does not."""
+        try:
+            self.finish(self.config, [self.records[i] for i in rows], [stored[i] for i in rows], None)
+        except Exception as exc:
+            return exc
+        return None

@@ -25,6 +25,7 @@ from expbuf.client.trxp.stored.columns import (
 )
 from expbuf.client.trxp.stored.pieces import Run, Stored, concatenated
 
+from ..schema.errors import BatchStageFailed, stage_error
 from ..schema.states import PENDING
 from ..schema.table_config import TableConfig
 from ..schema.views import MemberView
@@ -246,10 +247,25 @@ class Sampled:
         return self.render(concatenated)
 
     def finish(self) -> None:
-        """Run the batch stage on the stored advantages, once."""
+        """Run the batch stage on the stored advantages, once. A stage that raises raises
+        BatchStageFailed naming the groups it raises on alone, or where none does (the batch
+        together trips it), every group of the batch: those its caller fails."""
         if self.stage is not None:
             stage, self.stage = self.stage, None
-            self.advantages = stage(self.advantages)
+            try:
+                self.advantages = stage(self.advantages)
+            except Exception as exc:
+                raise BatchStageFailed(self._failing(stage, exc), exc) from exc
+
+    def _failing(self, stage: Stage, error: Exception) -> dict[str, str]:
+        """The groups `stage` raises on alone, each with what it raised; every group with `error`
+        where none does."""
+        rows: dict[str, list[int]] = {}
+        for at, gkey in enumerate(self.group_ids):
+            rows.setdefault(gkey, []).append(at)
+        alone = {gkey: stage.raised_over(self.advantages, at) for gkey, at in rows.items()}
+        failing = {gkey: stage_error(exc) for gkey, exc in alone.items() if exc is not None}
+        return failing or dict.fromkeys(rows, stage_error(error))
 
     def render(self, build: Callable[[list[Run]], T]) -> T:
         """`build` of the payload as the runs of bytes it is made of (join_parts, client/trxp/stored/splice.py),

@@ -24,6 +24,7 @@ import struct
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from expbuf.client.trxp.codec import segments
 from expbuf.client.trxp.codec.advantages import ADDED, scaled
@@ -70,8 +71,16 @@ class StageCounts:
 # advantages from the table's configuration, the batch's item records and stored values in
 # batch order, and the counts its clip adds to (None for a Get, which is not a sample).
 FinishBatch = Callable[[TableConfig, Sequence[MemberView], Sequence[Advantage], StageCounts | None], list[Advantage]]
-# A taken batch's batch stage, bound to its rows: its advantages from its stored ones.
-Stage = Callable[[Sequence[Advantage]], list[Advantage]]
+
+
+class Stage(Protocol):
+    """A taken batch's batch stage, bound to its rows (batch_rows.BoundStage): its advantages from
+    its stored ones; and, once that raised, what it raises over some of the rows alone, to find
+    which groups the failure is down to (kinds.Sampled.finish)."""
+
+    def __call__(self, stored: Sequence[Advantage]) -> list[Advantage]: ...
+
+    def raised_over(self, stored: Sequence[Advantage], rows: Sequence[int]) -> Exception | None: ...
 
 
 def token_record(length: int, advantages: bytes | memoryview, returns: bytes | memoryview) -> bytes:

@@ -28,12 +28,15 @@ member's payload gone and the others' kept, the damaged member flagged quarantin
 state (disk/rows/segments.SegState) and counted so until its segment is forgotten. Its pending or
 computing group some of whose rows damage lost fails where a records table's with a lost record
 does (`quarantine_lost`), the members whose rows are lost quarantined.
+
+A ready group that cannot be served for another cause than damage (its table's batch stage raises
+on it) fails as any failed group, its payloads kept only with keep_failed (`fail_ready`).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 from ..core.table_state.read_check import payload_problem
 from ..core.table_state.state import TableState
@@ -43,7 +46,7 @@ from ..core.verbs.groups import remade, remade_computing
 from ..core.verbs.rows import moves as row_moves
 from ..core.verbs.rows.ends import LOST_ROW
 from ..disk import chunk_reads
-from ..schema.states import COMPUTING, FAILED, LIVE, PENDING
+from ..schema.states import COMPUTING, FAILED, LIVE, PENDING, READY
 from ..schema.views import GroupView, MemberView
 
 log = logging.getLogger("expbuf.store")
@@ -155,6 +158,22 @@ def _fail_remade(tt: TableState, groups: Sequence[tuple[str, GroupView]]) -> Non
         tt.counters.groups_failed += 1
         tt.counters.last_failure = f"group {gkey}: {why}"
     retire.retire(tt, groups, FAILED, keep_payloads=True)
+
+
+def fail_ready(tt: TableState, failed: Mapping[str, str]) -> int:
+    """Ready groups that cannot be served (their table's batch stage raises on them: `failed`, group ->
+    why) fail, never to be served, as any failed group: their payloads kept where the table keeps
+    failed groups' (keep_failed), counted and named in `last_failure`. A group no longer ready
+    (deleted, or taken again meanwhile) is left. Returns the experiences failed."""
+    groups = [(gkey, grp) for gkey in failed if (grp := tt.view(gkey)) is not None and grp.state == READY]
+    for gkey, _ in groups:
+        tt.counters.groups_failed += 1
+        tt.counters.last_failure = f"group {gkey}: {failed[gkey]}"
+    if groups and tt.config.storage.layout == "rows":
+        row_moves.fail(tt, groups, frozenset())
+    elif groups:
+        retire.retire(tt, groups, FAILED)
+    return sum(len(grp.members) for _, grp in groups)
 
 
 def quarantine_kept(tt: TableState, uid: str, rec: MemberView, why: str) -> None:

@@ -226,6 +226,25 @@ class DamagedPayload(StoreError):
         self.uid = uid
 
 
+class BatchStageFailed(StoreError):
+    """A table's batch stage raised over a sampled batch (an estimator's bug that some data trips):
+    the groups it raises on alone fail, each with why (`failed`: group -> why), or every group of
+    the batch where none does alone (the batch together trips it). Left in the buffer, they would be
+    taken, and fail, again and again: the table would serve nothing more."""
+
+    def __init__(self, failed: dict[str, str], error: Exception) -> None:
+        named = ", ".join(clip(gkey) for gkey in list(failed)[:8])
+        more = f" and {len(failed) - 8} more" if len(failed) > 8 else ""
+        raised = f"{type(error).__name__}: {clip(str(error), 200)}"
+        super().__init__(f"the table's batch stage raised {raised}, over group(s) {named}{more}")
+        self.failed = failed
+
+
+def stage_error(error: BaseException) -> str:
+    """What a batch stage raised, as a failed group's last failure names it."""
+    return f"its batch stage raised {type(error).__name__}: {clip(str(error), 200)}"
+
+
 # The way out of a group whose record does not decode, which its refusals and logs name.
 DROP_DAMAGED_GROUP = (
     "run `expbuf check` on the data directory; Delete the group by its id to remove it with its experiences"

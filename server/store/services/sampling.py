@@ -242,6 +242,13 @@ class Sampling:
             lambda txn: self.leases.end(txn, lease_id, requeue=True, unsent=True, table=table, owner=owner)
         )
 
+    def fail_stage(self, lease_id: str, table: str, failed: dict[str, str], owner: str = "") -> int:
+        """A stream's held batch whose batch stage raised goes back, the groups of `failed` (group ->
+        why) failed (TableLeases.fail_stage); returns the experiences failed."""
+        return self.environment.submit(
+            lambda txn: self.leases.fail_stage(txn, lease_id, failed, table=table, owner=owner)
+        )
+
     def confirm(self, lease_id: str, spec: TakeSpec, owner: str = "") -> int:
         """A stream's held batch that its client has (TableLeases.confirm); returns its experiences."""
         return self.environment.submit(lambda txn: self.leases.confirm(txn, lease_id, spec, owner, self.rng))

@@ -10,8 +10,9 @@ A leased batch's groups are LEASED and name their lease; the lease is a record u
 - renewed (`renew`): it now ends that long from now (a held one's clock starts);
 - ended (`end`): by an ack (consumed), a nack or its expiry (back to the buffer, counted as
   sampled), by its stream for a batch its client did not confirm, or at the next start for a
-  hold whose stream is gone (`release_holds`): back, uncounted. Groups no longer under the
-  lease (deleted meanwhile) are left alone.
+  hold whose stream is gone (`release_holds`): back, uncounted; or by its stream for a batch
+  whose batch stage raised, back uncounted and the groups it raised on failed (`fail_stage`).
+  Groups no longer under the lease (deleted meanwhile) are left alone.
 
 A held batch counts as sampled (the table's counters, which Prometheus exports as counters) only
 once its client has it: confirmed, or acked, nacked or renewed (core/verbs/leases.delivered), so
@@ -35,7 +36,7 @@ from expbuf.client.schema.call_limits import MAX_LEASE_SECONDS
 from ..core.verbs import leases
 from ..disk.kinds import Sampled
 from ..rules import reuse
-from ..rules.quarantine import quarantine_lost
+from ..rules.quarantine import fail_ready, quarantine_lost
 from ..schema.errors import Forbidden, InvalidRequest, NotFound, clip, taken_with
 from ..schema.sample_spec import TakeSpec, check_seconds
 from .catalog import TableCatalog
@@ -146,6 +147,22 @@ class TableLeases:
             self.requeued(lease.table_id)
         if expired:
             tt.counters.leases_expired += 1
+        tt.save()
+        return count
+
+    def fail_stage(
+        self, txn: lmdb.Transaction[bytes], lease_id: str, failed: dict[str, str], *, table: str, owner: str
+    ) -> int:
+        """A batch held for its stream whose batch stage raised (disk/kinds.Sampled.finish): it goes
+        back to the buffer unsent, as `end` gives back a batch its client did not confirm, and then
+        the groups of `failed` fail (group -> why; rules/quarantine.fail_ready), so that they are not
+        taken, and fail, again. Returns the experiences failed."""
+        lease = self.checked(txn, lease_id, table, owner)
+        self.end(txn, lease_id, requeue=True, unsent=True, table=table, owner=owner)
+        tt = self.catalog.state_of(txn, lease.table_id)
+        if tt is None:
+            return 0
+        count = fail_ready(tt, failed)
         tt.save()
         return count
 
