@@ -141,6 +141,62 @@ def test_idle_pushers_give_back_the_room_their_streams_hold(start_server: Server
     assert [len(result.stored) for result in results] == [1] * 8
 
 
+@pytest.mark.parametrize("kind", ["blocking", "asyncio"])
+def test_busy_pushers_of_small_pushes_hold_room_for_small_messages(start_server: Servers, kind: str) -> None:
+    """A pusher's open stream declared the most a chunk's message takes (4 MiB) whatever it pushed,
+    and the server holds that for its next message while it is open: pushers that push small
+    experiences without a pause of pipeline.QUIET held 4 MiB each, so a few hundred of them (with
+    max_push_streams raised for as many rollout workers) held all of the default
+    max_inflight_bytes, and every other push waited for room until its deadline. A stream declares
+    what the pushes it opened for take, rounded up to a power of two of at least 64 KiB; a larger
+    push opens a stream of its own. Here eight busy pushers share 16 MiB: five of them would need
+    20 MiB at 4 MiB each."""
+    server = start_server(max_inflight_bytes=16 << 20)
+    target = f"127.0.0.1:{server.port}"
+    with BufferClient(target) as admin:
+        admin.create_table("t", estimator="none", group_size=1)
+    seconds, workers = 4.0, 8
+    most: list[int] = [0]
+
+    def watch(until: float) -> None:
+        while time.monotonic() < until:
+            most[0] = max(most[0], server.inflight.held())
+            time.sleep(0.01)
+
+    def blocking(worker: int, until: float) -> list[PushResult]:
+        with BufferClient(target, timeout=2) as client, client.pusher("t") as pusher:
+            task, results = 0, []
+            while time.monotonic() < until:
+                results.append(pusher.push([make_experience(f"{kind}{worker}", task, 0)]).result())
+                task += 1
+            return results
+
+    async def asyncio_pushes(worker: int, until: float) -> list[PushResult]:
+        async with AsyncBufferClient(target, timeout=2) as client:
+            pusher, task, results = client.pusher("t"), 0, []
+            while time.monotonic() < until:
+                results.append(await (await pusher.push([make_experience(f"{kind}{worker}", task, 0)])))
+                task += 1
+            await pusher.close()
+            return results
+
+    until = time.monotonic() + seconds
+    watcher = threading.Thread(target=watch, args=(until,))
+    watcher.start()
+    if kind == "blocking":
+        with futures.ThreadPoolExecutor(workers) as pool:
+            done = list(pool.map(blocking, range(workers), [until] * workers))
+    else:
+
+        async def all_of() -> list[list[PushResult]]:
+            return list(await asyncio.gather(*(asyncio_pushes(worker, until) for worker in range(workers))))
+
+        done = asyncio.run(all_of())
+    watcher.join()
+    assert all(results and all(len(result.stored) == 1 for result in results) for results in done)
+    assert most[0] <= workers * (1 << 17), most[0]  # at most 128 KiB a stream: a small message's room
+
+
 @pytest.mark.parametrize("kind", sorted(PUSHERS))
 def test_every_push_in_a_window_is_answered_in_order_over_one_stream(start_server: Servers, kind: str) -> None:
     server = start_server()

@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Sequence
 from typing import Any, Generic, TypeVar
 
 import grpc
@@ -23,9 +23,9 @@ from .pipeline import Ordered, Pending, PushTarget, PushWindow, Stream
 class _Open:
     """A PushStream in progress: its bookkeeping and its call."""
 
-    def __init__(self, window: PushWindow, client: PushTarget) -> None:
-        self.state = Stream()
-        self.call = client.push_stream(window.stream_seconds, message_bytes=window.message_bytes)
+    def __init__(self, window: PushWindow, client: PushTarget, pushes: Sequence[Pending]) -> None:
+        self.state = Stream(window.room_for(pushes))
+        self.call = client.push_stream(window.stream_seconds, message_bytes=window.message_bytes(self.state.room))
         self.status = StreamStatus(self.call)
         self.closed = False
         self.connected = False  # its call's metadata went: a write no longer waits for the connection
@@ -176,10 +176,10 @@ class AsyncPusher(AsyncOrderedFutures[PushWindow]):
                 self._settle()
                 return
             stream = self._stream
-            if stream is None or stream.closed or not self._window.takes(stream.state):
+            if stream is None or stream.closed or not self._window.takes(stream.state, pushes):
                 if stream is not None:
                     await self._end(stream)
-                stream = self._stream = _Open(self._window, self._client)
+                stream = self._stream = _Open(self._window, self._client, pushes)
                 self._spawn(self._read(stream))
             stream.state.sent.extend(pushes)
             self._watch_due(stream)

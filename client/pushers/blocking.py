@@ -10,7 +10,7 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import Any, Generic, TypeVar
 
@@ -42,10 +42,12 @@ class _Requests:
 class _Open:
     """A PushStream in progress: its bookkeeping, its messages and its replies."""
 
-    def __init__(self, window: PushWindow, client: PushTarget) -> None:
-        self.state = Stream()
+    def __init__(self, window: PushWindow, client: PushTarget, pushes: Sequence[Pending]) -> None:
+        self.state = Stream(window.room_for(pushes))
         self.requests = _Requests(window.chunk_bytes)
-        self.replies = client.push_stream(window.stream_seconds, iter(self.requests), window.message_bytes)
+        self.replies = client.push_stream(
+            window.stream_seconds, iter(self.requests), window.message_bytes(self.state.room)
+        )
         self.watch: threading.Timer | None = None  # the look at whether it has gone quiet (Stream.quiet)
         self.due: threading.Timer | None = None  # the look at its pushes' deadlines (PushWindow.overdue)
         self.due_at = 0.0  # when that look is (monotonic clock)
@@ -230,10 +232,10 @@ class Pusher(OrderedFutures[PushWindow]):
             for pending in pushes:
                 pending.fail(grpc.StatusCode.CANCELLED, "the client was closed", why)
             return
-        if self._stream is None or not self._window.takes(self._stream.state):
+        if self._stream is None or not self._window.takes(self._stream.state, pushes):
             if self._stream is not None:
                 self._end(self._stream)
-            self._stream = _Open(self._window, self._client)
+            self._stream = _Open(self._window, self._client, pushes)
             reader = threading.Thread(target=self._read, args=(self._stream,), name="expbuf-pusher", daemon=True)
             self._readers = [r for r in self._readers if r.is_alive()] + [reader]
             reader.start()

@@ -50,7 +50,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, Protocol, TypeVar
 
@@ -71,6 +71,9 @@ MAX_PUSHES_AHEAD = 64  # the most pushes a pipeline keeps in flight (its window)
 # answer comes in milliseconds, and the next push after it opens a stream of its own, which costs
 # it about a round trip.
 QUIET = 1.0
+# The least payload a stream declares room for (PushWindow.room_for): pushes of about the same size
+# share a stream, and a few hundred busy pushers of small pushes hold a few MiB of the server's room.
+LEAST_ROOM = 1 << 16
 NAMED_UIDS = 32  # the uids an error names; past them, how many more
 
 
@@ -134,6 +137,7 @@ class Stream:
     """One PushStream's bookkeeping: when it opened, when a push last went on it, and its pushes
     not yet answered, oldest first."""
 
+    room: int | None = None  # the payload a message on it may carry (PushWindow.room_for); None: any
     opened: float = field(default_factory=time.monotonic)
     sent: deque[Pending] = field(default_factory=deque)
     last_sent: float = 0.0  # monotonic
@@ -225,12 +229,22 @@ class PushWindow(Ordered[Pending]):
         self.retries: int = client.retries
         self._waiting = 0  # callers waiting for every push sent to be answered (`draining`)
 
-    @property
-    def message_bytes(self) -> int | None:
-        """What a stream declares of its messages (wire.MESSAGE_BYTES): the most a chunk's, or a
-        push sent whole no larger, takes; None where every push goes whole (push_chunk_bytes = 0),
-        which max_message_bytes alone bounds."""
-        return frames.most_push_request(self.chunk_bytes, self.table) if self.chunk_bytes else None
+    def room_for(self, pushes: Sequence[Pending]) -> int | None:
+        """The payload a message of a stream opened for `pushes` may carry: the largest of their
+        messages' (a push sent whole, or a chunk), rounded up to a power of two of at least
+        LEAST_ROOM, at most a chunk; None where every push goes whole (push_chunk_bytes = 0), which
+        max_message_bytes alone bounds. The server holds what a stream declares for its next message
+        while it is open: a chunk's (4 MiB) for every busy pusher of small pushes held 128 MiB with
+        the server's default max_push_streams (32), all of max_inflight_bytes with it raised for
+        a few hundred rollout workers."""
+        if not self.chunk_bytes:
+            return None
+        largest = max((len(pending.body) for pending in pushes), default=0)
+        return min(self.chunk_bytes, max(LEAST_ROOM, 1 << (largest - 1).bit_length()))
+
+    def message_bytes(self, room: int | None) -> int | None:
+        """What a stream with `room` declares of its messages (wire.MESSAGE_BYTES)."""
+        return None if room is None else frames.most_push_request(room, self.table)
 
     @property
     def stream_seconds(self) -> float:
@@ -268,9 +282,13 @@ class PushWindow(Ordered[Pending]):
     def ends_streams(self) -> bool:
         return self._waiting > 0
 
-    def takes(self, stream: Stream | None) -> bool:
-        """Whether a new push may go on `stream`."""
-        return stream is not None and time.monotonic() - stream.opened < self.timeout
+    def takes(self, stream: Stream | None, pushes: Sequence[Pending]) -> bool:
+        """Whether `pushes` may go on `stream`: it opened less than `timeout` ago, and has room for
+        each of their messages (a larger one goes on a stream of its own, which declares it)."""
+        if stream is None or time.monotonic() - stream.opened >= self.timeout:
+            return False
+        room = stream.room
+        return room is None or all(min(len(pending.body), self.chunk_bytes) <= room for pending in pushes)
 
     def add(self, body: bytes, number: int | None = None) -> Pending:
         """The next push, of a payload the pusher encoded while earlier ones were on their way;

@@ -7,7 +7,8 @@ read, staged and paced by push_chunks.ChunkReader, whose docstring says how.
 A message's size is known only once gRPC has received all of it, and a read, once begun, takes
 in the whole message. So a call whose client declared the most a message of it will be (call
 metadata `expbuf-message-bytes`, wire.MESSAGE_BYTES: expbuf's clients declare a push's or a put's
-own size, and for a PushStream the most a chunk's message takes) reserves that (at most
+own size, a push in chunks the most a chunk's message takes, and a pusher's PushStream the most
+its pushes' messages take, rounded up: pipeline.PushWindow.room_for) reserves that (at most
 `max_message_bytes` and the cap) before each read, once it fits beside the payloads held by pushes
 in progress under `max_inflight_bytes`, and its message holds its own size in its place once read;
 a message larger than its call declared is refused INVALID_ARGUMENT naming both, and a stream
