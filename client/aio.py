@@ -163,6 +163,10 @@ class AsyncBufferClient(ServerCalls, Awaiting, ClientBase):
         for batches in list(self._samples):
             with contextlib.suppress(RuntimeError):  # iterated now by another task: the cancel ends it
                 await batches.aclose()
+        loop = asyncio.get_running_loop()
+        ending = [done for done in self._streams if not done.done() and done.get_loop() is loop]
+        if ending:  # streams their callers dropped, ended by the loop's finalizer: the batch handed over confirmed
+            await asyncio.wait(ending, timeout=calls.STOP_SECONDS)
         self.closed = True
         await self._channel.close()
         await self._unretried_channel.close()
@@ -238,6 +242,14 @@ class AsyncBufferClient(ServerCalls, Awaiting, ClientBase):
         """The streams of `sample()` made and not yet collected, which close() ends first."""
         return weakref.WeakSet()
 
+    @functools.cached_property
+    def _streams(self) -> set[asyncio.Future[None]]:
+        """One future a `sample()` stream in progress, done once it has ended: a stream its caller
+        dropped (`return` from inside `async for`) is ended by the event loop's finalizer, which
+        close() waits for before it closes the channel, else it cut the confirmation of the batch
+        the caller has, and the server served that batch again."""
+        return set()
+
     async def _batches(
         self, table: str, batch_size: int | None, num_groups: int | None, options: SampleOptions
     ) -> AsyncGenerator[Batch, None]:
@@ -294,6 +306,8 @@ class AsyncBufferClient(ServerCalls, Awaiting, ClientBase):
 
         ahead: Prefetcher | None = None
         seconds = 0.0  # the server's confirm bound, as its replies say
+        streaming = asyncio.get_running_loop().create_future()
+        self._streams.add(streaming)
         try:
             await call.write(spec.request(self.max_message_bytes, answers_stopping=True))
             if spec.max_batches != 1:  # replies come ahead: read them as they come (prefetch.py)
@@ -321,28 +335,32 @@ class AsyncBufferClient(ServerCalls, Awaiting, ClientBase):
             if error is not None:
                 raise calls.ended_late(error.code(), table, seconds, confirmed) or self._error(error) from None
         finally:
-            if ahead is not None:
-                ahead.stop()
-            stopping = not call.done()  # the caller stopped early: end the stream cleanly
+            try:
+                if ahead is not None:
+                    ahead.stop()
+                stopping = not call.done()  # the caller stopped early: end the stream cleanly
 
-            async def end() -> None:
-                """The confirmation on its way written, and where the caller stopped early, the stop
-                and the stream read to its end; bounded whole (a write that never goes, as on a
-                call made for another event loop, waited for good)."""
-                async with writing:
-                    await written()
-                    if stopping and not call.done():
-                        await call.write(calls.confirmation(handing.received, stop=True))
+                async def end() -> None:
+                    """The confirmation on its way written, and where the caller stopped early, the stop
+                    and the stream read to its end; bounded whole (a write that never goes, as on a
+                    call made for another event loop, waited for good)."""
+                    async with writing:
+                        await written()
+                        if stopping and not call.done():
+                            await call.write(calls.confirmation(handing.received, stop=True))
+                    if stopping:
+                        await (_drain(call) if ahead is None else passed())
+
+                with contextlib.suppress(grpc.RpcError, asyncio.TimeoutError, asyncio.InvalidStateError):
+                    await asyncio.wait_for(end(), calls.STOP_SECONDS)
                 if stopping:
-                    await (_drain(call) if ahead is None else passed())
-
-            with contextlib.suppress(grpc.RpcError, asyncio.TimeoutError, asyncio.InvalidStateError):
-                await asyncio.wait_for(end(), calls.STOP_SECONDS)
-            if stopping:
-                call.cancel()
-            if ahead is not None:  # its thread reads the stream to its end
-                await passed()
-                ahead.join()
+                    call.cancel()
+                if ahead is not None:  # its thread reads the stream to its end
+                    await passed()
+                    ahead.join()
+            finally:
+                streaming.set_result(None)
+                self._streams.discard(streaming)
 
     async def _hold(self, spec: SampleSpec, within: float = 0.0) -> AsyncHeldBatch | None:
         """As BufferClient._hold: the one batch of `spec` held unconfirmed (AsyncHeldBatch) for at
