@@ -353,3 +353,50 @@ def test_an_asyncio_sample_cancelled_as_its_parts_come_in_gives_back_those_it_ho
 
     asyncio.run(cancelled())
     slow.close()
+
+
+@pytest.mark.parametrize("delivery", ["consume", "lease"])
+def test_an_asyncio_sample_cancelled_as_its_parts_are_confirmed_loses_no_batch(
+    start_server: Servers, tmp_path: Path, delivery: str
+) -> None:
+    """A cancel that lands as a sharded batch's held parts are confirmed (a trainer's wait_for running
+    out just then) cut the confirmations' step: the shards consumed or leased the parts, and the
+    caller got CancelledError and no batch, the parts given back to no one (an audit: 16 of 16
+    experiences gone with consume; with lease, held until the lease expired). The step runs to its
+    end: a consumed batch, which nothing can put back, is handed over (the cancelled await returns
+    it); a leased one is handed back and the cancel goes on."""
+    targets, _ = in_process_shards(start_server, tmp_path)
+    with ShardedBufferClient(targets, timeout=5.0) as admin:
+        admin.create_table("t", group_size=2, estimator="none")
+        admin.push(groups(0, range(8), range(2)), table="t")
+
+    async def cancelled() -> Any:
+        async with AsyncShardedBufferClient(targets, timeout=5.0) as client:
+            made = client._call
+
+            async def call(call: Any) -> Any:
+                if call.method == "deliver":  # the caller gives up as the confirmation goes
+                    asyncio.get_running_loop().call_soon(sampling.cancel)
+                return await made(call)
+
+            client._call = call  # type: ignore[method-assign]
+
+            async def first() -> Any:
+                async for batch in client.sample("t", num_groups=8, timeout=10.0, delivery=delivery):
+                    return batch
+                raise AssertionError("no batch")
+
+            sampling = asyncio.ensure_future(first())
+            try:
+                return await sampling
+            except asyncio.CancelledError:
+                return None
+
+    handed = asyncio.run(cancelled())
+    with ShardedBufferClient(targets, timeout=5.0) as admin:
+        left = sorted(uid for batch in drain(admin, "t", 8) for uid in batch.uids)
+    every = sorted(item.eid.uid for item in groups(0, range(8), range(2)))
+    if delivery == "consume":
+        assert handed is not None and sorted(handed.uids) == every and left == []
+    else:
+        assert handed is None and left == every

@@ -7,11 +7,13 @@ each step asks for at once with asyncio.gather.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator
-from typing import Any, Unpack
+from typing import Any, TypeGuard, Unpack
 
 from ..aio import AsyncBufferClient, AsyncHeldBatch
 from ..errors import BufferError
+from ..results import AsyncBatch
 from ..rpc.api import ShardCalls
 from ..rpc.declare import AwaitingShards, Turns
 from ..rpc.sample_spec import SampleOptions, SampleSpec
@@ -87,11 +89,28 @@ class AsyncShardedBufferClient(ShardPlans, AwaitingShards, ShardCalls):
                 if isinstance(step, Emit):
                     yield step.batch
                     continue
-                answers = await self._step(step)
+                answers = await (self._delivered(step, spec) if _delivers(step) else self._step(step))
                 _follow(held, step, answers)
                 turns.answer(answers)
         except (asyncio.CancelledError, GeneratorExit):  # a caller that left mid-batch: its parts go back
             await asyncio.shield(_given_back(held))
+            raise
+
+    async def _delivered(self, step: list[Call], spec: SampleSpec) -> list[Any]:
+        """A step that confirms a batch's held parts, run to its end whatever cancels the caller
+        meanwhile: once a confirmation goes, its shard consumes the part, starts its lease or counts
+        its replay, and a cancel that cut the step lost a consumed batch (the caller had no batch,
+        the shards none). A consumed batch, which nothing can put back, is handed over: the
+        cancelled await returns it. The others' parts go back (a leased part's nack; a replayed
+        part stays, its replay counted) and the cancel goes on."""
+        confirming = asyncio.ensure_future(self._step(step))
+        try:
+            return await asyncio.shield(confirming)
+        except asyncio.CancelledError:
+            answers = await _finished(confirming)
+            if spec.delivery == "consume":
+                return answers
+            await asyncio.shield(_handed_back(answers))
             raise
 
 
@@ -105,6 +124,26 @@ def _follow(held: list[AsyncHeldBatch], step: Any, answers: Any) -> None:
             held.append(answer)
         elif call.method in ("deliver", "give_back") and call.on in held:
             held.remove(call.on)
+
+
+def _delivers(step: Any) -> TypeGuard[list[Call]]:
+    """Whether a step of a sample's plan confirms a batch's held parts."""
+    return isinstance(step, list) and any(call.method == "deliver" for call in step)
+
+
+async def _finished(task: asyncio.Future[list[Any]]) -> list[Any]:
+    """`task`'s result, waited for whatever cancels the waiter meanwhile."""
+    while not task.done():
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.shield(task)
+    return task.result()
+
+
+async def _handed_back(answers: list[Any]) -> None:
+    """The parts a confirmation step delivered (its answers: a part, or its shard's error), back
+    to their buffers: a leased part's lease ended (nack); nothing to do for the others."""
+    parts = [answer for answer in answers if isinstance(answer, AsyncBatch)]
+    await asyncio.gather(*(part.nack() for part in parts), return_exceptions=True)
 
 
 async def _given_back(parts: list[AsyncHeldBatch]) -> None:
