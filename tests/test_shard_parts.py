@@ -400,3 +400,38 @@ def test_an_asyncio_sample_cancelled_as_its_parts_are_confirmed_loses_no_batch(
         assert handed is not None and sorted(handed.uids) == every and left == []
     else:
         assert handed is None and left == every
+
+
+def test_a_sharded_client_closed_under_calls_in_flight_cancels_them(start_server: Servers, tmp_path: Path) -> None:
+    """A sharded client closed while a call waits on a shard that says nothing (a frozen process)
+    waited for the call to reach its deadline (its thread pool shut down first, waiting for what ran
+    on it, then the channels closed): a trainer's shutdown hung that long. As one server's client
+    does, the close cancels the calls in flight (CANCELLED), and a call made on the closed client is
+    refused CANCELLED, not a RuntimeError of its thread pool (an audit)."""
+    targets, frozen, _ = behind_a_proxy(start_server, tmp_path)
+    client = ShardedBufferClient(targets, timeout=20.0)
+    client.shard_stats("t")  # connected
+    frozen.hold()
+    out: list[Any] = []
+
+    def push() -> None:
+        try:
+            out.append(client.push(groups(1, range(8), range(2)), table="t"))
+        except ExpbufError as exc:
+            out.append(exc)
+
+    calling = threading.Thread(target=push, daemon=True)
+    calling.start()
+    time.sleep(0.5)  # the call on its way to the frozen shard
+    closing = threading.Thread(target=client.close, daemon=True)
+    closing.start()
+    closing.join(10)
+    calling.join(10)
+    frozen.release()
+    frozen.close()
+    assert not closing.is_alive() and not calling.is_alive(), "the close waited for the call's deadline"
+    (error,) = out
+    assert isinstance(error, ExpbufError) and error.code == grpc.StatusCode.CANCELLED, error
+    with pytest.raises(ExpbufError, match="closed") as refused:
+        client.push(groups(2, range(8), range(2)), table="t")
+    assert refused.value.code == grpc.StatusCode.CANCELLED

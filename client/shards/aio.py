@@ -17,7 +17,7 @@ from ..results import AsyncBatch
 from ..rpc.api import ShardCalls
 from ..rpc.declare import AwaitingShards, Turns
 from ..rpc.sample_spec import SampleOptions, SampleSpec
-from .common import AsyncShardBatch, ShardBatch
+from .common import AsyncShardBatch, ShardBatch, closed_error
 from .poll import Wait
 from .pusher import AsyncShardedPusher
 from .routes import ShardPlans
@@ -28,9 +28,11 @@ class AsyncShardedBufferClient(ShardPlans, AwaitingShards, ShardCalls):
     """asyncio twin of ShardedBufferClient, with the methods of AsyncBufferClient."""
 
     _client_class = AsyncBufferClient
+    closed = False  # its close() began
 
     async def close(self) -> None:
-        """Close every shard's channel."""
+        """Close every shard's channel; a call made after is refused CANCELLED."""
+        self.closed = True
         clients = (*self.clients.values(), *self._probes.values(), *self._retired)
         await asyncio.gather(*(client.close() for client in clients))
 
@@ -50,6 +52,8 @@ class AsyncShardedBufferClient(ShardPlans, AwaitingShards, ShardCalls):
             return exc
 
     async def _step(self, step: Any) -> Any:
+        if self.closed:
+            raise closed_error()
         if isinstance(step, Wait):
             await asyncio.sleep(step.seconds)
             return None

@@ -28,7 +28,7 @@ from ..rpc.declare import BlockingShards, Turns
 from ..rpc.sample_spec import SampleOptions, SampleSpec
 from ..schema.routing import ShardMap
 from .aio import AsyncShardedBufferClient
-from .common import LiveResult, ShardBatch, ShardError, allocate, dns_targets
+from .common import LiveResult, ShardBatch, ShardError, allocate, closed_error, dns_targets
 from .poll import Wait
 from .pusher import ShardedPusher
 from .routes import ShardPlans
@@ -39,16 +39,20 @@ class ShardedBufferClient(ShardPlans, BlockingShards, ShardCalls):
     """BufferClient's methods over a set of shards. Use as a context manager or call close()."""
 
     _client_class = BufferClient
+    closed = False  # its close() began
 
     def __init__(self, shards: ShardMap | Mapping[str, str] | Sequence[str], *args: Any, **kwargs: Any) -> None:
         super().__init__(shards, *args, **kwargs)
         self._pool = ThreadPoolExecutor(max_workers=32, thread_name_prefix="expbuf-shards")
 
     def close(self) -> None:
-        """Close every shard's channel and the threads that call the shards in parallel."""
-        self._pool.shutdown()
+        """Close every shard's channel, which cancels the calls in flight (as BufferClient.close),
+        then the threads that call the shards in parallel: shut down first, they waited for each
+        call in flight to reach its deadline. A call made after is refused CANCELLED."""
+        self.closed = True
         for client in (*self.clients.values(), *self._probes.values(), *self._retired):
             client.close()
+        self._pool.shutdown()
 
     def __enter__(self) -> ShardedBufferClient:
         return self
@@ -66,12 +70,18 @@ class ShardedBufferClient(ShardPlans, BlockingShards, ShardCalls):
             return exc
 
     def _step(self, step: Any) -> Any:
+        if self.closed:
+            raise closed_error()
         if isinstance(step, Wait):
             time.sleep(step.seconds)
             return None
         if len(step) == 1:
             return [self._call(step[0])]
-        return [future.result() for future in [self._pool.submit(self._call, call) for call in step]]
+        try:
+            made = [self._pool.submit(self._call, call) for call in step]
+        except RuntimeError:  # its threads shut down: the client closed meanwhile
+            raise closed_error() from None
+        return [future.result() for future in made]
 
     def _run(self, plan: Plan[T]) -> T:
         turns = Turns(plan)

@@ -42,6 +42,11 @@ class ShardError(BufferError):
         self.result = result
 
 
+def closed_error() -> ShardError:
+    """What a call made on a closed sharded client raises, as one made on a closed channel."""
+    return ShardError(grpc.StatusCode.CANCELLED, "the sharded client was closed", [])
+
+
 class LiveResult(dict):
     """What the shards that answered returned, as one server's call would; `missing` names the
     shards that did not answer (UNAVAILABLE or DEADLINE_EXCEEDED), with their error."""
