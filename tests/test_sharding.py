@@ -8,6 +8,7 @@ import asyncio
 import hashlib
 import itertools
 import json
+import random
 import re
 import signal
 import subprocess
@@ -262,6 +263,27 @@ def test_allocate_splits_a_batch_by_ready_groups() -> None:
     for _ in range(200):
         parts = allocate({"a": 5, "b": 7, "c": 11}, 9)
         assert sum(parts.values()) == 9 and parts["a"] <= 5
+
+
+@pytest.mark.parametrize(
+    ("ready", "need"), [({"a": 9, "b": 6, "c": 5}, 2), ({"a": 200, "b": 1}, 1), ({"a": 4, "b": 4, "c": 3, "d": 2}, 7)]
+)
+def test_allocate_gives_every_ready_group_the_same_chance_whatever_its_shard(ready: dict[str, int], need: int) -> None:
+    """Each shard's part is, on average, its share of the batch (need x its ready / all ready), so
+    that each ready group is in a batch with the same chance, need / all ready. Leftover seats were
+    drawn one at a time without replacement, weighted by the shares' fractions, which gives those
+    fractions only where one seat is left over: with 9, 6 and 5 ready and 2 wanted, a group on the
+    first shard had a chance of 0.088 and one on the third 0.113, not 0.1 (an audit)."""
+    random.seed(64)
+    draws = 40_000
+    total = Counter[str]()
+    for _ in range(draws):
+        parts = allocate(ready, need)
+        assert sum(parts.values()) == need and all(parts[shard] <= ready[shard] for shard in parts)
+        total.update(parts)
+    everything = sum(ready.values())
+    for shard, count in ready.items():
+        assert abs(total[shard] / draws - need * count / everything) < 0.015, (shard, total[shard] / draws)
 
 
 def test_the_client_never_imports_ray() -> None:

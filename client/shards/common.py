@@ -112,22 +112,25 @@ def shard_error(errors: Mapping[str, BufferError], targets: Mapping[str, str], r
 def allocate(ready: Mapping[str, int], need: int) -> dict[str, int]:
     """Split `need` groups (or experiences) over the shards in proportion to what each holds ready.
 
-    Each shard gets the whole part of its share; the seats left over go one at a time to
-    shards drawn with the weight of their fractional share, so that every ready group has
-    the same chance to be in a batch whatever shard holds it. With less ready than `need`,
-    every shard gives all it has.
+    Each shard gets the whole part of its share, and one seat more with the chance of its
+    share's fraction, so that its part is its share on average and every ready group has the
+    same chance to be in a batch whatever shard holds it. The seats left over are drawn at once
+    (systematic sampling: the fractions laid end to end, a seat at each whole step from one
+    random start): drawn one at a time, weighted by the fractions, each shard's chance was its
+    fraction only where one seat was left over. With less ready than `need`, every shard gives
+    all it has.
     """
     total = sum(ready.values())
     if total <= need:
         return {shard: count for shard, count in ready.items() if count > 0}
-    shares = {shard: need * count / total for shard, count in ready.items()}
-    parts = {shard: int(share) for shard, share in shares.items()}
-    fractions = {shard: shares[shard] - parts[shard] for shard in shares}
-    for _ in range(need - sum(parts.values())):
-        candidates = [shard for shard, weight in fractions.items() if weight >= 0 and parts[shard] < ready[shard]]
-        shard = random.choices(candidates, weights=[fractions[s] + 1e-12 for s in candidates])[0]
-        parts[shard] += 1
-        fractions[shard] = -1.0  # one leftover seat per shard
+    parts: dict[str, int] = {}
+    seat, end = random.randrange(total), 0  # in whole numbers of 1 / total: the fractions add up exactly
+    for shard, count in ready.items():
+        parts[shard], fraction = divmod(need * count, total)
+        end += fraction
+        if seat < end:  # a fraction is below 1: it holds one seat at most
+            parts[shard] += 1
+            seat += total
     return {shard: count for shard, count in parts.items() if count > 0}
 
 
