@@ -3,12 +3,17 @@ killed with SIGKILL and restarted by Ray, nothing acknowledged lost."""
 
 from __future__ import annotations
 
+import fcntl
 import os
 import signal
+import socket
+import subprocess
+import sys
 import time
 from collections import Counter
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import pytest
 
@@ -102,3 +107,192 @@ def test_shards_on_ray_survive_a_killed_actor(cluster: Path) -> None:
     expbuf_ray.stop_shards(NAMESPACE)
     with pytest.raises(ValueError):
         expbuf_ray.shard_map(NAMESPACE)
+
+
+# The tests below each run a buffer of their own (their own namespace and data root) on the module's
+# cluster: groups of two with no advantages, ready as pushed, so that no shard waits for torch.
+TABLE = {"name": "rl", "group_size": 2, "estimator": "none"}
+
+
+def options(root: Path) -> dict[str, Any]:
+    return {"data_root": str(root), "tables": [TABLE], "num_cpus": 0, "metrics_port": -1}
+
+
+def pushed(client: ShardedBufferClient, batch: int) -> set[str]:
+    experiences = [make_experience(batch, task, run) for task in range(10) for run in range(2)]
+    client.push(experiences, table="rl")
+    return {e.eid.uid for e in experiences}
+
+
+def consumed(client: ShardedBufferClient) -> set[str]:
+    uids: set[str] = set()
+    for batch in client.sample("rl", num_groups=8, timeout=1.0, allow_partial=True, delivery="consume"):
+        uids |= set(batch.uids)
+    return uids
+
+
+def actors_in(namespace: str) -> list[str]:
+    return sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["namespace"] == namespace)
+
+
+def killed(namespace: str, shard: str) -> int:
+    """SIGKILL a shard's process, as a crash does; its pid."""
+    pid: int = ray.get(ray.get_actor(shard, namespace=namespace).pid.remote())
+    os.kill(pid, signal.SIGKILL)
+    return pid
+
+
+def test_a_restarted_shard_waits_for_its_data_directory_still_in_use(ray_cluster: ModuleType, tmp_path: Path) -> None:
+    namespace = "expbuf-test-lock"
+    expbuf_ray.start_shards(1, namespace=namespace, **options(tmp_path))
+    client = ShardedBufferClient.from_ray(namespace, timeout=5.0)
+    acked = pushed(client, 0)
+    fd = os.open(tmp_path / "expbuf-0" / "data.mdb", os.O_RDONLY)
+    try:
+        pid = killed(namespace, "expbuf-0")
+        # A reader's lock (`expbuf check`), taken as the killed process lets go, before Ray restarts it.
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                assert time.monotonic() < deadline
+                time.sleep(0.005)
+        time.sleep(3)
+    finally:
+        os.close(fd)
+    assert ray.get(ray.get_actor("expbuf-0", namespace=namespace).pid.remote(), timeout=60) != pid
+    assert consumed(client) == acked
+    client.close()
+    assert expbuf_ray.stop_shards(namespace) == {}
+
+
+def test_a_restarted_shard_whose_port_stays_taken_serves_on_another(ray_cluster: ModuleType, tmp_path: Path) -> None:
+    namespace = "expbuf-test-port"
+    started = expbuf_ray.start_shards(1, namespace=namespace, **options(tmp_path))
+    client = ShardedBufferClient.from_ray(namespace, timeout=5.0)
+    acked = pushed(client, 0)
+    host, port = started.targets["expbuf-0"].rsplit(":", 1)
+    pid = killed(namespace, "expbuf-0")
+    with socket.socket() as holder:  # another process's socket on the port, for good
+        holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                holder.bind((host, int(port)))
+                break
+            except OSError:
+                assert time.monotonic() < deadline
+                time.sleep(0.005)
+        holder.listen()
+        actor = ray.get_actor("expbuf-0", namespace=namespace)
+        assert ray.get(actor.pid.remote(), timeout=60) != pid
+        moved = expbuf_ray.shard_map(namespace)  # the registry publishes its new address
+        assert moved.targets["expbuf-0"] == ray.get(actor.target.remote()) != started.targets["expbuf-0"]
+        client.set_map(moved)
+        assert consumed(client) == acked
+    client.close()
+    expbuf_ray.stop_shards(namespace)
+
+
+def test_stop_shards_stops_every_shard_it_can_and_names_the_others(ray_cluster: ModuleType, tmp_path: Path) -> None:
+    namespace = "expbuf-test-stop"
+    expbuf_ray.start_shards(2, namespace=namespace, **options(tmp_path))
+    ray.kill(ray.get_actor("expbuf-0", namespace=namespace), no_restart=True)  # gone for good
+    assert list(expbuf_ray.stop_shards(namespace)) == ["expbuf-0"]
+    assert actors_in(namespace) == []  # expbuf-1 and the registry stopped all the same
+
+
+def test_start_shards_refuses_an_earlier_run_s_map_of_other_shards(ray_cluster: ModuleType, tmp_path: Path) -> None:
+    namespace = "expbuf-test-map"
+    expbuf_ray.start_shards(2, namespace=namespace, **options(tmp_path))
+    expbuf_ray.stop_shards(namespace)
+    with pytest.raises(ValueError, match=r"expbuf\.shard-map\.json .* 2 shards"):
+        expbuf_ray.start_shards(1, namespace=namespace, **options(tmp_path))
+    assert actors_in(namespace) == []
+    assert expbuf_ray.start_shards(namespace=namespace, **options(tmp_path)).shards == ("expbuf-0", "expbuf-1")
+    expbuf_ray.stop_shards(namespace)
+
+
+def test_a_buffer_of_another_namespace_is_refused_the_data_of_another(ray_cluster: ModuleType, tmp_path: Path) -> None:
+    expbuf_ray.start_shards(1, namespace="expbuf-test-job1", **options(tmp_path))
+    refusal = r"belongs to the buffer 'expbuf' of Ray namespace 'expbuf-test-job1'"
+    with pytest.raises(ValueError, match=refusal):  # while it runs: not its port named
+        expbuf_ray.start_shards(1, namespace="expbuf-test-job2", **options(tmp_path))
+    expbuf_ray.stop_shards("expbuf-test-job1")
+    with pytest.raises(ValueError, match=refusal):  # once it has stopped
+        expbuf_ray.start_shards(1, namespace="expbuf-test-job2", **options(tmp_path))
+    # On a node other than the driver's, the data root holds the shards' directories alone: each refuses.
+    (tmp_path / "expbuf.ray-buffer").unlink()
+    (tmp_path / "expbuf.shard-map.json").unlink()
+    with pytest.raises(ray.exceptions.RayActorError, match=refusal):
+        expbuf_ray.start_shards(1, namespace="expbuf-test-job2", **options(tmp_path))
+    assert actors_in("expbuf-test-job2") == []
+
+
+def test_the_default_data_root_is_the_namespace_s_own() -> None:
+    assert expbuf_ray.data_root_of("rl") == Path("/tmp/expbuf-ray/rl")
+    assert expbuf_ray.data_root_of("rl", "/mnt/nvme/expbuf") == Path("/mnt/nvme/expbuf")
+
+
+def test_add_shard_takes_the_buffer_s_data_root_and_tables(ray_cluster: ModuleType, tmp_path: Path) -> None:
+    namespace = "expbuf-test-grow"
+    expbuf_ray.start_shards(1, namespace=namespace, **options(tmp_path))
+    grown = expbuf_ray.add_shard(1, namespace=namespace)  # as docs/operations/ray.md shows it
+    assert (tmp_path / "expbuf-1").is_dir()
+    client = ShardedBufferClient.from_ray(namespace, timeout=5.0)
+    assert client.shard_map == grown
+    pushed(client, 1)
+    assert client.shard_stats("rl")["expbuf-1"]["rl"].pushed > 0
+    client.close()
+    expbuf_ray.stop_shards(namespace)
+
+
+def test_a_start_that_fails_partway_leaves_no_shard_behind(ray_cluster: ModuleType, tmp_path: Path) -> None:
+    namespace = "expbuf-test-partial"
+    (tmp_path / "expbuf-1").write_text("")  # shard 1's data directory cannot be made
+    with pytest.raises(ray.exceptions.RayActorError, match="expbuf-1"):
+        expbuf_ray.start_shards(2, namespace=namespace, **options(tmp_path))
+    assert actors_in(namespace) == []
+    (tmp_path / "expbuf-1").unlink()
+    assert expbuf_ray.start_shards(2, namespace=namespace, **options(tmp_path)).shards == ("expbuf-0", "expbuf-1")
+    expbuf_ray.stop_shards(namespace)
+
+
+def test_a_shard_takes_no_cpu_that_queued_tasks_could_take_at_its_restart(
+    ray_cluster: ModuleType, tmp_path: Path
+) -> None:
+    namespace = "expbuf-test-cpus"
+    root = {"data_root": str(tmp_path), "tables": [TABLE], "metrics_port": -1}  # num_cpus left to its default
+    expbuf_ray.start_shards(1, namespace=namespace, **root)
+
+    @ray.remote(num_cpus=1)
+    def work() -> None:
+        time.sleep(60)
+
+    busy = [work.remote() for _ in range(3)]  # every CPU of the cluster taken, one more waiting
+    try:
+        time.sleep(2)
+        pid = killed(namespace, "expbuf-0")
+        assert ray.get(ray.get_actor("expbuf-0", namespace=namespace).pid.remote(), timeout=20) != pid
+    finally:
+        for task in busy:
+            ray.cancel(task, force=True)
+    expbuf_ray.stop_shards(namespace)
+
+
+def test_reading_the_shard_map_before_ray_init_says_so() -> None:
+    script = (
+        "import ray\n"
+        "from expbuf.client.ray_registry import shard_map\n"
+        "try:\n"
+        "    shard_map('rl')\n"
+        "except RuntimeError as exc:\n"
+        "    print(exc)\n"
+        "print('initialized', ray.is_initialized())\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=env)
+    assert 'ray.init(address="auto")' in result.stdout
+    assert "initialized False" in result.stdout
