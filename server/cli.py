@@ -7,6 +7,7 @@ that `expbuf health`, which the container runs every few seconds, answers quickl
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import math
 import os
@@ -168,7 +169,7 @@ def _check(args: argparse.Namespace) -> int:
     except (StoreError, lmdb.Error) as exc:
         raise CommandError(f"{args.data}: {exc}") from None
     try:
-        with environment.read() as txn:
+        with environment.read() as txn, contextlib.ExitStack() as later:
             _refuse_newer(environment, txn, "check")
             upgrade = _upgrade_only(environment, txn)
             if upgrade:  # not damage: what the next start brings up to date
@@ -177,7 +178,9 @@ def _check(args: argparse.Namespace) -> int:
             if environment.missing:
                 print(f"(directory): damaged (no {', '.join(environment.missing)} database(s))")
                 return 1
-            report = scan_directory(txn, environment.db, time.time())
+            report = scan_directory(
+                txn, environment.db, time.time(), reopen=lambda: later.enter_context(environment.read())
+            )
         try:  # a transaction of its own: LMDB ends one a damaged page failed (the scan names that damage)
             with environment.read() as txn:
                 known = quarantined_by_table(txn, environment.db)

@@ -17,6 +17,7 @@ worse, as wrong data; it raises Damaged naming the first problem and `expbuf che
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import lmdb
@@ -60,11 +61,14 @@ def scan(
     *,
     strays: bool = True,
     tables: bool = True,
+    reopen: Callable[[], lmdb.Transaction[bytes]] | None = None,
 ) -> dict[str, list[str]]:
     """Every problem of the directory, by table name ("" for the directory's own records);
     `strays` also counts what nothing reads (the entries that belong to no table, the tables' stray
     chunk sets), and `tables` checks each table's
-    items, digests, indexes and counters."""
+    items, digests, indexes and counters. LMDB ends a transaction in which it met a damaged page:
+    with `reopen` (a new read transaction), what comes after such damage is read in one of its
+    own, not reported as that transaction's end (BadTxnError) where it has no damage of its own."""
     report: dict[str, list[str]] = {"": []}
     catalogue: dict[str, tuple[int, TableConfig]] = {}
     try:
@@ -77,11 +81,15 @@ def scan(
             report[""] += _strays(txn, dbs, catalogue)
     except DAMAGE as exc:
         report[""].append(f"LMDB or a record raised {type(exc).__name__}: {exc}")
+        if isinstance(exc, lmdb.Error) and reopen is not None:
+            txn = reopen()
     for name, (table_id, config) in catalogue.items() if tables else ():
         try:
             problems = verify(TableState(txn, dbs, table_id, config, now, Extensions()), strays=strays)
         except DAMAGE as exc:
             problems = [f"reading it raised {type(exc).__name__}: {exc}"]
+            if isinstance(exc, lmdb.Error) and reopen is not None:
+                txn = reopen()
         report[name] = problems[:_SHOWN] + (
             [f"... and {len(problems) - _SHOWN} more"] if len(problems) > _SHOWN else []
         )
