@@ -148,18 +148,19 @@ class ExpbufServer:
         returned = self.store.release_holds()
         if returned:
             log.info("batches of streams broken by the last stop returned to the buffer: %d experiences", returned)
-        for table in config.tables:
-            try:
+        try:  # every block checked before any table is made: all of them are created, or none
+            for table in config.tables:
                 check_device(table)
-                created = self.store.create_table(table, exist_ok=True)
-            except ConfigError as exc:  # a device it has not, an extension not registered
-                raise StartupError(str(exc)) from None
-            except Conflict as exc:  # the block edited since the table was made: the stored table is kept
-                raise StartupError(
-                    f"config [[tables]]: {exc} (the request: the block in the config; a table's settings are fixed"
-                    " when it is created, so give the block the table's, or leave the table out of the config)"
-                ) from None
-            if created:
+            created = self.store.create_tables(config.tables, exist_ok=True)
+        except ConfigError as exc:  # a device it has not, an extension not registered
+            raise StartupError(str(exc)) from None
+        except Conflict as exc:  # the block edited since the table was made: the stored table is kept
+            raise StartupError(
+                f"config [[tables]]: {exc} (the request: the block in the config; a table's settings are fixed"
+                " when it is created, so give the block the table's, or leave the table out of the config)"
+            ) from None
+        for table, made in zip(config.tables, created, strict=True):
+            if made:
                 log.info("table created from config: %s", table.described())
         self.metrics = Metrics(self.store, shard=config.shard)
         interceptors: list[ServiceInterceptor] = [RpcMetrics(self.metrics)]

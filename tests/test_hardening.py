@@ -23,7 +23,8 @@ from expbuf.client import BufferClient, BufferError, trxp
 from expbuf.client.rpc.wire import WireError
 from expbuf.proto.v1 import buffer_pb2 as pb
 from expbuf.proto.v1 import buffer_pb2_grpc as pb_grpc
-from expbuf.server.app import ExpbufServer
+from expbuf.server.app import ExpbufServer, StartupError
+from expbuf.server.config import ServerConfig
 from expbuf.server.store import Store
 from expbuf.server.store.schema.errors import StorageFull, StoreClosed, TableFull, TooLarge
 from expbuf.server.store.schema.table_config import MAX_SECONDS, ConfigError, TableConfig
@@ -90,6 +91,28 @@ def test_unknown_settings_are_refused_everywhere(client: BufferClient, stub, tmp
     with pytest.raises(ConfigError, match="group_sise"):
         load(str(toml))
     assert "t" not in client.stats()
+
+
+@pytest.mark.parametrize("refused", ["other settings", "extension"])
+def test_a_start_refused_for_one_of_its_tables_creates_none_of_them(tmp_path: Path, refused: str) -> None:
+    """[[tables]] blocks were created one at a time, so a start refused for a later block (its
+    settings differ from the stored table's, an extension kind the server has not registered) left
+    the blocks before it created: the operator's corrected config then met tables made from one
+    they had not meant to run, and refused in its turn where a block was edited. The blocks are
+    created together, or none of them."""
+    data = tmp_path / "data"
+    with Store(data) as store:
+        store.create_table(TableConfig.of("b", group_size=2, estimator="none"))
+    later = (
+        TableConfig.of("b", group_size=4, estimator="none")
+        if refused == "other settings"
+        else TableConfig.of("c", estimator="none", extensions=["unknown_kind"])
+    )
+    tables = (TableConfig.of("a", estimator="none"), later)
+    with pytest.raises(StartupError, match="already exists with other settings|unknown_kind"):
+        ExpbufServer(ServerConfig(data=str(data), port=0, metrics_port=0, tables=tables))
+    with Store(data) as store:
+        assert "a" not in [table.name for table in store.list_tables()]
 
 
 def test_a_table_stored_with_an_old_out_of_range_setting_still_loads(tmp_path: Path) -> None:

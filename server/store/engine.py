@@ -221,6 +221,7 @@ class Store(ServiceCalls):
     # ---- tables ------------------------------------------------------------------------
 
     create_table = Forwarded("catalog", TableCatalog.create)
+    create_tables = Forwarded("catalog", TableCatalog.create_all)
     list_tables = Forwarded("catalog", TableCatalog.configs)
     has_table = Forwarded("catalog", TableCatalog.has)
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import threading
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TypeVar
 
 import lmdb
@@ -168,41 +168,49 @@ class TableCatalog:
     def create(self, config: TableConfig, *, exist_ok: bool = False) -> bool:
         """Create a table; True if created. An identical existing table is fine with exist_ok. A
         table naming an extension kind not registered is refused (ConfigError)."""
-        if self.kinds.unknown(config.extensions):
-            raise ConfigError(self.kinds.refusal(config.name, config.extensions))
-        never = never_serves(config)
-        if config.storage.layout == "rows":
+        return self.create_all([config], exist_ok=exist_ok)[0]
+
+    def create_all(self, configs: Sequence[TableConfig], *, exist_ok: bool = False) -> list[bool]:
+        """Create tables as `create` does, in one transaction: all of them, or none where one is
+        refused (a server's [[tables]] blocks, so that a start refused for a later block leaves no
+        table of the blocks before it). Whether each was created."""
+        for config in configs:
+            if self.kinds.unknown(config.extensions):
+                raise ConfigError(self.kinds.refusal(config.name, config.extensions))
+        if any(config.storage.layout == "rows" for config in configs):
             self.environment.open_rows()
+        made = self.environment.submit(lambda txn: [self._made(txn, config, exist_ok=exist_ok) for config in configs])
+        for config, (_, table_id, raw) in zip(configs, made, strict=True):
+            self._settle(config.name, table_id, config, raw)
+        return [created for created, _, _ in made]
+
+    def _made(self, txn: lmdb.Transaction[bytes], config: TableConfig, *, exist_ok: bool) -> tuple[bool, int, bytes]:
+        """The table's record made in `txn` where it is not there yet: whether it was, its id and record."""
         db = self.db
-
-        def op(txn: lmdb.Transaction[bytes]) -> tuple[bool, int, bytes]:
-            raw = txn.get(config.name.encode(), db=db["tables"])
-            if raw is None and never is not None:  # one made before this check is left as it is
-                raise ConfigError(never)
-            if raw is not None:
-                record = json.loads(raw)
-                if not exist_ok:
-                    raise Conflict(f"table '{config.name}' already exists")
-                other = differences(TableConfig.from_stored(record["config"], record.get("v", 1)), config)
-                if other:
-                    raise Conflict(f"table '{config.name}' already exists with other settings: {'; '.join(other)}")
-                return False, record["id"], bytes(raw)
-            table_id = int(txn.get(b"next_table_id", b"1", db=db["meta"]))
-            txn.put(b"next_table_id", str(table_id + 1).encode(), db=db["meta"])
-            record = {"id": table_id, "config": config.to_stored(), "created": self.clock(), "v": CONFIG_VERSION}
-            stored = json.dumps(record).encode()
-            txn.put(config.name.encode(), stored, db=db["tables"])
-            # A new table keeps every index from its creation, so that no request in a new order
-            # waits for a build (index_builds.py says why); the mark names them all, so an order
-            # registered later has its index built in the background. A rows table (issue 64)
-            # keeps one from the first request that reads it (ready.ReadyIndex), but the version
-            # index where it evicts stale groups, which a push's version report reads.
-            ready.mark_in_use(txn, db, layout.table_prefix(table_id), ready.kept_from_creation(db, config))
-            return True, table_id, stored
-
-        created, table_id, raw = self.environment.submit(op)
-        self._settle(config.name, table_id, config, raw)
-        return created
+        raw = txn.get(config.name.encode(), db=db["tables"])
+        never = never_serves(config)
+        if raw is None and never is not None:  # one made before this check is left as it is
+            raise ConfigError(never)
+        if raw is not None:
+            record = json.loads(raw)
+            if not exist_ok:
+                raise Conflict(f"table '{config.name}' already exists")
+            other = differences(TableConfig.from_stored(record["config"], record.get("v", 1)), config)
+            if other:
+                raise Conflict(f"table '{config.name}' already exists with other settings: {'; '.join(other)}")
+            return False, record["id"], bytes(raw)
+        table_id = int(txn.get(b"next_table_id", b"1", db=db["meta"]))
+        txn.put(b"next_table_id", str(table_id + 1).encode(), db=db["meta"])
+        record = {"id": table_id, "config": config.to_stored(), "created": self.clock(), "v": CONFIG_VERSION}
+        stored = json.dumps(record).encode()
+        txn.put(config.name.encode(), stored, db=db["tables"])
+        # A new table keeps every index from its creation, so that no request in a new order
+        # waits for a build (index_builds.py says why); the mark names them all, so an order
+        # registered later has its index built in the background. A rows table (issue 64)
+        # keeps one from the first request that reads it (ready.ReadyIndex), but the version
+        # index where it evicts stale groups, which a push's version report reads.
+        ready.mark_in_use(txn, db, layout.table_prefix(table_id), ready.kept_from_creation(db, config))
+        return True, table_id, stored
 
     def drop(self, name: str) -> int:
         """Delete a table and everything in it; returns the live experiences dropped."""
