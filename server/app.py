@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import socket
+import ssl
 import threading
 from collections.abc import Mapping
 from concurrent import futures
@@ -33,7 +34,7 @@ from expbuf.proto.v1 import buffer_pb2, buffer_pb2_grpc
 from .advantages.batch_stage import finish_batch
 from .advantages.devices import check_device
 from .advantages.start import FAILED, NOT_NEEDED, RUNNING, AdvantageStart
-from .config import ServerConfig
+from .config import ServerConfig, TlsConfig
 from .rpc.interceptors.auth import TokenAuth
 from .rpc.interceptors.base import Interceptors, ServiceInterceptor
 from .rpc.interceptors.limits import RESERVED_THREADS, TableStreams, call_limits
@@ -103,7 +104,33 @@ def server_credentials(config: ServerConfig) -> grpc.ServerCredentials | None:
     tls = config.tls
     key, cert = _read("key", tls.key), _read("certificate", tls.cert)
     client_ca = _read("client CA", tls.client_ca) if tls.client_ca else None
+    _check_loads(tls)
     return grpc.ssl_server_credentials([(key, cert)], root_certificates=client_ca, require_client_auth=bool(client_ca))
+
+
+def _check_loads(tls: TlsConfig) -> None:
+    """Refuse TLS files the TLS library does not load (not PEM, a key of another certificate, an
+    encrypted key), naming the setting: gRPC took them, then failed to bind the port with them, and
+    the start was refused as "cannot bind the gRPC port: in use"."""
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    try:
+        context.load_verify_locations(cafile=tls.cert)
+    except ssl.SSLError as exc:
+        raise StartupError(f"TLS [tls] cert {tls.cert!r} does not load as PEM certificates: {exc}") from None
+    try:
+        context.load_cert_chain(tls.cert, tls.key, password=lambda: b"")  # an encrypted key: refused, not asked for
+    except ssl.SSLError as exc:
+        raise StartupError(
+            f"TLS [tls] key {tls.key!r} does not load with the certificate {tls.cert!r} (not an unencrypted PEM"
+            f" private key, or the key of another certificate): {exc}"
+        ) from None
+    if tls.client_ca:
+        try:
+            context.load_verify_locations(cafile=tls.client_ca)
+        except ssl.SSLError as exc:
+            raise StartupError(
+                f"TLS [tls] client_ca {tls.client_ca!r} does not load as PEM certificates: {exc}"
+            ) from None
 
 
 def _summary(names: list[str], shown: int = 5) -> str:

@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
 import grpc
@@ -17,6 +18,7 @@ import pytest
 from expbuf.client import AsyncBufferClient, BufferClient, BufferError, PermissionDeniedError, Tls
 from expbuf.proto.v1 import buffer_pb2 as pb
 from expbuf.proto.v1 import buffer_pb2_grpc as pb_grpc
+from expbuf.server.app import ExpbufServer, StartupError
 from expbuf.server.config import ServerConfig, TlsConfig, load, parse_tokens
 from expbuf.server.store.schema.table_config import ConfigError
 
@@ -79,6 +81,33 @@ def test_tokens_and_scopes(start_server: Servers) -> None:
     with BufferClient(target, token="ops") as ops:
         assert ops.create_table("mine").name == "mine"
         assert ops.stats()["default"].pushed == 8
+
+
+@pytest.mark.parametrize(
+    ("setting", "made"),
+    [
+        ("cert", lambda certs, bad: TlsConfig(cert=bad, key=str(certs / "server.key"))),
+        ("key", lambda certs, bad: TlsConfig(cert=str(certs / "server.pem"), key=bad)),
+        ("key", lambda certs, bad: TlsConfig(cert=str(certs / "server.pem"), key=str(certs / "client.key"))),
+        ("client_ca", lambda certs, bad: TlsConfig(str(certs / "server.pem"), str(certs / "server.key"), bad)),
+    ],
+    ids=["certificate not PEM", "key not PEM", "key of another certificate", "client CA not PEM"],
+)
+def test_a_tls_file_that_does_not_load_is_named_at_start(
+    tmp_path: Path, certs: Path, setting: str, made: Callable[[Path, str], TlsConfig]
+) -> None:
+    """A certificate, key or client CA that gRPC could not load (not PEM, a key of another
+    certificate) refused the start as "cannot bind the gRPC port ...: in use, or not an address of
+    this host": an operator looked for what held a port. The start is refused naming the TLS files
+    and what the TLS library said of them, before any data directory is made."""
+    bad = tmp_path / "bad.pem"
+    bad.write_text("not a PEM file\n")
+    tls = made(certs, str(bad))
+    data = tmp_path / "data"
+    with pytest.raises(StartupError, match=rf"TLS \[tls\] {setting}\b.*does not load") as refused:
+        ExpbufServer(ServerConfig(data=str(data), port=0, metrics_port=0, tls=tls))
+    assert "port" not in str(refused.value), refused.value
+    assert not data.exists()
 
 
 def test_tls_and_mutual_tls(tmp_path: Path, certs: Path, start_server: Servers) -> None:
