@@ -70,6 +70,7 @@ EXPECTED = {
     errors.DamagedPiece: ("DATA_LOSS", "damaged"),
     errors.StoreClosed: ("UNAVAILABLE", "closed"),
     errors.AdvantagesUnavailable: ("INTERNAL", "advantages_unavailable"),
+    errors.BatchStageFailed: ("INTERNAL", "internal"),
 }
 # Statuses a caller does not handle by type: the client raises the base for them (a caller
 # never sees CANCELLED from the server: it is the one that gave up).
