@@ -262,3 +262,20 @@ def test_check_reads_each_table_after_lmdb_damage_in_a_transaction_of_its_own(tm
         ran = cli_forks.run("check", "--data", str(copy))
         assert "BadTxnError" not in ran.stdout, (pgno, ran.stdout)
         shutil.rmtree(copy)
+
+
+def test_the_lmdb_environment_of_another_program_is_refused_and_left_as_it_was(tmp_path: Path) -> None:
+    """`data` pointed at another program's LMDB environment (a typo in a path, a shared volume):
+    expbuf took it for a new directory and wrote its thirty-odd databases into it, beside the other
+    program's. It is refused, naming what the environment holds, and nothing is written to it."""
+    data = tmp_path / "other"
+    env = lmdb.open(str(data), max_dbs=4)
+    with env.begin(write=True) as txn:
+        txn.put(b"k", b"v", db=env.open_db(b"their_records", txn=txn))
+    env.close()
+    with pytest.raises(StoreError, match=r"not an expbuf data directory.*their_records"):
+        Store(data)
+    env = lmdb.open(str(data), max_dbs=4, readonly=True, lock=False)
+    with env.begin() as txn:
+        assert [bytes(key) for key, _ in txn.cursor()] == [b"their_records"]
+    env.close()

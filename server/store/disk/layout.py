@@ -75,6 +75,9 @@ ROWS = ("gdir", "segs", "sstate", "runs", "frags", "oldest")
 # The indexes a directory written before the order registry keeps: those of the built-in orders.
 BUILT_IN_INDEXES = ("ready", "prio", "slots", "slotof", "byver")
 FORMAT_1_ONLY = ("tasks", "runs", "steps")
+# Names a main database of expbuf's holds, in any format (its own databases'): one that holds others
+# and none of these is another program's environment (lmdb_env.Environment._refuse_foreign).
+KNOWN = frozenset((*OWN, *ROWS, *BUILT_IN_INDEXES, *FORMAT_1_ONLY))
 
 
 def unrecorded_format(txn: lmdb.Transaction[bytes], dbs: Mapping[str, lmdb._Database]) -> int | None:

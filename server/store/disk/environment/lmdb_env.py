@@ -4,6 +4,7 @@ it, and its room reported; closed once every queued request is committed."""
 
 from __future__ import annotations
 
+import itertools
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -11,7 +12,7 @@ from typing import Any
 
 import lmdb
 
-from ...schema.errors import Damaged, StorageFull
+from ...schema.errors import Damaged, StorageFull, StoreError, clip
 from .. import layout
 from .directory import disk_usage, lock
 from .readers import Readers
@@ -148,6 +149,7 @@ class Environment:
         while True:
             try:
                 with self.env.begin(write=True) as txn:
+                    self._refuse_foreign(txn)
                     self.db = {name: self.env.open_db(name.encode(), txn=txn) for name in names}
                     # the rows' databases where a rows table made them (open_rows), left absent elsewhere
                     made = [name for name in layout.ROWS if txn.get(name.encode()) is not None]
@@ -160,6 +162,21 @@ class Environment:
                 if size >= self.max_map_size:
                     raise StorageFull(f"upgrading {self.path} needs more than max_map_size ({size} bytes)") from None
                 self.env.set_mapsize(min(size * 2, self.max_map_size))
+
+    def _refuse_foreign(self, txn: lmdb.Transaction[bytes]) -> None:
+        """Refuse an LMDB environment another program made (a `data` path mistyped, a shared
+        volume), before anything is written to it: one whose main database holds names and none of
+        expbuf's was taken for a new directory, and expbuf's databases were made beside the other
+        program's."""
+        with txn.cursor() as cursor:
+            found = [bytes(key).decode(errors="replace") for key in itertools.islice(cursor.iternext(values=False), 64)]
+        if found and not set(found) & layout.KNOWN:
+            shown = ", ".join(clip(name, 40) for name in found[:8])
+            raise StoreError(
+                f"{self.path} is not an expbuf data directory: its LMDB environment holds {shown}"
+                f"{', ...' if len(found) > 8 else ''}, none of expbuf's databases; point `data` at a directory of"
+                " expbuf's own (a new one is made where none is)"
+            )
 
     def open_rows(self) -> None:
         """The databases of the rows (layout.ROWS), made where they are not yet, before the first
