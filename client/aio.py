@@ -9,6 +9,7 @@ stream's own status (aio_status.py), never a failed write's.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import functools
 import time
@@ -160,11 +161,14 @@ class AsyncBufferClient(ServerCalls, Awaiting, ClientBase):
     async def close(self) -> None:
         """Close the channels; calls in flight are cancelled. A `sample()` stream still open ends
         first, as BufferClient.close ends one."""
-        for batches in list(self._samples):
-            with contextlib.suppress(RuntimeError):  # iterated now by another task: the cancel ends it
+        running: set[asyncio.Future[None]] = set()
+        for batches, stream in list(self._samples.items()):
+            try:
                 await batches.aclose()
+            except RuntimeError:  # iterated now by another task: the channel's close ends it
+                running |= set(stream)
         loop = asyncio.get_running_loop()
-        ending = [done for done in self._streams if not done.done() and done.get_loop() is loop]
+        ending = [done for done in self._streams - running if not done.done() and done.get_loop() is loop]
         if ending:  # streams their callers dropped, ended by the loop's finalizer: the batch handed over confirmed
             await asyncio.wait(ending, timeout=calls.STOP_SECONDS)
         self.closed = True
@@ -233,25 +237,32 @@ class AsyncBufferClient(ServerCalls, Awaiting, ClientBase):
         """Stream batches as BufferClient.sample does; leased batches' ack()/nack() are coroutines.
         The batches decoded ahead (`prefetch`) are decoded on a thread of the stream's own, off
         the event loop, so a trainer's coroutine runs while they are."""
-        batches = self._batches(table, batch_size, num_groups, options)
-        self._samples.add(batches)
+        stream: list[asyncio.Future[None]] = []  # its future in `_streams`, once it has begun
+        batches = self._batches(table, batch_size, num_groups, options, stream)
+        self._samples[batches] = stream
         return batches
 
     @functools.cached_property
-    def _samples(self) -> weakref.WeakSet[AsyncGenerator[Batch, None]]:
+    def _samples(self) -> weakref.WeakKeyDictionary[AsyncGenerator[Batch, None], list[asyncio.Future[None]]]:
         """The streams of `sample()` made and not yet collected, which close() ends first."""
-        return weakref.WeakSet()
+        return weakref.WeakKeyDictionary()
 
     @functools.cached_property
     def _streams(self) -> set[asyncio.Future[None]]:
         """One future a `sample()` stream in progress, done once it has ended: a stream its caller
         dropped (`return` from inside `async for`) is ended by the event loop's finalizer, which
         close() waits for before it closes the channel, else it cut the confirmation of the batch
-        the caller has, and the server served that batch again."""
+        the caller has, and the server served that batch again. Not one that another task iterates
+        as the client closes: the channel's close ends it."""
         return set()
 
     async def _batches(
-        self, table: str, batch_size: int | None, num_groups: int | None, options: SampleOptions
+        self,
+        table: str,
+        batch_size: int | None,
+        num_groups: int | None,
+        options: SampleOptions,
+        stream: list[asyncio.Future[None]],
     ) -> AsyncGenerator[Batch, None]:
         """sample()'s stream (its settings checked at its first batch, as before)."""
         spec = SampleSpec(table, batch_size, num_groups, **options)
@@ -308,6 +319,7 @@ class AsyncBufferClient(ServerCalls, Awaiting, ClientBase):
         seconds = 0.0  # the server's confirm bound, as its replies say
         streaming = asyncio.get_running_loop().create_future()
         self._streams.add(streaming)
+        stream.append(streaming)
         try:
             await call.write(spec.request(self.max_message_bytes, answers_stopping=True))
             if spec.max_batches != 1:  # replies come ahead: read them as they come (prefetch.py)
@@ -334,6 +346,13 @@ class AsyncBufferClient(ServerCalls, Awaiting, ClientBase):
             error = await status.error()  # by its own status, raised unless OK
             if error is not None:
                 raise calls.ended_late(error.code(), table, seconds, confirmed) or self._error(error) from None
+        except (asyncio.CancelledError, concurrent.futures.CancelledError):  # the channel's close cut its read
+            task = asyncio.current_task()
+            if not self.closed or (task is not None and task.cancelling()):  # a cancel of the caller's own
+                raise
+            raise ExpbufError(
+                grpc.StatusCode.CANCELLED, f"the client was closed while sample() of table '{table}' went on"
+            ) from None
         finally:
             try:
                 if ahead is not None:

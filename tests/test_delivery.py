@@ -586,6 +586,45 @@ def test_an_async_client_closed_after_its_caller_dropped_the_stream_delivers_the
         assert len(set(handed)) == 6 and stats.consumed == 12 and stats.ready == 4, (handed, stats)
 
 
+@pytest.mark.parametrize(("prefetch", "window"), [(0, 1), (1, 2)])
+def test_an_async_client_closed_while_another_task_waits_on_its_stream_ends_it_at_once(
+    server, prefetch: int, window: int
+) -> None:
+    """One task waits in `anext` of a sample() stream (no data yet), another closes the client: the
+    close waited out calls.STOP_SECONDS for a stream that could end only once the channel closed (an
+    audit), and the waiting task got a bare concurrent.futures.CancelledError, which neither
+    `except ExpbufError` nor asyncio's cancel handling catches. The close ends the stream at once,
+    and the waiting task gets ExpbufError CANCELLED saying the client was closed, as one on a
+    BufferClient closed from another thread does."""
+    import asyncio
+
+    from expbuf.client import AsyncBufferClient
+    from expbuf.client.rpc.calls import STOP_SECONDS
+
+    target = f"127.0.0.1:{server.port}"
+
+    async def waiting() -> BaseException | None:
+        client = AsyncBufferClient(target, timeout=10)
+        await client.create_table("t", group_size=2, estimator="none")
+
+        async def sampled() -> BaseException | None:
+            try:
+                async for _ in client.sample("t", num_groups=1, timeout=30, prefetch=prefetch, window=window):
+                    pass
+            except BaseException as exc:  # what the caller meets, whatever it is
+                return exc
+            return None
+
+        task = asyncio.create_task(sampled())
+        await asyncio.sleep(0.5)  # the stream open, waiting for data
+        await asyncio.wait_for(client.close(), STOP_SECONDS / 2)
+        return await asyncio.wait_for(task, STOP_SECONDS / 2)
+
+    ended = asyncio.run(waiting())
+    assert isinstance(ended, ExpbufError) and ended.code == grpc.StatusCode.CANCELLED, repr(ended)
+    assert "closed" in ended.details, ended.details
+
+
 def test_an_async_client_whose_loop_was_blocked_past_a_stop_hands_over_no_batch_given_back(
     start_server: Servers, tmp_path: Path
 ) -> None:
