@@ -835,6 +835,39 @@ def test_an_asyncio_push_whose_caller_is_cancelled_mid_write_leaves_the_pusher_g
         assert admin.stats()["t"].ready == 8  # the big push went on too
 
 
+@pytest.mark.parametrize("ending", ["flush", "close"])
+def test_an_asyncio_pusher_s_flush_or_close_cancelled_leaves_its_pushes_going(start_server: Servers, ending: str) -> None:
+    """`asyncio.wait_for(pusher.flush(), t)` (or close()) whose time runs out as the stream's end
+    is written: grpc.aio cancels a call whose done_writing is cancelled, and the pushes in flight
+    on it failed at the pusher's deadline (DEADLINE_EXCEEDED, nothing timed out), whether stored
+    unknown, and the next close() waited that long (a helper's audit: 7 of 41 cancel points). The
+    end is written by the pusher's own task: a cancel stops the caller's wait, not the pushes. The
+    cancel lands at each of the first loop turns in turn."""
+    server = start_server()
+    target = f"127.0.0.1:{server.port}"
+    with BufferClient(target) as admin:
+        admin.create_table("t", group_size=2, estimator="none")
+
+    async def body() -> list[list[Any]]:
+        outcomes = []
+        async with AsyncBufferClient(target, timeout=10) as client:
+            for turns in range(24):
+                pusher = client.pusher("t", window=4, timeout=30)
+                futures = [await pusher.push(trxp.build(group_items(turns, task, 2))) for task in range(3)]
+                waiting = asyncio.ensure_future(getattr(pusher, ending)())
+                for _ in range(turns):
+                    await asyncio.sleep(0)
+                waiting.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await waiting
+                await asyncio.wait_for(pusher.close(), 10)
+                outcomes.append([future.exception() or future.result() for future in futures])
+        return outcomes
+
+    for turns, results in enumerate(asyncio.run(body())):
+        assert all(isinstance(result, PushResult) and len(result.stored) == 2 for result in results), (turns, results)
+
+
 @pytest.mark.parametrize("kind", ["blocking", "asyncio"])
 def test_a_client_closed_under_its_pusher_fails_the_pushes_in_flight_at_once(start_server: Servers, kind: str) -> None:
     """The client closed while its pusher's pushes wait for a server that says nothing: they fail

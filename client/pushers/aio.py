@@ -155,14 +155,16 @@ class AsyncPusher(AsyncOrderedFutures[PushWindow]):
         await self.close()
 
     async def _end(self, stream: _Open) -> None:
-        """No more pushes on `stream`: it answers those it has, then ends (under `_writing`)."""
+        """No more pushes on `stream`: it answers those it has, then ends (under `_writing`). The
+        end is written by the pusher's own task: grpc.aio cancels a call whose done_writing is
+        cancelled, and a caller's cancel of flush() or close() (asyncio.wait_for) cut the stream,
+        its pushes failed at their deadline."""
         if stream.watch is not None:
             stream.watch.cancel()
             stream.watch = None
         if not stream.closed:
             stream.closed = True
-            with contextlib.suppress(grpc.RpcError, asyncio.InvalidStateError):  # it has ended already
-                await stream.call.done_writing()
+            await asyncio.shield(self._spawn(_done_writing(stream)))
 
     async def _send(self, pushes: list[Pending]) -> None:
         """Send pushes on the current stream, a new one if it takes no more. A stream's reader
@@ -277,3 +279,8 @@ class AsyncPusher(AsyncOrderedFutures[PushWindow]):
         if again:
             await asyncio.sleep(pause)
             await self._send(again)
+
+
+async def _done_writing(stream: _Open) -> None:
+    with contextlib.suppress(grpc.RpcError, asyncio.InvalidStateError):  # it has ended already
+        await stream.call.done_writing()
