@@ -836,7 +836,9 @@ def test_an_asyncio_push_whose_caller_is_cancelled_mid_write_leaves_the_pusher_g
 
 
 @pytest.mark.parametrize("ending", ["flush", "close"])
-def test_an_asyncio_pusher_s_flush_or_close_cancelled_leaves_its_pushes_going(start_server: Servers, ending: str) -> None:
+def test_an_asyncio_pusher_s_flush_or_close_cancelled_leaves_its_pushes_going(
+    start_server: Servers, ending: str
+) -> None:
     """`asyncio.wait_for(pusher.flush(), t)` (or close()) whose time runs out as the stream's end
     is written: grpc.aio cancels a call whose done_writing is cancelled, and the pushes in flight
     on it failed at the pusher's deadline (DEADLINE_EXCEEDED, nothing timed out), whether stored

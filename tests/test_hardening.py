@@ -109,7 +109,7 @@ def test_a_start_refused_for_one_of_its_tables_creates_none_of_them(tmp_path: Pa
         else TableConfig.of("c", estimator="none", extensions=["unknown_kind"])
     )
     tables = (TableConfig.of("a", estimator="none"), later)
-    with pytest.raises(StartupError, match="already exists with other settings|unknown_kind"):
+    with pytest.raises(StartupError, match=r"already exists with other settings|unknown_kind"):
         ExpbufServer(ServerConfig(data=str(data), port=0, metrics_port=0, tables=tables))
     with Store(data) as store:
         assert "a" not in [table.name for table in store.list_tables()]
