@@ -146,10 +146,15 @@ class ExpbufServer:
         """`extensions`: the table extension kinds tables may name, by name (Store(extensions=...))."""
         self.config = config
         credentials = server_credentials(config)
-        # Ports first: a start refused for a port in use leaves no data directory behind.
+        # Ports and devices first: a start refused for either leaves no data directory behind.
         _check_port_free(config.host, config.port, "gRPC")
         if config.metrics_port > 0:
             _check_port_free(config.metrics_host or config.host, config.metrics_port, "metrics")
+        for table in config.tables:  # a device it has not: refused before any data directory is made
+            try:
+                check_device(table)
+            except ConfigError as exc:
+                raise StartupError(str(exc)) from None
         try:
             self.store = Store(
                 config.data,
@@ -175,11 +180,9 @@ class ExpbufServer:
         returned = self.store.release_holds()
         if returned:
             log.info("batches of streams broken by the last stop returned to the buffer: %d experiences", returned)
-        try:  # every block checked before any table is made: all of them are created, or none
-            for table in config.tables:
-                check_device(table)
+        try:  # all of the blocks' tables are created, or none
             created = self.store.create_tables(config.tables, exist_ok=True)
-        except ConfigError as exc:  # a device it has not, an extension not registered
+        except ConfigError as exc:  # an extension not registered
             raise StartupError(str(exc)) from None
         except Conflict as exc:  # the block edited since the table was made: the stored table is kept
             raise StartupError(

@@ -115,6 +115,19 @@ def test_a_start_refused_for_one_of_its_tables_creates_none_of_them(tmp_path: Pa
         assert "a" not in [table.name for table in store.list_tables()]
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal of a server without CUDA")
+def test_a_table_block_asking_for_cuda_on_a_server_without_it_is_refused_before_any_data_directory(
+    tmp_path: Path,
+) -> None:
+    """A [[tables]] block asking for CUDA on a server without it refused the start once the data
+    directory was made: a start refused for a port in use leaves none, and so does this one."""
+    data = tmp_path / "data"
+    tables = (TableConfig.of("g", estimator="grpo", device="cuda"),)
+    with pytest.raises(StartupError, match="device is 'cuda', but this server has no CUDA device"):
+        ExpbufServer(ServerConfig(data=str(data), port=0, metrics_port=0, tables=tables))
+    assert not data.exists()
+
+
 def test_a_table_stored_with_an_old_out_of_range_setting_still_loads(tmp_path: Path) -> None:
     """An earlier release accepted tombstone_seconds = 1e10; such a table loads with the
     longest allowed value, and the lease upkeep of every table runs."""
