@@ -53,6 +53,7 @@ from __future__ import annotations
 import logging
 import os
 import tomllib
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
@@ -479,14 +480,16 @@ def load(path: str | None = None, overrides: dict[str, Any] | None = None) -> Se
     """Merge defaults, the TOML file, EXPBUF_* variables and explicit overrides."""
     config = ServerConfig()
     if path:
-        config = replace(config, **_from_toml(Path(path)))
+        config = _sourced(config, _from_toml(Path(path)), lambda name: f"set in the config file {path}")
     env: dict[str, Any] = {}
+    set_by: dict[str, str] = {}
     for var, (name, kind) in _ENV.items():
         if var in os.environ:
             try:
                 env[name] = kind(os.environ[var])
             except ValueError:
                 raise ConfigError(f"{var}={os.environ[var]!r} is not a valid {kind.__name__}") from None
+            set_by[name] = f"set by {var}={os.environ[var]!r}"
     if "EXPBUF_TOKENS" in os.environ:
         env["tokens"] = parse_tokens(os.environ["EXPBUF_TOKENS"])
     tls = _server_tls_env()
@@ -501,5 +504,18 @@ def load(path: str | None = None, overrides: dict[str, Any] | None = None) -> Se
                 "(or cert and key in the config file's [tls])"
             )
         env["tls"] = TlsConfig(cert=cert, key=key, client_ca=tls.get("client_ca", was.client_ca or "") or None)
-    config = replace(config, **env)
-    return replace(config, **{k: v for k, v in (overrides or {}).items() if v is not None})
+    config = _sourced(config, env, lambda name: set_by.get(name, "set in the environment"))
+    given = {k: v for k, v in (overrides or {}).items() if v is not None}
+    return _sourced(config, given, lambda name: "set on the command line")
+
+
+def _sourced(config: ServerConfig, values: dict[str, Any], source: Callable[[str], str]) -> ServerConfig:
+    """`config` with `values`; a refusal of one of them says where it was set (`source` of its
+    name): an operator looks there, not in the other places a setting comes from."""
+    try:
+        return replace(config, **values)
+    except ConfigError as exc:
+        named = sorted((name for name in values if str(exc).startswith(name)), key=len)
+        if not named:
+            raise
+        raise ConfigError(f"{exc} ({source(named[-1])})") from None

@@ -177,6 +177,27 @@ def test_config_sources(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None
         load(str(config_file))
 
 
+def test_a_setting_out_of_range_is_refused_naming_where_it_came_from(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A setting out of its range was refused naming the setting alone, whichever of the config
+    file, an EXPBUF_* variable or the command line set it: an operator at night looked in the
+    wrong place. The refusal names the file, the variable or the command line."""
+    config_file = tmp_path / "expbuf.toml"
+    config_file.write_text("max_inflight_bytes = 5\n")
+    with pytest.raises(
+        ConfigError, match=rf"max_inflight_bytes.*\(set in the config file {re.escape(str(config_file))}\)"
+    ):
+        load(str(config_file))
+    config_file.write_text("port = 6000\n")
+    monkeypatch.setenv("EXPBUF_MAX_INFLIGHT_BYTES", "5")
+    with pytest.raises(ConfigError, match=r"max_inflight_bytes.*\(set by EXPBUF_MAX_INFLIGHT_BYTES='5'\)"):
+        load(str(config_file))
+    monkeypatch.delenv("EXPBUF_MAX_INFLIGHT_BYTES")
+    with pytest.raises(ConfigError, match=r"max_inflight_bytes.*\(set on the command line\)"):
+        load(str(config_file), {"max_inflight_bytes": 5})
+
+
 def _raw_push(
     target: str, metadata: tuple[tuple[str, str], ...], payload_bytes: bytes, table: str = ""
 ) -> grpc.RpcError | None:
