@@ -505,8 +505,8 @@ def load(path: str | None = None, overrides: dict[str, Any] | None = None) -> Se
             )
         env["tls"] = TlsConfig(cert=cert, key=key, client_ca=tls.get("client_ca", was.client_ca or "") or None)
     config = _sourced(config, env, lambda name: set_by.get(name, "set in the environment"))
-    given = {k: v for k, v in (overrides or {}).items() if v is not None}
-    return _sourced(config, given, lambda name: "set on the command line")
+    explicit = {k: v for k, v in (overrides or {}).items() if v is not None}
+    return _sourced(config, explicit, lambda name: "set on the command line")
 
 
 def _sourced(config: ServerConfig, values: dict[str, Any], source: Callable[[str], str]) -> ServerConfig:
