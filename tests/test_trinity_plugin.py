@@ -580,6 +580,36 @@ def test_table_settings_in_the_path_are_refused_with_where_they_go() -> None:
             parse(f"expbuf://h:1/t?{name}", env={})
 
 
+def test_a_writer_released_after_a_restart_does_not_end_the_table_another_still_writes(
+    start_server: Servers,
+) -> None:
+    """Two explorers' writers acquire; the server restarts, forgetting its count of writers (kept
+    in memory); one explorer releases while the other still explores. Its release found no writer
+    open and ended the table as a release without an acquire does: the trainer's next read ended
+    (StopAsyncIteration) and the other explorer's next step was never trained (a helper's audit).
+    A writer that acquired ends nothing where the server forgot it: the trainer reads on."""
+    server = start_server()
+    port = server.port
+    with BufferClient(f"127.0.0.1:{port}") as admin:
+        admin.create_table(TABLE, group_size=4, estimator="grpo")
+    config = buffer_config(port, batch_size=4)
+    first, second = trinity.buffer.get_buffer_writer(config), trinity.buffer.get_buffer_writer(config)
+    assert (asyncio.run(first.acquire()), asyncio.run(second.acquire())) == (1, 2)
+    asyncio.run(first.write(group(0, [1.0, 0.0, 2.0, 0.5])))
+    start_server.stop(server)
+    start_server(port=port)
+    assert asyncio.run(first.release()) == 0
+    reader = trinity.buffer.get_buffer_reader(config)
+    assert sorted({e.eid.tid for e in asyncio.run(reader.read())}) == ["3/0"]
+    later = threading.Timer(2.5, lambda: asyncio.run(second.write(group(1, [0.0, 0.0, 1.0, 3.0]))))
+    later.start()
+    try:
+        read = asyncio.run(reader.read())  # the second explorer's next step, not the end of data
+    finally:
+        later.join()
+    assert sorted({e.eid.tid for e in read}) == ["3/1"]
+
+
 def test_a_server_restart_of_a_second_or_two_is_ridden_out_by_the_writer_and_the_reader(
     start_server: Servers,
 ) -> None:

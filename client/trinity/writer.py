@@ -191,18 +191,28 @@ class ExpbufWriter(BufferWriter):
         """Close a writer; when the table's last writer closes, its readers reach the end of data.
         A release with no writer open (one without an acquire) ends it too, as Trinity's storages
         end their readers when their count of writers reaches zero or below."""
+        acquired = self._refs > 0
         self._refs = max(0, self._refs - 1)
-        still_open = await asyncio.to_thread(self._close)
+        still_open = await asyncio.to_thread(self._close, acquired)
         if self._refs == 0:
             self._client.close()
         return still_open
 
-    def _close(self) -> int:
-        """The server's close of a writer; one with none open changes nothing there, so the table is
-        ended as its last writer ends it: opened and closed."""
+    def _close(self, acquired: bool) -> int:
+        """The server's close of a writer; one with none open changes nothing there, so a release
+        without an acquire ends the table as its last writer ends it: opened and closed. Not a
+        writer that `acquired`: the server forgot its count (a restart: it keeps it in memory), and
+        ending the table would end the trainer's reads while other explorers still write; the
+        readers end by max_read_timeout instead (docs/frameworks/trinity.md)."""
         table = self.location.table
         still_open, done = self._client.writers(table, -1)
-        if still_open == 0 and not done:
+        if still_open == 0 and not done and acquired:
+            log.warning(
+                "expbuf table %r: the server counts no writer open at this writer's release (it restarted since"
+                " the acquire?): the table is not ended here; its readers end by max_read_timeout",
+                table,
+            )
+        elif still_open == 0 and not done:
             self._client.writers(table, 1)
             still_open, _ = self._client.writers(table, -1)
         return still_open
