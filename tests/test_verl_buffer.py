@@ -347,6 +347,39 @@ def test_a_restart_as_training_ends_leaves_no_trained_step_unacked(tmp_path: Pat
         assert restarted[0].stop(signal.SIGTERM) == 0
 
 
+def test_a_sample_waiting_for_groups_rides_out_a_server_restart(tmp_path: Path) -> None:
+    """In source mode a sample waiting for groups met a server that restarts (away 1.5 s): it raised
+    UnavailableError, which ended verl's training loop, where Trinity's reader waits (a helper's
+    audit). The lease is asked for again while the server is away, for the client's timeout."""
+    data = str(tmp_path / "data")
+    first = ServerProcess(data)
+    port = first.port
+    with BufferClient(first.target) as admin:
+        admin.create_table("verl_wait", group_by="task", group_size=2, estimator="grpo")
+    buffer = build(first.target, "verl_wait", threshold=None, mode="source")
+    restarted: list[ServerProcess] = []
+
+    def away_then_back() -> None:
+        time.sleep(0.5)  # the sample waiting for groups
+        assert first.stop(signal.SIGTERM) == 0, "".join(first.log)
+        time.sleep(1.5)
+        restarted.append(ServerProcess(data, "--port", str(port)))
+        with BufferClient(restarted[0].target) as admin:
+            admin.push(explorer_group("a", 1, [0.0, 1.0]), "verl_wait")
+
+    back = threading.Thread(target=away_then_back)
+    back.start()
+    try:
+        meta, _ = buffer.sample(global_steps=1, partition_id=TRAIN, batch_size=1)
+        assert {key.split("_")[0] for key in meta.keys} == {"explore/a"}
+        step_end(meta)
+        buffer.close()
+    finally:
+        back.join()
+        for proc in restarted:
+            assert proc.stop(signal.SIGTERM) == 0
+
+
 def test_source_gives_each_group_of_a_table_grouped_finer_than_by_task_its_own_uid(
     server: ServerProcess, client: BufferClient
 ) -> None:
