@@ -403,6 +403,28 @@ def test_capacity_is_the_tables_and_blocks_the_writer(server: ExpbufServer, tabl
         assert admin.stats(TABLE)[TABLE].pushed == 5
 
 
+def test_a_read_of_groups_of_varying_size_that_fill_the_table_returns_them(server: ExpbufServer, table: Table) -> None:
+    """A table of groups of varying size (group_size 0) and capacity 8 that blocks, and a read of 8:
+    the read held two groups of 3 and waited for one more, which the explorer could not push beside
+    them (its write blocked): both waited to the read's max_read_timeout, the read gave the groups
+    back and took them again, and so on for good (a helper's audit). A read whose groups leave no
+    room for another returns them, and the explorer's write goes on."""
+    table(group_size=0, estimator="grpo", capacity_experiences=8, when_full="block")
+    config = buffer_config(server, 8, "delivery=consume", capacity=8, max_read_timeout=20.0)
+    writer = trinity.buffer.get_buffer_writer(config)
+    for task in range(2):
+        asyncio.run(writer.write(single_turn(task, [1.0, 2.0, 3.0])))
+    third = threading.Thread(target=lambda: asyncio.run(writer.write(single_turn(2, [1.0, 2.0, 3.0]))))
+    third.start()
+    reader = trinity.buffer.get_buffer_reader(config)
+    assert sorted({e.eid.tid for e in asyncio.run(reader.read())}) == ["5/0", "5/1"]
+    third.join(timeout=30)
+    assert not third.is_alive(), "the explorer's write stayed blocked"
+    with BufferClient(f"127.0.0.1:{server.port}") as admin:
+        stats = admin.stats(TABLE)[TABLE]
+    assert (stats.consumed, stats.ready, stats.leased) == (6, 3, 0), stats
+
+
 def test_a_batch_larger_than_the_tables_capacity_is_refused(server: ExpbufServer, table: Table) -> None:
     """A read waits for a whole batch, which a table that holds fewer experiences never has."""
     table(group_size=2, estimator="none", capacity_experiences=4, when_full="block")

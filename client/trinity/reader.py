@@ -12,6 +12,7 @@ import logging
 import threading
 import time
 import weakref
+from collections import Counter
 from typing import Any
 
 import grpc
@@ -197,7 +198,7 @@ class ExpbufReader(BufferReader):
             partial = done or (groups > 1 and not self._group)
             batch = self._take(delivery, groups, wait, partial, min_version, version, deadline)
             if batch is None:
-                if done:
+                if done or self._full(taken):
                     break
                 done = self._writers_done()
                 delivery = self._delivery(done)
@@ -226,6 +227,20 @@ class ExpbufReader(BufferReader):
             for i, batch in enumerate(taken):  # taken under a lease, to give back a group that does not fit
                 self._keeper.ack(batch.lease_id)
                 taken[i] = dataclasses.replace(batch, lease_id="")
+
+    def _full(self, taken: list[Batch]) -> bool:
+        """Whether groups of varying size that a read holds leave no room in a table of bounded
+        capacity for another group as small as the smallest of them: none can be pushed until the
+        read ends (block) or evicts them (it never evicts a held group), so the read returns what it
+        holds, as one whose next group does not fit does, where it waited for its timeout, gave them
+        back and took them again, the explorer blocked all the while."""
+        if not taken or self._group or not self._capacity:
+            return False
+        table = self.location.table
+        stats = self._client.stats(table)[table]
+        held = stats.pending + stats.computing + stats.ready + stats.leased
+        smallest = min(count for batch in taken for count in Counter(batch.group_ids).values())
+        return held + smallest > self._capacity
 
     def _delivery(self, done: bool) -> str:
         """How to take: as the path says, but once the writers are done Trinity's priority queue
