@@ -549,6 +549,29 @@ def test_a_release_without_an_acquire_ends_the_table_as_trinitys_buffers_end(
     asyncio.run(on_expbuf())
 
 
+def test_a_writer_used_again_after_its_last_release_writes_on(server: ExpbufServer, table: Table) -> None:
+    """A writer's last release closed its connection, and its next acquire, write or release failed
+    with gRPC's bare ValueError of a closed channel, naming neither the writer nor the table (a
+    helper's audit). The writer connects again: an explorer that acquires it for its next stage
+    writes on."""
+    table(group_by="none", estimator="none")
+    config = buffer_config(server, 1)
+    writer = trinity.buffer.get_buffer_writer(config)
+
+    async def twice() -> list[int]:
+        counts = [await writer.acquire()]
+        await writer.write(single_turn(0, [1.0]))
+        counts.append(await writer.release())
+        counts.append(await writer.acquire())
+        await writer.write(single_turn(1, [2.0]))
+        counts.append(await writer.release())
+        return counts
+
+    assert asyncio.run(twice()) == [1, 0, 1, 0]
+    with BufferClient(f"127.0.0.1:{server.port}") as admin:
+        assert admin.stats(TABLE)[TABLE].pushed == 2
+
+
 def test_replay_reads_everything_again_up_to_max_times_sampled(server: ExpbufServer, table: Table) -> None:
     """Trinity's sql_test with replay ("we can read all again"), bounded by the table's max_times_sampled."""
     table(group_by="none", estimator="none", max_times_sampled=2)

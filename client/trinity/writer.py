@@ -17,7 +17,7 @@ from trinity.buffer.buffer_writer import BufferWriter
 from trinity.common.config import StorageConfig
 from trinity.common.experience import Experience
 
-from expbuf.client.client import BufferError, PushResult
+from expbuf.client.client import BufferClient, BufferError, PushResult
 from expbuf.client.kit.location import connect, parse
 from expbuf.client.kit.retry import Retry, retried
 from expbuf.client.schema.experience import ordered_id
@@ -88,7 +88,7 @@ class ExpbufWriter(BufferWriter):
         self.location = parse(config.path)
         settings.refuse_taskset(config)
         settings.refuse_dataset(self.location, config.name)
-        self._client = connect(self.location)
+        self._client = connect(self.location)  # closed by the release of its last acquire; `_open` opens it again
         self._priorities = settings.priority_replay(config) is not None
         self._table = settings.table_settings(self._client, self.location)
         settings.check_capacity(config, self._table)
@@ -178,12 +178,21 @@ class ExpbufWriter(BufferWriter):
     async def write(self, data: list[Experience]) -> None:
         """Store the experiences; returns once the server has committed them to disk."""
         if data:
+            self._open()
             await asyncio.to_thread(self._push, list(data))
+
+    def _open(self) -> BufferClient:
+        """The writer's client: closed by the release of its last acquire, opened again for a
+        writer used after it (a write, an acquire, a release again), where its calls failed with
+        gRPC's ValueError of a closed channel."""
+        if self._client.closed:
+            self._client = connect(self.location)
+        return self._client
 
     async def acquire(self) -> int:
         """Open a writer of the table on the server, where the trainer's reads see it; returns the
         table's open writers, in every process (Trinity's reference count)."""
-        opened, _ = await asyncio.to_thread(self._client.writers, self.location.table, 1)
+        opened, _ = await asyncio.to_thread(self._open().writers, self.location.table, 1)
         self._refs += 1
         return opened
 
@@ -204,8 +213,8 @@ class ExpbufWriter(BufferWriter):
         writer that `acquired`: the server forgot its count (a restart: it keeps it in memory), and
         ending the table would end the trainer's reads while other explorers still write; the
         readers end by max_read_timeout instead (docs/frameworks/trinity.md)."""
-        table = self.location.table
-        still_open, done = self._client.writers(table, -1)
+        table, client = self.location.table, self._open()
+        still_open, done = client.writers(table, -1)
         if still_open == 0 and not done and acquired:
             log.warning(
                 "expbuf table %r: the server counts no writer open at this writer's release (it restarted since"
@@ -213,8 +222,8 @@ class ExpbufWriter(BufferWriter):
                 table,
             )
         elif still_open == 0 and not done:
-            self._client.writers(table, 1)
-            still_open, _ = self._client.writers(table, -1)
+            client.writers(table, 1)
+            still_open, _ = client.writers(table, -1)
         return still_open
 
     def _seal(self, groups: list[str]) -> None:
