@@ -553,7 +553,7 @@ def test_a_writer_used_again_after_its_last_release_writes_on(server: ExpbufServ
     """A writer's last release closed its connection, and its next acquire, write or release failed
     with gRPC's bare ValueError of a closed channel, naming neither the writer nor the table (a
     helper's audit). The writer connects again: an explorer that acquires it for its next stage
-    writes on."""
+    writes on. A reader read after its close() is refused naming it, not with that ValueError."""
     table(group_by="none", estimator="none")
     config = buffer_config(server, 1)
     writer = trinity.buffer.get_buffer_writer(config)
@@ -570,6 +570,11 @@ def test_a_writer_used_again_after_its_last_release_writes_on(server: ExpbufServ
     assert asyncio.run(twice()) == [1, 0, 1, 0]
     with BufferClient(f"127.0.0.1:{server.port}") as admin:
         assert admin.stats(TABLE)[TABLE].pushed == 2
+    reader = trinity.buffer.get_buffer_reader(config)
+    assert len(asyncio.run(reader.read())) == 1
+    reader.close()
+    with pytest.raises(RuntimeError, match=r"expbuf reader of table 'jobs' was closed"):  # not a bare ValueError
+        asyncio.run(reader.read())
 
 
 def test_replay_reads_everything_again_up_to_max_times_sampled(server: ExpbufServer, table: Table) -> None:

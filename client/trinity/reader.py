@@ -123,6 +123,10 @@ class ExpbufReader(BufferReader):
         unknown = set(kwargs) - {"min_model_version", "model_version"}
         if unknown:
             raise TypeError(f"ExpbufReader.read() got unexpected argument(s): {', '.join(sorted(unknown))}")
+        if self._client.closed:  # not gRPC's bare ValueError of a closed channel
+            raise RuntimeError(
+                f"the expbuf reader of table '{self.location.table}' was closed (close()): make a new one"
+            )
         size = self.batch_size if batch_size is None else batch_size
         if not isinstance(size, int) or isinstance(size, bool) or size <= 0:
             raise ValueError(f"batch_size must be a positive number of experiences, got {size!r}")
