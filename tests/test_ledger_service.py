@@ -112,6 +112,21 @@ def test_a_report_made_again_counts_what_the_first_took(client: BufferClient) ->
     assert client.ledger("t", "again").total("trained") == 4
 
 
+def test_a_report_naming_a_prompt_twice_counts_it_once(server: ExpbufServer, client: BufferClient) -> None:
+    """A ReportPrompts naming one prompt twice (a raw gRPC caller's) trained it once but answered
+    reported = 2: its second mention found the prompt trained, as a report made again does, and
+    counted it again (a helper's audit). A prompt counts once a call, as ReleaseClaims counts it."""
+    client.create_dataset("t", "twice", 2)
+    (prompt,) = client.claim("t", "twice", 1, lease_seconds=60).prompts
+    ref = pb.PromptRef(epoch=prompt.epoch, index=prompt.index, attempt=prompt.attempt)
+    outcome = pb.PromptOutcome(prompt=ref, rewards=[1.0])
+    with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        stub = pb_grpc.ExperienceBufferStub(channel)
+        reply = stub.ReportPrompts(pb.ReportPromptsRequest(table="t", dataset="twice", outcomes=[outcome] * 2))
+    assert reply.reported == 1
+    assert client.ledger("t", "twice").total("trained") == 1
+
+
 def test_a_push_into_an_ended_attempt_is_refused_naming_it(client: BufferClient) -> None:
     client.create_dataset("t", "math", 2)
     (prompt,) = client.claim("t", "math", lease_seconds=60).prompts

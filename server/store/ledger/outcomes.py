@@ -42,7 +42,11 @@ class OutcomeRules(DatasetRules):
         what the first one took, as its caller would have heard."""
         ds = dataset(tt, name)
         reported = 0
+        named: set[tuple[int, int, int]] = set()
         for epoch, index, attempt, rewards in outcomes:
+            if (epoch, index, attempt) in named:  # named again in this report: counted once, its first rewards
+                continue
+            named.add((epoch, index, attempt))
             rec = held(tt, name, epoch, index, attempt, holder)
             if rec is None:
                 done = prompt_of(tt, name, epoch, index)
