@@ -6,6 +6,8 @@ from __future__ import annotations
 import contextlib
 import signal
 import sys
+import threading
+import time
 import types
 from collections.abc import Callable
 from pathlib import Path
@@ -193,3 +195,43 @@ def test_a_trained_batch_whose_ack_fails_is_acked_later_and_never_served_again(
     with BufferClient(server.target) as client:
         stats = client.stats("acks")["acks"]
     assert (stats.consumed, stats.leased, stats.ready) == (4, 0, 8), stats
+
+
+def test_a_batch_waited_for_and_a_version_told_ride_out_a_server_restart(
+    tmp_path: Path, serve: Callable[..., ServerProcess]
+) -> None:
+    """The server restarts (away 1.5 s) while prepare_batch waits for groups, and while the trainer
+    tells it its version: each raised UnavailableError, which ended AReaL's training loop, where
+    Trinity-RFT's reader waits for the server (a helper's audit). Each is made again while the
+    server is unavailable, for the client's timeout."""
+    data = str(tmp_path / "data")
+    servers = [serve(data)]
+    port = servers[0].port
+    with BufferClient(servers[0].target) as client:
+        client.create_table("restarts", group_size=4)
+    source = ExpbufBatchSource(servers[0].target, "restarts", max_head_offpolicyness=10, version_provider=Version(1))
+
+    def restarted(push: bool) -> None:
+        assert servers[-1].stop(signal.SIGTERM) == 0, "".join(servers[-1].log)
+        time.sleep(1.5)
+        servers.append(serve(data, "--port", str(port)))
+        if push:
+            with BufferClient(servers[-1].target) as client:
+                push_groups(client, "restarts", [1])
+
+    waiting = threading.Timer(0.5, restarted, (True,))  # prepare_batch waiting for groups by then
+    waiting.start()
+    try:
+        assert len(source.prepare_batch(num_groups=1)) == 1
+    finally:
+        waiting.join()
+    away = threading.Thread(target=restarted, args=(False,))
+    away.start()
+    time.sleep(0.2)  # stopped, or stopping
+    try:
+        source.set_version(2)
+    finally:
+        away.join()
+    with BufferClient(servers[-1].target) as client:
+        assert client.stats("restarts")["restarts"].trainer_version == 2
+    source.close()

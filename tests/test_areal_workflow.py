@@ -223,3 +223,39 @@ def test_a_group_pushed_while_the_server_restarts_waits_for_it_and_is_stored(sta
     assert stats.accepted == 1 and len(trajectories) == 1
     with BufferClient(target) as client:
         assert [len(g) for g in whole_groups(client, "rlvr", 1)] == [4]
+
+
+@pytest.mark.parametrize("settle", ["fail_runs", "seal"])
+def test_a_group_settled_while_the_server_restarts_waits_for_it(start_server: Servers, settle: str) -> None:
+    """A group with a rejected run is pushed, then its run reported failed (a table with
+    min_group_size) or the group sealed short; the server goes away (1.5 s) as that call starts: it
+    raised UNAVAILABLE, AReaL counted the rollout rejected, and the group, pushed, stayed pending for
+    good (no group timeout), its runs never trained (a helper's audit). The call waits for the
+    server, as the push before it does, and the group completes."""
+    server = start_server()
+    port = server.port
+    target = f"127.0.0.1:{port}"
+    with BufferClient(target) as admin:
+        admin.create_table("settled", group_size=4, **({"min_group_size": 3} if settle == "fail_runs" else {}))
+    workflow = ExpbufWorkflow(RejectingRLVR({4}), target, "settled", group_size=4)
+    made = getattr(workflow.client, settle)
+    restarted: list[ExpbufServer] = []
+    backs: list[threading.Timer] = []
+
+    def away_first(*args: Any, **kwargs: Any) -> Any:
+        if not backs:  # the server goes away as the first call starts
+            start_server.stop(server)
+            backs.append(threading.Timer(1.5, lambda: restarted.append(start_server(port=port))))
+            backs[0].start()
+        return made(*args, **kwargs)
+
+    setattr(workflow.client, settle, away_first)
+    try:
+        trajectories, stats = run_executor(workflow, [[1, 2]])
+    finally:
+        for back in backs:
+            back.join()
+    assert backs and stats.accepted == 1 and len(trajectories) == 1
+    with BufferClient(target) as client:
+        (group,) = whole_groups(client, "settled", 1)
+    assert [e.eid.run for e in group] == [0, 1, 2]

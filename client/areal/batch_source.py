@@ -17,6 +17,7 @@ from typing import Any
 from ..client import Batch, BufferClient
 from ..kit.batches import take_one
 from ..kit.lease_keeper import RENEWALS_PER_LEASE, LeaseKeeper
+from ..kit.retry import retried
 from ..kit.tables import connect, table_info
 from ..schema.routing import GROUP_KEY_OF
 from .convert import to_areal
@@ -66,7 +67,7 @@ class ExpbufBatchSource:
         """The trainer's new version (AReaL's trainer calls this on its rollout engine after each
         weight update): kept, and told to the table at once, whose admission and staleness bound
         the rollout processes follow, rather than at the next prepare_batch."""
-        self.client.set_trainer_version(version, self.table)
+        retried(lambda: self.client.set_trainer_version(version, self.table), self.client.timeout)  # a restart
         self._version = version
 
     def ack(self) -> None:
@@ -110,16 +111,19 @@ class ExpbufBatchSource:
             raise ValueError("prepare_batch needs num_groups or a dataloader with a batch_size")
         self.ack()
         version = self.get_version()
-        batch = take_one(
-            self.client,
-            self.table,
-            lambda broken: self._keeper.give_back(broken.lease_id),
-            num_groups=count,
-            delivery="lease",
-            lease_seconds=self.lease_seconds,
-            timeout=self.timeout,
-            min_model_version=max(0, version - self.max_head_offpolicyness),
-            trainer_version=version,
+        batch = retried(  # a server that restarts is waited for, as Trinity-RFT's reader waits for it
+            lambda: take_one(
+                self.client,
+                self.table,
+                lambda broken: self._keeper.give_back(broken.lease_id),
+                num_groups=count,
+                delivery="lease",
+                lease_seconds=self.lease_seconds,
+                timeout=self.timeout,
+                min_model_version=max(0, version - self.max_head_offpolicyness),
+                trainer_version=version,
+            ),
+            self.client.timeout,
         )
         if batch is None:  # not allow_partial: a stream ends with its batch or an error
             raise RuntimeError(f"expbuf table {self.table}: a sample stream ended without its batch")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from typing import Any
 
 from areal.api.workflow_api import RolloutWorkflow
@@ -135,8 +136,10 @@ class ExpbufWorkflow(RolloutWorkflow):
         result = retried(lambda: self.client.push(exps, table=self.table), self.client.timeout)
         if result.stale:
             log.warning("expbuf table '%s' dropped %d stale experiences of this group", self.table, len(result.stale))
-        if failed:
-            self.client.fail_runs(failed, self.table, reasons=["rejected by the workflow"] * len(failed))
+        if failed:  # made again while the server restarts, as the push: a run reported again is not counted
+            self._settled(
+                lambda: self.client.fail_runs(failed, self.table, reasons=["rejected by the workflow"] * len(failed))
+            )
             return
         if self._group_key is None or not result.stored:
             return
@@ -146,8 +149,15 @@ class ExpbufWorkflow(RolloutWorkflow):
                 self._seal(group)
 
     def _seal(self, group: str) -> None:
+        self._settled(lambda: self.client.seal(group, self.table))
+
+    def _settled(self, settle: Callable[[], object]) -> None:
+        """A group's runs reported failed, or the group sealed, made again while the server is
+        unavailable (a restart), as the push before it: left undone, the group stayed pending for
+        good (no group timeout by default), its runs never trained. A group completed meanwhile (a
+        call made again, or a retried push) has nothing left to settle."""
         try:
-            self.client.seal(group, self.table)
-        except BufferError as exc:  # completed meanwhile (a retried push): nothing to seal
+            retried(settle, self.client.timeout)
+        except BufferError as exc:
             if exc.code.name != "FAILED_PRECONDITION":
                 raise
