@@ -370,6 +370,27 @@ def test_a_batch_is_leased_until_the_next_sample_and_a_dead_trainers_batch_comes
         assert counts() == (0, 0, 6)
 
 
+@pytest.mark.parametrize("reconnect", ["close", "load_state_dict"])
+def test_a_storage_closed_or_pointed_again_samples_on_and_acknowledges_the_step_before(target, reconnect) -> None:
+    """`storage.close()` between phases, or a state dict naming the same table at another address of
+    the server: the storage opens its client again on use, but the sampler's lease keeper kept the
+    closed one, so every later sample raised gRPC's ValueError of a closed channel and the last
+    step's batch stayed leased (a helper's audit). The keeper follows the storage's client."""
+    with BufferClient(target) as admin:
+        admin.create_table("reopen", group_size=2, estimator="grpo")
+        rb = buffer(target, "reopen", 2, lease_seconds=60.0)
+        rb.extend(groups(["a", "b", "c"], 2))
+        first = uids_of(rb.sample())
+        if reconnect == "close":
+            rb.storage.close()
+        else:
+            rb.storage.load_state_dict({"target": target.replace("127.0.0.1", "localhost"), "table": "reopen"})
+        second = uids_of(rb.sample())  # acknowledges the first batch
+        assert not set(second) & set(first)
+        table = admin.stats("reopen")["reopen"]
+        assert (table.consumed, table.leased, table.ready) == (2, 2, 2), table
+
+
 def test_a_long_step_keeps_its_batch(target) -> None:
     """The lease is renewed while the trainer lives: a step four leases long keeps its groups."""
     with BufferClient(target) as admin:

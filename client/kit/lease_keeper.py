@@ -106,6 +106,11 @@ class LeaseKeeper(Renewer[str, float]):
         self._lost = lost or (lambda lease: None)
         self._gone: set[str] = set()  # leases found ended, told once
 
+    def settle_over(self, client: BufferClient) -> None:
+        """Acknowledge and give back over `client` from now: its owner's client, opened again
+        after a close (the leases it holds are the same server's)."""
+        self._settles = client
+
     def hold(self, lease_id: str, expires: float = 0.0) -> None:
         """Keep this lease until it is acknowledged, given back or dropped."""
         self._keep({lease_id: expires})

@@ -133,7 +133,7 @@ class ExpbufSampler(Sampler):
         self._given_back: list[str] = []  # leases of interrupted draws, to give back once the server answers
         self._restored: str | None = None  # the lease a loaded checkpoint named, to acknowledge
         self._keeper: LeaseKeeper | None = None
-        self._keeper_table = ""
+        self._keeper_table = ""  # the table and target its keeper keeps leases of: "table@target"
         self._source: ExpbufStorage | None = None  # the storage sampled last
         self._batch_size = 0  # and the batch size asked for
         self._next: Batch | None = None  # drawn by a read of `ran_out`, for the next sample()
@@ -261,14 +261,17 @@ class ExpbufSampler(Sampler):
             self._keeper.give_back(batch.lease_id)
 
     def _keeper_of(self, storage: ExpbufStorage) -> LeaseKeeper:
-        """The renewer of this sampler's leases on the storage's table (its own channel)."""
-        if self._keeper is not None and self._keeper_table != storage.table:
+        """The renewer of this sampler's leases on the storage's table (its own channel); its acks
+        go over the storage's client, whichever it holds now (opened again after a close)."""
+        if self._keeper is not None and self._keeper_table != f"{storage.table}@{storage.target}":
             self._keeper.close()
             self._keeper = None
+        if self._keeper is not None:
+            self._keeper.settle_over(storage.client)
         if self._keeper is None:
             seconds = float(self.options.get("lease_seconds", SampleSpec.lease_seconds))
             keeper = LeaseKeeper(storage.client, storage.table, seconds, renewals=storage.connect())
-            self._keeper, self._keeper_table = keeper, storage.table
+            self._keeper, self._keeper_table = keeper, f"{storage.table}@{storage.target}"
             weakref.finalize(self, self._keeper.close)  # a sampler dropped unclosed renews nothing more
         return self._keeper
 
