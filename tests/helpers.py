@@ -346,6 +346,29 @@ def release_held_ports() -> None:
             _held_ports.popitem()[1].close()
 
 
+class Beside(threading.Thread):
+    """A test's step run beside its main one, after `delay` seconds (a server restarted while a
+    call waits); join() raises what the step raised, which a plain thread only prints while the
+    main step waits out its timeout for what the failed step never did."""
+
+    def __init__(self, step: Callable[[], object], delay: float = 0.0) -> None:
+        super().__init__(daemon=True)
+        self._step, self._delay = step, delay
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        time.sleep(self._delay)
+        try:
+            self._step()
+        except BaseException as exc:  # handed to join's caller
+            self.error = exc
+
+    def join(self, timeout: float | None = None) -> None:
+        super().join(timeout)
+        if self.error is not None:
+            raise AssertionError(f"the step beside the test's own failed: {self.error!r}") from self.error
+
+
 class ServerProcess:
     """`expbuf serve` in a child process, for restart and kill tests.
 

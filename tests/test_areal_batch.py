@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 import signal
 import sys
-import threading
 import time
 import types
 from collections.abc import Callable
@@ -17,7 +16,7 @@ import torch
 
 from expbuf.client import EID, BufferClient, BufferError, UnavailableError
 
-from helpers import ServerProcess
+from helpers import Beside, ServerProcess
 
 
 def import_frameworks() -> None:
@@ -209,23 +208,25 @@ def test_a_batch_waited_for_and_a_version_told_ride_out_a_server_restart(
     port = servers[0].port
     with BufferClient(servers[0].target) as client:
         client.create_table("restarts", group_size=4)
-    source = ExpbufBatchSource(servers[0].target, "restarts", max_head_offpolicyness=10, version_provider=Version(1))
+    source = ExpbufBatchSource(
+        servers[0].target, "restarts", max_head_offpolicyness=10, version_provider=Version(1), timeout=60
+    )
 
     def restarted(push: bool) -> None:
         assert servers[-1].stop(signal.SIGTERM) == 0, "".join(servers[-1].log)
         time.sleep(1.5)
         servers.append(serve(data, "--port", str(port)))
-        if push:
-            with BufferClient(servers[-1].target) as client:
+        if push:  # once it is reached: a new channel shares the source's, in its reconnect backoff
+            with BufferClient(servers[-1].target, wait_for_ready=True) as client:
                 push_groups(client, "restarts", [1])
 
-    waiting = threading.Timer(0.5, restarted, (True,))  # prepare_batch waiting for groups by then
+    waiting = Beside(lambda: restarted(True), delay=0.5)  # prepare_batch waiting for groups by then
     waiting.start()
     try:
         assert len(source.prepare_batch(num_groups=1)) == 1
     finally:
         waiting.join()
-    away = threading.Thread(target=restarted, args=(False,))
+    away = Beside(lambda: restarted(False))
     away.start()
     time.sleep(0.2)  # stopped, or stopping
     try:

@@ -20,7 +20,7 @@ import torch
 from expbuf.client import EID, BufferClient, Experience, TableStats
 from expbuf.server.config import load
 
-from helpers import ServerProcess
+from helpers import Beside, ServerProcess
 from pages import code_blocks, page
 from test_verl import agent_loop_rows, dispatch
 
@@ -360,14 +360,14 @@ def test_a_sample_waiting_for_groups_rides_out_a_server_restart(tmp_path: Path) 
     restarted: list[ServerProcess] = []
 
     def away_then_back() -> None:
-        time.sleep(0.5)  # the sample waiting for groups
         assert first.stop(signal.SIGTERM) == 0, "".join(first.log)
         time.sleep(1.5)
         restarted.append(ServerProcess(data, "--port", str(port)))
-        with BufferClient(restarted[0].target) as admin:
+        # once it is reached: a new channel shares the buffer's, in its reconnect backoff
+        with BufferClient(restarted[0].target, wait_for_ready=True) as admin:
             admin.push(explorer_group("a", 1, [0.0, 1.0]), "verl_wait")
 
-    back = threading.Thread(target=away_then_back)
+    back = Beside(away_then_back, delay=0.5)  # the sample waiting for groups by then
     back.start()
     try:
         meta, _ = buffer.sample(global_steps=1, partition_id=TRAIN, batch_size=1)
