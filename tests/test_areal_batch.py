@@ -164,6 +164,32 @@ def test_set_version_reaches_the_table_when_areals_trainer_calls_it(child_server
     assert source.get_version() == 4 and rollout.get_capacity() == (0 + 4 + 1) * 2
 
 
+def test_close_closes_a_client_made_from_a_target_and_leaves_a_given_one_open(child_server: ServerProcess) -> None:
+    """The batch source and the staleness manager made from a "HOST:PORT" target close the client
+    they made at close() (its channels were left open while the adapter lived); a client the caller
+    gave them stays the caller's, open."""
+    given = BufferClient(child_server.target)
+    given.create_table("closing", group_size=1, max_staleness=0, batch_size=2)
+    limits = {"max_concurrent_rollouts": 4, "consumer_batch_size": 2, "max_staleness": 0}
+    made = [
+        ExpbufBatchSource(child_server.target, "closing", max_head_offpolicyness=0),
+        ExpbufStalenessManager(child_server.target, "closing", **limits),
+    ]
+    kept = [
+        ExpbufBatchSource(given, "closing", max_head_offpolicyness=0),
+        ExpbufStalenessManager(given, "closing", **limits),
+    ]
+    for adapter in made + kept:
+        adapter.close()
+    for adapter in made:
+        assert adapter.client.closed, adapter
+        with pytest.raises(ValueError):  # gRPC's, of a closed channel
+            adapter.client.stats("closing")
+    assert not given.closed
+    assert given.stats("closing")["closing"].consumed == 0
+    given.close()
+
+
 def test_a_trained_batch_whose_ack_fails_is_acked_later_and_never_served_again(
     tmp_path: Path, serve: Callable[..., ServerProcess]
 ) -> None:

@@ -18,7 +18,7 @@ from ..client import Batch, BufferClient
 from ..kit.batches import take_one
 from ..kit.lease_keeper import RENEWALS_PER_LEASE, LeaseKeeper
 from ..kit.retry import retried
-from ..kit.tables import connect, table_info
+from ..kit.tables import close_made, connect, table_info
 from ..schema.routing import GROUP_KEY_OF
 from .convert import to_areal
 
@@ -45,6 +45,7 @@ class ExpbufBatchSource:
         token: str | None = None,
     ) -> None:
         self.client = connect(client, token)
+        self._given = client
         self.table = table
         self.max_head_offpolicyness = max_head_offpolicyness
         self.version_provider = version_provider
@@ -83,7 +84,8 @@ class ExpbufBatchSource:
 
     def close(self) -> None:
         """Stop renewing. The batch held goes back now where no step is known to have trained it,
-        and is acked where one did (its ack failed before)."""
+        and is acked where one did (its ack failed before). A client made from a target string is
+        closed; one given stays open."""
         held, self._held = self._held, None
         try:
             if held is not None and self._trained:
@@ -92,6 +94,7 @@ class ExpbufBatchSource:
                 self._keeper.give_back(held.lease_id)
         finally:
             self._keeper.close()
+            close_made(self._given, self.client)
 
     def prepare_batch(
         self,

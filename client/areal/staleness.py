@@ -23,7 +23,7 @@ from collections import deque
 from areal.infra.staleness_manager import StalenessManager
 
 from ..client import BufferClient, BufferError, Grant
-from ..kit.tables import connect, table_info
+from ..kit.tables import close_made, connect, table_info
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +49,7 @@ class ExpbufStalenessManager(StalenessManager):
     ) -> None:
         super().__init__(self, max_concurrent_rollouts, consumer_batch_size, max_staleness)
         self.client = connect(client, token)
+        self._given = client
         self.table = table
         self.grant_seconds = grant_seconds
         self.admit_wait = admit_wait
@@ -127,8 +128,12 @@ class ExpbufStalenessManager(StalenessManager):
             self.rollout_stat.rejected += 1
 
     def close(self) -> None:
-        """Give back the grant held ahead (a process that stops for good)."""
+        """Give back the grant held ahead (a process that stops for good). A client made from a
+        target string is closed; one given stays open."""
         with self.lock:
             grant, self._spare = self._spare, None
-            if grant is not None:
-                self.client.finish_grant(grant, accepted=0)
+            try:
+                if grant is not None:
+                    self.client.finish_grant(grant, accepted=0)
+            finally:
+                close_made(self._given, self.client)

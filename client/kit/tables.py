@@ -11,12 +11,19 @@ from ..results import TableInfo
 
 
 def connect(client: BufferClient | str, token: str | None = None, **options: Any) -> BufferClient:
-    """A BufferClient as given, or one to the target "HOST:PORT"."""
+    """A BufferClient as given, or one to the target "HOST:PORT" (closed by `close_made`)."""
     if isinstance(client, BufferClient):
         return client
     if not isinstance(client, str) or not client:
         raise ValueError(f"client must be a BufferClient or a 'HOST:PORT' target, got {client!r}")
     return BufferClient(client, token=token, **options)
+
+
+def close_made(given: BufferClient | str, client: BufferClient) -> None:
+    """An adapter's close: the client `connect` made from a target string is closed (its channels,
+    and their sockets, go now, not when the adapter is garbage); one the caller gave is the caller's."""
+    if client is not given:
+        client.close()
 
 
 def table_info(client: BufferClient, table: str, *, make_it: str = "") -> TableInfo:
