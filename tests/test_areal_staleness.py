@@ -8,6 +8,8 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -15,7 +17,7 @@ import torch
 
 from expbuf.client import BufferClient
 
-from helpers import ServerProcess
+from helpers import Beside, ServerProcess
 
 
 def import_frameworks() -> None:
@@ -149,6 +151,46 @@ def test_the_bound_holds_across_a_killed_rollout_process(child_server: ServerPro
     assert ours.get_capacity() == 2  # the killed process's 2 running grants expired and came back
     ours.set_version(4)
     assert ours.get_capacity() == 4
+
+
+def test_the_manager_rides_out_a_server_restart_and_takes_no_grant_twice(
+    tmp_path: Path, serve: Callable[..., ServerProcess]
+) -> None:
+    """The server restarts (away 1.5 s) while AReaL's rollout thread asks for capacity and a
+    rollout ends: each call raised UnavailableError, which ends AReaL's rollout thread, and a
+    finish that failed forgot its grant, whose room stayed held until it expired. Each is made
+    again while the server is unavailable; the admit under its grant's name, so the table counts
+    each rollout once."""
+    data = str(tmp_path / "data")
+    servers = [serve(data)]
+    port = servers[0].port
+    with BufferClient(servers[0].target) as client:
+        client.create_table("bound", group_size=1, max_staleness=0, batch_size=2)
+    manager = ExpbufStalenessManager(
+        servers[0].target, "bound", max_concurrent_rollouts=10, consumer_batch_size=2, max_staleness=0
+    )
+    assert manager.get_capacity() == 2  # (0 + 0 + 1) x 2; one grant taken ahead
+    manager.on_rollout_enqueued()
+    manager.on_rollout_submitted()  # on the grant taken ahead
+
+    def restarted() -> None:
+        assert servers[-1].stop(signal.SIGTERM) == 0, "".join(servers[-1].log)
+        time.sleep(1.5)
+        servers.append(serve(data, "--port", str(port)))
+
+    away = Beside(restarted)
+    away.start()
+    try:
+        time.sleep(0.3)  # stopped, or stopping
+        assert manager.get_capacity() == 1  # one running; a grant taken ahead for the next
+        manager.on_rollout_accepted()
+    finally:
+        away.join()
+    with BufferClient(servers[-1].target) as client:
+        stats = client.stats("bound")["bound"]
+    assert (stats.submitted, stats.admitted) == (2, 2), stats
+    assert manager.rollout_stat.running == 0 and manager.rollout_stat.accepted == 1
+    manager.close()
 
 
 def test_table_settings_must_agree_with_areals(child_server: ServerProcess) -> None:

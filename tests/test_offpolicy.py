@@ -277,6 +277,47 @@ def test_with_tokens_a_grant_is_finished_only_by_the_token_that_took_it(start_se
         assert a.finish_grant(grant, accepted=0) == 2
 
 
+def test_an_admit_made_again_under_its_grants_name_takes_no_second_grant(tmp_path: Path) -> None:
+    """An admit whose reply was lost, made again (a restart between), took a second grant: the
+    first one's room stayed held until it expired. Made under the name of a grant still open, it
+    answers that grant, across a reopen too; a finished grant's name makes a new one."""
+    config = TableConfig.of(name="t", estimator="none", max_staleness=0, batch_size=3)
+    with Store(tmp_path) as store:
+        store.create_table(config)
+        store.create_table(replace(config, name="other"))
+        first = store.admit("t", 2, grant_id="rollout-7")
+        assert (first.count, first.grant_id) == (2, "rollout-7")
+    with Store(tmp_path) as store:  # grants are durable: so is the name's answer
+        again = store.admit("t", 2, grant_id="rollout-7")
+        assert again == first
+        assert store.stats("t")["submitted"] == 2 and store.stats("t")["admitted"] == 2
+        with pytest.raises(InvalidRequest, match="another table"):
+            store.admit("other", 1, grant_id="rollout-7")
+        for bad in ("a b", "x" * 65, "grant/1"):
+            with pytest.raises(InvalidRequest, match="grant_id"):
+                store.admit("t", 1, grant_id=bad)
+        assert store.finish_grant("t", "rollout-7", 0) == 2
+        assert store.admit("t", 1, grant_id="rollout-7").count == 1  # a new grant of that name
+        assert store.stats("t")["submitted"] == 1
+
+
+def test_the_client_names_each_grant_and_a_name_is_bound_to_its_token(start_server: Servers) -> None:
+    """The client names every grant it asks for (so that its own retries, and an adapter's across
+    a restart, take no second one); another token's admit under that name is refused, as its
+    finish is."""
+    scopes = frozenset({"push", "sample", "admin"})
+    server = start_server(tokens={"a": scopes, "b": scopes})
+    target = f"127.0.0.1:{server.port}"
+    with BufferClient(target, token="a", timeout=20) as a, BufferClient(target, token="b", timeout=20) as b:
+        a.create_table("t", estimator="none", max_staleness=0, batch_size=2)
+        named = a.admit("t", 1)
+        assert len(named.grant_id) == 32 and int(named.grant_id, 16) >= 0
+        assert a.admit("t", 1, grant_id=named.grant_id) == named
+        with pytest.raises(PermissionDeniedError, match="another token"):
+            b.admit("t", 1, grant_id=named.grant_id)
+        assert a.stats("t")["t"].submitted == 1
+
+
 # Long enough that the admission right after the worker's kill finds its grant held on a loaded
 # machine (0.5 s expired first there once), short for the wait that follows.
 GRANT_SECONDS = 3.0

@@ -13,6 +13,10 @@ The table's `max_staleness` and `batch_size` must equal AReaL's `max_head_offpol
 `consumer_batch_size`. Several rollout processes may share one table: the bound is then the
 table's, over all of them. One grant is taken ahead, when capacity is asked for, so the rollout
 AReaL submits on that answer has its room already.
+
+A server that restarts is waited for, for the client's timeout, as Trinity-RFT's reader waits:
+each call is made again while it is unavailable (an admit under the grant's name, so that made
+again it takes no second grant), where an UnavailableError would end AReaL's rollout thread.
 """
 
 from __future__ import annotations
@@ -22,8 +26,10 @@ from collections import deque
 
 from areal.infra.staleness_manager import StalenessManager
 
-from ..client import BufferClient, BufferError, Grant
+from ..client import BufferClient, BufferError, Grant, TableStats
+from ..kit.retry import retried
 from ..kit.tables import close_made, connect, table_info
+from ..rpc.calls.admission_calls import new_grant_id
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +71,7 @@ class ExpbufStalenessManager(StalenessManager):
 
     def _room(self) -> int:
         """The table's room under the bound, counting the grant held ahead as room of ours."""
-        stats = self.client.stats(self.table)[self.table]
+        stats = self._stats()
         version = max(0, stats.trainer_version)
         spare = 1 if self._spare is not None else 0
         return (self.max_staleness + version + 1) * max(1, self.consumer_batch_size) - stats.submitted + spare
@@ -75,7 +81,7 @@ class ExpbufStalenessManager(StalenessManager):
             concurrency = max(1, self.max_concurrent_rollouts) - self.rollout_stat.running
             room = self._room()
             if room > 0 and concurrency > 0 and self._spare is None:
-                grant = self.client.admit(self.table, 1, grant_seconds=self.grant_seconds)
+                grant = self._admit()
                 if grant.count:
                     self._spare = grant
                 else:  # another process took the room meanwhile
@@ -84,11 +90,22 @@ class ExpbufStalenessManager(StalenessManager):
 
     def get_version(self) -> int:
         """The table's trainer version, which the bound counts from (-1 before any was set)."""
-        return self.client.stats(self.table)[self.table].trainer_version
+        return self._stats().trainer_version
 
     def set_version(self, version: int) -> None:
         """Tell the table the trainer's version: room for one more batch per version."""
-        self.client.set_trainer_version(version, self.table)
+        retried(lambda: self.client.set_trainer_version(version, self.table), self.client.timeout)
+
+    def _stats(self) -> TableStats:
+        return retried(lambda: self.client.stats(self.table), self.client.timeout)[self.table]
+
+    def _admit(self, wait: float = 0.0) -> Grant:
+        """A grant of one rollout, made again under its name while the server is unavailable."""
+        name, seconds = new_grant_id(), self.grant_seconds
+        return retried(
+            lambda: self.client.admit(self.table, 1, wait=wait, grant_seconds=seconds, grant_id=name),
+            self.client.timeout,
+        )
 
     def on_version_recovered(self, version: int) -> None:
         """Nothing to adjust: the table's counters came through the restart with the server."""
@@ -97,7 +114,7 @@ class ExpbufStalenessManager(StalenessManager):
         with self.lock:
             grant, self._spare = self._spare, None
             if grant is None:
-                grant = self.client.admit(self.table, 1, wait=self.admit_wait, grant_seconds=self.grant_seconds)
+                grant = self._admit(self.admit_wait)
             if not grant.count:
                 log.warning("expbuf table '%s' had no room for a rollout AReaL started; it runs uncounted", self.table)
             self._running.append(grant if grant.count else None)
@@ -105,15 +122,29 @@ class ExpbufStalenessManager(StalenessManager):
             self.rollout_stat.running += 1
 
     def _finish(self, accepted: int) -> None:
+        """The oldest running rollout's grant finished, made again while the server is unavailable;
+        where that still fails the grant stays running (the error is raised), not forgotten with
+        its room held until it expires."""
         grant = self._running.popleft() if self._running else None
         if grant is None:
             return
+        tries = 0
+
+        def finish() -> int:
+            nonlocal tries
+            tries += 1
+            return self.client.finish_grant(grant, accepted=accepted)
+
         try:
-            self.client.finish_grant(grant, accepted=accepted)
+            retried(finish, self.client.timeout)
         except BufferError as exc:
             if exc.code.name != "NOT_FOUND":
+                self._running.appendleft(grant)
                 raise
-            log.warning("expbuf grant of table '%s' expired before its rollout ended; raise grant_seconds", self.table)
+            if tries == 1:  # else the try whose answer was lost finished it
+                log.warning(
+                    "expbuf grant of table '%s' expired before its rollout ended; raise grant_seconds", self.table
+                )
 
     def on_rollout_accepted(self) -> None:
         with self.lock:

@@ -430,9 +430,14 @@ class Planned(Sharded):
             Reason.NOT_FOUND,
         )
 
-    def _admit(self, table: str, count: int, wait: float, grant_seconds: float) -> Plan[Grant]:
-        shard = self.admission_shard(table)
-        return (yield from self._on_one(shard, "admit", table, count, wait=wait, grant_seconds=grant_seconds))
+    def _admit(
+        self, table: str, count: int, wait: float = 0.0, grant_seconds: float = 300.0, grant_id: str | None = None
+    ) -> Plan[Grant]:
+        shard, options = (
+            self.admission_shard(table),
+            {"wait": wait, "grant_seconds": grant_seconds, "grant_id": grant_id},
+        )
+        return (yield from self._on_one(shard, "admit", table, count, **options))
 
     def _finish_grant(self, grant: Grant, accepted: int | None) -> Plan[int]:
         """On the shard that granted it: the table's admission shard."""

@@ -412,7 +412,13 @@ class ExperienceBufferService(LedgerServicer, ReadServicer, ValuesServicer, pb_g
         wait = remaining(context, asked) if request.wait_seconds > 0 else 0.0
         seconds = request.grant_seconds or 300.0
         grant = self.store.admit(
-            table, request.count, wait=wait, grant_seconds=seconds, holder=self._owner(context), stop=ended(context)
+            table,
+            request.count,
+            wait=wait,
+            grant_seconds=seconds,
+            holder=self._owner(context),
+            stop=ended(context),
+            grant_id=request.grant_id,
         )
         admitted = self.metrics.of_table(self.metrics.admission, table, "granted" if grant.count else "no_room")
         if admitted is not None:  # else dropped since

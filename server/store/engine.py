@@ -286,15 +286,17 @@ class Store(ServiceCalls):
         grant_seconds: float = 300.0,
         holder: str = "",
         stop: Callable[[], bool] | None = None,
+        grant_id: str = "",
     ) -> admission.RolloutGrant:
         """How many of `count` rollouts may start now (admission.py), under a grant that
         expires after grant_seconds unless finished (by `holder` alone: the caller's token
         fingerprint with tokens on); waits up to `wait` for room, or until `stop()` says the call
-        ended (none granted then: a rollout worker gone takes no room that comes back)."""
+        ended (none granted then: a rollout worker gone takes no room that comes back).
+        `grant_id`: the client's name for the grant (admission.grant: made again, the same one)."""
         deadline = time.monotonic() + wait
         while True:
             generation = self.environment.generation
-            granted = self._in_table(table, lambda tt: admission.grant(tt, count, grant_seconds, holder))
+            granted = self._in_table(table, lambda tt: admission.grant(tt, count, grant_seconds, holder, grant_id))
             if granted.count or time.monotonic() >= deadline or (stop is not None and stop()):
                 return granted
             self.environment.wait_for_change(generation, deadline, poll=stop is not None)

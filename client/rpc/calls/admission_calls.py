@@ -4,10 +4,17 @@ and rollouts admitted under the table's staleness bound and their grants finishe
 
 from __future__ import annotations
 
+import uuid
+
 from expbuf.proto.v1 import buffer_pb2 as pb
 
 from ...results import Grant
 from ..declare import ClientSettings, Plan, Unary, declare
+
+
+def new_grant_id() -> str:
+    """A name for a grant that no other admit makes (admit's `grant_id`)."""
+    return uuid.uuid4().hex
 
 
 def _version(version: int) -> int:
@@ -46,20 +53,31 @@ class AdmissionCalls(ClientSettings):
         )
 
     @declare(shards=lambda s: s._admit)
-    def admit(self, table: str, count: int, *, wait: float = 0.0, grant_seconds: float = 300.0) -> Plan[Grant]:
+    def admit(
+        self, table: str, count: int, *, wait: float = 0.0, grant_seconds: float = 300.0, grant_id: str | None = None
+    ) -> Plan[Grant]:
         """How many of `count` rollouts may start now under the table's staleness bound,
         waiting up to `wait` seconds for room (asking again while the server has as many admits
         waiting as it lets, as claim does). Finish the grant when the rollouts are done
         (`finish_grant`); a grant not finished within grant_seconds gives its room back.
+        `grant_id` names the grant (None: a new name, `new_grant_id`): the admit made again with
+        it while that grant is open answers that grant, not a second one, so the client makes it
+        again itself while the server is unavailable, as a caller may across a restart.
         Sharded: on the table's admission shard (`admission_shard`)."""
         if not isinstance(count, int) or isinstance(count, bool) or count < 1:
             raise ValueError(f"count must be a positive integer, got {count!r}")
-        request = pb.AdmitRequest(table=table, count=count, wait_seconds=wait, grant_seconds=grant_seconds)
+        request = pb.AdmitRequest(
+            table=table,
+            count=count,
+            wait_seconds=wait,
+            grant_seconds=grant_seconds,
+            grant_id=grant_id or new_grant_id(),
+        )
         return Unary(
             "Admit",
             request,
             lambda r: Grant(r.granted, r.grant_id, r.expires_unix, table),
-            retry=False,
+            retry=True,
             timeout=wait + self.timeout,
         )
 

@@ -777,16 +777,18 @@ class SetTrainerVersionReply(_message.Message):
     def __init__(self, version: _Optional[int] = ...) -> None: ...
 
 class AdmitRequest(_message.Message):
-    __slots__ = ("table", "count", "wait_seconds", "grant_seconds")
+    __slots__ = ("table", "count", "wait_seconds", "grant_seconds", "grant_id")
     TABLE_FIELD_NUMBER: _ClassVar[int]
     COUNT_FIELD_NUMBER: _ClassVar[int]
     WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     GRANT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    GRANT_ID_FIELD_NUMBER: _ClassVar[int]
     table: str
     count: int
     wait_seconds: float
     grant_seconds: float
-    def __init__(self, table: _Optional[str] = ..., count: _Optional[int] = ..., wait_seconds: _Optional[float] = ..., grant_seconds: _Optional[float] = ...) -> None: ...
+    grant_id: str
+    def __init__(self, table: _Optional[str] = ..., count: _Optional[int] = ..., wait_seconds: _Optional[float] = ..., grant_seconds: _Optional[float] = ..., grant_id: _Optional[str] = ...) -> None: ...
 
 class AdmitReply(_message.Message):
     __slots__ = ("granted", "grant_id", "expires_unix")

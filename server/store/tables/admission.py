@@ -15,6 +15,7 @@ per the table's `on_stale`; an experience without a version is kept.
 from __future__ import annotations
 
 import json
+import re
 import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -30,6 +31,8 @@ from ..schema.sample_spec import MAX_COUNT
 
 # A grant older than a day is a lost worker, not a long rollout.
 MAX_GRANT_SECONDS = 86400.0
+# A grant id a client makes (an idempotent admit's): as the server's own are, a key of the grants.
+GRANT_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
 
 class GrantRecord(TypedDict):
@@ -60,18 +63,28 @@ def capacity(tt: TableState) -> int | None:
     return max(0, (cfg.staleness.max_staleness + version + 1) * cfg.staleness.batch_size - tt.counters.submitted)
 
 
-def grant(tt: TableState, count: int, seconds: float, owner: str = "") -> RolloutGrant:
+def grant(tt: TableState, count: int, seconds: float, owner: str = "", grant_id: str = "") -> RolloutGrant:
     """RolloutGrant up to `count` rollouts under a lease of `seconds`, bound to `owner` (the
-    caller's token fingerprint with tokens on), who alone finishes it."""
+    caller's token fingerprint with tokens on), who alone finishes it. `grant_id`: the client's
+    name for it; where a grant of that name is still open (the same admit made again after its
+    reply was lost), that grant, not a second one."""
     if not isinstance(count, int) or isinstance(count, bool) or not 1 <= count <= MAX_COUNT:
         raise InvalidRequest(f"count must be an integer from 1 to {MAX_COUNT}, got {clip(count)}")
     if not isinstance(seconds, (int, float)) or not 0 < seconds <= MAX_GRANT_SECONDS:
         raise InvalidRequest(f"grant_seconds is {clip(seconds)}; it must be > 0 and <= {MAX_GRANT_SECONDS:g}")
+    if grant_id and GRANT_ID.fullmatch(grant_id) is None:
+        raise InvalidRequest(f"grant_id {clip(grant_id)!r} must be 1-64 of A-Z a-z 0-9 _ -")
+    made = read_grant(tt.txn, tt.db, grant_id) if grant_id else None
+    if made is not None:
+        if made["t"] != tt.table_id:
+            raise InvalidRequest(f"grant_id '{grant_id}' names an open grant of another table: make a new one")
+        check_owner(made, grant_id, owner)
+        return RolloutGrant(made["n"], grant_id, made["e"])
     room = capacity(tt)
     granted = count if room is None else min(count, room)
     if granted == 0:
         return RolloutGrant(0)
-    grant_id, expires = secrets.token_hex(8), tt.now + seconds
+    grant_id, expires = grant_id or secrets.token_hex(8), tt.now + seconds
     record: GrantRecord = {"t": tt.table_id, "n": granted, "e": expires}
     if owner:
         record["o"] = owner
