@@ -98,7 +98,8 @@ def test_the_clients_read_any_number_in_calls_of_the_most_each_takes(
     server: ExpbufServer, client: BufferClient, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """get and read_fields name at most MAX_READ_UIDS uids a ReadFields and join the parts' results
-    into what one read of them all gives: the same order, the same columns, the same missing uids."""
+    into what one read of them all gives: the same order, the same columns, the same missing uids;
+    get_partials names at most as many task ids a call."""
     client.create_table("t", group_size=1, group_by="run", estimator="none")
     client.push(trxp.build([item for task in range(8) for item in group_items(0, task, 1)]), table="t")
     uids = [f"0/{task}/0/0/r0s0" for task in (5, 0, 7, 1, 6, 2, 4, 3)] + ["absent"]
@@ -118,6 +119,10 @@ def test_the_clients_read_any_number_in_calls_of_the_most_each_takes(
     assert got.missing_uids == one.missing_uids == ["absent"]
     assert all(torch.equal(a.tokens, b.tokens) for a, b in zip(got, one, strict=True))
     assert answered(server, "ReadFields") - before == 6
+
+    partials = answered(server, "ReadPartials")
+    assert client.get_partials([f"0/{task}" for task in range(8)], table="t") == []  # none held in pieces
+    assert answered(server, "ReadPartials") - partials == 3  # 3 + 3 + 2 task ids
 
     async def from_asyncio() -> tuple[list[str], list[str]]:
         async with AsyncBufferClient(f"127.0.0.1:{server.port}", timeout=10) as aio:
@@ -205,6 +210,18 @@ def test_reads_that_name_what_they_read_name_each_once_and_within_bounds(start_s
                 f"keys names {MAX_KEYS_PER_CALL + 1}",
             ),
             (
+                "GetPartials",
+                pb.GetPartialsRequest(table="t", task_ids=[f"0/{i}" for i in range(MAX_READ_UIDS + 1)]),
+                "INVALID_ARGUMENT",
+                f"task_ids names {MAX_READ_UIDS + 1}; a GetPartials names at most {MAX_READ_UIDS}",
+            ),
+            (
+                "GetPartials",
+                pb.GetPartialsRequest(table="t", uids=[f"u{i}" for i in range(MAX_READ_UIDS + 1)]),
+                "INVALID_ARGUMENT",
+                f"uids names {MAX_READ_UIDS + 1}; a GetPartials names at most {MAX_READ_UIDS}",
+            ),
+            (
                 "ListPrompts",
                 pb.ListPromptsRequest(table="t", dataset="d", states=["pending"] * 6),
                 "INVALID_ARGUMENT",
@@ -220,6 +237,10 @@ def test_reads_that_name_what_they_read_name_each_once_and_within_bounds(start_s
             list(stub.ReadFields(pb.ReadFieldsRequest(table="t", uids=[f"u{i}" for i in range(MAX_READ_UIDS + 1)])))
         assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert f"uids names {MAX_READ_UIDS + 1}; a ReadFields names at most {MAX_READ_UIDS}" in error.value.details()
+        with pytest.raises(grpc.RpcError) as error:  # GetPartials' stream, read as ReadFields is
+            list(stub.ReadPartials(pb.GetPartialsRequest(table="t", task_ids=["0/0"] * (MAX_READ_UIDS + 1))))
+        assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert f"task_ids names {MAX_READ_UIDS + 1}; a GetPartials names" in error.value.details()
         reply = stub.Get(pb.GetRequest(table="t", uids=uids[:2]), timeout=30)  # within a message, as ever
         assert [e.eid.uid for e in trxp.decode_reply(reply.payload)] == uids[:2]
         assert len(client.get(uids, table="t")) == 3  # the clients read with ReadFields, in parts

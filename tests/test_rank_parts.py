@@ -262,6 +262,29 @@ def test_a_split_by_flops_weighs_long_runs_by_their_attention(client: BufferClie
         client.read_part(batch.lease_id, 0, 2, ["tokens"], table="f", balance="flops")
 
 
+def test_a_cost_the_cost_column_cannot_hold_is_refused_by_name(client: BufferClient) -> None:
+    """A run's FLOPs past an int64 (a 405B-class model over 700k tokens: 1.4e19) or a registered
+    cost that is not an integer failed the read of the 'cost' field INTERNAL (struct.error); it is
+    refused naming the run, and the part without 'cost' is read as split by it (a helper's audit)."""
+    _, batch = leased(client, "o")
+    huge = ModelShape(params=1, layers=2**32 - 1, hidden=2**32 - 1)
+    with pytest.raises(
+        InvalidArgumentError, match=r"costs \d+ by the read.s balance, which an int64 column does not hold"
+    ):
+        client.read_part(batch.lease_id, 0, 2, ["cost"], table="o", balance="flops", model=huge)
+    parts_read = [
+        client.read_part(batch.lease_id, r, 2, ["tokens"], table="o", balance="flops", model=huge) for r in (0, 1)
+    ]
+    assert sorted(uid for read in parts_read for uid in read.uids) == sorted(batch.uids)
+    register_cost("halves", lambda length, model: length / 2)
+    try:
+        with pytest.raises(InvalidArgumentError, match=r"costs '?\d+\.\d+'?"):
+            client.read_part(batch.lease_id, 0, 2, ["cost"], table="o", balance="halves")
+    finally:
+        COSTS.pop("halves")
+    assert client.stats("o")["o"].leased == len(batch.uids)  # the lease stands
+
+
 def test_a_cost_of_ones_own_is_one_registration(client: BufferClient) -> None:
     """A cost registered under a name (here in the test's own process, which runs its server) is
     what a request naming it splits by; a name twice is refused."""

@@ -20,7 +20,9 @@ T = TypeVar("T")
 
 MAX_NAMES_PER_CALL = 4096  # uids or group ids of a Delete, a Retire or a FailRuns (each list)
 MAX_KEYS_PER_CALL = 65_536  # keys of a PutValues, a ClearValues or a GetValues
-MAX_READ_UIDS = 65_536  # uids of a Get or a ReadFields (a sampled batch holds at most as many)
+MAX_READ_UIDS = (
+    65_536  # uids of a Get or a ReadFields, task ids and uids of a GetPartials (a batch holds at most as many)
+)
 MAX_REWARDS = 65_536  # rewards of one prompt a ReportPrompts gives (its runs')
 # The most batches a sample stream may have sent ahead of its client's confirmations: what the
 # server prepares ahead of its client, whatever gRPC's flow-control window would hold.

@@ -259,10 +259,14 @@ class ExperienceReads(ClientSettings):
 
         Sharded: from every shard (a rollout's pieces are on the shard that owns its group, which a
         table grouping by run or step spreads a task over)."""
-        found, rest = yield _partials(task_ids, (), table, self.max_message_bytes)
-        while rest:  # those one reply did not hold (each reply holds one at least)
-            more, rest = yield _partials((), rest, table, self.max_message_bytes)
+        found: list[Experience] = []
+        for tasks in in_parts(list(task_ids), MAX_READ_UIDS):  # the server reads at most as many a call
+            more, rest = yield _partials(tasks, (), table, self.max_message_bytes)
             found += more
+            while rest:  # those one reply did not hold (each reply holds one at least)
+                more, left = yield _partials((), rest[:MAX_READ_UIDS], table, self.max_message_bytes)
+                found += more
+                rest = left + rest[MAX_READ_UIDS:]
         return found
 
 

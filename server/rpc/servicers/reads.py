@@ -79,6 +79,8 @@ class ReadServicer(ServicerBase):
         """The payload of the rollouts held in pieces that a request names, as many as a reply of
         `limit` bytes holds (with `alone`, the first one whatever its size), and the uids of the
         others; with tokens on, a prompt's only to the token that holds its claim."""
+        check_names(request.task_ids, "task_ids", "GetPartials", MAX_READ_UIDS)  # before they are read
+        check_names(request.uids, "uids", "GetPartials", MAX_READ_UIDS)
         tids, uids = ids_of(request.task_ids, "task_ids"), ids_of(request.uids, "uids")
         table = request.table or "default"
         return self.store.get_partials(table, tids, uids, limit, alone=alone, holder=self._owner(context))

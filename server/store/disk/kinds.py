@@ -25,7 +25,8 @@ from expbuf.client.trxp.stored.columns import (
 )
 from expbuf.client.trxp.stored.pieces import Run, Stored, concatenated
 
-from ..schema.errors import BatchStageFailed, stage_error
+from ..schema.errors import BatchStageFailed, InvalidRequest, clip, stage_error
+from ..schema.sample_spec import INT64
 from ..schema.states import PENDING
 from ..schema.table_config import TableConfig
 from ..schema.views import MemberView
@@ -300,8 +301,7 @@ class Sampled:
                     None if length is None else length - response
                     for length, response in zip(lengths, self.response_lengths, strict=True)
                 ]
-                cost = self.run_cost
-                scalars["cost"] = [None if length is None or cost is None else cost(length) for length in lengths]
+                scalars["cost"] = _costs(lengths, self.run_cost)
             kept = [scalar_column(name, scalars[name]) for name in fields if name in SCALARS]
             if SEGMENTS in fields:
                 kept.append(segment_column(self.segments, self.versions))
@@ -393,3 +393,23 @@ Compute = Callable[[ComputeJob], Computed]
 # A computation done before a push's transaction, for the groups the push is expected to
 # complete: the job and its result (pushed_advantages.compute_ahead).
 Ahead = tuple[ComputeJob, Computed]
+
+
+def _costs(lengths: Sequence[int | None], cost: Callable[[int], int] | None) -> list[int | None]:
+    """The cost column's values, a run's by `cost` of its tokens: each must be an int64. One past
+    it (balance "flops" of a large model over a long run: 12 l h L^2 passes 2^63 for a 405B model at
+    700k tokens) or not an integer (a registered cost's) is refused naming the run, where its
+    packing failed the read INTERNAL."""
+    found: list[int | None] = []
+    for length in lengths:
+        value = None if length is None or cost is None else cost(length)
+        if value is not None and (
+            not isinstance(value, int) or isinstance(value, bool) or not INT64[0] <= value <= INT64[1]
+        ):
+            raise InvalidRequest(
+                f"the cost column: a run of {length} tokens costs {clip(repr(value))} by the read's balance, which "
+                "an int64 column does not hold; read the part without the 'cost' field (its split stands), or "
+                "balance it by 'tokens'"
+            )
+        found.append(value)
+    return found
