@@ -77,3 +77,40 @@ def test_a_warning_of_a_declared_call_names_the_line_that_made_it(target: str) -
     with pytest.warns(FutureWarning, match="capacity") as record:
         asyncio.run(awaited())
     assert record[0].filename == __file__
+
+
+def test_a_str_given_for_names_or_a_table_not_a_str_is_refused_before_any_call(target: str) -> None:
+    """A uid given alone where a list of uids goes was read as its characters (get("0/0/0/0/")
+    answered nothing, each character missing), a field alone as its letters ("unknown field 'r'"),
+    and table=None read the default table: each is a TypeError naming the call and its parameter,
+    in every kind of client (a helper's audit)."""
+    refused = {
+        "get": (("0/0/0/0/",), {}, "uids"),
+        "read_fields": ((["0/0/0/0/"], "reward"), {}, "fields"),
+        "get_partials": (("0/0",), {}, "task_ids"),
+        "delete": ((["u"],), {"groups": b"g"}, "groups"),
+        "get_values": ((["k"],), {"table": None}, "table"),
+    }
+
+    def each(client: object) -> None:
+        for name, (args, kwargs, what) in refused.items():
+            with pytest.raises(TypeError, match=f"^{name}: {what} must be"):
+                getattr(client, name)(*args, **kwargs)
+
+    async def awaited() -> None:
+        async with AsyncBufferClient(target, timeout=10) as client:
+            for name, (args, kwargs, what) in refused.items():
+                with pytest.raises(TypeError, match=f"^{name}: {what} must be"):
+                    await getattr(client, name)(*args, **kwargs)
+
+    with BufferClient(target, timeout=10) as client:
+        client.create_table("names", group_size=1)
+        each(client)
+        assert client.get(["0/0/0/0/"], "names").missing_uids == ["0/0/0/0/"]  # a list, as before
+        assert client.stats("names")["names"].pushed == 0
+    asyncio.run(awaited())
+    sharded = ShardedBufferClient([target], timeout=10)
+    try:
+        each(sharded)
+    finally:
+        sharded.close()

@@ -31,6 +31,9 @@ from .connection import RETRIED_METHODS
 if TYPE_CHECKING:
     from ..shards.routes import ShardPlans
 
+# The annotations (as written: postponed) of a declared call's parameters that take names.
+NAMES = frozenset({"Iterable[str]", "Sequence[str]"})
+_DEFAULT = object()  # an argument not given: its parameter's default
 P = ParamSpec("P")
 R = TypeVar("R")
 S = TypeVar("S")
@@ -176,6 +179,7 @@ class Blocking(Runner):
     @classmethod
     def _adapt(cls, call: Declared[Any, Any, Any]) -> Callable[..., Any]:
         def method(self: Blocking, /, *args: Any, **kwargs: Any) -> Any:
+            call.check(args, kwargs)
             return self._perform(call.plan(self, *args, **kwargs))
 
         return method
@@ -191,6 +195,7 @@ class Awaiting(Runner):
     @classmethod
     def _adapt(cls, call: Declared[Any, Any, Any]) -> Callable[..., Any]:
         async def method(self: Awaiting, /, *args: Any, **kwargs: Any) -> Any:
+            call.check(args, kwargs)
             return await self._perform(call.plan(self, *args, **kwargs))
 
         return method
@@ -236,6 +241,27 @@ class Declared(Generic[P, T, S]):
         self.plan, self.route, self.name, self.__doc__ = plan, route, plan.__name__, plan.__doc__
         self.signature = inspect.signature(plan)
         self._methods: dict[type, Callable[..., Any]] = {}
+        # The parameters that take names (a list of uids, fields, keys, ...) and the table's, each
+        # with its place among the arguments after the client's own (None: by keyword only).
+        params = list(self.signature.parameters.values())[1:]
+        self._typed = [
+            (param.name, at if param.kind is param.POSITIONAL_OR_KEYWORD else None, param.annotation in NAMES)
+            for at, param in enumerate(params)
+            if param.annotation in NAMES or (param.name == "table" and param.annotation == "str")
+        ]
+
+    def check(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """Refuse a str (or bytes) given for names, which the call would read as its characters (a
+        uid "a/0/1/0/" as 8 one-letter uids), and a table that is not a str (None read the default
+        table): a TypeError naming the call and its parameter."""
+        for name, at, names in self._typed:
+            value = args[at] if at is not None and at < len(args) else kwargs.get(name, _DEFAULT)
+            if value is _DEFAULT:
+                continue
+            if names and isinstance(value, str | bytes):
+                raise TypeError(f"{self.name}: {name} must be a list (or other iterable) of str, not one {value!r}")
+            if not names and not isinstance(value, str):
+                raise TypeError(f"{self.name}: table must be a str, not {value!r}")
 
     @overload
     def __get__(self, obj: None, owner: type) -> Self: ...
@@ -273,6 +299,7 @@ class Declared(Generic[P, T, S]):
         """The route's plan of the call with these arguments, each passed by its parameter's name
         (the defaults applied here, so a route states none of its own)."""
         assert self.route is not None
+        self.check(args, kwargs)
         bound = self.signature.bind(client, *args, **kwargs)
         bound.apply_defaults()
         _, *arguments = bound.arguments.items()  # the client's own first

@@ -430,9 +430,7 @@ class Planned(Sharded):
             Reason.NOT_FOUND,
         )
 
-    def _admit(
-        self, table: str, count: int, wait: float = 0.0, grant_seconds: float = 300.0, grant_id: str | None = None
-    ) -> Plan[Grant]:
+    def _admit(self, table: str, count: int, wait: float, grant_seconds: float, grant_id: str | None) -> Plan[Grant]:
         shard, options = (
             self.admission_shard(table),
             {"wait": wait, "grant_seconds": grant_seconds, "grant_id": grant_id},
