@@ -24,6 +24,7 @@ from expbuf.client import AsyncBufferClient, BufferClient, DeadlineExceededError
 from expbuf.proto.v1 import buffer_pb2 as pb
 from expbuf.proto.v1 import buffer_pb2_grpc as pb_grpc
 from expbuf.server.app import ExpbufServer
+from expbuf.server.rpc.sample.stalled_sends import SNAPSHOT_SECONDS
 
 from conftest import Servers
 from helpers import make_experience, wait_for
@@ -406,3 +407,36 @@ def test_a_reply_waiting_in_grpcs_send_lets_its_read_snapshot_go_long_before_the
             call.cancel()
             requests.put(None)
     loop.assert_reused(grown, 10, "beside a reply waiting in gRPC's send")
+
+
+def test_what_stalled_replies_copy_out_of_the_map_is_bounded_with_the_other_replies(start_server: Servers) -> None:
+    """A reply in parts whose client reads no more has its rest copied out of the map (so its
+    snapshot ends); those copies are counted against max_inflight_bytes as a read's unary replies
+    are (half of it an address). Uncounted, each stalled ReadFields held its rest for up to
+    max_confirm_seconds: four of 288 MB grew the server by 1 GB (a helper's audit). A copy past
+    the bound is not made: that reply reads on from its snapshot, and both replies come whole."""
+    server = start_server(max_message_bytes=LIMIT, max_confirm_seconds=120.0, scrub_mb_per_second=0)
+    uids = fill(server, "whole")
+    options = [("grpc.max_receive_message_length", 1 << 30), ("grpc.http2.bdp_probe", 0)]  # as `stub`
+    with grpc.insecure_channel(f"127.0.0.1:{server.port}", options=options) as channel:
+        stub = pb_grpc.ExperienceBufferStub(channel)
+        request = pb.ReadFieldsRequest(table="t", uids=uids, max_reply_bytes=LIMIT)
+        reference = whole_reply(stub.ReadFields(request))
+        calls = [stub.ReadFields(request), stub.ReadFields(request)]
+        try:
+            first = next(calls[0])
+            server.reply_memory.limit = 3 * first.whole_bytes  # an address holds 1.5 replies: one copy, not two
+            wait_for(lambda: server.reply_memory.held > 0, "the first stalled reply's rest copied, counted")
+            held = server.reply_memory.held  # what is left after the parts sent or being sent
+            assert first.whole_bytes - 3 * LIMIT < held <= first.whole_bytes - len(first.part)
+            second = next(calls[1])
+            time.sleep(3 * SNAPSHOT_SECONDS)  # its send waited past SNAPSHOT_SECONDS: its copy would be made by now
+            assert server.reply_memory.held == held  # not made: past the address's half
+            assert snapshots(server) == 1  # the second reads on from its snapshot
+            assert whole_reply(calls[1], second).payload == reference.payload
+            assert whole_reply(calls[0], first).payload == reference.payload
+            assert [list(call) for call in calls] == [[], []]
+            wait_for(lambda: server.reply_memory.held == 0, "the copy given back as its reply ended")
+        finally:
+            for call in calls:
+                call.cancel()

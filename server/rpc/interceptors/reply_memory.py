@@ -16,11 +16,20 @@ nothing and the server has room for it, or the server holds nothing. A reply und
 counted. The reply is serialised here, once (gRPC is given its bytes), so its size costs nothing
 more. What a call holds is given back when its client takes the reply, or its call ends otherwise
 (cancelled, its connection gone, or cut by max_confirm_seconds: sample/stalled_sends.py).
+
+The streamed replies in parts (COPIED_REPLIES) count against the same bounds what their calls copy
+out of the store's map when their client is slow to read (sample/replies.py lets go of a
+snapshot so): a copy that would pass either is not made, and the reply reads on from its snapshot
+until its client reads or max_confirm_seconds ends the call. Unbounded, each stalled ReadFields of
+288 MB held its rest in memory for up to max_confirm_seconds: four grew the server by 1 GB.
 """
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable, Iterator
+from contextvars import ContextVar
+from functools import partial
 from typing import Any, NoReturn
 
 import grpc
@@ -31,6 +40,42 @@ from expbuf.client.schema.reasons import Reason
 from .base import ServiceInterceptor, refuse
 
 SMALL = 64 << 10  # bytes of a reply too few to count
+# The streamed replies whose rest a slow client's call copies out of the map (call_context.budgeted).
+COPIED_REPLIES = frozenset({"Sample", "ReadFields"})
+
+
+# What a streamed reply's copy of its rest out of the store's map (replies.py, a client slow to read)
+# may hold of the server's memory (interceptors/reply_memory.py): given the copy's bytes, what gives
+# them back once the copy goes, or None where holding them would pass the bound (the reply then reads
+# on from its snapshot). None: the call's method is not bounded so.
+Budget = Callable[[int], Callable[[], None] | None]
+_REPLY_BUDGET: ContextVar[Budget | None] = ContextVar("expbuf_reply_budget", default=None)
+
+
+def reply_budget() -> Budget | None:
+    """The budget of the streamed reply being made now (`budgeted`), or None."""
+    return _REPLY_BUDGET.get()
+
+
+def budgeted(messages: Iterator[Any], budget: Budget) -> Iterator[Any]:
+    """`messages`, each made with `budget` as its call's reply_budget; closed, it closes them."""
+    try:
+        while True:
+            token = _REPLY_BUDGET.set(budget)
+            try:
+                message = next(messages, _NO_MORE)
+            finally:
+                _REPLY_BUDGET.reset(token)
+            if message is _NO_MORE:
+                return
+            yield message
+    finally:
+        close = getattr(messages, "close", None)
+        if close is not None:
+            close()
+
+
+_NO_MORE = object()
 
 
 def address_of(peer: str) -> str:
@@ -58,6 +103,8 @@ class ReplyMemory(ServiceInterceptor):
     def wrap(
         self, method: str, handler: grpc.RpcMethodHandler, details: grpc.HandlerCallDetails
     ) -> grpc.RpcMethodHandler:
+        if method in COPIED_REPLIES:
+            return self._copies_bounded(handler)
         if method not in LARGE_REPLIES or handler.unary_unary is None or handler.response_serializer is None:
             return handler
         behavior, serialize = handler.unary_unary, handler.response_serializer
@@ -74,6 +121,45 @@ class ReplyMemory(ServiceInterceptor):
             return data
 
         return grpc.unary_unary_rpc_method_handler(unary_unary, handler.request_deserializer, _as_is)
+
+    def _copies_bounded(self, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+        """A streaming method whose messages are made with the budget of its caller's address."""
+        if handler.stream_stream:
+            streams = handler.stream_stream
+
+            def stream_stream(requests: Iterator[Any], context: grpc.ServicerContext) -> Iterator[Any]:
+                return budgeted(streams(requests, context), partial(self.copy, address_of(context.peer())))
+
+            return grpc.stream_stream_rpc_method_handler(
+                stream_stream, handler.request_deserializer, handler.response_serializer
+            )
+        if handler.unary_stream:
+            unary = handler.unary_stream
+
+            def unary_stream(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
+                return budgeted(unary(request, context), partial(self.copy, address_of(context.peer())))
+
+            return grpc.unary_stream_rpc_method_handler(
+                unary_stream, handler.request_deserializer, handler.response_serializer
+            )
+        return handler
+
+    def copy(self, address: str, size: int) -> Callable[[], None] | None:
+        """Count a streamed reply's copy of `size` bytes for `address`: what gives them back (once),
+        or None where they would pass a bound (nothing counted)."""
+        with self._lock:
+            mine, held = self._by_address.get(address, 0), self.held
+            if (mine and mine + size > self.limit // 2) or (held and held + size > self.limit):
+                return None
+            self.held, self._by_address[address] = held + size, mine + size
+        given = threading.Event()
+
+        def give() -> None:
+            if not given.is_set():
+                given.set()
+                self._give(address, size)
+
+        return give
 
     def _hold(self, method: str, context: grpc.ServicerContext, address: str, size: int) -> None:
         """Count a reply of `size` bytes until its call ends, or refuse it where it would pass a bound."""

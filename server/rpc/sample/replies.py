@@ -37,6 +37,7 @@ from ...store import Sampled, send_apart
 from ...store.schema.sample_spec import TakeSpec
 from ..call_context import when_sent_slowly
 from ..interceptors.base import ServiceInterceptor
+from ..interceptors.reply_memory import Budget, reply_budget
 
 # The tags of the fields written here (client/rpc/wire.py), as the bytes written.
 _PAYLOAD, _COLUMN, _VALUES, _PAD, _PART, _WHOLE = (
@@ -173,13 +174,14 @@ def _messages(
     copy: the batch is released before the last is sent, and a part that waits in gRPC's send
     lets go of the batch's snapshot (`_Rest.let_go`)."""
     kept: list[_Rest] = []  # a reply in parts: the parts after the first
+    budget = reply_budget()
 
     def first(runs: list[Run], whole: int) -> tuple[int, bytes]:
         if whole <= cut:
             return whole, concatenated(runs)
         if not parts:
             raise ReplyTooLarge(whole)
-        kept.append(_Rest(batch, runs, whole, step))
+        kept.append(_Rest(batch, runs, whole, step, budget))
         return whole, _part(runs, start=0, end=step, whole=whole)
 
     cut = min(limit, PART_BYTES) if parts else limit
@@ -207,10 +209,13 @@ class _Rest:
     a part waits in gRPC's send long (stalled_sends.SNAPSHOT_SECONDS: its client reads no more
     for now, a trainer's step perhaps): then what is still to send is copied out of the map and
     the snapshot ends (`let_go`), so a client slow to read keeps no page of the map from reuse, at
-    the cost of holding the rest of its reply in memory until it reads it or its call ends."""
+    the cost of holding the rest of its reply in memory until it reads it or its call ends. That
+    memory is counted against the call's `budget` (interceptors/reply_memory.py); where it has no
+    room, the rest stays in the map, read from the snapshot, and a later slow part tries again."""
 
-    def __init__(self, batch: Sampled | _Built, runs: list[Run], whole: int, sent: int) -> None:
-        self._batch, self._whole = batch, whole
+    def __init__(self, batch: Sampled | _Built, runs: list[Run], whole: int, sent: int, budget: Budget | None) -> None:
+        self._batch, self._whole, self._budget = batch, whole, budget
+        self._give_back: Callable[[], None] | None = None  # what the budget counts of the copy
         self._runs = batch.keep(list(runs))
         self._at = 0  # where the first of the runs starts in the reply
         self._sent = sent  # where the part after the one being sent starts
@@ -228,17 +233,27 @@ class _Rest:
             return self._batch.read(partial(_part, self._runs, start=start, end=end))
 
     def let_go(self) -> None:
-        """Copy the bytes still to send out of the map, and end the batch's snapshot."""
+        """Copy the bytes still to send out of the map, and end the batch's snapshot; not where
+        the call's budget has no room for them."""
         with self._lock:
             if self._own or self._ended:
                 return
+            if self._budget is not None:
+                self._give_back = self._budget(self._whole - self._sent)
+                if self._give_back is None:
+                    return
             rest = self._batch.read(lambda: b"".join(_span(self._runs, self._sent, self._whole)))
             self._runs, self._at, self._own = [rest], self._sent, True
             self._batch.release()
 
     def end(self) -> None:
+        """The last part is cut, or the reply failed: the copy goes, and what its budget counted."""
         with self._lock:
             self._ended = True
+            if self._own:
+                self._runs = []
+            if self._give_back is not None:
+                self._give_back()
 
 
 def _part(runs: list[Run], *, start: int, end: int, whole: int = 0) -> bytes:
