@@ -21,13 +21,11 @@ import threading
 from collections.abc import Mapping
 from concurrent import futures
 from pathlib import Path
-from wsgiref.simple_server import WSGIServer
 
 import grpc
 import lmdb
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
-from prometheus_client import start_http_server
 
 from expbuf.proto.v1 import buffer_pb2, buffer_pb2_grpc
 
@@ -35,6 +33,7 @@ from .advantages.batch_stage import finish_batch
 from .advantages.devices import check_device
 from .advantages.start import FAILED, NOT_NEEDED, RUNNING, AdvantageStart
 from .config import ServerConfig, TlsConfig
+from .metrics_http import MetricsServer, start_metrics_server
 from .rpc.interceptors.auth import TokenAuth
 from .rpc.interceptors.base import Interceptors, ServiceInterceptor
 from .rpc.interceptors.limits import RESERVED_THREADS, TableStreams, call_limits
@@ -263,7 +262,7 @@ class ExpbufServer:
         self._stop = threading.Event()
         self._maintenance = threading.Thread(target=self._maintain, name="expbuf-maintenance", daemon=True)
         self.metrics_port = 0
-        self._metrics_http: WSGIServer | None = None
+        self._metrics_http: MetricsServer | None = None
 
     def _advantages_computed(self, job: ComputeJob, seconds: float) -> None:
         estimator = job.config.advantages.estimator
@@ -293,9 +292,7 @@ class ExpbufServer:
         if self.config.metrics_port >= 0:
             host = self.config.metrics_host or self.config.host
             try:
-                metrics_http, _ = start_http_server(
-                    self.config.metrics_port, addr=host.strip("[]"), registry=self.metrics.exported
-                )
+                metrics_http = start_metrics_server(self.config.metrics_port, host.strip("[]"), self.metrics.exported)
             except OSError as exc:
                 self.service.ingest.close()
                 self.store.close()
