@@ -116,9 +116,13 @@ def test_failed_computation_fails_only_the_guilty_group_and_keeps_its_payloads(t
         assert store.verify("lean") == []
 
 
-def test_a_failure_of_every_group_is_retried_before_it_fails(tmp_path: Path, exploding) -> None:
+def test_a_failure_of_every_group_is_retried_before_it_fails(
+    tmp_path: Path, exploding, caplog: pytest.LogCaptureFixture
+) -> None:
     """When every group fails (here: the estimator fails for a while, whatever the data),
-    the groups stay computing and are tried again; they fail only after the last try."""
+    the groups stay computing and are tried again; they fail only after the last try. A try that
+    computed nothing is not timed (expbuf_advantage_seconds counted each), and an error of several
+    lines is logged on one (a helper's audit)."""
     from expbuf.server.advantages.worker import estimators
 
     explode = ESTIMATORS[exploding].ingest_stage()
@@ -126,19 +130,26 @@ def test_a_failure_of_every_group_is_retried_before_it_fails(tmp_path: Path, exp
 
     def for_a_while(batch: estimators.FlatBatch, **args: object) -> estimators.Advantages:
         if passing["fail"]:
-            raise RuntimeError("out of memory")
+            raise RuntimeError("out of memory\ntried to allocate 2 GiB")
         return explode(batch, **args)
 
     register(dataclasses.replace(ESTIMATORS[exploding], ingest=for_a_while), replace=True)
-    with Store(tmp_path) as store:
+    timed: list[int] = []
+    with Store(tmp_path) as store, caplog.at_level("WARNING", logger="expbuf"):
         store.create_table(TableConfig.of("t", estimator=exploding))
         store.put("t", group_items(1, 0, 3) + group_items(1, 1, 3))
-        worker = AdvantageWorker(store, retry_delays=(0.0, 0.0))
+        worker = AdvantageWorker(
+            store, retry_delays=(0.0, 0.0), on_computed=lambda job, _: timed.append(len(job.groups))
+        )
         worker.run_once()
         assert store.stats("t")["groups_computing"] == 2  # not failed: tried again later
+        assert timed == []
+        said = [r.getMessage() for r in caplog.records if "out of memory" in r.getMessage()]
+        assert said and all("\n" not in line and "out of memory\\ntried" in line for line in said), said
         passing["fail"] = False
         worker.run_once()
         assert store.stats("t")["groups_ready"] == 2
+        assert timed == [2]
         passing["fail"] = True
         store.put("t", group_items(1, 2, 3))
         for _ in range(3):

@@ -282,8 +282,12 @@ def test_eviction_never_takes_a_pending_group(tmp_path: Path) -> None:
         store.put("ring", group_items(1, 4, 4)[:2])  # evicts 1/2
         store.put("ring", group_items(1, 5, 4)[:2])  # evicts the ready 1/0
         assert store.stats("ring")["pending"] == 4 and store.stats("ring")["evicted"] == 12
-        with pytest.raises(TableFull, match="its groups still open hold 4 places"):
+        with pytest.raises(TableFull, match="its groups still open hold 4 places") as full:
             store.put("ring", group_items(1, 6, 4))  # only pending groups are left: none is evicted
+        held = store.stats("ring")["bytes"]  # what it holds, then its bound: "(8 experiences, 0 bytes)" read as held
+        assert f"is full: it holds 4 experiences of {held} bytes, its capacity is 8 experiences, and this push" in str(
+            full.value
+        )
         assert store.stats("ring")["pending"] == 4
         assert store.verify("ring") == []
 

@@ -45,7 +45,7 @@ from expbuf.server import logs
 from expbuf.server.advantages.worker import estimators
 from expbuf.server.app import _summary
 from expbuf.server.cli import build_parser
-from expbuf.server.commands.stats import COLUMNS, render
+from expbuf.server.commands.stats import COLUMNS, rates_between, render
 from expbuf.server.config import ServerConfig, load
 from expbuf.server.rpc.interceptors.limits import CallLimits, call_limits
 from expbuf.server.rpc.interceptors.metrics import Metrics, StoreCollector
@@ -990,6 +990,23 @@ def test_stats_columns_fit_long_table_names() -> None:
         assert [m.start() for m in re.finditer(cell, line)] == starts, line
 
 
+def test_stats_watch_shows_no_rate_of_a_table_made_again_under_its_name() -> None:
+    """A table dropped and made again between two views had its counters go back: `--watch`
+    showed -13.0 pushes a second (a helper's audit). Its rate is left out (shown as "-") for
+    that view, and counted again from the next."""
+    zero = dict.fromkeys((f.name for f in dataclasses.fields(TableStats)), 0) | {"last_failure": ""}
+    before = {
+        "r": TableStats(**zero | {"name": "r", "pushed": 30, "sampled": 20}),
+        "s": TableStats(**zero | {"name": "s"}),
+    }
+    now = {
+        "r": TableStats(**zero | {"name": "r", "pushed": 4, "sampled": 0}),
+        "s": TableStats(**zero | {"name": "s", "pushed": 10, "sampled": 4}),
+    }
+    assert rates_between(before, now, 2.0) == {"s": (5.0, 2.0)}
+    assert rates_between(now, now, 2.0) == {"r": (0.0, 0.0), "s": (0.0, 0.0)}
+
+
 def test_stats_says_why_advantages_cannot_be_computed() -> None:
     """`expbuf stats` names the advantage worker's failure where it shows the device, and says so
     where nothing has needed it yet (torch not loaded) rather than a device not known yet."""
@@ -1064,7 +1081,16 @@ def test_table_commands(child_server: ServerProcess) -> None:
     # A setting given twice: named, not the last one taken silently.
     one_line_error(cli("table", "create", "x", "group_size=4", "group_size=8", *target), "group_size", "twice")
     listing = cli("table", "list", *target).stdout.splitlines()
-    assert listing[0].split() == ["table", "group_by", "group_size", "estimator", "ready", "leased", "pending"]
+    assert listing[0].split() == [
+        "table",
+        "group_by",
+        "group_size",
+        "estimator",
+        "ready",
+        "leased",
+        "pending",
+        "computing",
+    ]
     assert any(line.split()[:4] == ["grpo4", "task", "8", "rloo"] for line in listing[1:])
     described = cli("table", "describe", "grpo4", *target).stdout
     toml_part = tomllib.loads(described.split("\n\n# stats")[0])["tables"][0]

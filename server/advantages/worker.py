@@ -258,27 +258,28 @@ class AdvantageWorker:
             if self._not_before.get(job.table_id, 0.0) > now:
                 continue
             started = time.perf_counter()
-            self._compute(job)
+            computed = self._compute(job)
             handled += len(job.groups)
-            if self.on_computed is not None:
+            if computed and self.on_computed is not None:  # a try that computed nothing is no timing
                 self.on_computed(job, time.perf_counter() - started)
         return handled
 
-    def _compute(self, job: ComputeJob) -> None:
+    def _compute(self, job: ComputeJob) -> bool:
         """One batched computation; if it fails, each group on its own (the running reward
-        moments chain through those tries, and a failed try leaves them as they were)."""
+        moments chain through those tries, and a failed try leaves them as they were). Whether a
+        group of it was computed."""
         try:
             self._finish(job, compute(job))
-            return
+            return True
         except NotFound:
             self._gone(job)
-            return
+            return False
         except Exception as exc:
             errors = {job.groups[0]: exc} if len(job.groups) == 1 else {}
             if not errors:
                 log.warning(
                     "advantages failed for %d groups of table %s together (%s); trying each on its own",
-                    len(job.groups), job.table, clip(str(exc), 300),
+                    len(job.groups), job.table, said(exc),
                 )  # fmt: skip
         moments = job.moments
         for single in job.split() if len(job.groups) > 1 else []:
@@ -287,25 +288,26 @@ class AdvantageWorker:
                 moments = self._finish(single, compute(single))
             except NotFound:
                 self._gone(job)
-                return
+                return False
             except Exception as exc:
                 errors[single.groups[0]] = exc
         if len(errors) < len(job.groups):  # the others went through: these groups are the cause
             self._fail(job, errors)
-            return
+            return True
         tries = max(self._tries.get((job.table_id, gkey), 0) for gkey in errors) + 1
         if tries > len(self.retry_delays):
             self._fail(job, errors)
-            return
+            return False
         for gkey in errors:
             self._tries[(job.table_id, gkey)] = tries
         delay = self.retry_delays[tries - 1]
         self._not_before[job.table_id] = time.monotonic() + delay
         log.warning(
             "advantages failed for every group of table %s tried (%s); trying again in %gs (try %d of %d)",
-            job.table, clip(str(next(iter(errors.values()))), 300), delay, tries, len(self.retry_delays) + 1,
+            job.table, said(next(iter(errors.values()))), delay, tries, len(self.retry_delays) + 1,
         )  # fmt: skip
         self._failed(job, "retried", len(errors))
+        return False
 
     def _finish(self, job: ComputeJob, result: tuple) -> list[float] | None:
         """Store a computation; returns the running moments it leaves (the job's own where the
@@ -327,7 +329,7 @@ class AdvantageWorker:
         advantages = job.config.advantages
         device = estimators.resolve_device(advantages.device).type
         reasons = {
-            gkey: f"{advantages.estimator} on {device}: {type(exc).__name__}: {clip(str(exc), 300)}"
+            gkey: f"{advantages.estimator} on {device}: {type(exc).__name__}: {said(exc)}"
             for gkey, exc in errors.items()
         }
         for gkey, reason in reasons.items():
@@ -366,3 +368,9 @@ class AdvantageWorker:
             if self.on_ended is None:
                 raise
             self.on_ended(exc)
+
+
+def said(exc: Exception) -> str:
+    """An estimator's error on one line, clipped: a message of several lines (a traceback's text,
+    a tensor printed) made log entries of several, which a log's reader takes for others."""
+    return clip(str(exc).replace("\r", "\\r").replace("\n", "\\n"), 300)

@@ -108,6 +108,20 @@ def _advantages(info: ServerInfo) -> str:
     return f"advantages on {info.advantage_device or 'a device not known yet'}"
 
 
+def rates_between(
+    before: Mapping[str, TableStats], now: Mapping[str, TableStats], elapsed: float
+) -> dict[str, tuple[float, float]]:
+    """Each table's pushes and samples a second over `elapsed` seconds; none for a table whose
+    counters went back (dropped and made again under its name, which showed negative rates)."""
+    rates = {}
+    for name, t in now.items():
+        old = before.get(name)
+        if old is not None and t.pushed >= old.pushed and t.sampled >= old.sampled:
+            seconds = max(1e-9, elapsed)
+            rates[name] = ((t.pushed - old.pushed) / seconds, (t.sampled - old.sampled) / seconds)
+    return rates
+
+
 def render(info: ServerInfo, tables: Mapping[str, TableStats], rates: dict[str, tuple[float, float]]) -> str:
     """The view as text; each column as wide as its widest cell, so long table names keep the columns aligned."""
     rows = [(name, _row(name, t, rates)) for name, t in tables.items()]
@@ -164,16 +178,7 @@ def watch(
                     print(f"expbuf stats: {target}: {exc}", file=sys.stderr)
                     return 1
                 now = time.monotonic()
-                rates = {}
-                if previous is not None:
-                    elapsed = max(1e-9, now - previous[0])
-                    for name, t in tables.items():
-                        before = previous[1].get(name)
-                        if before is not None:
-                            rates[name] = (
-                                (t.pushed - before.pushed) / elapsed,
-                                (t.sampled - before.sampled) / elapsed,
-                            )
+                rates = {} if previous is None else rates_between(previous[1], tables, now - previous[0])
                 view = render(info, tables, rates)
                 if interval and out.isatty():
                     out.write(redraw(view, not shown, shutil.get_terminal_size()))

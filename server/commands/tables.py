@@ -90,10 +90,12 @@ def _create(args: argparse.Namespace, client: BufferClient) -> int:
 
 def _list(args: argparse.Namespace, client: BufferClient) -> int:
     stats = client.stats()
-    rows: list[tuple[str, ...]] = [("table", "group_by", "group_size", "estimator", "ready", "leased", "pending")]
-    for t in client.list_tables():
+    rows: list[tuple[str, ...]] = [
+        ("table", "group_by", "group_size", "estimator", "ready", "leased", "pending", "computing")
+    ]
+    for t in client.list_tables():  # computing: an estimator failing shows here, not as an empty table
         s = stats.get(t.name)
-        counts = ("-", "-", "-") if s is None else (str(s.ready), str(s.leased), str(s.pending))
+        counts = ("-",) * 4 if s is None else (str(s.ready), str(s.leased), str(s.pending), str(s.computing))
         rows.append((t.name, t.group_by, str(t.group_size), t.estimator, *counts))
     print(columns(rows))
     return 0

@@ -93,9 +93,19 @@ def make_room(tt: TableState, runs: int, nbytes: int, keep: set[str], opened: in
         if not over_now():
             return
     raise TableFull(
-        f"table '{cfg.name}' is full ({cfg.capacity.experiences} experiences, {cfg.capacity.bytes} bytes"
-        + (f"; its groups still open hold {open_places} places for their runs to come)" if open_places else ")")
+        f"table '{cfg.name}' is full: it holds {tt.counters.live()} experiences of {held_bytes(tt.counters)} bytes, "
+        f"its capacity is {_capacity(cfg)}, and this push brings {runs} of {nbytes} bytes"
+        + (f"; its groups still open hold {open_places} places for their runs to come" if open_places else "")
     )
+
+
+def _capacity(cfg: TableConfig) -> str:
+    """A table's capacity in words: each bound it sets (0 sets none)."""
+    bounds = [
+        f"{cfg.capacity.experiences} experiences" if cfg.capacity.experiences else "",
+        f"{cfg.capacity.bytes} bytes" if cfg.capacity.bytes else "",
+    ]
+    return " and ".join(bound for bound in bounds if bound)
 
 
 def has_room(tt: TableState, count: int, nbytes: int) -> bool:
