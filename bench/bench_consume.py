@@ -150,15 +150,17 @@ class Server:
         cpu = (int(fields[11]) + int(fields[12])) / ticks
         return cpu, written(self.proc.pid), int(fields[7]), int(fields[9])
 
-    def threads(self) -> dict[str, float]:
-        """CPU seconds so far of the server's threads by part (THREAD_PARTS), each thread named as
-        py-spy's dump of the process names it (the server's Python threads), else as the kernel does."""
+    def threads(self) -> dict[str, tuple[str, float]]:
+        """Each of the server's threads by its id: its part (THREAD_PARTS), named as py-spy's dump
+        of the process names it (the server's Python threads), else as the kernel does, and its CPU
+        seconds so far. By id, not by part: a dump that names a thread once and not the next time
+        moved its whole CPU from one part to another (`spent`)."""
         ticks, names = os.sysconf("SC_CLK_TCK"), {}
         dump = subprocess.run([PY_SPY, "dump", "-p", str(self.proc.pid)], capture_output=True, text=True, check=False)
         for line in dump.stdout.splitlines():
             if line.startswith("Thread ") and '"' in line:
                 names[line.split()[1]] = line.split('"')[1]
-        found: collections.Counter[str] = collections.Counter()
+        found: dict[str, tuple[str, float]] = {}
         for task in Path(f"/proc/{self.proc.pid}/task").iterdir():
             try:
                 stat = (task / "stat").read_text()
@@ -167,12 +169,22 @@ class Server:
             name = names.get(task.name, stat[stat.index("(") + 1 : stat.rindex(")")])
             fields = stat.rsplit(")", 1)[1].split()
             part = next((part for part, match in THREAD_PARTS if match(name)), "other")
-            found[part] += (int(fields[11]) + int(fields[12])) / ticks
-        return dict(found)
+            found[task.name] = (part, (int(fields[11]) + int(fields[12])) / ticks)
+        return found
 
     def stop(self) -> None:
         self.proc.terminate()
         self.proc.wait(30)
+
+
+def spent(before: dict[str, tuple[str, float]], after: dict[str, tuple[str, float]]) -> dict[str, float]:
+    """CPU seconds by part between two `Server.threads` readings, each thread's own difference
+    (one started between them from zero), under the part it was first named with."""
+    parts: collections.Counter[str] = collections.Counter()
+    for tid, (part, seconds) in after.items():
+        named, earlier = before.get(tid, (part, 0.0))
+        parts[named if named != "other" else part] += seconds - earlier
+    return dict(parts)
 
 
 def payloads(count: int, case: Case, serial: collections.abc.Iterator[int]) -> list[bytes]:
@@ -258,8 +270,8 @@ def one_server(
                     total["wall"] += time.perf_counter() - wall
                     for key, now, then in zip(USAGE, server.usage(), before, strict=True):
                         total[key] += now - then
-                    for part, seconds in (server.threads() if by_thread else {}).items():
-                        total[f"thread {part}"] += seconds - parts.get(part, 0.0)
+                    for part, seconds in (spent(parts, server.threads()) if by_thread else {}).items():
+                        total[f"thread {part}"] += seconds
                     if recorder is not None:
                         recorder.send_signal(signal.SIGINT)
                         recorder.wait(60)
