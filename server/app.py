@@ -132,6 +132,16 @@ def _check_loads(tls: TlsConfig) -> None:
             ) from None
 
 
+def _by_table(tables: dict[str, dict[str, int]], kind: str, also: str = "") -> str:
+    """An upkeep count by table, for its log line: "table a 2, b 1" (with `also` in brackets)."""
+    counts = [
+        f"{name} {kinds[kind]}" + (f" ({kinds.get(also, 0)})" if also else "")
+        for name, kinds in sorted(tables.items())
+        if kinds.get(kind)
+    ]
+    return ("table " if len(counts) == 1 else "tables ") + ", ".join(counts) if counts else "of tables dropped since"
+
+
 def _summary(names: list[str], shown: int = 5) -> str:
     """A table count and the first few names: one start-up line, however many tables there are."""
     more = f", and {len(names) - shown} more" if len(names) > shown else ""
@@ -336,14 +346,28 @@ class ExpbufServer:
             except Exception:
                 log.exception("maintenance failed; retrying")
                 continue
+            tables = self.store.upkeep_by_table()
             if done["leases_expired"]:
-                log.info("leases expired: %d (%d experiences requeued)", done["leases_expired"], done["requeued"])
+                log.info(
+                    "leases expired: %d (%d experiences requeued); %s",
+                    done["leases_expired"], done["requeued"], _by_table(tables, "leases_expired", "requeued"),
+                )  # fmt: skip
             if done["rollouts_returned"]:
-                log.info("grants expired: %d rollouts may start again", done["rollouts_returned"])
+                log.info(
+                    "grants expired: %d rollouts may start again; %s",
+                    done["rollouts_returned"], _by_table(tables, "rollouts_returned"),
+                )  # fmt: skip
             if done["groups_timed_out"]:
-                log.info("incomplete groups timed out: %d", done["groups_timed_out"])
+                log.info(
+                    "incomplete groups timed out: %d; %s",
+                    done["groups_timed_out"],
+                    _by_table(tables, "groups_timed_out"),
+                )
             if done["groups_stale_evicted"]:
-                log.info("stale ready groups evicted: %d", done["groups_stale_evicted"])
+                log.info(
+                    "stale ready groups evicted: %d; %s",
+                    done["groups_stale_evicted"], _by_table(tables, "groups_stale_evicted"),
+                )  # fmt: skip
 
     def stop(self, grace: float = 10.0) -> None:
         """Stop accepting, end the open streams at their next safe point (rpc/draining.py), let the

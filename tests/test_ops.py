@@ -43,7 +43,7 @@ from expbuf.proto.v1 import buffer_pb2 as pb
 from expbuf.proto.v1 import buffer_pb2_grpc as pb_grpc
 from expbuf.server import logs
 from expbuf.server.advantages.worker import estimators
-from expbuf.server.app import _summary
+from expbuf.server.app import _by_table, _summary
 from expbuf.server.cli import build_parser
 from expbuf.server.commands.stats import COLUMNS, rates_between, render
 from expbuf.server.config import ServerConfig, load
@@ -1005,6 +1005,14 @@ def test_stats_watch_shows_no_rate_of_a_table_made_again_under_its_name() -> Non
     }
     assert rates_between(before, now, 2.0) == {"s": (5.0, 2.0)}
     assert rates_between(now, now, 2.0) == {"r": (0.0, 0.0), "s": (0.0, 0.0)}
+
+
+def test_upkeeps_log_lines_name_the_tables() -> None:
+    """The upkeep log line "leases expired: 2 (2 experiences requeued)" named no table: an operator asks whose."""
+    tables = {"beta": {"leases_expired": 1, "requeued": 4}, "alpha": {"leases_expired": 2, "requeued": 8}}
+    assert _by_table(tables, "leases_expired", "requeued") == "tables alpha 2 (8), beta 1 (4)"
+    assert _by_table({"gamma": {"groups_timed_out": 3}}, "groups_timed_out") == "table gamma 3"
+    assert _by_table({}, "rollouts_returned") == "of tables dropped since"
 
 
 def test_stats_says_why_advantages_cannot_be_computed() -> None:

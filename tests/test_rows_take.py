@@ -407,6 +407,8 @@ def test_leases_are_acked_nacked_renewed_and_expire_as_a_records_tables(tmp_path
         clock.now += 60  # the third lease expires; the renewed one does not
         done = store.tick()
         assert done["leases_expired"] == 2 and done["requeued"] == 2 * 32
+        by_table = {"leases_expired": 1, "requeued": 32}  # for the log, which named no table
+        assert store.upkeep_by_table() == {"t": by_table, "t_rows": by_table}
         assert stats(store, "t_rows") == stats(store, "t")
         assert stats(store, "t")["leases_expired"] == 1 and stats(store, "t")["leased"] == 8
         runs_cover_the_ready_groups(store, "t_rows")

@@ -460,6 +460,12 @@ class Store(ServiceCalls):
             self.builds.want(building)
         return done
 
+    def upkeep_by_table(self) -> dict[str, dict[str, int]]:
+        """What the last `tick` did, by table, then by what (leases_expired, requeued,
+        rollouts_returned, groups_timed_out, groups_stale_evicted; a count of 0 left out): the
+        log names the tables, as an operator asks which trainer's leases expired."""
+        return self.upkeep.by_table
+
     # ---- advantages ------------------------------------------------------------------------
 
     @property

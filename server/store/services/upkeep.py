@@ -17,6 +17,7 @@ group and the oldest tombstone are the first keys of their time-ordered indexes,
 
 from __future__ import annotations
 
+import collections
 import functools
 import logging
 from collections.abc import Callable
@@ -52,6 +53,8 @@ class Upkeep:
         self._last_sweep = float("-inf")
         self._builds: list[IndexBuilding] = []  # indexes a piece needed that its table is still building
         self._attempt: _Before | None = None  # as the pass under way found them: `run`, `settled`
+        self._by_table: collections.Counter[tuple[str, str]] = collections.Counter()  # the pass under way's
+        self.by_table: dict[str, dict[str, int]] = {}  # the last committed pass's counts, by table then kind
 
     def mark(self, table_id: int) -> None:
         """A table was written to: the next pass visits it (called in the writer's transaction)."""
@@ -71,7 +74,9 @@ class Upkeep:
         if self._attempt is not None:  # an earlier attempt of this pass was undone with its batch
             self._undo(self._attempt)
         self._attempt = _Before(set(self._active), self._last_sweep, self.failures, len(self._builds))
+        self._by_table.clear()
         tables = self.catalog.entries()
+        names = {table_id: config.name for table_id, config in tables}
         done = dict.fromkeys(
             (
                 "leases_expired",
@@ -88,7 +93,14 @@ class Upkeep:
         )
 
         def expire(t: lmdb.Transaction[bytes], key: bytes) -> int:
-            return 0 if leases.stray_expiry(t, self.db, key) else end_lease(t, key[8:].decode())
+            if leases.stray_expiry(t, self.db, key):
+                return 0
+            lease = leases.lease_of(t, self.db, key[8:].decode())
+            requeued = end_lease(t, key[8:].decode())
+            if lease is not None:  # by table, for the log: an operator asks which trainer's
+                self._by_table[names.get(lease.table_id, "(dropped)"), "leases_expired"] += 1
+                self._by_table[names.get(lease.table_id, "(dropped)"), "requeued"] += requeued
+            return requeued
 
         for key in leases.expired(txn, self.db, now):
             requeued = self.isolated(txn, f"lease {key[8:]!r}", functools.partial(expire, key=key))
@@ -120,6 +132,8 @@ class Upkeep:
             done["groups_timed_out"] += result[0]
             done["tombstones_pruned"] += result[1]
             done["groups_stale_evicted"] += result[2]
+            self._by_table[config.name, "groups_timed_out"] += result[0]
+            self._by_table[config.name, "groups_stale_evicted"] += result[2]
             if result[2] >= EVICT_LIMIT or self.waiting(txn, table_id, config):
                 self._active.add(table_id)
         return done
@@ -162,7 +176,9 @@ class Upkeep:
             txn.delete(key, db=self.db["grant_exp"])
             txn.delete(grant_id.encode(), db=self.db["grants"])
             return 0
-        return admission.finish(tt, grant_id, record, 0, expired=True)
+        returned = admission.finish(tt, grant_id, record, 0, expired=True)
+        self._by_table[tt.config.name, "rollouts_returned"] += returned
+        return returned
 
     def table(
         self, txn: lmdb.Transaction[bytes], table_id: int, config: TableConfig, now: float
@@ -190,6 +206,11 @@ class Upkeep:
         if not committed and self._attempt is not None:
             self._undo(self._attempt)
         self._attempt = None
+        by_table: dict[str, dict[str, int]] = {}
+        for (table, kind), count in self._by_table.items() if committed else ():
+            if count:
+                by_table.setdefault(table, {})[kind] = count
+        self.by_table = by_table
 
     def _undo(self, before: _Before) -> None:
         """What the pass under way kept in memory taken back to how it found it: the tables it was to
