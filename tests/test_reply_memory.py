@@ -15,6 +15,7 @@ import grpc
 import pytest
 
 from expbuf.client import BufferClient, trxp
+from expbuf.client.rollout_pieces import split
 from expbuf.client.rpc.wire import BUSY
 from expbuf.client.schema.reasons import Reason
 from expbuf.proto.v1 import buffer_pb2 as pb
@@ -175,3 +176,29 @@ def test_the_async_client_reads_again_while_its_address_holds_its_share(start_se
     finally:
         proxy.close()
         again.close()
+
+
+def test_a_partial_rollouts_reply_built_whole_is_counted_as_a_reads(start_server: Servers) -> None:
+    """ReadPartials builds its reply whole (rollouts put together from their pieces) and held it,
+    uncounted, for as long as its client did not read it. It is counted with the replies of reads:
+    where its address holds its share already it is refused, busy (`replies_full`), and the
+    client reads it again once there is room."""
+    server = start_server(max_inflight_bytes=LIMIT)
+    target = f"127.0.0.1:{server.port}"
+    long = make_experience(0, 0, 0, response=200_000)  # its pieces put together pass SMALL
+    first, _ = split(long, [100_000])
+    with BufferClient(target, timeout=60) as client, grpc.insecure_channel(target, options=OPTIONS) as channel:
+        client.create_table(TABLE, group_size=1)
+        assert client.push([first], table=TABLE).partial == [first.eid.uid]
+        stub = pb_grpc.ExperienceBufferStub(channel)
+        held = server.reply_memory.copy("ipv4:127.0.0.1", LIMIT // 2)  # this address's share, taken
+        assert held is not None
+        with pytest.raises(grpc.RpcError) as refused:
+            list(stub.ReadPartials(pb.GetPartialsRequest(table=TABLE, task_ids=["0/0"], max_reply_bytes=1 << 20)))
+        assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert dict(refused.value.trailing_metadata())[BUSY] == "1"
+        assert "the ReadPartials reply" in refused.value.details()
+        threading.Timer(0.5, held).start()  # room again: the client's read made again gets through
+        (read,) = client.get_partials(["0/0"], table=TABLE)
+        assert read.tokens.numel() == first.tokens.numel()
+        assert server.reply_memory.held == 0

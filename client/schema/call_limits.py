@@ -30,7 +30,7 @@ MAX_WINDOW = 8
 # The reads whose one reply may be as large as a message: the server bounds what their replies
 # hold until their clients take them, and refuses one past it as busy (server/rpc/interceptors/
 # reply_memory.py); the clients make a read so refused again within its deadline.
-LARGE_REPLIES = frozenset({"Get", "GetPartials", "GetValues", "ListExperiences", "ListPrompts"})
+LARGE_REPLIES = frozenset({"Get", "GetPartials", "ReadPartials", "GetValues", "ListExperiences", "ListPrompts"})
 # A lease longer than a week is a forgotten batch, not a long training step.
 MAX_LEASE_SECONDS = 7 * 86400.0
 

@@ -40,8 +40,10 @@ from expbuf.client.schema.reasons import Reason
 from .base import ServiceInterceptor, refuse
 
 SMALL = 64 << 10  # bytes of a reply too few to count
-# The streamed replies whose rest a slow client's call copies out of the map (call_context.budgeted).
-COPIED_REPLIES = frozenset({"Sample", "ReadFields"})
+# The streamed replies whose rest a slow client's call copies out of the map, or which are built
+# whole before they are sent (ReadPartials': rollouts put together from their pieces): what they
+# hold is counted (`budgeted`).
+COPIED_REPLIES = frozenset({"Sample", "ReadFields", "ReadPartials"})
 
 
 # What a streamed reply's copy of its rest out of the store's map (replies.py, a client slow to read)
@@ -76,6 +78,27 @@ def budgeted(messages: Iterator[Any], budget: Budget) -> Iterator[Any]:
 
 
 _NO_MORE = object()
+
+
+def held_whole(context: grpc.ServicerContext, method: str, size: int) -> Callable[[], None]:
+    """A streamed reply of `size` bytes built whole before it is sent, counted while its call
+    holds it as a unary read's reply is (what gives it back), or refused RESOURCE_EXHAUSTED
+    (`replies_full`, busy: nothing was done) where it would pass a bound."""
+    budget = reply_budget()
+    if budget is None or size < SMALL:
+        return lambda: None
+    give = budget(size)
+    if give is not None:
+        return give
+    refuse(
+        context,
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        f"the {method} reply of {size} bytes was not sent: the replies of reads that their clients have not "
+        "taken yet hold the server's max_inflight_bytes, or this client's address half of it; a client that "
+        "reads no more holds its replies until its calls end. Nothing was done: read again",
+        Reason.REPLIES_FULL,
+        busy=True,
+    )
 
 
 def address_of(peer: str) -> str:

@@ -20,6 +20,7 @@ from ...store.schema.sample_spec import check_fields
 from ...store.schema.states import LIVE
 from ..call_context import MIN_REPLY_BYTES, distinct, ids_of, refusals
 from ..interceptors.base import refuse
+from ..interceptors.reply_memory import held_whole
 from ..sample.replies import ReplyTooLarge, fields_reply, payload_reply
 from .base import ServicerBase
 
@@ -61,6 +62,7 @@ class ReadServicer(ServicerBase):
         parts (max_reply_bytes), a rollout larger than its limit comes alone."""
         parts, limit = request.max_reply_bytes > 0, self._reply_limit(request, "GetPartialsRequest")
         payload, rest = self._partials(request, limit, context, alone=parts)
+        give_back = held_whole(context, "ReadPartials", len(payload))
         try:
             yield from payload_reply(payload, rest, limit, parts)
         except ReplyTooLarge as exc:
@@ -72,6 +74,8 @@ class ReadServicer(ServicerBase):
                 "max_reply_bytes, so it cannot take them in parts",
                 Reason.TOO_LARGE,
             )
+        finally:
+            give_back()
 
     def _partials(
         self, request: pb.GetPartialsRequest, limit: int, context: grpc.ServicerContext, *, alone: bool
