@@ -132,6 +132,15 @@ def _check_loads(tls: TlsConfig) -> None:
             ) from None
 
 
+# The upkeep's log lines: the count each says, its line, and the count it says beside it.
+_UPKEEP_LINES = (
+    ("leases_expired", "leases expired: %d (%d experiences requeued); %s", "requeued"),
+    ("rollouts_returned", "grants expired: %d rollouts may start again; %s", ""),
+    ("groups_timed_out", "incomplete groups timed out: %d; %s", ""),
+    ("groups_stale_evicted", "stale ready groups evicted: %d; %s", ""),
+)
+
+
 def _by_table(tables: dict[str, dict[str, int]], kind: str, also: str = "") -> str:
     """An upkeep count by table, for its log line: "table a 2, b 1" (with `also` in brackets)."""
     counts = [
@@ -347,27 +356,10 @@ class ExpbufServer:
                 log.exception("maintenance failed; retrying")
                 continue
             tables = self.store.upkeep_by_table()
-            if done["leases_expired"]:
-                log.info(
-                    "leases expired: %d (%d experiences requeued); %s",
-                    done["leases_expired"], done["requeued"], _by_table(tables, "leases_expired", "requeued"),
-                )  # fmt: skip
-            if done["rollouts_returned"]:
-                log.info(
-                    "grants expired: %d rollouts may start again; %s",
-                    done["rollouts_returned"], _by_table(tables, "rollouts_returned"),
-                )  # fmt: skip
-            if done["groups_timed_out"]:
-                log.info(
-                    "incomplete groups timed out: %d; %s",
-                    done["groups_timed_out"],
-                    _by_table(tables, "groups_timed_out"),
-                )
-            if done["groups_stale_evicted"]:
-                log.info(
-                    "stale ready groups evicted: %d; %s",
-                    done["groups_stale_evicted"], _by_table(tables, "groups_stale_evicted"),
-                )  # fmt: skip
+            for kind, line, also in _UPKEEP_LINES:
+                if done[kind]:
+                    counts = (done[kind], done[also]) if also else (done[kind],)
+                    log.info(line, *counts, _by_table(tables, kind, also))
 
     def stop(self, grace: float = 10.0) -> None:
         """Stop accepting, end the open streams at their next safe point (rpc/draining.py), let the

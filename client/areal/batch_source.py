@@ -114,19 +114,17 @@ class ExpbufBatchSource:
             raise ValueError("prepare_batch needs num_groups or a dataloader with a batch_size")
         self.ack()
         version = self.get_version()
-        batch = retried(  # a server that restarts is waited for, as Trinity-RFT's reader waits for it
-            lambda: take_one(
-                self.client,
-                self.table,
-                lambda broken: self._keeper.give_back(broken.lease_id),
-                num_groups=count,
-                delivery="lease",
-                lease_seconds=self.lease_seconds,
-                timeout=self.timeout,
-                min_model_version=max(0, version - self.max_head_offpolicyness),
-                trainer_version=version,
-            ),
-            self.client.timeout,
+        batch = take_one(
+            self.client,
+            self.table,
+            lambda broken: self._keeper.give_back(broken.lease_id),
+            num_groups=count,
+            retry_for=self.client.timeout,  # a server that restarts is waited for, as Trinity-RFT's reader waits
+            delivery="lease",
+            lease_seconds=self.lease_seconds,
+            timeout=self.timeout,
+            min_model_version=max(0, version - self.max_head_offpolicyness),
+            trainer_version=version,
         )
         if batch is None:  # not allow_partial: a stream ends with its batch or an error
             raise RuntimeError(f"expbuf table {self.table}: a sample stream ended without its batch")

@@ -17,6 +17,7 @@ from typing import Unpack
 
 from expbuf.client.client import BufferClient
 from expbuf.client.errors import ExpbufError
+from expbuf.client.kit.retry import retried
 from expbuf.client.results import Batch
 from expbuf.client.rpc.sample_spec import SampleOptions
 
@@ -28,20 +29,27 @@ def take_one(
     *,
     batch_size: int | None = None,
     num_groups: int | None = None,
+    retry_for: float = 0.0,
     **options: Unpack[SampleOptions],
 ) -> Batch | None:
     """One batch of whole groups, delivered durably; None when the stream ended without one (a
     partial request finding nothing ready). A request that no batch met within its `timeout`
-    raises DeadlineExceededError, as `sample` does."""
+    raises DeadlineExceededError, as `sample` does. With `retry_for`, a take that finds the server
+    unavailable (a restart) is made again for that many seconds (kit.retry.retried), as the
+    adapters wait for a server that restarts."""
     one: SampleOptions = {"window": 1, **options}
     one["max_batches"] = 1
-    got: list[Batch] = []
-    try:
-        for batch in client.sample(table, batch_size, num_groups, **one):
-            got.append(batch)
-    except ExpbufError:
-        for batch in got:
-            if batch.lease_id:
-                give_back(batch)
-        raise
-    return got[0] if got else None
+
+    def take() -> Batch | None:
+        got: list[Batch] = []
+        try:
+            for batch in client.sample(table, batch_size, num_groups, **one):
+                got.append(batch)
+        except ExpbufError:
+            for batch in got:
+                if batch.lease_id:
+                    give_back(batch)
+            raise
+        return got[0] if got else None
+
+    return retried(take, retry_for)

@@ -24,7 +24,6 @@ from expbuf.client.client import Batch, BufferError
 from expbuf.client.kit.batches import take_one
 from expbuf.client.kit.lease_keeper import RENEWALS_PER_LEASE, LeaseKeeper
 from expbuf.client.kit.location import connect, parse
-from expbuf.client.kit.retry import retried
 from expbuf.client.trxp.codec.gc_pause import collector_paused
 
 from . import settings
@@ -268,23 +267,22 @@ class ExpbufReader(BufferReader):
         the read's `deadline` (max_read_timeout): a reader that cannot reach it ends by its timeout."""
         if delivery == "consume" and not self._group:
             delivery = "lease"
-        try:  # a server that restarts is waited for, as the writers wait for it
-            batch = retried(
-                lambda: take_one(
-                    self._client,
-                    self.location.table,
-                    lambda broken: self._give_back([broken]),
-                    num_groups=groups,
-                    order=self.location.order,
-                    delivery=delivery,
-                    lease_seconds=self.location.lease_seconds,
-                    timeout=wait,
-                    min_model_version=min_version,
-                    allow_partial=partial,
-                    trainer_version=version,
-                ),
-                min(self._client.timeout, max(0.0, deadline - time.monotonic())),
-            )  # None: a partial request ends its stream empty when nothing is left
+        try:  # None: a partial request ends its stream empty when nothing is left
+            batch = take_one(
+                self._client,
+                self.location.table,
+                lambda broken: self._give_back([broken]),
+                num_groups=groups,
+                # a server that restarts is waited for, as the writers wait for it
+                retry_for=min(self._client.timeout, max(0.0, deadline - time.monotonic())),
+                order=self.location.order,
+                delivery=delivery,
+                lease_seconds=self.location.lease_seconds,
+                timeout=wait,
+                min_model_version=min_version,
+                allow_partial=partial,
+                trainer_version=version,
+            )
         except BufferError as exc:
             if exc.code == grpc.StatusCode.DEADLINE_EXCEEDED:
                 return None

@@ -134,20 +134,18 @@ class ExpbufReplayBuffer(ReplayBufferAsync):
         floor = None if staleness is None else global_steps - staleness
         batch = None
         while batch is None:
-            try:  # a server that restarts is waited for, as Trinity's reader waits for it
-                batch = retried(
-                    lambda: take_one(
-                        self.client,
-                        self.table,
-                        lambda broken: self._keeper.give_back(broken.lease_id),
-                        num_groups=batch_size,
-                        delivery="lease",
-                        lease_seconds=self.settings.location.lease_seconds,
-                        timeout=self.settings.wait_seconds,
-                        min_model_version=floor,
-                        trainer_version=global_steps,
-                    ),
-                    self.client.timeout,
+            try:
+                batch = take_one(
+                    self.client,
+                    self.table,
+                    lambda broken: self._keeper.give_back(broken.lease_id),
+                    num_groups=batch_size,
+                    retry_for=self.client.timeout,  # a server that restarts is waited for, as Trinity's reader waits
+                    delivery="lease",
+                    lease_seconds=self.settings.location.lease_seconds,
+                    timeout=self.settings.wait_seconds,
+                    min_model_version=floor,
+                    trainer_version=global_steps,
                 )
             except BufferError as exc:
                 if exc.code != grpc.StatusCode.DEADLINE_EXCEEDED:

@@ -10,37 +10,26 @@ import logging
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import asdict, replace
-from typing import Any
+from dataclasses import replace
 
 import grpc
-from google.protobuf.unknown_fields import UnknownFieldSet
 
-from expbuf.client import trxp
 from expbuf.client.rpc import wire
 from expbuf.client.schema.call_limits import MAX_NAMES_PER_CALL
 from expbuf.client.schema.reasons import Reason
 from expbuf.proto.v1 import buffer_pb2 as pb
 from expbuf.proto.v1 import buffer_pb2_grpc as pb_grpc
 
-from .. import __version__
-from ..advantages.devices import check_device
-from ..advantages.moments import RunningMoments
 from ..store import PutResult, Sampled, Store
-from ..store.schema import order_names
 from ..store.schema.errors import (
-    ConfigError,
     DamagedPayload,
     InsertLimited,
     InvalidRequest,
-    NotFound,
     SpecError,
     TableFull,
     check_names,
-    clip,
 )
-from ..store.schema.sample_spec import MAX_WAIT_SECONDS, TakeSpec, check_seconds
-from ..store.schema.table_config import TableConfig
+from ..store.schema.sample_spec import TakeSpec
 from .call_context import (
     MIN_REPLY_BYTES,
     RefusalLog,
@@ -62,21 +51,13 @@ from .push.push_request import PushMessage
 from .sample.replies import ReplyTooLarge, sample_reply
 from .sample.sample_stream import stream_batches
 from .servicers.ledger import LedgerServicer
+from .servicers.offpolicy import OffPolicyServicer
 from .servicers.reads import ReadServicer
+from .servicers.tables import TableServicer
 from .servicers.values import ValuesServicer
 from .writers import Writers
 
 log = logging.getLogger("expbuf.service")
-
-# The TableStats fields of the versions, by the counter each comes from (unknown: -1).
-_VERSION_STATS = {
-    "min_model_version": "min_version",
-    "max_model_version": "max_version",
-    "trainer_version": "trainer_version",
-}
-# TableStats fields that carry a store counter of another name: Stats.evicted is a total since the
-# table was created (as expbuf_evicted_total), not the evicted tombstones it holds, which go in time.
-_RENAMED_STATS = {"evicted": "evicted_total"}
 
 
 def sample_spec(request: pb.SampleRequest) -> TakeSpec:
@@ -137,13 +118,9 @@ def request_order(request: pb.SampleRequest) -> str:
     return request.order_name
 
 
-def _unknown_fields(message: Any) -> list[int]:
-    """The numbers of fields a newer client set that this server does not know."""
-    fields = UnknownFieldSet(message)
-    return [fields[i].field_number for i in range(len(fields))]
-
-
-class ExperienceBufferService(LedgerServicer, ReadServicer, ValuesServicer, pb_grpc.ExperienceBufferServicer):
+class ExperienceBufferService(
+    LedgerServicer, OffPolicyServicer, ReadServicer, TableServicer, ValuesServicer, pb_grpc.ExperienceBufferServicer
+):
     def __init__(
         self,
         store: Store,
@@ -365,147 +342,3 @@ class ExperienceBufferService(LedgerServicer, ReadServicer, ValuesServicer, pb_g
     def Seal(self, request: pb.SealRequest, context: grpc.ServicerContext) -> pb.SealReply:
         (group_id,) = ids_of([request.group_id], "group_id")
         return pb.SealReply(size=self.store.seal(request.table or "default", group_id, self._owner(context)))
-
-    @refusals
-    def Stats(self, request: pb.StatsRequest, context: grpc.ServicerContext) -> pb.StatsReply:
-        if request.table:
-            return pb.StatsReply(tables=[self._table_stats(request.table)])
-        listed = (self._listed_stats(table.name) for table in self.store.list_tables())
-        return pb.StatsReply(tables=[stats for stats in listed if stats is not None])
-
-    def _listed_stats(self, name: str) -> pb.TableStats | None:
-        """A listed table's TableStats; None where it was dropped since it was listed (a job's
-        end while `expbuf stats --watch` reads every table), which is left out, not the call refused."""
-        try:
-            return self._table_stats(name)
-        except NotFound:
-            return None
-
-    def _table_stats(self, name: str) -> pb.TableStats:
-        """A table's counters as a TableStats: each field from the counter of its name, the
-        versions as -1 while unknown, the reward normalisation as its mean and std."""
-        s = self.store.stats(name)
-        moments = RunningMoments.of(s["reward_moments"])
-        stats = pb.TableStats(name=name, reward_running_mean=moments.mean, reward_running_std=moments.std)
-        for field in pb.TableStats.DESCRIPTOR.fields:
-            if field.name in _VERSION_STATS:
-                version = s[_VERSION_STATS[field.name]]
-                setattr(stats, field.name, -1 if version is None else version)
-            elif field.name in _RENAMED_STATS:
-                setattr(stats, field.name, s[_RENAMED_STATS[field.name]])
-            elif field.name in s:
-                setattr(stats, field.name, s[field.name])
-        return stats
-
-    @refusals
-    def SetTrainerVersion(
-        self, request: pb.SetTrainerVersionRequest, context: grpc.ServicerContext
-    ) -> pb.SetTrainerVersionReply:
-        version = self.store.set_trainer_version(request.table or "default", request.version)
-        return pb.SetTrainerVersionReply(version=version)
-
-    @refusals
-    def Admit(self, request: pb.AdmitRequest, context: grpc.ServicerContext) -> pb.AdmitReply:
-        table = request.table or "default"
-        check_seconds("wait_seconds", request.wait_seconds, low=0.0, high=MAX_WAIT_SECONDS)  # as a claim's
-        asked = min(request.wait_seconds, self.max_wait_seconds)  # a waiting Admit holds a worker thread
-        wait = remaining(context, asked) if request.wait_seconds > 0 else 0.0
-        seconds = request.grant_seconds or 300.0
-        grant = self.store.admit(
-            table,
-            request.count,
-            wait=wait,
-            grant_seconds=seconds,
-            holder=self._owner(context),
-            stop=ended(context),
-            grant_id=request.grant_id,
-        )
-        admitted = self.metrics.of_table(self.metrics.admission, table, "granted" if grant.count else "no_room")
-        if admitted is not None:  # else dropped since
-            admitted.inc()
-        return pb.AdmitReply(granted=grant.count, grant_id=grant.grant_id, expires_unix=grant.expires)
-
-    @refusals
-    def FinishGrant(self, request: pb.FinishGrantRequest, context: grpc.ServicerContext) -> pb.FinishGrantReply:
-        accepted = request.accepted if request.HasField("accepted") else None
-        table, holder = request.table or "default", self._owner(context)
-        returned = self.store.finish_grant(table, request.grant_id, accepted, holder)
-        return pb.FinishGrantReply(returned=returned)
-
-    @refusals
-    def ResetOffPolicy(
-        self, request: pb.ResetOffPolicyRequest, context: grpc.ServicerContext
-    ) -> pb.ResetOffPolicyReply:
-        table = request.table or "default"
-        version = request.trainer_version if request.has_trainer_version else None
-        stored, submitted = self.store.reset_offpolicy(table, version)
-        log.info(
-            "off-policy state of table %s reset: trainer version %s, %d rollouts counted", table, stored, submitted
-        )
-        return pb.ResetOffPolicyReply(trainer_version=-1 if stored is None else stored, submitted=submitted)
-
-    @refusals
-    def ServerInfo(self, request: pb.ServerInfoRequest, context: grpc.ServicerContext) -> pb.ServerInfoReply:
-        storage = self.store.storage_info()
-        return pb.ServerInfoReply(
-            version=__version__,
-            trxp_version=str(trxp.VERSION),
-            advantage_device=self.advantage_device,
-            max_message_bytes=self.max_message_bytes,
-            uptime_seconds=time.time() - self.started,
-            storage_bytes=int(storage["used_bytes"]),
-            lmdb_map_used_ratio=storage["map_used_ratio"],
-            scrub=pb.ScrubInfo(**asdict(self.store.scrub_status())),
-            orders=list(order_names.NAMES),
-            advantage_worker_failure=self.advantage_worker_failure,
-            advantage_worker_state=self.advantage_worker_state,
-        )
-
-    @refusals
-    def CreateTable(self, request: pb.CreateTableRequest, context: grpc.ServicerContext) -> pb.CreateTableReply:
-        # A setting refused for any cause is a table's settings' refusal (reason invalid_config),
-        # whichever check finds it: the wire's (a field this server lacks, an enum's value) or the table's.
-        unknown = _unknown_fields(request.config) + _unknown_fields(request.config.estimator)
-        if unknown:
-            raise ConfigError(
-                f"table '{clip(request.config.name)}': unknown setting field(s) {unknown}; this server "
-                f"(expbuf {__version__}) does not know them, so it refuses the table instead of dropping them"
-            )
-        try:
-            settings = wire.table_from_proto(request.config)
-        except wire.WireError as exc:
-            raise ConfigError(f"table '{clip(request.config.name)}': {exc}") from None
-        config = TableConfig.from_settings(settings)
-        check_device(config)
-        created = self.store.create_table(config, exist_ok=request.exist_ok)
-        if created:
-            log.info("table created: %s", config.described())
-        return pb.CreateTableReply(
-            config=wire.table_to_proto(self.store.table(config.name).settings()), created=created
-        )
-
-    @refusals
-    def ListTables(self, request: pb.ListTablesRequest, context: grpc.ServicerContext) -> pb.ListTablesReply:
-        return pb.ListTablesReply(tables=[wire.table_to_proto(t.settings()) for t in self.store.list_tables()])
-
-    @refusals
-    def DropTable(self, request: pb.DropTableRequest, context: grpc.ServicerContext) -> pb.DropTableReply:
-        if request.name == "default":
-            refuse(
-                context,
-                grpc.StatusCode.FAILED_PRECONDITION,
-                "the default table cannot be dropped",
-                Reason.INVALID_REQUEST,
-            )
-        dropped = self.store.drop_table(request.name)
-        self.writers.forget(request.name)
-        self.metrics.forget_table(request.name)
-        log.info("table dropped: %s (%d live experiences)", request.name, dropped)
-        return pb.DropTableReply(dropped_experiences=dropped)
-
-    @refusals
-    def Writers(self, request: pb.WritersRequest, context: grpc.ServicerContext) -> pb.WritersReply:
-        table = request.table or "default"
-        self.store.table(table)  # NOT_FOUND for a table that does not exist
-        count = self.writers.change(table, request.change)
-        return pb.WritersReply(open=count.open, done=count.done)
