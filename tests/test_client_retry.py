@@ -16,6 +16,7 @@ import contextlib
 import dataclasses
 import itertools
 import queue
+import socket
 import threading
 import time
 from collections import Counter
@@ -39,7 +40,7 @@ from expbuf.client import (
 )
 from expbuf.client.rpc import calls as calls_module
 from expbuf.client.rpc.calls import ledger_calls
-from expbuf.client.rpc.connection import MAX_RETRIES
+from expbuf.client.rpc.connection import MAX_RETRIES, RECONNECT
 from expbuf.client.schema.prompts import Claim
 from expbuf.client.shards.blocking import ShardedBufferClient
 from expbuf.proto.v1 import buffer_pb2, buffer_pb2_grpc
@@ -401,18 +402,83 @@ def test_retried_and_unretried_calls_share_one_connection(front: Front) -> None:
 def test_with_wait_for_ready_a_push_and_a_read_wait_for_a_server_that_comes_back_after_the_retries(
     start_server: Servers, kind: str
 ) -> None:
-    """The server listens 1.2 s after each call starts: later than 4 retries take (50 ms doubling,
-    0.9 s at most with gRPC's jitter), well within the deadline."""
+    """The server listens 1.2 s after each call starts: later than the client's one retry takes
+    (after 0.15 s at most, with gRPC's jitter), well within the deadline."""
     port, body = start_server.reserve_port(), group(5)
     for name, arg, check in (("push", body, "stored"), ("get", uids(body), "missing_uids")):
         later = threading.Timer(1.2, lambda: start_server(port=port))
         later.start()
         try:
-            result = call(kind, f"127.0.0.1:{port}", name, arg, wait_for_ready=True, timeout=30)
+            result = call(kind, f"127.0.0.1:{port}", name, arg, wait_for_ready=True, timeout=30, retries=1)
         finally:
             later.join()
         assert getattr(result, check) == (uids(body) if name == "push" else [])
         start_server.stop_all(keep_ports=True)
+
+
+class Gate:
+    """A TCP port in front of a server that closes each connection it takes at once, as a port
+    nothing listens on yet refuses it, until `open()`; then it forwards them. `attempts`: when
+    each connection came, the client's reconnects."""
+
+    def __init__(self, backend: int) -> None:
+        self.attempts: list[float] = []
+        self._backend, self._open = backend, threading.Event()
+        self._socket = socket.create_server(("127.0.0.1", 0))
+        self.target = f"127.0.0.1:{self._socket.getsockname()[1]}"
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def open(self) -> None:
+        self._open.set()
+
+    def close(self) -> None:
+        self._socket.close()
+
+    def _accept(self) -> None:
+        with contextlib.suppress(OSError):
+            while True:
+                conn, _ = self._socket.accept()
+                self.attempts.append(time.monotonic())
+                if not self._open.is_set():
+                    conn.close()
+                    continue
+                backend = socket.create_connection(("127.0.0.1", self._backend))
+                for source, sink in ((conn, backend), (backend, conn)):
+                    threading.Thread(target=self._pump, args=(source, sink), daemon=True).start()
+
+    @staticmethod
+    def _pump(source: socket.socket, sink: socket.socket) -> None:
+        with contextlib.suppress(OSError):
+            while data := source.recv(1 << 16):
+                sink.sendall(data)
+        for end in (source, sink):
+            with contextlib.suppress(OSError):
+                end.shutdown(socket.SHUT_RDWR)
+
+
+def test_a_server_back_just_after_a_reconnect_at_the_longest_pause_is_reached_by_the_next_call(
+    server: ExpbufServer,
+) -> None:
+    """A client whose server was away long enough tries to reconnect at its longest pause; a
+    call made as the server comes back is retried for longer than that pause, so it reaches the
+    server (the retries spanned 0.75 s against 2 s between reconnects: such a call failed
+    UNAVAILABLE up to 2.4 s after the server listened again). The asyncio client's channels take
+    the same options (ClientBase._open)."""
+    longest = dict(RECONNECT)["grpc.max_reconnect_backoff_ms"] / 1000
+    gate = Gate(server.port)
+    try:
+        with BufferClient(gate.target, timeout=30) as client:
+            deadline = time.monotonic() + 30
+            while not (len(gate.attempts) > 2 and gate.attempts[-1] - gate.attempts[-2] > 0.75 * longest):
+                assert time.monotonic() < deadline, f"the reconnects never reached their longest pause: {gate.attempts}"
+                with pytest.raises(UnavailableError):
+                    client.stats()
+            seen = len(gate.attempts)
+            wait_for(lambda: len(gate.attempts) > seen, "the channel's next reconnect")
+            gate.open()  # the server is back just after a reconnect failed: the next one is a whole pause away
+            assert "default" in client.stats().tables
+    finally:
+        gate.close()
 
 
 def test_a_server_that_is_down_fails_a_call_unavailable_and_wait_for_ready_waits_only_for_retried_calls(

@@ -20,6 +20,7 @@ from expbuf.client.kit.batches import take_one
 from expbuf.client.kit.lease_keeper import LeaseKeeper
 from expbuf.client.kit.retry import Retry
 from expbuf.client.results import Batch
+from expbuf.client.rpc.connection import BACKOFF
 
 from helpers import fill, group_items, wait_for
 
@@ -133,7 +134,8 @@ def test_a_retry_pauses_as_the_clients_own_retries_do_and_gives_up_at_its_bound(
     retry = Retry(within=3.0)
     pauses = [retry.pause() for _ in range(4)]
     assert None not in pauses
-    assert all(0.8 * 0.05 * 2**n <= p <= 1.2 * 0.05 * 2**n for n, p in enumerate(pauses) if p is not None)
+    first = BACKOFF.initial  # 0.125 s
+    assert all(0.8 * first * 2**n <= p <= 1.2 * first * 2**n for n, p in enumerate(pauses) if p is not None)
     grown = [retry.pause() for _ in range(8)]
     assert all(p is not None and p <= 2.4 for p in grown)  # at most 2 s, jittered
     assert all(p is not None and p >= 1.6 for p in grown[2:])
@@ -141,7 +143,7 @@ def test_a_retry_pauses_as_the_clients_own_retries_do_and_gives_up_at_its_bound(
     assert late.pause() is None  # no time to try again: the caller raises what failed
     retry.reset()
     again = retry.pause()
-    assert again is not None and again <= 0.06  # a success starts again from the shortest pause
+    assert again is not None and again <= 1.2 * first  # a success starts again from the shortest pause
     unbounded = Retry()
     assert all(unbounded.pause() is not None for _ in range(100))
 

@@ -1,5 +1,5 @@
 """The one policy every adapter follows while the server cannot be reached: the pauses of the
-client's own retries (`rpc.connection.BACKOFF`: from 0.05 s, doubling to 2 s, jittered), for at
+client's own retries (`rpc.connection.BACKOFF`: from 0.125 s, doubling to 2 s, jittered), for at
 most a bound from the first failure. A server that restarts is tried again within a fraction of
 a second, and one that stays away is not asked more than twice a second by any adapter.
 """

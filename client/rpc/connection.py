@@ -106,12 +106,14 @@ FRAMED_METHODS: dict[str, tuple[str, Any]] = {
     "PushStream": ("stream_stream", pb.PushReply),
     "PutValues": ("unary_unary", pb.PutValuesReply),
 }
-# A server that restarts is reached again within about 2 s: gRPC's own reconnect backoff grows
-# to 120 s, which would keep a restarted server (or shard) unused that long after it is back.
+# A server that restarts is reached again within 1.2 s (the most, with gRPC's jitter of 20%): gRPC's
+# own reconnect backoff grows to 120 s, which would keep a restarted server (or shard) unused that
+# long after it is back. BACKOFF's four retries span longer (1.5 s at least), so that a call made
+# as the server comes back is retried past the next reconnect, not failed in its pause.
 RECONNECT = (
     ("grpc.initial_reconnect_backoff_ms", 250),
     ("grpc.min_reconnect_backoff_ms", 250),
-    ("grpc.max_reconnect_backoff_ms", 2000),
+    ("grpc.max_reconnect_backoff_ms", 1000),
 )
 # gRPC keeps what a call sent until the call is answered, so that a retry can send it again;
 # past this many bytes it commits the call to its attempt, unretried. Its default (256 KiB)
@@ -126,7 +128,7 @@ class Backoff:
     """The pauses between attempts of a call: from `initial` seconds, times `multiplier` each
     time up to `most`, each ±`jitter` (gRPC's retry policy applies them, with its own jitter of ±20%)."""
 
-    initial: float = 0.05
+    initial: float = 0.125
     most: float = 2.0
     multiplier: float = 2.0
     jitter: float = 0.2
