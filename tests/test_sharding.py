@@ -37,6 +37,7 @@ from expbuf.client import (
     trxp,
 )
 from expbuf.client.schema.experience import EID
+from expbuf.client.schema.prompts import MAX_PROMPTS_PER_CALL
 from expbuf.client.schema.routing import (
     Epoch,
     ShardMap,
@@ -1115,6 +1116,27 @@ def test_merged_pages_of_prompts_miss_and_repeat_none() -> None:
             seen += [(p.epoch, p.index) for p in merged.prompts]
             after, done = merged.after, merged.done
         assert seen == sorted(kept), limit
+
+
+def test_a_sharded_claim_out_of_bounds_is_refused_before_any_shard_claims_and_a_page_of_0_is_the_default(
+    shards: Shards,
+) -> None:
+    """A count past MAX_PROMPTS_PER_CALL was spread over the shards, each part within it: 5,000
+    claimed, 12,289 claimed 8,192 before a shard refused its part (naming a count never asked
+    for); a negative wait claimed; a page of limit 0 (the wire's default) raised IndexError."""
+    with ShardedBufferClient(shards.targets(), timeout=20) as client:
+        client.create_table("bounds", group_size=2, estimator="none")
+        client.create_dataset("bounds", "math", 3 * MAX_PROMPTS_PER_CALL + 3)
+        for count in (0, MAX_PROMPTS_PER_CALL + 1, 3 * MAX_PROMPTS_PER_CALL + 1, 2.0):
+            with pytest.raises(ValueError, match=f"count is {count!r}; a claim asks for 1 to {MAX_PROMPTS_PER_CALL}"):
+                client.claim("bounds", "math", count)  # type: ignore[arg-type]
+        for wait in (-1, float("nan"), float("inf"), "1"):
+            with pytest.raises(ValueError, match=r"wait is .*; it is a finite number of seconds"):
+                client.claim("bounds", "math", 1, wait=wait)  # type: ignore[arg-type]
+        assert client.ledger("bounds", "math").total("claimed") == 0
+        claimed = client.claim("bounds", "math", 5)
+        page = client.list_prompts("bounds", "math", limit=0)
+        assert sorted(p.index for p in page.prompts) == sorted(p.index for p in claimed.prompts) and page.done
 
 
 def test_a_dataset_across_shards_hands_out_each_prompt_once_per_epoch_where_its_groups_land(shards: Shards) -> None:

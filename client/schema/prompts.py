@@ -37,6 +37,8 @@ STATES = tuple(PromptState)  # in the ledger's order: pending first, then the st
 # Trinity explorer's batch of tasks, a single controller's training batch of prompts. The
 # clients renew and release any number of claims in calls of at most this many.
 MAX_PROMPTS_PER_CALL = 4096
+# The prompts a page of list_prompts reads unless told (a request's limit of 0 means it).
+DEFAULT_PAGE = 1000
 
 
 @dataclass

@@ -17,6 +17,7 @@ merges the shards' pages in (epoch, index) order.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -26,7 +27,7 @@ import grpc
 
 from ..errors import BufferError
 from ..rpc.calls.ledger_calls import Outcomes, outcomes_by_dataset
-from ..schema.prompts import Claim, DatasetInfo, Prompt, PromptPage
+from ..schema.prompts import DEFAULT_PAGE, MAX_PROMPTS_PER_CALL, Claim, DatasetInfo, Prompt, PromptPage
 from .common import shard_error
 from .plans import Planned
 from .poll import POLL_SECONDS, Wait
@@ -74,6 +75,15 @@ def merge_pages(pages: Sequence[PromptPage], limit: int) -> PromptPage:
     if cut is not None:
         return PromptPage(rows, cut, False)
     return PromptPage(rows, max((page.after for page in pages if page.after is not None), default=None), True)
+
+
+def check_claim(count: object, wait: object) -> None:
+    """Refuse a claim's count or wait as one server does, before any shard is asked: the shards'
+    parts of a count past MAX_PROMPTS_PER_CALL each fit, and a negative wait is sent to none."""
+    if not isinstance(count, int) or isinstance(count, bool) or not 1 <= count <= MAX_PROMPTS_PER_CALL:
+        raise ValueError(f"claim: count is {count!r}; a claim asks for 1 to {MAX_PROMPTS_PER_CALL} prompts")
+    if not isinstance(wait, int | float) or isinstance(wait, bool) or not (math.isfinite(wait) and wait >= 0):
+        raise ValueError(f"claim: wait is {wait!r}; it is a finite number of seconds, 0 or more")
 
 
 @dataclass
@@ -138,8 +148,7 @@ class LedgerPlans(Planned):
         self, table: str, dataset: str, count: int, lease_seconds: float, owner: str, wait: float
     ) -> Plan[Claim]:
         """Prompts from every shard that has some now; else, up to `wait`, from the first that has."""
-        if not isinstance(count, int) or isinstance(count, bool) or count < 1:
-            raise ValueError(f"claim: count must be a positive integer, got {count!r}")
+        check_claim(count, wait)
         deadline = time.monotonic() + wait
         shards = self.ledger_shards()
         turn, self._turn = self._turn, self._turn + 1
@@ -227,6 +236,7 @@ class LedgerPlans(Planned):
     ) -> Plan[PromptPage]:
         """A page merged over every shard; one that does not answer fails it (ShardError): a page
         without its prompts would skip them."""
+        limit = limit or DEFAULT_PAGE  # 0 on the wire: the server's default page
         kwargs = {"states": list(states), "after": after, "limit": limit}
         calls = [Call(s, "list_prompts", (table, dataset), kwargs, quick=None) for s in self.ledger_shards()]
         pages, errors = self._sort(calls, (yield from self._exchange(calls)))

@@ -13,7 +13,7 @@ from typing import Any
 
 from expbuf.proto.v1 import buffer_pb2 as pb
 
-from ...schema.prompts import MAX_PROMPTS_PER_CALL, Claim, DatasetInfo, Prompt, PromptPage
+from ...schema.prompts import DEFAULT_PAGE, MAX_PROMPTS_PER_CALL, Claim, DatasetInfo, Prompt, PromptPage
 from ..declare import ClientSettings, Plan, Steps, Unary, declare
 
 Outcomes = Mapping[Prompt, Sequence[float]] | Iterable[tuple[Prompt, Sequence[float]]]
@@ -136,7 +136,7 @@ class PromptCalls(ClientSettings):
         *,
         states: Iterable[str] = (),
         after: tuple[int, int] | None = None,
-        limit: int = 1000,
+        limit: int = DEFAULT_PAGE,
     ) -> Plan[PromptPage]:
         """A page of the dataset's prompts handed out at least once, in (epoch, index) order, of
         `states` (all when empty); pass the page's `after` for the next. Sharded: merged over its
