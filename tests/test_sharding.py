@@ -1118,6 +1118,29 @@ def test_merged_pages_of_prompts_miss_and_repeat_none() -> None:
         assert seen == sorted(kept), limit
 
 
+def test_a_dataset_a_shard_lacks_is_not_done_and_names_that_shard_missing(shards: Shards) -> None:
+    """A dataset made while a shard was down is owed to it by the client that made it, in its
+    memory: that client gone, the shard never gets it. datasets() merged the shards that held it
+    and said done, with the missing shard's prompts never handed out."""
+    targets = shards.targets()
+    with ShardedBufferClient(targets, timeout=20) as client:
+        client.create_table("lacking", group_size=2, estimator="none")
+        for shard in NAMES[:2]:  # what a create with NAMES[2] down left, its owed part forgotten
+            with BufferClient(targets[shard], timeout=20) as one:
+                one.create_dataset("lacking", "math", 4, shards=list(NAMES), shard=shard)
+        for _ in range(2):  # every prompt of the shards that hold it, trained
+            with pytest.raises(ShardError, match=f"shard {NAMES[2]} .*has no dataset 'math'") as refused:
+                client.claim("lacking", "math", 4)  # the others' prompts in its result
+            client.report_prompts({prompt: [1.0, 0.0] for prompt in refused.value.result.prompts})
+        assert [part.done for part in client.datasets("lacking")] == [False]
+        (info,) = client.datasets("lacking")
+        assert not info.done and set(info.missing) == {NAMES[2]} and info.total("trained") > 0, info
+        assert "has no dataset 'math'" in info.missing[NAMES[2]]
+        client.create_dataset("lacking", "math", 4, exist_ok=True)  # the repair the message names
+        (info,) = client.datasets("lacking")
+        assert not info.missing and not info.done
+
+
 def test_a_sharded_claim_out_of_bounds_is_refused_before_any_shard_claims_and_a_page_of_0_is_the_default(
     shards: Shards,
 ) -> None:

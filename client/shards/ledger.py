@@ -136,7 +136,17 @@ class LedgerPlans(Planned):
         for infos in per_shard.values():
             for info in infos:
                 parts.setdefault(info.name, []).append(info)
-        return [DatasetInfo.merged(part, per_shard.missing) for _, part in sorted(parts.items())]
+        merged = []
+        for name, part in sorted(parts.items()):
+            held = {info.shard for info in part}
+            lacking = {  # made while they were down, by a client that owed it them and is gone
+                shard: f"shard {shard} has no dataset {name!r} of its shards' (created while it was down?): "
+                "create_dataset(..., exist_ok=True) again makes its part there"
+                for shard in part[0].shards
+                if shard in per_shard and shard not in held
+            }
+            merged.append(DatasetInfo.merged(part, {**per_shard.missing, **lacking}))
+        return merged
 
     def _ledger(self, table: str, dataset: str) -> Plan[DatasetInfo]:
         per_shard = yield from self._live_on(self.ledger_shards(), "ledger", table, dataset)
