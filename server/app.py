@@ -60,11 +60,18 @@ class StartupError(Exception):
     """The server cannot start; the message names the cause in one line."""
 
 
+# The least time between a client's pings that the server takes while it sends nothing: expbuf's
+# clients ping a connection every 20 s while a call is open (rpc/connection.KEEPALIVE), a stream
+# that waits for data included. gRPC's default (5 min) would end such a stream after three pings.
+PINGS_APART_MS = 10_000
+
+
 def channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
     return [
         ("grpc.max_receive_message_length", max_message_bytes),
         ("grpc.max_send_message_length", max_message_bytes),
         ("grpc.so_reuseport", 0),
+        ("grpc.http2.min_ping_interval_without_data_ms", PINGS_APART_MS),
     ]
 
 

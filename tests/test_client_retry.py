@@ -39,15 +39,17 @@ from expbuf.client import (
     trxp,
 )
 from expbuf.client.rpc import calls as calls_module
+from expbuf.client.rpc import connection
 from expbuf.client.rpc.calls import ledger_calls
 from expbuf.client.rpc.connection import MAX_RETRIES, RECONNECT
 from expbuf.client.schema.prompts import Claim
 from expbuf.client.shards.blocking import ShardedBufferClient
 from expbuf.proto.v1 import buffer_pb2, buffer_pb2_grpc
+from expbuf.server import app
 from expbuf.server.app import ExpbufServer
 
 from conftest import Servers
-from helpers import group_items, make_experience, scrape
+from helpers import SlowReplies, group_items, make_experience, scrape
 
 SERVICE = buffer_pb2.DESCRIPTOR.services_by_name["ExperienceBuffer"]
 MESSAGE_OPTIONS = [("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 64 << 20)]
@@ -328,6 +330,56 @@ def test_a_sample_stream_is_not_retried(server: ExpbufServer, front: Front, kind
             with pytest.raises(UnavailableError):
                 asyncio.run(first())
         assert (front.attempts("Sample"), served(server, "Sample")) == (attempt, 0)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_sample_stream_over_a_connection_gone_silent_ends_unavailable(
+    start_server: Servers, monkeypatch: pytest.MonkeyPatch, kind: str
+) -> None:
+    """A connection that goes silent (a host lost, a cut: nothing says it closed) while a Sample
+    stream waits for data: the client's pings go unanswered and it closes the connection, and the
+    stream raises UnavailableError. It has no deadline, and waited forever. The pings here are
+    50 times as often as the client's (20 s, then 10 s for the answer), the server taking them."""
+    monkeypatch.setattr(app, "PINGS_APART_MS", app.PINGS_APART_MS // 50)
+    faster = tuple((name, value // 50 if name.endswith("_ms") else value) for name, value in connection.KEEPALIVE)
+    monkeypatch.setattr(connection, "KEEPALIVE", faster)
+    server = start_server()
+    with BufferClient(f"127.0.0.1:{server.port}") as admin:
+        admin.create_table("silent", group_size=1)
+        admin.push(group(0, size=1), table="silent")
+    proxy = SlowReplies(f"127.0.0.1:{server.port}")
+
+    def after_the_first_batch() -> str:
+        """Read the one batch there is, hold the connection silent, wait for the next."""
+        if kind == "blocking":
+            with BufferClient(proxy.target, timeout=5) as client:
+                batches = client.sample("silent", num_groups=1, timeout=60, delivery="consume")
+                next(batches)
+                time.sleep(1)  # pings answered, none refused as too many: the server takes them this often
+                proxy.hold()
+                with pytest.raises(UnavailableError) as ended:
+                    next(batches)
+                return str(ended.value)
+
+        async def body() -> str:
+            async with AsyncBufferClient(proxy.target, timeout=5) as client:
+                batches = client.sample("silent", num_groups=1, timeout=60, delivery="consume")
+                await anext(batches)
+                await asyncio.sleep(1)
+                proxy.hold()
+                with pytest.raises(UnavailableError) as ended:
+                    await anext(batches)
+                return str(ended.value)
+
+        return asyncio.run(body())
+
+    try:
+        with futures.ThreadPoolExecutor(1) as pool:
+            said = pool.submit(after_the_first_batch).result(timeout=30)  # it waited forever
+    finally:
+        proxy.release()
+        proxy.close()
+    assert "ping timeout" in said, said
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -115,6 +115,17 @@ RECONNECT = (
     ("grpc.min_reconnect_backoff_ms", 250),
     ("grpc.max_reconnect_backoff_ms", 1000),
 )
+# A connection that goes silent while a call is open (its server's host lost, a network cut, a NAT
+# that forgot it: nothing says it closed) is found by pinging it every 20 s and closing it when a
+# ping goes 10 s unanswered: its calls fail UNAVAILABLE. A Sample stream, which has no deadline,
+# waited for it forever. The server takes pings that far apart (server/app.PINGS_APART_MS); one
+# before it ends a stream that waits a minute for data after the third ping (gRPC's default).
+KEEPALIVE = (
+    ("grpc.keepalive_time_ms", 20_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.http2.ping_timeout_ms", 10_000),  # what grpcio waits for a ping's answer (60 s unless told)
+    ("grpc.http2.max_pings_without_data", 0),  # gRPC stops at 2 pings the server sends nothing between
+)
 # gRPC keeps what a call sent until the call is answered, so that a retry can send it again;
 # past this many bytes it commits the call to its attempt, unretried. Its default (256 KiB)
 # would leave every larger push unretried: with the most it takes, a push sent whole is retried
@@ -385,6 +396,7 @@ class ClientBase:
             ("grpc.max_send_message_length", self.max_message_bytes),
             ("grpc.max_receive_message_length", self.max_message_bytes),
             *RECONNECT,
+            *KEEPALIVE,
             *RETRY_BUFFER,
             ("grpc.enable_retries", int(retries)),
             ("grpc.service_config_disable_resolution", 1),  # the policy is this one, never a DNS record's
