@@ -291,16 +291,42 @@ class AsyncBufferClient(ServerCalls, Awaiting, ClientBase):
         def decode(reply: SampleReplyParts) -> AsyncBatch:
             return calls.batch(reply, table, self, AsyncBatch, columnar=bool(spec.fields))
 
+        changed = asyncio.Event()
+        deliveries = calls.Deliveries(changed.set)
+
         async def read() -> SampleReplyParts | None:
-            while (reply := await _read_whole(call, parts)) is not None:
-                if not reply.rest.stopping:
-                    return reply
-                async with writing:  # the server is stopping: what was handed over, at once
-                    with contextlib.suppress(grpc.RpcError, asyncio.InvalidStateError):  # ended: its end follows
-                        await written()
-                        if (answer := handing.answer()) is not None:
-                            await call.write(answer)
+            try:
+                while (reply := await _read_whole(call, parts)) is not None:
+                    if deliveries.heard(reply.rest):
+                        continue
+                    if not reply.rest.stopping:
+                        return reply
+                    async with writing:  # the server is stopping: what was handed over, at once
+                        with contextlib.suppress(grpc.RpcError, asyncio.InvalidStateError):  # ended: its end follows
+                            await written()
+                            if (answer := handing.answer()) is not None:
+                                await call.write(answer)
+            except BaseException:
+                deliveries.end(False)
+                raise
+            deliveries.end(True)
             return None
+
+        async def delivered(received: int) -> bool:
+            """Whether the `received`-th batch, confirmed, may be handed over (calls.Deliveries). A
+            cancel of the caller while it waits leaves it confirmed and not handed over: at most once."""
+            if ahead is None:  # a stream of one batch: read here to its end, which follows its delivery
+                try:
+                    while deliveries.delivered(received) is None and await read() is None:
+                        pass
+                except grpc.RpcError:  # after its word (a stop): the batch is handed over, the end raised next
+                    if deliveries.delivered(received) is not True:
+                        raise
+            else:
+                while deliveries.delivered(received) is None:  # the reader hears of it, on this loop
+                    changed.clear()
+                    await changed.wait()
+            return deliveries.delivered(received) is True
 
         async def next_batch() -> Batch | None:
             if ahead is None:
@@ -339,6 +365,8 @@ class AsyncBufferClient(ServerCalls, Awaiting, ClientBase):
                     if (confirmation := handing.hand()) is not None:
                         on_its_way.append(asyncio.ensure_future(call.write(confirmation)))
                 if confirmation is None:  # the server is stopping: not handed over; the end follows
+                    continue
+                if not await delivered(handing.received):  # not delivered, or its word lost: the end follows
                     continue
                 confirmed = time.monotonic()
                 yield batch

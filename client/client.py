@@ -279,18 +279,44 @@ class BufferClient(ServerCalls, Blocking, ClientBase):
         outcomes: queue.SimpleQueue[Outcome[Any]] = queue.SimpleQueue()
         parts = Parts()
         handing, sending = calls.Handing(), threading.Lock()
+        changed = threading.Condition()
+
+        def tell() -> None:
+            with changed:
+                changed.notify_all()
+
+        deliveries = calls.Deliveries(tell)
 
         def read() -> SampleReplyParts | None:
-            while (reply := next(stream, None)) is not None:
-                if (whole := parts.add(reply)) is None:
-                    continue
-                if not whole.rest.stopping:
-                    return whole
-                with sending:  # the server is stopping: what was handed over, at once
-                    if (answer := handing.answer()) is not None:
-                        requests.send(answer)
-            parts.end()
+            try:
+                while (reply := next(stream, None)) is not None:
+                    if (whole := parts.add(reply)) is None or deliveries.heard(whole.rest):
+                        continue
+                    if not whole.rest.stopping:
+                        return whole
+                    with sending:  # the server is stopping: what was handed over, at once
+                        if (answer := handing.answer()) is not None:
+                            requests.send(answer)
+                parts.end()
+            except BaseException:
+                deliveries.end(False)
+                raise
+            deliveries.end(True)
             return None
+
+        def delivered(received: int) -> bool:
+            """Whether the `received`-th batch, confirmed, may be handed over (calls.Deliveries)."""
+            if ahead is None:  # a stream of one batch: read here to its end, which follows its delivery
+                try:
+                    while deliveries.delivered(received) is None and read() is None:
+                        pass
+                except grpc.RpcError:  # after its word (a stop): the batch is handed over, the end raised next
+                    if deliveries.delivered(received) is not True:
+                        raise
+            else:  # the reader's thread hears of it
+                with changed:
+                    changed.wait_for(lambda: deliveries.delivered(received) is not None)
+            return deliveries.delivered(received) is True
 
         def decode(reply: SampleReplyParts) -> Batch:
             return calls.batch(reply, table, self, Batch, columnar=bool(spec.fields))
@@ -320,6 +346,8 @@ class BufferClient(ServerCalls, Blocking, ClientBase):
                     if (confirmation := handing.hand()) is not None:
                         requests.send(confirmation)
                 if confirmation is None:  # the server is stopping: not handed over; the end follows
+                    continue
+                if not delivered(handing.received):  # not delivered, or its word lost: the end follows
                     continue
                 confirmed = time.monotonic()
                 yield batch

@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import queue
 import time
+from concurrent import futures
 from pathlib import Path
 
 import grpc
@@ -666,3 +667,40 @@ def test_an_async_client_whose_loop_was_blocked_past_a_stop_hands_over_no_batch_
             for group in batch.groups
         ]
     assert not set(handed) & set(rest) and len(handed) + len(rest) == 4, (handed, rest)
+
+
+def test_a_stream_that_awaits_delivery_is_told_of_each_one_before_the_batches_after(client: BufferClient, stub) -> None:
+    """The server's first message to a stream that awaits delivery is a word of 0 delivered (a
+    client tells from it that the server tells); each confirmation's delivery is told of as it
+    commits, before any batch after it, and with the stream's end (the last one's)."""
+    fill(client, 4)
+    talk = Conversation(stub, request(window=1, max_batches=3, awaits_delivery=True))
+    said = talk.read()
+    assert said.HasField("delivered") and said.delivered == 0 and not said.uids
+    heard: list[object] = []
+    for received in range(1, 4):
+        batch = talk.read()
+        assert len(batch.uids) == 2 and not batch.HasField("delivered")
+        talk.confirm(received)
+        word = talk.read()
+        assert (word.HasField("delivered"), word.delivered, len(word.uids)) == (True, received, 0)
+        heard.append(client.stats("t")["t"].consumed)
+    assert heard == [2, 4, 6] and list(talk.call) == []  # each told once it was committed
+    plain = list(stub.Sample(iter([request(max_batches=1)]), timeout=10))  # no word for a stream that does not ask
+    assert [reply.HasField("delivered") for reply in plain] == [False]
+
+
+@pytest.mark.parametrize("window", [1, 2])
+def test_a_consumed_batch_is_handed_over_while_the_stream_waits_for_more_data(
+    client: BufferClient, window: int
+) -> None:
+    """The client awaits each consumed batch's delivery; the server delivers a confirmation that
+    comes while it waits for data at once, and tells of it then, not when its wait ends (60 s
+    here: each batch would come a wait late, the last one never)."""
+    fill(client, 2)
+    with futures.ThreadPoolExecutor(1) as pool:
+        batches = client.sample("t", num_groups=1, timeout=60, delivery="consume", window=window)
+        first = pool.submit(lambda: [next(batches).groups, next(batches).groups]).result(timeout=30)
+        assert sorted(first) == [["1/0"], ["1/1"]]
+        assert client.stats("t")["t"].consumed == 4
+        batches.close()

@@ -151,7 +151,8 @@ class SampleSpec:
         """The first message of the Sample stream, for a client that receives messages of up to
         `max_reply_bytes` (a larger batch comes in parts) and, with `answers_stopping`, answers
         a server's word that it is stopping (calls.Handing; a held batch's stream does not: it
-        delivers its batch only once the stream has ended)."""
+        delivers its batch only once the stream has ended). Such a stream that consumes awaits
+        each batch's delivery before it hands it over (calls.Deliveries): at most once."""
         return pb.SampleRequest(
             table=self.table,
             batch_size=self.batch_size or 0,
@@ -171,4 +172,5 @@ class SampleSpec:
             fields=self.fields or (),
             max_reply_bytes=max_reply_bytes,
             answers_stopping=answers_stopping,
+            awaits_delivery=answers_stopping and self.delivery == "consume",
         )

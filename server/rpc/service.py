@@ -275,6 +275,7 @@ class ExperienceBufferService(
                 bound=bound,
                 confirm_seconds=self.max_confirm_seconds,
                 answers_stopping=first.answers_stopping,
+                awaits_delivery=first.awaits_delivery,
                 delivered=lambda batch: self._observe_staleness(spec.table, batch),  # from the take's transaction
             )
         except DamagedPayload as exc:  # found as its reply was built: the batch went back unsent

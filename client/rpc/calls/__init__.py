@@ -16,6 +16,7 @@ from .attempts import LAST_UNANSWERED, Attempts, one_reply
 from .push_calls import Items, payload, payload_uids, push, push_requests, push_result
 from .sample_stream import (
     STOP_SECONDS,
+    Deliveries,
     Handing,
     Orders,
     batch,
@@ -30,6 +31,7 @@ __all__ = [
     "LAST_UNANSWERED",
     "STOP_SECONDS",
     "Attempts",
+    "Deliveries",
     "Handing",
     "Items",
     "Orders",

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from typing import TypeVar
 
 import grpc
@@ -90,6 +91,44 @@ class Handing:
             return None
         self.stopping = True
         return confirmation(self.received, stop=True)
+
+
+class Deliveries:
+    """What the server said of its deliveries, on a stream that consumes and so awaits them
+    (SampleRequest.awaits_delivery): whether it tells of them (its first message is a word of 0
+    delivered; a server before it says nothing, and its batches are handed over as they come),
+    how many it delivered, and how the stream ended. A batch is handed to the caller only once
+    the server said it is delivered, or once the stream ended OK (which delivered every batch
+    confirmed): a confirmation lost with the connection or the server (a cut, a crash) left a
+    consumed batch both trained on and back in the buffer. Each client waits in its own way
+    (`changed` tells it to look again), one thread or task reading the stream."""
+
+    def __init__(self, changed: Callable[[], None]) -> None:
+        self.told = False
+        self.count = 0
+        self.ended: bool | None = None  # how the stream ended: OK or not; None while it runs
+        self._changed = changed
+
+    def heard(self, rest: pb.SampleReply) -> bool:
+        """Whether `rest` (a reply without its payload) is a word of deliveries, taken in."""
+        if not rest.HasField("delivered"):
+            return False
+        self.told, self.count = True, max(self.count, rest.delivered)
+        self._changed()
+        return True
+
+    def end(self, ok: bool) -> None:
+        """The stream ended (OK or not)."""
+        self.ended = ok
+        self._changed()
+
+    def delivered(self, received: int) -> bool | None:
+        """Whether the `received`-th batch may be handed over: True once delivered (or the server
+        does not tell, or the stream ended OK), False where the stream ended otherwise (it went back
+        to the buffer, or was consumed with its word lost: at most once), None while it may still be."""
+        if not self.told or self.count >= received or self.ended:
+            return True
+        return None if self.ended is None else False
 
 
 def batch(reply: SampleReplyParts, table: str, leases: Leases | None, kind: type[B], *, columnar: bool = False) -> B:

@@ -245,7 +245,7 @@ class PushReply(_message.Message):
     def __init__(self, seq: _Optional[int] = ..., stored_uids: _Optional[_Iterable[str]] = ..., duplicate_uids: _Optional[_Iterable[str]] = ..., completed_groups: _Optional[_Iterable[str]] = ..., stale_uids: _Optional[_Iterable[str]] = ..., partial_uids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class SampleRequest(_message.Message):
-    __slots__ = ("table", "batch_size", "num_groups", "order", "delivery", "lease_seconds", "wait_seconds", "allow_partial", "max_batches", "min_model_version", "has_min_model_version", "received", "stop", "trainer_version", "has_trainer_version", "window", "compact_advantages", "order_name", "fields", "max_reply_bytes", "answers_stopping")
+    __slots__ = ("table", "batch_size", "num_groups", "order", "delivery", "lease_seconds", "wait_seconds", "allow_partial", "max_batches", "min_model_version", "has_min_model_version", "received", "stop", "trainer_version", "has_trainer_version", "window", "compact_advantages", "order_name", "fields", "max_reply_bytes", "answers_stopping", "awaits_delivery")
     TABLE_FIELD_NUMBER: _ClassVar[int]
     BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     NUM_GROUPS_FIELD_NUMBER: _ClassVar[int]
@@ -267,6 +267,7 @@ class SampleRequest(_message.Message):
     FIELDS_FIELD_NUMBER: _ClassVar[int]
     MAX_REPLY_BYTES_FIELD_NUMBER: _ClassVar[int]
     ANSWERS_STOPPING_FIELD_NUMBER: _ClassVar[int]
+    AWAITS_DELIVERY_FIELD_NUMBER: _ClassVar[int]
     table: str
     batch_size: int
     num_groups: int
@@ -288,7 +289,8 @@ class SampleRequest(_message.Message):
     fields: _containers.RepeatedScalarFieldContainer[str]
     max_reply_bytes: int
     answers_stopping: bool
-    def __init__(self, table: _Optional[str] = ..., batch_size: _Optional[int] = ..., num_groups: _Optional[int] = ..., order: _Optional[_Union[Order, str]] = ..., delivery: _Optional[_Union[Delivery, str]] = ..., lease_seconds: _Optional[float] = ..., wait_seconds: _Optional[float] = ..., allow_partial: _Optional[bool] = ..., max_batches: _Optional[int] = ..., min_model_version: _Optional[int] = ..., has_min_model_version: _Optional[bool] = ..., received: _Optional[int] = ..., stop: _Optional[bool] = ..., trainer_version: _Optional[int] = ..., has_trainer_version: _Optional[bool] = ..., window: _Optional[int] = ..., compact_advantages: _Optional[bool] = ..., order_name: _Optional[str] = ..., fields: _Optional[_Iterable[str]] = ..., max_reply_bytes: _Optional[int] = ..., answers_stopping: _Optional[bool] = ...) -> None: ...
+    awaits_delivery: bool
+    def __init__(self, table: _Optional[str] = ..., batch_size: _Optional[int] = ..., num_groups: _Optional[int] = ..., order: _Optional[_Union[Order, str]] = ..., delivery: _Optional[_Union[Delivery, str]] = ..., lease_seconds: _Optional[float] = ..., wait_seconds: _Optional[float] = ..., allow_partial: _Optional[bool] = ..., max_batches: _Optional[int] = ..., min_model_version: _Optional[int] = ..., has_min_model_version: _Optional[bool] = ..., received: _Optional[int] = ..., stop: _Optional[bool] = ..., trainer_version: _Optional[int] = ..., has_trainer_version: _Optional[bool] = ..., window: _Optional[int] = ..., compact_advantages: _Optional[bool] = ..., order_name: _Optional[str] = ..., fields: _Optional[_Iterable[str]] = ..., max_reply_bytes: _Optional[int] = ..., answers_stopping: _Optional[bool] = ..., awaits_delivery: _Optional[bool] = ...) -> None: ...
 
 class Column(_message.Message):
     __slots__ = ("name", "dtype", "items", "ndim", "shapes", "values", "align")
@@ -309,7 +311,7 @@ class Column(_message.Message):
     def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., items: _Optional[_Iterable[int]] = ..., ndim: _Optional[int] = ..., shapes: _Optional[_Iterable[int]] = ..., values: _Optional[bytes] = ..., align: _Optional[bytes] = ...) -> None: ...
 
 class SampleReply(_message.Message):
-    __slots__ = ("payload", "uids", "group_ids", "lease_id", "lease_expires_unix", "partial", "times_sampled", "advantages", "response_lengths", "confirm_seconds", "lease_seconds", "columns", "part", "whole_bytes", "missing_uids", "missing_fields", "stopping")
+    __slots__ = ("payload", "uids", "group_ids", "lease_id", "lease_expires_unix", "partial", "times_sampled", "advantages", "response_lengths", "confirm_seconds", "lease_seconds", "columns", "part", "whole_bytes", "missing_uids", "missing_fields", "stopping", "delivered")
     PAYLOAD_FIELD_NUMBER: _ClassVar[int]
     UIDS_FIELD_NUMBER: _ClassVar[int]
     GROUP_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -327,6 +329,7 @@ class SampleReply(_message.Message):
     MISSING_UIDS_FIELD_NUMBER: _ClassVar[int]
     MISSING_FIELDS_FIELD_NUMBER: _ClassVar[int]
     STOPPING_FIELD_NUMBER: _ClassVar[int]
+    DELIVERED_FIELD_NUMBER: _ClassVar[int]
     payload: bytes
     uids: _containers.RepeatedScalarFieldContainer[str]
     group_ids: _containers.RepeatedScalarFieldContainer[str]
@@ -344,7 +347,8 @@ class SampleReply(_message.Message):
     missing_uids: _containers.RepeatedScalarFieldContainer[str]
     missing_fields: _containers.RepeatedScalarFieldContainer[str]
     stopping: bool
-    def __init__(self, payload: _Optional[bytes] = ..., uids: _Optional[_Iterable[str]] = ..., group_ids: _Optional[_Iterable[str]] = ..., lease_id: _Optional[str] = ..., lease_expires_unix: _Optional[float] = ..., partial: _Optional[bool] = ..., times_sampled: _Optional[_Iterable[int]] = ..., advantages: _Optional[_Iterable[float]] = ..., response_lengths: _Optional[_Iterable[int]] = ..., confirm_seconds: _Optional[float] = ..., lease_seconds: _Optional[float] = ..., columns: _Optional[_Iterable[_Union[Column, _Mapping]]] = ..., part: _Optional[bytes] = ..., whole_bytes: _Optional[int] = ..., missing_uids: _Optional[_Iterable[str]] = ..., missing_fields: _Optional[_Iterable[str]] = ..., stopping: _Optional[bool] = ...) -> None: ...
+    delivered: int
+    def __init__(self, payload: _Optional[bytes] = ..., uids: _Optional[_Iterable[str]] = ..., group_ids: _Optional[_Iterable[str]] = ..., lease_id: _Optional[str] = ..., lease_expires_unix: _Optional[float] = ..., partial: _Optional[bool] = ..., times_sampled: _Optional[_Iterable[int]] = ..., advantages: _Optional[_Iterable[float]] = ..., response_lengths: _Optional[_Iterable[int]] = ..., confirm_seconds: _Optional[float] = ..., lease_seconds: _Optional[float] = ..., columns: _Optional[_Iterable[_Union[Column, _Mapping]]] = ..., part: _Optional[bytes] = ..., whole_bytes: _Optional[int] = ..., missing_uids: _Optional[_Iterable[str]] = ..., missing_fields: _Optional[_Iterable[str]] = ..., stopping: _Optional[bool] = ..., delivered: _Optional[int] = ...) -> None: ...
 
 class AckRequest(_message.Message):
     __slots__ = ("table", "lease_id")

@@ -28,6 +28,12 @@ handing a batch sent ahead to its caller just then would confirm it too late, an
 be served again after the restart: so a client that says it answers (`answers_stopping`) is told
 first (a reply with `stopping`), and the stream waits, within the stop's grace, for its count of
 the batches it handed over; it hands over none after the message.
+
+A client hands a batch over as it confirms it, and the server delivers it in a commit that comes
+after: a confirmation lost with the connection or the server (a cut, a crash) left the batch both
+trained on and back in the buffer. A client that consumes at most once says it awaits delivery
+(`awaits_delivery`): the server tells it each time its count of batches delivered grows (a reply
+of `delivered` alone), and the client hands a batch over only once it is told.
 """
 
 from __future__ import annotations
@@ -189,6 +195,7 @@ def stream_batches(
     confirm_seconds: float,
     bound: str = "",
     answers_stopping: bool = False,
+    awaits_delivery: bool = False,
     delivered: Callable[[Sampled], None] | None = None,
 ) -> Iterator[bytes]:
     """The replies of one stream, each batch's messages made by `reply(batch, seconds)` (one, or
@@ -205,18 +212,28 @@ def stream_batches(
     confirmed (delivered) or the client is gone: the client hands a batch to its caller and
     confirms it without knowing whether the stream has ended, and one given back as the stream
     ended would be trained on and delivered again. For the same reason a client that
-    `answers_stopping` is told of a stop before its stream ends (`_Window.end_at_stop`).
+    `answers_stopping` is told of a stop before its stream ends (`_Window.end_at_stop`), and one
+    that `awaits_delivery` of each delivery (`_Window.told`).
     """
     client = ClientSide(requests, context)
     window = _Window(store, spec, client, owner, confirm_seconds, answers_stopping, delivered)
+    window.tells = awaits_delivery
+    yield from window.told()  # 0 delivered: the client learns that the server tells
+    deadline: float | None = None  # of the wait for the next batch's data
     try:
         with draining.watching(client.interrupt):
             while True:
+                if deadline is None:
+                    deadline = time.monotonic() + timeout()
                 try:
-                    batch = None if client.interrupted else window.take(timeout(), context)
+                    batch = None if client.interrupted else window.take(deadline, context)
                 except StoreError:  # the rate limit at its deadline, an index not built: the stream ends with it
                     yield from window.settle(draining, context)
                     raise
+                yield from window.told()
+                if isinstance(batch, Told):  # a delivery told of while it waits for data: the wait goes on
+                    continue
+                deadline = None
                 if batch is None:
                     if client.error is not None:
                         raise client.error
@@ -255,7 +272,9 @@ def stream_batches(
                 # each delivered as it comes (no take will commit it: a batch the client has is not
                 # held while the client works on it before it confirms the next)
                 if not (
-                    window.confirm_each() if last else client.wait_confirmed(window.sent - spec.window + 1, window.due)
+                    (yield from window.confirm_each())
+                    if last
+                    else client.wait_confirmed(window.sent - spec.window + 1, window.due)
                 ):
                     yield from window.unsettled(draining, context)
                     break
@@ -264,8 +283,16 @@ def stream_batches(
         if client.error is not None:
             raise client.error
         window.deliver_confirmed()  # a failure (a full disk) ends the stream with its error
+        yield from window.told()
     finally:
         window.close(context)
+
+
+class Told:
+    """What `_Window.take` returns where it delivered batches a client that awaits delivery is to be told of."""
+
+
+TOLD = Told()
 
 
 class _Window:
@@ -291,6 +318,8 @@ class _Window:
         self.sent_at: deque[float] = deque()  # when each unconfirmed batch was sent (monotonic clock)
         self.confirmed: list[str] = []  # held leases whose batches the client has, to deliver
         self.table_id: int | None = None  # the table its first batch came from: not another made under its name
+        self.tells = False  # the client awaits delivery: told of each (`told`)
+        self.said = -1  # the batches delivered that the client was told of (none yet: not 0)
 
     def sending(self, batch: Sampled) -> float:
         """The batch goes out now; returns how long it may wait for its confirmation, counted
@@ -339,6 +368,15 @@ class _Window:
             self.spec.table, ", ".join(list(exc.failed)[:8]), exc_info=exc.__cause__,
         )  # fmt: skip
         self.store.fail_stage(batch.lease_id, self.spec.table, exc.failed, self.owner)
+
+    def told(self) -> Iterator[bytes]:
+        """A reply of `delivered` alone, where the client awaits delivery and more batches are
+        delivered than it was told of: those sent, less those not confirmed or confirmed and
+        not yet committed."""
+        delivered = self.sent - len(self.unconfirmed) - len(self.confirmed)
+        if self.tells and delivered > self.said:
+            self.said = delivered
+            yield pb.SampleReply(delivered=delivered).SerializeToString()
 
     def _collect(self) -> None:
         """Move the batches the client has confirmed out of the window."""
@@ -394,6 +432,10 @@ class _Window:
         if self.answers and self.unconfirmed and seconds > 0 and not self.client.done and context.is_active():
             yield pb.SampleReply(stopping=True, confirm_seconds=seconds).SerializeToString()
             self.client.wait_done(seconds, self.sent)
+        if self.tells:  # what it confirmed delivered, and told of, before the end: it awaits that
+            with contextlib.suppress(StoreError):  # held, then, until the next start gives it back
+                self.deliver_confirmed()
+            yield from self.told()
         draining.end("Sample", context)
 
     def settle(self, draining: Draining, context: grpc.ServicerContext) -> Generator[bytes, None, bool]:
@@ -401,7 +443,7 @@ class _Window:
         ahead confirmed (delivered) first; whether they were. Its client may be handing one over as
         the end travels, and confirms it without knowing the stream ended: given back at once, it was
         served again and trained twice. Where the client will not confirm them, `unsettled`."""
-        if not self.unconfirmed or self.confirm_each():
+        if not self.unconfirmed or (yield from self.confirm_each()):
             return True
         yield from self.unsettled(draining, context)
         return False
@@ -414,20 +456,27 @@ class _Window:
         if self.overdue() and not self.client.done:
             self.end_overdue(context)
 
-    def take(self, seconds: float, context: grpc.ServicerContext) -> Sampled | None:
-        """The next batch, delivering the confirmed ones in its commit. A confirmation that
-        arrives while it waits for data is delivered at once (the wait then goes on): a
-        batch the client has is never held for the whole wait, a lease's clock starts when
-        it is confirmed, and a replayed group is back for the batch that waits."""
-        deadline = time.monotonic() + seconds
+    def take(self, deadline: float, context: grpc.ServicerContext) -> Sampled | Told | None:
+        """The next batch, its wait for data ending at `deadline` (monotonic clock), delivering
+        the confirmed ones in its commit. A confirmation that arrives while it waits for data is
+        delivered at once (the wait then goes on): a batch the client has is never held for the
+        whole wait, a lease's clock starts when it is confirmed, and a replayed group is back for
+        the batch that waits. A client that awaits delivery is told of it first (TOLD: the
+        caller tells it, then takes again with the same deadline)."""
         client = self.client
         while True:
             self._collect()
             seen = client.received
+            committed: list[bool] = []  # the confirmations delivered: told at once, not after the wait for data
 
-            def stop(seen: int = seen) -> bool:
+            def delivered(committed: list[bool] = committed) -> None:
+                self.confirmed.clear()  # committed: not confirmed again where the take then raises
+                committed.append(True)
+
+            def stop(seen: int = seen, committed: list[bool] = committed) -> bool:
                 stopping = client.stopped or client.broken or client.interrupted or self.overdue()
-                return stopping or not context.is_active() or client.received > seen
+                told = self.tells and bool(committed)
+                return stopping or not context.is_active() or client.received > seen or told
 
             batch = self.store.sample(
                 self.spec,
@@ -437,21 +486,26 @@ class _Window:
                 stop=stop,
                 confirm=self.confirmed,
                 table_id=self.table_id,
-                delivered=self.confirmed.clear,  # committed: not confirmed again where the take then raises
+                delivered=delivered,
             )
             self.confirmed = []
             if batch is not None:
                 self.table_id = batch.table_id
-            if batch is not None or client.received == seen or client.stopped or client.broken or client.interrupted:
                 return batch
-            if not context.is_active() or time.monotonic() >= deadline:
+            if client.stopped or client.broken or client.interrupted:
+                return None
+            if self.tells and (committed or client.received > seen):
+                return TOLD
+            if client.received == seen or not context.is_active() or time.monotonic() >= deadline:
                 return None
 
-    def confirm_each(self) -> bool:
+    def confirm_each(self) -> Generator[bytes, None, bool]:
         """Wait for the client to confirm every batch sent, delivering each confirmation as it
-        comes; False if the client never will (as ClientSide.wait_confirmed)."""
+        comes (and telling a client that awaits it); False if the client never will (as
+        ClientSide.wait_confirmed)."""
         while True:
             self.deliver_confirmed()  # those confirmed by now, the first ones perhaps before this began
+            yield from self.told()
             delivered = self.sent - len(self.unconfirmed)  # not `received`: one may have come since
             if delivered >= self.sent:
                 return True
