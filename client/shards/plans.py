@@ -40,12 +40,13 @@ MAX_ENDED = 4096
 
 
 class Owed:
-    """What the client still owes shards that missed a call: tables created with exist_ok, then
-    datasets created with exist_ok (their tables first), then trainer versions (the latest per
-    table). Shared by the threads of one blocking client."""
+    """What the client still owes shards that missed a call: tables dropped, then tables created
+    with exist_ok, then datasets created with exist_ok (their tables first), then trainer versions
+    (the latest per table). Shared by the threads of one blocking client."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
+        self._drops: dict[str, set[str]] = {}
         self._creates: dict[str, dict[str, dict[str, Any]]] = {}
         self._datasets: dict[str, dict[tuple[str, str], tuple[int, dict[str, Any]]]] = {}
         self._versions: dict[str, dict[str, int]] = {}
@@ -58,12 +59,18 @@ class Owed:
         with self._lock:
             self._datasets.setdefault(shard, {})[(table, name)] = (size, settings)
 
+    def drop(self, shard: str, table: str) -> None:
+        """A drop the shard missed: made before anything else it is owed, so that a table or dataset
+        created again with exist_ok meanwhile does not meet the one dropped (its ledger and groups)."""
+        with self._lock:
+            self._drops.setdefault(shard, set()).add(table)
+
     def version(self, shard: str, table: str, version: int) -> None:
         with self._lock:
             self._versions.setdefault(shard, {})[table] = version
 
     def forget(self, table: str) -> None:
-        """Nothing more is owed for a table (it was dropped)."""
+        """Nothing more is owed for a table (it was dropped; a drop owed stays)."""
         with self._lock:
             for creates in self._creates.values():
                 creates.pop(table, None)
@@ -82,6 +89,7 @@ class Owed:
     def calls(self, shard: str) -> list[Call]:
         """The owed calls of a shard, in the order they must be made: creations first."""
         with self._lock:
+            drops = [Call(shard, "drop_table", (name,), quick=None) for name in sorted(self._drops.get(shard, ()))]
             creates = [
                 Call(shard, "create_table", (name,), {"exist_ok": True, **settings}, quick=None)
                 for name, settings in self._creates.get(shard, {}).items()
@@ -94,12 +102,18 @@ class Owed:
                 Call(shard, "set_trainer_version", (version, table), quick=True)
                 for table, version in self._versions.get(shard, {}).items()
             ]
-        return creates + datasets + versions
+        return drops + creates + datasets + versions
 
     def settle(self, call: Call, outcome: Any) -> None:
         """An owed call answered: it is paid (or refused, and dropped with a warning) unless the
         shard was down, or a newer one took its place meanwhile."""
         if is_down(outcome):
+            return
+        if call.method == "drop_table":  # dropped, or had none (NOT_FOUND): paid
+            if isinstance(outcome, BufferError) and outcome.code != grpc.StatusCode.NOT_FOUND:
+                _log.warning("shard %s refused the owed drop_table%s: %s", call.shard, call.args, outcome)
+            with self._lock:
+                self._drops.get(call.shard, set()).discard(call.args[0])
             return
         if isinstance(outcome, BufferError):
             _log.warning("shard %s refused the owed %s%s: %s", call.shard, call.method, call.args, outcome)
@@ -117,12 +131,13 @@ class Owed:
                 del owed[key]
 
     def pending(self) -> dict[str, list[tuple[Any, ...]]]:
-        """Per shard, what it is owed: ("create_table", name), ("create_dataset", table, name) and
-        ("trainer_version", table, version)."""
+        """Per shard, what it is owed: ("drop_table", name), ("create_table", name),
+        ("create_dataset", table, name) and ("trainer_version", table, version)."""
         with self._lock:
-            shards = {*self._creates, *self._datasets, *self._versions}
+            shards = {*self._drops, *self._creates, *self._datasets, *self._versions}
             owed = {
-                shard: [("create_table", name) for name in self._creates.get(shard, {})]
+                shard: [("drop_table", name) for name in sorted(self._drops.get(shard, ()))]
+                + [("create_table", name) for name in self._creates.get(shard, {})]
                 + [("create_dataset", *key) for key in self._datasets.get(shard, {})]
                 + [("trainer_version", t, v) for t, v in self._versions.get(shard, {}).items()]
                 for shard in sorted(shards)
@@ -277,9 +292,24 @@ class Planned(Sharded):
         return (yield from self._on_all("reset_offpolicy", table, trainer_version))
 
     def _drop_table(self, name: str) -> Plan[int]:
+        """On every shard; the experiences dropped. A shard without the table (NOT_FOUND) has it
+        dropped, by a drop made before that another shard's failure raised (NOT_FOUND from every
+        shard: no such table). A shard that cannot be reached is owed the drop, made before what
+        else it is owed when it is next reached (a create with exist_ok meanwhile would have met the
+        table dropped: its ledger, its groups); the call raises ShardError naming it all the same."""
         self._group_by.pop(name, None)
         self._owed.forget(name)
-        return sum((yield from self._on_all("drop_table", name)).values())
+        calls = [Call(shard, "drop_table", (name,)) for shard in self.clients]
+        results, errors = self._sort(calls, (yield from self._exchange(calls)))
+        for shard, exc in errors.items():
+            if is_down(exc):
+                self._owed.drop(shard, name)
+        absent = {shard for shard, exc in errors.items() if exc.code == grpc.StatusCode.NOT_FOUND}
+        nowhere = not results and absent == set(errors)
+        failed = {shard: exc for shard, exc in errors.items() if shard not in absent or nowhere}
+        if failed:
+            raise shard_error(failed, self.shard_map.targets, results)
+        return sum(results.values())
 
     # ---- pushing and admin (reads: reads.py) --------------------------------------------------
 

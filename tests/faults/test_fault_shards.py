@@ -58,6 +58,8 @@ def test_a_killed_shard_degrades_every_call_and_is_paid_what_it_missed(tmp_path:
         client.create_table("t", group_size=2)
         items = [item for task in range(GROUPS) for item in group("0", task, 2)]
         client.push(trxp.build(items), table="t")
+        client.create_table("t4", group_size=2, estimator="none")
+        client.push(trxp.build(items), table="t4")
         settle(client, "t")
         owner = {item.uid: client.shard_map.owner(f"0/{item.meta['eid']['task']}") for item in items}
         assert set(owner.values()) == set(NAMES)
@@ -115,6 +117,17 @@ def test_a_killed_shard_degrades_every_call_and_is_paid_what_it_missed(tmp_path:
         asyncio.run(degraded())
         served_uids = [uid for batch in served for uid in batch.uids]
 
+        # A table dropped while the shard is down, and made again with exist_ok: the drop is owed to
+        # it, before the create. The create met the table the drop missed, with its groups, and was
+        # paid so: a run under the name again was handed that shard's old groups and ledger.
+        with pytest.raises(ShardError, match="shard s1") as dropped:
+            client.drop_table("t4")
+        assert dropped.value.shards == ["s1"]
+        assert set(client.create_table("t4", group_size=4, estimator="none", exist_ok=True).missing) == {"s1"}
+        assert client.pending == {
+            "s1": [("drop_table", "t4"), ("create_table", "t2"), ("create_table", "t4"), ("trainer_version", "t", 7)]
+        }
+
         # Back on its directory and its address: the client's next call that reaches it (within the
         # client's reconnect backoff, 2 s at most) pays what it is owed, in order.
         procs["s1"] = start(str(tmp_path / "s1"), "--shard", "s1", "--port", str(procs["s1"].port))
@@ -125,7 +138,9 @@ def test_a_killed_shard_degrades_every_call_and_is_paid_what_it_missed(tmp_path:
         assert client.pending == {}
         client.set_trainer_version(9, "t2")
         with BufferClient(procs["s1"].target) as direct:
-            assert {table.name for table in direct.list_tables()} == {"default", "t", "t2"}
+            assert {table.name for table in direct.list_tables()} == {"default", "t", "t2", "t4"}
+            made_again = direct.create_table("t4", group_size=4, estimator="none", exist_ok=True)  # the same: no change
+            assert direct.stats("t4")["t4"].ready == 0 and made_again.group_size == 4
             assert direct.stats("t")["t"].trainer_version == 7
             assert direct.stats("t2")["t2"].trainer_version == 9
         assert not client.stats("t").missing
