@@ -72,3 +72,29 @@ def test_a_callers_deadline_passing_leaves_a_shard_believed_down_so() -> None:
         with pytest.raises(StopIteration):
             plan.send([late, gone])
         assert client._down == {"s0", "s1"}
+
+
+def test_a_call_to_a_shard_believed_down_goes_with_its_full_client_once_a_probe_finds_it_back() -> None:
+    """The plan alone: a call that may degrade (a claim) to a shard believed down is made after a
+    quick ServerInfo answers, with the shard's full client (a claim that counts the shard's part
+    of a new epoch outlasts the probe's deadline: made as the probe, it never answered and the
+    shard stayed down, its prompts never handed out); where the probe gets no answer, the call
+    is not made and gets the probe's outcome."""
+    gone = BufferError(grpc.StatusCode.UNAVAILABLE, "connection refused")
+    claim = Call("s0", "claim", ("t", "d", 4), quick=None)
+    with ShardedBufferClient({"s0": "127.0.0.1:1", "s1": "127.0.0.1:2"}) as client:
+        client._down.add("s0")
+        plan = client._direct([claim, Call("s1", "claim", ("t", "d", 4), quick=None)])
+        assert next(plan) == [Call("s0", "server_info", quick=True)]
+        made = plan.send(["its info"])
+        assert [(call.shard, call.quick) for call in made] == [("s0", False), ("s1", False)]
+        with pytest.raises(StopIteration) as answered:
+            plan.send(["claimed", "claimed too"])
+        assert answered.value.value == ["claimed", "claimed too"] and client._down == set()
+
+        client._down.add("s0")
+        plan = client._direct([claim])
+        assert next(plan) == [Call("s0", "server_info", quick=True)]
+        with pytest.raises(StopIteration) as unmade:
+            plan.send([gone])
+        assert unmade.value.value == [gone] and client._down == {"s0"}

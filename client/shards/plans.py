@@ -203,8 +203,24 @@ class Planned(Sharded):
         return [skipped[call.shard] if call.shard in skipped else next(answers) for call in calls]
 
     def _direct(self, calls: list[Call]) -> Plan[list[Any]]:
-        """Make the calls as they are, and learn from them which shards are down."""
-        outcomes = yield [replace(c, quick=c.shard in self._down if c.quick is None else c.quick) for c in calls]
+        """Make the calls, and learn from them which shards are down. A call that may degrade
+        (`quick` None) to a shard believed down is made once a quick ServerInfo (the probe: one
+        attempt, a short deadline) finds the shard answering, then with its full client; where the
+        probe gets no answer, the call gets its outcome, unmade. Made with the probe itself, a call
+        that takes the shard longer than the probe's deadline (a claim that counts its part of a
+        new epoch, a claim's wait) never answered in time, and the shard stayed believed down."""
+        doubtful = sorted({c.shard for c in calls if c.quick is None and c.shard in self._down})
+        silent: dict[str, Any] = {}
+        if doubtful:
+            probes = [Call(shard, "server_info", quick=True) for shard in doubtful]
+            for probe, answer in zip(probes, (yield probes), strict=True):
+                if is_down(answer):
+                    silent[probe.shard] = answer
+                else:
+                    self._down.discard(probe.shard)
+        made = [replace(c, quick=bool(c.quick)) for c in calls if not (c.quick is None and c.shard in silent)]
+        answers = iter((yield made) if made else [])
+        outcomes = [silent[c.shard] if c.quick is None and c.shard in silent else next(answers) for c in calls]
         for call, outcome in zip(calls, outcomes, strict=True):
             down = shows_down(call, outcome)
             if down:
