@@ -252,6 +252,10 @@ def checked_target(target: str) -> str:
     return target
 
 
+# What gRPC's UNAVAILABLE says of a connection it could not make (its handshake closed, refused).
+CONNECT_FAILED = "failed to connect to all addresses"
+
+
 def tls_hint(tls: Tls | None) -> str:
     """Why a server might close this client's connections: TLS it has not, or a certificate it has not."""
     if tls is None:
@@ -265,16 +269,19 @@ def call_error(exc: grpc.RpcError, tls: Tls | None, target: str = "", waited: bo
 
     A server closes a connection whose TLS it does not take (a plaintext client of a TLS server, a
     client without a certificate where mutual TLS asks for one), which gRPC reports as UNAVAILABLE
-    "Socket closed": the error adds the hint. A call that `waited` for the server (wait_for_ready)
+    "Socket closed" on a connection it never made: the error adds the hint. Not to a call whose
+    connection was made (a server killed or restarted under it: "Stream removed (Socket closed)").
+    A call that `waited` for the server (wait_for_ready)
     and reached none waits out its deadline, and gRPC says only "Deadline Exceeded": the error
     names the target and what keeps a client from it."""
     details, hint = exc.details() or "", tls_hint(tls)
+    never_made = "Socket closed" in details and CONNECT_FAILED in details  # one made: its TLS was taken
     if exc.code() == grpc.StatusCode.UNAVAILABLE and any(answer in details for answer in HTTP1_ANSWERS):
         details = (
             f"{details} ({target} answered in HTTP/1, not gRPC: it is not an expbuf gRPC server; expbuf's metrics"
             f" port answers so, and its gRPC port is {DEFAULT_PORT} unless `expbuf serve --port` says another)"
         )
-    elif exc.code() == grpc.StatusCode.UNAVAILABLE and "Socket closed" in details and hint:
+    elif exc.code() == grpc.StatusCode.UNAVAILABLE and never_made and hint:
         details = f"{details} ({hint})"
     elif exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED and waited and details == GRPC_DEADLINE:
         details = (
