@@ -5,6 +5,7 @@ out after its head, whatever sizes the payload arrives in, and the rest as parse
 from __future__ import annotations
 
 import random
+import tracemalloc
 
 import pytest
 import torch
@@ -70,6 +71,28 @@ def test_large_items_come_out_in_pieces_that_are_the_stored_data_and_the_rest_as
     assert stream.generated[0] == 20_000
     assert pack_item(stream.items[1]) == pack_item(parsed[1])  # a small item: its data kept whole
     assert stream.holds < len(payload)
+
+
+def test_opening_a_streamed_payload_makes_no_buffer_for_what_it_will_hold() -> None:
+    """A push in chunks opens its payload's stream, from the first chunk alone, before it reserves
+    what the stream `holds` under max_inflight_bytes and waits for room: the small items' buffers
+    were made there, each as large as the head declares (a 4 MiB message declaring 382 MB made a
+    server allocate 382 MB, uncounted). They are made as their bytes come."""
+    pushed = [experience(0, 30_000), *(experience(task, 6_000) for task in range(1, 41))]
+    payload = trxp.build([trxp.from_experience(one) for one in pushed])
+    first = 1 << 16
+    tracemalloc.start()
+    try:
+        opened = tracemalloc.get_traced_memory()[0]
+        stream = StreamedPayload(memoryview(payload)[:first], len(payload), CHUNK)
+        made = tracemalloc.get_traced_memory()[0] - opened
+    finally:
+        tracemalloc.stop()
+    kept = stream.holds - stream.head_length - len(stream.large) * CHUNK
+    assert stream.large == [0] and kept > 40 * 6_000 * 8  # the small items' tokens and log-probs, at least
+    assert made < kept / 10, (made, kept)
+    again, _ = streamed(payload, [first, 4096, 77_777])
+    assert [pack_item(item) for item in again.items[1:]] == [pack_item(item) for item in trxp.parse(payload)[1:]]
 
 
 @pytest.mark.parametrize(

@@ -71,13 +71,16 @@ class StreamedPayload:
         large = set(self.large)
         # Each large item's response tokens under its action mask, counted as the mask passes.
         self.generated = {index: self.items[index].response_length for index in self.large}
-        # Where each tensor's bytes go, in the data's order: (end, item, name, buffer or None).
-        self._spans: list[tuple[int, int, str, bytearray | None]] = []
+        # Where each tensor's bytes go, in the data's order: (end, item, name, the bytes kept of it:
+        # -1 for a large item's, which go into pieces).
+        self._spans: list[tuple[int, int, str, int]] = []
         for _, end, item, name in places:
-            size_of = _nbytes(self.items[item].tensors[name])
-            self._spans.append((end, item, name, None if item in large else bytearray(size_of)))
+            self._spans.append((end, item, name, -1 if item in large else _nbytes(self.items[item].tensors[name])))
             if item in large and name == "action_mask":
                 self.generated[item] = 0
+        # A kept tensor's buffer (by its span), made as its first byte comes: a push in chunks opens
+        # this before it reserves what it `holds` under max_inflight_bytes, and waits for room.
+        self._kept: dict[int, bytearray] = {}
         self._carry = b""  # the bytes of a mask's element that a feed cut in two
         self._span = 0
         self._at = 0  # bytes of the data seen
@@ -88,7 +91,7 @@ class StreamedPayload:
     def holds(self) -> int:
         """The most this payload holds at once: its head, the data of its items that are not
         large, a piece per large item."""
-        kept = sum(len(buffer) for *_, buffer in self._spans if buffer is not None)
+        kept = sum(size for *_, size in self._spans if size > 0)
         return self.head_length + kept + len(self.large) * self.chunk_bytes
 
     def feed(self, data: Run) -> list[Piece]:
@@ -99,10 +102,13 @@ class StreamedPayload:
         while pos < len(view):
             if self._span >= len(self._spans):
                 raise ValueError("more tensor data than the payload's head declares")
-            end, item, name, buffer = self._spans[self._span]
+            end, item, name, size = self._spans[self._span]
             take = min(len(view) - pos, end - self._at)
             part = view[pos : pos + take]
-            if buffer is not None:
+            if size >= 0:
+                buffer = self._kept.get(self._span)
+                if buffer is None:
+                    buffer = self._kept[self._span] = bytearray(size)
                 buffer[self._kept_at : self._kept_at + take] = part
                 self._kept_at += take
             if item in self.heads:
@@ -150,8 +156,9 @@ class StreamedPayload:
             if filled:
                 last.append((item, number, memoryview(piece)[:filled]))
         self._piece.clear()
-        for _, item, name, buffer in self._spans:
-            if buffer is not None:
+        for span, (_, item, name, size) in enumerate(self._spans):
+            if size >= 0:  # an empty tensor's buffer: none came
+                buffer = self._kept.pop(span, None) or bytearray(size)
                 tensor = self.items[item].tensors[name]
                 self.items[item].tensors[name] = RawTensor(tensor.dtype, tensor.shape, memoryview(buffer))
         return last
