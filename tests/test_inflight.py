@@ -9,6 +9,7 @@ import itertools
 import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent import futures
 from typing import Any
 
 import grpc
@@ -16,7 +17,7 @@ import pytest
 from google.protobuf.message import DecodeError
 
 from expbuf.client import AsyncBufferClient, BufferClient, trxp
-from expbuf.client.rpc.wire import reason_of
+from expbuf.client.rpc.wire import BUSY, reason_of
 from expbuf.client.schema.reasons import Reason
 from expbuf.client.shards.blocking import ShardedBufferClient
 from expbuf.proto.v1 import buffer_pb2 as pb
@@ -402,8 +403,10 @@ def cap_held(stub: pb_grpc.ExperienceBufferStub, server: ExpbufServer, body: byt
 
 def test_pushes_in_chunks_are_admitted_by_the_total_they_announce(start_server: Servers) -> None:
     """Four pushes in chunks, each announcing more than half of max_inflight_bytes: the first to
-    come reserves what it announces (and a chunk on its way), and the others wait, holding
-    nothing, until it is stored."""
+    come reserves what it announces (and a chunk on its way); one other waits with its first chunk
+    counted, and the other two are refused at once as busy, having stored nothing (a client sends
+    them again). Each that waited gave its first chunk back uncounted while it sat in memory: four
+    pushes of 68 MB in chunks of 24 MiB under a cap of 96 MiB grew a server 698 MiB."""
     cap = 1 << 20
     server = start_server(max_inflight_bytes=cap)
     bodies = [trxp.build(group_items(f"b{n}", 0, 1, response=70_000)) for n in range(4)]
@@ -414,15 +417,42 @@ def test_pushes_in_chunks_are_admitted_by_the_total_they_announce(start_server: 
         calls = [held_back(stub, chunks(body, PART, seq=n), go) for n, body in enumerate(bodies)]
         try:
             deadline = time.monotonic() + 30
-            while not (server.inflight.held in {len(body) + PART for body in bodies} and server.inflight.waiting == 3):
+            totals = {len(body) + PART for body in bodies}
+            while not (
+                server.inflight.held - PART in totals
+                and server.inflight.waiting == 1
+                and sum(call.done() for call in calls) == 2
+            ):
                 assert time.monotonic() < deadline, (
-                    f"pushes in chunks hold {server.inflight.held} bytes, not the total one of them announced"
+                    f"pushes in chunks hold {server.inflight.held} bytes, {server.inflight.waiting} waiting, "
+                    f"{sum(call.done() for call in calls)} ended"
                 )
                 time.sleep(0.02)
+            refused = [call for call in calls if call.done()]
         finally:
             go.set()
-        replies = [list(call) for call in calls]
-    assert [[len(reply.stored_uids) for reply in stream] for stream in replies] == [[1]] * 4
+        stored = [[len(reply.stored_uids) for reply in call] for call in calls if call not in refused]
+    assert stored == [[1]] * 2
+    for call in refused:
+        assert call.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "already waits for room" in call.details()
+        assert dict(call.trailing_metadata() or ()).get(BUSY) == "1"
+    assert held_drops_to_zero(server)
+
+
+def test_pushes_in_chunks_past_max_inflight_bytes_are_each_stored_once_by_their_clients(start_server: Servers) -> None:
+    """Six clients push in chunks at once, each push more than half of max_inflight_bytes: those
+    refused as busy are sent again by their clients, and every one is stored once."""
+    cap = 1 << 20
+    server = start_server(max_inflight_bytes=cap)
+    bodies = [trxp.build(group_items(f"c{n}", 0, 1, response=70_000)) for n in range(6)]
+
+    def push(body: bytes) -> list[str]:
+        with BufferClient(f"127.0.0.1:{server.port}", timeout=60, push_chunk_bytes=PART) as client:
+            return client.push(body).stored
+
+    with futures.ThreadPoolExecutor(len(bodies)) as pool:
+        stored = list(pool.map(push, bodies))
+    assert [len(uids) for uids in stored] == [1] * 6
     assert held_drops_to_zero(server)
 
 

@@ -125,6 +125,11 @@ class InFlight:
 
         return read
 
+    def hold_now(self, size: int, owner: object = None) -> Callable[[], None] | None:
+        """Hold `size` bytes (of `owner`'s) if they fit beside what is held now; None if not."""
+        with self._changed:
+            return self.hold(size, owner) if self._held + size <= self.limit else None
+
     def holders(self) -> str:
         """What holds the room, for a refusal: the payload of the pushes and PutValues in progress,
         and what the reads begun for a declared message hold for it."""

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import collections
 import mmap
+import threading
 import time
 from collections.abc import Callable, Generator, Iterator
 from typing import Any, TypeVar
@@ -67,6 +68,7 @@ class ChunkReader:
     ) -> None:
         self.inflight, self.stager, self.stream_wait = inflight, stager, stream_wait
         self.min_mb_per_second, self.grace, self.max_push_bytes = min_mb_per_second, grace, max_push_bytes
+        self._waiting = threading.Lock()  # held by the one push in chunks that waits for room (`_reserve`)
 
     def read(
         self, first: PushMessage, requests: Iterator[Any], context: grpc.ServicerContext, owner: object
@@ -124,12 +126,15 @@ class ChunkReader:
 
     def _reserve(self, first: PushMessage, context: grpc.ServicerContext, owner: object, size: int) -> None:
         """Hold what a push in chunks will hold at most (`size`: what it announces, total_bytes, or
-        what staging it holds, and a chunk on its way) in place of its first chunk, once it fits
-        beside what pushes in progress hold (waiting as a message's read does); refused at once
-        when larger than the cap, which it could never fit under."""
+        what staging it holds, and a chunk on its way), its first chunk counted in it all along:
+        at once where it fits beside what pushes in progress hold; else one such push at a time
+        waits for room (as a message's read does), and another is refused at once as busy, having
+        done nothing (its client sends it again after a pause). Each one that waited did so with
+        its first chunk read and given back uncounted, so that many of them held a chunk each
+        beyond the cap. Refused at once when larger than the cap, which it could never fit under."""
         total, limit = first.total_bytes, self.inflight.limit
-        first.release()
         if size > limit:
+            first.release()
             raise Refusal(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"PushRequest: a payload in chunks of total_bytes = {total} holds {size} bytes as it is read, "
@@ -137,10 +142,30 @@ class ChunkReader:
                 "(raise it with EXPBUF_MAX_INFLIGHT_BYTES or in the config file, or push less at once)",
                 Reason.TOO_LARGE,
             )
-        what = f"a push in chunks of total_bytes = {total} waited for room: "
-        held = self.inflight.reserve(size, min(self.stream_wait, remaining(context)), owner, what)
-        if isinstance(held, str):
-            raise Refusal(grpc.StatusCode.RESOURCE_EXHAUSTED, held, Reason.INFLIGHT_FULL)
+        counted = min(len(first.payload), size)
+        kept = self.inflight.hold(counted)  # not its stream's: a stream's own holds stop its wait's clock
+        first.release()
+        first.held.append(kept)
+        held = self.inflight.hold_now(size - counted, owner)
+        if held is None:
+            if not self._waiting.acquire(blocking=False):
+                raise Refusal(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"a push in chunks of total_bytes = {total} holds {size} bytes as it is read, which do not fit "
+                    f"beside what pushes in progress hold ({self.inflight.holders()}, max_inflight_bytes = {limit}), "
+                    "and another push in chunks already waits for room: nothing of it was stored; send it again "
+                    "after a pause (expbuf's clients do so within its deadline)",
+                    Reason.BUSY,
+                    busy=True,
+                )
+            try:
+                what = f"a push in chunks of total_bytes = {total} waited for room: "
+                waited = self.inflight.reserve(size - counted, min(self.stream_wait, remaining(context)), owner, what)
+            finally:
+                self._waiting.release()
+            if isinstance(waited, str):
+                raise Refusal(grpc.StatusCode.RESOURCE_EXHAUSTED, waited, Reason.INFLIGHT_FULL)
+            held = waited
         first.held.append(held)
 
     def _pieces(

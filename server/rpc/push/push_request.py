@@ -50,15 +50,16 @@ class PushMessage:
 class Refusal(Exception):
     """A PushStream message refused as it was read: the status the stream ends with in its turn."""
 
-    def __init__(self, code: grpc.StatusCode, details: str, reason: Reason) -> None:
+    def __init__(self, code: grpc.StatusCode, details: str, reason: Reason, *, busy: bool = False) -> None:
         super().__init__(details)
         self.code, self.details, self.reason = code, details, reason
+        self.busy = busy  # it did nothing: the same push later may get in (wire.BUSY)
         self.table = ""  # the table its message named, where it was read on another thread than the call's
 
     def abort(self, context: grpc.ServicerContext) -> NoReturn:
         if self.table:
             CALL_TABLE.set(self.table)  # the call's refusal is counted against it (interceptors/metrics.py)
-        refuse(context, self.code, self.details, self.reason)
+        refuse(context, self.code, self.details, self.reason, self.busy)
 
 
 def _varint(data: bytes, pos: int) -> tuple[int, int]:
