@@ -301,13 +301,36 @@ def test_a_call_described_not_to_retry_and_a_call_that_is_not_idempotent_are_mad
         call(kind, front.target, "writers", "default", 1)  # opening a writer twice would count two
     front.refuse("Writers", 1)
     assert call(kind, front.target, "writers", "default", 0) == (0, False)  # a read: retried
-    front.refuse("Ack", 1)
+    front.refuse("Delete", 1)
     with pytest.raises(UnavailableError):
-        call(kind, front.target, "ack", "no-such-lease")
-    with pytest.raises(NotFoundError):  # the server's own answer, once the front lets it through
-        call(kind, front.target, "ack", "no-such-lease")
-    assert (front.attempts("Writers"), front.attempts("Ack")) == (3, 2)
-    assert (served(server, "Writers"), served(server, "Ack")) == (1, 1)
+        call(kind, front.target, "delete", ["no-such-uid"])
+    assert call(kind, front.target, "delete", ["no-such-uid"]) == 0  # the server's own answer, let through
+    assert (front.attempts("Writers"), front.attempts("Delete")) == (3, 2)
+    assert (served(server, "Writers"), served(server, "Delete")) == (1, 1)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_an_ack_or_a_nack_whose_reply_was_lost_is_made_again_and_answered_as_the_first(
+    server: ExpbufServer, front: Front, kind: str
+) -> None:
+    """The server remembers the leases an ack, a nack or their expiry ended: an ack whose reply
+    was lost (the connection cut after the server acted) is made again by the retry policy and
+    answers the count the first did; a nack of a lease acked says so. Both raised: the first
+    UNAVAILABLE, the second NotFoundError 'unknown, already acked, or expired and requeued'."""
+    with BufferClient(f"127.0.0.1:{server.port}") as admin:
+        admin.push(group(20), table="default")
+        admin.push(group(21), table="default")
+        leased = list(admin.sample("default", num_groups=1, max_batches=2, delivery="lease"))
+    front.lose("Ack", 1)
+    assert call(kind, front.target, "ack", leased[0].lease_id) == 4
+    front.lose("Nack", 1)
+    assert call(kind, front.target, "nack", leased[1].lease_id) == 4
+    with pytest.raises(NotFoundError, match="was acked: its groups are consumed"):
+        call(kind, front.target, "nack", leased[0].lease_id)
+    assert (front.attempts("Ack"), front.attempts("Nack")) == (2, 3)
+    with BufferClient(f"127.0.0.1:{server.port}") as admin:
+        stats = admin.stats("default")["default"]
+    assert (stats.consumed, stats.ready) == (4, 4)
 
 
 @pytest.mark.parametrize("kind", KINDS)

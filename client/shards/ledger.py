@@ -77,7 +77,7 @@ def merge_pages(pages: Sequence[PromptPage], limit: int) -> PromptPage:
     return PromptPage(rows, max((page.after for page in pages if page.after is not None), default=None), True)
 
 
-def check_claim(count: object, wait: object) -> None:
+def claim_in_bounds(count: object, wait: object) -> None:
     """Refuse a claim's count or wait as one server does, before any shard is asked: the shards'
     parts of a count past MAX_PROMPTS_PER_CALL each fit, and a negative wait is sent to none."""
     if not isinstance(count, int) or isinstance(count, bool) or not 1 <= count <= MAX_PROMPTS_PER_CALL:
@@ -158,7 +158,7 @@ class LedgerPlans(Planned):
         self, table: str, dataset: str, count: int, lease_seconds: float, owner: str, wait: float
     ) -> Plan[Claim]:
         """Prompts from every shard that has some now; else, up to `wait`, from the first that has."""
-        check_claim(count, wait)
+        claim_in_bounds(count, wait)
         deadline = time.monotonic() + wait
         shards = self.ledger_shards()
         turn, self._turn = self._turn, self._turn + 1

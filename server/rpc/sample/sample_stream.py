@@ -231,7 +231,7 @@ def stream_batches(
                     yield from window.settle(draining, context)
                     raise
                 yield from window.told()
-                if isinstance(batch, Told):  # a delivery told of while it waits for data: the wait goes on
+                if isinstance(batch, DeliveryTold):  # a delivery told of while it waits for data: the wait goes on
                     continue
                 deadline = None
                 if batch is None:
@@ -288,11 +288,11 @@ def stream_batches(
         window.close(context)
 
 
-class Told:
+class DeliveryTold:
     """What `_Window.take` returns where it delivered batches a client that awaits delivery is to be told of."""
 
 
-TOLD = Told()
+DELIVERY_TOLD = DeliveryTold()
 
 
 class _Window:
@@ -456,12 +456,12 @@ class _Window:
         if self.overdue() and not self.client.done:
             self.end_overdue(context)
 
-    def take(self, deadline: float, context: grpc.ServicerContext) -> Sampled | Told | None:
+    def take(self, deadline: float, context: grpc.ServicerContext) -> Sampled | DeliveryTold | None:
         """The next batch, its wait for data ending at `deadline` (monotonic clock), delivering
         the confirmed ones in its commit. A confirmation that arrives while it waits for data is
         delivered at once (the wait then goes on): a batch the client has is never held for the
         whole wait, a lease's clock starts when it is confirmed, and a replayed group is back for
-        the batch that waits. A client that awaits delivery is told of it first (TOLD: the
+        the batch that waits. A client that awaits delivery is told of it first (DELIVERY_TOLD: the
         caller tells it, then takes again with the same deadline)."""
         client = self.client
         while True:
@@ -495,7 +495,7 @@ class _Window:
             if client.stopped or client.broken or client.interrupted:
                 return None
             if self.tells and (committed or client.received > seen):
-                return TOLD
+                return DELIVERY_TOLD
             if client.received == seen or not context.is_active() or time.monotonic() >= deadline:
                 return None
 

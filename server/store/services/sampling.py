@@ -223,16 +223,17 @@ class Sampling:
         return result
 
     def ack(self, lease_id: str, table: str | None = None, owner: str = "") -> int:
-        """Consume the groups of a lease; returns the experiences acknowledged. With a
-        table (a caller's request), the lease must be of that table and that owner."""
+        """Consume the groups of a lease; returns the experiences acknowledged (again, for an ack
+        made again after its reply was lost: TableLeases.end). With a table (a caller's request),
+        the lease must be of that table and that owner."""
         return self.environment.submit(
-            lambda txn: self.leases.end(txn, lease_id, requeue=False, table=table, owner=owner)
+            lambda txn: self.leases.end(txn, lease_id, requeue=False, table=table, owner=owner, said="acked")
         )
 
     def nack(self, lease_id: str, table: str | None = None, owner: str = "") -> int:
         """Return the groups of a lease to the buffer; returns the experiences requeued."""
         return self.environment.submit(
-            lambda txn: self.leases.end(txn, lease_id, requeue=True, table=table, owner=owner)
+            lambda txn: self.leases.end(txn, lease_id, requeue=True, table=table, owner=owner, said="nacked")
         )
 
     def give_back(self, lease_id: str, table: str, owner: str = "") -> int:

@@ -27,7 +27,9 @@ the upkeep for the expired ones (services/upkeep.py).
 from __future__ import annotations
 
 import random
+from collections import OrderedDict
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import lmdb
 
@@ -41,6 +43,27 @@ from ..schema.errors import Forbidden, InvalidRequest, NotFound, clip, taken_wit
 from ..schema.sample_spec import TakeSpec, check_seconds
 from .catalog import TableCatalog
 
+# The leases ended by an ack, a nack or their expiry that a server remembers, the latest ones (in
+# memory, for its run: about 200 bytes each): an ack or a nack made again after its reply was lost
+# answers as the first did, and one made after another end says which.
+ENDED_KEPT = 16384
+# What each remembered end did, for a call that meets it.
+ENDINGS = {
+    "acked": "its groups are consumed",
+    "nacked": "its groups went back to the buffer",
+    "expired": "its lease_seconds passed before an ack, and its groups went back to the buffer, to be served again",
+}
+
+
+@dataclass(frozen=True)
+class EndedLease:
+    """A lease an ack, a nack or its expiry ended: how, its table and owner, and what it answered."""
+
+    how: str  # a key of ENDINGS
+    table_id: int
+    owner: str
+    count: int
+
 
 class TableLeases:
     """Every lease of a data directory's tables, over its catalog (the tables' states)."""
@@ -49,6 +72,7 @@ class TableLeases:
         self.catalog = catalog
         self.db = catalog.db
         self.requeued = requeued  # a table whose groups came back: the next upkeep pass visits it (evict_stale)
+        self._ended: OrderedDict[str, EndedLease] = OrderedDict()  # ENDED_KEPT; the writer's alone
 
     def grant(self, txn: lmdb.Transaction[bytes], batch: Sampled, table_id: int, *, hold: bool, owner: str) -> None:
         """The lease of a batch just taken (its groups LEASED under `batch.lease_id`): held
@@ -126,12 +150,19 @@ class TableLeases:
         expired: bool = False,
         table: str | None = None,
         owner: str = "",
+        said: str = "",
     ) -> int:
         """End a lease: its groups consumed (an ack), or back to the buffer (`requeue`: a nack,
         its expiry, a hold released); returns the experiences. `unsent`: a Sample stream gives
         back a batch its client did not confirm (or a start, one held by an earlier run), which
         then goes back uncounted as sampled while it is held; a client's nack counts it, as the
-        client has it (its confirmation may not have been delivered yet)."""
+        client has it (its confirmation may not have been delivered yet). `said`: "acked" or
+        "nacked", a client's call, which made again for a lease it ended answers as it did (its
+        reply was lost), and for a lease another end ended says which (NotFound)."""
+        if said:
+            again = self._again(txn, lease_id, table, owner, said)
+            if again is not None:
+                return again
         lease = self.checked(txn, lease_id, table, owner)
         leases.delete(txn, self.db, lease_id, lease)
         tt = self.catalog.state_of(txn, lease.table_id)
@@ -148,7 +179,27 @@ class TableLeases:
         if expired:
             tt.counters.leases_expired += 1
         tt.save()
+        if said or expired:
+            self._ended[lease_id] = EndedLease(said or "expired", lease.table_id, lease.owner, count)
+            self._ended.move_to_end(lease_id)
+            if len(self._ended) > ENDED_KEPT:
+                self._ended.popitem(last=False)
         return count
+
+    def _again(
+        self, txn: lmdb.Transaction[bytes], lease_id: str, table: str | None, owner: str, said: str
+    ) -> int | None:
+        """What an ack or a nack (`said`) of a lease that no longer exists answers where this server
+        remembers its end: the first one's count where the same call ended it; else None (`checked`
+        says it is unknown), or NotFound saying how it ended."""
+        ended = self._ended.get(lease_id)
+        if ended is None or leases.lease_of(txn, self.db, lease_id) is not None:
+            return None
+        if table is not None and (self.catalog.lookup(table)[0] != ended.table_id or ended.owner != owner):
+            return None
+        if ended.how == said:
+            return ended.count
+        raise NotFound(f"lease '{clip(lease_id)}' was {ended.how}: {ENDINGS[ended.how]}")
 
     def fail_stage(
         self, txn: lmdb.Transaction[bytes], lease_id: str, failed: dict[str, str], *, table: str, owner: str
