@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from expbuf.client import EID, BufferClient, DeadlineExceededError, Experience, UnavailableError, layout
+from expbuf.client import EID, BufferClient, DeadlineExceededError, Experience, layout
 
 from helpers import ServerProcess, passes_started
 from pages import code_blocks, page
@@ -566,7 +566,7 @@ def test_a_batch_whose_ack_failed_is_acked_at_close_never_given_back(
     rb.extend(groups(["a", "b"], 2))
     trained = uids_of(rb.sample())
     assert server.stop(signal.SIGTERM) == 0, "".join(server.log)
-    with pytest.raises(UnavailableError):
+    with pytest.raises(DeadlineExceededError):  # an ack waits for the server (wait_for_ready), for the timeout
         rb.sampler.ack()  # after the last step, as the sampler's docs say
     server = serve(data, "--port", str(port))
     rb.sampler.close()
