@@ -63,3 +63,19 @@ def test_idle_connections_and_a_scrape_storm_leave_the_service_whole(
         answered = [future.result() for future in storm]
     assert any(answered)
     assert ("expbuf_tables", ()) in scrape(port)
+
+
+@pytest.mark.parametrize("shard", ["", "s0"])
+def test_a_scrape_that_names_the_metrics_it_wants_gets_the_stores_too(start_server: Servers, shard: str) -> None:
+    """`?name[]=` (Prometheus's federation, an operator's curl) got none of the store's metrics
+    (their collector told the registry no names) and, on a shard, none at all."""
+    server = start_server(shard=shard)
+    with BufferClient(f"127.0.0.1:{server.port}") as client:
+        client.stats("default")
+    wanted = ("expbuf_buffer_experiences", "expbuf_storage_bytes", "expbuf_rpc_duration_seconds_count")
+    query = "&".join(f"name[]={name}" for name in wanted)
+    body = urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics?{query}", timeout=10).read()
+    series = [line for line in body.decode().splitlines() if line and not line.startswith("#")]
+    assert {line.split("{")[0].split(" ")[0] for line in series} == set(wanted), series
+    if shard:
+        assert all(f'shard="{shard}"' in line for line in series), series

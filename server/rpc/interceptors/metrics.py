@@ -10,10 +10,11 @@ staleness of sampled experiences) is measured here. Each server has its own regi
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, TypeVar
 
 import grpc
@@ -73,7 +74,7 @@ class StoreCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         names = [t.name for t in self.store.list_tables()]
-        yield GaugeMetricFamily("expbuf_tables", "Tables, including those that never held anything.", value=len(names))
+        yield _tables(len(names))
         # A table that never held anything has only zeros to export: left out, so that a
         # scrape's size and cost grow with the tables in use, not with all tables. The default
         # table always is exported, so that every server has its series (a dashboard's list of
@@ -81,6 +82,31 @@ class StoreCollector(Collector):
         tables = {
             name: stats for name in names if (stats := self._stats(name)) and (any(stats.values()) or name == "default")
         }
+        yield from self._families(
+            tables,
+            self.store.scrub_status(),
+            self.store.index_builds(),
+            {name: self._datasets(name) for name in names},
+            self.store.storage_info(),
+        )
+
+    def describe(self) -> Iterator[Metric]:
+        """The families `collect` yields, without its samples and reading nothing: the registry
+        learns their names from it, and a scrape that names the metrics it wants (`?name[]=`)
+        found none of the store's."""
+        yield _tables(0)
+        yield from self._families({}, ScrubStatus(), [], {}, collections.defaultdict(int))
+
+    def _families(
+        self,
+        tables: dict[str, dict[str, Any]],
+        scrub: ScrubStatus,
+        builds: list[IndexBuild],
+        datasets: dict[str, list[DatasetRecord]],
+        storage: Mapping[str, Any],
+    ) -> Iterator[Metric]:
+        """The store's metrics but the count of its tables: of the tables' stats (`tables`: those
+        exported), its scrub, index builds, datasets and storage."""
         experiences = GaugeMetricFamily("expbuf_buffer_experiences", "Experiences by state.", labels=["table", "state"])
         groups = GaugeMetricFamily("expbuf_groups", "Groups by state.", labels=["table", "state"])
         for table, stats in tables.items():
@@ -133,10 +159,9 @@ class StoreCollector(Collector):
         for table, stats in tables.items():
             oldest.add_metric([table], stats["oldest_age_seconds"])
         yield oldest
-        yield from _scrub_metrics(self.store.scrub_status())
-        yield from _build_metrics(self.store.index_builds())
-        yield from _ledger_metrics({name: self._datasets(name) for name in names})
-        storage = self.store.storage_info()
+        yield from _scrub_metrics(scrub)
+        yield from _build_metrics(builds)
+        yield from _ledger_metrics(datasets)
         yield GaugeMetricFamily(
             "expbuf_storage_bytes", "Bytes of the LMDB data file in use.", value=storage["used_bytes"]
         )
@@ -170,6 +195,10 @@ class StoreCollector(Collector):
             return self.store.datasets(table, by_epoch=False)
         except NotFound:
             return []
+
+
+def _tables(count: int) -> Metric:
+    return GaugeMetricFamily("expbuf_tables", "Tables, including those that never held anything.", value=count)
 
 
 def _scrub_metrics(scrub: ScrubStatus) -> Iterator[Metric]:
@@ -290,6 +319,11 @@ class ShardLabel(Collector):
         for metric in self.inner.collect():
             metric.samples = [s._replace(labels={"shard": self.shard, **s.labels}) for s in metric.samples]
             yield metric
+
+    def describe(self) -> Iterator[Metric]:
+        """The families of the registry it labels (a scrape of the server's start), so that a scrape
+        that names the metrics it wants (`?name[]=`) finds them: it found none of a shard's."""
+        yield from self.inner.collect()
 
 
 class Metrics:
