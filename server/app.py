@@ -44,8 +44,8 @@ from .rpc.interceptors.unreadable import UnreadableRequests
 from .rpc.push.inflight import InFlight, few_arenas, receive_window
 from .rpc.push.ingest import Ingest, Stager
 from .rpc.push.push_memory import PushMemory
+from .rpc.sample.client_side import Confirmations
 from .rpc.sample.replies import PassBytes, keep_reply_memory
-from .rpc.sample.sample_stream import Confirmations
 from .rpc.sample.stalled_sends import StalledSends
 from .rpc.service import ExperienceBufferService
 from .store import ComputeJob, Store, TableExtension

@@ -17,7 +17,7 @@ import pytest
 from expbuf.client import BufferClient, ExpbufError
 from expbuf.proto.v1 import buffer_pb2 as pb
 from expbuf.proto.v1 import buffer_pb2_grpc as pb_grpc
-from expbuf.server.rpc.sample import sample_stream
+from expbuf.server.rpc.sample.window import StreamWindow
 
 from conftest import Servers
 from helpers import Conversation, SlowReplies, fill, group_items, settle
@@ -447,15 +447,15 @@ def test_a_confirmation_that_comes_while_the_one_before_is_delivered_is_delivere
     next: a trainer training on a batch it had confirmed held it leased, not consumed, until it
     confirmed another; found failing once in CI). Each delivery here is held a while after it is
     made, for the next confirmation to come in between."""
-    deliver = sample_stream._Window.deliver_confirmed
+    deliver = StreamWindow.deliver_confirmed
 
-    def slowly(window: sample_stream._Window) -> None:
+    def slowly(window: StreamWindow) -> None:
         delivered = bool(window.confirmed or window.client.received > window.sent - len(window.unconfirmed))
         deliver(window)
         if delivered and window.sent == 3:
             time.sleep(1.0)
 
-    monkeypatch.setattr(sample_stream._Window, "deliver_confirmed", slowly)
+    monkeypatch.setattr(StreamWindow, "deliver_confirmed", slowly)
     server = start_server()
     with BufferClient(f"127.0.0.1:{server.port}", timeout=10) as client:
         client.create_table("t", group_size=2, estimator="none")

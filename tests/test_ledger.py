@@ -178,7 +178,7 @@ def test_a_claim_that_ends_sends_its_prompt_back_first_and_its_old_attempt_is_re
 def test_a_group_dropped_as_its_claim_ends_is_counted_under_a_reason(store: Store, clock: Clock) -> None:
     """expbuf_groups_dropped_total's reasons sum to Stats.groups_dropped: a group dropped as its
     prompt's claim ended was counted in groups_dropped under no reason (a helper's audit)."""
-    from expbuf.server.rpc.interceptors.metrics import StoreCollector
+    from expbuf.server.rpc.interceptors.store_metrics import StoreCollector
 
     store.claims.create("t", DatasetRecord("math", size=3))
     (lost,), _ = store.claims.claim("t", "math", 1, seconds=10)

@@ -14,7 +14,7 @@ import pytest
 
 from expbuf.client import BufferClient, Experience, Prompt
 from expbuf.server.app import ExpbufServer
-from expbuf.server.rpc.interceptors.metrics import StoreCollector
+from expbuf.server.rpc.interceptors.store_metrics import StoreCollector
 from expbuf.server.store import Store
 from expbuf.server.store.ledger.records import DatasetRecord
 from expbuf.server.store.schema.table_config import TableConfig

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import random
 import shutil
@@ -10,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 
@@ -261,14 +263,21 @@ def test_an_admit_whose_wait_is_out_of_range_is_refused_by_name(server, wait: fl
     assert bad.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "wait_seconds" in bad.value.details()
 
 
-def test_with_tokens_a_grant_is_finished_only_by_the_token_that_took_it(start_server: Servers) -> None:
-    """A grant is bound to the token whose Admit took it, as a lease is: another token's finish
-    is refused and gives no room back, so one job cannot end another's rollouts' admission."""
+@contextlib.contextmanager
+def two_tokens(start_server: Servers) -> Iterator[tuple[BufferClient, BufferClient]]:
+    """Clients of tokens a and b (every scope) of one server, with a's table t: no staleness, batches of two."""
     scopes = frozenset({"push", "sample", "admin"})
     server = start_server(tokens={"a": scopes, "b": scopes})
     target = f"127.0.0.1:{server.port}"
     with BufferClient(target, token="a", timeout=20) as a, BufferClient(target, token="b", timeout=20) as b:
         a.create_table("t", estimator="none", max_staleness=0, batch_size=2)
+        yield a, b
+
+
+def test_with_tokens_a_grant_is_finished_only_by_the_token_that_took_it(start_server: Servers) -> None:
+    """A grant is bound to the token whose Admit took it, as a lease is: another token's finish
+    is refused and gives no room back, so one job cannot end another's rollouts' admission."""
+    with two_tokens(start_server) as (a, b):
         grant = a.admit("t", 2)
         assert grant.count == 2
         with pytest.raises(PermissionDeniedError, match="another token"):
@@ -305,11 +314,7 @@ def test_the_client_names_each_grant_and_a_name_is_bound_to_its_token(start_serv
     """The client names every grant it asks for (so that its own retries, and an adapter's across
     a restart, take no second one); another token's admit under that name is refused, as its
     finish is."""
-    scopes = frozenset({"push", "sample", "admin"})
-    server = start_server(tokens={"a": scopes, "b": scopes})
-    target = f"127.0.0.1:{server.port}"
-    with BufferClient(target, token="a", timeout=20) as a, BufferClient(target, token="b", timeout=20) as b:
-        a.create_table("t", estimator="none", max_staleness=0, batch_size=2)
+    with two_tokens(start_server) as (a, b):
         named = a.admit("t", 1)
         assert len(named.grant_id) == 32 and int(named.grant_id, 16) >= 0
         assert a.admit("t", 1, grant_id=named.grant_id) == named

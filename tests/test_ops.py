@@ -48,7 +48,8 @@ from expbuf.server.cli import build_parser
 from expbuf.server.commands.stats import COLUMNS, rates_between, render
 from expbuf.server.config import ServerConfig, load
 from expbuf.server.rpc.interceptors.limits import CallLimits, call_limits
-from expbuf.server.rpc.interceptors.metrics import Metrics, StoreCollector
+from expbuf.server.rpc.interceptors.metrics import Metrics
+from expbuf.server.rpc.interceptors.store_metrics import StoreCollector
 from expbuf.server.rpc.service import ExperienceBufferService
 from expbuf.server.store import Store
 from expbuf.server.store.disk import layout
