@@ -58,7 +58,8 @@ def rollout_worker(target: str, worker: int, stop: threading.Event) -> None:
             accepted = 0
             for _ in range(grant.count):
                 group = [rollout(worker, task, run, version) for run in range(GROUP_SIZE)]
-                accepted += len(client.push(group, table=TABLE).stored) == GROUP_SIZE
+                # kept: stored now, or by an earlier try whose reply was lost
+                accepted += len(client.push(group, table=TABLE).kept) == GROUP_SIZE
                 task += 1
             client.finish_grant(grant, accepted=accepted)  # dropped groups give their room back
 

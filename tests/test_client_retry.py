@@ -32,6 +32,7 @@ from expbuf.client import (
     BufferClient,
     DeadlineExceededError,
     ExpbufError,
+    InvalidArgumentError,
     NotFoundError,
     PushResult,
     ResourceExhaustedError,
@@ -217,7 +218,8 @@ def test_a_push_whose_reply_was_lost_is_sent_again_and_answered_as_duplicates(
     body = group(1)
     front.lose("Push", 1)
     result = call(kind, front.target, "push", body)
-    assert (result.stored, result.duplicates) == ([], uids(body))
+    assert (result.stored, result.duplicates, result.completed_groups) == ([], uids(body), [])
+    assert result.kept == uids(body)  # what an admission's finish counts as accepted
     assert front.attempts("Push") == served(server, "Push") == 2
 
 
@@ -331,6 +333,54 @@ def test_an_ack_or_a_nack_whose_reply_was_lost_is_made_again_and_answered_as_the
     with BufferClient(f"127.0.0.1:{server.port}") as admin:
         stats = admin.stats("default")["default"]
     assert (stats.consumed, stats.ready) == (4, 4)
+
+
+@pytest.mark.parametrize("kind", ("blocking", "asyncio", "sharded"))
+def test_a_claim_whose_reply_was_lost_is_made_again_and_answered_with_the_prompts_it_claimed(
+    server: ExpbufServer, front: Front, kind: str
+) -> None:
+    """A claim names its id, so the retry policy makes it again and the server answers the same
+    prompts: the claim raised UNAVAILABLE and its prompts stayed claimed by no one for their lease
+    (300 s), filling max_in_flight, and came back an attempt later (dropped, where that was the
+    last). The sharded client asked the shard again and handed out two more."""
+    with BufferClient(f"127.0.0.1:{server.port}") as admin:
+        admin.create_table("t", group_size=1)
+        admin.create_dataset("t", "d", 4, max_in_flight=3)
+        front.lose("Claim", 1)
+        if kind == "asyncio":
+            claim = call(kind, front.target, "claim", "t", "d", 2)
+        else:
+            with ledger_client(kind, front.target) as client:
+                claim = client.claim("t", "d", 2)
+        assert [(p.index, p.attempt) for p in claim.prompts] == [(0, 0), (1, 0)]
+        assert admin.ledger("t", "d").totals.claimed == 2
+        assert [p.index for p in admin.claim("t", "d", 2).prompts] == [2]  # the room max_in_flight left
+    assert front.attempts("Claim") == 2
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_grants_finish_whose_reply_was_lost_is_made_again_and_answered_as_the_first(
+    server: ExpbufServer, front: Front, kind: str
+) -> None:
+    """The server remembers the grants it saw end: a finish made again (the retry policy's, or its
+    caller's) answers the rollouts the first gave back; one with another count, or of a grant that
+    expired first, says so. The finish raised UNAVAILABLE, then NotFoundError for a grant it had
+    finished, indistinguishable from one whose room all came back."""
+    with BufferClient(f"127.0.0.1:{server.port}") as admin:
+        admin.create_table("t", group_size=1, max_staleness=0, batch_size=4)
+        admin.set_trainer_version(0, "t")
+        grant, short = admin.admit("t", 3), admin.admit("t", 1, grant_seconds=0.2)
+        front.lose("FinishGrant", 1)
+        assert call(kind, front.target, "finish_grant", grant, 1) == 2
+        assert admin.finish_grant(grant, 1) == 2  # a caller's own retry
+        with pytest.raises(InvalidArgumentError, match="was finished with accepted = 1, which gave back 2"):
+            admin.finish_grant(grant, 3)
+        assert admin.stats("t")["t"].submitted == 2
+        time.sleep(0.2)
+        wait_for(lambda: admin.stats("t")["t"].submitted == 1, "the short grant did not expire")
+        with pytest.raises(NotFoundError, match="expired before it was finished: its 1 rollouts' room went back"):
+            admin.finish_grant(short, 1)
+    assert front.attempts("FinishGrant") == 2
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -141,7 +141,7 @@ def test_the_client_page_draws_each_clients_declared_calls_as_its_own_methods() 
         members = package[path].members
         claim = members["claim"]
         names = [p.name for p in claim.parameters]
-        assert names == ["self", "table", "dataset", "count", "lease_seconds", "owner", "wait"], path
+        assert names == ["self", "table", "dataset", "count", "lease_seconds", "owner", "wait", "claim_id"], path
         assert claim.docstring is not None and claim.docstring.value.startswith("Up to `count` prompts")
         assert ("async" in claim.labels) == awaited, path
         assert {"put_values", "fail_runs", "create_table", "get_partials", "report_prompts"} <= members.keys()

@@ -26,7 +26,7 @@ from expbuf.server.store.ledger.records import (
     prompt_key,
     queue_key,
 )
-from expbuf.server.store.schema.errors import ConfigError, Conflict, Forbidden, NotFound, StaleAttempt
+from expbuf.server.store.schema.errors import ConfigError, Conflict, Forbidden, InvalidRequest, NotFound, StaleAttempt
 from expbuf.server.store.schema.sample_spec import TakeSpec
 from expbuf.server.store.schema.table_config import TableConfig
 
@@ -223,6 +223,50 @@ def test_release_renew_and_another_tokens_claims(store: Store, clock: Clock) -> 
     assert store.claims.release("t", "math", [(a.epoch, a.index, a.attempt)], holder="token-a") == 0
     back, _ = store.claims.claim("t", "math", 3, seconds=10)
     assert [(p.index, p.attempt) for p in back] == [(1, 1), (0, 1), (2, 0)]
+
+
+def test_a_claim_made_again_under_its_id_answers_what_the_first_handed_out(store: Store, clock: Clock) -> None:
+    """A claim whose reply was lost, made again with its id, hands out no more: its prompts would
+    be held by no one until their lease ended, filling max_in_flight, each spending an attempt."""
+    store.claims.create("t", DatasetRecord("math", size=6, max_in_flight=4))
+    first, _ = store.claims.claim("t", "math", 3, seconds=100, claim_id="a", holder="token-a")
+    again, _ = store.claims.claim("t", "math", 3, seconds=100, claim_id="a", holder="token-a")
+    assert again == first and [p.index for p in first] == [0, 1, 2]
+    assert counts(ledger(store))["claimed"] == 3
+    other, _ = store.claims.claim("t", "math", 3, seconds=100, claim_id="b", holder="token-a")
+    assert [(p.index, p.attempt) for p in other] == [(3, 0)]  # max_in_flight: one more
+    with pytest.raises(Forbidden, match="claimed with another token"):
+        store.claims.claim("t", "math", 3, seconds=100, claim_id="a", holder="token-b")
+    store.claims.release("t", "math", [(p.epoch, p.index, p.attempt) for p in first[:2]], holder="token-a")
+    assert store.claims.claim("t", "math", 3, seconds=100, claim_id="a", holder="token-a")[0] == first[2:]
+    store.claims.release("t", "math", [(first[2].epoch, first[2].index, first[2].attempt)], holder="token-a")
+    anew, _ = store.claims.claim("t", "math", 3, seconds=100, claim_id="a")  # none held: a claim as any
+    assert [(p.index, p.attempt) for p in anew] == [(0, 1), (1, 1), (2, 1)]
+    assert store.claims.claim("t", "math", 3, seconds=100, claim_id="a")[0] == anew
+    assert store.claims.claim("t", "math", 1, seconds=100)[0] == []  # no id: a claim as any, none left
+    with pytest.raises(InvalidRequest, match="claim_id is 65 bytes"):
+        store.claims.claim("t", "math", 1, seconds=100, claim_id="x" * 65)
+
+
+def test_a_claims_id_is_kept_across_a_restart_and_forgotten_when_its_lease_ends(tmp_path: Path, clock: Clock) -> None:
+    with Store(tmp_path / "data", clock=clock) as store:
+        store.create_table(TableConfig.of(name="t", group_size=2, estimator="none"))
+        store.claims.create("t", DatasetRecord("math", size=4))
+        store.claims.create("t", DatasetRecord("code", size=4))
+        first, _ = store.claims.claim("t", "math", 2, seconds=30, claim_id="kept")
+    with Store(tmp_path / "data", clock=clock) as store:  # a server killed before its reply went
+        assert store.claims.claim("t", "math", 2, seconds=30, claim_id="kept")[0] == first
+        assert [p.index for p in store.claims.claim("t", "code", 1, seconds=30, claim_id="kept")[0]] == [0]
+        assert store.verify("t") == []
+        table_id, _ = store.catalog.lookup("t")
+        kept = layout.table_prefix(table_id) + b"k"
+        clock.now += 31
+        store.tick()  # the claims and their ids end
+        with store.environment.read() as txn, txn.cursor(db=store.catalog.db["ledger"]) as cur:
+            assert not (cur.set_range(kept) and bytes(cur.key()).startswith(kept))
+        again, _ = store.claims.claim("t", "math", 2, seconds=30, claim_id="kept")
+        assert [(p.index, p.attempt) for p in again] == [(0, 1), (1, 1)]
+        assert store.verify("t") == []
 
 
 def test_max_in_flight_bounds_claimed_and_generated_prompts(store: Store) -> None:

@@ -16,10 +16,11 @@ import sys
 import threading
 import time
 import urllib.request
-from collections import Counter
+from collections import Counter, defaultdict
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -1082,7 +1083,7 @@ def test_a_waiting_claim_pauses_between_asks_of_shards_that_are_down() -> None:
     done shards are not asked again; the down one is, after pauses that double up to a cap."""
     down = BufferError(grpc.StatusCode.UNAVAILABLE, "down")
     with ShardedBufferClient({"s0": "127.0.0.1:1", "s1": "127.0.0.1:2", "s2": "127.0.0.1:3"}) as client:
-        plan = client._claim("t", "math", 2, 60.0, "", 30.0)
+        plan = client._claim("t", "math", 2, 60.0, "", 30.0, "")
         steps, outcome = [], None
         for _ in range(14):
             step = plan.send(outcome)
@@ -1092,8 +1093,40 @@ def test_a_waiting_claim_pauses_between_asks_of_shards_that_are_down() -> None:
         assert steps[2::2] == [["s1"]] * 6
         assert [step.seconds for step in steps[3::2]] == [POLL_SECONDS[0] * 2**i for i in range(5)] + [POLL_SECONDS[1]]
         with pytest.raises(ShardError, match="shard s1") as nobody:
-            client._run(client._claim("t", "math", 1, 60.0, "", 0.0))  # no shard answers at all: UNAVAILABLE
+            client._run(client._claim("t", "math", 1, 60.0, "", 0.0, ""))  # no shard answers at all: UNAVAILABLE
         assert nobody.value.code == grpc.StatusCode.UNAVAILABLE and set(nobody.value.shards) == set(client.clients)
+
+
+def test_a_shard_that_did_not_answer_a_claim_is_asked_again_under_its_id() -> None:
+    """The claim plan alone: s1's first two claims fail UNAVAILABLE (their replies lost, say), and
+    it is asked again under the id of the claim it did not answer, which the shard answers with
+    what that claim handed out, rather than claim more; each shard under an id of its own. A
+    caller's own claim made again with its `claim_id` asks under the same ids."""
+    down = BufferError(grpc.StatusCode.UNAVAILABLE, "down")
+    failed = Counter[str]()
+
+    def answer(call: Any) -> Any:
+        if call.method != "claim":
+            return object()  # the probe of a shard believed down answers
+        if call.shard == "s1" and failed["s1"] < 2:
+            failed["s1"] += 1
+            return down
+        return Claim([], True)
+
+    with ShardedBufferClient({"s0": "127.0.0.1:1", "s1": "127.0.0.1:2"}) as client:
+        plan, asked, outcome = client._claim("t", "math", 2, 60.0, "", 30.0, ""), defaultdict(list), None
+        with pytest.raises(StopIteration):
+            for _ in range(30):
+                step = plan.send(outcome)
+                calls = [] if isinstance(step, Wait) else list(step)
+                for call in calls:
+                    asked[call.shard] += [call.kwargs["claim_id"]] if call.method == "claim" else []
+                outcome = None if isinstance(step, Wait) else [answer(call) for call in calls]
+        assert len(asked["s1"]) == 3 and len(set(asked["s1"])) == 1
+        assert len(asked["s0"]) == 1 and asked["s0"] != asked["s1"][:1]
+        first, again = ({c.shard: c.kwargs["claim_id"] for c in client._claim(
+            "t", "math", 2, 60.0, "", 30.0, "mine").send(None)} for _ in range(2))  # fmt: skip
+        assert first == again and len(set(first.values())) == 2
 
 
 def test_merged_pages_of_prompts_miss_and_repeat_none() -> None:

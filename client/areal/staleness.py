@@ -128,23 +128,13 @@ class ExpbufStalenessManager(StalenessManager):
         grant = self._running.popleft() if self._running else None
         if grant is None:
             return
-        tries = 0
-
-        def finish() -> int:
-            nonlocal tries
-            tries += 1
-            return self.client.finish_grant(grant, accepted=accepted)
-
-        try:
-            retried(finish, self.client.timeout)
+        try:  # a finish made again after its reply was lost answers as the first (the server remembers it)
+            retried(lambda: self.client.finish_grant(grant, accepted=accepted), self.client.timeout)
         except BufferError as exc:
             if exc.code.name != "NOT_FOUND":
                 self._running.appendleft(grant)
                 raise
-            if tries == 1:  # else the try whose answer was lost finished it
-                log.warning(
-                    "expbuf grant of table '%s' expired before its rollout ended; raise grant_seconds", self.table
-                )
+            log.warning("expbuf grant of table '%s' not finished (%s); raise grant_seconds", self.table, exc)
 
     def on_rollout_accepted(self) -> None:
         with self.lock:

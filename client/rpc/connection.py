@@ -63,19 +63,22 @@ MAX_RETRIES = 4
 DEFAULT_RETRIES = MAX_RETRIES
 SERVICE = "expbuf.v1.ExperienceBuffer"
 # The methods under the retry policy: every call of them is idempotent (an Admit names its grant,
-# so that made again it answers the same one; an Ack or a Nack made again answers as the one that
-# ended its lease did, the server remembering the leases it ended), or is sent with the policy only
-# when it is (a call of one whose `retry` is False, calls/, goes over the channel without it). Not
-# here: Sample (a trainer's stream that breaks raises its error, as it always has), nor any call
-# whose repetition would act twice (FinishGrant, Claim, Delete, Seal, CreateTable, DropTable), nor
-# PushStream: gRPC's retry filter replays a stream's messages sent before its retry, and reports a
-# message the caller sends meanwhile as sent when a replayed one is (it tells them apart by kind
-# only), so that message never goes: the server gets the push cut short. A push in chunks is made
-# again by the client, whole (calls.Attempts).
+# so that made again it answers the same one, as a Claim names its id; an Ack, a Nack or a
+# FinishGrant made again answers as the one that ended its lease or grant did, the server
+# remembering the leases and grants it saw end), or is sent with the policy only when it is (a
+# call of one whose `retry` is False, calls/, goes over the channel without it). Not here: Sample
+# (a trainer's stream that breaks raises its error, as it always has), nor any call whose
+# repetition would act twice (Delete, Seal, CreateTable, DropTable), nor PushStream: gRPC's retry
+# filter replays a stream's messages sent before its retry, and reports a message the caller sends
+# meanwhile as sent when a replayed one is (it tells them apart by kind only), so that message
+# never goes: the server gets the push cut short. A push in chunks is made again by the client,
+# whole (calls.Attempts).
 RETRIED_METHODS = frozenset(
     {
         "Push",
         "Admit",
+        "FinishGrant",
+        "Claim",
         "Ack",
         "Nack",
         "Retire",

@@ -10,6 +10,7 @@ again with the next attempt, and a push into the ended attempt is refused.
 from __future__ import annotations
 
 import math
+import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
@@ -37,6 +38,16 @@ STATES = tuple(PromptState)  # in the ledger's order: pending first, then the st
 # Trinity explorer's batch of tasks, a single controller's training batch of prompts. The
 # clients renew and release any number of claims in calls of at most this many.
 MAX_PROMPTS_PER_CALL = 4096
+# A client's id for one claim (a uuid's 32 hex digits as the clients make it, or the caller's own).
+MAX_CLAIM_ID_BYTES = 64
+
+
+def new_claim_id() -> str:
+    """An id for one claim: the same id on each try of it lets the server answer a repeat with
+    what the first handed out (a reply lost), rather than claim more."""
+    return uuid.uuid4().hex
+
+
 # The prompts a page of list_prompts reads unless told (a request's limit of 0 means it).
 DEFAULT_PAGE = 1000
 

@@ -17,6 +17,7 @@ merges the shards' pages in (epoch, index) order.
 
 from __future__ import annotations
 
+import hashlib
 import math
 import time
 from collections.abc import Iterable, Sequence
@@ -27,7 +28,7 @@ import grpc
 
 from ..errors import BufferError
 from ..rpc.calls.ledger_calls import Outcomes, outcomes_by_dataset
-from ..schema.prompts import DEFAULT_PAGE, MAX_PROMPTS_PER_CALL, Claim, DatasetInfo, Prompt, PromptPage
+from ..schema.prompts import DEFAULT_PAGE, MAX_PROMPTS_PER_CALL, Claim, DatasetInfo, Prompt, PromptPage, new_claim_id
 from .common import shard_error
 from .plans import Planned
 from .poll import POLL_SECONDS, Wait
@@ -88,12 +89,22 @@ def claim_in_bounds(count: object, wait: object) -> None:
 
 @dataclass
 class _Claiming:
-    """What one claim gathered: its prompts, the shards that said done, answered, or were down."""
+    """What one claim gathered: its prompts, the shards that said done, answered, or were down;
+    and each shard's claims answered, which name the id its next claim is made under (`claim_id`)."""
 
+    base: str
     got: list[Prompt] = field(default_factory=list)
     done: set[str] = field(default_factory=set)
     answered: set[str] = field(default_factory=set)
     down: dict[str, BufferError] = field(default_factory=dict)
+    asks: dict[str, int] = field(default_factory=dict)
+
+    def claim_id(self, shard: str) -> str:
+        """The id of the shard's next claim: the same until the shard answers one (a claim whose
+        reply was lost is made again under its id, and answered with what it handed out), then
+        another; the same for a call made again with the same `claim_id`."""
+        key = f"{self.base}\0{shard}\0{self.asks.get(shard, 0)}".encode()
+        return hashlib.blake2b(key, digest_size=16).hexdigest()
 
 
 class LedgerPlans(Planned):
@@ -155,7 +166,7 @@ class LedgerPlans(Planned):
     # ---- claims ------------------------------------------------------------------------------
 
     def _claim(
-        self, table: str, dataset: str, count: int, lease_seconds: float, owner: str, wait: float
+        self, table: str, dataset: str, count: int, lease_seconds: float, owner: str, wait: float, claim_id: str
     ) -> Plan[Claim]:
         """Prompts from every shard that has some now; else, up to `wait`, from the first that has."""
         claim_in_bounds(count, wait)
@@ -163,7 +174,7 @@ class LedgerPlans(Planned):
         shards = self.ledger_shards()
         turn, self._turn = self._turn, self._turn + 1
         ask = {"lease_seconds": lease_seconds, "owner": owner}
-        state = _Claiming()
+        state = _Claiming(claim_id or new_claim_id())
         remaining = turned(shards, turn)
         while remaining and len(state.got) < count:  # those that gave their whole part may have more
             parts = spread(count - len(state.got), remaining)
@@ -186,9 +197,13 @@ class LedgerPlans(Planned):
     ) -> Plan[dict[str, int]]:
         """Claim each shard's part in parallel; what each gave. A shard that refuses fails the
         claim (ShardError, its `result` the Claim of what the others gave: release it, or use it)."""
-        calls = [Call(shard, "claim", (table, dataset, part), ask, quick=None) for shard, part in parts.items()]
+        calls = [
+            Call(shard, "claim", (table, dataset, part), {**ask, "claim_id": state.claim_id(shard)}, quick=None)
+            for shard, part in parts.items()
+        ]
         claims, errors = self._sort(calls, (yield from self._exchange(calls)))
         for shard, claim in claims.items():
+            state.asks[shard] = state.asks.get(shard, 0) + 1
             state.answered.add(shard)
             state.down.pop(shard, None)
             state.got += claim.prompts

@@ -29,6 +29,7 @@ buffer:
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import os
@@ -43,7 +44,7 @@ from trinity.buffer.selector.selector import BaseSelector
 from expbuf.client.errors import BufferError, NotFoundError, PermissionDeniedError
 from expbuf.client.kit.location import connect, is_expbuf_path, parse
 from expbuf.client.kit.retry import retried
-from expbuf.client.schema.prompts import MAX_PROMPTS_PER_CALL, Prompt
+from expbuf.client.schema.prompts import MAX_PROMPTS_PER_CALL, Prompt, new_claim_id
 
 from .claims import RENEWALS_PER_CLAIM, ClaimKeeper
 from .taskset import OWNER_PREFIX, POLL_SECONDS
@@ -124,11 +125,11 @@ class ExpbufSelector(BaseSelector):
         location = self.location
         self._asked += batch_size
         count = min(batch_size + self._owed, MAX_PROMPTS_PER_CALL)
-        while True:  # a server that restarts is waited for (a claim whose reply was lost: back within a lease)
+        while True:  # a server that restarts is waited for (a claim whose reply was lost: answered again)
             claim = retried(
-                lambda: self._client.claim(
-                    location.table, self.dataset, count, lease_seconds=location.lease_seconds,
-                    owner=self._owner, wait=POLL_SECONDS,
+                functools.partial(
+                    self._client.claim, location.table, self.dataset, count, lease_seconds=location.lease_seconds,
+                    owner=self._owner, wait=POLL_SECONDS, claim_id=new_claim_id(),  # each try of it under one id
                 ),
                 self._client.timeout,
             )  # fmt: skip

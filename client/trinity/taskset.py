@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import functools
 import logging
 import os
 import socket
@@ -38,7 +39,7 @@ from trinity.common.constants import StorageType
 from expbuf.client.errors import BufferError, NotFoundError, PermissionDeniedError
 from expbuf.client.kit.location import connect, parse
 from expbuf.client.kit.retry import retried
-from expbuf.client.schema.prompts import DatasetInfo, Prompt
+from expbuf.client.schema.prompts import DatasetInfo, Prompt, new_claim_id
 
 from .claims import RENEWALS_PER_CLAIM, ClaimKeeper
 
@@ -173,18 +174,14 @@ class ExpbufTaskset(BufferReader):
 
     def _claim(self, size: int) -> list[Prompt] | None:
         location = self.location
-        while True:  # a server that restarts is waited for (a claim whose reply was lost: back within a lease)
+        while True:  # a server that restarts is waited for (a claim whose reply was lost: answered again)
             claim = retried(
-                lambda: self._client.claim(
-                    location.table,
-                    location.dataset,
-                    size,
-                    lease_seconds=location.lease_seconds,
-                    owner=self._owner,
-                    wait=POLL_SECONDS,
+                functools.partial(
+                    self._client.claim, location.table, location.dataset, size, lease_seconds=location.lease_seconds,
+                    owner=self._owner, wait=POLL_SECONDS, claim_id=new_claim_id(),  # each try of it under one id
                 ),
                 self._client.timeout,
-            )
+            )  # fmt: skip
             if claim.prompts:
                 self._keeper.hold(claim.prompts)
                 return claim.prompts

@@ -61,6 +61,7 @@ from .services.upkeep import Upkeep
 from .services.values import Values
 from .tables import admission, integrity
 from .tables.catalog import EveryTable, TableCatalog
+from .tables.ended import RecentEnds
 from .tables.integrity import verify
 
 log = logging.getLogger("expbuf.store")
@@ -125,7 +126,8 @@ class Store(ServiceCalls):
         self.extensions = EveryTable(self.catalog)
         # The lazy indexes a table lacks, built in the background from here (index_builds.py).
         self.builds = IndexBuilds(self.environment, self.catalog)
-        self.upkeep = Upkeep(self.environment.env, self.catalog)
+        self.ended_grants = RecentEnds[admission.EndedGrant]()  # a finish made again answers as the first
+        self.upkeep = Upkeep(self.environment.env, self.catalog, self.ended_grants)
         self.sampling = Sampling(
             self.environment, self.catalog, random.Random(seed), batch_stage, self.builds, self.upkeep.mark
         )
@@ -309,9 +311,13 @@ class Store(ServiceCalls):
         def op(tt: TableState) -> int:
             record = admission.read_grant(tt.txn, self.db, grant_id)
             if record is None or record["t"] != table_id:
-                raise admission.unknown_grant(grant_id, table)
+                ended = self.ended_grants.get(grant_id)
+                return admission.finished_again(ended, grant_id, table, table_id, accepted, holder)
             admission.check_owner(record, grant_id, holder)
-            return admission.finish(tt, grant_id, record, accepted)
+            returned = admission.finish(tt, grant_id, record, accepted)
+            owner = record.get("o", "")
+            self.ended_grants.add(grant_id, admission.EndedGrant(False, table_id, owner, accepted, returned))
+            return returned
 
         return self._in_table(table, op)
 

@@ -84,6 +84,8 @@ class AdmissionCalls(ClientSettings):
     @declare(shards=lambda s: s._finish_grant)
     def finish_grant(self, grant: Grant, accepted: int | None = None) -> Plan[int]:
         """End a grant: `accepted` rollouts (None: all) stay counted; the others' room comes back.
+        Made again after its reply was lost, it answers as the first did (the server remembers the
+        grants it saw end, for its run); NotFoundError for a grant that expired first, saying so.
         Sharded: on the shard that granted it."""
         request = pb.FinishGrantRequest(table=grant.table, grant_id=grant.grant_id, accepted=accepted)
-        return Unary("FinishGrant", request, lambda r: r.returned, retry=False)
+        return Unary("FinishGrant", request, lambda r: r.returned, retry=True)

@@ -13,7 +13,16 @@ from typing import Any
 
 from expbuf.proto.v1 import buffer_pb2 as pb
 
-from ...schema.prompts import DEFAULT_PAGE, MAX_PROMPTS_PER_CALL, Claim, DatasetInfo, Prompt, PromptPage
+from ...schema.prompts import (
+    DEFAULT_PAGE,
+    MAX_CLAIM_ID_BYTES,
+    MAX_PROMPTS_PER_CALL,
+    Claim,
+    DatasetInfo,
+    Prompt,
+    PromptPage,
+    new_claim_id,
+)
 from ..declare import ClientSettings, Plan, Steps, Unary, declare
 
 Outcomes = Mapping[Prompt, Sequence[float]] | Iterable[tuple[Prompt, Sequence[float]]]
@@ -66,6 +75,7 @@ class PromptCalls(ClientSettings):
         lease_seconds: float = 300.0,
         owner: str = "",
         wait: float = 0.0,
+        claim_id: str = "",
     ) -> Plan[Claim]:
         """Up to `count` prompts for this rollout worker, under claims that end `lease_seconds`
         from now unless renewed; prompts sent back go out before new ones. Waits up to `wait`
@@ -76,11 +86,18 @@ class PromptCalls(ClientSettings):
         within this client's `max_message_bytes`: a claim of more is refused, before anything
         is claimed, with ResourceExhaustedError (reason `too_large`) naming the count that fits.
 
+        A claim whose reply is lost (a cut connection, a restarted server) is made again, under
+        the id this call gives it (`claim_id`, or a new one): the server answers it with the
+        prompts it handed out the first time and still holds, claiming no more. A caller that
+        makes a claim again itself (its own retries) passes the same `claim_id` to each try.
+
         Sharded: from the shards that have some, a shard that is down left out (its prompts wait
         for it); with none now, waits up to `wait` for one. `done` once every shard says its part
         is done. A shard that refuses raises ShardError, its `result` the Claim of what the others
         gave."""
-        return claim_call(table, dataset, count, lease_seconds, owner, wait, self.timeout, self.max_message_bytes)
+        return claim_call(
+            table, dataset, count, lease_seconds, owner, wait, self.timeout, self.max_message_bytes, claim_id
+        )
 
     @declare(shards=lambda s: s._renew_claims)
     def renew_claims(self, prompts: Iterable[Prompt], seconds: float) -> Steps[list[Prompt]]:
@@ -236,21 +253,26 @@ def claim_call(
     wait: float,
     timeout: float,
     max_reply_bytes: int = 0,
+    claim_id: str = "",
 ) -> Unary[Claim]:
     """The Claim call of PromptCalls.claim, which says what this client receives
     (`max_reply_bytes`, its max_message_bytes), so that the server refuses a claim whose reply it
-    could not take before claiming anything (0: the server's max_message_bytes alone bounds it)."""
+    could not take before claiming anything (0: the server's max_message_bytes alone bounds it).
+    Made again under the retry policy with its id (a new one where none is given): the server
+    answers a repeat with what the first handed out, so a lost reply claims nothing twice."""
     if not isinstance(count, int) or isinstance(count, bool) or count < 1:
         raise ValueError(f"claim: count must be a positive integer, got {count!r}")
+    if not isinstance(claim_id, str) or len(claim_id.encode()) > MAX_CLAIM_ID_BYTES:
+        raise ValueError(f"claim: claim_id must be a str of at most {MAX_CLAIM_ID_BYTES} bytes, got {claim_id!r}")
     request = pb.ClaimRequest(
         table=table, dataset=dataset, count=count, lease_seconds=lease_seconds, owner=owner, wait_seconds=wait,
-        max_reply_bytes=max_reply_bytes,
+        max_reply_bytes=max_reply_bytes, claim_id=claim_id or new_claim_id(),
     )  # fmt: skip
 
     def read(reply: pb.ClaimReply) -> Claim:
         return Claim([Prompt.from_proto(p, table) for p in reply.prompts], reply.done)
 
-    return Unary("Claim", request, read, retry=False, timeout=wait + timeout)
+    return Unary("Claim", request, read, retry=True, timeout=wait + timeout)
 
 
 def _refs(prompts: list[Prompt]) -> list[pb.PromptRef]:

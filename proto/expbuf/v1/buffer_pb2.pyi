@@ -1056,7 +1056,7 @@ class PromptStats(_message.Message):
     def __init__(self, attempts: _Optional[int] = ..., generated: _Optional[int] = ..., runs: _Optional[int] = ..., passes: _Optional[int] = ..., last_runs: _Optional[int] = ..., last_mean: _Optional[float] = ..., last_var: _Optional[float] = ..., trained: _Optional[int] = ..., last_epoch: _Optional[int] = ..., last_step: _Optional[int] = ...) -> None: ...
 
 class ClaimRequest(_message.Message):
-    __slots__ = ("table", "dataset", "count", "lease_seconds", "owner", "wait_seconds", "max_reply_bytes")
+    __slots__ = ("table", "dataset", "count", "lease_seconds", "owner", "wait_seconds", "max_reply_bytes", "claim_id")
     TABLE_FIELD_NUMBER: _ClassVar[int]
     DATASET_FIELD_NUMBER: _ClassVar[int]
     COUNT_FIELD_NUMBER: _ClassVar[int]
@@ -1064,6 +1064,7 @@ class ClaimRequest(_message.Message):
     OWNER_FIELD_NUMBER: _ClassVar[int]
     WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     MAX_REPLY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CLAIM_ID_FIELD_NUMBER: _ClassVar[int]
     table: str
     dataset: str
     count: int
@@ -1071,7 +1072,8 @@ class ClaimRequest(_message.Message):
     owner: str
     wait_seconds: float
     max_reply_bytes: int
-    def __init__(self, table: _Optional[str] = ..., dataset: _Optional[str] = ..., count: _Optional[int] = ..., lease_seconds: _Optional[float] = ..., owner: _Optional[str] = ..., wait_seconds: _Optional[float] = ..., max_reply_bytes: _Optional[int] = ...) -> None: ...
+    claim_id: str
+    def __init__(self, table: _Optional[str] = ..., dataset: _Optional[str] = ..., count: _Optional[int] = ..., lease_seconds: _Optional[float] = ..., owner: _Optional[str] = ..., wait_seconds: _Optional[float] = ..., max_reply_bytes: _Optional[int] = ..., claim_id: _Optional[str] = ...) -> None: ...
 
 class ClaimReply(_message.Message):
     __slots__ = ("prompts", "done")

@@ -180,7 +180,7 @@ class LedgerServicer(ServicerBase):
         """Prompts claimed, refused before it claims any whose reply could not be sent, or could
         not be received by a client that says what it receives (max_reply_bytes): the claims
         would stay, held by a caller that never learned which prompts they were."""
-        check_claim(request.count, request.owner, request.wait_seconds)
+        check_claim(request.count, request.owner, request.wait_seconds, request.claim_id)
         if 0 < request.max_reply_bytes < MIN_REPLY_BYTES:
             raise InvalidRequest(
                 f"max_reply_bytes = {request.max_reply_bytes}; it must be 0 (the server's max_message_bytes"
@@ -213,6 +213,7 @@ class LedgerServicer(ServicerBase):
             holder=self._owner(context),
             wait=remaining(context, asked),
             stop=ended(context),
+            claim_id=request.claim_id,
         )
         prompts = [prompt_of(request.dataset, c) for c in claimed]
         for prompt in prompts:

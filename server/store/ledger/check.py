@@ -9,8 +9,9 @@ without its claim; a pending prompt no queue entry names (it would never go out 
 queue entry naming a prompt that is not pending; a group entry naming no prompt; a claimed
 prompt whose attempt's group is complete, or a generated one whose group is not complete and
 live (a crash that left the ledger apart from the table's groups); a negative count; a cursor
-out of range. Every pass reads the ledger's keys in order and looks records up by key, so
-memory grows with the queued prompts and the epochs with an event, not with the dataset.
+out of range; a claim's kept id without its time (claimed.py). Every pass reads the ledger's
+keys in order and looks records up by key, so memory grows with the queued prompts and the
+epochs with an event, not with the dataset.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from ..disk import layout
 from ..schema.states import LIVE
 from ..schema.states import PENDING as GROUP_PENDING
 from .binned import bins_prefix, read_bin_key
+from .claimed import id_problems
 from .records import (
     DatasetRecord,
     PromptRecord,
@@ -54,7 +56,7 @@ def verify_ledger(tt: TableState) -> list[str]:
     _expiries(tt, datasets, problems)
     _groups(tt, datasets, problems)
     _bins(tt, datasets, problems)
-    return problems
+    return problems + id_problems(tt)
 
 
 def _entries(tt: TableState, prefix: bytes) -> Iterator[tuple[bytes, bytes]]:

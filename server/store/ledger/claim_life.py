@@ -21,7 +21,7 @@ from ..schema.states import DROPPED as GROUP_DROPPED
 from ..schema.states import PENDING as GROUP_PENDING
 from ..schema.views import GroupView
 from . import prompt_stats
-from .claimed import Claimed, ClaimStep, Walk
+from .claimed import Claimed, ClaimStep, Walk, forget_ids, recall_id, remember_id
 from .datasets import DatasetRules, dataset, save
 from .hand_out import hand_out, prompt_of, put_prompt
 from .records import (
@@ -53,16 +53,28 @@ class ClaimRules(DatasetRules):
         owner: str,
         holder: str,
         parts: Mapping[int, int] | None = None,
+        claim_id: str = "",
+        first: bool = True,
     ) -> ClaimStep:
         """Up to `count` prompts for one claimant, the ones sent back first, under claims that
         end `seconds` from now; whether the dataset is done (nothing left to hand out or
         train); and whether the claim stopped short, to go on in another transaction: with
         this one's STEP_HASHES spent, or on a shard at an epoch whose part is neither counted
         nor in `parts` (a shard's parts of epochs counted outside the writer, claims.py).
-        Claims already ended are ended first, so their prompts go out again now."""
+        Claims already ended are ended first, so their prompts go out again now.
+
+        A claim with an id (`claim_id`, the client's for one call) made again, the `first` step
+        of a call, answers the prompts the claim of that id handed out that it still holds
+        (`again`), and claims none: its reply was lost, and more claimed would be held by no one.
+        Where it holds none of them now, it is a claim as any other."""
         dataset(tt, name)
         expire(tt)
         ds = dataset(tt, name)
+        if claim_id and first:
+            made = recall_id(tt, claim_id, name) or []
+            still = [(p, rec) for p in made if (rec := held(tt, name, *p, holder)) is not None]
+            if still:
+                return ClaimStep([Claimed(*p, rec.expires) for p, rec in still], ds.done, False, again=True)
         room = count if not ds.max_in_flight else max(0, min(count, ds.max_in_flight - ds.in_flight))
         out: list[Claimed] = []
         expires, ledger, more = tt.now + seconds, tt.db["ledger"], False
@@ -82,6 +94,8 @@ class ClaimRules(DatasetRules):
             ds.count(epoch, CLAIMED, 1)
             prompt_stats.claimed(tt, ds.name, index)
             out.append(Claimed(epoch, index, attempt, expires))
+        if claim_id:
+            remember_id(tt, claim_id, name, out, anew=first)
         save(tt, ds)
         return ClaimStep(out, ds.done, more, walk.uncounted)
 
@@ -136,6 +150,7 @@ def expire(tt: TableState) -> int:
     upkeep's pass coming back while the table holds claims); returns how many."""
     prefix = expiry_prefix(tt.table_id)
     cutoff = layout.micros(tt.now)
+    forget_ids(tt, MAX_PROMPTS_PER_CALL)
     due: list[tuple[str, int, int]] = []
     with tt.txn.cursor(db=tt.db["ledger"]) as cur:
         found = cur.set_range(prefix)

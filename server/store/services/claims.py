@@ -17,7 +17,7 @@ from typing import TypeVar
 import lmdb
 
 from expbuf.client.schema.call_limits import MAX_LEASE_SECONDS, MAX_REWARDS
-from expbuf.client.schema.prompts import MAX_PROMPTS_PER_CALL
+from expbuf.client.schema.prompts import MAX_CLAIM_ID_BYTES, MAX_PROMPTS_PER_CALL
 
 from ..core.table_state.state import TableState
 from ..disk.environment import Environment
@@ -48,8 +48,8 @@ MAX_PAGE = 10000
 MAX_OWNER_BYTES = 256
 
 
-def check_claim(count: int, owner: str, wait: float) -> None:
-    """Refuse a claim's count, owner or wait out of range, naming it and its bound (before it
+def check_claim(count: int, owner: str, wait: float, claim_id: str = "") -> None:
+    """Refuse a claim's count, owner, wait or id out of range, naming it and its bound (before it
     claims anything; the service checks its request's with it before it bounds the wait)."""
     if not isinstance(count, int) or isinstance(count, bool) or not 1 <= count <= MAX_PROMPTS_PER_CALL:
         raise InvalidRequest(f"count is {count!r}; a claim asks for 1 to {MAX_PROMPTS_PER_CALL} prompts")
@@ -58,6 +58,10 @@ def check_claim(count: int, owner: str, wait: float) -> None:
             f"owner is {len(owner.encode())} bytes; a claim's owner is at most {MAX_OWNER_BYTES} bytes of UTF-8"
         )
     check_seconds("wait_seconds", wait, low=0.0, high=MAX_WAIT_SECONDS)
+    if len(claim_id.encode()) > MAX_CLAIM_ID_BYTES:
+        raise InvalidRequest(
+            f"claim_id is {len(claim_id.encode())} bytes; a claim's id is at most {MAX_CLAIM_ID_BYTES} bytes of UTF-8"
+        )
 
 
 def check_refs(prompts: Sized, call: str) -> None:
@@ -161,6 +165,7 @@ class Claims:
         holder: str = "",
         wait: float = 0.0,
         stop: Callable[[], bool] | None = None,
+        claim_id: str = "",
     ) -> tuple[list[Claimed], bool]:
         """Up to `count` prompts (ledger.claim), waiting up to `wait` for one while the dataset
         is not done; `stop` is polled while waiting or counting (a cancelled call). A claim
@@ -170,8 +175,9 @@ class Claims:
         count, and goes on with them. A step that fails after earlier ones claimed prompts (a full
         map, a failing disk) answers with those, which are durable and held for the caller, and
         the dataset as not done: the failure meets the caller's next call. Raised, it would leave
-        them claimed by a caller that never learned which they were."""
-        check_claim(count, owner, wait)
+        them claimed by a caller that never learned which they were. A claim made again under its
+        `claim_id` answers what the first handed out and still holds (ledger.claim)."""
+        check_claim(count, owner, wait, claim_id)
         check_seconds("lease_seconds", seconds, low=0.0, high=MAX_LEASE_SECONDS, low_open=True)
         deadline = time.monotonic() + wait
         claimed: list[Claimed] = []
@@ -182,7 +188,8 @@ class Claims:
                 return claimed, False
             generation = self.environment.generation
             claim = functools.partial(self.ledger.claim, name=name, count=count - len(claimed), seconds=seconds,
-                                      owner=owner, holder=holder, parts=parts)  # fmt: skip
+                                      owner=owner, holder=holder, parts=parts, claim_id=claim_id,
+                                      first=not claimed)  # fmt: skip
             try:
                 step = self._in_table(table, functools.partial(self._step, name=name, claim=claim))
             except _Unchanged as unchanged:
@@ -192,6 +199,8 @@ class Claims:
                     return claimed, False
                 raise
             claimed += step.claimed
+            if step.again:
+                return claimed, step.done
             stopped = stop is not None and stop()
             if step.uncounted is not None and not stopped:  # counted outside the writer, then on
                 try:

@@ -36,6 +36,7 @@ from ..schema.errors import clip
 from ..schema.table_config import TableConfig
 from ..tables import admission
 from ..tables.catalog import TableCatalog
+from ..tables.ended import RecentEnds
 
 T = TypeVar("T")
 log = logging.getLogger("expbuf.store")
@@ -45,8 +46,11 @@ SWEEP_SECONDS = 30.0
 class Upkeep:
     """Runs the upkeep inside the writer's transaction, isolating each piece."""
 
-    def __init__(self, env: lmdb.Environment, catalog: TableCatalog) -> None:
+    def __init__(
+        self, env: lmdb.Environment, catalog: TableCatalog, ended_grants: RecentEnds[admission.EndedGrant]
+    ) -> None:
         self.env, self.catalog, self.db = env, catalog, catalog.db
+        self.ended_grants = ended_grants  # an expired grant's finish, made then, says it expired
         self.failures = 0  # pieces skipped because they failed
         self._reported: set[str] = set()
         self._active: set[int] = set()  # ids of the tables the next pass visits
@@ -177,6 +181,7 @@ class Upkeep:
             txn.delete(grant_id.encode(), db=self.db["grants"])
             return 0
         returned = admission.finish(tt, grant_id, record, 0, expired=True)
+        self.ended_grants.add(grant_id, admission.EndedGrant(True, record["t"], record.get("o", ""), 0, returned))
         self._by_table[tt.config.name, "rollouts_returned"] += returned
         return returned
 

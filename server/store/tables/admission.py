@@ -150,6 +150,40 @@ def unknown_grant(grant_id: str, table: str) -> NotFound:
     return NotFound(f"grant '{clip(grant_id)}' of table '{clip(table)}' is unknown, finished or expired")
 
 
+@dataclass(frozen=True)
+class EndedGrant:
+    """A grant a finish or its expiry ended (ended.RecentEnds keeps the latest): its table, owner, the
+    rollouts the finish accepted (None: all) and those it gave back."""
+
+    expired: bool
+    table_id: int
+    owner: str
+    accepted: int | None
+    returned: int
+
+
+def finished_again(
+    ended: EndedGrant | None, grant_id: str, table: str, table_id: int, accepted: int | None, holder: str
+) -> int:
+    """What a finish of a grant no longer stored answers: where this server remembers it ended,
+    as the first finish did (its reply lost), or why not; else that the grant is unknown."""
+    if ended is None or ended.table_id != table_id:
+        raise unknown_grant(grant_id, table)
+    check_owner({"t": table_id, "n": 0, "e": 0.0, "o": ended.owner}, grant_id, holder)
+    if ended.expired:
+        raise NotFound(
+            f"grant '{clip(grant_id)}' of table '{clip(table)}' expired before it was finished: its"
+            f" {ended.returned} rollouts' room went back (they count as not accepted)"
+        )
+    if accepted != ended.accepted:
+        first, now = ("all" if n is None else n for n in (ended.accepted, accepted))
+        raise InvalidRequest(
+            f"grant '{clip(grant_id)}' of table '{clip(table)}' was finished with accepted = {first}, which"
+            f" gave back {ended.returned} rollouts; made again with accepted = {now}"
+        )
+    return ended.returned
+
+
 def screen(tt: TableState, entries: Sequence[Entry]) -> tuple[list[Entry], list[str]]:
     """The entries to store and the uids dropped as stale (on_stale = drop); a stale
     entry with on_stale = refuse refuses the whole push."""

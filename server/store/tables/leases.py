@@ -27,7 +27,6 @@ the upkeep for the expired ones (services/upkeep.py).
 from __future__ import annotations
 
 import random
-from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -42,11 +41,8 @@ from ..rules.quarantine import fail_ready, quarantine_lost
 from ..schema.errors import Forbidden, InvalidRequest, NotFound, clip, taken_with
 from ..schema.sample_spec import TakeSpec, check_seconds
 from .catalog import TableCatalog
+from .ended import RecentEnds
 
-# The leases ended by an ack, a nack or their expiry that a server remembers, the latest ones (in
-# memory, for its run: about 200 bytes each): an ack or a nack made again after its reply was lost
-# answers as the first did, and one made after another end says which.
-ENDED_KEPT = 16384
 # What each remembered end did, for a call that meets it.
 ENDINGS = {
     "acked": "its groups are consumed",
@@ -72,7 +68,7 @@ class TableLeases:
         self.catalog = catalog
         self.db = catalog.db
         self.requeued = requeued  # a table whose groups came back: the next upkeep pass visits it (evict_stale)
-        self._ended: OrderedDict[str, EndedLease] = OrderedDict()  # ENDED_KEPT; the writer's alone
+        self._ended = RecentEnds[EndedLease]()
 
     def grant(self, txn: lmdb.Transaction[bytes], batch: Sampled, table_id: int, *, hold: bool, owner: str) -> None:
         """The lease of a batch just taken (its groups LEASED under `batch.lease_id`): held
@@ -180,10 +176,7 @@ class TableLeases:
             tt.counters.leases_expired += 1
         tt.save()
         if said or expired:
-            self._ended[lease_id] = EndedLease(said or "expired", lease.table_id, lease.owner, count)
-            self._ended.move_to_end(lease_id)
-            if len(self._ended) > ENDED_KEPT:
-                self._ended.popitem(last=False)
+            self._ended.add(lease_id, EndedLease(said or "expired", lease.table_id, lease.owner, count))
         return count
 
     def _again(
