@@ -10,6 +10,7 @@ import socket
 import struct
 import threading
 import time
+import types
 from collections import Counter
 from concurrent import futures
 from pathlib import Path
@@ -28,6 +29,7 @@ from expbuf.client.torch import ExperienceDataset
 from expbuf.server.app import ExpbufServer
 from expbuf.server.rpc.interceptors.base import Interceptors
 from expbuf.server.rpc.interceptors.reflection import ReflectionLimits
+from expbuf.server.rpc.servicers import tables as tables_servicer
 
 from conftest import BAD_DIR, BAD_README, MANIFEST, Servers, payload
 from helpers import ServerProcess, check_against_manifest, group_items, make_experience
@@ -246,6 +248,18 @@ def test_admin_calls(client: BufferClient) -> None:
     with pytest.raises(BufferError) as info:
         client.push(payload("single_turn.trxp"), table="replay")
     assert info.value.code == grpc.StatusCode.NOT_FOUND
+
+
+def test_uptime_counts_from_the_start_through_a_step_of_the_wall_clock(
+    server: ExpbufServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """ServerInfo's uptime (and so the sharded client's shortest) went negative once the wall
+    clock was stepped back past the server's start."""
+    stepped = types.SimpleNamespace(time=lambda: time.time() - 600, monotonic=time.monotonic)
+    with BufferClient(f"127.0.0.1:{server.port}") as client:
+        before = client.server_info().uptime_seconds
+        monkeypatch.setattr(tables_servicer, "time", stepped)  # the servicer's clocks alone: gRPC's own stay
+        assert before <= client.server_info().uptime_seconds < before + 60
 
 
 def test_health_and_reflection(server: ExpbufServer) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 import weakref
 from collections import Counter
 from pathlib import Path
@@ -11,6 +12,7 @@ import pytest
 
 from expbuf.client import decode, trxp
 from expbuf.server.store import Entry, Store
+from expbuf.server.store.schema.clock import SteadyClock
 from expbuf.server.store.schema.errors import (
     Conflict,
     GroupClosed,
@@ -234,6 +236,31 @@ def test_min_model_version(store: Store) -> None:
     store.put("plain", group_items(1, 2, 2, version=None))
     batch = take(store, "plain", num_groups=2, min_model_version=4, allow_partial=True)
     assert batch.group_ids == ["1/1", "1/1"]
+
+
+@pytest.mark.parametrize("step", [600.0, -3600.0])
+def test_a_step_of_the_wall_clock_moves_no_deadline(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, step: float
+) -> None:
+    """The store's own clock (SteadyClock) reads the wall clock at its start and counts elapsed
+    time from there: a wall clock stepped 10 minutes forward (NTP, a resumed VM) expired a 300 s
+    lease at the next upkeep pass, the batch served again while its trainer trained it, and timed
+    out a group pending a second; stepped back, the sweep of tombstones stopped for the step."""
+    wall = time.time
+    with Store(tmp_path) as s:
+        s.create_table(TableConfig.of("t", estimator="none", group_size=2, group_timeout_seconds=300))
+        s.put("t", group_items(1, 0, 2))
+        s.put("t", group_items(1, 1, 1))  # a pending group
+        leased = take(s, "t", num_groups=1, delivery="lease", lease_seconds=300)
+        expires = leased.lease_expires
+        assert abs(expires - (wall() + 300)) < 5
+        monkeypatch.setattr(time, "time", lambda: wall() + step)
+        done = s.tick()
+        assert (done["leases_expired"], done["groups_timed_out"]) == (0, 0)
+        assert take(s, "t", num_groups=1, wait_seconds=0) is None
+        assert s.ack(leased.lease_id) == 2
+        assert abs(s.clock() - wall()) < 5
+    assert abs(SteadyClock()() - (wall() + step)) < 5  # a start reads the wall clock again
 
 
 def test_lease_ack_nack_and_expiry_across_restart(tmp_path: Path, clock: Clock) -> None:

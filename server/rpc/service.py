@@ -150,7 +150,7 @@ class ExperienceBufferService(
         self.push_stream_window = push_stream_window
         self.max_wait_seconds = max_wait_seconds
         self.max_confirm_seconds = max_confirm_seconds
-        self.started = time.time()
+        self.started = time.monotonic()  # uptime: never stepped back
         self.writers = Writers()
         self.draining = Draining()
 

@@ -45,6 +45,7 @@ from .rules import groups, partial_holds, staleness
 from .rules.extensions import ExtensionKinds
 from .rules.quarantine import quarantine_found
 from .rules.trained import retire_trained
+from .schema.clock import SteadyClock
 from .schema.errors import InvalidRequest, NotFound, check_names
 from .schema.sample_spec import check_version
 from .schema.table_config import TableConfig, default_table
@@ -80,7 +81,7 @@ class Store(ServiceCalls):
         *,
         map_size: int = 1 << 30,
         max_map_size: int = 1 << 40,
-        clock: Callable[[], float] = time.time,
+        clock: Callable[[], float] | None = None,
         seed: int | None = None,
         batch_limit: int = 512,
         check_at_open: str = "quick",
@@ -96,7 +97,10 @@ class Store(ServiceCalls):
         take a batch of such a table. `extensions` registers table extension kinds by name
         before the tables are read (`register_extension`): a stored table naming a kind not
         registered fails the open, naming the table and the kind. `max_push_bytes` is the largest
-        push the server takes: a rollout held in pieces takes no more (rules/partials.py)."""
+        push the server takes: a rollout held in pieces takes no more (rules/partials.py). `clock`
+        gives the store's time (schema/clock.SteadyClock unless given: a step of the wall clock
+        moves no deadline)."""
+        clock = clock or SteadyClock()
         self.environment = Environment(
             path, map_size=map_size, max_map_size=max_map_size, batch_limit=batch_limit, migrate=migrate
         )

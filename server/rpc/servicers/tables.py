@@ -97,7 +97,7 @@ class TableServicer(ServicerBase):
             trxp_version=str(trxp.VERSION),
             advantage_device=self.advantage_device,
             max_message_bytes=self.max_message_bytes,
-            uptime_seconds=time.time() - self.started,
+            uptime_seconds=time.monotonic() - self.started,
             storage_bytes=int(storage["used_bytes"]),
             lmdb_map_used_ratio=storage["map_used_ratio"],
             scrub=pb.ScrubInfo(**asdict(self.store.scrub_status())),
