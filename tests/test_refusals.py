@@ -63,6 +63,7 @@ EXPECTED = {
     errors.SampleLimited: ("DEADLINE_EXCEEDED", "rate_limited"),
     errors.IndexNotReady: ("DEADLINE_EXCEEDED", "index_building"),
     errors.Busy: ("RESOURCE_EXHAUSTED", "busy"),
+    errors.ReplyLetGo: ("RESOURCE_EXHAUSTED", "replies_full"),
     errors.Cancelled: ("CANCELLED", "cancelled"),
     errors.Damaged: ("DATA_LOSS", "damaged"),
     errors.DamagedPayload: ("DATA_LOSS", "damaged"),

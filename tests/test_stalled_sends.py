@@ -440,3 +440,49 @@ def test_what_stalled_replies_copy_out_of_the_map_is_bounded_with_the_other_repl
         finally:
             for call in calls:
                 call.cancel()
+
+
+@pytest.mark.parametrize("room", [True, False], ids=["copied", "let_go"])
+def test_a_stalled_reply_whose_snapshot_the_store_ends_is_copied_within_the_bound_or_let_go(
+    start_server: Servers, room: bool
+) -> None:
+    """A reply in parts whose client reads no more, and whose rest could not be copied within
+    max_inflight_bytes, reads on from its snapshot; the store must end that snapshot at a map
+    resize or with more open than it keeps (readers.MAX_SNAPSHOTS), and its detach copied every
+    such reply's rest and the batch's payloads again, counted nowhere: eight stalled streams of
+    64 MB grew a 32 MiB-capped server by 480 MiB (a helper's audit). The detach's copy counts now:
+    within the bound the reply comes whole; past it the reply is let go, its call ends
+    RESOURCE_EXHAUSTED (replies_full) and its batch goes back to the buffer, to be served again."""
+    server = start_server(max_message_bytes=LIMIT, max_confirm_seconds=120.0, scrub_mb_per_second=0)
+    uids = fill(server, "whole")
+    options = [("grpc.max_receive_message_length", 1 << 30), ("grpc.http2.bdp_probe", 0)]  # as `stub`
+    requests: queue.SimpleQueue[pb.SampleRequest | None] = queue.SimpleQueue()
+    requests.put(pb.SampleRequest(table="t", num_groups=1, max_batches=1, wait_seconds=10, max_reply_bytes=LIMIT))
+    with grpc.insecure_channel(f"127.0.0.1:{server.port}", options=options) as channel:
+        call = pb_grpc.ExperienceBufferStub(channel).Sample(iter(requests.get, None))
+        try:
+            server.reply_memory.limit = 2  # no copy fits: the stalled reply keeps its snapshot
+            first = next(call)
+            time.sleep(3 * SNAPSHOT_SECONDS)  # its send waited past SNAPSHOT_SECONDS: a copy would be made by now
+            assert snapshots(server) == 1 and server.reply_memory.held == 0
+            server.reply_memory.limit = 4 * first.whole_bytes if room else 2
+            server.store.environment.readers.detach_snapshots()  # as a map resize does
+            assert snapshots(server) == 0
+            held = server.reply_memory.held
+            if room:
+                assert first.whole_bytes - 3 * LIMIT < held <= first.whole_bytes
+                assert list(whole_reply(call, first).uids) == uids
+                requests.put(pb.SampleRequest(received=1))
+                requests.put(None)
+                assert list(call) == []
+            else:
+                assert held == 0
+                with pytest.raises(grpc.RpcError) as ended:
+                    whole_reply(call, first)
+                assert ended.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+                assert "its client read none of it while the store ended the snapshot" in ended.value.details()
+                given_back(server, len(uids))
+            wait_for(lambda: server.reply_memory.held == 0, "the copy given back as its reply ended")
+        finally:
+            call.cancel()
+            requests.put(None)

@@ -19,8 +19,10 @@ more. What a call holds is given back when its client takes the reply, or its ca
 
 The streamed replies in parts (COPIED_REPLIES) count against the same bounds what their calls copy
 out of the store's map when their client is slow to read (sample/replies.py lets go of a
-snapshot so): a copy that would pass either is not made, and the reply reads on from its snapshot
-until its client reads or max_confirm_seconds ends the call. Unbounded, each stalled ReadFields of
+snapshot so, and so does the store where it must end the snapshot): a copy that would pass either
+is not made, whatever its size, and the reply reads on from its snapshot until its client reads or
+max_confirm_seconds ends the call; one the store must end then is let go of, its call ended and its
+batch back in the buffer (snapshot.py). Unbounded, each stalled ReadFields of
 288 MB held its rest in memory for up to max_confirm_seconds: four grew the server by 1 GB.
 """
 
@@ -30,7 +32,7 @@ import threading
 from collections.abc import Callable, Iterator
 from contextvars import ContextVar
 from functools import partial
-from typing import Any, NoReturn
+from typing import Any, NoReturn, Protocol
 
 import grpc
 
@@ -46,11 +48,17 @@ SMALL = 64 << 10  # bytes of a reply too few to count
 COPIED_REPLIES = frozenset({"Sample", "ReadFields", "ReadPartials"})
 
 
-# What a streamed reply's copy of its rest out of the store's map (replies.py, a client slow to read)
-# may hold of the server's memory (interceptors/reply_memory.py): given the copy's bytes, what gives
-# them back once the copy goes, or None where holding them would pass the bound (the reply then reads
-# on from its snapshot). None: the call's method is not bounded so.
-Budget = Callable[[int], Callable[[], None] | None]
+class Budget(Protocol):
+    """What a streamed reply's copy of its rest out of the store's map (replies.py, a client slow
+    to read) may hold of the server's memory: given the copy's bytes, what gives them back once the
+    copy goes, or None where holding them would pass the bound (the reply then reads on from its
+    snapshot). `strict`: within the bounds, for a copy that can be done without (the rest read
+    from the snapshot); else one of any size goes where its address holds nothing and the server
+    has room, as a read's reply does."""
+
+    def __call__(self, size: int, *, strict: bool = False) -> Callable[[], None] | None: ...
+
+
 _REPLY_BUDGET: ContextVar[Budget | None] = ContextVar("expbuf_reply_budget", default=None)
 
 
@@ -167,12 +175,14 @@ class ReplyMemory(ServiceInterceptor):
             )
         return handler
 
-    def copy(self, address: str, size: int) -> Callable[[], None] | None:
+    def copy(self, address: str, size: int, *, strict: bool = False) -> Callable[[], None] | None:
         """Count a streamed reply's copy of `size` bytes for `address`: what gives them back (once),
-        or None where they would pass a bound (nothing counted)."""
+        or None where they would pass a bound (nothing counted); not `strict`, one of any size
+        goes where the address holds nothing and the server has room (Budget)."""
         with self._lock:
             mine, held = self._by_address.get(address, 0), self.held
-            if (mine and mine + size > self.limit // 2) or (held and held + size > self.limit):
+            over_mine, over_all = mine + size > self.limit // 2, held + size > self.limit
+            if (over_mine and (strict or mine)) or (over_all and (strict or held)):
                 return None
             self.held, self._by_address[address] = held + size, mine + size
         given = threading.Event()

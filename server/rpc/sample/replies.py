@@ -34,6 +34,7 @@ from expbuf.client.trxp.varints import write as varint
 from expbuf.proto.v1 import buffer_pb2 as pb
 
 from ...store import Sampled, send_apart
+from ...store.schema.errors import ReplyLetGo
 from ...store.schema.sample_spec import TakeSpec
 from ..call_context import when_sent_slowly
 from ..interceptors.base import ServiceInterceptor
@@ -143,7 +144,7 @@ class _Built:
     snapshot = None
 
     @staticmethod
-    def keep(runs: list[Run]) -> list[Run]:
+    def keep(runs: list[Run], charge: Callable[[int], bool] | None = None) -> list[Run]:
         return runs
 
     @staticmethod
@@ -211,17 +212,21 @@ class _Rest:
     the snapshot ends (`let_go`), so a client slow to read keeps no page of the map from reuse, at
     the cost of holding the rest of its reply in memory until it reads it or its call ends. That
     memory is counted against the call's `budget` (interceptors/reply_memory.py); where it has no
-    room, the rest stays in the map, read from the snapshot, and a later slow part tries again."""
+    room, the rest stays in the map, read from the snapshot, and a later slow part tries again.
+    The store's own copy, where it must end the snapshot first (a map resize, too many open), is
+    counted so too; where it has no room, the rest is let go, and the next part's cut raises
+    ReplyLetGo: the call ends, its batch back in the buffer."""
 
     def __init__(self, batch: Sampled | _Built, runs: list[Run], whole: int, sent: int, budget: Budget | None) -> None:
         self._batch, self._whole, self._budget = batch, whole, budget
-        self._give_back: Callable[[], None] | None = None  # what the budget counts of the copy
-        self._runs = batch.keep(list(runs))
+        self._give_back: list[Callable[[], None]] = []  # what the budget counts of the copies
         self._at = 0  # where the first of the runs starts in the reply
         self._sent = sent  # where the part after the one being sent starts
         self._lock = threading.Lock()  # the reply's thread cuts parts, the watch's lets go
+        self._counting = threading.Lock()  # what the budget counts: taken alone, by a store's detach too
         self._own = False  # the runs are a copy of the rest: the snapshot is released
         self._ended = False  # the reply's last part is cut, or the reply failed: nothing to let go of
+        self._runs = batch.keep(list(runs), self._charge)
 
     def cut(self, start: int, end: int) -> bytes:
         """The part of the reply's bytes `start` to `end`."""
@@ -238,22 +243,41 @@ class _Rest:
         with self._lock:
             if self._own or self._ended:
                 return
-            if self._budget is not None:
-                self._give_back = self._budget(self._whole - self._sent)
-                if self._give_back is None:
-                    return
-            rest = self._batch.read(lambda: b"".join(_span(self._runs, self._sent, self._whole)))
+            if not self._charge(self._whole - self._sent):
+                return
+            try:
+                rest = self._batch.read(lambda: b"".join(_span(self._runs, self._sent, self._whole)))
+            except ReplyLetGo:  # the store let the rest go: the next cut ends the call
+                with self._counting:
+                    give_back = self._give_back.pop()
+                give_back()
+                return
             self._runs, self._at, self._own = [rest], self._sent, True
             self._batch.release()
 
     def end(self) -> None:
         """The last part is cut, or the reply failed: the copy goes, and what its budget counted."""
-        with self._lock:
+        with self._lock, self._counting:
             self._ended = True
             if self._own:
                 self._runs = []
-            if self._give_back is not None:
-                self._give_back()
+            given, self._give_back = self._give_back, []
+        for give_back in given:
+            give_back()
+
+    def _charge(self, size: int) -> bool:
+        """Count a copy of `size` bytes of the reply against the call's budget, until the reply
+        ends; False where it has no room (nothing counted). The store's detach charges its copy
+        here too, holding the snapshot's lock, not this one's."""
+        if self._budget is None:
+            return True
+        with self._counting:
+            if self._ended:  # the reply is sent: its snapshot ends without it
+                return True
+            give_back = self._budget(size, strict=True)
+            if give_back is not None:
+                self._give_back.append(give_back)
+            return give_back is not None
 
 
 def _part(runs: list[Run], *, start: int, end: int, whole: int = 0) -> bytes:

@@ -34,7 +34,7 @@ from . import digests
 from .chunk_reads import Deferred, checked, token_length
 from .records import Counted, ItemRecord
 from .rows import Member
-from .snapshot import Snapshot
+from .snapshot import Charge, Snapshot
 from .stored_advantages import Advantage, Masks, Stage, batch_columns, batch_parts
 
 T = TypeVar("T")
@@ -318,10 +318,16 @@ class Sampled:
         with self.snapshot.reading():
             return build(made())
 
-    def keep(self, runs: list[Run]) -> list[Run]:
+    def keep(self, runs: list[Run], charge: Charge | None = None) -> list[Run]:
         """Runs made by `render` or `columns` (views of the snapshot among them), kept readable
-        past that call, with `read`: copied in place should the snapshot end before `release`."""
-        return runs if self.snapshot is None else self.snapshot.hold(runs)
+        past that call, with `read`: copied in place should the snapshot end before `release`,
+        where `charge` has room for them (snapshot.py). Called while `render` or `columns`
+        builds them: the stored payloads are read no more (the runs view them), and a detach
+        copies them no more (it copied the batch twice)."""
+        if self.snapshot is None:
+            return runs
+        self.snapshot.forget(self.blobs)
+        return self.snapshot.hold(runs, charge)
 
     def read(self, use: Callable[[], T]) -> T:
         """`use()` while the views the batch holds are valid (kept runs among them)."""

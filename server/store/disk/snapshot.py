@@ -9,7 +9,9 @@ lock (`reading`), and the transaction ends when the batch is released, when it i
 garbage, or when the environment must end it (a map resize or a close, or too many open:
 `detach` then copies the views first, so the batch stays readable). The writer that opens
 one too many does not wait for a reply being built from the oldest: it marks it, and the
-reply's thread detaches it as its reading ends.
+reply's thread detaches it as its reading ends. The views of a reply whose client reads slowly
+are copied only where their `charge` (the server's memory bound on replies) has room: else
+they are let go, and the reply's next read raises ReplyLetGo (its call ends, its batch back).
 """
 
 from __future__ import annotations
@@ -23,11 +25,14 @@ import lmdb
 
 from expbuf.client.trxp.stored.pieces import SplitPayload
 
-from ..schema.errors import StoreError
+from ..schema.errors import ReplyLetGo, StoreError
 from .layout import next_prefix
 
 Value = bytes | memoryview | SplitPayload
 T = TypeVar("T")
+# What counts a detach's copy of held views against a bound: given their bytes, whether they fit
+# (counted then, until their holder gives them back), or not (the views are let go, not copied).
+Charge = Callable[[int], bool]
 
 
 class Snapshot:
@@ -37,8 +42,9 @@ class Snapshot:
         self._txn: lmdb.Transaction[memoryview] | None = txn
         self._done = done
         self._lock = threading.Lock()
-        self._held: list[list[Any]] = []
+        self._held: list[tuple[list[Any], Charge | None]] = []
         self._released = False
+        self._let_go = False  # views a charge had no room to copy were dropped: a read raises ReplyLetGo
         self._detach_asked = False  # by an opener of another that found it being read
         self.pinned = True  # until its opener has held the views it read (unpin): none detaches it then
 
@@ -73,10 +79,17 @@ class Snapshot:
         opening of another may detach it (a map resize or a close detaches it whatever)."""
         self.pinned = False
 
-    def hold(self, values: list[T]) -> list[T]:
-        """Values (views of this snapshot among them) that `detach` turns into copies."""
-        self._held.append(values)
+    def hold(self, values: list[T], charge: Charge | None = None) -> list[T]:
+        """Values (views of this snapshot among them) that `detach` turns into copies; with a
+        `charge`, only where it has room for them (else they are let go: a read raises)."""
+        self._held.append((values, charge))
         return values
+
+    def forget(self, values: list[Any]) -> None:
+        """Held values no longer read (emptied here), while reading (`reading`: no detach runs
+        meanwhile): a detach copies them no more."""
+        self._held = [(held, charge) for held, charge in self._held if held is not values]
+        values.clear()
 
     @contextlib.contextmanager
     def reading(self) -> Iterator[None]:
@@ -84,6 +97,13 @@ class Snapshot:
         with self._lock:
             if self._released:
                 raise StoreError("the batch's payload was released once its reply was built")
+            if self._let_go:
+                raise ReplyLetGo(
+                    "the reply was ended: its client read none of it while the store ended the snapshot it was read"
+                    " from (the map grew, or more snapshots were open than the server keeps), and the replies"
+                    " its clients have not taken held the server's max_inflight_bytes, so the rest could not be"
+                    " copied; the batch went back to the buffer, to be served again"
+                )
             try:
                 yield
             finally:
@@ -109,8 +129,12 @@ class Snapshot:
         self._detach_asked = False
         if self._txn is None:
             return
-        for values in self._held:
-            values[:] = [_owned(v) for v in values]
+        for values, charge in self._held:
+            if charge is not None and not charge(sum(len(v) for v in values if not isinstance(v, bytes))):
+                values.clear()
+                self._let_go = True
+            else:
+                values[:] = [_owned(v) for v in values]
         self._end()
 
     def release(self) -> None:
@@ -118,7 +142,7 @@ class Snapshot:
         with self._lock:
             if self._txn is not None:
                 self._released = True
-                for values in self._held:
+                for values, _ in self._held:
                     values.clear()
                 self._end()
 

@@ -188,6 +188,15 @@ class Busy(StoreError):
     reason = Reason.BUSY
 
 
+class ReplyLetGo(StoreError):
+    """A reply its client read none of while the store had to end its snapshot (a map resize, too
+    many open), with no room under max_inflight_bytes to copy the rest: its call ends, and its
+    batch goes back to the buffer, as a broken stream's does."""
+
+    status = "RESOURCE_EXHAUSTED"
+    reason = Reason.REPLIES_FULL
+
+
 class IndexNotReady(StoreError):
     """A request that reads an index its table is still building in the background
     (index_builds.py), whose wait ended before the build did: asked again later, it is served."""
