@@ -310,6 +310,25 @@ def test_an_admit_made_again_under_its_grants_name_takes_no_second_grant(tmp_pat
         assert store.stats("t")["submitted"] == 1
 
 
+def test_an_admit_made_again_after_its_grant_expired_takes_a_new_grant(tmp_path: Path) -> None:
+    """Made again under the name of a grant whose time passed before the upkeep ended it, an admit
+    answered that grant, its expiry already past: the worker rolled out under a grant the next
+    upkeep pass ended, its room counted twice. Now the old grant ends there (expired) and a new one
+    is made."""
+    now = [1000.0]
+    with Store(tmp_path, clock=lambda: now[0]) as store:
+        store.create_table(TableConfig.of(name="t", estimator="none", max_staleness=0, batch_size=3))
+        first = store.admit("t", 2, grant_seconds=10, grant_id="rollout-8")
+        now[0] += 11
+        again = store.admit("t", 3, grant_seconds=10, grant_id="rollout-8")
+        assert (again.count, again.grant_id, again.expires) == (3, "rollout-8", now[0] + 10)
+        assert first.expires < now[0]
+        stats = store.stats("t")
+        assert (stats["submitted"], stats["admitted"], stats["grants_expired"]) == (3, 5, 2)
+        assert store.tick()["rollouts_returned"] == 0
+        assert store.finish_grant("t", "rollout-8", 3) == 0
+
+
 def test_the_client_names_each_grant_and_a_name_is_bound_to_its_token(start_server: Servers) -> None:
     """The client names every grant it asks for (so that its own retries, and an adapter's across
     a restart, take no second one); another token's admit under that name is refused, as its

@@ -67,7 +67,8 @@ def grant(tt: TableState, count: int, seconds: float, owner: str = "", grant_id:
     """RolloutGrant up to `count` rollouts under a lease of `seconds`, bound to `owner` (the
     caller's token fingerprint with tokens on), who alone finishes it. `grant_id`: the client's
     name for it; where a grant of that name is still open (the same admit made again after its
-    reply was lost), that grant, not a second one."""
+    reply was lost), that grant, not a second one; where it has expired (its room comes back), a
+    new one, not the old one with an expiry already past."""
     if not isinstance(count, int) or isinstance(count, bool) or not 1 <= count <= MAX_COUNT:
         raise InvalidRequest(f"count must be an integer from 1 to {MAX_COUNT}, got {clip(count)}")
     if not isinstance(seconds, (int, float)) or not 0 < seconds <= MAX_GRANT_SECONDS:
@@ -79,7 +80,9 @@ def grant(tt: TableState, count: int, seconds: float, owner: str = "", grant_id:
         if made["t"] != tt.table_id:
             raise InvalidRequest(f"grant_id '{grant_id}' names an open grant of another table: make a new one")
         check_owner(made, grant_id, owner)
-        return RolloutGrant(made["n"], grant_id, made["e"])
+        if made["e"] > tt.now:
+            return RolloutGrant(made["n"], grant_id, made["e"])
+        finish(tt, grant_id, made, 0, expired=True)  # expired, the upkeep not yet by: its room back, a new one
     room = capacity(tt)
     granted = count if room is None else min(count, room)
     if granted == 0:
