@@ -114,7 +114,9 @@ class PromptCalls(ClientSettings):
     @declare(shards=lambda s: s._release_claims)
     def release_claims(self, prompts: Iterable[Prompt]) -> Steps[int]:
         """Give claims back now: each prompt goes out again with its next attempt. Returns the
-        claims that were still held. Any number, in calls of at most MAX_PROMPTS_PER_CALL.
+        claims that were still held (a release made again after its reply was lost, as the client's
+        retries make it, counts none of those the first released: they are not held then). Any
+        number, in calls of at most MAX_PROMPTS_PER_CALL.
         Sharded: each prompt on its shard (ShardError: `result` what the shards that answered
         released)."""
         released = 0
