@@ -239,7 +239,17 @@ def test_reinforce_reaches_earlier_turns_through_masked_tokens() -> None:
         if name != "reinforceplusplus":
             assert adv.tolist() == [1, 1, 0, 0, 1, 1], name
         else:  # whitened: equal returns under the mask are all at the mean
-            assert adv.tolist() == pytest.approx([0] * 6, abs=1e-4)
+            assert adv.tolist() == [0] * 6
+
+
+def test_reinforceplusplus_gives_a_batch_of_equal_returns_none_as_trinity_does() -> None:
+    """Trinity-RFT's masked_whiten divides by count + 1e-8 in float32, the count itself: every
+    return of a batch of equal ones is at its mean. In float64 the 1e-8 stayed, and whitening put
+    each token r * 1e-4 / count off it (0.025 for two tokens of reward 1000; a helper's audit)."""
+    exps = [Exp(1, run, 0, 1000.0, [True, True]) for run in range(2)]
+    got, want = ours("reinforceplusplus", {}, exps), theirs("reinforceplusplus", {}, exps)
+    assert_same(got, want)
+    assert all(adv.tolist() == [0.0, 0.0] for adv, _ in got.values())
 
 
 def test_reinforceplusplus_has_no_group_baseline_and_discounts() -> None:

@@ -374,3 +374,10 @@ def test_a_push_with_nan_or_infinite_token_rewards_is_refused_naming_the_field()
     )
     (back,) = decode(encode([exp]))
     assert torch.equal(back.token_level_reward, rewards)
+    exp.token_level_reward = rewards.double()
+    (back,) = decode(encode([exp]))  # float64 within float32's range
+    assert torch.equal(back.token_level_reward, rewards.double())
+    for beyond in (1e39, -1e39):  # infinite where the frameworks compute: refused, as a reward of it is
+        exp.token_level_reward = torch.tensor([0.0, 1.0, beyond, 0.5], dtype=torch.float64)
+        with pytest.raises(TrxpError, match=r"field 'token_level_reward' holds a value beyond float32's range"):
+            decode(encode([exp]))

@@ -434,11 +434,14 @@ def finish_reinforce_pp_baseline(rows: SampledRows, epsilon: float) -> Tensor:
 
 def finish_reinforceplusplus(rows: SampledRows, **_: object) -> Tensor:
     """[T] Trinity-RFT's masked_whiten of the returns over the batch's generated tokens,
-    masked (its masked mean divides by count + 1e-8; unbiased variance; rsqrt(var + 1e-8))."""
+    masked (its masked mean divides by count + 1e-8; unbiased variance; rsqrt(var + 1e-8)). Its
+    count + 1e-8 is the count itself in float32, where it runs, for any count of one or more: so
+    here, where float64 would keep the 1e-8 and put every return of a batch of equal ones r * 1e-8
+    / count off their mean (whitened, r * 1e-4 / count: 0.025 a token for two tokens of 1000)."""
     mask, returns = _needed(rows.mask, "action masks"), _needed(rows.returns, "returns")
-    count = mask.sum()
-    mean = (returns * mask).sum() / (count + WHITEN_EPSILON)
-    var = ((returns - mean) ** 2 * mask).sum() / (count + WHITEN_EPSILON)
+    count = mask.sum().clamp(min=WHITEN_EPSILON)
+    mean = (returns * mask).sum() / count
+    var = ((returns - mean) ** 2 * mask).sum() / count
     if count > 1:
         var = var * count / (count - 1)
     return (returns - mean) * torch.rsqrt(var + WHITEN_EPSILON) * mask

@@ -290,6 +290,11 @@ def check_tensors(index: int, item: RawItem, work: Work) -> None:
             raise TrxpError(
                 f"{_where(index, item)}: field 'token_level_reward' holds NaN or infinity; a reward is a finite number"
             )
+        if name == "token_level_reward" and beyond_float32(tensor):
+            raise TrxpError(
+                f"{_where(index, item)}: field 'token_level_reward' holds a value beyond float32's range"
+                f" (±{FLOAT32_MAX!r}), where the estimators compute, as a reward's must be within"
+            )
         if name == "action_mask" and tensor.dtype != "BOOL" and tensor.dtype not in INTEGER_CODES:
             raise TrxpError(f"{_where(index, item)}: field 'action_mask' must be bool or integer, got {tensor.dtype}")
 
@@ -324,7 +329,7 @@ def _plain_tensors(meta: dict[str, Any], tensors: dict[str, RawTensor]) -> bool:
         elif kind == _MASK:
             if dtype != "BOOL" and dtype not in INTEGER_CODES:
                 return False
-        elif dtype not in FLOAT_CODES or (kind == _REWARD and not_finite(tensor)):
+        elif dtype not in FLOAT_CODES or (kind == _REWARD and (not_finite(tensor) or beyond_float32(tensor))):
             return False
     return True
 
@@ -373,6 +378,16 @@ def not_finite(tensor: RawTensor) -> bool:
         return True
     rest = bytes(data[low::size]).translate(_ALL_SET[low_mask])
     return int.from_bytes(flagged, "little") & int.from_bytes(rest, "little") != 0
+
+
+def beyond_float32(tensor: RawTensor) -> bool:
+    """Whether a float64 tensor holds a finite value beyond float32's range (the frameworks'
+    estimators compute in float32: such a reward is infinite there); False for narrower dtypes,
+    and for one whose data is not there (as not_finite)."""
+    if tensor.dtype != "F64" or len(tensor.data) != tensor.numel * 8 or not tensor.numel:
+        return False
+    values = memoryview(tensor.data).cast("B").cast("d")
+    return max(values) > FLOAT32_MAX or min(values) < -FLOAT32_MAX
 
 
 _TOKEN_FIELDS: Final[tuple[str, ...]] = TOKEN_TENSOR_FIELDS
