@@ -107,6 +107,20 @@ def test_export_json_lines_with_the_servers_advantages(child_server: ServerProce
         assert abs(line["advantages"][0]) > 0.5  # the group's grpo values, not zeros
 
 
+def test_export_json_lines_writes_bytes_and_non_finite_floats_of_the_metadata(child_server: ServerProcess) -> None:
+    """TRXP's metadata may hold bytes (values and dict keys) and NaN: json.dumps raised on bytes,
+    and one such experience ended the whole export with a traceback (a helper's audit)."""
+    exp = make_experience(0, 0, 0, reward=1.0)
+    exp.info = {"digest": b"\x00\xff", b"raw": [float("nan"), b"x"]}
+    with BufferClient(child_server.target) as client:
+        client.create_table("t6", group_size=1, estimator="none")
+        client.push([exp], table="t6")
+    done = export(child_server, "t6")
+    assert done.returncode == 0, done.stderr
+    (line,) = [json.loads(text) for text in done.stdout.splitlines()]
+    assert line["info"] == {"digest": {"base64": "AP8="}, "base64:cmF3": ["nan", {"base64": "eA=="}]}
+
+
 def test_export_trxp_reads_back_as_stored(child_server: ServerProcess, tmp_path: Path) -> None:
     with BufferClient(child_server.target) as client:
         fill(client, "t3")

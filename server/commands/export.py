@@ -11,6 +11,7 @@ a look with `jq` or pandas; TRXP is what Trinity-RFT's `Experience.deserialize_m
 from __future__ import annotations
 
 import argparse
+import base64
 import contextlib
 import errno
 import json
@@ -28,16 +29,24 @@ from expbuf.client.client import ListedExperience
 
 
 def _plain(value: Any) -> Any:
-    """A value JSON can hold: tensors as lists, non-finite floats as strings."""
+    """A value JSON can hold: tensors as lists, non-finite floats as strings, bytes (which an
+    experience's metadata may hold, TRXP's plain data) as {"base64": their base64}, a bytes key as
+    "base64:" and its base64: json.dumps raised on them, and one such experience ended the export."""
     if hasattr(value, "tolist"):  # a tensor (torch is not imported here: `expbuf health` stays light)
         return _plain(value.tolist())
     if isinstance(value, dict):
-        return {str(k): _plain(v) for k, v in value.items()}
+        return {_key(k): _plain(v) for k, v in value.items()}
     if isinstance(value, list | tuple):
         return [_plain(v) for v in value]
     if isinstance(value, float) and not math.isfinite(value):
         return str(value)
+    if isinstance(value, bytes):
+        return {"base64": base64.b64encode(value).decode()}
     return value
+
+
+def _key(key: Any) -> str:
+    return "base64:" + base64.b64encode(key).decode() if isinstance(key, bytes) else str(key)
 
 
 def json_line(listed: ListedExperience, exp: Experience) -> str:
