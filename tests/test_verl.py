@@ -183,6 +183,23 @@ def test_expbuf_experiences_survive_verl_exactly() -> None:
     assert trxp_content(from_verl(rows)) == trxp_content(experiences)
 
 
+def test_an_experiences_info_keys_of_a_rows_own_names_neither_write_over_the_row_nor_are_lost() -> None:
+    """An experience's info was written over the row's own fields: info {"uid": ...} gave each run
+    of a group a verl uid of its own (GRPO groups rows by uid: each run a group of one), info
+    {"advantages": ...} replaced the tensor the trainer trains on, and the way back lost them, or
+    crashed (a helper's audit). They ride apart now, and come back."""
+    experiences = explorer_experiences()[1:]  # two runs of one task
+    for run, exp in enumerate(experiences):
+        exp.info = {**exp.info, "uid": f"dataset-row-{run}", "session_id": 40 + run, "advantages": [0.5], "x": 1}
+    rows = to_verl(experiences, ["g"] * 2)
+    assert len({row.fields["uid"] for row in rows}) == 1
+    assert all(isinstance(row.fields["advantages"], torch.Tensor) for row in rows if "advantages" in row.fields)
+    assert [row.fields["session_id"] for row in rows] != [40, 41] and [row.fields["x"] for row in rows] == [1, 1]
+    back = from_verl(rows)
+    assert [exp.info for exp in back] == [exp.info for exp in experiences]
+    assert trxp_content(back) == trxp_content(experiences)
+
+
 def test_rollouts_told_apart_by_suffix_alone_are_sessions_of_their_own_and_steps_go_in_order() -> None:
     """verl's GRPO takes a session's last index as its outcome. A group whose members all name one
     run and one step (expbuf's TorchRL storage wrote them so) was one session of four outputs: a

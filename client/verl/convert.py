@@ -128,6 +128,7 @@ def _experience(row: Row) -> Experience:
     if extra:
         info["extra_fields"] = _plain(extra, "extra_fields")
     own = f.get("expbuf") or {}
+    info.update(copy.deepcopy(own.get("info") or {}))  # the keys that would have written over the row's
     exp = Experience(
         tokens=tokens,
         eid=EID(**own["eid"]) if "eid" in own else EID(VERL_BATCH, uid, session, index, SUFFIX),
@@ -262,6 +263,9 @@ def _row(exp: Experience, session: int, index: int, group_id: str | None = None)
     elif exp.metrics:
         fields["metrics"], own["metrics"] = dict(exp.metrics), dict(exp.metrics)
     fields["uid"], fields["session_id"] = uid, session
+    clashing = [key for key in info if key in _NOT_INFO or key in fields]
+    if clashing:  # a key of a row's own (verl groups rows by uid): kept apart, not written over the row's
+        own["info"] = {key: copy.deepcopy(info.pop(key)) for key in clashing}
     fields.update(info)
     for name in _FOREIGN_META:
         value = getattr(exp, name, None)
