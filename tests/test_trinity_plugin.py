@@ -610,6 +610,31 @@ def test_a_writer_released_after_a_restart_does_not_end_the_table_another_still_
     assert sorted({e.eid.tid for e in read}) == ["3/1"]
 
 
+def test_a_late_release_of_a_tables_earlier_life_does_not_end_the_table_made_again(start_server: Servers) -> None:
+    """A run's writer acquires; the table is dropped and made again for the next run, whose writer
+    acquires; the first run's writer releases late. The server counted writers by table name: the
+    late close took the new run's count to 0 and ended its table, its trainer's reads ending while
+    its explorers still wrote (a helper's audit). Each writer names itself now: its close counts
+    against the table it opened alone, and an open or close made again counts once."""
+    server = start_server()
+    target = f"127.0.0.1:{server.port}"
+    with BufferClient(target) as admin:
+        admin.create_table(TABLE, group_size=4, estimator="grpo")
+        config = buffer_config(server.port, batch_size=4)
+        old = trinity.buffer.get_buffer_writer(config)
+        assert asyncio.run(old.acquire()) == 1
+        admin.drop_table(TABLE)
+        admin.create_table(TABLE, group_size=4, estimator="grpo")
+        new = trinity.buffer.get_buffer_writer(config)
+        assert asyncio.run(new.acquire()) == 1
+        assert asyncio.run(old.release()) == 1  # the new run's writer is still open
+        assert admin.writers(TABLE) == (1, False)
+        assert admin.writers(TABLE, 1, "w") == (2, False) == admin.writers(TABLE, 1, "w")  # made again: once
+        assert admin.writers(TABLE, -1, "w") == (1, False) == admin.writers(TABLE, -1, "w")
+        assert asyncio.run(new.release()) == 0
+        assert admin.writers(TABLE) == (0, True)
+
+
 def test_a_server_restart_of_a_second_or_two_is_ridden_out_by_the_writer_and_the_reader(
     start_server: Servers,
 ) -> None:

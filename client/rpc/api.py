@@ -59,11 +59,15 @@ class ServerCalls(Calls):
     """The calls of a client of one server: those it shares, and those of its own."""
 
     @declare()
-    def writers(self, table: str = "default", change: int = 0) -> Plan[tuple[int, bool]]:
+    def writers(self, table: str = "default", change: int = 0, writer_id: str = "") -> Plan[tuple[int, bool]]:
         """Open (+1) or close (-1) a writer of the table, or read (0): (writers open, done),
-        done once every writer that opened has closed (the table's end of data)."""
-        request = pb.WritersRequest(table=table, change=change)
-        return Unary("Writers", request, lambda r: (r.open, r.done), retry=change == 0)
+        done once every writer that opened has closed (the table's end of data). A writer that
+        names itself (`writer_id`, at most 64 bytes: `uuid.uuid4().hex`, the same at its open and
+        its close) is counted once however often the call is made, so the client retries it, and
+        its close counts only against the table it opened, not one dropped and made again under
+        the name since. Without one, each call counts as made, and is not retried."""
+        request = pb.WritersRequest(table=table, change=change, writer_id=writer_id)
+        return Unary("Writers", request, lambda r: (r.open, r.done), retry=change == 0 or bool(writer_id))
 
     @declare()
     def list_experiences(self, table: str = "default", **filters: Unpack[ListFilters]) -> Plan[ExperiencePage]:

@@ -11,6 +11,7 @@ import copy
 import dataclasses
 import logging
 import time
+import uuid
 
 import grpc
 from trinity.buffer.buffer_writer import BufferWriter
@@ -95,7 +96,7 @@ class ExpbufWriter(BufferWriter):
         table = self._table
         self._group_key = GROUP_KEY_OF[table.group_by if table else "task"]
         self._seals = bool(table and table.group_size > 0 and table.on_group_timeout == "release")
-        self._refs = 0
+        self._ids: list[str] = []  # each acquire's writer id, not yet released
 
     def _push(self, data: list[Experience]) -> PushResult:
         data = _distinct_groups(_prompt_groups(data))
@@ -192,29 +193,32 @@ class ExpbufWriter(BufferWriter):
     async def acquire(self) -> int:
         """Open a writer of the table on the server, where the trainer's reads see it; returns the
         table's open writers, in every process (Trinity's reference count)."""
-        opened, _ = await asyncio.to_thread(self._open().writers, self.location.table, 1)
-        self._refs += 1
+        writer_id = uuid.uuid4().hex  # its open and close counted once, and against this table alone
+        opened, _ = await asyncio.to_thread(self._open().writers, self.location.table, 1, writer_id)
+        self._ids.append(writer_id)
         return opened
 
     async def release(self) -> int:
         """Close a writer; when the table's last writer closes, its readers reach the end of data.
         A release with no writer open (one without an acquire) ends it too, as Trinity's storages
         end their readers when their count of writers reaches zero or below."""
-        acquired = self._refs > 0
-        self._refs = max(0, self._refs - 1)
-        still_open = await asyncio.to_thread(self._close, acquired)
-        if self._refs == 0:
+        writer_id = self._ids.pop() if self._ids else ""
+        still_open = await asyncio.to_thread(self._close, writer_id)
+        if not self._ids:
             self._client.close()
         return still_open
 
-    def _close(self, acquired: bool) -> int:
-        """The server's close of a writer; one with none open changes nothing there, so a release
-        without an acquire ends the table as its last writer ends it: opened and closed. Not a
-        writer that `acquired`: the server forgot its count (a restart: it keeps it in memory), and
+    def _close(self, writer_id: str) -> int:
+        """The server's close of a writer (`writer_id`, its acquire's; empty for a release without
+        one); one with none open changes nothing there, so a release without an acquire ends the
+        table as its last writer ends it: opened and closed. Not a writer that acquired: the
+        server forgot its count (a restart: it keeps it in memory), or the table was dropped and
+        made again since (its close counts against the table it opened alone), and
         ending the table would end the trainer's reads while other explorers still write; the
         readers end by max_read_timeout instead (docs/frameworks/trinity.md)."""
         table, client = self.location.table, self._open()
-        still_open, done = client.writers(table, -1)
+        acquired = bool(writer_id)
+        still_open, done = client.writers(table, -1, writer_id)
         if still_open == 0 and not done and acquired:
             log.warning(
                 "expbuf table %r: the server counts no writer open at this writer's release (it restarted since"
@@ -222,8 +226,9 @@ class ExpbufWriter(BufferWriter):
                 table,
             )
         elif still_open == 0 and not done:
-            client.writers(table, 1)
-            still_open, _ = client.writers(table, -1)
+            once = uuid.uuid4().hex
+            client.writers(table, 1, once)
+            still_open, _ = client.writers(table, -1, once)
         return still_open
 
     def _seal(self, groups: list[str]) -> None:

@@ -234,6 +234,10 @@ class Store(ServiceCalls):
     def table(self, name: str) -> TableConfig:
         return self.catalog.lookup(name)[1]
 
+    def table_id(self, name: str) -> int:
+        """The id of the table of that name now (NotFound): another once it is dropped and made again."""
+        return self.catalog.lookup(name)[0]
+
     drop_table = Forwarded("catalog", TableCatalog.drop)
 
     def register_extension(self, name: str, kind: type[TableExtension], *, replace: bool = False) -> None:

@@ -881,12 +881,14 @@ class ResetOffPolicyReply(_message.Message):
     def __init__(self, trainer_version: _Optional[int] = ..., submitted: _Optional[int] = ...) -> None: ...
 
 class WritersRequest(_message.Message):
-    __slots__ = ("table", "change")
+    __slots__ = ("table", "change", "writer_id")
     TABLE_FIELD_NUMBER: _ClassVar[int]
     CHANGE_FIELD_NUMBER: _ClassVar[int]
+    WRITER_ID_FIELD_NUMBER: _ClassVar[int]
     table: str
     change: int
-    def __init__(self, table: _Optional[str] = ..., change: _Optional[int] = ...) -> None: ...
+    writer_id: str
+    def __init__(self, table: _Optional[str] = ..., change: _Optional[int] = ..., writer_id: _Optional[str] = ...) -> None: ...
 
 class WritersReply(_message.Message):
     __slots__ = ("open", "done")

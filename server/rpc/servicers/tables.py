@@ -151,6 +151,6 @@ class TableServicer(ServicerBase):
     @refusals
     def Writers(self, request: pb.WritersRequest, context: grpc.ServicerContext) -> pb.WritersReply:
         table = request.table or "default"
-        self.store.table(table)  # NOT_FOUND for a table that does not exist
-        count = self.writers.change(table, request.change)
+        table_id = self.store.table_id(table)  # NOT_FOUND for a table that does not exist
+        count = self.writers.change(table, request.change, table_id, request.writer_id)
         return pb.WritersReply(open=count.open, done=count.done)
