@@ -262,6 +262,27 @@ def test_uptime_counts_from_the_start_through_a_step_of_the_wall_clock(
         assert before <= client.server_info().uptime_seconds < before + 60
 
 
+def test_a_stream_whose_table_is_dropped_with_batches_sent_ahead_says_so(server: ExpbufServer) -> None:
+    """A consume stream with batches sent ahead whose table is dropped (and made again) ended
+    saying one of its leases was 'unknown, already acked, or expired': the confirmation of the
+    batches sent failed after the take's clear refusal, and replaced it (a helper's audit)."""
+    target = f"127.0.0.1:{server.port}"
+    with BufferClient(target) as trainer, BufferClient(target) as operator:
+        trainer.create_table("dropped", group_size=1, estimator="none")
+        for task in range(6):
+            trainer.push([make_experience("old", task, 0)], table="dropped")
+        stream = trainer.sample("dropped", batch_size=1, delivery="consume", window=2, timeout=5)
+        next(stream)
+        time.sleep(0.5)  # the next batches sent ahead
+        operator.drop_table("dropped")
+        operator.create_table("dropped", group_size=1, estimator="none")
+        operator.push([make_experience("new", 0, 0)], table="dropped")
+        with pytest.raises(BufferError, match="table 'dropped' was dropped") as ended:
+            for _ in range(5):
+                next(stream)
+        assert ended.value.code == grpc.StatusCode.NOT_FOUND
+
+
 def test_health_and_reflection(server: ExpbufServer) -> None:
     with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
         health = health_pb2_grpc.HealthStub(channel)

@@ -14,6 +14,7 @@ import pytest
 
 from expbuf.server.store import Store
 from expbuf.server.store.disk import layout
+from expbuf.server.store.ledger.records import DatasetRecord
 from expbuf.server.store.schema.errors import NotFound
 from expbuf.server.store.schema.table_config import TableConfig
 
@@ -136,3 +137,52 @@ def test_a_table_dropped_in_the_batch_of_a_create_that_found_it_is_gone_whicheve
     assert out == {"create": False, "drop": 0}
     assert stored(store, "t") is None and not store.has_table("t")
     assert "t" not in [config.name for config in store.list_tables()]
+
+
+def test_an_upkeep_pass_in_the_batch_of_a_drop_counts_no_failure(tmp_path: Path) -> None:
+    """The pass still listed the table (the catalog's memory follows a drop once it commits) and
+    found it gone on disk: an ERROR `maintenance skipped table t: NotFound` and a maintenance
+    failure for an ordinary drop (a helper's audit)."""
+    stale = TableConfig.of(name="t", group_size=1, estimator="none", max_staleness=2, evict_stale=True)
+    with Store(tmp_path / "data", seed=1) as store:
+        store.create_table(stale)
+        store.set_trainer_version("t", 1)
+        out = one_batch(store, [("drop", lambda: store.drop_table("t")), ("tick", store.tick)])
+        assert out["drop"] == 0 and isinstance(out["tick"], dict) and out["tick"]["failed"] == 0
+        assert store.maintenance_failures == 0
+
+
+def test_a_claim_whose_table_is_dropped_and_made_again_while_it_waits_is_refused(store: Store) -> None:
+    """A claim's steps looked the table up by name each: one waiting for a prompt, or going on over
+    several transactions, went on in a table made again under the name meanwhile, one reply mixing
+    the old table's prompts (gone with it) with the new one's, a prompt twice (a helper's audit)."""
+    store.create_dataset("t", DatasetRecord("d", size=1))
+    assert len(store.claim("t", "d", 1, seconds=60)[0]) == 1  # every prompt out: the next claim waits
+
+    def again() -> None:
+        time.sleep(0.5)
+        store.drop_table("t")
+        store.create_table(CONFIG)
+        store.create_dataset("t", DatasetRecord("d", size=1))
+
+    made = threading.Thread(target=again)
+    made.start()
+    try:
+        with pytest.raises(NotFound, match="table 't' was dropped while the claim went on"):
+            store.claim("t", "d", 1, seconds=60, wait=10)
+    finally:
+        made.join()
+    assert len(store.claim("t", "d", 1, seconds=60)[0]) == 1  # a claim of the table made again
+
+
+def test_a_dropped_tables_grants_go_with_it(store: Store) -> None:
+    """Kept, an admit made again under a grant's id after the table was made again was refused
+    ("names an open grant of another table") until the old grant expired, up to a day."""
+    limited = TableConfig.of(name="a", group_size=2, estimator="none", max_staleness=0, batch_size=4)
+    store.create_table(limited)
+    assert store.admit("a", 2, grant_id="g").count == 2
+    store.drop_table("a")
+    store.create_table(limited)
+    assert store.admit("a", 2, grant_id="g").count == 2
+    with store.environment.read() as txn:
+        assert len(list(txn.cursor(db=store.db["grants"]))) == 1

@@ -48,7 +48,7 @@ from expbuf.client.schema.reasons import Reason
 from expbuf.proto.v1 import buffer_pb2 as pb
 
 from ...store import Sampled, Store
-from ...store.schema.errors import BatchStageFailed, StoreError
+from ...store.schema.errors import BatchStageFailed, NotFound, StoreError
 from ...store.schema.sample_spec import TakeSpec
 from ..draining import Draining
 from ..interceptors.base import refuse
@@ -101,8 +101,14 @@ def stream_batches(
                     deadline = time.monotonic() + timeout()
                 try:
                     batch = None if client.interrupted else window.take(deadline, context)
-                except StoreError:  # the rate limit at its deadline, an index not built: the stream ends with it
-                    yield from window.settle(draining, context)
+                except (
+                    StoreError
+                ) as refused:  # the rate limit at its deadline, an index not built: the stream ends with it
+                    try:
+                        yield from window.settle(draining, context)
+                    except NotFound:  # its table dropped: so are the leases of the batches sent, said as such
+                        if not isinstance(refused, NotFound):
+                            raise
                     raise
                 yield from window.told()
                 if isinstance(batch, DeliveryTold):  # a delivery told of while it waits for data: the wait goes on

@@ -37,7 +37,7 @@ from ..ledger.rules import Ledger
 from ..ledger.settings import check, no_dataset
 from ..ledger.shards import count_part, count_parts
 from ..ledger.states import PROMPT_STATES
-from ..schema.errors import Cancelled, InvalidRequest, check_names, clip
+from ..schema.errors import Cancelled, InvalidRequest, NotFound, check_names, clip
 from ..schema.sample_spec import MAX_WAIT_SECONDS, check_seconds
 from ..tables.catalog import TableCatalog
 
@@ -75,6 +75,13 @@ def shown_owner(owner: str) -> str:
     return owner.encode()[:MAX_OWNER_BYTES].decode(errors="ignore")
 
 
+def _dropped(table: str) -> NotFound:
+    return NotFound(
+        f"table '{clip(table)}' was dropped while the claim went on (a table made again under its name is"
+        " another): the prompts it claimed went with it; claim again"
+    )
+
+
 class _Unchanged(Exception):
     """A claim's step that handed out nothing and left its dataset as it was: its transaction is
     undone (a commit would wake every caller that waits for a change, this claim among them)."""
@@ -102,12 +109,18 @@ class Claims:
     ) -> None:
         self.environment, self.catalog, self.ledger, self._mark = environment, catalog, ledger, mark
 
-    def _in_table(self, table: str, fn: Callable[[TableState], T]) -> T:
-        table_id, config = self.catalog.lookup(table)
+    def _in_table(self, table: str, fn: Callable[[TableState], T], table_id: int | None = None) -> T:
+        """`fn` of the table's state in the writer's transaction; with `table_id`, of that table
+        alone: one dropped (and made again under its name) since is NotFound."""
+        found, config = self.catalog.lookup(table)
+        if table_id is not None and found != table_id:
+            raise _dropped(table)
 
         def op(txn: lmdb.Transaction[bytes]) -> T:
-            self._mark(table_id)  # the upkeep ends the table's claims when their time comes
-            tt = self.catalog.state(txn, table_id, config)
+            if table_id is not None and self.catalog.stored_id(txn, table) != table_id:
+                raise _dropped(table)
+            self._mark(found)  # the upkeep ends the table's claims when their time comes
+            tt = self.catalog.state(txn, found, config)
             result = fn(tt)
             tt.save()
             return result
@@ -183,6 +196,7 @@ class Claims:
         claimed: list[Claimed] = []
         parts: dict[int, int] = {}
         waited = False
+        table_id, _ = self.catalog.lookup(table)  # each step of this table: not one made again under its name
         while True:
             if waited and stop is not None and stop():  # gone while it waited: nothing claimed for no one
                 return claimed, False
@@ -191,9 +205,11 @@ class Claims:
                                       owner=owner, holder=holder, parts=parts, claim_id=claim_id,
                                       first=not claimed)  # fmt: skip
             try:
-                step = self._in_table(table, functools.partial(self._step, name=name, claim=claim))
+                step = self._in_table(table, functools.partial(self._step, name=name, claim=claim), table_id)
             except _Unchanged as unchanged:
                 step = unchanged.step
+            except NotFound:  # the table or the dataset went: so did the claims of the steps before
+                raise
             except Exception:
                 if claimed:
                     return claimed, False

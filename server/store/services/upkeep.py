@@ -122,6 +122,8 @@ class Upkeep:
         done["tables_visited"] = len(tables)
         for table_id, config in tables:
             self._active.discard(table_id)
+            if self.catalog.stored_id(txn, config.name) != table_id:  # dropped in this batch, before the pass
+                continue
             if not self.due(txn, table_id, config, now):
                 if self.waiting(txn, table_id, config):
                     self._active.add(table_id)

@@ -127,6 +127,16 @@ def finish(tt: TableState, grant_id: str, record: GrantRecord, accepted: int | N
     return returned
 
 
+def drop_table(txn: lmdb.Transaction[bytes], dbs: dict[str, lmdb._Database], table_id: int) -> None:
+    """A dropped table's grants go, with their expiry rows: kept, a grant's id named a grant of
+    another table to an admit made again under it after the table was made again, refused until
+    the grant expired (up to a day)."""
+    ended = [(key, json.loads(raw)) for key, raw in txn.cursor(db=dbs["grants"]) if json.loads(raw)["t"] == table_id]
+    for key, record in ended:
+        txn.delete(key, db=dbs["grants"])
+        txn.delete(layout.expiry_key(record["e"], key.decode()), db=dbs["grant_exp"])
+
+
 def reset(tt: TableState) -> int:
     """Forget the rollouts counted against the bound but those of grants still open (a job
     that starts over); returns them. The totals (admitted, expired, rejected) stay."""

@@ -34,6 +34,7 @@ from ..rules.extensions import ExtensionKinds, Extensions, warn_earlier
 from ..rules.staleness import StaleEviction
 from ..schema.errors import ConfigError, Conflict, NotFound, StoreError, clip
 from ..schema.table_config import CONFIG_VERSION, TableConfig, differences, never_serves
+from . import admission
 
 _NO_EXTENSIONS = Extensions()
 E = TypeVar("E", bound=TableExtension)
@@ -226,6 +227,7 @@ class TableCatalog:
                         while cur.key().startswith(prefix) and cur.delete():
                             pass
             leases.drop_table(txn, db, table_id)
+            admission.drop_table(txn, db, table_id)
             return counters.live()
 
         dropped = self.environment.submit(op)
