@@ -195,3 +195,19 @@ def test_round_trip_is_exact_for_any_rows(rows: dict[str, torch.Tensor]) -> None
         for offset, version in enumerate(response):  # each stamped token's version is its segment's
             if version >= 0:
                 assert [v for v, at in segments if at <= offset][-1] == version
+
+
+def test_an_experience_scored_by_token_level_rewards_brings_their_sum_as_areals_reward() -> None:
+    """Pushed with token-level rewards and no reward (verl's and Trinity-RFT's form, which the
+    token-reward estimators take), an experience gave AReaL's `rewards` 0.0: its actor computed
+    no advantage from it, and nothing said so (a helper's audit). One with neither is refused."""
+    exps = from_areal(rlvr_rows())
+    for at, exp in enumerate(exps):  # a reward on each response's last token, one of them negative
+        level = torch.zeros(exp.tokens.numel() - exp.prompt_length)
+        level[-1] = [1.0, -2.0, 0.5][at]
+        exp.reward, exp.token_level_reward = None, level
+    want = [1.0, -2.0, 0.5]
+    assert to_areal(exps)["rewards"].tolist() == want
+    exps[0].token_level_reward = None
+    with pytest.raises(ValueError, match="no reward, nor token-level rewards"):
+        to_areal(exps)

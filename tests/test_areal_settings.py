@@ -55,6 +55,7 @@ def test_settings_follow_areals_config(child_server: ServerProcess) -> None:
         "max_staleness": 2,
         "batch_size": 6,
         "group_size": 8,
+        "estimator": "reinforce",
         "shaping": {
             "reward_clip": 1.5,
             "overlong_buffer": True,
@@ -72,11 +73,13 @@ def test_settings_follow_areals_config(child_server: ServerProcess) -> None:
 
 def test_table_shaping_gives_areals_actor_advantages(child_server: ServerProcess) -> None:
     """AReaL's actor (no KL, no critic) makes every generated token's advantage the shaped
-    reward; a table with the mapped shaping and `reinforce` (advantage = reward) agrees."""
+    reward; a table made with table_settings alone (its shaping, and `reinforce`: advantage =
+    reward) agrees. It left the estimator the table's default, grpo: group-normalised values where
+    trainer_side said they were AReaL's (a helper's audit)."""
     client = BufferClient(child_server.target)
     config = actor_config()
     settings = table_settings(InferenceEngineConfig(), GenerationHyperparameters(n_samples=4), config)
-    client.create_table("shaped", **settings, estimator="reinforce")
+    client.create_table("shaped", **settings)
     rows = []
     for run, (response, reward) in enumerate([(3, 1.0), (8, 1.0), (10, 3.0), (9, -4.0)]):
         prompt = 2
@@ -152,7 +155,6 @@ def test_the_docs_areal_toml_is_what_table_settings_gives(tmp_path: Path) -> Non
     )
     assert settings["shaping"] == {"reward_clip": 20.0}
     flat = table.settings()
-    assert {name: flat[name] for name in ("group_by", "group_size", "max_staleness", "batch_size")} == {
-        name: settings[name] for name in ("group_by", "group_size", "max_staleness", "batch_size")
-    }
+    names = ("group_by", "group_size", "max_staleness", "batch_size", "estimator")
+    assert {name: flat[name] for name in names} == {name: settings[name] for name in names}
     assert table.advantages.shaping.reward_clip == 20.0

@@ -140,6 +140,18 @@ def _versions(exp: Any, start: int, length: int) -> torch.Tensor:
     return versions
 
 
+def _reward(exp: Any) -> float:
+    """An experience's reward as AReaL's `rewards` holds it: its own, or where it has none the sum
+    of its token-level rewards (its score, as the estimators take it); one with neither is
+    refused: a 0.0 made up for it gave AReaL's actor no signal, and said nothing."""
+    if exp.reward is not None:
+        return float(exp.reward)
+    level = getattr(exp, "token_level_reward", None)
+    if level is None:
+        raise ValueError(f"experience {exp.eid}: no reward, nor token-level rewards, for AReaL's `rewards`")
+    return float(level.double().sum())
+
+
 def to_areal(experiences: Sequence[Any], width: int | None = None, *, advantages: bool = False) -> dict[str, Any]:
     """One right-padded AReaL trajectory dict of the experiences (expbuf's or Trinity-RFT's).
 
@@ -161,7 +173,7 @@ def to_areal(experiences: Sequence[Any], width: int | None = None, *, advantages
         fields["logprobs"].append(layout.to_full(exp.logprobs, start, length, DTYPES["logprobs"]))
         fields["versions"].append(_versions(exp, start, length))
         masks.append(torch.ones(length, dtype=DTYPES["attention_mask"]))
-        rewards.append(0.0 if exp.reward is None else float(exp.reward))
+        rewards.append(_reward(exp))
         if advantages:
             if exp.advantages is None:
                 raise ValueError(f"experience {exp.eid} has no advantages (the table computed none)")

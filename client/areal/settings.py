@@ -18,7 +18,10 @@ def table_settings(rollout: Any, gconfig: Any = None, actor: Any = None, turn_di
 
     The turn discount belongs to the table only when the interactions' rewards are each turn's
     own: AReaL's agent proxy discounts them itself when it exports them, and a second discount
-    would count later turns twice."""
+    would count later turns twice. With an `actor`, the estimator is `reinforce` (each generated
+    token's advantage the shaped reward), what AReaL's actor computes with no KL, critic or
+    normalisation: the table's default (grpo) gave group-normalised values where `trainer_side`
+    said they were AReaL's; the settings `trainer_side` lists are AReaL's to compute."""
     settings: dict[str, Any] = {
         "group_by": "task",
         "max_staleness": rollout.max_head_offpolicyness,
@@ -29,6 +32,7 @@ def table_settings(rollout: Any, gconfig: Any = None, actor: Any = None, turn_di
         settings["estimator"] = "multi_turn_discount"
         settings["estimator_params"] = {"turn_level_discount": turn_discount}
     if actor is not None:
+        settings.setdefault("estimator", "reinforce")
         settings["shaping"] = shaping(actor)
     return settings
 
