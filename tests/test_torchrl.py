@@ -159,6 +159,24 @@ def test_a_sampled_element_holds_what_was_extended_under_torchrls_keys(target) -
         assert bool(full[:3].isnan().all()) and torch.equal(full[3:], td["log_probs", "response"])
 
 
+def test_a_group_named_by_a_tensor_comes_back_in_its_dtype_and_shape(target) -> None:
+    """A group id tensor (an int32 of shape (1,)) came back an int64 of shape (): trainer code that
+    stacks or indexes `td["query"]` saw another tensor (a helper's audit)."""
+    with BufferClient(target) as admin:
+        admin.create_table("ids", group_size=2, estimator="grpo")
+    sent = [element("q", run, float(run)) for run in range(4)]
+    ids = [torch.tensor([7], dtype=torch.int32), torch.tensor([[2**40]])]
+    for at, td in enumerate(sent):
+        td["query"] = ids[at // 2]
+    rb = buffer(target, "ids", 4)
+    rb.extend(lazy_stack(sent))
+    back = [td["query"] for td in rows(rb.sample())]
+    assert sorted((str(q.dtype), tuple(q.shape), q.reshape(-1).tolist()) for q in back) == [
+        ("torch.int32", (1,), [7]), ("torch.int32", (1,), [7]),
+        ("torch.int64", (1, 1), [2**40]), ("torch.int64", (1, 1), [2**40]),
+    ]  # fmt: skip
+
+
 def runs_by_group(admin: BufferClient, table: str) -> dict[str, list[tuple[str, int]]]:
     """Each group's members as (suffix, run), in the order they were written: a storage's suffix is
     an `ordered_id`, whose text sorts in the order the writer made it."""

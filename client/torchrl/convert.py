@@ -38,6 +38,7 @@ REWARD: NestedKey = ("next", "reward")
 VERSION: NestedKey = "policy_version"
 IDENTITY: NestedKey = "expbuf"  # a sampled element's uid and group id
 GROUP_INFO = "group"  # info[...] that keeps an experience's group name
+GROUP_FORM = "group_form"  # and, for a tensor name, its dtype and shape: [dtype, shape]
 # Token ids as TorchRL's LLM wrappers and losses take them (embedding lookups, gathers); a stored
 # experience keeps the dtype it was pushed in (AReaL's rows may hold int32).
 TOKEN_DTYPE = torch.long
@@ -112,8 +113,12 @@ def _version(element: TensorDictBase) -> int | None:
     return version if isinstance(version, int) and not isinstance(version, bool) else None
 
 
-def to_experience(element: TensorDictBase, eid: EID, group: str | list[Any]) -> Experience:
-    """One element as an experience with `eid`, its group name in info."""
+def to_experience(
+    element: TensorDictBase, eid: EID, group: str | list[Any], group_key: NestedKey | None = None
+) -> Experience:
+    """One element as an experience with `eid`, its group name in info (with a tensor name's dtype
+    and shape, read at `group_key`, so that it comes back as it went: an int32 id of shape (1,)
+    came back an int64 of shape ())."""
     tokens, prompt_length = _tokens(element)
     response_length = tokens.numel() - prompt_length
     logprobs = _get(element, ("log_probs", "response"))
@@ -121,6 +126,9 @@ def to_experience(element: TensorDictBase, eid: EID, group: str | list[Any]) -> 
         logprobs = full.reshape(-1)[prompt_length:]
     assistant = _get(element, ("masks", "all_assistant_mask"))
     info: dict[str, Any] = {GROUP_INFO: group}
+    named = None if group_key is None else _get(element, group_key)
+    if isinstance(named, torch.Tensor):
+        info[GROUP_FORM] = [str(named.dtype).removeprefix("torch."), list(named.shape)]
     version = _version(element)
     if version is not None:
         info["model_version"] = version
@@ -159,6 +167,15 @@ def _advantage(exp: Experience) -> torch.Tensor | None:
     return values[:1].reshape(1, 1).to(torch.float32)
 
 
+def _group_tensor(group: Any, form: Any) -> torch.Tensor:
+    """A group name kept from a tensor, in its dtype and shape where they were kept (an experience
+    stored before they were: as torch makes it of the values)."""
+    dtype = getattr(torch, form[0], None) if isinstance(form, list) and len(form) == 2 else None
+    if not isinstance(dtype, torch.dtype):
+        return torch.tensor(group)
+    return torch.tensor(group, dtype=dtype).reshape(form[1])
+
+
 def to_element(exp: Experience, group_key: NestedKey) -> TensorDict:
     """One sampled experience as a TorchRL LLM element (a TensorDict of batch size ())."""
     tokens = exp.tokens.to(TOKEN_DTYPE)  # the tensor itself (no copy) where it is torch.long already
@@ -180,9 +197,9 @@ def to_element(exp: Experience, group_key: NestedKey) -> TensorDict:
     if exp.prompt_text is not None or exp.response_text is not None:
         both = (exp.prompt_text or "") + (exp.response_text or "")
         element["text"] = Text(prompt=exp.prompt_text, response=exp.response_text, full=both, batch_size=[])
-    group = exp.info.get(GROUP_INFO)
+    group, form = exp.info.get(GROUP_INFO), exp.info.get(GROUP_FORM)
     if group is not None:
-        element[group_key] = group if isinstance(group, str) else torch.tensor(group)
+        element[group_key] = group if isinstance(group, str) else _group_tensor(group, form)
     if exp.model_version is not None:
         element[VERSION] = exp.model_version
     if exp.reward is not None:

@@ -210,7 +210,7 @@ class ExpbufStorage(LazyStackStorage):
                 )
 
     def _experience(self, task: str, group: str | list[Any], element: TensorDictBase) -> Experience:
-        return convert.to_experience(element, EID(task=task, suffix=ordered_id()), group)
+        return convert.to_experience(element, EID(task=task, suffix=ordered_id()), group, self.group_key)
 
     def _push(self, pending: dict[str, list[Experience]]) -> None:
         """One push of every group's members into the rounds this writer knows to have room, each
