@@ -22,6 +22,7 @@ from expbuf.server.store.schema.errors import (
     TooLarge,
 )
 from expbuf.server.store.schema.table_config import ConfigError, TableConfig
+from expbuf.server.store.services import upkeep
 
 from conftest import payload
 from helpers import both_layouts, group_items, take, take_both
@@ -261,6 +262,24 @@ def test_a_step_of_the_wall_clock_moves_no_deadline(
         assert s.ack(leased.lease_id) == 2
         assert abs(s.clock() - wall()) < 5
     assert abs(SteadyClock()() - (wall() + step)) < 5  # a start reads the wall clock again
+
+
+def test_leases_due_at_once_end_a_bounded_number_a_pass(
+    tmp_path: Path, clock: Clock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The first pass after a long stop found every lease due and ended them all in the writer's one
+    transaction, every push and sample waiting; it ends upkeep.ENDS_A_PASS now, the next the rest."""
+    monkeypatch.setattr(upkeep, "ENDS_A_PASS", 2)
+    with Store(tmp_path, clock=clock) as s:
+        s.create_table(PLAIN)
+        for task in range(5):
+            s.put("plain", group_items(1, task, 2))
+        for _ in range(5):
+            take(s, "plain", num_groups=1, delivery="lease", lease_seconds=30)
+    clock.now += 60
+    with Store(tmp_path, clock=clock) as s:
+        assert [s.tick()["leases_expired"] for _ in range(4)] == [2, 2, 1, 0]
+        assert s.stats("plain")["ready"] == 10
 
 
 def test_lease_ack_nack_and_expiry_across_restart(tmp_path: Path, clock: Clock) -> None:

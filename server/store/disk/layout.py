@@ -201,12 +201,13 @@ def expiry_of(key: bytes) -> float:
     return stamp / 1e6
 
 
-def due(txn: lmdb.Transaction[bytes], db: lmdb._Database, now: float) -> list[bytes]:
-    """The keys of an expiry index (expiry_key: leases', grants') due by `now`, oldest first."""
-    expired = []
+def due(txn: lmdb.Transaction[bytes], db: lmdb._Database, now: float, limit: int) -> list[bytes]:
+    """The keys of an expiry index (expiry_key: leases', grants') due by `now`, oldest first, at
+    most `limit`."""
+    expired = list[bytes]()
     with txn.cursor(db=db) as cur:
         for key, _ in cur:
-            if expiry_of(key) > now:
+            if expiry_of(key) > now or len(expired) >= limit:
                 break
             expired.append(bytes(key))
     return expired

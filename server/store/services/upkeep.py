@@ -41,6 +41,10 @@ from ..tables.ended import RecentEnds
 T = TypeVar("T")
 log = logging.getLogger("expbuf.store")
 SWEEP_SECONDS = 30.0
+# The leases, and the grants, a pass ends at most: the first after a long stop (or a backlog) finds
+# every one due at once, and each lease's end requeues its groups in the writer's one transaction,
+# every push and sample waiting; the rest end in the passes after, each its own transaction.
+ENDS_A_PASS = 1024
 
 
 class Upkeep:
@@ -106,12 +110,12 @@ class Upkeep:
                 self._by_table[names.get(lease.table_id, "(dropped)"), "requeued"] += requeued
             return requeued
 
-        for key in leases.expired(txn, self.db, now):
+        for key in leases.expired(txn, self.db, now, ENDS_A_PASS):
             requeued = self.isolated(txn, f"lease {key[8:]!r}", functools.partial(expire, key=key))
             done["failed"] += requeued is None
             done["leases_expired"] += requeued is not None
             done["requeued"] += requeued or 0
-        for key in layout.due(txn, self.db["grant_exp"], now):
+        for key in layout.due(txn, self.db["grant_exp"], now, ENDS_A_PASS):
             returned = self.isolated(txn, f"grant {key[8:]!r}", functools.partial(self.expire_grant, key=key))
             done["failed"] += returned is None
             done["rollouts_returned"] += returned or 0

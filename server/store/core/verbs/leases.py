@@ -93,9 +93,9 @@ def holds(txn: lmdb.Transaction[bytes], dbs: Dbs) -> list[str]:
     return [key.decode() for key, raw in txn.cursor(db=dbs["leases"]) if unpack_lease(raw)[1] is None]
 
 
-def expired(txn: lmdb.Transaction[bytes], dbs: Dbs, now: float) -> list[bytes]:
-    """The keys of the lease expiry index due by `now`, oldest first."""
-    return layout.due(txn, dbs["lease_exp"], now)
+def expired(txn: lmdb.Transaction[bytes], dbs: Dbs, now: float, limit: int) -> list[bytes]:
+    """The keys of the lease expiry index due by `now`, oldest first, at most `limit`."""
+    return layout.due(txn, dbs["lease_exp"], now, limit)
 
 
 def drop_table(txn: lmdb.Transaction[bytes], dbs: Dbs, table_id: int) -> None:
