@@ -7,7 +7,9 @@ from __future__ import annotations
 import asyncio
 import re
 from collections.abc import Iterator
+from concurrent import futures
 
+import grpc
 import prometheus_client
 import pytest
 import torch
@@ -114,3 +116,28 @@ def test_a_push_of_what_push_does_not_take_is_a_type_error_naming_what_it_takes(
     with pytest.raises(TypeError, match=said):
         asyncio.run(run())
     assert client.stats("default")["default"].pushed == 0
+
+
+def test_a_connection_ended_for_too_many_pings_says_to_upgrade_the_server() -> None:
+    """A server before this client's keepalive pings ends a connection that pings every 20 s with an
+    open call (GOAWAY too_many_pings): a trainer waiting for data died with gRPC's words alone, which
+    name neither the versions nor the fix (a helper's audit). A gRPC server on loopback answers as
+    gRPC reports such an end."""
+
+    def refuse(request: bytes, context: grpc.ServicerContext) -> bytes:
+        context.abort(grpc.StatusCode.UNAVAILABLE, "Too many pings")
+
+    class Every(grpc.GenericRpcHandler):
+        def service(self, details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler:
+            return grpc.unary_unary_rpc_method_handler(refuse)
+
+    server = grpc.server(futures.ThreadPoolExecutor(2), handlers=[Every()])
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        with BufferClient(f"127.0.0.1:{port}", retries=0) as client, pytest.raises(UnavailableError) as raised:
+            client.stats()
+        assert "predates the keepalive pings of this client" in raised.value.details
+        assert "upgrade the server to this client's release, servers before clients" in raised.value.details
+    finally:
+        server.stop(0)

@@ -126,8 +126,9 @@ RECONNECT = (
 # ping goes 10 s unanswered: its calls fail UNAVAILABLE. A Sample stream, which has no deadline,
 # waited for it forever. The server takes pings that far apart (server/app.PINGS_APART_MS); one
 # before it ends a stream that waits a minute for data after the third ping (gRPC's default).
+KEEPALIVE_MS = 20_000
 KEEPALIVE = (
-    ("grpc.keepalive_time_ms", 20_000),
+    ("grpc.keepalive_time_ms", KEEPALIVE_MS),
     ("grpc.keepalive_timeout_ms", 10_000),
     ("grpc.http2.ping_timeout_ms", 10_000),  # what grpcio waits for a ping's answer (60 s unless told)
     ("grpc.http2.max_pings_without_data", 0),  # gRPC stops at 2 pings the server sends nothing between
@@ -289,6 +290,12 @@ def call_error(exc: grpc.RpcError, tls: Tls | None, target: str = "", waited: bo
         )
     elif exc.code() == grpc.StatusCode.UNAVAILABLE and never_made and hint:
         details = f"{details} ({hint})"
+    elif exc.code() == grpc.StatusCode.UNAVAILABLE and "Too many pings" in details:
+        details = (
+            f"{details} ({target} predates the keepalive pings of this client, every"
+            f" {KEEPALIVE_MS // 1000} s on an open call, and ended the connection for them: upgrade the"
+            " server to this client's release, servers before clients)"
+        )
     elif exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED and waited and details == GRPC_DEADLINE:
         details = (
             f"{details}: no answer from {target} in time; with wait_for_ready a call waits until its deadline for a"
