@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import tracemalloc
 from collections.abc import Iterator
@@ -156,6 +157,42 @@ def test_an_idle_worker_that_dies_is_reaped_and_replaced_at_once(ingest: Ingest)
     data = payload("grpo_group.trxp")
     assert ingest._in_worker(data) == entries_of(data)
     assert ingest._workers[0] is replacement  # the push found it ready
+
+
+def test_a_stuck_worker_is_killed_and_replaced_and_no_push_waits_for_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A worker that is stopped rather than dead (SIGSTOP: a cgroup's freezer, a debugger, swapped
+    out) held its push for good, every push after it waited for a worker to come free, and a stop
+    of the server never ended (a helper's audit). Its push is decoded here once ANSWER_SECONDS (and
+    one a MiB) pass, the worker killed and replaced; a push finding no worker free within
+    WORKER_WAIT_SECONDS is decoded here; a pool closed with a worker stuck kills it, its push
+    ending at once."""
+    monkeypatch.setattr(ingest_module, "ANSWER_SECONDS", 0.5)
+    monkeypatch.setattr(ingest_module, "WORKER_WAIT_SECONDS", 0.2)
+    data = payload("grpo_group.trxp")
+    pool = Ingest(1)
+    pool.start()
+    try:
+        stuck = pool._workers[0]
+        os.kill(stuck.process.pid, signal.SIGSTOP)
+        got: list[object] = []
+        first = threading.Thread(target=lambda: got.append(pool._in_worker(data)))
+        first.start()
+        time.sleep(0.1)  # the stuck worker took it
+        assert pool._in_worker(data) == entries_of(data)  # none free: decoded here, not held
+        first.join(30)
+        assert got == [entries_of(data)] and stuck.process.returncode == -signal.SIGKILL
+        replacement = pool._workers[0]
+        assert replacement is not stuck and pool._in_worker(data) == entries_of(data)
+        os.kill(replacement.process.pid, signal.SIGSTOP)
+        monkeypatch.setattr(ingest_module, "ANSWER_SECONDS", 60.0)
+        last = threading.Thread(target=lambda: got.append(pool._in_worker(data)))
+        last.start()
+        time.sleep(0.1)
+        pool.close()  # the server's stop, its grace past
+        last.join(10)
+        assert not last.is_alive() and got[-1] == entries_of(data)
+    finally:
+        pool.close()
 
 
 def test_a_worker_that_dies_while_none_can_start_leaves_pushes_decoded_here_until_one_can(

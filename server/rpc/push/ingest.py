@@ -62,6 +62,14 @@ LARGE = 16 << 20
 SMALL = 256 << 10
 WATCH_SECONDS = 0.5  # how often the watch of idle workers looks again at the pool
 RETRY_SECONDS = 60  # after the workers failed to start, how long before a push asks again
+# How long a worker may take to answer a push: these, and one more for each MiB of it (a worker's
+# decode takes milliseconds a MiB). One that takes longer is stopped, frozen or stuck (a cgroup's
+# freezer, a debugger, swapped out): it is killed and replaced and the push decoded here. Waited for
+# without a bound, it held its push, and every push after it waited for a worker to come free, for
+# good, the server's health SERVING and its stop unable to end.
+ANSWER_SECONDS = 10.0
+# How long a push waits for a worker to come free before it is decoded here.
+WORKER_WAIT_SECONDS = 1.0
 
 
 def _shared_fd() -> int:
@@ -125,6 +133,9 @@ class _Worker:
         region = self.region
         region.fit(len(payload))[: len(payload)] = payload
         self.conn.send_bytes(ingest_worker.REQUEST.pack(len(payload), region.size))
+        bound = ANSWER_SECONDS + len(payload) / (1 << 20)
+        if not self.conn.poll(bound):
+            raise TimeoutError(f"the ingest process {self.process.pid} did not answer a push within {bound:.0f} s")
         raw = self.conn.recv_bytes()
         try:
             reply, size = pickle.loads(raw)
@@ -257,8 +268,8 @@ class Ingest:
 
     def _in_worker(self, payload: bytes | memoryview) -> list[Entry]:
         with self._free:
-            self._free.wait_for(lambda: self._idle or self._closed)
-            if self._closed:
+            free = self._free.wait_for(lambda: self._idle or self._closed, timeout=WORKER_WAIT_SECONDS)
+            if self._closed or not free:  # none came free: decoded here, not held behind a stuck worker
                 return entries_of(payload, self._limit)
             worker = self._idle.pop()
         returned: _Worker | None = worker
@@ -267,7 +278,7 @@ class Ingest:
             return entries_of(payload, self._limit)
         try:
             result = worker.entries(payload)
-        except Exception:  # died, or killed mid-reply: its connection can no longer be trusted
+        except Exception:  # died, killed mid-reply, or stuck: its connection can no longer be trusted
             log.warning("an ingest process failed; starting a new one, and decoding this push here", exc_info=True)
             returned = self._replacement(worker)
             result = None
@@ -314,14 +325,19 @@ class Ingest:
             worker.close()
 
     def close(self) -> None:
-        """End the worker processes; a push still being decoded in one ends it when done."""
+        """End the worker processes, those decoding a push too (the server's stop closes the pool
+        once its grace is past): killed, their pushes are decoded here, or refused by a closed
+        store. One left stuck held its push's thread, and the stop's exit waited for it for good."""
         self._at_exit.cancel()
         with self._free:
             self._closed = True
             idle, self._idle = self._idle, []
+            busy = [worker for worker in self._workers if worker not in idle and not worker.closed]
             self._free.notify_all()
         for worker in idle:
             worker.close()
+        for worker in busy:
+            worker.process.kill()  # its push's wait for it ends (EOFError): the push is decoded here
 
 
 class Stager:
