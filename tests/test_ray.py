@@ -9,6 +9,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections import Counter
 from pathlib import Path
@@ -296,3 +297,88 @@ def test_reading_the_shard_map_before_ray_init_says_so() -> None:
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=env)
     assert 'ray.init(address="auto")' in result.stdout
     assert "initialized False" in result.stdout
+
+
+def test_a_failed_add_shard_and_a_start_with_a_name_taken_leave_no_shard_behind(
+    ray_cluster: ModuleType, tmp_path: Path
+) -> None:
+    """An add_shard the map refused (its epoch not after the last) left its shard running, detached,
+    named in no map: every later add_shard failed on its name and stop_shards left it. A start whose
+    second shard's name was taken left its first. Both kill what they started now (a helper's audit)."""
+    namespace = "expbuf-test-leaks"
+    expbuf_ray.start_shards(1, namespace=namespace, **options(tmp_path / "a"))
+    with pytest.raises(Exception, match="epoch"):
+        expbuf_ray.add_shard(0, namespace=namespace)
+    assert actors_in(namespace) == ["expbuf", "expbuf-0"]
+    assert expbuf_ray.add_shard(1, namespace=namespace).shards == ("expbuf-0", "expbuf-1")
+    expbuf_ray.stop_shards(namespace)
+
+    @ray.remote(num_cpus=0)
+    class Other:
+        pass
+
+    other = Other.options(name="expbuf-1", namespace=namespace, lifetime="detached").remote()  # not expbuf's
+    try:
+        with pytest.raises(ray.exceptions.ActorAlreadyExistsError):
+            expbuf_ray.start_shards(2, namespace=namespace, **options(tmp_path / "b"))
+        assert actors_in(namespace) == ["expbuf-1"]
+    finally:
+        ray.kill(other, no_restart=True)
+
+
+def test_two_drivers_starting_one_buffer_both_get_it(ray_cluster: ModuleType, tmp_path: Path) -> None:
+    """Each trainer worker 'ensures' the buffer: of two starts at once one failed, its first shard's
+    name taken by the other's (3 of 3 tries in a helper's audit). The later waits for the other's."""
+    namespace = "expbuf-test-race"
+    got: list[Any] = []
+    other = threading.Thread(
+        target=lambda: got.append(expbuf_ray.start_shards(2, namespace=namespace, **options(tmp_path)))
+    )
+    other.start()
+    mine = expbuf_ray.start_shards(2, namespace=namespace, **options(tmp_path))
+    other.join(120)
+    assert got == [mine] and mine.shards == ("expbuf-0", "expbuf-1")
+    expbuf_ray.stop_shards(namespace)
+
+
+def test_a_relative_data_root_is_refused() -> None:
+    """The driver and the shards (Ray's workers) read it from working directories of their own: the
+    map went to one place and the data to another, and the start crashed FileNotFoundError."""
+    with pytest.raises(ValueError, match="data_root 'expbuf-data' is relative"):
+        expbuf_ray.data_root_of("rl", "expbuf-data")
+
+
+def test_a_shard_whose_store_breaks_stops_for_ray_to_start_it_again(ray_cluster: ModuleType, tmp_path: Path) -> None:
+    """A shard whose store can take no more writes refused every push UNAVAILABLE for good, in the
+    same process (a helper's audit): it stops now and exits 3, as `expbuf serve` does, and Ray starts
+    it again on its data. Its store is broken here as a failed write of the disk breaks it."""
+    from expbuf.server.ray.shard import ShardActor
+
+    class Breakable(ShardActor):
+        def brake(self) -> None:
+            self.server.store.environment.writer._broke("a disk that failed a write")
+
+    namespace = "expbuf-test-broken"
+    actor = (
+        ray.remote(Breakable)
+        .options(name="expbuf-0", namespace=namespace, lifetime="detached", max_restarts=1, num_cpus=0)
+        .remote("expbuf-0", namespace, "expbuf", str(tmp_path), [TABLE], 0)
+    )
+    try:
+        pid = ray.get(actor.pid.remote())
+        metrics = ray.get(actor.metrics_target.remote())
+        assert metrics.rsplit(":", 1)[1].isdigit() and metrics != ray.get(actor.target.remote())
+        ray.get(actor.brake.remote())
+        deadline = time.monotonic() + 60
+        restarted = None
+        while restarted in (None, pid) and time.monotonic() < deadline:
+            time.sleep(0.5)
+            try:
+                restarted = ray.get(actor.pid.remote(), timeout=5)
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+                continue
+        assert restarted not in (None, pid)
+        with ShardedBufferClient({"expbuf-0": ray.get(actor.target.remote())}, timeout=STARTING_SECONDS) as client:
+            assert pushed(client, 1)  # the restarted shard takes writes
+    finally:
+        ray.kill(actor, no_restart=True)

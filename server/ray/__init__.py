@@ -45,7 +45,14 @@ _STOP_SECONDS = 60.0
 
 def data_root_of(namespace: str, data_root: str | None = None) -> Path:
     """A buffer's data root: `data_root`, or one of its namespace's own under /tmp/expbuf-ray, so that
-    jobs in different namespaces never share data by default."""
+    jobs in different namespaces never share data by default. A relative one is refused: the driver
+    and each shard (Ray's worker, in a directory of Ray's) would read it from directories of their
+    own, the map in one place and the data in another."""
+    if data_root and not Path(data_root).is_absolute():
+        raise ValueError(
+            f"data_root {data_root!r} is relative: the driver and the shards (Ray's workers) have working"
+            " directories of their own; give an absolute path on each node's persistent disk"
+        )
     return Path(data_root) if data_root else Path(DEFAULT_DATA_ROOT) / namespace
 
 
@@ -136,10 +143,13 @@ def start_shards(
         "num_cpus": num_cpus,
         "metrics_port": metrics_port,
     }
-    actors = {shard: _start(shard, nodes[i % len(nodes)], namespace, name, options) for i, shard in enumerate(shards)}
+    actors: dict[str, ActorHandle] = {}
     try:
+        for i, shard in enumerate(shards):  # each killed with the others should a later one fail
+            actors[shard] = _start(shard, nodes[i % len(nodes)], namespace, name, options)
         targets = {shard: ray.get(actor.target.remote()) for shard, actor in actors.items()}
         started = ShardMap.of(targets) if earlier is None else earlier.with_targets(targets)
+        root.mkdir(parents=True, exist_ok=True)
         write(path, started.to_json())
         owner_file.write_text(owner)
         here = ray.get_runtime_context().get_node_id()
@@ -157,9 +167,32 @@ def start_shards(
             .remote(str(path), options)
         )
         return shard_map(namespace, name)
+    except ray.exceptions.ActorAlreadyExistsError:
+        _kill(actors, namespace)
+        if actors:
+            raise
+        return _started_by_another(namespace, name)  # its first shard's name taken: another driver's start
     except BaseException:
         _kill(actors, namespace)
         raise
+
+
+def _started_by_another(namespace: str, name: str) -> ShardMap:
+    """The map of a buffer another driver is starting (its first shard's name was taken as this
+    one's start began), once its registry is up: both drivers get the buffer, as a start of a
+    running buffer does, where the later one failed ActorAlreadyExistsError."""
+    deadline = time.monotonic() + _STOP_SECONDS
+    while True:
+        try:
+            return shard_map(namespace, name)
+        except ValueError:
+            if time.monotonic() >= deadline:
+                raise ValueError(
+                    f"shard {name}-0 of namespace {namespace!r} is taken, and no buffer {name!r} came up there"
+                    f" within {_STOP_SECONDS:.0f} s: another driver's start failed, or an actor of that name is"
+                    " not expbuf's; stop_shards, or kill that actor, then start again"
+                ) from None
+        time.sleep(0.2)
 
 
 def add_shard(
@@ -194,10 +227,10 @@ def add_shard(
     actor = _start(shard, node or nodes[len(current.shards) % len(nodes)], namespace, name, options)
     try:
         target = ray.get(actor.target.remote())
-    except BaseException:
+        return ShardMap.from_json(ray.get(registry.add_shard.remote(shard, target, since_batch)))
+    except BaseException:  # a map that refuses the epoch too: no shard left that no map names
         _kill({shard: actor}, namespace)
         raise
-    return ShardMap.from_json(ray.get(registry.add_shard.remote(shard, target, since_batch)))
 
 
 def stop_shards(namespace: str, name: str = "expbuf") -> dict[str, str]:

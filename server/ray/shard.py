@@ -10,6 +10,7 @@ import json
 import logging
 import os
 import socket
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import replace
@@ -50,10 +51,12 @@ class ShardActor:
     def __init__(
         self, shard: str, namespace: str, name: str, data_root: str, tables: Sequence[dict[str, Any]], metrics_port: int
     ) -> None:
+        from expbuf.server import logs
         from expbuf.server.app import StartupError
         from expbuf.server.config import ServerConfig
         from expbuf.server.store.schema.table_config import TableConfig
 
+        logs.configure()  # its INFO lines (listening, stopped, upkeep) in the actor's log, as `expbuf serve`'s
         data = Path(data_root) / shard
         data.mkdir(parents=True, exist_ok=True)
         owner = owner_record(namespace, name)
@@ -75,11 +78,28 @@ class ShardActor:
         (data / OWNER_FILE).write_text(owner)  # once it holds the directory, not before
         port_file.write_text(str(self.server.port))
         self.address = f"{config.host}:{self.server.port}"
+        self.metrics_address = f"{config.host}:{self.server.metrics_port}" if self.server.metrics_port else ""
         if restarted and self.server.port != saved:
             publish(namespace, name, shard, self.address)
+        threading.Thread(target=self._watch, name="expbuf-shard-watch", daemon=True).start()
+
+    def _watch(self) -> None:
+        """End the process where the store can take no more writes (its disk failed a write, a map
+        it could not grow), as `expbuf serve` exits 3 for its supervisor: Ray restarts the shard on
+        its data (max_restarts). Left, it refused every push UNAVAILABLE for good."""
+        while self.server.broken is None:
+            time.sleep(0.5)
+        log.error("shard stopping: the store can take no more writes (%s); Ray starts it again", self.server.broken)
+        self.server.stop()
+        os._exit(3)
 
     def target(self) -> str:
         return self.address
+
+    def metrics_target(self) -> str:
+        """Where its Prometheus metrics are served (host:port; empty with metrics_port -1): a port of
+        its own, picked at each start with the default metrics_port 0."""
+        return self.metrics_address
 
     def pid(self) -> int:
         return os.getpid()
