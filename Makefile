@@ -61,13 +61,13 @@ PURE_TESTS ?= tests/faults/test_fault_hostile.py tests/faults/test_fault_fuzz.py
 	tests/test_store*.py tests/test_datadir*.py tests/test_native.py \
 	tests/test_splice_runs.py tests/test_columns_reply_bytes.py tests/test_join.py
 # pytest's workers (pytest-xdist): each module's tests run on one worker, the Ray tests and the
-# Trinity plugin's on one too (tests/conftest.py groups them). Three on two cores: the suite mostly
-# waits (on the servers and trainers it starts and kills, leases, fsyncs), and a third worker fills
-# those waits (496 s on 2 cores against 601-640 s with two). Four were not shown faster: 543 s
-# against 621 s with three back to back in a working tree, but 616 s against 581 s in two clean-clone
-# runs. PYTEST_WORKERS=0 runs the suite in this process, PYTEST_WORKERS=auto on as many workers as
-# the machine has cores.
-PYTEST_WORKERS ?= 3
+# Trinity plugin's on one too (tests/conftest.py groups them). Four on two cores: the suite mostly
+# waits (on the servers and trainers it starts and kills, leases, fsyncs), and more workers fill
+# those waits (three: 496 s on 2 cores against 601-640 s with two). Four against three, the same
+# clean clone's main pass back to back: 515 s against 603 s, and 525 s against 646 s (earlier
+# sessions' pairs were mixed: 543 against 621 s, 616 against 581 s). PYTEST_WORKERS=0 runs the
+# suite in this process, PYTEST_WORKERS=auto on as many workers as the machine has cores.
+PYTEST_WORKERS ?= 4
 # mermaid, which draws the docs' diagrams, shipped with the site: its npm package (pinned, and
 # checked against this digest of its script) unpacked by `make docs-js` with the machine's npm.
 MERMAID_SPEC ?= mermaid@11.17.2

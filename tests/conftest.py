@@ -171,7 +171,7 @@ def records_layout(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist, which a run may go without
 def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
-    """With `--dist loadfile` (`make test` runs `-n 3 --dist loadfile`), each module's tests run on
+    """With `--dist loadfile` (`make test` runs `-n 4 --dist loadfile`), each module's tests run on
     one worker, in their order, its shared servers started once; the modules of a SHARED_MODULES
     set run on one worker too."""
     if config.getvalue("dist") != "loadfile":
