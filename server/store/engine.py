@@ -321,9 +321,9 @@ class Store(ServiceCalls):
             if record is None or record["t"] != table_id:
                 ended = self.ended_grants.get(grant_id)
                 return admission.finished_again(ended, grant_id, table, table_id, accepted, holder)
-            admission.check_owner(record, grant_id, holder)
-            returned = admission.finish(tt, grant_id, record, accepted)
             owner = record.get("o", "")
+            admission.check_owner(owner, grant_id, holder)
+            returned = admission.finish(tt, grant_id, record, accepted)
             self.ended_grants.add(grant_id, admission.EndedGrant(False, table_id, owner, accepted, returned))
             return returned
 

@@ -101,9 +101,8 @@ def stream_batches(
                     deadline = time.monotonic() + timeout()
                 try:
                     batch = None if client.interrupted else window.take(deadline, context)
-                except (
-                    StoreError
-                ) as refused:  # the rate limit at its deadline, an index not built: the stream ends with it
+                # The rate limit at its deadline, an index not built, its table dropped: the stream ends with it.
+                except StoreError as refused:
                     try:
                         yield from window.settle(draining, context)
                     except NotFound:  # its table dropped: so are the leases of the batches sent, said as such

@@ -109,8 +109,8 @@ def remember_id(tt: TableState, claim_id: str, name: str, claimed: Iterable[Clai
     tt.txn.put(_time_key(tt.table_id, stamp, claim_id), b"", db=db)
 
 
-def forget_ids(tt: TableState, most: int) -> int:
-    """Forget the ids whose time has come, at most `most` of them; returns how many."""
+def forget_ids(tt: TableState, most: int) -> None:
+    """Forget the ids whose time has come, at most `most` of them."""
     prefix, db = _times_prefix(tt.table_id), tt.db["ledger"]
     cutoff, gone = layout.micros(tt.now), list[bytes]()
     with tt.txn.cursor(db=db) as cur:
@@ -124,7 +124,6 @@ def forget_ids(tt: TableState, most: int) -> int:
     for key in gone:
         tt.txn.delete(key, db=db)
         tt.txn.delete(_key(tt.table_id, key[len(prefix) + 8 :].decode()), db=db)
-    return len(gone)
 
 
 def id_problems(tt: TableState) -> list[str]:

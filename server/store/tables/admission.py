@@ -79,7 +79,7 @@ def grant(tt: TableState, count: int, seconds: float, owner: str = "", grant_id:
     if made is not None:
         if made["t"] != tt.table_id:
             raise InvalidRequest(f"grant_id '{grant_id}' names an open grant of another table: make a new one")
-        check_owner(made, grant_id, owner)
+        check_owner(made.get("o", ""), grant_id, owner)
         if made["e"] > tt.now:
             return RolloutGrant(made["n"], grant_id, made["e"])
         finish(tt, grant_id, made, 0, expired=True)  # expired, the upkeep not yet by: its room back, a new one
@@ -131,8 +131,8 @@ def drop_table(txn: lmdb.Transaction[bytes], dbs: dict[str, lmdb._Database], tab
     """A dropped table's grants go, with their expiry rows: kept, a grant's id named a grant of
     another table to an admit made again under it after the table was made again, refused until
     the grant expired (up to a day)."""
-    ended = [(key, json.loads(raw)) for key, raw in txn.cursor(db=dbs["grants"]) if json.loads(raw)["t"] == table_id]
-    for key, record in ended:
+    records = [(key, json.loads(raw)) for key, raw in txn.cursor(db=dbs["grants"])]
+    for key, record in [(key, record) for key, record in records if record["t"] == table_id]:
         txn.delete(key, db=dbs["grants"])
         txn.delete(layout.expiry_key(record["e"], key.decode()), db=dbs["grant_exp"])
 
@@ -150,9 +150,9 @@ def reset(tt: TableState) -> int:
     return held
 
 
-def check_owner(record: GrantRecord, grant_id: str, holder: str) -> None:
-    """Refuse a finish of a grant taken with another token than `holder`'s, as a lease's ack is."""
-    owner = record.get("o", "")
+def check_owner(owner: str, grant_id: str, holder: str) -> None:
+    """Refuse a finish of a grant taken with another token (`owner`, its record's; empty: anyone's)
+    than `holder`'s, as a lease's ack is."""
     if owner and owner != holder:
         whose = taken_with(owner, holder)
         also = "; finish it with that one" if whose == "another token" else ""
@@ -182,7 +182,7 @@ def finished_again(
     as the first finish did (its reply lost), or why not; else that the grant is unknown."""
     if ended is None or ended.table_id != table_id:
         raise unknown_grant(grant_id, table)
-    check_owner({"t": table_id, "n": 0, "e": 0.0, "o": ended.owner}, grant_id, holder)
+    check_owner(ended.owner, grant_id, holder)
     if ended.expired:
         raise NotFound(
             f"grant '{clip(grant_id)}' of table '{clip(table)}' expired before it was finished: its"
