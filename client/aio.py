@@ -184,6 +184,11 @@ class AsyncBufferClient(ServerCalls, Awaiting, ClientBase):
         """The orders of this client's server, as its samples have found them."""
         return calls.Orders()
 
+    @functools.cached_property
+    def _repeats(self) -> calls.Repeats:
+        """The calls this client's server answers again as the first, once it has said."""
+        return calls.Repeats()
+
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
@@ -201,9 +206,14 @@ class AsyncBufferClient(ServerCalls, Awaiting, ClientBase):
 
     async def _perform(self, plan: Plan[T]) -> T:
         """A declared call's plan made: each call it asks for made in turn (`_run`), its result sent back."""
-        turns = declare.Turns(declare.steps(plan))
+        turns, repeats = declare.Turns(declare.steps(plan)), self._repeats
         for call in turns:
-            turns.answer(await self._run(call))
+            if (ask := repeats.ask(call)) is not None:
+                try:
+                    await self._run(ask)
+                except ExpbufError as exc:
+                    repeats.unanswered(exc)
+            turns.answer(await self._run(repeats.made(call)))
         return turns.result
 
     async def _attempt(self, call: declare.Unary[R] | declare.Chunked[R]) -> R:

@@ -189,6 +189,11 @@ class BufferClient(ServerCalls, Blocking, ClientBase):
         """The orders of this client's server, as its samples have found them."""
         return calls.Orders()
 
+    @functools.cached_property
+    def _repeats(self) -> calls.Repeats:
+        """The calls this client's server answers again as the first, once it has said."""
+        return calls.Repeats()
+
     def __enter__(self) -> BufferClient:
         return self
 
@@ -209,9 +214,14 @@ class BufferClient(ServerCalls, Blocking, ClientBase):
 
     def _perform(self, plan: Plan[T]) -> T:
         """A declared call's plan made: each call it asks for made in turn (`_run`), its result sent back."""
-        turns = declare.Turns(declare.steps(plan))
+        turns, repeats = declare.Turns(declare.steps(plan)), self._repeats
         for call in turns:
-            turns.answer(self._run(call))
+            if (ask := repeats.ask(call)) is not None:
+                try:
+                    self._run(ask)
+                except ExpbufError as exc:
+                    repeats.unanswered(exc)
+            turns.answer(self._run(repeats.made(call)))
         return turns.result
 
     def _attempt(self, call: declare.Unary[R] | declare.Chunked[R]) -> R:

@@ -40,7 +40,7 @@ from expbuf.client import (
     trxp,
 )
 from expbuf.client.rpc import calls as calls_module
-from expbuf.client.rpc import connection
+from expbuf.client.rpc import connection, wire
 from expbuf.client.rpc.calls import ledger_calls
 from expbuf.client.rpc.connection import MAX_RETRIES, RECONNECT
 from expbuf.client.schema.prompts import Claim
@@ -63,13 +63,15 @@ class Front:
     `method` without forwarding them, after `delay` seconds and after reading the first `read`
     messages of a client stream (None: all of them, a push in chunks whole). `lose(method, times)`
     forwards them and answers UNAVAILABLE instead of the reply, as a connection cut after the
-    server acted does. `calls` holds each call it got: its method and the client's address."""
+    server acted does. `rewrite(method, change)` passes on `change(reply)` for each reply of
+    `method` (its bytes). `calls` holds each call it got: its method and the client's address."""
 
     def __init__(self, backend: str) -> None:
         self.calls: list[tuple[str, str]] = []
         self._refused: Counter[str] = Counter()
         self._lost: Counter[str] = Counter()
         self._forwarded: dict[str, int] = {}  # of a held method, the calls still to forward
+        self._rewrites: dict[str, Callable[[bytes], bytes]] = {}
         self._delay, self._read, self._code = 0.0, 0, grpc.StatusCode.UNAVAILABLE
         self._lock = threading.Lock()
         self._backend = grpc.insecure_channel(backend, options=MESSAGE_OPTIONS)
@@ -100,6 +102,9 @@ class Front:
         """Forward the next `after` calls of `method`, and hold each one after them unanswered
         until its caller's deadline ends it, as a server too loaded to answer in time would."""
         self._forwarded[method] = after
+
+    def rewrite(self, method: str, change: Callable[[bytes], bytes]) -> None:
+        self._rewrites[method] = change
 
     def attempts(self, method: str) -> int:
         return sum(1 for name, _ in self.calls if name == method)
@@ -141,7 +146,7 @@ class Front:
                 abort(context, exc)
             if lost:
                 context.abort(grpc.StatusCode.UNAVAILABLE, "the front lost the reply")
-            return reply
+            return self._rewrites.get(method.name, lambda same: same)(reply)
 
         def relay(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
             self._arrived(method.name, request, context)
@@ -381,6 +386,59 @@ def test_a_grants_finish_whose_reply_was_lost_is_made_again_and_answered_as_the_
         with pytest.raises(NotFoundError, match="expired before it was finished: its 1 rollouts' room went back"):
             admin.finish_grant(short, 1)
     assert front.attempts("FinishGrant") == 2
+
+
+def before_repeats(reply: bytes) -> bytes:
+    """A ServerInfo reply as a server before ServerInfoReply.repeats_answered gives it."""
+    info = buffer_pb2.ServerInfoReply.FromString(reply)
+    info.ClearField("repeats_answered")
+    return info.SerializeToString()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_calls_a_server_does_not_answer_again_are_made_once_there(
+    server: ExpbufServer, front: Front, kind: str
+) -> None:
+    """A server before the names of claims, grants and writers (and the leases and grants it saw
+    end) answers a repeat as a new call: a claim claims again, an admit grants again, a writer
+    counts twice. So a client retries those only where its server names them among the repeats it
+    answers (asked once, with ServerInfo); elsewhere each is made once, as clients before made
+    them, and a lost reply is the caller's UNAVAILABLE. This release's server names them all."""
+    with BufferClient(f"127.0.0.1:{server.port}") as admin:
+        assert admin.server_info().repeats_answered == wire.REPEATS_ANSWERED
+        admin.create_table("t", group_size=1, max_staleness=0, batch_size=4)
+        admin.set_trainer_version(0, "t")
+        admin.create_dataset("t", "d", 4)
+        admin.push(group(30), table="default")
+        admin.push(group(31), table="default")
+        leased = list(admin.sample("default", num_groups=1, max_batches=2, delivery="lease"))
+        grant = admin.admit("t", 1)
+        front.rewrite("ServerInfo", before_repeats)
+        made = [
+            ("Claim", ("claim", "t", "d", 1)),
+            ("Admit", ("admit", "t", 1)),
+            ("FinishGrant", ("finish_grant", grant)),
+            ("Writers", ("writers", "t", 1, "writer-a")),
+            ("Ack", ("ack", leased[0].lease_id)),
+            ("Nack", ("nack", leased[1].lease_id)),
+        ]
+        for method, (name, *args) in made:
+            front.lose(method, 1)
+            with pytest.raises(UnavailableError):
+                call(kind, front.target, name, *args)
+            assert front.attempts(method) == 1, method
+        assert front.attempts("ServerInfo") == len(made)  # once a client
+        assert admin.ledger("t", "d").totals.claimed == 1
+        assert admin.writers("t") == (1, False)
+        assert (admin.stats("default")["default"].consumed, admin.stats("t")["t"].submitted) == (4, 2)
+    front.rewrite("ServerInfo", lambda same: same)
+    front.refuse("ServerInfo", 1, code=grpc.StatusCode.PERMISSION_DENIED)  # a server that will not say
+    front.lose("Claim", 1)
+    with pytest.raises(UnavailableError):
+        call(kind, front.target, "claim", "t", "d", 1)
+    front.lose("Claim", 1)
+    assert len(call(kind, front.target, "claim", "t", "d", 1).prompts) == 1  # this release's: made again
+    assert (front.attempts("Claim"), front.attempts("ServerInfo")) == (4, len(made) + 2)
 
 
 @pytest.mark.parametrize("kind", KINDS)

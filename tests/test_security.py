@@ -68,6 +68,9 @@ def test_tokens_and_scopes(start_server: Servers) -> None:
             next(pusher.sample(num_groups=1, delivery="consume"))
         assert info.value.code == grpc.StatusCode.PERMISSION_DENIED
         assert "'sample' scope" in info.value.details
+        # any token asks what the server is: a rollout worker's client, before it claims or
+        # admits, which of its calls the server answers again (client/rpc/calls/repeats.py)
+        assert "Claim" in pusher.server_info().repeats_answered
     with BufferClient(target, token="trainer-secret") as trainer:
         assert len(next(trainer.sample(num_groups=1, max_batches=1, delivery="consume")).uids) == 8
         with pytest.raises(BufferError) as info:

@@ -67,14 +67,16 @@ class ServerInfo:
     or ended; then a push that needs them is refused, and the groups computing fail). What its
     advantage worker is doing is `advantage_worker_state`: "not_needed" (nothing has needed
     advantages computed since the start; torch loads when something does), "loading",
-    "running" or "failed"; empty from a server that predates it.
+    "running" or "failed"; empty from a server that predates it. `repeats_answered`: the calls it
+    answers, made again after their reply was lost, as it answered the first, which the clients
+    retry only there (empty from a server that predates the list).
 
     From a sharded client, the shards that answered combined (each in `shards`, the others in
     `missing`): the versions and devices each shard reports, comma-joined where they differ; the
     smallest message limit (what every shard takes); the shortest uptime; the storage summed;
-    the fullest map; the scrubs as `ScrubInfo.merged` says; the orders every shard has; each
-    failing shard's advantage worker failure, after its name; the workers' states, comma-joined
-    where they differ.
+    the fullest map; the scrubs as `ScrubInfo.merged` says; the orders and the repeats answered
+    that every shard has; each failing shard's advantage worker failure, after its name; the
+    workers' states, comma-joined where they differ.
     """
 
     version: str
@@ -88,15 +90,21 @@ class ServerInfo:
     orders: tuple[str, ...] = ()
     advantage_worker_failure: str = ""
     advantage_worker_state: str = ""
+    repeats_answered: tuple[str, ...] = ()
     shards: Mapping[str, ServerInfo] = field(default_factory=dict)
     missing: Mapping[str, str] = field(default_factory=dict)
 
     @classmethod
     def from_proto(cls, msg: Any) -> ServerInfo:
         """From a ServerInfoReply, whose fields carry the same names."""
-        apart = ("scrub", "orders", "shards", "missing")
+        apart = ("scrub", "orders", "repeats_answered", "shards", "missing")
         plain = {f.name: getattr(msg, f.name) for f in fields(cls) if f.name not in apart}
-        return cls(**plain, scrub=ScrubInfo.from_proto(msg.scrub), orders=tuple(msg.orders))
+        return cls(
+            **plain,
+            scrub=ScrubInfo.from_proto(msg.scrub),
+            orders=tuple(msg.orders),
+            repeats_answered=tuple(msg.repeats_answered),
+        )
 
     @classmethod
     def merged(cls, shards: Mapping[str, ServerInfo], missing: Mapping[str, str]) -> ServerInfo:
@@ -120,6 +128,7 @@ class ServerInfo:
                 f"{name}: {i.advantage_worker_failure}" for name, i in shards.items() if i.advantage_worker_failure
             ),
             advantage_worker_state=joined("advantage_worker_state"),
+            repeats_answered=tuple(n for n in infos[0].repeats_answered if all(n in i.repeats_answered for i in infos)),
             shards=dict(shards),
             missing=dict(missing),
         )

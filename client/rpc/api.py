@@ -67,7 +67,8 @@ class ServerCalls(Calls):
         its close counts only against the table it opened, not one dropped and made again under
         the name since. Without one, each call counts as made, and is not retried."""
         request = pb.WritersRequest(table=table, change=change, writer_id=writer_id)
-        return Unary("Writers", request, lambda r: (r.open, r.done), retry=change == 0 or bool(writer_id))
+        named = change != 0 and bool(writer_id)  # an open or a close: counted once by a server that remembers it
+        return Unary("Writers", request, lambda r: (r.open, r.done), retry=change == 0 or named, remembered=named)
 
     @declare()
     def list_experiences(self, table: str = "default", **filters: Unpack[ListFilters]) -> Plan[ExperiencePage]:

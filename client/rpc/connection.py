@@ -65,7 +65,8 @@ SERVICE = "expbuf.v1.ExperienceBuffer"
 # The methods under the retry policy: every call of them is idempotent (an Admit names its grant,
 # so that made again it answers the same one, as a Claim names its id; an Ack, a Nack or a
 # FinishGrant made again answers as the one that ended its lease or grant did, the server
-# remembering the leases and grants it saw end), or is sent with the policy only when it is (a
+# remembering the leases and grants it saw end: those, wire.REPEATS_ANSWERED, only to a server that
+# says it answers them again, calls/repeats.py), or is sent with the policy only when it is (a
 # call of one whose `retry` is False, calls/, goes over the channel without it). Not here: Sample
 # (a trainer's stream that breaks raises its error, as it always has), nor any call whose
 # repetition would act twice (Delete, Seal, CreateTable, DropTable), nor PushStream: gRPC's retry

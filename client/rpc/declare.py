@@ -27,6 +27,7 @@ from types import MethodType
 from typing import TYPE_CHECKING, Any, Concatenate, Generic, ParamSpec, Self, TypeVar, overload
 
 from .connection import RETRIED_METHODS
+from .wire import REPEATS_ANSWERED
 
 if TYPE_CHECKING:
     from ..shards.routes import ShardPlans
@@ -51,6 +52,8 @@ class Unary(Generic[R]):
     call. `parts`: the method answers with a stream of SampleReply (ReadFields), one reply in one
     message or in parts (sample_reply.Parts), which `read` gets put together. `fallback`: the call
     made instead where the server has no such method (an older server: UNIMPLEMENTED).
+    `remembered`: made again, the call is answered as the first only by a server that remembers it
+    (wire.REPEATS_ANSWERED), so it is retried only where its server says it does (calls/repeats.py).
     """
 
     method: str
@@ -60,10 +63,13 @@ class Unary(Generic[R]):
     timeout: float | None = None
     parts: bool = False
     fallback: Unary[R] | None = None
+    remembered: bool = False
 
     def __post_init__(self) -> None:
         if self.retry and self.method not in RETRIED_METHODS:
             raise ValueError(f"{self.method} is not under the channel's retry policy (connection.RETRIED_METHODS)")
+        if self.remembered and self.method not in REPEATS_ANSWERED:
+            raise ValueError(f"{self.method} is not among the calls a server answers again (wire.REPEATS_ANSWERED)")
 
     @property
     def message_bytes(self) -> int | None:

@@ -35,6 +35,11 @@ BUSY = "expbuf-busy"
 # be, in bytes (its serialised size): the server reserves that much of max_inflight_bytes before it
 # reads one, and refuses a larger one (server/rpc/push/push_memory.py). A call without it is read as before.
 MESSAGE_BYTES = "expbuf-message-bytes"
+# The calls a server answers, made again after their reply was lost, as it answered the first, from
+# what it remembers of them (ServerInfoReply.repeats_answered): the clients retry one only where its
+# server names it (calls/repeats.py). Made again on a server that does not, a claim claims again,
+# an admit grants again and a writer's open or close counts twice.
+REPEATS_ANSWERED = ("Ack", "Admit", "Claim", "FinishGrant", "Nack", "Writers")
 # Where gRPC's rich error model carries a status's details (a google.rpc.Status, serialised).
 STATUS_DETAILS = "grpc-status-details-bin"
 # A SampleReply's bytes, which the server writes by hand (server/rpc/sample/replies.py) and the

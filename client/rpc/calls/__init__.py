@@ -8,12 +8,14 @@ failed, a group sealed (`group_calls.py`); tables created, listed, dropped, and 
 (`table_calls.py`); stats and the server's info (`info_calls.py`); reads of named experiences
 (`read_calls.py`); keyed values (`value_calls.py`); the prompt ledger (`ledger_calls.py`).
 rpc/api.py gathers them into the classes the clients inherit. Beside them, what both clients'
-runners make of a call: an attempt made again after a refusal that did nothing (`attempts.py`),
-and the Sample stream's pieces (`sample_stream.py`).
+runners make of a call: an attempt made again after a refusal that did nothing (`attempts.py`), a
+call retried only where its server answers it again as the first (`repeats.py`), and the Sample
+stream's pieces (`sample_stream.py`).
 """
 
 from .attempts import LAST_UNANSWERED, Attempts, one_reply
 from .push_calls import Items, payload, payload_uids, push, push_requests, push_result
+from .repeats import Repeats
 from .sample_stream import (
     STOP_SECONDS,
     Deliveries,
@@ -35,6 +37,7 @@ __all__ = [
     "Handing",
     "Items",
     "Orders",
+    "Repeats",
     "batch",
     "confirm_by",
     "confirmation",

@@ -79,6 +79,7 @@ class AdmissionCalls(ClientSettings):
             lambda r: Grant(r.granted, r.grant_id, r.expires_unix, table),
             retry=True,
             timeout=wait + self.timeout,
+            remembered=True,
         )
 
     @declare(shards=lambda s: s._finish_grant)
@@ -88,4 +89,4 @@ class AdmissionCalls(ClientSettings):
         grants it saw end, for its run); NotFoundError for a grant that expired first, saying so.
         Sharded: on the shard that granted it."""
         request = pb.FinishGrantRequest(table=grant.table, grant_id=grant.grant_id, accepted=accepted)
-        return Unary("FinishGrant", request, lambda r: r.returned, retry=True)
+        return Unary("FinishGrant", request, lambda r: r.returned, retry=True, remembered=True)

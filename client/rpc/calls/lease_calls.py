@@ -22,14 +22,16 @@ class LeaseCalls(ClientSettings):
         Returns the experiences it held. Made again after its reply was lost, it answers the
         same (the server remembers the leases it ended, for its run); for a lease that expired
         meanwhile it raises NotFoundError saying so. Sharded: on the shards that leased them."""
-        return Unary("Ack", pb.AckRequest(table=table, lease_id=lease_id), lambda r: r.acked, retry=True)
+        request = pb.AckRequest(table=table, lease_id=lease_id)
+        return Unary("Ack", request, lambda r: r.acked, retry=True, remembered=True)
 
     @declare(shards=lambda s: partial(s._end, method="nack"))
     def nack(self, lease_id: str, table: str = "default") -> Plan[int]:
         """Return the groups of a lease to the buffer now. Returns the experiences it held (again,
         made again after its reply was lost, as `ack`). Sharded: to the buffers of the shards
         that leased them."""
-        return Unary("Nack", pb.NackRequest(table=table, lease_id=lease_id), lambda r: r.requeued, retry=True)
+        request = pb.NackRequest(table=table, lease_id=lease_id)
+        return Unary("Nack", request, lambda r: r.requeued, retry=True, remembered=True)
 
     @declare(shards=lambda s: s._retire)
     def retire(self, groups: Iterable[str], table: str = "default") -> Plan[int]:

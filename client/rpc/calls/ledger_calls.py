@@ -274,7 +274,7 @@ def claim_call(
     def read(reply: pb.ClaimReply) -> Claim:
         return Claim([Prompt.from_proto(p, table) for p in reply.prompts], reply.done)
 
-    return Unary("Claim", request, read, retry=True, timeout=wait + timeout)
+    return Unary("Claim", request, read, retry=True, timeout=wait + timeout, remembered=True)
 
 
 def _refs(prompts: list[Prompt]) -> list[pb.PromptRef]:

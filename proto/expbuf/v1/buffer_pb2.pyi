@@ -673,7 +673,7 @@ class ServerInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ServerInfoReply(_message.Message):
-    __slots__ = ("version", "trxp_version", "advantage_device", "max_message_bytes", "uptime_seconds", "storage_bytes", "lmdb_map_used_ratio", "scrub", "orders", "advantage_worker_failure", "advantage_worker_state")
+    __slots__ = ("version", "trxp_version", "advantage_device", "max_message_bytes", "uptime_seconds", "storage_bytes", "lmdb_map_used_ratio", "scrub", "orders", "advantage_worker_failure", "advantage_worker_state", "repeats_answered")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     TRXP_VERSION_FIELD_NUMBER: _ClassVar[int]
     ADVANTAGE_DEVICE_FIELD_NUMBER: _ClassVar[int]
@@ -685,6 +685,7 @@ class ServerInfoReply(_message.Message):
     ORDERS_FIELD_NUMBER: _ClassVar[int]
     ADVANTAGE_WORKER_FAILURE_FIELD_NUMBER: _ClassVar[int]
     ADVANTAGE_WORKER_STATE_FIELD_NUMBER: _ClassVar[int]
+    REPEATS_ANSWERED_FIELD_NUMBER: _ClassVar[int]
     version: str
     trxp_version: str
     advantage_device: str
@@ -696,7 +697,8 @@ class ServerInfoReply(_message.Message):
     orders: _containers.RepeatedScalarFieldContainer[str]
     advantage_worker_failure: str
     advantage_worker_state: str
-    def __init__(self, version: _Optional[str] = ..., trxp_version: _Optional[str] = ..., advantage_device: _Optional[str] = ..., max_message_bytes: _Optional[int] = ..., uptime_seconds: _Optional[float] = ..., storage_bytes: _Optional[int] = ..., lmdb_map_used_ratio: _Optional[float] = ..., scrub: _Optional[_Union[ScrubInfo, _Mapping]] = ..., orders: _Optional[_Iterable[str]] = ..., advantage_worker_failure: _Optional[str] = ..., advantage_worker_state: _Optional[str] = ...) -> None: ...
+    repeats_answered: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, version: _Optional[str] = ..., trxp_version: _Optional[str] = ..., advantage_device: _Optional[str] = ..., max_message_bytes: _Optional[int] = ..., uptime_seconds: _Optional[float] = ..., storage_bytes: _Optional[int] = ..., lmdb_map_used_ratio: _Optional[float] = ..., scrub: _Optional[_Union[ScrubInfo, _Mapping]] = ..., orders: _Optional[_Iterable[str]] = ..., advantage_worker_failure: _Optional[str] = ..., advantage_worker_state: _Optional[str] = ..., repeats_answered: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ScrubInfo(_message.Message):
     __slots__ = ("mb_per_second", "interval_seconds", "running", "pass_checked_bytes", "pass_total_bytes", "passes", "checked_bytes", "checked", "found", "last_pass_end_unix", "last_pass_seconds", "last_pass_bytes", "last_pass_found")

@@ -104,6 +104,7 @@ class TableServicer(ServicerBase):
             orders=list(order_names.NAMES),
             advantage_worker_failure=self.advantage_worker_failure,
             advantage_worker_state=self.advantage_worker_state,
+            repeats_answered=wire.REPEATS_ANSWERED,
         )
 
     @refusals
