@@ -121,6 +121,24 @@ def test_export_json_lines_writes_bytes_and_non_finite_floats_of_the_metadata(ch
     assert line["info"] == {"digest": {"base64": "AP8="}, "base64:cmF3": ["nan", {"base64": "eA=="}]}
 
 
+def test_export_json_lines_writes_a_lone_surrogate_and_an_int_of_any_size(child_server: ServerProcess) -> None:
+    """A str of TRXP's metadata may hold a lone surrogate, and an int may be of any size: the first
+    ended the export (UnicodeEncodeError; or wrote a byte that is not UTF-8 where stdout was a
+    pipe), the second too (str() of an int of more than 4,300 digits). Such a line is written
+    with its surrogate escaped, as JSON writes one, and such an int as {"hex": its hex}."""
+    exp = make_experience(0, 0, 0, reward=1.0)
+    exp.info = {"text": "a\ud800b", "key\udcff": 1, "big": 2**60_000, "small": -(2**70)}
+    with BufferClient(child_server.target) as client:
+        client.create_table("t7", group_size=1, estimator="none")
+        client.push([exp], table="t7")
+    done = export(child_server, "t7")
+    assert done.returncode == 0, done.stderr
+    (text,) = done.stdout.splitlines()
+    line = json.loads(text)
+    assert line["info"] == {"text": "a\ud800b", "key\udcff": 1, "big": {"hex": hex(2**60_000)}, "small": -(2**70)}
+    assert "\\ud800" in text  # escaped
+
+
 def test_export_trxp_reads_back_as_stored(child_server: ServerProcess, tmp_path: Path) -> None:
     with BufferClient(child_server.target) as client:
         fill(client, "t3")

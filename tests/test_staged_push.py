@@ -196,6 +196,50 @@ def test_a_refused_or_duplicate_push_leaves_nothing_staged(server: ServerProcess
     assert found["staged"] == 0 and found["blobs"] == 1 and found["chunks"] == 5  # the first push's alone
 
 
+@pytest.mark.parametrize(
+    ("large", "dtype", "value", "problem"),
+    [
+        (True, torch.float32, float("nan"), "holds NaN or infinity"),
+        (False, torch.float32, float("-inf"), "holds NaN or infinity"),
+        (True, torch.float64, 1e300, "beyond float32's range"),
+    ],
+    ids=["NaN in a staged item", "infinity in a small item beside one", "float64 beyond float32 in a staged item"],
+)
+def test_a_token_level_reward_a_push_in_chunks_brings_is_checked_as_a_push_read_whole(
+    shared_server: ServerProcess, large: bool, dtype: torch.dtype, value: float, problem: str
+) -> None:
+    """A push in chunks with a large item is read from its head, its tensors' data as it comes: the
+    head's checks cannot read a token-level reward, and one holding NaN, infinity or (float64) a
+    value beyond float32's range was stored, where the same payload sent whole is refused; its Get
+    then failed to decode. Now each reward is checked as its bytes pass: INVALID_ARGUMENT naming
+    the item, as for a push read whole, and nothing stored."""
+    table = f"rewards-{int(large)}-{str(dtype)[6:]}"
+    group = [make_experience("r", 0, 0, response=RESPONSE), make_experience("r", 0, 1, response=7)]
+    bad = group[0 if large else 1]
+    mark = 12345.0
+    rewards = torch.zeros(bad.tokens.numel() - bad.prompt_length, dtype=dtype)
+    rewards[-1] = mark
+    bad.token_level_reward = rewards
+    payload = bytearray(trxp.encode(group))
+    marked = torch.tensor([mark], dtype=dtype).numpy().tobytes()
+    assert payload.count(marked) == 1
+    at = payload.find(marked)
+    payload[at : at + len(marked)] = torch.tensor([value], dtype=dtype).numpy().tobytes()
+    with BufferClient(shared_server.target, timeout=120) as client:
+        client.create_table(table, group_size=2)
+        stub = pb_grpc.ExperienceBufferStub(client._channel)
+        with pytest.raises(grpc.RpcError) as whole:
+            stub.Push(pb.PushRequest(table=table, payload=bytes(payload)), timeout=120)
+        channel, replies = raw_push(shared_server.target, bytes(payload), table, len(payload), iter)
+        with channel, pytest.raises(grpc.RpcError) as chunked:
+            list(replies)
+        for refused in (whole.value, chunked.value):
+            assert refused.code() == grpc.StatusCode.INVALID_ARGUMENT, refused
+            assert f"item {int(not large)} (uid {bad.eid.uid})" in refused.details(), refused.details()
+            assert problem in refused.details()
+        assert client.stats(table)[table].pushed == 0 and staged_bytes(client, table) == 0
+
+
 def test_a_damaged_field_is_refused_on_read_and_the_rest_served(tmp_path: Path) -> None:
     """A take reads a large experience by its head alone (in the writer); the chunks a reply's
     fields lie in are read, and checked, where its reply is built. A field whose chunk is damaged

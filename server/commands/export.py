@@ -27,11 +27,17 @@ from typing import Any, BinaryIO, TextIO, cast
 from expbuf.client import BufferClient, BufferError, Experience, Tls, encode
 from expbuf.client.client import ListedExperience
 
+# The most bits of an int written as a JSON number: str() of an int refuses more than 4,300 digits
+# (Python's bound; 14,000 bits are about 4,215), and one such int in an experience's metadata ended
+# the export. A larger one is written as {"hex": its hex}.
+_INT_BITS = 14_000
+
 
 def _plain(value: Any) -> Any:
     """A value JSON can hold: tensors as lists, non-finite floats as strings, bytes (which an
     experience's metadata may hold, TRXP's plain data) as {"base64": their base64}, a bytes key as
-    "base64:" and its base64: json.dumps raised on them, and one such experience ended the export."""
+    "base64:" and its base64, an int beyond _INT_BITS as {"hex": its hex}: json.dumps raised on
+    them, and one such experience ended the export."""
     if hasattr(value, "tolist"):  # a tensor (torch is not imported here: `expbuf health` stays light)
         return _plain(value.tolist())
     if isinstance(value, dict):
@@ -42,6 +48,8 @@ def _plain(value: Any) -> Any:
         return str(value)
     if isinstance(value, bytes):
         return {"base64": base64.b64encode(value).decode()}
+    if isinstance(value, int) and value.bit_length() > _INT_BITS:
+        return {"hex": hex(value)}
     return value
 
 
@@ -56,7 +64,12 @@ def json_line(listed: ListedExperience, exp: Experience) -> str:
     for f in fields(exp):
         value = getattr(exp, f.name)
         record[f.name] = asdict(value) if f.name == "eid" else _plain(value)
-    return json.dumps(record, ensure_ascii=False)
+    line = json.dumps(record, ensure_ascii=False)
+    try:
+        line.encode()
+    except UnicodeEncodeError:  # a lone surrogate (a str TRXP's pickle may hold): escaped, as JSON can
+        return json.dumps(record)
+    return line
 
 
 def pages(

@@ -286,15 +286,8 @@ def check_tensors(index: int, item: RawItem, work: Work) -> None:
             )
         if name in FLOAT_FIELDS and tensor.dtype not in FLOAT_CODES:
             raise TrxpError(f"{_where(index, item)}: field '{name}' must be floating point, got {tensor.dtype}")
-        if name == "token_level_reward" and not_finite(tensor):
-            raise TrxpError(
-                f"{_where(index, item)}: field 'token_level_reward' holds NaN or infinity; a reward is a finite number"
-            )
-        if name == "token_level_reward" and beyond_float32(tensor):
-            raise TrxpError(
-                f"{_where(index, item)}: field 'token_level_reward' holds a value beyond float32's range"
-                f" (±{FLOAT32_MAX!r}), where the estimators compute, as a reward's must be within"
-            )
+        if name == "token_level_reward":
+            check_rewards(index, item, tensor)
         if name == "action_mask" and tensor.dtype != "BOOL" and tensor.dtype not in INTEGER_CODES:
             raise TrxpError(f"{_where(index, item)}: field 'action_mask' must be bool or integer, got {tensor.dtype}")
 
@@ -361,6 +354,20 @@ _EXPONENT = {
 }
 # For each mask: a byte -> 1 where it has every bit of the mask set, else 0 (bytes.translate's table).
 _ALL_SET = {mask: bytes(int(b & mask == mask) for b in range(256)) for mask in (0x7F, 0xF0, 0x80, 0x7C)}
+
+
+def check_rewards(index: int, item: RawItem, tensor: RawTensor) -> None:
+    """Refuse the token-level rewards `tensor` (of item `index`, or of its data that has come) that
+    hold NaN, infinity or a value beyond float32's range: TrxpError naming the item."""
+    if not_finite(tensor):
+        raise TrxpError(
+            f"{_where(index, item)}: field 'token_level_reward' holds NaN or infinity; a reward is a finite number"
+        )
+    if beyond_float32(tensor):
+        raise TrxpError(
+            f"{_where(index, item)}: field 'token_level_reward' holds a value beyond float32's range"
+            f" (±{FLOAT32_MAX!r}), where the estimators compute, as a reward's must be within"
+        )
 
 
 def not_finite(tensor: RawTensor) -> bool:

@@ -8,9 +8,11 @@ with the budgets of all that was sent). An item whose tensor data is larger than
 is large: its data, laid out as the store keeps it (pack_item's order), goes out in pieces of
 `chunk_bytes` as the payload's data arrives (`feed`), each piece filled once, in place, and its
 action mask's generated tokens are counted as they pass (`generated`); the others' data is kept
-to the end (`finish`). A payload with no large item, or whose large items' data does not come in
-the order the store keeps it (no client that builds TRXP as Trinity-RFT does sends one), is not
-for streaming: `NotStreamable`, and the caller reads it whole.
+to the end (`finish`). Every item's token-level rewards, which the head's checks cannot read, are
+checked as they pass (NaN, infinity, beyond float32: TrxpError, as a payload read whole is
+refused). A payload with no large item, or whose large items' data does not come in the order
+the store keeps it (no client that builds TRXP as Trinity-RFT does sends one), is not for
+streaming: `NotStreamable`, and the caller reads it whole.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from __future__ import annotations
 import math
 
 from .build import pack_head
+from .checks import check_rewards
 from .common import ITEMSIZE, MetadataLimit, RawItem, RawTensor, count_nonzero
 from .parse import head_length, parse_head
 
@@ -82,6 +85,7 @@ class StreamedPayload:
         # this before it reserves what it `holds` under max_inflight_bytes, and waits for room.
         self._kept: dict[int, bytearray] = {}
         self._carry = b""  # the bytes of a mask's element that a feed cut in two
+        self._reward_carry = b""  # the bytes of a token-level reward that a feed cut in two
         self._span = 0
         self._at = 0  # bytes of the data seen
         self._kept_at = 0  # where the current kept tensor is filled to
@@ -111,6 +115,8 @@ class StreamedPayload:
                     buffer = self._kept[self._span] = bytearray(size)
                 buffer[self._kept_at : self._kept_at + take] = part
                 self._kept_at += take
+            if name == "token_level_reward":
+                self._check_rewards(item, part)
             if item in self.heads:
                 if name == "action_mask":
                     self._count(item, part)
@@ -129,6 +135,14 @@ class StreamedPayload:
         whole = len(data) - len(data) % ITEMSIZE[dtype]
         self.generated[item] += count_nonzero(RawTensor(dtype, (whole // ITEMSIZE[dtype],), data[:whole]))
         self._carry = bytes(data[whole:])
+
+    def _check_rewards(self, item: int, part: memoryview) -> None:
+        """Refuse an item's token-level rewards in the next bytes of them (checks.check_rewards)."""
+        dtype = self.items[item].tensors["token_level_reward"].dtype
+        data = memoryview(self._reward_carry + part) if self._reward_carry else part
+        whole = len(data) - len(data) % ITEMSIZE[dtype]
+        check_rewards(item, self.items[item], RawTensor(dtype, (whole // ITEMSIZE[dtype],), data[:whole]))
+        self._reward_carry = bytes(data[whole:])
 
     def _to_piece(self, item: int, part: memoryview, done: list[Piece]) -> None:
         at = 0

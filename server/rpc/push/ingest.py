@@ -48,6 +48,7 @@ from expbuf.client.trxp.column_batch import wire as column_wire
 
 from ...config import ServerConfig
 from ...store import CHUNK_BYTES, Entry, StagedShare, Staging, Store
+from ...store.schema.errors import InvalidPayload
 from . import ingest_worker
 from .ingest_worker import entries_of, metadata_limit
 
@@ -406,7 +407,11 @@ class StagedPush:
         once than `holds` counts, where fed whole it filled all of its pieces first (a chunk of 96
         MiB: 92 MiB of them held beside it, uncounted in max_inflight_bytes)."""
         for at in range(0, len(data), CHUNK_BYTES):
-            self._stage(self.payload.feed(data[at : at + CHUNK_BYTES]))
+            try:
+                pieces = self.payload.feed(data[at : at + CHUNK_BYTES])
+            except trxp.TrxpError as exc:  # a token-level reward its head could not show (stream.py)
+                raise InvalidPayload(str(exc)) from None
+            self._stage(pieces)
 
     def _stage(self, pieces: list[Piece]) -> None:
         for item, number, data in pieces:
