@@ -110,7 +110,11 @@ def _health(args: argparse.Namespace) -> int:
 
     tls = _tls(args)
     metadata = (("authorization", f"Bearer {args.token}"),) if args.token else ()
-    channel = grpc.secure_channel(args.target, tls.credentials()) if tls else grpc.insecure_channel(args.target)
+    # the name the server's certificate is checked against, where it is not the target's host (127.0.0.1 in a container)
+    named = [("grpc.ssl_target_name_override", args.tls_server_name)] if args.tls_server_name else []
+    if args.tls_server_name and not tls:
+        raise CommandError("--tls-server-name names the server's certificate: it needs TLS (--tls or --tls-ca)")
+    channel = grpc.secure_channel(args.target, tls.credentials(), named) if tls else grpc.insecure_channel(args.target)
     try:
         with channel:
             stub = health_pb2_grpc.HealthStub(channel)
@@ -197,6 +201,22 @@ def _check(args: argparse.Namespace) -> int:
         for problem in problems:
             print(f"  {problem}")
     return 1 if any(report.values()) else 0
+
+
+def _backup(args: argparse.Namespace) -> int:
+    """Copy the data directory as it stands at one moment, a server writing it or not (the store's
+    copy_directory), then check the copy as `expbuf check` does (unless --no-check): exit 1 where
+    the check finds damage, which was in the directory copied."""
+    _holds_data(args.data, "back up")
+    from .store import copy_directory
+    from .store.schema.errors import StoreError
+
+    try:
+        size = copy_directory(Path(args.data), Path(args.target))
+    except StoreError as exc:
+        raise CommandError(str(exc)) from None
+    print(f"copied {args.data} to {args.target}: {size} bytes")
+    return 0 if args.no_check else _check(argparse.Namespace(data=args.target))
 
 
 def _repair(args: argparse.Namespace) -> int:
@@ -404,7 +424,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("--config", help="TOML file with settings, TLS, tokens and tables")
     serve.add_argument("--shard", help="this server's shard name, a label on its metrics (env EXPBUF_SHARD)")
-    serve.add_argument("--log-format", choices=("text", "json"), help="log lines as text (default) or JSON")
+    serve.add_argument(
+        "--log-format", choices=("text", "json"), help="log lines as text (default) or JSON (env EXPBUF_LOG_FORMAT)"
+    )
     serve.set_defaults(func=_serve)
     stats = sub.add_parser("stats", help="show a running server's tables (counts by state, rates, ages)")
     _client_options(stats)
@@ -417,6 +439,12 @@ def build_parser() -> argparse.ArgumentParser:
     health.add_argument(
         "--timeout", type=_seconds, default=3.0, help="seconds to wait for the answer (default %(default)s)"
     )
+    health.add_argument(
+        "--tls-server-name",
+        default=os.environ.get("EXPBUF_TLS_SERVER_NAME"),
+        help="a name the server's certificate holds, checked in place of the target's host"
+        " (env EXPBUF_TLS_SERVER_NAME; a container's check reaches 127.0.0.1)",
+    )
     health.set_defaults(func=_health)
     add_table_commands(sub, _client_options, _client_command)
     add_dataset_commands(sub, _client_options, _client_command)
@@ -424,6 +452,13 @@ def build_parser() -> argparse.ArgumentParser:
     check = sub.add_parser("check", help="verify a data directory (the server must be stopped)")
     check.add_argument("--data", default="./expbuf-data", help="the data directory to verify (default %(default)s)")
     check.set_defaults(func=_check)
+    backup = sub.add_parser(
+        "backup", help="copy a data directory as it stands at one moment (its server running or not), then check it"
+    )
+    backup.add_argument("target", help="a new or empty directory to copy into")
+    backup.add_argument("--data", default="./expbuf-data", help="the data directory to copy (default %(default)s)")
+    backup.add_argument("--no-check", action="store_true", help="do not check the copy (expbuf check) once made")
+    backup.set_defaults(func=_backup)
     repair = sub.add_parser(
         "repair",
         help="drop the stray chunk sets and damaged pending groups expbuf check names (the server must be stopped)",

@@ -322,6 +322,14 @@ def test_health_and_stats_over_mutual_tls_with_a_token(certs: Path, start_server
     assert done.returncode == 1
     assert re.search(rf"^{re.escape(target)}: UNAVAILABLE: \S", done.stderr, re.M), done.stderr
     assert "--tls-ca" in done.stderr
+    # a container's check reaches 127.0.0.1, which its server's certificate may not name: it names
+    # one the certificate holds (here both are), and is checked against that name alone
+    for name, code in (("localhost", 0), ("other.example", 1)):
+        done = _cli("health", "--target", target, *client_pair, "--timeout", "5",
+                    env={"EXPBUF_TLS_CA": str(certs / "ca.pem"), "EXPBUF_TLS_SERVER_NAME": name})  # fmt: skip
+        assert done.returncode == code, (name, done.stdout, done.stderr)
+    done = _cli("health", "--target", target, "--tls-server-name", "localhost")
+    assert done.returncode == 2 and "needs TLS" in done.stderr, done.stderr
 
 
 def test_a_start_with_an_unset_token_variable_names_it(tmp_path: Path) -> None:

@@ -56,6 +56,7 @@ if TYPE_CHECKING:
     from .disk.chunked import Staging as Staging
     from .disk.environment import STOP_POLL_SECONDS as STOP_POLL_SECONDS
     from .disk.environment import Environment as Environment
+    from .disk.environment import directory
     from .disk.kinds import Compute as Compute
     from .disk.kinds import Computed as Computed
     from .disk.kinds import ComputeJob as ComputeJob
@@ -119,6 +120,7 @@ if TYPE_CHECKING:
     from .tables.integrity import older_format as older_format
 
     quarantined_by_table, repair_directory, scan_directory = integrity.quarantined, integrity.repair, integrity.scan
+    copy_directory = directory.copy
 
 # Each exported name's module, imported at the name's first use (PEP 562): a command that reads only
 # the store's schema (the command line's client commands, the config) loads none of the rest.
@@ -131,7 +133,7 @@ _HOMES: dict[str, tuple[str | tuple[str, str], ...]] = {
     ".core.whole_table.pages": ("Page",),
     ".disk.chunk_heads": ("CHUNK_BYTES",),
     ".disk.chunked": ("Staging",),
-    ".disk.environment": ("STOP_POLL_SECONDS", "Environment"),
+    ".disk.environment": ("STOP_POLL_SECONDS", "Environment", ("copy", "copy_directory")),
     ".disk.kinds": (
         "Compute",
         "Computed",

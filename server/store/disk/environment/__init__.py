@@ -11,14 +11,16 @@ Only one process may open a data directory: it holds an exclusive flock on the d
 when the process ends, however it ends. No file's existence stands for the lock, so deleting one
 (`lock.mdb`, or the `expbuf.lock` of earlier releases) lets no second server in. A reader that
 never writes (`readonly`, for `expbuf check`) takes a shared lock instead and opens LMDB read-only
-without its lock file, so it works on a read-only copy and writes nothing.
+without its lock file, so it works on a read-only copy and writes nothing. A backup's copy
+(directory.copy) reads one moment of a directory a server writes, its reader in LMDB's lock file.
 """
 
+from .directory import copy
 from .lmdb_env import Environment, Migration
 from .readers import MAX_SNAPSHOTS
 from .writer import STOP_POLL_SECONDS, Outcome, Request, Together, Writer, runs
 
 __all__ = [
     "MAX_SNAPSHOTS", "STOP_POLL_SECONDS", "Environment", "Migration", "Outcome", "Request", "Together", "Writer",
-    "runs",
+    "copy", "runs",
 ]  # fmt: skip

@@ -1,5 +1,6 @@
-"""A data directory's lock and its disk's room: only one process may write a data directory, and
-an operator's alerts read how much its disk holds (environment/__init__.py says how the lock holds)."""
+"""A data directory's lock, its disk's room and its copy: only one process may write a data
+directory, an operator's alerts read how much its disk holds (environment/__init__.py says how the
+lock holds), and a backup is a copy of one moment of it, made while its server runs."""
 
 from __future__ import annotations
 
@@ -8,7 +9,14 @@ import os
 import shutil
 from pathlib import Path
 
+import lmdb
+
 from ...schema.errors import StoreError
+from .. import layout
+
+# How often a copy opens the directory again where its server grew the map as it opened (LMDB's
+# MDB_MAP_RESIZED): a server doubles its map, so a few times cover any growth.
+COPY_TRIES = 8
 
 
 def lock(data: Path, shared: bool) -> int:
@@ -38,3 +46,47 @@ def disk_usage(path: Path) -> tuple[int, int]:
 def free_bytes(path: Path) -> int:
     """The free bytes of the data directory's disk (-1: unknown), for a failed write's refusal."""
     return disk_usage(path)[1]
+
+
+def copy(source: Path, target: Path) -> int:
+    """Copy the data directory `source` as it stands at one moment into the new directory `target`
+    (its data.mdb, compacted: the free pages left out); its size. Made while a server writes
+    `source`, or with none: the copy reads one read transaction registered in LMDB's lock file, so
+    the server's writer keeps every page it reads until it ends (the server's data file may grow
+    by what it writes meanwhile); with no server, it holds the directory's shared lock instead, so
+    that none starts before it ends, and reads a directory on read-only media too. A copy of the
+    files themselves while a server writes is not a moment of it: one page from before a commit
+    and another from after, which LMDB cannot read."""
+    if not (source / "data.mdb").is_file():
+        raise StoreError(f"{source} holds no expbuf data (no data.mdb)")
+    try:
+        target.mkdir(parents=True)
+    except FileExistsError:
+        if any(target.iterdir()):
+            raise StoreError(f"{target} is not empty: a copy goes into a new or empty directory") from None
+    except OSError as exc:
+        raise StoreError(f"cannot make {target}: {exc.strerror}") from None
+    try:
+        held: int | None = lock(source / "data.mdb", shared=True)  # no server: none starts while this copies
+    except StoreError:
+        held = None  # a server's: the copy's reader goes into LMDB's lock file, which the server reads
+    try:
+        for _ in range(COPY_TRIES):
+            try:
+                env = lmdb.open(str(source), max_dbs=layout.MAX_DBS, readonly=True, lock=held is None, create=False)
+            except lmdb.Error as exc:
+                raise StoreError(f"cannot open {source}: {exc}") from None
+            try:
+                env.copy(str(target), compact=True)
+            except lmdb.MapResizedError:  # the server grew its map as this opened
+                (target / "data.mdb").unlink(missing_ok=True)
+                continue
+            except lmdb.Error as exc:
+                raise StoreError(f"cannot copy {source} to {target}: {exc}") from None
+            finally:
+                env.close()
+            return (target / "data.mdb").stat().st_size
+    finally:
+        if held is not None:
+            os.close(held)
+    raise StoreError(f"cannot copy {source}: its server grew its map at each of {COPY_TRIES} tries")
