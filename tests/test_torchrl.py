@@ -177,6 +177,28 @@ def test_a_group_named_by_a_tensor_comes_back_in_its_dtype_and_shape(target) -> 
     ]  # fmt: skip
 
 
+def test_log_probs_and_a_reward_come_back_in_the_dtype_and_shape_they_were_extended_in(target) -> None:
+    """float64 log-probs came back float32 (-0.1234567890123 as -0.12345679104), and a float64
+    reward, or one of another shape, came back float32 of shape (1, 1), where TorchRL's own storages
+    give back what they were given (a helper's audit)."""
+    with BufferClient(target) as admin:
+        admin.create_table("dtypes", group_size=2, estimator="grpo")
+    sent = [element("q", run, 0.0) for run in range(2)]
+    sent[0]["log_probs", "response"] = sent[0]["log_probs", "response"].double() - 1e-12
+    sent[0]["next", "reward"] = torch.tensor([0.1234567890123], dtype=torch.float64)
+    sent[1]["next", "reward"] = torch.tensor([[1.0]], dtype=torch.float32)  # TorchRL's own form
+    rb = buffer(target, "dtypes", 2)
+    rb.extend(lazy_stack(sent))
+    got = {key(td): td for td in rows(rb.sample())}
+    for td in sent:
+        back = got[key(td)]
+        assert back["log_probs", "response"].dtype == td["log_probs", "response"].dtype
+        assert torch.equal(back["log_probs", "response"], td["log_probs", "response"])
+        assert back["log_probs", "full"].dtype == td["log_probs", "response"].dtype
+        assert back["next", "reward"].dtype == td["next", "reward"].dtype
+        assert torch.equal(back["next", "reward"], td["next", "reward"])
+
+
 def runs_by_group(admin: BufferClient, table: str) -> dict[str, list[tuple[str, int]]]:
     """Each group's members as (suffix, run), in the order they were written: a storage's suffix is
     an `ordered_id`, whose text sorts in the order the writer made it."""

@@ -6,10 +6,11 @@ experience:
     TorchRL key                         expbuf Experience
     ("tokens", "prompt" | "response")   tokens split at prompt_length ("full": both, as written);
                                         sampled back as torch.long, whatever dtype they were pushed in
-    ("log_probs", "response")           logprobs ("full": NaN over the prompt, as vLLMWrapper fills it)
+    ("log_probs", "response")           logprobs, in their dtype ("full": NaN over the prompt, as vLLMWrapper fills it)
     ("masks", "all_assistant_mask")     action_mask over the response (False over the prompt)
     ("masks", "all_attention_mask")     rebuilt: all True (a stored sequence holds no padding)
-    ("next", "reward")                  reward: one value, shape (1, 1) as TorchRL's reward parsers give it
+    ("next", "reward")                  reward: one value, shape (1, 1) float32 as TorchRL's reward parsers give
+                                        it, or the dtype and shape it was pushed in (info["reward_form"])
     ("text", "prompt" | "response")     prompt_text, response_text ("full": both)
     "policy_version" (an int)           info["model_version"]
     the group key ("query")             info["group"]; the eid's task is a digest of it
@@ -39,6 +40,7 @@ VERSION: NestedKey = "policy_version"
 IDENTITY: NestedKey = "expbuf"  # a sampled element's uid and group id
 GROUP_INFO = "group"  # info[...] that keeps an experience's group name
 GROUP_FORM = "group_form"  # and, for a tensor name, its dtype and shape: [dtype, shape]
+REWARD_FORM = "reward_form"  # a reward's dtype and shape, where not TorchRL's float32 (1, 1): [dtype, shape]
 # Token ids as TorchRL's LLM wrappers and losses take them (embedding lookups, gathers); a stored
 # experience keeps the dtype it was pushed in (AReaL's rows may hold int32).
 TOKEN_DTYPE = torch.long
@@ -128,7 +130,10 @@ def to_experience(
     info: dict[str, Any] = {GROUP_INFO: group}
     named = None if group_key is None else _get(element, group_key)
     if isinstance(named, torch.Tensor):
-        info[GROUP_FORM] = [str(named.dtype).removeprefix("torch."), list(named.shape)]
+        info[GROUP_FORM] = _form(named)
+    reward = _get(element, REWARD)
+    if isinstance(reward, torch.Tensor) and _form(reward) != _REWARD_DEFAULT:
+        info[REWARD_FORM] = _form(reward)
     version = _version(element)
     if version is not None:
         info["model_version"] = version
@@ -140,7 +145,7 @@ def to_experience(
         reward=_reward(element),
         logprobs=layout.response_tensor(
             "('log_probs', 'response')",
-            None if logprobs is None else logprobs.reshape(-1).to(torch.float32),
+            None if logprobs is None else logprobs.reshape(-1),
             response_length,
         ),
         action_mask=None if assistant is None else assistant.reshape(-1)[prompt_length:].to(torch.bool),
@@ -167,13 +172,22 @@ def _advantage(exp: Experience) -> torch.Tensor | None:
     return values[:1].reshape(1, 1).to(torch.float32)
 
 
-def _group_tensor(group: Any, form: Any) -> torch.Tensor:
-    """A group name kept from a tensor, in its dtype and shape where they were kept (an experience
-    stored before they were: as torch makes it of the values)."""
-    dtype = getattr(torch, form[0], None) if isinstance(form, list) and len(form) == 2 else None
+def _form(tensor: torch.Tensor) -> list[Any]:
+    """A tensor's dtype and shape, as info keeps them."""
+    return [str(tensor.dtype).removeprefix("torch."), list(tensor.shape)]
+
+
+_REWARD_DEFAULT = ["float32", [1, 1]]  # a reward's form as TorchRL's reward parsers give it
+
+
+def _formed(value: Any, form: Any, default: list[Any] | None = None) -> torch.Tensor:
+    """A value kept from a tensor, in its dtype and shape where they were kept (`form`), else
+    `default`'s (none: as torch makes it of the values, as for an experience stored before)."""
+    form = form if isinstance(form, list) and len(form) == 2 else default
+    dtype = None if form is None else getattr(torch, form[0], None)
     if not isinstance(dtype, torch.dtype):
-        return torch.tensor(group)
-    return torch.tensor(group, dtype=dtype).reshape(form[1])
+        return torch.tensor(value)
+    return torch.tensor(value, dtype=dtype).reshape(form[1])
 
 
 def to_element(exp: Experience, group_key: NestedKey) -> TensorDict:
@@ -192,18 +206,19 @@ def to_element(exp: Experience, group_key: NestedKey) -> TensorDict:
         batch_size=[],
     )
     if exp.logprobs is not None:
-        full = torch.cat([torch.full((exp.prompt_length,), float("nan")), exp.logprobs.to(torch.float32)])
+        prompt = torch.full((exp.prompt_length,), float("nan"), dtype=exp.logprobs.dtype)
+        full = torch.cat([prompt, exp.logprobs])
         element["log_probs"] = LogProbs(response=exp.logprobs, full=full, padded=False, batch_size=[])
     if exp.prompt_text is not None or exp.response_text is not None:
         both = (exp.prompt_text or "") + (exp.response_text or "")
         element["text"] = Text(prompt=exp.prompt_text, response=exp.response_text, full=both, batch_size=[])
     group, form = exp.info.get(GROUP_INFO), exp.info.get(GROUP_FORM)
     if group is not None:
-        element[group_key] = group if isinstance(group, str) else _group_tensor(group, form)
+        element[group_key] = group if isinstance(group, str) else _formed(group, form)
     if exp.model_version is not None:
         element[VERSION] = exp.model_version
     if exp.reward is not None:
-        element[REWARD] = torch.tensor([[exp.reward]], dtype=torch.float32)
+        element[REWARD] = _formed(exp.reward, exp.info.get(REWARD_FORM), _REWARD_DEFAULT)
     advantage = _advantage(exp)
     if advantage is not None:
         element[ADVANTAGE] = advantage
