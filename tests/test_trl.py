@@ -26,7 +26,7 @@ def import_frameworks() -> None:
     """Run by tests/conftest.py before this module's tests: not at its import, which every pytest worker does."""
     global AsyncGRPOConfig, RolloutQueueDataset, RolloutGroup, RolloutSample, TrainingSequence
     global _AsyncRolloutLoop, ExpbufRolloutWorker, group_experiences, group_id, rollout_samples, LeaseBook
-    global ack_lag, Reporter
+    global ack_lag, Reporter, TurnRecord, _chain_to_sequences
     import trl_cpu
 
     trl_cpu.import_frameworks()
@@ -37,7 +37,9 @@ def import_frameworks() -> None:
         RolloutGroup,
         RolloutSample,
         TrainingSequence,
+        TurnRecord,
         _AsyncRolloutLoop,
+        _chain_to_sequences,
     )
 
     from expbuf.client.trl import ExpbufRolloutWorker, group_experiences, group_id, rollout_samples
@@ -117,6 +119,25 @@ def test_group_experiences_takes_trls_padded_rows() -> None:
     assert exps[1].tokens.tolist() == [3, 4, 5, 6, 9, 10, 11, EOS] and exps[1].prompt_length == 3
     assert [e.reward for e in exps] == [1.0, 0.0] and all(e.info == {"model_version": 4} for e in exps)
     assert (exps[1].prompt_text, exps[1].response_text) == ("t3 t4", "b")
+
+
+def test_ragged_rows_keep_the_context_after_the_last_trained_token_as_trls_own_rows_do() -> None:
+    """TRL's own rows of a multi-turn trace (`_chain_to_sequences`) end in context tokens the model
+    did not generate (mask 0s): ragged rows are kept whole, where they were cut as padding, and
+    the trainer's forwarded tokens and masked fraction came out short of TRL's own."""
+    prompt = [1, 2, 3]
+    turn = TurnRecord(prompt, [10, 11, 12, 13], [-0.5, -0.6, 0.0, 0.0], [1, 1, 0, 0])
+    (own,), _ = _chain_to_sequences([turn], "r0", fork_threshold=8)
+    at = len(prompt)
+    (exp,) = group_experiences(
+        EID(batch=0, task=0), [prompt], [own.input_ids[at:]], [1.0],
+        completion_mask=[own.completion_mask[at:]], old_log_probs=[own.old_log_probs[at:]], model_version=0,
+    )  # fmt: skip
+    exp.advantages = exp.action_mask.float()
+    (sample,) = rollout_samples([exp], ["g"])
+    assert sample.input_ids.tolist() == own.input_ids
+    assert sample.completion_mask.tolist() == own.completion_mask
+    assert sample.old_log_probs.tolist() == pytest.approx(own.old_log_probs)
 
 
 def test_rollout_samples_are_trls_layout_of_an_experience() -> None:

@@ -80,11 +80,14 @@ def group_experiences(
 
     `prompt_ids` is the group's prompt (one row) or one per completion; `prompt_mask` drops its
     padding (TRL's left padding). `completion_mask` marks the tokens trained (1) and those
-    that are not (0): padding after the last 1 is dropped, 0s before it (a tool's reply) stay
-    as holes of the action mask. `old_log_probs` are the sampler's log-prob of each
+    that are not (0): in padded rows (a 2-D tensor or array), the 0s after the last 1 are padding
+    and dropped; ragged rows (a sequence of rows) are kept whole, their 0s after the last 1
+    context the model did not generate, as TRL's own rows of multi-turn traces keep it; 0s before
+    the last 1 (a tool's reply) stay as holes of the action mask. `old_log_probs` are the sampler's log-prob of each
     completion token (TRL needs them for its ratio); `model_version` is the policy version
     that generated the group (TRL's staleness is measured from it)."""
     completions = _rows(completion_ids, "completion_ids")
+    padded = isinstance(completion_ids, (torch.Tensor, np.ndarray)) and np.ndim(completion_ids) == 2
     count = len(completions)
     prompts = _rows(prompt_ids, "prompt_ids")
     if len(prompts) == 1:
@@ -111,8 +114,9 @@ def group_experiences(
         if mask is not None:
             if mask.shape[0] != length:
                 raise ValueError(f"completion {i}: completion_mask has {mask.shape[0]} values for {length} tokens")
-            trained = mask.nonzero()
-            length = int(trained[-1]) + 1 if trained.numel() else 0
+            if padded:
+                trained = mask.nonzero()
+                length = int(trained[-1]) + 1 if trained.numel() else 0
             mask = mask[:length].bool()
         if logps is not None:
             if logps.shape[0] < length:
