@@ -177,6 +177,31 @@ def test_advantages_of_a_short_group_are_trinitys_on_the_members_present(
     assert_same(got, want)
 
 
+def test_a_run_of_several_steps_that_failed_after_pushing_some_is_left_out_as_trinity_leaves_it(
+    start_server: Servers,
+) -> None:
+    """step_wise_grpo over runs of 2 steps (group_size counts experiences: 3 runs x 2), run 2
+    failing after it pushed its first step. Its pushed step stays a member where only its missing
+    step is reported, its reward taken as the run's last; Trinity-RFT's runner keeps none of a
+    failed run's experiences. Deleting its pushed steps and reporting every step of it failed
+    leaves it out: the advantages are Trinity's own over runs 0 and 1
+    (docs/concepts/across-weight-updates.md)."""
+    rewards = {(0, 0): 0.0, (0, 1): 1.0, (1, 0): 0.0, (1, 1): 0.0, (2, 0): 0.0}
+    pushed = [Exp(task=0, run=r, step=t, reward=reward, mask=[True, True]) for (r, t), reward in rewards.items()]
+    server = start_server()
+    with BufferClient(f"127.0.0.1:{server.port}") as client:
+        client.create_table("steps", group_size=6, min_group_size=4, estimator="step_wise_grpo")
+        client.push([exp.build() for exp in pushed], table="steps")
+        assert client.delete(["0/0/2/0/s"], "steps") == 1
+        done = client.fail_runs(["0/0/2/0/s", "0/0/2/1/s"], "steps", reasons=["env crashed"] * 2)
+        assert done.completed_groups == ["0/0"]
+        batch = next(client.sample("steps", num_groups=1, max_batches=1, timeout=30, delivery="consume"))
+        got = {e.eid.uid: (e.advantages, e.returns) for e in batch.experiences}
+    experience = pytest.importorskip("trinity.common.experience")
+    kept = [exp.build(experience.Experience, experience.EID) for exp in pushed if exp.run != 2]
+    assert_same(got, trinity_advantages("step_wise_grpo", {}, kept))
+
+
 def test_over_the_wire_the_reports_survive_a_restart_and_the_metrics_count_them(start_server: Servers) -> None:
     server = start_server()
     target = f"127.0.0.1:{server.port}"
