@@ -19,7 +19,7 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from expbuf.client import BufferClient, BufferError, trxp
+from expbuf.client import AlreadyExistsError, BufferClient, BufferError, trxp
 from expbuf.client.rpc.wire import WireError
 from expbuf.proto.v1 import buffer_pb2 as pb
 from expbuf.proto.v1 import buffer_pb2_grpc as pb_grpc
@@ -91,6 +91,62 @@ def test_unknown_settings_are_refused_everywhere(client: BufferClient, stub, tmp
     with pytest.raises(ConfigError, match="group_sise"):
         load(str(toml))
     assert "t" not in client.stats()
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        {"drop_zero_variance": 1},
+        {"keep_failed": 0},
+        {"evict_stale": 1},
+        {"group_timeout_seconds": True},
+        {"priority_decay": True},
+        {"shaping": {"reward_clip": True}},
+        {"estimator_params": {"epsilon": True}},
+        {"samples_per_insert": 10**400},
+        {"estimator_params": {"epsilon": 10**400}},
+        {"estimator_params": {1: 2.0}},
+    ],
+    ids=repr,
+)
+def test_a_setting_of_another_type_is_refused_by_name_not_read_as_one(
+    client: BufferClient, settings: dict, tmp_path: Path
+) -> None:
+    """protobuf takes 1 for true and True for 1.0: drop_zero_variance=1 was stored true and
+    group_timeout_seconds=True as 1 second, where a TOML block with the same values is refused;
+    an int past a double's range raised OverflowError (a traceback from the command line)."""
+    name = next(iter(settings))
+    with pytest.raises(WireError, match=name if name != "estimator_params" else "estimator"):
+        client.create_table("typed", **settings)
+    assert "typed" not in client.stats()
+
+
+def test_a_toml_table_with_an_int_past_a_doubles_range_is_refused_by_name(tmp_path: Path) -> None:
+    """tomllib reads an int of any size: math.isfinite raised OverflowError on it, and the start
+    ended in a traceback."""
+    from expbuf.server.config import load
+
+    for setting in ("group_timeout_seconds", "samples_per_insert", "priority_decay"):
+        toml = tmp_path / f"{setting}.toml"
+        toml.write_text(f'[[tables]]\nname = "t"\n{setting} = 1{"0" * 400}\n')
+        with pytest.raises(ConfigError, match=setting):
+            load(str(toml))
+    toml.write_text(f'[[tables]]\nname = "t"\nestimator_params = {{ epsilon = 1{"0" * 400} }}\n')
+    with pytest.raises(ConfigError, match="epsilon"):
+        load(str(toml))
+
+
+def test_estimator_parameters_read_back_as_given_and_a_default_given_is_one_left_out(client: BufferClient) -> None:
+    """A choice (std_cal_level = "batch") read back as 1.0, and a table made again with exist_ok
+    and a parameter at its default ({"epsilon": 1e-6} against {}) was refused as other settings,
+    as was a server whose [[tables]] block named it."""
+    client.create_table("named", group_size=2, estimator_params={"std_cal_level": "batch", "epsilon": 0.5})
+    (info,) = [t for t in client.list_tables() if t.name == "named"]
+    assert info.estimator_params == {"std_cal_level": "batch", "epsilon": 0.5}
+    client.create_table("plain", group_size=2)
+    client.create_table("plain", group_size=2, estimator_params={"epsilon": 1e-6}, exist_ok=True)
+    with pytest.raises(AlreadyExistsError, match="estimator_params"):
+        client.create_table("plain", group_size=2, estimator_params={"epsilon": 1e-3}, exist_ok=True)
 
 
 @pytest.mark.parametrize("refused", ["other settings", "extension"])

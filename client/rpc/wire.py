@@ -82,18 +82,44 @@ def reason_of(trailing: Any) -> str | None:
 
 
 def param_number(name: str, value: Any) -> Any:
-    """An estimator parameter as the wire carries it: a number as it is (a flag as 0 or 1), a
-    choice by its position. The server checks the number against the estimator's range."""
+    """An estimator parameter as the wire carries it: a number as it is (a flag as 0 or 1, or
+    False or True), a choice by its position. The server checks the number against the
+    estimator's range. A bool is a flag's only: given for a number, it was read as 0 or 1."""
     choices = PARAM_CHOICES.get(name, ())
-    if isinstance(value, int | float):
-        return value
+    if isinstance(value, bool) and choices == _FLAG:
+        return float(value)
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        try:
+            return float(value)
+        except OverflowError:
+            raise WireError(
+                f"estimator parameter {name} is {_shown(value)}; allowed: a number within a double's range"
+            ) from None
     if isinstance(value, str) and value in choices:
         return float(choices.index(value))
     named = "; ".join(f"{param}: {' or '.join(names)}" for param, names in PARAM_CHOICES.items())
     allowed = " or ".join(choices) if choices else "a number"
     if isinstance(value, str) and not choices:
         allowed += f" (names are taken by {named})"
-    raise WireError(f"estimator parameter {name} is {repr(value)[:40]}; allowed: {allowed}")
+    raise WireError(f"estimator parameter {name} is {_shown(value)}; allowed: {allowed}")
+
+
+_FLAG = ("false", "true")  # the choices of a flag, which a bool gives too
+
+
+def _shown(value: Any) -> str:
+    """A value in a refusal, cut short (an int of any size shown without its digits: str() of one of
+    more than 4,300 refuses)."""
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 128:
+        return f"an integer of {value.bit_length()} bits"
+    return repr(value)[:40]
+
+
+def param_value(name: str, number: float) -> Any:
+    """An estimator parameter as the wire carried it (param_number), as it was given: a choice by
+    its name, a number as it is."""
+    choices = PARAM_CHOICES.get(name, ())
+    return choices[int(number)] if choices and number in range(len(choices)) else number
 
 
 # A table's off-policy settings (admission, staleness, rate limits): the trainer's side of a run.
@@ -162,23 +188,29 @@ def shaping_to_proto(settings: dict[str, Any] | None) -> pb.Shaping:
 
 def _message(cls: type[Message], what: str, fields: dict[str, Any]) -> Any:
     """A message of these fields; a value its field cannot take is refused naming the setting and
-    the values its field takes."""
+    the values its field takes. A bool is a true-or-false field's alone, and only a bool is: protobuf
+    takes 1 for true and True for 1.0, so drop_zero_variance=1 was stored true and
+    group_timeout_seconds=True as 1 second."""
+    for name, value in fields.items():
+        kind = cls.DESCRIPTOR.fields_by_name[name].type
+        if value is not None and kind in _ALLOWED and (kind == FieldDescriptor.TYPE_BOOL) != isinstance(value, bool):
+            raise WireError(f"{what}{name} is {_shown(value)}; allowed: {_ALLOWED[kind]}")
     try:
         return cls(**fields)
-    except (TypeError, ValueError) as exc:
+    except (TypeError, ValueError, OverflowError) as exc:
         for name, value in fields.items():
             try:
                 cls(**{name: value})
-            except (TypeError, ValueError):
+            except (TypeError, ValueError, OverflowError):
                 allowed = _ALLOWED.get(cls.DESCRIPTOR.fields_by_name[name].type, "a value of its type")
-                raise WireError(f"{what}{name} is {repr(value)[:40]}; allowed: {allowed}") from None
+                raise WireError(f"{what}{name} is {_shown(value)}; allowed: {allowed}") from None
         raise WireError(f"{what.strip() or 'table'}: {str(exc)[:200]}") from None
 
 
 # What a setting's field on the wire takes, by the field's type (the server checks the range it allows).
 _ALLOWED = {
     FieldDescriptor.TYPE_BOOL: "true or false",
-    FieldDescriptor.TYPE_DOUBLE: "a number",
+    FieldDescriptor.TYPE_DOUBLE: "a number within a double's range",
     FieldDescriptor.TYPE_UINT32: "an integer >= 0 (at most 2^32 - 1)",
     FieldDescriptor.TYPE_UINT64: "an integer >= 0 (at most 2^64 - 1)",
     FieldDescriptor.TYPE_INT64: "an integer",
@@ -253,6 +285,9 @@ def _estimator(settings: dict[str, Any]) -> pb.Estimator:
         raise WireError(f"device is {repr(device)[:40]}; allowed: a device's name (auto, cpu or cuda)")
     if not isinstance(params, dict):
         raise WireError(f"estimator_params is {str(params)[:40]!r}; expected a dict of parameters")
+    named = [key for key in params if not isinstance(key, str)]
+    if named:
+        raise WireError(f"estimator_params names a parameter {repr(named[0])[:40]}; a parameter's name is a str")
     return pb.Estimator(name=name, params={k: param_number(k, v) for k, v in params.items()}, device=device)
 
 
@@ -265,7 +300,7 @@ def table_from_proto(msg: pb.TableConfig) -> dict[str, Any]:
         "group_timeout_seconds": msg.group_timeout_seconds,
         "on_group_timeout": enum_name(ON_GROUP_TIMEOUT, "on_group_timeout", msg.on_group_timeout, "release"),
         "estimator": msg.estimator.name or "grpo",
-        "estimator_params": dict(msg.estimator.params),
+        "estimator_params": {name: param_value(name, value) for name, value in msg.estimator.params.items()},
         "device": msg.estimator.device or "auto",
         "capacity_experiences": msg.capacity_experiences,
         "capacity_bytes": msg.capacity_bytes,

@@ -57,11 +57,14 @@ class Param:
         """The value in its stored form (a number), or None when it is out of range."""
         if self.choices and isinstance(value, str):
             return float(self.choices.index(value)) if value in self.choices else None
-        if not isinstance(value, (int, float)) or not math.isfinite(value):
+        if not isinstance(value, (int, float)) or (isinstance(value, float) and not math.isfinite(value)):
             return None
         if isinstance(value, bool) and not self.choices:  # a flag only where the parameter is one
             return None
-        number = float(value)
+        try:
+            number = float(value)
+        except OverflowError:  # an int past a double's range: out of every parameter's
+            return None
         if self.choices:
             return number if number.is_integer() and 0 <= number < len(self.choices) else None
         if number < self.low or (self.low_open and number == self.low):

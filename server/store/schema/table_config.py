@@ -394,6 +394,9 @@ def differences(have: TableConfig, want: TableConfig) -> list[str]:
 
     def flat(config: TableConfig) -> dict[str, Any]:
         settings = config.settings()
+        estimator = ESTIMATORS.get(config.advantages.estimator)
+        if estimator is not None:  # a parameter given its default is the parameter left out
+            settings["estimator_params"] = estimator.args(config.advantages.params)
         return settings | {f"shaping.{name}": value for name, value in settings.pop("shaping").items()}
 
     theirs, ours = flat(have), flat(want)

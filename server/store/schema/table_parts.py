@@ -14,8 +14,8 @@ with it, one mapping for both directions.
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
+import sys
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -128,7 +128,11 @@ class Part:
 
 
 def _number(value: object) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+    """A finite number a double holds: an int past it is not (math.isfinite raised OverflowError on
+    one, a TOML file's 1 followed by 400 zeros: a traceback, not a refusal naming the setting)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return False
+    return -sys.float_info.max <= value <= sys.float_info.max  # exact for an int of any size; False for NaN
 
 
 @dataclass(frozen=True)
