@@ -323,8 +323,7 @@ class AsyncBufferClient(ServerCalls, Awaiting, ClientBase):
             return None
 
         async def delivered(received: int) -> bool:
-            """Whether the `received`-th batch, confirmed, may be handed over (calls.Deliveries). A
-            cancel of the caller while it waits leaves it confirmed and not handed over: at most once."""
+            """Whether the `received`-th batch, confirmed, may be handed over (calls.Deliveries)."""
             if ahead is None:  # a stream of one batch: read here to its end, which follows its delivery
                 try:
                     while deliveries.delivered(received) is None and await read() is None:
@@ -337,6 +336,19 @@ class AsyncBufferClient(ServerCalls, Awaiting, ClientBase):
                     changed.clear()
                     await changed.wait()
             return deliveries.delivered(received) is True
+
+        async def told(word: asyncio.Future[bool]) -> bool:
+            """Whether the batch confirmed may be handed over, as `word` says, whatever cancels the
+            caller meanwhile: its confirmation gone, the server consumes it (a consumed batch is
+            served once), so a cancel that cut the wait lost it, the caller without it and the
+            buffer too. The cancelled await is handed it (`anext` returns it, as the sharded client's
+            does); a leased or replayed one goes back with the stream's end, and the cancel goes on."""
+            try:
+                return await asyncio.shield(word)
+            except asyncio.CancelledError:
+                if spec.delivery != "consume" or not await calls.finished(word):
+                    raise
+                return True
 
         async def next_batch() -> Batch | None:
             if ahead is None:
@@ -376,8 +388,8 @@ class AsyncBufferClient(ServerCalls, Awaiting, ClientBase):
                         on_its_way.append(asyncio.ensure_future(call.write(confirmation)))
                 if confirmation is None:  # the server is stopping: not handed over; the end follows
                     continue
-                if not await delivered(handing.received):  # not delivered, or its word lost: the end follows
-                    continue
+                if not await told(asyncio.ensure_future(delivered(handing.received))):
+                    continue  # not delivered, or its word lost: the end follows
                 confirmed = time.monotonic()
                 yield batch
         except (grpc.RpcError, asyncio.InvalidStateError):  # the stream ended (a write after its end: the latter)

@@ -7,13 +7,13 @@ each step asks for at once with asyncio.gather.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import AsyncIterator
 from typing import Any, TypeGuard, Unpack
 
 from ..aio import AsyncBufferClient, AsyncHeldBatch
 from ..errors import BufferError
 from ..results import AsyncBatch
+from ..rpc import calls
 from ..rpc.api import ShardCalls
 from ..rpc.declare import AwaitingShards, Turns
 from ..rpc.sample_spec import SampleOptions, SampleSpec
@@ -111,7 +111,7 @@ class AsyncShardedBufferClient(ShardPlans, AwaitingShards, ShardCalls):
         try:
             return await asyncio.shield(confirming)
         except asyncio.CancelledError:
-            answers = await _finished(confirming)
+            answers = await calls.finished(confirming)
             if spec.delivery == "consume":
                 return answers
             await asyncio.shield(_handed_back(answers))
@@ -133,14 +133,6 @@ def _follow(held: list[AsyncHeldBatch], step: Any, answers: Any) -> None:
 def _delivers(step: Any) -> TypeGuard[list[Call]]:
     """Whether a step of a sample's plan confirms a batch's held parts."""
     return isinstance(step, list) and any(call.method == "deliver" for call in step)
-
-
-async def _finished(task: asyncio.Future[list[Any]]) -> list[Any]:
-    """`task`'s result, waited for whatever cancels the waiter meanwhile."""
-    while not task.done():
-        with contextlib.suppress(asyncio.CancelledError):
-            await asyncio.shield(task)
-    return task.result()
 
 
 async def _handed_back(answers: list[Any]) -> None:

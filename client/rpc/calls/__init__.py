@@ -25,6 +25,7 @@ from .sample_stream import (
     confirm_by,
     confirmation,
     ended_late,
+    finished,
     handed,
     unanswered,
 )
@@ -42,6 +43,7 @@ __all__ = [
     "confirm_by",
     "confirmation",
     "ended_late",
+    "finished",
     "handed",
     "one_reply",
     "payload",

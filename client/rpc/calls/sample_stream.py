@@ -4,6 +4,8 @@ batch decoded from its reply, and handed to the caller unless asked for too late
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import math
 import time
 from collections.abc import Callable
@@ -22,6 +24,7 @@ from ..declare import Unary
 from ..sample_reply import SampleReplyParts
 
 B = TypeVar("B", bound=Batch)
+R = TypeVar("R")
 # How long a stream the caller left may take to hand back the batches already on their way.
 STOP_SECONDS = 5.0
 # What the client keeps of a batch's confirm_seconds for its confirmation's way to the server:
@@ -55,6 +58,15 @@ class Orders:
                 )
 
         return Unary("ServerInfo", pb.ServerInfoRequest(), read, retry=True)
+
+
+async def finished(task: asyncio.Future[R]) -> R:
+    """`task`'s result, waited for whatever cancels the waiter meanwhile: a batch's confirmation
+    gone, its outcome is the caller's however it leaves (the asyncio clients' sample())."""
+    while not task.done():
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.shield(task)
+    return task.result()
 
 
 def confirmation(received: int, *, stop: bool = False) -> pb.SampleRequest:
