@@ -913,6 +913,19 @@ def test_a_client_closed_under_its_pusher_fails_the_pushes_in_flight_at_once(sta
     assert all(isinstance(e, ExpbufError) and e.code == grpc.StatusCode.CANCELLED for e in errors), errors
 
 
+async def handed_under_a_cancel(target: str, *, first: bool, wait: float) -> int:
+    """The experiences an asyncio consume stream of one group a batch hands its caller: the first
+    batch awaited whole where `first`, then one under asyncio.wait_for(..., wait), the stream
+    closed after."""
+    async with AsyncBufferClient(target, timeout=10) as client:
+        stream = client.sample("t", num_groups=1, delivery="consume", window=1, prefetch=0)
+        had = [await anext(stream)] if first else []
+        with contextlib.suppress(TimeoutError):
+            had.append(await asyncio.wait_for(anext(stream), wait))
+        await stream.aclose()
+        return sum(len(batch.uids) for batch in had)
+
+
 def test_an_asyncio_sample_cancelled_as_it_confirms_never_loses_the_batch(
     start_server: Servers, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -938,16 +951,7 @@ def test_an_asyncio_sample_cancelled_as_it_confirms_never_loses_the_batch(
 
     monkeypatch.setattr(aio_call._StreamRequestMixin, "_write", slow)
 
-    async def body() -> int:
-        async with AsyncBufferClient(target, timeout=10) as client:
-            stream = client.sample("t", num_groups=1, delivery="consume", window=1, prefetch=0)
-            had = [await anext(stream)]
-            with contextlib.suppress(TimeoutError):
-                had.append(await asyncio.wait_for(anext(stream), 0.2))
-            await stream.aclose()
-            return sum(len(batch.uids) for batch in had)
-
-    had = asyncio.run(body())
+    had = asyncio.run(handed_under_a_cancel(target, first=True, wait=0.2))
     with BufferClient(target) as admin:
         stats = admin.stats()["t"]
     assert stats.consumed == had and stats.ready == 4 - had
@@ -977,16 +981,7 @@ def test_an_asyncio_sample_cancelled_as_it_waits_for_the_word_of_its_delivery_ne
 
     monkeypatch.setattr(sample_stream.Deliveries, "heard", late)
 
-    async def body() -> int:
-        async with AsyncBufferClient(target, timeout=10) as client:
-            stream = client.sample("t", num_groups=1, delivery="consume", window=1, prefetch=0)
-            had = []
-            with contextlib.suppress(TimeoutError):
-                had.append(await asyncio.wait_for(anext(stream), 0.15))
-            await stream.aclose()
-            return sum(len(batch.uids) for batch in had)
-
-    had = asyncio.run(body())
+    had = asyncio.run(handed_under_a_cancel(target, first=False, wait=0.15))
     with BufferClient(target) as admin:
         stats = admin.stats()["t"]
     assert (had, stats.consumed, stats.ready) == (1, 1, 3)
