@@ -341,10 +341,15 @@ class BufferClient(ServerCalls, Blocking, ClientBase):
             return None if reply is None else decode(reply)
 
         ahead: Prefetcher[Any] | None = None
-        if spec.ahead:
-            ahead = Prefetcher(read, decode, spec.ahead, outcomes.put)
-        elif spec.max_batches != 1:  # replies come ahead: read them as they come (prefetch.py)
-            ahead = Prefetcher(read, undecoded, 0, outcomes.put)
+        try:
+            if spec.ahead:
+                ahead = Prefetcher(read, decode, spec.ahead, outcomes.put)
+            elif spec.max_batches != 1:  # replies come ahead: read them as they come (prefetch.py)
+                ahead = Prefetcher(read, undecoded, 0, outcomes.put)
+        except BaseException:  # an interrupt as its threads start: the stream ends, they with it
+            stream.cancel()
+            requests.close()
+            raise
         if ahead is not None:
             stream.add_done_callback(ahead.call_done)
         seconds = 0.0  # the server's confirm bound, as its replies say
