@@ -913,6 +913,38 @@ def test_a_client_closed_under_its_pusher_fails_the_pushes_in_flight_at_once(sta
     assert all(isinstance(e, ExpbufError) and e.code == grpc.StatusCode.CANCELLED for e in errors), errors
 
 
+def test_a_push_interrupted_as_its_streams_reader_starts_leaves_the_pusher_going(
+    start_server: Servers, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A KeyboardInterrupt (Ctrl-C, ray.cancel's interrupt) landing in push() as its stream's reader
+    thread started left the push in the window, sent by none and failed by none: every later
+    push's future (they complete in push order), flush() and close() waited forever (a helper's
+    audit). The pushes are the stream's, their deadlines watched, before the reader starts."""
+    server = start_server()
+    target = f"127.0.0.1:{server.port}"
+    start = threading.Thread.start
+    interrupted = []
+
+    def interrupting(self: threading.Thread) -> None:
+        start(self)
+        if self.name == "expbuf-pusher" and not interrupted:
+            interrupted.append(self)
+            raise KeyboardInterrupt
+
+    with BufferClient(target) as client:
+        client.create_table("t", group_size=1, estimator="none")
+        pusher = client.pusher("t", window=4, timeout=5)
+        monkeypatch.setattr(threading.Thread, "start", interrupting)
+        with pytest.raises(KeyboardInterrupt):
+            pusher.push([make_experience(1, 0, 0)])
+        later = pusher.push([make_experience(1, 1, 0)])
+        closing = threading.Thread(target=pusher.close, daemon=True)
+        closing.start()
+        closing.join(30)
+        assert not closing.is_alive() and later.result(0).stored == ["1/1/0/0/r0s0"]
+        assert client.stats("t")["t"].ready == 2
+
+
 async def handed_under_a_cancel(target: str, *, first: bool, wait: float) -> int:
     """The experiences an asyncio consume stream of one group a batch hands its caller: the first
     batch awaited whole where `first`, then one under asyncio.wait_for(..., wait), the stream

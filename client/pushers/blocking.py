@@ -232,18 +232,20 @@ class Pusher(OrderedFutures[PushWindow]):
             for pending in pushes:
                 pending.fail(grpc.StatusCode.CANCELLED, "the client was closed", why)
             return
+        reader = None
         if self._stream is None or not self._window.takes(self._stream.state, pushes):
             if self._stream is not None:
                 self._end(self._stream)
             self._stream = _Open(self._window, self._client, pushes)
             reader = threading.Thread(target=self._read, args=(self._stream,), name="expbuf-pusher", daemon=True)
             self._readers = [r for r in self._readers if r.is_alive()] + [reader]
-            reader.start()
         for pending in pushes:
             self._stream.state.sent.append(pending)
             self._stream.requests.send(pending)
         self._stream.state.last_sent = time.monotonic()
         self._watch_due(self._stream)
+        if reader is not None:  # after the pushes are the stream's and their deadlines watched: an
+            reader.start()  # interrupt in the start left a push in the window, sent by none, failed by none
         if self._window.ends_streams:
             self._end(self._stream)
         else:
