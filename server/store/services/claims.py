@@ -112,7 +112,12 @@ class Claims:
     def _in_table(self, table: str, fn: Callable[[TableState], T], table_id: int | None = None) -> T:
         """`fn` of the table's state in the writer's transaction; with `table_id`, of that table
         alone: one dropped (and made again under its name) since is NotFound."""
-        found, config = self.catalog.lookup(table)
+        try:
+            found, config = self.catalog.lookup(table)
+        except NotFound:
+            if table_id is None:
+                raise
+            raise _dropped(table) from None  # and not made again yet: the claim began in it all the same
         if table_id is not None and found != table_id:
             raise _dropped(table)
 
