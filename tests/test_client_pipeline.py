@@ -913,13 +913,15 @@ def test_a_client_closed_under_its_pusher_fails_the_pushes_in_flight_at_once(sta
     assert all(isinstance(e, ExpbufError) and e.code == grpc.StatusCode.CANCELLED for e in errors), errors
 
 
-def test_a_push_interrupted_as_its_streams_reader_starts_leaves_the_pusher_going(
-    start_server: Servers, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("thread", ["reader", "deadline timer"])
+def test_a_push_interrupted_as_its_streams_threads_start_leaves_the_pusher_going(
+    start_server: Servers, monkeypatch: pytest.MonkeyPatch, thread: str
 ) -> None:
     """A KeyboardInterrupt (Ctrl-C, ray.cancel's interrupt) landing in push() as its stream's reader
     thread started left the push in the window, sent by none and failed by none: every later
     push's future (they complete in push order), flush() and close() waited forever (a helper's
-    audit). The pushes are the stream's, their deadlines watched, before the reader starts."""
+    audit). The pushes are the stream's, their deadlines watched and its reader started, whatever
+    start the interrupt lands in (a review: the deadline's timer starts a thread first)."""
     server = start_server()
     target = f"127.0.0.1:{server.port}"
     start = threading.Thread.start
@@ -927,7 +929,8 @@ def test_a_push_interrupted_as_its_streams_reader_starts_leaves_the_pusher_going
 
     def interrupting(self: threading.Thread) -> None:
         start(self)
-        if self.name == "expbuf-pusher" and not interrupted:
+        hit = isinstance(self, threading.Timer) if thread == "deadline timer" else self.name == "expbuf-pusher"
+        if hit and not interrupted:
             interrupted.append(self)
             raise KeyboardInterrupt
 

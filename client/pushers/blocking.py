@@ -239,13 +239,15 @@ class Pusher(OrderedFutures[PushWindow]):
             self._stream = _Open(self._window, self._client, pushes)
             reader = threading.Thread(target=self._read, args=(self._stream,), name="expbuf-pusher", daemon=True)
             self._readers = [r for r in self._readers if r.is_alive()] + [reader]
-        for pending in pushes:
-            self._stream.state.sent.append(pending)
-            self._stream.requests.send(pending)
-        self._stream.state.last_sent = time.monotonic()
-        self._watch_due(self._stream)
-        if reader is not None:  # after the pushes are the stream's and their deadlines watched: an
-            reader.start()  # interrupt in the start left a push in the window, sent by none, failed by none
+        try:
+            for pending in pushes:
+                self._stream.state.sent.append(pending)
+                self._stream.requests.send(pending)
+            self._stream.state.last_sent = time.monotonic()
+            self._watch_due(self._stream)
+        finally:  # the pushes the stream's and their deadlines watched, whatever interrupts (Ctrl-C,
+            if reader is not None:  # ray.cancel) a thread's start: a push left sent by none, failed by
+                reader.start()  # none, held every later future, flush() and close() for good
         if self._window.ends_streams:
             self._end(self._stream)
         else:
