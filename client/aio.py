@@ -213,7 +213,11 @@ class AsyncBufferClient(ServerCalls, Awaiting, ClientBase):
                     await self._run(ask)
                 except ExpbufError as exc:
                     repeats.unanswered(exc)
-            turns.answer(await self._run(repeats.made(call)))
+            try:
+                turns.answer(await self._run(repeats.made(call)))
+            except ExpbufError as exc:
+                repeats.lost(exc)
+                raise
         return turns.result
 
     async def _attempt(self, call: declare.Unary[R] | declare.Chunked[R]) -> R:
@@ -346,9 +350,11 @@ class AsyncBufferClient(ServerCalls, Awaiting, ClientBase):
             try:
                 return await asyncio.shield(word)
             except asyncio.CancelledError:
-                if spec.delivery != "consume" or not await calls.finished(word):
-                    raise
-                return True
+                if spec.delivery == "consume":
+                    with contextlib.suppress(Exception):  # the stream's end: the cancel is the caller's answer
+                        if await calls.finished(word):
+                            return True
+                raise
 
         async def next_batch() -> Batch | None:
             if ahead is None:

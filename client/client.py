@@ -221,7 +221,11 @@ class BufferClient(ServerCalls, Blocking, ClientBase):
                     self._run(ask)
                 except ExpbufError as exc:
                     repeats.unanswered(exc)
-            turns.answer(self._run(repeats.made(call)))
+            try:
+                turns.answer(self._run(repeats.made(call)))
+            except ExpbufError as exc:
+                repeats.lost(exc)
+                raise
         return turns.result
 
     def _attempt(self, call: declare.Unary[R] | declare.Chunked[R]) -> R:

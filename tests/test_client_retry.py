@@ -439,6 +439,31 @@ def test_the_calls_a_server_does_not_answer_again_are_made_once_there(
     front.lose("Claim", 1)
     assert len(call(kind, front.target, "claim", "t", "d", 1).prompts) == 1  # this release's: made again
     assert (front.attempts("Claim"), front.attempts("ServerInfo")) == (4, len(made) + 2)
+    front.refuse("ServerInfo", MAX_RETRIES + 1)  # the ask unanswered: the claim is not made, its error the ask's
+    with pytest.raises(UnavailableError):
+        call(kind, front.target, "claim", "t", "d", 1)
+    assert front.attempts("Claim") == 4
+
+
+def test_a_client_asks_again_which_calls_a_server_answers_again_once_it_was_unavailable(
+    server: ExpbufServer, front: Front
+) -> None:
+    """A server away may come back another release (a rollback restores the one before, which
+    answers no call again as the first): a client that found it unavailable asks again before its
+    next claim, and makes the claim once where the server now names none."""
+    with BufferClient(f"127.0.0.1:{server.port}") as admin:
+        admin.create_table("t", group_size=1)
+        admin.create_dataset("t", "d", 4)
+    with BufferClient(front.target) as client:
+        assert len(client.claim("t", "d", 1).prompts) == 1
+        front.refuse("Claim", MAX_RETRIES + 1)  # away past the client's retries
+        with pytest.raises(UnavailableError):
+            client.claim("t", "d", 1)
+        front.rewrite("ServerInfo", before_repeats)
+        front.lose("Claim", 1)
+        with pytest.raises(UnavailableError):
+            client.claim("t", "d", 1)
+    assert (front.attempts("ServerInfo"), front.attempts("Claim")) == (2, 1 + MAX_RETRIES + 1 + 1)
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -24,9 +24,10 @@ _SILENT = (grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNIMPLEMENTED)
 
 class Repeats:
     """The calls a client's server answers again as the first (ServerInfoReply.repeats_answered),
-    asked once, before the first call that needs to know: a remembered call (Unary.remembered) is
-    retried only where its server names its method, and made once otherwise, as clients before
-    these names made it."""
+    asked before the first call that needs to know, and again after the server was unavailable: a
+    remembered call (Unary.remembered) is retried only where its server names its method, and
+    made once otherwise, as clients before these names made it. Where the ask itself fails (the
+    server unavailable past the client's retries), the call is not made: the ask's error is its."""
 
     def __init__(self) -> None:
         self.known: frozenset[str] | None = None  # None: not asked yet
@@ -47,6 +48,12 @@ class Repeats:
         if error.code not in _SILENT:
             raise error
         self.known = frozenset()
+
+    def lost(self, error: ExpbufError) -> None:
+        """A call refused with `error`: a server gone (UNAVAILABLE) may come back another release (a
+        rollback restores the one before, which answers nothing again), so it is asked again."""
+        if error.code == grpc.StatusCode.UNAVAILABLE:
+            self.known = None
 
     def made(self, call: Unary[R] | Chunked[R]) -> Unary[R] | Chunked[R]:
         """`call` as its server takes it: a remembered call not retried where the server does not
