@@ -147,6 +147,9 @@ def test_estimator_parameters_read_back_as_given_and_a_default_given_is_one_left
     client.create_table("plain", group_size=2, estimator_params={"epsilon": 1e-6}, exist_ok=True)
     with pytest.raises(AlreadyExistsError, match="estimator_params"):
         client.create_table("plain", group_size=2, estimator_params={"epsilon": 1e-3}, exist_ok=True)
+    with pytest.raises(ConfigError, match="std_cal_level"):  # a TOML block's true was "batch": a flag's alone
+        TableConfig.of("x", estimator_params={"std_cal_level": True})
+    assert TableConfig.of("x", estimator="step_wise_grpo", estimator_params={"enable_step_norm": True})
 
 
 @pytest.mark.parametrize("refused", ["other settings", "extension"])

@@ -37,7 +37,7 @@ class TableInfo:
     group_timeout_seconds: float
     on_group_timeout: str  # release | drop
     estimator: str
-    estimator_params: Mapping[str, float]
+    estimator_params: Mapping[str, float | str]
     device: str  # auto | cpu | cuda
     capacity_experiences: int  # 0: unlimited
     capacity_bytes: int

@@ -59,7 +59,7 @@ class Param:
             return float(self.choices.index(value)) if value in self.choices else None
         if not isinstance(value, (int, float)) or (isinstance(value, float) and not math.isfinite(value)):
             return None
-        if isinstance(value, bool) and not self.choices:  # a flag only where the parameter is one
+        if isinstance(value, bool) and self.choices != ("false", "true"):  # a flag's alone: true was "batch"
             return None
         try:
             number = float(value)
