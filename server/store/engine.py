@@ -458,8 +458,10 @@ class Store(ServiceCalls):
     def tick(self) -> dict[str, int]:
         """Requeue expired leases, release or drop timed-out incomplete groups, evict stale
         ready groups, forget old tombstones; each lease and each table isolated from the
-        others (upkeep.py)."""
+        others (upkeep.py). Free the reader slots of processes that ended holding one."""
         now = self.clock()
+        if cleared := self.environment.clear_stale_readers():
+            log.warning("freed %d reader slot(s) of processes that ended while reading (a backup cut short)", cleared)
 
         def end_lease(txn: lmdb.Transaction[bytes], lease_id: str) -> int:
             return self.sampling.leases.end(txn, lease_id, requeue=True, expired=True)

@@ -56,16 +56,60 @@ def copy(source: Path, target: Path) -> int:
     by what it writes meanwhile); with no server, it holds the directory's shared lock instead, so
     that none starts before it ends, and reads a directory on read-only media too. A copy of the
     files themselves while a server writes is not a moment of it: one page from before a commit
-    and another from after, which LMDB cannot read."""
+    and another from after, which LMDB cannot read. The copy is written under a name of its own
+    and renamed data.mdb once whole and synced: a copy that fails (a full disk, a damaged page)
+    leaves nothing in `target`, and a `target` it made is removed."""
     if not (source / "data.mdb").is_file():
         raise StoreError(f"{source} holds no expbuf data (no data.mdb)")
+    made = _empty_directory(target)
+    partial = target / PARTIAL
+    try:
+        size = _copied(source, partial)
+        partial.rename(target / "data.mdb")
+        _synced(target)
+        return size
+    except BaseException:
+        partial.unlink(missing_ok=True)
+        if made:
+            target.rmdir()
+        raise
+
+
+# The name a copy is written under until it is whole (copy): never a data.mdb a server or check would open.
+PARTIAL = ".data.mdb.partial"
+
+
+def _empty_directory(target: Path) -> bool:
+    """Make `target`, or take it where it is an empty directory; whether it was made."""
     try:
         target.mkdir(parents=True)
+        return True
     except FileExistsError:
+        if not target.is_dir():
+            raise StoreError(f"{target} is a file: a copy goes into a new or empty directory") from None
         if any(target.iterdir()):
             raise StoreError(f"{target} is not empty: a copy goes into a new or empty directory") from None
+        return False
     except OSError as exc:
         raise StoreError(f"cannot make {target}: {exc.strerror}") from None
+
+
+def cut_short(env: lmdb.Environment, path: Path) -> str | None:
+    """What is wrong with a data file shorter than the pages its last commit uses (a copy or a
+    restore cut short), or None: LMDB maps the file, and a read of a page past its end ends the
+    process with SIGBUS and no word. A server writing the file grows it before it commits."""
+    used = (env.info()["last_pgno"] + 1) * env.stat()["psize"]
+    size = (path / "data.mdb").stat().st_size
+    if size >= used:
+        return None
+    return (
+        f"data.mdb is {size} bytes, and its last commit uses {used}: the file was cut short (a copy or a "
+        "restore that did not finish?); restore it whole"
+    )
+
+
+def _copied(source: Path, into: Path) -> int:
+    """LMDB's compacted copy of `source` written to the file `into`, synced; its size."""
     try:
         held: int | None = lock(source / "data.mdb", shared=True)  # no server: none starts while this copies
     except StoreError:
@@ -77,16 +121,28 @@ def copy(source: Path, target: Path) -> int:
             except lmdb.Error as exc:
                 raise StoreError(f"cannot open {source}: {exc}") from None
             try:
-                env.copy(str(target), compact=True)
+                if (short := cut_short(env, source)) is not None:
+                    raise StoreError(f"{source}: damaged ({short})")
+                with open(into, "wb") as out:
+                    env.copyfd(out.fileno(), compact=True)
+                    os.fsync(out.fileno())
+                    return os.fstat(out.fileno()).st_size
             except lmdb.MapResizedError:  # the server grew its map as this opened
-                (target / "data.mdb").unlink(missing_ok=True)
                 continue
-            except lmdb.Error as exc:
-                raise StoreError(f"cannot copy {source} to {target}: {exc}") from None
+            except (lmdb.Error, OSError) as exc:
+                raise StoreError(f"cannot copy {source} to {into.parent}: {exc}") from None
             finally:
                 env.close()
-            return (target / "data.mdb").stat().st_size
     finally:
         if held is not None:
             os.close(held)
     raise StoreError(f"cannot copy {source}: its server grew its map at each of {COPY_TRIES} tries")
+
+
+def _synced(directory: Path) -> None:
+    """The directory's entries on disk (a rename made durable)."""
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

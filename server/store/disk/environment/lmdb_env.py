@@ -14,7 +14,7 @@ import lmdb
 
 from ...schema.errors import Damaged, StorageFull, StoreError, clip
 from .. import layout
-from .directory import disk_usage, lock
+from .directory import cut_short, disk_usage, lock
 from .readers import Readers
 from .room import Room
 from .writer import Writer
@@ -90,6 +90,12 @@ class Environment:
         self.nested, self.views, self.run_nested = writer.nested, writer.views, writer.run_nested
         self.read, self.snapshot = self.readers.read, self.readers.snapshot
 
+    def clear_stale_readers(self) -> int:
+        """Free the reader slots that processes which ended left in LMDB's lock file (an `expbuf
+        backup` killed mid-copy): each kept every page freed after it from reuse, the data file
+        growing by all the server wrote, until a restart. How many were freed."""
+        return 0 if self.readonly else self.env.reader_check()
+
     @property
     def batches(self) -> int:
         """Batches of requests the writer has run, committed or not."""
@@ -133,14 +139,9 @@ class Environment:
         short): LMDB maps the file, and a read of a page past its end ended the process with SIGBUS
         and no word, at the open or at the first read of that page, in `serve` and in `check`
         alike. Without a writable map, the pages a commit uses are always in the file."""
-        used = (self.env.info()["last_pgno"] + 1) * self.env.stat()["psize"]
-        size = (self.path / "data.mdb").stat().st_size
-        if size < used:
-            raise Damaged(
-                self.path,
-                f"data.mdb is {size} bytes, and its last commit uses {used}: the file was cut short (a copy or a "
-                "restore that did not finish?); restore it whole",
-            )
+        short = cut_short(self.env, self.path)
+        if short is not None:
+            raise Damaged(self.path, short)
 
     def _migrate(self, names: tuple[str, ...]) -> None:
         """Open the databases and bring the directory to the current format, growing the map if
