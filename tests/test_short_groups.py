@@ -186,6 +186,7 @@ def test_a_run_of_several_steps_that_failed_after_pushing_some_is_left_out_as_tr
     failed run's experiences. Deleting its pushed steps and reporting every step of it failed
     leaves it out: the advantages are Trinity's own over runs 0 and 1
     (docs/concepts/across-weight-updates.md)."""
+    experience = pytest.importorskip("trinity.common.experience")
     rewards = {(0, 0): 0.0, (0, 1): 1.0, (1, 0): 0.0, (1, 1): 0.0, (2, 0): 0.0}
     pushed = [Exp(task=0, run=r, step=t, reward=reward, mask=[True, True]) for (r, t), reward in rewards.items()]
     server = start_server()
@@ -197,7 +198,6 @@ def test_a_run_of_several_steps_that_failed_after_pushing_some_is_left_out_as_tr
         assert done.completed_groups == ["0/0"]
         batch = next(client.sample("steps", num_groups=1, max_batches=1, timeout=30, delivery="consume"))
         got = {e.eid.uid: (e.advantages, e.returns) for e in batch.experiences}
-    experience = pytest.importorskip("trinity.common.experience")
     kept = [exp.build(experience.Experience, experience.EID) for exp in pushed if exp.run != 2]
     assert_same(got, trinity_advantages("step_wise_grpo", {}, kept))
 

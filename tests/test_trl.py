@@ -138,6 +138,11 @@ def test_ragged_rows_keep_the_context_after_the_last_trained_token_as_trls_own_r
     assert sample.input_ids.tolist() == own.input_ids
     assert sample.completion_mask.tolist() == own.completion_mask
     assert sample.old_log_probs.tolist() == pytest.approx(own.old_log_probs)
+    (short,) = group_experiences(  # log-probs up to the last trained token: 0 over the context after it
+        EID(batch=0, task=0), [prompt], [own.input_ids[at:]], [1.0],
+        completion_mask=[own.completion_mask[at:]], old_log_probs=[own.old_log_probs[at : at + 2]],
+    )  # fmt: skip
+    assert short.tokens.tolist() == own.input_ids and short.logprobs.tolist() == pytest.approx([-0.5, -0.6, 0, 0])
 
 
 def test_rollout_samples_are_trls_layout_of_an_experience() -> None:

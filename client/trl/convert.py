@@ -82,8 +82,10 @@ def group_experiences(
     padding (TRL's left padding). `completion_mask` marks the tokens trained (1) and those
     that are not (0): in padded rows (a 2-D tensor or array), the 0s after the last 1 are padding
     and dropped; ragged rows (a sequence of rows) are kept whole, their 0s after the last 1
-    context the model did not generate, as TRL's own rows of multi-turn traces keep it; 0s before
-    the last 1 (a tool's reply) stay as holes of the action mask. `old_log_probs` are the sampler's log-prob of each
+    context the model did not generate, as TRL's own rows of multi-turn traces keep it (their
+    `old_log_probs` may end at the last 1: 0 over the rest); 0s before the last 1 (a tool's reply)
+    stay as holes of the action mask. Pass padded rows as a 2-D tensor or array: a list of padded
+    rows is read as ragged, its padding kept as context. `old_log_probs` are the sampler's log-prob of each
     completion token (TRL needs them for its ratio); `model_version` is the policy version
     that generated the group (TRL's staleness is measured from it)."""
     completions = _rows(completion_ids, "completion_ids")
@@ -110,18 +112,20 @@ def group_experiences(
         if padding is not None:
             prompt = prompt[padding.bool()]
         completion, mask, logps = completions[i], masks_in[i], logps_in[i]
-        length = completion.shape[0]
+        length = needed = completion.shape[0]
         if mask is not None:
             if mask.shape[0] != length:
                 raise ValueError(f"completion {i}: completion_mask has {mask.shape[0]} values for {length} tokens")
-            if padded:
-                trained = mask.nonzero()
-                length = int(trained[-1]) + 1 if trained.numel() else 0
+            trained = mask.nonzero()
+            needed = int(trained[-1]) + 1 if trained.numel() else 0  # log-probs up to the last trained token
+            length = needed if padded else length
             mask = mask[:length].bool()
         if logps is not None:
-            if logps.shape[0] < length:
-                raise ValueError(f"completion {i}: old_log_probs has {logps.shape[0]} values for {length} tokens")
+            if logps.shape[0] < needed:
+                raise ValueError(f"completion {i}: old_log_probs has {logps.shape[0]} values for {needed} tokens")
             logps = logps[:length].float()
+            if logps.shape[0] < length:  # a ragged row's context after its last trained token: none sampled
+                logps = torch.cat([logps, logps.new_zeros(length - logps.shape[0])])
         reward = rewards[i]
         info: dict[str, Any] = {} if model_version is None else {"model_version": int(model_version)}
         out.append(
