@@ -948,6 +948,16 @@ def test_a_push_interrupted_as_its_streams_threads_start_leaves_the_pusher_going
         assert client.stats("t")["t"].ready == 2
 
 
+def four_groups(start_server: Servers) -> str:
+    """A server's target, its table t holding four groups of one experience each."""
+    server = start_server()
+    target = f"127.0.0.1:{server.port}"
+    with BufferClient(target) as admin:
+        admin.create_table("t", group_size=1, estimator="none")
+        admin.push([make_experience(1, task, 0) for task in range(4)], table="t")
+    return target
+
+
 async def handed_under_a_cancel(target: str, *, first: bool, wait: float) -> int:
     """The experiences an asyncio consume stream of one group a batch hands its caller: the first
     batch awaited whole where `first`, then one under asyncio.wait_for(..., wait), the stream
@@ -971,11 +981,7 @@ def test_an_asyncio_sample_cancelled_as_it_confirms_never_loses_the_batch(
     confirmation's write returns only 0.5 s after its message went."""
     import grpc.aio._call as aio_call
 
-    server = start_server()
-    target = f"127.0.0.1:{server.port}"
-    with BufferClient(target) as admin:
-        admin.create_table("t", group_size=1, estimator="none")
-        admin.push([make_experience(1, task, 0) for task in range(4)], table="t")
+    target = four_groups(start_server)
     write = aio_call._StreamRequestMixin._write
     writes = itertools.count()
 
@@ -1001,11 +1007,7 @@ def test_an_asyncio_sample_cancelled_as_it_waits_for_the_word_of_its_delivery_ne
     confirmation gone, the wait runs to the word: the cancelled await returns the consumed batch,
     as the sharded client's does (a leased batch is handed over without the word). Here each
     word of a delivery comes 0.3 s after it arrived."""
-    server = start_server()
-    target = f"127.0.0.1:{server.port}"
-    with BufferClient(target) as admin:
-        admin.create_table("t", group_size=1, estimator="none")
-        admin.push([make_experience(1, task, 0) for task in range(4)], table="t")
+    target = four_groups(start_server)
     heard = sample_stream.Deliveries.heard
 
     def late(self: Any, rest: Any) -> bool:
