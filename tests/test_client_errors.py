@@ -115,7 +115,7 @@ NAMED_PARAMS = (
 )
 BAD_TABLE_SETTINGS = [
     ({"shaping": {"reward_running_norm": "yes"}}, "shaping reward_running_norm is 'yes'; allowed: true or false"),
-    ({"shaping": {"reward_clip": "5"}}, "shaping reward_clip is '5'; allowed: a number"),
+    ({"shaping": {"reward_clip": "5"}}, "shaping reward_clip is '5'; allowed: a number within a double's range"),
     ({"group_size": -1}, "group_size is -1; allowed: an integer >= 0 (at most 2^32 - 1)"),
     ({"capacity_experiences": 2.5}, "capacity_experiences is 2.5; allowed: an integer >= 0 (at most 2^64 - 1)"),
     ({"drop_zero_variance": "no"}, "drop_zero_variance is 'no'; allowed: true or false"),

@@ -8,6 +8,7 @@ back: a grant nobody would finish, and live workers granted nothing until it exp
 from __future__ import annotations
 
 import _thread
+import signal
 import threading
 
 import pytest
@@ -104,22 +105,27 @@ def test_a_blocking_admit_its_caller_left_is_cancelled_at_the_server(start_serve
     raises in its caller, and gRPC's blocking call cancels it at the server: it stops waiting, and
     the room that comes back goes to a live worker, not to a grant whose name no one saw. (A helper's
     audit found a grant taken where the room came back within milliseconds of the interrupt, before
-    the cancel reached the server.)"""
-    server = start_server(max_wait_seconds=60)
-    target = f"127.0.0.1:{server.port}"
-    with BufferClient(target) as admin, BufferClient(target) as worker:
-        admin.create_table("t", group_size=1, max_staleness=0, batch_size=2)
-        held = admin.admit("t", 2)
+    the cancel reached the server.) Python's own SIGINT handler for the test: pytest-xdist's workers
+    ignore the signal."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        server = start_server(max_wait_seconds=60)
+        target = f"127.0.0.1:{server.port}"
+        with BufferClient(target) as admin, BufferClient(target) as worker:
+            admin.create_table("t", group_size=1, max_staleness=0, batch_size=2)
+            held = admin.admit("t", 2)
 
-        def interrupt() -> None:
-            wait_for(lambda: server.call_limits._open["waiting_admit"] == 1, "the admit to wait for room", 30)
-            _thread.interrupt_main()
+            def interrupt() -> None:
+                wait_for(lambda: server.call_limits._open["waiting_admit"] == 1, "the admit to wait for room", 30)
+                _thread.interrupt_main()
 
-        interrupting = threading.Thread(target=interrupt)
-        interrupting.start()
-        with pytest.raises(KeyboardInterrupt):
-            worker.admit("t", 2, wait=60)
-        interrupting.join()
-        wait_for(lambda: server.call_limits._open["waiting_admit"] == 0, "the left admit to stop waiting", 10)
-        admin.finish_grant(held, 0)
-        assert worker.admit("t", 2, wait=5).count == 2
+            interrupting = threading.Thread(target=interrupt)
+            interrupting.start()
+            with pytest.raises(KeyboardInterrupt):
+                worker.admit("t", 2, wait=60)
+            interrupting.join()
+            wait_for(lambda: server.call_limits._open["waiting_admit"] == 0, "the left admit to stop waiting", 10)
+            admin.finish_grant(held, 0)
+            assert worker.admit("t", 2, wait=5).count == 2
+    finally:
+        signal.signal(signal.SIGINT, previous)
