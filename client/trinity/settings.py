@@ -76,8 +76,9 @@ def refuse_dataset(location: Location, name: str) -> None:
 
 
 def check_capacity(config: Any, table: TableInfo | None) -> None:
-    """Trinity's queue blocks a writer when full, its priority queue evicts the lowest priority:
-    the table's capacity, with the matching `when_full`."""
+    """Trinity's queue blocks a writer when full, its priority queue drops the lowest priority:
+    the table's capacity, with `when_full` block or evict (which evicts the oldest ready groups:
+    the same where priorities rise with time, docs/frameworks/trinity.md)."""
     capacity = getattr(config, "capacity", TRINITY_DEFAULT_CAPACITY)
     if capacity == TRINITY_DEFAULT_CAPACITY:
         return
