@@ -15,7 +15,7 @@ from expbuf.client import BufferClient
 from expbuf.server import metrics_http
 
 from conftest import Servers
-from helpers import scrape, wait_for
+from helpers import make_experience, scrape, wait_for
 
 
 def scraped(port: int) -> bool:
@@ -79,3 +79,22 @@ def test_a_scrape_that_names_the_metrics_it_wants_gets_the_stores_too(start_serv
     assert {line.split("{")[0].split(" ")[0] for line in series} == set(wanted), series
     if shard:
         assert all(f'shard="{shard}"' in line for line in series), series
+
+
+def test_the_storage_in_use_comes_down_as_experiences_are_consumed(start_server: Servers) -> None:
+    """expbuf_storage_bytes counted the data file up to LMDB's last page, which only grows: after a
+    drain, the runbook's own advice, ExpbufStorageNearlyFull and the dashboard's room stayed where
+    they were (a helper's audit: 24 MiB pushed, 24 MiB once all was consumed). It counts the pages in
+    use, as the pushes' room does; the high-water mark is expbuf_storage_file_bytes."""
+    server = start_server()
+    with BufferClient(f"127.0.0.1:{server.port}", timeout=60) as client:
+        client.create_table("t", group_size=1, estimator="none")
+        client.push([make_experience(1, task, 0, response=64 << 10) for task in range(32)], table="t")
+        full = scrape(server.metrics_port)
+        for _ in client.sample("t", num_groups=32, max_batches=1, delivery="consume", timeout=30):
+            pass
+        client.push([make_experience(2, 0, 0)], table="t")  # a commit after the drain's: its freed pages counted
+        drained = scrape(server.metrics_port)
+    in_use, mark = ("expbuf_storage_bytes", ()), ("expbuf_storage_file_bytes", ())
+    assert full[in_use] > 4 * drained[in_use], (full[in_use], drained[in_use])
+    assert drained[mark] >= full[mark] >= full[in_use]

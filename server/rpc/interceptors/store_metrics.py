@@ -31,6 +31,11 @@ _STORE_COUNTERS = (
     ("expbuf_rollouts_expired", "Granted rollouts given back by grants that expired.", "grants_expired"),
     ("expbuf_stale_dropped", "Pushed experiences dropped as staler than max_staleness.", "stale_dropped"),
     ("expbuf_runs_failed", "Runs their workers reported failed (FailRuns).", "runs_failed"),
+    (
+        "expbuf_groups_timed_out",
+        "Incomplete groups their timeout ended: released short, dropped, or dropped as too short.",
+        "groups_timed_out",
+    ),
     ("expbuf_groups_short", "Groups complete with fewer members than group_size.", "groups_short"),
     ("expbuf_pieces_pushed", "Pieces of partial rollouts stored.", "pieces_pushed"),
     (
@@ -146,7 +151,14 @@ class StoreCollector(Collector):
         yield from _build_metrics(builds)
         yield from _ledger_metrics(datasets)
         yield GaugeMetricFamily(
-            "expbuf_storage_bytes", "Bytes of the LMDB data file in use.", value=storage["used_bytes"]
+            "expbuf_storage_bytes",
+            "Bytes of the LMDB data file's pages in use (what consumes free is room again).",
+            value=storage["in_use_bytes"],
+        )
+        yield GaugeMetricFamily(
+            "expbuf_storage_file_bytes",
+            "Bytes of the LMDB data file up to its last page: its high-water mark.",
+            value=storage["used_bytes"],
         )
         yield GaugeMetricFamily(
             "expbuf_lmdb_map_used_ratio", "Used part of the LMDB map.", value=storage["map_used_ratio"]

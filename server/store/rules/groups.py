@@ -233,6 +233,7 @@ def expire_groups(tt: TableState, created_before: float) -> int:
             )  # fmt: skip
             continue
         timed_out += 1
+        tt.counters.groups_timed_out += 1
         if tt.config.grouping.on_timeout == "drop":
             ending.drop(gkey, grp)
             tt.counters.dropped_timeout += 1

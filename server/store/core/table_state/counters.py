@@ -69,6 +69,7 @@ class Counters:
     dropped_claim_ended: int = 0  # its prompt's claim ended first (the prompt ledger)
     runs_failed: int = 0  # runs their workers reported failed (FailRuns)
     groups_short: int = 0  # groups that completed with fewer members than group_size
+    groups_timed_out: int = 0  # groups their timeout ended (released, dropped, dropped short): runs that never came
     tokens_masked: int = 0  # delivered tokens masked out of the action mask as too stale (max_token_staleness)
     partials: int = 0  # rollouts held in pieces, not finished yet (partials.py)
     partial_bytes: int = 0  # the bytes of their pieces, counted against capacity_bytes (capacity.py)

@@ -16,7 +16,7 @@ from ...schema.errors import Damaged, StorageFull, StoreError, clip
 from .. import layout
 from .directory import cut_short, disk_usage, lock
 from .readers import Readers
-from .room import Room
+from .room import Room, in_use
 from .writer import Writer
 
 # What brings a directory to the current format (migrate.py's `migrate`), given by the Store:
@@ -201,12 +201,14 @@ class Environment:
         os.close(self._lock_fd)
 
     def storage_info(self) -> dict[str, float]:
-        """The map's size, its bound (max_map_size) and use, the room on the data directory's disk
+        """The map's size, its bound (max_map_size) and use (up to its last page, and the pages in use
+        below it), the room on the data directory's disk
         (both bound what the store can hold: an operator's alerts read them), and the prompts stored
         once for the runs that share them (shared_prompts.py): how many, and the bytes of their pages."""
         with self.read() as txn:  # as a reader: never across a resize of the map, which it would see half done
             info, stat = self.env.info(), self.env.stat()
             shared = txn.stat(self.db["shared"]) if "shared" in self.db else None
+            pages = in_use(txn, self.db, stat["psize"])
         disk_bytes, disk_free = disk_usage(self.path)
         used = (info["last_pgno"] + 1) * stat["psize"]
         prompts = prompt_bytes = 0
@@ -216,7 +218,8 @@ class Environment:
         return {
             "map_size": info["map_size"],
             "max_map_size": self.max_map_size,
-            "used_bytes": used,
+            "used_bytes": used,  # up to LMDB's last page: the data file's high-water mark
+            "in_use_bytes": pages,  # the pages the databases use: what consumes free is room again
             "map_used_ratio": used / info["map_size"],
             "disk_bytes": disk_bytes,
             "disk_free_bytes": disk_free,

@@ -48,6 +48,16 @@ _FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 _UNCOUNTED_PAGES = 4
 
 
+def in_use(txn: lmdb.Transaction[bytes], dbs: Mapping[str, lmdb._Database], psize: int) -> int:
+    """The bytes of the pages the databases use in `txn`: below LMDB's last page, those consumes and
+    deletes freed are room again, which a count up to the last page (it only grows) does not show."""
+    pages = _UNCOUNTED_PAGES
+    for db in tuple(dbs.values()):  # another thread may add the rows' databases (open_rows)
+        stat = txn.stat(db)
+        pages += stat["branch_pages"] + stat["leaf_pages"] + stat["overflow_pages"]
+    return pages * psize
+
+
 class Room:
     """How much room a data directory's pushes may take: the map's bound, or the data file's end on
     a disk that runs low, less a reserve."""
@@ -111,12 +121,7 @@ class Room:
         return False
 
     def _in_use(self, txn: lmdb.Transaction[bytes]) -> int:
-        """The bytes of the pages the databases use in `txn`."""
-        pages = _UNCOUNTED_PAGES
-        for db in tuple(self._dbs.values()):  # another thread may add the rows' databases (open_rows)
-            stat = txn.stat(db)
-            pages += stat["branch_pages"] + stat["leaf_pages"] + stat["overflow_pages"]
-        return pages * self._psize
+        return in_use(txn, self._dbs, self._psize)
 
     def left(self) -> int:
         """The bytes between the last page in use and the store's end, for a refusal to name."""
