@@ -42,13 +42,13 @@ STORED_NOW = (
     .replace(b'"leases_expired":0,', b'"leases_expired":0,"damaged":0,')
     .replace(
         b'"dropped_stale":0,',
-        b'"dropped_stale":0,"dropped_short":0,"dropped_claim_ended":0,"runs_failed":0,"groups_short":0,"tokens_masked":0,"partials":0,'
+        b'"dropped_stale":0,"dropped_short":0,"dropped_claim_ended":0,"runs_failed":0,"groups_short":0,"groups_timed_out":0,"tokens_masked":0,"partials":0,'
         b'"partial_bytes":0,"pieces_pushed":0,"values":0,"value_bytes":0,',
     )
 )
 ADDED = {
     "quarantined": 0, "damaged": 0, "dropped_short": 0, "dropped_claim_ended": 0, "runs_failed": 0,
-    "groups_short": 0, "tokens_masked": 0,
+    "groups_short": 0, "groups_timed_out": 0, "tokens_masked": 0,
     "partials": 0, "partial_bytes": 0, "pieces_pushed": 0, "values": 0, "value_bytes": 0,
 }  # fmt: skip
 
