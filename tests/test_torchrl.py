@@ -139,6 +139,27 @@ def test_extend_and_sample_whole_groups_with_the_tables_advantage_equal_to_mcadv
         assert Counter(seen) == {"alpha": 4, "beta": 4, "gamma": 4, "delta": 4}
 
 
+def test_an_experience_with_no_generated_token_has_the_tables_advantage_as_mcadvantage_gives_it(target) -> None:
+    """A run whose response is empty (or masked out whole) had advantage 0: it was read from the
+    per-token values under the mask, of which it has none, where TorchRL's MCAdvantage gives it its
+    group's (r - mean) / std (a helper's audit). The server's one value an experience is used."""
+    with BufferClient(target) as admin:
+        admin.create_table("empty", group_size=3, estimator="grpo")
+    sent = [element("q", run, float(run == 0)) for run in range(3)]
+    for name in ("response", "full"):
+        sent[0]["tokens", name] = sent[0]["tokens", name][: len(PROMPT) if name == "full" else 0]
+    sent[0]["masks", "all_assistant_mask"] = sent[0]["masks", "all_assistant_mask"][: len(PROMPT)]
+    sent[0]["masks", "all_attention_mask"] = sent[0]["masks", "all_attention_mask"][: len(PROMPT)]
+    sent[0]["log_probs", "response"] = sent[0]["log_probs", "response"][:0]
+    data = lazy_stack(sent)
+    reference = MCAdvantage(grpo_size=3, prompt_key="query").inv(data.clone())
+    mc = {key(td): float(td["advantage"].reshape(())) for td in rows(reference)}
+    rb = buffer(target, "empty", 3)
+    rb.extend(data)
+    got = {key(td): float(td["advantage"].reshape(())) for td in rows(rb.sample())}
+    assert got == pytest.approx(mc, rel=1e-5) and got[("q", ())] > 1
+
+
 def test_a_sampled_element_holds_what_was_extended_under_torchrls_keys(target) -> None:
     with BufferClient(target) as admin:
         admin.create_table("keys", group_size=2, estimator="grpo")

@@ -88,6 +88,10 @@ class Batch(Columnar):
     confirm_seconds: float = field(default=0.0, repr=False)  # the reply's; 0: the server sets no bound
     # A columnar batch's fields (sample(..., fields=[...])), by name; the payload is empty then.
     columns: dict[str, Column] = field(default_factory=dict, repr=False)
+    # Each experience's one advantage, as the server sent it beside the payload (one per uid; empty
+    # where it sent none so: a token-level estimator's, or none): an experience with no generated
+    # token has its value here alone, its `advantages` tensor empty.
+    advantage_values: list[float] = field(default_factory=list, repr=False)
 
     @property
     def columnar(self) -> bool:

@@ -273,6 +273,11 @@ class Sharded:
             partial=partial or any(part.partial for _, part in parts),
             table=parts[0][1].table,
             times_sampled=[times for _, part in parts for times in part.times_sampled],
+            advantage_values=(  # where every part has its own
+                [value for _, part in parts for value in part.advantage_values]
+                if all(len(part.advantage_values) == len(part.uids) for _, part in parts)
+                else []
+            ),
             _leases=leases,
             shards=list(dict.fromkeys(shard for shard, _ in parts)),
         )

@@ -25,6 +25,7 @@ Tokens must be unpadded (`pad_output=False`, the wrappers' default): padded ones
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -155,9 +156,13 @@ def to_experience(
     )
 
 
-def _advantage(exp: Experience) -> torch.Tensor | None:
-    """The experience's one advantage value: the same on every action token for the estimators
-    whose values are per experience. A token-valued estimator's values are refused by name."""
+def _advantage(exp: Experience, value: float | None = None) -> torch.Tensor | None:
+    """The experience's one advantage value (`value`, where the server sent it beside the payload:
+    an experience with no generated token has it there alone), else the same on every action token
+    for the estimators whose values are per experience. A token-valued estimator's values are
+    refused by name."""
+    if value is not None:
+        return torch.tensor([[value]], dtype=torch.float32)
     if exp.advantages is None:
         return None
     mask = exp.action_mask.to(torch.bool) if exp.action_mask is not None else None
@@ -190,8 +195,9 @@ def _formed(value: Any, form: Any, default: list[Any] | None = None) -> torch.Te
     return torch.tensor(value, dtype=dtype).reshape(form[1])
 
 
-def to_element(exp: Experience, group_key: NestedKey) -> TensorDict:
-    """One sampled experience as a TorchRL LLM element (a TensorDict of batch size ())."""
+def to_element(exp: Experience, group_key: NestedKey, advantage: float | None = None) -> TensorDict:
+    """One sampled experience as a TorchRL LLM element (a TensorDict of batch size ()); `advantage`
+    its one value where the server sent it beside the payload."""
     tokens = exp.tokens.to(TOKEN_DTYPE)  # the tensor itself (no copy) where it is torch.long already
     prompt, response = layout.split(tokens, exp.prompt_length)
     element = TensorDict(batch_size=[])
@@ -219,13 +225,18 @@ def to_element(exp: Experience, group_key: NestedKey) -> TensorDict:
         element[VERSION] = exp.model_version
     if exp.reward is not None:
         element[REWARD] = _formed(exp.reward, exp.info.get(REWARD_FORM), _REWARD_DEFAULT)
-    advantage = _advantage(exp)
-    if advantage is not None:
-        element[ADVANTAGE] = advantage
+    value = _advantage(exp, advantage)
+    if value is not None:
+        element[ADVANTAGE] = value
     element[IDENTITY] = TensorDict(uid=exp.eid.uid, group_id=exp.eid.tid, batch_size=[])
     return element
 
 
-def to_elements(experiences: list[Experience], group_key: NestedKey) -> list[TensorDict]:
-    """Sampled experiences as elements; `lazy_stack` them for a batch (ragged sequences)."""
-    return [to_element(exp, group_key) for exp in experiences]
+def to_elements(
+    experiences: list[Experience], group_key: NestedKey, advantages: Sequence[float] = ()
+) -> list[TensorDict]:
+    """Sampled experiences as elements, with their advantages where the server sent them beside the
+    payload (Batch.advantage_values: one per experience, else none); `lazy_stack` them for a batch
+    (ragged sequences)."""
+    values: Sequence[float | None] = advantages if len(advantages) == len(experiences) else [None] * len(experiences)
+    return [to_element(exp, group_key, value) for exp, value in zip(experiences, values, strict=True)]

@@ -249,7 +249,7 @@ class ExpbufStorage(LazyStackStorage):
         generation (1.6x the CPU of making them without it, bench/RESULTS.md)."""
         experiences = batch.experiences
         with collector_paused():
-            self._storage = convert.to_elements(experiences, self.group_key)
+            self._storage = convert.to_elements(experiences, self.group_key, batch.advantage_values)
         self._bump_mutation_revision()
         return len(self._storage)
 

@@ -164,6 +164,7 @@ def batch(reply: SampleReplyParts, table: str, leases: Leases | None, kind: type
             partial=rest.partial,
             table=table,
             times_sampled=list(rest.times_sampled),
+            advantage_values=list(rest.advantages),
             _leases=leases,
             confirm_seconds=rest.confirm_seconds,
             columns=(
