@@ -17,13 +17,13 @@ import torch
 
 from expbuf.client import BufferClient
 
-from helpers import Beside, ServerProcess
+from helpers import Beside, ServerProcess, wait_for
 
 
 def import_frameworks() -> None:
     """Run by tests/conftest.py before this module's tests: not at its import, which every pytest worker does."""
     global InferenceEngineConfig, RolloutWorkflow, StalenessManager, WorkflowExecutor, ExpbufRemoteInfEngine
-    global ExpbufStalenessManager, OneRow
+    global ExpbufStalenessManager, OneRow, Scored
     pytest.importorskip("areal")
     from areal.api.cli_args import InferenceEngineConfig
     from areal.api.workflow_api import RolloutWorkflow
@@ -31,6 +31,17 @@ def import_frameworks() -> None:
     from areal.infra.workflow_executor import WorkflowExecutor
 
     from expbuf.client.areal import ExpbufRemoteInfEngine, ExpbufStalenessManager
+
+    class Scored(RolloutWorkflow):  # a row of one generated token, its reward and versions, as AReaL's make
+        async def arun_episode(self, engine: Any, data: dict[str, Any]) -> dict[str, torch.Tensor]:
+            return {
+                "input_ids": torch.tensor([[1, 2, 3, 4]], dtype=torch.int32),
+                "attention_mask": torch.ones(1, 4, dtype=torch.bool),
+                "loss_mask": torch.tensor([[0, 0, 1, 1]], dtype=torch.int32),
+                "logprobs": torch.tensor([[0.0, 0.0, -0.5, -0.5]]),
+                "versions": torch.tensor([[-1, -1, 0, 0]], dtype=torch.int32),
+                "rewards": torch.tensor([1.0]),
+            }
 
     class OneRow(RolloutWorkflow):
         async def arun_episode(self, engine: Any, data: dict[str, Any]) -> dict[str, torch.Tensor]:
@@ -102,6 +113,34 @@ def test_areals_executor_keeps_the_tables_bound_through_the_engine_seam(child_se
         executor.submit({}, workflow=OneRow())  # a new input wakes AReaL's producer, as prepare_batch's do
         assert len(executor.wait(2, timeout=30)) == 2
         assert executor.wait(1, timeout=1.5, raise_timeout=False) == []
+    finally:
+        executor.destroy()
+
+
+def test_a_produce_only_workflow_is_held_to_the_tables_bound(child_server: ServerProcess) -> None:
+    """A produce-only ExpbufWorkflow returns None once its group is in the table, which AReaL's
+    executor counts as a rejected rollout: its grant was finished with nothing accepted, its room
+    came back, and the bound counted none of the groups produced: 10 submitted, 10 produced at a
+    bound of 2 (a helper's audit). Its groups count as accepted in the table now."""
+    from expbuf.client.areal import ExpbufWorkflow
+
+    client = BufferClient(child_server.target)
+    client.create_table("produced", group_size=2, max_staleness=0, batch_size=2)
+    config = InferenceEngineConfig(consumer_batch_size=2, max_head_offpolicyness=0, max_concurrent_rollouts=8)
+    engine = ExpbufRemoteInfEngine(config, backend=None, expbuf={"client": child_server.target, "table": "produced"})
+    engine.workflow_executor = WorkflowExecutor(config, inference_engine=engine)
+    executor = engine.workflow_executor
+    executor.initialize(train_data_parallel_size=1)
+    workflow = ExpbufWorkflow(Scored(), child_server.target, "produced", group_size=2, produce_only=True)
+    try:
+        engine.set_version(0)
+        for _ in range(10):
+            executor.submit({}, workflow=workflow)
+        manager = executor.staleness_manager
+        wait_for(lambda: manager.get_stats().rejected == 2, "the bound's two rollouts to be produced", 30)
+        time.sleep(1.5)  # as long again: a rollout past the bound would start
+        stats = client.stats("produced")["produced"]
+        assert (manager.get_stats().rejected, stats.groups_ready, stats.submitted) == (2, 2, 2)
     finally:
         executor.destroy()
 

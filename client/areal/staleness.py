@@ -22,7 +22,8 @@ again it takes no second grant), where an UnavailableError would end AReaL's rol
 from __future__ import annotations
 
 import logging
-from collections import deque
+import threading
+from collections import Counter, deque
 
 from areal.infra.staleness_manager import StalenessManager
 
@@ -32,6 +33,33 @@ from ..kit.tables import close_made, connect, table_info
 from ..rpc.calls.admission_calls import new_grant_id
 
 log = logging.getLogger(__name__)
+
+
+class Produced:
+    """The groups a produce-only ExpbufWorkflow pushed, by table, not yet heard of as rejected:
+    such a workflow returns None once its group is in the table (its process trains on nothing),
+    which AReaL's executor counts as a rejected rollout, so the manager of that process finishes
+    the rollout's grant as accepted, not rejected: its room gave back, the table's bound counted
+    none of the groups produced, and production ran unbounded."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._counts: Counter[str] = Counter()
+
+    def add(self, table: str) -> None:
+        with self._lock:
+            self._counts[table] += 1
+
+    def take(self, table: str) -> bool:
+        """Whether a rollout AReaL rejects was one produced into `table` (then counted off)."""
+        with self._lock:
+            if self._counts[table] <= 0:
+                return False
+            self._counts[table] -= 1
+            return True
+
+
+PRODUCED = Produced()
 
 
 class ExpbufStalenessManager(StalenessManager):
@@ -144,7 +172,7 @@ class ExpbufStalenessManager(StalenessManager):
 
     def on_rollout_rejected(self) -> None:
         with self.lock:
-            self._finish(0)
+            self._finish(1 if PRODUCED.take(self.table) else 0)  # a produce-only group is in the table
             self.rollout_stat.running -= 1
             self.rollout_stat.rejected += 1
 

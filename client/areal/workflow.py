@@ -24,6 +24,7 @@ from ..kit.tables import connect, table_info
 from ..schema.experience import EID, Experience, ordered_id
 from ..schema.routing import GROUP_KEY_OF
 from .convert import from_areal
+from .staleness import PRODUCED
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +49,8 @@ class ExpbufWorkflow(RolloutWorkflow):
     group_size at 1), pushes the group to `table`, and returns what AReaL would get from the
     workflow itself: its trajectory unchanged (group_size 1), or the group's rows concatenated
     as AReaL's GroupedRolloutWorkflow does. With `produce_only`, it returns None: AReaL only
-    produces rollouts for a trainer that samples the table, and trains on nothing itself.
+    produces rollouts for a trainer that samples the table, and trains on nothing itself; an
+    ExpbufStalenessManager of its process counts each group it pushed as accepted (staleness.PRODUCED).
 
     A push that fails raises, so AReaL's executor counts the rollout as rejected; experiences
     dropped as stale by the table are logged. Runs the workflow rejected (returned None) are
@@ -102,6 +104,8 @@ class ExpbufWorkflow(RolloutWorkflow):
             if self._min_group_size and not _is_interactions(valid[0]) and len(exps) == len(valid):
                 failed = [EID(batch=self.batch, task=task, run=run).uid for run in range(len(valid), self.group_size)]
             await asyncio.to_thread(self._push, exps, failed)
+            if self.produce_only:  # AReaL hears None, a rejection: the group counts under the table's bound
+                PRODUCED.add(self.table)
         if self.produce_only or not valid:
             return None
         if self.group_size == 1:
