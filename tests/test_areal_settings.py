@@ -69,6 +69,13 @@ def test_settings_follow_areals_config(child_server: ServerProcess) -> None:
     assert trainer_side(actor_config()) == []
     found = trainer_side(actor_config(kl_ctl=0.1, reward_scaling=2.0, adv_norm=NormConfig()))
     assert [f.split("=")[0].split(" ")[0] for f in found] == ["kl_ctl", "reward_bias", "adv_norm"]
+    # a turn discount: AReaL clips and penalises each turn's discounted return, where the table shaped
+    # each turn's reward before it discounted (0, 0, 2 at 0.9 clipped at 1.5: AReaL's 1.5 each, the
+    # table's 1.215, 1.35, 1.5: a helper's audit), so the table shapes nothing and AReaL does
+    turns = table_settings(rollout, actor=actor_config(), turn_discount=0.9)
+    assert "shaping" not in turns and turns["estimator"] == "multi_turn_discount"
+    found = trainer_side(actor_config(), turn_discount=0.9)
+    assert [f.split("=")[0].split(" ")[0] for f in found] == ["reward_clip", "overlong_reward_penalty"]
 
 
 def test_table_shaping_gives_areals_actor_advantages(child_server: ServerProcess) -> None:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import logging
 import random
 import signal
 import subprocess
@@ -115,6 +116,48 @@ def test_areals_executor_keeps_the_tables_bound_through_the_engine_seam(child_se
         assert executor.wait(1, timeout=1.5, raise_timeout=False) == []
     finally:
         executor.destroy()
+
+
+def test_each_data_parallel_ranks_engine_runs_its_share_of_the_concurrency_as_areals_own(
+    child_server: ServerProcess,
+) -> None:
+    """AReaL's executor gives each of dp ranks max_concurrent_rollouts // dp; an engine a rank kept
+    the whole limit, dp times it at once over the ranks (a helper's audit: 32 against 8)."""
+    BufferClient(child_server.target).create_table("ranks", group_size=1, max_staleness=4, batch_size=64)
+    config = InferenceEngineConfig(consumer_batch_size=64, max_head_offpolicyness=4, max_concurrent_rollouts=8)
+    plain = WorkflowExecutor(config, inference_engine=Version())
+    plain.initialize(train_data_parallel_size=4)
+    theirs = plain.get_capacity()
+    plain.destroy()
+    engine = ExpbufRemoteInfEngine(config, backend=None, expbuf={"client": child_server.target, "table": "ranks"})
+    engine.workflow_executor = WorkflowExecutor(config, inference_engine=engine)  # as initialize() does
+    executor = engine.workflow_executor
+    executor.initialize(train_data_parallel_size=4)
+    try:
+        engine.set_version(0)
+        assert executor.get_capacity() == theirs == 2
+    finally:
+        executor.destroy()
+        engine.expbuf_staleness.close()
+
+
+def test_a_checkpoint_recovered_from_behind_the_bound_says_how_to_reset_the_table(
+    child_server: ServerProcess, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The table's trainer version only moves forward: AReaL recovering version 7 of a job that
+    reached 10 (max_head_offpolicyness 2) had its pushes dropped as stale and its trainer waiting
+    until the versions passed 10, with no word (a helper's audit). It is said, with the command."""
+    BufferClient(child_server.target).create_table("recover", group_size=1, max_staleness=2, batch_size=2)
+    manager = ExpbufStalenessManager(
+        child_server.target, "recover", max_concurrent_rollouts=4, consumer_batch_size=2, max_staleness=2
+    )
+    manager.set_version(10)
+    with caplog.at_level(logging.WARNING, logger="expbuf.client.areal.staleness"):
+        manager.on_version_recovered(9)
+        assert not caplog.records  # within the bound: nothing to say
+        manager.on_version_recovered(7)
+    (record,) = caplog.records
+    assert "expbuf table reset-offpolicy recover --version 7" in record.getMessage()
 
 
 def test_a_produce_only_workflow_is_held_to_the_tables_bound(child_server: ServerProcess) -> None:

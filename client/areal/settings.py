@@ -21,7 +21,9 @@ def table_settings(rollout: Any, gconfig: Any = None, actor: Any = None, turn_di
     would count later turns twice. With an `actor`, the estimator is `reinforce` (each generated
     token's advantage the shaped reward), what AReaL's actor computes with no KL, critic or
     normalisation: the table's default (grpo) gave group-normalised values where `trainer_side`
-    said they were AReaL's; the settings `trainer_side` lists are AReaL's to compute."""
+    said they were AReaL's; the settings `trainer_side` lists are AReaL's to compute. With a turn
+    discount the actor's reward clip and overlong penalty are left to AReaL too: it applies them
+    to each turn's discounted return, where the table shapes a reward before its estimator."""
     settings: dict[str, Any] = {
         "group_by": "task",
         "max_staleness": rollout.max_head_offpolicyness,
@@ -33,7 +35,8 @@ def table_settings(rollout: Any, gconfig: Any = None, actor: Any = None, turn_di
         settings["estimator_params"] = {"turn_level_discount": turn_discount}
     if actor is not None:
         settings.setdefault("estimator", "reinforce")
-        settings["shaping"] = shaping(actor)
+        if turn_discount is None:  # AReaL clips and penalises the discounted return: `trainer_side` lists them
+            settings["shaping"] = shaping(actor)
     return settings
 
 
@@ -50,11 +53,16 @@ def shaping(actor: Any) -> dict[str, Any]:
     return out
 
 
-def trainer_side(actor: Any) -> list[str]:
+def trainer_side(actor: Any, turn_discount: float | None = None) -> list[str]:
     """The actor settings in use that a table's advantages leave out: they need the trainer's
     forwards (a critic's values for GAE, the reference model's log-probs for KL) or AReaL's own
-    reward transforms. Empty when the table's advantages are what AReaL's actor would compute."""
+    reward transforms (with a turn discount, its clip and overlong penalty of the discounted
+    return: `table_settings`). Empty when the table's advantages are what AReaL's actor would compute."""
     found = []
+    if turn_discount is not None:
+        found.append(f"reward_clip={actor.reward_clip} (AReaL clips each turn's discounted return)")
+        if actor.overlong_reward_penalty:
+            found.append("overlong_reward_penalty (AReaL penalises each turn's discounted return)")
     if actor.kl_ctl:
         found.append(f"kl_ctl={actor.kl_ctl} (KL rewards need the reference model's log-probs)")
     if actor.discount != 1.0 or actor.gae_lambda != 1.0:

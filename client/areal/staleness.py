@@ -136,7 +136,18 @@ class ExpbufStalenessManager(StalenessManager):
         )
 
     def on_version_recovered(self, version: int) -> None:
-        """Nothing to adjust: the table's counters came through the restart with the server."""
+        """Nothing to adjust where the table's counters came through the restart with the server. A
+        checkpoint recovered from further back than the bound is said, with the way out: the table's
+        trainer version only moves forward, so its pushes are dropped as stale, and the trainer
+        waits, until it passes the version the table holds (a reset takes the admin scope)."""
+        held = self.get_version()
+        if version < held - self.max_staleness:
+            log.warning(
+                "expbuf table '%s' is at trainer version %d and AReaL recovered version %d: its pushes are dropped "
+                "as stale until the trainer passes %d; reset the table's version with `expbuf table "
+                "reset-offpolicy %s --version %d` (admin scope)",
+                self.table, held, version, held - self.max_staleness, self.table, version,
+            )  # fmt: skip
 
     def on_rollout_submitted(self) -> None:
         with self.lock:
