@@ -13,6 +13,7 @@ import math
 import os
 import signal
 import sys
+import tempfile
 import threading
 import traceback
 from collections.abc import Callable
@@ -165,20 +166,23 @@ def _apart(command: str, fn: Callable[[argparse.Namespace], int], args: argparse
     says it."""
     sys.stdout.flush()
     sys.stderr.flush()
-    pid = os.fork()
-    if pid == 0:  # the child: its own exit code, whatever happens
-        code = 2
-        try:
-            code = fn(args)
-        except CommandError as exc:
-            print(f"expbuf {command}: {exc}", file=sys.stderr)
-        except BaseException:
-            traceback.print_exc()
-        finally:
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(code)
-    _, status = os.waitpid(pid, 0)
+    with tempfile.TemporaryFile("w+", buffering=1) as out, tempfile.TemporaryFile("w+", buffering=1) as err:
+        pid = os.fork()
+        if pid == 0:  # the child: its own exit code, whatever happens; its lines to the parent's files
+            code = 2
+            sys.stdout, sys.stderr = out, err
+            try:
+                code = fn(args)
+            except CommandError as exc:
+                print(f"expbuf {command}: {exc}", file=sys.stderr)
+            except BaseException:
+                traceback.print_exc()
+            finally:
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        for written, to in ((out, sys.stdout), (err, sys.stderr)):  # the caller's own streams (a test's too)
+            written.seek(0)
+            to.write(written.read())
     if os.WIFSIGNALED(status):
         killed = signal.Signals(os.WTERMSIG(status)).name
         print(
