@@ -168,7 +168,7 @@ def test_a_produce_only_workflow_is_held_to_the_tables_bound(child_server: Serve
     from expbuf.client.areal import ExpbufWorkflow
 
     client = BufferClient(child_server.target)
-    client.create_table("produced", group_size=2, max_staleness=0, batch_size=2)
+    client.create_table("produced", group_size=2, max_staleness=0, batch_size=2, estimator="none")
     config = InferenceEngineConfig(consumer_batch_size=2, max_head_offpolicyness=0, max_concurrent_rollouts=8)
     engine = ExpbufRemoteInfEngine(config, backend=None, expbuf={"client": child_server.target, "table": "produced"})
     engine.workflow_executor = WorkflowExecutor(config, inference_engine=engine)
