@@ -161,8 +161,8 @@ def test_an_experience_past_max_metadata_bytes_is_refused_naming_it_and_its_memo
     [
         ("126 MiB of tensors", lambda batch: large_payload(batch, 14, 1 << 20), 2.5),
         # Metadata costs more: its pickle is scanned from a copy, and an experience's is held twice
-        # while it is packed (measured +2.3x to +2.6x here).
-        ("64 MiB as 16 infos of 4 MiB", lambda batch: metadata_payload(batch, 16, 4 * MB - 4096), 3.0),
+        # while it is packed (measured +2.3x to +2.6x here quiet, 3.02-3.09x busy: a copy more is 4x).
+        ("64 MiB as 16 infos of 4 MiB", lambda batch: metadata_payload(batch, 16, 4 * MB - 4096), 3.5),
     ],
 )
 def test_a_large_push_in_chunks_holds_about_twice_its_size_and_keeps_none_of_it(
@@ -202,7 +202,8 @@ def test_a_large_push_in_chunks_holds_about_twice_its_size_and_keeps_none_of_it(
     )
     assert len(stored) in (14, 16)
     # The better of two pushes: on a busy machine one push's peak has measured 3.02-3.09x of the
-    # metadata payload (2.3-2.6x quiet); a push that held another copy would raise both.
+    # metadata payload (2.3-2.6x quiet; both pushes 3.03x in a clean clone's CI on four workers); a
+    # push that held another copy would raise both past 3.5x.
     lower = min(peak - base, peak_again - base_again)
     assert lower < bound * len(data), "a push in chunks costs more than its payload and its packed copy"
     assert after - base_anon < len(data), "one push leaves more than its own size behind"
