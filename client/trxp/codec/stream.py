@@ -84,8 +84,7 @@ class StreamedPayload:
         # A kept tensor's buffer (by its span), made as its first byte comes: a push in chunks opens
         # this before it reserves what it `holds` under max_inflight_bytes, and waits for room.
         self._kept: dict[int, bytearray] = {}
-        self._carry = b""  # the bytes of a mask's element that a feed cut in two
-        self._reward_carry = b""  # the bytes of a token-level reward that a feed cut in two
+        self._carry = b""  # the bytes of an element (a mask's, a reward's) that a feed cut in two
         self._span = 0
         self._at = 0  # bytes of the data seen
         self._kept_at = 0  # where the current kept tensor is filled to
@@ -130,19 +129,20 @@ class StreamedPayload:
 
     def _count(self, item: int, part: memoryview) -> None:
         """Count a large item's generated tokens in the next bytes of its action mask."""
-        dtype = self.items[item].tensors["action_mask"].dtype
-        data = memoryview(self._carry + part) if self._carry else part
-        whole = len(data) - len(data) % ITEMSIZE[dtype]
-        self.generated[item] += count_nonzero(RawTensor(dtype, (whole // ITEMSIZE[dtype],), data[:whole]))
-        self._carry = bytes(data[whole:])
+        self.generated[item] += count_nonzero(self._elements(item, "action_mask", part))
 
     def _check_rewards(self, item: int, part: memoryview) -> None:
         """Refuse an item's token-level rewards in the next bytes of them (checks.check_rewards)."""
-        dtype = self.items[item].tensors["token_level_reward"].dtype
-        data = memoryview(self._reward_carry + part) if self._reward_carry else part
+        check_rewards(item, self.items[item], self._elements(item, "token_level_reward", part))
+
+    def _elements(self, item: int, name: str, part: memoryview) -> RawTensor:
+        """The whole elements of the item's tensor `name` in the next bytes of it, those of one a
+        feed cut in two carried to the next (a tensor's data is whole elements: none at its end)."""
+        dtype = self.items[item].tensors[name].dtype
+        data = memoryview(self._carry + part) if self._carry else part
         whole = len(data) - len(data) % ITEMSIZE[dtype]
-        check_rewards(item, self.items[item], RawTensor(dtype, (whole // ITEMSIZE[dtype],), data[:whole]))
-        self._reward_carry = bytes(data[whole:])
+        self._carry = bytes(data[whole:])
+        return RawTensor(dtype, (whole // ITEMSIZE[dtype],), data[:whole])
 
     def _to_piece(self, item: int, part: memoryview, done: list[Piece]) -> None:
         at = 0

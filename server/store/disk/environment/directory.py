@@ -17,6 +17,8 @@ from .. import layout
 # How often a copy opens the directory again where its server grew the map as it opened (LMDB's
 # MDB_MAP_RESIZED): a server doubles its map, so a few times cover any growth.
 COPY_TRIES = 8
+# The name a copy is written under until it is whole (copy): never a data.mdb a server or check would open.
+PARTIAL = ".data.mdb.partial"
 
 
 def lock(data: Path, shared: bool) -> int:
@@ -73,10 +75,6 @@ def copy(source: Path, target: Path) -> int:
         if made:
             target.rmdir()
         raise
-
-
-# The name a copy is written under until it is whole (copy): never a data.mdb a server or check would open.
-PARTIAL = ".data.mdb.partial"
 
 
 def _empty_directory(target: Path) -> bool:
