@@ -185,3 +185,23 @@ def test_every_error_survives_a_pickle_round_trip_and_ray_s_cause_class(kind: ty
     raised = exceptions.RayTaskError("put", "Traceback ...", back).as_instanceof_cause()
     assert isinstance(raised, kind) and isinstance(raised, exceptions.RayTaskError)
     assert (raised.code, raised.details) == (error.code, error.details)
+
+
+def test_numpy_scalars_are_taken_as_the_python_values_they_hold(target: str) -> None:
+    """Settings read from a config a trainer built with numpy (np.True_, np.int64, np.float32) are
+    its bools and numbers: a numpy bool was refused as 'np.True_; allowed: true or false'."""
+    np = pytest.importorskip("numpy")
+    with BufferClient(target) as client:
+        made = client.create_table(
+            "n",
+            group_size=np.int64(4),
+            drop_zero_variance=np.True_,
+            group_timeout_seconds=np.float32(1.5),
+            estimator="rec",
+            estimator_params={"std_normalize": np.False_, "epsilon": np.float64(1e-5)},
+            shaping={"reward_running_norm": np.bool_(True)},
+        )
+        (config,) = [table for table in client.list_tables() if table.name == "n"]
+    assert config == made
+    assert (config.group_size, config.drop_zero_variance, config.group_timeout_seconds) == (4, True, 1.5)
+    assert config.estimator_params["std_normalize"] == "false" and config.shaping.reward_running_norm is True

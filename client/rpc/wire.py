@@ -86,6 +86,7 @@ def param_number(name: str, value: Any) -> Any:
     False or True), a choice by its position. The server checks the number against the
     estimator's range. A bool is a flag's only: given for a number, it was read as 0 or 1."""
     choices = PARAM_CHOICES.get(name, ())
+    value = _plain(value)
     if isinstance(value, bool) and choices == _FLAG:
         return float(value)
     if isinstance(value, int | float) and not isinstance(value, bool):
@@ -105,6 +106,12 @@ def param_number(name: str, value: Any) -> Any:
 
 
 _FLAG = ("false", "true")  # the choices of a flag, which a bool gives too
+
+
+def _plain(value: Any) -> Any:
+    """A numpy scalar as the Python value it holds (np.True_ a bool, np.int64 an int): a config a
+    trainer built with numpy gives them, and a bool field takes only a bool."""
+    return value.item() if type(value).__module__ == "numpy" and hasattr(value, "item") else value
 
 
 def _shown(value: Any) -> str:
@@ -191,6 +198,7 @@ def _message(cls: type[Message], what: str, fields: dict[str, Any]) -> Any:
     the values its field takes. A bool is a true-or-false field's alone, and only a bool is: protobuf
     takes 1 for true and True for 1.0, so drop_zero_variance=1 was stored true and
     group_timeout_seconds=True as 1 second."""
+    fields = {name: _plain(value) for name, value in fields.items()}
     for name, value in fields.items():
         kind = cls.DESCRIPTOR.fields_by_name[name].type
         if value is not None and kind in _ALLOWED and (kind == FieldDescriptor.TYPE_BOOL) != isinstance(value, bool):
