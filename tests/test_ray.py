@@ -216,6 +216,42 @@ def test_start_shards_refuses_an_earlier_run_s_map_of_other_shards(ray_cluster: 
     expbuf_ray.stop_shards(namespace)
 
 
+def test_a_resumed_shard_whose_data_directory_no_alive_node_holds_is_refused(
+    ray_cluster: ModuleType, tmp_path: Path
+) -> None:
+    """Started on another node, it served an empty store while its experiences waited on the node
+    that holds them: a resume after the nodes changed (node ids are new at each cluster start)."""
+    namespace = "expbuf-test-resume-lost"
+    expbuf_ray.start_shards(2, namespace=namespace, **options(tmp_path))
+    client = ShardedBufferClient.from_ray(namespace, timeout=STARTING_SECONDS)
+    uids = pushed(client, 1)
+    client.close()
+    expbuf_ray.stop_shards(namespace)
+    (tmp_path / "expbuf-1").rename(tmp_path / "elsewhere")  # its node's disk, not this node's
+    with pytest.raises(ValueError, match=r"no alive node \(1\) holds the data directory of shard\(s\) expbuf-1:"):
+        expbuf_ray.start_shards(namespace=namespace, **options(tmp_path))
+    assert actors_in(namespace) == [] and not (tmp_path / "expbuf-1").exists()
+    (tmp_path / "elsewhere").rename(tmp_path / "expbuf-1")  # its node back
+    expbuf_ray.start_shards(namespace=namespace, **options(tmp_path))
+    client = ShardedBufferClient.from_ray(namespace, timeout=STARTING_SECONDS)
+    assert consumed(client) == uids  # both shards' experiences, none lost
+    client.close()
+    expbuf_ray.stop_shards(namespace)
+
+
+def test_resumed_shards_go_to_the_nodes_that_hold_their_data() -> None:
+    """Node ids are new each time a cluster starts, so a resume by their order put shards on
+    nodes without their data; each goes where its directory is (any, on a disk nodes share)."""
+    shards, nodes = ["b-0", "b-1", "b-2"], ["n1", "n2"]
+    assert expbuf_ray.placed(shards, nodes, None) == ["n1", "n2", "n1"]  # a new buffer: round-robin
+    holders = {"b-0": ["n2"], "b-1": ["n1"], "b-2": ["n2"]}
+    assert expbuf_ray.placed(shards, nodes, holders) == ["n2", "n1", "n2"]
+    shared = dict.fromkeys(shards, nodes)
+    assert expbuf_ray.placed(shards, nodes, shared) == ["n1", "n2", "n1"]
+    with pytest.raises(ValueError, match=r"shard\(s\) b-0, b-2: its node is down"):
+        expbuf_ray.placed(shards, nodes, {"b-0": [], "b-1": ["n1"], "b-2": []})
+
+
 def test_a_buffer_of_another_namespace_is_refused_the_data_of_another(ray_cluster: ModuleType, tmp_path: Path) -> None:
     expbuf_ray.start_shards(1, namespace="expbuf-test-job1", **options(tmp_path))
     refusal = r"belongs to the buffer 'expbuf' of Ray namespace 'expbuf-test-job1'"

@@ -4,7 +4,9 @@ Ray places, restarts and names the shards; expbuf adds only which shard owns a g
 (expbuf.client.schema.routing). Each shard is an actor running a plain expbuf server:
 
 - one shard per alive node by default, pinned to its node (hard node affinity) so that a
-  restarted actor finds its own LMDB directory under `data_root` on that node's disk;
+  restarted actor finds its own LMDB directory under `data_root` on that node's disk, and a
+  resumed buffer's shards each placed on the node that holds its directory (node ids change
+  when a cluster starts again);
 - restarted by Ray after a crash (`max_restarts`), on the same port, which it keeps in
   its data directory, so that clients reach it at the address they already have; a restart
   waits for a process still holding its data directory, and serves on a fresh port, which it
@@ -60,6 +62,48 @@ def _alive_nodes() -> list[str]:
     return sorted(node["NodeID"] for node in ray.nodes() if node["Alive"])
 
 
+@ray.remote(num_cpus=0)
+def _held_here(root: str, shards: list[str]) -> list[str]:
+    """The shards whose data directory is under `root` on the node this runs on."""
+    return [shard for shard in shards if (Path(root) / shard).is_dir()]
+
+
+def _holders(root: Path, shards: Sequence[str], nodes: Sequence[str]) -> dict[str, list[str]]:
+    """Each shard's alive nodes that hold its data directory under `root` (all of them, on a disk they share)."""
+    asks = [
+        _held_here.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote(
+            str(root), list(shards)
+        )
+        for node in nodes
+    ]
+    try:
+        held = ray.get(asks, timeout=_STOP_SECONDS)
+    except ray.exceptions.GetTimeoutError:
+        raise ValueError(
+            f"the alive nodes did not say within {_STOP_SECONDS:.0f} s which of them hold the shards' data"
+            f" directories under {root}: start_shards again once every node answers"
+        ) from None
+    return {shard: [node for node, here in zip(nodes, held, strict=True) if shard in here] for shard in shards}
+
+
+def placed(shards: Sequence[str], nodes: Sequence[str], holders: Mapping[str, Sequence[str]] | None) -> list[str]:
+    """Each shard's node: for a new buffer (`holders` None), round-robin over the alive `nodes`; for a
+    resumed one, a node that holds the shard's data directory (of several, a disk they share,
+    round-robin over them). A resumed shard that no alive node holds is refused (ValueError naming
+    it): started on another node it would serve an empty store, its experiences left on the node that holds them."""
+    if holders is None:
+        return [nodes[i % len(nodes)] for i in range(len(shards))]
+    lost = [shard for shard in shards if not holders[shard]]
+    if lost:
+        raise ValueError(
+            f"no alive node ({len(nodes)}) holds the data directory of shard(s) {', '.join(lost)}: its node is"
+            " down or its disk is gone, and started on another node it would serve an empty store. Start again"
+            " once that node is back; to go on without its experiences, make the directory, empty, on the"
+            " node it is to run on"
+        )
+    return [holders[shard][i % len(holders[shard])] for i, shard in enumerate(shards)]
+
+
 def _start(shard: str, node: str, namespace: str, name: str, options: Mapping[str, Any]) -> ActorHandle:
     return (
         ray.remote(ShardActor)
@@ -111,7 +155,8 @@ def start_shards(
 
     Calling it again for a running buffer returns its map. A buffer stopped earlier with this data
     root and name is resumed: its map (`{data_root}/{name}.shard-map.json`) and data, with the
-    shards that map names; a `num_shards` other than theirs is refused. On a failure no shard is left.
+    shards that map names, each on a node that holds its data directory (refused, naming it, where
+    no alive node does); a `num_shards` other than theirs is refused. On a failure no shard is left.
     """
     try:
         return shard_map(namespace, name)
@@ -136,6 +181,10 @@ def start_shards(
             f"({len(earlier.shards)}) or no num_shards resumes it, add_shard grows it; to start afresh, remove"
             f" that file and the shards' directories under {root}, or give another data_root"
         )
+    try:
+        at = placed(shards, nodes, None if earlier is None else _holders(root, shards, nodes))
+    except ValueError as exc:
+        raise ValueError(f"buffer {name!r} resumes from {path}, under {root}: {exc}") from None
     options = {
         "data_root": str(root),
         "tables": list(tables),
@@ -146,7 +195,7 @@ def start_shards(
     actors: dict[str, ActorHandle] = {}
     try:
         for i, shard in enumerate(shards):  # each killed with the others should a later one fail
-            actors[shard] = _start(shard, nodes[i % len(nodes)], namespace, name, options)
+            actors[shard] = _start(shard, at[i], namespace, name, options)
         targets = {shard: ray.get(actor.target.remote()) for shard, actor in actors.items()}
         started = ShardMap.of(targets) if earlier is None else earlier.with_targets(targets)
         root.mkdir(parents=True, exist_ok=True)
