@@ -136,6 +136,7 @@ _HOMES = {
     "PromptState": "schema.prompts",
     "PromptStats": "schema.prompts",
     "PromptPage": "schema.prompts",
+    "AsyncBatch": "results",
     "Batch": "results",
     "BufferStats": "results",
     "FailedRuns": "results",
@@ -170,6 +171,7 @@ def __dir__() -> list[str]:
 __all__ = [
     "EID",
     "AlreadyExistsError",
+    "AsyncBatch",
     "AsyncBufferClient",
     "Batch",
     "BufferClient",

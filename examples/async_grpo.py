@@ -9,9 +9,11 @@ Workers ask `admit` before each rollout, tag it with the version of the weights 
 used, and finish the grant; the trainer reports its version after each step and samples
 only groups at most two versions behind. Pushes staler than that are dropped.
 
-Each run is a job that starts over at version 0: it resets the table's off-policy state
-(`reset_offpolicy`, an admin call), since the table keeps the version and the admission
-count of an earlier run, and the trainer version only moves forward. Its rollouts carry
+Each run is a job that starts over at version 0: it drops the table an earlier run left
+(`drop_table`, an admin call) and makes it anew. Its groups were made by that run's policy,
+versions ahead of this one's step 0, and the table kept its trainer version (which only moves
+forward) and admission count; a job that means to train on what an earlier run left keeps the
+table and resets only those (`reset_offpolicy`, docs/concepts/staleness.md). Its rollouts carry
 a batch id of their own, so a second run's uids never meet the first's.
 """
 
@@ -91,10 +93,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6)
     args = parser.parse_args()
     with BufferClient(args.target) as client:
-        client.create_table(
-            TABLE, group_size=GROUP_SIZE, max_staleness=STALENESS, batch_size=GROUPS_PER_STEP, exist_ok=True
-        )
-        client.reset_offpolicy(TABLE, trainer_version=0)  # a job that starts over (an admin call)
+        if any(table.name == TABLE for table in client.list_tables()):
+            client.drop_table(TABLE)  # a job that starts over: an earlier run's groups and versions go
+        client.create_table(TABLE, group_size=GROUP_SIZE, max_staleness=STALENESS, batch_size=GROUPS_PER_STEP)
     stop = threading.Event()
     workers = [threading.Thread(target=rollout_worker, args=(args.target, i, stop)) for i in range(args.workers)]
     for thread in workers:

@@ -69,11 +69,14 @@ def test_async_grpo_with_a_staleness_bound_of_two(target: str) -> None:
 
 
 def test_async_grpo_runs_again_on_the_same_table(target: str) -> None:
-    """A job that starts over on a table an earlier run left (its version 5, its admission
-    count) resets the table's off-policy state and finishes, instead of waiting for room."""
+    """A job that starts over where an earlier run left its table (its version 5, its admission
+    count, its groups of versions up to 6) finishes, instead of waiting for room, and trains none
+    of that run's groups: its first step trained them, 5 versions ahead of it."""
     for _ in range(2):
         out = run("async_grpo.py", "--target", target, "--workers", "2", "--steps", "5")
         assert out.count("4 groups") == 5
+        lags = [int(line.split("at most ")[1].split()[0]) for line in out.splitlines() if line.startswith("step ")]
+        assert len(lags) == 5 and all(0 <= lag <= 2 for lag in lags), out
     with BufferClient(target) as client:
         stats = client.stats("grpo_async")["grpo_async"]
     assert stats.trainer_version == 5
