@@ -143,8 +143,7 @@ def stream_batches(
                         raise
                     continue
                 except StoreError:  # a damaged payload: the batch went back unsent, those before it settle
-                    if window.sent == sent:
-                        yield from window.settle(draining, context)
+                    yield from window.settle(draining, context)
                     raise
                 last = batch.partial or window.sent == spec.max_batches
                 # room for one more batch in the window; after the last one, every confirmation,

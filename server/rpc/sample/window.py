@@ -58,6 +58,9 @@ class StreamWindow:
         self.confirmed: list[str] = []  # held leases whose batches the client has, to deliver
         self.table_id: int | None = None  # the table its first batch came from: not another made under its name
         self.tells = False  # the client awaits delivery: told of each (`told`)
+        # A reply cut short after its first message (a damaged payload met as it was sent): no other
+        # message may follow, which the client would read as the next part of that reply.
+        self.cut_short = False
         self.said = -1  # the batches delivered that the client was told of (none yet: not 0)
 
     def sending(self, batch: Sampled) -> float:
@@ -76,16 +79,18 @@ class StreamWindow:
 
     def send(self, batch: Sampled, reply: Callable[[Sampled, float], Iterator[bytes]]) -> Iterator[bytes]:
         """The messages of `batch` (`reply`'s). A batch whose first message could not be made
-        (too large for a client that cannot take parts) was never sent: it returns to the
-        buffer at once, not with the stream, which would count it delivered to a client that
-        had closed its side."""
+        (too large for a client that cannot take parts), or whose reply the store refused after
+        it (a damaged payload met as its parts were cut), never reached the client whole: it
+        returns to the buffer at once, not with the stream, which would count it delivered to a
+        client that had closed its side, and the batches before it settle (sample_stream.py)."""
         started = False
         try:
             for message in reply(batch, self.sending(batch)):
                 started = True
                 yield message
         except BaseException as exc:
-            if not started:
+            if not started or isinstance(exc, StoreError):
+                self.cut_short = started
                 self.unconfirmed.pop()
                 self.sent_at.pop()
                 self.sent -= 1
@@ -168,7 +173,14 @@ class StreamWindow:
         wait ends too once every batch sent is confirmed: a client that reads its stream only when
         its caller asks (a stream of one batch) answers late, with nothing left to hand over."""
         seconds = draining.answer_seconds()
-        if self.answers and self.unconfirmed and seconds > 0 and not self.client.done and context.is_active():
+        if (
+            self.answers
+            and self.unconfirmed
+            and seconds > 0
+            and not self.cut_short
+            and not self.client.done
+            and context.is_active()
+        ):
             yield pb.SampleReply(stopping=True, confirm_seconds=seconds).SerializeToString()
             self.client.wait_done(seconds, self.sent)
         if self.tells:  # what it confirmed delivered, and told of, before the end: it awaits that
@@ -182,7 +194,11 @@ class StreamWindow:
         ahead confirmed (delivered) first; whether they were. Its client may be handing one over as
         the end travels, and confirms it without knowing the stream ended: given back at once, it was
         served again and trained twice. Where the client will not confirm them, `unsettled`."""
-        if not self.unconfirmed or (yield from self.confirm_each()):
+        if not self.unconfirmed:
+            return True
+        if self.cut_short and self.tells:  # the client hands over only batches it was told of: none was
+            return False
+        if (yield from self.confirm_each()):
             return True
         yield from self.unsettled(draining, context)
         return False
