@@ -17,6 +17,7 @@ from expbuf.client import BufferClient, decode
 from expbuf.server.advantages.worker import AdvantageWorker
 from expbuf.server.store import Store
 from expbuf.server.store.disk import layout
+from expbuf.server.store.disk.kinds import Sampled
 from expbuf.server.store.disk.records import ItemRecord
 from expbuf.server.store.schema.sample_spec import TakeSpec
 from expbuf.server.store.schema.table_config import TableConfig
@@ -39,6 +40,16 @@ def damage(store: Store, table: str, uid: str) -> None:
 
 def uids(task: int, size: int = 4) -> list[str]:
     return [f"0/{task}/{run}/0/r{run}s0" for run in range(size)]
+
+
+def two_groups_leased(store: Store) -> Sampled:
+    """Table t's groups 0/0 and 0/1 of 4, in one leased batch."""
+    store.create_table(TableConfig.of("t", estimator="none", group_size=4))
+    for task in range(2):
+        store.put("t", group_items(0, task, 4, reward=float(task)))
+    batch = store.sample(TakeSpec("t", num_groups=2, wait_seconds=0, delivery="lease"), hold=False)
+    assert batch is not None and batch.lease_id
+    return batch
 
 
 def quarantine_logs(caplog: pytest.LogCaptureFixture, uid: str) -> int:
@@ -292,15 +303,11 @@ def test_a_group_whose_record_is_lost_is_listed_and_its_lease_s_parts_are_the_ot
     The page was refused ("group ... is named but not stored", or INTERNAL: struct.error), and so
     was the part of a cut one."""
     with Store(tmp_path) as store:
-        store.create_table(TableConfig.of("t", estimator="none", group_size=4))
-        for task in range(2):
-            store.put("t", group_items(0, task, 4, reward=float(task)))
-        batch = store.sample(TakeSpec("t", num_groups=2, wait_seconds=0, delivery="lease"), hold=False)
-        assert batch is not None and batch.lease_id
+        batch = two_groups_leased(store)
         (lose if how == "lost" else garble)(store, "t", "0/0", "groups")
         listed = {item.uid: item.state for item in store.list_experiences("t").items}
         assert listed == {uid: "ready" for uid in uids(0)} | {uid: "leased" for uid in uids(1)}
-        assert store.lease_part("t", batch.lease_id, 0, 1, "tokens") == (uids(1), uids(1))
+        assert store.lease_part("t", batch.lease_id, 0, 1, "tokens") == (uids(1), uids(1), [])
 
 
 @pytest.mark.parametrize(
@@ -329,3 +336,21 @@ def test_a_sample_left_short_by_a_quarantine_keeps_it_and_the_table_checks_clean
         assert store.verify("t") == []
         batch = store.sample(TakeSpec("t", num_groups=3, wait_seconds=0), hold=False)
         assert batch is not None and sorted(set(batch.group_ids)) == ["0/0", "0/2", "0/3"]
+
+
+def test_a_rank_s_part_whose_group_failed_after_its_split_names_that_group_missing(
+    tmp_path: Path, table_layout: str
+) -> None:
+    """A member found damaged by a rank's read fails its group, which leaves the lease: the rank
+    reading its part again (one that died and came back) was answered an empty part and nothing
+    missing, the group gone unsaid; its members are named as missing."""
+    with Store(tmp_path) as store:
+        batch = two_groups_leased(store)
+        parts = [store.lease_part("t", batch.lease_id, rank, 2, "tokens") for rank in range(2)]
+        rank = next(rank for rank, (part, _, _) in enumerate(parts) if part == uids(1))
+        damage(store, "t", uids(1)[2])
+        read, missing = store.read_fields("t", parts[rank][0], whole=True)
+        read.release()
+        assert missing == [uids(1)[2]]
+        assert store.lease_part("t", batch.lease_id, rank, 2, "tokens") == ([], uids(0), uids(1))
+        assert store.lease_part("t", batch.lease_id, 1 - rank, 2, "tokens") == (uids(0), uids(0), [])

@@ -701,7 +701,8 @@ def test_reads_pass_over_a_segment_that_does_not_decode_and_serve_the_others(
         listed = store.list_experiences("t").items
         assert {item.group for item in listed} == {f"0/{task}" for task in range(32, 40)}
         assert any("ListExperiences passed over segment 0" in r.getMessage() for r in caplog.records)
-        part, step = store.lease_part("t", batch.lease_id, 0, 1, "tokens")
+        part, step, gone = store.lease_part("t", batch.lease_id, 0, 1, "tokens")
+        assert gone == []
         assert part == step == [uid for task in range(32, 36) for uid in uids(task, 8)]
 
 

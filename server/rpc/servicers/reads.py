@@ -121,9 +121,11 @@ class ReadServicer(ServicerBase):
         limit = self._reply_limit(request, "ReadFieldsRequest")
         cost = None
         step: list[str] = []
+        gone: list[str] = []
         if request.lease_id:
-            uids, step, cost = self._part(table, request, uids, context)
+            uids, step, gone, cost = self._part(table, request, uids, context)
         batch, missing = self.store.read_fields(table, uids, shares, whole=not fields, step=step)
+        missing += gone
         batch.run_cost = cost
         try:
             yield from fields_reply(batch, fields, missing, limit, parts=request.max_reply_bytes > 0)
@@ -141,10 +143,10 @@ class ReadServicer(ServicerBase):
 
     def _part(
         self, table: str, request: pb.ReadFieldsRequest, uids: list[str], context: grpc.ServicerContext
-    ) -> tuple[list[str], list[str], Callable[[int], int]]:
+    ) -> tuple[list[str], list[str], list[str], Callable[[int], int]]:
         """The uids of the rank's part of a leased step that a ReadFields names by lease, those of
-        the whole step (over which a batch stage finishes the part), and the cost its split
-        weighed a run of L tokens by."""
+        the whole step (over which a batch stage finishes the part), those of its groups that left
+        the lease since it was split (missing), and the cost its split weighed a run of L tokens by."""
         if uids:
             raise InvalidRequest("ReadFieldsRequest: name uids or a lease's part (lease_id), not both")
         if not 1 <= request.ranks <= MAX_RANKS or request.rank >= request.ranks:
@@ -164,11 +166,11 @@ class ReadServicer(ServicerBase):
         if balance == "flops" and model is None:
             raise InvalidRequest("ReadFieldsRequest: balance 'flops' needs the model's shape (params, layers, hidden)")
         owner = self._owner(context)
-        uids, step = self.store.lease_part(
+        uids, step, gone = self.store.lease_part(
             table, request.lease_id, request.rank, request.ranks, balance, model, owner, request.equal
         )
         cost = COSTS[balance]
-        return uids, step, lambda length: cost(length, model)
+        return uids, step, gone, lambda length: cost(length, model)
 
     @refusals
     def ListExperiences(

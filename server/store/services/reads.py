@@ -58,7 +58,8 @@ class Reads:
     ) -> None:
         self.environment, self.catalog, self._quarantine, self.finish = environment, catalog, quarantine, finish
         self._lock = threading.Lock()
-        self._splits: dict[SplitKey, list[list[str]]] = {}  # the latest leases' splits, by group
+        # The latest leases' splits, by group, and each group's members when it was split.
+        self._splits: dict[SplitKey, tuple[list[list[str]], dict[str, list[str]]]] = {}
         self._reported = pages.Reported()  # the damage its reads logged: each once
 
     def _told(self, table: str, prefix: bytes) -> pages.Told:
@@ -329,12 +330,14 @@ class Reads:
         model: ModelShape | None = None,
         owner: str = "",
         equal: bool = False,
-    ) -> tuple[list[str], list[str]]:
+    ) -> tuple[list[str], list[str], list[str]]:
         """The uids of rank `rank`'s part of the groups still held under `lease_id`, spread whole
         over `ranks` ranks by `balance` (schema/balance.py; `model` for "flops"; as many groups a
-        rank with `equal`), in the lease's order, and those of the whole step (every group still
+        rank with `equal`), in the lease's order; those of the whole step (every group still
         held under it, in its order), over which a table's batch stage finishes the part's
-        advantages (`fields`'s `step`); NotFound when the table holds no such lease, Forbidden
+        advantages (`fields`'s `step`); and those of the part's groups that left the lease since
+        it was split (a member found damaged failed its group), which its reads name as missing
+        rather than leave out unsaid. NotFound when the table holds no such lease, Forbidden
         when another token than `owner`'s took it (with tokens on, as Ack and Renew check it)."""
         table_id, _ = self.catalog.lookup(table)
         prefix = layout.table_prefix(table_id)
@@ -353,19 +356,21 @@ class Reads:
                 raise Forbidden(f"lease {clip(lease_id)!r} was taken with {whose}{also}")
             held = reading.lease_groups(txn, db, prefix, lease_id, lease)  # its groups still held, and their runs
             with self._lock:
-                split = self._splits.get(key)
-            if split is None:
+                kept = self._splits.get(key)
+            if kept is None:
                 tokens = {
                     gkey: [_tokens_of(reading.payload_value(txn, db, prefix + uid.encode())) for uid in members]
                     for gkey, members in held.items()
                 }
-                split = split_groups(tokens, ranks, balance, model, equal)
+                kept = split_groups(tokens, ranks, balance, model, equal), {g: list(uids) for g, uids in held.items()}
                 with self._lock:  # every rank of the step asks: the split is made once
-                    self._splits[key] = split
+                    self._splits[key] = kept
                     while len(self._splits) > MAX_SPLITS:
                         self._splits.pop(next(iter(self._splits)))
+        split, members = kept
         part = [uid for gkey in split[rank] if gkey in held for uid in held[gkey]]
-        return part, [uid for members in held.values() for uid in members]
+        gone = [uid for gkey in split[rank] if gkey not in held for uid in members[gkey]]
+        return part, [uid for members in held.values() for uid in members], gone
 
 
 def _servable(told: pages.Told, call: str, problem: Unservable | None, missing: list[str], damaged: list[str]) -> bool:
