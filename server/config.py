@@ -370,15 +370,32 @@ _ENV = {
 }
 
 
+def _token(text: str, where: str, tokens: dict[str, frozenset[str]]) -> str:
+    """A token as a client sends it (`Bearer TOKEN`): its surrounding whitespace left out (a value
+    read from a file or a secret ends in a newline, and no client could send it); one that holds a
+    character a gRPC header cannot carry, or that `tokens` holds already, is refused naming
+    `where`, without the token (a secret)."""
+    token = text.strip()
+    if any(not " " < char <= "~" for char in token):
+        raise ConfigError(
+            f"{where}: the token holds a space, a control or a non-ASCII character, which no client can send in"
+            " its authorization header; a token is printable ASCII"
+        )
+    if token in tokens:
+        raise ConfigError(f"{where}: the same token is given again; give each token once, with all its scopes")
+    return token
+
+
 def parse_tokens(spec: str) -> dict[str, frozenset[str]]:
     """ "TOKEN:push,sample;TOKEN2:admin" -> {token: scopes} (the EXPBUF_TOKENS form). One that names
     no token is refused, not taken for "no tokens": set, it replaces the config file's tokens, and an
     empty one would turn authentication off without a word."""
-    tokens = {}
+    tokens: dict[str, frozenset[str]] = {}
     for number, part in enumerate(filter(None, (p.strip() for p in spec.split(";"))), 1):
         token, sep, scopes = part.rpartition(":")
-        if not sep or not token:
+        if not sep or not token.strip():
             raise ConfigError("EXPBUF_TOKENS entries are TOKEN:scope[,scope...] separated by ';'")
+        token = _token(token, f"EXPBUF_TOKENS: token {number}", tokens)
         tokens[token] = frozenset(s.strip() for s in scopes.split(",") if s.strip())
         if not tokens[token]:
             raise ConfigError(f"EXPBUF_TOKENS: token {number} has no scopes; give it some of {', '.join(SCOPES)}")
@@ -418,7 +435,7 @@ def _tokens_of(path: Path, entries: object) -> dict[str, frozenset[str]]:
     """The [[tokens]] blocks: each a token (or the variable holding it) and its scopes, at least one."""
     if not isinstance(entries, list) or not all(isinstance(entry, dict) for entry in entries):
         raise ConfigError(f"config file {path}: tokens must be [[tokens]] blocks, each a token and its scopes")
-    tokens = {}
+    tokens: dict[str, frozenset[str]] = {}
     for number, entry in enumerate(entries, 1):
         unknown = sorted(set(entry) - set(_TOKEN_KEYS))
         if unknown:
@@ -430,6 +447,7 @@ def _tokens_of(path: Path, entries: object) -> dict[str, frozenset[str]]:
         if "token" in entry and not isinstance(entry["token"], str):
             raise ConfigError(f"config file {path}: [[tokens]] entry {number}'s token must be a string")
         token = entry.get("token") or (os.environ.get(variable, "") if isinstance(variable, str) else "")
+        token = token.strip()
         if not token and variable is not None:
             raise ConfigError(
                 f"config file {path}: [[tokens]] entry {number} reads its token from the variable"
@@ -443,7 +461,7 @@ def _tokens_of(path: Path, entries: object) -> dict[str, frozenset[str]]:
                 f"config file {path}: [[tokens]] entry {number} has no scopes; give it scopes = [...] of "
                 f"{', '.join(SCOPES)} (a token of none could make no call)"
             )
-        tokens[token] = frozenset(scopes)
+        tokens[_token(token, f"config file {path}: [[tokens]] entry {number}", tokens)] = frozenset(scopes)
     return tokens
 
 

@@ -182,6 +182,42 @@ def test_config_sources(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None
         load(str(config_file))
 
 
+def test_tokens_are_read_as_clients_send_them_and_each_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A token read from a secret ends in a newline, and one in EXPBUF_TOKENS may be spaced from its
+    colon: the server took them as they were and no client could be let in ("tokens on" at start,
+    every call UNAUTHENTICATED). A token given twice kept the last entry's scopes alone. Neither
+    refusal shows the token."""
+    config_file = tmp_path / "expbuf.toml"
+    config_file.write_text('[[tokens]]\ntoken_env = "PUSH_TOKEN"\nscopes = ["push"]\n')
+    monkeypatch.setenv("PUSH_TOKEN", "from-secret\n")
+    assert load(str(config_file)).tokens == {"from-secret": frozenset({"push"})}
+    assert parse_tokens("tok : sample ; other:admin") == {"tok": frozenset({"sample"}), "other": frozenset({"admin"})}
+    with pytest.raises(ConfigError, match=r"^EXPBUF_TOKENS: token 2: the same token is given again") as info:
+        parse_tokens("secret-1:sample;secret-1:admin")
+    assert "secret-1" not in str(info.value)
+    with pytest.raises(ConfigError, match=r"token 1: the token holds a space, a control or a non-ASCII character"):
+        parse_tokens("two words:push")
+    monkeypatch.setenv("PUSH_TOKEN", "caf\u00e9")
+    with pytest.raises(ConfigError, match=r"\[\[tokens\]\] entry 1: the token holds .* non-ASCII"):
+        load(str(config_file))
+    twice = '[[tokens]]\ntoken = "x1"\nscopes = ["{}"]\n'
+    config_file.write_text(twice.format("push") + twice.format("admin"))
+    with pytest.raises(ConfigError, match=r"\[\[tokens\]\] entry 2: the same token is given again"):
+        load(str(config_file))
+
+
+def test_a_client_s_token_is_sent_as_the_server_reads_it(start_server: Servers) -> None:
+    """A token read from a file or a secret with its newline: gRPC refused to send it ("INTERNAL:
+    Invalid metadata", beside a log of its own); one that cannot be sent at all is a ValueError
+    naming the problem, not the token."""
+    server = start_server(tokens=TOKENS)
+    with BufferClient(f"127.0.0.1:{server.port}", token="ops\n") as client:
+        assert [table.name for table in client.list_tables()] == ["default"]
+    with pytest.raises(ValueError, match="token holds a space, a control or a non-ASCII character") as info:
+        BufferClient(f"127.0.0.1:{server.port}", token="op\ns")
+    assert "op\ns" not in str(info.value)
+
+
 def test_a_setting_out_of_range_is_refused_naming_where_it_came_from(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -161,6 +161,22 @@ class Backoff:
 BACKOFF = Backoff()
 
 
+def checked_token(token: str | None) -> str | None:
+    """`token` as its server reads it: without surrounding whitespace (a secret read from a file
+    ends in a newline, which gRPC refused as "INTERNAL: Invalid metadata" with a log of its own);
+    one that holds a character an authorization header cannot carry is a ValueError that says so,
+    without the token."""
+    if token is None:
+        return None
+    token = token.strip()
+    if any(not " " < char <= "~" for char in token):
+        raise ValueError(
+            "token holds a space, a control or a non-ASCII character, which its authorization header cannot carry;"
+            " a token is printable ASCII (the one the server's tokens name)"
+        )
+    return token
+
+
 def service_config(retries: int) -> str:
     """The channel's service config: RETRIED_METHODS retried on UNAVAILABLE up to `retries`
     times (none: no policy), with the pauses of BACKOFF; and on CANCELLED, which a server answers
@@ -353,6 +369,7 @@ class ClientBase:
         ```
         """
         checked_target(target)
+        token = checked_token(token)
         if push_chunk_bytes != 0 and not 1 << 16 <= push_chunk_bytes <= max_message_bytes:
             raise ValueError(
                 f"push_chunk_bytes must be 0 (no chunks) or from 65536 to max_message_bytes = {max_message_bytes}, "
