@@ -17,7 +17,7 @@ import threading
 from pathlib import Path
 
 from expbuf.client import Tls
-from expbuf.client.rpc.connection import call_error, checked_target
+from expbuf.client.rpc.connection import call_error, checked_target, checked_token
 
 from . import __version__, logs
 from .commands import CommandError
@@ -84,7 +84,7 @@ def _serve(args: argparse.Namespace) -> int:
 
 def _tls(args: argparse.Namespace) -> Tls | None:
     """TLS for a client command: on with --tls or a CA; a client pair for mutual TLS."""
-    if not (args.tls or args.tls_ca or args.tls_cert):
+    if not (args.tls or args.tls_ca or args.tls_cert or args.tls_key):
         return None
     for name in ("tls_ca", "tls_cert", "tls_key"):
         path = getattr(args, name)
@@ -142,14 +142,26 @@ def _target(value: str) -> str:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def _token(value: str) -> str | None:
+    """A --token as a client sends it (its whitespace left out), or the line saying why it cannot be sent."""
+    try:
+        return checked_token(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"{exc} (--token or EXPBUF_TOKEN)") from None
+
+
+# The longest --watch or --timeout: 30 days (a deadline past gRPC's clock failed at once, DEADLINE_EXCEEDED).
+_MOST_SECONDS = 30 * 86_400
+
+
 def _seconds(value: str) -> float:
-    """A number of seconds above 0 (a --watch or --timeout), or the line saying so."""
+    """A number of seconds above 0 and at most _MOST_SECONDS (a --watch or --timeout), or the line saying so."""
     try:
         seconds = float(value)
     except ValueError:
         seconds = math.nan
-    if not 0 < seconds < math.inf:
-        raise argparse.ArgumentTypeError(f"{value!r} is not a number of seconds above 0")
+    if not 0 < seconds <= _MOST_SECONDS:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a number of seconds above 0 and at most {_MOST_SECONDS}")
     return seconds
 
 
@@ -160,7 +172,7 @@ def _client_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--target", type=_target, default=default_target, help="HOST:PORT (env EXPBUF_TARGET; default %(default)s)"
     )
-    parser.add_argument("--token", default=env("EXPBUF_TOKEN"), help="a bearer token (env EXPBUF_TOKEN)")
+    parser.add_argument("--token", type=_token, default=env("EXPBUF_TOKEN"), help="a bearer token (env EXPBUF_TOKEN)")
     parser.add_argument("--tls", action="store_true", help="connect with TLS, trusting the system's CAs")
     tls_ca = "CA of the server's certificate; turns TLS on (env EXPBUF_TLS_CA)"
     parser.add_argument("--tls-ca", default=env("EXPBUF_TLS_CA"), help=tls_ca)

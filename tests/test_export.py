@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
+import stat
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import grpc
@@ -158,11 +161,21 @@ def test_export_mistakes_are_one_line(child_server: ServerProcess, tmp_path: Pat
     with BufferClient(child_server.target) as client:
         fill(client, "t5")
     nowhere = tmp_path / "no-such-dir" / "t"
-    for args in (("--out", str(nowhere)), ("--format", "trxp", "--out", str(nowhere)), ("--page", "-1")):
+    huge = "99999999999999999999"  # a ValueError's traceback from the request's message
+    for args, said in (
+        (("--out", str(nowhere)), str(nowhere)),
+        (("--format", "trxp", "--out", str(nowhere)), str(nowhere)),
+        (("--page", "-1"), "--page -1"),
+        (("--page", huge), f"--page {huge}"),
+        (("--min-version", huge), f"--min-version {huge}: past a model version's range"),
+        (("--max-version", f"-{huge}"), f"--max-version -{huge}: past a model version's range"),
+    ):
         done = cli_forks.run("export", "t5", "--target", child_server.target, *args)
         lines = [line for line in done.stderr.splitlines() if line.strip()]
         assert done.returncode == 2 and len(lines) == 1 and "Traceback" not in done.stderr, (args, done.stderr)
-        assert (str(nowhere) if "--out" in args else "--page -1") in lines[0] and not done.stdout
+        assert said in lines[0] and not done.stdout
+    done = cli_forks.run("export", "t5\udcff", "--target", child_server.target)  # a byte not UTF-8 on the command line
+    assert done.returncode == 2 and "not a table's name (not UTF-8 text)" in done.stderr, done.stderr
     # A TRXP export the server refuses (no such table) leaves no file: it is written at the end.
     out = tmp_path / "refused.trxp"
     done = cli_forks.run("export", "absent", "--target", child_server.target, "--format", "trxp", "--out", str(out))
@@ -239,3 +252,39 @@ def test_export_goes_past_a_damaged_experience(tmp_path: Path) -> None:
             assert (stats.quarantined, stats.groups_failed, stats.ready) == (1, 1, 10)
     finally:
         assert proc.stop(signal.SIGTERM) == 0
+
+
+def test_an_export_goes_through_a_link_into_a_pipe_and_keeps_its_file_s_mode(
+    child_server: ServerProcess, tmp_path: Path
+) -> None:
+    """--out wrote a file beside its path and renamed it over it: a symbolic link (/dev/stdout
+    among them) was replaced by a file of its own, a named pipe's reader got nothing, and the file
+    was made 0600 whatever it was before. The link stays and its file takes the export, a pipe
+    (or a device) is written in place, a file keeps its mode and a new one takes the umask's."""
+    table = "through"
+    with BufferClient(child_server.target) as client:
+        client.create_table(table, estimator="none")
+        client.push([make_experience(0, 0, 0)], table=table)
+    target = ("--target", child_server.target)
+    kept, link = tmp_path / "kept.jsonl", tmp_path / "link.jsonl"
+    kept.write_text("an earlier export")
+    kept.chmod(0o644)
+    link.symlink_to(kept.name)
+    assert cli_forks.run("export", table, *target, "--out", str(link)).returncode == 0
+    assert link.is_symlink() and json.loads(kept.read_text())["uid"] == "0/0/0/0/r0s0"
+    assert kept.stat().st_mode & 0o777 == 0o644
+    fresh = tmp_path / "fresh.jsonl"
+    assert cli_forks.run("export", table, *target, "--out", str(fresh)).returncode == 0
+    mask = os.umask(0o022)
+    os.umask(mask)
+    assert fresh.stat().st_mode & 0o777 == 0o666 & ~mask
+    pipe = tmp_path / "pipe"
+    os.mkfifo(pipe)
+    read: list[bytes] = []
+    reader = threading.Thread(target=lambda: read.append(pipe.read_bytes()))
+    reader.start()
+    done = cli_forks.run("export", table, *target, "--out", str(pipe))
+    reader.join(30)
+    assert done.returncode == 0 and stat.S_ISFIFO(pipe.lstat().st_mode), done.stderr
+    assert [json.loads(line)["uid"] for line in read[0].decode().splitlines()] == ["0/0/0/0/r0s0"]
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["fresh.jsonl", "kept.jsonl", "link.jsonl", "pipe"]

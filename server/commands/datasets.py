@@ -20,6 +20,7 @@ from pathlib import Path
 from expbuf.client import BufferClient
 from expbuf.client.schema.prompts import STATES, DatasetInfo, Prompt
 
+from .out_file import Written
 from .tables import columns, parse_setting, parse_settings, toml_value
 
 PAGE = 1000  # prompt records a ListPrompts call reads
@@ -150,11 +151,12 @@ def _export(args: argparse.Namespace, client: BufferClient) -> int:
     A file that cannot be written is one line, exit code 2."""
     page = client.list_prompts(args.table, args.name, limit=PAGE)  # an unknown dataset: no file is left behind
     with contextlib.ExitStack() as stack:
-        try:
-            out = stack.enter_context(Path(args.out).open("w")) if args.out else sys.stdout
+        try:  # written beside --out, put in its place once whole: a failed export leaves an earlier file
+            made = Written(Path(args.out), binary=False) if args.out else None
         except OSError as exc:
             print(f"expbuf dataset export: --out {args.out}: {exc.strerror or exc}", file=sys.stderr)
             return 2
+        out = sys.stdout if made is None else stack.enter_context(made)
         written = 0
         while True:
             for prompt in page.prompts:
@@ -163,6 +165,8 @@ def _export(args: argparse.Namespace, client: BufferClient) -> int:
             if page.done:
                 break
             page = client.list_prompts(args.table, args.name, after=page.after, limit=PAGE)
+        if made is not None:
+            made.whole = True
     print(f"{written} prompts of dataset {args.name}", file=sys.stderr)
     return 0
 

@@ -13,12 +13,9 @@ from __future__ import annotations
 import argparse
 import base64
 import contextlib
-import errno
 import json
 import math
-import os
 import sys
-import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, fields
 from pathlib import Path
@@ -26,6 +23,8 @@ from typing import Any, BinaryIO, TextIO, cast
 
 from expbuf.client import BufferClient, BufferError, Experience, Tls, encode
 from expbuf.client.client import ListedExperience
+
+from .out_file import Written
 
 # The most bits of an int written as a JSON number: str() of an int refuses more than 4,300 digits
 # (Python's bound; 14,000 bits are about 4,215), and one such int in an experience's metadata ended
@@ -137,28 +136,6 @@ def add_export_command(
     export.set_defaults(func=run)
 
 
-class _Written(contextlib.AbstractContextManager[Any]):
-    """A file written beside `path` (a hidden name in its directory) that takes its place once
-    `whole` is set and it closes; otherwise it goes, and what `path` held stays."""
-
-    def __init__(self, path: Path, *, binary: bool) -> None:
-        if path.is_dir():
-            raise IsADirectoryError(errno.EISDIR, "Is a directory")
-        handle, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".partial")
-        self.path, self.partial, self.whole = path, Path(name), False
-        self.file: Any = os.fdopen(handle, "wb") if binary else os.fdopen(handle, "w", encoding="utf-8")
-
-    def __enter__(self) -> Any:
-        return self.file
-
-    def __exit__(self, *exc: object) -> None:
-        self.file.close()
-        if self.whole:
-            os.replace(self.partial, self.path)
-        else:
-            self.partial.unlink(missing_ok=True)
-
-
 def run_export(args: argparse.Namespace, tls: Tls | None) -> int:
     """Export; a refusal by the server is its status and message, exit code 1, and a mistake in
     what was asked (no --out for TRXP, a page below 0, a file that cannot be written) one line,
@@ -166,16 +143,24 @@ def run_export(args: argparse.Namespace, tls: Tls | None) -> int:
     if args.format == "trxp" and not args.out:
         print("expbuf export: a TRXP export needs --out FILE (it is binary)", file=sys.stderr)
         return 2
-    if args.page < 0:
+    if not args.table.isprintable() or args.table != args.table.encode("utf-8", "replace").decode():
+        print(f"expbuf export: table {args.table!r}: not a table's name (not UTF-8 text)", file=sys.stderr)
+        return 2
+    if not 0 <= args.page < 1 << 32:
         print(
             f"expbuf export: --page {args.page}: experiences per request, 0 (the server's 1000) or more",
             file=sys.stderr,
         )
         return 2
+    for name in ("min_version", "max_version"):
+        version = getattr(args, name)
+        if version is not None and not -(1 << 63) <= version < 1 << 63:
+            print(f"expbuf export: --{name.replace('_', '-')} {version}: past a model version's range", file=sys.stderr)
+            return 2
     with contextlib.ExitStack() as stack:
         client = stack.enter_context(BufferClient(args.target, token=args.token, tls=tls, timeout=60))
         try:  # written beside --out, put in its place once whole: a failed export leaves an earlier file
-            made = _Written(Path(args.out), binary=args.format == "trxp") if args.out else None
+            made = Written(Path(args.out), binary=args.format == "trxp") if args.out else None
         except OSError as exc:
             print(f"expbuf export: --out {args.out}: {exc.strerror or exc}", file=sys.stderr)
             return 2
