@@ -166,6 +166,7 @@ def test_export_mistakes_are_one_line(child_server: ServerProcess, tmp_path: Pat
         (("--out", str(nowhere)), str(nowhere)),
         (("--format", "trxp", "--out", str(nowhere)), str(nowhere)),
         (("--page", "-1"), "--page -1"),
+        (("--out", ""), "--out : no file named"),  # it wrote to standard output
         (("--page", huge), f"--page {huge}"),
         (("--min-version", huge), f"--min-version {huge}: past a model version's range"),
         (("--max-version", f"-{huge}"), f"--max-version -{huge}: past a model version's range"),

@@ -15,12 +15,11 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict
-from pathlib import Path
 
 from expbuf.client import BufferClient
 from expbuf.client.schema.prompts import STATES, DatasetInfo, Prompt
 
-from .out_file import Written
+from .out_file import export_file
 from .tables import columns, parse_setting, parse_settings, toml_value
 
 PAGE = 1000  # prompt records a ListPrompts call reads
@@ -152,7 +151,7 @@ def _export(args: argparse.Namespace, client: BufferClient) -> int:
     page = client.list_prompts(args.table, args.name, limit=PAGE)  # an unknown dataset: no file is left behind
     with contextlib.ExitStack() as stack:
         try:  # written beside --out, put in its place once whole: a failed export leaves an earlier file
-            made = Written(Path(args.out), binary=False) if args.out else None
+            made = export_file(args.out, binary=False)
         except OSError as exc:
             print(f"expbuf dataset export: --out {args.out}: {exc.strerror or exc}", file=sys.stderr)
             return 2

@@ -18,13 +18,12 @@ import math
 import sys
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, fields
-from pathlib import Path
 from typing import Any, BinaryIO, TextIO, cast
 
 from expbuf.client import BufferClient, BufferError, Experience, Tls, encode
 from expbuf.client.client import ListedExperience
 
-from .out_file import Written
+from .out_file import export_file
 
 # The most bits of an int written as a JSON number: str() of an int refuses more than 4,300 digits
 # (Python's bound; 14,000 bits are about 4,215), and one such int in an experience's metadata ended
@@ -160,7 +159,7 @@ def run_export(args: argparse.Namespace, tls: Tls | None) -> int:
     with contextlib.ExitStack() as stack:
         client = stack.enter_context(BufferClient(args.target, token=args.token, tls=tls, timeout=60))
         try:  # written beside --out, put in its place once whole: a failed export leaves an earlier file
-            made = Written(Path(args.out), binary=args.format == "trxp") if args.out else None
+            made = export_file(args.out, binary=args.format == "trxp")
         except OSError as exc:
             print(f"expbuf export: --out {args.out}: {exc.strerror or exc}", file=sys.stderr)
             return 2

@@ -12,6 +12,16 @@ from pathlib import Path
 from typing import Any
 
 
+def export_file(out: str | None, *, binary: bool) -> Written | None:
+    """Where `--out` says to write (None: standard output); an empty name is OSError, as a
+    file that cannot be made is (it wrote to standard output)."""
+    if out is None:
+        return None
+    if not out:
+        raise OSError(errno.ENOENT, "no file named (leave --out out for standard output)")
+    return Written(Path(out), binary=binary)
+
+
 class Written(contextlib.AbstractContextManager[Any]):
     """The file `path` names, written whole or not at all: a regular file (or a new one) is written
     beside it under a hidden name and takes its place once `whole` is set and it closes, with the
