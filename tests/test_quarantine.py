@@ -354,3 +354,25 @@ def test_a_rank_s_part_whose_group_failed_after_its_split_names_that_group_missi
         assert missing == [uids(1)[2]]
         assert store.lease_part("t", batch.lease_id, rank, 2, "tokens") == ([], uids(0), uids(1))
         assert store.lease_part("t", batch.lease_id, 1 - rank, 2, "tokens") == (uids(0), uids(0), [])
+
+
+def test_a_rank_that_finds_a_member_of_its_part_damaged_reads_its_group_as_missing_every_time(
+    start_server: Servers,
+) -> None:
+    """Damaged after the step was sampled: the rank's first read served the group's other members
+    (of a group that failed) and named one missing, its next read named nothing. Each read now
+    names the whole group missing, the same answer every time, and the other rank's part is whole."""
+    server = start_server()
+    with BufferClient(f"127.0.0.1:{server.port}") as client:
+        client.create_table("t", estimator="none", group_size=4)
+        for task in range(2):
+            client.push([make_experience(0, task, run, reward=float(run)) for run in range(4)], table="t")
+        batch = next(client.sample("t", num_groups=2, delivery="lease", timeout=10, max_batches=1))
+        parts = [client.read_part(batch.lease_id, rank, 2, ["tokens"], table="t").uids for rank in range(2)]
+        rank = next(rank for rank, part in enumerate(parts) if part == uids(1))
+        damage(server.store, "t", uids(1)[2])
+        for _ in range(2):
+            read = client.read_part(batch.lease_id, rank, 2, ["tokens"], table="t")
+            assert (read.uids, sorted(read.missing_uids)) == ([], uids(1))
+        other = client.read_part(batch.lease_id, 1 - rank, 2, ["tokens"], table="t")
+        assert (other.uids, other.missing_uids) == (uids(0), [])

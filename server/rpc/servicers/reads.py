@@ -125,6 +125,10 @@ class ReadServicer(ServicerBase):
         if request.lease_id:
             uids, step, gone, cost = self._part(table, request, uids, context)
         batch, missing = self.store.read_fields(table, uids, shares, whole=not fields, step=step)
+        if request.lease_id and missing:  # a member found damaged failed its group: the part read again without it
+            batch.release()
+            uids, step, gone, cost = self._part(table, request, [], context)
+            batch, missing = self.store.read_fields(table, uids, shares, whole=not fields, step=step)
         missing += gone
         batch.run_cost = cost
         try:
