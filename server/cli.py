@@ -92,7 +92,12 @@ def _tls(args: argparse.Namespace) -> Tls | None:
             raise CommandError(f"--{name.replace('_', '-')} {path!r}: no such file")
     if bool(args.tls_cert) != bool(args.tls_key):
         raise CommandError("mutual TLS needs both --tls-cert and --tls-key")
-    return Tls(args.tls_ca, args.tls_cert, args.tls_key)
+    tls = Tls(args.tls_ca, args.tls_cert, args.tls_key)
+    try:
+        tls.credentials()  # each file holds a PEM block of its kind
+    except ValueError as exc:
+        raise CommandError(str(exc)) from None
+    return tls
 
 
 def _health(args: argparse.Namespace) -> int:

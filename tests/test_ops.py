@@ -1316,6 +1316,7 @@ def test_a_sample_stream_that_never_sends_its_request_is_ended_naming_the_bound(
         (("stats", "--watch", "1e308"), "argument --watch: '1e308' is not a number of seconds above 0 and at most"),
         (("stats", "--token", "op\ns"), "argument --token: token holds a space, a control or a non-ASCII character"),
         (("stats", "--tls-key", __file__), "expbuf stats: mutual TLS needs both --tls-cert and --tls-key"),
+        (("stats", "--tls-ca", __file__), f"expbuf stats: Tls root_certificates ({__file__}) holds no PEM certificate"),
     ],
 )
 def test_a_client_commands_wrong_argument_is_named_without_a_traceback(args: tuple[str, ...], said: str) -> None:

@@ -195,6 +195,14 @@ def service_config(retries: int) -> str:
     return json.dumps({"methodConfig": [{"name": names, "retryPolicy": policy}]})
 
 
+# Each PEM setting of Tls in grpc.ssl_channel_credentials' order: what it holds, and its block.
+_PEM_BLOCKS = {
+    "root_certificates": ("certificate", re.compile(rb"-----BEGIN (TRUSTED )?CERTIFICATE-----")),
+    "private_key": ("private key", re.compile(rb"-----BEGIN [A-Z ]*PRIVATE KEY-----")),
+    "certificate_chain": ("certificate", re.compile(rb"-----BEGIN (TRUSTED )?CERTIFICATE-----")),
+}
+
+
 @dataclass(frozen=True)
 class Tls:
     """TLS settings: server CA (None = system roots) and, for mutual TLS, a client pair."""
@@ -204,14 +212,18 @@ class Tls:
     private_key: str | bytes | None = None
 
     def credentials(self) -> grpc.ChannelCredentials:
-        """gRPC channel credentials: each setting a path to a PEM file, or the PEM bytes."""
-
-        def read(value: str | bytes | None) -> bytes | None:
-            return Path(value).read_bytes() if isinstance(value, str) else value
-
-        return grpc.ssl_channel_credentials(
-            read(self.root_certificates), read(self.private_key), read(self.certificate_chain)
-        )
+        """gRPC channel credentials: each setting a path to a PEM file, or the PEM bytes. One that
+        holds no PEM block of its kind (a key given as the CA) is a ValueError naming it: gRPC failed
+        each call "to create security handshaker", beside a log of its own."""
+        pems = []
+        for name, (kind, block) in _PEM_BLOCKS.items():
+            value = getattr(self, name)
+            pem = Path(value).read_bytes() if isinstance(value, str) else value
+            if pem is not None and not block.search(pem):
+                where = f" ({value})" if isinstance(value, str) else ""
+                raise ValueError(f"Tls {name}{where} holds no PEM {kind} (a -----BEGIN ...{kind.upper()}----- block)")
+            pems.append(pem)
+        return grpc.ssl_channel_credentials(*pems)
 
 
 class ChannelOptions(TypedDict, total=False):
