@@ -8,6 +8,8 @@ import logging
 import math
 import random
 import statistics
+import subprocess
+import sys
 from dataclasses import dataclass
 
 import pytest
@@ -250,6 +252,50 @@ def test_reinforceplusplus_gives_a_batch_of_equal_returns_none_as_trinity_does()
     got, want = ours("reinforceplusplus", {}, exps), theirs("reinforceplusplus", {}, exps)
     assert_same(got, want)
     assert all(adv.tolist() == [0.0, 0.0] for adv, _ in got.values())
+
+
+@pytest.mark.parametrize("gamma", [1.0, 0.9])
+def test_returns_to_go_of_one_long_response_among_short_ones_match_trinity(gamma: float) -> None:
+    """Returns summed over each response alone (a scan of the flat tokens), as Trinity's padded
+    loop sums them: one response of 3,000 tokens beside 63 of 1 to 30, token-level rewards."""
+    rng = random.Random(7)
+    exps = []
+    for run in range(64):
+        length = 3000 if run == 5 else rng.randint(1, 30)
+        rewards = [rng.uniform(-1, 1) for _ in range(length)]
+        exps.append(Exp(run // 8, run % 8, 0, rng.uniform(-1, 1), multi_turn_mask(rng, length), rewards))
+    for name in ("reinforceplusplus", "discounted_return"):
+        got = ours(name, {"gamma": gamma}, exps)
+        if name == "reinforceplusplus":  # Trinity sums 3,000 returns in float32: 2.3e-5 off float64's at 28
+            want = theirs(name, {"gamma": gamma}, exps)
+            assert sorted(got) == sorted(want)
+            for uid, values in want.items():
+                for g, w in zip(got[uid], values, strict=True):
+                    assert g.shape == w.shape and float((g.double() - w.double()).abs().max()) < 1e-4, uid
+        long = got[exps[5].uid][1]
+        assert long.shape == (3000,) and bool(torch.isfinite(long).all())
+
+
+def test_returns_to_go_take_memory_of_the_tokens_not_of_the_longest_response_times_the_experiences() -> None:
+    """One response of 65,536 tokens among 4,095 of 10: a matrix of experiences x the longest
+    response, twice, took 4 GiB more at its peak (a helper's audit: 2.2 GB in a server for 141 k
+    tokens); the scan holds a few copies of the 106 k tokens."""
+    code = (
+        "import resource, torch\n"
+        "from expbuf.server.advantages.estimators import FlatBatch, _returns_to_go\n"
+        "lengths = torch.tensor([10] * 4095 + [65536])\n"
+        "n, total = lengths.numel(), int(lengths.sum())\n"
+        "ints = torch.zeros(n, dtype=torch.int64)\n"
+        "b = FlatBatch(torch.zeros(n, dtype=torch.float64), ints, lengths, torch.zeros(n, dtype=torch.float64),"
+        " ints, ints, ints, token_rewards=torch.ones(total, dtype=torch.float64))\n"
+        "before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
+        "returns = _returns_to_go(b, 0.99)\n"
+        "assert returns.shape == (total,) and float(returns[-1]) == 1.0\n"
+        "print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) // 1024)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr
+    assert int(done.stdout) < 256, f"{done.stdout.strip()} MiB more at the peak"
 
 
 def test_reinforceplusplus_has_no_group_baseline_and_discounts() -> None:

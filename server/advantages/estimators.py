@@ -308,23 +308,24 @@ def asymre_verl(b: FlatBatch, baseline_shift: float) -> Advantages:
 
 def _returns_to_go(b: FlatBatch, gamma: float) -> Tensor:
     """[T] G_t = r_t + gamma * G_{t+1} over each response's token-level rewards, through
-    tokens outside the mask (a reward reaches every earlier turn). Vectorised over
-    experiences, one step per token position of the longest response."""
-    n, t_max = b.lengths.numel(), int(b.lengths.max()) if b.lengths.numel() else 0
-    token_rewards = _needed(b.token_rewards, "rewards")
-    device = token_rewards.device
-    keep = torch.arange(t_max, device=device).expand(n, t_max) < b.lengths.to(device).unsqueeze(1)
-    padded = torch.zeros(n, t_max, dtype=torch.float64, device=device)
-    padded[keep] = token_rewards.double()
-    if gamma == 1.0:
-        returns = padded.flip(1).cumsum(1).flip(1)
-    else:
-        returns = torch.zeros_like(padded)
-        running = torch.zeros(n, dtype=padded.dtype, device=device)
-        for t in range(t_max - 1, -1, -1):
-            running = padded[:, t] + gamma * running
-            returns[:, t] = running
-    return returns[keep]
+    tokens outside the mask (a reward reaches every earlier turn). A scan over the flat tokens,
+    log2 of the longest response's steps, each adding the sums 2^k tokens ahead in the same
+    response: memory of the batch's tokens, where a matrix of experiences x the longest response
+    took gigabytes for one long response among many short ones."""
+    rewards = _needed(b.token_rewards, "rewards").double()
+    total, device = rewards.numel(), rewards.device
+    if not total:
+        return rewards
+    lengths = b.lengths.to(device)
+    ends = torch.repeat_interleave(torch.cumsum(lengths, 0), lengths)  # each token's response's end
+    ahead = ends - torch.arange(total, device=device)  # its response's tokens from it on, itself included
+    returns, step, scale = rewards, 1, gamma
+    while step < int(lengths.max()):
+        later = torch.zeros_like(returns)
+        later[: total - step] = returns[step:]
+        returns = returns + torch.where(ahead > step, scale * later, 0.0)
+        step, scale = step * 2, scale * scale
+    return returns
 
 
 def reinforceplusplus(b: FlatBatch, gamma: float) -> Advantages:
