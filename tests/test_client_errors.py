@@ -205,3 +205,17 @@ def test_numpy_scalars_are_taken_as_the_python_values_they_hold(target: str) -> 
     assert config == made
     assert (config.group_size, config.drop_zero_variance, config.group_timeout_seconds) == (4, True, 1.5)
     assert config.estimator_params["std_normalize"] == "false" and config.shaping.reward_running_norm is True
+
+
+def test_a_claim_or_admit_whose_wait_is_not_a_finite_number_is_refused_naming_it(target: str) -> None:
+    """wait=nan or inf made the call's deadline, which then failed DEADLINE_EXCEEDED at once ("after
+    0.00s"), before the server could say what was wrong; the sharded client already refused them."""
+    with BufferClient(target) as client:
+        client.create_table("w", group_size=2, estimator="none", max_staleness=1, batch_size=1)
+        client.create_dataset("w", "d", 4)
+        for wait in (float("nan"), float("inf"), -1, "1"):
+            with pytest.raises(ValueError, match=r"^claim: wait is .*; it is a finite number of seconds, 0 or more$"):
+                client.claim("w", "d", 1, wait=wait)  # type: ignore[arg-type]
+            with pytest.raises(ValueError, match=r"^admit: wait is .*; it is a finite number of seconds, 0 or more$"):
+                client.admit("w", 1, wait=wait)  # type: ignore[arg-type]
+        assert client.ledger("w", "d").total("claimed") == 0 and client.stats("w")["w"].submitted == 0

@@ -18,6 +18,7 @@ its result (a coroutine of it for an asyncio client).
 from __future__ import annotations
 
 import inspect
+import math
 import os
 import sys
 import warnings
@@ -110,6 +111,15 @@ Steps = Generator[Step, Any, T]
 Plan = Unary[T] | Chunked[T] | Several[Any, T] | Steps[T]
 # A call's route over shards: the sharded clients' plan of it (shards/plans.py), of their planner.
 Route = Callable[["ShardPlans"], Callable[..., Generator[Any, Any, S]]]
+
+
+def waited(call: str, wait: object) -> float:
+    """A call's `wait`, seconds it may wait at the server beside its deadline's: a number 0 or more
+    and finite, or a ValueError naming it (NaN or infinity made its deadline, and it failed
+    DEADLINE_EXCEEDED at once, before the server could say what was wrong)."""
+    if isinstance(wait, bool) or not isinstance(wait, int | float) or not 0 <= wait < math.inf:
+        raise ValueError(f"{call}: wait is {wait!r}; it is a finite number of seconds, 0 or more")
+    return wait
 
 
 def steps(plan: Plan[T]) -> Steps[T]:

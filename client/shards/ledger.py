@@ -18,7 +18,6 @@ merges the shards' pages in (epoch, index) order.
 from __future__ import annotations
 
 import hashlib
-import math
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -28,6 +27,7 @@ import grpc
 
 from ..errors import BufferError
 from ..rpc.calls.ledger_calls import Outcomes, outcomes_by_dataset
+from ..rpc.declare import waited
 from ..schema.prompts import DEFAULT_PAGE, MAX_PROMPTS_PER_CALL, Claim, DatasetInfo, Prompt, PromptPage, new_claim_id
 from .common import shard_error
 from .plans import Planned
@@ -83,8 +83,7 @@ def claim_in_bounds(count: object, wait: object) -> None:
     parts of a count past MAX_PROMPTS_PER_CALL each fit, and a negative wait is sent to none."""
     if not isinstance(count, int) or isinstance(count, bool) or not 1 <= count <= MAX_PROMPTS_PER_CALL:
         raise ValueError(f"claim: count is {count!r}; a claim asks for 1 to {MAX_PROMPTS_PER_CALL} prompts")
-    if not isinstance(wait, int | float) or isinstance(wait, bool) or not (math.isfinite(wait) and wait >= 0):
-        raise ValueError(f"claim: wait is {wait!r}; it is a finite number of seconds, 0 or more")
+    waited("claim", wait)
 
 
 @dataclass

@@ -9,7 +9,7 @@ import uuid
 from expbuf.proto.v1 import buffer_pb2 as pb
 
 from ...results import Grant
-from ..declare import ClientSettings, Plan, Unary, declare
+from ..declare import ClientSettings, Plan, Unary, declare, waited
 
 
 def new_grant_id() -> str:
@@ -66,6 +66,7 @@ class AdmissionCalls(ClientSettings):
         Sharded: on the table's admission shard (`admission_shard`)."""
         if not isinstance(count, int) or isinstance(count, bool) or count < 1:
             raise ValueError(f"count must be a positive integer, got {count!r}")
+        wait = waited("admit", wait)
         request = pb.AdmitRequest(
             table=table,
             count=count,

@@ -23,7 +23,7 @@ from ...schema.prompts import (
     PromptPage,
     new_claim_id,
 )
-from ..declare import ClientSettings, Plan, Steps, Unary, declare
+from ..declare import ClientSettings, Plan, Steps, Unary, declare, waited
 
 Outcomes = Mapping[Prompt, Sequence[float]] | Iterable[tuple[Prompt, Sequence[float]]]
 
@@ -264,6 +264,7 @@ def claim_call(
     answers a repeat with what the first handed out, so a lost reply claims nothing twice."""
     if not isinstance(count, int) or isinstance(count, bool) or count < 1:
         raise ValueError(f"claim: count must be a positive integer, got {count!r}")
+    wait = waited("claim", wait)
     if not isinstance(claim_id, str) or len(claim_id.encode()) > MAX_CLAIM_ID_BYTES:
         raise ValueError(f"claim: claim_id must be a str of at most {MAX_CLAIM_ID_BYTES} bytes, got {claim_id!r}")
     request = pb.ClaimRequest(
