@@ -19,6 +19,7 @@ from expbuf.server.store import Entry, Store
 from expbuf.server.store.disk import digests, layout, shared_prompts
 from expbuf.server.store.schema.table_config import TableConfig
 
+import cli_forks
 from helpers import scrape, take
 
 PROMPT = 512  # int64 tokens: 4 KiB, above shared_prompts.MIN_BYTES
@@ -332,3 +333,30 @@ def test_the_prompt_bytes_an_entry_carries_are_the_span_the_writer_would_find(dt
         assert entry.prompt_bytes == prompt * itemsize
         assert (span is not None) == (entry.prompt_bytes >= shared_prompts.MIN_BYTES), prompt
         assert span is None or span[1] - span[0] == entry.prompt_bytes
+
+
+@pytest.mark.parametrize(("at", "what"), [(6, "its prompt's digest"), (1, "its magic")])
+def test_a_run_whose_reference_is_damaged_leaves_its_prompt_which_expbuf_repair_drops(
+    tmp_path: Path, at: int, what: str
+) -> None:
+    """A run quarantined with `what` damaged in its reference released another prompt's count (or,
+    its magic gone, none): its own prompt was kept for good once its group went, and `expbuf check`
+    failed on it from then on with nothing to mend it. `expbuf repair` counts each prompt again as
+    the stored runs refer to it and drops those none does."""
+    data = tmp_path / "data"
+    with Store(data, map_size=64 << 20, seed=3) as store:
+        store.create_table(TableConfig.of(name="t", estimator="none", group_size=4))
+        group = items(*(run(0, index) for index in range(4)))
+        store.put("t", group)
+        key, db = prefix(store) + group[1].uid.encode(), store.environment.db["blobs"]
+        with store.environment.env.begin(write=True) as txn:
+            value = bytearray(txn.get(key, db=db))
+            value[at] ^= 1
+            txn.put(key, bytes(value), db=db)
+        assert group[1].uid not in store.get("t", [item.uid for item in group])  # found damaged: quarantined
+        store.delete("t", group_ids=["0/0"])  # the rest of its group goes
+        assert any("no stored run refers to" in problem for problem in store.verify("t")), what
+    done = cli_forks.run("repair", "--data", str(data), timeout=120)
+    assert done.returncode == 0 and "t: counted 1 shared prompt(s) again" in done.stdout, done
+    with Store(data, map_size=64 << 20) as store:
+        assert shared(store) == {} and store.verify("t") == []

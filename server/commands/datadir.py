@@ -43,7 +43,10 @@ def add_datadir_commands(sub: argparse._SubParsersAction) -> None:
     backup.set_defaults(func=_backup)
     repair = sub.add_parser(
         "repair",
-        help="drop the stray chunk sets and damaged pending groups expbuf check names (the server must be stopped)",
+        help=(
+            "drop the stray chunk sets and damaged pending groups expbuf check names, and count shared prompts "
+            "again as their runs refer to them (the server must be stopped)"
+        ),
     )
     repair.add_argument("--data", default="./expbuf-data", help="the data directory (default %(default)s)")
     repair.set_defaults(func=_repair)

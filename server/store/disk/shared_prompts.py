@@ -173,9 +173,15 @@ def _count(raw: Bytes | None) -> int:
         return 0
 
 
-def check(txn: lmdb.Transaction[bytes], dbs: dict[str, lmdb._Database], prefix: bytes) -> list[str]:
-    """A table's shared prompts against the references its payloads hold: each counted as many
-    times as it is referred to, none without a count, none kept that nothing refers to."""
+# What mends a prompt counted otherwise than its runs refer to it (`recount`).
+REPAIRS = "expbuf repair counts them again"
+
+
+def _tally(
+    txn: lmdb.Transaction[bytes], dbs: dict[str, lmdb._Database], prefix: bytes
+) -> tuple[dict[bytes, int], dict[bytes, int], set[bytes]]:
+    """A table's references to each shared prompt (by digest), as its payloads hold them; each
+    prompt's stored count; the prompts stored."""
     referred: dict[bytes, int] = {}
     with txn.cursor(db=dbs["blobs"]) as cur:
         present = cur.set_range(prefix)
@@ -197,13 +203,38 @@ def check(txn: lmdb.Transaction[bytes], dbs: dict[str, lmdb._Database], prefix: 
                 else:
                     into.add(digest)
                 present = cur.next()
+    return referred, counted, kept
+
+
+def check(txn: lmdb.Transaction[bytes], dbs: dict[str, lmdb._Database], prefix: bytes) -> list[str]:
+    """A table's shared prompts against the references its payloads hold: each counted as many
+    times as it is referred to, none without a count, none kept that nothing refers to."""
+    referred, counted, kept = _tally(txn, dbs, prefix)
     problems = []
-    wrong = sum(counted.get(digest) != count for digest, count in referred.items())
+    wrong = sum(counted.get(digest) != count for digest, count in referred.items() if digest in kept)
     if wrong:
-        problems.append(f"{wrong} shared prompt(s) are counted otherwise than their runs refer to them")
+        problems.append(f"{wrong} shared prompt(s) are counted otherwise than their runs refer to them: {REPAIRS}")
     unreferred = (set(counted) | kept) - set(referred)
     if unreferred:
-        problems.append(f"{len(unreferred)} shared prompt(s) are kept that no stored run refers to")
+        problems.append(f"{len(unreferred)} shared prompt(s) are kept that no stored run refers to: {REPAIRS}")
     if set(referred) - kept:
         problems.append(f"{len(set(referred) - kept)} shared prompt(s) that runs refer to are missing")
     return problems
+
+
+def recount(txn: lmdb.Transaction[bytes], dbs: dict[str, lmdb._Database], prefix: bytes) -> int:
+    """Count each of a table's shared prompts as its stored runs refer to it, and drop those none
+    refers to (`expbuf repair`): a run whose reference's frame was damaged released another
+    prompt's count, or none, when it was quarantined, and its own prompt was then kept for good.
+    How many prompts it counted again or dropped."""
+    referred, counted, kept = _tally(txn, dbs, prefix)
+    mended = 0
+    for digest, count in referred.items():
+        if digest in kept and counted.get(digest) != count:
+            txn.put(prefix + digest, _COUNT.pack(count), db=dbs["shared_refs"])
+            mended += 1
+    for digest in (set(counted) | kept) - set(referred):
+        txn.delete(prefix + digest, db=dbs["shared_refs"])
+        txn.delete(prefix + digest, db=dbs["shared"])
+        mended += 1
+    return mended

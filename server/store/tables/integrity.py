@@ -199,9 +199,10 @@ def _check_chunk_sets(tt: TableState, *, strays: bool) -> list[str]:
 
 def repair(txn: lmdb.Transaction[bytes], dbs: dict[str, lmdb._Database], now: float) -> dict[str, list[str]]:
     """What `expbuf repair` does: drop every table's stray chunk sets (stray_sets), which nothing
-    reads, and remove the pending or computing groups whose heads (a records table's: group records) do
-    not decode or are lost (row_deletes.remove_damaged_groups, retire.remove_lost_groups), which nothing
-    can end, as a Delete naming them does (its
+    reads, count its shared prompts again as its runs refer to them (dropping those none does:
+    shared_prompts.recount), and remove the pending or computing groups whose heads (a records
+    table's: group records) do not decode or are lost (row_deletes.remove_damaged_groups,
+    retire.remove_lost_groups), which nothing can end, as a Delete naming them does (its
     extensions not loaded: a prompt claimed for such a group waits for its claim to end). What
     it did, by table, a line each. Tables whose catalogue entry or counters do not decode are
     left alone (`scan` reports them)."""
@@ -214,6 +215,8 @@ def repair(txn: lmdb.Transaction[bytes], dbs: dict[str, lmdb._Database], now: fl
         for set_id in sorted(strays):
             chunked.drop_set(txn, dbs, tt.prefix, set_id)
         done = [f"dropped {len(strays)} stray chunk set(s)"] if strays else []
+        recounted = shared_prompts.recount(txn, dbs, tt.prefix)
+        done += [f"counted {recounted} shared prompt(s) again as their runs refer to them"] if recounted else []
         rows = config.storage.layout == "rows"
         removed = row_deletes.remove_damaged_groups(tt) if rows else retire.remove_lost_groups(tt)
         if removed:
