@@ -438,3 +438,39 @@ def test_a_put_again_cut_short_part_way_is_refused_at_the_get_not_read_as_a_mix(
         assert torch.equal(storage.get(["0@x"])[0], later)
     finally:
         storage.close()
+
+
+def test_a_field_named_as_another_s_part_is_refused_and_a_small_message_bound_is_taken(start_server: Servers) -> None:
+    """A field named `a#0` was stored under the key of field `a`'s first part, and the put of `a`
+    cleared it (its earlier value's parts): its values were gone, "holds no value" at the get. It is
+    refused at the put, naming it. A max_message_bytes below 4 MiB failed the start on a chunk size
+    the config cannot give (push_chunk_bytes 4 MiB); the chunks take the bound."""
+    server = start_server()
+    target = f"127.0.0.1:{server.port}"
+    storage = ExpbufStorageClient({"target": target, "table": "tq", "max_message_bytes": 1 << 20})
+    try:
+        with pytest.raises(ValueError, match=r"field 'a#0' ends in '#' and a number, .* of field 'a' are named"):
+            storage.put(["0@a", "0@a#0"], [torch.ones(2), torch.zeros(2)])
+        big = torch.arange(1_000_000, dtype=torch.int32)  # 4 MB: parts of half a message
+        assert storage.put(["0@a"], [big]) == [{"expbuf_parts": 8}]
+        assert torch.equal(storage.get(["0@a"])[0], big)
+    finally:
+        storage.close()
+
+
+def test_keys_that_hold_tags_alone_are_cleared_with_their_partition(
+    ray_cluster: ModuleType, start_server: Servers
+) -> None:
+    """Keys put with tags and no field (kv_batch_put(..., tags=...), as TransferQueue documents):
+    a clear refused "nothing to clear", and the keys and their partition stayed for good."""
+    server = start_server()
+    target = f"127.0.0.1:{server.port}"
+    tq.init(OmegaConf.create({"backend": {"storage_backend": "Expbuf", "Expbuf": {"target": target, "table": "tq"}}}))
+    try:
+        tq.kv_batch_put(keys=["a", "b"], partition_id="meta", tags=[{"score": 1}, {"score": 2}])
+        tq.kv_clear(keys=["a"], partition_id="meta")
+        assert list(tq.kv_list(partition_id="meta")["meta"]) == ["b"]
+        tq.get_client().clear_partition("meta")
+        assert "meta" not in tq.get_client().get_partition_list()
+    finally:
+        tq.close()

@@ -360,7 +360,7 @@ class ClientBase:
         retries: int = DEFAULT_RETRIES,
         wait_for_ready: bool = False,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
-        push_chunk_bytes: int = DEFAULT_PUSH_CHUNK_BYTES,
+        push_chunk_bytes: int | None = None,
     ) -> None:
         """Connect to `target` (HOST:PORT: without a port, or as a URL, a ValueError says what to
         write). `token` is sent as a bearer token; `tls` is a Tls (a CA, and a client pair for
@@ -372,8 +372,8 @@ class ClientBase:
         spent. `max_message_bytes` is the largest message either way: a batch larger than it
         (or than the server's) comes in parts, which the client puts back together. A push
         larger than `push_chunk_bytes` is sent in chunks of that size, so that neither side
-        holds gRPC's copies of one large message (0: every push in one message, as a server of
-        0.2.0 or older needs). The connection opens lazily:
+        holds gRPC's copies of one large message (None: 4 MiB, or max_message_bytes where that is
+        less; 0: every push in one message, as a server of 0.2.0 or older needs). The connection opens lazily:
 
         ```python
         with BufferClient("127.0.0.1:50051", token=os.environ["EXPBUF_TOKEN"]) as client:
@@ -382,6 +382,8 @@ class ClientBase:
         """
         checked_target(target)
         token = checked_token(token)
+        if push_chunk_bytes is None:  # a smaller max_message_bytes alone is not refused for a chunk it did not name
+            push_chunk_bytes = min(DEFAULT_PUSH_CHUNK_BYTES, max_message_bytes)
         if push_chunk_bytes != 0 and not 1 << 16 <= push_chunk_bytes <= max_message_bytes:
             raise ValueError(
                 f"push_chunk_bytes must be 0 (no chunks) or from 65536 to max_message_bytes = {max_message_bytes}, "

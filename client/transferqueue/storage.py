@@ -29,6 +29,7 @@ import asyncio
 import functools
 import json
 import math
+import re
 import struct
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
@@ -286,6 +287,13 @@ class ExpbufStorageClient(StorageKVClient):
         encoded while the ones before it are sent."""
         if len(keys) != len(values):
             raise ValueError(f"{len(keys)} keys for {len(values)} values")
+        named = next((key for key in keys if _PART_NAME.search(key)), None)
+        if named is not None:  # its value and another field's parts would overwrite each other
+            raise ValueError(
+                f"field {named.partition('@')[2]!r} ends in '#' and a number, as the parts of a large value of field"
+                f" {_PART_NAME.sub('', named.partition('@')[2])!r} are named in expbuf's TransferQueue backend: name it"
+                " otherwise"
+            )
         metas: list[dict[str, int] | None] = [None] * len(keys)
         sent: list[Future[int]] = []
         names: list[str] = []
@@ -420,6 +428,10 @@ def expected_bytes(shape: Any, dtype: Any) -> int:
     return count * dtype.itemsize + 64
 
 
+# The end of a part's key (`part_keys`), which no field's key may have.
+_PART_NAME = re.compile(r"#[0-9]+$")
+
+
 def part_keys(key: str, count: int) -> list[str]:
     """The keys of a value's parts."""
     return [f"{key}#{part}" for part in range(count)]
@@ -440,7 +452,8 @@ class ExpbufStorageManager(KVStorageManager):
         of a batch's samples hold; a field some of them hold alone would stay stored (and count
         against the table's capacity) for ever, so the partition's fields are asked for, with
         their parts' counts, and each sample's key of each is cleared (clearing a key not stored
-        clears nothing)."""
+        clears nothing). Samples of no field (keys that hold tags alone) have nothing stored here:
+        TransferQueue's own key-value manager refused to clear them, and their partition stayed."""
         names: set[str] = set(metadata.field_names)
         metas: dict[int, dict[str, Any]] = {}
         for partition_id in dict.fromkeys(metadata.partition_ids):
@@ -449,8 +462,8 @@ class ExpbufStorageManager(KVStorageManager):
                 continue
             names.update(whole.field_names)
             metas.update(zip(whole.global_indexes, whole._custom_backend_meta, strict=True))
-        if not names:
-            raise RuntimeError("nothing to clear: the batch names no field and its partitions hold none")
+        if not names:  # keys of tags alone (kv_batch_put without fields): nothing stored, the controller clears them
+            return
         for at, index in enumerate(metadata.global_indexes):
             metas.setdefault(index, metadata._custom_backend_meta[at])
         fields = sorted(names)
