@@ -32,6 +32,7 @@ if TYPE_CHECKING:
         UnavailableError,
     )
     from .results import (
+        AsyncBatch,
         Batch,
         BufferStats,
         FailedRuns,
