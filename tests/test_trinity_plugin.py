@@ -21,11 +21,13 @@ import pytest
 import torch
 
 from expbuf.client import BufferClient, BufferError, Tls
+from expbuf.server.advantages import estimators
 from expbuf.server.app import ExpbufServer
 from expbuf.server.config import TlsConfig
+from expbuf.server.store.schema.estimator_registry import Estimator
 
 from conftest import Servers
-from helpers import passes_started
+from helpers import passes_started, registered
 
 
 def import_frameworks() -> None:
@@ -667,3 +669,62 @@ def test_a_server_restart_of_a_second_or_two_is_ridden_out_by_the_writer_and_the
     with BufferClient(f"127.0.0.1:{port}") as admin:
         stats = admin.stats(TABLE)[TABLE]
     assert (stats.consumed, stats.leased, stats.ready) == (4, 4, 0), stats
+
+
+def test_a_writer_made_while_the_server_restarts_waits_for_it_and_seals_short_groups(start_server: Servers) -> None:
+    """Made while the server could not be reached (a job started before it, a restart), the
+    writer logged that the settings were not checked and sealed no group a write left short: the
+    group (6 of 8 runs, 2 dropped by a reward filter) stayed pending and the trainer timed out. It
+    waits for the server, as its writes do."""
+    server = start_server()
+    port = server.port
+    with BufferClient(f"127.0.0.1:{port}") as admin:
+        admin.create_table(TABLE, group_size=8, estimator="grpo")
+    start_server.stop(server)
+    restarted: list[ExpbufServer] = []
+    back = threading.Timer(1.5, lambda: restarted.append(start_server(port=port)))
+    back.start()
+    try:
+        writer = trinity.buffer.get_buffer_writer(buffer_config(port, batch_size=8))
+    finally:
+        back.join()
+    asyncio.run(writer.write(group(0, [1.0, 0.0, 2.0, 0.5, 0.0, 1.0])))
+    with BufferClient(f"127.0.0.1:{port}") as admin:  # the short group, sealed and computed
+        assert until(lambda: (admin.stats(TABLE)[TABLE].pending, admin.stats(TABLE)[TABLE].ready) == (0, 6))
+
+
+def test_the_end_of_data_waits_for_the_groups_still_computing(start_server: Servers) -> None:
+    """The explorer writes its last step and releases (ExperiencePipeline.close), the trainer reads
+    to the end of data: the reader ended on an empty take as soon as the writers were done, while
+    the step's groups were still computing (a fresh server's advantage worker starting, here an
+    estimator held for 3 s), and they were never trained."""
+    computed = threading.Event()
+
+    def held(batch: estimators.FlatBatch) -> estimators.Advantages:
+        computed.wait(60)
+        return estimators.reinforce(batch)
+
+    with registered(Estimator("held_for_3_s", ingest=held, token_level=True)) as name:  # the worker computes it
+        server = start_server()
+        with BufferClient(f"127.0.0.1:{server.port}") as admin:
+            admin.create_table(TABLE, group_size=4, estimator=name)
+        config = buffer_config(server.port, batch_size=4)
+        writer, reader = trinity.buffer.get_buffer_writer(config), trinity.buffer.get_buffer_reader(config)
+
+        async def last_step_then_read() -> list[Experience]:
+            await writer.acquire()
+            await writer.write(group(0, [1.0, 0.0, 2.0, 0.5]))
+            await writer.release()
+            read: list[Experience] = []
+            with pytest.raises(StopAsyncIteration, match="its writers are done and it is empty"):
+                while True:
+                    read += await reader.read()
+            return read
+
+        release = threading.Timer(3.0, computed.set)
+        release.start()
+        try:
+            read = asyncio.run(last_step_then_read())
+        finally:
+            release.join()
+    assert sorted(e.eid.run for e in read) == [0, 1, 2, 3]

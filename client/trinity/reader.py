@@ -292,12 +292,15 @@ class ExpbufReader(BufferReader):
         return batch
 
     def _writers_done(self) -> bool:
-        """Whether every writer of the table has closed (the end of data); False where the
-        token may not ask (push scope), and the reader then ends by max_read_timeout."""
+        """Whether every writer of the table has closed and no group they completed is still having
+        its advantages computed (the end of data: the last step's groups, computing as its writer
+        closed, were left untrained where the read ended on an empty take); False where the token
+        may not ask (push scope), and the reader then ends by max_read_timeout."""
         if not self._sees_writers:
             return False
+        table = self.location.table
         try:
-            return self._client.writers(self.location.table)[1]
+            return self._client.writers(table)[1] and not self._client.stats(table)[table].groups_computing
         except BufferError as exc:
             if exc.code != grpc.StatusCode.PERMISSION_DENIED:
                 raise

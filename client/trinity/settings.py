@@ -31,8 +31,10 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from expbuf.client.client import BufferClient, BufferError
+from expbuf.client.client import BufferClient
+from expbuf.client.errors import PermissionDeniedError
 from expbuf.client.kit.location import Location
+from expbuf.client.kit.retry import retried
 from expbuf.client.kit.tables import table_info
 from expbuf.client.results import TableInfo
 
@@ -41,10 +43,15 @@ TRINITY_DEFAULT_CAPACITY = 10000
 
 
 def table_settings(client: BufferClient, location: Location) -> TableInfo | None:
-    """The table's settings; None where the token may not read them (push-only)."""
+    """The table's settings; None where the token may not read them (push-only). A server that
+    cannot be reached (a job started before it, a restart) is waited for, for the client's timeout
+    (kit.retry), and then its error raised: a writer made without the settings sealed no short
+    group (its trainer then waited for good), a reader checked no batch size."""
     try:
-        return table_info(client, location.table, make_it="with group_size = 0 for Trinity jobs")
-    except BufferError as exc:
+        return retried(
+            lambda: table_info(client, location.table, make_it="with group_size = 0 for Trinity jobs"), client.timeout
+        )
+    except PermissionDeniedError as exc:
         log.warning("expbuf: cannot read the settings of table '%s' (%s); they are not checked", location.table, exc)
         return None
 
