@@ -13,7 +13,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from expbuf.client import EID, Experience, TrxpError, encode, trxp
+from expbuf.client import EID, BufferClient, Experience, TrxpError, encode, trxp
 
 # Tensor names JSON must escape (a quote, a backslash, control characters) or that are not ASCII.
 AWKWARD_NAMES = ['say "cheese"', "back\\slash", "line\nbreak\t\x01\x1f", "pixel_värden ✓", "\x7f"]
@@ -220,6 +220,22 @@ def test_caller_containers_are_kept_as_given() -> None:
     (back,) = trxp.decode(encode([exp]))
     assert (back.info, back.metrics, back.messages, back.tools) == (info, {}, [], [{"name": "calc"}])
     assert back.chosen_messages == deep(30)
+
+
+def test_numpy_and_torch_scalars_in_info_and_metrics_are_the_numbers_they_hold(client: BufferClient) -> None:
+    """A reward function's numpy values land in metrics and info (Trinity-RFT's workflows update
+    metrics with them): a numpy float, a float to the checks, was pickled as numpy's and the whole
+    push refused by the server ("pickle opcode STACK_GLOBAL is not plain data"), naming no field."""
+    np = pytest.importorskip("numpy")
+    exp = experience(
+        metrics={"accuracy": np.float64(1.0), "format": np.float32(0.5), "turns": np.int64(3)},
+        info={"stats": {"score": torch.tensor(2.5)}, "scores": [np.float64(0.25)], "kept": (np.bool_(True),)},
+    )
+    client.push([exp], table="default")
+    (back,) = client.get([exp.eid.uid])  # as the server stored it
+    assert back.metrics == {"accuracy": 1.0, "format": 0.5, "turns": 3}
+    assert back.info == {"stats": {"score": 2.5}, "scores": [0.25], "kept": (True,)}
+    assert type(back.metrics["accuracy"]) is float and type(back.metrics["turns"]) is int
 
 
 FIELD_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]

@@ -16,7 +16,7 @@ if TYPE_CHECKING:
 from ...schema.experience import EID, META_FIELDS, TENSOR_FIELDS, Experience
 from .build import build
 from .checks import EID_KEYS, check_meta, check_tensors
-from .common import ITEMSIZE, MM_PREFIX, UNBOUNDED, RawItem, RawTensor, TrxpError, Work
+from .common import ITEMSIZE, MAX_NESTING, MM_PREFIX, UNBOUNDED, RawItem, RawTensor, TrxpError, Work
 from .gc_pause import collector_paused
 from .measure import Shape
 from .parse import parse
@@ -194,10 +194,8 @@ class _Batch:
         meta: dict[str, Any] = {"eid": eid if isinstance(eid, dict) else _eid_dict(eid)}
         for name in META_FIELDS:
             meta[name] = getattr(exp, name, None)
-        if meta["info"] is None:
-            meta["info"] = {}
-        if meta["metrics"] is None:
-            meta["metrics"] = {}
+        meta["info"] = {} if meta["info"] is None else _plain(meta["info"])
+        meta["metrics"] = {} if meta["metrics"] is None else _plain(meta["metrics"])
         if meta["prompt_length"] is None:
             meta["prompt_length"] = 1
         if meta["reward"] is not None:
@@ -228,6 +226,27 @@ class _Batch:
 
 def _eid_dict(eid: Any) -> dict[str, Any]:
     return {"batch": eid.batch, "task": eid.task, "run": eid.run, "step": eid.step, "suffix": eid.suffix}
+
+
+def _plain(value: Any, depth: int = 0) -> Any:
+    """`value` with the numpy and torch scalars in it (at any depth of its dicts, lists and tuples)
+    as the Python numbers they hold: a reward function's numpy values land in info and metrics,
+    and a numpy float, a float to the checks, was pickled as numpy's and refused by the server
+    ("pickle opcode STACK_GLOBAL is not plain data"), the push with it. Containers are copied only
+    where something in them changes; past MAX_NESTING (a cycle among them) left as they are, for
+    the checks to refuse."""
+    kind = type(value)
+    if depth > MAX_NESTING:
+        return value
+    if kind is dict:
+        made = {key: _plain(item, depth + 1) for key, item in value.items()}
+        return value if all(made[key] is item for key, item in value.items()) else made
+    if kind is list or kind is tuple:
+        items = [_plain(item, depth + 1) for item in value]
+        return value if all(a is b for a, b in zip(items, value, strict=True)) else kind(items)
+    if kind.__module__ in ("numpy", "torch") and getattr(value, "ndim", None) == 0 and hasattr(value, "item"):
+        return value.item()
+    return value
 
 
 def _float(name: str, value: Any) -> float:
