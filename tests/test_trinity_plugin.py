@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import dataclasses
 import gc
 import logging
 import os
@@ -135,6 +136,12 @@ def test_factories_return_expbuf_for_expbuf_paths_and_trinity_otherwise(start_se
     assert isinstance(trinity.buffer.get_buffer_writer(config), ExpbufWriter)
     assert isinstance(trinity.buffer.get_buffer_reader(config), ExpbufReader)
     assert isinstance(trinity.buffer.get_buffer_reader(config.to_storage_config()), ExpbufReader)
+    # A misspelt storage type, or a path one slash short, was taken silently (the latter by Trinity's own queue).
+    for factory in (trinity.buffer.get_buffer_writer, trinity.buffer.get_buffer_reader):
+        with pytest.raises(ValueError, match=r"^redis not supported\.$"):
+            factory(dataclasses.replace(config, storage_type="redis"))
+        with pytest.raises(ValueError, match=r"buffer path 'expbuf:/127.0.0.1:\d+/grpo4' is not an expbuf path"):
+            factory(dataclasses.replace(config, path=config.path.replace("://", ":/")))
     # Modules that imported the factories before the plugin loaded (this test module imports
     # them first) now call the plugin's.
     assert experience_pipeline.get_buffer_writer is trinity.buffer.get_buffer_writer

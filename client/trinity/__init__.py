@@ -54,10 +54,16 @@ def plugin_dir() -> str:
 def _routed(original: Callable[[Any], Any], expbuf_cls: type, taskset_cls: type | None) -> Callable[[Any], Any]:
     @functools.wraps(original)
     def factory(config: Any) -> Any:
-        if is_expbuf_path(getattr(config, "path", None)):
+        path = getattr(config, "path", None)
+        if isinstance(path, str) and path.lower().startswith("expbuf:") and not is_expbuf_path(path):
+            raise ValueError(f"buffer path {path[:80]!r} is not an expbuf path: expbuf://HOST:PORT/TABLE")
+        if is_expbuf_path(path):
             from trinity.common.config import StorageConfig
+            from trinity.common.constants import StorageType
 
             storage = config if isinstance(config, StorageConfig) else config.to_storage_config()
+            if storage.storage_type not in {kind.value for kind in StorageType}:  # as Trinity's factories refuse it
+                raise ValueError(f"{storage.storage_type} not supported.")
             if taskset_cls is not None and is_taskset(config):
                 return taskset_cls(storage)
             refuse_taskset(config)
