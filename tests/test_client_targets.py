@@ -52,6 +52,15 @@ def test_a_target_with_a_url_scheme_is_refused_saying_to_drop_it(kind: type, tar
 
 
 @pytest.mark.parametrize("kind", CLIENTS)
+@pytest.mark.parametrize("target", [("127.0.0.1", 50051), 50051])
+def test_a_target_that_is_not_a_str_is_a_type_error_naming_what_it_takes(kind: type, target: object) -> None:
+    """A (host, port) tuple or a port alone was an AttributeError from inside ('tuple' object has no
+    attribute 'partition')."""
+    with pytest.raises(TypeError, match=rf"^target must be a 'HOST:PORT' str, got {type(target).__name__} "):
+        made(kind, target)
+
+
+@pytest.mark.parametrize("kind", CLIENTS)
 def test_targets_grpc_takes_are_left_as_they_are(kind: type) -> None:
     taken = ["127.0.0.1:50051", "[::1]:50051", "dns:///localhost:50051", "unix:/tmp/expbuf.sock", "ipv4:1.2.3.4:5"]
     for target in taken:

@@ -262,7 +262,10 @@ _HOST_PORT = re.compile(r"(?:dns:(?://[^/]*/)?)?(?P<host>\[[^\]]*\]|[^:/\[\]]+)(
 def checked_target(target: str) -> str:
     """`target` as both clients pass it to gRPC, or a ValueError saying what to change: gRPC takes a
     host without a port as port 443, and a URL's scheme as part of a host name, and says only
-    that it cannot connect or resolve."""
+    that it cannot connect or resolve. One that is not a str is a TypeError (an AttributeError from
+    inside, for a (host, port) tuple)."""
+    if not isinstance(target, str):
+        raise TypeError(f"target must be a 'HOST:PORT' str, got {type(target).__name__} {target!r:.60}")
     scheme, sep, rest = target.partition("://")
     if sep and scheme.lower() in URL_SCHEMES:
         raise ValueError(
