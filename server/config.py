@@ -58,6 +58,8 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
+from expbuf.client.schema.tokens import bearer_token
+
 from .store.schema.errors import ConfigError, clip
 from .store.schema.table_config import TableConfig
 
@@ -375,12 +377,10 @@ def _token(text: str, where: str, tokens: dict[str, frozenset[str]]) -> str:
     read from a file or a secret ends in a newline, and no client could send it); one that holds a
     character a gRPC header cannot carry, or that `tokens` holds already, is refused naming
     `where`, without the token (a secret)."""
-    token = text.strip()
-    if any(not " " < char <= "~" for char in token):
-        raise ConfigError(
-            f"{where}: the token holds a space, a control or a non-ASCII character, which no client can send in"
-            " its authorization header; a token is printable ASCII"
-        )
+    try:
+        token = bearer_token(text)
+    except ValueError as exc:
+        raise ConfigError(f"{where}: the {exc}") from None
     if token in tokens:
         raise ConfigError(f"{where}: the same token is given again; give each token once, with all its scopes")
     return token

@@ -27,6 +27,7 @@ from expbuf.proto.v1 import buffer_pb2 as pb
 from expbuf.proto.v1 import buffer_pb2_grpc as pb_grpc
 
 from ..errors import ExpbufError
+from ..schema.tokens import bearer_token
 from .frames import most_push_request
 from .sample_reply import PARTS_METHODS, parts_method, sample_method
 from .wire import BUSY, MESSAGE_BYTES, reason_of
@@ -162,19 +163,9 @@ BACKOFF = Backoff()
 
 
 def checked_token(token: str | None) -> str | None:
-    """`token` as its server reads it: without surrounding whitespace (a secret read from a file
-    ends in a newline, which gRPC refused as "INTERNAL: Invalid metadata" with a log of its own);
-    one that holds a character an authorization header cannot carry is a ValueError that says so,
-    without the token."""
-    if token is None:
-        return None
-    token = token.strip()
-    if any(not " " < char <= "~" for char in token):
-        raise ValueError(
-            "token holds a space, a control or a non-ASCII character, which its authorization header cannot carry;"
-            " a token is printable ASCII (the one the server's tokens name)"
-        )
-    return token
+    """`token` as its server reads it (schema/tokens.bearer_token): gRPC refused one ending in a
+    newline as "INTERNAL: Invalid metadata", with a log of its own."""
+    return None if token is None else bearer_token(token)
 
 
 def service_config(retries: int) -> str:

@@ -19,6 +19,7 @@ from expbuf.proto.v1 import buffer_pb2 as pb
 from ..schema.orders import order_problem
 from ..schema.reasons import DOMAIN, Reason
 from ..schema.table_settings import PARAM_CHOICES, SETTING_NAMES, SHAPING_NAMES
+from ..trxp.codec.convert import python_number
 
 GROUP_BY = {"task": pb.GROUP_BY_TASK, "run": pb.GROUP_BY_RUN, "step": pb.GROUP_BY_STEP, "none": pb.GROUP_BY_NONE}
 WHEN_FULL = {"block": pb.WHEN_FULL_BLOCK, "evict": pb.WHEN_FULL_EVICT}
@@ -86,7 +87,7 @@ def param_number(name: str, value: Any) -> Any:
     False or True), a choice by its position. The server checks the number against the
     estimator's range. A bool is a flag's only: given for a number, it was read as 0 or 1."""
     choices = PARAM_CHOICES.get(name, ())
-    value = _plain(value)
+    value = python_number(value)  # a config built with numpy: np.True_ for a flag
     if isinstance(value, bool) and choices == _FLAG:
         return float(value)
     if isinstance(value, int | float) and not isinstance(value, bool):
@@ -106,12 +107,6 @@ def param_number(name: str, value: Any) -> Any:
 
 
 _FLAG = ("false", "true")  # the choices of a flag, which a bool gives too
-
-
-def _plain(value: Any) -> Any:
-    """A numpy scalar as the Python value it holds (np.True_ a bool, np.int64 an int): a config a
-    trainer built with numpy gives them, and a bool field takes only a bool."""
-    return value.item() if type(value).__module__ == "numpy" and hasattr(value, "item") else value
 
 
 def _shown(value: Any) -> str:
@@ -198,7 +193,7 @@ def _message(cls: type[Message], what: str, fields: dict[str, Any]) -> Any:
     the values its field takes. A bool is a true-or-false field's alone, and only a bool is: protobuf
     takes 1 for true and True for 1.0, so drop_zero_variance=1 was stored true and
     group_timeout_seconds=True as 1 second."""
-    fields = {name: _plain(value) for name, value in fields.items()}
+    fields = {name: python_number(value) for name, value in fields.items()}  # a config built with numpy
     for name, value in fields.items():
         kind = cls.DESCRIPTOR.fields_by_name[name].type
         if value is not None and kind in _ALLOWED and (kind == FieldDescriptor.TYPE_BOOL) != isinstance(value, bool):

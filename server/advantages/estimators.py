@@ -319,8 +319,8 @@ def _returns_to_go(b: FlatBatch, gamma: float) -> Tensor:
     lengths = b.lengths.to(device)
     ends = torch.repeat_interleave(torch.cumsum(lengths, 0), lengths)  # each token's response's end
     ahead = ends - torch.arange(total, device=device)  # its response's tokens from it on, itself included
-    returns, step, scale = rewards, 1, gamma
-    while step < int(lengths.max()):
+    returns, step, scale, longest = rewards, 1, gamma, int(lengths.max())  # one read of the device's, not a step's
+    while step < longest:
         later = torch.zeros_like(returns)
         later[: total - step] = returns[step:]
         returns = returns + torch.where(ahead > step, scale * later, 0.0)

@@ -244,7 +244,13 @@ def _plain(value: Any, depth: int = 0) -> Any:
     if kind is list or kind is tuple:
         items = [_plain(item, depth + 1) for item in value]
         return value if all(a is b for a, b in zip(items, value, strict=True)) else kind(items)
-    if kind.__module__ in ("numpy", "torch") and getattr(value, "ndim", None) == 0 and hasattr(value, "item"):
+    return python_number(value)
+
+
+def python_number(value: Any) -> Any:
+    """A numpy or torch scalar (np.float64, np.True_, a 0-d tensor) as the Python number it holds;
+    anything else as it is."""
+    if type(value).__module__ in ("numpy", "torch") and getattr(value, "ndim", None) == 0 and hasattr(value, "item"):
         return value.item()
     return value
 
