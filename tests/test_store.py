@@ -116,6 +116,18 @@ def test_duplicate_is_noop_and_different_bytes_refused(store: Store) -> None:
     assert store.stats("plain")["ready"] == 8
 
 
+def test_a_uid_twice_in_one_push_with_other_content_is_refused_as_such(store: Store) -> None:
+    """Nothing of the uid is stored: the refusal says it is the push itself that holds it twice."""
+    items = trxp.parse(payload("grpo_group.trxp"))
+    twice = trxp.parse(payload("grpo_group.trxp"))[5]
+    twice.meta["reward"] = 0.75
+    with pytest.raises(Conflict, match="7/3/5/0/r5s0t3 is in this push twice, with different content: nothing stored"):
+        store.put("plain", [*items, twice])
+    assert store.stats("plain")["pushed"] == 0
+    same = store.put("plain", [*items, items[5]])  # the same bytes twice: one stored, the other a duplicate
+    assert len(same.stored) == 8 and same.duplicates == [items[5].uid]
+
+
 def test_duplicate_is_recognised_after_consumption(store: Store) -> None:
     items = group_items(1, 1, 4)
     store.put("plain", items)

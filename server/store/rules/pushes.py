@@ -155,7 +155,9 @@ def _screen(
     for entry, gkey in zip(entries, keys, strict=True):
         known = fresh.get(entry.uid)
         if known is not None:
-            same = known.digest == entry.digest
+            if known.digest != entry.digest:
+                raise Conflict(f"uid {entry.uid} is in this push twice, with different content: nothing stored")
+            same = True
         elif stored is not None:
             digest = stored.get(entry.uid)
             if digest is None:
