@@ -160,7 +160,7 @@ class AsyncBufferClient(ServerCalls, Awaiting, ClientBase):
 
     async def close(self) -> None:
         """Close the channels; calls in flight are cancelled. A `sample()` stream still open ends
-        first, as BufferClient.close ends one."""
+        first, as BufferClient.close ends one; a call after it raises ValueError naming the call."""
         running: set[asyncio.Future[None]] = set()
         for batches, stream in list(self._samples.items()):
             try:
@@ -208,6 +208,7 @@ class AsyncBufferClient(ServerCalls, Awaiting, ClientBase):
         """A declared call's plan made: each call it asks for made in turn (`_run`), its result sent back."""
         turns, repeats = declare.Turns(declare.steps(plan)), self._repeats
         for call in turns:
+            self._still_open(call.method)  # named by the call asked for, not the question asked before it
             if (ask := repeats.ask(call)) is not None:
                 try:
                     await self._run(ask)

@@ -170,7 +170,8 @@ class BufferClient(ServerCalls, Blocking, ClientBase):
         """Close the channels; calls in flight are cancelled. A `sample()` stream still open (its
         generator kept) ends first as leaving its loop ends it: the batch handed over is delivered,
         those on their way go back to the buffer. Its confirmation was still to be sent, and the
-        cancel gave the batch back: it was served again while its caller trained on it."""
+        cancel gave the batch back: it was served again while its caller trained on it. A call
+        after it, a batch's ack too, raises ValueError naming the call."""
         for batches in list(self._samples):
             with contextlib.suppress(ValueError):  # iterated on another thread now: the cancel ends it
                 batches.close()
@@ -216,6 +217,7 @@ class BufferClient(ServerCalls, Blocking, ClientBase):
         """A declared call's plan made: each call it asks for made in turn (`_run`), its result sent back."""
         turns, repeats = declare.Turns(declare.steps(plan)), self._repeats
         for call in turns:
+            self._still_open(call.method)  # named by the call asked for, not the question asked before it
             if (ask := repeats.ask(call)) is not None:
                 try:
                     self._run(ask)

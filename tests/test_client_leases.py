@@ -6,6 +6,7 @@ undecodable batch comes from a real gRPC server that sends one."""
 from __future__ import annotations
 
 import asyncio
+import re
 import threading
 import time
 from collections.abc import Iterator
@@ -115,3 +116,34 @@ def test_a_batch_that_cannot_be_decoded_is_not_confirmed_and_names_itself(asynch
         assert "goes back to the buffer" in info.value.details
         assert servicer.ended.wait(10)
         assert servicer.received and max(servicer.received) == 0  # never confirmed
+
+
+def test_calls_on_a_closed_client_are_refused_naming_the_call(target: str, client: BufferClient) -> None:
+    """In both clients. A batch acked after its client closed: gRPC's own errors of a closed channel
+    differed (a ValueError blocking, a UsageError asyncio) and named neither the call nor what became
+    of the batch."""
+    closing = BufferClient(target, timeout=10)
+    batch = next(closing.sample("t", num_groups=1, lease_seconds=30))
+    closing.close()
+    before = "on a closed client: close() was called before it, nothing was sent"
+    lease = " (a leased batch not acked comes back when its lease expires)"
+    with pytest.raises(ValueError, match=re.escape(f"Ack {before}{lease}")):
+        batch.ack()
+    with pytest.raises(ValueError, match=re.escape(f"Sample {before}")):
+        next(closing.sample("t", num_groups=1))
+    with pytest.raises(ValueError, match=re.escape(f"Stats {before}") + "$"):
+        closing.stats()
+
+    async def closed_async() -> None:
+        aclient = AsyncBufferClient(target, timeout=10)
+        held = await anext(aiter(aclient.sample("t", num_groups=1, lease_seconds=30)))
+        await aclient.close()
+        with pytest.raises(ValueError, match=re.escape(f"Nack {before}{lease}")):
+            await held.nack()
+        with pytest.raises(ValueError, match=re.escape(f"Sample {before}")):
+            await anext(aiter(aclient.sample("t", num_groups=1)))
+        with pytest.raises(ValueError, match=re.escape(f"Push {before}")):
+            await aclient.push(trxp.build(group_items(2, 0, 2)), table="t")
+
+    asyncio.run(closed_async())
+    assert client.stats("t")["t"].leased == 4  # the two batches still leased, not ended by either

@@ -75,6 +75,7 @@ SERVICE = "expbuf.v1.ExperienceBuffer"
 # meanwhile as sent when a replayed one is (it tells them apart by kind only), so that message
 # never goes: the server gets the push cut short. A push in chunks is made again by the client,
 # whole (calls.Attempts).
+LEASE_ENDS = frozenset({"Ack", "Nack", "Renew"})  # a batch's own calls on its lease
 RETRIED_METHODS = frozenset(
     {
         "Push",
@@ -418,7 +419,7 @@ class ClientBase:
         self._push_chunks = framed_method(self._chunks_channel, "PushStream")
         self._stub = pb_grpc.ExperienceBufferStub(self._channel)
         self._unretried = pb_grpc.ExperienceBufferStub(self._unretried_channel)
-        self._sample = sample_method(self._channel)  # replies read with one copy of their payload
+        self._sample_stream = sample_method(self._channel)  # replies read with one copy of their payload
         self._parts_methods = {
             (name, retried): parts_method(channel, name)
             for name in PARTS_METHODS
@@ -467,6 +468,18 @@ class ClientBase:
         }
         return method(**keywords) if requests is None else method(requests, **keywords)
 
+    def _sample(self, *args: Any, **kwargs: Any) -> Any:
+        """A Sample stream of this client's (both clients' call: the blocking one's takes its requests)."""
+        self._still_open("Sample")
+        return self._sample_stream(*args, **kwargs)
+
+    def _still_open(self, method: str) -> None:
+        """A call on a closed client refused before it is sent, the same way by both clients (gRPC
+        raises its own error of a closed channel, a ValueError blocking and a UsageError asyncio)."""
+        if self.closed:
+            left = " (a leased batch not acked comes back when its lease expires)" if method in LEASE_ENDS else ""
+            raise ValueError(f"{method} on a closed client: close() was called before it, nothing was sent{left}")
+
     def _declaring(self, message_bytes: int | None) -> tuple[tuple[str, str], ...]:
         """A call's metadata: the token's, and where the call knows it, the most a message of it
         takes (wire.MESSAGE_BYTES), which the server reserves of max_inflight_bytes before each read."""
@@ -483,6 +496,7 @@ class ClientBase:
         one PushStream made here: a pusher's streams are push_stream's) goes over the channel
         without gRPC's retries. Only a call that may be retried waits for the server with
         wait_for_ready."""
+        self._still_open(call.method)
         retried = call.retry or call.method not in RETRIED_METHODS
         keywords = {
             "timeout": call.timeout or self.timeout,
