@@ -249,3 +249,76 @@ def test_a_full_disk_consumes_to_empty_and_then_takes_pushes_again(tmp_path: Pat
     assert got["burst"] < 20 and got["burst_drained"] == 100 + got["burst"], got
     assert got["after_filler"] > 100, got  # the disk has room again: pushes are taken
     assert got["verify"] == [], got
+
+
+_UPGRADE_SCRIPT = """
+import json, subprocess, sys
+import lmdb
+sys.path.insert(0, sys.argv[2])
+from pathlib import Path
+from expbuf.server.store import Store
+from expbuf.server.store.schema.errors import StorageFull
+
+disk, fixture = Path(sys.argv[1]), Path(sys.argv[3])
+subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(disk)], check=True)
+data = disk / "data"
+data.mkdir()
+with lmdb.open(str(fixture), readonly=True, lock=False, max_dbs=64) as env:  # no free page: the upgrade grows it
+    env.copy(str(data), compact=True)
+(data / "lock.mdb").write_bytes(bytes(8192))  # as a stopped server leaves it
+
+def fill(name):  # something else takes the disk's last bytes
+    with open(disk / name, "wb", buffering=0) as filler:
+        try:
+            while True:
+                filler.write(bytes(512))
+        except OSError:
+            pass
+
+fill("filler")
+
+def opened():
+    try:
+        Store(data).close()
+    except StorageFull as exc:
+        return str(exc)
+    return None
+
+got = {"size": (data / "data.mdb").stat().st_size, "refusal": opened()}
+got["size_after"] = (data / "data.mdb").stat().st_size
+(data / "lock.mdb").unlink()  # a directory restored from its data.mdb alone
+fill("filler2")
+got["no_lock_file"] = opened()
+(disk / "filler").unlink()
+with Store(data) as store:
+    got["tables"] = sorted(t.name for t in store.list_tables())
+    got["verify"] = {table: store.verify(table) for table in got["tables"]}
+print(json.dumps(got))
+"""
+
+
+@pytest.mark.skipif(not _namespaces(), reason="no user namespaces here: the full disk needs a tmpfs of its own")
+def test_an_open_on_a_full_disk_is_refused_saying_so_and_gives_back_what_it_wrote(tmp_path: Path) -> None:
+    """Format 3's directory (tests/fixtures/datadir_v3) brought to the current format on a disk with
+    no room: the start said only "mdb_txn_commit: Input/output error" and left the data file grown
+    by what the failed commit wrote, the disk's last bytes; without its lock file, LMDB's open ended
+    the process with SIGBUS (it writes that sparse file through a map)."""
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    fixture = Path(__file__).parent / "fixtures" / "datadir_v3"
+    command = ["unshare", "--user", "--map-root-user", "--mount", sys.executable, "-c", _UPGRADE_SCRIPT]
+    done = subprocess.run(
+        [*command, str(mount), str(Path(__file__).parent), str(fixture)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 0, (done.returncode, done.stderr[-4000:])
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    assert got["refusal"] is not None and "from data format 3 to" in got["refusal"], got
+    assert "failed writing to its disk (free: " in got["refusal"], got
+    assert "the directory is as it was" in got["refusal"], got
+    assert got["size_after"] == got["size"], got
+    assert got["no_lock_file"] is not None and "lock file" in got["no_lock_file"] and "is full" in got["no_lock_file"]
+    assert got["tables"] and all(found == [] for found in got["verify"].values()), got

@@ -4,6 +4,7 @@ lock holds), and a backup is a copy of one moment of it, made while its server r
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import os
 import shutil
@@ -11,12 +12,14 @@ from pathlib import Path
 
 import lmdb
 
-from ...schema.errors import StoreError
+from ...schema.errors import StorageFull, StoreError
 from .. import layout
 
 # How often a copy opens the directory again where its server grew the map as it opened (LMDB's
 # MDB_MAP_RESIZED): a server doubles its map, so a few times cover any growth.
 COPY_TRIES = 8
+# LMDB's lock file at its 126 readers, the default: (126 - 1) readers of 64 bytes and its header.
+LOCK_FILE_BYTES = 8192
 # The name a copy is written under until it is whole (copy): never a data.mdb a server or check would open.
 PARTIAL = ".data.mdb.partial"
 
@@ -34,6 +37,29 @@ def lock(data: Path, shared: bool) -> int:
         os.close(fd)
         raise StoreError(f"another expbuf process is using {data.parent}") from None
     return fd
+
+
+def allocate_lock_file(directory: Path) -> None:
+    """LMDB's lock file with its blocks allocated before LMDB opens it. LMDB makes the file sparse
+    and writes its reader table through a shared map: on a full disk (a new directory, one restored
+    from a backup of its data.mdb alone) the first write to a page the disk has no block for
+    ended the process with SIGBUS and no word. A file system that cannot allocate ahead is left to
+    LMDB as before."""
+    path = directory / "lock.mdb"
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as exc:
+        raise StoreError(f"cannot open {path}: {exc.strerror}") from None
+    try:
+        os.posix_fallocate(fd, 0, LOCK_FILE_BYTES)
+    except OSError as exc:
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+            raise StorageFull(
+                f"the disk of {directory} is full (free: {free_bytes(directory)} bytes): LMDB's lock file "
+                f"{path} needs {LOCK_FILE_BYTES} bytes of it; free some of the disk and start again"
+            ) from None
+    finally:
+        os.close(fd)
 
 
 def disk_usage(path: Path) -> tuple[int, int]:

@@ -14,7 +14,7 @@ import lmdb
 
 from ...schema.errors import Damaged, StorageFull, StoreError, clip
 from .. import layout
-from .directory import cut_short, disk_usage, lock
+from .directory import allocate_lock_file, cut_short, disk_usage, free_bytes, lock
 from .readers import Readers
 from .room import Room, in_use
 from .writer import Writer
@@ -126,6 +126,7 @@ class Environment:
                         if name not in layout.ROWS:  # the rows' are made only for a rows table
                             self.missing.append(name)
                 return
+            allocate_lock_file(self.path)
             self.env = lmdb.open(
                 str(self.path), map_size=map_size, max_dbs=layout.MAX_DBS, sync=True, metasync=True, readahead=False
             )
@@ -147,7 +148,9 @@ class Environment:
         """Open the databases and bring the directory to the current format, growing the map if
         the rewrite needs it. The databases a newer format adds are created in the upgrade's own
         transaction: a start killed before its commit leaves the directory as it found it."""
+        data = self.path / "data.mdb"
         while True:
+            before, found = data.stat().st_size, None
             try:
                 with self.env.begin(write=True) as txn:
                     self._refuse_foreign(txn)
@@ -156,13 +159,34 @@ class Environment:
                     made = [name for name in layout.ROWS if txn.get(name.encode()) is not None]
                     self.db |= {name: self.env.open_db(name.encode(), txn=txn) for name in made}
                     if self._migration is not None:
-                        self._migration(txn, self.env, self.db, self.path)
+                        found = self._migration(txn, self.env, self.db, self.path)
                 return
             except lmdb.MapFullError:
                 size = self.env.info()["map_size"]
                 if size >= self.max_map_size:
                     raise StorageFull(f"upgrading {self.path} needs more than max_map_size ({size} bytes)") from None
                 self.env.set_mapsize(min(size * 2, self.max_map_size))
+            except _DAMAGE:
+                raise
+            except lmdb.Error as exc:  # a full or failing disk: the commit kept nothing, and gives back what it wrote
+                raise self._unwritten(data, before, found, exc) from None
+
+    def _unwritten(self, data: Path, before: int, found: object, exc: lmdb.Error) -> StorageFull:
+        """The refusal of a start whose one write (its upgrade's, where `found` is an older format)
+        failed: the data file cut back to its length before it (the pages the failed commit wrote
+        past the last one it keeps took a full disk's last bytes), the directory as it was."""
+        grown = data.stat().st_size - before
+        if grown > 0:
+            os.truncate(data, before)
+        upgrade = isinstance(found, int) and found < layout.FORMAT
+        what = (
+            f"upgrading {self.path} from data format {found} to {layout.FORMAT}" if upgrade else f"opening {self.path}"
+        )
+        wrote = f"; it had written {grown} bytes more when it failed, given back" if grown > 0 else ""
+        return StorageFull(
+            f"{what} failed writing to its disk (free: {free_bytes(self.path)} bytes{wrote}): the directory is as "
+            f"it was; free some of the disk (or move the directory to a larger one) and start again (LMDB said: {exc})"
+        )
 
     def _refuse_foreign(self, txn: lmdb.Transaction[bytes]) -> None:
         """Refuse an LMDB environment another program made (a `data` path mistyped, a shared
