@@ -342,19 +342,23 @@ class AsyncBufferClient(ServerCalls, Awaiting, ClientBase):
                     await changed.wait()
             return deliveries.delivered(received) is True
 
-        async def told(word: asyncio.Future[bool]) -> bool:
-            """Whether the batch confirmed may be handed over, as `word` says, whatever cancels the
-            caller meanwhile: its confirmation gone, the server consumes it (a consumed batch is
-            served once), so a cancel that cut the wait lost it, the caller without it and the
-            buffer too. The cancelled await is handed it (`anext` returns it, as the sharded client's
-            does); a leased or replayed one goes back with the stream's end, and the cancel goes on."""
+        async def told(word: asyncio.Future[bool], batch: Batch) -> bool:
+            """Whether `batch`, confirmed, may be handed over, as `word` says, whatever cancels the
+            caller meanwhile: its confirmation gone, the server delivers it at the stream's end
+            (a consumed batch is served once), so a cancel that cut the wait lost it, the caller
+            without it and the buffer too. The cancelled await is handed a consumed one (`anext`
+            returns it); a leased one delivered goes back at once (its nack: no caller has it to
+            ack, and it was leased until its lease_seconds passed), a replayed one stays (its replay
+            counted), and the cancel goes on, as the sharded client does."""
             try:
                 return await asyncio.shield(word)
             except asyncio.CancelledError:
-                if spec.delivery == "consume":
-                    with contextlib.suppress(Exception):  # the stream's end: the cancel is the caller's answer
-                        if await calls.finished(word):
+                with contextlib.suppress(Exception):  # the stream's end: the cancel is the caller's answer
+                    if await calls.finished(word):
+                        if spec.delivery == "consume":
                             return True
+                        if spec.delivery == "lease" and isinstance(batch, AsyncBatch):
+                            await asyncio.shield(batch.nack())
                 raise
 
         async def next_batch() -> Batch | None:
@@ -395,7 +399,7 @@ class AsyncBufferClient(ServerCalls, Awaiting, ClientBase):
                         on_its_way.append(asyncio.ensure_future(call.write(confirmation)))
                 if confirmation is None:  # the server is stopping: not handed over; the end follows
                     continue
-                if not await told(asyncio.ensure_future(delivered(handing.received))):
+                if not await told(asyncio.ensure_future(delivered(handing.received)), batch):
                     continue  # not delivered, or its word lost: the end follows
                 confirmed = time.monotonic()
                 yield batch
