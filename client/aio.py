@@ -160,7 +160,8 @@ class AsyncBufferClient(ServerCalls, Awaiting, ClientBase):
 
     async def close(self) -> None:
         """Close the channels; calls in flight are cancelled. A `sample()` stream still open ends
-        first, as BufferClient.close ends one; a call after it raises ValueError naming the call."""
+        first, as BufferClient.close ends one; a call after it raises ExpbufError (CANCELLED)
+        naming the call."""
         running: set[asyncio.Future[None]] = set()
         for batches, stream in list(self._samples.items()):
             try:
@@ -296,6 +297,7 @@ class AsyncBufferClient(ServerCalls, Awaiting, ClientBase):
         # consumed (or leased) and never had; nor does it cut the write (grpc.aio ends a stream whose
         # write is cancelled, and the batch had would be served again).
         on_its_way: list[asyncio.Future[None]] = []
+        held_back = False  # a cancel the last batch handed over held back (told)
 
         async def written() -> None:
             """The confirmation on its way written (under `writing`, before any other message)."""
@@ -350,12 +352,14 @@ class AsyncBufferClient(ServerCalls, Awaiting, ClientBase):
             returns it); a leased one delivered goes back at once (its nack: no caller has it to
             ack, and it was leased until its lease_seconds passed), a replayed one stays (its replay
             counted), and the cancel goes on, as the sharded client does."""
+            nonlocal held_back
             try:
                 return await asyncio.shield(word)
             except asyncio.CancelledError:
                 with contextlib.suppress(Exception):  # the stream's end: the cancel is the caller's answer
                     if await calls.finished(word):
                         if spec.delivery == "consume":
+                            held_back = True
                             return True
                         if spec.delivery == "lease" and isinstance(batch, AsyncBatch):
                             await asyncio.shield(batch.nack())
@@ -403,6 +407,9 @@ class AsyncBufferClient(ServerCalls, Awaiting, ClientBase):
                     continue  # not delivered, or its word lost: the end follows
                 confirmed = time.monotonic()
                 yield batch
+                if held_back:
+                    held_back = False
+                    calls.raise_held_back()
         except (grpc.RpcError, asyncio.InvalidStateError):  # the stream ended (a write after its end: the latter)
             error = await status.error()  # by its own status, raised unless OK
             if error is not None:

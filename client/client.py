@@ -171,7 +171,7 @@ class BufferClient(ServerCalls, Blocking, ClientBase):
         generator kept) ends first as leaving its loop ends it: the batch handed over is delivered,
         those on their way go back to the buffer. Its confirmation was still to be sent, and the
         cancel gave the batch back: it was served again while its caller trained on it. A call
-        after it, a batch's ack too, raises ValueError naming the call."""
+        after it, a batch's ack too, raises ExpbufError (CANCELLED) naming the call."""
         for batches in list(self._samples):
             with contextlib.suppress(ValueError):  # iterated on another thread now: the cancel ends it
                 batches.close()

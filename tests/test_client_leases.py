@@ -14,7 +14,15 @@ from collections.abc import Iterator
 import grpc
 import pytest
 
-from expbuf.client import AsyncBufferClient, BufferClient, DataLossError, InvalidArgumentError, NotFoundError, trxp
+from expbuf.client import (
+    AsyncBufferClient,
+    BufferClient,
+    DataLossError,
+    ExpbufError,
+    InvalidArgumentError,
+    NotFoundError,
+    trxp,
+)
 from expbuf.proto.v1 import buffer_pb2 as pb
 from expbuf.proto.v1 import buffer_pb2_grpc as pb_grpc
 from expbuf.server.app import ExpbufServer
@@ -119,30 +127,31 @@ def test_a_batch_that_cannot_be_decoded_is_not_confirmed_and_names_itself(asynch
 
 
 def test_calls_on_a_closed_client_are_refused_naming_the_call(target: str, client: BufferClient) -> None:
-    """In both clients. A batch acked after its client closed: gRPC's own errors of a closed channel
-    differed (a ValueError blocking, a UsageError asyncio) and named neither the call nor what became
-    of the batch."""
+    """In both clients, CANCELLED as a sharded client's calls and a pusher's pushes are. A batch acked
+    after its client closed: gRPC's own errors of a closed channel differed (a ValueError blocking, a
+    UsageError asyncio), were no ExpbufError, and named neither the call nor what became of the batch."""
     closing = BufferClient(target, timeout=10)
     batch = next(closing.sample("t", num_groups=1, lease_seconds=30))
     closing.close()
     before = "on a closed client: close() was called before it, nothing was sent"
     lease = " (a leased batch not acked comes back when its lease expires)"
-    with pytest.raises(ValueError, match=re.escape(f"Ack {before}{lease}")):
+    with pytest.raises(ExpbufError, match=re.escape(f"Ack {before}{lease}")) as refused:
         batch.ack()
-    with pytest.raises(ValueError, match=re.escape(f"Sample {before}")):
+    assert refused.value.code == grpc.StatusCode.CANCELLED
+    with pytest.raises(ExpbufError, match=re.escape(f"Sample {before}")):
         next(closing.sample("t", num_groups=1))
-    with pytest.raises(ValueError, match=re.escape(f"Stats {before}") + "$"):
+    with pytest.raises(ExpbufError, match=re.escape(f"Stats {before}") + "$"):
         closing.stats()
 
     async def closed_async() -> None:
         aclient = AsyncBufferClient(target, timeout=10)
         held = await anext(aiter(aclient.sample("t", num_groups=1, lease_seconds=30)))
         await aclient.close()
-        with pytest.raises(ValueError, match=re.escape(f"Nack {before}{lease}")):
+        with pytest.raises(ExpbufError, match=re.escape(f"Nack {before}{lease}")):
             await held.nack()
-        with pytest.raises(ValueError, match=re.escape(f"Sample {before}")):
+        with pytest.raises(ExpbufError, match=re.escape(f"Sample {before}")):
             await anext(aiter(aclient.sample("t", num_groups=1)))
-        with pytest.raises(ValueError, match=re.escape(f"Push {before}")):
+        with pytest.raises(ExpbufError, match=re.escape(f"Push {before}")):
             await aclient.push(trxp.build(group_items(2, 0, 2)), table="t")
 
     asyncio.run(closed_async())

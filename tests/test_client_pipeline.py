@@ -23,6 +23,7 @@ from test_push_stream import wait_until, writer_held
 
 from expbuf.client import (
     AlreadyExistsError,
+    AsyncBatch,
     AsyncBufferClient,
     BufferClient,
     ExpbufError,
@@ -958,6 +959,19 @@ def four_groups(start_server: Servers) -> str:
     return target
 
 
+def words_late(monkeypatch: pytest.MonkeyPatch, seconds: float) -> None:
+    """Each word of a delivery (but the first, of none) heard by the client `seconds` after it came."""
+    heard = sample_stream.Deliveries.heard
+
+    def late(self: Any, rest: Any) -> bool:
+        if not rest.HasField("delivered") or rest.delivered == 0:
+            return heard(self, rest)
+        asyncio.get_running_loop().call_later(seconds, heard, self, rest)
+        return True
+
+    monkeypatch.setattr(sample_stream.Deliveries, "heard", late)
+
+
 async def handed_under_a_cancel(target: str, *, first: bool, wait: float) -> int:
     """The experiences an asyncio consume stream of one group a batch hands its caller: the first
     batch awaited whole where `first`, then one under asyncio.wait_for(..., wait), the stream
@@ -1008,20 +1022,45 @@ def test_an_asyncio_sample_cancelled_as_it_waits_for_the_word_of_its_delivery_ne
     as the sharded client's does (a leased batch is handed over without the word). Here each
     word of a delivery comes 0.3 s after it arrived."""
     target = four_groups(start_server)
-    heard = sample_stream.Deliveries.heard
-
-    def late(self: Any, rest: Any) -> bool:
-        if not rest.HasField("delivered") or rest.delivered == 0:
-            return heard(self, rest)
-        asyncio.get_running_loop().call_later(0.3, heard, self, rest)
-        return True
-
-    monkeypatch.setattr(sample_stream.Deliveries, "heard", late)
+    words_late(monkeypatch, 0.3)
 
     had = asyncio.run(handed_under_a_cancel(target, first=False, wait=0.15))
     with BufferClient(target) as admin:
         stats = admin.stats()["t"]
     assert (had, stats.consumed, stats.ready) == (1, 1, 3)
+
+
+def test_a_task_cancelled_as_its_consume_stream_waits_for_a_word_is_handed_the_batch_then_cancelled(
+    start_server: Servers, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The consumed batch a cancelled await is handed (above) held the cancel back for good: a task
+    cancelled there (`task.cancel()`, a trainer's shutdown) went on with its stream, consuming all
+    there was and waiting for more (an audit's repro: once in six). The cancel is raised at the
+    task's next step of the stream now, the batch in the caller's hands. Each word of a delivery
+    comes 1 s after it arrived: the task is cancelled 0.3 s into its wait for the second's."""
+    target = four_groups(start_server)
+    words_late(monkeypatch, 1.0)
+
+    async def cancelled_in_its_wait() -> tuple[int, bool]:
+        had: list[AsyncBatch] = []
+        async with AsyncBufferClient(target, timeout=10) as client:
+
+            async def train() -> None:
+                async for batch in client.sample("t", num_groups=1, delivery="consume"):
+                    had.append(batch)
+
+            task = asyncio.ensure_future(train())
+            while not had:
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(0.3)  # the second batch (come ahead) confirmed, its word awaited
+            task.cancel()
+            done, _ = await asyncio.wait([task], timeout=10)
+            return sum(len(batch.uids) for batch in had), bool(done) and task.cancelled()
+
+    had, cancelled = asyncio.run(cancelled_in_its_wait())
+    with BufferClient(target) as admin:
+        stats = admin.stats()["t"]
+    assert cancelled and (had, stats.consumed, stats.ready) == (2, 2, 2)
 
 
 def test_an_asyncio_lease_stream_cancelled_as_it_hands_a_batch_over_gives_the_batch_back(start_server: Servers) -> None:

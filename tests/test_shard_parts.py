@@ -402,6 +402,45 @@ def test_an_asyncio_sample_cancelled_as_its_parts_are_confirmed_loses_no_batch(
         assert handed is None and left == every
 
 
+def test_a_task_cancelled_as_its_sharded_batch_is_confirmed_is_handed_it_then_cancelled(
+    start_server: Servers, tmp_path: Path
+) -> None:
+    """The consumed batch a cancelled await is handed (above) held the cancel back for good: a task
+    cancelled there (`task.cancel()`, a trainer's shutdown) went on with its stream, consuming all
+    there was and waiting for more. The cancel is raised at the task's next step of the stream."""
+    targets, _ = in_process_shards(start_server, tmp_path)
+    with ShardedBufferClient(targets, timeout=5.0) as admin:
+        admin.create_table("t", group_size=2, estimator="none")
+        admin.push(groups(0, range(8), range(2)), table="t")
+
+    async def cancelled() -> tuple[list[Any], bool]:
+        had: list[Any] = []
+        async with AsyncShardedBufferClient(targets, timeout=5.0) as client:
+            made = client._call
+
+            async def call(call: Any) -> Any:
+                if call.method == "deliver" and not had:  # the first batch's confirmation goes as the cancel lands
+                    asyncio.get_running_loop().call_soon(training.cancel)
+                return await made(call)
+
+            client._call = call  # type: ignore[method-assign]
+
+            async def train() -> None:
+                async for batch in client.sample("t", num_groups=2, timeout=10.0, delivery="consume"):
+                    had.append(batch)
+
+            training = asyncio.ensure_future(train())
+            done, _ = await asyncio.wait([training], timeout=20)
+            return had, bool(done) and training.cancelled()
+
+    had, ended = asyncio.run(cancelled())
+    assert ended and len(had) == 1
+    with ShardedBufferClient(targets, timeout=5.0) as admin:
+        left = sorted(uid for batch in drain(admin, "t", 8) for uid in batch.uids)
+    every = sorted(item.eid.uid for item in groups(0, range(8), range(2)))
+    assert sorted([*had[0].uids, *left]) == every
+
+
 def test_a_sharded_client_closed_under_calls_in_flight_cancels_them(start_server: Servers, tmp_path: Path) -> None:
     """A sharded client closed while a call waits on a shard that says nothing (a frozen process)
     waited for the call to reach its deadline (its thread pool shut down first, waiting for what ran

@@ -474,11 +474,15 @@ class ClientBase:
         return self._sample_stream(*args, **kwargs)
 
     def _still_open(self, method: str) -> None:
-        """A call on a closed client refused before it is sent, the same way by both clients (gRPC
-        raises its own error of a closed channel, a ValueError blocking and a UsageError asyncio)."""
+        """A call on a closed client refused before it is sent, CANCELLED as a sharded client's and a
+        pusher's are, the same way by both clients (gRPC raises its own error of a closed channel, a
+        ValueError blocking and a UsageError asyncio, neither an ExpbufError)."""
         if self.closed:
             left = " (a leased batch not acked comes back when its lease expires)" if method in LEASE_ENDS else ""
-            raise ValueError(f"{method} on a closed client: close() was called before it, nothing was sent{left}")
+            raise ExpbufError(
+                grpc.StatusCode.CANCELLED,
+                f"{method} on a closed client: close() was called before it, nothing was sent{left}",
+            )
 
     def _declaring(self, message_bytes: int | None) -> tuple[tuple[str, str], ...]:
         """A call's metadata: the token's, and where the call knows it, the most a message of it

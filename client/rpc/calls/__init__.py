@@ -27,6 +27,7 @@ from .sample_stream import (
     ended_late,
     finished,
     handed,
+    raise_held_back,
     unanswered,
 )
 
@@ -51,5 +52,6 @@ __all__ = [
     "push",
     "push_requests",
     "push_result",
+    "raise_held_back",
     "unanswered",
 ]

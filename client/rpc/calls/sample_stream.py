@@ -69,6 +69,16 @@ async def finished(task: asyncio.Future[R]) -> R:
     return task.result()
 
 
+def raise_held_back() -> None:
+    """Raise the cancel a consumed batch held back (`finished`'s caller hands it to the cancelled
+    await), where it still stands, at the caller's next step of the stream: a task cancelled as it
+    took the batch (`task.cancel()`, a trainer's shutdown) went on with the stream for good; under
+    `asyncio.wait_for` the cancel was the wait's own, over once the batch was returned."""
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError
+
+
 def confirmation(received: int, *, stop: bool = False) -> pb.SampleRequest:
     """Tells the server that `received` batches arrived, which frees room in the window for
     more (or, with `stop`, asks for nothing more: batches already on their way return to
