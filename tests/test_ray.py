@@ -16,6 +16,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+import lmdb
 import pytest
 
 from expbuf.client.shards.blocking import ShardedBufferClient, ShardError
@@ -205,6 +206,35 @@ def test_stop_shards_stops_every_shard_it_can_and_names_the_others(ray_cluster: 
     assert actors_in(namespace) == []  # expbuf-1 and the registry stopped all the same
 
 
+def test_a_buffer_whose_registry_is_gone_is_stopped_by_its_shards_names(
+    ray_cluster: ModuleType, tmp_path: Path
+) -> None:
+    """The registry runs on the node of the driver that started the buffer: that node lost (or the
+    driver dead as it started the buffer), stop_shards failed with Ray's "Failed to look up actor",
+    and the shards ran on that no API of expbuf's could stop (an audit)."""
+    namespace = "expbuf-test-orphans"
+    expbuf_ray.start_shards(2, namespace=namespace, **options(tmp_path))
+    ray.kill(ray.get_actor("expbuf", namespace=namespace), no_restart=True)
+    assert expbuf_ray.stop_shards(namespace) == {"expbuf": "its registry was not running"}
+    assert actors_in(namespace) == []
+    with pytest.raises(ValueError, match="no buffer 'expbuf' runs in Ray namespace 'expbuf-test-orphans'"):
+        expbuf_ray.stop_shards(namespace)
+
+
+def test_a_shard_s_name_is_refused_as_a_buffer_s(ray_cluster: ModuleType, tmp_path: Path) -> None:
+    """Shards are named after their buffer ({name}-{i}) in its namespace: a buffer named as another's
+    shard, its map read or its stop asked for, met that shard and raised AttributeError ('ActorHandle'
+    object has no attribute 'get'), and its start left a shard or two behind (an audit)."""
+    namespace = "expbuf-test-names"
+    expbuf_ray.start_shards(2, namespace=namespace, **options(tmp_path / "a"), name="a")
+    not_a_buffer = r"the actor 'a-0' of Ray namespace 'expbuf-test-names' is not an expbuf buffer's registry"
+    for call in (expbuf_ray.start_shards, expbuf_ray.stop_shards):
+        with pytest.raises(ValueError, match=not_a_buffer):
+            call(namespace=namespace, name="a-0")  # type: ignore[operator]
+    assert actors_in(namespace) == ["a", "a-0", "a-1"]
+    expbuf_ray.stop_shards(namespace, "a")
+
+
 def test_start_shards_refuses_an_earlier_run_s_map_of_other_shards(ray_cluster: ModuleType, tmp_path: Path) -> None:
     namespace = "expbuf-test-map"
     expbuf_ray.start_shards(2, namespace=namespace, **options(tmp_path))
@@ -250,6 +280,24 @@ def test_resumed_shards_go_to_the_nodes_that_hold_their_data() -> None:
     assert expbuf_ray.placed(shards, nodes, shared) == ["n1", "n2", "n1"]
     with pytest.raises(ValueError, match=r"shard\(s\) b-0, b-2: its node is down"):
         expbuf_ray.placed(shards, nodes, {"b-0": [], "b-1": ["n1"], "b-2": []})
+
+
+def test_a_resumed_shard_goes_where_its_store_is_not_to_a_directory_made_empty(tmp_path: Path) -> None:
+    """Any directory of a shard's name was taken as holding its data: a node where it was made
+    empty (the way on for a lost node's shard) got the shard beside the node with its store, and
+    it served an empty store (an audit: 0 of 60 served). Nodes with different stores of one shard
+    are refused; on a disk nodes share, every node reads the same store."""
+    store, other, empty = tmp_path / "store", tmp_path / "other", tmp_path / "empty"
+    for directory, marks in ((store, b"a"), (other, b"b")):
+        with lmdb.open(str(directory)) as env, env.begin(write=True) as txn:
+            txn.put(b"k", marks)
+    empty.mkdir()
+    held, elsewhere = expbuf_ray.stored_as(store), expbuf_ray.stored_as(other)
+    assert held and elsewhere and held != elsewhere and expbuf_ray.stored_as(empty) == ""
+    found = {"b-0": {"n1": "", "n2": held}, "b-1": {"n1": "", "n3": ""}, "b-2": {"n1": held, "n2": held}}
+    assert expbuf_ray.holders_of(found) == {"b-0": ["n2"], "b-1": ["n1", "n3"], "b-2": ["n1", "n2"]}
+    with pytest.raises(ValueError, match="shard b-0 holds different stores on nodes n1, n2: move the one"):
+        expbuf_ray.holders_of({"b-0": {"n1": elsewhere, "n2": held, "n3": ""}})
 
 
 def test_a_buffer_of_another_namespace_is_refused_the_data_of_another(ray_cluster: ModuleType, tmp_path: Path) -> None:

@@ -21,6 +21,7 @@ Actors are detached: they outlive the driver that started them, until `stop_shar
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
 from collections.abc import Mapping, Sequence
@@ -31,7 +32,7 @@ import ray
 from ray.actor import ActorHandle
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from expbuf.client.ray_registry import shard_map
+from expbuf.client.ray_registry import NotARegistry, shard_map
 from expbuf.client.schema.routing import ShardMap
 
 from .registry import Registry, write
@@ -62,14 +63,57 @@ def _alive_nodes() -> list[str]:
     return sorted(node["NodeID"] for node in ray.nodes() if node["Alive"])
 
 
+# What of a shard's data.mdb tells one store from another, the same on every node of a disk they
+# share: the whole file where it is small, else LMDB's two meta pages (its last commit's number and
+# root pages) and SAMPLED pieces spread over it.
+_PIECE = 8192
+_SAMPLED = 64
+
+
 @ray.remote(num_cpus=0)
-def _held_here(root: str, shards: list[str]) -> list[str]:
-    """The shards whose data directory is under `root` on the node this runs on."""
-    return [shard for shard in shards if (Path(root) / shard).is_dir()]
+def _held_here(root: str, shards: list[str]) -> dict[str, str]:
+    """The shards whose data directory is under `root` on the node this runs on, each with what its
+    store is (`stored_as`): "" for a directory that holds none."""
+    return {shard: stored_as(Path(root) / shard) for shard in shards if (Path(root) / shard).is_dir()}
+
+
+def stored_as(directory: Path) -> str:
+    """What a shard's data directory holds: its data.mdb's size and pieces of it (_SAMPLED), or ""
+    where it holds no store (a directory made empty, as a lost node's shard is started again without its data)."""
+    data, digest = directory / "data.mdb", hashlib.sha256()
+    try:
+        size = data.stat().st_size
+        with data.open("rb") as file:
+            step = max(_PIECE, size // _SAMPLED)
+            for at in range(0, size, step):
+                file.seek(at)
+                digest.update(file.read(_PIECE))
+    except OSError:
+        return ""
+    return f"{size}:{digest.hexdigest()}" if size else ""
+
+
+def holders_of(found: Mapping[str, Mapping[str, str]]) -> dict[str, list[str]]:
+    """Each shard's nodes to resume it on, from what each node's directory of it holds ({shard:
+    {node: stored_as}}): those that hold its store (all of them, on a disk they share, where every
+    node reads the same), else those that hold its directory empty (the way on without its data). A
+    directory made empty beside the store was taken as holding it: the shard, started there, served
+    an empty store. Nodes holding different stores of one shard are refused (ValueError naming them):
+    which one is the shard's is the operator's to say."""
+    holders = {}
+    for shard, nodes in found.items():
+        stores = {node: held for node, held in nodes.items() if held}
+        if len(set(stores.values())) > 1:
+            raise ValueError(
+                f"the data directory of shard {shard} holds different stores on nodes {', '.join(sorted(stores))}:"
+                " move the one that is not the shard's away from under data_root, then start again"
+            )
+        holders[shard] = list(stores or nodes)
+    return holders
 
 
 def _holders(root: Path, shards: Sequence[str], nodes: Sequence[str]) -> dict[str, list[str]]:
-    """Each shard's alive nodes that hold its data directory under `root` (all of them, on a disk they share)."""
+    """Each shard's alive nodes to resume it on (holders_of), by what each holds under `root`."""
     asks = [
         _held_here.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote(
             str(root), list(shards)
@@ -83,7 +127,10 @@ def _holders(root: Path, shards: Sequence[str], nodes: Sequence[str]) -> dict[st
             f"the alive nodes did not say within {_STOP_SECONDS:.0f} s which of them hold the shards' data"
             f" directories under {root}: start_shards again once every node answers"
         ) from None
-    return {shard: [node for node, here in zip(nodes, held, strict=True) if shard in here] for shard in shards}
+    found = {
+        shard: {node: here[shard] for node, here in zip(nodes, held, strict=True) if shard in here} for shard in shards
+    }
+    return holders_of(found)
 
 
 def placed(shards: Sequence[str], nodes: Sequence[str], holders: Mapping[str, Sequence[str]] | None) -> list[str]:
@@ -160,6 +207,8 @@ def start_shards(
     """
     try:
         return shard_map(namespace, name)
+    except NotARegistry:
+        raise
     except ValueError:
         pass
     root = data_root_of(namespace, data_root)
@@ -282,16 +331,37 @@ def add_shard(
         raise
 
 
+def _running_shards(namespace: str, name: str) -> list[str]:
+    """The shards of buffer `name` running in `namespace`, by their names ({name}-{i} from 0 on, up
+    to the first not running): those of a buffer whose registry is gone."""
+    shards: list[str] = []
+    while True:
+        try:
+            ray.get_actor(f"{name}-{len(shards)}", namespace=namespace)
+        except ValueError:
+            return shards
+        shards.append(f"{name}-{len(shards)}")
+
+
 def stop_shards(namespace: str, name: str = "expbuf") -> dict[str, str]:
-    """Stop every shard (each commits and closes its store) and the registry; the data stays.
+    """Stop every shard (each commits and closes its store) and the registry; the data stays. A
+    buffer whose registry is gone (its node lost, a driver that died as it started the buffer) has
+    its shards found by their names, `{name}-{i}`, and stopped all the same.
 
     A shard that cannot be stopped cleanly (gone already, or not answering) does not keep the others
     and the registry running: it is killed, and named in the answer, {shard: why}, and in a warning.
     """
-    current = shard_map(namespace, name)
+    try:
+        shards: Sequence[str] = shard_map(namespace, name).shards
+    except NotARegistry:
+        raise
+    except ValueError:  # its registry gone (its node lost, a driver that died as it started the buffer)
+        shards = _running_shards(namespace, name)
+        if not shards:
+            raise ValueError(f"no buffer {name!r} runs in Ray namespace {namespace!r}: no registry, no shard") from None
     unstopped: dict[str, str] = {}
     actors: dict[str, ActorHandle] = {}
-    for shard in current.shards:
+    for shard in shards:
         try:
             actors[shard] = ray.get_actor(shard, namespace=namespace)
         except ValueError:
@@ -301,7 +371,10 @@ def stop_shards(namespace: str, name: str = "expbuf") -> dict[str, str]:
             ray.get(actors[shard].stop.remote(), timeout=_STOP_SECONDS)
         except ray.exceptions.RayError as exc:  # GetTimeoutError among them
             unstopped[shard] = f"killed without a clean stop: {type(exc).__name__}"
-    actors[name] = ray.get_actor(name, namespace=namespace)
+    try:
+        actors[name] = ray.get_actor(name, namespace=namespace)
+    except ValueError:
+        unstopped[name] = "its registry was not running"
     _kill(actors, namespace)
     if unstopped:
         log.warning("expbuf.ray.stop_shards(%r): shards not stopped cleanly: %s", namespace, unstopped)
