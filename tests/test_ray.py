@@ -221,10 +221,12 @@ def test_a_buffer_whose_registry_is_gone_is_stopped_by_its_shards_names(
         expbuf_ray.stop_shards(namespace)
 
 
-def test_a_shard_s_name_is_refused_as_a_buffer_s(ray_cluster: ModuleType, tmp_path: Path) -> None:
+def test_a_running_buffer_is_not_taken_for_another(ray_cluster: ModuleType, tmp_path: Path) -> None:
     """Shards are named after their buffer ({name}-{i}) in its namespace: a buffer named as another's
     shard, its map read or its stop asked for, met that shard and raised AttributeError ('ActorHandle'
-    object has no attribute 'get'), and its start left a shard or two behind (an audit)."""
+    object has no attribute 'get'), and its start left a shard or two behind. A start of another
+    job's buffer under a running one's name got the running one's map, its own data root and tables
+    never made (its first push failed NOT_FOUND). From an audit."""
     namespace = "expbuf-test-names"
     expbuf_ray.start_shards(2, namespace=namespace, **options(tmp_path / "a"), name="a")
     not_a_buffer = r"the actor 'a-0' of Ray namespace 'expbuf-test-names' is not an expbuf buffer's registry"
@@ -232,6 +234,15 @@ def test_a_shard_s_name_is_refused_as_a_buffer_s(ray_cluster: ModuleType, tmp_pa
         with pytest.raises(ValueError, match=not_a_buffer):
             call(namespace=namespace, name="a-0")  # type: ignore[operator]
     assert actors_in(namespace) == ["a", "a-0", "a-1"]
+    again = expbuf_ray.start_shards(2, namespace=namespace, **options(tmp_path / "a"), name="a")
+    assert again.shards == ("a-0", "a-1")  # the running buffer, asked as it was started
+    other = {"name": "other", "estimator": "none"}
+    asked = {"num_shards": 3, "data_root": str(tmp_path / "b"), "tables": [other]}
+    for what, given in asked.items():  # another job's buffer, the same name and namespace: refused
+        settings = {**options(tmp_path / "a"), "num_shards": 2, what: given}
+        with pytest.raises(ValueError, match=f"buffer 'a' of Ray namespace 'expbuf-test-names' runs already, .*{what}"):
+            expbuf_ray.start_shards(namespace=namespace, name="a", **settings)
+    assert actors_in(namespace) == ["a", "a-0", "a-1"] and not (tmp_path / "b").exists()
     expbuf_ray.stop_shards(namespace, "a")
 
 

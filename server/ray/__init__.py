@@ -22,6 +22,7 @@ Actors are detached: they outlive the driver that started them, until `stop_shar
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import time
 from collections.abc import Mapping, Sequence
@@ -200,17 +201,20 @@ def start_shards(
     network, and a reserved CPU freed by a crash can go to a queued task, which then keeps the
     restart waiting). `metrics_port` 0 picks a free port per shard (-1: none).
 
-    Calling it again for a running buffer returns its map. A buffer stopped earlier with this data
+    Calling it again for a running buffer returns its map (refused where given another count of
+    shards, data root or tables than it runs with). A buffer stopped earlier with this data
     root and name is resumed: its map (`{data_root}/{name}.shard-map.json`) and data, with the
     shards that map names, each on a node that holds its data directory (refused, naming it, where
     no alive node does); a `num_shards` other than theirs is refused. On a failure no shard is left.
     """
     try:
-        return shard_map(namespace, name)
+        running = shard_map(namespace, name)
     except NotARegistry:
         raise
     except ValueError:
         pass
+    else:
+        return _as_asked(running, namespace, name, num_shards, data_root, tables)
     root = data_root_of(namespace, data_root)
     path = root / f"{name}.shard-map.json"
     owner, owner_file = owner_record(namespace, name), root / f"{name}.{OWNER_FILE}"
@@ -273,6 +277,38 @@ def start_shards(
     except BaseException:
         _kill(actors, namespace)
         raise
+
+
+def _as_asked(
+    running: ShardMap,
+    namespace: str,
+    name: str,
+    num_shards: int | None,
+    data_root: str | None,
+    tables: Sequence[dict[str, Any]],
+) -> ShardMap:
+    """The map of the running buffer `name`, where it is the buffer asked for: a start given another
+    count of shards, data root or tables (another job's, in the same namespace) got the running one's
+    map, its data root never made and its tables never created (its first push failed NOT_FOUND)."""
+    kept = ray.get(ray.get_actor(name, namespace=namespace).options.remote())
+    asked = {
+        "num_shards": (num_shards, len(running.shards)),
+        "data_root": (data_root and str(data_root_of(namespace, data_root)), kept["data_root"]),
+        "tables": (_each(tables) or None, _each(kept["tables"])),  # in any order
+    }
+    differ = [
+        f"{what} {given!r} (it runs with {has!r})" for what, (given, has) in asked.items() if given and given != has
+    ]
+    if differ:
+        raise ValueError(
+            f"buffer {name!r} of Ray namespace {namespace!r} runs already, started otherwise: {'; '.join(differ)}."
+            " Give another job's buffer a name or namespace of its own, or stop_shards this one first"
+        )
+    return running
+
+
+def _each(tables: Sequence[dict[str, Any]]) -> list[str]:
+    return sorted(json.dumps(table, sort_keys=True, default=str) for table in tables)
 
 
 def _started_by_another(namespace: str, name: str) -> ShardMap:
