@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from expbuf.client import EID, BufferClient, BufferError, UnavailableError
+from expbuf.client import EID, BufferClient, BufferError, ExpbufError, UnavailableError
 
 from helpers import Beside, ServerProcess
 
@@ -183,7 +183,7 @@ def test_close_closes_a_client_made_from_a_target_and_leaves_a_given_one_open(ch
         adapter.close()
     for adapter in made:
         assert adapter.client.closed, adapter
-        with pytest.raises(ValueError):  # gRPC's, of a closed channel
+        with pytest.raises(ExpbufError, match="Stats on a closed client"):
             adapter.client.stats("closing")
     assert not given.closed
     assert given.stats("closing")["closing"].consumed == 0
