@@ -297,7 +297,7 @@ class AsyncBufferClient(ServerCalls, Awaiting, ClientBase):
         # consumed (or leased) and never had; nor does it cut the write (grpc.aio ends a stream whose
         # write is cancelled, and the batch had would be served again).
         on_its_way: list[asyncio.Future[None]] = []
-        held_back = False  # a cancel the last batch handed over held back (told)
+        held_back: int | None = None  # a cancel the last batch handed over held back (told): the cancels before it
 
         async def written() -> None:
             """The confirmation on its way written (under `writing`, before any other message)."""
@@ -353,13 +353,14 @@ class AsyncBufferClient(ServerCalls, Awaiting, ClientBase):
             ack, and it was leased until its lease_seconds passed), a replayed one stays (its replay
             counted), and the cancel goes on, as the sharded client does."""
             nonlocal held_back
+            before = calls.cancels()
             try:
                 return await asyncio.shield(word)
             except asyncio.CancelledError:
                 with contextlib.suppress(Exception):  # the stream's end: the cancel is the caller's answer
                     if await calls.finished(word):
                         if spec.delivery == "consume":
-                            held_back = True
+                            held_back = before
                             return True
                         if spec.delivery == "lease" and isinstance(batch, AsyncBatch):
                             await asyncio.shield(batch.nack())
@@ -407,9 +408,9 @@ class AsyncBufferClient(ServerCalls, Awaiting, ClientBase):
                     continue  # not delivered, or its word lost: the end follows
                 confirmed = time.monotonic()
                 yield batch
-                if held_back:
-                    held_back = False
-                    calls.raise_held_back()
+                if held_back is not None:
+                    before, held_back = held_back, None
+                    calls.raise_held_back(before)
         except (grpc.RpcError, asyncio.InvalidStateError):  # the stream ended (a write after its end: the latter)
             error = await status.error()  # by its own status, raised unless OK
             if error is not None:

@@ -1063,6 +1063,46 @@ def test_a_task_cancelled_as_its_consume_stream_waits_for_a_word_is_handed_the_b
     assert cancelled and (had, stats.consumed, stats.ready) == (2, 2, 2)
 
 
+def test_a_task_under_a_cancel_of_its_own_reads_on_through_a_timeout_as_a_batch_is_handed_over(
+    start_server: Servers, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The cancel raised at the next step (above) is one that came as the batch was handed over: a
+    task that stood under a cancel before (draining a stream in its shutdown handler) and read each
+    step under `asyncio.timeout` had the timeout's cancel, over once the batch was returned, taken
+    for a standing one, its next step raising CancelledError (a review). Each word of a delivery
+    comes 0.6 s after it arrived, past each step's 0.3 s."""
+    target = four_groups(start_server)
+    words_late(monkeypatch, 0.6)
+
+    async def drained_under_a_cancel() -> int:
+        had: list[AsyncBatch] = []
+
+        async def shutting_down() -> None:
+            try:
+                await asyncio.sleep(60)
+            except asyncio.CancelledError:  # its shutdown: what is left drained, then the cancel goes on
+                async with AsyncBufferClient(target, timeout=10) as client:
+                    stream = client.sample("t", num_groups=1, delivery="consume")
+                    for _ in range(4):
+                        with contextlib.suppress(TimeoutError):
+                            async with asyncio.timeout(0.3):
+                                had.append(await anext(stream))
+                    await stream.aclose()
+                raise
+
+        task = asyncio.ensure_future(shutting_down())
+        await asyncio.sleep(0.1)
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        return sum(len(batch.uids) for batch in had)
+
+    had = asyncio.run(drained_under_a_cancel())
+    with BufferClient(target) as admin:
+        stats = admin.stats()["t"]
+    assert (had, stats.consumed, stats.ready) == (4, 4, 0)
+
+
 def test_an_asyncio_lease_stream_cancelled_as_it_hands_a_batch_over_gives_the_batch_back(start_server: Servers) -> None:
     """A lease stream's batch whose confirmation went as a cancel landed (the one step a batch come
     ahead awaits before it is handed over) was delivered by the server at the stream's end and had

@@ -15,7 +15,7 @@ from typing import Any
 import grpc
 import pytest
 
-from expbuf.client import BufferClient, UnavailableError, trxp
+from expbuf.client import BufferClient, ExpbufError, UnavailableError, trxp
 from expbuf.client.kit.batches import take_one
 from expbuf.client.kit.lease_keeper import LeaseKeeper
 from expbuf.client.kit.retry import Retry
@@ -90,6 +90,23 @@ def test_an_ack_the_server_cannot_take_keeps_the_lease_renewed(start_server: Any
         assert keeper.expires(batch.lease_id) == batch.lease_expires  # held, to be acked again
         assert keeper.give_back(batch.lease_id) is False  # out of reach: it returns when it ends
         assert keeper.expires(batch.lease_id) is None
+        keeper.close()
+
+
+def test_an_ack_on_a_closed_client_leaves_the_lease_to_end(target: str, client: BufferClient) -> None:
+    """Its ack refused (ExpbufError CANCELLED: the client is closed), the keeper held the lease again
+    to ack it later, renewing it over its own open client for good: the batch, which no ack could
+    reach, stayed leased (a review of the closed client's error)."""
+    settles = BufferClient(target, timeout=5)
+    keeper = LeaseKeeper(settles, "t", 600, renewals=client.clone())
+    try:
+        batch = next(settles.sample("t", num_groups=1, max_batches=1, lease_seconds=600))
+        keeper.hold(batch.lease_id, batch.lease_expires)
+        settles.close()
+        with pytest.raises(ExpbufError, match="Ack on a closed client"):
+            keeper.ack(batch.lease_id)
+        assert keeper.expires(batch.lease_id) is None  # not renewed: it ends when its lease does
+    finally:
         keeper.close()
 
 

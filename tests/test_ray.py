@@ -213,8 +213,9 @@ def test_a_buffer_whose_registry_is_gone_is_stopped_by_its_shards_names(
     driver dead as it started the buffer), stop_shards failed with Ray's "Failed to look up actor",
     and the shards ran on that no API of expbuf's could stop (an audit)."""
     namespace = "expbuf-test-orphans"
-    expbuf_ray.start_shards(2, namespace=namespace, **options(tmp_path))
-    ray.kill(ray.get_actor("expbuf", namespace=namespace), no_restart=True)
+    expbuf_ray.start_shards(3, namespace=namespace, **options(tmp_path))
+    for lost in ("expbuf", "expbuf-0"):  # the registry's node lost, a shard with it
+        ray.kill(ray.get_actor(lost, namespace=namespace), no_restart=True)
     assert expbuf_ray.stop_shards(namespace) == {"expbuf": "its registry was not running"}
     assert actors_in(namespace) == []
     with pytest.raises(ValueError, match="no buffer 'expbuf' runs in Ray namespace 'expbuf-test-orphans'"):
@@ -236,13 +237,16 @@ def test_a_running_buffer_is_not_taken_for_another(ray_cluster: ModuleType, tmp_
     assert actors_in(namespace) == ["a", "a-0", "a-1"]
     again = expbuf_ray.start_shards(2, namespace=namespace, **options(tmp_path / "a"), name="a")
     assert again.shards == ("a-0", "a-1")  # the running buffer, asked as it was started
+    expbuf_ray.add_shard(10, namespace=namespace, name="a")
+    grown = expbuf_ray.start_shards(2, namespace=namespace, **options(tmp_path / "a"), name="a")
+    assert grown.shards == ("a-0", "a-1", "a-2")  # asked as it was started, before add_shard grew it
     other = {"name": "other", "estimator": "none"}
-    asked = {"num_shards": 3, "data_root": str(tmp_path / "b"), "tables": [other]}
+    asked = {"num_shards": 4, "data_root": str(tmp_path / "b"), "tables": [other]}
     for what, given in asked.items():  # another job's buffer, the same name and namespace: refused
-        settings = {**options(tmp_path / "a"), "num_shards": 2, what: given}
+        settings = {**options(tmp_path / "a"), "num_shards": 3, what: given}
         with pytest.raises(ValueError, match=f"buffer 'a' of Ray namespace 'expbuf-test-names' runs already, .*{what}"):
             expbuf_ray.start_shards(namespace=namespace, name="a", **settings)
-    assert actors_in(namespace) == ["a", "a-0", "a-1"] and not (tmp_path / "b").exists()
+    assert actors_in(namespace) == ["a", "a-0", "a-1", "a-2"] and not (tmp_path / "b").exists()
     expbuf_ray.stop_shards(namespace, "a")
 
 

@@ -147,8 +147,8 @@ class LeaseKeeper(Renewer[str, float]):
                 self._ended(lease_id, "acknowledged")
             return 0
         except ExpbufError:
-            if expires is not None:
-                self.hold(lease_id, expires)  # kept while the ack is to be made again
+            if expires is not None and not getattr(self._settles, "closed", False):
+                self.hold(lease_id, expires)  # kept while the ack is to be made again (never, on a closed client)
             raise
 
     def give_back(self, lease_id: str) -> bool:

@@ -88,14 +88,13 @@ class AsyncShardedBufferClient(ShardPlans, AwaitingShards, ShardCalls):
         """As ShardedBufferClient.sample; leased batches' ack()/nack() return coroutines."""
         spec = SampleSpec(table, batch_size, num_groups, **options)
         held: list[AsyncHeldBatch] = []  # parts taken and neither delivered nor given back yet
-        held_back: list[bool] = []  # a cancel the batch's delivery held back (_delivered)
+        held_back: list[int] = []  # a cancel the batch's delivery held back (_delivered): the cancels before it
         try:
             for step in (turns := Turns(self._sample(spec, self, AsyncShardBatch))):
                 if isinstance(step, Emit):
                     yield step.batch
                     if held_back:
-                        held_back.clear()
-                        calls.raise_held_back()
+                        calls.raise_held_back(held_back.pop())
                     continue
                 if _delivers(step):
                     answers = await self._delivered(step, spec, held_back)
@@ -107,7 +106,7 @@ class AsyncShardedBufferClient(ShardPlans, AwaitingShards, ShardCalls):
             await asyncio.shield(_given_back(held))
             raise
 
-    async def _delivered(self, step: list[Call], spec: SampleSpec, held_back: list[bool]) -> list[Any]:
+    async def _delivered(self, step: list[Call], spec: SampleSpec, held_back: list[int]) -> list[Any]:
         """A step that confirms a batch's held parts, run to its end whatever cancels the caller
         meanwhile: once a confirmation goes, its shard consumes the part, starts its lease or counts
         its replay, and a cancel that cut the step lost a consumed batch (the caller had no batch,
@@ -115,13 +114,13 @@ class AsyncShardedBufferClient(ShardPlans, AwaitingShards, ShardCalls):
         cancelled await returns it, the cancel held back (`held_back` says so) to the caller's next
         step. The others' parts go back (a leased part's nack; a replayed part stays, its replay
         counted) and the cancel goes on."""
-        confirming = asyncio.ensure_future(self._step(step))
+        confirming, before = asyncio.ensure_future(self._step(step)), calls.cancels()
         try:
             return await asyncio.shield(confirming)
         except asyncio.CancelledError:
             answers = await calls.finished(confirming)
             if spec.delivery == "consume":
-                held_back.append(True)
+                held_back.append(before)
                 return answers
             await asyncio.shield(_handed_back(answers))
             raise

@@ -24,6 +24,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import re
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -291,8 +292,8 @@ def _as_asked(
     count of shards, data root or tables (another job's, in the same namespace) got the running one's
     map, its data root never made and its tables never created (its first push failed NOT_FOUND)."""
     kept = ray.get(ray.get_actor(name, namespace=namespace).options.remote())
-    asked = {
-        "num_shards": (num_shards, len(running.shards)),
+    asked = {  # fewer shards than it runs: a start made before add_shard grew it
+        "num_shards": (num_shards if num_shards and num_shards > len(running.shards) else None, len(running.shards)),
         "data_root": (data_root and str(data_root_of(namespace, data_root)), kept["data_root"]),
         "tables": (_each(tables) or None, _each(kept["tables"])),  # in any order
     }
@@ -368,15 +369,16 @@ def add_shard(
 
 
 def _running_shards(namespace: str, name: str) -> list[str]:
-    """The shards of buffer `name` running in `namespace`, by their names ({name}-{i} from 0 on, up
-    to the first not running): those of a buffer whose registry is gone."""
-    shards: list[str] = []
-    while True:
-        try:
-            ray.get_actor(f"{name}-{len(shards)}", namespace=namespace)
-        except ValueError:
-            return shards
-        shards.append(f"{name}-{len(shards)}")
+    """The shards of buffer `name` running in `namespace`, by their names ({name}-{i}), each that
+    runs, whichever others are gone (a lost node takes its shard with the registry): those of a
+    buffer whose registry is gone."""
+    shard = re.compile(re.escape(name) + r"-(\d+)")
+    found = [
+        (int(match.group(1)), actor["name"])
+        for actor in ray.util.list_named_actors(all_namespaces=True)
+        if actor["namespace"] == namespace and (match := shard.fullmatch(actor["name"]))
+    ]
+    return [actor for _, actor in sorted(found)]
 
 
 def stop_shards(namespace: str, name: str = "expbuf") -> dict[str, str]:

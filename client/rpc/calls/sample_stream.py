@@ -69,13 +69,20 @@ async def finished(task: asyncio.Future[R]) -> R:
     return task.result()
 
 
-def raise_held_back() -> None:
+def cancels() -> int:
+    """The cancels the current task has standing (`Task.cancelling`), 0 outside a task."""
+    task = asyncio.current_task()
+    return 0 if task is None else task.cancelling()
+
+
+def raise_held_back(before: int) -> None:
     """Raise the cancel a consumed batch held back (`finished`'s caller hands it to the cancelled
     await), where it still stands, at the caller's next step of the stream: a task cancelled as it
-    took the batch (`task.cancel()`, a trainer's shutdown) went on with the stream for good; under
-    `asyncio.wait_for` the cancel was the wait's own, over once the batch was returned."""
-    task = asyncio.current_task()
-    if task is not None and task.cancelling():
+    took the batch (`task.cancel()`, a trainer's shutdown) went on with the stream for good. Only a
+    cancel that came since the hand-over began (`before`: the task's cancels then) is raised: under
+    `asyncio.wait_for` or `asyncio.timeout` the cancel was the wait's own, over once the batch was
+    returned, and a cancel the task stood under before (its own shutdown, draining) is its own."""
+    if cancels() > before:
         raise asyncio.CancelledError
 
 

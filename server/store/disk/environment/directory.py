@@ -42,10 +42,13 @@ def lock(data: Path, shared: bool) -> int:
 def allocate_lock_file(directory: Path) -> None:
     """LMDB's lock file with its blocks allocated before LMDB opens it. LMDB makes the file sparse
     and writes its reader table through a shared map: on a full disk (a new directory, one restored
-    from a backup of its data.mdb alone) the first write to a page the disk has no block for
-    ended the process with SIGBUS and no word. A file system that cannot allocate ahead is left to
-    LMDB as before."""
+    from a backup of its data.mdb alone) the first write to a page the disk has no block for ended
+    the process with SIGBUS and no word. A new lock file the disk has no room for is refused by
+    name; one LMDB made before (its header written, its reader slots past the first page perhaps
+    still sparse) is left as it was where the disk is full, so that a full store still opens to be
+    emptied. A file system that cannot allocate ahead is left to LMDB as before."""
     path = directory / "lock.mdb"
+    made = not path.exists()
     try:
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     except OSError as exc:
@@ -53,13 +56,17 @@ def allocate_lock_file(directory: Path) -> None:
     try:
         os.posix_fallocate(fd, 0, LOCK_FILE_BYTES)
     except OSError as exc:
-        if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+        if made and exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+            os.close(fd)
+            fd = -1
+            path.unlink()
             raise StorageFull(
                 f"the disk of {directory} is full (free: {free_bytes(directory)} bytes): LMDB's lock file "
                 f"{path} needs {LOCK_FILE_BYTES} bytes of it; free some of the disk and start again"
             ) from None
     finally:
-        os.close(fd)
+        if fd >= 0:
+            os.close(fd)
 
 
 def disk_usage(path: Path) -> tuple[int, int]:

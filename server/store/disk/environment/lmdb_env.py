@@ -184,8 +184,9 @@ class Environment:
         )
         wrote = f"; it had written {grown} bytes more when it failed, given back" if grown > 0 else ""
         return StorageFull(
-            f"{what} failed writing to its disk (free: {free_bytes(self.path)} bytes{wrote}): the directory is as "
-            f"it was; free some of the disk (or move the directory to a larger one) and start again (LMDB said: {exc})"
+            f"{what} failed writing to its disk (is it full or failing? free: {free_bytes(self.path)} bytes{wrote}):"
+            f" the directory is as it was; where the disk is full, free some of it (or move the directory to a"
+            f" larger one) and start again (LMDB said: {exc})"
         )
 
     def _refuse_foreign(self, txn: lmdb.Transaction[bytes]) -> None:
