@@ -339,21 +339,39 @@ def test_check_health_is_the_servers(start_server: Servers, tmp_path: Path) -> N
             worker.stop()
 
 
+def stopped(worker: ExpbufRolloutWorker) -> bool:
+    """Whether the worker stopped on a failure (check_health says so)."""
+    try:
+        worker.check_health(3600)
+    except RuntimeError:
+        return True
+    return False
+
+
 def test_a_failure_stops_the_worker_and_check_health_says_why(client: BufferClient, tmp_path: Path) -> None:
     client.create_table("f", group_size=2)
     worker = started(ExpbufRolloutWorker(client, "f", wait_seconds=0.5), trl_args(tmp_path))
 
-    def failed() -> bool:
-        try:
-            worker.check_health(3600)
-        except RuntimeError:
-            return True
-        return False
-
     try:
         client.drop_table("f")
-        assert until(failed)
+        assert until(lambda: stopped(worker))
         with pytest.raises(RuntimeError, match=r"the expbuf rollout worker stopped: .*'f'"):
+            worker.check_health(3600)
+    finally:
+        worker.stop()
+
+
+def test_a_worker_whose_client_was_closed_under_it_stops_saying_so(target: str, tmp_path: Path) -> None:
+    """A client closed under a running worker refuses every call (ExpbufError CANCELLED, naming it):
+    the worker took that for a passing error and sampled, and reported, on and on (a review)."""
+    given = BufferClient(target, timeout=10)
+    given.create_table("c", group_size=2)
+    worker = started(ExpbufRolloutWorker(given, "c", wait_seconds=0.5), trl_args(tmp_path))
+
+    try:
+        given.close()
+        assert until(lambda: stopped(worker))
+        with pytest.raises(RuntimeError, match="the expbuf rollout worker stopped: CANCELLED"):
             worker.check_health(3600)
     finally:
         worker.stop()

@@ -135,7 +135,7 @@ class Reporter:
             self._tell_version()
             self._make_acks()
         except ExpbufError as exc:
-            if exc.code not in TRANSIENT:
+            if exc.code not in TRANSIENT or self.client.closed:  # a closed client's refusal is for good
                 self._failed(exc)
                 return
             log.info("expbuf table %s: %s; trying again in %.1fs", self.table, exc, self.period)

@@ -242,7 +242,7 @@ class ExpbufRolloutWorker:
             try:
                 batches = self._take()
             except ExpbufError as exc:
-                if exc.code not in TRANSIENT:
+                if exc.code not in TRANSIENT or self.client.closed:  # a closed client's refusal is for good
                     self._fail(exc)
                     return
                 pause = retry.pause() or 0.0  # no bound: it samples again until it is stopped
