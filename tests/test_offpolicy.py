@@ -263,6 +263,27 @@ def test_an_admit_whose_wait_is_out_of_range_is_refused_by_name(server, wait: fl
     assert bad.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "wait_seconds" in bad.value.details()
 
 
+def test_a_waiting_admit_whose_caller_left_takes_no_room_that_comes_back(server) -> None:
+    """A cancelled Admit waiting for room saw its end only at its next poll (0.25 s): the commit that
+    made room woke it first, and it took a grant for no one, the room gone for grant_seconds (an
+    audit: 30 of 30 where the room came back 10 ms after the cancel). A woken wait asks whether its
+    call ended before it grants; a grant made as its call ended is finished at once."""
+    target = f"127.0.0.1:{server.port}"
+    with BufferClient(target, timeout=10) as c, grpc.insecure_channel(target) as channel:
+        stub = pb_grpc.ExperienceBufferStub(channel)
+        for attempt in range(3):
+            table = f"t{attempt}"
+            c.create_table(table, estimator="none", max_staleness=0, batch_size=2)
+            held = c.admit(table, 2)
+            waiting = stub.Admit.future(pb.AdmitRequest(table=table, count=1, wait_seconds=30), timeout=30)
+            time.sleep(0.3)  # waiting for room
+            waiting.cancel()
+            time.sleep(0.01)
+            c.finish_grant(held, accepted=0)  # the room comes back after its caller left
+            time.sleep(0.3)
+            assert c.admit(table, 2).count == 2, attempt
+
+
 @contextlib.contextmanager
 def two_tokens(start_server: Servers) -> Iterator[tuple[BufferClient, BufferClient]]:
     """Clients of tokens a and b (every scope) of one server, with a's table t: no staleness, batches of two."""

@@ -310,6 +310,8 @@ class Store(ServiceCalls):
             if granted.count or time.monotonic() >= deadline or (stop is not None and stop()):
                 return granted
             self.environment.wait_for_change(generation, deadline, poll=stop is not None)
+            if stop is not None and stop():  # ended as it waited: the commit that woke it made room for others
+                return granted
 
     def finish_grant(self, table: str, grant_id: str, accepted: int | None = None, holder: str = "") -> int:
         """End a grant: `accepted` rollouts stay counted (None: all); returns those given back.

@@ -48,6 +48,9 @@ class OffPolicyServicer(ServicerBase):
             stop=ended(context),
             grant_id=request.grant_id,
         )
+        if grant.count and not context.is_active():  # its caller gone as it was granted: the room back at once
+            self.store.finish_grant(table, grant.grant_id, 0, self._owner(context))
+            return pb.AdmitReply()
         admitted = self.metrics.of_table(self.metrics.admission, table, "granted" if grant.count else "no_room")
         if admitted is not None:  # else dropped since
             admitted.inc()
