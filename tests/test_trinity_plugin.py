@@ -404,9 +404,14 @@ def test_mutual_tls_from_the_environment_and_the_path(
     check_whole_groups(
         asyncio.run(trinity.buffer.get_buffer_reader(buffer_config(server.port, 4, query)).read()), pushed
     )
-    without_client_cert = buffer_config(server.port, 4, f"tls_ca={d}/ca.pem", max_read_timeout=1.0)
-    with pytest.raises(BufferError) as refused:
-        asyncio.run(trinity.buffer.get_buffer_reader(without_client_cert).read())
+    # A path without the client's pair is refused by the server: a client of its TLS alone, not a
+    # reader, whose start waits the client's timeout (30 s) for a server it cannot reach.
+    without_client_cert = parse(buffer_config(server.port, 4, f"tls_ca={d}/ca.pem").path, env={})
+    with (
+        pytest.raises(BufferError) as refused,
+        BufferClient(without_client_cert.target, tls=without_client_cert.tls, timeout=2, retries=0) as client,
+    ):
+        client.stats(TABLE)
     assert refused.value.code == grpc.StatusCode.UNAVAILABLE
 
 
