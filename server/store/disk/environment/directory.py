@@ -18,6 +18,8 @@ from .. import layout
 # How often a copy opens the directory again where its server grew the map as it opened (LMDB's
 # MDB_MAP_RESIZED): a server doubles its map, so a few times cover any growth.
 COPY_TRIES = 8
+# What a write or posix_fallocate fails with where the disk (or the process's share of it) is full.
+DISK_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 # LMDB's lock file at its 126 readers, the default: (126 - 1) readers of 64 bytes and its header.
 LOCK_FILE_BYTES = 8192
 # The name a copy is written under until it is whole (copy): never a data.mdb a server or check would open.
@@ -56,17 +58,17 @@ def allocate_lock_file(directory: Path) -> None:
     try:
         os.posix_fallocate(fd, 0, LOCK_FILE_BYTES)
     except OSError as exc:
-        if made and exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
-            os.close(fd)
-            fd = -1
-            path.unlink()
-            raise StorageFull(
-                f"the disk of {directory} is full (free: {free_bytes(directory)} bytes): LMDB's lock file "
-                f"{path} needs {LOCK_FILE_BYTES} bytes of it; free some of the disk and start again"
-            ) from None
+        full = made and exc.errno in DISK_FULL
+    else:
+        full = False
     finally:
-        if fd >= 0:
-            os.close(fd)
+        os.close(fd)
+    if full:
+        path.unlink()
+        raise StorageFull(
+            f"the disk of {directory} is full (free: {free_bytes(directory)} bytes): LMDB's lock file "
+            f"{path} needs {LOCK_FILE_BYTES} bytes of it; free some of the disk and start again"
+        )
 
 
 def disk_usage(path: Path) -> tuple[int, int]:

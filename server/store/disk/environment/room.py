@@ -20,7 +20,6 @@ is never written ahead; a look at it costs a syscall each quarter reserve the fi
 
 from __future__ import annotations
 
-import errno
 import logging
 import os
 from collections.abc import Mapping
@@ -28,7 +27,7 @@ from pathlib import Path
 
 import lmdb
 
-from .directory import disk_usage, free_bytes
+from .directory import DISK_FULL, disk_usage, free_bytes
 
 log = logging.getLogger("expbuf.store")
 # The bytes kept for what makes room, at most: enough for a consume of the largest take (65,536
@@ -42,8 +41,6 @@ MIN_RESERVE = 1 << 20
 LOW_DISK = 16
 # A batch with pushes counts the pages in use where the store's end is nearer than this many reserves.
 NEAR = 4
-# What posix_fallocate fails with where the disk (or the process's share of it) is full.
-_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 # Pages in use that no named database counts: the two meta pages and the main database's.
 _UNCOUNTED_PAGES = 4
 
@@ -152,7 +149,7 @@ class Room:
         try:
             os.posix_fallocate(self._fd, start, used + 3 * reserve - start)
         except OSError as exc:
-            if exc.errno not in _FULL:
+            if exc.errno not in DISK_FULL:
                 self._can_write_ahead = False
                 log.warning(
                     "the data file of %s cannot be written ahead (%s): a full disk may stop consumes", self.path, exc
