@@ -34,6 +34,7 @@ from .advantages.devices import check_device
 from .advantages.start import FAILED, NOT_NEEDED, RUNNING, AdvantageStart
 from .config import ServerConfig, TlsConfig
 from .metrics_http import MetricsServer, start_metrics_server
+from .rpc.draining import calls_left
 from .rpc.interceptors.auth import TokenAuth
 from .rpc.interceptors.base import Interceptors, ServiceInterceptor
 from .rpc.interceptors.limits import RESERVED_THREADS, TableStreams, call_limits
@@ -54,6 +55,7 @@ from .store.schema.errors import ConfigError, Conflict, StoreError
 log = logging.getLogger("expbuf")
 SERVICE_NAME = buffer_pb2.DESCRIPTOR.services_by_name["ExperienceBuffer"].full_name
 MAINTENANCE_SECONDS = 0.5
+STOP_POLL_SECONDS = 0.05  # how often a stop looks whether calls are left (rpc/draining.calls_left)
 
 
 class StartupError(Exception):
@@ -375,7 +377,10 @@ class ExpbufServer:
         stopped = self.grpc.stop(grace)  # no new RPCs from now on
         self.service.draining.begin(grace)
         self.store.wake()  # Sample streams waiting for data see the stop at once
-        stopped.wait()
+        while not stopped.wait(STOP_POLL_SECONDS):
+            if not calls_left(self.grpc):  # only connections without calls hold gRPC's stop
+                self.grpc.stop(None)
+                break
         ended = self.service.draining.ended
         log.info(
             "streams ended by the stop: %d (%d PushStream, %d Sample), with UNAVAILABLE: their clients send again",

@@ -32,7 +32,7 @@ from expbuf.server.rpc.interceptors.reflection import ReflectionLimits
 from expbuf.server.rpc.servicers import tables as tables_servicer
 
 from conftest import BAD_DIR, BAD_README, MANIFEST, Servers, payload
-from helpers import ServerProcess, check_against_manifest, group_items, make_experience
+from helpers import ServerProcess, check_against_manifest, group_items, make_experience, wait_for
 
 
 @pytest.fixture
@@ -383,6 +383,35 @@ def test_batches_read_ahead_but_not_taken_come_back(client: BufferClient) -> Non
     remaining = next(client.sample(num_groups=1, timeout=10, max_batches=1, delivery="consume"))
     assert remaining.group_ids == ["6/1", "6/1"] and remaining.groups == ["6/1"]
     assert client.stats()["default"].consumed == 4
+
+
+def test_a_stop_waits_for_its_calls_not_for_a_connection_that_never_made_one(start_server: Servers) -> None:
+    """A TCP connection that never finished gRPC's handshake (a load balancer's probe, a port scan)
+    held a stop for its whole grace, 10 s at every SIGTERM. The stop ends once no call is left, and
+    a call in flight at the stop (a push waiting for room in a full table) runs its course in it."""
+    srv = start_server()
+    with BufferClient(f"127.0.0.1:{srv.port}", timeout=3) as client:
+        client.create_table("full", capacity=2, when_full="block", group_by="none")
+        client.push(encode_items(group_items(1, 0, 2)), table="full")
+        waited: list[BaseException] = []
+
+        def push() -> None:
+            try:
+                client.push(encode_items(group_items(2, 0, 2)), table="full")
+            except BufferError as exc:
+                waited.append(exc)
+
+        pusher = threading.Thread(target=push)
+        with socket.create_connection(("127.0.0.1", srv.port)):
+            pusher.start()
+            wait_for(lambda: srv.call_limits._waiting == 1, "the push to wait for room", 10)
+            stopping = threading.Thread(target=srv.stop, kwargs={"grace": 600})
+            stopping.start()
+            pusher.join(30)
+            stopping.join(10)  # held by the connection, it took 20 s (gRPC's own bound under a longer grace)
+            assert not stopping.is_alive(), "the stop waited for a connection without a call"
+    (error,) = waited  # the push's own deadline ended its wait, not the stop
+    assert error.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "table 'full' is full" in error.details, error
 
 
 def test_sigterm_finishes_and_restart_finds_everything(tmp_path: Path) -> None:

@@ -40,6 +40,18 @@ SHUTTING_DOWN = (
 )
 
 
+def calls_left(server: grpc.Server) -> bool:
+    """Whether `server`, stopping, still has calls to finish: calls in flight, or calls gRPC had
+    begun to take when its stop came. gRPC keeps this in its server's state, not in its API; a
+    gRPC that keeps it otherwise reads as having calls left, and its stop waits out the grace."""
+    state = getattr(server, "_state", None)
+    calls, due = getattr(state, "rpc_states", None), getattr(state, "due", None)
+    if state is None or not isinstance(calls, set) or not isinstance(due, set):
+        return True
+    with state.lock:
+        return bool(calls) or len(due) > 1  # its own shutdown's tag is due until the stop ends
+
+
 class Draining:
     """Whether the server is stopping, told to each open stream as it begins, and the streams it ended."""
 
