@@ -142,6 +142,10 @@ def test_calls_on_a_closed_client_are_refused_naming_the_call(target: str, clien
         next(closing.sample("t", num_groups=1))
     with pytest.raises(ExpbufError, match=re.escape(f"Stats {before}") + "$"):
         closing.stats()
+    pushed = closing.pusher("t").push(trxp.build(group_items(3, 0, 2)))  # it said: whether it was stored is unknown
+    with pytest.raises(ExpbufError, match=re.escape("Push on a closed client: close() was called before it (push 1 ")):
+        pushed.result(10)
+    assert pushed.exception().code == grpc.StatusCode.CANCELLED and "nothing was sent" in str(pushed.exception())
 
     async def closed_async() -> None:
         aclient = AsyncBufferClient(target, timeout=10)
@@ -153,6 +157,9 @@ def test_calls_on_a_closed_client_are_refused_naming_the_call(target: str, clien
             await anext(aiter(aclient.sample("t", num_groups=1)))
         with pytest.raises(ExpbufError, match=re.escape(f"Push {before}")):
             await aclient.push(trxp.build(group_items(2, 0, 2)), table="t")
+        waiting = await aclient.pusher("t").push(trxp.build(group_items(4, 0, 2)))
+        with pytest.raises(ExpbufError, match=re.escape("Push on a closed client: close() was called before it")):
+            await waiting
 
     asyncio.run(closed_async())
     assert client.stats("t")["t"].leased == 4  # the two batches still leased, not ended by either

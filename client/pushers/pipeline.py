@@ -62,7 +62,7 @@ from .. import trxp
 from ..errors import ExpbufError
 from ..results import PushResult
 from ..rpc import calls, frames
-from ..rpc.connection import BACKOFF, busy
+from ..rpc.connection import BACKOFF, CLOSED_BEFORE, busy
 from ..rpc.wire import reason_of
 from ..schema.reasons import Reason
 
@@ -227,6 +227,7 @@ class PushWindow(Ordered[Pending]):
         self.max_message_bytes: int = client.max_message_bytes
         self.timeout: float = timeout or client.timeout
         self.retries: int = client.retries
+        self._client = client
         self._waiting = 0  # callers waiting for every push sent to be answered (`draining`)
 
     def room_for(self, pushes: Sequence[Pending]) -> int | None:
@@ -293,9 +294,11 @@ class PushWindow(Ordered[Pending]):
     def add(self, body: bytes, number: int | None = None) -> Pending:
         """The next push, of a payload the pusher encoded while earlier ones were on their way;
         `number`, when given, is its number (a sharded pusher's, whose push this is a part of).
-        One no message could carry fails at once."""
+        One no message could carry fails at once, and so does one made after the client's close()."""
         pending = Pending(self.number(number), self.table, body, time.monotonic() + self.timeout)
-        if self.chunk_bytes == 0 and len(body) > self.max_message_bytes:
+        if self._client.closed:
+            pending.fail(grpc.StatusCode.CANCELLED, CLOSED_BEFORE % "Push", ": nothing was sent")
+        elif self.chunk_bytes == 0 and len(body) > self.max_message_bytes:
             pending.fail(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"a payload of {len(body)} bytes is larger than max_message_bytes = {self.max_message_bytes} "

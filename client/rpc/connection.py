@@ -76,6 +76,7 @@ SERVICE = "expbuf.v1.ExperienceBuffer"
 # never goes: the server gets the push cut short. A push in chunks is made again by the client,
 # whole (calls.Attempts).
 LEASE_ENDS = frozenset({"Ack", "Nack", "Renew"})  # a batch's own calls on its lease
+CLOSED_BEFORE = "%s on a closed client: close() was called before it"  # a call made after close(), by its name
 RETRIED_METHODS = frozenset(
     {
         "Push",
@@ -481,7 +482,7 @@ class ClientBase:
             left = " (a leased batch not acked comes back when its lease expires)" if method in LEASE_ENDS else ""
             raise ExpbufError(
                 grpc.StatusCode.CANCELLED,
-                f"{method} on a closed client: close() was called before it, nothing was sent{left}",
+                f"{CLOSED_BEFORE % method}, nothing was sent{left}",
             )
 
     def _declaring(self, message_bytes: int | None) -> tuple[tuple[str, str], ...]:
