@@ -237,6 +237,8 @@ def test_a_running_buffer_is_not_taken_for_another(ray_cluster: ModuleType, tmp_
     assert actors_in(namespace) == ["a", "a-0", "a-1"]
     again = expbuf_ray.start_shards(2, namespace=namespace, **options(tmp_path / "a"), name="a")
     assert again.shards == ("a-0", "a-1")  # the running buffer, asked as it was started
+    alike = {**options(tmp_path / "a"), "tables": [{**TABLE, "group_size": 2.0}]}  # another driver's YAML
+    assert expbuf_ray.start_shards(2, namespace=namespace, **alike, name="a").shards == ("a-0", "a-1")
     expbuf_ray.add_shard(10, namespace=namespace, name="a")
     grown = expbuf_ray.start_shards(2, namespace=namespace, **options(tmp_path / "a"), name="a")
     assert grown.shards == ("a-0", "a-1", "a-2")  # asked as it was started, before add_shard grew it

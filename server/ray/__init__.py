@@ -295,7 +295,7 @@ def _as_asked(
     asked = {  # fewer shards than it runs: a start made before add_shard grew it
         "num_shards": (num_shards if num_shards and num_shards > len(running.shards) else None, len(running.shards)),
         "data_root": (data_root and str(data_root_of(namespace, data_root)), kept["data_root"]),
-        "tables": (_each(tables) or None, _each(kept["tables"])),  # in any order
+        "tables": (_each(tables) or None, _each(kept["tables"])),  # in any order, 2 and 2.0 alike
     }
     differ = [
         f"{what} {given!r} (it runs with {has!r})" for what, (given, has) in asked.items() if given and given != has
@@ -308,8 +308,11 @@ def _as_asked(
     return running
 
 
-def _each(tables: Sequence[dict[str, Any]]) -> list[str]:
-    return sorted(json.dumps(table, sort_keys=True, default=str) for table in tables)
+def _each(tables: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The tables in one order, compared as values (a setting given 2 by one driver and 2.0 by another is one)."""
+    return sorted(
+        tables, key=lambda table: (str(table.get("name", "")), json.dumps(table, sort_keys=True, default=str))
+    )
 
 
 def _started_by_another(namespace: str, name: str) -> ShardMap:
