@@ -297,7 +297,7 @@ class AsyncBufferClient(ServerCalls, Awaiting, ClientBase):
         # consumed (or leased) and never had; nor does it cut the write (grpc.aio ends a stream whose
         # write is cancelled, and the batch had would be served again).
         on_its_way: list[asyncio.Future[None]] = []
-        held_back: int | None = None  # a cancel the last batch handed over held back (told): the cancels before it
+        held_back = calls.HeldBack()  # a cancel the last batch handed over held back (told)
 
         async def written() -> None:
             """The confirmation on its way written (under `writing`, before any other message)."""
@@ -352,15 +352,14 @@ class AsyncBufferClient(ServerCalls, Awaiting, ClientBase):
             returns it); a leased one delivered goes back at once (its nack: no caller has it to
             ack, and it was leased until its lease_seconds passed), a replayed one stays (its replay
             counted), and the cancel goes on, as the sharded client does."""
-            nonlocal held_back
-            before = calls.cancels()
+            before = calls.HeldBack.begin()
             try:
                 return await asyncio.shield(word)
             except asyncio.CancelledError:
                 with contextlib.suppress(Exception):  # the stream's end: the cancel is the caller's answer
                     if await calls.finished(word):
                         if spec.delivery == "consume":
-                            held_back = before
+                            held_back.hold(before)
                             return True
                         if spec.delivery == "lease" and isinstance(batch, AsyncBatch):
                             await asyncio.shield(batch.nack())
@@ -408,9 +407,7 @@ class AsyncBufferClient(ServerCalls, Awaiting, ClientBase):
                     continue  # not delivered, or its word lost: the end follows
                 confirmed = time.monotonic()
                 yield batch
-                if held_back is not None:
-                    before, held_back = held_back, None
-                    calls.raise_held_back(before)
+                held_back.raise_now()
         except (grpc.RpcError, asyncio.InvalidStateError):  # the stream ended (a write after its end: the latter)
             error = await status.error()  # by its own status, raised unless OK
             if error is not None:
@@ -449,6 +446,7 @@ class AsyncBufferClient(ServerCalls, Awaiting, ClientBase):
             finally:
                 streaming.set_result(None)
                 self._streams.discard(streaming)
+                held_back.pass_on()  # the caller left before its next step (a break, aclose)
 
     async def _hold(self, spec: SampleSpec, within: float = 0.0) -> AsyncHeldBatch | None:
         """As BufferClient._hold: the one batch of `spec` held unconfirmed (AsyncHeldBatch) for at

@@ -1030,14 +1030,17 @@ def test_an_asyncio_sample_cancelled_as_it_waits_for_the_word_of_its_delivery_ne
     assert (had, stats.consumed, stats.ready) == (1, 1, 3)
 
 
+@pytest.mark.parametrize("leaves", [False, True], ids=["reads-on", "breaks-out"])
 def test_a_task_cancelled_as_its_consume_stream_waits_for_a_word_is_handed_the_batch_then_cancelled(
-    start_server: Servers, monkeypatch: pytest.MonkeyPatch
+    start_server: Servers, monkeypatch: pytest.MonkeyPatch, leaves: bool
 ) -> None:
     """The consumed batch a cancelled await is handed (above) held the cancel back for good: a task
     cancelled there (`task.cancel()`, a trainer's shutdown) went on with its stream, consuming all
     there was and waiting for more (an audit's repro: once in six). The cancel is raised at the
-    task's next step of the stream now, the batch in the caller's hands. Each word of a delivery
-    comes 1 s after it arrived: the task is cancelled 0.3 s into its wait for the second's."""
+    task's next step of the stream now, the batch in the caller's hands; a task that leaves the
+    stream with that batch (`break`) is cancelled as the stream ends, where it went on with its
+    work after the stream uncancelled. Each word of a delivery comes 1 s after it arrived: the task
+    is cancelled 0.3 s into its wait for the second's."""
     target = four_groups(start_server)
     words_late(monkeypatch, 1.0)
 
@@ -1048,6 +1051,9 @@ def test_a_task_cancelled_as_its_consume_stream_waits_for_a_word_is_handed_the_b
             async def train() -> None:
                 async for batch in client.sample("t", num_groups=1, delivery="consume"):
                     had.append(batch)
+                    if leaves and len(had) == 2:
+                        break
+                await asyncio.sleep(30)  # its work after the stream
 
             task = asyncio.ensure_future(train())
             while not had:

@@ -402,12 +402,14 @@ def test_an_asyncio_sample_cancelled_as_its_parts_are_confirmed_loses_no_batch(
         assert handed is None and left == every
 
 
+@pytest.mark.parametrize("leaves", [False, True], ids=["reads-on", "breaks-out"])
 def test_a_task_cancelled_as_its_sharded_batch_is_confirmed_is_handed_it_then_cancelled(
-    start_server: Servers, tmp_path: Path
+    start_server: Servers, tmp_path: Path, leaves: bool
 ) -> None:
     """The consumed batch a cancelled await is handed (above) held the cancel back for good: a task
     cancelled there (`task.cancel()`, a trainer's shutdown) went on with its stream, consuming all
-    there was and waiting for more. The cancel is raised at the task's next step of the stream."""
+    there was and waiting for more. The cancel is raised at the task's next step of the stream, or
+    where the task leaves the stream with that batch (`break`), as the stream ends."""
     targets, _ = in_process_shards(start_server, tmp_path)
     with ShardedBufferClient(targets, timeout=5.0) as admin:
         admin.create_table("t", group_size=2, estimator="none")
@@ -428,6 +430,9 @@ def test_a_task_cancelled_as_its_sharded_batch_is_confirmed_is_handed_it_then_ca
             async def train() -> None:
                 async for batch in client.sample("t", num_groups=2, timeout=10.0, delivery="consume"):
                     had.append(batch)
+                    if leaves:
+                        break
+                await asyncio.sleep(30)  # its work after the stream
 
             training = asyncio.ensure_future(train())
             done, _ = await asyncio.wait([training], timeout=20)

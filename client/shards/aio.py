@@ -88,13 +88,12 @@ class AsyncShardedBufferClient(ShardPlans, AwaitingShards, ShardCalls):
         """As ShardedBufferClient.sample; leased batches' ack()/nack() return coroutines."""
         spec = SampleSpec(table, batch_size, num_groups, **options)
         held: list[AsyncHeldBatch] = []  # parts taken and neither delivered nor given back yet
-        held_back: list[int] = []  # a cancel the batch's delivery held back (_delivered): the cancels before it
+        held_back = calls.HeldBack()  # a cancel the batch's delivery held back (_delivered)
         try:
             for step in (turns := Turns(self._sample(spec, self, AsyncShardBatch))):
                 if isinstance(step, Emit):
                     yield step.batch
-                    if held_back:
-                        calls.raise_held_back(held_back.pop())
+                    held_back.raise_now()
                     continue
                 if _delivers(step):
                     answers = await self._delivered(step, spec, held_back)
@@ -105,8 +104,10 @@ class AsyncShardedBufferClient(ShardPlans, AwaitingShards, ShardCalls):
         except (asyncio.CancelledError, GeneratorExit):  # a caller that left mid-batch: its parts go back
             await asyncio.shield(_given_back(held))
             raise
+        finally:
+            held_back.pass_on()  # the caller left before its next step (a break, aclose)
 
-    async def _delivered(self, step: list[Call], spec: SampleSpec, held_back: list[int]) -> list[Any]:
+    async def _delivered(self, step: list[Call], spec: SampleSpec, held_back: calls.HeldBack) -> list[Any]:
         """A step that confirms a batch's held parts, run to its end whatever cancels the caller
         meanwhile: once a confirmation goes, its shard consumes the part, starts its lease or counts
         its replay, and a cancel that cut the step lost a consumed batch (the caller had no batch,
@@ -114,13 +115,13 @@ class AsyncShardedBufferClient(ShardPlans, AwaitingShards, ShardCalls):
         cancelled await returns it, the cancel held back (`held_back` says so) to the caller's next
         step. The others' parts go back (a leased part's nack; a replayed part stays, its replay
         counted) and the cancel goes on."""
-        confirming, before = asyncio.ensure_future(self._step(step)), calls.cancels()
+        confirming, before = asyncio.ensure_future(self._step(step)), calls.HeldBack.begin()
         try:
             return await asyncio.shield(confirming)
         except asyncio.CancelledError:
             answers = await calls.finished(confirming)
             if spec.delivery == "consume":
-                held_back.append(before)
+                held_back.hold(before)
                 return answers
             await asyncio.shield(_handed_back(answers))
             raise

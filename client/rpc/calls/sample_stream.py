@@ -9,7 +9,7 @@ import contextlib
 import math
 import time
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import grpc
 
@@ -69,21 +69,46 @@ async def finished(task: asyncio.Future[R]) -> R:
     return task.result()
 
 
-def cancels() -> int:
-    """The cancels the current task has standing (`Task.cancelling`), 0 outside a task."""
-    task = asyncio.current_task()
-    return 0 if task is None else task.cancelling()
+class HeldBack:
+    """A cancel a consumed batch's hand-over held back (the asyncio clients' sample(): the cancelled
+    await is handed the batch, which nothing can put back), raised where it still stands at the
+    caller's next step of the stream: a task cancelled as it took the batch (`task.cancel()`, a
+    trainer's shutdown) went on with the stream for good. Only a cancel that came since the
+    hand-over began (`begin`) is kept: under `asyncio.wait_for` or `asyncio.timeout` the cancel was
+    the wait's own, over once the batch was returned, and a cancel the task stood under before (its
+    own shutdown, draining) is its own. A stream the caller leaves before its next step (a `break`,
+    `aclose()`) cancels the task again as it ends (`pass_on`), where that cancel was lost."""
 
+    def __init__(self) -> None:
+        self._held: tuple[asyncio.Task[Any] | None, int] | None = None
 
-def raise_held_back(before: int) -> None:
-    """Raise the cancel a consumed batch held back (`finished`'s caller hands it to the cancelled
-    await), where it still stands, at the caller's next step of the stream: a task cancelled as it
-    took the batch (`task.cancel()`, a trainer's shutdown) went on with the stream for good. Only a
-    cancel that came since the hand-over began (`before`: the task's cancels then) is raised: under
-    `asyncio.wait_for` or `asyncio.timeout` the cancel was the wait's own, over once the batch was
-    returned, and a cancel the task stood under before (its own shutdown, draining) is its own."""
-    if cancels() > before:
-        raise asyncio.CancelledError
+    @staticmethod
+    def begin() -> int:
+        """The cancels the current task has standing (`Task.cancelling`) as a hand-over begins, 0 outside a task."""
+        task = asyncio.current_task()
+        return 0 if task is None else task.cancelling()
+
+    def hold(self, before: int) -> None:
+        """The hand-over that began with `before` cancels standing was cancelled: its batch handed, the cancel kept."""
+        self._held = (asyncio.current_task(), before)
+
+    def raise_now(self) -> None:
+        """At the caller's next step: the cancel kept, where it still stands."""
+        if self._held is not None:
+            _, before = self._held
+            self._held = None
+            if self.begin() > before:
+                raise asyncio.CancelledError
+
+    def pass_on(self) -> None:
+        """As the stream ends before the caller's next step: the task the cancel came to cancelled
+        again, where it still stands and the task runs (last in the stream's end, which a cancel of
+        its own task would cut)."""
+        if self._held is not None:
+            task, before = self._held
+            self._held = None
+            if task is not None and not task.done() and task.cancelling() > before:
+                task.cancel()
 
 
 def confirmation(received: int, *, stop: bool = False) -> pb.SampleRequest:
