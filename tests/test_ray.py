@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -331,6 +332,46 @@ def test_a_buffer_of_another_namespace_is_refused_the_data_of_another(ray_cluste
     with pytest.raises(ray.exceptions.RayActorError, match=refusal):
         expbuf_ray.start_shards(1, namespace="expbuf-test-job2", **options(tmp_path))
     assert actors_in("expbuf-test-job2") == []
+
+
+def _namespaces() -> bool:
+    """Whether this host lets a process have mounts of its own (an unprivileged user namespace)."""
+    probe = ["unshare", "--user", "--map-root-user", "--mount", "true"]
+    return shutil.which("unshare") is not None and subprocess.run(probe, capture_output=True).returncode == 0
+
+
+@pytest.mark.skipif(not _namespaces(), reason="no user namespaces here: the driver needs a disk view of its own")
+def test_a_buffer_resumed_from_a_driver_on_another_node_finds_its_map_and_data(
+    ray_cluster: ModuleType, tmp_path: Path
+) -> None:
+    """A buffer started from one node and resumed by a driver on another, each node's data root on a
+    disk of its own: the driver found no map on its own disk and started the buffer afresh, its
+    shards on empty stores, the experiences pushed before left unserved (an audit on a simulated
+    3-node cluster: 42 of 60 gone). The driver asks the nodes for the map. Here the second driver
+    runs in a mount namespace of its own, the data root an empty directory to it."""
+    namespace, root, elsewhere = "expbuf-test-elsewhere", tmp_path / "root", tmp_path / "driver-disk"
+    expbuf_ray.start_shards(2, namespace=namespace, **options(root))
+    with ShardedBufferClient.from_ray(namespace, timeout=STARTING_SECONDS) as client:
+        uids = pushed(client, 1)
+    expbuf_ray.stop_shards(namespace)
+    elsewhere.mkdir()
+    script = (
+        "import sys, ray\n"
+        "import expbuf.ray\n"
+        f"ray.init(address={ray.get_runtime_context().gcs_address!r}, logging_level='ERROR', log_to_driver=False)\n"
+        f"started = expbuf.ray.start_shards(namespace={namespace!r}, **{options(root)!r})\n"
+        "print(','.join(started.shards))\n"
+    )
+    driver = f"mount --bind {elsewhere} {root} && exec {sys.executable} -c \"$0\""
+    command = ["unshare", "--user", "--map-root-user", "--mount", "sh", "-c", driver, script]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.split() == ["expbuf-0,expbuf-1"]
+    try:
+        with ShardedBufferClient.from_ray(namespace, timeout=STARTING_SECONDS) as client:
+            assert consumed(client) == uids
+    finally:
+        expbuf_ray.stop_shards(namespace)
 
 
 def test_the_default_data_root_is_the_namespace_s_own() -> None:

@@ -38,7 +38,7 @@ from expbuf.client.ray_registry import NotARegistry, shard_map
 from expbuf.client.schema.routing import ShardMap
 
 from .registry import Registry, write
-from .shard import OWNER_FILE, ShardActor, owner_record, owner_refusal
+from .shard import OWNER_FILE, ShardActor, owner_record, owner_refusal, refusal_by
 
 log = logging.getLogger("expbuf")
 
@@ -135,6 +135,51 @@ def _holders(root: Path, shards: Sequence[str], nodes: Sequence[str]) -> dict[st
     return holders_of(found)
 
 
+@ray.remote(num_cpus=0)
+def _map_here(root: str, name: str) -> tuple[str, str] | None:
+    """The map of buffer `name` under `root` on the node this runs on, and the owner record beside it
+    ("" for none); None where the node keeps no map of it."""
+    kept, owner = Path(root) / f"{name}.shard-map.json", Path(root) / f"{name}.{OWNER_FILE}"
+    try:
+        return kept.read_text(), owner.read_text() if owner.exists() else ""
+    except OSError:
+        return None
+
+
+def _map_elsewhere(root: Path, name: str, nodes: Sequence[str], owner: str) -> ShardMap | None:
+    """The map of buffer `name` that an alive node keeps under `root`, where the driver's node keeps
+    none: a buffer started from one node and resumed from another, its data roots on disks of their
+    own. A driver that looked only on its own disk started the buffer afresh, its shards on empty
+    stores, the experiences left unserved where they were. Nodes keeping maps of other shards are
+    refused (ValueError naming them), as is a map of another buffer's (its namespace)."""
+    asks = [
+        _map_here.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote(str(root), name)
+        for node in nodes
+    ]
+    try:
+        kept = ray.get(asks, timeout=_STOP_SECONDS)
+    except ray.exceptions.GetTimeoutError:
+        raise ValueError(
+            f"the alive nodes did not say within {_STOP_SECONDS:.0f} s which of them keep buffer {name!r}'s map"
+            f" under {root}: start_shards again once every node answers"
+        ) from None
+    maps: dict[str, ShardMap] = {}
+    for node, found in zip(nodes, kept, strict=True):
+        if found is None:
+            continue
+        refusal = refusal_by(found[1], owner, f"{root} on node {node}")
+        if refusal:
+            raise ValueError(f"data_root {refusal}")
+        maps[node] = ShardMap.from_json(found[0])
+    if len({tuple(kept_map.shards) for kept_map in maps.values()}) > 1:
+        held = "; ".join(f"node {node}: {', '.join(kept_map.shards)}" for node, kept_map in sorted(maps.items()))
+        raise ValueError(
+            f"buffer {name!r}'s map under {root} names other shards on different nodes ({held}): keep the one of the"
+            " buffer's data and move the others away, then start again"
+        )
+    return next(iter(maps.values()), None)
+
+
 def placed(shards: Sequence[str], nodes: Sequence[str], holders: Mapping[str, Sequence[str]] | None) -> list[str]:
     """Each shard's node: for a new buffer (`holders` None), round-robin over the alive `nodes`; for a
     resumed one, a node that holds the shard's data directory (of several, a disk they share,
@@ -222,8 +267,8 @@ def start_shards(
     refusal = owner_refusal(owner_file, owner)
     if refusal:
         raise ValueError(f"data_root {refusal}")
-    earlier = ShardMap.from_json(path.read_text()) if path.exists() else None
     nodes = _alive_nodes()
+    earlier = ShardMap.from_json(path.read_text()) if path.exists() else _map_elsewhere(root, name, nodes, owner)
     if earlier is None:
         shards = [f"{name}-{index}" for index in range(num_shards or len(nodes))]
     elif num_shards in (None, len(earlier.shards)):
@@ -238,7 +283,8 @@ def start_shards(
     try:
         at = placed(shards, nodes, None if earlier is None else _holders(root, shards, nodes))
     except ValueError as exc:
-        raise ValueError(f"buffer {name!r} resumes from {path}, under {root}: {exc}") from None
+        kept = path if path.exists() else f"{path} of another node"
+        raise ValueError(f"buffer {name!r} resumes from {kept}, under {root}: {exc}") from None
     options = {
         "data_root": str(root),
         "tables": list(tables),

@@ -111,11 +111,16 @@ class ShardActor:
 def owner_refusal(owner_file: Path, owner: str) -> str | None:
     """Why a data directory (or data root) that another buffer made is refused to `owner` (its namespace
     and name), which would otherwise serve, and sample, experiences another job pushed; None when it is ours."""
-    if not owner_file.exists() or owner_file.read_text() == owner:
+    return refusal_by(owner_file.read_text(), owner, str(owner_file.parent)) if owner_file.exists() else None
+
+
+def refusal_by(theirs: str, owner: str, where: str) -> str | None:
+    """owner_refusal of the owner record `theirs` ("" for none) that `where` keeps."""
+    if not theirs or theirs == owner:
         return None
-    theirs, ours = json.loads(owner_file.read_text()), json.loads(owner)
+    held, ours = json.loads(theirs), json.loads(owner)
     return (
-        f"{owner_file.parent} belongs to the buffer {theirs['name']!r} of Ray namespace {theirs['namespace']!r},"
+        f"{where} belongs to the buffer {held['name']!r} of Ray namespace {held['namespace']!r},"
         f" not to {ours['name']!r} of {ours['namespace']!r}: give this buffer a data_root of its own"
     )
 
