@@ -362,7 +362,7 @@ def test_a_buffer_resumed_from_a_driver_on_another_node_finds_its_map_and_data(
         f"started = expbuf.ray.start_shards(namespace={namespace!r}, **{options(root)!r})\n"
         "print(','.join(started.shards))\n"
     )
-    driver = f"mount --bind {elsewhere} {root} && exec {sys.executable} -c \"$0\""
+    driver = f'mount --bind {elsewhere} {root} && exec {sys.executable} -c "$0"'
     command = ["unshare", "--user", "--map-root-user", "--mount", "sh", "-c", driver, script]
     result = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]

@@ -114,21 +114,25 @@ def holders_of(found: Mapping[str, Mapping[str, str]]) -> dict[str, list[str]]:
     return holders
 
 
-def _holders(root: Path, shards: Sequence[str], nodes: Sequence[str]) -> dict[str, list[str]]:
-    """Each shard's alive nodes to resume it on (holders_of), by what each holds under `root`."""
+def _asked(nodes: Sequence[str], task: Any, args: tuple[Any, ...], what: str) -> list[Any]:
+    """`task(*args)`'s answer on each of `nodes`, in their order; a ValueError naming `what` the nodes
+    were asked where they do not all answer within _STOP_SECONDS."""
     asks = [
-        _held_here.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote(
-            str(root), list(shards)
-        )
+        task.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote(*args)
         for node in nodes
     ]
     try:
-        held = ray.get(asks, timeout=_STOP_SECONDS)
+        return ray.get(asks, timeout=_STOP_SECONDS)
     except ray.exceptions.GetTimeoutError:
         raise ValueError(
-            f"the alive nodes did not say within {_STOP_SECONDS:.0f} s which of them hold the shards' data"
-            f" directories under {root}: start_shards again once every node answers"
+            f"the alive nodes did not say within {_STOP_SECONDS:.0f} s which of them {what}: start_shards again"
+            " once every node answers"
         ) from None
+
+
+def _holders(root: Path, shards: Sequence[str], nodes: Sequence[str]) -> dict[str, list[str]]:
+    """Each shard's alive nodes to resume it on (holders_of), by what each holds under `root`."""
+    held = _asked(nodes, _held_here, (str(root), list(shards)), f"hold the shards' data directories under {root}")
     found = {
         shard: {node: here[shard] for node, here in zip(nodes, held, strict=True) if shard in here} for shard in shards
     }
@@ -152,17 +156,7 @@ def _map_elsewhere(root: Path, name: str, nodes: Sequence[str], owner: str) -> S
     own. A driver that looked only on its own disk started the buffer afresh, its shards on empty
     stores, the experiences left unserved where they were. Nodes keeping maps of other shards are
     refused (ValueError naming them), as is a map of another buffer's (its namespace)."""
-    asks = [
-        _map_here.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote(str(root), name)
-        for node in nodes
-    ]
-    try:
-        kept = ray.get(asks, timeout=_STOP_SECONDS)
-    except ray.exceptions.GetTimeoutError:
-        raise ValueError(
-            f"the alive nodes did not say within {_STOP_SECONDS:.0f} s which of them keep buffer {name!r}'s map"
-            f" under {root}: start_shards again once every node answers"
-        ) from None
+    kept = _asked(nodes, _map_here, (str(root), name), f"keep buffer {name!r}'s map under {root}")
     maps: dict[str, ShardMap] = {}
     for node, found in zip(nodes, kept, strict=True):
         if found is None:
