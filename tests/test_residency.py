@@ -4,25 +4,43 @@ process's RSS (its mapping's `Rss` in /proc/self/smaps) stays a small part of th
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
+import torch
 
-from expbuf.server.store import Store
+from expbuf.client import EID, Experience, trxp
+from expbuf.server.store import Entry, Store
 from expbuf.server.store.core.ordering import ready as core_ready
 from expbuf.server.store.disk import layout, residency
 from expbuf.server.store.schema.sample_spec import TakeSpec
 from expbuf.server.store.schema.table_config import TableConfig
 from expbuf.server.store.services import index_builds
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
-
-from bench_writes import entries
-
 from helpers import wait_for
 
 pytestmark = pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="reads /proc/self/smaps (Linux)")
+
+
+def entries(n: int, start: int, size: int = 0) -> list[Entry]:
+    """n experiences of a group each, of about `size` bytes (small when 0): bench/bench_writes.py's
+    entries, their payloads byte for byte, with the tokens made a tensor once rather than
+    converted from a list of ints for each experience (4 s of the 12,000 of 8 KB's 5 s)."""
+    tokens = torch.arange(8 + size // 4)
+    return [
+        Entry.of(
+            trxp.from_experience(
+                Experience(
+                    eid=EID(batch=0, task=i, run=0, suffix=f"s{start}"),
+                    tokens=tokens,
+                    prompt_length=4,
+                    reward=float(i % 2),
+                    info={"model_version": 1},
+                )
+            )
+        )
+        for i in range(start, start + n)
+    ]
 
 
 def resident(path: Path) -> int:
@@ -46,7 +64,7 @@ def data(tmp_path_factory: pytest.TempPathFactory) -> Path:
     with Store(path) as store:
         store.create_table(TableConfig.of("t", estimator="none", group_size=1, drop_zero_variance=False))
         for start in range(0, 12_000, 1_000):
-            store.put_entries("t", entries(1_000, 1, start, size=8_000))
+            store.put_entries("t", entries(1_000, start, size=8_000))
     return path
 
 
@@ -81,7 +99,7 @@ def test_a_build_of_an_index_from_the_open_leaves_the_file_out_of_rss(
         prefix, db = layout.table_prefix(table_id), store.environment.db
         store.environment.submit(lambda txn: core_ready.mark_in_use(txn, db, prefix, set()))  # as made before
         for start in range(0, 50_000, 10_000):  # 67 MB; the build gives its pages back 3 times on the way
-            store.put_entries("t", entries(10_000, 1, start))
+            store.put_entries("t", entries(10_000, start))
     size = (tmp_path / "data.mdb").stat().st_size
     with Store(tmp_path) as store:
         wait_for(lambda: store.index_builds() == [], "the builds from the open", 600)
