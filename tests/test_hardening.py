@@ -353,17 +353,23 @@ def test_eviction_never_takes_a_pending_group(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("layout", ["records", "rows"])
 @pytest.mark.parametrize("when_full", ["evict", "block"])
+@pytest.mark.parametrize("bound", ["experiences", "bytes"])
 def test_runs_that_finish_open_groups_are_stored_whatever_the_table_holds(
-    tmp_path: Path, layout: str, when_full: str
+    tmp_path: Path, layout: str, when_full: str, bound: str
 ) -> None:
     """GRPO's workers push each run as it ends, so several groups are open at once: a group takes
     its group_size places as it opens, and its later runs need none. Counted a place a run, groups
     left open filled the table, and the runs that would complete them were refused (evict: at once;
-    block: at their deadline) for good, nothing pending being evicted."""
-    config = TableConfig.of("t", estimator="none", group_size=4, capacity_experiences=8, when_full=when_full)
-    config = dataclasses.replace(config, storage=dataclasses.replace(config.storage, layout=layout))
+    block: at their deadline) for good, nothing pending being evicted. So it was with capacity_bytes
+    after the places were fixed (an audit: a table of 6000 bytes, three groups of 4 open, locked):
+    a push that opens a group makes room for the bytes of the open groups' runs to come too."""
     with Store(tmp_path) as store:
-        store.create_table(config)
+        store.create_table(TableConfig.of("sized", estimator="none", group_size=4))
+        store.put("sized", group_items(1, 0, 4))  # every run here is as large as these
+        run_bytes = store.stats("sized")["bytes"] // 4
+        capacity = {"capacity_experiences": 8} if bound == "experiences" else {"capacity_bytes": 8 * run_bytes}
+        config = TableConfig.of("t", estimator="none", group_size=4, when_full=when_full, **capacity)
+        store.create_table(dataclasses.replace(config, storage=dataclasses.replace(config.storage, layout=layout)))
         a, b, c = (group_items(1, task, 4) for task in range(3))
         refused = []
         for runs in (a[:3], b[:3], c[:2]):  # two groups open take all 8 places, with 6 experiences held
@@ -381,6 +387,11 @@ def test_runs_that_finish_open_groups_are_stored_whatever_the_table_holds(
             store.put("t", c[:2])  # evicts the oldest ready group for its places
             assert store.stats("t")["evicted"] == 4
         assert store.verify("t") == []
+        if bound == "bytes":  # a group the table cannot hold whole: its first run refused as too large, not stored
+            store.create_table(TableConfig.of("small", estimator="none", group_size=4, capacity_bytes=3 * run_bytes))
+            with pytest.raises(TooLarge, match=r"opening 1 groups of 4 places each \(their runs to come about"):
+                store.put("small", a[:1])
+            assert store.stats("small")["pending"] == 0
 
 
 def test_push_larger_than_a_blocking_table_is_refused_at_once(client: BufferClient) -> None:

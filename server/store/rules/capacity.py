@@ -4,7 +4,13 @@ a push larger than the capacity on its own is refused at once). In a table of gr
 size, a group takes its group_size places of capacity_experiences when it opens (`reserved`), and
 its later runs take none: runs pushed as they finish (GRPO's workers) fill groups whose places
 are theirs already, so pending groups never fill a table against their own last runs, which,
-refused, would leave them pending for good (nothing pending is evicted). The pieces of rollouts held in
+refused, would leave them pending for good (nothing pending is evicted). So it is with
+capacity_bytes: the push that opens a group makes room for the runs still to come of every open
+group as well as for its own, each as large as its own runs are on average, and a push whose runs
+only join open groups is not bounded by bytes (their room was made when the groups opened; runs
+larger than the opening push's pass the bound by as much). Bounded by its own bytes alone, such a
+push was refused once the open groups' first runs filled the table, in block and evict mode
+alike, and the groups stayed open for good. The pieces of rollouts held in
 pieces count in its bytes (a worker whose rollouts never finish cannot fill the disk), a piece
 making room as a push does, and so do the table's keyed values (value_records.py), whose put is
 refused where it would pass the capacity: no value is evicted, nor an experience for one."""
@@ -65,9 +71,14 @@ def make_room(tt: TableState, runs: int, nbytes: int, keep: set[str], opened: in
     size = cfg.grouping.size
     places = opened * size if size else runs
     open_places = reserved(tt) - (opened + closing) * size if places else 0  # the other open groups'
+    if size and runs and not places:  # runs joining open groups: their room was made as the groups opened
+        return
+    # the bytes of the runs still to come of the open groups, as large as this push's on average
+    coming = max(0, open_places + places - runs) * nbytes // runs if size and runs else 0
+    own = max(0, places - runs) * nbytes // runs if size and runs else 0  # of those, its own groups'
 
     def over(live: int, held: int) -> bool:
-        return _over(cfg, live + open_places + places if places else 0, held + nbytes)
+        return _over(cfg, live + open_places + places if places else 0, held + nbytes + coming)
 
     def over_now() -> bool:
         return over(tt.counters.live(), held_bytes(tt.counters))
@@ -75,11 +86,12 @@ def make_room(tt: TableState, runs: int, nbytes: int, keep: set[str], opened: in
     if not over_now():
         return
     if (cfg.capacity.experiences and places > cfg.capacity.experiences) or (
-        cfg.capacity.bytes and nbytes > cfg.capacity.bytes
+        cfg.capacity.bytes and nbytes + own > cfg.capacity.bytes
     ):
         raise TooLarge(
             f"table '{cfg.name}': {runs} experiences of {nbytes} bytes"
             + (f" opening {opened} groups of {size} places each" if size and places != runs else "")
+            + (f" (their runs to come about {own} bytes more)" if own and cfg.capacity.bytes else "")
             + f" exceed its capacity ({cfg.capacity.experiences} experiences, {cfg.capacity.bytes} bytes) on their own"
         )
     if cfg.capacity.when_full == "evict" and cfg.storage.layout == "rows":
@@ -96,6 +108,7 @@ def make_room(tt: TableState, runs: int, nbytes: int, keep: set[str], opened: in
         f"table '{cfg.name}' is full: it holds {tt.counters.live()} experiences of {held_bytes(tt.counters)} bytes, "
         f"its capacity is {_capacity(cfg)}, and this push brings {runs} of {nbytes} bytes"
         + (f"; its groups still open hold {open_places} places for their runs to come" if open_places else "")
+        + (f" (about {coming} bytes with this push's)" if coming and cfg.capacity.bytes else "")
     )
 
 
@@ -111,8 +124,12 @@ def _capacity(cfg: TableConfig) -> str:
 def has_room(tt: TableState, count: int, nbytes: int) -> bool:
     """Whether `count` places and `nbytes` fit in the table as it is, beside its open groups'
     places, nothing evicted (joined pushes ask with a place an experience: no fewer than
-    make_room takes, so what fits here fits there)."""
-    return not _over(tt.config, tt.counters.live() + reserved(tt) + count, held_bytes(tt.counters) + nbytes)
+    make_room takes, so what fits here fits there; in groups of a fixed size, with the bytes of
+    the runs still to come of the open groups and of a group each of the `count` may open, as
+    large as theirs on average: no fewer than make_room's)."""
+    size = tt.config.grouping.size
+    coming = (reserved(tt) + count * (size - 1)) * nbytes // count if size and count else 0
+    return not _over(tt.config, tt.counters.live() + reserved(tt) + count, held_bytes(tt.counters) + nbytes + coming)
 
 
 def inserts_wait_for_samples(tt: TableState) -> bool:
