@@ -505,7 +505,8 @@ def test_both_sides_block_and_time_out_with_the_limit_named(start_server: Server
         with pytest.raises(BufferError) as early:
             next(c.sample("t", num_groups=1, timeout=0.3, delivery="consume"))
         assert early.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
-        assert "min_size_to_sample 2 holds samples; 1 experiences were inserted" in early.value.details
+        held = "min_size_to_sample 2 holds samples; 1 experiences that can still be sampled were inserted"
+        assert held in early.value.details
         for i in (1, 2):  # diff 3: the top of the band (centre 2, error 1)
             c.push(trxp.build(group_items(1, i, 1)), table="t")
         with pytest.raises(BufferError) as insert:
@@ -545,6 +546,29 @@ def test_the_rate_limits_state_survives_a_restart(tmp_path: Path) -> None:
         store.put_entries("t", [replace(one, uid="c")])
         with pytest.raises(InsertLimited):
             store.put_entries("t", [replace(one, uid="d")])
+
+
+@pytest.mark.parametrize("when_full", ["evict", "block"])
+def test_min_size_to_sample_past_what_capacity_bytes_holds_waits_only_until_the_table_is_full(
+    tmp_path: Path, when_full: str
+) -> None:
+    """min_size_to_sample is checked against capacity_experiences at a table's creation, but no
+    count of experiences can be checked against capacity_bytes: a table that held 9 experiences of
+    its bytes never reached 20, evicting as more came (evict mode), and no sample went, for good
+    (the limits audit). Once the table holds all it can, the bound holds samples no more."""
+    one = Entry.of(group_items(0, 0, 1, response=1, prompt=1)[0])
+    take = TakeSpec("t", num_groups=1, delivery="replay")
+    with Store(tmp_path) as store:
+        store.create_table(_limited("t", min_size_to_sample=20, capacity_bytes=5 * one.size, when_full=when_full))
+        for uid in "abcd":
+            store.put_entries("t", [replace(one, uid=uid)])
+        with pytest.raises(SampleLimited, match="4 experiences that can still be sampled were inserted"):
+            store.sample(take)  # room for one more: the bound still holds
+        store.put_entries("t", [replace(one, uid="e")])  # full
+        assert store.sample(take) is not None
+        if when_full == "evict":
+            store.put_entries("t", [replace(one, uid="f")])  # evicts the oldest, and stays full
+            assert store.stats("t")["evicted"] == 1 and store.sample(take) is not None
 
 
 def test_the_docs_off_policy_settings_load_from_toml(tmp_path: Path) -> None:

@@ -133,12 +133,18 @@ def has_room(tt: TableState, count: int, nbytes: int) -> bool:
 
 
 def inserts_wait_for_samples(tt: TableState) -> bool:
-    """Whether no insert can come until a sample makes room: a blocking table without room for a
-    group of the size and bytes of those it holds (group_size, else their mean), with no open group
-    whose runs may still complete it. The rate limiter then lets samples go, which it would hold
-    until more is inserted: each side waiting for the other, for good."""
+    """Whether no insert can come until a sample makes room: a blocking table that holds all it can
+    (`holds_all`). The rate limiter then lets samples go, which it would hold until more is
+    inserted: each side waiting for the other, for good."""
+    return tt.config.capacity.when_full == "block" and holds_all(tt)
+
+
+def holds_all(tt: TableState) -> bool:
+    """Whether the table has no room for a group of the size and bytes of those it holds (group_size,
+    else their mean) without evicting, and no open group whose runs may still complete it: what it
+    holds is all it can hold at once (capacity_bytes may hold fewer than min_size_to_sample)."""
     cfg, counters = tt.config, tt.counters
-    if cfg.capacity.when_full != "block" or reserved(tt):
+    if reserved(tt) or not (cfg.capacity.experiences or cfg.capacity.bytes):
         return False
     live = counters.live()
     groups = counters.groups_computing + counters.groups_ready + counters.groups_leased

@@ -1,6 +1,7 @@
 """Rate limits between inserts and samples, as Reverb's rate limiters set them.
 
-A table may hold samples back until `min_size_to_sample` experiences were inserted, and
+A table may hold samples back until `min_size_to_sample` experiences were inserted (or it holds
+all it can hold at once: capacity_bytes may hold fewer, evicting as more come), and
 keep the experiences sampled per experience inserted near `samples_per_insert`: with
 diff = inserted * samples_per_insert - sampled, an insert waits while it would push diff
 above spi * min_size + error, a sample while it would pull diff below spi * min_size -
@@ -62,14 +63,15 @@ def inserts_fit(tt: TableState, count: int) -> bool:
     return diff + count * spi <= centre + tt.config.rate_limiter.error_buffer
 
 
-def sample_limit(tt: TableState, count: int) -> SampleLimited | None:
-    """Why sampling `count` experiences must wait now; None when it may go."""
+def sample_limit(tt: TableState, count: int, full: bool = False) -> SampleLimited | None:
+    """Why sampling `count` experiences must wait now; None when it may go. `full`: the table holds
+    all it can hold at once (capacity.holds_all), which min_size_to_sample then holds no more."""
     cfg = tt.config
     inserted = tt.counters.rate_inserted
-    if inserted < cfg.rate_limiter.min_size_to_sample:
+    if inserted < cfg.rate_limiter.min_size_to_sample and not full:
         return SampleLimited(
             f"table '{cfg.name}': min_size_to_sample {cfg.rate_limiter.min_size_to_sample} holds samples; "
-            f"{inserted} experiences were inserted"
+            f"{inserted} experiences that can still be sampled were inserted"
         )
     if not cfg.rate_limiter.samples_per_insert:
         return None
