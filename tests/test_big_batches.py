@@ -15,7 +15,7 @@ import grpc
 import pytest
 import torch
 
-from expbuf.client import EID, AsyncBufferClient, BufferClient, DataLossError, Experience, trxp
+from expbuf.client import EID, AsyncBufferClient, BufferClient, BufferError, DataLossError, Experience, trxp
 from expbuf.client.rpc.sample_reply import Parts, ReplyBuffers, SampleReplyParts, aligned, read_sample_reply
 from expbuf.client.shards.blocking import AsyncShardedBufferClient, ShardedBufferClient
 from expbuf.proto.v1 import buffer_pb2 as pb
@@ -118,6 +118,25 @@ def test_a_client_that_cannot_take_parts_is_refused_naming_why_and_the_batch_sta
         assert len(batch.uids) == len(RESPONSES)
         stats = client.stats("big")["big"]
         assert (stats.ready, stats.consumed) == (0, len(RESPONSES))
+
+
+def test_a_push_past_the_servers_message_limit_names_the_clients_setting(big_server: ExpbufServer) -> None:
+    """A client of the default settings sends a push of up to 4 MiB whole: a server whose
+    max_message_bytes is lower refused it with gRPC's words alone (the limits audit). The error
+    names the server's limit and the client's setting that makes it send in chunks that fit."""
+    target = f"127.0.0.1:{big_server.port}"
+    (run,) = [e for e in group(2) if e.eid.run == 3]  # 50,000 tokens: past the server's 256 KiB
+    fix = f"takes messages of at most {LIMIT} bytes, its max_message_bytes, and this client sent one of"
+    with BufferClient(target) as client:
+        with pytest.raises(BufferError, match=re.escape(fix)) as refused:
+            client.push([run], table="big")
+        assert refused.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert f"make the client with max_message_bytes = {LIMIT}" in refused.value.details
+        with pytest.raises(BufferError, match=re.escape(fix)):
+            client.pusher("big").push([run]).result(30)
+        assert client.stats("big")["big"].pushed == 0
+    with BufferClient(target, max_message_bytes=LIMIT) as client:  # as the error says
+        assert client.push([run], table="big").stored == [run.eid.uid]
 
 
 @pytest.mark.parametrize("kind", ["blocking", "asyncio"])

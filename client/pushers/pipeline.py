@@ -62,7 +62,7 @@ from .. import trxp
 from ..errors import ExpbufError
 from ..results import PushResult
 from ..rpc import calls, frames
-from ..rpc.connection import BACKOFF, CLOSED_BEFORE, busy
+from ..rpc.connection import BACKOFF, CLOSED_BEFORE, busy, past_the_servers_limit
 from ..rpc.wire import reason_of
 from ..schema.reasons import Reason
 
@@ -355,7 +355,7 @@ class PushWindow(Ordered[Pending]):
         if reason == Reason.CUT_SHORT:  # a chunk of the oldest lost on its way; none after it read
             return self._lost(sent[:1], details) + self._in_time(sent[1:], code, details), 0.0
         if code != grpc.StatusCode.UNAVAILABLE:
-            sent.pop(0).fail(code, details, reason=reason)
+            sent.pop(0).fail(code, past_the_servers_limit(details, "the server"), reason=reason)
             return self._in_time(sent, code, details), 0.0
         pause = BACKOFF.pause(max(pending.attempts for pending in sent))
 

@@ -244,6 +244,8 @@ MUTUAL_TLS_HINT = (
 GRPC_DEADLINE = "Deadline Exceeded"
 # What gRPC says of a server that answered in HTTP/1 (expbuf's metrics port, a web server): no HTTP/2 frame.
 HTTP1_ANSWERS = ("Failed parsing HTTP/2", "Trying to connect an http1.x server")
+# gRPC's refusal of a message past the server's max_message_bytes: the size sent, and the server's limit.
+TOO_LARGE_FOR_SERVER = re.compile(r"Received message larger than max \((\d+) vs\. (\d+)\)")
 # URL schemes a target is written with by mistake: gRPC would resolve "http://host:port" as a host name.
 URL_SCHEMES = ("http", "https", "grpc", "grpcs")
 # gRPC's own schemes of a target that is no host (a socket's path, an address list): taken as they are.
@@ -321,6 +323,8 @@ def call_error(exc: grpc.RpcError, tls: Tls | None, target: str = "", waited: bo
             f" {KEEPALIVE_MS // 1000} s on an open call, and ended the connection for them: upgrade the"
             " server to this client's release, servers before clients)"
         )
+    elif exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        details = past_the_servers_limit(details, target)
     elif exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED and waited and details == GRPC_DEADLINE:
         details = (
             f"{details}: no answer from {target} in time; with wait_for_ready a call waits until its deadline for a"
@@ -331,6 +335,19 @@ def call_error(exc: grpc.RpcError, tls: Tls | None, target: str = "", waited: bo
     error = ExpbufError(exc.code(), details, reason_of(trailing))
     error.busy = busy(exc)
     return error
+
+
+def past_the_servers_limit(details: str, server: str) -> str:
+    """`details`, where they are gRPC's refusal of a message past the server's max_message_bytes,
+    with what to do: the client's own limit, larger, sent the push whole (or in larger chunks)."""
+    larger = TOO_LARGE_FOR_SERVER.search(details)
+    if larger is None:
+        return details
+    return (
+        f"{details} ({server} takes messages of at most {larger[2]} bytes, its max_message_bytes, and this client"
+        f" sent one of {larger[1]}: nothing of it was stored; make the client with max_message_bytes = {larger[2]},"
+        " and it sends larger pushes in chunks that fit)"
+    )
 
 
 def busy(exc: grpc.RpcError) -> bool:
