@@ -30,7 +30,7 @@ may also declare tables (created at start, or checked against the stored ones):
     ingest_processes = 1          # processes that validate and pack pushes (default: cores - 1, at most 4)
     torch_threads = 1             # torch's threads for the server's advantages (0: torch's own default)
     advantage_worker = "when_needed"  # torch loaded when a table needs advantages computed; "at_start": at once
-    max_message_bytes = 268435456
+    max_message_bytes = 268435456  # the largest gRPC message either way, at least 65536
 
     [tls]
     cert = "server.pem"
@@ -58,6 +58,7 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
+from expbuf.client.rpc.wire import LEAST_CHUNK_BYTES
 from expbuf.client.schema.tokens import bearer_token
 
 from .store.schema.errors import ConfigError, clip
@@ -257,10 +258,10 @@ class ServerConfig:
             )
         if self.log_format not in ("text", "json"):
             raise ConfigError(f"log_format is {self.log_format!r}; expected text or json")
-        if not 1024 <= self.max_message_bytes <= _MOST_MESSAGE_BYTES:
+        if not LEAST_CHUNK_BYTES <= self.max_message_bytes <= _MOST_MESSAGE_BYTES:
             raise ConfigError(
-                f"max_message_bytes must be an integer from 1024 to {_MOST_MESSAGE_BYTES} (gRPC's bound), "
-                f"got {self.max_message_bytes!r}"
+                f"max_message_bytes must be an integer from {LEAST_CHUNK_BYTES} (a client's least chunk of a push) to"
+                f" {_MOST_MESSAGE_BYTES} (gRPC's bound), got {self.max_message_bytes!r}"
             )
         processes = self.ingest_processes
         if processes is not None and (not 0 <= processes <= 64):

@@ -115,6 +115,8 @@ def test_push_chunk_bytes_0_sends_every_push_whole_and_a_bad_value_is_refused(se
     for bad in (1000, (1 << 20) + 1):
         with pytest.raises(ValueError, match=r"push_chunk_bytes must be 0 \(no chunks\) or from 65536 to"):
             BufferClient(target, push_chunk_bytes=bad, max_message_bytes=1 << 20)
+    # a message under the least chunk: pushes go whole, where the client was refused for a chunk it did not name
+    assert BufferClient(target, max_message_bytes=32 << 10).push_chunk_bytes == 0
 
 
 def test_a_push_in_chunks_waits_for_a_server_that_starts_late(start_server: Servers) -> None:

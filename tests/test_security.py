@@ -465,7 +465,8 @@ def test_the_environment_changes_the_files_tls_and_tokens_a_setting_at_a_time(
         ("port = true\n", "port must be an integer"),
         ("ingest_processes = true\n", "ingest_processes must be an integer"),
         ("max_sample_streams = true\n", "max_sample_streams must be an integer"),
-        ("max_message_bytes = 2147483648\n", "max_message_bytes must be an integer from 1024 to 2147483647"),
+        ("max_message_bytes = 2147483648\n", "max_message_bytes must be an integer from 65536 (a client's least"),
+        ("max_message_bytes = 32768\n", "chunk of a push) to 2147483647 (gRPC's bound), got 32768"),
         ('tables = ["x"]\n', "tables must be [[tables]] blocks"),
     ],
 )

@@ -30,7 +30,7 @@ from ..errors import ExpbufError
 from ..schema.tokens import bearer_token
 from .frames import most_push_request
 from .sample_reply import PARTS_METHODS, parts_method, sample_method
-from .wire import BUSY, MESSAGE_BYTES, reason_of
+from .wire import BUSY, LEAST_CHUNK_BYTES, MESSAGE_BYTES, reason_of
 
 
 class CallShape(Protocol):
@@ -396,11 +396,12 @@ class ClientBase:
         checked_target(target)
         token = checked_token(token)
         if push_chunk_bytes is None:  # a smaller max_message_bytes alone is not refused for a chunk it did not name
-            push_chunk_bytes = min(DEFAULT_PUSH_CHUNK_BYTES, max_message_bytes)
-        if push_chunk_bytes != 0 and not 1 << 16 <= push_chunk_bytes <= max_message_bytes:
+            fits = min(DEFAULT_PUSH_CHUNK_BYTES, max_message_bytes)
+            push_chunk_bytes = fits if fits >= LEAST_CHUNK_BYTES else 0  # under the least chunk: pushes go whole
+        if push_chunk_bytes != 0 and not LEAST_CHUNK_BYTES <= push_chunk_bytes <= max_message_bytes:
             raise ValueError(
-                f"push_chunk_bytes must be 0 (no chunks) or from 65536 to max_message_bytes = {max_message_bytes}, "
-                f"got {push_chunk_bytes}"
+                f"push_chunk_bytes must be 0 (no chunks) or from {LEAST_CHUNK_BYTES} to max_message_bytes ="
+                f" {max_message_bytes}, got {push_chunk_bytes}"
             )
         if retries > MAX_RETRIES:
             warnings.warn(

@@ -36,6 +36,9 @@ BUSY = "expbuf-busy"
 # be, in bytes (its serialised size): the server reserves that much of max_inflight_bytes before it
 # reads one, and refuses a larger one (server/rpc/push/push_memory.py). A call without it is read as before.
 MESSAGE_BYTES = "expbuf-message-bytes"
+# The least chunk of a push a client sends (push_chunk_bytes): the least max_message_bytes a server
+# takes, so that a client can always be made whose chunks fit the server's messages.
+LEAST_CHUNK_BYTES = 1 << 16
 # The calls a server answers, made again after their reply was lost, as it answered the first, from
 # what it remembers of them (ServerInfoReply.repeats_answered): the clients retry one only where its
 # server names it (calls/repeats.py). Made again on a server that does not, a claim claims again,
