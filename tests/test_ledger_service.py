@@ -573,7 +573,7 @@ def test_a_create_whose_reply_could_not_be_sent_is_refused_before_it_stores(star
     """CreateDataset's reply repeats the dataset's settings, its shards' names among them, with
     its counts: a create whose request just fits the server's max_message_bytes would commit
     and fail to send its reply. It is refused by name before it stores anything."""
-    limit = 1 << 14
+    limit = 1 << 16  # the least a server takes
     server = start_server(max_message_bytes=limit)
     config = pb.DatasetConfig(name="d", size=10, epochs=2, seed=-1, max_attempts=1000)
     request = pb.CreateDatasetRequest(table="t", config=config)
