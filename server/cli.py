@@ -15,6 +15,7 @@ import signal
 import sys
 import threading
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from expbuf.client import Tls
 from expbuf.client.rpc.connection import call_error, checked_target, checked_token
@@ -28,6 +29,9 @@ from .commands.stats import watch
 from .commands.tables import add_table_commands, run_client_command
 from .config import load
 from .store.schema.errors import ConfigError
+
+if TYPE_CHECKING:  # the server's modules load only for `serve`
+    from .app import ExpbufServer
 
 log = logging.getLogger("expbuf")
 
@@ -76,10 +80,25 @@ def _serve(args: argparse.Namespace) -> int:
         if server.broken is not None:
             log.error("stopping: the store can take no more writes (%s); start the server again", server.broken)
             server.stop()
-            return 3
+            return _stopped(server, 3)
     log.info("shutting down: no new RPCs; finishing those in flight")
     server.stop()
-    return 0
+    return _stopped(server, 0)
+
+
+def _stopped(server: ExpbufServer, code: int) -> int:
+    """`code`, for a server stopped; or, where torch's import is still under way on the advantage
+    worker's thread (a stop never waits for it: a stuck import must not hold it), the process
+    ended at once with it: the interpreter's exit, running torch's C++ destructors beside that
+    import, died of SIGABRT ("terminate called without an active exception") after the stop had
+    committed everything, and an exit code 134 reads as a crash to a supervisor."""
+    if not server.advantages.loading:
+        return code
+    log.info("torch's import still under way: the process ends without waiting for it")
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _tls(args: argparse.Namespace) -> Tls | None:

@@ -194,6 +194,11 @@ class AdvantageStart:
             self._store.wake()
             self._thread.join()
 
+    @property
+    def loading(self) -> bool:
+        """Whether torch's import is under way on the load's thread (a stop never waits for it)."""
+        return self._thread.is_alive() and self._worker is None
+
     def _ended(self, exc: BaseException) -> None:
         """The worker's `on_ended`, on its thread: from now on, as if it had not started."""
         self._fail("the advantage worker ended", exc)
