@@ -549,26 +549,38 @@ def test_the_rate_limits_state_survives_a_restart(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("when_full", ["evict", "block"])
+@pytest.mark.parametrize("group", [1, 2])
 def test_min_size_to_sample_past_what_capacity_bytes_holds_waits_only_until_the_table_is_full(
-    tmp_path: Path, when_full: str
+    tmp_path: Path, when_full: str, group: int
 ) -> None:
     """min_size_to_sample is checked against capacity_experiences at a table's creation, but no
     count of experiences can be checked against capacity_bytes: a table that held 9 experiences of
     its bytes never reached 20, evicting as more came (evict mode), and no sample went, for good
-    (the limits audit). Once the table holds all it can, the bound holds samples no more."""
-    one = Entry.of(group_items(0, 0, 1, response=1, prompt=1)[0])
+    (the limits audit). Once the table holds all it can, the bound holds samples no more; while a
+    group more fits, it holds them."""
+    grouping = {"group_by": "none"} if group == 1 else {"group_by": "task", "group_size": group}
+    tasks = [[Entry.of(item) for item in group_items(0, task, group, response=1, prompt=1)] for task in range(5)]
+    size = tasks[0][0].size
     take = TakeSpec("t", num_groups=1, delivery="replay")
     with Store(tmp_path) as store:
-        store.create_table(_limited("t", min_size_to_sample=20, capacity_bytes=5 * one.size, when_full=when_full))
-        for uid in "abcd":
-            store.put_entries("t", [replace(one, uid=uid)])
-        with pytest.raises(SampleLimited, match="4 experiences that can still be sampled were inserted"):
-            store.sample(take)  # room for one more: the bound still holds
-        store.put_entries("t", [replace(one, uid="e")])  # full
+        config = TableConfig.of(
+            "t",
+            estimator="none",
+            min_size_to_sample=20,
+            capacity_bytes=4 * group * size,
+            when_full=when_full,
+            **grouping,
+        )
+        store.create_table(config)
+        for entries in tasks[:3]:
+            store.put_entries("t", entries)
+        with pytest.raises(SampleLimited, match=f"{3 * group} experiences that can still be sampled were inserted"):
+            store.sample(take)  # room for a group more: the bound still holds
+        store.put_entries("t", tasks[3])  # full
         assert store.sample(take) is not None
         if when_full == "evict":
-            store.put_entries("t", [replace(one, uid="f")])  # evicts the oldest, and stays full
-            assert store.stats("t")["evicted"] == 1 and store.sample(take) is not None
+            store.put_entries("t", tasks[4])  # evicts the oldest, and stays full
+            assert store.stats("t")["evicted"] == group and store.sample(take) is not None
 
 
 def test_the_docs_off_policy_settings_load_from_toml(tmp_path: Path) -> None:

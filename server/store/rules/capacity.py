@@ -121,15 +121,20 @@ def _capacity(cfg: TableConfig) -> str:
     return " and ".join(bound for bound in bounds if bound)
 
 
-def has_room(tt: TableState, count: int, nbytes: int) -> bool:
-    """Whether `count` places and `nbytes` fit in the table as it is, beside its open groups'
-    places, nothing evicted (joined pushes ask with a place an experience: no fewer than
-    make_room takes, so what fits here fits there; in groups of a fixed size, with the bytes of
-    the runs still to come of the open groups and of a group each of the `count` may open, as
-    large as theirs on average: no fewer than make_room's)."""
+def has_room(tt: TableState, count: int, nbytes: int, coming: int = 0) -> bool:
+    """Whether `count` places and `nbytes` (and `coming` bytes more) fit in the table as it is,
+    beside its open groups' places, nothing evicted."""
+    return not _over(tt.config, tt.counters.live() + reserved(tt) + count, held_bytes(tt.counters) + nbytes + coming)
+
+
+def has_room_joined(tt: TableState, count: int, nbytes: int) -> bool:
+    """has_room for pushes stored as one (joined_pushes.py), asked with a place an experience: no
+    fewer than make_room takes, so what fits here fits there; in groups of a fixed size, with the
+    bytes of the runs still to come of the open groups and of a group each of the `count` may
+    open, as large as theirs on average: no fewer than make_room's either."""
     size = tt.config.grouping.size
     coming = (reserved(tt) + count * (size - 1)) * nbytes // count if size and count else 0
-    return not _over(tt.config, tt.counters.live() + reserved(tt) + count, held_bytes(tt.counters) + nbytes + coming)
+    return has_room(tt, count, nbytes, coming)
 
 
 def inserts_wait_for_samples(tt: TableState) -> bool:

@@ -152,7 +152,7 @@ def alike(
         a is b for a, b in zip(entries, itertools.chain.from_iterable(pushes), strict=True)
     ):
         return False
-    if not capacity.has_room(tt, len(entries), sum([entry.size for entry in entries])):
+    if not capacity.has_room_joined(tt, len(entries), sum([entry.size for entry in entries])):
         return False
     if tt.counters.runs_failed:
         for gkey, runs_of in spread.items():
