@@ -392,6 +392,12 @@ def test_runs_that_finish_open_groups_are_stored_whatever_the_table_holds(
             with pytest.raises(TooLarge, match=r"opening 1 groups of 4 places each \(their runs to come about"):
                 store.put("small", a[:1])
             assert store.stats("small")["pending"] == 0
+            store.create_table(TableConfig.of("joins", estimator="none", group_size=4, capacity_bytes=8 * run_bytes))
+            store.put("joins", a[:1])
+            huge = group_items(1, 0, 4, response=20 * run_bytes)[1:2]  # a run of the open group larger than the table
+            with pytest.raises(TooLarge, match=r"exceed its capacity .* on their own"):
+                store.put("joins", huge)  # a run joining an open group is not bounded by bytes, but by the whole
+            assert store.stats("joins")["pending"] == 1
 
 
 def test_push_larger_than_a_blocking_table_is_refused_at_once(client: BufferClient) -> None:

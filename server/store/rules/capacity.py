@@ -71,8 +71,6 @@ def make_room(tt: TableState, runs: int, nbytes: int, keep: set[str], opened: in
     size = cfg.grouping.size
     places = opened * size if size else runs
     open_places = reserved(tt) - (opened + closing) * size if places else 0  # the other open groups'
-    if size and runs and not places:  # runs joining open groups: their room was made as the groups opened
-        return
     # the bytes of the runs still to come of the open groups, as large as this push's on average
     coming = max(0, open_places + places - runs) * nbytes // runs if size and runs else 0
     own = max(0, places - runs) * nbytes // runs if size and runs else 0  # of those, its own groups'
@@ -83,11 +81,14 @@ def make_room(tt: TableState, runs: int, nbytes: int, keep: set[str], opened: in
     def over_now() -> bool:
         return over(tt.counters.live(), held_bytes(tt.counters))
 
+    too_large = (cfg.capacity.experiences and places > cfg.capacity.experiences) or (
+        cfg.capacity.bytes and nbytes + own > cfg.capacity.bytes
+    )
+    if size and runs and not places and not too_large:  # runs joining open groups: room made as they opened
+        return
     if not over_now():
         return
-    if (cfg.capacity.experiences and places > cfg.capacity.experiences) or (
-        cfg.capacity.bytes and nbytes + own > cfg.capacity.bytes
-    ):
+    if too_large:
         raise TooLarge(
             f"table '{cfg.name}': {runs} experiences of {nbytes} bytes"
             + (f" opening {opened} groups of {size} places each" if size and places != runs else "")
