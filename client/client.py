@@ -9,6 +9,7 @@ subclass of their gRPC status code.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import functools
 import queue
@@ -48,6 +49,19 @@ from .rpc.sample_spec import SampleOptions, SampleSpec
 
 R = TypeVar("R")
 T = TypeVar("T")
+# Every client's sample() streams made and not yet collected, ended as the interpreter exits.
+_OPEN_SAMPLES: weakref.WeakSet[Generator[Batch, None, None]] = weakref.WeakSet()
+
+
+@atexit.register
+def _end_open_samples() -> None:
+    """End the sample() streams still open as the interpreter exits, as leaving their loops ends
+    them: one left to the collector ran its end with the modules torn down, and printed "Exception
+    ignored in ... TypeError: catching classes that do not inherit from BaseException is not
+    allowed" for each (a script's `batches = client.sample(...)`, `next(batches)`, no close())."""
+    for batches in list(_OPEN_SAMPLES):
+        with contextlib.suppress(Exception):  # iterated on another thread: its own end follows
+            batches.close()
 
 __all__ = [
     "DEFAULT_MAX_MESSAGE_BYTES",
@@ -279,6 +293,7 @@ class BufferClient(ServerCalls, Blocking, ClientBase):
         """
         batches = self._batches(table, batch_size, num_groups, options)
         self._samples.add(batches)
+        _OPEN_SAMPLES.add(batches)
         return batches
 
     def _batches(

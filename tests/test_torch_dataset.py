@@ -4,6 +4,8 @@ with `break` gives its batch back unless it is acknowledged first."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 import time
 
@@ -81,3 +83,23 @@ def test_a_dataloaders_workers_are_refused_naming_num_workers(client: BufferClie
         next(iter(loader))
     stats = client.stats()["default"]
     assert (stats.ready, stats.consumed) == (2, 0)
+
+
+def test_a_script_that_exits_with_a_sample_stream_open_ends_it_quietly(client: BufferClient) -> None:
+    """A script's `batches = client.sample(...)`, `next(batches)`, and no close(): the stream, left to
+    the collector, ran its end with the modules torn down and printed "Exception ignored in ...
+    TypeError: catching classes that do not inherit from BaseException is not allowed" (the audit,
+    a lease stream), and a consume stream's script never ended (here: killed at 120 s). It is ended
+    as the interpreter exits, as leaving its loop ends it: the batch had is delivered."""
+    for task in range(2):
+        push(client, task)
+    script = (
+        "from expbuf.client import BufferClient\n"
+        f"client = BufferClient({client.target!r}, timeout=10)\n"
+        "batches = client.sample(num_groups=1, delivery='consume', timeout=5)\n"
+        "print(next(batches).groups[0])\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert (done.returncode, done.stdout, done.stderr) == (0, "7/0\n", "")
+    stats = client.stats()["default"]
+    assert (stats.consumed, stats.ready, stats.leased) == (2, 2, 0)  # the batch on its way came back
