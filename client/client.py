@@ -63,6 +63,7 @@ def _end_open_samples() -> None:
         with contextlib.suppress(Exception):  # iterated on another thread: its own end follows
             batches.close()
 
+
 __all__ = [
     "DEFAULT_MAX_MESSAGE_BYTES",
     "DEFAULT_TARGET",
