@@ -27,6 +27,7 @@ from expbuf.client import AsyncBufferClient, BufferClient, BufferError, trxp
 from expbuf.client.errors import AlreadyExistsError, NotFoundError
 from expbuf.client.torch import ExperienceDataset
 from expbuf.server.app import ExpbufServer
+from expbuf.server.rpc.call_context import remaining
 from expbuf.server.rpc.interceptors.base import Interceptors
 from expbuf.server.rpc.interceptors.reflection import ReflectionLimits
 from expbuf.server.rpc.servicers import tables as tables_servicer
@@ -412,6 +413,34 @@ def test_a_stop_waits_for_its_calls_not_for_a_connection_that_never_made_one(sta
             assert not stopping.is_alive(), "the stop waited for a connection without a call"
     (error,) = waited  # the push's own deadline ended its wait, not the stop
     assert error.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "table 'full' is full" in error.details, error
+
+
+@pytest.mark.parametrize("timeout", [10.001, 30.001, 100.001])  # just past a round value: rounded up to the next
+def test_a_wait_to_the_callers_deadline_ends_before_the_caller_gives_up(timeout: float) -> None:
+    """gRPC sends a call's timeout rounded up to three digits (30 s arrives as 30.1): a push that
+    waited for room to the deadline the server saw, less 50 ms, was refused after its client had
+    given up, which saw DEADLINE_EXCEEDED with no word of the full table (the limits audit: every
+    push to a full blocking table under the client's default 30 s). A wait the server gives a call
+    (remaining) ends before the client's deadline."""
+    ends: list[float] = []
+
+    def wait(request: bytes, context: grpc.ServicerContext) -> bytes:
+        ends.append(time.monotonic() + remaining(context))
+        return b""
+
+    same = lambda raw: raw  # noqa: E731
+    handlers = {"Wait": grpc.unary_unary_rpc_method_handler(wait, same, same)}
+    server = grpc.server(futures.ThreadPoolExecutor(1))
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("t.Waits", handlers),))
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            deadline = time.monotonic() + timeout
+            channel.unary_unary("/t.Waits/Wait", same, same)(b"", timeout=timeout)
+    finally:
+        server.stop(None)
+    assert ends[0] < deadline, f"the wait ends {ends[0] - deadline:.3f} s after the client's deadline"
 
 
 def test_sigterm_finishes_and_restart_finds_everything(tmp_path: Path) -> None:

@@ -24,6 +24,9 @@ from .interceptors.base import CALL_TABLE, refuse, table_of
 
 log = logging.getLogger("expbuf.service")
 
+# What a wait to the caller's deadline leaves of it (remaining): its answer's way back, and gRPC's
+# rounding of the timeout on the wire, up to a hundredth of it.
+DEADLINE_MARGIN, DEADLINE_ROUNDING = 0.05, 0.01
 # The least max_reply_bytes a client may say it receives (a SampleRequest's, a ClaimRequest's), as
 # the least max_message_bytes; 0 says nothing, the server's max_message_bytes alone bounds a reply.
 MIN_REPLY_BYTES = 1024
@@ -100,9 +103,13 @@ def refusals(method: Callable) -> Callable:
 
 
 def remaining(context: grpc.ServicerContext, limit: float | None = None) -> float:
-    """Seconds left before the caller's deadline (bounded by limit)."""
+    """Seconds left before the caller's deadline (bounded by limit), less what gRPC adds to it on
+    the wire: a timeout travels rounded up to three digits (30 s arrives as 30.1, 100 s as 101),
+    so a wait to the deadline the server sees, less a margin of 50 ms, ended after the client's,
+    whose call ended DEADLINE_EXCEEDED without the refusal that names the table's limit (a push
+    waiting for room under the client's default 30 s, every time)."""
     left = context.time_remaining()
-    left = 3600.0 if left is None else max(0.0, left - 0.05)
+    left = 3600.0 if left is None else max(0.0, left - DEADLINE_MARGIN - left * DEADLINE_ROUNDING)
     return left if limit is None else min(left, limit)
 
 
