@@ -14,6 +14,7 @@ import pytest
 
 from expbuf.client import AsyncBufferClient, BufferClient, InvalidArgumentError, NotFoundError
 from expbuf.client.errors import PermissionDeniedError, ResourceExhaustedError
+from expbuf.client.schema.call_limits import MAX_KEYS_PER_CALL
 from expbuf.server.store import Store
 from expbuf.server.store.disk import layout
 from expbuf.server.store.schema.table_config import TableConfig
@@ -64,6 +65,23 @@ def test_bad_requests_are_refused_by_name_and_store_nothing(client: BufferClient
     with pytest.raises(NotFoundError, match="nowhere"):
         client.put_values(["a"], [b"1"], "nowhere")
     assert client.put_values(["a"], [b"1"], "kv") == 1  # the server serves on
+
+
+def test_more_keys_than_a_call_carries_are_read_in_calls_of_their_own(client: BufferClient) -> None:
+    """put_values and clear_values split their keys into calls of MAX_KEYS_PER_CALL, get_values sent
+    them in one, which the server refused past 65,536 saying the clients split them (the second
+    limits audit: TransferQueue's backend put 70,000 keys and could not read them back)."""
+    client.create_table("kv")
+    keys = [f"k{i}" for i in range(MAX_KEYS_PER_CALL + 10)]
+    assert client.put_values(keys, [key.encode() for key in keys], "kv") == len(keys)
+    asked = [*keys[::-1], "absent"]
+    assert client.get_values(asked, "kv") == [*(key.encode() for key in keys[::-1]), None]
+
+    async def read() -> list[bytes | None]:
+        async with AsyncBufferClient(client.target) as aclient:
+            return await aclient.get_values(keys, "kv")
+
+    assert asyncio.run(read()) == [key.encode() for key in keys]
 
 
 def test_a_read_larger_than_a_message_is_refused_naming_the_bound(start_server: Servers) -> None:

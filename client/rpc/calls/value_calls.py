@@ -5,7 +5,7 @@ clear of what is gone clears nothing."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from expbuf.proto.v1 import buffer_pb2 as pb
 
@@ -43,19 +43,25 @@ class ValueCalls(ClientSettings):
     def get_values(
         self, keys: Sequence[str], table: str = "default", *, only_own: bool = False
     ) -> Plan[list[bytes | None]]:
-        """The value of each key, in the order asked, None for one not stored (one message's
-        worth at a time: the server refuses more, naming its max_message_bytes). With `only_own`,
-        a key whose value another token wrote is refused (PermissionDeniedError), for a reader
-        that trusts only what its own token stored. Sharded: each key from its shard; a shard
-        that did not answer raises ShardError naming it."""
-        asked = list(keys)
+        """The value of each key, in the order asked, None for one not stored (in calls of at most
+        MAX_KEYS_PER_CALL keys, each one message's worth: the server refuses more, naming its
+        max_message_bytes). With `only_own`, a key whose value another token wrote is refused
+        (PermissionDeniedError), for a reader that trusts only what its own token stored.
+        Sharded: each key from its shard; a shard that did not answer raises ShardError naming it."""
 
-        def read(reply: pb.GetValuesReply) -> list[bytes | None]:
-            missing = set(reply.missing_keys)
-            found = iter(reply.values)
-            return [None if key in missing else next(found) for key in asked]
+        def read(asked: Sequence[str]) -> Callable[[pb.GetValuesReply], list[bytes | None]]:
+            def values(reply: pb.GetValuesReply) -> list[bytes | None]:
+                missing = set(reply.missing_keys)
+                found = iter(reply.values)
+                return [None if key in missing else next(found) for key in asked]
 
-        return Unary("GetValues", pb.GetValuesRequest(table=table, keys=asked, only_own=only_own), read, retry=True)
+            return values
+
+        reads = [
+            Unary("GetValues", pb.GetValuesRequest(table=table, keys=part, only_own=only_own), read(part), retry=True)
+            for part in in_parts(list(keys), MAX_KEYS_PER_CALL)
+        ]
+        return Several(reads, lambda parts: [value for part in parts for value in part])
 
     @declare(shards=lambda s: s._clear_values)
     def clear_values(self, keys: Sequence[str], table: str = "default") -> Plan[int]:
