@@ -4,6 +4,7 @@ Real LMDB, real gRPC on loopback."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -398,6 +399,17 @@ def test_runs_that_finish_open_groups_are_stored_whatever_the_table_holds(
             with pytest.raises(TooLarge, match=r"exceed its capacity .* on their own"):
                 store.put("joins", huge)  # a run joining an open group is not bounded by bytes, but by the whole
             assert store.stats("joins")["pending"] == 1
+            # groups opened by a report of failed runs (no run to size them by): their runs are bounded
+            # by the bytes as soon as a group the table holds can free room (the review: 3.75 times over)
+            reported = TableConfig.of("reported", estimator="none", group_size=4, min_group_size=2, when_full=when_full)
+            store.create_table(dataclasses.replace(reported, capacity=dataclasses.replace(config.capacity)))
+            opened = [group_items(2, task, 4) for task in range(10)]
+            for runs in opened:
+                store.fail_runs("reported", [runs[0].uid], ["oom"])
+            for run in (run for runs in opened for run in runs[1:]):
+                with contextlib.suppress(TableFull):
+                    store.put("reported", [run], timeout=0.05)
+            assert store.stats("reported")["bytes"] <= 8 * run_bytes
 
 
 def test_push_larger_than_a_blocking_table_is_refused_at_once(client: BufferClient) -> None:

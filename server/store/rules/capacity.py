@@ -6,14 +6,15 @@ its later runs take none: runs pushed as they finish (GRPO's workers) fill group
 are theirs already, so pending groups never fill a table against their own last runs, which,
 refused, would leave them pending for good (nothing pending is evicted). So it is with
 capacity_bytes: the push that opens a group makes room for the runs still to come of every open
-group as well as for its own, each as large as its own runs are on average, and a push whose runs
-only join open groups is not bounded by bytes (their room was made when the groups opened; runs
-larger than the opening push's pass the bound by as much). Bounded by its own bytes alone, such a
-push was refused once the open groups' first runs filled the table, in block and evict mode
-alike, and the groups stayed open for good. The pieces of rollouts held in
-pieces count in its bytes (a worker whose rollouts never finish cannot fill the disk), a piece
-making room as a push does, and so do the table's keyed values (value_records.py), whose put is
-refused where it would pass the capacity: no value is evicted, nor an experience for one."""
+group as well as for its own, each as large as its own runs are on average (the table's, for a
+report of failed runs or a piece that opens one), so that the open groups' runs find the room they
+need; and a push whose runs only join open groups, refused for bytes where the table holds nothing
+but open groups (nothing a wait or an eviction could free), is let in: refused, the groups stayed
+open for good, in block and evict mode alike (runs larger than their estimate pass the bound so).
+The pieces of rollouts held in pieces count in its bytes (a worker whose rollouts never finish
+cannot fill the disk), a piece making room as a push does, and so do the table's keyed values
+(value_records.py), whose put is refused where it would pass the capacity: no value is evicted,
+nor an experience for one."""
 
 from __future__ import annotations
 
@@ -71,9 +72,12 @@ def make_room(tt: TableState, runs: int, nbytes: int, keep: set[str], opened: in
     size = cfg.grouping.size
     places = opened * size if size else runs
     open_places = reserved(tt) - (opened + closing) * size if places else 0  # the other open groups'
-    # the bytes of the runs still to come of the open groups, as large as this push's on average
-    coming = max(0, open_places + places - runs) * nbytes // runs if size and runs else 0
-    own = max(0, places - runs) * nbytes // runs if size and runs else 0  # of those, its own groups'
+    joining = bool(size and runs and not places)  # runs joining open groups only
+    # a push that opens groups: the bytes of the runs still to come of every open group, each as
+    # large as this push's on average (as the table's, for one that brings no run)
+    each = (nbytes // runs if runs else max(nbytes, _mean_bytes(tt))) if size and places else 0
+    coming = max(0, open_places + places - runs) * each
+    own = max(0, places - runs) * each  # of those, its own groups'
 
     def over(live: int, held: int) -> bool:
         return _over(cfg, live + open_places + places if places else 0, held + nbytes + coming)
@@ -81,14 +85,11 @@ def make_room(tt: TableState, runs: int, nbytes: int, keep: set[str], opened: in
     def over_now() -> bool:
         return over(tt.counters.live(), held_bytes(tt.counters))
 
-    too_large = (cfg.capacity.experiences and places > cfg.capacity.experiences) or (
-        cfg.capacity.bytes and nbytes + own > cfg.capacity.bytes
-    )
-    if size and runs and not places and not too_large:  # runs joining open groups: room made as they opened
-        return
     if not over_now():
         return
-    if too_large:
+    if (cfg.capacity.experiences and places > cfg.capacity.experiences) or (
+        cfg.capacity.bytes and nbytes + own > cfg.capacity.bytes
+    ):
         raise TooLarge(
             f"table '{cfg.name}': {runs} experiences of {nbytes} bytes"
             + (f" opening {opened} groups of {size} places each" if size and places != runs else "")
@@ -105,12 +106,27 @@ def make_room(tt: TableState, runs: int, nbytes: int, keep: set[str], opened: in
             pass
         if not over_now():
             return
+    if joining and not _frees_room(tt):  # nothing but open groups: their runs are all that can end them
+        return
     raise TableFull(
         f"table '{cfg.name}' is full: it holds {tt.counters.live()} experiences of {held_bytes(tt.counters)} bytes, "
         f"its capacity is {_capacity(cfg)}, and this push brings {runs} of {nbytes} bytes"
         + (f"; its groups still open hold {open_places} places for their runs to come" if open_places else "")
         + (f" (about {coming} bytes with this push's)" if coming and cfg.capacity.bytes else "")
     )
+
+
+def _mean_bytes(tt: TableState) -> int:
+    """The bytes of the table's live experiences on average (0 for none)."""
+    live = tt.counters.live()
+    return tt.counters.bytes // live if live else 0
+
+
+def _frees_room(tt: TableState) -> bool:
+    """Whether the table holds groups that a wait or an eviction may take out of it (ready, leased,
+    computing), or only open ones."""
+    counters = tt.counters
+    return bool(counters.groups_ready or counters.groups_leased or counters.groups_computing)
 
 
 def _capacity(cfg: TableConfig) -> str:
