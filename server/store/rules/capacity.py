@@ -6,8 +6,8 @@ its later runs take none: runs pushed as they finish (GRPO's workers) fill group
 are theirs already, so pending groups never fill a table against their own last runs, which,
 refused, would leave them pending for good (nothing pending is evicted). So it is with
 capacity_bytes: the push that opens a group makes room for the runs still to come of every open
-group as well as for its own, each as large as its own runs are on average (the table's, for a
-report of failed runs or a piece that opens one), so that the open groups' runs find the room they
+group as well as for its own, each as large as its own runs are on average (a report of failed
+runs or a piece that opens one reserves none), so that the open groups' runs find the room they
 need; and a push whose runs only join open groups, refused for bytes where the table holds nothing
 but open groups (nothing a wait or an eviction could free), is let in: refused, the groups stayed
 open for good, in block and evict mode alike (runs larger than their estimate pass the bound so).
@@ -73,9 +73,10 @@ def make_room(tt: TableState, runs: int, nbytes: int, keep: set[str], opened: in
     places = opened * size if size else runs
     open_places = reserved(tt) - (opened + closing) * size if places else 0  # the other open groups'
     joining = bool(size and runs and not places)  # runs joining open groups only
-    # a push that opens groups: the bytes of the runs still to come of every open group, each as
-    # large as this push's on average (as the table's, for one that brings no run)
-    each = (nbytes // runs if runs else max(nbytes, _mean_bytes(tt))) if size and places else 0
+    # a push of runs that opens groups: the bytes of the runs still to come of every open group, each
+    # as large as this push's on average (a report of failed runs or a piece that opens one brings no
+    # run to size them by: a piece's own run is held as its pieces, counted already)
+    each = nbytes // runs if size and places and runs else 0
     coming = max(0, open_places + places - runs) * each
     own = max(0, places - runs) * each  # of those, its own groups'
 
@@ -114,12 +115,6 @@ def make_room(tt: TableState, runs: int, nbytes: int, keep: set[str], opened: in
         + (f"; its groups still open hold {open_places} places for their runs to come" if open_places else "")
         + (f" (about {coming} bytes with this push's)" if coming and cfg.capacity.bytes else "")
     )
-
-
-def _mean_bytes(tt: TableState) -> int:
-    """The bytes of the table's live experiences on average (0 for none)."""
-    live = tt.counters.live()
-    return tt.counters.bytes // live if live else 0
 
 
 def _frees_room(tt: TableState) -> bool:
