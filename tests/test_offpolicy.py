@@ -583,6 +583,28 @@ def test_min_size_to_sample_past_what_capacity_bytes_holds_waits_only_until_the_
             assert store.stats("t")["evicted"] == group and store.sample(take) is not None
 
 
+@pytest.mark.parametrize("delivery", ["consume", "replay"])
+def test_a_rate_band_past_what_capacity_bytes_holds_is_centred_on_what_the_table_holds(
+    tmp_path: Path, delivery: str
+) -> None:
+    """With samples_per_insert, the band's centre, spi * min_size_to_sample, was out of reach of an
+    evicting table that holds fewer: past min_size_to_sample (released once the table holds all it
+    can), the band held every sample for good (the review: 0 of 40 served). Full, it is centred on
+    what the table holds, a sample an insert as the band asks."""
+    entries = [Entry.of(group_items(0, task, 1, response=1, prompt=1)[0]) for task in range(12)]
+    config = _limited(
+        "t", min_size_to_sample=20, samples_per_insert=1.0, samples_per_insert_error=2.0, when_full="evict"
+    )
+    with Store(tmp_path) as store:
+        store.create_table(replace(config, capacity=replace(config.capacity, bytes=4 * entries[0].size)))
+        served = 0
+        for entry in entries:
+            store.put_entries("t", [entry])
+            with contextlib.suppress(SampleLimited):
+                served += store.sample(TakeSpec("t", num_groups=1, delivery=delivery)) is not None
+        assert served == len(entries) - 3  # held until the table was full, then one an insert
+
+
 def test_the_docs_off_policy_settings_load_from_toml(tmp_path: Path) -> None:
     toml = code_blocks(page("concepts/staleness.md"), "toml")[0]
     (tmp_path / "expbuf.toml").write_text(toml)

@@ -1,7 +1,8 @@
 """Rate limits between inserts and samples, as Reverb's rate limiters set them.
 
 A table may hold samples back until `min_size_to_sample` experiences were inserted (or it holds
-all it can hold at once: capacity_bytes may hold fewer, evicting as more come), and
+all it can hold at once: capacity_bytes may hold fewer, evicting as more come, and the band below
+is then centred on what it holds), and
 keep the experiences sampled per experience inserted near `samples_per_insert`: with
 diff = inserted * samples_per_insert - sampled, an insert waits while it would push diff
 above spi * min_size + error, a sample while it would pull diff below spi * min_size -
@@ -28,11 +29,14 @@ from ..schema.errors import InsertLimited, SampleLimited
 # ---- the limits ---------------------------------------------------------------------------
 
 
-def _diff(tt: TableState) -> tuple[float, float]:
-    """diff and the band's centre."""
+def _diff(tt: TableState, full: bool = False) -> tuple[float, float]:
+    """diff and the band's centre; where the table holds all it can (`full`) and that is fewer than
+    min_size_to_sample, the centre is on what it holds: on min_size_to_sample, diff could never
+    come near it (samples held for good, in evict mode)."""
     cfg = tt.config
-    spi = cfg.rate_limiter.samples_per_insert
-    return tt.counters.rate_inserted * spi - tt.counters.rate_sampled, spi * cfg.rate_limiter.min_size_to_sample
+    spi, least = cfg.rate_limiter.samples_per_insert, cfg.rate_limiter.min_size_to_sample
+    centre = spi * (min(least, tt.counters.live()) if full else least)
+    return tt.counters.rate_inserted * spi - tt.counters.rate_sampled, centre
 
 
 def insert_limit(tt: TableState, entries: Sequence[Entry]) -> InsertLimited | None:
@@ -75,7 +79,7 @@ def sample_limit(tt: TableState, count: int, full: bool = False) -> SampleLimite
         )
     if not cfg.rate_limiter.samples_per_insert:
         return None
-    diff, centre = _diff(tt)
+    diff, centre = _diff(tt, full)
     if diff - count >= centre - cfg.rate_limiter.error_buffer or diff >= centre:
         return None
     return SampleLimited(
