@@ -1109,6 +1109,33 @@ def test_a_task_under_a_cancel_of_its_own_reads_on_through_a_timeout_as_a_batch_
     assert (had, stats.consumed, stats.ready) == (4, 4, 0)
 
 
+def test_a_timeout_held_back_by_a_batch_handed_over_ends_as_a_timeout_after_a_break(
+    start_server: Servers, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The cancel a hand-over held back, passed on as the stream ends (the caller left it with
+    `break`), was counted as a second one: an `asyncio.timeout` whose cancel it was took it for
+    another's, and its block ended the task cancelled, not with TimeoutError (the review). Each
+    word of a delivery comes 0.6 s after it arrived, past the block's 0.3 s."""
+    target = four_groups(start_server)
+    words_late(monkeypatch, 0.6)
+
+    async def timed_out() -> tuple[str, int]:
+        had: list[AsyncBatch] = []
+        async with AsyncBufferClient(target, timeout=10) as client:
+            try:
+                async with asyncio.timeout(0.3):
+                    async for batch in client.sample("t", num_groups=1, delivery="consume"):
+                        had.append(batch)  # handed over as the timeout's cancel came
+                        break
+                    await asyncio.sleep(10)  # the cancel held back comes here
+            except TimeoutError:
+                return "timeout", len(had)
+            return "went on", len(had)
+
+    outcome = asyncio.run(asyncio.wait_for(timed_out(), 20))
+    assert outcome == ("timeout", 1)
+
+
 def test_an_asyncio_lease_stream_cancelled_as_it_hands_a_batch_over_gives_the_batch_back(start_server: Servers) -> None:
     """A lease stream's batch whose confirmation went as a cancel landed (the one step a batch come
     ahead awaits before it is handed over) was delivered by the server at the stream's end and had

@@ -103,12 +103,15 @@ class HeldBack:
     def pass_on(self) -> None:
         """As the stream ends before the caller's next step: the task the cancel came to cancelled
         again, where it still stands and the task runs (last in the stream's end, which a cancel of
-        its own task would cut)."""
+        its own task would cut), its count of cancels left as it was (`uncancel`): the cancel is
+        the one held back, not another, and an `asyncio.timeout`'s, counted twice, ended the task
+        cancelled where its block raises TimeoutError."""
         if self._held is not None:
             task, before = self._held
             self._held = None
             if task is not None and not task.done() and task.cancelling() > before:
                 task.cancel()
+                task.uncancel()
 
 
 def confirmation(received: int, *, stop: bool = False) -> pb.SampleRequest:
