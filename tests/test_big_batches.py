@@ -137,6 +137,12 @@ def test_a_push_past_the_servers_message_limit_names_the_clients_setting(big_ser
         assert client.stats("big")["big"].pushed == 0
     with BufferClient(target, max_message_bytes=LIMIT) as client:  # as the error says
         assert client.push([run], table="big").stored == [run.eid.uid]
+        client.put_values(["a", "b"], [bytes(100_000)] * 2, "big")
+    with BufferClient(target, max_message_bytes=1 << 16) as client:  # a reply past the client's own limit
+        with pytest.raises(BufferError) as past_its_own:
+            client.get_values(["a", "b"], "big")
+        assert "CLIENT: Received message larger than max" in past_its_own.value.details
+        assert "takes messages of at most" not in past_its_own.value.details  # nothing said of the server's
 
 
 @pytest.mark.parametrize("kind", ["blocking", "asyncio"])

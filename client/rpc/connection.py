@@ -244,8 +244,9 @@ MUTUAL_TLS_HINT = (
 GRPC_DEADLINE = "Deadline Exceeded"
 # What gRPC says of a server that answered in HTTP/1 (expbuf's metrics port, a web server): no HTTP/2 frame.
 HTTP1_ANSWERS = ("Failed parsing HTTP/2", "Trying to connect an http1.x server")
-# gRPC's refusal of a message past the server's max_message_bytes: the size sent, and the server's limit.
-TOO_LARGE_FOR_SERVER = re.compile(r"Received message larger than max \((\d+) vs\. (\d+)\)")
+# gRPC's refusal of a message past the server's max_message_bytes (not "CLIENT:", a reply past the
+# client's own): the size sent, and the server's limit.
+TOO_LARGE_FOR_SERVER = re.compile(r"SERVER: Received message larger than max \((\d+) vs\. (\d+)\)")
 # URL schemes a target is written with by mistake: gRPC would resolve "http://host:port" as a host name.
 URL_SCHEMES = ("http", "https", "grpc", "grpcs")
 # gRPC's own schemes of a target that is no host (a socket's path, an address list): taken as they are.
