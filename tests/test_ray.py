@@ -348,13 +348,18 @@ def test_a_buffer_resumed_from_a_driver_on_another_node_finds_its_map_and_data(
     disk of its own: the driver found no map on its own disk and started the buffer afresh, its
     shards on empty stores, the experiences pushed before left unserved (an audit on a simulated
     3-node cluster: 42 of 60 gone). The driver asks the nodes for the map. Here the second driver
-    runs in a mount namespace of its own, the data root an empty directory to it."""
+    runs in a mount namespace of its own, the data root another directory to it, which holds the
+    copy of the map a driver left there before the buffer grew (add_shard writes the registry's
+    node's alone): the newest map is resumed, not the copy behind it (the review)."""
     namespace, root, elsewhere = "expbuf-test-elsewhere", tmp_path / "root", tmp_path / "driver-disk"
     expbuf_ray.start_shards(2, namespace=namespace, **options(root))
-    with ShardedBufferClient.from_ray(namespace, timeout=STARTING_SECONDS) as client:
-        uids = pushed(client, 1)
-    expbuf_ray.stop_shards(namespace)
     elsewhere.mkdir()
+    for kept in ("expbuf.shard-map.json", "expbuf.ray-buffer"):  # the copy of a driver there before
+        (elsewhere / kept).write_bytes((root / kept).read_bytes())
+    expbuf_ray.add_shard(10, namespace=namespace)
+    with ShardedBufferClient.from_ray(namespace, timeout=STARTING_SECONDS) as client:
+        uids = pushed(client, 1) | pushed(client, 11)  # batch 11 on the epoch of three shards
+    expbuf_ray.stop_shards(namespace)
     script = (
         "import sys, ray\n"
         "import expbuf.ray\n"
@@ -366,12 +371,21 @@ def test_a_buffer_resumed_from_a_driver_on_another_node_finds_its_map_and_data(
     command = ["unshare", "--user", "--map-root-user", "--mount", "sh", "-c", driver, script]
     result = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert result.stdout.split() == ["expbuf-0,expbuf-1"]
+    assert result.stdout.split() == ["expbuf-0,expbuf-1,expbuf-2"]
     try:
         with ShardedBufferClient.from_ray(namespace, timeout=STARTING_SECONDS) as client:
             assert consumed(client) == uids
     finally:
         expbuf_ray.stop_shards(namespace)
+
+
+def test_a_running_buffers_tables_are_compared_as_their_values() -> None:
+    """start_shards of a running buffer compares the tables it is given with those it runs with as
+    values, whatever form one driver's code and another's YAML give them (2 or 2.0, a tuple or a
+    list): text of one (JSON) took 2.0 for another setting, values a tuple (the review)."""
+    code = [{"name": "rl", "group_size": 2, "extensions": ("prompt_ledger",)}]
+    yaml = [{"extensions": ["prompt_ledger"], "group_size": 2.0, "name": "rl"}]
+    assert expbuf_ray._each(code) == expbuf_ray._each(yaml) != expbuf_ray._each([{**yaml[0], "group_size": 3}])
 
 
 def test_the_default_data_root_is_the_namespace_s_own() -> None:

@@ -150,28 +150,33 @@ def _map_here(root: str, name: str) -> tuple[str, str] | None:
         return None
 
 
-def _map_elsewhere(root: Path, name: str, nodes: Sequence[str], owner: str) -> ShardMap | None:
-    """The map of buffer `name` that an alive node keeps under `root`, where the driver's node keeps
-    none: a buffer started from one node and resumed from another, its data roots on disks of their
-    own. A driver that looked only on its own disk started the buffer afresh, its shards on empty
-    stores, the experiences left unserved where they were. Nodes keeping maps of other shards are
-    refused (ValueError naming them), as is a map of another buffer's (its namespace)."""
+def _kept_map(path: Path, root: Path, name: str, nodes: Sequence[str], owner: str) -> ShardMap | None:
+    """The map of buffer `name` to resume: the newest that the driver (`path`) or an alive node keeps
+    under `root`. A buffer started from one node and resumed from another, its data roots on disks of
+    their own, left its map on the first: a driver that looked only on its own disk started it
+    afresh, its shards on empty stores, the experiences left unserved where they were; and each
+    driver since keeps a copy, which a later add_shard leaves behind on all but the registry's node.
+    A copy behind holds the newest's first shards; maps of other shards are refused (ValueError
+    naming the nodes), as is a map of another buffer's (its namespace)."""
     kept = _asked(nodes, _map_here, (str(root), name), f"keep buffer {name!r}'s map under {root}")
-    maps: dict[str, ShardMap] = {}
+    maps: dict[str, ShardMap] = {"this driver": ShardMap.from_json(path.read_text())} if path.exists() else {}
     for node, found in zip(nodes, kept, strict=True):
         if found is None:
             continue
         refusal = refusal_by(found[1], owner, f"{root} on node {node}")
         if refusal:
             raise ValueError(f"data_root {refusal}")
-        maps[node] = ShardMap.from_json(found[0])
-    if len({tuple(kept_map.shards) for kept_map in maps.values()}) > 1:
-        held = "; ".join(f"node {node}: {', '.join(kept_map.shards)}" for node, kept_map in sorted(maps.items()))
+        maps[f"node {node}"] = ShardMap.from_json(found[0])
+    newest = max(maps.values(), key=lambda kept_map: len(kept_map.shards), default=None)
+    if newest is not None and any(
+        kept_map.shards != newest.shards[: len(kept_map.shards)] for kept_map in maps.values()
+    ):
+        held = "; ".join(f"{where}: {', '.join(kept_map.shards)}" for where, kept_map in sorted(maps.items()))
         raise ValueError(
-            f"buffer {name!r}'s map under {root} names other shards on different nodes ({held}): keep the one of the"
-            " buffer's data and move the others away, then start again"
+            f"buffer {name!r}'s map under {root} names other shards in different places ({held}): keep the one of"
+            " the buffer's data and move the others away, then start again"
         )
-    return next(iter(maps.values()), None)
+    return newest
 
 
 def placed(shards: Sequence[str], nodes: Sequence[str], holders: Mapping[str, Sequence[str]] | None) -> list[str]:
@@ -262,7 +267,7 @@ def start_shards(
     if refusal:
         raise ValueError(f"data_root {refusal}")
     nodes = _alive_nodes()
-    earlier = ShardMap.from_json(path.read_text()) if path.exists() else _map_elsewhere(root, name, nodes, owner)
+    earlier = _kept_map(path, root, name, nodes, owner)
     if earlier is None:
         shards = [f"{name}-{index}" for index in range(num_shards or len(nodes))]
     elif num_shards in (None, len(earlier.shards)):
@@ -348,11 +353,11 @@ def _as_asked(
     return running
 
 
-def _each(tables: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The tables in one order, compared as values (a setting given 2 by one driver and 2.0 by another is one)."""
-    return sorted(
-        tables, key=lambda table: (str(table.get("name", "")), json.dumps(table, sort_keys=True, default=str))
-    )
+def _each(tables: Sequence[dict[str, Any]]) -> list[Any]:
+    """The tables in one order, as JSON makes them (a tuple of one driver's code, a list of another's
+    YAML), compared as values (a setting given 2 by one and 2.0 by the other is one)."""
+    made = [json.loads(json.dumps(table, sort_keys=True, default=str)) for table in tables]
+    return sorted(made, key=lambda table: (str(table.get("name", "")), json.dumps(table, sort_keys=True)))
 
 
 def _started_by_another(namespace: str, name: str) -> ShardMap:
