@@ -69,8 +69,12 @@ def test_renew_refusals_name_the_problem(client: BufferClient) -> None:
     with pytest.raises(NotFoundError, match="not a lease of table 'default'"):
         client.renew(batch.lease_id, 10)
     batch.ack()
-    with pytest.raises(NotFoundError, match="already acked"):
+    with pytest.raises(NotFoundError, match="was acked: its groups are consumed"):  # as an ack or a nack says it
         batch.renew(10)
+    expiring = next(client.sample("t", num_groups=1, lease_seconds=0.2))
+    time.sleep(1.5)  # past the lease; the server's lease upkeep runs every 0.5 s
+    with pytest.raises(NotFoundError, match="was expired: its lease_seconds passed before an ack"):
+        expiring.renew(10)
 
 
 def test_async_renew(server: ExpbufServer, client: BufferClient) -> None:

@@ -81,6 +81,11 @@ class TableLeases:
             raise InvalidRequest("lease_id is empty")
         lease = leases.lease_of(txn, self.db, lease_id)
         if lease is None:
+            ended = self._ended.get(lease_id)  # where this server remembers how, said as an ack's is (a renew's)
+            if ended is not None and (
+                table is None or (self.catalog.lookup(table)[0] == ended.table_id and ended.owner == owner)
+            ):
+                raise NotFound(f"lease '{clip(lease_id)}' was {ended.how}: {ENDINGS[ended.how]}")
             raise NotFound(f"lease '{clip(lease_id)}' is unknown, already acked, or expired and requeued")
         if table is not None:
             table_id, _ = self.catalog.lookup(table)
