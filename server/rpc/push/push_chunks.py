@@ -100,9 +100,7 @@ class ChunkReader:
                 wait = min(self.stream_wait, remaining(context))
                 _refused_by_store(lambda: staged.open(wait))  # what it stages, within capacity_bytes
             chunk = len(first.payload)  # the largest chunk of the push: one is on its way while it is read
-            # staging holds a few store chunks at once, never more than the push: a push of 5 MiB was
-            # held to 20 MiB, past a max_inflight_bytes of 16 MiB, for good
-            self._reserve(first, context, owner, (total if staged is None else min(staged.holds, total)) + chunk)
+            self._reserve(first, context, owner, (total if staged is None else staged.holds) + chunk)
         except BaseException:
             first.release()
             if staged is not None:
