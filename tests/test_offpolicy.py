@@ -605,6 +605,30 @@ def test_a_rate_band_past_what_capacity_bytes_holds_is_centred_on_what_the_table
         assert served == len(entries) - 3  # held until the table was full, then one an insert
 
 
+@pytest.mark.parametrize("layout", ["records", "rows"])
+def test_a_run_joining_an_open_group_is_not_held_by_a_group_the_limiter_holds(tmp_path: Path, layout: str) -> None:
+    """A blocking byte-bounded table: a run joining an open group, larger than the group's first,
+    was refused for bytes while a ready group might free room, and that group's sample was held by
+    min_size_to_sample, each waiting for the other for good (the review). A ready group the rate
+    limiter holds back frees no room: the run is let in, as where only open groups are held."""
+    small, big = (lambda task: group_items(1, task, 2)), (lambda task: group_items(1, task, 2, response=2000))
+    with Store(tmp_path) as store:
+        store.create_table(TableConfig.of("sizes", estimator="none", group_size=2))
+        store.put("sizes", small(0)[:1])
+        small_bytes = store.stats("sizes")["bytes"]
+        store.put("sizes", big(1)[1:])
+        big_bytes = store.stats("sizes")["bytes"] - small_bytes
+        config = TableConfig.of(
+            "t", estimator="none", group_size=2, when_full="block", min_size_to_sample=8,
+            capacity_bytes=3 * small_bytes + big_bytes + 100,  # the ready group, B's first run and its estimate
+        )  # fmt: skip
+        store.create_table(replace(config, storage=replace(config.storage, layout=layout)))
+        store.put("t", small(0)[:1])
+        store.put("t", big(0)[1:])  # a ready group, which min_size_to_sample holds back
+        store.put("t", small(1)[:1])  # opens B, its runs to come estimated as small
+        assert store.put("t", big(1)[1:], timeout=0.3).completed_groups == ["1/1"]
+
+
 def test_the_docs_off_policy_settings_load_from_toml(tmp_path: Path) -> None:
     toml = code_blocks(page("concepts/staleness.md"), "toml")[0]
     (tmp_path / "expbuf.toml").write_text(toml)

@@ -28,6 +28,7 @@ from ..core.whole_table.reading import oldest_groups
 from ..schema.errors import TableFull, TooLarge
 from ..schema.states import EVICTED, READY
 from ..schema.table_config import TableConfig
+from .limiter import sample_limit
 
 
 def held_bytes(counters: Counters) -> int:
@@ -118,10 +119,13 @@ def make_room(tt: TableState, runs: int, nbytes: int, keep: set[str], opened: in
 
 
 def _frees_room(tt: TableState) -> bool:
-    """Whether the table holds groups that a wait or an eviction may take out of it (ready, leased,
-    computing), or only open ones."""
+    """Whether the table holds groups that a wait or an eviction may take out of it: leased or
+    computing ones, or ready ones that a sample may take now (a ready group the rate limiter holds
+    back, min_size_to_sample not reached, waited on the push as the push waited on it, for good)."""
     counters = tt.counters
-    return bool(counters.groups_ready or counters.groups_leased or counters.groups_computing)
+    if counters.groups_leased or counters.groups_computing:
+        return True
+    return bool(counters.groups_ready) and sample_limit(tt, 1) is None
 
 
 def _capacity(cfg: TableConfig) -> str:
