@@ -8,9 +8,10 @@ refused, would leave them pending for good (nothing pending is evicted). So it i
 capacity_bytes: the push that opens a group makes room for the runs still to come of every open
 group as well as for its own, each as large as its own runs are on average (a report of failed
 runs or a piece that opens one reserves none), so that the open groups' runs find the room they
-need; and a push whose runs only join open groups, refused for bytes where the table holds nothing
-but open groups (nothing a wait or an eviction could free), is let in: refused, the groups stayed
-open for good, in block and evict mode alike (runs larger than their estimate pass the bound so).
+need; and a push whose runs only join open groups, refused for bytes where nothing a wait or an
+eviction could free is held (only open groups, or ready ones the rate limiter holds back), is let
+in: refused, the groups stayed open for good, in block and evict mode alike (runs larger than
+their estimate pass the bound so).
 The pieces of rollouts held in pieces count in its bytes (a worker whose rollouts never finish
 cannot fill the disk), a piece making room as a push does, and so do the table's keyed values
 (value_records.py), whose put is refused where it would pass the capacity: no value is evicted,
