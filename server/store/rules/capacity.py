@@ -109,7 +109,7 @@ def make_room(tt: TableState, runs: int, nbytes: int, keep: set[str], opened: in
             pass
         if not over_now():
             return
-    if joining and not _frees_room(tt):  # nothing but open groups: their runs are all that can end them
+    if joining and not _frees_room(tt):  # nothing a sample or an eviction frees: the open groups' runs end them
         return
     raise TableFull(
         f"table '{cfg.name}' is full: it holds {tt.counters.live()} experiences of {held_bytes(tt.counters)} bytes, "
