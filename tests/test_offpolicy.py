@@ -583,6 +583,30 @@ def test_min_size_to_sample_past_what_capacity_bytes_holds_waits_only_until_the_
             assert store.stats("t")["evicted"] == group and store.sample(take) is not None
 
 
+def test_min_size_to_sample_past_what_an_evicting_table_holds_lets_go_with_groups_always_open(tmp_path: Path) -> None:
+    """Runs pushed as they end keep a group open at all times (the next task's first runs come before
+    the last task's last run): an evicting table whose capacity_bytes holds fewer experiences than
+    min_size_to_sample never counted as holding all it can, its open groups' runs still to come, and
+    served no sample, for good (the docs review: 0 of 39). Evicting, it waits for nothing once it has
+    no room for a group more."""
+    tasks = [[Entry.of(item) for item in group_items(0, task, 4, response=1, prompt=1)] for task in range(12)]
+    config = TableConfig.of(
+        "t", estimator="none", group_size=4, min_size_to_sample=20, when_full="evict",
+        capacity_bytes=8 * tasks[0][0].size,
+    )  # fmt: skip
+    served = 0
+    with Store(tmp_path) as store:
+        store.create_table(config)
+        for task, runs in enumerate(tasks):
+            store.put_entries("t", runs[:3])
+            if task:
+                store.put_entries("t", tasks[task - 1][3:])  # the task before completes, this one stays open
+            with contextlib.suppress(SampleLimited):
+                served += store.sample(TakeSpec("t", num_groups=1, delivery="replay")) is not None
+        assert store.stats("t")["groups_pending"] == 1
+    assert served >= len(tasks) - 3  # held only until the table had no room for a group more
+
+
 @pytest.mark.parametrize("delivery", ["consume", "replay"])
 def test_a_rate_band_past_what_capacity_bytes_holds_is_centred_on_what_the_table_holds(
     tmp_path: Path, delivery: str

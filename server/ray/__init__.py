@@ -274,10 +274,11 @@ def start_shards(
         shards = list(earlier.shards)
     else:
         raise ValueError(
-            f"{path} holds the map of buffer {name!r} started earlier with this data_root, of"
-            f" {len(earlier.shards)} shards ({', '.join(earlier.shards)}) that keep its data: start_shards"
-            f"({len(earlier.shards)}) or no num_shards resumes it, add_shard grows it; to start afresh, remove"
-            f" that file and the shards' directories under {root}, or give another data_root"
+            f"{path} (here or on another node) holds the map of buffer {name!r} started earlier with this"
+            f" data_root, of {len(earlier.shards)} shards ({', '.join(earlier.shards)}) that keep its data:"
+            f" start_shards({len(earlier.shards)}) or no num_shards resumes it, add_shard grows it; to start afresh,"
+            f" remove that file from every node that keeps one and the shards' directories under {root}, or give"
+            " another data_root"
         )
     try:
         at = placed(shards, nodes, None if earlier is None else _holders(root, shards, nodes))

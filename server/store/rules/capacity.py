@@ -165,8 +165,24 @@ def holds_all(tt: TableState) -> bool:
     """Whether the table has no room for a group of the size and bytes of those it holds (group_size,
     else their mean) without evicting, and no open group whose runs may still complete it: what it
     holds is all it can hold at once (capacity_bytes may hold fewer than min_size_to_sample)."""
+    return not reserved(tt) and _no_room_for_a_group(tt)
+
+
+def samples_wait_for_nothing(tt: TableState) -> bool:
+    """Whether what the table holds is all a sample can wait for: it holds all it can (holds_all), or,
+    evicting, has no room for a group more whatever its open groups (their runs evict others as they
+    come: a min_size_to_sample past what capacity_bytes holds was never reached, run-by-run pushes
+    keeping a group open at all times)."""
+    if tt.config.capacity.when_full == "evict":
+        return _no_room_for_a_group(tt)
+    return holds_all(tt)
+
+
+def _no_room_for_a_group(tt: TableState) -> bool:
+    """Whether the table has no room, nothing evicted, for a group of the size and bytes of those it
+    holds (group_size, else their mean), beside what its open groups hold."""
     cfg, counters = tt.config, tt.counters
-    if reserved(tt) or not (cfg.capacity.experiences or cfg.capacity.bytes):
+    if not (cfg.capacity.experiences or cfg.capacity.bytes):
         return False
     live = counters.live()
     groups = counters.groups_computing + counters.groups_ready + counters.groups_leased

@@ -35,7 +35,7 @@ from ..disk.records import Counted
 from ..disk.snapshot import Snapshot
 from ..disk.stored_advantages import FinishBatch, StageCounts
 from ..rules import reuse
-from ..rules.capacity import holds_all, inserts_wait_for_samples
+from ..rules.capacity import inserts_wait_for_samples, samples_wait_for_nothing
 from ..rules.limiter import sample_limit
 from ..rules.quarantine import counted, fail_lost_groups, quarantine_groups, quarantine_lost
 from ..rules.staleness import evict_stale, masked_tokens, report, token_bound
@@ -114,7 +114,7 @@ def take(
         enough = spec.enough(len(chosen), total)
         if not chosen or not (enough or allow_partial):
             return None
-        held = sample_limit(tt, total, holds_all(tt))
+        held = sample_limit(tt, total, samples_wait_for_nothing(tt))
         if held is not None and not inserts_wait_for_samples(tt):
             return held
         if segments is not None:  # its members' columns read a range at a time
