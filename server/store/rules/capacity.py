@@ -126,7 +126,7 @@ def _frees_room(tt: TableState) -> bool:
     counters = tt.counters
     if counters.groups_leased or counters.groups_computing:
         return True
-    return bool(counters.groups_ready) and sample_limit(tt, 1) is None
+    return bool(counters.groups_ready) and sample_limit(tt, 1, samples_wait_for_nothing(tt)) is None  # as a take asks
 
 
 def _capacity(cfg: TableConfig) -> str:

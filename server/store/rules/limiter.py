@@ -69,7 +69,8 @@ def inserts_fit(tt: TableState, count: int) -> bool:
 
 def sample_limit(tt: TableState, count: int, full: bool = False) -> SampleLimited | None:
     """Why sampling `count` experiences must wait now; None when it may go. `full`: the table holds
-    all it can hold at once (capacity.holds_all), which min_size_to_sample then holds no more."""
+    all it can hold at once (capacity.samples_wait_for_nothing), which min_size_to_sample then holds no
+    more."""
     cfg = tt.config
     inserted = tt.counters.rate_inserted
     if inserted < cfg.rate_limiter.min_size_to_sample and not full:
